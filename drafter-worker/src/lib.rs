@@ -1,0 +1,4 @@
+//! Drafter worker: take, verify, train, release, checkpoint, ledger.
+//!
+//! Not built yet: this crate is a placeholder in the workspace layout of DESIGN.md §2 and is
+//! filled by a later issue.

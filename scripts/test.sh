@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: every crate's tests, then the loom models of the ring's state machine.
+# Usage: scripts/test.sh            (from the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo test --workspace"
+cargo test --workspace
+
+# loom explores every interleaving of the slot state machine, the close broadcast and recovery
+# (src/model.rs). Two preemptions keep it to about a minute; its own target dir keeps the
+# --cfg loom build from invalidating the normal one.
+echo "== loom models (LOOM_MAX_PREEMPTIONS=2)"
+RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+    cargo test -p shm-ring --release --lib model

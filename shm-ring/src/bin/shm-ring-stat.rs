@@ -1,0 +1,3 @@
+fn main() {
+    std::process::exit(shm_ring::stat_cli::main());
+}

@@ -1,0 +1,585 @@
+//! The lock-free slot state machine, independent of where its memory lives (a shared-memory
+//! segment in production, the heap in loom models and unit tests).
+//!
+//! # States
+//!
+//! Every slot has one 64-bit state word `state | owner << 8 | generation << 24`:
+//!
+//! ```text
+//!            reserve (producer p)          commit (p)
+//!   FREE ─────────────────────────▶ WRITING(p) ───────────▶ READY ──────────┐
+//!    ▲  ◀──────────────────────────────┘ abort (p)            ▲  take (c)   │
+//!    │   recover(p): p died mid-write                          │            ▼
+//!    └──────────────────── release (c) ────────────────── READING(c) ◀─────┘
+//!                                      recover(c): back to READY, delivery + 1
+//! ```
+//!
+//! Each arrow is ONE compare-and-swap of the whole word, and every CAS bumps the generation,
+//! so a stale expectation (the slot moved and came back) never succeeds. Only the owner named
+//! in the word moves a WRITING or READING slot, except `recover`, which the supervisor calls
+//! only after the owner's process has exited; FREE and READY slots are claimed by whoever wins
+//! the CAS. So at any time at most one process may touch a slot's payload: the writer while
+//! WRITING, the reader while READING.
+//!
+//! # Memory ordering
+//!
+//! - commit's Release CAS (WRITING→READY) pairs with take's Acquire CAS (READY→READING): the
+//!   reader sees the payload and metadata the writer stored.
+//! - release's Release CAS (READING→FREE) pairs with reserve's Acquire CAS (FREE→WRITING): the
+//!   reader's last look at the payload happens before the next writer overwrites it.
+//! - finish's AcqRel increment of `producers_done` chains every producer's finish into one
+//!   release sequence; the last producer's Release store of `closed` pairs with the consumers'
+//!   Acquire load, so a consumer that sees the ring closed also sees every item ever committed.
+//!
+//! # End of stream
+//!
+//! A consumer gets end-of-stream only when the ring is closed and no slot is READY, WRITING, or
+//! READING by another consumer: a batch held by a consumer that then dies goes back to READY and
+//! must still find a live consumer, so nobody leaves while one is in flight.
+
+use std::time::{Duration, Instant};
+
+use crate::layout::*;
+use crate::params::{BucketPick, TakePolicy};
+use crate::sync::{self, Ordering};
+use crate::{Phase, RingError};
+
+/// The longest a waiter sleeps before it looks again. Bounded so that waiters notice stop
+/// requests, closed rings and recovered slots even if a wake-up were lost.
+pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Plain copies of the parameters the state machine needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CoreParams {
+    pub producers: u32,
+    pub buckets: u32,
+    pub policy: TakePolicy,
+}
+
+/// A view of one ring's shared state.
+#[derive(Clone, Copy)]
+pub(crate) struct RingRef<'a> {
+    pub params: CoreParams,
+    pub ctl: &'a Control,
+    pub slots: &'a [SlotRecord],
+    pub workers: &'a [WorkerRecord],
+}
+
+/// What a producer stores with an item.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CommitMeta {
+    /// Length class of the item; must be below the ring's bucket count.
+    pub bucket: u32,
+    /// Tokens the item carries (telemetry and the consumers' accounting).
+    pub tokens: u64,
+    /// Caller's id for the item.
+    pub batch_id: u64,
+    /// Caller's checksum of the payload; the ring stores it and never computes it.
+    pub checksum: u64,
+}
+
+/// What a consumer learns about an item it took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ItemMeta {
+    pub len: u64,
+    pub bucket: u32,
+    pub tokens: u64,
+    pub batch_id: u64,
+    pub checksum: u64,
+    /// Position in publish order.
+    pub ticket: u64,
+    /// Earlier deliveries of this item to consumers that died holding it (0 the first time).
+    pub delivery: u32,
+    /// Worker id of the producer.
+    pub producer: u32,
+}
+
+/// A slot claimed by a worker: its index and the state word that proves the claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Claim {
+    pub idx: usize,
+    pub word: Word,
+}
+
+/// Per-consumer state of the take policy (not shared).
+#[derive(Clone, Debug)]
+pub(crate) struct TakeState {
+    pub next_bucket: u32,
+    pub rng: SplitMix64,
+}
+
+impl TakeState {
+    pub(crate) fn new(seed: u64, id: u32) -> Self {
+        TakeState {
+            next_bucket: 0,
+            rng: SplitMix64(seed ^ (u64::from(id) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        }
+    }
+}
+
+/// A small seeded generator; the choice within a bucket needs spread, not cryptography.
+#[derive(Clone, Debug)]
+pub(crate) struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub(crate) fn below(&mut self, n: u32) -> u32 {
+        (self.next_u64() % u64::from(n.max(1))) as u32
+    }
+}
+
+/// Outcome of one non-blocking take attempt.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TryTake {
+    Item(Claim),
+    /// Nothing to take now (empty, or fewer than `min_ready` READY while open).
+    Wait,
+    /// The ring is closed and drained.
+    End,
+}
+
+/// Outcome of a blocking take.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Taken {
+    Item(Claim),
+    End,
+    TimedOut,
+}
+
+/// What `recover` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    /// Slots the dead worker was writing, now FREE.
+    pub freed: u32,
+    /// Items the dead worker was reading, now READY again with delivery + 1.
+    pub requeued: u32,
+}
+
+impl<'a> RingRef<'a> {
+    pub(crate) fn worker(&self, id: u32) -> &'a WorkerRecord {
+        &self.workers[id as usize]
+    }
+
+    pub(crate) fn closed(&self) -> bool {
+        // SYNC: pairs with the Release store in `finish_inner`.
+        self.ctl.closed.load(Ordering::Acquire) != 0
+    }
+
+    fn add_phase(&self, id: u32, phase: Phase, since: Instant) {
+        let ns = since.elapsed().as_nanos() as u64;
+        sync::tally(&self.worker(id).phase_ns[phase as usize], ns);
+    }
+
+    pub(crate) fn heartbeat(&self, id: u32) {
+        sync::record(&self.worker(id).heartbeat_ns, sync::now_ns());
+    }
+
+    // ---- producer side -------------------------------------------------------------------
+
+    /// One attempt to claim a FREE slot for producer `id`.
+    pub(crate) fn try_reserve(&self, id: u32) -> Result<Option<Claim>, RingError> {
+        if self.worker(id).finished.load(Ordering::Relaxed) != 0 {
+            return Err(RingError::Finished);
+        }
+        if self.closed() {
+            return Err(RingError::Closed);
+        }
+        let n = self.slots.len();
+        // Under loom every producer starts at slot 0: the hint only spreads load.
+        #[cfg(not(loom))]
+        let start = self.ctl.reserve_hint.fetch_add(1, Ordering::Relaxed) as usize;
+        #[cfg(loom)]
+        let start = 0;
+        for k in 0..n {
+            let idx = (start + k) % n;
+            let cur = Word(self.slots[idx].state.load(Ordering::Relaxed));
+            if cur.state() != FREE {
+                continue;
+            }
+            let new = cur.next(WRITING, id);
+            // SYNC: Acquire pairs with the Release CAS in `release`/`abort`/`recover`, so the
+            // previous owner's use of the payload happens before we overwrite it.
+            if self.slots[idx]
+                .state
+                .compare_exchange(cur.0, new.0, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Ok(Some(Claim { idx, word: new }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Claims a FREE slot, sleeping on `free_seq` while none is free, at most until `deadline`.
+    pub(crate) fn reserve(
+        &self,
+        id: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Claim>, RingError> {
+        let mut waited: Option<Instant> = None;
+        let out = loop {
+            let seq = self.ctl.free_seq.load(Ordering::Acquire);
+            if let Some(c) = self.try_reserve(id)? {
+                break Some(c);
+            }
+            let Some(sleep) = sleep_for(deadline) else {
+                break None;
+            };
+            waited.get_or_insert_with(Instant::now);
+            sync::wait(&self.ctl.free_seq, seq, sleep);
+        };
+        if let Some(t) = waited {
+            self.add_phase(id, Phase::WaitFull, t);
+        }
+        self.heartbeat(id);
+        Ok(out)
+    }
+
+    /// Publishes a WRITING slot as READY.
+    pub(crate) fn commit(
+        &self,
+        id: u32,
+        claim: Claim,
+        len: u64,
+        meta: CommitMeta,
+    ) -> Result<(), RingError> {
+        if meta.bucket >= self.params.buckets {
+            // Give the slot back: the item is not published.
+            self.abort(id, claim);
+            return Err(RingError::BadBucket {
+                bucket: meta.bucket,
+                buckets: self.params.buckets,
+            });
+        }
+        let s = &self.slots[claim.idx];
+        s.len.store(len, Ordering::Relaxed);
+        s.bucket.store(meta.bucket, Ordering::Relaxed);
+        s.tokens.store(meta.tokens, Ordering::Relaxed);
+        s.batch_id.store(meta.batch_id, Ordering::Relaxed);
+        s.checksum.store(meta.checksum, Ordering::Relaxed);
+        s.producer.store(id, Ordering::Relaxed);
+        s.delivery.store(0, Ordering::Relaxed);
+        let ticket = self.ctl.next_ticket.fetch_add(1, Ordering::Relaxed);
+        s.ticket.store(ticket, Ordering::Relaxed);
+        // SYNC: Release pairs with the Acquire CAS in `try_take`: the metadata above and the
+        // payload written in place become visible to the consumer that takes this slot.
+        s.state
+            .compare_exchange(
+                claim.word.0,
+                claim.word.next(READY, 0).0,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .map_err(|_| RingError::Reclaimed { slot: claim.idx })?;
+        sync::tally(&self.ctl.published, 1);
+        let w = self.worker(id);
+        sync::tally(&w.items, 1);
+        sync::tally(&w.tokens, meta.tokens);
+        sync::tally(&w.bytes, len);
+        self.heartbeat(id);
+        self.bump(&self.ctl.ready_seq);
+        Ok(())
+    }
+
+    /// Gives a WRITING slot back without publishing it.
+    pub(crate) fn abort(&self, id: u32, claim: Claim) {
+        let _ = id;
+        // SYNC: Release pairs with the Acquire CAS in `try_reserve`.
+        if self.slots[claim.idx]
+            .state
+            .compare_exchange(
+                claim.word.0,
+                claim.word.next(FREE, 0).0,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            sync::tally(&self.ctl.aborted, 1);
+            self.bump(&self.ctl.free_seq);
+        }
+    }
+
+    /// Producer `id` has published everything it will. The producer that brings the count to
+    /// the expected number closes the ring and wakes every consumer. Returns true if this call
+    /// closed the ring. Idempotent per producer.
+    pub(crate) fn finish(&self, id: u32) -> bool {
+        self.finish_inner(id, W_DONE)
+    }
+
+    /// Counts a producer that will not come back as finished (after `recover`), so the close
+    /// broadcast still fires.
+    pub(crate) fn retire(&self, id: u32) -> bool {
+        self.finish_inner(id, W_RETIRED)
+    }
+
+    fn finish_inner(&self, id: u32, state: u32) -> bool {
+        let w = self.worker(id);
+        w.state.store(state, Ordering::Relaxed);
+        if w.finished
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        // SYNC: AcqRel makes every producer's finish part of one release sequence that the last
+        // producer acquires before it publishes `closed`.
+        let done = self.ctl.producers_done.fetch_add(1, Ordering::AcqRel) + 1;
+        if done == self.params.producers {
+            // SYNC: pairs with the Acquire load in `closed()`.
+            self.ctl.closed.store(1, Ordering::Release);
+            self.bump(&self.ctl.ready_seq);
+            // Producers of a closed ring have nothing to wait for either.
+            self.bump(&self.ctl.free_seq);
+            true
+        } else {
+            false
+        }
+    }
+
+    // ---- consumer side -------------------------------------------------------------------
+
+    /// One attempt to take an item for consumer `id` under the ring's policy.
+    pub(crate) fn try_take(&self, id: u32, st: &mut TakeState) -> TryTake {
+        let buckets = self.params.buckets as usize;
+        loop {
+            // Read `closed` before scanning: if it is set, every item ever committed is visible
+            // to the scan below (see the module doc).
+            let closed = self.closed();
+            let mut per_bucket = [0u32; crate::params::MAX_BUCKETS as usize];
+            let mut ready = 0u32;
+            let mut in_flight = false;
+            let mut oldest: Option<(u64, Claim)> = None;
+            for (idx, s) in self.slots.iter().enumerate() {
+                let w = Word(s.state.load(Ordering::Acquire));
+                match w.state() {
+                    READY => {
+                        ready += 1;
+                        let b = (s.bucket.load(Ordering::Relaxed) as usize).min(buckets - 1);
+                        per_bucket[b] += 1;
+                        let t = s.ticket.load(Ordering::Relaxed);
+                        if oldest.is_none_or(|(ot, _)| t < ot) {
+                            oldest = Some((t, Claim { idx, word: w }));
+                        }
+                    }
+                    WRITING => in_flight = true,
+                    READING if w.owner() != id => in_flight = true,
+                    _ => {}
+                }
+            }
+            if ready == 0 {
+                return if closed && !in_flight {
+                    TryTake::End
+                } else {
+                    TryTake::Wait
+                };
+            }
+            let pick = match self.params.policy {
+                TakePolicy::Fifo => oldest.map(|(_, c)| c),
+                TakePolicy::Bucketed { min_ready, pick } => {
+                    if !closed && ready < min_ready {
+                        return TryTake::Wait;
+                    }
+                    let b = choose_bucket(&per_bucket[..buckets], pick, st);
+                    self.nth_ready_in_bucket(b, st.rng.below(per_bucket[b as usize]))
+                }
+            };
+            let Some(c) = pick else { continue };
+            // SYNC: Acquire pairs with the Release CAS in `commit` (and in `recover`).
+            if self.slots[c.idx]
+                .state
+                .compare_exchange(
+                    c.word.0,
+                    c.word.next(READING, id).0,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                sync::tally(&self.ctl.taken, 1);
+                return TryTake::Item(Claim {
+                    idx: c.idx,
+                    word: c.word.next(READING, id),
+                });
+            }
+            // Somebody else won this slot; look again.
+        }
+    }
+
+    fn nth_ready_in_bucket(&self, bucket: u32, n: u32) -> Option<Claim> {
+        let mut seen = 0;
+        for (idx, s) in self.slots.iter().enumerate() {
+            let w = Word(s.state.load(Ordering::Acquire));
+            if w.state() == READY && s.bucket.load(Ordering::Relaxed) == bucket {
+                if seen == n {
+                    return Some(Claim { idx, word: w });
+                }
+                seen += 1;
+            }
+        }
+        None
+    }
+
+    /// Takes an item, sleeping on `ready_seq` while there is none, at most until `deadline`.
+    pub(crate) fn take(&self, id: u32, st: &mut TakeState, deadline: Option<Instant>) -> Taken {
+        let mut waited: Option<Instant> = None;
+        let out = loop {
+            let seq = self.ctl.ready_seq.load(Ordering::Acquire);
+            match self.try_take(id, st) {
+                TryTake::Item(c) => break Taken::Item(c),
+                TryTake::End => break Taken::End,
+                TryTake::Wait => {}
+            }
+            let Some(sleep) = sleep_for(deadline) else {
+                break Taken::TimedOut;
+            };
+            waited.get_or_insert_with(Instant::now);
+            sync::wait(&self.ctl.ready_seq, seq, sleep);
+        };
+        if let Some(t) = waited {
+            self.add_phase(id, Phase::WaitEmpty, t);
+        }
+        self.heartbeat(id);
+        out
+    }
+
+    pub(crate) fn item_meta(&self, idx: usize) -> ItemMeta {
+        let s = &self.slots[idx];
+        ItemMeta {
+            len: s.len.load(Ordering::Relaxed),
+            bucket: s.bucket.load(Ordering::Relaxed),
+            tokens: s.tokens.load(Ordering::Relaxed),
+            batch_id: s.batch_id.load(Ordering::Relaxed),
+            checksum: s.checksum.load(Ordering::Relaxed),
+            ticket: s.ticket.load(Ordering::Relaxed),
+            delivery: s.delivery.load(Ordering::Relaxed),
+            producer: s.producer.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Frees a slot consumer `id` has finished reading.
+    pub(crate) fn release(&self, id: u32, claim: Claim) -> Result<(), RingError> {
+        let s = &self.slots[claim.idx];
+        let (tokens, len) = (
+            s.tokens.load(Ordering::Relaxed),
+            s.len.load(Ordering::Relaxed),
+        );
+        // SYNC: Release pairs with the Acquire CAS in `try_reserve`: our reads of the payload
+        // happen before the next producer's writes.
+        s.state
+            .compare_exchange(
+                claim.word.0,
+                claim.word.next(FREE, 0).0,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .map_err(|_| RingError::Reclaimed { slot: claim.idx })?;
+        sync::tally(&self.ctl.released, 1);
+        let w = self.worker(id);
+        sync::tally(&w.items, 1);
+        sync::tally(&w.tokens, tokens);
+        sync::tally(&w.bytes, len);
+        self.heartbeat(id);
+        self.bump(&self.ctl.free_seq);
+        // Consumers draining a closed ring wait for in-flight items like this one to settle, so
+        // a release wakes them too. (Waking only when the ring is closed would race with the
+        // close: we could see it open while a drainer already saw it closed and this slot busy.
+        // loom found that lost wake-up.) Releases are few per second; the extra wake is cheap.
+        self.bump(&self.ctl.ready_seq);
+        Ok(())
+    }
+
+    // ---- supervisor side -----------------------------------------------------------------
+
+    /// Returns what dead worker `id` held: WRITING slots become FREE, READING slots READY again
+    /// with delivery + 1 (at-least-once delivery). Call only once the worker's process has
+    /// exited, and from one supervisor at a time.
+    pub(crate) fn recover(&self, id: u32) -> Recovered {
+        let mut out = Recovered::default();
+        for s in self.slots {
+            let cur = Word(s.state.load(Ordering::Acquire));
+            if cur.owner() != id {
+                continue;
+            }
+            // SYNC: both CASes are Release: freeing pairs with the Acquire CAS in `try_reserve`,
+            // requeueing with the Acquire CAS in `try_take`.
+            let cas = |new: Word| {
+                s.state
+                    .compare_exchange(cur.0, new.0, Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+            };
+            match cur.state() {
+                WRITING if cas(cur.next(FREE, 0)) => out.freed += 1,
+                READING => {
+                    // The dead owner cannot move the slot, so nobody reads `delivery` before the
+                    // CAS below publishes it.
+                    s.delivery.fetch_add(1, Ordering::Relaxed);
+                    if cas(cur.next(READY, 0)) {
+                        out.requeued += 1;
+                    } else {
+                        s.delivery.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let w = self.worker(id);
+        let _ = w
+            .state
+            .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
+        sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
+        sync::tally(&self.ctl.aborted, u64::from(out.freed));
+        if out.freed > 0 {
+            self.bump(&self.ctl.free_seq);
+        }
+        if out.requeued > 0 || self.closed() {
+            self.bump(&self.ctl.ready_seq);
+        }
+        out
+    }
+
+    /// Bumps a futex word and wakes everyone sleeping on it.
+    fn bump(&self, word: &crate::sync::AtomicU32) {
+        // SYNC: Release pairs with the Acquire load of the sequence before a waiter's scan.
+        word.fetch_add(1, Ordering::Release);
+        sync::wake_all(word);
+    }
+}
+
+fn choose_bucket(per_bucket: &[u32], pick: BucketPick, st: &mut TakeState) -> u32 {
+    let n = per_bucket.len() as u32;
+    match pick {
+        BucketPick::RoundRobin => {
+            for k in 0..n {
+                let b = (st.next_bucket + k) % n;
+                if per_bucket[b as usize] > 0 {
+                    st.next_bucket = (b + 1) % n;
+                    return b;
+                }
+            }
+            0
+        }
+        BucketPick::Fullest => (0..n).max_by_key(|&b| per_bucket[b as usize]).unwrap_or(0),
+    }
+}
+
+/// How long to sleep before looking again, or None if the deadline has passed.
+fn sleep_for(deadline: Option<Instant>) -> Option<Duration> {
+    match deadline {
+        None => Some(MAX_SLEEP),
+        Some(d) => {
+            let left = d.checked_duration_since(Instant::now())?;
+            if left.is_zero() {
+                None
+            } else {
+                Some(left.min(MAX_SLEEP))
+            }
+        }
+    }
+}

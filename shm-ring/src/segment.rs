@@ -1,0 +1,517 @@
+//! The named segment under `/dev/shm`: its header, its layout, and how it is created, attached,
+//! listed and removed.
+//!
+//! Creation is two-phase: create exclusively (mode 0600), reserve all memory, map, initialise
+//! every field, then publish the magic number last with a Release store. An attacher checks the
+//! owner, the size, then the magic with an Acquire load (pairs with that store), the layout
+//! version and the recorded layout before it touches anything past the header.
+
+use std::io;
+use std::mem::size_of;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::layout::{Control, SlotRecord, WorkerRecord, ROLE_CONSUMER, ROLE_PRODUCER};
+use crate::params::{BucketPick, RingParams, TakePolicy, PAGE};
+use crate::sys::{self, Mapping};
+use crate::RingError;
+
+/// "hspipeR1" in ASCII.
+const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
+/// Bumped whenever any shared type changes shape.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Every hspipe ring's name starts with this; `--list` and `--gc` look for it.
+pub const NAME_PREFIX: &str = "hspipe-";
+/// A `gpu` field value meaning "not set".
+pub(crate) const NO_GPU: u32 = u32::MAX;
+
+/// The first bytes of a segment. Written once by the creator before the magic is published;
+/// read-only afterwards.
+#[repr(C)]
+pub(crate) struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    policy_kind: AtomicU32,
+    total_size: AtomicU64,
+    slot_size: AtomicU64,
+    seed: AtomicU64,
+    slots: AtomicU32,
+    buckets: AtomicU32,
+    producers: AtomicU32,
+    consumers: AtomicU32,
+    held: AtomicU32,
+    min_ready: AtomicU32,
+    pick: AtomicU32,
+    creator_pid: AtomicU32,
+    creator_uid: AtomicU32,
+    _pad: AtomicU32,
+    creator_start: AtomicU64,
+    created_unix_ns: AtomicU64,
+    control_off: AtomicU64,
+    slots_off: AtomicU64,
+    workers_off: AtomicU64,
+    payload_off: AtomicU64,
+}
+
+/// Byte offsets of each region, computed from the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Offsets {
+    pub control: u64,
+    pub slots: u64,
+    pub workers: u64,
+    pub payload: u64,
+    pub total: u64,
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl Offsets {
+    pub(crate) fn of(p: &RingParams) -> Offsets {
+        let control = align_up(size_of::<Header>() as u64, 128);
+        let slots = align_up(control + size_of::<Control>() as u64, 128);
+        let workers = align_up(
+            slots + u64::from(p.slots) * size_of::<SlotRecord>() as u64,
+            128,
+        );
+        let payload = align_up(
+            workers + u64::from(p.workers()) * size_of::<WorkerRecord>() as u64,
+            PAGE,
+        );
+        let total = payload + u64::from(p.slots) * p.slot_stride();
+        Offsets {
+            control,
+            slots,
+            workers,
+            payload,
+            total,
+        }
+    }
+}
+
+/// Identity of the process that created a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Creator {
+    pub pid: u32,
+    pub uid: u32,
+    #[serde(skip)]
+    pub start_ticks: u64,
+    pub created_unix_ns: u64,
+}
+
+impl Creator {
+    /// True if the creating process still runs (a recycled pid does not count).
+    pub fn alive(&self) -> bool {
+        sys::process_alive(self.pid, self.start_ticks)
+    }
+}
+
+/// A mapped segment. The creator's handle unlinks the name when dropped.
+pub(crate) struct Segment {
+    name: String,
+    map: Mapping,
+    owner: bool,
+    writable: bool,
+    params: RingParams,
+    offsets: Offsets,
+}
+
+pub(crate) fn check_name(name: &str) -> Result<(), RingError> {
+    let bad = |why| {
+        Err(RingError::InvalidName {
+            name: name.to_string(),
+            why,
+        })
+    };
+    if name.is_empty() {
+        return bad("it is empty");
+    }
+    if name.len() > 200 {
+        return bad("it is longer than 200 bytes");
+    }
+    if name.starts_with('.') {
+        return bad("it starts with a dot");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return bad("use only letters, digits, '-', '_' and '.'");
+    }
+    Ok(())
+}
+
+fn io_err(op: &'static str, name: &str, e: io::Error) -> RingError {
+    match e.kind() {
+        io::ErrorKind::NotFound => RingError::NotFound {
+            name: name.to_string(),
+        },
+        io::ErrorKind::PermissionDenied => RingError::PermissionDenied {
+            name: name.to_string(),
+        },
+        io::ErrorKind::AlreadyExists => RingError::Exists {
+            name: name.to_string(),
+        },
+        _ => RingError::Io {
+            op,
+            name: name.to_string(),
+            source: e,
+        },
+    }
+}
+
+/// Unlinks a half-made segment if creation fails part way.
+struct UnlinkGuard<'a>(Option<&'a str>);
+
+impl Drop for UnlinkGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(name) = self.0 {
+            let _ = sys::shm_unlink(name);
+        }
+    }
+}
+
+impl Segment {
+    pub(crate) fn create(name: &str, params: &RingParams) -> Result<Segment, RingError> {
+        check_name(name)?;
+        params.validate()?;
+        let offsets = Offsets::of(params);
+        let fd = sys::shm_open(name, true, true).map_err(|e| io_err("create", name, e))?;
+        let mut guard = UnlinkGuard(Some(name));
+        if let Err(e) = sys::reserve(&fd, offsets.total) {
+            if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EFBIG) {
+                return Err(RingError::ShmTooSmall {
+                    name: name.to_string(),
+                    needed: offsets.total,
+                    available: sys::shm_free_bytes().unwrap_or(0),
+                });
+            }
+            return Err(io_err("reserve memory for", name, e));
+        }
+        let map = map_whole(&fd, name, offsets.total, true)?;
+        let seg = Segment {
+            name: name.to_string(),
+            map,
+            owner: true,
+            writable: true,
+            params: *params,
+            offsets,
+        };
+        seg.initialise();
+        guard.0 = None;
+        Ok(seg)
+    }
+
+    /// Fills a zeroed segment and publishes the magic last.
+    fn initialise(&self) {
+        let h = self.header();
+        let p = &self.params;
+        let (kind, min_ready, pick) = match p.policy {
+            TakePolicy::Fifo => (0, 0, 0),
+            TakePolicy::Bucketed { min_ready, pick } => (
+                1,
+                min_ready,
+                match pick {
+                    BucketPick::RoundRobin => 0,
+                    BucketPick::Fullest => 1,
+                },
+            ),
+        };
+        let r = Ordering::Relaxed;
+        h.version.store(LAYOUT_VERSION, r);
+        h.policy_kind.store(kind, r);
+        h.total_size.store(self.offsets.total, r);
+        h.slot_size.store(p.slot_size, r);
+        h.seed.store(p.seed, r);
+        h.slots.store(p.slots, r);
+        h.buckets.store(p.buckets, r);
+        h.producers.store(p.producers, r);
+        h.consumers.store(p.consumers, r);
+        h.held.store(p.held_per_consumer, r);
+        h.min_ready.store(min_ready, r);
+        h.pick.store(pick, r);
+        let pid = sys::pid();
+        h.creator_pid.store(pid, r);
+        h.creator_uid.store(sys::euid(), r);
+        h.creator_start
+            .store(sys::process_start_ticks(pid).unwrap_or(0), r);
+        let unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        h.created_unix_ns.store(unix_ns, r);
+        h.control_off.store(self.offsets.control, r);
+        h.slots_off.store(self.offsets.slots, r);
+        h.workers_off.store(self.offsets.workers, r);
+        h.payload_off.store(self.offsets.payload, r);
+        for (i, w) in self.workers().iter().enumerate() {
+            let i = i as u32;
+            let (role, index) = if i < p.producers {
+                (ROLE_PRODUCER, i)
+            } else {
+                (ROLE_CONSUMER, i - p.producers)
+            };
+            w.role.store(role, r);
+            w.index.store(index, r);
+            w.gpu.store(NO_GPU, r);
+        }
+        // SYNC: Release publishes every store above; pairs with the Acquire load in `attach`.
+        h.magic.store(MAGIC, Ordering::Release);
+    }
+
+    pub(crate) fn attach(name: &str, writable: bool) -> Result<Segment, RingError> {
+        check_name(name)?;
+        let fd = sys::shm_open(name, false, writable).map_err(|e| io_err("open", name, e))?;
+        let info = sys::fstat(&fd).map_err(|e| io_err("stat", name, e))?;
+        let me = sys::euid();
+        if writable && info.uid != me {
+            return Err(RingError::ForeignOwner {
+                name: name.to_string(),
+                owner: info.uid,
+                me,
+            });
+        }
+        let corrupt = |what: String| RingError::Corrupt {
+            name: name.to_string(),
+            what,
+        };
+        if info.size < PAGE {
+            return Err(corrupt(format!(
+                "it is {} bytes, smaller than a ring header",
+                info.size
+            )));
+        }
+        let _ = info.mode;
+        let map = map_whole(&fd, name, info.size, writable)?;
+        // SAFETY: the mapping is at least one page long, page-aligned, and `Header` is made of
+        // atomics, valid for any bit pattern.
+        let h = unsafe { &*map.as_ptr().cast::<Header>() };
+        // SYNC: Acquire pairs with the Release store of the magic in `initialise`.
+        let magic = h.magic.load(Ordering::Acquire);
+        if magic == 0 {
+            return Err(corrupt(
+                "it was never initialised (its creator died while creating it, or is creating it now)".into(),
+            ));
+        }
+        if magic != MAGIC {
+            return Err(RingError::BadMagic {
+                name: name.to_string(),
+                found: magic,
+            });
+        }
+        let version = h.version.load(Ordering::Relaxed);
+        if version != LAYOUT_VERSION {
+            return Err(RingError::VersionMismatch {
+                name: name.to_string(),
+                found: version,
+                expected: LAYOUT_VERSION,
+            });
+        }
+        let params =
+            read_params(h).map_err(|e| corrupt(format!("its parameters are invalid: {e}")))?;
+        let offsets = Offsets::of(&params);
+        let recorded = Offsets {
+            control: h.control_off.load(Ordering::Relaxed),
+            slots: h.slots_off.load(Ordering::Relaxed),
+            workers: h.workers_off.load(Ordering::Relaxed),
+            payload: h.payload_off.load(Ordering::Relaxed),
+            total: h.total_size.load(Ordering::Relaxed),
+        };
+        if recorded != offsets {
+            return Err(corrupt(format!(
+                "its header records layout {recorded:?}, its parameters give {offsets:?}"
+            )));
+        }
+        if info.size != offsets.total {
+            return Err(corrupt(format!(
+                "its header says {} bytes but the segment has {}",
+                offsets.total, info.size
+            )));
+        }
+        Ok(Segment {
+            name: name.to_string(),
+            map,
+            owner: false,
+            writable,
+            params,
+            offsets,
+        })
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+    pub(crate) fn params(&self) -> &RingParams {
+        &self.params
+    }
+    pub(crate) fn offsets(&self) -> Offsets {
+        self.offsets
+    }
+    pub(crate) fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Stops this handle from unlinking the name on drop (e.g. after handing ownership on).
+    pub(crate) fn disown(&mut self) {
+        self.owner = false;
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: offset 0 of a mapping at least a page long; atomics are valid for any bits.
+        unsafe { &*self.map.as_ptr().cast::<Header>() }
+    }
+
+    pub(crate) fn creator(&self) -> Creator {
+        let h = self.header();
+        Creator {
+            pid: h.creator_pid.load(Ordering::Relaxed),
+            uid: h.creator_uid.load(Ordering::Relaxed),
+            start_ticks: h.creator_start.load(Ordering::Relaxed),
+            created_unix_ns: h.created_unix_ns.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn control(&self) -> &Control {
+        // SAFETY: `Offsets::of` places Control at a 128-aligned offset inside the mapping (the
+        // size was checked against the file at attach), and it is made of atomics.
+        unsafe { &*self.at(self.offsets.control).cast::<Control>() }
+    }
+
+    pub(crate) fn slots(&self) -> &[SlotRecord] {
+        // SAFETY: `slots` records of 128-aligned `SlotRecord` lie inside the mapping at this
+        // offset; they are made of atomics and live as long as `self`.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.at(self.offsets.slots).cast::<SlotRecord>(),
+                self.params.slots as usize,
+            )
+        }
+    }
+
+    pub(crate) fn workers(&self) -> &[WorkerRecord] {
+        // SAFETY: as for `slots`, for the worker records.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.at(self.offsets.workers).cast::<WorkerRecord>(),
+                self.params.workers() as usize,
+            )
+        }
+    }
+
+    /// Start of slot `idx`'s payload.
+    pub(crate) fn payload_ptr(&self, idx: usize) -> *mut u8 {
+        self.at(self.offsets.payload + idx as u64 * self.params.slot_stride())
+    }
+
+    fn at(&self, off: u64) -> *mut u8 {
+        debug_assert!(off < self.map.len() as u64);
+        // SAFETY: every offset passed here is inside the mapping (checked at create/attach).
+        unsafe { self.map.as_ptr().add(off as usize) }
+    }
+
+    pub(crate) fn unlink(&self) -> Result<(), RingError> {
+        sys::shm_unlink(&self.name).map_err(|e| io_err("unlink", &self.name, e))
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.owner {
+            let _ = sys::shm_unlink(&self.name);
+        }
+    }
+}
+
+fn map_whole(fd: &OwnedFd, name: &str, len: u64, writable: bool) -> Result<Mapping, RingError> {
+    let len = usize::try_from(len).map_err(|_| RingError::Corrupt {
+        name: name.to_string(),
+        what: format!("its size {len} does not fit the address space"),
+    })?;
+    Mapping::new(fd, len, writable).map_err(|e| io_err("map", name, e))
+}
+
+fn read_params(h: &Header) -> Result<RingParams, crate::ConfigError> {
+    let r = Ordering::Relaxed;
+    let policy = match h.policy_kind.load(r) {
+        0 => TakePolicy::Fifo,
+        _ => TakePolicy::Bucketed {
+            min_ready: h.min_ready.load(r),
+            pick: if h.pick.load(r) == 1 {
+                BucketPick::Fullest
+            } else {
+                BucketPick::RoundRobin
+            },
+        },
+    };
+    let p = RingParams {
+        slots: h.slots.load(r),
+        slot_size: h.slot_size.load(r),
+        buckets: h.buckets.load(r),
+        producers: h.producers.load(r),
+        consumers: h.consumers.load(r),
+        held_per_consumer: h.held.load(r),
+        policy,
+        seed: h.seed.load(r),
+    };
+    p.validate()?;
+    Ok(p)
+}
+
+/// One hspipe segment found in `/dev/shm`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub bytes: u64,
+    /// The creator, if the header could be read.
+    pub creator: Option<Creator>,
+    /// `Some(true)` if the creator runs, `Some(false)` if it is gone (stale), `None` if unknown.
+    pub live: Option<bool>,
+    /// Why the header could not be read, if it could not.
+    pub problem: Option<String>,
+}
+
+/// Every `hspipe-*` segment in `/dev/shm`, sorted by name.
+pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/dev/shm")? {
+        let entry = entry?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if !name.starts_with(NAME_PREFIX) {
+            continue;
+        }
+        let bytes = entry.metadata().map(|m| m.len()).unwrap_or(0);
+        let info = match Segment::attach(&name, false) {
+            Ok(seg) => {
+                let c = seg.creator();
+                SegmentInfo {
+                    name,
+                    bytes,
+                    creator: Some(c),
+                    live: Some(c.alive()),
+                    problem: None,
+                }
+            }
+            Err(e) => SegmentInfo {
+                name,
+                bytes,
+                creator: None,
+                live: None,
+                problem: Some(e.to_string()),
+            },
+        };
+        out.push(info);
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Removes a segment by name, whoever created it (the caller decided it is stale).
+pub(crate) fn unlink_name(name: &str) -> Result<(), RingError> {
+    check_name(name)?;
+    sys::shm_unlink(name).map_err(|e| io_err("unlink", name, e))
+}

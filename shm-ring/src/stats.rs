@@ -1,0 +1,213 @@
+//! A consistent-enough, read-only picture of a ring for `shm-ring-stat`, the launcher's monitor
+//! and tests. Taking a snapshot only loads atomics (Relaxed): it never writes the segment, never
+//! takes a lock, and so never disturbs the run. Fields read at slightly different instants may
+//! disagree by an operation in flight; rates over an interval are what matter.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::layout::{
+    peek, peek32, Word, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE, W_DEAD, W_DONE,
+    W_RETIRED, W_VACANT,
+};
+use crate::segment::{Creator, LAYOUT_VERSION, NO_GPU};
+use crate::sync::Ordering;
+use crate::{sys, Phase, Ring, RingParams, Role};
+
+/// Slots by state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SlotCounts {
+    pub free: u32,
+    pub writing: u32,
+    pub ready: u32,
+    pub reading: u32,
+}
+
+/// Ring-wide counters since creation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RingCounters {
+    /// Items committed.
+    pub published: u64,
+    /// Takes (a redelivered item is taken again and counts again).
+    pub taken: u64,
+    /// Items released by consumers.
+    pub released: u64,
+    /// Items returned to READY because the consumer holding them died.
+    pub redelivered: u64,
+    /// Slots given back unpublished (aborted writes, dead producers' writes).
+    pub aborted: u64,
+}
+
+/// A worker record's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Never registered.
+    Vacant,
+    Alive,
+    /// Finished or left cleanly.
+    Done,
+    /// Died and was recovered by the supervisor.
+    Dead,
+    /// A producer that died and will not come back, counted as finished.
+    Retired,
+}
+
+/// One worker's registration and telemetry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerSnapshot {
+    pub role: Role,
+    pub index: u32,
+    pub gpu: Option<u32>,
+    pub state: WorkerState,
+    pub pid: u32,
+    /// True if the record says alive and the process exists.
+    pub alive: bool,
+    /// Registrations so far; `restarts` = epoch - 1.
+    pub epoch: u64,
+    pub restarts: u64,
+    /// True once this producer finished or was retired.
+    pub finished: bool,
+    /// Nanoseconds since the last heartbeat (CLOCK_MONOTONIC), `None` if never registered.
+    pub heartbeat_age_ns: Option<u64>,
+    /// Nanoseconds since this epoch registered.
+    pub registered_age_ns: Option<u64>,
+    pub items: u64,
+    pub tokens: u64,
+    pub bytes: u64,
+    /// Cumulative nanoseconds by phase name.
+    pub phase_ns: BTreeMap<&'static str, u64>,
+}
+
+impl WorkerSnapshot {
+    /// Nanoseconds spent waiting on the ring (full or empty).
+    pub fn wait_ns(&self) -> u64 {
+        Phase::ALL
+            .iter()
+            .filter(|p| p.is_wait())
+            .map(|p| self.phase_ns[p.name()])
+            .sum()
+    }
+
+    /// Nanoseconds recorded in working phases.
+    pub fn busy_ns(&self) -> u64 {
+        Phase::ALL
+            .iter()
+            .filter(|p| !p.is_wait())
+            .map(|p| self.phase_ns[p.name()])
+            .sum()
+    }
+}
+
+/// Everything a reader can know about a ring at one moment.
+#[derive(Clone, Debug, Serialize)]
+pub struct Snapshot {
+    pub name: String,
+    pub layout_version: u32,
+    pub params: RingParams,
+    pub size_bytes: u64,
+    pub creator: Creator,
+    pub creator_alive: bool,
+    pub closed: bool,
+    pub producers_done: u32,
+    pub producers_expected: u32,
+    pub slots: SlotCounts,
+    /// READY items per bucket.
+    pub ready_per_bucket: Vec<u32>,
+    pub counters: RingCounters,
+    pub workers: Vec<WorkerSnapshot>,
+    /// CLOCK_MONOTONIC nanoseconds when the snapshot was taken, for rates between two snapshots.
+    pub taken_at_ns: u64,
+}
+
+impl Ring {
+    /// Reads the ring's state and telemetry without writing anything.
+    pub fn snapshot(&self) -> Snapshot {
+        let seg = self.segment();
+        let p = *self.params();
+        let ctl = seg.control();
+        let now = sys::monotonic_ns();
+        let mut slots = SlotCounts::default();
+        let mut ready_per_bucket = vec![0u32; p.buckets as usize];
+        for s in seg.slots() {
+            match Word(s.state.load(Ordering::Acquire)).state() {
+                FREE => slots.free += 1,
+                WRITING => slots.writing += 1,
+                READY => {
+                    slots.ready += 1;
+                    let b = (peek32(&s.bucket) as usize).min(ready_per_bucket.len() - 1);
+                    ready_per_bucket[b] += 1;
+                }
+                READING => slots.reading += 1,
+                _ => {}
+            }
+        }
+        let workers = seg
+            .workers()
+            .iter()
+            .map(|w| {
+                let state = match peek32(&w.state) {
+                    W_ALIVE => WorkerState::Alive,
+                    W_DONE => WorkerState::Done,
+                    W_DEAD => WorkerState::Dead,
+                    W_RETIRED => WorkerState::Retired,
+                    W_VACANT => WorkerState::Vacant,
+                    _ => WorkerState::Vacant,
+                };
+                let pid = peek32(&w.pid);
+                let epoch = peek(&w.epoch);
+                let since = |t: u64| (epoch > 0).then(|| now.saturating_sub(t));
+                let gpu = peek32(&w.gpu);
+                WorkerSnapshot {
+                    role: if peek32(&w.role) == ROLE_PRODUCER {
+                        Role::Producer
+                    } else {
+                        Role::Consumer
+                    },
+                    index: peek32(&w.index),
+                    gpu: (gpu != NO_GPU).then_some(gpu),
+                    state,
+                    pid,
+                    alive: state == WorkerState::Alive
+                        && sys::process_alive(pid, peek(&w.pid_start)),
+                    epoch,
+                    restarts: epoch.saturating_sub(1),
+                    finished: peek32(&w.finished) != 0,
+                    heartbeat_age_ns: since(peek(&w.heartbeat_ns)),
+                    registered_age_ns: since(peek(&w.registered_ns)),
+                    items: peek(&w.items),
+                    tokens: peek(&w.tokens),
+                    bytes: peek(&w.bytes),
+                    phase_ns: Phase::ALL
+                        .iter()
+                        .map(|&ph| (ph.name(), peek(&w.phase_ns[ph as usize])))
+                        .collect(),
+                }
+            })
+            .collect();
+        let creator = seg.creator();
+        Snapshot {
+            name: self.name().to_string(),
+            layout_version: LAYOUT_VERSION,
+            params: p,
+            size_bytes: self.size_bytes(),
+            creator,
+            creator_alive: creator.alive(),
+            closed: self.is_closed(),
+            producers_done: peek32(&ctl.producers_done),
+            producers_expected: p.producers,
+            slots,
+            ready_per_bucket,
+            counters: RingCounters {
+                published: peek(&ctl.published),
+                taken: peek(&ctl.taken),
+                released: peek(&ctl.released),
+                redelivered: peek(&ctl.redelivered),
+                aborted: peek(&ctl.aborted),
+            },
+            workers,
+            taken_at_ns: now,
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The one place where atomics and blocking come from, so that loom can swap them.
+//!
+//! Under `cfg(loom)` the atomics are loom's and "waiting" is a `yield_now`, which lets loom
+//! explore every interleaving of the lock-free state machine without a kernel. Otherwise the
+//! atomics are `core`'s and waiting is a *shared* futex (`FUTEX_WAIT` without
+//! `FUTEX_PRIVATE_FLAG`), because waiters and wakers live in different processes that map the
+//! same segment at different addresses: a private futex is keyed by virtual address and would
+//! never see the other process's wake.
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+#[cfg(not(loom))]
+pub(crate) use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use std::time::Duration;
+
+/// Sleeps while `word` still holds `expected`, at most `timeout`.
+///
+/// Spurious returns are allowed: every caller re-checks its condition in a loop, and the bounded
+/// timeout is what lets waiters notice stop requests and dead peers.
+#[cfg(not(loom))]
+pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    crate::sys::futex_wait(word, expected, timeout);
+}
+
+/// Wakes every waiter sleeping on `word`, in any process.
+#[cfg(not(loom))]
+pub(crate) fn wake_all(word: &AtomicU32) {
+    crate::sys::futex_wake_all(word);
+}
+
+// Under loom a futex is modelled by one mutex and condition variable for all words: a waiter
+// checks the word and sleeps while holding the mutex, and a waker takes the mutex before it
+// notifies, so no wake-up is lost between the check and the sleep. The model waits WITHOUT a
+// timeout: if the algorithm ever relied on the 100 ms timeout to make progress, loom would
+// report a deadlock.
+#[cfg(loom)]
+loom::lazy_static! {
+    static ref FUTEX: (loom::sync::Mutex<()>, loom::sync::Condvar) =
+        (loom::sync::Mutex::new(()), loom::sync::Condvar::new());
+}
+
+#[cfg(loom)]
+pub(crate) fn wait(word: &AtomicU32, expected: u32, _timeout: Duration) {
+    let guard = FUTEX.0.lock().unwrap();
+    if word.load(Ordering::SeqCst) == expected {
+        drop(FUTEX.1.wait(guard).unwrap());
+    }
+}
+
+#[cfg(loom)]
+pub(crate) fn wake_all(_word: &AtomicU32) {
+    drop(FUTEX.0.lock().unwrap());
+    FUTEX.1.notify_all();
+}
+
+/// Nanoseconds on `CLOCK_MONOTONIC`, which is one clock for every process on the machine, so
+/// heartbeats written by one worker can be compared with the time read by another.
+#[cfg(not(loom))]
+pub(crate) fn now_ns() -> u64 {
+    crate::sys::monotonic_ns()
+}
+
+#[cfg(loom)]
+pub(crate) fn now_ns() -> u64 {
+    0
+}
+
+/// Adds to a telemetry counter. Counters never decide anything, so loom models skip them: each
+/// atomic operation is a point where loom branches, and they would only slow the models down.
+#[cfg(not(loom))]
+pub(crate) fn tally(counter: &AtomicU64, v: u64) {
+    counter.fetch_add(v, Ordering::Relaxed);
+}
+
+#[cfg(loom)]
+pub(crate) fn tally(_counter: &AtomicU64, _v: u64) {}
+
+/// Stores a telemetry value (see [`tally`]).
+#[cfg(not(loom))]
+pub(crate) fn record(word: &AtomicU64, v: u64) {
+    word.store(v, Ordering::Relaxed);
+}
+
+#[cfg(loom)]
+pub(crate) fn record(_word: &AtomicU64, _v: u64) {}

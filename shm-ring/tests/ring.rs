@@ -1,0 +1,621 @@
+//! Behaviour of the ring on real shared-memory segments, with threads as workers.
+//! (Multi-process stress and chaos tests live in the `tests` crate.)
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::thread;
+use std::time::Duration;
+
+use shm_ring::{
+    BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
+    WorkerId, WorkerState,
+};
+
+fn unique(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "hspipe-t-{}-{tag}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn fifo(producers: u32, consumers: u32, slots: u32) -> RingParams {
+    RingParams {
+        slots,
+        slot_size: 4096,
+        buckets: 4,
+        producers,
+        consumers,
+        held_per_consumer: 1,
+        policy: TakePolicy::Fifo,
+        seed: 1,
+    }
+}
+
+/// Runs `f` on a thread and fails the test, naming `what`, if it does not return in 60 s.
+fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(v) => v,
+        Err(_) => panic!("{what} hung for 60 s"),
+    }
+}
+
+/// A payload whose every byte is derived from (producer, seq), so any corruption shows.
+fn fill(buf: &mut [u8], producer: u32, seq: u64) -> u64 {
+    let mut x = (u64::from(producer) << 32) ^ seq ^ 0x9e37_79b9_7f4a_7c15;
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    checksum(buf)
+}
+
+fn checksum(buf: &[u8]) -> u64 {
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn shm_exists(name: &str) -> bool {
+    std::path::Path::new("/dev/shm").join(name).exists()
+}
+
+#[test]
+fn creator_handle_unlinks_on_drop_and_segment_is_private() {
+    let name = unique("life");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let mode = std::fs::metadata(format!("/dev/shm/{name}"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let other = Ring::attach(&name).unwrap();
+    assert_eq!(other.params(), ring.params());
+    drop(other);
+    assert!(shm_exists(&name), "an attacher's drop must not unlink");
+    drop(ring);
+    assert!(!shm_exists(&name));
+    assert!(matches!(
+        Ring::attach(&name),
+        Err(RingError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn create_is_exclusive() {
+    let name = unique("excl");
+    let _ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let err = Ring::create(&name, &fifo(1, 1, 4)).err().unwrap();
+    assert!(matches!(err, RingError::Exists { .. }), "{err}");
+    assert!(err.to_string().contains(&name));
+    // The existing ring is untouched.
+    Ring::attach(&name).unwrap();
+}
+
+#[test]
+fn bad_parameters_and_names_are_refused_without_leaving_a_segment() {
+    let name = unique("badp");
+    let p = RingParams {
+        slots: 12,
+        ..RingParams::default()
+    };
+    let err = Ring::create(&name, &p).err().unwrap();
+    assert!(
+        matches!(err, RingError::Config(ConfigError::Deadlock { .. })),
+        "{err}"
+    );
+    assert!(!shm_exists(&name));
+    for bad in ["", "a/b", ".hidden", "sp ace"] {
+        let err = Ring::create(bad, &fifo(1, 1, 1)).err().unwrap();
+        assert!(
+            matches!(err, RingError::InvalidName { .. }),
+            "{bad:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn too_small_dev_shm_fails_at_creation_not_later() {
+    let name = unique("big");
+    // 1024 slots of 32 GiB: far more than this machine's /dev/shm.
+    let p = RingParams {
+        slots: 1024,
+        slot_size: 32 << 30,
+        ..fifo(1, 1, 1)
+    };
+    let err = Ring::create(&name, &p).err().unwrap();
+    match &err {
+        RingError::ShmTooSmall { needed, .. } => assert!(*needed > 32 << 40),
+        other => panic!("expected ShmTooSmall, got {other}"),
+    }
+    assert!(err.to_string().contains("/dev/shm"));
+    assert!(
+        !shm_exists(&name),
+        "a failed create must not leave a segment"
+    );
+}
+
+/// Writes raw bytes as a segment, to attach to.
+fn raw_segment(name: &str, bytes: &[u8]) {
+    std::fs::write(format!("/dev/shm/{name}"), bytes).unwrap();
+    std::fs::set_permissions(
+        format!("/dev/shm/{name}"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+}
+
+struct Unlink(String);
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
+    }
+}
+
+#[test]
+fn attach_names_what_is_wrong_with_a_foreign_segment() {
+    // Not a ring at all.
+    let name = unique("junk");
+    let _g = Unlink(name.clone());
+    raw_segment(&name, &[0xAB; 8192]);
+    let err = Ring::attach(&name).err().unwrap();
+    assert!(matches!(err, RingError::BadMagic { .. }), "{err}");
+
+    // All zeros: a creator died before publishing the magic.
+    let name = unique("zero");
+    let _g = Unlink(name.clone());
+    raw_segment(&name, &[0; 8192]);
+    let err = Ring::attach(&name).err().unwrap();
+    assert!(err.to_string().contains("never initialised"), "{err}");
+
+    // Smaller than a header.
+    let name = unique("tiny");
+    let _g = Unlink(name.clone());
+    raw_segment(&name, &[0; 100]);
+    let err = Ring::attach(&name).err().unwrap();
+    assert!(
+        err.to_string().contains("smaller than a ring header"),
+        "{err}"
+    );
+}
+
+#[test]
+fn attach_detects_other_versions_truncation_and_foreign_owners() {
+    let name = unique("ver");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let path = format!("/dev/shm/{name}");
+    let good = std::fs::read(&path).unwrap();
+
+    // Another layout version (the u32 after the 8-byte magic).
+    let mut other = good.clone();
+    other[8..12].copy_from_slice(&99u32.to_ne_bytes());
+    std::fs::write(&path, &other).unwrap();
+    let err = Ring::attach(&name).err().unwrap();
+    assert!(
+        matches!(err, RingError::VersionMismatch { found: 99, .. }),
+        "{err}"
+    );
+
+    // Truncated: attaching must fail cleanly instead of faulting on a missing page.
+    std::fs::write(&path, &good[..good.len() - 4096]).unwrap();
+    let err = Ring::attach(&name).err().unwrap();
+    assert!(matches!(err, RingError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("bytes"), "{err}");
+
+    // Owned by another user (we may chown only as root; otherwise skip this part).
+    std::fs::write(&path, &good).unwrap();
+    if std::os::unix::fs::chown(&path, Some(12345), None).is_ok() {
+        let err = Ring::attach(&name).err().unwrap();
+        assert!(
+            matches!(err, RingError::ForeignOwner { owner: 12345, .. }),
+            "{err}"
+        );
+    }
+    drop(ring);
+}
+
+#[test]
+fn payload_is_written_and_read_in_place_in_page_aligned_slots() {
+    let name = unique("zc");
+    let ring = Ring::create(&name, &fifo(1, 1, 3)).unwrap();
+    let p = ring.producer(0).unwrap();
+    let c = ring.consumer(0).unwrap();
+
+    let err = p.reserve(4097).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            RingError::PayloadTooLarge {
+                len: 4097,
+                capacity: 4096
+            }
+        ),
+        "{err}"
+    );
+
+    let mut w = p.reserve(4096).unwrap();
+    let sum = fill(w.payload_mut(), 0, 7);
+    let write_ptr = w.payload_mut().as_ptr() as usize;
+    assert_eq!(write_ptr % 4096, 0, "slots are page-aligned");
+    w.commit(CommitMeta {
+        bucket: 1,
+        tokens: 5,
+        batch_id: 7,
+        checksum: sum,
+    })
+    .unwrap();
+    let r = c.take().unwrap().unwrap();
+    assert_eq!(
+        r.payload().as_ptr() as usize,
+        write_ptr,
+        "the reader sees the writer's bytes in place"
+    );
+    assert_eq!(checksum(r.payload()), sum);
+    let m = *r.meta();
+    assert_eq!(
+        (m.len, m.bucket, m.tokens, m.batch_id, m.delivery),
+        (4096, 1, 5, 7, 0)
+    );
+    r.release().unwrap();
+}
+
+#[test]
+fn fifo_serves_in_publish_order_and_ends_after_the_last_item() {
+    let name = unique("fifo");
+    let ring = Ring::create(&name, &fifo(1, 1, 16)).unwrap();
+    let p = ring.producer(0).unwrap();
+    for i in 0..10u64 {
+        let w = p.reserve(8).unwrap();
+        w.commit(CommitMeta {
+            batch_id: i,
+            bucket: (i % 4) as u32,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    assert!(p.finish(), "the only producer closes the ring");
+    let c = ring.consumer(0).unwrap();
+    let mut got = Vec::new();
+    while let Some(r) = c.take().unwrap() {
+        got.push(r.meta().batch_id);
+    }
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+    // A closed ring refuses new writes.
+    let p2 = ring.producer(0).unwrap();
+    assert!(matches!(p2.reserve(8), Err(RingError::Finished)));
+}
+
+#[test]
+fn dropping_an_uncommitted_slot_gives_it_back_and_bad_buckets_are_refused() {
+    let name = unique("abort");
+    let ring = Ring::create(&name, &fifo(1, 1, 1)).unwrap();
+    let p = ring.producer(0).unwrap();
+    drop(p.reserve(8).unwrap());
+    let w = p.reserve(8).unwrap();
+    let err = w
+        .commit(CommitMeta {
+            bucket: 4,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RingError::BadBucket {
+                bucket: 4,
+                buckets: 4
+            }
+        ),
+        "{err}"
+    );
+    // The single slot is free again for a valid commit.
+    let w = p
+        .reserve_timeout(8, Duration::from_secs(10))
+        .unwrap()
+        .expect("slot returned after a refused commit");
+    w.commit(CommitMeta::default()).unwrap();
+    let s = ring.snapshot();
+    assert_eq!(
+        (s.counters.published, s.counters.aborted, s.slots.ready),
+        (1, 2, 1)
+    );
+}
+
+#[test]
+fn five_producers_three_consumers_threads_deliver_every_item_exactly_once() {
+    const PER_PRODUCER: u64 = 400;
+    let name = unique("5x3");
+    let ring = std::sync::Arc::new(Ring::create(&name, &fifo(5, 3, 8)).unwrap());
+    let got = watchdog("5x3 threads", move || {
+        thread::scope(|s| {
+            for pi in 0..5u32 {
+                let ring = &ring;
+                s.spawn(move || {
+                    let p = ring.producer(pi).unwrap();
+                    for seq in 0..PER_PRODUCER {
+                        let len = 64 + (seq as usize * 37) % 4000;
+                        let mut w = p.reserve(len).unwrap();
+                        let sum = fill(w.payload_mut(), pi, seq);
+                        w.commit(CommitMeta {
+                            bucket: (seq % 4) as u32,
+                            tokens: len as u64,
+                            batch_id: (u64::from(pi) << 32) | seq,
+                            checksum: sum,
+                        })
+                        .unwrap();
+                    }
+                    p.finish();
+                });
+            }
+            let consumers: Vec<_> = (0..3u32)
+                .map(|ci| {
+                    let ring = &ring;
+                    s.spawn(move || {
+                        let c = ring.consumer(ci).unwrap();
+                        let mut seen = Vec::new();
+                        while let Some(r) = c.take().unwrap() {
+                            assert_eq!(checksum(r.payload()), r.meta().checksum, "corrupt payload");
+                            seen.push(r.meta().batch_id);
+                            r.release().unwrap();
+                        }
+                        // End of stream only once everything is published and taken.
+                        assert!(ring.is_closed());
+                        seen
+                    })
+                })
+                .collect();
+            consumers
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    });
+    let mut count: HashMap<u64, u32> = HashMap::new();
+    for id in got.iter().flatten() {
+        *count.entry(*id).or_default() += 1;
+    }
+    assert_eq!(count.len() as u64, 5 * PER_PRODUCER, "every item delivered");
+    assert!(count.values().all(|&n| n == 1), "no item delivered twice");
+}
+
+fn bucketed(min_ready: u32, pick: BucketPick) -> RingParams {
+    RingParams {
+        slots: 32,
+        slot_size: 64,
+        buckets: 3,
+        producers: 1,
+        consumers: 1,
+        held_per_consumer: 1,
+        policy: TakePolicy::Bucketed { min_ready, pick },
+        seed: 42,
+    }
+}
+
+fn publish(p: &shm_ring::Producer<'_>, batch_id: u64, bucket: u32) {
+    p.reserve(8)
+        .unwrap()
+        .commit(CommitMeta {
+            bucket,
+            batch_id,
+            ..Default::default()
+        })
+        .unwrap();
+}
+
+#[test]
+fn bucketed_waits_for_min_ready_until_the_ring_closes() {
+    let name = unique("minr");
+    let ring = Ring::create(&name, &bucketed(4, BucketPick::RoundRobin)).unwrap();
+    let p = ring.producer(0).unwrap();
+    let c = ring.consumer(0).unwrap();
+    for i in 0..3 {
+        publish(&p, i, 0);
+    }
+    assert!(
+        matches!(
+            c.take_timeout(Duration::from_millis(50)).unwrap(),
+            Take::TimedOut
+        ),
+        "3 READY < min_ready 4: nothing is served"
+    );
+    publish(&p, 3, 0);
+    let Take::Item(r) = c.take_timeout(Duration::from_secs(10)).unwrap() else {
+        panic!("4 READY >= min_ready: an item is served");
+    };
+    r.release().unwrap();
+    // Now 3 are READY again; closing the ring waives min_ready so the rest drain.
+    assert!(p.finish());
+    let mut n = 0;
+    while c.take().unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 3);
+}
+
+#[test]
+fn bucketed_round_robin_visits_each_non_empty_bucket_in_turn() {
+    let name = unique("rr");
+    let ring = Ring::create(&name, &bucketed(1, BucketPick::RoundRobin)).unwrap();
+    let p = ring.producer(0).unwrap();
+    // Bucket 0 crowded, 1 empty, 2 with two items.
+    for i in 0..6 {
+        publish(&p, i, 0);
+    }
+    publish(&p, 100, 2);
+    publish(&p, 101, 2);
+    p.finish();
+    let c = ring.consumer(0).unwrap();
+    let mut buckets = Vec::new();
+    while let Some(r) = c.take().unwrap() {
+        buckets.push(r.meta().bucket);
+    }
+    assert_eq!(buckets, vec![0, 2, 0, 2, 0, 0, 0, 0]);
+}
+
+#[test]
+fn random_choice_within_a_bucket_is_seeded() {
+    let order = |seed: u64| {
+        let name = unique("seed");
+        let ring = Ring::create(
+            &name,
+            &RingParams {
+                seed,
+                ..bucketed(1, BucketPick::Fullest)
+            },
+        )
+        .unwrap();
+        let p = ring.producer(0).unwrap();
+        for i in 0..20 {
+            publish(&p, i, 1);
+        }
+        p.finish();
+        let c = ring.consumer(0).unwrap();
+        let mut got = Vec::new();
+        while let Some(r) = c.take().unwrap() {
+            got.push(r.meta().batch_id);
+        }
+        got
+    };
+    let a = order(7);
+    assert_eq!(a, order(7), "same seed, same order");
+    assert_ne!(a, (0..20).collect::<Vec<_>>(), "not FIFO within the bucket");
+    assert_ne!(a, order(8), "another seed, another order");
+}
+
+#[test]
+fn a_consumer_may_hold_only_held_per_consumer_items() {
+    let name = unique("held");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let p = ring.producer(0).unwrap();
+    publish(&p, 1, 0);
+    publish(&p, 2, 0);
+    let c = ring.consumer(0).unwrap();
+    let first = c.take().unwrap().unwrap();
+    assert!(matches!(c.take(), Err(RingError::TooManyHeld { held: 1 })));
+    first.release().unwrap();
+    assert_eq!(c.take().unwrap().unwrap().meta().batch_id, 2);
+}
+
+#[test]
+fn recover_redelivers_held_items_frees_writes_and_restart_bumps_the_epoch() {
+    let name = unique("recov");
+    let ring = Ring::create(&name, &fifo(2, 2, 4)).unwrap();
+    let p0 = ring.producer(0).unwrap();
+    publish(&p0, 9, 0);
+    // Producer 1 "dies" mid-write; consumer 0 "dies" holding item 9.
+    let p1 = ring.producer(1).unwrap();
+    std::mem::forget(p1.reserve(8).unwrap());
+    let c0 = ring.consumer(0).unwrap();
+    assert_eq!(c0.epoch(), 1);
+    std::mem::forget(c0.take().unwrap().unwrap());
+    std::mem::forget(c0);
+    std::mem::forget(p1);
+
+    let s = ring.snapshot();
+    assert_eq!((s.slots.writing, s.slots.reading), (1, 1));
+
+    let r = ring.recover(WorkerId::producer(1)).unwrap();
+    assert_eq!((r.freed, r.requeued), (1, 0));
+    let r = ring.recover(WorkerId::consumer(0)).unwrap();
+    assert_eq!((r.freed, r.requeued), (0, 1));
+    let s = ring.snapshot();
+    assert_eq!((s.slots.writing, s.slots.reading, s.slots.ready), (0, 0, 1));
+    assert_eq!(s.counters.redelivered, 1);
+    assert_eq!(s.workers[2].state, WorkerState::Dead);
+
+    // The restarted consumer comes back under the same id, one epoch later, and gets the item
+    // again with its delivery count.
+    let c0 = ring.consumer(0).unwrap();
+    assert_eq!(c0.epoch(), 2);
+    let item = c0.take().unwrap().unwrap();
+    assert_eq!((item.meta().batch_id, item.meta().delivery), (9, 1));
+    item.release().unwrap();
+    assert_eq!(ring.snapshot().workers[2].restarts, 1);
+
+    // Producer 1 will not come back: retiring it (with producer 0 finished) closes the ring.
+    assert!(!p0.finish());
+    assert!(ring.retire(1).unwrap());
+    assert!(c0.take().unwrap().is_none());
+    assert!(matches!(
+        ring.recover(WorkerId::consumer(5)),
+        Err(RingError::NoSuchWorker { .. })
+    ));
+}
+
+#[test]
+fn snapshot_reports_phases_counters_and_buckets_without_writing() {
+    let name = unique("snap");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let reader = Ring::open_read_only(&name).unwrap();
+    assert!(matches!(reader.producer(0), Err(RingError::ReadOnly)));
+    let p = ring.producer(0).unwrap();
+    p.set_gpu(Some(3));
+    p.add_phase(Phase::Compute, Duration::from_millis(5));
+    publish(&p, 1, 2);
+    publish(&p, 2, 2);
+    let s = reader.snapshot();
+    assert_eq!(s.ready_per_bucket, vec![0, 0, 2, 0]);
+    assert_eq!(s.counters.published, 2);
+    let w = &s.workers[0];
+    assert_eq!((w.gpu, w.items, w.alive, w.epoch), (Some(3), 2, true, 1));
+    assert_eq!(w.phase_ns["compute"], 5_000_000);
+    assert!(!s.closed && s.creator_alive);
+}
+
+fn thread_cpu() -> Duration {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage writes a full rusage on success.
+    let ru = unsafe {
+        assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()), 0);
+        ru.assume_init()
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// A blocked worker sleeps in the kernel: over 1.5 s of blocking, it uses a small fraction of
+/// one CPU (the bound is loose: the real figure is in BENCHMARKS.md).
+#[test]
+fn blocked_consumer_and_producer_burn_almost_no_cpu() {
+    // Two rings: one stays empty (the consumer blocks), one stays full (the producer blocks).
+    let empty = std::sync::Arc::new(Ring::create(&unique("idle-e"), &fifo(1, 1, 1)).unwrap());
+    let full = std::sync::Arc::new(Ring::create(&unique("idle-f"), &fifo(1, 1, 1)).unwrap());
+    let block = Duration::from_millis(1500);
+    let (consumer_cpu, producer_cpu) = watchdog("idle test", move || {
+        thread::scope(|s| {
+            let consumer = s.spawn(|| {
+                let c = empty.consumer(0).unwrap();
+                let t0 = thread_cpu();
+                assert!(matches!(c.take_timeout(block).unwrap(), Take::TimedOut));
+                thread_cpu() - t0
+            });
+            let producer = s.spawn(|| {
+                let p = full.producer(0).unwrap();
+                p.reserve(8).unwrap().commit(CommitMeta::default()).unwrap();
+                let t0 = thread_cpu();
+                assert!(p.reserve_timeout(8, block).unwrap().is_none());
+                thread_cpu() - t0
+            });
+            (consumer.join().unwrap(), producer.join().unwrap())
+        })
+    });
+    // Under 5% of one CPU each.
+    let limit = block / 20;
+    assert!(
+        consumer_cpu < limit,
+        "blocked consumer used {consumer_cpu:?} CPU"
+    );
+    assert!(
+        producer_cpu < limit,
+        "blocked producer used {producer_cpu:?} CPU"
+    );
+}

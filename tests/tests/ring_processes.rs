@@ -1,0 +1,189 @@
+//! The ring across real processes: stress with exact accounting, crash recovery, stale segments.
+
+use std::collections::HashMap;
+
+use shm_ring::{Ring, RingError, RingParams, TakePolicy, WorkerId};
+use tests::batch_id;
+
+use crate::support::{parse_got, ring_peer, unique, Proc};
+
+fn params(producers: u32, consumers: u32, slots: u32, slot_size: u64) -> RingParams {
+    RingParams {
+        slots,
+        slot_size,
+        buckets: 4,
+        producers,
+        consumers,
+        held_per_consumer: 1,
+        policy: TakePolicy::Fifo,
+        seed: 9,
+    }
+}
+
+/// Counts deliveries per batch id across consumers' outputs.
+fn tally(outputs: &[String]) -> HashMap<u64, Vec<u32>> {
+    let mut seen: HashMap<u64, Vec<u32>> = HashMap::new();
+    for out in outputs {
+        for (id, delivery) in parse_got(out) {
+            seen.entry(id).or_default().push(delivery);
+        }
+    }
+    seen
+}
+
+fn expected(producers: u32, per: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..producers)
+        .flat_map(|p| (0..per).map(move |s| batch_id(p, s)))
+        .collect();
+    v.sort();
+    v
+}
+
+/// 5 producer and 3 consumer processes move 5,000 payloads of up to 64 KiB through 16 slots.
+/// Every consumer verifies every byte; across them every item arrives exactly once, and the
+/// ring's counters agree.
+#[test]
+fn five_by_three_processes_deliver_every_payload_exactly_once() {
+    const PER: u64 = 1000;
+    let name = unique("stress");
+    let ring = Ring::create(&name, &params(5, 3, 16, 64 << 10)).unwrap();
+    let per = PER.to_string();
+    let consumers: Vec<Proc> = (0..3)
+        .map(|i| ring_peer(&["consume", &name, &i.to_string()]))
+        .collect();
+    let producers: Vec<Proc> = (0..5)
+        .map(|i| ring_peer(&["produce", &name, &i.to_string(), &per, "65536"]))
+        .collect();
+    for p in producers {
+        p.finish();
+    }
+    let outputs: Vec<String> = consumers.into_iter().map(Proc::finish).collect();
+    let seen = tally(&outputs);
+    let mut ids: Vec<u64> = seen.keys().copied().collect();
+    ids.sort();
+    assert_eq!(ids, expected(5, PER), "every item delivered");
+    assert!(seen.values().all(|d| d == &[0]), "each exactly once, first delivery");
+    let s = ring.snapshot();
+    assert!(s.closed);
+    assert_eq!(s.counters.published, 5 * PER);
+    assert_eq!(s.counters.taken, 5 * PER);
+    assert_eq!(s.counters.released, 5 * PER);
+    assert_eq!(s.slots.free, 16);
+    let consumed: u64 = s.workers[5..].iter().map(|w| w.items).sum();
+    assert_eq!(consumed, 5 * PER);
+}
+
+/// SIGKILL a consumer holding an item and a producer in the middle of a write; the supervisor's
+/// recovery puts the item back (delivery 1) and frees the half-written slot; both restart under
+/// their ids. Nothing is lost, nothing is stuck, and only the held item is delivered twice.
+#[test]
+fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
+    const PER: u64 = 300;
+    let name = unique("chaos");
+    let ring = Ring::create(&name, &params(2, 2, 6, 16 << 10)).unwrap();
+    let per = PER.to_string();
+
+    let mut victim_c = ring_peer(&["consume", &name, "0", "--hang-holding", "20"]);
+    let survivor_c = ring_peer(&["consume", &name, "1"]);
+    let mut victim_p = ring_peer(&["produce", &name, "0", &per, "16384", "--hang-in-write", "150"]);
+    let survivor_p = ring_peer(&["produce", &name, "1", &per, "16384"]);
+
+    let held: u64 = victim_c
+        .line_starting("holding ")
+        .strip_prefix("holding ")
+        .expect("victim consumer reports the item it holds")
+        .parse()
+        .unwrap();
+    assert_eq!(victim_p.line_starting("writing"), "writing 150");
+    let busy = ring.snapshot();
+    assert!(busy.slots.reading >= 1 && busy.slots.writing >= 1);
+
+    // A live worker's id cannot be taken over.
+    assert!(matches!(
+        ring.consumer(0),
+        Err(RingError::WorkerBusy { .. })
+    ));
+
+    let victim_out = victim_c.kill();
+    victim_p.kill();
+    let rc = ring.recover(WorkerId::consumer(0)).unwrap();
+    let rp = ring.recover(WorkerId::producer(0)).unwrap();
+    assert_eq!((rc.freed, rc.requeued), (0, 1), "the held item goes back");
+    assert_eq!((rp.freed, rp.requeued), (1, 0), "the half-written slot is freed");
+
+    // Restart both under the same ids; the producer resumes at the item it was writing.
+    let restarted_c = ring_peer(&["consume", &name, "0"]);
+    let restarted_p = ring_peer(&["produce", &name, "0", &per, "16384", "--start", "150"]);
+    survivor_p.finish();
+    restarted_p.finish();
+    let outputs = vec![victim_out, survivor_c.finish(), restarted_c.finish()];
+
+    let seen = tally(&outputs);
+    let mut ids: Vec<u64> = seen.keys().copied().collect();
+    ids.sort();
+    assert_eq!(ids, expected(2, PER), "nothing lost");
+    for (id, deliveries) in &seen {
+        let want: &[u32] = if *id == held { &[1] } else { &[0] };
+        assert_eq!(deliveries, want, "batch {id:#x}");
+    }
+    let s = ring.snapshot();
+    assert_eq!(s.counters.redelivered, 1);
+    assert_eq!((s.slots.free, s.closed), (6, true), "nothing stuck");
+    assert_eq!(s.workers[0].epoch, 2, "producer 0 re-registered");
+    assert_eq!(s.workers[2].epoch, 2, "consumer 0 re-registered");
+}
+
+/// A producer killed mid-write that will not come back is retired: the ring still closes and
+/// consumers end after draining what was published.
+#[test]
+fn retiring_a_dead_producer_still_closes_the_ring() {
+    let name = unique("retire");
+    let ring = Ring::create(&name, &params(2, 1, 4, 4096)).unwrap();
+    let consumer = ring_peer(&["consume", &name, "0"]);
+    let mut dying = ring_peer(&["produce", &name, "1", "100", "4096", "--hang-in-write", "5"]);
+    let good = ring_peer(&["produce", &name, "0", "50", "4096"]);
+    assert_eq!(dying.line_starting("writing"), "writing 5");
+    dying.kill();
+    ring.recover(WorkerId::producer(1)).unwrap();
+    good.finish();
+    ring.retire(1).unwrap();
+    let seen = tally(&[consumer.finish()]);
+    let mut ids: Vec<u64> = seen.keys().copied().collect();
+    ids.sort();
+    let mut want: Vec<u64> = (0..50).map(|s| batch_id(0, s)).collect();
+    want.extend((0..5).map(|s| batch_id(1, s)));
+    want.sort();
+    assert_eq!(ids, want);
+}
+
+/// A ring whose creator died is reported stale, and garbage collection removes it, never a
+/// live one.
+#[test]
+fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
+    let stale = unique("stale");
+    ring_peer(&["create", &stale, "1", "1", "2", "4096"]).finish();
+    let live = unique("live");
+    let live_ring = Ring::create(&live, &params(1, 1, 2, 4096)).unwrap();
+
+    let r = Ring::open_read_only(&stale).unwrap();
+    assert!(r.is_stale());
+    assert!(!live_ring.is_stale());
+    drop(r);
+    let list = shm_ring::list_segments().unwrap();
+    let find = |n: &str| list.iter().find(|s| s.name == n).map(|s| s.live);
+    assert_eq!(find(&stale), Some(Some(false)));
+    assert_eq!(find(&live), Some(Some(true)));
+
+    let args = shm_ring::stat_cli::Args {
+        ring: None,
+        json: false,
+        list: false,
+        gc: true,
+    };
+    let mut out = Vec::new();
+    shm_ring::stat_cli::run(&args, &mut out).unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.contains(&format!("removed {stale}")), "{out}");
+    assert!(!std::path::Path::new("/dev/shm").join(&stale).exists());
+    assert!(std::path::Path::new("/dev/shm").join(&live).exists());
+}

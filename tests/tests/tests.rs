@@ -1,0 +1,4 @@
+//! All integration tests of the `tests` crate build into this one binary, one module per area.
+
+mod ring_processes;
+mod support;
