@@ -62,7 +62,10 @@ fn five_by_three_processes_deliver_every_payload_exactly_once() {
     let mut ids: Vec<u64> = seen.keys().copied().collect();
     ids.sort();
     assert_eq!(ids, expected(5, PER), "every item delivered");
-    assert!(seen.values().all(|d| d == &[0]), "each exactly once, first delivery");
+    assert!(
+        seen.values().all(|d| d == &[0]),
+        "each exactly once, first delivery"
+    );
     let s = ring.snapshot();
     assert!(s.closed);
     assert_eq!(s.counters.published, 5 * PER);
@@ -85,7 +88,15 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
 
     let mut victim_c = ring_peer(&["consume", &name, "0", "--hang-holding", "20"]);
     let survivor_c = ring_peer(&["consume", &name, "1"]);
-    let mut victim_p = ring_peer(&["produce", &name, "0", &per, "16384", "--hang-in-write", "150"]);
+    let mut victim_p = ring_peer(&[
+        "produce",
+        &name,
+        "0",
+        &per,
+        "16384",
+        "--hang-in-write",
+        "150",
+    ]);
     let survivor_p = ring_peer(&["produce", &name, "1", &per, "16384"]);
 
     let held: u64 = victim_c
@@ -109,7 +120,11 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
     let rc = ring.recover(WorkerId::consumer(0)).unwrap();
     let rp = ring.recover(WorkerId::producer(0)).unwrap();
     assert_eq!((rc.freed, rc.requeued), (0, 1), "the held item goes back");
-    assert_eq!((rp.freed, rp.requeued), (1, 0), "the half-written slot is freed");
+    assert_eq!(
+        (rp.freed, rp.requeued),
+        (1, 0),
+        "the half-written slot is freed"
+    );
 
     // Restart both under the same ids; the producer resumes at the item it was writing.
     let restarted_c = ring_peer(&["consume", &name, "0"]);

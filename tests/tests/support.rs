@@ -51,7 +51,12 @@ impl Proc {
     pub fn line_starting(&mut self, prefix: &str) -> String {
         loop {
             let mut s = String::new();
-            let n = self.out.as_mut().expect("stdout").read_line(&mut s).unwrap();
+            let n = self
+                .out
+                .as_mut()
+                .expect("stdout")
+                .read_line(&mut s)
+                .unwrap();
             assert!(n > 0, "{} ended without printing {prefix:?}", self.what);
             if s.starts_with(prefix) {
                 return s.trim_end().to_string();

@@ -28,8 +28,14 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Child {
-    Produce { ring: String, items: u64, size: usize },
-    Consume { ring: String },
+    Produce {
+        ring: String,
+        items: u64,
+        size: usize,
+    },
+    Consume {
+        ring: String,
+    },
 }
 
 fn parse_size(s: &str) -> anyhow::Result<usize> {
@@ -39,7 +45,10 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    Ok(num.parse::<usize>().with_context(|| format!("bad size {s:?}"))? * mul)
+    Ok(num
+        .parse::<usize>()
+        .with_context(|| format!("bad size {s:?}"))?
+        * mul)
 }
 
 /// Waits for the parent's go byte on stdin, so process start-up is not timed.
@@ -73,10 +82,9 @@ fn consume(ring: &str) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let mut sum = 0u64;
     while let Some(r) = c.take()? {
-        sum = r
-            .payload()
-            .chunks_exact(8)
-            .fold(sum, |s, ch| s.wrapping_add(u64::from_le_bytes(ch.try_into().unwrap())));
+        sum = r.payload().chunks_exact(8).fold(sum, |s, ch| {
+            s.wrapping_add(u64::from_le_bytes(ch.try_into().unwrap()))
+        });
         r.release()?;
     }
     black_box(sum);
@@ -165,7 +173,9 @@ fn main() -> anyhow::Result<()> {
         Some(Child::Consume { ring }) => return consume(&ring),
         None => {}
     }
-    println!("| payload | items/run | shm-ring items/s | shm-ring GB/s | memcpy GB/s | ring / memcpy |");
+    println!(
+        "| payload | items/run | shm-ring items/s | shm-ring GB/s | memcpy GB/s | ring / memcpy |"
+    );
     println!("|---|---|---|---|---|---|");
     for s in &args.sizes {
         let size = parse_size(s)?;
