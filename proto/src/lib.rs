@@ -1,4 +1,12 @@
-//! Hidden-state batch layout, checksums, control messages and the pipeline config.
-//!
-//! Not built yet: this crate is a placeholder in the workspace layout of DESIGN.md §2 and is
-//! filled by a later issue.
+//! What hspipe's processes agree on: the hidden-state batch layout inside a ring slot (written
+//! and read in place, checksummed), and — with the workers issue — the pipeline config and the
+//! launcher ↔ worker control messages.
+
+pub mod batch;
+pub mod config;
+
+pub use batch::{
+    batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section, ALIGN,
+    BATCH_VERSION,
+};
+pub use config::{ConfigError, PipelineConfig};

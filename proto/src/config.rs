@@ -1,0 +1,355 @@
+//! The pipeline config: one serde struct, loadable from TOML, passed unchanged to every worker.
+//!
+//! Every field has a default, so an empty file (or none) is a valid config: the defaults run the
+//! mock pipeline quickly on a laptop-sized machine while keeping the shape of the real problem
+//! (5 captured layers, bf16, length-bucketed batches under a token budget).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use shm_ring::{BucketPick, RingParams, TakePolicy};
+
+use crate::batch::{batch_len, BatchSpec, Dtype};
+
+/// Everything a run is configured by.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineConfig {
+    pub ring: RingConfig,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub target: TargetConfig,
+    pub drafter: DrafterConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RingConfig {
+    pub slots: u32,
+    /// Bytes per slot; 0 means "just enough for the largest batch the token budget allows".
+    pub slot_bytes: u64,
+    /// Length classes: bucket `b` holds batches whose longest sequence is in the b-th equal
+    /// slice of `1..=max_len`.
+    pub buckets: u32,
+    /// `bucketed` (the predecessor's policy) or `fifo`.
+    pub policy: PolicyName,
+    pub min_ready: u32,
+    pub pick: BucketPick,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    Bucketed,
+    Fifo,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig {
+            slots: 60,
+            slot_bytes: 0,
+            buckets: 6,
+            policy: PolicyName::Bucketed,
+            min_ready: 10,
+            pick: BucketPick::RoundRobin,
+            seed: 0x5eed,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Target layers captured per token (DFlash captures 5).
+    pub layers: u32,
+    /// Hidden size. The real 27B target has 5120; the mock default is small so runs are quick.
+    pub hidden: u32,
+    pub dtype: Dtype,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            layers: 5,
+            hidden: 64,
+            dtype: Dtype::Bf16,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A JSONL file with `input_ids` (and optionally `loss_mask`) per line; none means the
+    /// built-in synthetic dataset.
+    pub path: Option<PathBuf>,
+    /// Samples in the synthetic dataset.
+    pub synthetic_samples: u64,
+    pub min_len: u32,
+    pub max_len: u32,
+    pub seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            path: None,
+            synthetic_samples: 2000,
+            min_len: 32,
+            max_len: 4096,
+            seed: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TargetConfig {
+    /// Most tokens in one batch.
+    pub token_budget: u32,
+    /// Simulated forward speed of a mock target.
+    pub tokens_per_s: f64,
+}
+
+impl Default for TargetConfig {
+    fn default() -> Self {
+        TargetConfig {
+            token_budget: 16384,
+            tokens_per_s: 4500.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DrafterConfig {
+    /// Simulated training speed of a mock drafter.
+    pub tokens_per_s: f64,
+    /// Checkpoint every this many trained batches (and at shutdown).
+    pub checkpoint_every: u64,
+}
+
+impl Default for DrafterConfig {
+    fn default() -> Self {
+        DrafterConfig {
+            tokens_per_s: 5800.0,
+            checkpoint_every: 50,
+        }
+    }
+}
+
+/// A config that cannot be loaded or used, naming the file, field or value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("config field {field}: {why}")]
+    Invalid { field: &'static str, why: String },
+    #[error("ring settings: {0}")]
+    Ring(#[from] shm_ring::ConfigError),
+}
+
+fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        why: why.into(),
+    }
+}
+
+impl PipelineConfig {
+    /// Parses TOML text; `path` is only for messages.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// Checks the values that do not depend on the number of workers.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let d = &self.data;
+        if d.min_len == 0 || d.min_len > d.max_len {
+            return Err(invalid(
+                "data.min_len",
+                format!(
+                    "must be between 1 and data.max_len ({}), got {}",
+                    d.max_len, d.min_len
+                ),
+            ));
+        }
+        if d.path.is_none() && d.synthetic_samples == 0 {
+            return Err(invalid("data.synthetic_samples", "must be at least 1"));
+        }
+        if self.target.token_budget < d.max_len {
+            return Err(invalid(
+                "target.token_budget",
+                format!(
+                    "{} is below data.max_len {}: the longest sample would fit no batch",
+                    self.target.token_budget, d.max_len
+                ),
+            ));
+        }
+        for (field, v) in [
+            ("target.tokens_per_s", self.target.tokens_per_s),
+            ("drafter.tokens_per_s", self.drafter.tokens_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(invalid(
+                    field,
+                    format!("must be a positive number, got {v}"),
+                ));
+            }
+        }
+        if self.model.layers == 0 || self.model.hidden == 0 {
+            return Err(invalid("model", "layers and hidden must be at least 1"));
+        }
+        if self.drafter.checkpoint_every == 0 {
+            return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
+        }
+        let need = self.largest_batch_bytes()?;
+        if self.ring.slot_bytes != 0 && self.ring.slot_bytes < need {
+            return Err(invalid(
+                "ring.slot_bytes",
+                format!(
+                    "{} bytes cannot hold the largest batch ({need} bytes for a {}-token budget); raise it or set 0 for automatic",
+                    self.ring.slot_bytes, self.target.token_budget
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of the largest batch: a full token budget of the shortest sequences (the most
+    /// header entries).
+    pub fn largest_batch_bytes(&self) -> Result<u64, ConfigError> {
+        let n = (self.target.token_budget / self.data.min_len).max(1);
+        let spec = BatchSpec {
+            batch_id: u64::MAX,
+            producer: u32::MAX,
+            sample_ids: vec![u64::MAX; n as usize],
+            seq_lens: vec![self.data.min_len; n as usize],
+            dtype: self.model.dtype,
+            layers: self.model.layers,
+            hidden: self.model.hidden,
+        };
+        batch_len(&spec).map_err(|e| invalid("model", e.to_string()))
+    }
+
+    /// The ring for `producers` targets and `consumers` drafters, validated (including the
+    /// deadlock check of the bucketed policy).
+    pub fn ring_params(&self, producers: u32, consumers: u32) -> Result<RingParams, ConfigError> {
+        let r = &self.ring;
+        let slot_size = if r.slot_bytes == 0 {
+            self.largest_batch_bytes()?
+        } else {
+            r.slot_bytes
+        };
+        let p = RingParams {
+            slots: r.slots,
+            slot_size,
+            buckets: r.buckets,
+            producers,
+            consumers,
+            held_per_consumer: 1,
+            policy: match r.policy {
+                PolicyName::Fifo => TakePolicy::Fifo,
+                PolicyName::Bucketed => TakePolicy::Bucketed {
+                    min_ready: r.min_ready,
+                    pick: r.pick,
+                },
+            },
+            seed: r.seed,
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// The length class of a batch whose longest sequence has `max_seq` tokens.
+    pub fn bucket_of(&self, max_seq: u32) -> u32 {
+        let b = self.ring.buckets.max(1);
+        let width = self.data.max_len.div_ceil(b).max(1);
+        (max_seq.saturating_sub(1) / width).min(b - 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_toml_is_the_default_and_round_trips() {
+        let c = PipelineConfig::from_toml("", Path::new("x.toml")).unwrap();
+        assert_eq!(c, PipelineConfig::default());
+        let again = PipelineConfig::from_toml(&c.to_toml(), Path::new("y.toml")).unwrap();
+        assert_eq!(again, c);
+        c.ring_params(5, 3).unwrap();
+    }
+
+    #[test]
+    fn bad_values_name_the_file_and_field() {
+        let err = PipelineConfig::from_toml("[ring]\nslotz = 3\n", Path::new("run.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("run.toml") && err.contains("slotz"), "{err}");
+
+        let err = PipelineConfig::from_toml("[target]\ntoken_budget = 100\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("target.token_budget"), "{err}");
+
+        let err = PipelineConfig::from_toml("[ring]\nslot_bytes = 4096\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ring.slot_bytes"), "{err}");
+
+        let err =
+            PipelineConfig::from_toml("[drafter]\ntokens_per_s = -1.0\n", Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("drafter.tokens_per_s"), "{err}");
+    }
+
+    #[test]
+    fn ring_params_refuse_a_deadlocking_slot_count() {
+        let c = PipelineConfig::from_toml("[ring]\nslots = 12\n", Path::new("a.toml")).unwrap();
+        let err = c.ring_params(5, 3).unwrap_err().to_string();
+        assert!(err.contains("deadlock"), "{err}");
+        // The automatic slot size holds the largest batch the budget allows.
+        let p = PipelineConfig::default().ring_params(5, 3).unwrap();
+        assert!(p.slot_size >= 16384 * 5 * 64 * 2);
+    }
+
+    #[test]
+    fn buckets_split_lengths_evenly() {
+        let c = PipelineConfig::default(); // 6 buckets over 1..=4096
+        assert_eq!(c.bucket_of(1), 0);
+        assert_eq!(c.bucket_of(683), 0);
+        assert_eq!(c.bucket_of(684), 1);
+        assert_eq!(c.bucket_of(4096), 5);
+        assert_eq!(c.bucket_of(99_999), 5);
+    }
+}
