@@ -259,9 +259,14 @@ impl PipelineConfig {
         batch_len(&spec).map_err(|e| invalid("model", e.to_string()))
     }
 
-    /// The ring for `producers` targets and `consumers` drafters, validated (including the
-    /// deadlock check of the bucketed policy).
-    pub fn ring_params(&self, producers: u32, consumers: u32) -> Result<RingParams, ConfigError> {
+    /// The ring for `producers` targets, `consumers` drafters and `work_items` planned batches,
+    /// validated (including the deadlock check of the bucketed policy).
+    pub fn ring_params(
+        &self,
+        producers: u32,
+        consumers: u32,
+        work_items: u64,
+    ) -> Result<RingParams, ConfigError> {
         let r = &self.ring;
         let slot_size = if r.slot_bytes == 0 {
             self.largest_batch_bytes()?
@@ -283,6 +288,7 @@ impl PipelineConfig {
                 },
             },
             seed: r.seed,
+            work_items,
         };
         p.validate()?;
         Ok(p)
@@ -306,7 +312,7 @@ mod tests {
         assert_eq!(c, PipelineConfig::default());
         let again = PipelineConfig::from_toml(&c.to_toml(), Path::new("y.toml")).unwrap();
         assert_eq!(again, c);
-        c.ring_params(5, 3).unwrap();
+        c.ring_params(5, 3, 100).unwrap();
     }
 
     #[test]
@@ -336,10 +342,10 @@ mod tests {
     #[test]
     fn ring_params_refuse_a_deadlocking_slot_count() {
         let c = PipelineConfig::from_toml("[ring]\nslots = 12\n", Path::new("a.toml")).unwrap();
-        let err = c.ring_params(5, 3).unwrap_err().to_string();
+        let err = c.ring_params(5, 3, 100).unwrap_err().to_string();
         assert!(err.contains("deadlock"), "{err}");
         // The automatic slot size holds the largest batch the budget allows.
-        let p = PipelineConfig::default().ring_params(5, 3).unwrap();
+        let p = PipelineConfig::default().ring_params(5, 3, 100).unwrap();
         assert!(p.slot_size >= 16384 * 5 * 64 * 2);
     }
 

@@ -31,6 +31,16 @@
 //!   release sequence; the last producer's Release store of `closed` pairs with the consumers'
 //!   Acquire load, so a consumer that sees the ring closed also sees every item ever committed.
 //!
+//! # Work items
+//!
+//! Producers may also claim numbered units of work through the ring (a target claims planned
+//! batches), so faster producers take more. Each item has one word in the work table:
+//! FREE → CLAIMED(p) → DONE, each step one CAS. A producer marks its item DONE while the slot
+//! holding that item's batch is still WRITING, then commits: if it dies before the commit,
+//! `recover` finds the WRITING slot, sees which item it carried, and turns the item back from
+//! DONE to FREE along with every item still CLAIMED by the dead producer. So an item is DONE
+//! exactly when its batch is published, and a crash never loses or repeats one.
+//!
 //! # End of stream
 //!
 //! A consumer gets end-of-stream only when the ring is closed and no slot is READY, WRITING, or
@@ -41,7 +51,7 @@ use std::time::{Duration, Instant};
 
 use crate::layout::*;
 use crate::params::{BucketPick, TakePolicy};
-use crate::sync::{self, Ordering};
+use crate::sync::{self, AtomicU64, Ordering};
 use crate::{Phase, RingError};
 
 /// The longest a waiter sleeps before it looks again. Bounded so that waiters notice stop
@@ -63,6 +73,7 @@ pub(crate) struct RingRef<'a> {
     pub ctl: &'a Control,
     pub slots: &'a [SlotRecord],
     pub workers: &'a [WorkerRecord],
+    pub work: &'a [AtomicU64],
 }
 
 /// What a producer stores with an item.
@@ -159,6 +170,9 @@ pub struct Recovered {
     pub freed: u32,
     /// Items the dead worker was reading, now READY again with delivery + 1.
     pub requeued: u32,
+    /// Work items the dead producer had claimed (or marked done in an unpublished batch), now
+    /// free for another producer.
+    pub work_returned: u64,
 }
 
 impl<'a> RingRef<'a> {
@@ -210,6 +224,7 @@ impl<'a> RingRef<'a> {
                 .compare_exchange(cur.0, new.0, Ordering::Acquire, Ordering::Relaxed)
                 .is_ok()
             {
+                self.slots[idx].work_item.store(0, Ordering::Relaxed);
                 return Ok(Some(Claim { idx, word: new }));
             }
         }
@@ -284,6 +299,93 @@ impl<'a> RingRef<'a> {
         sync::tally(&w.bytes, len);
         self.heartbeat(id);
         self.bump(&self.ctl.ready_seq);
+        Ok(())
+    }
+
+    /// Claims the next work item for producer `id`: a fresh one from the cursor, or, once those
+    /// run out, one that recovery returned. None when every item is claimed or done.
+    pub(crate) fn claim_work(&self, id: u32) -> Option<u64> {
+        let total = self.work.len() as u64;
+        let mine = WORK_CLAIMED + u64::from(id);
+        loop {
+            let i = self.ctl.work_cursor.fetch_add(1, Ordering::Relaxed);
+            if i >= total {
+                break;
+            }
+            // SYNC: AcqRel orders this claim with recovery's Release of the same word.
+            if self.work[i as usize]
+                .compare_exchange(WORK_FREE, mine, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Some(i);
+            }
+        }
+        // Every fresh item is handed out: look for ones a dead producer gave back.
+        while self.ctl.work_redo.load(Ordering::Acquire) > 0 {
+            let mut found = None;
+            for (i, w) in self.work.iter().enumerate() {
+                if w.compare_exchange(WORK_FREE, mine, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    found = Some(i as u64);
+                    break;
+                }
+            }
+            match found {
+                Some(i) => {
+                    self.ctl.work_redo.fetch_sub(1, Ordering::AcqRel);
+                    return Some(i);
+                }
+                // Another producer took the returned item between our load and scan.
+                None => continue,
+            }
+        }
+        None
+    }
+
+    /// Marks work item `item` DONE on behalf of the batch in WRITING slot `claim`; the caller
+    /// commits the slot next. Fails if `id` does not hold the item.
+    pub(crate) fn complete_work(&self, id: u32, claim: Claim, item: u64) -> Result<(), RingError> {
+        let w = self
+            .work
+            .get(item as usize)
+            .ok_or(RingError::NoSuchWorkItem {
+                item,
+                items: self.work.len() as u64,
+            })?;
+        self.slots[claim.idx]
+            .work_item
+            .store(item + 1, Ordering::Relaxed);
+        w.compare_exchange(
+            WORK_CLAIMED + u64::from(id),
+            WORK_DONE,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .map(drop)
+        .map_err(|_| {
+            self.slots[claim.idx].work_item.store(0, Ordering::Relaxed);
+            RingError::NotClaimed { item }
+        })
+    }
+
+    /// Gives back a claimed work item that producer `id` will not do (it is stopping).
+    pub(crate) fn unclaim_work(&self, id: u32, item: u64) -> Result<(), RingError> {
+        let w = self
+            .work
+            .get(item as usize)
+            .ok_or(RingError::NoSuchWorkItem {
+                item,
+                items: self.work.len() as u64,
+            })?;
+        w.compare_exchange(
+            WORK_CLAIMED + u64::from(id),
+            WORK_FREE,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .map_err(|_| RingError::NotClaimed { item })?;
+        self.ctl.work_redo.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
@@ -515,7 +617,19 @@ impl<'a> RingRef<'a> {
                     .is_ok()
             };
             match cur.state() {
-                WRITING if cas(cur.next(FREE, 0)) => out.freed += 1,
+                WRITING => {
+                    // The batch in this slot was never published: if its work item was already
+                    // marked DONE, it is not done.
+                    let item = s.work_item.load(Ordering::Relaxed);
+                    if cas(cur.next(FREE, 0)) {
+                        out.freed += 1;
+                        if item > 0 {
+                            if let Some(w) = self.work.get(item as usize - 1) {
+                                w.store(WORK_CLAIMED + u64::from(id), Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
                 READING => {
                     // The dead owner cannot move the slot, so nobody reads `delivery` before the
                     // CAS below publishes it.
@@ -527,6 +641,17 @@ impl<'a> RingRef<'a> {
                     }
                 }
                 _ => {}
+            }
+        }
+        // Items still claimed by the dead worker go back for another producer.
+        let mine = WORK_CLAIMED + u64::from(id);
+        for w in self.work {
+            // SYNC: Release pairs with the AcqRel CAS in `claim_work`.
+            if w.compare_exchange(mine, WORK_FREE, Ordering::Release, Ordering::Relaxed)
+                .is_ok()
+            {
+                out.work_returned += 1;
+                self.ctl.work_redo.fetch_add(1, Ordering::AcqRel);
             }
         }
         let w = self.worker(id);

@@ -84,6 +84,10 @@ pub(crate) struct Control {
     pub released: Padded<AtomicU64>,
     pub redelivered: Padded<AtomicU64>,
     pub aborted: Padded<AtomicU64>,
+    /// Next never-claimed work item (a hint: the work table's CAS decides).
+    pub work_cursor: Padded<AtomicU64>,
+    /// Work items returned by recovery, not yet claimed again.
+    pub work_redo: Padded<AtomicU64>,
 }
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the
@@ -100,6 +104,8 @@ pub(crate) struct SlotRecord {
     /// How many times this item has been handed to a consumer before (0 on first delivery).
     pub delivery: AtomicU32,
     pub producer: AtomicU32,
+    /// Work item (+1) this slot's batch completes, 0 if none; see `core.rs`, "Work items".
+    pub work_item: AtomicU64,
 }
 
 /// Number of named phases a worker's time is split into.
@@ -133,6 +139,12 @@ pub(crate) const W_DONE: u32 = 2;
 pub(crate) const W_DEAD: u32 = 3;
 pub(crate) const W_RETIRED: u32 = 4;
 
+/// Work item states, as stored in the work table: unclaimed, done, or claimed by worker `id`
+/// (`WORK_CLAIMED + id`).
+pub(crate) const WORK_FREE: u64 = 0;
+pub(crate) const WORK_DONE: u64 = 1;
+pub(crate) const WORK_CLAIMED: u64 = 2;
+
 pub(crate) const ROLE_PRODUCER: u32 = 1;
 pub(crate) const ROLE_CONSUMER: u32 = 2;
 
@@ -162,6 +174,8 @@ pub(crate) mod heap {
             released: Padded(u64s()),
             redelivered: Padded(u64s()),
             aborted: Padded(u64s()),
+            work_cursor: Padded(u64s()),
+            work_redo: Padded(u64s()),
         }
     }
 
@@ -176,6 +190,7 @@ pub(crate) mod heap {
             bucket: u32s(),
             delivery: u32s(),
             producer: u32s(),
+            work_item: u64s(),
         }
     }
 

@@ -45,7 +45,9 @@ pub use crate::ring::{Consumer, Producer, ReadSlot, Ring, Take, WriteSlot};
 #[cfg(not(loom))]
 pub use crate::segment::{list_segments, SegmentInfo, LAYOUT_VERSION, NAME_PREFIX};
 #[cfg(not(loom))]
-pub use crate::stats::{RingCounters, SlotCounts, Snapshot, WorkerSnapshot, WorkerState};
+pub use crate::stats::{
+    RingCounters, SlotCounts, Snapshot, WorkCounts, WorkerSnapshot, WorkerState,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -203,6 +205,10 @@ pub enum RingError {
     Finished,
     #[error("slot {slot} was reclaimed by recovery: this worker was declared dead")]
     Reclaimed { slot: usize },
+    #[error("work item {item} does not exist: the ring has {items}")]
+    NoSuchWorkItem { item: u64, items: u64 },
+    #[error("work item {item} is not claimed by this producer")]
+    NotClaimed { item: u64 },
     #[error("the ring was attached read-only")]
     ReadOnly,
 }

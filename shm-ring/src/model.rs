@@ -66,6 +66,7 @@ impl HeapRing {
             ctl: &self.ctl,
             slots: &self.slots,
             workers: &self.workers,
+            work: &[],
         }
     }
 

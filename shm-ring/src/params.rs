@@ -9,6 +9,8 @@ use crate::layout::MAX_WORKERS;
 pub const MAX_SLOTS: u32 = 1024;
 /// Most length buckets.
 pub const MAX_BUCKETS: u32 = 64;
+/// Most work items (8 bytes each in the segment).
+pub const MAX_WORK_ITEMS: u64 = 1 << 26;
 
 /// How a consumer chooses among READY items.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +61,10 @@ pub struct RingParams {
     pub policy: TakePolicy,
     /// Seed of the consumers' random choice within a bucket.
     pub seed: u64,
+    /// Units of work (e.g. planned batches) producers claim through the ring, so that faster
+    /// producers take more and a dead producer's claims are redone. 0: no work table.
+    #[serde(default)]
+    pub work_items: u64,
 }
 
 impl Default for RingParams {
@@ -72,6 +78,7 @@ impl Default for RingParams {
             held_per_consumer: 1,
             policy: TakePolicy::DEFAULT_BUCKETED,
             seed: 0x5eed,
+            work_items: 0,
         }
     }
 }
@@ -106,6 +113,8 @@ pub enum ConfigError {
         held: u32,
         needed: u64,
     },
+    #[error("work_items must be at most {MAX_WORK_ITEMS}, got {0}: claim larger units of work")]
+    WorkItems(u64),
     #[error("ring of {slots} slots x {slot_size} bytes is too large to map")]
     TooLarge { slots: u32, slot_size: u64 },
 }
@@ -151,6 +160,9 @@ impl RingParams {
                     needed,
                 });
             }
+        }
+        if self.work_items > MAX_WORK_ITEMS {
+            return Err(ConfigError::WorkItems(self.work_items));
         }
         self.slot_stride()
             .checked_mul(u64::from(self.slots))

@@ -106,6 +106,7 @@ impl Ring {
             ctl: self.seg.control(),
             slots: self.seg.slots(),
             workers: self.seg.workers(),
+            work: self.seg.work(),
         }
     }
 
@@ -322,6 +323,18 @@ impl<'r> Producer<'r> {
             }))
     }
 
+    /// Claims the next unit of work (see [`RingParams::work_items`]): faster producers claim
+    /// more, and items a dead producer held come back once the fresh ones run out. `None` when
+    /// every item is claimed or done.
+    pub fn claim_work(&self) -> Option<u64> {
+        self.w.core().claim_work(self.w.id)
+    }
+
+    /// Gives back a claimed item this producer will not do (e.g. it is stopping early).
+    pub fn unclaim_work(&self, item: u64) -> Result<(), RingError> {
+        self.w.core().unclaim_work(self.w.id, item)
+    }
+
     /// Declares that this producer will publish nothing more. The last expected producer to
     /// finish closes the ring and wakes every consumer; returns true if this call closed it.
     pub fn finish(self) -> bool {
@@ -352,6 +365,13 @@ impl WriteSlot<'_> {
     /// Index of the slot in the ring (for diagnostics).
     pub fn slot(&self) -> usize {
         self.claim.idx
+    }
+
+    /// Records that this slot's batch completes work item `item`, which this producer claimed.
+    /// The item counts as done exactly when the batch is committed: if the producer dies before
+    /// [`WriteSlot::commit`], recovery returns the item to be claimed again.
+    pub fn complete_work(&mut self, item: u64) -> Result<(), RingError> {
+        self.p.w.core().complete_work(self.p.w.id, self.claim, item)
     }
 
     /// Publishes the payload as READY with its metadata.

@@ -53,6 +53,8 @@ pub(crate) struct Header {
     slots_off: AtomicU64,
     workers_off: AtomicU64,
     payload_off: AtomicU64,
+    work_items: AtomicU64,
+    work_off: AtomicU64,
 }
 
 /// Byte offsets of each region, computed from the parameters.
@@ -61,6 +63,7 @@ pub(crate) struct Offsets {
     pub control: u64,
     pub slots: u64,
     pub workers: u64,
+    pub work: u64,
     pub payload: u64,
     pub total: u64,
 }
@@ -77,15 +80,17 @@ impl Offsets {
             slots + u64::from(p.slots) * size_of::<SlotRecord>() as u64,
             128,
         );
-        let payload = align_up(
+        let work = align_up(
             workers + u64::from(p.workers()) * size_of::<WorkerRecord>() as u64,
-            PAGE,
+            128,
         );
+        let payload = align_up(work + p.work_items * 8, PAGE);
         let total = payload + u64::from(p.slots) * p.slot_stride();
         Offsets {
             control,
             slots,
             workers,
+            work,
             payload,
             total,
         }
@@ -247,6 +252,8 @@ impl Segment {
         h.slots_off.store(self.offsets.slots, r);
         h.workers_off.store(self.offsets.workers, r);
         h.payload_off.store(self.offsets.payload, r);
+        h.work_items.store(p.work_items, r);
+        h.work_off.store(self.offsets.work, r);
         for (i, w) in self.workers().iter().enumerate() {
             let i = i as u32;
             let (role, index) = if i < p.producers {
@@ -317,6 +324,7 @@ impl Segment {
             control: h.control_off.load(Ordering::Relaxed),
             slots: h.slots_off.load(Ordering::Relaxed),
             workers: h.workers_off.load(Ordering::Relaxed),
+            work: h.work_off.load(Ordering::Relaxed),
             payload: h.payload_off.load(Ordering::Relaxed),
             total: h.total_size.load(Ordering::Relaxed),
         };
@@ -401,6 +409,16 @@ impl Segment {
         }
     }
 
+    pub(crate) fn work(&self) -> &[AtomicU64] {
+        // SAFETY: `work_items` 8-byte atomics lie inside the mapping at this 128-aligned offset.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.at(self.offsets.work).cast::<AtomicU64>(),
+                self.params.work_items as usize,
+            )
+        }
+    }
+
     /// Start of slot `idx`'s payload.
     pub(crate) fn payload_ptr(&self, idx: usize) -> *mut u8 {
         self.at(self.offsets.payload + idx as u64 * self.params.slot_stride())
@@ -455,6 +473,7 @@ fn read_params(h: &Header) -> Result<RingParams, crate::ConfigError> {
         held_per_consumer: h.held.load(r),
         policy,
         seed: h.seed.load(r),
+        work_items: h.work_items.load(r),
     };
     p.validate()?;
     Ok(p)

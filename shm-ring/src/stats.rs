@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::layout::{
-    peek, peek32, Word, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE, W_DEAD, W_DONE,
-    W_RETIRED, W_VACANT,
+    peek, peek32, Word, FREE, READING, READY, ROLE_PRODUCER, WORK_DONE, WORK_FREE, WRITING,
+    W_ALIVE, W_DEAD, W_DONE, W_RETIRED, W_VACANT,
 };
 use crate::segment::{Creator, LAYOUT_VERSION, NO_GPU};
 use crate::sync::Ordering;
@@ -37,6 +37,14 @@ pub struct RingCounters {
     pub redelivered: u64,
     /// Slots given back unpublished (aborted writes, dead producers' writes).
     pub aborted: u64,
+}
+
+/// Work items by state (all zero when the ring has no work table).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct WorkCounts {
+    pub total: u64,
+    pub done: u64,
+    pub claimed: u64,
 }
 
 /// A worker record's state.
@@ -117,6 +125,7 @@ pub struct Snapshot {
     pub ready_per_bucket: Vec<u32>,
     pub counters: RingCounters,
     pub workers: Vec<WorkerSnapshot>,
+    pub work: WorkCounts,
     /// CLOCK_MONOTONIC nanoseconds when the snapshot was taken, for rates between two snapshots.
     pub taken_at_ns: u64,
 }
@@ -187,6 +196,17 @@ impl Ring {
             })
             .collect();
         let creator = seg.creator();
+        let mut work = WorkCounts {
+            total: p.work_items,
+            ..WorkCounts::default()
+        };
+        for w in seg.work() {
+            match peek(w) {
+                WORK_FREE => {}
+                WORK_DONE => work.done += 1,
+                _ => work.claimed += 1,
+            }
+        }
         Snapshot {
             name: self.name().to_string(),
             layout_version: LAYOUT_VERSION,
@@ -207,6 +227,7 @@ impl Ring {
                 aborted: peek(&ctl.aborted),
             },
             workers,
+            work,
             taken_at_ns: now,
         }
     }

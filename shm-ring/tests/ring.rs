@@ -32,6 +32,7 @@ fn fifo(producers: u32, consumers: u32, slots: u32) -> RingParams {
         held_per_consumer: 1,
         policy: TakePolicy::Fifo,
         seed: 1,
+        work_items: 0,
     }
 }
 
@@ -397,6 +398,7 @@ fn bucketed(min_ready: u32, pick: BucketPick) -> RingParams {
         held_per_consumer: 1,
         policy: TakePolicy::Bucketed { min_ready, pick },
         seed: 42,
+        work_items: 0,
     }
 }
 
@@ -617,5 +619,99 @@ fn blocked_consumer_and_producer_burn_almost_no_cpu() {
     assert!(
         producer_cpu < limit,
         "blocked producer used {producer_cpu:?} CPU"
+    );
+}
+
+fn with_work(items: u64) -> RingParams {
+    RingParams {
+        work_items: items,
+        ..fifo(2, 1, 8)
+    }
+}
+
+#[test]
+fn producers_claim_every_work_item_exactly_once() {
+    let name = unique("work");
+    let ring = std::sync::Arc::new(Ring::create(&name, &with_work(500)).unwrap());
+    let claimed = watchdog("work claims", move || {
+        thread::scope(|s| {
+            let hs: Vec<_> = (0..2u32)
+                .map(|pi| {
+                    let ring = &ring;
+                    s.spawn(move || {
+                        let p = ring.producer(pi).unwrap();
+                        let mut mine = Vec::new();
+                        while let Some(i) = p.claim_work() {
+                            mine.push(i);
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    });
+    let mut all = claimed.clone();
+    all.sort();
+    assert_eq!(all, (0..500).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_dead_producers_claimed_and_unpublished_work_is_redone() {
+    let name = unique("redo");
+    let ring = Ring::create(&name, &with_work(4)).unwrap();
+    let dead = ring.producer(0).unwrap();
+    let a = dead.claim_work().unwrap();
+    let b = dead.claim_work().unwrap();
+    // Item a is published; its batch commits.
+    let mut w = dead.reserve(8).unwrap();
+    w.complete_work(a).unwrap();
+    w.commit(CommitMeta::default()).unwrap();
+    // Item b is marked done in a slot that is never committed: the producer dies mid-write.
+    let c = dead.claim_work().unwrap();
+    let mut w = dead.reserve(8).unwrap();
+    w.complete_work(b).unwrap();
+    std::mem::forget(w);
+    std::mem::forget(dead);
+    assert_eq!(ring.snapshot().work.done, 2, "b looks done until recovery");
+
+    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    assert_eq!(
+        (r.freed, r.work_returned),
+        (1, 2),
+        "b (unpublished) and c (claimed) return"
+    );
+    let s = ring.snapshot().work;
+    assert_eq!((s.total, s.done, s.claimed), (4, 1, 0));
+
+    // The live producer takes the fresh item first, then the returned ones.
+    let p1 = ring.producer(1).unwrap();
+    let mut got = Vec::new();
+    while let Some(i) = p1.claim_work() {
+        got.push(i);
+    }
+    got.sort();
+    let mut want = vec![b, c, 3];
+    want.sort();
+    assert_eq!(got, want);
+
+    // Only the holder may complete or give back an item.
+    let mut w = p1.reserve(8).unwrap();
+    assert!(matches!(
+        w.complete_work(a),
+        Err(RingError::NotClaimed { .. })
+    ));
+    assert!(matches!(
+        w.complete_work(99),
+        Err(RingError::NoSuchWorkItem { item: 99, items: 4 })
+    ));
+    drop(w);
+    p1.unclaim_work(3).unwrap();
+    assert_eq!(
+        p1.claim_work(),
+        Some(3),
+        "a given-back item can be claimed again"
     );
 }

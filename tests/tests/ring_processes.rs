@@ -17,6 +17,7 @@ fn params(producers: u32, consumers: u32, slots: u32, slot_size: u64) -> RingPar
         held_per_consumer: 1,
         policy: TakePolicy::Fifo,
         seed: 9,
+        work_items: 0,
     }
 }
 

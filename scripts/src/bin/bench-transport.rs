@@ -107,6 +107,7 @@ fn ring_run(size: usize, items: u64) -> anyhow::Result<f64> {
             held_per_consumer: 1,
             policy: TakePolicy::Fifo,
             seed: 0,
+            work_items: 0,
         },
     )?;
     let me = std::env::current_exe()?;
