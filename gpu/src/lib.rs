@@ -65,13 +65,4 @@ pub trait DrafterBackend {
     fn load(&mut self, path: &Path) -> Result<(), GpuError>;
 }
 
-/// Faults a mock worker injects, from the config: crash after N items, hang after N items, or
-/// run slower by a factor.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Faults {
-    pub crash_after: Option<u64>,
-    pub hang_after: Option<u64>,
-    /// Multiplies simulated time (1.0 or absent: normal speed).
-    pub slow: Option<f64>,
-}
+pub use proto::config::Faults;

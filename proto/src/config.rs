@@ -4,6 +4,7 @@
 //! mock pipeline quickly on a laptop-sized machine while keeping the shape of the real problem
 //! (5 captured layers, bf16, length-bucketed batches under a token budget).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,19 @@ pub struct PipelineConfig {
     pub data: DataConfig,
     pub target: TargetConfig,
     pub drafter: DrafterConfig,
+    /// Faults to inject into mock workers, by worker name (`target-1`, `drafter-0`).
+    pub faults: BTreeMap<String, Faults>,
+}
+
+/// Faults a mock worker injects: crash after N items, hang after N items, or run slower by a
+/// factor. Counted per process: a restarted worker starts counting again.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Faults {
+    pub crash_after: Option<u64>,
+    pub hang_after: Option<u64>,
+    /// Multiplies simulated time (absent: normal speed).
+    pub slow: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -227,6 +241,24 @@ impl PipelineConfig {
         if self.model.layers == 0 || self.model.hidden == 0 {
             return Err(invalid("model", "layers and hidden must be at least 1"));
         }
+        for (name, f) in &self.faults {
+            let known = name
+                .strip_prefix("target-")
+                .or_else(|| name.strip_prefix("drafter-"))
+                .is_some_and(|i| i.parse::<u32>().is_ok());
+            if !known {
+                return Err(invalid(
+                    "faults",
+                    format!("{name:?} is not a worker name (use target-N or drafter-N)"),
+                ));
+            }
+            if f.slow.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+                return Err(invalid(
+                    "faults.slow",
+                    format!("{name}: must be a positive factor"),
+                ));
+            }
+        }
         if self.drafter.checkpoint_every == 0 {
             return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
         }
@@ -292,6 +324,11 @@ impl PipelineConfig {
         };
         p.validate()?;
         Ok(p)
+    }
+
+    /// The faults configured for worker `name` (e.g. `drafter-0`); none by default.
+    pub fn faults_for(&self, name: &str) -> Faults {
+        self.faults.get(name).cloned().unwrap_or_default()
     }
 
     /// The length class of a batch whose longest sequence has `max_seq` tokens.

@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod control;
 
 pub use batch::{
     batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section, ALIGN,

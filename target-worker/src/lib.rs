@@ -1,4 +1,4 @@
-//! Target worker: dataset claims, length-bucketed batches, forward, publish into the ring.
-//!
-//! Not built yet: this crate is a placeholder in the workspace layout of DESIGN.md §2 and is
-//! filled by a later issue.
+//! The target worker: claims planned batches through the ring, runs the target forward into the
+//! slot, and publishes. See `run`.
+
+pub mod data;
