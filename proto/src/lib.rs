@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod worker;
 
 pub use batch::{
     batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section, ALIGN,

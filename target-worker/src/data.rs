@@ -271,9 +271,10 @@ mod tests {
     }
 
     fn jsonl(text: &str) -> Result<Dataset, DataError> {
-        let dir = std::env::temp_dir().join(format!("hspipe-data-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("d{}.jsonl", text.len()));
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("hspipe-data-{}-{n}.jsonl", std::process::id()));
         std::fs::write(&path, text).unwrap();
         let r = Dataset::jsonl(&path, 8);
         std::fs::remove_file(&path).unwrap();

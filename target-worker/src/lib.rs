@@ -1,4 +1,181 @@
-//! The target worker: claims planned batches through the ring, runs the target forward into the
-//! slot, and publishes. See `run`.
+//! The target worker: claims planned batches through the ring (faster targets claim more),
+//! prepares the next batch while the current one computes, runs the target forward straight into
+//! the ring slot, marks the work item done and publishes. Calls `finish()` at the end of the data
+//! so the last target to finish closes the ring.
 
 pub mod data;
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use gpu::mock::{MockTarget, Sim};
+use gpu::TargetBackend;
+use proto::control::{FinalReport, ToLauncher, WorkerRole};
+use proto::worker::{setup, WorkerArgs, EXIT_STOPPED};
+use proto::{batch_len, BatchSpec, BatchWriter};
+use shm_ring::{CommitMeta, Phase, Ring};
+
+use crate::data::{plan, Dataset, PlannedBatch};
+
+/// Run one target model: claim planned batches from the ring's work table, compute hidden
+/// states into ring slots, publish.
+///
+/// Started by the launcher with `--control`; standalone (for tests and debugging) with
+/// `--ring`, `--run-dir` and optionally `--config`:
+///
+///   target-worker --index 0 --ring hspipe-run1 --run-dir runs/run1 --config run.toml
+///
+/// Exit codes: 0 when the data is done, 3 when stopped on request first, 1 on error.
+#[derive(Parser, Debug)]
+#[command(name = "target-worker", version, verbatim_doc_comment)]
+pub struct Args {
+    #[command(flatten)]
+    pub common: WorkerArgs,
+}
+
+/// A batch prepared by the prefetch thread: ids and mask gathered, ready to compute.
+struct Prepared {
+    item: u64,
+    spec: BatchSpec,
+    input_ids: Vec<u32>,
+    loss_mask: Vec<u8>,
+    bucket: u32,
+}
+
+fn prepare(
+    item: u64,
+    b: &PlannedBatch,
+    data: &Dataset,
+    s: &proto::PipelineConfig,
+    producer: u32,
+) -> Prepared {
+    let mut input_ids = Vec::with_capacity(b.tokens as usize);
+    let mut loss_mask = Vec::with_capacity(b.tokens as usize);
+    let mut seq_lens = Vec::with_capacity(b.sample_ids.len());
+    for &id in &b.sample_ids {
+        let sample = &data.samples[id as usize];
+        input_ids.extend_from_slice(&sample.input_ids);
+        loss_mask.extend_from_slice(&sample.loss_mask);
+        seq_lens.push(sample.input_ids.len() as u32);
+    }
+    Prepared {
+        item,
+        spec: BatchSpec {
+            batch_id: item,
+            producer,
+            sample_ids: b.sample_ids.clone(),
+            seq_lens,
+            dtype: s.model.dtype,
+            layers: s.model.layers,
+            hidden: s.model.hidden,
+        },
+        input_ids,
+        loss_mask,
+        bucket: b.bucket,
+    }
+}
+
+/// Runs the worker; returns the process exit code.
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let s = setup(&args.common, WorkerRole::Target)?;
+    let cfg = &s.config;
+    let data = Dataset::load(cfg).context("loading the dataset")?;
+    let plan = plan(&data, cfg);
+    let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
+    if ring.params().work_items != plan.len() as u64 {
+        bail!(
+            "ring {} was made for {} batches but this dataset and config plan {}: the launcher and this worker disagree on the data or config",
+            s.ring,
+            ring.params().work_items,
+            plan.len()
+        );
+    }
+    let producer = ring
+        .producer(s.index)
+        .with_context(|| format!("registering as producer {}", s.index))?;
+    producer.set_gpu(s.gpu);
+    tracing::info!(
+        ring = %s.ring,
+        epoch = producer.epoch(),
+        batches = plan.len(),
+        data = %data.source,
+        "attached"
+    );
+    let mut backend = MockTarget {
+        layers: cfg.model.layers,
+        hidden: cfg.model.hidden,
+        sim: Sim::new(cfg.target.tokens_per_s, cfg.faults_for(&s.name)),
+    };
+    let mut report = FinalReport::default();
+    let mut stopped = false;
+
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        // Prefetch: claim and gather the next batch while the current one computes. The
+        // channel holds one batch, so at most two claims are outstanding.
+        let (tx, rx) = mpsc::sync_channel::<Prepared>(1);
+        let (producer, plan, data, stop) = (&producer, &plan, &data, &s.stop);
+        scope.spawn(move || {
+            while !stop.stopping() {
+                let Some(item) = producer.claim_work() else {
+                    break;
+                };
+                let prep = prepare(item, &plan[item as usize], data, cfg, s.index);
+                if tx.send(prep).is_err() {
+                    break;
+                }
+            }
+        });
+        loop {
+            let t = Instant::now();
+            let Ok(prep) = rx.recv() else { break };
+            producer.add_phase(Phase::Load, t.elapsed());
+            if s.stop.stopping() {
+                // Stopping: give back what was claimed but not published.
+                producer.unclaim_work(prep.item)?;
+                stopped = true;
+                continue;
+            }
+            let len = batch_len(&prep.spec)? as usize;
+            let mut slot = producer.reserve(len)?;
+            let t = Instant::now();
+            let mut w = BatchWriter::new(slot.payload_mut(), &prep.spec)?;
+            let (ids, mask, hidden) = w.sections_mut();
+            for (dst, id) in ids.chunks_exact_mut(4).zip(&prep.input_ids) {
+                dst.copy_from_slice(&id.to_le_bytes());
+            }
+            mask.copy_from_slice(&prep.loss_mask);
+            producer.add_phase(Phase::Other, t.elapsed());
+            let t = Instant::now();
+            backend.forward(&prep.input_ids, &prep.spec.seq_lens, hidden)?;
+            producer.add_phase(Phase::Compute, t.elapsed());
+            let (_, crc) = w.finish();
+            slot.complete_work(prep.item)?;
+            let tokens = prep.spec.tokens();
+            slot.commit(CommitMeta {
+                bucket: prep.bucket,
+                tokens,
+                batch_id: prep.item,
+                checksum: u64::from(crc),
+            })?;
+            report.items += 1;
+            report.tokens += tokens;
+        }
+        Ok(())
+    })?;
+    stopped |= s.stop.stopping();
+    // Count toward the close in either case: a stopping run still drains.
+    producer.finish();
+    report.complete = !stopped;
+    tracing::info!(
+        items = report.items,
+        tokens = report.tokens,
+        stopped,
+        "finished"
+    );
+    if let Some(tx) = &s.to_launcher {
+        let _ = tx.send(ToLauncher::Report(report));
+    }
+    Ok(if stopped { EXIT_STOPPED } else { 0 })
+}

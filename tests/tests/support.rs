@@ -18,28 +18,66 @@ pub fn unique(tag: &str) -> String {
 /// How long any child may run before the test calls it hung.
 pub const WATCHDOG: Duration = Duration::from_secs(120);
 
+/// Path of a binary of another workspace crate. Cargo builds every member's binaries for
+/// `cargo test --workspace` (the README's test command) into the directory above this test
+/// binary's `deps/`.
+pub fn workspace_bin(name: &str) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run the tests with `cargo test --workspace` (scripts/test.sh)",
+        path.display()
+    );
+    path.to_string_lossy().into_owned()
+}
+
 /// A child process that is SIGKILLed and reaped if the test ends early.
 pub struct Proc {
     pub child: Child,
     pub what: String,
     out: Option<BufReader<ChildStdout>>,
+    /// The child's stderr, collected by a thread, shown when the child fails.
+    err: std::sync::Arc<std::sync::Mutex<String>>,
+    err_thread: Option<std::thread::JoinHandle<()>>,
     /// Stdout lines read by `line_starting` that did not match.
     before: String,
 }
 
 pub fn ring_peer(args: &[&str]) -> Proc {
-    let what = format!("ring-peer {}", args.join(" "));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ring-peer"))
+    spawn(env!("CARGO_BIN_EXE_ring-peer"), args)
+}
+
+/// Spawns `bin` with its stdout piped (stderr goes to the test's output).
+pub fn spawn(bin: &str, args: &[&str]) -> Proc {
+    let short = std::path::Path::new(bin)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let what = format!("{short} {}", args.join(" "));
+    let mut child = Command::new(bin)
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("spawning {what}: {e}"));
     let out = child.stdout.take().map(BufReader::new);
+    let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let err_thread = child.stderr.take().map(|mut stderr| {
+        let err = err.clone();
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr.read_to_string(&mut s);
+            err.lock().unwrap().push_str(&s);
+        })
+    });
     Proc {
         child,
         what,
         out,
+        err,
+        err_thread,
         before: String::new(),
     }
 }
@@ -75,8 +113,49 @@ impl Proc {
                 if let Some(o) = self.out.as_mut() {
                     o.read_to_string(&mut s).unwrap();
                 }
-                assert!(status.success(), "{} failed: {status}", self.what);
+                if !status.success() {
+                    // Give the stderr thread a moment to collect the last lines.
+                    std::thread::sleep(Duration::from_millis(100));
+                    panic!(
+                        "{} failed: {status}\n--- its stderr:\n{}",
+                        self.what,
+                        self.stderr()
+                    );
+                }
                 return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("{} hung for {WATCHDOG:?}", self.what);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits like `wait_status` and also returns the child's stderr.
+    pub fn wait_status_keep(mut self) -> (std::process::ExitStatus, String) {
+        let err = self.err.clone();
+        let thread = self.err_thread.take();
+        let status = self.wait_status();
+        // The stderr thread ends when the pipe closes at the child's exit.
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+        let s = err.lock().unwrap().clone();
+        (status, s)
+    }
+
+    /// What the child wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.err.lock().unwrap().clone()
+    }
+
+    /// Waits for exit (at most `WATCHDOG`) and returns the status, success or not.
+    pub fn wait_status(mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WATCHDOG;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();

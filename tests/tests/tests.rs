@@ -2,3 +2,4 @@
 
 mod ring_processes;
 mod support;
+mod workers;

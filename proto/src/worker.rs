@@ -1,0 +1,181 @@
+//! What both workers do the same way: their command line, the handshake or standalone setup,
+//! logging, and learning that they should stop (a signal, or `Stop` from the launcher).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipc_channel::ipc::IpcSender;
+
+use crate::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
+use crate::{ConfigError, PipelineConfig};
+
+/// Exit code of a worker that stopped on request before its part was complete (not a crash:
+/// the launcher does not restart it).
+pub const EXIT_STOPPED: i32 = 3;
+
+/// The command line both workers share.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// This worker's index among its kind (target i is ring producer i, drafter i consumer i).
+    #[arg(long)]
+    pub index: u32,
+    /// The launcher's control server; with it, everything below comes from the launcher.
+    #[arg(long)]
+    pub control: Option<String>,
+    /// Ring to attach to (standalone).
+    #[arg(long, required_unless_present = "control")]
+    pub ring: Option<String>,
+    /// Run directory for ledgers and checkpoints (standalone).
+    #[arg(long, required_unless_present = "control")]
+    pub run_dir: Option<PathBuf>,
+    /// Pipeline config in TOML (standalone; defaults apply without it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// GPU this worker drives, for telemetry (standalone).
+    #[arg(long)]
+    pub gpu: Option<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("signal handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// Everything a worker needs to start.
+pub struct Setup {
+    pub index: u32,
+    pub name: String,
+    pub ring: String,
+    pub run_dir: PathBuf,
+    pub gpu: Option<u32>,
+    pub config: PipelineConfig,
+    pub stop: StopFlags,
+    /// Present when the launcher started us.
+    pub to_launcher: Option<IpcSender<ToLauncher>>,
+}
+
+/// Set by SIGINT/SIGTERM or by the launcher.
+#[derive(Clone, Default)]
+pub struct StopFlags {
+    /// Finish gracefully.
+    pub stop: Arc<AtomicBool>,
+    /// Write a checkpoint at the next chance.
+    pub checkpoint: Arc<AtomicBool>,
+}
+
+impl StopFlags {
+    pub fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed) || SIGNALS.load(Ordering::Relaxed) > 0
+    }
+    pub fn take_checkpoint_request(&self) -> bool {
+        self.checkpoint.swap(false, Ordering::Relaxed)
+    }
+}
+
+static SIGNALS: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    // Async-signal-safe: one atomic add, and `_exit` on the second signal.
+    if SIGNALS.fetch_add(1, Ordering::Relaxed) >= 1 {
+        // SAFETY: _exit is async-signal-safe and ends the process at once.
+        unsafe { libc::_exit(130) };
+    }
+}
+
+/// SIGINT/SIGTERM: the first asks for a graceful stop, the second exits at once.
+fn install_signal_handlers() -> std::io::Result<()> {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with a valid handler and empty mask is well-formed;
+        // the handler only touches an atomic and calls _exit.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Logs to stderr (the launcher sends it to the worker's log file), with `RUST_LOG` honoured.
+pub fn init_logging(name: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+    tracing::info!(worker = name, pid = std::process::id(), "starting");
+}
+
+/// Handshakes with the launcher (if `--control`) or reads the standalone flags, loads and
+/// validates the config, and installs the stop handlers.
+pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
+    let kind = match role {
+        WorkerRole::Target => "target",
+        WorkerRole::Drafter => "drafter",
+    };
+    let name = format!("{kind}-{}", args.index);
+    init_logging(&name);
+    install_signal_handlers().map_err(SetupError::Signal)?;
+    let stop = StopFlags::default();
+    match &args.control {
+        Some(server) => {
+            let link = control::connect(server, role, args.index, Duration::from_secs(30))?;
+            let config =
+                PipelineConfig::from_toml(&link.config_toml, std::path::Path::new("<launcher>"))?;
+            // Listen for Stop/Checkpoint; a closed channel means the launcher is gone.
+            let flags = stop.clone();
+            let rx = link.from_launcher;
+            std::thread::spawn(move || loop {
+                match rx.recv() {
+                    Ok(ToWorker::Stop) => flags.stop.store(true, Ordering::Relaxed),
+                    Ok(ToWorker::Checkpoint) => flags.checkpoint.store(true, Ordering::Relaxed),
+                    Ok(_) => {}
+                    Err(_) => {
+                        flags.stop.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            });
+            Ok(Setup {
+                index: args.index,
+                name,
+                ring: link.ring,
+                run_dir: link.run_dir,
+                gpu: link.gpu,
+                config,
+                stop,
+                to_launcher: Some(link.to_launcher),
+            })
+        }
+        None => {
+            let config = match &args.config {
+                Some(p) => PipelineConfig::load(p)?,
+                None => PipelineConfig::default(),
+            };
+            Ok(Setup {
+                index: args.index,
+                name,
+                ring: args.ring.clone().expect("clap requires --ring"),
+                run_dir: args.run_dir.clone().expect("clap requires --run-dir"),
+                gpu: args.gpu,
+                config,
+                stop,
+                to_launcher: None,
+            })
+        }
+    }
+}

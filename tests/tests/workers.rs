@@ -1,0 +1,510 @@
+//! target-worker and drafter-worker as real processes on a ring made by the test (the
+//! launcher's part played by the test): exact coverage, restart from checkpoint, bad inputs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
+use proto::PipelineConfig;
+use shm_ring::{Ring, WorkerId};
+use target_worker::data::{plan, Dataset};
+
+use crate::support::{unique, Proc};
+
+const CONFIG: &str = r#"
+[ring]
+slots = 16
+min_ready = 4
+[model]
+layers = 2
+hidden = 16
+[data]
+synthetic_samples = 150
+min_len = 16
+max_len = 512
+[target]
+token_budget = 2048
+tokens_per_s = 2000000.0
+[drafter]
+tokens_per_s = 2000000.0
+checkpoint_every = 2
+"#;
+
+/// A run directory under the system temp dir, removed when the test passes.
+struct RunDir(PathBuf);
+
+impl RunDir {
+    fn new(tag: &str) -> RunDir {
+        let p = std::env::temp_dir().join(unique(tag));
+        std::fs::create_dir_all(&p).unwrap();
+        RunDir(p)
+    }
+    fn config(&self, name: &str, extra: &str) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, format!("{CONFIG}{extra}")).unwrap();
+        p
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Creates the ring the launcher would, for `targets` × `drafters`; returns it and the number
+/// of samples.
+fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, usize) {
+    let cfg = PipelineConfig::load(config).unwrap();
+    let data = Dataset::load(&cfg).unwrap();
+    let batches = plan(&data, &cfg).len() as u64;
+    let params = cfg.ring_params(targets, drafters, batches).unwrap();
+    (Ring::create(name, &params).unwrap(), data.len())
+}
+
+fn worker(bin: &str, index: u32, ring: &str, run: &Path, config: &Path) -> Proc {
+    crate::support::spawn(
+        &crate::support::workspace_bin(bin),
+        &[
+            "--index",
+            &index.to_string(),
+            "--ring",
+            ring,
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    )
+}
+
+const TARGET: &str = "target-worker";
+const DRAFTER: &str = "drafter-worker";
+
+fn ledger(run: &Path, index: u32) -> Vec<LedgerLine> {
+    std::fs::read_to_string(ledger_path(run, index))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Samples trained, counted across all drafters' ledgers.
+fn trained(run: &Path, drafters: u32) -> HashMap<u64, u32> {
+    let mut n = HashMap::new();
+    for d in 0..drafters {
+        for line in ledger(run, d) {
+            for id in line.sample_ids {
+                *n.entry(id).or_default() += 1;
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn two_targets_two_drafters_train_every_sample_exactly_once() {
+    let run = RunDir::new("w2x2");
+    let config = run.config("run.toml", "");
+    let name = unique("w2x2");
+    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let drafters: Vec<Proc> = (0..2)
+        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
+        .collect();
+    let targets: Vec<Proc> = (0..2)
+        .map(|i| worker(TARGET, i, &name, &run.0, &config))
+        .collect();
+    for p in targets.into_iter().chain(drafters) {
+        p.finish();
+    }
+    let n = trained(&run.0, 2);
+    assert_eq!(n.len(), samples, "every sample trained");
+    assert!(n.values().all(|&c| c == 1), "none twice without a crash");
+    let s = ring.snapshot();
+    assert_eq!((s.work.done, s.work.total), (s.work.total, s.work.total));
+    assert!(s.closed);
+    // Both targets took part (work is claimed dynamically, not split in advance).
+    assert!(s.workers[0].items > 0 && s.workers[1].items > 0);
+    // Each worker's time is broken down by phase in its record.
+    for w in &s.workers[..2] {
+        assert!(w.phase_ns["compute"] > 0, "target compute time");
+    }
+    for w in &s.workers[2..] {
+        assert!(
+            w.phase_ns["compute"] > 0 && w.phase_ns["copy_in"] > 0,
+            "drafter phases"
+        );
+        assert!(w.phase_ns["checkpoint"] > 0, "drafter checkpoint time");
+    }
+    for d in 0..2 {
+        assert!(
+            checkpoint_path(&run.0, d).exists(),
+            "final checkpoint of drafter {d}"
+        );
+    }
+}
+
+#[test]
+fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
+    let run = RunDir::new("wcrash");
+    let config = run.config("run.toml", "");
+    let crashing = run.config("crash.toml", "[faults.drafter-0]\ncrash_after = 5\n");
+    let name = unique("wcrash");
+    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let victim = worker(DRAFTER, 0, &name, &run.0, &crashing);
+    let other = worker(DRAFTER, 1, &name, &run.0, &config);
+    let targets: Vec<Proc> = (0..2)
+        .map(|i| worker(TARGET, i, &name, &run.0, &config))
+        .collect();
+
+    let status = victim.wait_status();
+    assert!(!status.success(), "the injected crash kills drafter 0");
+    // The supervisor's part: recover the ring, restart the drafter alone.
+    let r = ring.recover(WorkerId::consumer(0)).unwrap();
+    assert_eq!(r.requeued, 1, "the batch it held goes back");
+    let before = ledger(&run.0, 0);
+    let last_ckpt_step = before.last().unwrap().step / 2 * 2;
+    let restarted = worker(DRAFTER, 0, &name, &run.0, &config);
+    for p in targets.into_iter().chain([other, restarted]) {
+        p.finish();
+    }
+    let after: Vec<LedgerLine> = ledger(&run.0, 0)
+        .into_iter()
+        .filter(|l| l.epoch == 2)
+        .collect();
+    assert!(!after.is_empty(), "the restarted drafter trained");
+    assert_eq!(
+        after[0].step,
+        last_ckpt_step + 1,
+        "its state carries on from the checkpoint"
+    );
+    let n = trained(&run.0, 2);
+    assert_eq!(
+        n.len(),
+        samples,
+        "every sample trained, including the one held at the crash"
+    );
+    let redelivered: Vec<u64> = (0..2)
+        .flat_map(|d| ledger(&run.0, d))
+        .filter(|l| l.delivery > 0)
+        .map(|l| l.batch_id)
+        .collect();
+    assert_eq!(redelivered.len(), 1);
+}
+
+fn run_bin(bin: &str, args: &[&str]) -> Output {
+    Command::new(crate::support::workspace_bin(bin))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn assert_error(out: &Output, want: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("error:") && err.contains(want),
+        "{err:?} should say {want:?}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let run = RunDir::new("wbad");
+    let config = run.config("run.toml", "");
+    let name = unique("wbad");
+    let (_ring, _) = make_ring(&name, &config, 1, 1);
+    let dir = run.0.to_str().unwrap();
+    let cfg = config.to_str().unwrap();
+
+    // A ring that does not exist.
+    let out = run_bin(
+        TARGET,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            "hspipe-nope",
+            "--run-dir",
+            dir,
+            "--config",
+            cfg,
+        ],
+    );
+    assert_error(&out, "hspipe-nope");
+
+    // A config field that does not exist, and one with a bad value.
+    let bad = run.config("bad.toml", "[drafter]\nspeed = 3\n");
+    let out = run_bin(
+        DRAFTER,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            bad.to_str().unwrap(),
+        ],
+    );
+    assert_error(&out, "bad.toml");
+
+    // A dataset file that is missing, and one with a malformed line.
+    let missing = run.config("missing.toml", "path = \"/nonexistent/data.jsonl\"\n");
+    std::fs::write(
+        &missing,
+        CONFIG.replace("[data]", "[data]\npath = \"/nonexistent/data.jsonl\""),
+    )
+    .unwrap();
+    let out = run_bin(
+        TARGET,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            missing.to_str().unwrap(),
+        ],
+    );
+    assert_error(&out, "/nonexistent/data.jsonl");
+    let data = run.0.join("data.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [1, 2]}\n{\"input_ids\": oops}\n").unwrap();
+    let malformed = run.0.join("malformed.toml");
+    std::fs::write(
+        &malformed,
+        CONFIG.replace(
+            "[data]",
+            &format!("[data]\npath = {:?}", data.to_str().unwrap()),
+        ),
+    )
+    .unwrap();
+    let out = run_bin(
+        TARGET,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            malformed.to_str().unwrap(),
+        ],
+    );
+    assert_error(&out, "data.jsonl:2");
+
+    // A worker index the ring does not have.
+    let out = run_bin(
+        TARGET,
+        &[
+            "--index",
+            "7",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            cfg,
+        ],
+    );
+    assert_error(&out, "producer 7");
+
+    // A config that plans a different number of batches than the ring was made for.
+    let other = run.0.join("other.toml");
+    std::fs::write(
+        &other,
+        CONFIG.replace("synthetic_samples = 150", "synthetic_samples = 40"),
+    )
+    .unwrap();
+    let out = run_bin(
+        TARGET,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            other.to_str().unwrap(),
+        ],
+    );
+    assert_error(&out, "disagree");
+
+    // A checkpoint that does not load.
+    std::fs::create_dir_all(run.0.join("checkpoints")).unwrap();
+    std::fs::write(checkpoint_path(&run.0, 0), b"garbage").unwrap();
+    let out = run_bin(
+        DRAFTER,
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir,
+            "--config",
+            cfg,
+        ],
+    );
+    assert_error(&out, "drafter-0.safetensors");
+
+    // Missing flags are usage errors.
+    let out = run_bin(TARGET, &["--index", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() {
+    let run = RunDir::new("tcrash");
+    let config = run.config("run.toml", "");
+    let crashing = run.config("crash.toml", "[faults.target-0]\ncrash_after = 3\n");
+    let name = unique("tcrash");
+    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let drafters: Vec<Proc> = (0..2)
+        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
+        .collect();
+    let victim = worker(TARGET, 0, &name, &run.0, &crashing);
+    let other = worker(TARGET, 1, &name, &run.0, &config);
+    assert!(
+        !victim.wait_status().success(),
+        "the injected crash kills target 0"
+    );
+    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    assert_eq!(r.freed, 1, "it died writing its third batch");
+    assert!(r.work_returned >= 1, "its unpublished claims go back");
+    let restarted = worker(TARGET, 0, &name, &run.0, &config);
+    for p in [other, restarted].into_iter().chain(drafters) {
+        p.finish();
+    }
+    let n = trained(&run.0, 2);
+    assert_eq!(n.len(), samples, "every sample trained");
+    assert!(
+        n.values().all(|&c| c == 1),
+        "exactly once: no batch published twice"
+    );
+    assert_eq!(ring.snapshot().workers[0].epoch, 2);
+}
+
+#[test]
+fn sigint_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
+    let run = RunDir::new("wint");
+    // Slow targets and more data, so the run is still going when the signal comes.
+    let config = run.0.join("slow.toml");
+    std::fs::write(
+        &config,
+        CONFIG
+            .replace("synthetic_samples = 150", "synthetic_samples = 600")
+            .replacen("tokens_per_s = 2000000.0", "tokens_per_s = 20000.0", 1),
+    )
+    .unwrap();
+    let name = unique("wint");
+    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let drafters: Vec<Proc> = (0..2)
+        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
+        .collect();
+    let targets: Vec<Proc> = (0..2)
+        .map(|i| worker(TARGET, i, &name, &run.0, &config))
+        .collect();
+    let deadline = std::time::Instant::now() + crate::support::WATCHDOG;
+    while ring.snapshot().counters.published < 2 {
+        assert!(std::time::Instant::now() < deadline, "nothing published");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    for t in &targets {
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(t.child.id() as i32, libc::SIGINT) }, 0);
+    }
+    for t in targets {
+        assert_eq!(t.wait_status().code(), Some(3), "a stopped target exits 3");
+    }
+    for d in drafters {
+        d.finish();
+    }
+    let s = ring.snapshot();
+    assert!(s.closed, "stopped targets still finish, so the ring closes");
+    assert!(s.work.done < s.work.total, "targets stopped claiming");
+    assert_eq!(s.work.claimed, 0, "prefetched claims were given back");
+    assert_eq!(
+        s.counters.released, s.counters.published,
+        "drafters drained the ring"
+    );
+    let n = trained(&run.0, 2);
+    assert!(n.len() < samples && n.values().all(|&c| c == 1));
+    for d in 0..2 {
+        assert!(checkpoint_path(&run.0, d).exists());
+    }
+}
+
+#[test]
+fn a_target_started_by_a_launcher_handshakes_and_reports() {
+    use ipc_channel::ipc::IpcOneShotServer;
+    use proto::control::{ToLauncher, ToWorker, PROTOCOL_VERSION};
+
+    let run = RunDir::new("whello");
+    let config = run.config("run.toml", "");
+    let name = unique("whello");
+    let (ring, _) = make_ring(&name, &config, 1, 1);
+    let batches = ring.params().work_items;
+    let (server, server_name) = IpcOneShotServer::<ToLauncher>::new().unwrap();
+    let target = crate::support::spawn(
+        &crate::support::workspace_bin(TARGET),
+        &["--index", "0", "--control", &server_name],
+    );
+    let drafter = worker(DRAFTER, 0, &name, &run.0, &config);
+    let (rx, hello) = server.accept().unwrap();
+    let ToLauncher::Hello {
+        version,
+        index,
+        reply,
+        ..
+    } = hello
+    else {
+        panic!("first message must be Hello");
+    };
+    assert_eq!((version, index), (PROTOCOL_VERSION, 0));
+    reply
+        .send(ToWorker::Welcome {
+            version: PROTOCOL_VERSION,
+            ring: name.clone(),
+            run_dir: run.0.clone(),
+            gpu: Some(4),
+            config_toml: std::fs::read_to_string(&config).unwrap(),
+        })
+        .unwrap();
+    let report = match rx.try_recv_timeout(crate::support::WATCHDOG).unwrap() {
+        ToLauncher::Report(r) => r,
+        other => panic!("expected a report, got {other:?}"),
+    };
+    assert!(report.complete);
+    assert_eq!(report.items, batches);
+    target.finish();
+    drafter.finish();
+    assert_eq!(ring.snapshot().workers[0].gpu, Some(4));
+}
+
+#[test]
+fn a_drafter_refuses_corrupt_batches_loudly_and_trains_nothing_from_them() {
+    let run = RunDir::new("wcorrupt");
+    let config = run.config("run.toml", "");
+    let name = unique("wcorrupt");
+    let (_ring, _) = make_ring(&name, &config, 1, 1);
+    let drafter = worker(DRAFTER, 0, &name, &run.0, &config);
+    // ring-peer publishes payloads that are not batches.
+    crate::support::ring_peer(&["produce", &name, "0", "3", "4096"]).finish();
+    let err = {
+        let status = drafter.wait_status_keep();
+        assert!(status.0.success(), "a refused batch is not a crash");
+        status.1
+    };
+    assert_eq!(err.matches("refusing a corrupt batch").count(), 3, "{err}");
+    assert!(ledger(&run.0, 0).is_empty());
+}
