@@ -34,6 +34,8 @@ pub struct Faults {
     pub hang_after: Option<u64>,
     /// Multiplies simulated time (absent: normal speed).
     pub slow: Option<f64>,
+    /// Crash right after start-up, every time (a crash loop).
+    pub crash_at_start: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

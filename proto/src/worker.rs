@@ -131,6 +131,20 @@ pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
     init_logging(&name);
     install_signal_handlers().map_err(SetupError::Signal)?;
     let stop = StopFlags::default();
+    let setup = connect_or_read(args, role, name, stop)?;
+    if setup.config.faults_for(&setup.name).crash_at_start {
+        tracing::error!("injected crash at start");
+        std::process::abort();
+    }
+    Ok(setup)
+}
+
+fn connect_or_read(
+    args: &WorkerArgs,
+    role: WorkerRole,
+    name: String,
+    stop: StopFlags,
+) -> Result<Setup, SetupError> {
     match &args.control {
         Some(server) => {
             let link = control::connect(server, role, args.index, Duration::from_secs(30))?;

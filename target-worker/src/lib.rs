@@ -6,7 +6,7 @@
 pub mod data;
 
 use std::sync::mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -138,7 +138,21 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 continue;
             }
             let len = batch_len(&prep.spec)? as usize;
-            let mut slot = producer.reserve(len)?;
+            // Wait for a free slot, but keep an eye on stop requests: with every drafter gone
+            // the ring stays full, and a stop must still get through.
+            let slot = loop {
+                if let Some(slot) = producer.reserve_timeout(len, Duration::from_millis(200))? {
+                    break Some(slot);
+                }
+                if s.stop.stopping() {
+                    break None;
+                }
+            };
+            let Some(mut slot) = slot else {
+                producer.unclaim_work(prep.item)?;
+                stopped = true;
+                continue;
+            };
             let t = Instant::now();
             let mut w = BatchWriter::new(slot.payload_mut(), &prep.spec)?;
             let (ids, mask, hidden) = w.sections_mut();
