@@ -1,4 +1,550 @@
-//! Launcher: one process per GPU, supervision and restart, signals, monitor, summary.
-//!
-//! Not built yet: this crate is a placeholder in the workspace layout of DESIGN.md §2 and is
-//! filled by a later issue.
+//! The launcher: creates the ring, starts one worker process per GPU, restarts a crashed worker
+//! alone while the others keep running, stops in order on SIGINT/SIGTERM, shows a live monitor
+//! and writes the run directory's `summary.json`.
+
+pub mod gpus;
+mod monitor;
+mod spawn;
+mod summary;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Parser, ValueEnum};
+use ipc_channel::ipc::IpcSender;
+use proto::control::{FinalReport, ToWorker, WorkerRole};
+use proto::PipelineConfig;
+use shm_ring::{Ring, WorkerId};
+use target_worker::data::{plan, Dataset};
+
+use crate::spawn::{Event, Key, Welcome, WorkerExe};
+
+/// Exit codes (also in the README).
+pub mod exit {
+    /// Every sample was trained.
+    pub const OK: i32 = 0;
+    /// An error stopped the run (the message says which).
+    pub const ERROR: i32 = 1;
+    /// Bad command line.
+    pub const USAGE: i32 = 2;
+    /// The run ended but degraded: a worker gave up past its restart limit or samples were
+    /// left untrained; `summary.json` says why.
+    pub const DEGRADED: i32 = 3;
+    /// Stopped by SIGINT/SIGTERM after draining cleanly.
+    pub const INTERRUPTED: i32 = 130;
+    /// Stopped by a second SIGINT/SIGTERM: workers were killed.
+    pub const KILLED: i32 = 131;
+}
+
+/// Train speculative-decoding drafters from frozen target models, one process per GPU.
+///
+/// Targets turn training text into hidden states; drafters learn from them; batches move
+/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C stops targets,
+/// lets drafters drain and checkpoint, then exits (a second Ctrl-C kills at once).
+///
+/// Examples:
+///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data
+///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
+///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
+///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
+///
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, metrics.jsonl and
+/// summary.json. Watch a run from another terminal with `shm-ring-stat --list`.
+#[derive(Parser, Debug)]
+#[command(name = "launcher", version, verbatim_doc_comment)]
+pub struct Args {
+    /// GPUs for target workers: 0-4, 0,2,4 or 0-2,6.
+    #[arg(long, value_parser = gpus::gpu_list_arg)]
+    pub targets: gpus::GpuList,
+    /// GPUs for drafter workers, same syntax.
+    #[arg(long, value_parser = gpus::gpu_list_arg)]
+    pub drafters: gpus::GpuList,
+    /// Allow a GPU in both lists (for machines with a single GPU).
+    #[arg(long)]
+    pub share_gpus: bool,
+    /// Compute backend; auto uses cuda where an NVIDIA driver is present, else mock.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    pub backend: Backend,
+    /// Pipeline config (TOML); every field has a default.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Training data: JSONL with input_ids (and optional loss_mask) per line.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub data: Option<PathBuf>,
+    /// Use N samples of the built-in synthetic dataset (the default when --data is absent).
+    #[arg(long)]
+    pub synthetic: Option<u64>,
+    /// Run directory (default: runs/<run id>). Must not hold an earlier run.
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Restarts allowed per worker before it is given up.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: u32,
+    /// Seconds between monitor updates.
+    #[arg(long, default_value_t = 1.0)]
+    pub monitor: f64,
+    /// Directory holding target-worker and drafter-worker (default: beside the launcher).
+    #[arg(long)]
+    pub worker_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Auto,
+    Mock,
+    Cuda,
+}
+
+/// True if an NVIDIA driver library can be loaded. Never panics where none exists.
+fn nvidia_driver_present() -> bool {
+    let name = c"libcuda.so.1";
+    // SAFETY: dlopen with a valid NUL-terminated name; the handle is closed right away.
+    unsafe {
+        let h = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            false
+        } else {
+            libc::dlclose(h);
+            true
+        }
+    }
+}
+
+fn choose_backend(b: Backend) -> anyhow::Result<String> {
+    let driver = nvidia_driver_present();
+    match b {
+        Backend::Mock => Ok("mock (requested)".into()),
+        Backend::Auto if !driver => Ok("mock (no NVIDIA driver found)".into()),
+        Backend::Auto => {
+            Ok("mock (an NVIDIA driver is present, but the cuda backend is not built yet)".into())
+        }
+        Backend::Cuda if !driver => {
+            bail!("--backend cuda: no NVIDIA driver (libcuda.so.1) on this machine; use --backend mock")
+        }
+        Backend::Cuda => {
+            bail!("--backend cuda: the cuda backend is not built yet; use --backend mock")
+        }
+    }
+}
+
+/// A usage error: printed like clap's, exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for UsageError {}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Running,
+    /// Waiting out the backoff before a restart.
+    Backoff(Instant),
+    /// Exited 0: its part is complete.
+    Done,
+    /// Exited after a stop request.
+    Stopped,
+    /// Crashed past its restart limit.
+    GaveUp,
+}
+
+struct Worker {
+    role: WorkerRole,
+    index: u32,
+    gpu: u32,
+    child: Option<Child>,
+    pid: u32,
+    spawns: u32,
+    restarts: u32,
+    phase: Phase,
+    control: Option<IpcSender<ToWorker>>,
+    report: Option<FinalReport>,
+}
+
+impl Worker {
+    fn key(&self) -> Key {
+        Key {
+            role: self.role,
+            index: self.index,
+            spawn: self.spawns.saturating_sub(1),
+        }
+    }
+    fn name(&self) -> String {
+        match self.role {
+            WorkerRole::Target => format!("target-{}", self.index),
+            WorkerRole::Drafter => format!("drafter-{}", self.index),
+        }
+    }
+    fn ring_id(&self) -> WorkerId {
+        match self.role {
+            WorkerRole::Target => WorkerId::producer(self.index),
+            WorkerRole::Drafter => WorkerId::consumer(self.index),
+        }
+    }
+    fn finished(&self) -> bool {
+        matches!(self.phase, Phase::Done | Phase::Stopped | Phase::GaveUp)
+    }
+}
+
+fn backoff(restarts: u32) -> Duration {
+    Duration::from_millis(200 * (1u64 << restarts.min(5))).min(Duration::from_secs(5))
+}
+
+/// Everything a finished run knows, for the summary.
+pub struct Outcome {
+    pub exit_code: i32,
+    pub notes: Vec<String>,
+}
+
+/// Runs the launcher; returns the process exit code.
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let (targets, drafters) = (&args.targets.0, &args.drafters.0);
+    let shared = gpus::overlap(targets, drafters);
+    if !shared.is_empty() && !args.share_gpus {
+        return Err(UsageError(format!(
+            "GPU(s) {shared:?} are in both --targets and --drafters; pass --share-gpus to allow that on a machine with few GPUs"
+        ))
+        .into());
+    }
+    if !(args.monitor.is_finite() && args.monitor > 0.0) {
+        return Err(UsageError(format!(
+            "--monitor must be a positive number of seconds, got {}",
+            args.monitor
+        ))
+        .into());
+    }
+    let mut cfg = match &args.config {
+        Some(p) => PipelineConfig::load(p)?,
+        None => PipelineConfig::default(),
+    };
+    if let Some(p) = &args.data {
+        cfg.data.path = Some(p.clone());
+    }
+    if let Some(n) = args.synthetic {
+        cfg.data.path = None;
+        cfg.data.synthetic_samples = n;
+    }
+    cfg.validate().context("checking the config")?;
+    let backend = choose_backend(args.backend)?;
+    let exes = [
+        WorkerExe::find(WorkerRole::Target, args.worker_dir.as_deref())?,
+        WorkerExe::find(WorkerRole::Drafter, args.worker_dir.as_deref())?,
+    ];
+
+    let data = Dataset::load(&cfg).context("loading the dataset")?;
+    let batches = plan(&data, &cfg);
+    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
+    let params = cfg
+        .ring_params(nt, nd, batches.len() as u64)
+        .context("sizing the ring")?;
+
+    let run_id = format!(
+        "{}-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        std::process::id()
+    );
+    let run_dir = args
+        .run_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
+    prepare_run_dir(&run_dir)?;
+    std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
+        .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+
+    let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
+    let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+    proto::worker::install_signal_counter().context("installing signal handlers")?;
+
+    println!(
+        "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {backend}",
+        nt, targets, nd, drafters
+    );
+    println!(
+        "data: {} ({} samples, {} batches); ring {ring_name} ({} slots x {} KiB); run dir {}",
+        data.source,
+        data.len(),
+        batches.len(),
+        params.slots,
+        params.slot_size / 1024,
+        run_dir.display()
+    );
+
+    let welcome = Welcome {
+        ring: ring_name.clone(),
+        run_dir: run_dir.clone(),
+        config_toml: cfg.to_toml(),
+    };
+    let mut workers: Vec<Worker> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, &gpu)| (WorkerRole::Target, i as u32, gpu))
+        .chain(
+            drafters
+                .iter()
+                .enumerate()
+                .map(|(i, &gpu)| (WorkerRole::Drafter, i as u32, gpu)),
+        )
+        .map(|(role, index, gpu)| Worker {
+            role,
+            index,
+            gpu,
+            child: None,
+            pid: 0,
+            spawns: 0,
+            restarts: 0,
+            phase: Phase::Backoff(Instant::now()),
+            control: None,
+            report: None,
+        })
+        .collect();
+
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut mon = monitor::Monitor::new(
+        &run_dir,
+        batches.len() as u64,
+        Duration::from_secs_f64(args.monitor),
+    )?;
+    let mut notes: Vec<String> = Vec::new();
+    let mut stopping = false;
+    let mut killed = false;
+
+    loop {
+        // 1. Signals: the first stops in order, the second kills.
+        let signals = proto::worker::signals_received();
+        if signals >= 1 && !stopping {
+            stopping = true;
+            mon.say("stopping: targets stop claiming, drafters drain and checkpoint (Ctrl-C again to kill)");
+            for w in &workers {
+                if let Some(c) = &w.control {
+                    let _ = c.send(ToWorker::Stop);
+                }
+            }
+        }
+        if signals >= 2 {
+            mon.say("second signal: killing every worker");
+            for w in &mut workers {
+                if let Some(mut c) = w.child.take() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                if !w.finished() {
+                    w.phase = Phase::Stopped;
+                }
+            }
+            killed = true;
+            break;
+        }
+
+        // 2. Messages from handshake threads.
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                Event::Connected(key, sender) => {
+                    if let Some(w) = workers.iter_mut().find(|w| w.key() == key) {
+                        if stopping {
+                            let _ = sender.send(ToWorker::Stop);
+                        }
+                        w.control = Some(sender);
+                    }
+                }
+                Event::Report(key, r) => {
+                    if let Some(w) = workers.iter_mut().find(|w| w.key() == key) {
+                        w.report = Some(r);
+                    }
+                }
+                Event::HandshakeFailed(key, why) => {
+                    mon.say(&format!(
+                        "{:?} {}: handshake failed: {why}",
+                        key.role, key.index
+                    ));
+                }
+            }
+        }
+
+        // 3. Exits, recoveries, restarts.
+        let drafters_left = workers
+            .iter()
+            .filter(|w| w.role == WorkerRole::Drafter && !matches!(w.phase, Phase::GaveUp))
+            .count();
+        for w in &mut workers {
+            if let Some(child) = &mut w.child {
+                let Some(status) = child.try_wait().context("waiting for a worker")? else {
+                    continue;
+                };
+                w.child = None;
+                w.control = None;
+                match status.code() {
+                    Some(0) => w.phase = Phase::Done,
+                    Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
+                    _ => {
+                        let r = ring.recover(w.ring_id())?;
+                        let what = format!(
+                            "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
+                            w.name(),
+                            w.pid,
+                            r.requeued,
+                            r.freed,
+                            r.work_returned
+                        );
+                        mon.say(&what);
+                        let stop_target = stopping && w.role == WorkerRole::Target;
+                        if w.restarts < args.max_restarts && !stop_target {
+                            w.phase = Phase::Backoff(Instant::now() + backoff(w.restarts));
+                            w.restarts += 1;
+                        } else {
+                            w.phase = if stop_target {
+                                Phase::Stopped
+                            } else {
+                                Phase::GaveUp
+                            };
+                            if !stop_target {
+                                let note = format!(
+                                    "{} gave up after {} restart(s); log: {}",
+                                    w.name(),
+                                    w.restarts,
+                                    log_path(&run_dir, w).display()
+                                );
+                                mon.say(&note);
+                                notes.push(note);
+                            }
+                            if w.role == WorkerRole::Target {
+                                // Count it as finished so the ring still closes.
+                                ring.retire(w.index)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // With every drafter gone nothing can drain the ring: stop the targets.
+        if drafters_left == 0 && !stopping {
+            stopping = true;
+            let note = "no drafter left: stopping the targets".to_string();
+            mon.say(&note);
+            notes.push(note);
+            for w in &workers {
+                if let Some(c) = &w.control {
+                    let _ = c.send(ToWorker::Stop);
+                }
+            }
+        }
+        let now = Instant::now();
+        for w in &mut workers {
+            if let Phase::Backoff(at) = w.phase {
+                if now >= at {
+                    let exe = &exes[usize::from(w.role == WorkerRole::Drafter)];
+                    let key = Key {
+                        role: w.role,
+                        index: w.index,
+                        spawn: w.spawns,
+                    };
+                    let child = spawn::spawn(
+                        exe,
+                        key,
+                        w.gpu,
+                        &log_path(&run_dir, w),
+                        &welcome,
+                        tx.clone(),
+                    )
+                    .with_context(|| format!("starting {}", w.name()))?;
+                    if w.spawns > 0 {
+                        mon.say(&format!(
+                            "{} restarted (restart {} of at most {}), pid {}",
+                            w.name(),
+                            w.restarts,
+                            args.max_restarts,
+                            child.id()
+                        ));
+                    }
+                    w.pid = child.id();
+                    w.spawns += 1;
+                    w.child = Some(child);
+                    w.phase = Phase::Running;
+                }
+            }
+        }
+
+        // 4. Monitor.
+        let restarts: u32 = workers.iter().map(|w| w.restarts).sum();
+        mon.tick(&ring, restarts, started)?;
+
+        if workers.iter().all(Worker::finished) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    mon.finish();
+
+    let wall = started.elapsed();
+    let snap = ring.snapshot();
+    let mut exit_code = exit::OK;
+    if killed {
+        exit_code = exit::KILLED;
+    } else if stopping && proto::worker::signals_received() > 0 {
+        exit_code = exit::INTERRUPTED;
+    }
+    let restarts: HashMap<String, u32> = workers.iter().map(|w| (w.name(), w.restarts)).collect();
+    let summary = summary::build(
+        &run_dir,
+        &ring_name,
+        &backend,
+        &snap,
+        data.len() as u64,
+        nd,
+        wall,
+        &restarts,
+    )?;
+    if exit_code == exit::OK
+        && (!notes.is_empty() || summary.samples_trained < summary.samples_total)
+    {
+        exit_code = exit::DEGRADED;
+        if summary.samples_trained < summary.samples_total {
+            notes.push(format!(
+                "{} of {} samples were not trained",
+                summary.samples_total - summary.samples_trained,
+                summary.samples_total
+            ));
+        }
+    }
+    let summary = summary::finalise(summary, exit_code, notes);
+    summary::write(&run_dir, &summary)?;
+    summary::print(&summary);
+    drop(ring);
+    Ok(exit_code)
+}
+
+fn log_path(run_dir: &Path, w: &Worker) -> PathBuf {
+    run_dir.join("logs").join(format!("{}.log", w.name()))
+}
+
+/// Creates the run directory's layout; refuses one that already holds a run.
+fn prepare_run_dir(dir: &Path) -> anyhow::Result<()> {
+    for sub in ["ledger", "checkpoints"] {
+        let p = dir.join(sub);
+        if p.read_dir()
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false)
+        {
+            bail!(
+                "run directory {} already holds a run ({} is not empty): pick another --run-dir",
+                dir.display(),
+                p.display()
+            );
+        }
+    }
+    for sub in ["logs", "ledger", "checkpoints"] {
+        std::fs::create_dir_all(dir.join(sub))
+            .with_context(|| format!("creating {}", dir.join(sub).display()))?;
+    }
+    Ok(())
+}

@@ -1,6 +1,32 @@
-//! The launcher is not built yet; this placeholder says so instead of pretending to run.
+use clap::Parser;
 
 fn main() {
-    eprintln!("error: the launcher is not built yet (see `issues`: launcher); shm-ring is ready");
-    std::process::exit(2);
+    // Worker mode: the launcher runs the workers itself when their binaries are not beside it.
+    let mut argv: Vec<String> = std::env::args().collect();
+    if argv.len() > 1 && (argv[1] == "worker-target" || argv[1] == "worker-drafter") {
+        let mode = argv.remove(1);
+        let code = if mode == "worker-target" {
+            target_worker::run(target_worker::Args::parse_from(&argv))
+        } else {
+            drafter_worker::run(drafter_worker::Args::parse_from(&argv))
+        };
+        exit_with(code);
+    }
+    let args = launcher::Args::parse();
+    exit_with(launcher::run(args));
+}
+
+fn exit_with(r: anyhow::Result<i32>) -> ! {
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            let usage = e.downcast_ref::<launcher::UsageError>().is_some();
+            std::process::exit(if usage {
+                launcher::exit::USAGE
+            } else {
+                launcher::exit::ERROR
+            });
+        }
+    }
 }

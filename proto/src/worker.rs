@@ -80,13 +80,25 @@ impl StopFlags {
 }
 
 static SIGNALS: AtomicU32 = AtomicU32::new(0);
+static EXIT_ON_SECOND: AtomicBool = AtomicBool::new(true);
 
 extern "C" fn on_signal(_: libc::c_int) {
-    // Async-signal-safe: one atomic add, and `_exit` on the second signal.
-    if SIGNALS.fetch_add(1, Ordering::Relaxed) >= 1 {
+    // Async-signal-safe: atomics, and `_exit` on the second signal if asked to.
+    if SIGNALS.fetch_add(1, Ordering::Relaxed) >= 1 && EXIT_ON_SECOND.load(Ordering::Relaxed) {
         // SAFETY: _exit is async-signal-safe and ends the process at once.
         unsafe { libc::_exit(130) };
     }
+}
+
+/// SIGINT/SIGTERM received so far.
+pub fn signals_received() -> u32 {
+    SIGNALS.load(Ordering::Relaxed)
+}
+
+/// Counts SIGINT/SIGTERM without exiting (the launcher decides what each one means).
+pub fn install_signal_counter() -> std::io::Result<()> {
+    EXIT_ON_SECOND.store(false, Ordering::Relaxed);
+    install_signal_handlers()
 }
 
 /// SIGINT/SIGTERM: the first asks for a graceful stop, the second exits at once.

@@ -1,0 +1,178 @@
+//! The live monitor: a progress bar on a terminal, plain periodic lines otherwise, and one JSON
+//! line per tick in `metrics.jsonl`.
+
+use std::fs::File;
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use shm_ring::{Ring, Role, Snapshot, WorkerSnapshot};
+
+/// One monitor tick, as written to metrics.jsonl.
+#[derive(Serialize)]
+struct Tick {
+    t_s: f64,
+    tokens_per_s: f64,
+    batches_trained: u64,
+    batches_total: u64,
+    ring_ready: u32,
+    ring_in_use: u32,
+    ring_slots: u32,
+    ready_per_bucket: Vec<u32>,
+    targets_busy: f64,
+    drafters_busy: f64,
+    targets_waiting: f64,
+    drafters_waiting: f64,
+    restarts: u32,
+    closed: bool,
+}
+
+pub struct Monitor {
+    metrics: File,
+    total: u64,
+    every: Duration,
+    last: Option<(Instant, Snapshot)>,
+    bar: Option<ProgressBar>,
+}
+
+/// Mean fraction of the interval that workers of `role` spent (busy, waiting), from the
+/// growth of their phase counters between two snapshots.
+fn fractions(prev: &Snapshot, now: &Snapshot, role: Role, dt_ns: f64) -> (f64, f64) {
+    let pick = |s: &Snapshot| -> Vec<WorkerSnapshot> {
+        s.workers
+            .iter()
+            .filter(|w| w.role == role)
+            .cloned()
+            .collect()
+    };
+    let (a, b) = (pick(prev), pick(now));
+    if b.is_empty() || dt_ns <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let mut busy = 0.0;
+    let mut wait = 0.0;
+    for (x, y) in a.iter().zip(&b) {
+        busy += y.busy_ns().saturating_sub(x.busy_ns()) as f64;
+        wait += y.wait_ns().saturating_sub(x.wait_ns()) as f64;
+    }
+    let n = b.len() as f64 * dt_ns;
+    ((busy / n).min(1.0), (wait / n).min(1.0))
+}
+
+fn drafter_tokens(s: &Snapshot) -> u64 {
+    s.workers
+        .iter()
+        .filter(|w| w.role == Role::Consumer)
+        .map(|w| w.tokens)
+        .sum()
+}
+
+impl Monitor {
+    pub fn new(run_dir: &Path, total: u64, every: Duration) -> anyhow::Result<Monitor> {
+        let path = run_dir.join("metrics.jsonl");
+        let metrics =
+            File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        let bar = std::io::stdout().is_terminal().then(|| {
+            let b = ProgressBar::new(total);
+            b.set_style(
+                ProgressStyle::with_template(
+                    "{elapsed_precise} [{bar:30}] {pos}/{len} batches  {msg}  ETA {eta}",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            b
+        });
+        Ok(Monitor {
+            metrics,
+            total,
+            every,
+            last: None,
+            bar,
+        })
+    }
+
+    /// Prints an event line without breaking the progress bar.
+    pub fn say(&self, msg: &str) {
+        match &self.bar {
+            Some(b) => b.println(msg),
+            None => println!("{msg}"),
+        }
+    }
+
+    pub fn tick(&mut self, ring: &Ring, restarts: u32, started: Instant) -> anyhow::Result<()> {
+        let now = Instant::now();
+        let Some((at, prev)) = &self.last else {
+            self.last = Some((now, ring.snapshot()));
+            return Ok(());
+        };
+        if now.duration_since(*at) < self.every {
+            return Ok(());
+        }
+        let snap = ring.snapshot();
+        let dt_ns = snap.taken_at_ns.saturating_sub(prev.taken_at_ns) as f64;
+        let (tb, tw) = fractions(prev, &snap, Role::Producer, dt_ns);
+        let (db, dw) = fractions(prev, &snap, Role::Consumer, dt_ns);
+        let tokens = drafter_tokens(&snap).saturating_sub(drafter_tokens(prev));
+        let t = Tick {
+            t_s: started.elapsed().as_secs_f64(),
+            tokens_per_s: if dt_ns > 0.0 {
+                tokens as f64 / (dt_ns / 1e9)
+            } else {
+                0.0
+            },
+            batches_trained: snap.counters.released,
+            batches_total: self.total,
+            ring_ready: snap.slots.ready,
+            ring_in_use: snap.slots.ready + snap.slots.writing + snap.slots.reading,
+            ring_slots: snap.params.slots,
+            ready_per_bucket: snap.ready_per_bucket.clone(),
+            targets_busy: tb,
+            drafters_busy: db,
+            targets_waiting: tw,
+            drafters_waiting: dw,
+            restarts,
+            closed: snap.closed,
+        };
+        writeln!(self.metrics, "{}", serde_json::to_string(&t)?)?;
+        let rate = if t.tokens_per_s >= 1000.0 {
+            format!("{:.1}k tok/s", t.tokens_per_s / 1000.0)
+        } else {
+            format!("{:.0} tok/s", t.tokens_per_s)
+        };
+        match &self.bar {
+            Some(b) => {
+                b.set_position(t.batches_trained);
+                b.set_message(format!(
+                    "{rate}  ring {}/{}  busy T {:.0}% D {:.0}%  restarts {restarts}",
+                    t.ring_ready,
+                    t.ring_slots,
+                    tb * 100.0,
+                    db * 100.0
+                ));
+            }
+            None => println!(
+                "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}",
+                t.t_s,
+                t.batches_trained,
+                t.batches_total,
+                t.ring_ready,
+                t.ring_slots,
+                t.ready_per_bucket,
+                tb * 100.0,
+                db * 100.0
+            ),
+        }
+        self.last = Some((now, snap));
+        Ok(())
+    }
+
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}

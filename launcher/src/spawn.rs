@@ -1,0 +1,199 @@
+//! Starting one worker process: its binary, its GPU, its log, a parent-death signal, and the
+//! control-channel handshake (in a thread, so a worker that dies before connecting cannot block
+//! the supervisor).
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Sender;
+
+use anyhow::{bail, Context};
+use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
+use proto::control::{FinalReport, ToLauncher, ToWorker, WorkerRole, PROTOCOL_VERSION};
+
+/// Which worker, and which incarnation of it (restarts get a new `spawn`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Key {
+    pub role: WorkerRole,
+    pub index: u32,
+    pub spawn: u32,
+}
+
+/// What handshake threads tell the supervisor.
+pub enum Event {
+    Connected(Key, IpcSender<ToWorker>),
+    Report(Key, FinalReport),
+    HandshakeFailed(Key, String),
+}
+
+/// How to run a worker: a separate binary, or the launcher itself in worker mode.
+#[derive(Clone, Debug)]
+pub enum WorkerExe {
+    Binary(PathBuf),
+    SelfAs(&'static str),
+}
+
+impl WorkerExe {
+    /// The worker binaries beside the launcher (or in `dir`); without `dir`, falls back to the
+    /// launcher's own worker mode when they are not there (e.g. after `cargo run -p launcher`).
+    pub fn find(role: WorkerRole, dir: Option<&Path>) -> anyhow::Result<WorkerExe> {
+        let (name, mode) = match role {
+            WorkerRole::Target => ("target-worker", "worker-target"),
+            WorkerRole::Drafter => ("drafter-worker", "worker-drafter"),
+        };
+        match dir {
+            Some(d) => {
+                let p = d.join(name);
+                if !p.is_file() {
+                    bail!(
+                        "worker binary not found: {} (check --worker-dir)",
+                        p.display()
+                    );
+                }
+                Ok(WorkerExe::Binary(p))
+            }
+            None => {
+                let me = std::env::current_exe().context("finding the launcher's own path")?;
+                let beside = me.with_file_name(name);
+                Ok(if beside.is_file() {
+                    WorkerExe::Binary(beside)
+                } else {
+                    WorkerExe::SelfAs(mode)
+                })
+            }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            WorkerExe::Binary(p) => p.display().to_string(),
+            WorkerExe::SelfAs(mode) => format!("launcher {mode}"),
+        }
+    }
+}
+
+/// What the supervisor passes to every worker in its Welcome.
+#[derive(Clone)]
+pub struct Welcome {
+    pub ring: String,
+    pub run_dir: PathBuf,
+    pub config_toml: String,
+}
+
+/// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
+/// forwards its messages as `Event`s.
+pub fn spawn(
+    exe: &WorkerExe,
+    key: Key,
+    gpu: u32,
+    log: &Path,
+    welcome: &Welcome,
+    events: Sender<Event>,
+) -> anyhow::Result<Child> {
+    let (server, server_name) =
+        IpcOneShotServer::<ToLauncher>::new().context("opening a control channel")?;
+    let mut logf = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("opening log {}", log.display()))?;
+    writeln!(
+        logf,
+        "--- launcher: starting (incarnation {}) on GPU {gpu}",
+        key.spawn + 1
+    )?;
+    let mut cmd = match exe {
+        WorkerExe::Binary(p) => Command::new(p),
+        WorkerExe::SelfAs(mode) => {
+            let mut c = Command::new(std::env::current_exe()?);
+            c.arg(mode);
+            c
+        }
+    };
+    cmd.args(["--index", &key.index.to_string(), "--control", &server_name])
+        .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone()?)
+        .stderr(logf);
+    let parent = std::process::id() as i32;
+    // SAFETY: the closure runs in the child between fork and exec and only makes
+    // async-signal-safe system calls (prctl, getppid, setpgid, _exit).
+    unsafe {
+        cmd.pre_exec(move || {
+            // Die with the launcher, even if it is SIGKILLed.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died before prctl took effect.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            // Own process group: a terminal's Ctrl-C reaches the launcher only, which then
+            // stops the workers in order.
+            libc::setpgid(0, 0);
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", exe.describe()))?;
+    let welcome = welcome.clone();
+    std::thread::spawn(move || handshake(server, key, gpu, welcome, events));
+    Ok(child)
+}
+
+fn handshake(
+    server: IpcOneShotServer<ToLauncher>,
+    key: Key,
+    gpu: u32,
+    welcome: Welcome,
+    events: Sender<Event>,
+) {
+    let failed = |why: String| {
+        let _ = events.send(Event::HandshakeFailed(key, why));
+    };
+    // Blocks until the worker connects; a worker that dies first leaves this thread waiting,
+    // which costs nothing (bounded by the restart limit).
+    let (rx, hello) = match server.accept() {
+        Ok(x) => x,
+        Err(e) => return failed(format!("accept: {e:?}")),
+    };
+    let ToLauncher::Hello {
+        version,
+        role,
+        index,
+        reply,
+        ..
+    } = hello
+    else {
+        return failed("the first message was not Hello".into());
+    };
+    if version != PROTOCOL_VERSION || role != key.role || index != key.index {
+        let why = format!(
+            "expected {:?} {} speaking protocol {PROTOCOL_VERSION}, got {role:?} {index} speaking {version}",
+            key.role, key.index
+        );
+        let _ = reply.send(ToWorker::Refused { why: why.clone() });
+        return failed(why);
+    }
+    let sent = reply.send(ToWorker::Welcome {
+        version: PROTOCOL_VERSION,
+        ring: welcome.ring,
+        run_dir: welcome.run_dir,
+        gpu: Some(gpu),
+        config_toml: welcome.config_toml,
+    });
+    if sent.is_err() {
+        return failed("the worker went away during the handshake".into());
+    }
+    if events.send(Event::Connected(key, reply)).is_err() {
+        return;
+    }
+    while let Ok(msg) = rx.recv() {
+        if let ToLauncher::Report(r) = msg {
+            let _ = events.send(Event::Report(key, r));
+        }
+    }
+}
