@@ -1,0 +1,401 @@
+//! The launcher end to end on the mock backend: full runs, crashes from outside, SIGINT, bad
+//! input, crash loops. Every run uses its own run directory and ring.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
+use shm_ring::{Ring, Snapshot};
+
+use crate::support::{spawn, unique, workspace_bin, Proc, WATCHDOG};
+
+/// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
+fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
+    let speed = if slow { 8_000.0 } else { 2_000_000.0 };
+    let text = format!(
+        r#"
+[ring]
+slots = 24
+min_ready = 4
+[model]
+layers = 2
+hidden = 16
+[data]
+synthetic_samples = 400
+min_len = 16
+max_len = 512
+[target]
+token_budget = 2048
+tokens_per_s = {speed:.1}
+[drafter]
+tokens_per_s = {speed:.1}
+checkpoint_every = 3
+{extra}
+"#
+    );
+    let p = dir.join("test.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+struct Run {
+    dir: PathBuf,
+}
+
+impl Run {
+    fn new(tag: &str) -> Run {
+        let dir = std::env::temp_dir().join(unique(tag));
+        std::fs::create_dir_all(&dir).unwrap();
+        Run { dir }
+    }
+    fn run_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+        let run_dir = self.run_dir();
+        let mut args = vec![
+            "--targets",
+            "0-4",
+            "--drafters",
+            "5-7",
+            "--monitor",
+            "0.2",
+            "--config",
+            config.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        spawn(&workspace_bin("launcher"), &args)
+    }
+    fn summary(&self) -> serde_json::Value {
+        let text = std::fs::read_to_string(self.run_dir().join("summary.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+    fn ledgers(&self) -> Vec<LedgerLine> {
+        (0..3)
+            .flat_map(|d| {
+                std::fs::read_to_string(ledger_path(&self.run_dir(), d))
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|l| serde_json::from_str::<LedgerLine>(l).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Reads the launcher's start-up lines for the ring name and attaches to it read-only.
+fn attach(launcher: &mut Proc) -> Ring {
+    let line = launcher.line_starting("data:");
+    let name = line
+        .split("ring ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no ring name in {line:?}"));
+    Ring::open_read_only(name).unwrap()
+}
+
+fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
+    let deadline = Instant::now() + WATCHDOG;
+    loop {
+        let s = ring.snapshot();
+        if f(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
+    let mut n = HashMap::new();
+    for l in lines {
+        for &id in &l.sample_ids {
+            *n.entry(id).or_default() += 1;
+        }
+    }
+    n
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn kill(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a pid we read from the ring's worker table.
+    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0, "kill {pid}");
+}
+
+/// Nothing of launcher `pid` is left in /dev/shm (its ring is `hspipe-<secs>-<pid>`).
+fn no_segment_of(pid: u32) {
+    let suffix = format!("-{pid}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("hspipe-") && n.ends_with(&suffix))
+        .collect();
+    assert!(left.is_empty(), "segments left behind: {left:?}");
+}
+
+#[test]
+fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
+    let run = Run::new("l5x3");
+    let cfg = config(&run.dir, false, "");
+    let launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    no_segment_of(pid);
+    let s = run.summary();
+    let lines = run.ledgers();
+    let counts = sample_counts(&lines);
+    assert_eq!(s["ok"], true);
+    assert_eq!(s["samples_total"], 400);
+    assert_eq!(counts.len(), 400, "every sample trained");
+    assert!(
+        counts.values().all(|&c| c == 1),
+        "none twice without a crash"
+    );
+    assert_eq!(s["samples_trained"], counts.len() as u64);
+    assert_eq!(s["batches_trained"], lines.len() as u64);
+    assert_eq!(s["batches_published"], s["batches_total"]);
+    assert_eq!(
+        s["tokens_trained"],
+        lines.iter().map(|l| l.tokens).sum::<u64>()
+    );
+    let workers = s["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 8);
+    let gpus: Vec<u64> = workers.iter().map(|w| w["gpu"].as_u64().unwrap()).collect();
+    assert_eq!(gpus, (0..8).collect::<Vec<_>>(), "one process per GPU");
+    for dir in ["logs", "ledger", "checkpoints"] {
+        assert!(run.run_dir().join(dir).is_dir());
+    }
+    assert!(run.run_dir().join("config.toml").is_file());
+    let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-2.log")).unwrap();
+    assert!(log.contains("drained"), "{log}");
+}
+
+/// Kills one worker from outside mid-run; only it is restarted, the run completes.
+fn kill_one_mid_run(tag: &str, victim: usize) {
+    let run = Run::new(tag);
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    let before = wait_until("8 live workers and 3 batches", &ring, |s| {
+        s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
+    });
+    let victim_pid = before.workers[victim].pid;
+    kill(victim_pid, libc::SIGKILL);
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let after = ring.snapshot();
+    for (i, (b, a)) in before.workers.iter().zip(&after.workers).enumerate() {
+        if i == victim {
+            assert_ne!(a.pid, b.pid, "the victim was restarted");
+            assert_eq!(a.epoch, 2);
+        } else {
+            assert_eq!((a.pid, a.epoch), (b.pid, 1), "worker {i} kept running");
+        }
+    }
+    let s = run.summary();
+    assert_eq!(s["ok"], true);
+    assert_eq!(s["workers"][victim]["restarts"], 1);
+    assert_eq!(
+        sample_counts(&run.ledgers()).len(),
+        400,
+        "every sample trained"
+    );
+    assert!(!pid_alive(victim_pid));
+}
+
+#[test]
+fn sigkill_of_one_drafter_restarts_only_it_and_the_run_completes() {
+    kill_one_mid_run("lkd", 6);
+}
+
+#[test]
+fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
+    kill_one_mid_run("lkt", 2);
+}
+
+#[test]
+fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
+    let run = Run::new("lint");
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    let s = wait_until("3 batches", &ring, |s| {
+        s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
+    });
+    let pids: Vec<u32> = s.workers.iter().map(|w| w.pid).collect();
+    kill(pid, libc::SIGINT);
+    let status = launcher.wait_status();
+    assert_eq!(
+        status.code(),
+        Some(130),
+        "documented code for a drained stop"
+    );
+    no_segment_of(pid);
+    for p in pids {
+        assert!(!pid_alive(p), "worker {p} outlived the launcher");
+    }
+    for d in 0..3 {
+        assert!(
+            checkpoint_path(&run.run_dir(), d).exists(),
+            "drafter {d} checkpointed"
+        );
+    }
+    let s = run.summary();
+    assert_eq!(s["exit_code"], 130);
+    let counts = sample_counts(&run.ledgers());
+    assert!(counts.values().all(|&c| c == 1));
+    assert_eq!(s["samples_trained"], counts.len() as u64);
+}
+
+#[test]
+fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
+    let run = Run::new("lloop");
+    let cfg = config(
+        &run.dir,
+        false,
+        "[faults.drafter-1]\ncrash_at_start = true\n",
+    );
+    let launcher = run.launch(&cfg, &["--max-restarts", "2"]);
+    let status_out = launcher.wait_status_keep();
+    assert_eq!(status_out.0.code(), Some(3), "degraded");
+    let s = run.summary();
+    assert_eq!(s["ok"], false);
+    assert_eq!(s["workers"][6]["restarts"], 2);
+    let notes = s["notes"].to_string();
+    assert!(
+        notes.contains("drafter-1 gave up after 2 restart(s)"),
+        "{notes}"
+    );
+    assert_eq!(
+        sample_counts(&run.ledgers()).len(),
+        400,
+        "the other drafters trained everything"
+    );
+}
+
+fn launch_bad(args: &[&str]) -> (i32, String, u32) {
+    let p = spawn(&workspace_bin("launcher"), args);
+    let pid = p.child.id();
+    let (status, err) = p.wait_status_keep();
+    assert!(!err.contains("panicked"), "{err}");
+    (status.code().unwrap(), err, pid)
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
+    let run = Run::new("lbad");
+    let dir = run.dir.to_str().unwrap().to_string();
+    let good = config(&run.dir, false, "");
+    let good = good.to_str().unwrap();
+    let rd = |n: &str| format!("{dir}/run-{n}");
+
+    // Usage errors: exit 2, naming what is wrong.
+    for (targets, drafters, want) in [
+        ("", "5-7", "empty"),
+        ("4-0", "5-7", "reversed"),
+        ("0-x", "5-7", "not a GPU number"),
+        ("0,0", "5-7", "listed twice"),
+        ("0-4", "4-7", "--share-gpus"),
+    ] {
+        let (code, err, _) = launch_bad(&[
+            "--targets",
+            targets,
+            "--drafters",
+            drafters,
+            "--config",
+            good,
+        ]);
+        assert_eq!(code, 2, "{targets} {drafters}: {err}");
+        assert!(err.contains(want), "{err:?} should say {want:?}");
+    }
+
+    let write = |name: &str, text: &str| {
+        let p = run.dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let empty = write("empty.jsonl", "");
+    let malformed = write("bad.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2,\n");
+    let deadlock = write("deadlock.toml", "[ring]\nslots = 12\n");
+    let small_slot = write("slot.toml", "[ring]\nslot_bytes = 4096\n");
+    let huge = write(
+        "huge.toml",
+        "[ring]\nslots = 1000\nslot_bytes = 34359738368\n",
+    );
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--data".into(), "/nonexistent/train.jsonl".into()],
+            "/nonexistent/train.jsonl",
+        ),
+        (vec!["--data".into(), empty.clone()], "has no samples"),
+        (vec!["--data".into(), malformed.clone()], "bad.jsonl:2"),
+        (vec!["--config".into(), deadlock.clone()], "deadlock"),
+        (
+            vec!["--config".into(), small_slot.clone()],
+            "ring.slot_bytes",
+        ),
+        (vec!["--config".into(), huge.clone()], "/dev/shm"),
+        (
+            vec!["--config".into(), "/nonexistent/run.toml".into()],
+            "/nonexistent/run.toml",
+        ),
+        (
+            vec!["--worker-dir".into(), "/nonexistent".into()],
+            "worker binary not found",
+        ),
+        (vec!["--backend".into(), "cuda".into()], "cuda"),
+    ];
+    for (i, (extra, want)) in cases.iter().enumerate() {
+        let run_dir = rd(&i.to_string());
+        let mut args = vec!["--targets", "0-1", "--drafters", "2", "--run-dir", &run_dir];
+        if !extra.iter().any(|a| a == "--config") {
+            args.extend(["--config", good]);
+        }
+        args.extend(extra.iter().map(String::as_str));
+        let (code, err, pid) = launch_bad(&args);
+        assert_eq!(code, 1, "{extra:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && err.contains(want),
+            "{err:?} should say {want:?}"
+        );
+        no_segment_of(pid);
+    }
+
+    // A run directory that already holds a run (its checkpoints would be silently reused).
+    let used = rd("used");
+    std::fs::create_dir_all(format!("{used}/checkpoints")).unwrap();
+    std::fs::write(
+        format!("{used}/checkpoints/drafter-0.safetensors"),
+        b"garbage",
+    )
+    .unwrap();
+    let (code, err, pid) = launch_bad(&[
+        "--targets",
+        "0",
+        "--drafters",
+        "1",
+        "--config",
+        good,
+        "--run-dir",
+        &used,
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("already holds a run"), "{err}");
+    no_segment_of(pid);
+}
