@@ -270,9 +270,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         nt, targets, nd, drafters
     );
     println!(
-        "data: {} ({} samples, {} batches); ring {ring_name} ({} slots x {} KiB); run dir {}",
+        "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
         data.source,
-        data.len(),
         batches.len(),
         params.slots,
         params.slot_size / 1024,

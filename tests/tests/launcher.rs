@@ -399,3 +399,103 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     assert!(err.contains("already holds a run"), "{err}");
     no_segment_of(pid);
 }
+
+#[test]
+fn each_worker_sees_only_its_gpu() {
+    let run = Run::new("lenv");
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    let s = wait_until("8 live workers", &ring, |s| {
+        s.workers.iter().all(|w| w.alive)
+    });
+    for (i, w) in s.workers.iter().enumerate() {
+        let env = std::fs::read(format!("/proc/{}/environ", w.pid)).unwrap();
+        let env = String::from_utf8_lossy(&env);
+        let want = format!("CUDA_VISIBLE_DEVICES={i}\0");
+        assert!(
+            env.contains(&want),
+            "worker {i} (pid {}) lacks {want:?}",
+            w.pid
+        );
+    }
+    launcher.finish();
+}
+
+#[test]
+fn workers_die_with_a_killed_launcher() {
+    let run = Run::new("lorphan");
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    let s = wait_until("8 live workers", &ring, |s| {
+        s.workers.iter().all(|w| w.alive)
+    });
+    launcher.kill();
+    let deadline = Instant::now() + WATCHDOG;
+    for w in &s.workers {
+        while pid_alive(w.pid) {
+            assert!(
+                Instant::now() < deadline,
+                "worker {} outlived a SIGKILLed launcher",
+                w.pid
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // A launcher killed outright cannot clean up: its ring is stale, for `shm-ring-stat --gc`.
+    assert!(ring.is_stale());
+    Ring::unlink_name(ring.name()).unwrap();
+}
+
+#[test]
+fn a_second_signal_kills_every_worker_at_once() {
+    let run = Run::new("lkill");
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    let s = wait_until("8 live workers", &ring, |s| {
+        s.workers.iter().all(|w| w.alive)
+    });
+    kill(pid, libc::SIGINT);
+    // Two signals sent at once may merge into one: wait until the first is acted on.
+    launcher.line_starting("stopping:");
+    kill(pid, libc::SIGINT);
+    assert_eq!(launcher.wait_status().code(), Some(131));
+    no_segment_of(pid);
+    for w in &s.workers {
+        assert!(!pid_alive(w.pid), "worker {} left running", w.pid);
+    }
+}
+
+#[test]
+fn with_every_drafter_gone_the_targets_are_stopped_and_the_run_ends() {
+    let run = Run::new("lnodraft");
+    let cfg = config(
+        &run.dir,
+        true,
+        "[faults.drafter-0]\ncrash_at_start = true\n",
+    );
+    let p = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "--targets",
+            "0-1",
+            "--drafters",
+            "2",
+            "--max-restarts",
+            "1",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.run_dir().to_str().unwrap(),
+        ],
+    );
+    let pid = p.child.id();
+    let (status, _) = p.wait_status_keep();
+    assert_eq!(status.code(), Some(3));
+    no_segment_of(pid);
+    let notes = run.summary()["notes"].to_string();
+    assert!(notes.contains("no drafter left"), "{notes}");
+}
