@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The end-to-end tests run the real launcher and worker binaries, which `cargo test` alone does
+# not build for another crate's tests: build them first.
+echo "== cargo build --workspace --bins"
+cargo build --workspace --bins
 echo "== cargo test --workspace"
 cargo test --workspace
 

@@ -18,16 +18,16 @@ pub fn unique(tag: &str) -> String {
 /// How long any child may run before the test calls it hung.
 pub const WATCHDOG: Duration = Duration::from_secs(120);
 
-/// Path of a binary of another workspace crate. Cargo builds every member's binaries for
-/// `cargo test --workspace` (the README's test command) into the directory above this test
-/// binary's `deps/`.
+/// Path of a binary of another workspace crate, in the directory above this test binary's
+/// `deps/`. `cargo test` does not build other crates' binaries, so `scripts/test.sh` (the
+/// README's test command) runs `cargo build --workspace --bins` first.
 pub fn workspace_bin(name: &str) -> String {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|d| d.parent()).unwrap();
     let path = dir.join(name);
     assert!(
         path.exists(),
-        "{} is not built: run the tests with `cargo test --workspace` (scripts/test.sh)",
+        "{} is not built: run scripts/test.sh, or `cargo build --workspace --bins` first",
         path.display()
     );
     path.to_string_lossy().into_owned()
