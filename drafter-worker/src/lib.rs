@@ -9,7 +9,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
@@ -113,9 +113,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut since_ckpt = 0u64;
     loop {
         if s.stop.take_checkpoint_request() {
-            let t = Instant::now();
+            consumer.enter(Phase::Checkpoint);
             checkpoint(&backend, &ledger, &ckpt)?;
-            consumer.add_phase(Phase::Checkpoint, t.elapsed());
+            consumer.enter(Phase::Other);
         }
         // A short timeout keeps checkpoint requests prompt; the wait is recorded by the ring.
         let slot = match consumer.take_timeout(Duration::from_millis(200))? {
@@ -124,9 +124,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Take::TimedOut => continue,
         };
         let meta = *slot.meta();
-        let t = Instant::now();
+        // The mock's copy-in is parsing and checksumming the batch in place.
+        consumer.enter(Phase::CopyIn);
         let view = BatchView::parse(slot.payload()).and_then(|v| v.verify().map(|()| v));
-        consumer.add_phase(Phase::CopyIn, t.elapsed());
+        consumer.enter(Phase::Other);
         let view = match view {
             Ok(v) => v,
             Err(e) => {
@@ -136,8 +137,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 continue;
             }
         };
-        let t = Instant::now();
-        let stats = match backend.train_step(&view) {
+        consumer.enter(Phase::Compute);
+        let stats = backend.train_step(&view);
+        consumer.enter(Phase::Other);
+        let stats = match stats {
             Ok(st) => st,
             Err(e) => {
                 tracing::error!(batch = meta.batch_id, error = %e, "refusing a batch with wrong content");
@@ -146,8 +149,6 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 continue;
             }
         };
-        consumer.add_phase(Phase::Compute, t.elapsed());
-        let t = Instant::now();
         let line = LedgerLine {
             batch_id: view.header().spec.batch_id,
             sample_ids: view.header().spec.sample_ids.clone(),
@@ -162,20 +163,19 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .write_all(text.as_bytes())
             .with_context(|| format!("appending to {}", ledger_file.display()))?;
         slot.release()?;
-        consumer.add_phase(Phase::Other, t.elapsed());
         report.items += 1;
         report.tokens += stats.tokens;
         since_ckpt += 1;
         if since_ckpt >= cfg.drafter.checkpoint_every {
-            let t = Instant::now();
+            consumer.enter(Phase::Checkpoint);
             checkpoint(&backend, &ledger, &ckpt)?;
-            consumer.add_phase(Phase::Checkpoint, t.elapsed());
+            consumer.enter(Phase::Other);
             since_ckpt = 0;
         }
     }
-    let t = Instant::now();
+    consumer.enter(Phase::Checkpoint);
     checkpoint(&backend, &ledger, &ckpt)?;
-    consumer.add_phase(Phase::Checkpoint, t.elapsed());
+    consumer.enter(Phase::Other);
     // The ring ended, so the drafter's part is complete even if a stop was requested.
     report.complete = true;
     tracing::info!(

@@ -263,6 +263,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+    // For `shm-ring-stat --run-dir`.
+    std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
+        .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
     proto::worker::install_signal_counter().context("installing signal handlers")?;
 
     println!(

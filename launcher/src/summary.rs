@@ -18,7 +18,7 @@ pub struct WorkerSummary {
     pub restarts: u32,
     pub items: u64,
     pub tokens: u64,
-    /// Fraction of the run's wall time spent working (not waiting on the ring).
+    /// Fraction of the run's wall time spent in compute (the GPU doing model work).
     pub busy_frac: f64,
 }
 

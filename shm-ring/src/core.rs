@@ -185,9 +185,29 @@ impl<'a> RingRef<'a> {
         self.ctl.closed.load(Ordering::Acquire) != 0
     }
 
-    fn add_phase(&self, id: u32, phase: Phase, since: Instant) {
-        let ns = since.elapsed().as_nanos() as u64;
-        sync::tally(&self.worker(id).phase_ns[phase as usize], ns);
+    /// Switches worker `id`'s phase clock to `phase` (None: stop counting), adding the time
+    /// since the last switch to the phase it leaves, which it returns. Only the worker itself
+    /// (or the supervisor once it is dead) switches its clock.
+    #[cfg(not(loom))]
+    pub(crate) fn enter(&self, id: u32, phase: Option<Phase>) -> Option<Phase> {
+        let w = self.worker(id);
+        let now = sync::now_ns();
+        let new = phase.map_or(0, |p| p as u32 + 1);
+        let prev = w.phase_cur.swap(new, Ordering::Relaxed);
+        let since = w.phase_since.swap(now, Ordering::Relaxed);
+        let prev = (prev as usize)
+            .checked_sub(1)
+            .and_then(|i| Phase::ALL.get(i).copied());
+        if let Some(p) = prev {
+            sync::tally(&w.phase_ns[p as usize], now.saturating_sub(since));
+        }
+        prev
+    }
+
+    /// Telemetry only: loom models skip it.
+    #[cfg(loom)]
+    pub(crate) fn enter(&self, _id: u32, _phase: Option<Phase>) -> Option<Phase> {
+        None
     }
 
     pub(crate) fn heartbeat(&self, id: u32) {
@@ -237,7 +257,7 @@ impl<'a> RingRef<'a> {
         id: u32,
         deadline: Option<Instant>,
     ) -> Result<Option<Claim>, RingError> {
-        let mut waited: Option<Instant> = None;
+        let mut waited: Option<Option<Phase>> = None;
         let out = loop {
             let seq = self.ctl.free_seq.load(Ordering::Acquire);
             if let Some(c) = self.try_reserve(id)? {
@@ -246,11 +266,13 @@ impl<'a> RingRef<'a> {
             let Some(sleep) = sleep_for(deadline) else {
                 break None;
             };
-            waited.get_or_insert_with(Instant::now);
+            if waited.is_none() {
+                waited = Some(self.enter(id, Some(Phase::WaitFull)));
+            }
             sync::wait(&self.ctl.free_seq, seq, sleep);
         };
-        if let Some(t) = waited {
-            self.add_phase(id, Phase::WaitFull, t);
+        if let Some(prev) = waited {
+            self.enter(id, prev);
         }
         self.heartbeat(id);
         Ok(out)
@@ -530,7 +552,7 @@ impl<'a> RingRef<'a> {
 
     /// Takes an item, sleeping on `ready_seq` while there is none, at most until `deadline`.
     pub(crate) fn take(&self, id: u32, st: &mut TakeState, deadline: Option<Instant>) -> Taken {
-        let mut waited: Option<Instant> = None;
+        let mut waited: Option<Option<Phase>> = None;
         let out = loop {
             let seq = self.ctl.ready_seq.load(Ordering::Acquire);
             match self.try_take(id, st) {
@@ -541,11 +563,13 @@ impl<'a> RingRef<'a> {
             let Some(sleep) = sleep_for(deadline) else {
                 break Taken::TimedOut;
             };
-            waited.get_or_insert_with(Instant::now);
+            if waited.is_none() {
+                waited = Some(self.enter(id, Some(Phase::WaitEmpty)));
+            }
             sync::wait(&self.ctl.ready_seq, seq, sleep);
         };
-        if let Some(t) = waited {
-            self.add_phase(id, Phase::WaitEmpty, t);
+        if let Some(prev) = waited {
+            self.enter(id, prev);
         }
         self.heartbeat(id);
         out
@@ -655,6 +679,8 @@ impl<'a> RingRef<'a> {
             }
         }
         let w = self.worker(id);
+        // A dead worker's clock stops: readers must not count time past its death.
+        w.phase_cur.store(0, Ordering::Relaxed);
         let _ = w
             .state
             .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);

@@ -130,6 +130,10 @@ pub(crate) struct WorkerRecord {
     pub tokens: AtomicU64,
     pub bytes: AtomicU64,
     pub phase_ns: [AtomicU64; PHASES],
+    /// The phase the worker is in now (+1; 0: none) and since when (CLOCK_MONOTONIC ns), so a
+    /// reader can count a long phase that has not ended yet.
+    pub phase_cur: AtomicU32,
+    pub phase_since: AtomicU64,
 }
 
 /// Worker states, as stored in `WorkerRecord::state`.
@@ -210,6 +214,8 @@ pub(crate) mod heap {
             tokens: u64s(),
             bytes: u64s(),
             phase_ns: std::array::from_fn(|_| u64s()),
+            phase_cur: u32s(),
+            phase_since: u64s(),
         }
     }
 }

@@ -25,6 +25,8 @@ mod params;
 mod sync;
 
 #[cfg(not(loom))]
+pub mod analysis;
+#[cfg(not(loom))]
 mod ring;
 #[cfg(not(loom))]
 mod segment;

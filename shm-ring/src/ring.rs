@@ -165,6 +165,7 @@ impl Ring {
         rec.registered_ns.store(sys::monotonic_ns(), r);
         rec.state.store(W_ALIVE, r);
         core.heartbeat(id);
+        core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,
             id,
@@ -235,6 +236,7 @@ impl Worker<'_> {
 
 impl Drop for Worker<'_> {
     fn drop(&mut self) {
+        self.core().enter(self.id, None);
         let _ = self.core().worker(self.id).state.compare_exchange(
             W_ALIVE,
             W_DONE,
@@ -259,9 +261,15 @@ macro_rules! worker_methods {
         pub fn set_gpu(&self, gpu: Option<u32>) {
             self.w.set_gpu(gpu)
         }
-        /// Adds `d` to this worker's time in `phase`.
+        /// Adds `d` to this worker's time in `phase` (for time measured elsewhere).
         pub fn add_phase(&self, phase: Phase, d: Duration) {
             self.w.add_phase(phase, d)
+        }
+        /// Starts counting this worker's time in `phase` (until the next `enter`); returns
+        /// the phase it leaves. The ring switches to the wait phases by itself while a
+        /// `reserve` or `take` blocks, and back afterwards.
+        pub fn enter(&self, phase: Phase) -> Option<Phase> {
+            self.w.core().enter(self.w.id, Some(phase))
         }
         /// Marks this worker alive now (ring operations do this too).
         pub fn heartbeat(&self) {

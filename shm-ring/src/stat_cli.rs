@@ -1,35 +1,73 @@
-//! `shm-ring-stat`: a read-only view of live rings. This is the first cut (parameters, slot
-//! states, counters, workers); the bottleneck verdict and `--watch` come with the stat issue.
+//! `shm-ring-stat`: what a ring holds, where each worker's time goes, and which side is the
+//! bottleneck. Attaches read-only and never disturbs the run.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use serde::Serialize;
 
-use crate::{list_segments, Phase, Ring, Snapshot};
+use crate::analysis::{self, Interval, Verdict};
+use crate::{list_segments, Phase, Ring, Snapshot, TakePolicy};
 
-/// Show what an hspipe ring holds and where each worker's time goes. Attaches read-only and
-/// never disturbs the run.
+/// Show what an hspipe ring holds, where each worker's time goes, and which side is the
+/// bottleneck. Attaches read-only and never disturbs the run.
 ///
 /// Examples:
-///   shm-ring-stat --list             every hspipe ring in /dev/shm, live or stale
-///   shm-ring-stat hspipe-run1        one ring, as a table
-///   shm-ring-stat hspipe-run1 --json the same, as one JSON document
-///   shm-ring-stat --gc               remove rings whose creator has died
+///   shm-ring-stat --list                  every hspipe ring in /dev/shm, live or stale
+///   shm-ring-stat hspipe-1796030998-7785  one ring, measured over one second
+///   shm-ring-stat --run-dir runs/exp1     the ring of a launcher run
+///   shm-ring-stat RING --watch 2          refresh every 2 s
+///   shm-ring-stat RING --json             the same as one JSON document
+///   shm-ring-stat --gc                    remove rings whose creator has died
 #[derive(Parser, Debug)]
 #[command(name = "shm-ring-stat", version, verbatim_doc_comment)]
 pub struct Args {
-    /// Ring name (the file name under /dev/shm, e.g. hspipe-run1).
+    /// Ring name (the file name under /dev/shm).
     pub ring: Option<String>,
+    /// A launcher's run directory: its ring is named in <run-dir>/ring.
+    #[arg(long, conflicts_with = "ring")]
+    pub run_dir: Option<PathBuf>,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Refresh every SECS seconds (in place on a terminal) until interrupted.
+    #[arg(long, value_name = "SECS")]
+    pub watch: Option<f64>,
+    /// Seconds over which rates and the verdict are measured.
+    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    pub interval: f64,
     /// List every hspipe ring with its creator pid and whether it is live or stale.
     #[arg(long)]
     pub list: bool,
     /// Remove stale rings (creator dead); never removes a live one.
     #[arg(long)]
     pub gc: bool,
+}
+
+impl Default for Args {
+    /// The flags' defaults, for callers that build `Args` in code.
+    fn default() -> Self {
+        Args {
+            ring: None,
+            run_dir: None,
+            json: false,
+            watch: None,
+            interval: 1.0,
+            list: false,
+            gc: false,
+        }
+    }
+}
+
+/// Everything `--json` prints.
+#[derive(Serialize)]
+pub struct Report {
+    pub snapshot: Snapshot,
+    pub interval: Interval,
+    pub verdict: Verdict,
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -44,104 +82,211 @@ pub fn main() -> i32 {
     }
 }
 
+/// Samples `ring` for `dur`: a snapshot at each end and slot counts every 10 ms between.
+pub fn measure(ring: &Ring, dur: Duration) -> Report {
+    let a = ring.snapshot();
+    let start = Instant::now();
+    let mut occ = Vec::new();
+    while start.elapsed() < dur {
+        occ.push(ring.slot_counts());
+        std::thread::sleep(Duration::from_millis(10).min(dur));
+    }
+    let b = ring.snapshot();
+    let interval = analysis::interval(&a, &b, &occ);
+    let verdict = analysis::verdict(&b, &interval);
+    Report {
+        snapshot: b,
+        interval,
+        verdict,
+    }
+}
+
 pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     if args.list || args.gc {
-        let segs = list_segments().context("reading /dev/shm")?;
-        if args.json && !args.gc {
-            writeln!(out, "{}", serde_json::to_string_pretty(&segs)?)?;
+        return list_or_gc(args, out);
+    }
+    let name = match (&args.ring, &args.run_dir) {
+        (Some(r), _) => r.clone(),
+        (None, Some(d)) => {
+            let p = d.join("ring");
+            std::fs::read_to_string(&p)
+                .with_context(|| format!("reading the ring name from {}", p.display()))?
+                .trim()
+                .to_string()
+        }
+        (None, None) => bail!("name a ring (see --list) or a --run-dir, or pass --list or --gc"),
+    };
+    if !(args.interval.is_finite() && args.interval > 0.0) {
+        bail!("--interval must be a positive number of seconds");
+    }
+    let ring = Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))?;
+    let tty = std::io::stdout().is_terminal();
+    loop {
+        let dur = Duration::from_secs_f64(args.watch.unwrap_or(args.interval).max(0.05));
+        let report = measure(&ring, dur);
+        if args.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        } else {
+            if args.watch.is_some() && tty {
+                // Refresh in place: home, clear screen.
+                write!(out, "\x1b[H\x1b[2J")?;
+            }
+            human(&report, out)?;
+        }
+        out.flush()?;
+        if args.watch.is_none() {
             return Ok(());
         }
-        for s in &segs {
-            let status = match s.live {
-                Some(true) => "live",
-                Some(false) => "stale",
-                None => "unreadable",
-            };
-            let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
-            if args.gc && s.live == Some(false) {
-                Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
-                writeln!(out, "removed {} (creator pid {pid} is gone)", s.name)?;
-            } else if !args.gc {
-                let why = s.problem.as_deref().unwrap_or("");
-                writeln!(
-                    out,
-                    "{:<32} {:>12} bytes  creator {pid:>8}  {status} {why}",
-                    s.name, s.bytes
-                )?;
-            }
-        }
-        if segs.is_empty() && !args.gc {
-            writeln!(out, "no hspipe rings in /dev/shm")?;
-        }
+    }
+}
+
+fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
+    let segs = list_segments().context("reading /dev/shm")?;
+    if args.json && !args.gc {
+        writeln!(out, "{}", serde_json::to_string_pretty(&segs)?)?;
         return Ok(());
     }
-    let Some(name) = &args.ring else {
-        bail!("name a ring (see --list), or pass --list or --gc");
-    };
-    let ring = Ring::open_read_only(name).with_context(|| format!("attaching to {name}"))?;
-    let snap = ring.snapshot();
-    if args.json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&snap)?)?;
-    } else {
-        human(&snap, out)?;
+    for s in &segs {
+        let status = match s.live {
+            Some(true) => "live",
+            Some(false) => "stale",
+            None => "unreadable",
+        };
+        let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
+        if args.gc {
+            if s.live == Some(false) {
+                Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
+                writeln!(out, "removed {} (creator pid {pid} is gone)", s.name)?;
+            }
+        } else {
+            let why = s.problem.as_deref().unwrap_or("");
+            writeln!(
+                out,
+                "{:<36} {:>12} bytes  creator pid {pid:>8}  {status} {why}",
+                s.name, s.bytes
+            )?;
+        }
+    }
+    if segs.is_empty() && !args.gc {
+        writeln!(out, "no hspipe rings in /dev/shm")?;
     }
     Ok(())
 }
 
-fn human(s: &Snapshot, out: &mut impl Write) -> std::io::Result<()> {
+fn bar(s: &Snapshot, width: usize) -> String {
+    let total = s.params.slots.max(1) as f64;
+    let part = |n: u32| ((f64::from(n) / total) * width as f64).round() as usize;
+    let (r, rd, w) = (
+        part(s.slots.reading),
+        part(s.slots.ready),
+        part(s.slots.writing),
+    );
+    let used = (r + rd + w).min(width);
+    format!(
+        "[{}{}{}{}]",
+        "r".repeat(r),
+        "R".repeat(rd),
+        "W".repeat(w),
+        ".".repeat(width - used)
+    )
+}
+
+fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
+    let (s, iv, v) = (&rep.snapshot, &rep.interval, &rep.verdict);
     let p = &s.params;
+    let policy = match p.policy {
+        TakePolicy::Fifo => "fifo".to_string(),
+        TakePolicy::Bucketed { min_ready, pick } => {
+            format!("bucketed (min_ready {min_ready}, {pick:?})").to_lowercase()
+        }
+    };
     writeln!(
         out,
-        "ring {}  {} slots x {} bytes  {} buckets  policy {:?}  creator pid {}{}",
+        "ring {}  {} slots x {} KiB  {} buckets  policy {policy}  creator pid {} ({})",
         s.name,
         p.slots,
-        p.slot_size,
+        p.slot_size / 1024,
         p.buckets,
-        p.policy,
         s.creator.pid,
-        if s.creator_alive { "" } else { " (stale)" }
+        if s.creator_alive { "live" } else { "stale" }
     )?;
     writeln!(
         out,
-        "state {}  producers done {}/{}",
+        "state {}  producers done {}/{}  work {}/{} done",
         if s.closed { "closed" } else { "open" },
         s.producers_done,
-        s.producers_expected
+        s.producers_expected,
+        s.work.done,
+        s.work.total
     )?;
     writeln!(
         out,
-        "slots free {}  writing {}  ready {}  reading {}   ready per bucket {:?}",
-        s.slots.free, s.slots.writing, s.slots.ready, s.slots.reading, s.ready_per_bucket
+        "slots {}  free {}  writing {}  ready {}  reading {}",
+        bar(s, 40),
+        s.slots.free,
+        s.slots.writing,
+        s.slots.ready,
+        s.slots.reading
     )?;
+    let buckets: Vec<String> = s
+        .ready_per_bucket
+        .iter()
+        .enumerate()
+        .map(|(i, n)| format!("b{i}:{n}"))
+        .collect();
+    writeln!(out, "ready per bucket  {}", buckets.join("  "))?;
     let c = &s.counters;
     writeln!(
         out,
-        "published {}  taken {}  released {}  redelivered {}  aborted {}",
-        c.published, c.taken, c.released, c.redelivered, c.aborted
+        "over {:.1}s: published {:.1}/s  trained {:.1}/s  {:.0} tok/s  ring full {:.0}% empty {:.0}%   totals: published {} taken {} released {} redelivered {}",
+        iv.seconds,
+        iv.published_per_s,
+        iv.released_per_s,
+        iv.tokens_per_s,
+        iv.full_frac * 100.0,
+        iv.empty_frac * 100.0,
+        c.published,
+        c.taken,
+        c.released,
+        c.redelivered
     )?;
-    writeln!(
+    writeln!(out, "verdict: {}", v.line)?;
+    for st in &v.stragglers {
+        writeln!(out, "straggler: {st}")?;
+    }
+    for w in &v.warnings {
+        writeln!(out, "warning: {w}")?;
+    }
+    writeln!(out)?;
+    let phases: Vec<&str> = Phase::ALL.iter().map(|p| p.name()).collect();
+    write!(
         out,
-        "{:<9} {:>3} {:>4} {:>8} {:>6} {:>8} {:>9} {:>12}  time by phase (s)",
-        "role", "idx", "gpu", "pid", "alive", "restarts", "items", "tokens"
+        "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9} {:>5} {:>5} |",
+        "role", "idx", "gpu", "pid", "alive", "restarts", "items", "tok/s", "busy", "wait"
     )?;
-    for w in &s.workers {
-        let phases: Vec<String> = Phase::ALL
-            .iter()
-            .map(|ph| format!("{} {:.2}", ph.name(), w.phase_ns[ph.name()] as f64 / 1e9))
-            .collect();
-        writeln!(
+    for ph in &phases {
+        write!(out, " {:>10}", ph)?;
+    }
+    writeln!(out)?;
+    for w in &iv.workers {
+        write!(
             out,
-            "{:<9} {:>3} {:>4} {:>8} {:>6} {:>8} {:>9} {:>12}  {}",
-            format!("{:?}", w.role).to_lowercase(),
+            "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9.0} {:>4.0}% {:>4.0}% |",
+            w.role,
             w.index,
             w.gpu.map(|g| g.to_string()).unwrap_or("-".into()),
             w.pid,
-            w.alive,
+            if w.alive { "yes" } else { "no" },
             w.restarts,
             w.items,
-            w.tokens,
-            phases.join(", ")
+            w.tokens_per_s,
+            w.busy * 100.0,
+            w.waiting * 100.0
         )?;
+        for ph in &phases {
+            write!(out, " {:>9.0}%", w.phases[ph] * 100.0)?;
+        }
+        writeln!(out)?;
     }
     Ok(())
 }

@@ -98,11 +98,17 @@ impl WorkerSnapshot {
             .sum()
     }
 
-    /// Nanoseconds recorded in working phases.
+    /// Nanoseconds busy: in `compute`, the GPU doing model work.
     pub fn busy_ns(&self) -> u64 {
+        self.phase_ns[Phase::Compute.name()]
+    }
+
+    /// Nanoseconds neither computing nor waiting on the ring: load, copy-in, sync,
+    /// checkpoint, other.
+    pub fn overhead_ns(&self) -> u64 {
         Phase::ALL
             .iter()
-            .filter(|p| !p.is_wait())
+            .filter(|p| !p.is_wait() && **p != Phase::Compute)
             .map(|p| self.phase_ns[p.name()])
             .sum()
     }
@@ -131,6 +137,21 @@ pub struct Snapshot {
 }
 
 impl Ring {
+    /// Slots by state now: a cheap scan, for sampling occupancy often.
+    pub fn slot_counts(&self) -> SlotCounts {
+        let mut c = SlotCounts::default();
+        for s in self.segment().slots() {
+            match Word(s.state.load(Ordering::Relaxed)).state() {
+                FREE => c.free += 1,
+                WRITING => c.writing += 1,
+                READY => c.ready += 1,
+                READING => c.reading += 1,
+                _ => {}
+            }
+        }
+        c
+    }
+
     /// Reads the ring's state and telemetry without writing anything.
     pub fn snapshot(&self) -> Snapshot {
         let seg = self.segment();
@@ -168,6 +189,17 @@ impl Ring {
                 let epoch = peek(&w.epoch);
                 let since = |t: u64| (epoch > 0).then(|| now.saturating_sub(t));
                 let gpu = peek32(&w.gpu);
+                let alive =
+                    state == WorkerState::Alive && sys::process_alive(pid, peek(&w.pid_start));
+                // The phase in progress counts up to now, if the worker still runs.
+                let cur = (peek32(&w.phase_cur) as usize).checked_sub(1);
+                let running = |ph: Phase| {
+                    if alive && cur == Some(ph as usize) {
+                        now.saturating_sub(peek(&w.phase_since))
+                    } else {
+                        0
+                    }
+                };
                 WorkerSnapshot {
                     role: if peek32(&w.role) == ROLE_PRODUCER {
                         Role::Producer
@@ -178,8 +210,7 @@ impl Ring {
                     gpu: (gpu != NO_GPU).then_some(gpu),
                     state,
                     pid,
-                    alive: state == WorkerState::Alive
-                        && sys::process_alive(pid, peek(&w.pid_start)),
+                    alive,
                     epoch,
                     restarts: epoch.saturating_sub(1),
                     finished: peek32(&w.finished) != 0,
@@ -190,7 +221,7 @@ impl Ring {
                     bytes: peek(&w.bytes),
                     phase_ns: Phase::ALL
                         .iter()
-                        .map(|&ph| (ph.name(), peek(&w.phase_ns[ph as usize])))
+                        .map(|&ph| (ph.name(), peek(&w.phase_ns[ph as usize]) + running(ph)))
                         .collect(),
                 }
             })

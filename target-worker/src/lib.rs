@@ -6,7 +6,7 @@
 pub mod data;
 
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -128,9 +128,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             }
         });
         loop {
-            let t = Instant::now();
+            // Waiting for the prefetch thread's next batch counts as loading.
+            producer.enter(Phase::Load);
             let Ok(prep) = rx.recv() else { break };
-            producer.add_phase(Phase::Load, t.elapsed());
+            producer.enter(Phase::Other);
             if s.stop.stopping() {
                 // Stopping: give back what was claimed but not published.
                 producer.unclaim_work(prep.item)?;
@@ -153,17 +154,15 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 stopped = true;
                 continue;
             };
-            let t = Instant::now();
             let mut w = BatchWriter::new(slot.payload_mut(), &prep.spec)?;
             let (ids, mask, hidden) = w.sections_mut();
             for (dst, id) in ids.chunks_exact_mut(4).zip(&prep.input_ids) {
                 dst.copy_from_slice(&id.to_le_bytes());
             }
             mask.copy_from_slice(&prep.loss_mask);
-            producer.add_phase(Phase::Other, t.elapsed());
-            let t = Instant::now();
+            producer.enter(Phase::Compute);
             backend.forward(&prep.input_ids, &prep.spec.seq_lens, hidden)?;
-            producer.add_phase(Phase::Compute, t.elapsed());
+            producer.enter(Phase::Other);
             let (_, crc) = w.finish();
             slot.complete_work(prep.item)?;
             let tokens = prep.spec.tokens();

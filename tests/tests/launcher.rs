@@ -445,7 +445,8 @@ fn workers_die_with_a_killed_launcher() {
     }
     // A launcher killed outright cannot clean up: its ring is stale, for `shm-ring-stat --gc`.
     assert!(ring.is_stale());
-    Ring::unlink_name(ring.name()).unwrap();
+    // Another test's `--gc` may have removed it already.
+    let _ = Ring::unlink_name(ring.name());
 }
 
 #[test]

@@ -184,6 +184,13 @@ fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
     let r = Ring::open_read_only(&stale).unwrap();
     assert!(r.is_stale());
     assert!(!live_ring.is_stale());
+    // shm-ring-stat says so in its verdict.
+    let report = shm_ring::stat_cli::measure(&r, std::time::Duration::from_millis(20));
+    assert!(
+        report.verdict.warnings[0].starts_with("stale: creator pid"),
+        "{:?}",
+        report.verdict
+    );
     drop(r);
     let list = shm_ring::list_segments().unwrap();
     let find = |n: &str| list.iter().find(|s| s.name == n).map(|s| s.live);
@@ -191,10 +198,8 @@ fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
     assert_eq!(find(&live), Some(Some(true)));
 
     let args = shm_ring::stat_cli::Args {
-        ring: None,
-        json: false,
-        list: false,
         gc: true,
+        ..Default::default()
     };
     let mut out = Vec::new();
     shm_ring::stat_cli::run(&args, &mut out).unwrap();
