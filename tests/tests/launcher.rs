@@ -419,6 +419,19 @@ fn each_worker_sees_only_its_gpu() {
             w.pid
         );
     }
+    // shm-ring-stat finds the run's ring from its run directory.
+    let args = shm_ring::stat_cli::Args {
+        run_dir: Some(run.run_dir()),
+        interval: 0.1,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    shm_ring::stat_cli::run(&args, &mut out).unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert!(
+        out.contains(ring.name()) && out.contains("verdict:"),
+        "{out}"
+    );
     launcher.finish();
 }
 
