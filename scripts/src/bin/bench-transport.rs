@@ -1,40 +1,68 @@
-//! Cross-process micro-benchmark of shm-ring: hand-offs per second and GB/s between a producer
-//! process that fills every byte of each slot and a consumer process that reads every byte,
-//! side by side with an in-process memcpy of the same bytes (the limit).
+//! Cross-process transport benchmark: shm-ring against the limit (an in-process memcpy of the
+//! same bytes) and its peers — ipc-channel (its bytes channel and its shared-memory type), a
+//! Unix-domain socket, and an in-process channel of `Vec<u8>` between threads. Every producer
+//! fills every byte of each payload; every consumer reads every byte.
 //!
-//! `cargo run --release -p scripts --bin bench-transport -- [--runs 5] [--sizes 4K,1M,64M]`
-//! prints a Markdown table of medians (see BENCHMARKS.md).
+//! `cargo run --release -p scripts --bin bench-transport -- [--runs 5] [--sizes 4K,1M,64M,256M]`
+//! prints Markdown tables of medians (see BENCHMARKS.md).
 
 use std::hint::black_box;
-use std::io::{Read, Write};
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use ipc_channel::ipc::{self, IpcBytesSender, IpcOneShotServer, IpcSender, IpcSharedMemory};
 use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
 
 #[derive(Parser)]
 struct Args {
     #[command(subcommand)]
-    child: Option<Child>,
-    /// Runs per measurement; the table shows medians.
+    child: Option<ChildCmd>,
+    /// Runs per measurement; tables show medians.
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Payload sizes, with K/M/G suffixes.
-    #[arg(long, value_delimiter = ',', default_value = "4K,1M,64M")]
+    #[arg(long, value_delimiter = ',', default_value = "4K,1M,64M,256M")]
     sizes: Vec<String>,
 }
 
 #[derive(Subcommand)]
-enum Child {
-    Produce {
+enum ChildCmd {
+    RingProduce {
         ring: String,
+        index: u32,
         items: u64,
         size: usize,
     },
-    Consume {
+    RingConsume {
         ring: String,
+        index: u32,
+    },
+    IpcBytesProduce {
+        items: u64,
+        size: usize,
+    },
+    IpcBytesConsume {
+        server: String,
+    },
+    IpcShmemProduce {
+        items: u64,
+        size: usize,
+    },
+    IpcShmemConsume {
+        server: String,
+    },
+    UdsProduce {
+        path: String,
+        items: u64,
+        size: usize,
+    },
+    UdsConsume {
+        path: String,
     },
 }
 
@@ -51,97 +79,259 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         * mul)
 }
 
-/// Waits for the parent's go byte on stdin, so process start-up is not timed.
 fn wait_for_go() -> anyhow::Result<()> {
     let mut b = [0u8; 1];
     std::io::stdin().read_exact(&mut b)?;
     Ok(())
 }
 
-fn produce(ring: &str, items: u64, size: usize) -> anyhow::Result<()> {
-    let ring = Ring::attach(ring)?;
-    let p = ring.producer(0)?;
-    wait_for_go()?;
-    for i in 0..items {
-        let mut w = p.reserve(size)?;
-        w.payload_mut().fill(i as u8);
-        w.commit(CommitMeta {
-            batch_id: i,
-            ..Default::default()
-        })?;
+/// Reads every byte (a 64-bit sum the optimiser cannot skip).
+fn read_all(buf: &[u8]) -> u64 {
+    let s = buf.chunks_exact(8).fold(0u64, |s, c| {
+        s.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()))
+    });
+    black_box(s)
+}
+
+fn child(cmd: ChildCmd) -> anyhow::Result<()> {
+    let out = std::io::stdout();
+    match cmd {
+        ChildCmd::RingProduce {
+            ring,
+            index,
+            items,
+            size,
+        } => {
+            let ring = Ring::attach(&ring)?;
+            let p = ring.producer(index)?;
+            wait_for_go()?;
+            for i in 0..items {
+                let mut w = p.reserve(size)?;
+                w.payload_mut().fill(i as u8);
+                w.commit(CommitMeta {
+                    batch_id: i,
+                    ..Default::default()
+                })?;
+            }
+            p.finish();
+        }
+        ChildCmd::RingConsume { ring, index } => {
+            let ring = Ring::attach(&ring)?;
+            let c = ring.consumer(index)?;
+            wait_for_go()?;
+            while let Some(r) = c.take()? {
+                read_all(r.payload());
+                r.release()?;
+            }
+        }
+        ChildCmd::IpcBytesProduce { items, size } => {
+            let (server, name) = IpcOneShotServer::<IpcBytesSender>::new()?;
+            writeln!(out.lock(), "{name}")?;
+            let (_, tx) = server.accept()?;
+            wait_for_go()?;
+            let mut buf = vec![0u8; size];
+            for i in 0..items {
+                buf.fill(i as u8);
+                tx.send(&buf)?;
+            }
+            tx.send(&[])?;
+        }
+        ChildCmd::IpcBytesConsume { server } => {
+            let (tx, rx) = ipc::bytes_channel()?;
+            IpcSender::connect(server)?.send(tx)?;
+            wait_for_go()?;
+            loop {
+                let v = rx.recv()?;
+                if v.is_empty() {
+                    break;
+                }
+                read_all(&v);
+            }
+        }
+        ChildCmd::IpcShmemProduce { items, size } => {
+            let (server, name) = IpcOneShotServer::<IpcSender<Option<IpcSharedMemory>>>::new()?;
+            writeln!(out.lock(), "{name}")?;
+            let (_, tx) = server.accept()?;
+            wait_for_go()?;
+            let mut buf = vec![0u8; size];
+            for i in 0..items {
+                buf.fill(i as u8);
+                // IpcSharedMemory is created from bytes: one copy into a new segment.
+                tx.send(Some(IpcSharedMemory::from_bytes(&buf)))?;
+            }
+            tx.send(None)?;
+        }
+        ChildCmd::IpcShmemConsume { server } => {
+            let (tx, rx) = ipc::channel::<Option<IpcSharedMemory>>()?;
+            IpcSender::connect(server)?.send(tx)?;
+            wait_for_go()?;
+            while let Some(m) = rx.recv()? {
+                read_all(&m);
+            }
+        }
+        ChildCmd::UdsProduce { path, items, size } => {
+            wait_for_go()?;
+            let mut s = UnixStream::connect(&path)?;
+            let mut buf = vec![0u8; size];
+            for i in 0..items {
+                buf.fill(i as u8);
+                s.write_all(&(size as u64).to_le_bytes())?;
+                s.write_all(&buf)?;
+            }
+            s.write_all(&0u64.to_le_bytes())?;
+        }
+        ChildCmd::UdsConsume { path } => {
+            let l = UnixListener::bind(&path)?;
+            writeln!(out.lock(), "listening")?;
+            wait_for_go()?;
+            let (mut s, _) = l.accept()?;
+            let mut buf = Vec::new();
+            loop {
+                let mut len = [0u8; 8];
+                s.read_exact(&mut len)?;
+                let n = u64::from_le_bytes(len) as usize;
+                if n == 0 {
+                    break;
+                }
+                buf.resize(n, 0);
+                s.read_exact(&mut buf)?;
+                read_all(&buf);
+            }
+        }
     }
-    p.finish();
     Ok(())
 }
 
-/// Reads every byte; prints the elapsed seconds from go to end of stream.
-fn consume(ring: &str) -> anyhow::Result<()> {
-    let ring = Ring::attach(ring)?;
-    let c = ring.consumer(0)?;
-    wait_for_go()?;
+fn spawn(args: &[String]) -> anyhow::Result<Child> {
+    Ok(Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?)
+}
+
+fn first_line(c: &mut Child) -> anyhow::Result<String> {
+    let mut line = String::new();
+    BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut line)?;
+    Ok(line.trim().to_string())
+}
+
+/// Sends the go byte to every child, waits for all, returns the seconds in between.
+fn go_and_wait(mut children: Vec<Child>) -> anyhow::Result<f64> {
+    // Let every child finish attaching before the clock starts.
+    std::thread::sleep(Duration::from_millis(200));
     let t0 = Instant::now();
-    let mut sum = 0u64;
-    while let Some(r) = c.take()? {
-        sum = r.payload().chunks_exact(8).fold(sum, |s, ch| {
-            s.wrapping_add(u64::from_le_bytes(ch.try_into().unwrap()))
-        });
-        r.release()?;
+    for c in &mut children {
+        c.stdin.take().unwrap().write_all(b"g")?;
     }
-    black_box(sum);
-    println!("{}", t0.elapsed().as_secs_f64());
-    Ok(())
+    for mut c in children {
+        if !c.wait()?.success() {
+            bail!("a benchmark child failed");
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64())
 }
 
-/// One 1×1 run through the ring: seconds to hand off `items` payloads of `size` bytes.
-fn ring_run(size: usize, items: u64) -> anyhow::Result<f64> {
+fn s(x: impl ToString) -> String {
+    x.to_string()
+}
+
+fn ring_run(size: usize, items: u64, producers: u32, consumers: u32) -> anyhow::Result<f64> {
     let name = format!("hspipe-bench-{}", std::process::id());
-    let slots = if size >= 16 << 20 { 4 } else { 8 };
+    let slots = if size >= 16 << 20 { 4 } else { 8 }.max(producers + consumers);
     let _ring = Ring::create(
         &name,
         &RingParams {
             slots,
             slot_size: size as u64,
             buckets: 1,
-            producers: 1,
-            consumers: 1,
+            producers,
+            consumers,
             held_per_consumer: 1,
             policy: TakePolicy::Fifo,
             seed: 0,
             work_items: 0,
         },
     )?;
-    let me = std::env::current_exe()?;
-    let spawn = |args: Vec<String>| {
-        Command::new(&me)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-    };
-    let mut cons = spawn(vec!["consume".into(), name.clone()])?;
-    let mut prod = spawn(vec![
-        "produce".into(),
-        name.clone(),
-        items.to_string(),
-        size.to_string(),
-    ])?;
-    // Both have attached and registered once they read stdin; give them a moment, then go.
-    std::thread::sleep(Duration::from_millis(200));
-    cons.stdin.take().unwrap().write_all(b"g")?;
-    prod.stdin.take().unwrap().write_all(b"g")?;
-    let out = cons.wait_with_output()?;
-    let pst = prod.wait()?;
-    if !out.status.success() || !pst.success() {
-        bail!("benchmark child failed");
+    let per = items / u64::from(producers);
+    let mut children = Vec::new();
+    for c in 0..consumers {
+        children.push(spawn(&[s("ring-consume"), name.clone(), s(c)])?);
     }
-    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+    for p in 0..producers {
+        children.push(spawn(&[
+            s("ring-produce"),
+            name.clone(),
+            s(p),
+            s(per),
+            s(size),
+        ])?);
+    }
+    go_and_wait(children)
 }
 
-/// Seconds to memcpy `items` buffers of `size` bytes in one process: the best case for moving
-/// these bytes. The destination is written once before timing (no page faults inside the
-/// loop) and starts 320 bytes past a page boundary: with source and destination at the same
-/// offset in a page, 4K aliasing slows small copies here about 15-fold, which would flatter
-/// the ring.
+fn ipc_run(size: usize, items: u64, shmem: bool) -> anyhow::Result<f64> {
+    let (p, c) = if shmem {
+        ("ipc-shmem-produce", "ipc-shmem-consume")
+    } else {
+        ("ipc-bytes-produce", "ipc-bytes-consume")
+    };
+    let mut prod = spawn(&[s(p), s(items), s(size)])?;
+    let server = first_line(&mut prod)?;
+    let cons = spawn(&[s(c), server])?;
+    go_and_wait(vec![cons, prod])
+}
+
+fn uds_run(size: usize, items: u64) -> anyhow::Result<f64> {
+    let path = std::env::temp_dir().join(format!("hspipe-bench-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let path_s = path.to_string_lossy().into_owned();
+    let mut cons = spawn(&[s("uds-consume"), path_s.clone()])?;
+    first_line(&mut cons)?;
+    let prod = spawn(&[s("uds-produce"), path_s, s(items), s(size)])?;
+    let t = go_and_wait(vec![cons, prod]);
+    let _ = std::fs::remove_file(&path);
+    t
+}
+
+/// Threads in one process, a bounded channel of Vec<u8> (5x3: consumers share the receiver).
+fn inproc_run(size: usize, items: u64, producers: u64, consumers: u64) -> f64 {
+    let cap = if size >= 16 << 20 { 4 } else { 8 };
+    let (tx, rx) = mpsc::sync_channel::<Vec<u8>>(cap);
+    let rx = Arc::new(Mutex::new(rx));
+    let t0 = Instant::now();
+    std::thread::scope(|sc| {
+        for _ in 0..producers {
+            let tx = tx.clone();
+            sc.spawn(move || {
+                for i in 0..items / producers {
+                    let mut v = vec![0u8; size];
+                    v.fill(i as u8);
+                    tx.send(v).unwrap();
+                }
+            });
+        }
+        drop(tx);
+        for _ in 0..consumers {
+            let rx = rx.clone();
+            sc.spawn(move || loop {
+                let v = rx.lock().unwrap().recv();
+                match v {
+                    Ok(v) => {
+                        read_all(&v);
+                    }
+                    Err(_) => break,
+                }
+            });
+        }
+    });
+    t0.elapsed().as_secs_f64()
+}
+
+/// The best case for moving these bytes: one memcpy per item in one process. The destination
+/// is written once before timing and starts 320 bytes past a page boundary: with source and
+/// destination at the same offset in a page, 4K aliasing slows small copies here ~15-fold,
+/// which would flatter everything compared to it.
 fn memcpy_run(size: usize, items: u64) -> f64 {
     let src = vec![7u8; size];
     let mut buf = vec![1u8; size + 4096];
@@ -155,7 +345,7 @@ fn memcpy_run(size: usize, items: u64) -> f64 {
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
 
@@ -167,39 +357,66 @@ fn human(size: usize) -> String {
     }
 }
 
+type Runner<'a> = Box<dyn Fn(usize, u64) -> anyhow::Result<f64> + 'a>;
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    match args.child {
-        Some(Child::Produce { ring, items, size }) => return produce(&ring, items, size),
-        Some(Child::Consume { ring }) => return consume(&ring),
-        None => {}
+    if let Some(c) = args.child {
+        return child(c);
     }
-    println!(
-        "| payload | items/run | shm-ring items/s | shm-ring GB/s | memcpy GB/s | ring / memcpy |"
-    );
-    println!("|---|---|---|---|---|---|");
-    for s in &args.sizes {
-        let size = parse_size(s)?;
-        // About 2 GiB per run, at least 20 items, at most 100k.
-        let items = ((2u64 << 30) / size as u64).clamp(20, 100_000);
-        let mut ring_t = Vec::new();
-        let mut copy_t = Vec::new();
+    let transports: Vec<(&str, Runner)> = vec![
+        (
+            "memcpy, 1 thread (the limit)",
+            Box::new(|s, n| Ok(memcpy_run(s, n))),
+        ),
+        ("shm-ring 1x1", Box::new(|s, n| ring_run(s, n, 1, 1))),
+        ("shm-ring 5x3", Box::new(|s, n| ring_run(s, n, 5, 3))),
+        (
+            "ipc-channel bytes 1x1",
+            Box::new(|s, n| ipc_run(s, n, false)),
+        ),
+        (
+            "ipc-channel IpcSharedMemory 1x1",
+            Box::new(|s, n| ipc_run(s, n, true)),
+        ),
+        ("Unix socket 1x1", Box::new(uds_run)),
+        (
+            "in-process channel of Vec 1x1",
+            Box::new(|s, n| Ok(inproc_run(s, n, 1, 1))),
+        ),
+        (
+            "in-process channel of Vec 5x3",
+            Box::new(|s, n| Ok(inproc_run(s, n, 5, 3))),
+        ),
+    ];
+    for sz in &args.sizes {
+        let size = parse_size(sz)?;
+        // About 2 GiB per run (at least 30 items, at most 100k, a multiple of 15 for 5x3).
+        let items = (((2u64 << 30) / size as u64).clamp(30, 100_000) / 15) * 15;
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); transports.len()];
         for _ in 0..args.runs {
-            // Interleave so both see the same machine conditions.
-            ring_t.push(ring_run(size, items)?);
-            copy_t.push(memcpy_run(size, items));
+            // Interleave transports so all see the same machine conditions.
+            for (k, (_, run)) in transports.iter().enumerate() {
+                times[k].push(run(size, items)?);
+            }
         }
-        let (rt, ct) = (median(ring_t), median(copy_t));
-        let bytes = (size as u64 * items) as f64;
+        let memcpy = median(times[0].clone());
         println!(
-            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            "\n{} payloads, {items} items per run, median of {} runs\n",
             human(size),
-            items,
-            items as f64 / rt,
-            bytes / rt / 1e9,
-            bytes / ct / 1e9,
-            ct / rt
+            args.runs
         );
+        println!("| transport | items/s | GB/s | x memcpy GB/s |");
+        println!("|---|---|---|---|");
+        for (k, (name, _)) in transports.iter().enumerate() {
+            let t = median(times[k].clone());
+            println!(
+                "| {name} | {:.0} | {:.2} | {:.2} |",
+                items as f64 / t,
+                (size as u64 * items) as f64 / t / 1e9,
+                memcpy / t
+            );
+        }
     }
     Ok(())
 }
