@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use shm_ring::{Ring, Role, Snapshot, WorkerSnapshot};
+use shm_ring::analysis::{self, Interval};
+use shm_ring::{Ring, SlotCounts, Snapshot};
 
 /// One monitor tick, as written to metrics.jsonl.
 #[derive(Serialize)]
@@ -28,6 +29,8 @@ struct Tick {
     drafters_waiting: f64,
     restarts: u32,
     closed: bool,
+    /// shm-ring-stat's verdict over the period.
+    verdict: String,
 }
 
 pub struct Monitor {
@@ -35,39 +38,26 @@ pub struct Monitor {
     total: u64,
     every: Duration,
     last: Option<(Instant, Snapshot)>,
+    /// Slot counts sampled since the last tick, for the ring-full/empty shares.
+    occupancy: Vec<SlotCounts>,
     bar: Option<ProgressBar>,
 }
 
-/// Mean fraction of the interval that workers of `role` spent (busy, waiting), from the
-/// growth of their phase counters between two snapshots.
-fn fractions(prev: &Snapshot, now: &Snapshot, role: Role, dt_ns: f64) -> (f64, f64) {
-    let pick = |s: &Snapshot| -> Vec<WorkerSnapshot> {
-        s.workers
-            .iter()
-            .filter(|w| w.role == role)
-            .cloned()
-            .collect()
-    };
-    let (a, b) = (pick(prev), pick(now));
-    if b.is_empty() || dt_ns <= 0.0 {
+/// Mean (busy, waiting) shares of the live workers of one role over an interval.
+fn shares(iv: &Interval, role: &str) -> (f64, f64) {
+    let ws: Vec<_> = iv
+        .workers
+        .iter()
+        .filter(|w| w.role == role && w.alive)
+        .collect();
+    if ws.is_empty() {
         return (0.0, 0.0);
     }
-    let mut busy = 0.0;
-    let mut wait = 0.0;
-    for (x, y) in a.iter().zip(&b) {
-        busy += y.busy_ns().saturating_sub(x.busy_ns()) as f64;
-        wait += y.wait_ns().saturating_sub(x.wait_ns()) as f64;
-    }
-    let n = b.len() as f64 * dt_ns;
-    ((busy / n).min(1.0), (wait / n).min(1.0))
-}
-
-fn drafter_tokens(s: &Snapshot) -> u64 {
-    s.workers
-        .iter()
-        .filter(|w| w.role == Role::Consumer)
-        .map(|w| w.tokens)
-        .sum()
+    let n = ws.len() as f64;
+    (
+        ws.iter().map(|w| w.busy).sum::<f64>() / n,
+        ws.iter().map(|w| w.waiting).sum::<f64>() / n,
+    )
 }
 
 impl Monitor {
@@ -91,6 +81,7 @@ impl Monitor {
             total,
             every,
             last: None,
+            occupancy: Vec::new(),
             bar,
         })
     }
@@ -109,21 +100,19 @@ impl Monitor {
             self.last = Some((now, ring.snapshot()));
             return Ok(());
         };
+        self.occupancy.push(ring.slot_counts());
         if now.duration_since(*at) < self.every {
             return Ok(());
         }
         let snap = ring.snapshot();
-        let dt_ns = snap.taken_at_ns.saturating_sub(prev.taken_at_ns) as f64;
-        let (tb, tw) = fractions(prev, &snap, Role::Producer, dt_ns);
-        let (db, dw) = fractions(prev, &snap, Role::Consumer, dt_ns);
-        let tokens = drafter_tokens(&snap).saturating_sub(drafter_tokens(prev));
+        let iv = analysis::interval(prev, &snap, &self.occupancy);
+        let verdict = analysis::verdict(&snap, &iv);
+        self.occupancy.clear();
+        let (tb, tw) = shares(&iv, "target");
+        let (db, dw) = shares(&iv, "drafter");
         let t = Tick {
             t_s: started.elapsed().as_secs_f64(),
-            tokens_per_s: if dt_ns > 0.0 {
-                tokens as f64 / (dt_ns / 1e9)
-            } else {
-                0.0
-            },
+            tokens_per_s: iv.tokens_per_s,
             batches_trained: snap.counters.released,
             batches_total: self.total,
             ring_ready: snap.slots.ready,
@@ -136,6 +125,7 @@ impl Monitor {
             drafters_waiting: dw,
             restarts,
             closed: snap.closed,
+            verdict: verdict.line,
         };
         writeln!(self.metrics, "{}", serde_json::to_string(&t)?)?;
         let rate = if t.tokens_per_s >= 1000.0 {
@@ -155,7 +145,7 @@ impl Monitor {
                 ));
             }
             None => println!(
-                "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}",
+                "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
                 t.t_s,
                 t.batches_trained,
                 t.batches_total,
@@ -163,7 +153,8 @@ impl Monitor {
                 t.ring_slots,
                 t.ready_per_bucket,
                 tb * 100.0,
-                db * 100.0
+                db * 100.0,
+                t.verdict
             ),
         }
         self.last = Some((now, snap));
