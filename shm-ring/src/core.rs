@@ -365,16 +365,19 @@ impl<'a> RingRef<'a> {
         None
     }
 
-    /// Marks work item `item` DONE on behalf of the batch in WRITING slot `claim`; the caller
-    /// commits the slot next. Fails if `id` does not hold the item.
-    pub(crate) fn complete_work(&self, id: u32, claim: Claim, item: u64) -> Result<(), RingError> {
-        let w = self
-            .work
+    fn work_word(&self, item: u64) -> Result<&'a AtomicU64, RingError> {
+        self.work
             .get(item as usize)
             .ok_or(RingError::NoSuchWorkItem {
                 item,
                 items: self.work.len() as u64,
-            })?;
+            })
+    }
+
+    /// Marks work item `item` DONE on behalf of the batch in WRITING slot `claim`; the caller
+    /// commits the slot next. Fails if `id` does not hold the item.
+    pub(crate) fn complete_work(&self, id: u32, claim: Claim, item: u64) -> Result<(), RingError> {
+        let w = self.work_word(item)?;
         self.slots[claim.idx]
             .work_item
             .store(item + 1, Ordering::Relaxed);
@@ -393,13 +396,7 @@ impl<'a> RingRef<'a> {
 
     /// Gives back a claimed work item that producer `id` will not do (it is stopping).
     pub(crate) fn unclaim_work(&self, id: u32, item: u64) -> Result<(), RingError> {
-        let w = self
-            .work
-            .get(item as usize)
-            .ok_or(RingError::NoSuchWorkItem {
-                item,
-                items: self.work.len() as u64,
-            })?;
+        let w = self.work_word(item)?;
         w.compare_exchange(
             WORK_CLAIMED + u64::from(id),
             WORK_FREE,

@@ -216,143 +216,75 @@ fn bad_inputs_give_clear_errors() {
     let name = unique("wbad");
     let (_ring, _) = make_ring(&name, &config, 1, 1);
     let dir = run.0.to_str().unwrap();
-    let cfg = config.to_str().unwrap();
+    // A standalone worker on `ring` with `config`.
+    let standalone = |bin: &str, index: &str, ring: &str, config: &Path| {
+        run_bin(
+            bin,
+            &[
+                "--index",
+                index,
+                "--ring",
+                ring,
+                "--run-dir",
+                dir,
+                "--config",
+                config.to_str().unwrap(),
+            ],
+        )
+    };
+    let with_config = |file: &str, text: String| {
+        let p = run.0.join(file);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
 
     // A ring that does not exist.
-    let out = run_bin(
-        TARGET,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            "hspipe-nope",
-            "--run-dir",
-            dir,
-            "--config",
-            cfg,
-        ],
+    assert_error(
+        &standalone(TARGET, "0", "hspipe-nope", &config),
+        "hspipe-nope",
     );
-    assert_error(&out, "hspipe-nope");
 
-    // A config field that does not exist, and one with a bad value.
+    // A config field that does not exist.
     let bad = run.config("bad.toml", "[drafter]\nspeed = 3\n");
-    let out = run_bin(
-        DRAFTER,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            bad.to_str().unwrap(),
-        ],
-    );
-    assert_error(&out, "bad.toml");
+    assert_error(&standalone(DRAFTER, "0", &name, &bad), "bad.toml");
 
     // A dataset file that is missing, and one with a malformed line.
-    let missing = run.config("missing.toml", "path = \"/nonexistent/data.jsonl\"\n");
-    std::fs::write(
-        &missing,
+    let missing = with_config(
+        "missing.toml",
         CONFIG.replace("[data]", "[data]\npath = \"/nonexistent/data.jsonl\""),
-    )
-    .unwrap();
-    let out = run_bin(
-        TARGET,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            missing.to_str().unwrap(),
-        ],
     );
-    assert_error(&out, "/nonexistent/data.jsonl");
+    assert_error(
+        &standalone(TARGET, "0", &name, &missing),
+        "/nonexistent/data.jsonl",
+    );
     let data = run.0.join("data.jsonl");
     std::fs::write(&data, "{\"input_ids\": [1, 2]}\n{\"input_ids\": oops}\n").unwrap();
-    let malformed = run.0.join("malformed.toml");
-    std::fs::write(
-        &malformed,
+    let malformed = with_config(
+        "malformed.toml",
         CONFIG.replace(
             "[data]",
             &format!("[data]\npath = {:?}", data.to_str().unwrap()),
         ),
-    )
-    .unwrap();
-    let out = run_bin(
-        TARGET,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            malformed.to_str().unwrap(),
-        ],
     );
-    assert_error(&out, "data.jsonl:2");
+    assert_error(&standalone(TARGET, "0", &name, &malformed), "data.jsonl:2");
 
     // A worker index the ring does not have.
-    let out = run_bin(
-        TARGET,
-        &[
-            "--index",
-            "7",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            cfg,
-        ],
-    );
-    assert_error(&out, "producer 7");
+    assert_error(&standalone(TARGET, "7", &name, &config), "producer 7");
 
     // A config that plans a different number of batches than the ring was made for.
-    let other = run.0.join("other.toml");
-    std::fs::write(
-        &other,
+    let other = with_config(
+        "other.toml",
         CONFIG.replace("synthetic_samples = 150", "synthetic_samples = 40"),
-    )
-    .unwrap();
-    let out = run_bin(
-        TARGET,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            other.to_str().unwrap(),
-        ],
     );
-    assert_error(&out, "disagree");
+    assert_error(&standalone(TARGET, "0", &name, &other), "disagree");
 
     // A checkpoint that does not load.
     std::fs::create_dir_all(run.0.join("checkpoints")).unwrap();
     std::fs::write(checkpoint_path(&run.0, 0), b"garbage").unwrap();
-    let out = run_bin(
-        DRAFTER,
-        &[
-            "--index",
-            "0",
-            "--ring",
-            &name,
-            "--run-dir",
-            dir,
-            "--config",
-            cfg,
-        ],
+    assert_error(
+        &standalone(DRAFTER, "0", &name, &config),
+        "drafter-0.safetensors",
     );
-    assert_error(&out, "drafter-0.safetensors");
 
     // Missing flags are usage errors.
     let out = run_bin(TARGET, &["--index", "0"]);
