@@ -84,6 +84,11 @@ pub struct Args {
     /// Restarts allowed per worker before it is given up.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
+    /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
+    /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
+    /// while blocked on the ring, so only a step or checkpoint longer than this trips it.
+    #[arg(long, default_value_t = 600.0)]
+    pub hang_timeout: f64,
     /// Seconds between monitor updates.
     #[arg(long, default_value_t = 1.0)]
     pub monitor: f64,
@@ -213,6 +218,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         ))
         .into());
     }
+    if !(args.hang_timeout.is_finite() && args.hang_timeout > 0.0) {
+        return Err(UsageError(format!(
+            "--hang-timeout must be a positive number of seconds, got {}",
+            args.hang_timeout
+        ))
+        .into());
+    }
     if !(args.monitor.is_finite() && args.monitor > 0.0) {
         return Err(UsageError(format!(
             "--monitor must be a positive number of seconds, got {}",
@@ -320,6 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut notes: Vec<String> = Vec::new();
     let mut stopping = false;
     let mut killed = false;
+    let mut last_hang_check = Instant::now();
 
     loop {
         // 1. Signals: the first stops in order, the second kills.
@@ -373,7 +386,34 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             }
         }
 
-        // 3. Exits, recoveries, restarts.
+        // 3. Hangs, checked once a second: a running worker silent for too long is killed; its
+        // exit is handled below like any crash.
+        if last_hang_check.elapsed() >= Duration::from_secs(1) {
+            last_hang_check = Instant::now();
+            let snap = ring.snapshot();
+            let hang_ns = (args.hang_timeout * 1e9) as u64;
+            for w in &mut workers {
+                let rec = &snap.workers[match w.role {
+                    WorkerRole::Target => w.index as usize,
+                    WorkerRole::Drafter => (nt + w.index) as usize,
+                }];
+                // Only a worker that has registered this incarnation can be late.
+                let silent = rec.heartbeat_age_ns.unwrap_or(0);
+                if w.child.is_some() && rec.pid == w.pid && silent > hang_ns {
+                    mon.say(&format!(
+                        "{} (pid {}) sent no heartbeat for {:.0}s: killing it as hung",
+                        w.name(),
+                        w.pid,
+                        silent as f64 / 1e9
+                    ));
+                    if let Some(c) = &mut w.child {
+                        let _ = c.kill();
+                    }
+                }
+            }
+        }
+
+        // 4. Exits, recoveries, restarts.
         let drafters_left = workers
             .iter()
             .filter(|w| w.role == WorkerRole::Drafter && !matches!(w.phase, Phase::GaveUp))
@@ -476,7 +516,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             }
         }
 
-        // 4. Monitor.
+        // 5. Monitor.
         let restarts: u32 = workers.iter().map(|w| w.restarts).sum();
         mon.tick(&ring, restarts, started)?;
 

@@ -27,6 +27,9 @@ const WAITS: f64 = 0.20;
 const CALM: f64 = 0.10;
 /// A straggler's busy share is below this fraction of its peers' median.
 const STRAGGLER: f64 = 0.6;
+/// A live worker silent this long is worth a warning (workers beat at every ring operation and
+/// every 100 ms while blocked on the ring).
+const SILENT_S: f64 = 60.0;
 
 /// One worker over the interval.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -195,6 +198,17 @@ pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
                 w.role, w.index
             )),
             _ => {}
+        }
+    }
+    for w in b.workers.iter().filter(|w| w.alive) {
+        let age = w.heartbeat_age_ns.unwrap_or(0) as f64 / 1e9;
+        if age > SILENT_S {
+            warnings.push(format!(
+                "{} {} (pid {}) has sent no heartbeat for {age:.0}s: hung, or in a very long step",
+                role_name(w.role),
+                w.index,
+                w.pid
+            ));
         }
     }
     let live = |role: &'static str| iv.workers.iter().filter(move |w| w.role == role && w.alive);

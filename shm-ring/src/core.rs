@@ -270,6 +270,8 @@ impl<'a> RingRef<'a> {
                 waited = Some(self.enter(id, Some(Phase::WaitFull)));
             }
             sync::wait(&self.ctl.free_seq, seq, sleep);
+            // A worker blocked on the ring is alive: say so at every wake.
+            self.heartbeat(id);
         };
         if let Some(prev) = waited {
             self.enter(id, prev);
@@ -564,6 +566,7 @@ impl<'a> RingRef<'a> {
                 waited = Some(self.enter(id, Some(Phase::WaitEmpty)));
             }
             sync::wait(&self.ctl.ready_seq, seq, sleep);
+            self.heartbeat(id);
         };
         if let Some(prev) = waited {
             self.enter(id, prev);

@@ -513,3 +513,40 @@ fn with_every_drafter_gone_the_targets_are_stopped_and_the_run_ends() {
     let notes = run.summary()["notes"].to_string();
     assert!(notes.contains("no drafter left"), "{notes}");
 }
+
+#[test]
+fn a_hung_drafter_is_killed_and_restarted() {
+    let run = Run::new("lhang");
+    // Few batches and one drafter that hangs after every third.
+    let cfg = config(&run.dir, false, "[faults.drafter-0]\nhang_after = 3\n");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("synthetic_samples = 400", "synthetic_samples = 60");
+    std::fs::write(&cfg, text).unwrap();
+    let p = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--hang-timeout",
+            "1",
+            "--max-restarts",
+            "20",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.run_dir().to_str().unwrap(),
+        ],
+    );
+    let out = p.finish();
+    assert!(
+        out.contains("drafter-0") && out.contains("killing it as hung"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert!(s["workers"][1]["restarts"].as_u64().unwrap() >= 1);
+    assert_eq!(s["samples_trained"], 60);
+}
