@@ -340,11 +340,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         if signals >= 1 && !stopping {
             stopping = true;
             mon.say("stopping: targets stop claiming, drafters drain and checkpoint (Ctrl-C again to kill)");
-            for w in &workers {
-                if let Some(c) = &w.control {
-                    let _ = c.send(ToWorker::Stop);
-                }
-            }
+            send_stop(&workers);
         }
         if signals >= 2 {
             mon.say("second signal: killing every worker");
@@ -474,11 +470,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             let note = "no drafter left: stopping the targets".to_string();
             mon.say(&note);
             notes.push(note);
-            for w in &workers {
-                if let Some(c) = &w.control {
-                    let _ = c.send(ToWorker::Stop);
-                }
-            }
+            send_stop(&workers);
         }
         let now = Instant::now();
         for w in &mut workers {
@@ -558,11 +550,30 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             ));
         }
     }
+    let refused: u64 = workers
+        .iter()
+        .filter_map(|w| w.report.as_ref())
+        .map(|r| r.refused)
+        .sum();
+    if refused > 0 {
+        notes.push(format!(
+            "drafters refused {refused} corrupt batch(es); see their logs"
+        ));
+    }
     let summary = summary::finalise(summary, exit_code, notes);
     summary::write(&run_dir, &summary)?;
     summary::print(&summary);
     drop(ring);
     Ok(exit_code)
+}
+
+/// Asks every connected worker to stop in order.
+fn send_stop(workers: &[Worker]) {
+    for w in workers {
+        if let Some(c) = &w.control {
+            let _ = c.send(ToWorker::Stop);
+        }
+    }
 }
 
 fn log_path(run_dir: &Path, w: &Worker) -> PathBuf {
