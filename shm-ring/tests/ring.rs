@@ -3,24 +3,15 @@
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+use crate::common::unique;
 use shm_ring::{
     BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
     WorkerId, WorkerState,
 };
-
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "hspipe-t-{}-{tag}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
 
 fn fifo(producers: u32, consumers: u32, slots: u32) -> RingParams {
     RingParams {

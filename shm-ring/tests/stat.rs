@@ -2,21 +2,12 @@
 //! figures. Phase times are injected with `add_phase`, and the interval is fixed at one second,
 //! so the figures are exact whatever the machine's speed.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use crate::common::unique;
 use shm_ring::analysis::{interval, verdict, Bottleneck, Verdict};
 use shm_ring::stat_cli::{run, Args};
 use shm_ring::{CommitMeta, Phase, Ring, RingParams, SlotCounts, Snapshot, TakePolicy, WorkerId};
-
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "hspipe-st-{}-{tag}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
 
 fn ring(tag: &str, producers: u32, consumers: u32, slots: u32) -> Ring {
     Ring::create(
