@@ -73,6 +73,11 @@ pub(crate) struct Control {
     pub ready_seq: Padded<AtomicU32>,
     /// Futex word producers sleep on; bumped when a slot becomes FREE.
     pub free_seq: Padded<AtomicU32>,
+    /// Consumers about to sleep or asleep on `ready_seq`; a waker skips the wake system call
+    /// when there are none (see `RingRef::bump`).
+    pub ready_waiters: Padded<AtomicU32>,
+    /// Producers about to sleep or asleep on `free_seq`.
+    pub free_waiters: Padded<AtomicU32>,
     /// Producers that called `finish()` or were retired.
     pub producers_done: Padded<AtomicU32>,
     /// 1 once the last expected producer finished: no item will be published any more.
@@ -170,6 +175,8 @@ pub(crate) mod heap {
             next_ticket: Padded(u64s()),
             ready_seq: Padded(u32s()),
             free_seq: Padded(u32s()),
+            ready_waiters: Padded(u32s()),
+            free_waiters: Padded(u32s()),
             producers_done: Padded(u32s()),
             closed: Padded(u32s()),
             reserve_hint: Padded(u32s()),

@@ -8,10 +8,10 @@
 //! never see the other process's wake.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 #[cfg(not(loom))]
-pub(crate) use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use core::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use std::time::Duration;
 
@@ -53,6 +53,29 @@ pub(crate) fn wait(word: &AtomicU32, expected: u32, _timeout: Duration) {
 pub(crate) fn wake_all(_word: &AtomicU32) {
     drop(FUTEX.0.lock().unwrap());
     FUTEX.1.notify_all();
+}
+
+/// Spins this many times (a few microseconds) watching a sequence word before a waiter sleeps.
+#[cfg(not(loom))]
+const SPINS: u32 = 256;
+
+/// Watches `word` briefly; true if it moved away from `seen`.
+#[cfg(not(loom))]
+pub(crate) fn spin_until_changed(word: &AtomicU32, seen: u32) -> bool {
+    for _ in 0..SPINS {
+        // SYNC: Acquire pairs with the Release bump of the word, like the load before a scan.
+        if word.load(Ordering::Acquire) != seen {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
+}
+
+/// loom explores waits through `wait`; spinning would only add states.
+#[cfg(loom)]
+pub(crate) fn spin_until_changed(_word: &AtomicU32, _seen: u32) -> bool {
+    false
 }
 
 /// Nanoseconds on `CLOCK_MONOTONIC`, which is one clock for every process on the machine, so
