@@ -28,6 +28,9 @@ struct Args {
     /// Payload sizes, with K/M/G suffixes.
     #[arg(long, value_delimiter = ',', default_value = "4K,1M,64M,256M")]
     sizes: Vec<String>,
+    /// Only the transports whose name contains one of these words (memcpy always runs).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 #[derive(Subcommand)]
@@ -364,7 +367,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(c) = args.child {
         return child(c);
     }
-    let transports: Vec<(&str, Runner)> = vec![
+    let mut transports: Vec<(&str, Runner)> = vec![
         (
             "memcpy, 1 thread (the limit)",
             Box::new(|s, n| Ok(memcpy_run(s, n))),
@@ -389,6 +392,11 @@ fn main() -> anyhow::Result<()> {
             Box::new(|s, n| Ok(inproc_run(s, n, 5, 3))),
         ),
     ];
+    if !args.only.is_empty() {
+        transports.retain(|(name, _)| {
+            name.starts_with("memcpy") || args.only.iter().any(|w| name.contains(w.as_str()))
+        });
+    }
     for sz in &args.sizes {
         let size = parse_size(sz)?;
         // About 2 GiB per run (at least 30 items, at most 100k, a multiple of 15 for 5x3).
