@@ -124,12 +124,21 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Take::TimedOut => continue,
         };
         let meta = *slot.meta();
-        // The mock's copy-in is parsing and checksumming the batch in place.
+        // The mock's copy-in is parsing and checksumming the batch in place; the backend then
+        // checks the content as it trains. Either failure refuses the batch.
         consumer.enter(Phase::CopyIn);
         let view = BatchView::parse(slot.payload()).and_then(|v| v.verify().map(|()| v));
+        let trained = match view {
+            Ok(view) => {
+                consumer.enter(Phase::Compute);
+                let stats = backend.train_step(&view).map_err(|e| e.to_string());
+                stats.map(|st| (st, view.header().spec.sample_ids.clone()))
+            }
+            Err(e) => Err(e.to_string()),
+        };
         consumer.enter(Phase::Other);
-        let view = match view {
-            Ok(v) => v,
+        let (stats, sample_ids) = match trained {
+            Ok(x) => x,
             Err(e) => {
                 tracing::error!(batch = meta.batch_id, error = %e, "refusing a corrupt batch");
                 report.refused += 1;
@@ -137,21 +146,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 continue;
             }
         };
-        consumer.enter(Phase::Compute);
-        let stats = backend.train_step(&view);
-        consumer.enter(Phase::Other);
-        let stats = match stats {
-            Ok(st) => st,
-            Err(e) => {
-                tracing::error!(batch = meta.batch_id, error = %e, "refusing a batch with wrong content");
-                report.refused += 1;
-                slot.release()?;
-                continue;
-            }
-        };
         let line = LedgerLine {
-            batch_id: view.header().spec.batch_id,
-            sample_ids: view.header().spec.sample_ids.clone(),
+            batch_id: meta.batch_id,
+            sample_ids,
             tokens: stats.tokens,
             delivery: meta.delivery,
             step: stats.step,

@@ -7,25 +7,11 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use crate::common::unique;
+use crate::common::{fifo, unique};
 use shm_ring::{
     BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
     WorkerId, WorkerState,
 };
-
-fn fifo(producers: u32, consumers: u32, slots: u32) -> RingParams {
-    RingParams {
-        slots,
-        slot_size: 4096,
-        buckets: 4,
-        producers,
-        consumers,
-        held_per_consumer: 1,
-        policy: TakePolicy::Fifo,
-        seed: 1,
-        work_items: 0,
-    }
-}
 
 /// Runs `f` on a thread and fails the test, naming `what`, if it does not return in 60 s.
 fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {

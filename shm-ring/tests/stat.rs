@@ -4,27 +4,13 @@
 
 use std::time::Duration;
 
-use crate::common::unique;
+use crate::common::{fifo, unique};
 use shm_ring::analysis::{interval, verdict, Bottleneck, Verdict};
 use shm_ring::stat_cli::{run, Args};
-use shm_ring::{CommitMeta, Phase, Ring, RingParams, SlotCounts, Snapshot, TakePolicy, WorkerId};
+use shm_ring::{CommitMeta, Phase, Ring, SlotCounts, Snapshot, WorkerId};
 
 fn ring(tag: &str, producers: u32, consumers: u32, slots: u32) -> Ring {
-    Ring::create(
-        &unique(tag),
-        &RingParams {
-            slots,
-            slot_size: 64,
-            buckets: 2,
-            producers,
-            consumers,
-            held_per_consumer: 1,
-            policy: TakePolicy::Fifo,
-            seed: 1,
-            work_items: 0,
-        },
-    )
-    .unwrap()
+    Ring::create(&unique(tag), &fifo(producers, consumers, slots)).unwrap()
 }
 
 const SEC: Duration = Duration::from_secs(1);

@@ -65,6 +65,30 @@ fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, u
     (Ring::create(name, &params).unwrap(), data.len())
 }
 
+/// A run directory with the standard config, and a ring for `targets` x `drafters` made as the
+/// launcher would.
+struct Setup {
+    run: RunDir,
+    config: PathBuf,
+    name: String,
+    ring: Ring,
+    samples: usize,
+}
+
+fn setup(tag: &str, targets: u32, drafters: u32) -> Setup {
+    let run = RunDir::new(tag);
+    let config = run.config("run.toml", "");
+    let name = unique(tag);
+    let (ring, samples) = make_ring(&name, &config, targets, drafters);
+    Setup {
+        run,
+        config,
+        name,
+        ring,
+        samples,
+    }
+}
+
 fn worker(bin: &str, index: u32, ring: &str, run: &Path, config: &Path) -> Proc {
     crate::support::spawn(
         &crate::support::workspace_bin(bin),
@@ -107,10 +131,13 @@ fn trained(run: &Path, drafters: u32) -> HashMap<u64, u32> {
 
 #[test]
 fn two_targets_two_drafters_train_every_sample_exactly_once() {
-    let run = RunDir::new("w2x2");
-    let config = run.config("run.toml", "");
-    let name = unique("w2x2");
-    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let Setup {
+        run,
+        config,
+        name,
+        ring,
+        samples,
+    } = setup("w2x2", 2, 2);
     let drafters: Vec<Proc> = (0..2)
         .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
         .collect();
@@ -146,12 +173,15 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
 
 #[test]
 fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
-    let run = RunDir::new("wcrash");
-    let config = run.config("run.toml", "");
-    let crashing = run.config("crash.toml", "[faults.drafter-0]\ncrash_after = 5\n");
-    let name = unique("wcrash");
     // One drafter, so it surely reaches its fifth batch and, restarted, trains the rest.
-    let (ring, samples) = make_ring(&name, &config, 2, 1);
+    let Setup {
+        run,
+        config,
+        name,
+        ring,
+        samples,
+    } = setup("wcrash", 2, 1);
+    let crashing = run.config("crash.toml", "[faults.drafter-0]\ncrash_after = 5\n");
     let victim = worker(DRAFTER, 0, &name, &run.0, &crashing);
     let targets: Vec<Proc> = (0..2)
         .map(|i| worker(TARGET, i, &name, &run.0, &config))
@@ -211,10 +241,13 @@ fn assert_error(out: &Output, want: &str) {
 
 #[test]
 fn bad_inputs_give_clear_errors() {
-    let run = RunDir::new("wbad");
-    let config = run.config("run.toml", "");
-    let name = unique("wbad");
-    let (_ring, _) = make_ring(&name, &config, 1, 1);
+    let Setup {
+        run,
+        config,
+        name,
+        ring: _ring,
+        samples: _,
+    } = setup("wbad", 1, 1);
     let dir = run.0.to_str().unwrap();
     // A standalone worker on `ring` with `config`.
     let standalone = |bin: &str, index: &str, ring: &str, config: &Path| {
@@ -293,11 +326,14 @@ fn bad_inputs_give_clear_errors() {
 
 #[test]
 fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() {
-    let run = RunDir::new("tcrash");
-    let config = run.config("run.toml", "");
+    let Setup {
+        run,
+        config,
+        name,
+        ring,
+        samples,
+    } = setup("tcrash", 2, 2);
     let crashing = run.config("crash.toml", "[faults.target-0]\ncrash_after = 3\n");
-    let name = unique("tcrash");
-    let (ring, samples) = make_ring(&name, &config, 2, 2);
     let drafters: Vec<Proc> = (0..2)
         .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
         .collect();
@@ -379,10 +415,13 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
     use ipc_channel::ipc::IpcOneShotServer;
     use proto::control::{ToLauncher, ToWorker, PROTOCOL_VERSION};
 
-    let run = RunDir::new("whello");
-    let config = run.config("run.toml", "");
-    let name = unique("whello");
-    let (ring, _) = make_ring(&name, &config, 1, 1);
+    let Setup {
+        run,
+        config,
+        name,
+        ring,
+        samples: _,
+    } = setup("whello", 1, 1);
     let batches = ring.params().work_items;
     let (server, server_name) = IpcOneShotServer::<ToLauncher>::new().unwrap();
     let target = crate::support::spawn(
@@ -423,10 +462,13 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
 
 #[test]
 fn a_drafter_refuses_corrupt_batches_loudly_and_trains_nothing_from_them() {
-    let run = RunDir::new("wcorrupt");
-    let config = run.config("run.toml", "");
-    let name = unique("wcorrupt");
-    let (_ring, _) = make_ring(&name, &config, 1, 1);
+    let Setup {
+        run,
+        config,
+        name,
+        ring: _ring,
+        samples: _,
+    } = setup("wcorrupt", 1, 1);
     let drafter = worker(DRAFTER, 0, &name, &run.0, &config);
     // ring-peer publishes payloads that are not batches.
     crate::support::ring_peer(&["produce", &name, "0", "3", "4096"]).finish();
