@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The crates come from Debian's archive (crates.io is not reachable here): see scripts/deps.sh.
+scripts/deps.sh
+
 # The end-to-end tests run the real launcher and worker binaries, which `cargo test` alone does
 # not build for another crate's tests: build them first.
 echo "== cargo build --workspace --bins"

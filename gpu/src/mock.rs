@@ -9,8 +9,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use proto::safetensors::{self, SafeTensors, StDtype, TensorRef};
 use proto::{BatchView, Dtype};
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
 use crate::{DrafterBackend, Faults, GpuError, StepStats, TargetBackend};
 
@@ -207,17 +207,23 @@ impl DrafterBackend for MockDrafter {
         };
         let w: Vec<u8> = self.weights.iter().flat_map(|f| f.to_le_bytes()).collect();
         let s = self.step.to_le_bytes();
-        let tensors = vec![
-            (
-                "weights",
-                TensorView::new(StDtype::F32, vec![WEIGHTS], &w).map_err(|e| err(e.to_string()))?,
-            ),
-            (
-                "step",
-                TensorView::new(StDtype::U64, vec![1], &s).map_err(|e| err(e.to_string()))?,
-            ),
+        let tensors = [
+            TensorRef {
+                name: "weights",
+                dtype: StDtype::F32,
+                shape: &[WEIGHTS],
+                data: &w,
+            },
+            TensorRef {
+                name: "step",
+                dtype: StDtype::U64,
+                shape: &[1],
+                data: &s,
+            },
         ];
-        safetensors::serialize_to_file(tensors, &None, path).map_err(|e| err(e.to_string()))
+        let bytes = safetensors::serialize(&tensors, &Default::default())
+            .map_err(|e| err(e.to_string()))?;
+        std::fs::write(path, bytes).map_err(|e| err(e.to_string()))
     }
 
     fn load(&mut self, path: &Path) -> Result<(), GpuError> {
@@ -226,27 +232,26 @@ impl DrafterBackend for MockDrafter {
             why,
         };
         let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| err(format!("not a safetensors file: {e}")))?;
+        let st = SafeTensors::parse(&bytes).map_err(|e| err(e.to_string()))?;
         let w = st
             .tensor("weights")
             .map_err(|e| err(format!("no weights: {e}")))?;
         let s = st
             .tensor("step")
             .map_err(|e| err(format!("no step: {e}")))?;
-        if w.dtype() != StDtype::F32
-            || w.shape() != [WEIGHTS]
-            || s.dtype() != StDtype::U64
-            || s.shape() != [1]
+        if w.dtype != StDtype::F32
+            || w.shape != [WEIGHTS]
+            || s.dtype != StDtype::U64
+            || s.shape != [1]
         {
             return Err(err(format!(
                 "expected weights F32[{WEIGHTS}] and step U64[1]"
             )));
         }
-        for (dst, c) in self.weights.iter_mut().zip(w.data().chunks_exact(4)) {
+        for (dst, c) in self.weights.iter_mut().zip(w.data.chunks_exact(4)) {
             *dst = f32::from_le_bytes(c.try_into().expect("4 bytes"));
         }
-        self.step = u64::from_le_bytes(s.data().try_into().expect("8 bytes"));
+        self.step = u64::from_le_bytes(s.data.try_into().expect("8 bytes"));
         Ok(())
     }
 }

@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
-use ipc_channel::ipc::IpcSender;
-use proto::control::{FinalReport, ToWorker, WorkerRole};
+use proto::control::{self, FinalReport, ToWorker, WorkerRole};
 use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
 use target_worker::data::{plan, Dataset};
@@ -169,7 +168,7 @@ struct Worker {
     spawns: u32,
     restarts: u32,
     phase: Phase,
-    control: Option<IpcSender<ToWorker>>,
+    control: Option<control::Sender<ToWorker>>,
     report: Option<FinalReport>,
 }
 

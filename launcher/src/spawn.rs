@@ -10,8 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Sender;
 
 use anyhow::{bail, Context};
-use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
-use proto::control::{FinalReport, ToLauncher, ToWorker, WorkerRole, PROTOCOL_VERSION};
+use proto::control::{self, FinalReport, ToLauncher, ToWorker, WorkerRole, PROTOCOL_VERSION};
 
 /// Which worker, and which incarnation of it (restarts get a new `spawn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,7 +22,7 @@ pub struct Key {
 
 /// What handshake threads tell the supervisor.
 pub enum Event {
-    Connected(Key, IpcSender<ToWorker>),
+    Connected(Key, control::Sender<ToWorker>),
     Report(Key, FinalReport),
     HandshakeFailed(Key, String),
 }
@@ -92,8 +91,8 @@ pub fn spawn(
     welcome: &Welcome,
     events: Sender<Event>,
 ) -> anyhow::Result<Child> {
-    let (server, server_name) =
-        IpcOneShotServer::<ToLauncher>::new().context("opening a control channel")?;
+    let server = control::Server::new().context("opening a control channel")?;
+    let server_name = server.name().to_string();
     let mut logf = OpenOptions::new()
         .create(true)
         .append(true)
@@ -144,27 +143,24 @@ pub fn spawn(
     Ok(child)
 }
 
-fn handshake(
-    server: IpcOneShotServer<ToLauncher>,
-    key: Key,
-    gpu: u32,
-    welcome: Welcome,
-    events: Sender<Event>,
-) {
+fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, events: Sender<Event>) {
     let failed = |why: String| {
         let _ = events.send(Event::HandshakeFailed(key, why));
     };
     // Blocks until the worker connects; a worker that dies first leaves this thread waiting,
     // which costs nothing (bounded by the restart limit).
-    let (rx, hello) = match server.accept() {
+    let (reply, rx) = match server.accept() {
         Ok(x) => x,
-        Err(e) => return failed(format!("accept: {e:?}")),
+        Err(e) => return failed(format!("accept: {e}")),
+    };
+    let hello = match rx.recv() {
+        Ok(m) => m,
+        Err(e) => return failed(format!("no Hello: {e}")),
     };
     let ToLauncher::Hello {
         version,
         role,
         index,
-        reply,
         ..
     } = hello
     else {

@@ -1,19 +1,37 @@
-//! The control plane between the launcher and a worker, over ipc-channel.
+//! The control plane between the launcher and a worker: framed bincode messages over a Unix
+//! stream socket in the abstract namespace (Linux).
 //!
-//! The launcher opens a one-shot server and passes its name to the worker (`--control NAME`).
-//! The worker connects and sends [`ToLauncher::Hello`] first, carrying the protocol version and
-//! a sender for the launcher's replies; the launcher answers [`ToWorker::Welcome`] (ring, run
-//! directory, config) or [`ToWorker::Refused`]. After that the launcher may send `Stop` or
-//! `Checkpoint`, and the worker ends with [`ToLauncher::Report`].
+//! The launcher opens a one-shot [`Server`] and passes its name to the worker (`--control NAME`).
+//! The worker connects and sends [`ToLauncher::Hello`] first, carrying the protocol version; the
+//! launcher answers [`ToWorker::Welcome`] (ring, run directory, config) or
+//! [`ToWorker::Refused`]. After that the launcher may send `Stop` or `Checkpoint`, and the worker
+//! ends with [`ToLauncher::Report`]. Both directions share the one connection.
+//!
+//! Why not a crate: ipc-channel (used before) is not packaged where this project's crates come
+//! from (Debian), and what we need — one duplex connection, a few small messages — is a socket.
+//! Abstract socket names are visible to every local process, so the server accepts only a peer
+//! of its own uid (`SO_PEERCRED`) and answers one connection.
+//!
+//! A frame is a little-endian `u32` length, then that many bytes of bincode. Frames over
+//! [`MAX_FRAME`] are refused (a config is a few KiB).
 
+use std::io::{Read, Write};
+use std::marker::PhantomData;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The largest frame either side accepts.
+pub const MAX_FRAME: u32 = 16 << 20;
 
 /// A worker's role on the control plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,7 +48,6 @@ pub enum ToLauncher {
         role: WorkerRole,
         index: u32,
         pid: u32,
-        reply: IpcSender<ToWorker>,
     },
     Report(FinalReport),
 }
@@ -78,14 +95,175 @@ pub enum ControlError {
     Refused(String),
     #[error("control channel: {0}")]
     Channel(String),
+    #[error("control channel: the other side closed it")]
+    Closed,
+    #[error("control channel: a frame of {0} bytes is over the limit")]
+    TooLarge(u64),
+    #[error("control channel: refusing a peer of uid {theirs} (ours is {ours})")]
+    ForeignPeer { theirs: u32, ours: u32 },
     #[error("the launcher's first message was {0}, not Welcome")]
     Unexpected(String),
 }
 
+/// The sending half of a connection; sends from several threads are serialised.
+pub struct Sender<T> {
+    stream: Mutex<UnixStream>,
+    _msg: PhantomData<fn(T)>,
+}
+
+/// The receiving half of a connection.
+pub struct Receiver<T> {
+    stream: UnixStream,
+    _msg: PhantomData<fn() -> T>,
+}
+
+impl<T> std::fmt::Debug for Sender<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("control::Sender")
+    }
+}
+
+fn io_err(e: std::io::Error) -> ControlError {
+    ControlError::Channel(e.to_string())
+}
+
+/// Splits one connection into its two typed halves.
+fn split<S, R>(stream: UnixStream) -> Result<(Sender<S>, Receiver<R>), ControlError> {
+    let write = stream.try_clone().map_err(io_err)?;
+    Ok((
+        Sender {
+            stream: Mutex::new(write),
+            _msg: PhantomData,
+        },
+        Receiver {
+            stream,
+            _msg: PhantomData,
+        },
+    ))
+}
+
+impl<T: Serialize> Sender<T> {
+    /// Sends one message as one frame.
+    pub fn send(&self, msg: T) -> Result<(), ControlError> {
+        let body = bincode::serialize(&msg).map_err(|e| ControlError::Channel(e.to_string()))?;
+        if body.len() as u64 > u64::from(MAX_FRAME) {
+            return Err(ControlError::TooLarge(body.len() as u64));
+        }
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        // A poisoned lock only means another sender panicked mid-frame; the stream is then
+        // garbage for the peer, which will say so, so sending on is harmless.
+        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        s.write_all(&frame).map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+                ControlError::Closed
+            }
+            _ => io_err(e),
+        })
+    }
+}
+
+impl<T: DeserializeOwned> Receiver<T> {
+    /// Waits for the next message; `Closed` once the peer has gone.
+    pub fn recv(&self) -> Result<T, ControlError> {
+        let mut s = &self.stream;
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).map_err(read_err)?;
+        let len = u32::from_le_bytes(len);
+        if len > MAX_FRAME {
+            return Err(ControlError::TooLarge(len.into()));
+        }
+        let mut body = vec![0u8; len as usize];
+        s.read_exact(&mut body).map_err(read_err)?;
+        bincode::deserialize(&body).map_err(|e| ControlError::Channel(format!("bad frame: {e}")))
+    }
+
+    /// Like [`Receiver::recv`], giving up with `Timeout` after `timeout`. Meant for a first
+    /// message: after a timeout the connection is no longer usable.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<T, ControlError> {
+        self.stream
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(io_err)?;
+        let got = self.recv().map_err(|e| match e {
+            ControlError::Channel(ref why) if why.contains(TIMED_OUT) => {
+                ControlError::Timeout(timeout)
+            }
+            e => e,
+        });
+        self.stream.set_read_timeout(None).map_err(io_err)?;
+        got
+    }
+}
+
+const TIMED_OUT: &str = "timed out";
+
+fn read_err(e: std::io::Error) -> ControlError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
+            ControlError::Closed
+        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            ControlError::Channel(TIMED_OUT.into())
+        }
+        _ => io_err(e),
+    }
+}
+
+/// The launcher's end before a worker connects: one abstract socket name, one connection.
+pub struct Server {
+    listener: UnixListener,
+    name: String,
+}
+
+impl Server {
+    /// Opens a server under a fresh name (pid, a counter and the clock make it unique).
+    pub fn new() -> Result<Server, ControlError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!(
+            "hspipe-ctl-{}-{}-{nanos:08x}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(io_err)?;
+        let listener = UnixListener::bind_addr(&addr).map_err(|e| ControlError::Connect {
+            name: name.clone(),
+            why: e.to_string(),
+        })?;
+        Ok(Server { listener, name })
+    }
+
+    /// The name a worker passes to [`connect`].
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits for the worker, refuses peers of another uid (and goes on waiting), and returns
+    /// the connection's two halves. Blocks until a worker of ours connects.
+    pub fn accept(self) -> Result<(Sender<ToWorker>, Receiver<ToLauncher>), ControlError> {
+        let ours = rustix::process::geteuid().as_raw();
+        loop {
+            let (stream, _) = self.listener.accept().map_err(io_err)?;
+            let theirs = rustix::net::sockopt::get_socket_peercred(&stream)
+                .map_err(|e| io_err(e.into()))?
+                .uid
+                .as_raw();
+            if theirs == ours {
+                return split(stream);
+            }
+            // Dropping the stream closes it: the stranger gets nothing.
+        }
+    }
+}
+
 /// The worker's end after a successful handshake.
 pub struct WorkerLink {
-    pub to_launcher: IpcSender<ToLauncher>,
-    pub from_launcher: IpcReceiver<ToWorker>,
+    pub to_launcher: Sender<ToLauncher>,
+    pub from_launcher: Receiver<ToWorker>,
     pub ring: String,
     pub run_dir: PathBuf,
     pub gpu: Option<u32>,
@@ -99,29 +277,21 @@ pub fn connect(
     index: u32,
     timeout: Duration,
 ) -> Result<WorkerLink, ControlError> {
-    let to_launcher =
-        IpcSender::<ToLauncher>::connect(name.to_string()).map_err(|e| ControlError::Connect {
-            name: name.to_string(),
-            why: e.to_string(),
-        })?;
-    let (reply, from_launcher) =
-        ipc::channel::<ToWorker>().map_err(|e| ControlError::Channel(e.to_string()))?;
-    to_launcher
-        .send(ToLauncher::Hello {
-            version: PROTOCOL_VERSION,
-            role,
-            index,
-            pid: std::process::id(),
-            reply,
-        })
-        .map_err(|e| ControlError::Channel(e.to_string()))?;
-    let first = from_launcher
-        .try_recv_timeout(timeout)
-        .map_err(|e| match e {
-            ipc::TryRecvError::Empty => ControlError::Timeout(timeout),
-            ipc::TryRecvError::IpcError(e) => ControlError::Channel(format!("{e:?}")),
-        })?;
-    match first {
+    let connect_err = |why: String| ControlError::Connect {
+        name: name.to_string(),
+        why,
+    };
+    let addr =
+        SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| connect_err(e.to_string()))?;
+    let stream = UnixStream::connect_addr(&addr).map_err(|e| connect_err(e.to_string()))?;
+    let (to_launcher, from_launcher) = split::<ToLauncher, ToWorker>(stream)?;
+    to_launcher.send(ToLauncher::Hello {
+        version: PROTOCOL_VERSION,
+        role,
+        index,
+        pid: std::process::id(),
+    })?;
+    match from_launcher.recv_timeout(timeout)? {
         ToWorker::Welcome {
             version,
             ring,
@@ -152,20 +322,14 @@ pub fn connect(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ipc_channel::ipc::IpcOneShotServer;
 
     /// Plays the launcher in a thread: accepts one worker and answers with `answer(version)`.
     fn launcher(answer: fn(u32) -> ToWorker) -> (String, std::thread::JoinHandle<WorkerRole>) {
-        let (server, name) = IpcOneShotServer::<ToLauncher>::new().unwrap();
+        let server = Server::new().unwrap();
+        let name = server.name().to_string();
         let h = std::thread::spawn(move || {
-            let (_rx, hello) = server.accept().unwrap();
-            let ToLauncher::Hello {
-                version,
-                role,
-                reply,
-                ..
-            } = hello
-            else {
+            let (reply, rx) = server.accept().unwrap();
+            let ToLauncher::Hello { version, role, .. } = rx.recv().unwrap() else {
                 panic!("first message must be Hello");
             };
             reply.send(answer(version)).unwrap();
@@ -219,5 +383,37 @@ mod tests {
         .err()
         .unwrap();
         assert!(err.to_string().contains("no-such-server"), "{err}");
+    }
+
+    #[test]
+    fn a_silent_launcher_times_out_and_a_gone_one_reads_as_closed() {
+        let server = Server::new().unwrap();
+        let name = server.name().to_string();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            let halves = server.accept().unwrap();
+            // Hold the connection until the worker timed out, then close it.
+            rx.recv().unwrap();
+            drop(halves);
+        });
+        let err = connect(&name, WorkerRole::Target, 0, Duration::from_millis(50))
+            .err()
+            .unwrap();
+        assert!(matches!(err, ControlError::Timeout(_)), "{err}");
+        tx.send(()).unwrap();
+        h.join().unwrap();
+
+        let (a, b) = UnixStream::pair().unwrap();
+        let (_, rx) = split::<ToWorker, ToWorker>(a).unwrap();
+        drop(b);
+        assert!(matches!(rx.recv(), Err(ControlError::Closed)));
+    }
+
+    #[test]
+    fn an_oversized_frame_is_refused_not_allocated() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let (_, rx) = split::<ToWorker, ToWorker>(a).unwrap();
+        b.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        assert!(matches!(rx.recv(), Err(ControlError::TooLarge(_))));
     }
 }

@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod safetensors;
 pub mod worker;
 
 pub use batch::{

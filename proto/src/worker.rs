@@ -6,8 +6,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ipc_channel::ipc::IpcSender;
-
 use crate::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
 use crate::{ConfigError, PipelineConfig};
 
@@ -58,7 +56,7 @@ pub struct Setup {
     pub config: PipelineConfig,
     pub stop: StopFlags,
     /// Present when the launcher started us.
-    pub to_launcher: Option<IpcSender<ToLauncher>>,
+    pub to_launcher: Option<control::Sender<ToLauncher>>,
 }
 
 /// Set by SIGINT/SIGTERM or by the launcher.

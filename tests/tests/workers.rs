@@ -412,8 +412,7 @@ fn sigint_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
 
 #[test]
 fn a_target_started_by_a_launcher_handshakes_and_reports() {
-    use ipc_channel::ipc::IpcOneShotServer;
-    use proto::control::{ToLauncher, ToWorker, PROTOCOL_VERSION};
+    use proto::control::{Server, ToLauncher, ToWorker, PROTOCOL_VERSION};
 
     let Setup {
         run,
@@ -423,20 +422,15 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
         samples: _,
     } = setup("whello", 1, 1);
     let batches = ring.params().work_items;
-    let (server, server_name) = IpcOneShotServer::<ToLauncher>::new().unwrap();
+    let server = Server::new().unwrap();
+    let server_name = server.name().to_string();
     let target = crate::support::spawn(
         &crate::support::workspace_bin(TARGET),
         &["--index", "0", "--control", &server_name],
     );
     let drafter = worker(DRAFTER, 0, &name, &run.0, &config);
-    let (rx, hello) = server.accept().unwrap();
-    let ToLauncher::Hello {
-        version,
-        index,
-        reply,
-        ..
-    } = hello
-    else {
+    let (reply, rx) = server.accept().unwrap();
+    let ToLauncher::Hello { version, index, .. } = rx.recv().unwrap() else {
         panic!("first message must be Hello");
     };
     assert_eq!((version, index), (PROTOCOL_VERSION, 0));
@@ -449,7 +443,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
             config_toml: std::fs::read_to_string(&config).unwrap(),
         })
         .unwrap();
-    let report = match rx.try_recv_timeout(crate::support::WATCHDOG).unwrap() {
+    let report = match rx.recv_timeout(crate::support::WATCHDOG).unwrap() {
         ToLauncher::Report(r) => r,
         other => panic!("expected a report, got {other:?}"),
     };

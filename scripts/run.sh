@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The README's run command: fetches the crates if needed (scripts/deps.sh), then runs the
+# launcher in release mode with the arguments given, e.g.
+#   scripts/run.sh --targets 0-4 --drafters 5-7
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+exec cargo run --quiet --release -p launcher -- "$@"
