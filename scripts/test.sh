@@ -19,4 +19,4 @@ cargo test --workspace
 # --cfg loom build from invalidating the normal one.
 echo "== loom models (LOOM_MAX_PREEMPTIONS=2)"
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
-    cargo test -p shm-ring --release --lib model
+    cargo test -p shm-ring -p collective --release --lib model

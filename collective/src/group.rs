@@ -1,0 +1,468 @@
+//! The group protocol on any memory (a segment in production, the heap in tests and loom).
+//!
+//! # The group word
+//!
+//! One 64-bit word holds everything the ranks must agree on, so that every decision is one CAS:
+//! `epoch (16 bits) | committed step (32 bits) | members (16 bits, one per rank)`.
+//! - A **commit** moves `step` from `s` to `s + 1`, keeping epoch and members. Any rank may do it
+//!   once it sees every member's arrival tagged `(epoch, s + 1)`.
+//! - A **membership change** moves `epoch` to `epoch + 1`, keeping `step`: the launcher removing
+//!   a dead rank, or the leader admitting a rank that asked to join (at a step boundary).
+//!
+//! Because both go through the same word, a round is either committed before the membership
+//! changed (every rank, and the launcher, sees the commit) or not at all (every rank sees the new
+//! epoch first and contributes again, tagged with it). There is no third outcome, so survivors
+//! never disagree about which updates were applied, and the launcher knows exactly whether a
+//! dead rank's batch went into an applied update ([`Removed::committed_batch`]).
+//!
+//! # A round (rank side)
+//!
+//! 1. Read the word `(e, s, m)`. Write the contribution into the rank's buffer of parity
+//!    `(s + 1) % 2`, then publish `arrived = tag(e, s + 1)` with Release.
+//! 2. Wait until the word's step reaches `s + 1` (committed: sum the buffers of `m` in rank
+//!    order, so every rank computes the same bits) or its epoch moves on (go to 1 with the new
+//!    word and the same contribution). Whoever sees all of `m` arrived tries the commit CAS.
+//!
+//! Buffer reuse is safe without a second barrier: a rank writes parity `p` for step `t` only
+//! after step `t - 1` committed, which needs every member's arrival at `t - 1`, which each made
+//! only after it had finished summing step `t - 2` (the last use of parity `p`).
+//!
+//! # Joining
+//!
+//! A restarted rank clears its arrival, sets its `join` flag and waits to be a member. The
+//! leader (lowest member), between steps, writes its state (weights and optimizer) into the
+//! state area, records the step it is from, and admits the joiners with an epoch change. The
+//! joiner reads the state and contributes from the next step on. The other members' pending
+//! round (if any) sees the epoch change and is contributed again: nothing is recomputed.
+//!
+//! # Release/Acquire pairs
+//!
+//! - `arrived[r]` store (Release, in `contribute`) → load (Acquire, in `all_arrived`): the
+//!   buffer stores before it are visible to whoever sees the tag.
+//! - commit CAS (AcqRel) → `word` load (Acquire, in `wait_round`): a rank that sees the commit
+//!   also sees every arrival the committer saw, hence every buffer it sums (happens-before is
+//!   transitive through the committer).
+//! - admission CAS (AcqRel, in `admit_joiners`) → `word` load (Acquire, in `join`): the joiner
+//!   sees the state area written before the CAS.
+
+use crate::sync::{self, AtomicU32, AtomicU64, Ordering};
+use crate::GroupError;
+
+/// Ranks in a group at most (one bit each in the group word).
+pub const MAX_RANKS: usize = 16;
+/// `batch` of a rank that contributed nothing (no data left).
+pub const NO_BATCH: u64 = u64::MAX;
+
+/// The group word, unpacked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Membership {
+    pub epoch: u16,
+    /// The last committed step.
+    pub step: u32,
+    /// Bit `r` set: rank `r` is a member.
+    pub members: u16,
+}
+
+impl Membership {
+    pub(crate) fn pack(self) -> u64 {
+        (u64::from(self.epoch) << 48) | (u64::from(self.step) << 16) | u64::from(self.members)
+    }
+    pub(crate) fn unpack(w: u64) -> Membership {
+        Membership {
+            epoch: (w >> 48) as u16,
+            step: (w >> 16) as u32,
+            members: w as u16,
+        }
+    }
+    pub fn contains(self, rank: u32) -> bool {
+        rank < MAX_RANKS as u32 && self.members & (1 << rank) != 0
+    }
+    /// Members in rank order.
+    pub fn ranks(self) -> impl Iterator<Item = u32> {
+        (0..MAX_RANKS as u32).filter(move |&r| self.members & (1 << r) != 0)
+    }
+    pub fn leader(self) -> Option<u32> {
+        self.ranks().next()
+    }
+    pub fn len(self) -> u32 {
+        self.members.count_ones()
+    }
+    pub fn is_empty(self) -> bool {
+        self.members == 0
+    }
+}
+
+/// The tag a rank publishes with its contribution to step `step` in epoch `epoch`.
+fn tag(epoch: u16, step: u32) -> u64 {
+    (u64::from(epoch) << 32) | u64::from(step)
+}
+fn tag_step(t: u64) -> u32 {
+    t as u32
+}
+
+/// Shared fields of the group (see the module doc).
+#[cfg_attr(not(loom), repr(C))]
+#[derive(Default)]
+pub(crate) struct Control {
+    pub(crate) word: AtomicU64,
+    /// Bumped after every arrival, commit, membership change and join request: the futex word.
+    pub(crate) seq: AtomicU32,
+    /// The step the state area holds.
+    pub(crate) state_step: AtomicU64,
+}
+
+/// One rank's record.
+#[cfg_attr(not(loom), repr(C, align(128)))]
+#[derive(Default)]
+pub(crate) struct RankRec {
+    /// `tag(epoch, step)` of this rank's latest contribution; 0 before any.
+    pub(crate) arrived: AtomicU64,
+    /// The batch id that contribution came from ([`NO_BATCH`] for none).
+    pub(crate) batch: AtomicU64,
+    /// 1 while this rank asks to join.
+    pub(crate) join: AtomicU32,
+}
+
+/// Where the group lives: a segment, or the heap.
+pub(crate) trait Memory: Send + Sync {
+    fn control(&self) -> &Control;
+    fn rank(&self, r: u32) -> &RankRec;
+    /// Rank `r`'s contribution buffer of parity `p` (f32 bits).
+    fn buf(&self, r: u32, p: u32) -> &[AtomicU32];
+    /// The state area for joiners.
+    fn state(&self) -> &[AtomicU32];
+    fn ranks(&self) -> u32;
+}
+
+/// The group on the heap: for tests and loom models.
+#[cfg(any(test, loom))]
+pub(crate) struct HeapMem {
+    control: Control,
+    ranks: Vec<RankRec>,
+    bufs: Vec<Vec<AtomicU32>>,
+    state: Vec<AtomicU32>,
+}
+
+#[cfg(any(test, loom))]
+impl HeapMem {
+    pub(crate) fn new(ranks: u32, buf_len: usize, state_len: usize, initial: Membership) -> Self {
+        let zeros = |n: usize| (0..n).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
+        let m = HeapMem {
+            control: Control::default(),
+            ranks: (0..ranks).map(|_| RankRec::default()).collect(),
+            bufs: (0..ranks * 2).map(|_| zeros(buf_len)).collect(),
+            state: zeros(state_len),
+        };
+        m.control.word.store(initial.pack(), Ordering::Relaxed);
+        m
+    }
+}
+
+#[cfg(any(test, loom))]
+impl Memory for HeapMem {
+    fn control(&self) -> &Control {
+        &self.control
+    }
+    fn rank(&self, r: u32) -> &RankRec {
+        &self.ranks[r as usize]
+    }
+    fn buf(&self, r: u32, p: u32) -> &[AtomicU32] {
+        &self.bufs[(r * 2 + p) as usize]
+    }
+    fn state(&self) -> &[AtomicU32] {
+        &self.state
+    }
+    fn ranks(&self) -> u32 {
+        self.ranks.len() as u32
+    }
+}
+
+/// What a committed round gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reduced {
+    /// The step this round committed as.
+    pub step: u32,
+    /// The membership it committed with.
+    pub membership: Membership,
+    /// Times the round was contributed again because the membership changed under it.
+    pub retries: u32,
+}
+
+/// What the launcher learns when it removes a dead rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Removed {
+    /// False if the rank was not a member (already removed, or never joined).
+    pub was_member: bool,
+    /// The batch of the rank's last contribution if that contribution is in a committed step:
+    /// that batch was trained (its update is applied), so it must be retired, not redelivered.
+    pub committed_batch: Option<u64>,
+    /// The membership after the removal.
+    pub membership: Membership,
+}
+
+/// A rank's handle on the group protocol (any memory).
+pub(crate) struct Protocol<M: Memory> {
+    pub(crate) mem: M,
+}
+
+impl<M: Memory> Protocol<M> {
+    fn bump(&self) {
+        let c = self.mem.control();
+        c.seq.fetch_add(1, Ordering::Release);
+        sync::wake_all(&c.seq);
+    }
+
+    pub(crate) fn membership(&self) -> Membership {
+        Membership::unpack(self.mem.control().word.load(Ordering::Acquire))
+    }
+
+    fn check_rank(&self, rank: u32) -> Result<(), GroupError> {
+        if rank >= self.mem.ranks() {
+            return Err(GroupError::Rank {
+                rank,
+                ranks: self.mem.ranks(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes `data` as `rank`'s contribution to step `w.step + 1` and publishes it.
+    fn contribute(&self, rank: u32, w: Membership, data: &[f32], batch: u64) {
+        let step = w.step.wrapping_add(1);
+        let buf = self.mem.buf(rank, step % 2);
+        for (dst, x) in buf.iter().zip(data) {
+            dst.store(x.to_bits(), Ordering::Relaxed);
+        }
+        let r = self.mem.rank(rank);
+        r.batch.store(batch, Ordering::Relaxed);
+        // SYNC: pairs with the Acquire load of `arrived` in all_arrived(): the buffer and batch
+        // stores above are visible to whoever sees this tag.
+        r.arrived.store(tag(w.epoch, step), Ordering::Release);
+        self.bump();
+    }
+
+    fn all_arrived(&self, w: Membership) -> bool {
+        let t = tag(w.epoch, w.step.wrapping_add(1));
+        w.ranks()
+            .all(|r| self.mem.rank(r).arrived.load(Ordering::Acquire) == t)
+    }
+
+    /// Sums `data` over the members, in rank order, into `out`; every member gets the same bits.
+    /// `batch` is the id of the batch `data` came from ([`NO_BATCH`] for none). Contributes
+    /// again by itself when the membership changes first. `stop` is asked at least every 100 ms
+    /// while waiting.
+    pub(crate) fn all_reduce(
+        &self,
+        rank: u32,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError> {
+        self.check_rank(rank)?;
+        let len = self.mem.buf(rank, 0).len();
+        if data.len() != len || out.len() != len {
+            return Err(GroupError::Size {
+                want: len,
+                got: data.len().max(out.len()),
+            });
+        }
+        let c = self.mem.control();
+        let mut retries = 0;
+        'round: loop {
+            let w = self.membership();
+            if !w.contains(rank) {
+                return Err(GroupError::NotMember {
+                    rank,
+                    epoch: w.epoch,
+                });
+            }
+            self.contribute(rank, w, data, batch);
+            let target = w.step.wrapping_add(1);
+            loop {
+                let seen = c.seq.load(Ordering::Acquire);
+                let now = self.membership();
+                // The step cannot pass `target` without this rank, and a commit of `target` in a
+                // later epoch would need this rank's arrival tagged with it: so this is our
+                // round, committed with `w`'s members, even if the epoch has moved on since.
+                if now.step == target {
+                    self.sum(w, target % 2, out);
+                    return Ok(Reduced {
+                        step: target,
+                        membership: w,
+                        retries,
+                    });
+                }
+                if now.epoch != w.epoch {
+                    retries += 1;
+                    continue 'round;
+                }
+                if self.all_arrived(w) {
+                    let next = Membership { step: target, ..w };
+                    // SYNC: AcqRel; pairs with the Acquire loads of `word` in membership():
+                    // ranks that see the commit see every arrival this rank saw.
+                    if c.word
+                        .compare_exchange(
+                            w.pack(),
+                            next.pack(),
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        )
+                        .is_ok()
+                    {
+                        self.bump();
+                    }
+                    continue;
+                }
+                if stop() {
+                    return Err(GroupError::Stopped);
+                }
+                sync::wait(&c.seq, seen);
+            }
+        }
+    }
+
+    fn sum(&self, w: Membership, parity: u32, out: &mut [f32]) {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        for r in w.ranks() {
+            for (o, x) in out.iter_mut().zip(self.mem.buf(r, parity)) {
+                *o += f32::from_bits(x.load(Ordering::Relaxed));
+            }
+        }
+    }
+
+    /// The launcher's side: removes a dead `rank` with a membership change, and says whether
+    /// its last contribution is in a committed step. Call only once the rank's process is gone.
+    pub(crate) fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+        self.check_rank(rank)?;
+        let c = self.mem.control();
+        let r = self.mem.rank(rank);
+        r.join.store(0, Ordering::Relaxed);
+        loop {
+            let w = self.membership();
+            if !w.contains(rank) {
+                return Ok(Removed {
+                    was_member: false,
+                    committed_batch: None,
+                    membership: w,
+                });
+            }
+            let next = Membership {
+                epoch: w.epoch.wrapping_add(1),
+                members: w.members & !(1 << rank),
+                ..w
+            };
+            // SYNC: AcqRel, like a commit: this CAS and a commit of step w.step + 1 are ordered
+            // by the word, so exactly one of "committed with this rank" and "not" holds.
+            if c.word
+                .compare_exchange(w.pack(), next.pack(), Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            self.bump();
+            // The rank was a member up to `w`. Its arrival for the last committed step means its
+            // contribution is in that step (a member arrives again in every new epoch before a
+            // commit, and a joiner starts with no arrival). An arrival for w.step + 1 was not
+            // committed: that round is contributed again without it.
+            let arrived = r.arrived.load(Ordering::Acquire);
+            let committed = arrived != 0 && tag_step(arrived) == w.step;
+            let batch = r.batch.load(Ordering::Relaxed);
+            return Ok(Removed {
+                was_member: true,
+                committed_batch: (committed && batch != NO_BATCH).then_some(batch),
+                membership: next,
+            });
+        }
+    }
+
+    /// The joiner's side: asks to join and waits until the leader admits it. Returns the
+    /// membership it joined and the state it must start from (`state_step` is its step).
+    pub(crate) fn join(
+        &self,
+        rank: u32,
+        state: &mut [u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<(Membership, u64), GroupError> {
+        self.check_rank(rank)?;
+        if state.len() != self.mem.state().len() {
+            return Err(GroupError::Size {
+                want: self.mem.state().len(),
+                got: state.len(),
+            });
+        }
+        let c = self.mem.control();
+        let r = self.mem.rank(rank);
+        // A previous incarnation's arrival must not count as this one's.
+        r.arrived.store(0, Ordering::Relaxed);
+        r.batch.store(NO_BATCH, Ordering::Relaxed);
+        r.join.store(1, Ordering::Release);
+        self.bump();
+        loop {
+            let seen = c.seq.load(Ordering::Acquire);
+            let w = self.membership();
+            if w.contains(rank) {
+                r.join.store(0, Ordering::Relaxed);
+                let step = c.state_step.load(Ordering::Relaxed);
+                for (dst, x) in state.iter_mut().zip(self.mem.state()) {
+                    *dst = x.load(Ordering::Relaxed);
+                }
+                return Ok((w, step));
+            }
+            if stop() {
+                r.join.store(0, Ordering::Relaxed);
+                return Err(GroupError::Stopped);
+            }
+            sync::wait(&c.seq, seen);
+        }
+    }
+
+    /// The leader's side, between steps: if any rank asks to join, hands it `state` (the
+    /// leader's state after step `state_step`, which must be the last committed) and admits it. Returns the ranks admitted
+    /// (none if this rank is not the leader, nobody asks, or the membership moved meanwhile).
+    pub(crate) fn admit_joiners(
+        &self,
+        rank: u32,
+        state_step: u32,
+        state: &[u32],
+    ) -> Result<u16, GroupError> {
+        self.check_rank(rank)?;
+        let c = self.mem.control();
+        let w = self.membership();
+        // Only the leader, and only at the boundary its state is from.
+        if w.leader() != Some(rank) || w.step != state_step {
+            return Ok(0);
+        }
+        let joiners = (0..self.mem.ranks())
+            .filter(|&j| !w.contains(j) && self.mem.rank(j).join.load(Ordering::Acquire) == 1)
+            .fold(0u16, |m, j| m | (1 << j));
+        if joiners == 0 {
+            return Ok(0);
+        }
+        if state.len() != self.mem.state().len() {
+            return Err(GroupError::Size {
+                want: self.mem.state().len(),
+                got: state.len(),
+            });
+        }
+        for (dst, x) in self.mem.state().iter().zip(state) {
+            dst.store(*x, Ordering::Relaxed);
+        }
+        c.state_step.store(u64::from(w.step), Ordering::Relaxed);
+        let next = Membership {
+            epoch: w.epoch.wrapping_add(1),
+            members: w.members | joiners,
+            ..w
+        };
+        // SYNC: AcqRel; pairs with the Acquire load of `word` in join(): the state stores above
+        // are visible to a joiner that sees itself a member.
+        let ok = c
+            .word
+            .compare_exchange(w.pack(), next.pack(), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if ok {
+            self.bump();
+        }
+        Ok(if ok { joiners } else { 0 })
+    }
+}

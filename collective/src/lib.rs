@@ -1,0 +1,147 @@
+//! The drafter group's collective: the ranks (drafter workers) of one run train ONE model, so
+//! each step they sum their gradients and apply the same update.
+//!
+//! [`Collective`] is the seam: all-reduce (sum) of f32 buffers, the membership, joining with the
+//! group's state, and the launcher's removal of a dead rank. [`ShmGroup`] implements it on a
+//! shared-memory segment for the CPU backends; the NCCL implementation (cudarc) plugs in behind
+//! the same trait with the CUDA path. Nothing outside this crate assumes shared memory.
+//!
+//! Guarantees (see `group.rs` for the protocol and why each holds):
+//! - **Same bits on every rank.** A committed round's result is the sum of every member's
+//!   buffer in rank order, computed by each rank from the same bytes.
+//! - **One outcome per round.** A round commits (every member's contribution in it) or the
+//!   membership changes first and it is contributed again: never committed for some ranks and
+//!   not for others, because commits and membership changes are CASes on one word.
+//! - **The launcher knows** whether a dead rank's last batch is in an applied update
+//!   ([`Removed::committed_batch`]): retire it if so, redeliver it otherwise. Exactly once.
+//! - **No busy spin.** Waiters sleep on a shared futex for at most 100 ms at a time and ask
+//!   their `stop` closure between sleeps.
+//!
+//! Not wired into the workers yet (issue #11): the drafter's step, the launcher's removal on a
+//! rank's death and the rejoin hand-over come next.
+
+#![cfg_attr(loom, allow(dead_code))]
+
+mod group;
+#[cfg(any(test, loom))]
+mod model;
+#[cfg(not(loom))]
+mod segment;
+mod sync;
+
+pub use group::{Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
+#[cfg(not(loom))]
+pub use segment::{GroupParams, Segment, LAYOUT_VERSION};
+
+/// What can go wrong in the group, naming the rank, size or segment at fault.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum GroupError {
+    #[error("rank {rank} does not exist in a group of {ranks}")]
+    Rank { rank: u32, ranks: u32 },
+    #[error("buffer of {got} elements; the group was made for {want}")]
+    Size { want: usize, got: usize },
+    #[error("rank {rank} is not a member of the group (epoch {epoch}): it was removed")]
+    NotMember { rank: u32, epoch: u16 },
+    #[error("stopped while waiting for the group")]
+    Stopped,
+    #[error("group segment {name:?}: {why}")]
+    Segment { name: String, why: String },
+}
+
+/// The group operations a drafter rank and the launcher need, whatever the transport.
+pub trait Collective {
+    /// This handle's rank.
+    fn rank(&self) -> u32;
+    /// The current membership (epoch, last committed step, members).
+    fn membership(&self) -> Membership;
+    /// Sums `data` over the members into `out` (identical bits on every member), for the
+    /// step after the last committed one. `batch` names the batch `data` came from
+    /// ([`NO_BATCH`] if none). Contributes again by itself when the membership changes first.
+    fn all_reduce(
+        &self,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError>;
+    /// A restarted rank: waits to be admitted, then fills `state` with the leader's state and
+    /// returns the membership and the step that state is from.
+    fn join(
+        &self,
+        state: &mut [u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<(Membership, u64), GroupError>;
+    /// The leader between steps: admits ranks asking to join, handing them `state` (from
+    /// `state_step`, the last committed step). Returns the bit set of ranks admitted.
+    fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError>;
+}
+
+/// A rank's (or the launcher's) handle on a shared-memory group.
+#[cfg(not(loom))]
+pub struct ShmGroup {
+    proto: group::Protocol<Segment>,
+    rank: u32,
+}
+
+#[cfg(not(loom))]
+impl ShmGroup {
+    /// Creates the group segment (the launcher does this; its handle removes it on drop).
+    pub fn create(name: &str, params: &GroupParams) -> Result<ShmGroup, GroupError> {
+        Ok(ShmGroup {
+            proto: group::Protocol {
+                mem: Segment::create(name, params)?,
+            },
+            rank: u32::MAX,
+        })
+    }
+
+    /// Attaches as `rank`.
+    pub fn attach(name: &str, rank: u32) -> Result<ShmGroup, GroupError> {
+        let mem = Segment::attach(name)?;
+        use group::Memory;
+        if rank >= mem.ranks() {
+            return Err(GroupError::Rank {
+                rank,
+                ranks: mem.ranks(),
+            });
+        }
+        Ok(ShmGroup {
+            proto: group::Protocol { mem },
+            rank,
+        })
+    }
+
+    /// The launcher's side: removes dead `rank` (call only once its process is gone).
+    pub fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+        self.proto.remove(rank)
+    }
+}
+
+#[cfg(not(loom))]
+impl Collective for ShmGroup {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+    fn membership(&self) -> Membership {
+        self.proto.membership()
+    }
+    fn all_reduce(
+        &self,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError> {
+        self.proto.all_reduce(self.rank, data, batch, out, stop)
+    }
+    fn join(
+        &self,
+        state: &mut [u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<(Membership, u64), GroupError> {
+        self.proto.join(self.rank, state, stop)
+    }
+    fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
+        self.proto.admit_joiners(self.rank, state_step, state)
+    }
+}

@@ -1,0 +1,212 @@
+//! Models of the group protocol on heap memory: under `--cfg loom` every interleaving of the
+//! ranks and the launcher is explored (`RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2
+//! cargo test -p collective --release --lib model`); without it the same models run once as
+//! plain threaded tests.
+//!
+//! What they check: a membership change during a reduction never splits the outcome (the
+//! launcher's verdict on the dead rank's batch matches what the survivor applied), and a joiner
+//! receives the leader's state before it contributes. Checked by hand when they were written:
+//! treating a commit seen after an epoch change as an abort (`now.epoch == w.epoch &&` in the
+//! commit test) fails the first model, and a Relaxed `arrived` store/load pair fails the first
+//! and the third (a sum or a state read without the stores it needs).
+
+use crate::group::{HeapMem, Membership, Protocol};
+
+#[cfg(loom)]
+use loom::{sync::Arc, thread};
+#[cfg(not(loom))]
+use std::{sync::Arc, thread};
+
+#[cfg(loom)]
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    loom::model(f);
+}
+#[cfg(not(loom))]
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    // Without loom, repeat to see a few interleavings at least.
+    for _ in 0..200 {
+        f();
+    }
+}
+
+fn group(ranks: u32, members: u16, state_len: usize) -> Arc<Protocol<HeapMem>> {
+    Arc::new(Protocol {
+        mem: HeapMem::new(
+            ranks,
+            1,
+            state_len,
+            Membership {
+                epoch: 1,
+                step: 0,
+                members,
+            },
+        ),
+    })
+}
+
+/// Rank 1 contributes its batch and dies at any point after (its `stop` says yes at its first
+/// wait); the launcher removes it once it is gone; rank 0 reduces. Whatever the order: if the
+/// launcher is told rank 1's batch is in an applied update, rank 0's update included it, and if
+/// not, rank 0's update is its own alone — never both, never neither. Fails if the commit check
+/// and the epoch check are not one word (as in a design with a separate commit flag).
+#[test]
+fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
+    model(|| {
+        let g = group(2, 0b11, 0);
+        let g1 = g.clone();
+        let dead = thread::spawn(move || {
+            let mut out = [0.0];
+            let _ = g1.all_reduce(1, &[2.0], 11, &mut out, &|| true);
+        });
+        let g0 = g.clone();
+        let survivor = thread::spawn(move || {
+            let mut out = [0.0];
+            let r = g0.all_reduce(0, &[1.0], 10, &mut out, &|| false).unwrap();
+            (out[0], r.membership.members)
+        });
+        dead.join().unwrap();
+        let removed = g.remove(1).unwrap();
+        let (sum, members) = survivor.join().unwrap();
+        assert!(removed.was_member);
+        match removed.committed_batch {
+            Some(b) => {
+                assert_eq!(b, 11);
+                assert_eq!((sum, members), (3.0, 0b11), "applied with rank 1");
+            }
+            None => assert_eq!((sum, members), (1.0, 0b01), "applied without rank 1"),
+        }
+        assert_eq!(g.membership().step, 1, "exactly one step applied");
+    });
+}
+
+/// A rank that never arrived is removed with no committed batch, and the survivor finishes
+/// alone (progress does not depend on a timeout: loom's waits are yields).
+#[test]
+fn a_rank_dead_before_arriving_leaves_the_survivor_to_finish_alone() {
+    model(|| {
+        let g = group(2, 0b11, 0);
+        let g0 = g.clone();
+        let survivor = thread::spawn(move || {
+            let mut out = [0.0];
+            g0.all_reduce(0, &[1.0], 10, &mut out, &|| false).unwrap();
+            out[0]
+        });
+        let removed = g.remove(1).unwrap();
+        assert_eq!(removed.committed_batch, None);
+        assert_eq!(survivor.join().unwrap(), 1.0);
+        assert!(!g.remove(1).unwrap().was_member);
+    });
+}
+
+/// A joiner asks while the leader is between steps; the leader admits it with its state; both
+/// then reduce step 1 together. The joiner must see the whole state (the Relaxed state stores
+/// are ordered by the admission CAS), and both get the same sum.
+#[test]
+fn a_joiner_gets_the_leaders_state_then_reduces_with_it() {
+    model(|| {
+        let g = group(2, 0b01, 2);
+        let gj = g.clone();
+        let joiner = thread::spawn(move || {
+            let mut state = [0u32; 2];
+            let (m, step) = gj.join(1, &mut state, &|| false).unwrap();
+            assert_eq!((state, step, m.members), ([7, 9], 0, 0b11));
+            let mut out = [0.0];
+            gj.all_reduce(1, &[2.0], 21, &mut out, &|| false).unwrap();
+            out[0]
+        });
+        loop {
+            if g.admit_joiners(0, 0, &[7, 9]).unwrap() != 0 {
+                break;
+            }
+            thread::yield_now();
+        }
+        let mut out = [0.0];
+        let r = g.all_reduce(0, &[1.0], 20, &mut out, &|| false).unwrap();
+        assert_eq!((out[0], r.step), (3.0, 1));
+        assert_eq!(joiner.join().unwrap(), 3.0);
+    });
+}
+
+#[cfg(not(loom))]
+mod plain {
+    use super::*;
+    use crate::group::NO_BATCH;
+    use crate::GroupError;
+
+    /// Three ranks, many steps, different data: every rank gets the same bits every step, and
+    /// those bits are the rank-order sum (not "whatever arrived first").
+    #[test]
+    fn every_rank_gets_the_same_bits_summed_in_rank_order() {
+        let g = Arc::new(Protocol {
+            mem: HeapMem::new(
+                3,
+                4,
+                0,
+                Membership {
+                    epoch: 1,
+                    step: 0,
+                    members: 0b111,
+                },
+            ),
+        });
+        let data = |r: u32, s: u32| -> Vec<f32> {
+            (0..4)
+                .map(|i| 1.0 / (1.0 + (r * 7 + s * 3 + i) as f32) * 1e3)
+                .collect()
+        };
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let g = g.clone();
+                thread::spawn(move || {
+                    let mut got = Vec::new();
+                    for s in 1..=50 {
+                        let mut out = [0.0; 4];
+                        let red = g.all_reduce(r, &data(r, s), u64::from(s), &mut out, &|| false);
+                        assert_eq!(red.unwrap().step, s);
+                        got.push(out.map(f32::to_bits));
+                    }
+                    got
+                })
+            })
+            .collect();
+        let got: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(
+            got.iter().all(|g| *g == got[0]),
+            "bitwise equal on every rank"
+        );
+        for s in 1..=50u32 {
+            let want: Vec<u32> = (0..4)
+                .map(|i| {
+                    let v = (0..3).fold(0.0f32, |a, r| a + data(r, s)[i]);
+                    v.to_bits()
+                })
+                .collect();
+            assert_eq!(got[0][s as usize - 1].to_vec(), want, "step {s}");
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_ranks_and_a_stop_are_errors_not_hangs() {
+        let g = group(2, 0b11, 1);
+        let mut out = [0.0; 2];
+        assert_eq!(
+            g.all_reduce(0, &[1.0, 2.0], 1, &mut out, &|| false),
+            Err(GroupError::Size { want: 1, got: 2 })
+        );
+        let mut out = [0.0];
+        assert!(matches!(
+            g.all_reduce(5, &[1.0], 1, &mut out, &|| false),
+            Err(GroupError::Rank { rank: 5, .. })
+        ));
+        // Rank 1 never comes: a stop request ends the wait.
+        assert_eq!(
+            g.all_reduce(0, &[1.0], 1, &mut out, &|| true),
+            Err(GroupError::Stopped)
+        );
+        g.remove(0).unwrap();
+        assert!(matches!(
+            g.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false),
+            Err(GroupError::NotMember { rank: 0, .. })
+        ));
+    }
+}
