@@ -87,7 +87,11 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
     }
     let ckpt = checkpoint_path(&s.run_dir, s.index);
-    let mut backend = MockDrafter::new(Sim::new(cfg.drafter.tokens_per_s, cfg.faults_for(&s.name)));
+    let mut backend = MockDrafter::new(
+        Sim::new(cfg.drafter.tokens_per_s, cfg.faults_for(&s.name)),
+        cfg.drafter.params as usize,
+        cfg.model.hidden,
+    );
     if ckpt.exists() {
         backend
             .load(&ckpt)

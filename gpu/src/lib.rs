@@ -30,6 +30,8 @@ pub enum GpuError {
     Dtype(proto::Dtype),
     #[error("checkpoint {path}: {why}")]
     Checkpoint { path: String, why: String },
+    #[error("shape: {0}")]
+    Shape(String),
 }
 
 /// A frozen target model: token ids in, hidden states of the captured layers out.
@@ -49,20 +51,42 @@ pub trait TargetBackend {
 pub struct StepStats {
     pub step: u64,
     pub tokens: u64,
-    /// A number that moves with training, for logs.
+    /// The step's mean loss per loss-token and channel (over the whole group's batches).
     pub loss: f32,
 }
 
-/// A drafter being trained: batches in, state that checkpoints and restores.
+/// A drafter being trained, one rank of a data-parallel group: it computes the gradient of
+/// its loss on a batch, the group sums the gradients (the collective crate), and every rank
+/// applies the same update, so the weights stay bitwise equal.
 pub trait DrafterBackend {
-    /// One training step on a batch read in place from the ring.
-    fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError>;
-    /// Steps taken so far (restored from a checkpoint, then counting on).
+    /// Length of the buffer that is summed across the group each step: the gradient of the
+    /// summed loss, then the loss sum and the loss-token count (so one all-reduce carries all).
+    fn grad_len(&self) -> usize;
+    /// Computes the gradient of the summed loss on `batch` into `grad` (overwritten, of
+    /// `grad_len()`), after verifying the batch's content.
+    fn gradient(&mut self, batch: &BatchView<'_>, grad: &mut [f32]) -> Result<(), GpuError>;
+    /// Applies one optimizer update from the group's summed buffer (normalised here by the
+    /// step's total loss tokens, its last slot). Deterministic: the same input gives the same
+    /// bits on every rank.
+    fn apply(&mut self, summed: &[f32]) -> StepStats;
+    /// One step trained alone: `gradient`, then `apply` of this rank's own buffer.
+    fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError> {
+        let mut g = vec![0.0; self.grad_len()];
+        self.gradient(batch, &mut g)?;
+        Ok(self.apply(&g))
+    }
+    /// Steps applied so far (restored from a checkpoint, then counting on).
     fn step(&self) -> u64;
-    /// Writes the state to `path` (the caller makes it atomic: temp file, then rename).
+    /// A digest of the weights: equal on every rank after every step.
+    fn digest(&self) -> u64;
+    /// Writes weights, optimizer state and step to `path` (the caller makes it atomic).
     fn save(&self, path: &Path) -> Result<(), GpuError>;
     /// Restores the state written by `save`.
     fn load(&mut self, path: &Path) -> Result<(), GpuError>;
+    /// Weights, optimizer state and step as words, for a rank joining the group.
+    fn export_state(&self) -> Vec<u32>;
+    /// Takes the state a live rank exported.
+    fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
 }
 
 pub use proto::config::Faults;

@@ -146,6 +146,8 @@ pub struct DrafterConfig {
     pub tokens_per_s: f64,
     /// Checkpoint every this many trained batches (and at shutdown).
     pub checkpoint_every: u64,
+    /// Weights of the mock drafter (f32; the gradient all-reduced each step is this size).
+    pub params: u64,
 }
 
 impl Default for DrafterConfig {
@@ -153,6 +155,7 @@ impl Default for DrafterConfig {
         DrafterConfig {
             tokens_per_s: 58_000.0,
             checkpoint_every: 50,
+            params: 1_048_576,
         }
     }
 }
@@ -243,6 +246,16 @@ impl PipelineConfig {
         }
         if self.model.layers == 0 || self.model.hidden == 0 {
             return Err(invalid("model", "layers and hidden must be at least 1"));
+        }
+        let hidden = u64::from(self.model.hidden);
+        if self.drafter.params < hidden || self.drafter.params > 1 << 28 {
+            return Err(invalid(
+                "drafter.params",
+                format!(
+                    "must be from model.hidden ({hidden}) to 268435456 (1 GiB of f32), got {}",
+                    self.drafter.params
+                ),
+            ));
         }
         for (name, f) in &self.faults {
             let known = name
@@ -377,6 +390,11 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("drafter.tokens_per_s"), "{err}");
+
+        let err = PipelineConfig::from_toml("[drafter]\nparams = 3\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("drafter.params"), "{err}");
     }
 
     #[test]
