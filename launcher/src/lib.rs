@@ -1,9 +1,10 @@
 //! The launcher: creates the ring, starts one worker process per GPU, restarts a crashed worker
-//! alone while the others keep running, stops in order on SIGINT/SIGTERM, shows a live monitor
-//! and writes the run directory's `summary.json`.
+//! alone while the others keep running, stops in order on SIGINT/SIGTERM/SIGHUP/SIGQUIT, shows a
+//! live monitor and writes the run directory's `summary.json`.
 
 pub mod gpus;
 mod monitor;
+mod signals;
 mod spawn;
 mod summary;
 
@@ -33,17 +34,18 @@ pub mod exit {
     /// The run ended but degraded: a worker gave up past its restart limit or samples were
     /// left untrained; `summary.json` says why.
     pub const DEGRADED: i32 = 3;
-    /// Stopped by SIGINT/SIGTERM after draining cleanly.
+    /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
     pub const INTERRUPTED: i32 = 130;
-    /// Stopped by a second SIGINT/SIGTERM: workers were killed.
+    /// Stopped by a second stop signal: workers were killed.
     pub const KILLED: i32 = 131;
 }
 
 /// Train speculative-decoding drafters from frozen target models, one process per GPU.
 ///
 /// Targets turn training text into hidden states; drafters learn from them; batches move
-/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C stops targets,
-/// lets drafters drain and checkpoint, then exits (a second Ctrl-C kills at once).
+/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C (or SIGTERM, or
+/// SIGHUP from a closed terminal, or SIGQUIT) stops targets, lets drafters drain and
+/// checkpoint, then exits (a second signal kills at once).
 ///
 /// Examples:
 ///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data
@@ -272,12 +274,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
         .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
 
+    // Before the ring exists: from here a stop signal is counted, never fatal, so the ring is
+    // always removed.
+    let signals = signals::StopSignals::install().context("installing signal handlers")?;
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
-    proto::worker::install_signal_counter().context("installing signal handlers")?;
 
     println!(
         "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {backend}",
@@ -335,14 +339,20 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 
     loop {
         // 1. Signals: the first stops in order, the second kills.
-        let signals = proto::worker::signals_received();
-        if signals >= 1 && !stopping {
+        let received = signals.received();
+        if received >= 1 && !stopping {
             stopping = true;
-            mon.say("stopping: targets stop claiming, drafters drain and checkpoint (Ctrl-C again to kill)");
+            mon.say(&format!(
+                "stopping: {}: targets stop claiming, drafters drain and checkpoint (a second signal kills every worker)",
+                signals.last_name()
+            ));
             send_stop(&workers);
         }
-        if signals >= 2 {
-            mon.say("second signal: killing every worker");
+        if received >= 2 {
+            mon.say(&format!(
+                "second signal ({}): killing every worker",
+                signals.last_name()
+            ));
             for w in &mut workers {
                 if let Some(mut c) = w.child.take() {
                     let _ = c.kill();
@@ -523,7 +533,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut exit_code = exit::OK;
     if killed {
         exit_code = exit::KILLED;
-    } else if stopping && proto::worker::signals_received() > 0 {
+    } else if stopping && signals.received() > 0 {
         exit_code = exit::INTERRUPTED;
     }
     let restarts: HashMap<String, u32> = workers.iter().map(|w| (w.name(), w.restarts)).collect();

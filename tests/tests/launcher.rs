@@ -1,5 +1,5 @@
-//! The launcher end to end on the mock backend: full runs, crashes from outside, SIGINT, bad
-//! input, crash loops. Every run uses its own run directory and ring.
+//! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals,
+//! bad input, crash loops. Every run uses its own run directory and ring.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -228,9 +228,11 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
     kill_one_mid_run("lkt", 2);
 }
 
-#[test]
-fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    let run = Run::new("lint");
+/// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
+/// drafters drain and checkpoint, the summary is written, no segment and no worker is left, exit
+/// 130.
+fn ordered_stop(tag: &str, sig: i32) {
+    let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
     let mut launcher = run.launch(&cfg, &[]);
     let pid = launcher.child.id();
@@ -239,7 +241,7 @@ fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let pids: Vec<u32> = s.workers.iter().map(|w| w.pid).collect();
-    kill(pid, libc::SIGINT);
+    kill(pid, sig);
     let status = launcher.wait_status();
     assert_eq!(
         status.code(),
@@ -261,6 +263,22 @@ fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
     let counts = sample_counts(&run.ledgers());
     assert!(counts.values().all(|&c| c == 1));
     assert_eq!(s["samples_trained"], counts.len() as u64);
+}
+
+#[test]
+fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lint", libc::SIGINT);
+}
+
+/// What a closed terminal or a dropped SSH session sends.
+#[test]
+fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lhup", libc::SIGHUP);
+}
+
+#[test]
+fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lquit", libc::SIGQUIT);
 }
 
 #[test]
@@ -472,10 +490,11 @@ fn a_second_signal_kills_every_worker_at_once() {
     let s = wait_until("8 live workers", &ring, |s| {
         s.workers.iter().all(|w| w.alive)
     });
-    kill(pid, libc::SIGINT);
+    // Any two of the stop signals: a closed terminal's SIGHUP, then SIGQUIT (Ctrl-\).
+    kill(pid, libc::SIGHUP);
     // Two signals sent at once may merge into one: wait until the first is acted on.
     launcher.line_starting("stopping:");
-    kill(pid, libc::SIGINT);
+    kill(pid, libc::SIGQUIT);
     assert_eq!(launcher.wait_status().code(), Some(131));
     no_segment_of(pid);
     for w in &s.workers {
