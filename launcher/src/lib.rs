@@ -1,9 +1,11 @@
 //! The launcher: creates the ring, starts one worker process per GPU, restarts a crashed worker
 //! alone while the others keep running, stops in order on SIGINT/SIGTERM/SIGHUP/SIGQUIT, shows a
-//! live monitor and writes the run directory's `summary.json`.
+//! live monitor (copied to `<run-dir>/launcher.log`) and writes the run directory's
+//! `summary.json`.
 
 pub mod gpus;
 mod monitor;
+mod output;
 mod signals;
 mod spawn;
 mod summary;
@@ -53,8 +55,9 @@ pub mod exit {
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
 ///
-/// The run directory gets logs/, ledger/, checkpoints/, config.toml, metrics.jsonl and
-/// summary.json. Watch a run from another terminal with `shm-ring-stat --list`.
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, launcher.log (all that
+/// is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
+/// `shm-ring-stat --list`.
 #[derive(Parser, Debug)]
 #[command(name = "launcher", version, verbatim_doc_comment)]
 pub struct Args {
@@ -209,8 +212,34 @@ pub struct Outcome {
     pub notes: Vec<String>,
 }
 
+/// What `run` settles before the run directory, and so its log, exists.
+struct Prepared {
+    cfg: PipelineConfig,
+    backend: String,
+    exes: [WorkerExe; 2],
+    data: Dataset,
+    batches: u64,
+    params: shm_ring::RingParams,
+    run_id: String,
+    run_dir: PathBuf,
+}
+
 /// Runs the launcher; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    let prep = prepare(&args)?;
+    // From here on everything printed is also in launcher.log, and a terminal that goes away
+    // cannot make a write fail (see `output`).
+    let tee = output::Tee::install(&prep.run_dir.join("launcher.log"))?;
+    let result = supervise(&args, prep, &tee);
+    if let Err(e) = &result {
+        // main prints it to the terminal once the tee is gone; this is the log's copy.
+        tee.log().line(&format!("error: {e:#}"));
+    }
+    result
+}
+
+/// Checks the command line and config, loads the data and lays out the run directory.
+fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let shared = gpus::overlap(targets, drafters);
     if !shared.is_empty() && !args.share_gpus {
@@ -252,10 +281,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     ];
 
     let data = Dataset::load(&cfg).context("loading the dataset")?;
-    let batches = plan(&data, &cfg);
+    let batches = plan(&data, &cfg).len() as u64;
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     let params = cfg
-        .ring_params(nt, nd, batches.len() as u64)
+        .ring_params(nt, nd, batches)
         .context("sizing the ring")?;
 
     let run_id = format!(
@@ -273,7 +302,32 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     prepare_run_dir(&run_dir)?;
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
         .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+    Ok(Prepared {
+        cfg,
+        backend,
+        exes,
+        data,
+        batches,
+        params,
+        run_id,
+        run_dir,
+    })
+}
 
+/// Creates the ring, runs the workers to the end and writes the summary.
+fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i32> {
+    let Prepared {
+        cfg,
+        backend,
+        exes,
+        data,
+        batches,
+        params,
+        run_id,
+        run_dir,
+    } = prep;
+    let (targets, drafters) = (&args.targets.0, &args.drafters.0);
+    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     // Before the ring exists: from here a stop signal is counted, never fatal, so the ring is
     // always removed.
     let signals = signals::StopSignals::install().context("installing signal handlers")?;
@@ -290,7 +344,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     println!(
         "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
         data.source,
-        batches.len(),
+        batches,
         params.slots,
         params.slot_size / 1024,
         run_dir.display()
@@ -329,8 +383,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let (tx, rx) = mpsc::channel::<Event>();
     let mut mon = monitor::Monitor::new(
         &run_dir,
-        batches.len() as u64,
+        batches,
         Duration::from_secs_f64(args.monitor),
+        tee,
     )?;
     let mut notes: Vec<String> = Vec::new();
     let mut stopping = false;

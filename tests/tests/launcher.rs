@@ -1,5 +1,6 @@
-//! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals,
-//! bad input, crash loops. Every run uses its own run directory and ring.
+//! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals
+//! (also with the terminal gone), bad input, crash loops. Every run uses its own run directory
+//! and ring.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use shm_ring::{Ring, Snapshot};
 
-use crate::support::{spawn, unique, workspace_bin, Proc, WATCHDOG};
+use crate::support::{spawn, spawn_unread_stderr, unique, workspace_bin, Proc, WATCHDOG};
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
 fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
@@ -52,7 +53,10 @@ impl Run {
     fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
     }
-    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+    fn launcher_log(&self) -> String {
+        std::fs::read_to_string(self.run_dir().join("launcher.log")).unwrap()
+    }
+    fn args(&self, config: &Path, extra: &[&str]) -> Vec<String> {
         let run_dir = self.run_dir();
         let mut args = vec![
             "--targets",
@@ -67,7 +71,19 @@ impl Run {
             run_dir.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect()
+    }
+    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+        let args = self.args(config, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn(&workspace_bin("launcher"), &args)
+    }
+    /// Like `launch`, but the test reads the launcher's stderr nowhere, so that it can close
+    /// both of its outputs (`Proc::close_output`).
+    fn launch_unread_stderr(&self, config: &Path) -> Proc {
+        let args = self.args(config, &[]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        spawn_unread_stderr(&workspace_bin("launcher"), &args)
     }
     fn summary(&self) -> serde_json::Value {
         let text = std::fs::read_to_string(self.run_dir().join("summary.json")).unwrap();
@@ -230,13 +246,24 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
 
 /// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
 /// drafters drain and checkpoint, the summary is written, no segment and no worker is left, exit
-/// 130.
-fn ordered_stop(tag: &str, sig: i32) {
+/// 130. With `output_gone`, the launcher's stdout and stderr are pipes whose reader has gone
+/// before the signal (a closed terminal, a dropped SSH session): the stop must still complete,
+/// and `launcher.log` must still hold all of it.
+fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
     let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
-    let mut launcher = run.launch(&cfg, &[]);
+    let mut launcher = if output_gone {
+        run.launch_unread_stderr(&cfg)
+    } else {
+        run.launch(&cfg, &[])
+    };
     let pid = launcher.child.id();
     let ring = attach(&mut launcher);
+    if output_gone {
+        launcher.close_output();
+    }
+    // From here on, all the launcher writes meets a pipe without a reader (EPIPE): monitor
+    // lines, the stop message, the summary.
     let s = wait_until("3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
@@ -263,22 +290,48 @@ fn ordered_stop(tag: &str, sig: i32) {
     let counts = sample_counts(&run.ledgers());
     assert!(counts.values().all(|&c| c == 1));
     assert_eq!(s["samples_trained"], counts.len() as u64);
+    // Everything printed is in the run directory too, from the first line to the last.
+    let log = run.launcher_log();
+    let name = signal_name(sig);
+    for want in ["data:", &format!("stopping: {name}"), "exit code 130"] {
+        assert!(log.contains(want), "launcher.log lacks {want:?}:\n{log}");
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGQUIT => "SIGQUIT",
+        _ => "another signal",
+    }
 }
 
 #[test]
 fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lint", libc::SIGINT);
+    ordered_stop("lint", libc::SIGINT, false);
 }
 
 /// What a closed terminal or a dropped SSH session sends.
 #[test]
 fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lhup", libc::SIGHUP);
+    ordered_stop("lhup", libc::SIGHUP, false);
 }
 
 #[test]
 fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lquit", libc::SIGQUIT);
+    ordered_stop("lquit", libc::SIGQUIT, false);
+}
+
+#[test]
+fn sighup_with_stdout_and_stderr_gone_still_stops_in_order() {
+    ordered_stop("lhupgone", libc::SIGHUP, true);
+}
+
+#[test]
+fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
+    ordered_stop("lquitgone", libc::SIGQUIT, true);
 }
 
 #[test]
