@@ -1,11 +1,12 @@
 //! The launcher: creates the ring, starts one worker process per GPU, restarts a crashed worker
 //! alone while the others keep running, stops in order on SIGINT/SIGTERM/SIGHUP/SIGQUIT, shows a
 //! live monitor (copied to `<run-dir>/launcher.log`) and writes the run directory's
-//! `summary.json`.
+//! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 
 pub mod gpus;
 mod monitor;
 mod output;
+mod reclaim;
 mod signals;
 mod spawn;
 mod summary;
@@ -47,7 +48,8 @@ pub mod exit {
 /// Targets turn training text into hidden states; drafters learn from them; batches move
 /// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C (or SIGTERM, or
 /// SIGHUP from a closed terminal, or SIGQUIT) stops targets, lets drafters drain and
-/// checkpoint, then exits (a second signal kills at once).
+/// checkpoint, then exits (a second signal kills at once). At start, rings left by dead
+/// launchers of the same user are removed, with a line saying which run stopped.
 ///
 /// Examples:
 ///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data
@@ -331,7 +333,15 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     // Before the ring exists: from here a stop signal is counted, never fatal, so the ring is
     // always removed.
     let signals = signals::StopSignals::install().context("installing signal handlers")?;
+    // Frees what dead launchers hold before this ring takes its share of /dev/shm.
+    for line in reclaim::reclaim() {
+        println!("{line}");
+    }
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
+    // Declared before the ring, so dropped after it: while the ring exists, so does the record.
+    let _record = reclaim::register(&ring_name, &run_dir)
+        .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
+        .ok();
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))

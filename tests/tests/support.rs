@@ -3,6 +3,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 /// A unique ring name for this test process.
@@ -13,6 +14,25 @@ pub fn unique(tag: &str) -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// Every launcher removes, at start, the segments of this user whose creator is dead. A test
+/// that leaves a segment stale on purpose and then looks at it holds this exclusively
+/// (`stale_segments_exclusive`); every test that starts a launcher holds it shared
+/// (`stale_segments_shared`), for as long as its launchers may start.
+static STALE_SEGMENTS: RwLock<()> = RwLock::new(());
+
+pub fn stale_segments_shared() -> RwLockReadGuard<'static, ()> {
+    // A test that failed while holding it poisons it; the lock itself is still good.
+    STALE_SEGMENTS
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+pub fn stale_segments_exclusive() -> RwLockWriteGuard<'static, ()> {
+    STALE_SEGMENTS
+        .write()
+        .unwrap_or_else(PoisonError::into_inner)
 }
 
 /// How long any child may run before the test calls it hung.
