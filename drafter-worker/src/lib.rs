@@ -29,8 +29,8 @@ use shm_ring::{Phase, Ring, Take};
 ///   drafter-worker --index 0 --ring hspipe-run1 --run-dir runs/run1
 ///
 /// Writes <run-dir>/ledger/drafter-<i>.jsonl and <run-dir>/checkpoints/drafter-<i>.safetensors.
-/// A stop request (SIGINT, or Stop from the launcher) lets it drain: targets stop, the ring
-/// closes, the drafter trains what is left, checkpoints and exits 0. Exit 1 on error.
+/// A stop request (a stop signal, or Stop from the launcher) lets it drain: targets stop, the
+/// ring closes, the drafter trains what is left, checkpoints and exits 0. Exit 1 on error.
 #[derive(Parser, Debug)]
 #[command(name = "drafter-worker", version, verbatim_doc_comment)]
 pub struct Args {

@@ -1,9 +1,13 @@
 //! The launcher: creates the ring, starts one worker process per GPU, restarts a crashed worker
-//! alone while the others keep running, stops in order on SIGINT/SIGTERM, shows a live monitor
-//! and writes the run directory's `summary.json`.
+//! alone while the others keep running, stops in order on SIGINT/SIGTERM/SIGHUP/SIGQUIT, shows a
+//! live monitor (copied to `<run-dir>/launcher.log`) and writes the run directory's
+//! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 
 pub mod gpus;
 mod monitor;
+mod output;
+mod reclaim;
+mod signals;
 mod spawn;
 mod summary;
 
@@ -33,17 +37,19 @@ pub mod exit {
     /// The run ended but degraded: a worker gave up past its restart limit or samples were
     /// left untrained; `summary.json` says why.
     pub const DEGRADED: i32 = 3;
-    /// Stopped by SIGINT/SIGTERM after draining cleanly.
+    /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
     pub const INTERRUPTED: i32 = 130;
-    /// Stopped by a second SIGINT/SIGTERM: workers were killed.
+    /// Stopped by a second stop signal: workers were killed.
     pub const KILLED: i32 = 131;
 }
 
 /// Train speculative-decoding drafters from frozen target models, one process per GPU.
 ///
 /// Targets turn training text into hidden states; drafters learn from them; batches move
-/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C stops targets,
-/// lets drafters drain and checkpoint, then exits (a second Ctrl-C kills at once).
+/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C (or SIGTERM, or
+/// SIGHUP from a closed terminal, or SIGQUIT) stops targets, lets drafters drain and
+/// checkpoint, then exits (a second signal kills at once). At start, rings left by dead
+/// launchers of the same user are removed, with a line saying which run stopped.
 ///
 /// Examples:
 ///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data
@@ -51,8 +57,9 @@ pub mod exit {
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
 ///
-/// The run directory gets logs/, ledger/, checkpoints/, config.toml, metrics.jsonl and
-/// summary.json. Watch a run from another terminal with `shm-ring-stat --list`.
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, launcher.log (all that
+/// is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
+/// `shm-ring-stat --list`.
 #[derive(Parser, Debug)]
 #[command(name = "launcher", version, verbatim_doc_comment)]
 pub struct Args {
@@ -207,8 +214,34 @@ pub struct Outcome {
     pub notes: Vec<String>,
 }
 
+/// What `run` settles before the run directory, and so its log, exists.
+struct Prepared {
+    cfg: PipelineConfig,
+    backend: String,
+    exes: [WorkerExe; 2],
+    data: Dataset,
+    batches: u64,
+    params: shm_ring::RingParams,
+    run_id: String,
+    run_dir: PathBuf,
+}
+
 /// Runs the launcher; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    let prep = prepare(&args)?;
+    // From here on everything printed is also in launcher.log, and a terminal that goes away
+    // cannot make a write fail (see `output`).
+    let tee = output::Tee::install(&prep.run_dir.join("launcher.log"))?;
+    let result = supervise(&args, prep, &tee);
+    if let Err(e) = &result {
+        // main prints it to the terminal once the tee is gone; this is the log's copy.
+        tee.log().line(&format!("error: {e:#}"));
+    }
+    result
+}
+
+/// Checks the command line and config, loads the data and lays out the run directory.
+fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let shared = gpus::overlap(targets, drafters);
     if !shared.is_empty() && !args.share_gpus {
@@ -250,10 +283,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     ];
 
     let data = Dataset::load(&cfg).context("loading the dataset")?;
-    let batches = plan(&data, &cfg);
+    let batches = plan(&data, &cfg).len() as u64;
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     let params = cfg
-        .ring_params(nt, nd, batches.len() as u64)
+        .ring_params(nt, nd, batches)
         .context("sizing the ring")?;
 
     let run_id = format!(
@@ -271,13 +304,48 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     prepare_run_dir(&run_dir)?;
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
         .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+    Ok(Prepared {
+        cfg,
+        backend,
+        exes,
+        data,
+        batches,
+        params,
+        run_id,
+        run_dir,
+    })
+}
 
+/// Creates the ring, runs the workers to the end and writes the summary.
+fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i32> {
+    let Prepared {
+        cfg,
+        backend,
+        exes,
+        data,
+        batches,
+        params,
+        run_id,
+        run_dir,
+    } = prep;
+    let (targets, drafters) = (&args.targets.0, &args.drafters.0);
+    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
+    // Before the ring exists: from here a stop signal is counted, never fatal, so the ring is
+    // always removed.
+    let signals = signals::StopSignals::install().context("installing signal handlers")?;
+    // Frees what dead launchers hold before this ring takes its share of /dev/shm.
+    for line in reclaim::reclaim() {
+        println!("{line}");
+    }
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
+    // Declared before the ring, so dropped after it: while the ring exists, so does the record.
+    let _record = reclaim::register(&ring_name, &run_dir)
+        .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
+        .ok();
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
-    proto::worker::install_signal_counter().context("installing signal handlers")?;
 
     println!(
         "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {backend}",
@@ -286,7 +354,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     println!(
         "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
         data.source,
-        batches.len(),
+        batches,
         params.slots,
         params.slot_size / 1024,
         run_dir.display()
@@ -325,8 +393,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let (tx, rx) = mpsc::channel::<Event>();
     let mut mon = monitor::Monitor::new(
         &run_dir,
-        batches.len() as u64,
+        batches,
         Duration::from_secs_f64(args.monitor),
+        tee,
     )?;
     let mut notes: Vec<String> = Vec::new();
     let mut stopping = false;
@@ -335,14 +404,20 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 
     loop {
         // 1. Signals: the first stops in order, the second kills.
-        let signals = proto::worker::signals_received();
-        if signals >= 1 && !stopping {
+        let received = signals.received();
+        if received >= 1 && !stopping {
             stopping = true;
-            mon.say("stopping: targets stop claiming, drafters drain and checkpoint (Ctrl-C again to kill)");
+            mon.say(&format!(
+                "stopping: {}: targets stop claiming, drafters drain and checkpoint (a second signal kills every worker)",
+                signals.last_name()
+            ));
             send_stop(&workers);
         }
-        if signals >= 2 {
-            mon.say("second signal: killing every worker");
+        if received >= 2 {
+            mon.say(&format!(
+                "second signal ({}): killing every worker",
+                signals.last_name()
+            ));
             for w in &mut workers {
                 if let Some(mut c) = w.child.take() {
                     let _ = c.kill();
@@ -523,7 +598,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut exit_code = exit::OK;
     if killed {
         exit_code = exit::KILLED;
-    } else if stopping && proto::worker::signals_received() > 0 {
+    } else if stopping && signals.received() > 0 {
         exit_code = exit::INTERRUPTED;
     }
     let restarts: HashMap<String, u32> = workers.iter().map(|w| (w.name(), w.restarts)).collect();

@@ -1,3 +1,5 @@
+use std::io::Write;
+
 use clap::Parser;
 
 fn main() {
@@ -20,7 +22,9 @@ fn exit_with(r: anyhow::Result<i32>) -> ! {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Not eprintln!: it panics if the terminal is gone (the run directory's
+            // launcher.log has the message too, once it exists).
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             let usage = e.downcast_ref::<launcher::UsageError>().is_some();
             std::process::exit(if usage {
                 launcher::exit::USAGE

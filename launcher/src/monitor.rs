@@ -1,16 +1,18 @@
 //! The live monitor: a progress bar on a terminal, plain periodic lines otherwise, and one JSON
-//! line per tick in `metrics.jsonl`.
+//! line per tick in `metrics.jsonl`. `launcher.log` gets the plain lines either way.
 
 use std::fs::File;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use shm_ring::analysis::{self, Interval};
 use shm_ring::{Ring, SlotCounts, Snapshot};
+
+use crate::output::{Log, Tee};
 
 /// One monitor tick, as written to metrics.jsonl.
 #[derive(Serialize)]
@@ -40,7 +42,9 @@ pub struct Monitor {
     last: Option<(Instant, Snapshot)>,
     /// Slot counts sampled since the last tick, for the ring-full/empty shares.
     occupancy: Vec<SlotCounts>,
-    bar: Option<ProgressBar>,
+    /// On a terminal: the bar, and the log for what the bar shows (plain lines reach the log
+    /// through stdout).
+    bar: Option<(ProgressBar, Log)>,
 }
 
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
@@ -61,12 +65,12 @@ fn shares(iv: &Interval, role: &str) -> (f64, f64) {
 }
 
 impl Monitor {
-    pub fn new(run_dir: &Path, total: u64, every: Duration) -> anyhow::Result<Monitor> {
+    pub fn new(run_dir: &Path, total: u64, every: Duration, tee: &Tee) -> anyhow::Result<Monitor> {
         let path = run_dir.join("metrics.jsonl");
         let metrics =
             File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let bar = std::io::stdout().is_terminal().then(|| {
-            let b = ProgressBar::new(total);
+        let bar = tee.terminal().map(|term| {
+            let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::term(term, 20));
             b.set_style(
                 ProgressStyle::with_template(
                     "{elapsed_precise} [{bar:30}] {pos}/{len} batches  {msg}  ETA {eta}",
@@ -74,7 +78,7 @@ impl Monitor {
                 .expect("valid template")
                 .progress_chars("=> "),
             );
-            b
+            (b, tee.log())
         });
         Ok(Monitor {
             metrics,
@@ -89,7 +93,10 @@ impl Monitor {
     /// Prints an event line without breaking the progress bar.
     pub fn say(&self, msg: &str) {
         match &self.bar {
-            Some(b) => b.println(msg),
+            Some((b, log)) => {
+                b.println(msg);
+                log.line(msg);
+            }
             None => println!("{msg}"),
         }
     }
@@ -133,8 +140,20 @@ impl Monitor {
         } else {
             format!("{:.0} tok/s", t.tokens_per_s)
         };
+        let line = format!(
+            "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
+            t.t_s,
+            t.batches_trained,
+            t.batches_total,
+            t.ring_ready,
+            t.ring_slots,
+            t.ready_per_bucket,
+            tb * 100.0,
+            db * 100.0,
+            t.verdict
+        );
         match &self.bar {
-            Some(b) => {
+            Some((b, log)) => {
                 b.set_position(t.batches_trained);
                 b.set_message(format!(
                     "{rate}  ring {}/{}  busy T {:.0}% D {:.0}%  restarts {restarts}",
@@ -143,26 +162,16 @@ impl Monitor {
                     tb * 100.0,
                     db * 100.0
                 ));
+                log.line(&line);
             }
-            None => println!(
-                "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
-                t.t_s,
-                t.batches_trained,
-                t.batches_total,
-                t.ring_ready,
-                t.ring_slots,
-                t.ready_per_bucket,
-                tb * 100.0,
-                db * 100.0,
-                t.verdict
-            ),
+            None => println!("{line}"),
         }
         self.last = Some((now, snap));
         Ok(())
     }
 
     pub fn finish(&self) {
-        if let Some(b) = &self.bar {
+        if let Some((b, _)) = &self.bar {
             b.finish_and_clear();
         }
     }

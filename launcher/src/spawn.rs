@@ -129,8 +129,8 @@ pub fn spawn(
             if libc::getppid() != parent {
                 libc::_exit(1);
             }
-            // Own process group: a terminal's Ctrl-C reaches the launcher only, which then
-            // stops the workers in order.
+            // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only,
+            // which then stops the workers in order.
             libc::setpgid(0, 0);
             Ok(())
         });

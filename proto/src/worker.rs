@@ -2,7 +2,7 @@
 //! logging, and learning that they should stop (a signal, or `Stop` from the launcher).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,60 +59,47 @@ pub struct Setup {
     pub to_launcher: Option<control::Sender<ToLauncher>>,
 }
 
-/// Set by SIGINT/SIGTERM or by the launcher.
+/// The signals that ask for an ordered stop, in the launcher and in the workers alike: Ctrl-C,
+/// `kill`, a closed terminal or dropped SSH session (SIGHUP), and Ctrl-\\ (SIGQUIT), as torchrun
+/// treats them. A second one of any of them stops hard.
+pub const STOP_SIGNALS: [libc::c_int; 4] =
+    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+
+/// Exit code of a worker stopped by a second stop signal.
+pub const EXIT_SECOND_SIGNAL: i32 = 130;
+
+/// Set by a stop signal or by the launcher.
 #[derive(Clone, Default)]
 pub struct StopFlags {
-    /// Finish gracefully.
+    /// Finish gracefully (the launcher's Stop, or its control channel closing).
     pub stop: Arc<AtomicBool>,
     /// Write a checkpoint at the next chance.
     pub checkpoint: Arc<AtomicBool>,
+    /// A stop signal arrived (kept apart from `stop`: only a second *signal* exits at once).
+    pub signalled: Arc<AtomicBool>,
 }
 
 impl StopFlags {
     pub fn stopping(&self) -> bool {
-        self.stop.load(Ordering::Relaxed) || SIGNALS.load(Ordering::Relaxed) > 0
+        self.stop.load(Ordering::Relaxed) || self.signalled.load(Ordering::Relaxed)
     }
     pub fn take_checkpoint_request(&self) -> bool {
         self.checkpoint.swap(false, Ordering::Relaxed)
     }
 }
 
-static SIGNALS: AtomicU32 = AtomicU32::new(0);
-static EXIT_ON_SECOND: AtomicBool = AtomicBool::new(true);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    // Async-signal-safe: atomics, and `_exit` on the second signal if asked to.
-    if SIGNALS.fetch_add(1, Ordering::Relaxed) >= 1 && EXIT_ON_SECOND.load(Ordering::Relaxed) {
-        // SAFETY: _exit is async-signal-safe and ends the process at once.
-        unsafe { libc::_exit(130) };
-    }
-}
-
-/// SIGINT/SIGTERM received so far.
-pub fn signals_received() -> u32 {
-    SIGNALS.load(Ordering::Relaxed)
-}
-
-/// Counts SIGINT/SIGTERM without exiting (the launcher decides what each one means).
-pub fn install_signal_counter() -> std::io::Result<()> {
-    EXIT_ON_SECOND.store(false, Ordering::Relaxed);
-    install_signal_handlers()
-}
-
-/// SIGINT/SIGTERM: the first asks for a graceful stop, the second exits at once.
-fn install_signal_handlers() -> std::io::Result<()> {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: a zeroed sigaction with a valid handler and empty mask is well-formed;
-        // the handler only touches an atomic and calls _exit.
-        let rc = unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut())
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+/// Any stop signal: the first sets `flags.signalled` (a graceful stop), the second exits at once
+/// with `EXIT_SECOND_SIGNAL` (signal-hook's second-signal idiom).
+fn install_signal_handlers(flags: &StopFlags) -> std::io::Result<()> {
+    for sig in STOP_SIGNALS {
+        // Registered first, so it runs first: it exits only if the flag was already set, by an
+        // earlier signal. The order of the two registrations is what makes it the *second*.
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            EXIT_SECOND_SIGNAL,
+            Arc::clone(&flags.signalled),
+        )?;
+        signal_hook::flag::register(sig, Arc::clone(&flags.signalled))?;
     }
     Ok(())
 }
@@ -139,8 +126,8 @@ pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
     };
     let name = format!("{kind}-{}", args.index);
     init_logging(&name);
-    install_signal_handlers().map_err(SetupError::Signal)?;
     let stop = StopFlags::default();
+    install_signal_handlers(&stop).map_err(SetupError::Signal)?;
     let setup = connect_or_read(args, role, name, stop)?;
     if setup.config.faults_for(&setup.name).crash_at_start {
         tracing::error!("injected crash at start");

@@ -1,14 +1,19 @@
-//! The launcher end to end on the mock backend: full runs, crashes from outside, SIGINT, bad
-//! input, crash loops. Every run uses its own run directory and ring.
+//! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals
+//! (also with the terminal gone), reclaiming a killed launcher's ring, bad input, crash loops.
+//! Every run uses its own run directory and ring.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
 use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use shm_ring::{Ring, Snapshot};
 
-use crate::support::{spawn, unique, workspace_bin, Proc, WATCHDOG};
+use crate::support::{
+    spawn, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared, unique,
+    workspace_bin, Proc, WATCHDOG,
+};
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
 fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
@@ -41,18 +46,30 @@ checkpoint_every = 3
 
 struct Run {
     dir: PathBuf,
+    /// Launchers reclaim stale segments at start; see `support::stale_segments_shared`.
+    _shared: Option<RwLockReadGuard<'static, ()>>,
 }
 
 impl Run {
     fn new(tag: &str) -> Run {
+        Run::with_lock(tag, Some(stale_segments_shared()))
+    }
+    /// For a test that holds `stale_segments_exclusive` itself.
+    fn with_lock(tag: &str, shared: Option<RwLockReadGuard<'static, ()>>) -> Run {
         let dir = std::env::temp_dir().join(unique(tag));
         std::fs::create_dir_all(&dir).unwrap();
-        Run { dir }
+        Run {
+            dir,
+            _shared: shared,
+        }
     }
     fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
     }
-    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+    fn launcher_log(&self) -> String {
+        std::fs::read_to_string(self.run_dir().join("launcher.log")).unwrap()
+    }
+    fn args(&self, config: &Path, extra: &[&str]) -> Vec<String> {
         let run_dir = self.run_dir();
         let mut args = vec![
             "--targets",
@@ -67,7 +84,19 @@ impl Run {
             run_dir.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect()
+    }
+    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+        let args = self.args(config, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn(&workspace_bin("launcher"), &args)
+    }
+    /// Like `launch`, but the test reads the launcher's stderr nowhere, so that it can close
+    /// both of its outputs (`Proc::close_output`).
+    fn launch_unread_stderr(&self, config: &Path) -> Proc {
+        let args = self.args(config, &[]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        spawn_unread_stderr(&workspace_bin("launcher"), &args)
     }
     fn summary(&self) -> serde_json::Value {
         let text = std::fs::read_to_string(self.run_dir().join("summary.json")).unwrap();
@@ -228,18 +257,31 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
     kill_one_mid_run("lkt", 2);
 }
 
-#[test]
-fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    let run = Run::new("lint");
+/// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
+/// drafters drain and checkpoint, the summary is written, no segment and no worker is left, exit
+/// 130. With `output_gone`, the launcher's stdout and stderr are pipes whose reader has gone
+/// before the signal (a closed terminal, a dropped SSH session): the stop must still complete,
+/// and `launcher.log` must still hold all of it.
+fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
+    let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
-    let mut launcher = run.launch(&cfg, &[]);
+    let mut launcher = if output_gone {
+        run.launch_unread_stderr(&cfg)
+    } else {
+        run.launch(&cfg, &[])
+    };
     let pid = launcher.child.id();
     let ring = attach(&mut launcher);
+    if output_gone {
+        launcher.close_output();
+    }
+    // From here on, all the launcher writes meets a pipe without a reader (EPIPE): monitor
+    // lines, the stop message, the summary.
     let s = wait_until("3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let pids: Vec<u32> = s.workers.iter().map(|w| w.pid).collect();
-    kill(pid, libc::SIGINT);
+    kill(pid, sig);
     let status = launcher.wait_status();
     assert_eq!(
         status.code(),
@@ -261,6 +303,48 @@ fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
     let counts = sample_counts(&run.ledgers());
     assert!(counts.values().all(|&c| c == 1));
     assert_eq!(s["samples_trained"], counts.len() as u64);
+    // Everything printed is in the run directory too, from the first line to the last.
+    let log = run.launcher_log();
+    let name = signal_name(sig);
+    for want in ["data:", &format!("stopping: {name}"), "exit code 130"] {
+        assert!(log.contains(want), "launcher.log lacks {want:?}:\n{log}");
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGQUIT => "SIGQUIT",
+        _ => "another signal",
+    }
+}
+
+#[test]
+fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lint", libc::SIGINT, false);
+}
+
+/// What a closed terminal or a dropped SSH session sends.
+#[test]
+fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lhup", libc::SIGHUP, false);
+}
+
+#[test]
+fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
+    ordered_stop("lquit", libc::SIGQUIT, false);
+}
+
+#[test]
+fn sighup_with_stdout_and_stderr_gone_still_stops_in_order() {
+    ordered_stop("lhupgone", libc::SIGHUP, true);
+}
+
+#[test]
+fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
+    ordered_stop("lquitgone", libc::SIGQUIT, true);
 }
 
 #[test]
@@ -435,16 +519,33 @@ fn each_worker_sees_only_its_gpu() {
     launcher.finish();
 }
 
+/// A SIGKILLed (or OOM-killed) launcher cannot clean up: its workers die with it (parent-death
+/// signal), and the next launcher to start removes its ring, saying which run stopped and where
+/// its checkpoints are, while the ring of a launcher that still runs is left alone.
 #[test]
-fn workers_die_with_a_killed_launcher() {
-    let run = Run::new("lorphan");
-    let cfg = config(&run.dir, true, "");
-    let mut launcher = run.launch(&cfg, &[]);
-    let ring = attach(&mut launcher);
-    let s = wait_until("8 live workers", &ring, |s| {
+fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_not_a_live_one() {
+    // No other test's launcher may reclaim the killed launcher's ring before the one below.
+    let _alone = stale_segments_exclusive();
+    let dead = Run::with_lock("ldead", None);
+    let mut killed = dead.launch(&config(&dead.dir, true, ""), &[]);
+    let killed_ring = attach(&mut killed);
+    let s = wait_until("8 live workers and a checkpoint", &killed_ring, |s| {
         s.workers.iter().all(|w| w.alive)
+            && (0..3).any(|d| checkpoint_path(&dead.run_dir(), d).exists())
     });
-    launcher.kill();
+
+    // A concurrent launcher with far more data than the test takes to finish.
+    let live = Run::with_lock("llive", None);
+    let cfg = config(&live.dir, true, "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("synthetic_samples = 400", "synthetic_samples = 20000");
+    std::fs::write(&cfg, text).unwrap();
+    let mut running = live.launch(&cfg, &[]);
+    let live_pid = running.child.id();
+    let live_ring = attach(&mut running);
+
+    killed.kill();
     let deadline = Instant::now() + WATCHDOG;
     for w in &s.workers {
         while pid_alive(w.pid) {
@@ -456,10 +557,44 @@ fn workers_die_with_a_killed_launcher() {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    // A launcher killed outright cannot clean up: its ring is stale, for `shm-ring-stat --gc`.
-    assert!(ring.is_stale());
-    // Another test's `--gc` may have removed it already.
-    let _ = Ring::unlink_name(ring.name());
+    assert!(killed_ring.is_stale());
+    let shm = |r: &Ring| Path::new("/dev/shm").join(r.name());
+    assert!(shm(&killed_ring).exists(), "nothing removed it yet");
+
+    let next = Run::with_lock("lnext", None);
+    let out = next.launch(&config(&next.dir, false, ""), &[]).finish();
+    let line = out
+        .lines()
+        .find(|l| l.contains(killed_ring.name()))
+        .unwrap_or_else(|| panic!("no line about {}:\n{out}", killed_ring.name()));
+    let dead_dir = dead.run_dir().display().to_string();
+    for want in [
+        "reclaimed ",
+        "which is gone",
+        &format!("the run in {dead_dir} stopped without finishing"),
+        "its last checkpoints",
+        &format!("{dead_dir}/checkpoints"),
+    ] {
+        assert!(line.contains(want), "{line:?} should say {want:?}");
+    }
+    assert!(
+        !shm(&killed_ring).exists(),
+        "the killed launcher's ring is gone"
+    );
+    // The dead run's own log says what happened to it.
+    let log = dead.launcher_log();
+    let note = log.lines().last().unwrap_or_default();
+    assert!(
+        note.contains("found this run's launcher gone") && note.contains(killed_ring.name()),
+        "{log}"
+    );
+
+    // The live launcher's ring was not touched, and it still stops in order.
+    assert!(!out.contains(live_ring.name()), "{out}");
+    assert!(shm(&live_ring).exists());
+    kill(live_pid, libc::SIGTERM);
+    assert_eq!(running.wait_status().code(), Some(130));
+    no_segment_of(live_pid);
 }
 
 #[test]
@@ -472,10 +607,11 @@ fn a_second_signal_kills_every_worker_at_once() {
     let s = wait_until("8 live workers", &ring, |s| {
         s.workers.iter().all(|w| w.alive)
     });
-    kill(pid, libc::SIGINT);
+    // Any two of the stop signals: a closed terminal's SIGHUP, then SIGQUIT (Ctrl-\).
+    kill(pid, libc::SIGHUP);
     // Two signals sent at once may merge into one: wait until the first is acted on.
     launcher.line_starting("stopping:");
-    kill(pid, libc::SIGINT);
+    kill(pid, libc::SIGQUIT);
     assert_eq!(launcher.wait_status().code(), Some(131));
     no_segment_of(pid);
     for w in &s.workers {

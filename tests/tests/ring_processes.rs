@@ -176,6 +176,8 @@ fn retiring_a_dead_producer_still_closes_the_ring() {
 /// live one.
 #[test]
 fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
+    // No launcher of another test may reclaim the stale ring before this test looks at it.
+    let _alone = crate::support::stale_segments_exclusive();
     let stale = unique("stale");
     ring_peer(&["create", &stale, "1", "1", "2", "4096"]).finish();
     let live = unique("live");

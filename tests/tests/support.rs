@@ -1,8 +1,9 @@
 //! Process helpers: children that are killed when a test fails, and watchdogs against hangs.
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 /// A unique ring name for this test process.
@@ -13,6 +14,25 @@ pub fn unique(tag: &str) -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// Every launcher removes, at start, the segments of this user whose creator is dead. A test
+/// that leaves a segment stale on purpose and then looks at it holds this exclusively
+/// (`stale_segments_exclusive`); every test that starts a launcher holds it shared
+/// (`stale_segments_shared`), for as long as its launchers may start.
+static STALE_SEGMENTS: RwLock<()> = RwLock::new(());
+
+pub fn stale_segments_shared() -> RwLockReadGuard<'static, ()> {
+    // A test that failed while holding it poisons it; the lock itself is still good.
+    STALE_SEGMENTS
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+pub fn stale_segments_exclusive() -> RwLockWriteGuard<'static, ()> {
+    STALE_SEGMENTS
+        .write()
+        .unwrap_or_else(PoisonError::into_inner)
 }
 
 /// How long any child may run before the test calls it hung.
@@ -38,6 +58,8 @@ pub struct Proc {
     pub child: Child,
     pub what: String,
     out: Option<BufReader<ChildStdout>>,
+    /// The child's stderr when the test reads it nowhere (`spawn_unread_stderr`).
+    err_pipe: Option<ChildStderr>,
     /// The child's stderr, collected by a thread, shown when the child fails.
     err: std::sync::Arc<std::sync::Mutex<String>>,
     err_thread: Option<std::thread::JoinHandle<()>>,
@@ -49,8 +71,17 @@ pub fn ring_peer(args: &[&str]) -> Proc {
     spawn(env!("CARGO_BIN_EXE_ring-peer"), args)
 }
 
-/// Spawns `bin` with its stdout piped (stderr goes to the test's output).
+/// Spawns `bin` with its stdout piped, and its stderr piped to a thread that collects it.
 pub fn spawn(bin: &str, args: &[&str]) -> Proc {
+    spawn_with(bin, args, true)
+}
+
+/// Spawns `bin` with stdout and stderr piped; stderr is left unread until `close_output`.
+pub fn spawn_unread_stderr(bin: &str, args: &[&str]) -> Proc {
+    spawn_with(bin, args, false)
+}
+
+fn spawn_with(bin: &str, args: &[&str], collect_stderr: bool) -> Proc {
     let short = std::path::Path::new(bin)
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
@@ -64,6 +95,11 @@ pub fn spawn(bin: &str, args: &[&str]) -> Proc {
         .unwrap_or_else(|e| panic!("spawning {what}: {e}"));
     let out = child.stdout.take().map(BufReader::new);
     let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let err_pipe = if collect_stderr {
+        None
+    } else {
+        child.stderr.take()
+    };
     let err_thread = child.stderr.take().map(|mut stderr| {
         let err = err.clone();
         std::thread::spawn(move || {
@@ -76,6 +112,7 @@ pub fn spawn(bin: &str, args: &[&str]) -> Proc {
         child,
         what,
         out,
+        err_pipe,
         err,
         err_thread,
         before: String::new(),
@@ -83,6 +120,13 @@ pub fn spawn(bin: &str, args: &[&str]) -> Proc {
 }
 
 impl Proc {
+    /// Closes the read ends of the child's stdout and stderr, as a closed terminal or a reader
+    /// that went away would: the child's next write to either fails (EPIPE).
+    pub fn close_output(&mut self) {
+        self.out = None;
+        self.err_pipe = None;
+    }
+
     /// Reads the child's stdout until a line starting with `prefix` and returns that line;
     /// lines before it are kept for `finish`/`kill`. Bounded by the child: a child that never
     /// prints it exits or is killed by the test's other assertions.

@@ -361,7 +361,7 @@ fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() 
 }
 
 #[test]
-fn sigint_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
+fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
     let run = RunDir::new("wint");
     // Slow targets and more data, so the run is still going when the signal comes.
     let config = run.0.join("slow.toml");
@@ -385,9 +385,10 @@ fn sigint_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
         assert!(std::time::Instant::now() < deadline, "nothing published");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    for t in &targets {
+    // Any stop signal: SIGINT, SIGTERM, and here SIGHUP (a closed terminal) and SIGQUIT.
+    for (t, sig) in targets.iter().zip([libc::SIGHUP, libc::SIGQUIT]) {
         // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { libc::kill(t.child.id() as i32, libc::SIGINT) }, 0);
+        assert_eq!(unsafe { libc::kill(t.child.id() as i32, sig) }, 0);
     }
     for t in targets {
         assert_eq!(t.wait_status().code(), Some(3), "a stopped target exits 3");
