@@ -216,4 +216,6 @@ pub enum RingError {
 }
 
 #[cfg(not(loom))]
+pub mod screen;
+#[cfg(not(loom))]
 pub mod stat_cli;

@@ -10,7 +10,7 @@ use clap::Parser;
 use serde::Serialize;
 
 use crate::analysis::{self, Interval, Verdict};
-use crate::{list_segments, Phase, Ring, Snapshot, TakePolicy};
+use crate::{list_segments, screen, Phase, Ring, SlotCounts, Snapshot, TakePolicy};
 
 /// Show what an hspipe ring holds, where each worker's time goes, and which side is the
 /// bottleneck. Attaches read-only and never disturbs the run.
@@ -33,7 +33,8 @@ pub struct Args {
     /// Print one JSON document instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Refresh every SECS seconds (in place on a terminal) until interrupted.
+    /// Refresh every SECS seconds until interrupted: on a terminal a live screen that fits it
+    /// (trends, verdict, one row per worker; q quits), elsewhere one table after another.
     #[arg(long, value_name = "SECS")]
     pub watch: Option<f64>,
     /// Seconds over which rates and the verdict are measured.
@@ -73,7 +74,7 @@ pub struct Report {
 /// Runs the CLI; returns the process exit code.
 pub fn main() -> i32 {
     let args = Args::parse();
-    match run(&args, &mut std::io::stdout().lock()) {
+    match run_on_stdout(&args) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -91,20 +92,45 @@ pub fn measure(ring: &Ring, dur: Duration) -> Report {
         occ.push(ring.slot_counts());
         std::thread::sleep(Duration::from_millis(10).min(dur));
     }
-    let b = ring.snapshot();
-    let interval = analysis::interval(&a, &b, &occ);
-    let verdict = analysis::verdict(&b, &interval);
-    Report {
-        snapshot: b,
-        interval,
-        verdict,
+    Report::between(&a, ring.snapshot(), &occ)
+}
+
+impl Report {
+    /// The report for the interval from snapshot `a` to `b`, with the slot counts sampled
+    /// between them.
+    pub fn between(a: &Snapshot, b: Snapshot, occupancy: &[SlotCounts]) -> Report {
+        let interval = analysis::interval(a, &b, occupancy);
+        let verdict = analysis::verdict(&b, &interval);
+        Report {
+            snapshot: b,
+            interval,
+            verdict,
+        }
     }
 }
 
-pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
-    if args.list || args.gc {
-        return list_or_gc(args, out);
+/// Where the human output goes on a terminal: the live screen for `--watch`, the same layout
+/// printed once otherwise, both fitted to the terminal's width. Piped output, `--json`,
+/// `--list` and `--gc` print what `run` prints.
+fn run_on_stdout(args: &Args) -> anyhow::Result<()> {
+    let tty = std::io::stdout().is_terminal();
+    if !tty || args.json || args.list || args.gc {
+        return run(args, &mut std::io::stdout().lock());
     }
+    let ring = open(args)?;
+    match args.watch {
+        Some(secs) => screen::watch(&ring, Duration::from_secs_f64(secs.max(0.05))),
+        None => {
+            let (width, _) = ratatui::crossterm::terminal::size().unwrap_or((100, 24));
+            let report = measure(&ring, Duration::from_secs_f64(args.interval));
+            screen::print_once(&report, width, &mut std::io::stdout().lock())?;
+            Ok(())
+        }
+    }
+}
+
+/// Checks the flags and attaches to the ring they name.
+fn open(args: &Args) -> anyhow::Result<Ring> {
     let name = match (&args.ring, &args.run_dir) {
         (Some(r), _) => r.clone(),
         (None, Some(d)) => {
@@ -119,18 +145,27 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     if !(args.interval.is_finite() && args.interval > 0.0) {
         bail!("--interval must be a positive number of seconds");
     }
-    let ring = Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))?;
-    let tty = std::io::stdout().is_terminal();
+    if let Some(w) = args.watch {
+        if !(w.is_finite() && w > 0.0) {
+            bail!("--watch must be a positive number of seconds");
+        }
+    }
+    Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))
+}
+
+/// The plain output: a table (or JSON) per interval, one after another with `--watch`. What
+/// pipes and files get; on a terminal, `main` shows the screen instead.
+pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
+    if args.list || args.gc {
+        return list_or_gc(args, out);
+    }
+    let ring = open(args)?;
     loop {
         let dur = Duration::from_secs_f64(args.watch.unwrap_or(args.interval).max(0.05));
         let report = measure(&ring, dur);
         if args.json {
             writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
         } else {
-            if args.watch.is_some() && tty {
-                // Refresh in place: home, clear screen.
-                write!(out, "\x1b[H\x1b[2J")?;
-            }
             human(&report, out)?;
         }
         out.flush()?;

@@ -2,4 +2,5 @@
 
 mod common;
 mod ring;
+mod screen;
 mod stat;
