@@ -591,7 +591,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    mon.finish();
+    mon.finish(&ring)?;
 
     let wall = started.elapsed();
     let snap = ring.snapshot();

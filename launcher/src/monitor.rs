@@ -1,6 +1,15 @@
 //! The live monitor: a progress bar on a terminal, plain periodic lines otherwise, and one JSON
 //! line per tick in `metrics.jsonl`. `launcher.log` gets the plain lines either way.
+//!
+//! `metrics.jsonl` is what `launcher report` draws: each tick has the ring's occupancy, the
+//! rate, every worker's shares by phase, and the events said since the previous tick (deaths,
+//! restarts, stops), with the time they were said. A line is written with one `write`, so a
+//! launcher killed mid-run leaves whole lines; the last tick is written when the run ends.
+//!
+//! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
+//! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
@@ -8,31 +17,130 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde::Serialize;
-use shm_ring::analysis::{self, Interval};
-use shm_ring::{Ring, SlotCounts, Snapshot};
+use serde::{Deserialize, Serialize};
+use shm_ring::analysis::{self, Interval, WorkerRates};
+use shm_ring::{Ring, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
 
-/// One monitor tick, as written to metrics.jsonl.
-#[derive(Serialize)]
-struct Tick {
-    t_s: f64,
-    tokens_per_s: f64,
-    batches_trained: u64,
-    batches_total: u64,
-    ring_ready: u32,
-    ring_in_use: u32,
-    ring_slots: u32,
-    ready_per_bucket: Vec<u32>,
-    targets_busy: f64,
-    drafters_busy: f64,
-    targets_waiting: f64,
-    drafters_waiting: f64,
-    restarts: u32,
-    closed: bool,
+/// One monitor tick, as written to metrics.jsonl. Fields added later default when read from an
+/// older file.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Tick {
+    pub t_s: f64,
+    pub tokens_per_s: f64,
+    pub batches_trained: u64,
+    pub batches_total: u64,
+    pub ring_ready: u32,
+    pub ring_in_use: u32,
+    pub ring_slots: u32,
+    pub ready_per_bucket: Vec<u32>,
+    pub targets_busy: f64,
+    pub drafters_busy: f64,
+    pub targets_waiting: f64,
+    pub drafters_waiting: f64,
+    pub restarts: u32,
+    pub closed: bool,
     /// shm-ring-stat's verdict over the period.
-    verdict: String,
+    pub verdict: String,
+    /// Every worker over the period.
+    pub workers: Vec<WorkerTick>,
+    /// What the launcher said since the previous tick (a worker died, restarted, gave up; a
+    /// stop began).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<EventTick>,
+    /// The drafter group's training loss, once the drafters report it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter_loss: Option<f64>,
+    /// The drafter's acceptance length (tau), once the drafters report it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub acceptance_length: Option<f64>,
+}
+
+/// One worker in a tick: its shares of the period by phase (zero phases left out).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WorkerTick {
+    /// `target-0`, `drafter-2`: the names of the run directory's logs.
+    pub name: String,
+    pub gpu: Option<u32>,
+    /// `alive`, `done`, `dead` (recovered, not running), `retired`, `vacant`.
+    pub state: String,
+    /// The record says alive and the process exists.
+    pub alive: bool,
+    pub restarts: u64,
+    pub items: u64,
+    pub tokens_per_s: f64,
+    pub busy: f64,
+    pub waiting: f64,
+    pub phases: BTreeMap<String, f64>,
+}
+
+/// A line the launcher printed, and when (seconds since the run started).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct EventTick {
+    pub t_s: f64,
+    pub text: String,
+}
+
+/// Shares rounded to 0.1%: finer is noise, and it keeps week-long metrics files small.
+fn share(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl WorkerTick {
+    fn new(w: &WorkerRates) -> WorkerTick {
+        let state = match w.state {
+            WorkerState::Vacant => "vacant",
+            WorkerState::Alive => "alive",
+            WorkerState::Done => "done",
+            WorkerState::Dead => "dead",
+            WorkerState::Retired => "retired",
+        };
+        WorkerTick {
+            name: format!("{}-{}", w.role, w.index),
+            gpu: w.gpu,
+            state: state.to_string(),
+            alive: w.alive,
+            restarts: w.restarts,
+            items: w.items,
+            tokens_per_s: w.tokens_per_s.round(),
+            busy: share(w.busy),
+            waiting: share(w.waiting),
+            phases: w
+                .phases
+                .iter()
+                .filter(|(_, v)| share(**v) > 0.0)
+                .map(|(k, v)| (k.to_string(), share(*v)))
+                .collect(),
+        }
+    }
+}
+
+/// The bar's template for a terminal `width` columns wide, with `len` batches planned: the
+/// bar narrows, then goes, then the clock goes; the message fills the rest and is cut at its
+/// end, so the line never wraps.
+fn bar_template(width: u16, len: u64) -> String {
+    let width = usize::from(width);
+    let counts = 2 * len.to_string().len() + 2;
+    let clock = "00:00:00 ".len();
+    let bar = width.saturating_sub(clock + counts + 24) / 2;
+    match bar.min(30) {
+        b if b >= 6 => format!("{{elapsed_precise}} [{{bar:{b}}}] {{pos}}/{{len}} {{wide_msg}}"),
+        _ if width >= clock + counts + 12 => "{elapsed_precise} {pos}/{len} {wide_msg}".into(),
+        _ => "{pos}/{len} {wide_msg}".into(),
+    }
+}
+
+/// The progress bar on a terminal.
+struct Bar {
+    bar: ProgressBar,
+    term: console::Term,
+    /// The template in use, so that it changes only with the width.
+    template: String,
+    /// The log, for what the bar shows (plain lines reach the log through stdout).
+    log: Log,
 }
 
 pub struct Monitor {
@@ -42,9 +150,13 @@ pub struct Monitor {
     last: Option<(Instant, Snapshot)>,
     /// Slot counts sampled since the last tick, for the ring-full/empty shares.
     occupancy: Vec<SlotCounts>,
-    /// On a terminal: the bar, and the log for what the bar shows (plain lines reach the log
-    /// through stdout).
-    bar: Option<(ProgressBar, Log)>,
+    bar: Option<Bar>,
+    /// When the monitor started, for the time of events.
+    started: Instant,
+    /// Events said since the last tick.
+    events: Vec<EventTick>,
+    /// The restarts of the last tick, for the final one.
+    restarts: u32,
 }
 
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
@@ -69,16 +181,14 @@ impl Monitor {
         let path = run_dir.join("metrics.jsonl");
         let metrics =
             File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let bar = tee.terminal().map(|term| {
-            let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::term(term, 20));
-            b.set_style(
-                ProgressStyle::with_template(
-                    "{elapsed_precise} [{bar:30}] {pos}/{len} batches  {msg}  ETA {eta}",
-                )
-                .expect("valid template")
-                .progress_chars("=> "),
-            );
-            (b, tee.log())
+        let bar = tee.terminal().map(|term| Bar {
+            bar: ProgressBar::with_draw_target(
+                Some(total),
+                ProgressDrawTarget::term(term.clone(), 20),
+            ),
+            term,
+            template: String::new(),
+            log: tee.log(),
         });
         Ok(Monitor {
             metrics,
@@ -87,15 +197,22 @@ impl Monitor {
             last: None,
             occupancy: Vec::new(),
             bar,
+            started: Instant::now(),
+            events: Vec::new(),
+            restarts: 0,
         })
     }
 
-    /// Prints an event line without breaking the progress bar.
-    pub fn say(&self, msg: &str) {
+    /// Prints an event line without breaking the progress bar; the next tick records it.
+    pub fn say(&mut self, msg: &str) {
+        self.events.push(EventTick {
+            t_s: share(self.started.elapsed().as_secs_f64()),
+            text: msg.to_string(),
+        });
         match &self.bar {
-            Some((b, log)) => {
-                b.println(msg);
-                log.line(msg);
+            Some(b) => {
+                b.bar.println(msg);
+                b.log.line(msg);
             }
             None => println!("{msg}"),
         }
@@ -103,7 +220,8 @@ impl Monitor {
 
     pub fn tick(&mut self, ring: &Ring, restarts: u32, started: Instant) -> anyhow::Result<()> {
         let now = Instant::now();
-        let Some((at, prev)) = &self.last else {
+        self.restarts = restarts;
+        let Some((at, _)) = &self.last else {
             self.last = Some((now, ring.snapshot()));
             return Ok(());
         };
@@ -111,6 +229,20 @@ impl Monitor {
         if now.duration_since(*at) < self.every {
             return Ok(());
         }
+        self.record(ring, restarts, started, now)
+    }
+
+    /// Writes a tick for the period since the last one, and shows it.
+    fn record(
+        &mut self,
+        ring: &Ring,
+        restarts: u32,
+        started: Instant,
+        now: Instant,
+    ) -> anyhow::Result<()> {
+        let Some((_, prev)) = &self.last else {
+            return Ok(());
+        };
         let snap = ring.snapshot();
         let iv = analysis::interval(prev, &snap, &self.occupancy);
         let verdict = analysis::verdict(&snap, &iv);
@@ -133,8 +265,17 @@ impl Monitor {
             restarts,
             closed: snap.closed,
             verdict: verdict.line,
+            workers: iv.workers.iter().map(WorkerTick::new).collect(),
+            events: std::mem::take(&mut self.events),
+            drafter_loss: None,
+            acceptance_length: None,
         };
-        writeln!(self.metrics, "{}", serde_json::to_string(&t)?)?;
+        // One write per line: a launcher killed mid-run leaves whole lines only.
+        let mut json = serde_json::to_string(&t)?;
+        json.push('\n');
+        self.metrics
+            .write_all(json.as_bytes())
+            .context("writing metrics.jsonl")?;
         let rate = if t.tokens_per_s >= 1000.0 {
             format!("{:.1}k tok/s", t.tokens_per_s / 1000.0)
         } else {
@@ -152,17 +293,37 @@ impl Monitor {
             db * 100.0,
             t.verdict
         );
-        match &self.bar {
-            Some((b, log)) => {
-                b.set_position(t.batches_trained);
-                b.set_message(format!(
-                    "{rate}  ring {}/{}  busy T {:.0}% D {:.0}%  restarts {restarts}",
+        match &mut self.bar {
+            Some(b) => {
+                let (_, width) = b.term.size();
+                let template = bar_template(width, self.total);
+                if template != b.template {
+                    b.bar.set_style(
+                        ProgressStyle::with_template(&template)
+                            .expect("valid template")
+                            .progress_chars("=> "),
+                    );
+                    b.template = template;
+                }
+                // Most important first: the end is what a narrow terminal cuts.
+                let eta = b.bar.eta().as_secs();
+                let eta = if eta >= 3600 {
+                    format!("{}h{:02}m", eta / 3600, eta % 3600 / 60)
+                } else if eta >= 60 {
+                    format!("{}m{:02}s", eta / 60, eta % 60)
+                } else {
+                    format!("{eta}s")
+                };
+                b.bar.set_position(t.batches_trained);
+                b.bar.set_message(format!(
+                    "{rate}  ring {}/{}  ETA {eta}  busy T {:.0}% D {:.0}%  restarts {restarts}  | {}",
                     t.ring_ready,
                     t.ring_slots,
                     tb * 100.0,
-                    db * 100.0
+                    db * 100.0,
+                    t.verdict
                 ));
-                log.line(&line);
+                b.log.line(&line);
             }
             None => println!("{line}"),
         }
@@ -170,9 +331,13 @@ impl Monitor {
         Ok(())
     }
 
-    pub fn finish(&self) {
-        if let Some((b, _)) = &self.bar {
-            b.finish_and_clear();
+    /// Records the last period and the events since the last tick, and clears the bar.
+    pub fn finish(&mut self, ring: &Ring) -> anyhow::Result<()> {
+        if let Some(b) = &self.bar {
+            b.bar.finish_and_clear();
         }
+        // The bar is gone: the last line goes to the terminal as a plain line.
+        self.bar = None;
+        self.record(ring, self.restarts, self.started, Instant::now())
     }
 }
