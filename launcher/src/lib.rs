@@ -4,9 +4,10 @@
 //! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 
 pub mod gpus;
-mod monitor;
+pub mod monitor;
 mod output;
 mod reclaim;
+pub mod report;
 mod signals;
 mod spawn;
 mod summary;
@@ -56,6 +57,7 @@ pub mod exit {
 ///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
+///   launcher report runs/exp1                              a picture of a run (report --help)
 ///
 /// The run directory gets logs/, ledger/, checkpoints/, config.toml, launcher.log (all that
 /// is printed), metrics.jsonl and summary.json. Watch a run from another terminal with

@@ -14,6 +14,11 @@ fn main() {
         };
         exit_with(code);
     }
+    // `launcher report RUN_DIR`: a picture of a run (see launcher::report).
+    if argv.get(1).map(String::as_str) == Some("report") {
+        let args = launcher::report::ReportArgs::parse_from(&argv[1..]);
+        exit_with(launcher::report::run(args));
+    }
     let args = launcher::Args::parse();
     exit_with(launcher::run(args));
 }

@@ -1,0 +1,880 @@
+//! `launcher report RUN_DIR`: one picture (SVG) of a whole run, from its run directory.
+//!
+//! It reads `metrics.jsonl` (one tick per monitor period, written by `monitor`), and, where they
+//! exist, `summary.json` and the drafters' ledgers. It draws, over the run's time: the ring's
+//! READY batches and slots in use against its capacity, tokens/s trained, one band per worker
+//! with its time by phase (compute at the bottom: the band's green height is its busy share),
+//! and the drafter's loss and acceptance length once the metrics carry them. Deaths, restarts,
+//! hangs and stops are marked at the time the launcher reported them.
+//!
+//! A run that did not finish (stopped, crashed, its launcher killed) is drawn as far as its
+//! metrics go. Input that cannot be a run is refused with the file and line at fault: a missing
+//! directory or `metrics.jsonl`, an empty one, a line cut short or not a tick.
+//!
+//! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
+//! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context};
+use clap::Parser;
+use drafter_worker::LedgerLine;
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use shm_ring::screen::human_rate;
+
+use crate::monitor::Tick;
+
+/// Draw one picture of a run: ring occupancy against capacity, tokens/s, each worker's time
+/// by phase, deaths and restarts. Works on finished, stopped and crashed runs.
+///
+/// Examples:
+///   launcher report runs/1796046264-5282               writes runs/1796046264-5282/report.svg
+///   launcher report runs/exp1 -o exp1.svg --width 1600
+#[derive(Parser, Debug)]
+#[command(name = "launcher report", version, verbatim_doc_comment)]
+pub struct ReportArgs {
+    /// The run directory (it holds metrics.jsonl).
+    pub run_dir: PathBuf,
+    /// Where to write the picture (SVG) [default: <RUN_DIR>/report.svg].
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Width in pixels.
+    #[arg(long, default_value_t = 1200)]
+    pub width: u32,
+    /// Height in pixels [default: 64 per worker plus about 500 for the rest].
+    #[arg(long)]
+    pub height: Option<u32>,
+}
+
+/// What a run directory says about its run.
+pub struct RunData {
+    pub dir: PathBuf,
+    pub ticks: Vec<Tick>,
+    pub summary: Option<serde_json::Value>,
+    /// Per drafter (in index order): batches trained, of them redelivered, last epoch.
+    pub ledgers: Vec<LedgerStats>,
+}
+
+#[derive(Debug, Default)]
+pub struct LedgerStats {
+    pub drafter: u32,
+    pub batches: u64,
+    pub redelivered: u64,
+    pub epochs: u64,
+    /// Lines that did not parse (a drafter killed mid-write leaves none; an edited file may).
+    pub unreadable: u64,
+}
+
+/// Reads a run directory; refuses what cannot be a run, with the path (and line) at fault.
+pub fn load(dir: &Path) -> anyhow::Result<RunData> {
+    if !dir.exists() {
+        bail!("run directory {} does not exist", dir.display());
+    }
+    if !dir.is_dir() {
+        bail!(
+            "{} is not a directory: name a launcher run directory",
+            dir.display()
+        );
+    }
+    let path = dir.join("metrics.jsonl");
+    if !path.exists() {
+        bail!(
+            "{} has no metrics.jsonl: not a launcher run directory, or its launcher stopped before it started the run",
+            dir.display()
+        );
+    }
+    let file = std::fs::File::open(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut reader = BufReader::new(file);
+    let mut ticks: Vec<Tick> = Vec::new();
+    let (mut n, mut read) = (0usize, 0usize);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader
+            .read_line(&mut line)
+            .with_context(|| format!("reading {}", path.display()))?
+            == 0
+        {
+            break;
+        }
+        n += 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Tick>(&line) {
+            Ok(t) => ticks.push(t),
+            Err(e) if e.is_eof() && !line.ends_with('\n') => bail!(
+                "{}:{n}: the last line is cut short ({e}): the file was truncated; remove that line to draw the {read} ticks before it",
+                path.display(),
+            ),
+            Err(e) => bail!("{}:{n}: not a monitor tick: {e}", path.display()),
+        }
+        read += 1;
+        if ticks.len() >= 2 * MAX_TICKS {
+            ticks = thin(ticks);
+        }
+    }
+    if ticks.is_empty() {
+        bail!(
+            "{} is empty: the run ended before its first monitor tick (the --monitor period), so there is nothing to draw",
+            path.display()
+        );
+    }
+    let summary = std::fs::read_to_string(dir.join("summary.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    let mut ledgers = Vec::new();
+    for d in 0.. {
+        let p = drafter_worker::ledger_path(dir, d);
+        let Ok(text) = std::fs::read_to_string(&p) else {
+            break;
+        };
+        let mut st = LedgerStats {
+            drafter: d,
+            ..LedgerStats::default()
+        };
+        for line in text.lines() {
+            match serde_json::from_str::<LedgerLine>(line) {
+                Ok(l) => {
+                    st.batches += 1;
+                    st.redelivered += u64::from(l.delivery > 0);
+                    st.epochs = st.epochs.max(l.epoch);
+                }
+                Err(_) => st.unreadable += 1,
+            }
+        }
+        ledgers.push(st);
+    }
+    Ok(RunData {
+        dir: dir.to_path_buf(),
+        ticks,
+        summary,
+        ledgers,
+    })
+}
+
+/// Ticks kept in memory: a week at one tick a second is 600,000 lines, far more than a picture
+/// has pixels, so longer files are thinned as they are read.
+const MAX_TICKS: usize = 8192;
+
+/// Keeps every second tick; the events of a dropped tick move to the next one kept.
+fn thin(ticks: Vec<Tick>) -> Vec<Tick> {
+    let mut out = Vec::with_capacity(ticks.len() / 2 + 1);
+    let mut carried = Vec::new();
+    for (i, mut t) in ticks.into_iter().enumerate() {
+        if i % 2 == 0 {
+            carried.append(&mut t.events);
+        } else {
+            carried.append(&mut t.events);
+            t.events = std::mem::take(&mut carried);
+            out.push(t);
+        }
+    }
+    if !carried.is_empty() {
+        if let Some(last) = out.last_mut() {
+            last.events.append(&mut carried);
+        }
+    }
+    out
+}
+
+/// A mark on the time axis: something the launcher reported.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mark {
+    pub t: f64,
+    /// The worker it is about (`drafter-1`), or none for the whole run (a stop).
+    pub worker: Option<String>,
+    pub kind: MarkKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MarkKind {
+    Died,
+    Restarted,
+    GaveUp,
+    Hung,
+    /// A stop signal, or the run stopping for lack of drafters.
+    Stop,
+}
+
+impl MarkKind {
+    fn word(self) -> &'static str {
+        match self {
+            MarkKind::Died => "died",
+            MarkKind::Restarted => "restarted",
+            MarkKind::GaveUp => "gave up",
+            MarkKind::Hung => "hung",
+            MarkKind::Stop => "stop",
+        }
+    }
+
+    fn color(self) -> RGBColor {
+        match self {
+            MarkKind::Died | MarkKind::GaveUp => RGBColor(211, 47, 47),
+            MarkKind::Hung => RGBColor(245, 124, 0),
+            MarkKind::Restarted => RGBColor(46, 125, 50),
+            MarkKind::Stop => RGBColor(97, 97, 97),
+        }
+    }
+}
+
+/// The marks in the launcher's messages (see `lib.rs`: "drafter-1 (pid 7) died: ...",
+/// "drafter-1 restarted (restart 1 of at most 3), pid 9", "drafter-1 gave up after ...",
+/// "drafter-1 (pid 7) sent no heartbeat ...: killing it as hung", "stopping: SIGINT ...",
+/// "no drafter left: stopping the targets").
+pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
+    let mut out = Vec::new();
+    for e in ticks.iter().flat_map(|t| &t.events) {
+        let first = e.text.split_whitespace().next().unwrap_or("");
+        let is_worker = ["target-", "drafter-"].iter().any(|p| {
+            first
+                .strip_prefix(p)
+                .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+        });
+        let worker = is_worker.then(|| first.to_string());
+        let kind = if worker.is_some() {
+            if e.text.contains("killing it as hung") {
+                MarkKind::Hung
+            } else if e.text.contains(") died") {
+                MarkKind::Died
+            } else if e.text.starts_with(&format!("{first} restarted")) {
+                MarkKind::Restarted
+            } else if e.text.starts_with(&format!("{first} gave up")) {
+                MarkKind::GaveUp
+            } else {
+                continue;
+            }
+        } else if e.text.starts_with("stopping")
+            || e.text.starts_with("second signal")
+            || e.text.starts_with("no drafter left")
+        {
+            MarkKind::Stop
+        } else {
+            continue;
+        };
+        out.push(Mark {
+            t: e.t_s,
+            worker,
+            kind,
+        });
+    }
+    out
+}
+
+/// Phases in stacking order (compute at the bottom), with the colours of the legend.
+const PHASES: [(&str, &str, RGBColor); 8] = [
+    ("compute", "compute", RGBColor(67, 160, 71)),
+    ("wait_full", "wait: ring full", RGBColor(229, 57, 53)),
+    ("wait_empty", "wait: ring empty", RGBColor(255, 179, 0)),
+    ("load", "load", RGBColor(30, 136, 229)),
+    ("copy_in", "copy in", RGBColor(0, 172, 193)),
+    ("sync", "sync", RGBColor(142, 36, 170)),
+    ("checkpoint", "checkpoint", RGBColor(121, 134, 203)),
+    ("other", "other", RGBColor(158, 158, 158)),
+];
+
+const FONT: &str = "sans-serif";
+const TITLE_H: u32 = 64;
+const LEGEND_H: u32 = 48;
+const AXIS_H: u32 = 36;
+const RING_H: u32 = 190;
+const RATE_H: u32 = 150;
+const WORKER_H: u32 = 64;
+const EXTRA_H: u32 = 140;
+/// Room for the y labels, so every panel's time axis lines up.
+const Y_LABELS_W: u32 = 78;
+
+/// Series values per time bin: long runs are averaged down to about one point per 2 pixels.
+struct Bins {
+    ranges: Vec<std::ops::Range<usize>>,
+    t: Vec<f64>,
+}
+
+impl Bins {
+    fn new(ticks: &[Tick], max: usize) -> Bins {
+        let per = ticks.len().div_ceil(max.max(1)).max(1);
+        let ranges: Vec<_> = (0..ticks.len())
+            .step_by(per)
+            .map(|s| s..(s + per).min(ticks.len()))
+            .collect();
+        let t = ranges.iter().map(|r| ticks[r.end - 1].t_s).collect();
+        Bins { ranges, t }
+    }
+
+    /// The mean of `f` over each bin, skipping ticks where it has no value.
+    fn series(&self, ticks: &[Tick], f: impl Fn(&Tick) -> Option<f64>) -> Vec<(f64, f64)> {
+        self.series_at(ticks, |_, t| f(t))
+    }
+
+    /// Like `series`, with each tick's index.
+    fn series_at(
+        &self,
+        ticks: &[Tick],
+        f: impl Fn(usize, &Tick) -> Option<f64>,
+    ) -> Vec<(f64, f64)> {
+        self.ranges
+            .iter()
+            .zip(&self.t)
+            .filter_map(|(r, &t)| {
+                let v: Vec<f64> = r.clone().filter_map(|i| f(i, &ticks[i])).collect();
+                (!v.is_empty()).then(|| (t, v.iter().sum::<f64>() / v.len() as f64))
+            })
+            .collect()
+    }
+}
+
+/// Which panels the picture has, and their heights.
+struct Plan {
+    workers: Vec<(String, Option<u32>)>,
+    loss: bool,
+    acceptance: bool,
+    width: u32,
+    height: u32,
+    ring_h: u32,
+    rate_h: u32,
+    worker_h: u32,
+    extra_h: u32,
+}
+
+impl Plan {
+    fn new(run: &RunData, width: u32, height: Option<u32>) -> anyhow::Result<Plan> {
+        if width < 400 {
+            bail!("--width {width} is too narrow to draw a run: at least 400 pixels");
+        }
+        let mut workers: Vec<(String, Option<u32>)> = Vec::new();
+        for w in run.ticks.iter().flat_map(|t| &t.workers) {
+            match workers.iter_mut().find(|(n, _)| *n == w.name) {
+                // A worker not registered yet has no GPU in its record.
+                Some((_, gpu)) => *gpu = gpu.or(w.gpu),
+                None => workers.push((w.name.clone(), w.gpu)),
+            }
+        }
+        let loss = run.ticks.iter().any(|t| t.drafter_loss.is_some());
+        let acceptance = run.ticks.iter().any(|t| t.acceptance_length.is_some());
+        // Without per-worker records (an older metrics.jsonl) one band shows both sides' busy share.
+        let bands = workers.len().max(1) as u32;
+        let extras = u32::from(loss) + u32::from(acceptance);
+        let fixed = TITLE_H + LEGEND_H + AXIS_H;
+        let natural = RING_H + RATE_H + bands * WORKER_H + extras * EXTRA_H;
+        let height = height.unwrap_or(fixed + natural);
+        let min = fixed + 80 + 60 + bands * 24 + extras * 60;
+        if height < min {
+            bail!(
+                "--height {height} is too short for this run's {} panels: at least {min} pixels",
+                2 + bands + extras
+            );
+        }
+        let scale = f64::from(height - fixed) / f64::from(natural);
+        let px = |h: u32| (f64::from(h) * scale).floor() as u32;
+        Ok(Plan {
+            workers,
+            loss,
+            acceptance,
+            width,
+            height,
+            ring_h: px(RING_H),
+            rate_h: px(RATE_H),
+            worker_h: px(WORKER_H),
+            extra_h: px(EXTRA_H),
+        })
+    }
+}
+
+fn draw_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow!("drawing the picture: {e:?}")
+}
+
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// The first line under the title: how the run ended, from summary.json, else from what the
+/// metrics and ledgers show.
+fn outcome(run: &RunData) -> String {
+    let end = run.ticks.last().map(|t| t.t_s).unwrap_or(0.0);
+    match &run.summary {
+        Some(s) => {
+            let ok = s["ok"].as_bool().unwrap_or(false);
+            format!(
+                "{} (exit code {}): {}/{} samples trained, {} batches ({} redelivered) in {:.1} s, {} tokens/s{}",
+                if ok { "finished" } else { "ended" },
+                s["exit_code"],
+                s["samples_trained"],
+                s["samples_total"],
+                s["batches_trained"],
+                s["redelivered"],
+                s["wall_s"].as_f64().unwrap_or(end),
+                human_rate(s["tokens_per_s"].as_f64().unwrap_or(0.0)),
+                match s["notes"].as_array().map(Vec::len).unwrap_or(0) {
+                    0 => String::new(),
+                    n => format!("; {n} note(s) in summary.json"),
+                }
+            )
+        }
+        None => {
+            let batches: u64 = run.ledgers.iter().map(|l| l.batches).sum();
+            let redelivered: u64 = run.ledgers.iter().map(|l| l.redelivered).sum();
+            format!(
+                "no summary.json: the launcher did not finish (still running, or killed); drawn to {end:.1} s; the ledgers hold {batches} trained batches ({redelivered} redelivered)"
+            )
+        }
+    }
+}
+
+/// A chart over the run's time on `area`; `x_labels` only on the bottom panel.
+fn chart<'a, 'b>(
+    area: &'a Area<'b>,
+    t_max: f64,
+    y_max: f64,
+    x_labels: bool,
+) -> anyhow::Result<Chart<'a, 'b>> {
+    ChartBuilder::on(area)
+        .margin_right(24)
+        .margin_top(6)
+        .x_label_area_size(if x_labels { AXIS_H } else { 0 })
+        .y_label_area_size(Y_LABELS_W)
+        .build_cartesian_2d(0f64..t_max, 0f64..y_max)
+        .map_err(draw_err)
+}
+
+/// A panel's name, top left inside its plot.
+fn name_panel(c: &mut Chart<'_, '_>, text: &str, t_max: f64, y_max: f64) -> anyhow::Result<()> {
+    let font = (FONT, 13).into_font().color(&BLACK);
+    c.draw_series(std::iter::once(Text::new(
+        text.to_string(),
+        (t_max * 0.005, y_max * 0.97),
+        font,
+    )))
+    .map_err(draw_err)?;
+    Ok(())
+}
+
+/// Vertical lines at `marks`, labelled with the worker and what happened.
+fn draw_marks(
+    c: &mut Chart<'_, '_>,
+    marks: &[&Mark],
+    y_max: f64,
+    labels: bool,
+) -> anyhow::Result<()> {
+    for (i, m) in marks.iter().enumerate() {
+        let color = m.kind.color();
+        c.draw_series(std::iter::once(PathElement::new(
+            vec![(m.t, 0.0), (m.t, y_max)],
+            color.stroke_width(2),
+        )))
+        .map_err(draw_err)?;
+        if labels {
+            let text = match &m.worker {
+                Some(w) => format!("{w} {}", m.kind.word()),
+                None => m.kind.word().to_string(),
+            };
+            // Staggered, so marks close in time keep readable labels.
+            let y = y_max * (0.86 - 0.11 * (i % 4) as f64);
+            c.draw_series(std::iter::once(Text::new(
+                text,
+                (m.t, y),
+                (FONT, 11).into_font().color(&color),
+            )))
+            .map_err(draw_err)?;
+        }
+    }
+    Ok(())
+}
+
+/// Draws the run as an SVG document of `plan`'s size.
+fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
+    let ticks = &run.ticks;
+    let t_max = ticks.iter().map(|t| t.t_s).fold(0.0, f64::max).max(1e-3) * 1.01;
+    let bins = Bins::new(ticks, (plan.width / 2) as usize);
+    let marks = marks(ticks);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (plan.width, plan.height)).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err)?;
+
+        // Title.
+        let (title, rest) = root.split_vertically(TITLE_H);
+        let name = run
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| run.dir.display().to_string());
+        title
+            .draw_text(
+                &format!("hspipe run {name}"),
+                &(FONT, 20).into_font().style(FontStyle::Bold).color(&BLACK),
+                (12, 8),
+            )
+            .map_err(draw_err)?;
+        title
+            .draw_text(
+                &outcome(run),
+                &(FONT, 13).into_font().color(&BLACK),
+                (12, 36),
+            )
+            .map_err(draw_err)?;
+
+        // Panels, top to bottom; the last one carries the time axis.
+        let mut panels: Vec<u32> = vec![plan.ring_h, plan.rate_h];
+        let bands = plan.workers.len().max(1);
+        panels.extend(std::iter::repeat_n(plan.worker_h, bands));
+        panels.extend(std::iter::repeat_n(
+            plan.extra_h,
+            usize::from(plan.loss) + usize::from(plan.acceptance),
+        ));
+        let last = panels.len() - 1;
+        let mut areas = Vec::new();
+        let mut rest = rest;
+        for (i, h) in panels.iter().enumerate() {
+            let h = if i == last { h + AXIS_H } else { *h };
+            let (a, r) = rest.split_vertically(h);
+            areas.push(a);
+            rest = r;
+        }
+        let legend = rest;
+        let mut areas = areas.iter().enumerate();
+
+        // The ring: READY and in use, against the capacity.
+        let (i, area) = areas.next().expect("the ring panel");
+        let slots = ticks.iter().map(|t| t.ring_slots).max().unwrap_or(0).max(1);
+        let y_max = f64::from(slots) * 1.25;
+        let mut c = chart(area, t_max, y_max, i == last)?;
+        c.configure_mesh()
+            .max_light_lines(0)
+            .label_style((FONT, 12))
+            .x_desc(if i == last {
+                "seconds since the run started"
+            } else {
+                ""
+            })
+            .disable_x_mesh()
+            .y_desc("batches")
+            .y_labels(5)
+            .draw()
+            .map_err(draw_err)?;
+        let ready = bins.series(ticks, |t| Some(f64::from(t.ring_ready)));
+        let in_use = bins.series(ticks, |t| Some(f64::from(t.ring_in_use)));
+        let green = RGBColor(67, 160, 71);
+        c.draw_series(AreaSeries::new(ready, 0.0, green.mix(0.35)).border_style(green))
+            .map_err(draw_err)?;
+        c.draw_series(LineSeries::new(
+            in_use,
+            RGBColor(30, 136, 229).stroke_width(2),
+        ))
+        .map_err(draw_err)?;
+        c.draw_series(DashedLineSeries::new(
+            [(0.0, f64::from(slots)), (t_max, f64::from(slots))],
+            8,
+            6,
+            RGBColor(211, 47, 47).stroke_width(2),
+        ))
+        .map_err(draw_err)?;
+        let all: Vec<&Mark> = marks.iter().collect();
+        draw_marks(&mut c, &all, y_max, true)?;
+        name_panel(
+            &mut c,
+            &format!("ring: READY batches (green area) and slots in use (blue), capacity {slots} (red dashes)"),
+            t_max,
+            y_max,
+        )?;
+
+        // Tokens/s trained. A final tick much shorter than the period has a noisy rate.
+        let (i, area) = areas.next().expect("the rate panel");
+        let period = median_period(ticks);
+        let short: Vec<bool> = std::iter::once(false)
+            .chain(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s < 0.5 * period))
+            .collect();
+        let rate = bins.series_at(ticks, |i, t| (!short[i]).then_some(t.tokens_per_s));
+        let r_max = rate.iter().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.2;
+        let mut c = chart(area, t_max, r_max, i == last)?;
+        c.configure_mesh()
+            .max_light_lines(0)
+            .label_style((FONT, 12))
+            .x_desc(if i == last {
+                "seconds since the run started"
+            } else {
+                ""
+            })
+            .disable_x_mesh()
+            .y_desc("tokens/s")
+            .y_labels(4)
+            .y_label_formatter(&|v| human_rate(*v))
+            .draw()
+            .map_err(draw_err)?;
+        let mean = if rate.is_empty() {
+            0.0
+        } else {
+            rate.iter().map(|p| p.1).sum::<f64>() / rate.len() as f64
+        };
+        c.draw_series(LineSeries::new(rate, RGBColor(0, 131, 143).stroke_width(2)))
+            .map_err(draw_err)?;
+        c.draw_series(DashedLineSeries::new(
+            [(0.0, mean), (t_max, mean)],
+            6,
+            6,
+            RGBColor(0, 131, 143).mix(0.6).stroke_width(1),
+        ))
+        .map_err(draw_err)?;
+        draw_marks(&mut c, &all, r_max, false)?;
+        name_panel(
+            &mut c,
+            &format!("tokens/s trained (mean {}, dashed)", human_rate(mean)),
+            t_max,
+            r_max,
+        )?;
+
+        // One band per worker: its time by phase, stacked.
+        if plan.workers.is_empty() {
+            let (i, area) = areas.next().expect("the busy panel");
+            let mut c = chart(area, t_max, 1.25, i == last)?;
+            c.configure_mesh()
+                .max_light_lines(0)
+                .label_style((FONT, 12))
+                .x_desc(if i == last {
+                    "seconds since the run started"
+                } else {
+                    ""
+                })
+                .disable_mesh()
+                .y_labels(2)
+                .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
+                .draw()
+                .map_err(draw_err)?;
+            for (f, color) in [
+                (
+                    &(|t: &Tick| Some(t.targets_busy)) as &dyn Fn(&Tick) -> Option<f64>,
+                    RGBColor(30, 136, 229),
+                ),
+                (&|t: &Tick| Some(t.drafters_busy), RGBColor(67, 160, 71)),
+            ] {
+                c.draw_series(LineSeries::new(
+                    bins.series(ticks, f),
+                    color.stroke_width(2),
+                ))
+                .map_err(draw_err)?;
+            }
+            name_panel(&mut c, "busy share: targets (blue), drafters (green); this metrics.jsonl has no per-worker records", t_max, 1.25)?;
+        }
+        for (name, gpu) in &plan.workers {
+            let (i, area) = areas.next().expect("a worker band");
+            let mut c = chart(area, t_max, 1.3, i == last)?;
+            c.configure_mesh()
+                .max_light_lines(0)
+                .label_style((FONT, 12))
+                .x_desc(if i == last {
+                    "seconds since the run started"
+                } else {
+                    ""
+                })
+                .disable_mesh()
+                .y_labels(2)
+                .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
+                .draw()
+                .map_err(draw_err)?;
+            // Cumulative shares, drawn from the top band down so each covers the one below.
+            for k in (0..PHASES.len()).rev() {
+                let series = bins.series(ticks, |t| {
+                    let w = t.workers.iter().find(|w| w.name == *name)?;
+                    Some(
+                        PHASES[..=k]
+                            .iter()
+                            .map(|(p, ..)| w.phases.get(*p).copied().unwrap_or(0.0))
+                            .sum::<f64>()
+                            .min(1.0),
+                    )
+                });
+                let color = PHASES[k].2;
+                c.draw_series(AreaSeries::new(series, 0.0, color.filled()))
+                    .map_err(draw_err)?;
+            }
+            let mine: Vec<&Mark> = marks
+                .iter()
+                .filter(|m| m.worker.as_deref() == Some(name.as_str()) || m.worker.is_none())
+                .collect();
+            draw_marks(&mut c, &mine, 1.3, false)?;
+            let busy = bins.series(ticks, |t| {
+                Some(t.workers.iter().find(|w| w.name == *name)?.busy)
+            });
+            let mean = busy.iter().map(|p| p.1).sum::<f64>() / busy.len().max(1) as f64;
+            let restarts = ticks
+                .iter()
+                .filter_map(|t| t.workers.iter().find(|w| w.name == *name))
+                .map(|w| w.restarts)
+                .max()
+                .unwrap_or(0);
+            let deaths = mine.iter().filter(|m| m.kind == MarkKind::Died).count();
+            let mut label = format!(
+                "{name}{}: busy {:.0}% of the run",
+                gpu.map(|g| format!(" (GPU {g})")).unwrap_or_default(),
+                mean * 100.0
+            );
+            if deaths > 0 || restarts > 0 {
+                label.push_str(&format!(", {deaths} death(s), {restarts} restart(s)"));
+            }
+            if let Some(l) = name
+                .strip_prefix("drafter-")
+                .and_then(|i| i.parse::<u32>().ok())
+                .and_then(|i| run.ledgers.iter().find(|l| l.drafter == i))
+            {
+                label.push_str(&format!(
+                    "; ledger: {} batches, {} redelivered",
+                    l.batches, l.redelivered
+                ));
+            }
+            name_panel(&mut c, &label, t_max, 1.3)?;
+        }
+
+        // The drafter's loss and acceptance length, once the metrics carry them.
+        for (on, what, f) in [
+            (
+                plan.loss,
+                "drafter loss",
+                &(|t: &Tick| t.drafter_loss) as &dyn Fn(&Tick) -> Option<f64>,
+            ),
+            (plan.acceptance, "acceptance length (tau)", &|t: &Tick| {
+                t.acceptance_length
+            }),
+        ] {
+            if !on {
+                continue;
+            }
+            let (i, area) = areas.next().expect("an extra panel");
+            let series = bins.series(ticks, f);
+            let y_max = series.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-6) * 1.2;
+            let mut c = chart(area, t_max, y_max, i == last)?;
+            c.configure_mesh()
+                .max_light_lines(0)
+                .label_style((FONT, 12))
+                .x_desc(if i == last {
+                    "seconds since the run started"
+                } else {
+                    ""
+                })
+                .disable_x_mesh()
+                .y_labels(4)
+                .draw()
+                .map_err(draw_err)?;
+            c.draw_series(LineSeries::new(
+                series,
+                RGBColor(142, 36, 170).stroke_width(2),
+            ))
+            .map_err(draw_err)?;
+            draw_marks(&mut c, &all, y_max, false)?;
+            name_panel(&mut c, what, t_max, y_max)?;
+        }
+
+        // Legend: the phases' colours, and the marks; a second row when the first is full.
+        let font = (FONT, 12).into_font().color(&BLACK);
+        let left = i32::try_from(Y_LABELS_W).unwrap_or(0);
+        let right = i32::try_from(plan.width).unwrap_or(i32::MAX) - 10;
+        let (mut x, mut y) = (left, 4);
+        let mut room = |w: i32| -> (i32, i32) {
+            if x + w > right && x > left {
+                (x, y) = (left, y + 20);
+            }
+            let at = (x, y);
+            x += w;
+            at
+        };
+        let (lx, ly) = room(100);
+        legend
+            .draw_text("time by phase:", &font, (lx, ly))
+            .map_err(draw_err)?;
+        for (_, label, color) in PHASES {
+            let (lx, ly) = room(24 + 7 * label.len() as i32);
+            legend
+                .draw(&Rectangle::new(
+                    [(lx, ly), (lx + 12, ly + 12)],
+                    color.filled(),
+                ))
+                .map_err(draw_err)?;
+            legend
+                .draw_text(label, &font, (lx + 16, ly))
+                .map_err(draw_err)?;
+        }
+        let (lx, ly) = room(56);
+        legend
+            .draw_text("marks:", &font, (lx + 10, ly))
+            .map_err(draw_err)?;
+        for kind in [
+            MarkKind::Died,
+            MarkKind::Restarted,
+            MarkKind::Hung,
+            MarkKind::Stop,
+        ] {
+            let color = kind.color();
+            let (lx, ly) = room(26 + 7 * kind.word().len() as i32);
+            legend
+                .draw(&PathElement::new(
+                    vec![(lx + 6, ly - 2), (lx + 6, ly + 14)],
+                    color.stroke_width(2),
+                ))
+                .map_err(draw_err)?;
+            legend
+                .draw_text(kind.word(), &font, (lx + 12, ly))
+                .map_err(draw_err)?;
+        }
+        root.present().map_err(draw_err)?;
+    }
+    Ok(svg)
+}
+
+/// The monitor period, as the median time between ticks.
+fn median_period(ticks: &[Tick]) -> f64 {
+    let mut d: Vec<f64> = ticks.windows(2).map(|w| w[1].t_s - w[0].t_s).collect();
+    if d.is_empty() {
+        return 0.0;
+    }
+    d.sort_by(f64::total_cmp);
+    d[d.len() / 2]
+}
+
+/// Draws `run` and writes the picture to `out` (via a temporary file, so a reader never sees
+/// half of one). Returns its size in pixels.
+pub fn write(
+    run: &RunData,
+    out: &Path,
+    width: u32,
+    height: Option<u32>,
+) -> anyhow::Result<(u32, u32)> {
+    let plan = Plan::new(run, width, height)?;
+    let svg = draw(run, &plan)?;
+    let tmp = out.with_extension("svg.tmp");
+    std::fs::write(&tmp, svg).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    Ok((plan.width, plan.height))
+}
+
+/// `launcher report`: returns the exit code.
+pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
+    let data = load(&args.run_dir)?;
+    let out = args
+        .output
+        .clone()
+        .unwrap_or_else(|| args.run_dir.join("report.svg"));
+    if out.extension().and_then(|e| e.to_str()) != Some("svg") {
+        bail!(
+            "{}: the report is an SVG picture; name a .svg file (a browser shows it, and `rsvg-convert` turns it into PNG)",
+            out.display()
+        );
+    }
+    let (w, h) = write(&data, &out, args.width, args.height)?;
+    let m = marks(&data.ticks);
+    let count = |k: MarkKind| m.iter().filter(|x| x.kind == k).count();
+    println!(
+        "wrote {} ({w}x{h} px): {} ticks over {:.1} s, {} deaths, {} restarts{}",
+        out.display(),
+        data.ticks.len(),
+        data.ticks.last().map(|t| t.t_s).unwrap_or(0.0),
+        count(MarkKind::Died),
+        count(MarkKind::Restarted),
+        if data.summary.is_none() {
+            "; no summary.json (the run did not finish)"
+        } else {
+            ""
+        }
+    );
+    Ok(0)
+}
