@@ -7,6 +7,17 @@ cd "$(dirname "$0")/.."
 # The crates come from Debian's archive (crates.io is not reachable here): see scripts/deps.sh.
 scripts/deps.sh
 
+# The screen tests run shm-ring-stat and the launcher in a real terminal: tmux's.
+if ! command -v tmux >/dev/null; then
+    echo "== installing tmux (the screen tests' terminal)"
+    if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
+    $sudo apt-get install -y -q tmux >/dev/null 2>&1 ||
+        { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q tmux >/dev/null; } || {
+        echo "error: the screen tests need tmux, and apt-get could not install it" >&2
+        exit 1
+    }
+fi
+
 # The end-to-end tests run the real launcher and worker binaries, which `cargo test` alone does
 # not build for another crate's tests: build them first.
 echo "== cargo build --workspace --bins"

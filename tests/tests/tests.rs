@@ -2,5 +2,6 @@
 
 mod launcher;
 mod ring_processes;
+mod screen;
 mod support;
 mod workers;
