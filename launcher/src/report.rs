@@ -423,20 +423,58 @@ fn outcome(run: &RunData) -> String {
     }
 }
 
-/// A chart over the run's time on `area`; `x_labels` only on the bottom panel.
-fn chart<'a, 'b>(
+/// A panel's y axis.
+struct YAxis<'f> {
+    desc: &'static str,
+    labels: usize,
+    /// Horizontal grid lines at the labels.
+    grid: bool,
+    format: &'f dyn Fn(&f64) -> String,
+}
+
+fn percent(v: &f64) -> String {
+    format!("{:.0}%", v * 100.0)
+}
+
+/// The axis of the bands: shares of the time, 0 to 100%.
+const SHARES: YAxis<'static> = YAxis {
+    desc: "",
+    labels: 2,
+    grid: false,
+    format: &percent,
+};
+
+/// A chart over the run's time on `area`, its axes drawn; the time axis only on the bottom panel.
+fn panel<'a, 'b>(
     area: &'a Area<'b>,
     t_max: f64,
     y_max: f64,
-    x_labels: bool,
+    bottom: bool,
+    y: &YAxis<'_>,
 ) -> anyhow::Result<Chart<'a, 'b>> {
-    ChartBuilder::on(area)
+    let mut c = ChartBuilder::on(area)
         .margin_right(24)
         .margin_top(6)
-        .x_label_area_size(if x_labels { AXIS_H } else { 0 })
+        .x_label_area_size(if bottom { AXIS_H } else { 0 })
         .y_label_area_size(Y_LABELS_W)
         .build_cartesian_2d(0f64..t_max, 0f64..y_max)
-        .map_err(draw_err)
+        .map_err(draw_err)?;
+    let mut mesh = c.configure_mesh();
+    mesh.max_light_lines(0)
+        .label_style((FONT, 12))
+        .y_desc(y.desc)
+        .y_labels(y.labels)
+        .y_label_formatter(y.format);
+    if bottom {
+        mesh.x_desc("seconds since the run started");
+    }
+    if y.grid {
+        mesh.disable_x_mesh();
+    } else {
+        mesh.disable_mesh();
+    }
+    mesh.draw().map_err(draw_err)?;
+    Ok(c)
 }
 
 /// A panel's name, top left inside its plot.
@@ -540,20 +578,18 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
         let (i, area) = areas.next().expect("the ring panel");
         let slots = ticks.iter().map(|t| t.ring_slots).max().unwrap_or(0).max(1);
         let y_max = f64::from(slots) * 1.25;
-        let mut c = chart(area, t_max, y_max, i == last)?;
-        c.configure_mesh()
-            .max_light_lines(0)
-            .label_style((FONT, 12))
-            .x_desc(if i == last {
-                "seconds since the run started"
-            } else {
-                ""
-            })
-            .disable_x_mesh()
-            .y_desc("batches")
-            .y_labels(5)
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(
+            area,
+            t_max,
+            y_max,
+            i == last,
+            &YAxis {
+                desc: "batches",
+                labels: 5,
+                grid: true,
+                format: &|v| format!("{v:.0}"),
+            },
+        )?;
         let ready = bins.series(ticks, |t| Some(f64::from(t.ring_ready)));
         let in_use = bins.series(ticks, |t| Some(f64::from(t.ring_in_use)));
         let green = RGBColor(67, 160, 71);
@@ -588,21 +624,18 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             .collect();
         let rate = bins.series_at(ticks, |i, t| (!short[i]).then_some(t.tokens_per_s));
         let r_max = rate.iter().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.2;
-        let mut c = chart(area, t_max, r_max, i == last)?;
-        c.configure_mesh()
-            .max_light_lines(0)
-            .label_style((FONT, 12))
-            .x_desc(if i == last {
-                "seconds since the run started"
-            } else {
-                ""
-            })
-            .disable_x_mesh()
-            .y_desc("tokens/s")
-            .y_labels(4)
-            .y_label_formatter(&|v| human_rate(*v))
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(
+            area,
+            t_max,
+            r_max,
+            i == last,
+            &YAxis {
+                desc: "tokens/s",
+                labels: 4,
+                grid: true,
+                format: &|v| human_rate(*v),
+            },
+        )?;
         let mean = if rate.is_empty() {
             0.0
         } else {
@@ -628,20 +661,7 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
         // One band per worker: its time by phase, stacked.
         if plan.workers.is_empty() {
             let (i, area) = areas.next().expect("the busy panel");
-            let mut c = chart(area, t_max, 1.25, i == last)?;
-            c.configure_mesh()
-                .max_light_lines(0)
-                .label_style((FONT, 12))
-                .x_desc(if i == last {
-                    "seconds since the run started"
-                } else {
-                    ""
-                })
-                .disable_mesh()
-                .y_labels(2)
-                .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
-                .draw()
-                .map_err(draw_err)?;
+            let mut c = panel(area, t_max, 1.25, i == last, &SHARES)?;
             for (f, color) in [
                 (
                     &(|t: &Tick| Some(t.targets_busy)) as &dyn Fn(&Tick) -> Option<f64>,
@@ -659,20 +679,7 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
         }
         for (name, gpu) in &plan.workers {
             let (i, area) = areas.next().expect("a worker band");
-            let mut c = chart(area, t_max, 1.3, i == last)?;
-            c.configure_mesh()
-                .max_light_lines(0)
-                .label_style((FONT, 12))
-                .x_desc(if i == last {
-                    "seconds since the run started"
-                } else {
-                    ""
-                })
-                .disable_mesh()
-                .y_labels(2)
-                .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
-                .draw()
-                .map_err(draw_err)?;
+            let mut c = panel(area, t_max, 1.3, i == last, &SHARES)?;
             // Cumulative shares, drawn from the top band down so each covers the one below.
             for k in (0..PHASES.len()).rev() {
                 let series = bins.series(ticks, |t| {
@@ -743,19 +750,18 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             let (i, area) = areas.next().expect("an extra panel");
             let series = bins.series(ticks, f);
             let y_max = series.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-6) * 1.2;
-            let mut c = chart(area, t_max, y_max, i == last)?;
-            c.configure_mesh()
-                .max_light_lines(0)
-                .label_style((FONT, 12))
-                .x_desc(if i == last {
-                    "seconds since the run started"
-                } else {
-                    ""
-                })
-                .disable_x_mesh()
-                .y_labels(4)
-                .draw()
-                .map_err(draw_err)?;
+            let mut c = panel(
+                area,
+                t_max,
+                y_max,
+                i == last,
+                &YAxis {
+                    desc: "",
+                    labels: 4,
+                    grid: true,
+                    format: &|v| format!("{v:.2}"),
+                },
+            )?;
             c.draw_series(LineSeries::new(
                 series,
                 RGBColor(142, 36, 170).stroke_width(2),
