@@ -377,13 +377,14 @@ impl<M: Memory> Protocol<M> {
     }
 
     /// The joiner's side: asks to join and waits until the leader admits it. Returns the
-    /// membership it joined and the state it must start from (`state_step` is its step).
+    /// membership it joined and the step of the state it was handed; `None` when the group was
+    /// empty (every rank dead), so it admitted itself and nobody could hand it a state.
     pub(crate) fn join(
         &self,
         rank: u32,
         state: &mut [u32],
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError> {
+    ) -> Result<(Membership, Option<u64>), GroupError> {
         self.check_rank(rank)?;
         if state.len() != self.mem.state().len() {
             return Err(GroupError::Size {
@@ -407,7 +408,25 @@ impl<M: Memory> Protocol<M> {
                 for (dst, x) in state.iter_mut().zip(self.mem.state()) {
                     *dst = x.load(Ordering::Relaxed);
                 }
-                return Ok((w, step));
+                return Ok((w, Some(step)));
+            }
+            if w.is_empty() {
+                // Nobody is left to hand over a state: admit ourselves.
+                let next = Membership {
+                    epoch: w.epoch.wrapping_add(1),
+                    members: 1 << rank,
+                    ..w
+                };
+                // SYNC: AcqRel, as every change of the group word.
+                if c.word
+                    .compare_exchange(w.pack(), next.pack(), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    r.join.store(0, Ordering::Relaxed);
+                    self.bump();
+                    return Ok((next, None));
+                }
+                continue;
             }
             if stop() {
                 r.join.store(0, Ordering::Relaxed);
@@ -415,6 +434,14 @@ impl<M: Memory> Protocol<M> {
             }
             sync::wait(&c.seq, seen);
         }
+    }
+
+    /// True if a rank outside the membership asks to join (cheap: the leader asks between
+    /// steps before it exports its state).
+    pub(crate) fn joiners_waiting(&self) -> bool {
+        let w = self.membership();
+        (0..self.mem.ranks())
+            .any(|j| !w.contains(j) && self.mem.rank(j).join.load(Ordering::Acquire) == 1)
     }
 
     /// The leader's side, between steps: if any rank asks to join, hands it `state` (the

@@ -65,12 +65,15 @@ pub trait Collective {
         stop: &dyn Fn() -> bool,
     ) -> Result<Reduced, GroupError>;
     /// A restarted rank: waits to be admitted, then fills `state` with the leader's state and
-    /// returns the membership and the step that state is from.
+    /// returns the membership and the step that state is from; `None` if the group was empty
+    /// and it admitted itself (it must then start from the last checkpoint).
     fn join(
         &self,
         state: &mut [u32],
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError>;
+    ) -> Result<(Membership, Option<u64>), GroupError>;
+    /// True if some rank asks to join (the leader checks between steps).
+    fn joiners_waiting(&self) -> bool;
     /// The leader between steps: admits ranks asking to join, handing them `state` (from
     /// `state_step`, the last committed step). Returns the bit set of ranks admitted.
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError>;
@@ -138,8 +141,11 @@ impl Collective for ShmGroup {
         &self,
         state: &mut [u32],
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError> {
+    ) -> Result<(Membership, Option<u64>), GroupError> {
         self.proto.join(self.rank, state, stop)
+    }
+    fn joiners_waiting(&self) -> bool {
+        self.proto.joiners_waiting()
     }
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
         self.proto.admit_joiners(self.rank, state_step, state)
