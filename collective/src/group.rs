@@ -194,7 +194,9 @@ pub struct Removed {
     /// False if the rank was not a member (already removed, or never joined).
     pub was_member: bool,
     /// The batch of the rank's last contribution if that contribution is in a committed step:
-    /// that batch was trained (its update is applied), so it must be retired, not redelivered.
+    /// its update is applied. If the dead rank still holds that batch (it died between the
+    /// commit and its release), it must be retired, not redelivered; any other batch it holds
+    /// was not in an applied update and goes back to the ring.
     pub committed_batch: Option<u64>,
     /// The membership after the removal.
     pub membership: Membership,
@@ -378,11 +380,14 @@ impl<M: Memory> Protocol<M> {
 
     /// The joiner's side: asks to join and waits until the leader admits it. Returns the
     /// membership it joined and the step of the state it was handed; `None` when the group was
-    /// empty (every rank dead), so it admitted itself and nobody could hand it a state.
+    /// empty (every rank dead), so it admitted itself and nobody could hand it a state: the
+    /// group then goes on from `own_step`, the step of the state the joiner can load itself
+    /// (its last checkpoint).
     pub(crate) fn join(
         &self,
         rank: u32,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError> {
         self.check_rank(rank)?;
@@ -414,8 +419,8 @@ impl<M: Memory> Protocol<M> {
                 // Nobody is left to hand over a state: admit ourselves.
                 let next = Membership {
                     epoch: w.epoch.wrapping_add(1),
+                    step: own_step,
                     members: 1 << rank,
-                    ..w
                 };
                 // SYNC: AcqRel, as every change of the group word.
                 if c.word

@@ -66,10 +66,12 @@ pub trait Collective {
     ) -> Result<Reduced, GroupError>;
     /// A restarted rank: waits to be admitted, then fills `state` with the leader's state and
     /// returns the membership and the step that state is from; `None` if the group was empty
-    /// and it admitted itself (it must then start from the last checkpoint).
+    /// and it admitted itself: the group then goes on from `own_step`, the step of the state it
+    /// loads itself (its last checkpoint).
     fn join(
         &self,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError>;
     /// True if some rank asks to join (the leader checks between steps).
@@ -140,9 +142,10 @@ impl Collective for ShmGroup {
     fn join(
         &self,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError> {
-        self.proto.join(self.rank, state, stop)
+        self.proto.join(self.rank, state, own_step, stop)
     }
     fn joiners_waiting(&self) -> bool {
         self.proto.joiners_waiting()

@@ -108,7 +108,7 @@ fn a_joiner_gets_the_leaders_state_then_reduces_with_it() {
         let gj = g.clone();
         let joiner = thread::spawn(move || {
             let mut state = [0u32; 2];
-            let (m, step) = gj.join(1, &mut state, &|| false).unwrap();
+            let (m, step) = gj.join(1, &mut state, 0, &|| false).unwrap();
             assert_eq!((state, step, m.members), ([7, 9], Some(0), 0b11));
             let mut out = [0.0];
             gj.all_reduce(1, &[2.0], 21, &mut out, &|| false).unwrap();
@@ -211,8 +211,12 @@ mod plain {
         // Every rank gone: a joiner admits itself, with no state handed over.
         g.remove(1).unwrap();
         let mut state = [0u32];
-        let (m, step) = g.join(1, &mut state, &|| false).unwrap();
-        assert_eq!((m.members, step), (0b10, None));
+        let (m, step) = g.join(1, &mut state, 0, &|| false).unwrap();
+        assert_eq!(
+            (m.members, m.step, step),
+            (0b10, 0, None),
+            "back to its own step"
+        );
         assert!(!g.joiners_waiting());
         g.all_reduce(1, &[5.0], 3, &mut out, &|| false).unwrap();
         assert_eq!(out[0], 5.0);

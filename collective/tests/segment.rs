@@ -58,7 +58,7 @@ fn a_restarted_rank_joins_with_the_leaders_state() {
     let joiner = std::thread::spawn(move || {
         let g = ShmGroup::attach(&n2, 1).unwrap();
         let mut state = [0u32; 10];
-        let (m, step) = g.join(&mut state, &|| false).unwrap();
+        let (m, step) = g.join(&mut state, 0, &|| false).unwrap();
         let mut out = vec![0.0; 1000];
         g.all_reduce(&vec![2.0; 1000], 5, &mut out, &|| false)
             .unwrap();

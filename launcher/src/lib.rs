@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
+use collective::ShmGroup;
 use proto::control::{self, FinalReport, ToWorker, WorkerRole};
 use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
@@ -339,10 +340,14 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     }
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
     // Declared before the ring, so dropped after it: while the ring exists, so does the record.
-    let _record = reclaim::register(&ring_name, &run_dir)
+    let group_name = proto::group_segment(&ring_name);
+    let _record = reclaim::register(&ring_name, std::slice::from_ref(&group_name), &run_dir)
         .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
         .ok();
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+    // The drafter group: one model trained by every drafter (see the collective crate).
+    let group = ShmGroup::create(&group_name, &drafter_worker::group_params(&cfg, nd, 0))
+        .context("creating the drafter group")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
@@ -499,6 +504,17 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                     Some(0) => w.phase = Phase::Done,
                     Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
                     _ => {
+                        if w.role == WorkerRole::Drafter {
+                            // First the group: survivors blocked in the reduction go on without
+                            // it, and we learn whether its batch is in an applied update.
+                            let gone = group.remove(w.index)?;
+                            if let Some(b) = gone.committed_batch {
+                                mon.say(&format!(
+                                    "{} died after the group applied its batch {b}",
+                                    w.name()
+                                ));
+                            }
+                        }
                         let r = ring.recover(w.ring_id())?;
                         let what = format!(
                             "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
