@@ -156,6 +156,23 @@ fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
     n
 }
 
+/// The drafters trained ONE model: at every group step every rank's ledger line carries the same
+/// weights digest, and no step is recorded twice by one rank. Returns the number of steps.
+fn one_model(lines: &[LedgerLine]) -> usize {
+    let mut by_step: HashMap<u64, Vec<&LedgerLine>> = HashMap::new();
+    for l in lines {
+        by_step.entry(l.step).or_default().push(l);
+    }
+    for (step, ls) in &by_step {
+        assert!(
+            ls.iter()
+                .all(|l| l.digest == ls[0].digest && !l.digest.is_empty()),
+            "step {step}: digests differ across ranks: {ls:?}"
+        );
+    }
+    by_step.len()
+}
+
 fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -212,6 +229,18 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
     assert!(run.run_dir().join("config.toml").is_file());
     let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-2.log")).unwrap();
     assert!(log.contains("drained"), "{log}");
+    // One model: equal digests at every step, and one group checkpoint, no per-drafter ones.
+    let steps = one_model(&lines);
+    assert!(
+        steps < lines.len(),
+        "ranks shared steps: {steps} steps, {} batches",
+        lines.len()
+    );
+    let ckpts: Vec<_> = std::fs::read_dir(run.run_dir().join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(ckpts, ["drafter.safetensors"]);
 }
 
 /// Kills one worker from outside mid-run; only it is restarted, the run completes.
@@ -245,6 +274,16 @@ fn kill_one_mid_run(tag: &str, victim: usize) {
         "every sample trained"
     );
     assert!(!pid_alive(victim_pid));
+    // Through the crash and the rejoin, the group kept one model.
+    one_model(&run.ledgers());
+    if before.workers[victim].role == shm_ring::Role::Consumer {
+        let log = std::fs::read_to_string(
+            run.run_dir()
+                .join(format!("logs/drafter-{}.log", before.workers[victim].index)),
+        )
+        .unwrap();
+        assert!(log.contains("joined the group"), "{log}");
+    }
 }
 
 #[test]
