@@ -16,7 +16,10 @@ pub const MAX_WORK_ITEMS: u64 = 1 << 26;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TakePolicy {
-    /// Oldest publish ticket first.
+    /// The oldest publish ticket among the READY items one scan sees; every item committed
+    /// before the take began is seen. Tickets are drawn just before a commit, so across
+    /// concurrent producers the order is approximate: a commit that lands during a take's scan
+    /// can be passed over for a younger item, and a ticket drawn early can be committed late.
     Fifo,
     /// Serve only once `min_ready` items are READY (waived once the ring is closed), then choose a
     /// bucket by `pick` and a random item in it (seeded per consumer): more diverse batches and
