@@ -109,9 +109,7 @@ fn a_producer_killed_in_a_claim_makes_nobody_spin() {
 fn a_stale_work_item_never_brings_a_published_batch_back() {
     let r = ring(1, 1);
     assert_eq!(r.r().claim_work(0, 1), Some(0));
-    let c = r.write(0, 0);
-    r.r().complete_work(0, 1, c, 0).unwrap();
-    r.publish(0, c, 0);
+    r.deliver(0, 1, 0);
     let mut st = crate::core::TakeState::new(1, 2);
     let (_, _, held) = r.consume(2, &mut st).unwrap();
     r.r().release(2, held).unwrap();
@@ -136,9 +134,7 @@ fn recovery_never_overwrites_a_live_producers_claim() {
     r.slots[1].work_item.store(1, Ordering::Relaxed);
     assert_eq!(r.r().claim_work(0, 1), Some(0));
     r.recover(1);
-    let c = r.write(0, 0);
-    r.r().complete_work(0, 1, c, 0).unwrap();
-    r.publish(0, c, 0);
+    r.deliver(0, 1, 0);
     assert!(r.all_work_done());
     assert_eq!(r.ready_batches(), vec![0]);
 }
@@ -174,9 +170,7 @@ fn a_recovery_cut_short_and_run_again_is_still_correct() {
             .recover(1, process(9, 9), |l| l != SUPERVISOR)
             .unwrap();
         assert_eq!(again.freed, 1);
-        let c0 = r.write(0, 0);
-        r.r().complete_work(0, 1, c0, 0).unwrap();
-        r.publish(0, c0, 0);
+        r.deliver(0, 1, 0);
         assert_eq!(
             r.ready_batches(),
             vec![0],
@@ -197,9 +191,7 @@ fn an_aborted_slot_gives_its_item_back() {
     r.r().complete_work(0, 1, c, 0).unwrap();
     r.r().abort(0, c);
     assert_eq!(r.r().claim_work(1, 1), Some(0), "any producer may claim it");
-    let c = r.write(1, 0);
-    r.r().complete_work(1, 1, c, 0).unwrap();
-    r.publish(1, c, 0);
+    r.deliver(1, 1, 0);
     assert_eq!(r.ready_batches(), vec![0]);
 }
 
@@ -224,9 +216,7 @@ fn a_stale_incarnation_cannot_act_on_its_successors_claim() {
         Err(RingError::NotClaimed { item: 0 })
     ));
     r.r().abort(0, stale);
-    let c = r.write(0, 0);
-    r.r().complete_work(0, e, c, 0).unwrap();
-    r.publish(0, c, 0);
+    r.deliver(0, e, 0);
     assert_eq!(r.ready_batches(), vec![0]);
 }
 
@@ -259,21 +249,7 @@ fn a_slot_carries_at_most_one_work_item() {
 fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
     use std::process::Command;
     let name = format!("hspipe-u-{}-lease", std::process::id());
-    let ring = crate::Ring::create(
-        &name,
-        &RingParams {
-            slots: 2,
-            slot_size: 64,
-            buckets: 1,
-            producers: 1,
-            consumers: 1,
-            held_per_consumer: 1,
-            policy: TakePolicy::Fifo,
-            seed: 1,
-            work_items: 0,
-        },
-    )
-    .unwrap();
+    let ring = crate::Ring::create(&name, &RingParams::tiny_fifo()).unwrap();
     let lease = |pid: u32, start: u64| {
         ring.core_ref()
             .worker(0)

@@ -100,12 +100,20 @@ impl HeapRing {
         self.r().recover(id, SUPERVISOR, |_| false).unwrap()
     }
 
-    /// Producer `id` (incarnation `epoch`) writes `item` into a reserved slot.
+    /// Producer `id` writes `item` into a slot it reserves.
     pub(crate) fn write(&self, id: u32, item: u64) -> Claim {
         let c = self.r().reserve(id, None).unwrap().unwrap();
         // SAFETY: slot `c.idx` is WRITING and owned by `id`.
         self.payload[c.idx].with_mut(|p| unsafe { *p = item });
         c
+    }
+
+    /// Producer `id` (incarnation `epoch`) publishes work item `item`, which it claimed.
+    #[cfg(not(loom))]
+    pub(crate) fn deliver(&self, id: u32, epoch: u64, item: u64) {
+        let c = self.write(id, item);
+        self.r().complete_work(id, epoch, c, item).unwrap();
+        self.publish(id, c, item);
     }
 
     /// Publishes `item` from slot `c`.
@@ -167,16 +175,8 @@ impl HeapRing {
 
     /// Producer `id` publishes `value` (also its batch id), blocking while the ring is full.
     pub(crate) fn produce(&self, id: u32, value: u64) {
-        let c = self.r().reserve(id, None).unwrap().unwrap();
-        // SAFETY: slot `c.idx` is WRITING and owned by `id`.
-        self.payload[c.idx].with_mut(|p| unsafe { *p = value });
-        let meta = CommitMeta {
-            bucket: (value % 2) as u32,
-            tokens: 1,
-            batch_id: value,
-            checksum: value,
-        };
-        self.r().commit(id, c, 8, meta).unwrap();
+        let c = self.write(id, value);
+        self.publish(id, c, value);
     }
 
     /// Consumer `id` takes one item and checks its payload matches its metadata. Returns
@@ -362,10 +362,12 @@ fn recovery_redelivers_a_dead_consumers_item_and_frees_a_dead_writers_slot() {
 /// another producer claims and publishes, the supervisor recovering the victim as soon as it is
 /// gone and restarting it: every item is published exactly once and ends DONE.
 ///
-/// Fails on the code before issue #9 (checked once against it): `DieAfterClaim` strands an item
-/// (a restarted producer's redo scan took a fresh item whose cursor holder was preempted before
-/// its CAS, the count of returned items dropped to zero, and the returned item stayed FREE), and
-/// `AbortAfterComplete` loses one (the aborted slot went FREE with its item DONE).
+/// Fails on the code before issue #9 (checked once against it, LOOM_MAX_PREEMPTIONS=2): at
+/// `DieAfterClaim` loom stops with "Model exceeded maximum number of branches": the count of
+/// returned items that the old claim trusted went wrong when a redo scan took a fresh item whose
+/// cursor holder was preempted before its CAS, and a producer spun in the redo loop (the same
+/// scan is what strands an item in `crash_tests::a_returned_item_is_claimed_after_a_scan_took_a_fresh_one`);
+/// `AbortAfterComplete` loses an item (the aborted slot went FREE with its item DONE).
 #[test]
 fn work_items_are_published_once_whatever_step_a_producer_dies_at() {
     for script in [
@@ -403,8 +405,8 @@ fn work_items_are_published_once_whatever_step_a_producer_dies_at() {
 /// when the previous holder is dead exactly one takes over, cleaning up what it left (its
 /// claimed item goes back once) and starting the next epoch.
 ///
-/// Fails on the code before issue #9 (checked once against a transcription of its
-/// check-then-store `register`): both registrants win.
+/// Fails on the code before issue #9 (checked once, LOOM_MAX_PREEMPTIONS=2, against a
+/// transcription of its check-then-store `Ring::register`): both registrants win.
 #[test]
 fn two_registrations_of_one_id_never_both_win() {
     for predecessor_dead in [false, true] {

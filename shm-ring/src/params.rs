@@ -70,6 +70,24 @@ pub struct RingParams {
     pub work_items: u64,
 }
 
+#[cfg(test)]
+impl RingParams {
+    /// The smallest valid ring, for unit tests: one producer, one consumer, two 64-byte slots.
+    pub(crate) fn tiny_fifo() -> RingParams {
+        RingParams {
+            slots: 2,
+            slot_size: 64,
+            buckets: 1,
+            producers: 1,
+            consumers: 1,
+            held_per_consumer: 1,
+            policy: TakePolicy::Fifo,
+            seed: 1,
+            work_items: 0,
+        }
+    }
+}
+
 impl Default for RingParams {
     fn default() -> Self {
         RingParams {

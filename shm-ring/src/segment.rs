@@ -630,20 +630,6 @@ mod tests {
         c.id()
     }
 
-    fn tiny() -> RingParams {
-        RingParams {
-            slots: 1,
-            slot_size: 64,
-            buckets: 1,
-            producers: 1,
-            consumers: 1,
-            held_per_consumer: 1,
-            policy: TakePolicy::Fifo,
-            seed: 1,
-            work_items: 0,
-        }
-    }
-
     /// `shm-ring-stat --gc RING`: only this test's ring, so other tests' rings are not touched.
     fn gc(name: &str) -> String {
         let args = crate::stat_cli::Args {
@@ -663,7 +649,7 @@ mod tests {
     #[test]
     fn a_ring_of_another_pid_namespace_is_never_judged_stale_nor_collected() {
         let name = format!("hspipe-u-{}-pidns", std::process::id());
-        let seg = Segment::create(&name, &tiny()).unwrap();
+        let seg = Segment::create(&name, &RingParams::tiny_fifo()).unwrap();
         let h = seg.header();
         let r = Ordering::Relaxed;
         assert_eq!(seg.creator().liveness(), Some(true));
@@ -703,7 +689,11 @@ mod tests {
 
         h.creator_pidns.store(mine, r);
         assert_eq!(seg.creator().liveness(), Some(false));
-        assert!(gc(&name).contains(&format!("removed {name}")));
-        assert!(!std::path::Path::new("/dev/shm").join(&name).exists());
+        let out = gc(&name);
+        // A launcher starting elsewhere meanwhile may reclaim it first: stale is stale.
+        assert!(
+            !std::path::Path::new("/dev/shm").join(&name).exists(),
+            "{out}"
+        );
     }
 }

@@ -12,7 +12,6 @@ use std::time::Duration;
 use drafter_worker::LedgerLine;
 
 use crate::launcher::{attach, config, kill, no_segment_of, pid_alive, Run};
-use crate::support::{spawn, workspace_bin};
 
 /// The seed of the choices, from `HSPIPE_CHAOS_SEED` or a fixed default.
 fn seed() -> u64 {
@@ -72,14 +71,10 @@ fn one_run(run_no: u32, choices: &mut Choices, cap: u32) -> u32 {
         .unwrap()
         .replace("tokens_per_s = 8000.0", "tokens_per_s = 3000.0");
     std::fs::write(&cfg, text).unwrap();
-    let run_dir = run.run_dir();
-    let mut launcher = spawn(
-        &workspace_bin("launcher"),
+    let mut launcher = run.launch(
+        &cfg,
         &[
-            "--targets",
-            "0-4",
-            "--drafters",
-            "5-7",
+            // Few monitor lines: nobody reads the launcher's output until it ends.
             "--monitor",
             "5",
             "--max-restarts",
@@ -88,10 +83,6 @@ fn one_run(run_no: u32, choices: &mut Choices, cap: u32) -> u32 {
             // second: one silent this long is spinning or hung, which the test forbids.
             "--hang-timeout",
             "30",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
         ],
     );
     let pid = launcher.child.id();

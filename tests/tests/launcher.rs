@@ -69,6 +69,7 @@ impl Run {
     fn launcher_log(&self) -> String {
         std::fs::read_to_string(self.run_dir().join("launcher.log")).unwrap()
     }
+    /// 5 targets, 3 drafters, a monitor line every 0.2 s unless `extra` sets `--monitor`.
     fn args(&self, config: &Path, extra: &[&str]) -> Vec<String> {
         let run_dir = self.run_dir();
         let mut args = vec![
@@ -76,17 +77,18 @@ impl Run {
             "0-4",
             "--drafters",
             "5-7",
-            "--monitor",
-            "0.2",
             "--config",
             config.to_str().unwrap(),
             "--run-dir",
             run_dir.to_str().unwrap(),
         ];
+        if !extra.contains(&"--monitor") {
+            args.extend(["--monitor", "0.2"]);
+        }
         args.extend_from_slice(extra);
         args.into_iter().map(String::from).collect()
     }
-    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+    pub(crate) fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
         let args = self.args(config, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn(&workspace_bin("launcher"), &args)
