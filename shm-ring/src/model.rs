@@ -109,7 +109,6 @@ impl HeapRing {
     }
 
     /// Producer `id` (incarnation `epoch`) publishes work item `item`, which it claimed.
-    #[cfg(not(loom))]
     pub(crate) fn deliver(&self, id: u32, epoch: u64, item: u64) {
         let c = self.write(id, item);
         self.r().complete_work(id, epoch, c, item).unwrap();
@@ -439,6 +438,52 @@ fn two_registrations_of_one_id_never_both_win() {
             // The winner may claim the item again: it went back exactly once.
             assert_eq!(ring.r().claim_work(0, first), Some(0));
             assert_eq!(ring.r().claim_work(0, first), None);
+        });
+    }
+}
+
+/// The work table through ONE slot with a consumer, so a batch reuses the slot the consumer
+/// released (which clears its work-item link): producer 1 publishes one item, then dies after
+/// reserving the slot again, or after marking its second item done in it; the supervisor
+/// recovers and restarts it while the consumer drains. Both items are delivered exactly once,
+/// then end of stream.
+#[test]
+fn work_items_survive_slot_reuse_with_a_consumer() {
+    for script in [Script::DieAfterReserve, Script::DieAfterComplete] {
+        run_model(move || {
+            // Producer 1 only (producer 0 has finished), consumer 2, one slot, two items.
+            let ring = Arc::new(HeapRing::with_work(1, 2, 1, TakePolicy::Fifo, 2));
+            ring.r().finish(0);
+            let e1 = ring.register(1, 0);
+            let victim = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let item = ring.r().claim_work(1, e1).unwrap();
+                    ring.deliver(1, e1, item);
+                    ring.produce_work(1, e1, script)
+                })
+            };
+            let consumer = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let mut st = TakeState::new(5, 2);
+                    let mut got = Vec::new();
+                    while let Some((v, _, c)) = ring.consume(2, &mut st) {
+                        got.push(v);
+                        ring.r().release(2, c).unwrap();
+                    }
+                    got
+                })
+            };
+            assert!(!victim.join().unwrap());
+            ring.recover(1);
+            let e = ring.register(1, 1);
+            assert!(ring.produce_work(1, e, Script::Normal));
+            ring.r().finish(1);
+            let mut got = consumer.join().unwrap();
+            got.sort();
+            assert_eq!(got, vec![0, 1], "{script:?}");
+            assert!(ring.all_work_done(), "{script:?}");
         });
     }
 }
