@@ -56,6 +56,10 @@ pub struct LedgerLine {
     pub tokens: u64,
     /// Earlier deliveries of this batch to drafters that died holding it.
     pub delivery: u32,
+    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
+    /// Two tickets for one batch id mean it was published twice.
+    #[serde(default)]
+    pub ticket: u64,
     /// The group step whose update used it.
     pub step: u64,
     /// Digest of the weights after that update (hex): equal on every rank for one step.
@@ -69,6 +73,79 @@ pub fn ledger_path(run_dir: &Path, index: u32) -> PathBuf {
     run_dir
         .join("ledger")
         .join(format!("drafter-{index}.jsonl"))
+}
+
+/// Every drafter's ledger lines, and how many lines could not be read. A line that does not
+/// parse was torn by a drafter killed in the middle of writing it: its batch was not released,
+/// so the ring delivered it again and another line records it.
+pub fn read_ledgers(run_dir: &Path, drafters: u32) -> anyhow::Result<(Vec<LedgerLine>, u64)> {
+    let (mut lines, mut torn) = (Vec::new(), 0);
+    for d in 0..drafters {
+        let path = ledger_path(run_dir, d);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        for line in text.lines() {
+            match serde_json::from_str(line) {
+                Ok(l) => lines.push(l),
+                Err(_) => torn += 1,
+            }
+        }
+    }
+    Ok((lines, torn))
+}
+
+/// What the ledgers say about exactly-once training.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// Distinct samples in any line.
+    pub samples_trained: u64,
+    /// Batches whose training is recorded more than once by live drafters: published more than
+    /// once (several tickets), or one delivery of a publication recorded twice. A line of an
+    /// earlier delivery does not count: its drafter died holding the batch, which the ring
+    /// delivered again (at-least-once delivery across a crash).
+    pub duplicated: u64,
+    /// Samples whose batch was trained by no live drafter or by more than one.
+    pub samples_not_once: u64,
+}
+
+/// Accounts for `lines` (see [`Accounting`]).
+pub fn account(lines: &[LedgerLine]) -> Accounting {
+    use std::collections::{BTreeMap, HashMap, HashSet};
+    // batch id -> ticket -> deliveries recorded
+    let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
+    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
+    for l in lines {
+        batches
+            .entry(l.batch_id)
+            .or_default()
+            .entry(l.ticket)
+            .or_default()
+            .push(l.delivery);
+        for &s in &l.sample_ids {
+            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
+        }
+    }
+    let twice = |deliveries: &Vec<u32>| {
+        let mut d = deliveries.clone();
+        d.sort_unstable();
+        d.windows(2).any(|w| w[0] == w[1])
+    };
+    let duplicated: HashSet<u64> = batches
+        .iter()
+        .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
+        .map(|(&b, _)| b)
+        .collect();
+    Accounting {
+        samples_trained: samples.len() as u64,
+        duplicated: duplicated.len() as u64,
+        samples_not_once: samples
+            .values()
+            .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
+            .count() as u64,
+    }
 }
 
 /// The group's one checkpoint: weights, optimizer state and step.
@@ -148,6 +225,24 @@ fn next_batch<'c>(
     }
 }
 
+/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
+/// left it without its newline: end it, so it stays one unreadable line (its batch was not
+/// released, so it is redelivered) instead of swallowing our first line.
+fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = ledger.seek(SeekFrom::End(0))?;
+    if len == 0 {
+        return Ok(());
+    }
+    ledger.seek(SeekFrom::End(-1))?;
+    let mut last = [0u8];
+    ledger.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        ledger.write_all(b"\n")?;
+    }
+    Ok(())
+}
+
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = setup(&args.common, WorkerRole::Drafter)?;
@@ -166,8 +261,11 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut ledger = OpenOptions::new()
         .create(true)
         .append(true)
+        .read(true)
         .open(&ledger_file)
         .with_context(|| format!("opening ledger {}", ledger_file.display()))?;
+    end_torn_line(&mut ledger)
+        .with_context(|| format!("repairing ledger {}", ledger_file.display()))?;
 
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let group_name = proto::group_segment(&s.ring);
@@ -296,6 +394,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 sample_ids,
                 tokens,
                 delivery: meta.delivery,
+                ticket: meta.ticket,
                 step: u64::from(red.step),
                 digest: format!("{:016x}", backend.digest()),
                 epoch,
@@ -342,4 +441,66 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let _ = tx.send(ToLauncher::Report(report));
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
+        LedgerLine {
+            batch_id,
+            sample_ids: samples.to_vec(),
+            tokens: 1,
+            delivery,
+            ticket,
+            step: 0,
+            digest: String::new(),
+            epoch: 1,
+        }
+    }
+
+    #[test]
+    fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
+        // Batch 1 trained by a drafter that died before releasing it, then again on its
+        // redelivery: at-least-once across a crash, not a duplicate.
+        let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
+        assert_eq!(
+            account(&redelivered),
+            Accounting {
+                samples_trained: 2,
+                duplicated: 0,
+                samples_not_once: 0
+            }
+        );
+        // Published twice (two tickets), or one delivery trained twice: duplicated, and the
+        // distinct-sample count alone would not show it.
+        for twice in [
+            [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
+            [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
+        ] {
+            let a = account(&twice);
+            assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
+            assert_eq!(a.samples_not_once, 2);
+        }
+    }
+
+    #[test]
+    fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
+        let dir = std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("ledger")).unwrap();
+        let path = ledger_path(&dir, 0);
+        let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
+        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
+        let mut f = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&path)
+            .unwrap();
+        end_torn_line(&mut f).unwrap();
+        f.write_all(format!("{whole}\n").as_bytes()).unwrap();
+        let (lines, torn) = read_ledgers(&dir, 1).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!((lines.len(), torn), (2, 1));
+    }
 }

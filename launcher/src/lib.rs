@@ -35,8 +35,8 @@ pub mod exit {
     pub const ERROR: i32 = 1;
     /// Bad command line.
     pub const USAGE: i32 = 2;
-    /// The run ended but degraded: a worker gave up past its restart limit or samples were
-    /// left untrained; `summary.json` says why.
+    /// The run ended but degraded: a worker gave up past its restart limit, samples were left
+    /// untrained, or a batch was trained twice; `summary.json` says why.
     pub const DEGRADED: i32 = 3;
     /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
     pub const INTERRUPTED: i32 = 130;
@@ -628,8 +628,11 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         wall,
         &restarts,
     )?;
+    // Judged from the ledgers only (summary.rs): what was trained, and what twice.
     if exit_code == exit::OK
-        && (!notes.is_empty() || summary.samples_trained < summary.samples_total)
+        && (!notes.is_empty()
+            || summary.samples_trained < summary.samples_total
+            || summary.duplicated > 0)
     {
         exit_code = exit::DEGRADED;
         if summary.samples_trained < summary.samples_total {

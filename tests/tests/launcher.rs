@@ -16,7 +16,7 @@ use crate::support::{
 };
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
-fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
+pub(crate) fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
     let speed = if slow { 8_000.0 } else { 2_000_000.0 };
     let text = format!(
         r#"
@@ -44,14 +44,14 @@ checkpoint_every = 3
     p
 }
 
-struct Run {
-    dir: PathBuf,
+pub(crate) struct Run {
+    pub(crate) dir: PathBuf,
     /// Launchers reclaim stale segments at start; see `support::stale_segments_shared`.
     _shared: Option<RwLockReadGuard<'static, ()>>,
 }
 
 impl Run {
-    fn new(tag: &str) -> Run {
+    pub(crate) fn new(tag: &str) -> Run {
         Run::with_lock(tag, Some(stale_segments_shared()))
     }
     /// For a test that holds `stale_segments_exclusive` itself.
@@ -63,12 +63,13 @@ impl Run {
             _shared: shared,
         }
     }
-    fn run_dir(&self) -> PathBuf {
+    pub(crate) fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
     }
     fn launcher_log(&self) -> String {
         std::fs::read_to_string(self.run_dir().join("launcher.log")).unwrap()
     }
+    /// 5 targets, 3 drafters, a monitor line every 0.2 s unless `extra` sets `--monitor`.
     fn args(&self, config: &Path, extra: &[&str]) -> Vec<String> {
         let run_dir = self.run_dir();
         let mut args = vec![
@@ -76,17 +77,18 @@ impl Run {
             "0-4",
             "--drafters",
             "5-7",
-            "--monitor",
-            "0.2",
             "--config",
             config.to_str().unwrap(),
             "--run-dir",
             run_dir.to_str().unwrap(),
         ];
+        if !extra.contains(&"--monitor") {
+            args.extend(["--monitor", "0.2"]);
+        }
         args.extend_from_slice(extra);
         args.into_iter().map(String::from).collect()
     }
-    fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
+    pub(crate) fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
         let args = self.args(config, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn(&workspace_bin("launcher"), &args)
@@ -98,11 +100,11 @@ impl Run {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn_unread_stderr(&workspace_bin("launcher"), &args)
     }
-    fn summary(&self) -> serde_json::Value {
+    pub(crate) fn summary(&self) -> serde_json::Value {
         let text = std::fs::read_to_string(self.run_dir().join("summary.json")).unwrap();
         serde_json::from_str(&text).unwrap()
     }
-    fn ledgers(&self) -> Vec<LedgerLine> {
+    pub(crate) fn ledgers(&self) -> Vec<LedgerLine> {
         (0..3)
             .flat_map(|d| {
                 std::fs::read_to_string(ledger_path(&self.run_dir(), d))
@@ -124,7 +126,7 @@ impl Drop for Run {
 }
 
 /// Reads the launcher's start-up lines for the ring name and attaches to it read-only.
-fn attach(launcher: &mut Proc) -> Ring {
+pub(crate) fn attach(launcher: &mut Proc) -> Ring {
     let line = launcher.line_starting("data:");
     let name = line
         .split("ring ")
@@ -173,17 +175,17 @@ fn one_model(lines: &[LedgerLine]) -> usize {
     by_step.len()
 }
 
-fn pid_alive(pid: u32) -> bool {
+pub(crate) fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-fn kill(pid: u32, sig: i32) {
+pub(crate) fn kill(pid: u32, sig: i32) {
     // SAFETY: kill(2) on a pid we read from the ring's worker table.
     assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0, "kill {pid}");
 }
 
 /// Nothing of launcher `pid` is left in /dev/shm (its ring is `hspipe-<secs>-<pid>`).
-fn no_segment_of(pid: u32) {
+pub(crate) fn no_segment_of(pid: u32) {
     let suffix = format!("-{pid}");
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
         .unwrap()
