@@ -339,10 +339,14 @@ impl<M: Memory> Protocol<M> {
         self.check_rank(rank)?;
         let c = self.mem.control();
         let r = self.mem.rank(rank);
-        r.join.store(0, Ordering::Relaxed);
+        // A dead joiner's request dies with it. A leader may have seen the request already and
+        // be about to admit it: the epoch bump below makes its CAS fail. (The leader loads the
+        // word before the flags, so one that sees the bumped word sees the cleared flag.)
+        let was_joining = r.join.swap(0, Ordering::AcqRel) != 0;
         loop {
             let w = self.membership();
-            if !w.contains(rank) {
+            let member = w.contains(rank);
+            if !member && !was_joining {
                 return Ok(Removed {
                     was_member: false,
                     committed_batch: None,
@@ -363,6 +367,13 @@ impl<M: Memory> Protocol<M> {
                 continue;
             }
             self.bump();
+            if !member {
+                return Ok(Removed {
+                    was_member: false,
+                    committed_batch: None,
+                    membership: next,
+                });
+            }
             // The rank was a member up to `w`. Its arrival for the last committed step means its
             // contribution is in that step (a member arrives again in every new epoch before a
             // commit, and a joiner starts with no arrival). An arrival for w.step + 1 was not

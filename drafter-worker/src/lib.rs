@@ -62,7 +62,8 @@ pub struct LedgerLine {
     pub ticket: u64,
     /// The group step whose update used it.
     pub step: u64,
-    /// Digest of the weights after that update (hex): equal on every rank for one step.
+    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
+    /// in a line the launcher wrote for a rank that died before it could (see `record_retired`).
     #[serde(default)]
     pub digest: String,
     /// The drafter's registration epoch (1 for the first run; restarts add one).
@@ -146,6 +147,53 @@ pub fn account(lines: &[LedgerLine]) -> Accounting {
             .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
             .count() as u64,
     }
+}
+
+/// For the launcher: drafter `index` died holding a batch whose update the group applied in
+/// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
+/// unless its ledger already ends with it (it died between the write and the release). The
+/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
+pub fn record_retired(
+    run_dir: &Path,
+    index: u32,
+    meta: &shm_ring::ItemMeta,
+    payload: &[u8],
+    step: u64,
+) -> anyhow::Result<bool> {
+    let path = ledger_path(run_dir, index);
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let last: Option<LedgerLine> = text
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok());
+    if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
+        return Ok(false);
+    }
+    let view = BatchView::parse(payload)
+        .with_context(|| format!("reading retired batch {}", meta.batch_id))?;
+    let spec = &view.header().spec;
+    let line = LedgerLine {
+        batch_id: meta.batch_id,
+        sample_ids: spec.sample_ids.clone(),
+        tokens: spec.tokens(),
+        delivery: meta.delivery,
+        ticket: meta.ticket,
+        step,
+        digest: String::new(),
+        epoch: 0,
+    };
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .read(true)
+        .open(&path)
+        .with_context(|| format!("opening ledger {}", path.display()))?;
+    end_torn_line(&mut f)?;
+    let mut out = serde_json::to_string(&line)?;
+    out.push('\n');
+    f.write_all(out.as_bytes())
+        .with_context(|| format!("appending to {}", path.display()))?;
+    Ok(true)
 }
 
 /// The group's one checkpoint: weights, optimizer state and step.
@@ -276,13 +324,35 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         .with_context(|| format!("registering as consumer {}", s.index))?;
     consumer.set_gpu(s.gpu);
     let epoch = consumer.epoch();
+    // Injected faults that place a kill inside the group protocol (first incarnation only, so
+    // the restarted rank gets through).
+    let faults = cfg.faults_for(&s.name);
+    let first = epoch == 1;
+    let die = |what: &str| -> ! {
+        tracing::error!("injected crash {what}");
+        std::process::abort();
+    };
+    let target_step = std::cell::Cell::new(0u64);
     // Waits in the group beat for us, so the launcher does not take a long sync for a hang.
     let beat = || {
         consumer.heartbeat();
+        if first
+            && faults
+                .crash_in_sync_at
+                .is_some_and(|n| target_step.get() >= n)
+        {
+            die("inside the reduction");
+        }
         false
     };
 
     let start = group.membership();
+    if start.contains(s.index) && !first {
+        bail!(
+            "restarted (incarnation {epoch}) but still a member of the drafter group: whoever \
+             restarts a drafter must remove it from the group first"
+        );
+    }
     if start.contains(s.index) {
         // A first incarnation: every rank starts from the same state, the checkpoint's if any.
         if ckpt.exists() {
@@ -306,7 +376,17 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         consumer.enter(Phase::Sync);
         let mut state = vec![0u32; backend.state_words()];
-        match group.join(&mut state, backend.step() as u32, &beat)? {
+        // Marker file: the join fault fires in one incarnation only.
+        let marker = s.run_dir.join(format!("logs/.{}-crashed-in-join", s.name));
+        let joining = || {
+            consumer.heartbeat();
+            if faults.crash_in_join && !marker.exists() {
+                let _ = std::fs::write(&marker, b"");
+                die("while rejoining the group");
+            }
+            false
+        };
+        match group.join(&mut state, backend.step() as u32, &joining)? {
             (m, Some(step)) => {
                 backend.import_state(&state)?;
                 tracing::info!(
@@ -383,7 +463,16 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         grad[n] = if ended { 1.0 } else { 0.0 };
         consumer.enter(Phase::Sync);
+        target_step.set(u64::from(group.membership().step) + 1);
         let red = group.all_reduce(&grad, batch, &mut sum, &beat)?;
+        if first
+            && held.is_some()
+            && faults
+                .crash_after_commit_at
+                .is_some_and(|k| u64::from(red.step) >= k)
+        {
+            die("after the group applied this rank's batch, before its ledger line");
+        }
         consumer.enter(Phase::Compute);
         let stats = backend.apply(&sum[..n]);
         consumer.enter(Phase::Other);

@@ -504,18 +504,45 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                     Some(0) => w.phase = Phase::Done,
                     Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
                     _ => {
-                        if w.role == WorkerRole::Drafter {
-                            // First the group: survivors blocked in the reduction go on without
-                            // it, and we learn whether its batch is in an applied update.
+                        // A drafter leaves the group first: survivors blocked in the reduction
+                        // go on without it, and we learn whether its batch is in an applied
+                        // update. If it still holds that batch, it is retired, not redelivered.
+                        let committed = if w.role == WorkerRole::Drafter {
                             let gone = group.remove(w.index)?;
-                            if let Some(b) = gone.committed_batch {
-                                mon.say(&format!(
-                                    "{} died after the group applied its batch {b}",
-                                    w.name()
-                                ));
+                            gone.committed_batch.map(|b| (b, gone.membership.step))
+                        } else {
+                            None
+                        };
+                        let r = match committed {
+                            Some((batch, step)) => {
+                                let mut wrote = Ok(false);
+                                let r =
+                                    ring.recover_retiring(w.ring_id(), batch, |meta, payload| {
+                                        wrote = drafter_worker::record_retired(
+                                            &run_dir,
+                                            w.index,
+                                            meta,
+                                            payload,
+                                            u64::from(step),
+                                        );
+                                    })?;
+                                if r.retired > 0 {
+                                    let how = match wrote {
+                                        Ok(true) => "its ledger line written for it".to_string(),
+                                        Ok(false) => "its ledger line was already written".into(),
+                                        Err(e) => {
+                                            format!("its ledger line could not be written: {e:#}")
+                                        }
+                                    };
+                                    mon.say(&format!(
+                                        "{} died holding batch {batch}, whose update the group applied at step {step}: retired, not redelivered ({how})",
+                                        w.name()
+                                    ));
+                                }
+                                r
                             }
-                        }
-                        let r = ring.recover(w.ring_id())?;
+                            None => ring.recover(w.ring_id())?,
+                        };
                         let what = format!(
                             "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
                             w.name(),

@@ -219,6 +219,16 @@ pub struct Recovered {
     /// Work items the dead producer had claimed (or marked done in an unpublished batch), now
     /// FREE for any producer.
     pub work_returned: u64,
+    /// Items the dead consumer was reading whose training is known to be applied (see
+    /// `Ring::recover_retiring`), now FREE as if released.
+    pub retired: u32,
+}
+
+/// A batch a dead consumer holds that must count as trained, not be delivered again, and what
+/// to do with it before its slot is freed (the slot index and its meta).
+pub(crate) struct Retire<'f> {
+    pub batch_id: u64,
+    pub before: &'f mut dyn FnMut(usize, ItemMeta),
 }
 
 impl<'a> RingRef<'a> {
@@ -761,7 +771,7 @@ impl<'a> RingRef<'a> {
         holder_alive: impl Fn(Lease) -> bool,
     ) -> Result<u64, Lease> {
         self.take_lease(id, me, holder_alive)?;
-        self.cleanup(id);
+        self.cleanup(id, None);
         let w = self.worker(id);
         // Only the lease holder bumps the epoch, so Relaxed suffices.
         let epoch = w.epoch.fetch_add(1, Ordering::Relaxed) + 1;
@@ -789,9 +799,10 @@ impl<'a> RingRef<'a> {
         id: u32,
         me: Lease,
         holder_alive: impl Fn(Lease) -> bool,
+        retire: Option<&mut Retire<'_>>,
     ) -> Result<Recovered, Lease> {
         self.take_lease(id, me, holder_alive)?;
-        let out = self.cleanup(id);
+        let out = self.cleanup(id, retire);
         let w = self.worker(id);
         // A dead worker's clock stops: readers must not count time past its death.
         w.phase_cur.store(0, Ordering::Relaxed);
@@ -807,7 +818,10 @@ impl<'a> RingRef<'a> {
     /// with delivery + 1 (at-least-once delivery), CLAIMED work items FREE. The caller holds
     /// `id`'s lease, so no incarnation of `id` runs. Idempotent: see "Registration and
     /// recovery" in the module doc for why an interrupted run is completed by the next.
-    pub(crate) fn cleanup(&self, id: u32) -> Recovered {
+    ///
+    /// With `retire`, a READING slot holding `retire.batch_id` is instead freed as a release
+    /// would free it (its batch counts as consumed), after `retire.before` has seen it.
+    pub(crate) fn cleanup(&self, id: u32, mut retire: Option<&mut Retire<'_>>) -> Recovered {
         let mut out = Recovered::default();
         for (idx, s) in self.slots.iter().enumerate() {
             let cur = Word(s.state.load(Ordering::Acquire));
@@ -831,6 +845,22 @@ impl<'a> RingRef<'a> {
                     }
                     if cas(cur.next(FREE, 0)) {
                         out.freed += 1;
+                    }
+                }
+                READING
+                    if retire
+                        .as_ref()
+                        .is_some_and(|r| self.item_meta(idx).batch_id == r.batch_id) =>
+                {
+                    // Its update is applied: consumed, like a release. The dead owner cannot
+                    // move the slot, so `before` reads a payload nobody else touches.
+                    if let Some(r) = retire.as_mut() {
+                        (r.before)(idx, self.item_meta(idx));
+                    }
+                    s.work_item.store(0, Ordering::Relaxed);
+                    if cas(cur.next(FREE, 0)) {
+                        out.retired += 1;
+                        sync::tally(&self.ctl.released, 1);
                     }
                 }
                 READING => {
@@ -858,10 +888,10 @@ impl<'a> RingRef<'a> {
         }
         sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
         sync::tally(&self.ctl.aborted, u64::from(out.freed));
-        if out.freed > 0 {
+        if out.freed > 0 || out.retired > 0 {
             self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
-        if out.requeued > 0 || self.closed() {
+        if out.requeued > 0 || out.retired > 0 || self.closed() {
             self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         }
         out

@@ -167,7 +167,7 @@ fn a_recovery_cut_short_and_run_again_is_still_correct() {
         // Recovery again, by a new supervisor: the dead one's lease does not stop it.
         let again = r
             .r()
-            .recover(1, process(9, 9), |l| l != SUPERVISOR)
+            .recover(1, process(9, 9), |l| l != SUPERVISOR, None)
             .unwrap();
         assert_eq!(again.freed, 1);
         r.deliver(0, 1, 0);
@@ -296,4 +296,47 @@ fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
     drop(live);
     ring.recover(crate::WorkerId::producer(0)).unwrap();
     drop(ring.producer(0).unwrap());
+}
+
+/// The drafter group's case: a consumer holding two batches dies after the update that used the
+/// first was applied (a committed group step) but before it released it. Recovery retiring that
+/// batch frees its slot as consumed (it must not be trained twice) after showing it to the
+/// caller, and still redelivers the other one.
+#[test]
+fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
+    let r = ring(3, 2);
+    r.register(2, 0);
+    for item in 0..2 {
+        assert_eq!(r.r().claim_work(0, 1), Some(item));
+        r.deliver(0, 1, item);
+    }
+    let mut st = crate::core::TakeState::new(1, 2);
+    let (a, _, _) = r.consume(2, &mut st).unwrap();
+    let (b, _, _) = r.consume(2, &mut st).unwrap();
+    let mut seen = Vec::new();
+    let mut before = |idx: usize, meta: crate::ItemMeta| seen.push((idx, meta.batch_id));
+    let mut retire = crate::core::Retire {
+        batch_id: a,
+        before: &mut before,
+    };
+    let out = r
+        .r()
+        .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
+        .unwrap();
+    assert_eq!((out.retired, out.requeued), (1, 1));
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].1, a,
+        "the caller saw the retired batch before its slot was freed"
+    );
+    // Only the other batch comes back, once more delivered.
+    assert_eq!(
+        r.ready_batches(),
+        [b],
+        "the retired batch is not delivered again"
+    );
+    r.register(2, 1);
+    let mut st = crate::core::TakeState::new(1, 2);
+    let (again, delivery, _) = r.consume(2, &mut st).unwrap();
+    assert_eq!((again, delivery), (b, 1));
 }

@@ -97,7 +97,7 @@ impl HeapRing {
 
     /// The supervisor recovers worker `id`, whose process is gone.
     pub(crate) fn recover(&self, id: u32) -> crate::core::Recovered {
-        self.r().recover(id, SUPERVISOR, |_| false).unwrap()
+        self.r().recover(id, SUPERVISOR, |_| false, None).unwrap()
     }
 
     /// Producer `id` writes `item` into a slot it reserves.

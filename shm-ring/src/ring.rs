@@ -5,7 +5,9 @@
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
-use crate::core::{Claim, CommitMeta, CoreParams, ItemMeta, Recovered, RingRef, TakeState, Taken};
+use crate::core::{
+    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
+};
 use crate::layout::{Lease, LEASE_START_MASK};
 use crate::segment::{self, Creator, Segment, NO_GPU};
 use crate::sync::Ordering;
@@ -217,16 +219,54 @@ impl Ring {
         self.recover_with(id, |_| false)
     }
 
+    /// [`Ring::recover`] for a consumer that may hold a batch whose training is known to be
+    /// applied (a drafter group committed the update that used it before the consumer died):
+    /// that slot is freed as a release would free it, not delivered again, after `on_retired`
+    /// has read its meta and payload (e.g. to write the ledger line the dead consumer could
+    /// not). Everything else is recovered as by [`Ring::recover`].
+    pub fn recover_retiring(
+        &self,
+        wid: WorkerId,
+        batch_id: u64,
+        mut on_retired: impl FnMut(&ItemMeta, &[u8]),
+    ) -> Result<Recovered, RingError> {
+        let seg = self.segment();
+        let mut before = |idx: usize, meta: ItemMeta| {
+            let ptr = seg.payload_ptr(idx);
+            let len = (meta.len as usize).min(seg.params().slot_size as usize);
+            // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
+            // process is gone), so no process writes these bytes until the CAS that frees the
+            // slot, which happens after this call returns; `len` is capped at the slot's
+            // capacity, inside the mapping, which outlives this call.
+            let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+            on_retired(&meta, payload);
+        };
+        let mut retire = Retire {
+            batch_id,
+            before: &mut before,
+        };
+        self.recover_inner(wid, holder_alive, Some(&mut retire))
+    }
+
     fn recover_with(
         &self,
         wid: WorkerId,
         holder_alive: impl Fn(Lease) -> bool,
     ) -> Result<Recovered, RingError> {
+        self.recover_inner(wid, holder_alive, None)
+    }
+
+    fn recover_inner(
+        &self,
+        wid: WorkerId,
+        holder_alive: impl Fn(Lease) -> bool,
+        retire: Option<&mut Retire<'_>>,
+    ) -> Result<Recovered, RingError> {
         self.writable()?;
         let id = self.id_of(wid)?;
         let me = my_lease()?;
         self.core_ref()
-            .recover(id, me, holder_alive)
+            .recover(id, me, holder_alive, retire)
             .map_err(|holder| RingError::WorkerAlive {
                 id: wid,
                 pid: holder.pid(),
