@@ -17,8 +17,8 @@
 //! - **No busy spin.** Waiters sleep on a shared futex for at most 100 ms at a time and ask
 //!   their `stop` closure between sleeps.
 //!
-//! Not wired into the workers yet (issue #11): the drafter's step, the launcher's removal on a
-//! rank's death and the rejoin hand-over come next.
+//! Used by `drafter-worker` (one rank per worker) and the launcher (creates the segment,
+//! removes a dead rank before recovering the ring).
 
 #![cfg_attr(loom, allow(dead_code))]
 

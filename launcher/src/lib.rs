@@ -7,6 +7,7 @@ pub mod gpus;
 mod monitor;
 mod output;
 mod reclaim;
+mod resume;
 mod signals;
 mod spawn;
 mod summary;
@@ -79,6 +80,10 @@ pub struct Args {
     /// Pipeline config (TOML); every field has a default.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Continue the stopped or killed run in RUN_DIR from its group checkpoint, with its own
+    /// config and data: batches whose update is in the checkpoint are not trained again.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
+    pub resume: Option<PathBuf>,
     /// Training data: JSONL with input_ids (and optional loss_mask) per line.
     #[arg(long, conflicts_with = "synthetic")]
     pub data: Option<PathBuf>,
@@ -225,6 +230,7 @@ struct Prepared {
     params: shm_ring::RingParams,
     run_id: String,
     run_dir: PathBuf,
+    resume: Option<resume::Resume>,
 }
 
 /// Runs the launcher; returns the process exit code.
@@ -265,9 +271,19 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         ))
         .into());
     }
-    let mut cfg = match &args.config {
-        Some(p) => PipelineConfig::load(p)?,
-        None => PipelineConfig::default(),
+    let mut cfg = match (&args.resume, &args.config) {
+        (Some(dir), _) => {
+            let p = dir.join("config.toml");
+            if !p.is_file() {
+                bail!(
+                    "{} is not a run directory: it has no config.toml",
+                    dir.display()
+                );
+            }
+            PipelineConfig::load(&p).context("loading the run's config")?
+        }
+        (None, Some(p)) => PipelineConfig::load(p)?,
+        (None, None) => PipelineConfig::default(),
     };
     if let Some(p) = &args.data {
         cfg.data.path = Some(p.clone());
@@ -298,13 +314,23 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .unwrap_or(0),
         std::process::id()
     );
-    let run_dir = args
-        .run_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
-    prepare_run_dir(&run_dir)?;
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
-        .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+    let (run_dir, resume) = match &args.resume {
+        Some(dir) => {
+            let r = resume::check(dir, &cfg, nd, batches)
+                .with_context(|| format!("resuming {}", dir.display()))?;
+            (dir.clone(), Some(r))
+        }
+        None => {
+            let run_dir = args
+                .run_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
+            prepare_run_dir(&run_dir)?;
+            std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
+                .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+            (run_dir, None)
+        }
+    };
     Ok(Prepared {
         cfg,
         backend,
@@ -314,6 +340,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         params,
         run_id,
         run_dir,
+        resume,
     })
 }
 
@@ -328,6 +355,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         params,
         run_id,
         run_dir,
+        resume,
     } = prep;
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
@@ -345,9 +373,29 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
         .ok();
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+    // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
+    let start_step = match &resume {
+        Some(r) => {
+            r.apply()?;
+            let n = ring
+                .mark_work_done(r.done.iter().copied())
+                .context("marking the checkpointed batches done")?;
+            println!(
+                "resuming {} from its checkpoint at step {}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
+                run_dir.display(),
+                r.step,
+                r.dropped
+            );
+            r.step
+        }
+        None => 0,
+    };
     // The drafter group: one model trained by every drafter (see the collective crate).
-    let group = ShmGroup::create(&group_name, &drafter_worker::group_params(&cfg, nd, 0))
-        .context("creating the drafter group")?;
+    let group = ShmGroup::create(
+        &group_name,
+        &drafter_worker::group_params(&cfg, nd, start_step),
+    )
+    .context("creating the drafter group")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;

@@ -408,6 +408,19 @@ impl<'a> RingRef<'a> {
         self.work.iter().position(claim).map(|i| i as u64)
     }
 
+    /// Marks FREE work `item` DONE for good, before any producer runs. Returns false if it was
+    /// not FREE.
+    pub(crate) fn mark_done_before(&self, item: u64) -> Result<bool, RingError> {
+        let w = self.work_word(item)?;
+        Ok(w.compare_exchange(
+            WORK_FREE,
+            WorkWord::done_before().0,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        )
+        .is_ok())
+    }
+
     fn work_word(&self, item: u64) -> Result<&'a AtomicU64, RingError> {
         self.work
             .get(item as usize)

@@ -190,6 +190,12 @@ impl WorkWord {
                 | (generation & WORK_B_MASK) << WORK_B_SHIFT,
         )
     }
+    /// DONE before the run started (a resumed run's item whose training is in its checkpoint).
+    /// No WRITING period can match it, so no recovery undoes it: its generation is the field's
+    /// largest value, which a slot's state word (40-bit generations) never reaches.
+    pub(crate) fn done_before() -> Self {
+        Self::done(0, WORK_B_MASK)
+    }
     pub(crate) fn is_free(self) -> bool {
         self.0 == WORK_FREE
     }

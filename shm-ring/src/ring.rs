@@ -248,6 +248,19 @@ impl Ring {
         self.recover_inner(wid, holder_alive, Some(&mut retire))
     }
 
+    /// For the creator of a resumed run, before any producer starts: counts work `items` as
+    /// done (their batches' training is in the checkpoint), so no producer claims them. Returns
+    /// how many were newly marked; an item out of range is an error naming it.
+    pub fn mark_work_done(&self, items: impl IntoIterator<Item = u64>) -> Result<u64, RingError> {
+        self.writable()?;
+        let core = self.core_ref();
+        let mut n = 0;
+        for item in items {
+            n += u64::from(core.mark_done_before(item)?);
+        }
+        Ok(n)
+    }
+
     fn recover_with(
         &self,
         wid: WorkerId,

@@ -779,3 +779,141 @@ fn a_hung_drafter_is_killed_and_restarted() {
     assert!(s["workers"][1]["restarts"].as_u64().unwrap() >= 1);
     assert_eq!(s["samples_trained"], 60);
 }
+
+/// Ledger lines of the run, skipping a line torn by a kill.
+fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
+    (0..3)
+        .flat_map(|d| {
+            std::fs::read_to_string(ledger_path(&run.run_dir(), d))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<LedgerLine>(l).ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The step of the group checkpoint, read as any tool would read the file.
+fn checkpoint_step(run: &Run) -> u64 {
+    let bytes = std::fs::read(checkpoint_path(&run.run_dir())).unwrap();
+    let st = proto::safetensors::SafeTensors::parse(&bytes).unwrap();
+    u64::from_le_bytes(st.tensor("step").unwrap().data.try_into().unwrap())
+}
+
+/// The launcher and every worker SIGKILLed mid-run, then `--resume`: the plan is finished,
+/// every batch is in exactly one applied update, and no batch whose update was in the
+/// checkpoint is trained again. Then the resume inputs that must be refused.
+#[test]
+fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_checkpointed() {
+    let run = Run::new("lresume");
+    let cfg = config(&run.dir, true, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("synthetic_samples = 400", "synthetic_samples = 1500"),
+    )
+    .unwrap();
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
+        checkpoint_path(&run.run_dir()).exists() && s.counters.released >= 20
+    });
+    let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
+    kill(launcher.child.id(), libc::SIGKILL);
+    let _ = launcher.wait_status();
+    let deadline = Instant::now() + crate::support::WATCHDOG;
+    while pids.iter().any(|&p| pid_alive(p)) {
+        assert!(Instant::now() < deadline, "workers outlived their launcher");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(ring);
+    let step = checkpoint_step(&run);
+    let old = ledgers_tolerant(&run);
+    let kept: HashMap<u64, u64> = old
+        .iter()
+        .filter(|l| l.step <= step)
+        .map(|l| (l.batch_id, l.step))
+        .collect();
+    assert!(!kept.is_empty(), "the checkpoint holds some updates");
+
+    let run_dir = run.run_dir();
+    let resume_args = |dir: &str| -> Vec<String> {
+        [
+            "--targets",
+            "0-4",
+            "--drafters",
+            "5-7",
+            "--monitor",
+            "0.2",
+            "--resume",
+            dir,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = resume_args(run_dir.to_str().unwrap());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = spawn(&workspace_bin("launcher"), &args).finish();
+    assert!(
+        out.contains("resuming") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["duplicated"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["samples_trained"], 1500, "{s}");
+    let lines = run.ledgers();
+    let mut seen = HashMap::new();
+    for l in &lines {
+        *seen.entry(l.batch_id).or_insert(0) += 1;
+        match kept.get(&l.batch_id) {
+            // Checkpointed: its line is the old one, never a new training.
+            Some(&st) => assert_eq!(
+                l.step, st,
+                "checkpointed batch {} trained again",
+                l.batch_id
+            ),
+            None => assert!(
+                l.step > step,
+                "batch {} after the resume has step {}",
+                l.batch_id,
+                l.step
+            ),
+        }
+    }
+    assert!(seen.values().all(|&n| n == 1), "a batch in two updates");
+    assert_eq!(seen.len() as u64, s["batches_total"].as_u64().unwrap());
+    one_model(&lines);
+
+    // A finished run, a directory that is no run, a checkpoint that does not load: clear
+    // errors, and nothing in the run directory changes.
+    let ledger0 = std::fs::read(ledger_path(&run_dir, 0)).unwrap();
+    let bad = |dir: &Path, want: &str| {
+        let args = resume_args(dir.to_str().unwrap());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = std::process::Command::new(workspace_bin("launcher"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{err:?} should say {want:?}"
+        );
+    };
+    bad(&run_dir, "nothing to resume");
+    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    bad(&run.dir, "not a run directory");
+    std::fs::remove_file(run_dir.join("summary.json")).unwrap();
+    std::fs::write(checkpoint_path(&run_dir), b"garbage").unwrap();
+    bad(&run_dir, "checkpoint does not load");
+    assert_eq!(
+        std::fs::read(checkpoint_path(&run_dir)).unwrap(),
+        b"garbage"
+    );
+    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+}
