@@ -194,7 +194,9 @@ pub struct Removed {
     /// False if the rank was not a member (already removed, or never joined).
     pub was_member: bool,
     /// The batch of the rank's last contribution if that contribution is in a committed step:
-    /// that batch was trained (its update is applied), so it must be retired, not redelivered.
+    /// its update is applied. If the dead rank still holds that batch (it died between the
+    /// commit and its release), it must be retired, not redelivered; any other batch it holds
+    /// was not in an applied update and goes back to the ring.
     pub committed_batch: Option<u64>,
     /// The membership after the removal.
     pub membership: Membership,
@@ -337,10 +339,14 @@ impl<M: Memory> Protocol<M> {
         self.check_rank(rank)?;
         let c = self.mem.control();
         let r = self.mem.rank(rank);
-        r.join.store(0, Ordering::Relaxed);
+        // A dead joiner's request dies with it. A leader may have seen the request already and
+        // be about to admit it: the epoch bump below makes its CAS fail. (The leader loads the
+        // word before the flags, so one that sees the bumped word sees the cleared flag.)
+        let was_joining = r.join.swap(0, Ordering::AcqRel) != 0;
         loop {
             let w = self.membership();
-            if !w.contains(rank) {
+            let member = w.contains(rank);
+            if !member && !was_joining {
                 return Ok(Removed {
                     was_member: false,
                     committed_batch: None,
@@ -361,6 +367,13 @@ impl<M: Memory> Protocol<M> {
                 continue;
             }
             self.bump();
+            if !member {
+                return Ok(Removed {
+                    was_member: false,
+                    committed_batch: None,
+                    membership: next,
+                });
+            }
             // The rank was a member up to `w`. Its arrival for the last committed step means its
             // contribution is in that step (a member arrives again in every new epoch before a
             // commit, and a joiner starts with no arrival). An arrival for w.step + 1 was not
@@ -377,13 +390,17 @@ impl<M: Memory> Protocol<M> {
     }
 
     /// The joiner's side: asks to join and waits until the leader admits it. Returns the
-    /// membership it joined and the state it must start from (`state_step` is its step).
+    /// membership it joined and the step of the state it was handed; `None` when the group was
+    /// empty (every rank dead), so it admitted itself and nobody could hand it a state: the
+    /// group then goes on from `own_step`, the step of the state the joiner can load itself
+    /// (its last checkpoint).
     pub(crate) fn join(
         &self,
         rank: u32,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError> {
+    ) -> Result<(Membership, Option<u64>), GroupError> {
         self.check_rank(rank)?;
         if state.len() != self.mem.state().len() {
             return Err(GroupError::Size {
@@ -407,7 +424,25 @@ impl<M: Memory> Protocol<M> {
                 for (dst, x) in state.iter_mut().zip(self.mem.state()) {
                     *dst = x.load(Ordering::Relaxed);
                 }
-                return Ok((w, step));
+                return Ok((w, Some(step)));
+            }
+            if w.is_empty() {
+                // Nobody is left to hand over a state: admit ourselves.
+                let next = Membership {
+                    epoch: w.epoch.wrapping_add(1),
+                    step: own_step,
+                    members: 1 << rank,
+                };
+                // SYNC: AcqRel, as every change of the group word.
+                if c.word
+                    .compare_exchange(w.pack(), next.pack(), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    r.join.store(0, Ordering::Relaxed);
+                    self.bump();
+                    return Ok((next, None));
+                }
+                continue;
             }
             if stop() {
                 r.join.store(0, Ordering::Relaxed);
@@ -415,6 +450,14 @@ impl<M: Memory> Protocol<M> {
             }
             sync::wait(&c.seq, seen);
         }
+    }
+
+    /// True if a rank outside the membership asks to join (cheap: the leader asks between
+    /// steps before it exports its state).
+    pub(crate) fn joiners_waiting(&self) -> bool {
+        let w = self.membership();
+        (0..self.mem.ranks())
+            .any(|j| !w.contains(j) && self.mem.rank(j).join.load(Ordering::Acquire) == 1)
     }
 
     /// The leader's side, between steps: if any rank asks to join, hands it `state` (the

@@ -17,8 +17,8 @@
 //! - **No busy spin.** Waiters sleep on a shared futex for at most 100 ms at a time and ask
 //!   their `stop` closure between sleeps.
 //!
-//! Not wired into the workers yet (issue #11): the drafter's step, the launcher's removal on a
-//! rank's death and the rejoin hand-over come next.
+//! Used by `drafter-worker` (one rank per worker) and the launcher (creates the segment,
+//! removes a dead rank before recovering the ring).
 
 #![cfg_attr(loom, allow(dead_code))]
 
@@ -65,12 +65,17 @@ pub trait Collective {
         stop: &dyn Fn() -> bool,
     ) -> Result<Reduced, GroupError>;
     /// A restarted rank: waits to be admitted, then fills `state` with the leader's state and
-    /// returns the membership and the step that state is from.
+    /// returns the membership and the step that state is from; `None` if the group was empty
+    /// and it admitted itself: the group then goes on from `own_step`, the step of the state it
+    /// loads itself (its last checkpoint).
     fn join(
         &self,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError>;
+    ) -> Result<(Membership, Option<u64>), GroupError>;
+    /// True if some rank asks to join (the leader checks between steps).
+    fn joiners_waiting(&self) -> bool;
     /// The leader between steps: admits ranks asking to join, handing them `state` (from
     /// `state_step`, the last committed step). Returns the bit set of ranks admitted.
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError>;
@@ -137,9 +142,13 @@ impl Collective for ShmGroup {
     fn join(
         &self,
         state: &mut [u32],
+        own_step: u32,
         stop: &dyn Fn() -> bool,
-    ) -> Result<(Membership, u64), GroupError> {
-        self.proto.join(self.rank, state, stop)
+    ) -> Result<(Membership, Option<u64>), GroupError> {
+        self.proto.join(self.rank, state, own_step, stop)
+    }
+    fn joiners_waiting(&self) -> bool {
+        self.proto.joiners_waiting()
     }
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
         self.proto.admit_joiners(self.rank, state_step, state)

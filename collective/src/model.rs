@@ -10,7 +10,7 @@
 //! commit test) fails the first model, and a Relaxed `arrived` store/load pair fails the first
 //! and the third (a sum or a state read without the stores it needs).
 
-use crate::group::{HeapMem, Membership, Protocol};
+use crate::group::{HeapMem, Membership, Memory, Protocol};
 
 #[cfg(loom)]
 use loom::{sync::Arc, thread};
@@ -108,8 +108,8 @@ fn a_joiner_gets_the_leaders_state_then_reduces_with_it() {
         let gj = g.clone();
         let joiner = thread::spawn(move || {
             let mut state = [0u32; 2];
-            let (m, step) = gj.join(1, &mut state, &|| false).unwrap();
-            assert_eq!((state, step, m.members), ([7, 9], 0, 0b11));
+            let (m, step) = gj.join(1, &mut state, 0, &|| false).unwrap();
+            assert_eq!((state, step, m.members), ([7, 9], Some(0), 0b11));
             let mut out = [0.0];
             gj.all_reduce(1, &[2.0], 21, &mut out, &|| false).unwrap();
             out[0]
@@ -124,6 +124,25 @@ fn a_joiner_gets_the_leaders_state_then_reduces_with_it() {
         let r = g.all_reduce(0, &[1.0], 20, &mut out, &|| false).unwrap();
         assert_eq!((out[0], r.step), (3.0, 1));
         assert_eq!(joiner.join().unwrap(), 3.0);
+    });
+}
+
+/// A joiner dies right after asking (its flag stays set, as a SIGKILL leaves it); the leader
+/// may be admitting it while the launcher removes it. Whatever the order, the dead rank must not
+/// end up a member: a dead member stalls every reduction until someone removes it again. Fails
+/// if removing a non-member leaves the word alone (the leader's admission CAS then succeeds).
+#[test]
+fn a_joiner_that_died_asking_is_never_admitted_after_its_removal() {
+    model(|| {
+        let g = group(2, 0b01, 1);
+        g.mem.rank(1).join.store(1, crate::sync::Ordering::Release);
+        let gl = g.clone();
+        let leader = thread::spawn(move || {
+            gl.admit_joiners(0, 0, &[5]).unwrap();
+        });
+        let removed = g.remove(1).unwrap();
+        leader.join().unwrap();
+        assert!(!g.membership().contains(1), "{removed:?}");
     });
 }
 
@@ -204,6 +223,22 @@ mod plain {
             Err(GroupError::Stopped)
         );
         g.remove(0).unwrap();
+        assert!(matches!(
+            g.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false),
+            Err(GroupError::NotMember { rank: 0, .. })
+        ));
+        // Every rank gone: a joiner admits itself, with no state handed over.
+        g.remove(1).unwrap();
+        let mut state = [0u32];
+        let (m, step) = g.join(1, &mut state, 0, &|| false).unwrap();
+        assert_eq!(
+            (m.members, m.step, step),
+            (0b10, 0, None),
+            "back to its own step"
+        );
+        assert!(!g.joiners_waiting());
+        g.all_reduce(1, &[5.0], 3, &mut out, &|| false).unwrap();
+        assert_eq!(out[0], 5.0);
         assert!(matches!(
             g.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false),
             Err(GroupError::NotMember { rank: 0, .. })

@@ -1,25 +1,35 @@
-//! The drafter worker: takes batches from the ring under its policy, verifies checksum and
-//! content, trains, appends one ledger line per trained batch, releases, and checkpoints
-//! atomically every N steps and at the end. On start it restores its latest checkpoint.
+//! The drafter worker: one rank of the drafter group, which trains ONE model data-parallel.
+//!
+//! Each group step: take at most one batch from the ring, verify it, compute the gradient of its
+//! summed loss, all-reduce with the other ranks (the `collective` crate), apply the identical
+//! update, append one ledger line (step and weights digest), and only then release the slot: a
+//! batch is held until the update that used it is applied. A rank with no batch (the ring is
+//! closed and nothing is READY) contributes zeros and still takes part, so nobody waits for a
+//! rank that left. The group stops at the first step in which every member saw the ring's end.
+//! The leader (lowest live rank) writes the one group checkpoint every N steps and at the end.
+//!
+//! A restarted rank is no longer a member (the launcher removed it when it died): it asks to
+//! join and gets the live weights and optimizer state from the leader at a step boundary.
 //!
 //! Ledger lines are written (one `write` each, no user-space buffer) before the slot is
-//! released, so a crash never loses the line of a batch whose slot was freed; they are synced to
-//! disk at each checkpoint.
+//! released, so a crash never loses the line of a batch whose slot was freed; every rank syncs
+//! its ledger at each checkpoint step.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Parser;
+use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::mock::{MockDrafter, Sim};
 use gpu::DrafterBackend;
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
 use proto::worker::{setup, WorkerArgs};
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
-use shm_ring::{Phase, Ring, Take};
+use shm_ring::{Consumer, Phase, ReadSlot, Ring, Take};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -46,8 +56,16 @@ pub struct LedgerLine {
     pub tokens: u64,
     /// Earlier deliveries of this batch to drafters that died holding it.
     pub delivery: u32,
-    /// The drafter's step after training on it.
+    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
+    /// Two tickets for one batch id mean it was published twice.
+    #[serde(default)]
+    pub ticket: u64,
+    /// The group step whose update used it.
     pub step: u64,
+    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
+    /// in a line the launcher wrote for a rank that died before it could (see `record_retired`).
+    #[serde(default)]
+    pub digest: String,
     /// The drafter's registration epoch (1 for the first run; restarts add one).
     pub epoch: u64,
 }
@@ -58,22 +76,217 @@ pub fn ledger_path(run_dir: &Path, index: u32) -> PathBuf {
         .join(format!("drafter-{index}.jsonl"))
 }
 
-pub fn checkpoint_path(run_dir: &Path, index: u32) -> PathBuf {
-    run_dir
-        .join("checkpoints")
-        .join(format!("drafter-{index}.safetensors"))
+/// Every drafter's ledger lines, and how many lines could not be read. A line that does not
+/// parse was torn by a drafter killed in the middle of writing it: its batch was not released,
+/// so the ring delivered it again and another line records it.
+pub fn read_ledgers(run_dir: &Path, drafters: u32) -> anyhow::Result<(Vec<LedgerLine>, u64)> {
+    let (mut lines, mut torn) = (Vec::new(), 0);
+    for d in 0..drafters {
+        let path = ledger_path(run_dir, d);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        for line in text.lines() {
+            match serde_json::from_str(line) {
+                Ok(l) => lines.push(l),
+                Err(_) => torn += 1,
+            }
+        }
+    }
+    Ok((lines, torn))
+}
+
+/// What the ledgers say about exactly-once training.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// Distinct samples in any line.
+    pub samples_trained: u64,
+    /// Batches whose training is recorded more than once by live drafters: published more than
+    /// once (several tickets), or one delivery of a publication recorded twice. A line of an
+    /// earlier delivery does not count: its drafter died holding the batch, which the ring
+    /// delivered again (at-least-once delivery across a crash).
+    pub duplicated: u64,
+    /// Samples whose batch was trained by no live drafter or by more than one.
+    pub samples_not_once: u64,
+}
+
+/// Accounts for `lines` (see [`Accounting`]).
+pub fn account(lines: &[LedgerLine]) -> Accounting {
+    use std::collections::{BTreeMap, HashMap, HashSet};
+    // batch id -> ticket -> deliveries recorded
+    let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
+    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
+    for l in lines {
+        batches
+            .entry(l.batch_id)
+            .or_default()
+            .entry(l.ticket)
+            .or_default()
+            .push(l.delivery);
+        for &s in &l.sample_ids {
+            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
+        }
+    }
+    let twice = |deliveries: &Vec<u32>| {
+        let mut d = deliveries.clone();
+        d.sort_unstable();
+        d.windows(2).any(|w| w[0] == w[1])
+    };
+    let duplicated: HashSet<u64> = batches
+        .iter()
+        .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
+        .map(|(&b, _)| b)
+        .collect();
+    Accounting {
+        samples_trained: samples.len() as u64,
+        duplicated: duplicated.len() as u64,
+        samples_not_once: samples
+            .values()
+            .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
+            .count() as u64,
+    }
+}
+
+/// For the launcher: drafter `index` died holding a batch whose update the group applied in
+/// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
+/// unless its ledger already ends with it (it died between the write and the release). The
+/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
+pub fn record_retired(
+    run_dir: &Path,
+    index: u32,
+    meta: &shm_ring::ItemMeta,
+    payload: &[u8],
+    step: u64,
+) -> anyhow::Result<bool> {
+    let path = ledger_path(run_dir, index);
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let last: Option<LedgerLine> = text
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok());
+    if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
+        return Ok(false);
+    }
+    let view = BatchView::parse(payload)
+        .with_context(|| format!("reading retired batch {}", meta.batch_id))?;
+    let spec = &view.header().spec;
+    let line = LedgerLine {
+        batch_id: meta.batch_id,
+        sample_ids: spec.sample_ids.clone(),
+        tokens: spec.tokens(),
+        delivery: meta.delivery,
+        ticket: meta.ticket,
+        step,
+        digest: String::new(),
+        epoch: 0,
+    };
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .read(true)
+        .open(&path)
+        .with_context(|| format!("opening ledger {}", path.display()))?;
+    end_torn_line(&mut f)?;
+    let mut out = serde_json::to_string(&line)?;
+    out.push('\n');
+    f.write_all(out.as_bytes())
+        .with_context(|| format!("appending to {}", path.display()))?;
+    Ok(true)
+}
+
+/// The group's one checkpoint: weights, optimizer state and step.
+pub fn checkpoint_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints").join("drafter.safetensors")
 }
 
 /// Writes the state to a temporary file, syncs it, renames it over the checkpoint and syncs
 /// the directory: a crash leaves either the old checkpoint or the new one, never half of one.
-fn checkpoint(backend: &MockDrafter, ledger: &File, path: &Path) -> anyhow::Result<()> {
-    ledger.sync_data().context("syncing the ledger")?;
+fn checkpoint(backend: &MockDrafter, path: &Path) -> anyhow::Result<()> {
     let tmp = path.with_extension("safetensors.tmp");
     backend.save(&tmp)?;
     File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
     if let Some(dir) = path.parent() {
         File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
+/// (the launcher creates the group with them; the buffer adds one slot to the backend's).
+pub fn group_params(
+    cfg: &proto::PipelineConfig,
+    drafters: u32,
+    initial_step: u32,
+) -> collective::GroupParams {
+    let (grad, state) = MockDrafter::sizes(cfg.drafter.params as usize, cfg.model.hidden);
+    collective::GroupParams {
+        ranks: drafters,
+        buf_len: grad as u64 + 1,
+        state_len: state as u64,
+        initial_step,
+    }
+}
+
+/// What a rank brings to a step.
+enum Next<'c> {
+    /// A verified batch, held until the step's update is applied.
+    Batch(ReadSlot<'c>),
+    /// Nothing READY and the ring is closed, but batches are still held elsewhere.
+    Dry,
+    /// The ring has ended: nothing READY, written or held anywhere.
+    End,
+}
+
+/// Takes the batch for this step: waits while the targets may still publish, gives up at once
+/// once the ring is closed. Corrupt batches are refused (released) and counted.
+fn next_batch<'c>(
+    ring: &Ring,
+    consumer: &'c Consumer<'_>,
+    refused: &mut u64,
+) -> anyhow::Result<Next<'c>> {
+    loop {
+        // Closed: nothing more will be published, so a short look is enough; the batches still
+        // held by other ranks are theirs.
+        let closed = ring.is_closed();
+        let timeout = Duration::from_millis(if closed { 1 } else { 200 });
+        let slot = match consumer.take_timeout(timeout)? {
+            Take::Item(slot) => slot,
+            Take::End => return Ok(Next::End),
+            Take::TimedOut if closed => return Ok(Next::Dry),
+            Take::TimedOut => continue,
+        };
+        // The mock's copy-in is parsing and checksumming the batch in place.
+        consumer.enter(Phase::CopyIn);
+        let ok = BatchView::parse(slot.payload()).and_then(|v| v.verify());
+        consumer.enter(Phase::Other);
+        match ok {
+            Ok(()) => return Ok(Next::Batch(slot)),
+            Err(e) => {
+                tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
+                *refused += 1;
+                slot.release()?;
+            }
+        }
+    }
+}
+
+/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
+/// left it without its newline: end it, so it stays one unreadable line (its batch was not
+/// released, so it is redelivered) instead of swallowing our first line.
+fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = ledger.seek(SeekFrom::End(0))?;
+    if len == 0 {
+        return Ok(());
+    }
+    ledger.seek(SeekFrom::End(-1))?;
+    let mut last = [0u8];
+    ledger.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        ledger.write_all(b"\n")?;
     }
     Ok(())
 }
@@ -86,107 +299,297 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         std::fs::create_dir_all(s.run_dir.join(dir))
             .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
     }
-    let ckpt = checkpoint_path(&s.run_dir, s.index);
+    let ckpt = checkpoint_path(&s.run_dir);
     let mut backend = MockDrafter::new(
         Sim::new(cfg.drafter.tokens_per_s, cfg.faults_for(&s.name)),
         cfg.drafter.params as usize,
         cfg.model.hidden,
     );
-    if ckpt.exists() {
-        backend
-            .load(&ckpt)
-            .with_context(|| "restoring the drafter; move the file away to start fresh")?;
-        tracing::info!(step = backend.step(), path = %ckpt.display(), "restored checkpoint");
-    }
     let ledger_file = ledger_path(&s.run_dir, s.index);
     let mut ledger = OpenOptions::new()
         .create(true)
         .append(true)
+        .read(true)
         .open(&ledger_file)
         .with_context(|| format!("opening ledger {}", ledger_file.display()))?;
+    end_torn_line(&mut ledger)
+        .with_context(|| format!("repairing ledger {}", ledger_file.display()))?;
 
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
+    let group_name = proto::group_segment(&s.ring);
+    let group = ShmGroup::attach(&group_name, s.index)
+        .with_context(|| format!("attaching to the drafter group {group_name}"))?;
     let consumer = ring
         .consumer(s.index)
         .with_context(|| format!("registering as consumer {}", s.index))?;
     consumer.set_gpu(s.gpu);
     let epoch = consumer.epoch();
+    // Injected faults that place a kill inside the group protocol (first incarnation only, so
+    // the restarted rank gets through).
+    let faults = cfg.faults_for(&s.name);
+    let first = epoch == 1;
+    let die = |what: &str| -> ! {
+        tracing::error!("injected crash {what}");
+        std::process::abort();
+    };
+    let target_step = std::cell::Cell::new(0u64);
+    // Waits in the group beat for us, so the launcher does not take a long sync for a hang.
+    let beat = || {
+        consumer.heartbeat();
+        if first
+            && faults
+                .crash_in_sync_at
+                .is_some_and(|n| target_step.get() >= n)
+        {
+            die("inside the reduction");
+        }
+        false
+    };
+
+    let start = group.membership();
+    if start.contains(s.index) && !first {
+        bail!(
+            "restarted (incarnation {epoch}) but still a member of the drafter group: whoever \
+             restarts a drafter must remove it from the group first"
+        );
+    }
+    if start.contains(s.index) {
+        // A first incarnation: every rank starts from the same state, the checkpoint's if any.
+        if ckpt.exists() {
+            backend
+                .load(&ckpt)
+                .with_context(|| "restoring the drafter; move the file away to start fresh")?;
+        }
+        if backend.step() != u64::from(start.step) {
+            bail!(
+                "the group starts at step {} but the drafter's state is at step {} ({}): \
+                 a checkpoint from another run?",
+                start.step,
+                backend.step(),
+                ckpt.display()
+            );
+        }
+    } else {
+        // Our own fallback, should nobody be left to hand us the live state: the checkpoint.
+        if ckpt.exists() {
+            backend.load(&ckpt)?;
+        }
+        consumer.enter(Phase::Sync);
+        let mut state = vec![0u32; backend.state_words()];
+        // Marker file: the join fault fires in one incarnation only.
+        let marker = s.run_dir.join(format!("logs/.{}-crashed-in-join", s.name));
+        let joining = || {
+            consumer.heartbeat();
+            if faults.crash_in_join && !marker.exists() {
+                let _ = std::fs::write(&marker, b"");
+                die("while rejoining the group");
+            }
+            false
+        };
+        match group.join(&mut state, backend.step() as u32, &joining)? {
+            (m, Some(step)) => {
+                backend.import_state(&state)?;
+                tracing::info!(
+                    step,
+                    epoch = m.epoch,
+                    "joined the group with the leader's state"
+                );
+            }
+            (m, None) => tracing::warn!(
+                step = m.step,
+                "the group was empty: it goes on from the last checkpoint; updates after it \
+                 were lost with the ranks that made them"
+            ),
+        }
+        consumer.enter(Phase::Other);
+    }
     tracing::info!(ring = %s.ring, epoch, step = backend.step(), "attached");
 
+    let n = backend.grad_len();
+    // The summed buffer: the backend's gradient, loss sum and loss tokens, then "saw the end".
+    let mut grad = vec![0f32; n + 1];
+    let mut sum = vec![0f32; n + 1];
     let mut report = FinalReport::default();
-    let mut since_ckpt = 0u64;
     loop {
-        if s.stop.take_checkpoint_request() {
-            consumer.enter(Phase::Checkpoint);
-            checkpoint(&backend, &ledger, &ckpt)?;
+        let m = group.membership();
+        let leader = m.leader() == Some(s.index);
+        if leader && group.joiners_waiting() {
+            consumer.enter(Phase::Sync);
+            let admitted = group.admit_joiners(m.step, &backend.export_state())?;
+            if admitted != 0 {
+                tracing::info!(ranks = admitted, step = m.step, "admitted to the group");
+            }
             consumer.enter(Phase::Other);
         }
-        // A short timeout keeps checkpoint requests prompt; the wait is recorded by the ring.
-        let slot = match consumer.take_timeout(Duration::from_millis(200))? {
-            Take::Item(slot) => slot,
-            Take::End => break,
-            Take::TimedOut => continue,
-        };
-        let meta = *slot.meta();
-        // The mock's copy-in is parsing and checksumming the batch in place; the backend then
-        // checks the content as it trains. Either failure refuses the batch.
-        consumer.enter(Phase::CopyIn);
-        let view = BatchView::parse(slot.payload()).and_then(|v| v.verify().map(|()| v));
-        let trained = match view {
-            Ok(view) => {
-                consumer.enter(Phase::Compute);
-                let stats = backend.train_step(&view).map_err(|e| e.to_string());
-                stats.map(|st| (st, view.header().spec.sample_ids.clone()))
-            }
-            Err(e) => Err(e.to_string()),
-        };
-        consumer.enter(Phase::Other);
-        let (stats, sample_ids) = match trained {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::error!(batch = meta.batch_id, error = %e, "refusing a corrupt batch");
-                report.refused += 1;
-                slot.release()?;
-                continue;
-            }
-        };
-        let line = LedgerLine {
-            batch_id: meta.batch_id,
-            sample_ids,
-            tokens: stats.tokens,
-            delivery: meta.delivery,
-            step: stats.step,
-            epoch,
-        };
-        let mut text = serde_json::to_string(&line)?;
-        text.push('\n');
-        ledger
-            .write_all(text.as_bytes())
-            .with_context(|| format!("appending to {}", ledger_file.display()))?;
-        slot.release()?;
-        report.items += 1;
-        report.tokens += stats.tokens;
-        since_ckpt += 1;
-        if since_ckpt >= cfg.drafter.checkpoint_every {
+        if s.stop.take_checkpoint_request() && leader {
             consumer.enter(Phase::Checkpoint);
-            checkpoint(&backend, &ledger, &ckpt)?;
+            checkpoint(&backend, &ckpt)?;
             consumer.enter(Phase::Other);
-            since_ckpt = 0;
+        }
+        let next = next_batch(&ring, &consumer, &mut report.refused)?;
+        let (slot, ended) = match next {
+            Next::Batch(slot) => (Some(slot), false),
+            Next::Dry => (None, false),
+            Next::End => (None, true),
+        };
+        grad.fill(0.0);
+        let mut held = None;
+        let (mut batch, mut sample_ids, mut tokens) = (NO_BATCH, Vec::new(), 0);
+        if let Some(slot) = slot {
+            consumer.enter(Phase::Compute);
+            let got = BatchView::parse(slot.payload())
+                .map_err(|e| e.to_string())
+                .and_then(|view| {
+                    backend
+                        .gradient(&view, &mut grad[..n])
+                        .map_err(|e| e.to_string())?;
+                    let spec = &view.header().spec;
+                    Ok((spec.sample_ids.clone(), spec.tokens()))
+                });
+            consumer.enter(Phase::Other);
+            match got {
+                Ok((ids, t)) => {
+                    (batch, sample_ids, tokens) = (slot.meta().batch_id, ids, t);
+                    held = Some(slot);
+                }
+                Err(e) => {
+                    // Content the checksum did not catch: refuse it, train nothing from it.
+                    tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
+                    report.refused += 1;
+                    slot.release()?;
+                    grad.fill(0.0);
+                }
+            }
+        }
+        grad[n] = if ended { 1.0 } else { 0.0 };
+        consumer.enter(Phase::Sync);
+        target_step.set(u64::from(group.membership().step) + 1);
+        let red = group.all_reduce(&grad, batch, &mut sum, &beat)?;
+        if first
+            && held.is_some()
+            && faults
+                .crash_after_commit_at
+                .is_some_and(|k| u64::from(red.step) >= k)
+        {
+            die("after the group applied this rank's batch, before its ledger line");
+        }
+        consumer.enter(Phase::Compute);
+        let stats = backend.apply(&sum[..n]);
+        consumer.enter(Phase::Other);
+        if let Some(slot) = held {
+            let meta = *slot.meta();
+            let line = LedgerLine {
+                batch_id: meta.batch_id,
+                sample_ids,
+                tokens,
+                delivery: meta.delivery,
+                ticket: meta.ticket,
+                step: u64::from(red.step),
+                digest: format!("{:016x}", backend.digest()),
+                epoch,
+            };
+            let mut text = serde_json::to_string(&line)?;
+            text.push('\n');
+            ledger
+                .write_all(text.as_bytes())
+                .with_context(|| format!("appending to {}", ledger_file.display()))?;
+            slot.release()?;
+            report.items += 1;
+            report.tokens += line.tokens;
+        }
+        tracing::debug!(
+            step = red.step,
+            loss = stats.loss,
+            tokens = stats.tokens,
+            "step"
+        );
+        let everyone_ended = sum[n] as u32 == red.membership.len();
+        let every = cfg.drafter.checkpoint_every.max(1);
+        if everyone_ended || u64::from(red.step) % every == 0 {
+            consumer.enter(Phase::Checkpoint);
+            ledger.sync_data().context("syncing the ledger")?;
+            if red.membership.leader() == Some(s.index) {
+                checkpoint(&backend, &ckpt)?;
+            }
+            consumer.enter(Phase::Other);
+        }
+        if everyone_ended {
+            break;
         }
     }
-    consumer.enter(Phase::Checkpoint);
-    checkpoint(&backend, &ledger, &ckpt)?;
-    consumer.enter(Phase::Other);
     // The ring ended, so the drafter's part is complete even if a stop was requested.
     report.complete = true;
     tracing::info!(
         items = report.items,
         tokens = report.tokens,
         step = backend.step(),
+        digest = format!("{:016x}", backend.digest()),
         "drained"
     );
     if let Some(tx) = &s.to_launcher {
         let _ = tx.send(ToLauncher::Report(report));
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
+        LedgerLine {
+            batch_id,
+            sample_ids: samples.to_vec(),
+            tokens: 1,
+            delivery,
+            ticket,
+            step: 0,
+            digest: String::new(),
+            epoch: 1,
+        }
+    }
+
+    #[test]
+    fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
+        // Batch 1 trained by a drafter that died before releasing it, then again on its
+        // redelivery: at-least-once across a crash, not a duplicate.
+        let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
+        assert_eq!(
+            account(&redelivered),
+            Accounting {
+                samples_trained: 2,
+                duplicated: 0,
+                samples_not_once: 0
+            }
+        );
+        // Published twice (two tickets), or one delivery trained twice: duplicated, and the
+        // distinct-sample count alone would not show it.
+        for twice in [
+            [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
+            [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
+        ] {
+            let a = account(&twice);
+            assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
+            assert_eq!(a.samples_not_once, 2);
+        }
+    }
+
+    #[test]
+    fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
+        let dir = std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("ledger")).unwrap();
+        let path = ledger_path(&dir, 0);
+        let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
+        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
+        let mut f = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&path)
+            .unwrap();
+        end_torn_line(&mut f).unwrap();
+        f.write_all(format!("{whole}\n").as_bytes()).unwrap();
+        let (lines, torn) = read_ledgers(&dir, 1).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!((lines.len(), torn), (2, 1));
+    }
 }

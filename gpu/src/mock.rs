@@ -183,7 +183,15 @@ impl MockDrafter {
 
     /// The weights, Adam's two moments and the step, as u32 words: what a joining rank needs.
     pub fn state_words(&self) -> usize {
-        3 * self.weights.len() + 2
+        Self::sizes(self.weights.len(), self.hidden as u32).1
+    }
+
+    /// `(grad_len, state_words)` of a drafter built with `new(_, params, hidden)`, without
+    /// building one (the launcher sizes the group segment with it).
+    pub fn sizes(params: usize, hidden: u32) -> (usize, usize) {
+        let hidden = hidden.max(1) as usize;
+        let n = (params / hidden).max(1) * hidden;
+        (n + 2, 3 * n + 2)
     }
 }
 

@@ -8,6 +8,7 @@ pub mod monitor;
 mod output;
 mod reclaim;
 pub mod report;
+mod resume;
 mod signals;
 mod spawn;
 mod summary;
@@ -20,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
+use collective::ShmGroup;
 use proto::control::{self, FinalReport, ToWorker, WorkerRole};
 use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
@@ -35,8 +37,8 @@ pub mod exit {
     pub const ERROR: i32 = 1;
     /// Bad command line.
     pub const USAGE: i32 = 2;
-    /// The run ended but degraded: a worker gave up past its restart limit or samples were
-    /// left untrained; `summary.json` says why.
+    /// The run ended but degraded: a worker gave up past its restart limit, samples were left
+    /// untrained, or a batch was trained twice; `summary.json` says why.
     pub const DEGRADED: i32 = 3;
     /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
     pub const INTERRUPTED: i32 = 130;
@@ -80,6 +82,10 @@ pub struct Args {
     /// Pipeline config (TOML); every field has a default.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Continue the stopped or killed run in RUN_DIR from its group checkpoint, with its own
+    /// config and data: batches whose update is in the checkpoint are not trained again.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
+    pub resume: Option<PathBuf>,
     /// Training data: JSONL with input_ids (and optional loss_mask) per line.
     #[arg(long, conflicts_with = "synthetic")]
     pub data: Option<PathBuf>,
@@ -226,6 +232,7 @@ struct Prepared {
     params: shm_ring::RingParams,
     run_id: String,
     run_dir: PathBuf,
+    resume: Option<resume::Resume>,
 }
 
 /// Runs the launcher; returns the process exit code.
@@ -266,9 +273,19 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         ))
         .into());
     }
-    let mut cfg = match &args.config {
-        Some(p) => PipelineConfig::load(p)?,
-        None => PipelineConfig::default(),
+    let mut cfg = match (&args.resume, &args.config) {
+        (Some(dir), _) => {
+            let p = dir.join("config.toml");
+            if !p.is_file() {
+                bail!(
+                    "{} is not a run directory: it has no config.toml",
+                    dir.display()
+                );
+            }
+            PipelineConfig::load(&p).context("loading the run's config")?
+        }
+        (None, Some(p)) => PipelineConfig::load(p)?,
+        (None, None) => PipelineConfig::default(),
     };
     if let Some(p) = &args.data {
         cfg.data.path = Some(p.clone());
@@ -299,13 +316,23 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .unwrap_or(0),
         std::process::id()
     );
-    let run_dir = args
-        .run_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
-    prepare_run_dir(&run_dir)?;
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
-        .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+    let (run_dir, resume) = match &args.resume {
+        Some(dir) => {
+            let r = resume::check(dir, &cfg, nd, batches)
+                .with_context(|| format!("resuming {}", dir.display()))?;
+            (dir.clone(), Some(r))
+        }
+        None => {
+            let run_dir = args
+                .run_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
+            prepare_run_dir(&run_dir)?;
+            std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
+                .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+            (run_dir, None)
+        }
+    };
     Ok(Prepared {
         cfg,
         backend,
@@ -315,6 +342,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         params,
         run_id,
         run_dir,
+        resume,
     })
 }
 
@@ -329,6 +357,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         params,
         run_id,
         run_dir,
+        resume,
     } = prep;
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
@@ -341,10 +370,34 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     }
     let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
     // Declared before the ring, so dropped after it: while the ring exists, so does the record.
-    let _record = reclaim::register(&ring_name, &run_dir)
+    let group_name = proto::group_segment(&ring_name);
+    let _record = reclaim::register(&ring_name, std::slice::from_ref(&group_name), &run_dir)
         .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
         .ok();
     let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+    // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
+    let start_step = match &resume {
+        Some(r) => {
+            r.apply()?;
+            let n = ring
+                .mark_work_done(r.done.iter().copied())
+                .context("marking the checkpointed batches done")?;
+            println!(
+                "resuming {} from its checkpoint at step {}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
+                run_dir.display(),
+                r.step,
+                r.dropped
+            );
+            r.step
+        }
+        None => 0,
+    };
+    // The drafter group: one model trained by every drafter (see the collective crate).
+    let group = ShmGroup::create(
+        &group_name,
+        &drafter_worker::group_params(&cfg, nd, start_step),
+    )
+    .context("creating the drafter group")?;
     // For `shm-ring-stat --run-dir`.
     std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
@@ -501,7 +554,45 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                     Some(0) => w.phase = Phase::Done,
                     Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
                     _ => {
-                        let r = ring.recover(w.ring_id())?;
+                        // A drafter leaves the group first: survivors blocked in the reduction
+                        // go on without it, and we learn whether its batch is in an applied
+                        // update. If it still holds that batch, it is retired, not redelivered.
+                        let committed = if w.role == WorkerRole::Drafter {
+                            let gone = group.remove(w.index)?;
+                            gone.committed_batch.map(|b| (b, gone.membership.step))
+                        } else {
+                            None
+                        };
+                        let r = match committed {
+                            Some((batch, step)) => {
+                                let mut wrote = Ok(false);
+                                let r =
+                                    ring.recover_retiring(w.ring_id(), batch, |meta, payload| {
+                                        wrote = drafter_worker::record_retired(
+                                            &run_dir,
+                                            w.index,
+                                            meta,
+                                            payload,
+                                            u64::from(step),
+                                        );
+                                    })?;
+                                if r.retired > 0 {
+                                    let how = match wrote {
+                                        Ok(true) => "its ledger line written for it".to_string(),
+                                        Ok(false) => "its ledger line was already written".into(),
+                                        Err(e) => {
+                                            format!("its ledger line could not be written: {e:#}")
+                                        }
+                                    };
+                                    mon.say(&format!(
+                                        "{} died holding batch {batch}, whose update the group applied at step {step}: retired, not redelivered ({how})",
+                                        w.name()
+                                    ));
+                                }
+                                r
+                            }
+                            None => ring.recover(w.ring_id())?,
+                        };
                         let what = format!(
                             "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
                             w.name(),
@@ -614,8 +705,11 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         wall,
         &restarts,
     )?;
+    // Judged from the ledgers only (summary.rs): what was trained, and what twice.
     if exit_code == exit::OK
-        && (!notes.is_empty() || summary.samples_trained < summary.samples_total)
+        && (!notes.is_empty()
+            || summary.samples_trained < summary.samples_total
+            || summary.duplicated > 0)
     {
         exit_code = exit::DEGRADED;
         if summary.samples_trained < summary.samples_total {

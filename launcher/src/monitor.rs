@@ -180,7 +180,12 @@ impl Monitor {
     pub fn new(run_dir: &Path, total: u64, every: Duration, tee: &Tee) -> anyhow::Result<Monitor> {
         let path = run_dir.join("metrics.jsonl");
         let metrics =
-            File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+            // Appended: a resumed run adds to what the run wrote before.
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
         let bar = tee.terminal().map(|term| Bar {
             bar: ProgressBar::with_draw_target(
                 Some(total),

@@ -83,13 +83,15 @@ impl Drop for Registration {
 }
 
 /// Records this launcher, its run directory and its ring, before the ring is created.
-pub fn register(ring: &str, run_dir: &Path) -> anyhow::Result<Registration> {
+pub fn register(ring: &str, others: &[String], run_dir: &Path) -> anyhow::Result<Registration> {
     let dir = records_dir()?;
     let record = Record {
         launcher_pid: std::process::id(),
         run_dir: std::path::absolute(run_dir)
             .with_context(|| format!("resolving {}", run_dir.display()))?,
-        segments: vec![ring.to_string()],
+        segments: std::iter::once(ring.to_string())
+            .chain(others.iter().cloned())
+            .collect(),
     };
     let tmp = dir.join(format!(".{ring}.json.tmp"));
     let path = dir.join(format!("{ring}.json"));

@@ -5,7 +5,9 @@
 //! READY batches and slots in use against its capacity, tokens/s trained, one band per worker
 //! with its time by phase (compute at the bottom: the band's green height is its busy share),
 //! and the drafter's loss and acceptance length once the metrics carry them. Deaths, restarts,
-//! hangs and stops are marked at the time the launcher reported them.
+//! hangs and stops are marked at the time the launcher reported them; a resumed run
+//! (`--resume` appends to `metrics.jsonl`, its clock starting at 0 again) goes on where the
+//! earlier session ended, the take-over marked.
 //!
 //! A run that did not finish (stopped, crashed, its launcher killed) is drawn as far as its
 //! metrics go. Input that cannot be a run is refused with the file and line at fault: a missing
@@ -25,7 +27,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use shm_ring::screen::human_rate;
 
-use crate::monitor::Tick;
+use crate::monitor::{EventTick, Tick};
 
 /// Draw one picture of a run: ring occupancy against capacity, tokens/s, each worker's time
 /// by phase, deaths and restarts. Works on finished, stopped and crashed runs.
@@ -90,6 +92,7 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let mut reader = BufReader::new(file);
     let mut ticks: Vec<Tick> = Vec::new();
     let (mut n, mut read) = (0usize, 0usize);
+    let (mut last_raw, mut last_t, mut offset) = (0.0, 0.0, 0.0);
     let mut line = String::new();
     loop {
         line.clear();
@@ -105,7 +108,27 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             continue;
         }
         match serde_json::from_str::<Tick>(&line) {
-            Ok(t) => ticks.push(t),
+            Ok(mut t) => {
+                // A resumed run appends ticks whose clock starts again at 0: they go on from
+                // where the earlier session ended, and the restart is marked.
+                if t.t_s < last_raw {
+                    offset = last_t;
+                    t.events.insert(
+                        0,
+                        EventTick {
+                            t_s: 0.0,
+                            text: RESUMED.to_string(),
+                        },
+                    );
+                }
+                last_raw = t.t_s;
+                t.t_s += offset;
+                for e in &mut t.events {
+                    e.t_s += offset;
+                }
+                last_t = t.t_s;
+                ticks.push(t)
+            }
             Err(e) if e.is_eof() && !line.ends_with('\n') => bail!(
                 "{}:{n}: the last line is cut short ({e}): the file was truncated; remove that line to draw the {read} ticks before it",
                 path.display(),
@@ -181,6 +204,9 @@ fn thin(ticks: Vec<Tick>) -> Vec<Tick> {
     out
 }
 
+/// The event that marks where a resumed run's launcher took over.
+const RESUMED: &str = "resumed by launcher --resume";
+
 /// A mark on the time axis: something the launcher reported.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mark {
@@ -198,6 +224,8 @@ pub enum MarkKind {
     Hung,
     /// A stop signal, or the run stopping for lack of drafters.
     Stop,
+    /// A new launcher continued the run (`--resume`).
+    Resumed,
 }
 
 impl MarkKind {
@@ -208,6 +236,7 @@ impl MarkKind {
             MarkKind::GaveUp => "gave up",
             MarkKind::Hung => "hung",
             MarkKind::Stop => "stop",
+            MarkKind::Resumed => "resumed",
         }
     }
 
@@ -217,6 +246,7 @@ impl MarkKind {
             MarkKind::Hung => RGBColor(245, 124, 0),
             MarkKind::Restarted => RGBColor(46, 125, 50),
             MarkKind::Stop => RGBColor(97, 97, 97),
+            MarkKind::Resumed => RGBColor(30, 136, 229),
         }
     }
 }
@@ -247,6 +277,8 @@ pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
             } else {
                 continue;
             }
+        } else if e.text == RESUMED {
+            MarkKind::Resumed
         } else if e.text.starts_with("stopping")
             || e.text.starts_with("second signal")
             || e.text.starts_with("no drafter left")
@@ -809,6 +841,7 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             MarkKind::Restarted,
             MarkKind::Hung,
             MarkKind::Stop,
+            MarkKind::Resumed,
         ] {
             let color = kind.color();
             let (lx, ly) = room(26 + 7 * kind.word().len() as i32);

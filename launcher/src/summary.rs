@@ -1,12 +1,17 @@
 //! `summary.json`: what the run did, from the drafters' ledgers (what was trained) and the
 //! ring's telemetry (what moved, and where each worker's time went).
+//!
+//! The verdict (`ok`, and the degraded exit code) comes from the ledgers alone: samples
+//! trained, and batches trained more than once. The ring's counters (`published`,
+//! `redelivered`) are reported, never judged: a worker killed between a CAS and its counter
+//! update skews them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use drafter_worker::{ledger_path, LedgerLine};
+use drafter_worker::{account, read_ledgers};
 use serde::Serialize;
 use shm_ring::{Role, Snapshot};
 
@@ -29,12 +34,18 @@ pub struct Summary {
     pub samples_total: u64,
     /// Distinct samples in the drafters' ledgers.
     pub samples_trained: u64,
+    /// Batches whose training the ledgers record more than once by live drafters (published
+    /// twice, or one delivery trained twice); `ok` is false unless 0.
+    pub duplicated: u64,
     pub batches_total: u64,
     pub batches_published: u64,
     /// Ledger lines: batches trained, a redelivered one counted each time it was trained.
     pub batches_trained: u64,
+    /// From the ring's counter: telemetry, not judged.
     pub redelivered: u64,
     pub tokens_trained: u64,
+    /// Ledger lines that could not be read (a drafter killed mid-line).
+    pub torn_ledger_lines: u64,
     pub wall_s: f64,
     pub tokens_per_s: f64,
     pub backend: String,
@@ -54,21 +65,10 @@ pub fn build(
     wall: Duration,
     restarts: &HashMap<String, u32>,
 ) -> anyhow::Result<Summary> {
-    let mut samples = HashSet::new();
-    let (mut batches, mut tokens) = (0u64, 0u64);
-    for d in 0..drafters {
-        let path = ledger_path(run_dir, d);
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        for (i, line) in text.lines().enumerate() {
-            let l: LedgerLine = serde_json::from_str(line)
-                .with_context(|| format!("{}:{}: unreadable ledger line", path.display(), i + 1))?;
-            samples.extend(l.sample_ids);
-            batches += 1;
-            tokens += l.tokens;
-        }
-    }
+    let (lines, torn) = read_ledgers(run_dir, drafters)?;
+    let acct = account(&lines);
+    let batches = lines.len() as u64;
+    let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
     let wall_s = wall.as_secs_f64();
     let workers = snap
         .workers
@@ -97,12 +97,14 @@ pub fn build(
         ok: false,
         exit_code: 0,
         samples_total,
-        samples_trained: samples.len() as u64,
+        samples_trained: acct.samples_trained,
+        duplicated: acct.duplicated,
         batches_total: snap.work.total,
         batches_published: snap.counters.published,
         batches_trained: batches,
         redelivered: snap.counters.redelivered,
         tokens_trained: tokens,
+        torn_ledger_lines: torn,
         wall_s,
         tokens_per_s: if wall_s > 0.0 {
             tokens as f64 / wall_s
@@ -116,9 +118,21 @@ pub fn build(
     })
 }
 
-pub fn finalise(mut s: Summary, exit_code: i32, notes: Vec<String>) -> Summary {
+pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summary {
+    if s.duplicated > 0 {
+        notes.push(format!(
+            "{} batch(es) were trained more than once (see the ledgers)",
+            s.duplicated
+        ));
+    }
+    if s.torn_ledger_lines > 0 {
+        notes.push(format!(
+            "{} torn ledger line(s) ignored: a drafter was killed while writing",
+            s.torn_ledger_lines
+        ));
+    }
     s.exit_code = exit_code;
-    s.ok = exit_code == 0;
+    s.ok = exit_code == 0 && s.duplicated == 0;
     s.notes = notes;
     s
 }
@@ -136,13 +150,14 @@ pub fn write(run_dir: &Path, s: &Summary) -> anyhow::Result<()> {
 pub fn print(s: &Summary) {
     println!();
     println!(
-        "{} in {:.1}s: {}/{} samples trained, {} batches ({} redelivered), {:.0} tokens/s",
+        "{} in {:.1}s: {}/{} samples trained, {} batches ({} redelivered, {} duplicated), {:.0} tokens/s",
         if s.ok { "done" } else { "ended" },
         s.wall_s,
         s.samples_trained,
         s.samples_total,
         s.batches_trained,
         s.redelivered,
+        s.duplicated,
         s.tokens_per_s
     );
     println!(
@@ -165,4 +180,74 @@ pub fn print(s: &Summary) {
         println!("note: {n}");
     }
     println!("exit code {}", s.exit_code);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use drafter_worker::{ledger_path, LedgerLine};
+    use shm_ring::{Ring, RingParams, TakePolicy};
+
+    /// Issue #9, item 8: a batch trained twice by live drafters (published twice: two tickets)
+    /// makes `duplicated` 1 and `ok` false, although every sample appears and the distinct
+    /// sample count looks perfect. Before, samples were counted in a set and the run was ok.
+    #[test]
+    fn a_batch_trained_twice_is_counted_in_duplicated_and_the_run_is_not_ok() {
+        let dir = std::env::temp_dir().join(format!("hspipe-summary-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("ledger")).unwrap();
+        let line = |d: u32, batch_id: u64, ticket: u64| {
+            let l = LedgerLine {
+                batch_id,
+                sample_ids: vec![batch_id * 10, batch_id * 10 + 1],
+                tokens: 2,
+                delivery: 0,
+                ticket,
+                step: 1,
+                digest: String::new(),
+                epoch: 1,
+            };
+            let path = ledger_path(&dir, d);
+            let mut text = std::fs::read_to_string(&path).unwrap_or_default();
+            text += &(serde_json::to_string(&l).unwrap() + "\n");
+            std::fs::write(path, text).unwrap();
+        };
+        line(0, 0, 0);
+        line(0, 1, 1);
+        line(1, 1, 2);
+        let ring = Ring::create(
+            &format!("hspipe-u-{}-summary", std::process::id()),
+            &RingParams {
+                slots: 2,
+                slot_size: 64,
+                buckets: 1,
+                producers: 1,
+                consumers: 2,
+                held_per_consumer: 1,
+                policy: TakePolicy::Fifo,
+                seed: 1,
+                work_items: 2,
+            },
+        )
+        .unwrap();
+        let s = build(
+            &dir,
+            ring.name(),
+            "mock",
+            &ring.snapshot(),
+            4,
+            2,
+            Duration::from_secs(1),
+            &HashMap::new(),
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        let s = finalise(s.unwrap(), 0, Vec::new());
+        assert_eq!((s.samples_trained, s.samples_total), (4, 4));
+        assert_eq!(s.duplicated, 1);
+        assert!(!s.ok);
+        assert!(
+            s.notes[0].contains("trained more than once"),
+            "{:?}",
+            s.notes
+        );
+    }
 }

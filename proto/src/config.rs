@@ -36,6 +36,14 @@ pub struct Faults {
     pub slow: Option<f64>,
     /// Crash right after start-up, every time (a crash loop).
     pub crash_at_start: bool,
+    /// Drafters: crash while waiting in the group's reduction of step N or later (after this
+    /// rank contributed, before the step committed). First incarnation only.
+    pub crash_in_sync_at: Option<u64>,
+    /// Drafters: crash once the group applied step N (or later) and before this rank wrote its
+    /// ledger line and released its batch. First incarnation only.
+    pub crash_after_commit_at: Option<u64>,
+    /// Drafters: crash while waiting to rejoin the group, once.
+    pub crash_in_join: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -13,3 +13,9 @@ pub use batch::{
     BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
+
+/// The drafter group's shared-memory segment of the run whose ring is `ring` (the launcher
+/// creates it; drafters attach to it by this name).
+pub fn group_segment(ring: &str) -> String {
+    format!("{ring}-group")
+}

@@ -67,7 +67,7 @@ impl<T> std::ops::Deref for Padded<T> {
 /// Ring-wide counters and futex words, written by every worker.
 #[repr(C)]
 pub(crate) struct Control {
-    /// Publish tickets: FIFO order is ascending ticket.
+    /// Publish tickets, drawn just before each commit: FIFO serves the lowest it sees READY.
     pub next_ticket: Padded<AtomicU64>,
     /// Futex word consumers sleep on; bumped when an item becomes READY or the ring closes.
     pub ready_seq: Padded<AtomicU32>,
@@ -91,8 +91,6 @@ pub(crate) struct Control {
     pub aborted: Padded<AtomicU64>,
     /// Next never-claimed work item (a hint: the work table's CAS decides).
     pub work_cursor: Padded<AtomicU64>,
-    /// Work items returned by recovery, not yet claimed again.
-    pub work_redo: Padded<AtomicU64>,
 }
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the
@@ -110,6 +108,8 @@ pub(crate) struct SlotRecord {
     pub delivery: AtomicU32,
     pub producer: AtomicU32,
     /// Work item (+1) this slot's batch completes, 0 if none; see `core.rs`, "Work items".
+    /// Set only by the slot's writer while WRITING, cleared before every CAS to FREE, so a FREE
+    /// slot never carries an item.
     pub work_item: AtomicU64,
 }
 
@@ -120,6 +120,9 @@ pub const PHASES: usize = 8;
 /// it recovers it); read by anyone.
 #[repr(C, align(128))]
 pub(crate) struct WorkerRecord {
+    /// Who holds this worker id now: a [`Lease`] word, taken and given back by one CAS each.
+    /// The authority on registration; `state`, `pid` and `pid_start` below are telemetry.
+    pub lease: AtomicU64,
     pub role: AtomicU32,
     pub index: AtomicU32,
     pub gpu: AtomicU32,
@@ -148,11 +151,102 @@ pub(crate) const W_DONE: u32 = 2;
 pub(crate) const W_DEAD: u32 = 3;
 pub(crate) const W_RETIRED: u32 = 4;
 
-/// Work item states, as stored in the work table: unclaimed, done, or claimed by worker `id`
-/// (`WORK_CLAIMED + id`).
+/// A work-table word: `kind | a << 2 | b << 12`.
+///
+/// - FREE (0): nobody holds the item.
+/// - CLAIMED: `a` = the producer's worker id, `b` = the registration epoch that claimed it, so a
+///   stale incarnation of the same id can never complete or give back a claim it lost.
+/// - DONE: `a` = the slot that carries the item's batch, `b` = that slot's generation while it
+///   was WRITING. Recovery undoes a DONE only when it names exactly the WRITING slot it is
+///   freeing, so an old or stale `work_item` can never bring a published batch back.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct WorkWord(pub u64);
+
 pub(crate) const WORK_FREE: u64 = 0;
-pub(crate) const WORK_DONE: u64 = 1;
-pub(crate) const WORK_CLAIMED: u64 = 2;
+const WORK_CLAIMED: u64 = 1;
+const WORK_DONE: u64 = 2;
+const WORK_KIND_MASK: u64 = 0b11;
+const WORK_A_SHIFT: u32 = 2;
+const WORK_B_SHIFT: u32 = 12;
+const WORK_A_MASK: u64 = (1 << (WORK_B_SHIFT - WORK_A_SHIFT)) - 1;
+const WORK_B_MASK: u64 = (1 << (64 - WORK_B_SHIFT)) - 1;
+// Worker ids and slot indices must fit the 10-bit `a` field.
+const _: () = assert!(MAX_WORKERS as u64 - 1 <= WORK_A_MASK);
+const _: () = assert!(crate::params::MAX_SLOTS as u64 - 1 <= WORK_A_MASK);
+
+impl WorkWord {
+    pub(crate) fn claimed(owner: u32, epoch: u64) -> Self {
+        WorkWord(
+            WORK_CLAIMED
+                | (u64::from(owner) & WORK_A_MASK) << WORK_A_SHIFT
+                | (epoch & WORK_B_MASK) << WORK_B_SHIFT,
+        )
+    }
+    /// DONE by the batch in slot `idx` while its state word had generation `generation`.
+    pub(crate) fn done(idx: usize, generation: u64) -> Self {
+        WorkWord(
+            WORK_DONE
+                | (idx as u64 & WORK_A_MASK) << WORK_A_SHIFT
+                | (generation & WORK_B_MASK) << WORK_B_SHIFT,
+        )
+    }
+    /// DONE before the run started (a resumed run's item whose training is in its checkpoint).
+    /// No WRITING period can match it, so no recovery undoes it: its generation is the field's
+    /// largest value, which a slot's state word (40-bit generations) never reaches.
+    pub(crate) fn done_before() -> Self {
+        Self::done(0, WORK_B_MASK)
+    }
+    pub(crate) fn is_free(self) -> bool {
+        self.0 == WORK_FREE
+    }
+    pub(crate) fn is_done(self) -> bool {
+        self.0 & WORK_KIND_MASK == WORK_DONE
+    }
+    /// The claiming worker's id, if the item is CLAIMED.
+    pub(crate) fn claimer(self) -> Option<u32> {
+        (self.0 & WORK_KIND_MASK == WORK_CLAIMED)
+            .then_some(((self.0 >> WORK_A_SHIFT) & WORK_A_MASK) as u32)
+    }
+}
+
+/// A worker record's lease word: 0 when nobody holds the id, else
+/// `HELD | pid << 41 | start_ticks`, the pid and start time (clock ticks since boot, 41 bits:
+/// centuries) of the holding process. One word, so a registrant's CAS names the process
+/// completely: no reader can see a new pid paired with an old start time.
+///
+/// Staleness rule: a holder is gone when `/proc/<pid>` does not exist, is a zombie, or started at
+/// another time (the pid was recycled); see `sys::holder_alive`. Only processes of the creator's
+/// pid namespace and boot may attach for writing, so every judge sees every holder's pid.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Lease(pub u64);
+
+const LEASE_HELD: u64 = 1 << 63;
+const LEASE_PID_SHIFT: u32 = 41;
+/// Linux pids are below 2^22 (`PID_MAX_LIMIT`).
+pub(crate) const LEASE_PID_LIMIT: u32 = 1 << 22;
+pub(crate) const LEASE_START_MASK: u64 = (1 << LEASE_PID_SHIFT) - 1;
+
+impl Lease {
+    pub(crate) const FREE: Lease = Lease(0);
+
+    /// The lease of process `pid` started at `start_ticks` (0: unknown); None if `pid` does not
+    /// fit the word.
+    pub(crate) fn of(pid: u32, start_ticks: u64) -> Option<Lease> {
+        (pid < LEASE_PID_LIMIT).then_some(Lease(
+            LEASE_HELD | u64::from(pid) << LEASE_PID_SHIFT | (start_ticks & LEASE_START_MASK),
+        ))
+    }
+    pub(crate) fn is_held(self) -> bool {
+        self.0 & LEASE_HELD != 0
+    }
+    pub(crate) fn pid(self) -> u32 {
+        ((self.0 & !LEASE_HELD) >> LEASE_PID_SHIFT) as u32
+    }
+    /// The holder's start time in clock ticks, truncated to 41 bits; 0 if unknown.
+    pub(crate) fn start_ticks(self) -> u64 {
+        self.0 & LEASE_START_MASK
+    }
+}
 
 pub(crate) const ROLE_PRODUCER: u32 = 1;
 pub(crate) const ROLE_CONSUMER: u32 = 2;
@@ -186,7 +280,6 @@ pub(crate) mod heap {
             redelivered: Padded(u64s()),
             aborted: Padded(u64s()),
             work_cursor: Padded(u64s()),
-            work_redo: Padded(u64s()),
         }
     }
 
@@ -207,6 +300,7 @@ pub(crate) mod heap {
 
     pub(crate) fn worker() -> WorkerRecord {
         WorkerRecord {
+            lease: u64s(),
             role: u32s(),
             index: u32s(),
             gpu: u32s(),

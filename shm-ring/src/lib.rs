@@ -14,6 +14,18 @@
 //!   delivered again); [`Ring::retire`] counts a producer that will not return as finished.
 //! - **Telemetry in the segment**: per-worker time by [`Phase`] and ring counters, read with
 //!   [`Ring::snapshot`] without disturbing the run.
+//! - **Take policies**: FIFO serves the oldest publish ticket among the READY items one scan
+//!   sees (approximate across producers: a commit landing during the scan can be passed), or
+//!   bucketed by length class.
+//!
+//! # Trust
+//!
+//! A ring is created 0600 and attach refuses a segment that group or other users may open. But
+//! every process of the same uid can map it and write anything into it, payloads and state words
+//! alike, and so break the protocol (lose, duplicate or corrupt batches): the ring protects
+//! against crashes, not against a hostile or buggy process of the same user. Consumers check a
+//! checksum of each payload for that reason. Liveness is judged from `/proc`, so only processes
+//! of the creator's pid namespace and boot may attach for writing.
 //!
 //! Under `cfg(loom)` only the state machine is compiled, on heap memory, for the loom models.
 
@@ -37,6 +49,9 @@ mod sys;
 
 #[cfg(any(test, loom))]
 mod model;
+
+#[cfg(all(test, not(loom)))]
+mod crash_tests;
 
 pub use crate::core::{CommitMeta, ItemMeta, Recovered};
 pub use crate::layout::{MAX_WORKERS, PHASES};
@@ -197,6 +212,16 @@ pub enum RingError {
     },
     #[error("{id} is already registered by live process {pid}")]
     WorkerBusy { id: WorkerId, pid: u32 },
+    #[error("cannot recover {id}: it is registered by process {pid}, which is still running (recover a worker only once its process has exited)")]
+    WorkerAlive { id: WorkerId, pid: u32 },
+    #[error("process id {pid} does not fit the ring's lease word (Linux pids are below 2^22)")]
+    UnsupportedPid { pid: u32 },
+    #[error("slot {slot} already carries work item {item}: one work item per slot")]
+    SlotCarriesWork { slot: usize, item: u64 },
+    #[error("ring {name:?} has mode {mode:03o}: group or other users may open it, so its contents cannot be trusted (hspipe rings are 0600)")]
+    InsecureMode { name: String, mode: u32 },
+    #[error("ring {name:?} was created in another {what}: its workers' liveness cannot be judged from here")]
+    ForeignNamespace { name: String, what: &'static str },
     #[error(
         "this consumer already holds {held} item(s), the most the ring allows (held_per_consumer)"
     )]

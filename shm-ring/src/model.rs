@@ -5,10 +5,16 @@
 //! Capacities are tiny (one or two slots) so loom can explore every interleaving. Each slot's
 //! payload is a loom `UnsafeCell`: if the Release/Acquire pairs in `core.rs` did not order a
 //! writer's payload stores before a reader's loads, loom would report a data race.
+//!
+//! A SIGKILL is modelled by a thread that stops between two ring operations without cleaning
+//! up; the supervisor joins it (a process's exit happens before its reaping) and then recovers.
+//! Kills inside one operation are covered by the deterministic tests in `crash_tests.rs`, which
+//! do half an operation by hand.
 
-use crate::core::{CommitMeta, CoreParams, RingRef, TakeState, Taken};
-use crate::layout::{heap, Control, SlotRecord, WorkerRecord};
+use crate::core::{Claim, CommitMeta, CoreParams, RingRef, TakeState, Taken};
+use crate::layout::{heap, Control, Lease, SlotRecord, WorkWord, WorkerRecord};
 use crate::params::TakePolicy;
+use crate::sync::{AtomicU64, Ordering};
 
 #[cfg(loom)]
 use loom::cell::UnsafeCell;
@@ -33,9 +39,10 @@ impl<T> UnsafeCell<T> {
 
 pub(crate) struct HeapRing {
     params: CoreParams,
-    ctl: Control,
-    slots: Vec<SlotRecord>,
-    workers: Vec<WorkerRecord>,
+    pub(crate) ctl: Control,
+    pub(crate) slots: Vec<SlotRecord>,
+    pub(crate) workers: Vec<WorkerRecord>,
+    pub(crate) work: Vec<AtomicU64>,
     payload: Vec<UnsafeCell<u64>>,
 }
 
@@ -47,6 +54,17 @@ unsafe impl Send for HeapRing {}
 
 impl HeapRing {
     pub(crate) fn new(slots: usize, producers: u32, consumers: u32, policy: TakePolicy) -> Self {
+        Self::with_work(slots, producers, consumers, policy, 0)
+    }
+
+    /// A ring with a work table of `items` items.
+    pub(crate) fn with_work(
+        slots: usize,
+        producers: u32,
+        consumers: u32,
+        policy: TakePolicy,
+        items: usize,
+    ) -> Self {
         HeapRing {
             params: CoreParams {
                 producers,
@@ -56,6 +74,7 @@ impl HeapRing {
             ctl: heap::control(),
             slots: (0..slots).map(|_| heap::slot()).collect(),
             workers: (0..producers + consumers).map(|_| heap::worker()).collect(),
+            work: (0..items).map(|_| AtomicU64::new(0)).collect(),
             payload: (0..slots).map(|_| UnsafeCell::new(0)).collect(),
         }
     }
@@ -66,22 +85,97 @@ impl HeapRing {
             ctl: &self.ctl,
             slots: &self.slots,
             workers: &self.workers,
-            work: &[],
+            work: &self.work,
         }
+    }
+
+    /// Registers worker `id` for incarnation `inc` (a stand-in process), whose predecessors are
+    /// all gone; returns the epoch.
+    pub(crate) fn register(&self, id: u32, inc: u32) -> u64 {
+        self.r().register(id, process(id, inc), |_| false).unwrap()
+    }
+
+    /// The supervisor recovers worker `id`, whose process is gone.
+    pub(crate) fn recover(&self, id: u32) -> crate::core::Recovered {
+        self.r().recover(id, SUPERVISOR, |_| false, None).unwrap()
+    }
+
+    /// Producer `id` writes `item` into a slot it reserves.
+    pub(crate) fn write(&self, id: u32, item: u64) -> Claim {
+        let c = self.r().reserve(id, None).unwrap().unwrap();
+        // SAFETY: slot `c.idx` is WRITING and owned by `id`.
+        self.payload[c.idx].with_mut(|p| unsafe { *p = item });
+        c
+    }
+
+    /// Producer `id` (incarnation `epoch`) publishes work item `item`, which it claimed.
+    pub(crate) fn deliver(&self, id: u32, epoch: u64, item: u64) {
+        let c = self.write(id, item);
+        self.r().complete_work(id, epoch, c, item).unwrap();
+        self.publish(id, c, item);
+    }
+
+    /// Publishes `item` from slot `c`.
+    pub(crate) fn publish(&self, id: u32, c: Claim, item: u64) {
+        let meta = CommitMeta {
+            bucket: (item % 2) as u32,
+            tokens: 1,
+            batch_id: item,
+            checksum: item,
+        };
+        self.r().commit(id, c, 8, meta).unwrap();
+    }
+
+    /// Producer `id` claims and publishes work items until none is left, following `script`
+    /// for its first item. Returns false if the script killed it.
+    pub(crate) fn produce_work(&self, id: u32, epoch: u64, mut script: Script) -> bool {
+        while let Some(item) = self.r().claim_work(id, epoch) {
+            let first = std::mem::replace(&mut script, Script::Normal);
+            if first == Script::DieAfterClaim {
+                return false;
+            }
+            let c = self.write(id, item);
+            if first == Script::DieAfterReserve {
+                return false;
+            }
+            self.r().complete_work(id, epoch, c, item).unwrap();
+            match first {
+                Script::DieAfterComplete => return false,
+                Script::AbortAfterComplete => {
+                    self.r().abort(id, c);
+                    continue;
+                }
+                _ => {}
+            }
+            self.publish(id, c, item);
+        }
+        true
+    }
+
+    /// Batch ids in READY slots, sorted.
+    pub(crate) fn ready_batches(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = (0..self.slots.len())
+            .filter(|&i| {
+                crate::layout::Word(self.slots[i].state.load(Ordering::Acquire)).state()
+                    == crate::layout::READY
+            })
+            .map(|i| self.r().item_meta(i).batch_id)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// True if every work item is DONE.
+    pub(crate) fn all_work_done(&self) -> bool {
+        self.work
+            .iter()
+            .all(|w| WorkWord(w.load(Ordering::Relaxed)).is_done())
     }
 
     /// Producer `id` publishes `value` (also its batch id), blocking while the ring is full.
     pub(crate) fn produce(&self, id: u32, value: u64) {
-        let c = self.r().reserve(id, None).unwrap().unwrap();
-        // SAFETY: slot `c.idx` is WRITING and owned by `id`.
-        self.payload[c.idx].with_mut(|p| unsafe { *p = value });
-        let meta = CommitMeta {
-            bucket: (value % 2) as u32,
-            tokens: 1,
-            batch_id: value,
-            checksum: value,
-        };
-        self.r().commit(id, c, 8, meta).unwrap();
+        let c = self.write(id, value);
+        self.publish(id, c, value);
     }
 
     /// Consumer `id` takes one item and checks its payload matches its metadata. Returns
@@ -103,6 +197,25 @@ impl HeapRing {
             Taken::TimedOut => unreachable!("no deadline"),
         }
     }
+}
+
+/// The lease of a stand-in process: incarnation `inc` of worker `id`.
+pub(crate) fn process(id: u32, inc: u32) -> Lease {
+    Lease::of(1 + id * 64 + inc, 0).unwrap()
+}
+
+/// The stand-in supervisor process.
+pub(crate) const SUPERVISOR: Lease = Lease(1 << 63 | 99_999 << 41);
+
+/// What a producer in a model does with its first work item: carry on, or stop (die) after a
+/// step, or abort the slot after marking the item done and carry on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Script {
+    Normal,
+    DieAfterClaim,
+    DieAfterReserve,
+    DieAfterComplete,
+    AbortAfterComplete,
 }
 
 #[cfg(loom)]
@@ -232,14 +345,145 @@ fn recovery_redelivers_a_dead_consumers_item_and_frees_a_dead_writers_slot() {
                 got
             })
         };
-        let r1 = ring.r().recover(1);
+        let r1 = ring.recover(1);
         assert_eq!((r1.freed, r1.requeued), (1, 0));
         assert!(
             ring.r().retire(1),
             "retiring the last producer closes the ring"
         );
-        let ra = ring.r().recover(2);
+        let ra = ring.recover(2);
         assert_eq!((ra.freed, ra.requeued), (0, 1));
         assert_eq!(b.join().unwrap(), vec![(30, 1)]);
     });
+}
+
+/// The work table with a producer killed at each step (or aborting after `complete_work`) while
+/// another producer claims and publishes, the supervisor recovering the victim as soon as it is
+/// gone and restarting it: every item is published exactly once and ends DONE.
+///
+/// Fails on the code before issue #9 (checked once against it, LOOM_MAX_PREEMPTIONS=2): at
+/// `DieAfterClaim` loom stops with "Model exceeded maximum number of branches": the count of
+/// returned items that the old claim trusted went wrong when a redo scan took a fresh item whose
+/// cursor holder was preempted before its CAS, and a producer spun in the redo loop (the same
+/// scan is what strands an item in `crash_tests::a_returned_item_is_claimed_after_a_scan_took_a_fresh_one`);
+/// `AbortAfterComplete` loses an item (the aborted slot went FREE with its item DONE).
+#[test]
+fn work_items_are_published_once_whatever_step_a_producer_dies_at() {
+    for script in [
+        Script::DieAfterClaim,
+        Script::DieAfterReserve,
+        Script::DieAfterComplete,
+        Script::AbortAfterComplete,
+    ] {
+        run_model(move || {
+            // Producers 0 and 1, no consumer; two slots hold both items.
+            let ring = Arc::new(HeapRing::with_work(2, 2, 1, TakePolicy::Fifo, 2));
+            let e0 = ring.register(0, 0);
+            let e1 = ring.register(1, 0);
+            let live = {
+                let ring = ring.clone();
+                thread::spawn(move || assert!(ring.produce_work(0, e0, Script::Normal)))
+            };
+            let victim = {
+                let ring = ring.clone();
+                thread::spawn(move || ring.produce_work(1, e1, script))
+            };
+            if !victim.join().unwrap() {
+                ring.recover(1);
+                let e = ring.register(1, 1);
+                assert!(ring.produce_work(1, e, Script::Normal));
+            }
+            live.join().unwrap();
+            assert_eq!(ring.ready_batches(), vec![0, 1], "{script:?}");
+            assert!(ring.all_work_done(), "{script:?}");
+        });
+    }
+}
+
+/// Registration is one CAS: two processes registering one id at once never both succeed, and
+/// when the previous holder is dead exactly one takes over, cleaning up what it left (its
+/// claimed item goes back once) and starting the next epoch.
+///
+/// Fails on the code before issue #9 (checked once, LOOM_MAX_PREEMPTIONS=2, against a
+/// transcription of its check-then-store `Ring::register`): both registrants win.
+#[test]
+fn two_registrations_of_one_id_never_both_win() {
+    for predecessor_dead in [false, true] {
+        run_model(move || {
+            let ring = Arc::new(HeapRing::with_work(1, 1, 1, TakePolicy::Fifo, 1));
+            if predecessor_dead {
+                let e = ring.register(0, 0);
+                assert_eq!(ring.r().claim_work(0, e), Some(0));
+                // It dies holding the claim and its lease; nobody has recovered it.
+            }
+            let dead = process(0, 0);
+            let alive = move |l: Lease| l != dead;
+            let contenders: Vec<_> = [1, 2]
+                .into_iter()
+                .map(|inc| {
+                    let ring = ring.clone();
+                    thread::spawn(move || ring.r().register(0, process(0, inc), alive).ok())
+                })
+                .collect();
+            let won: Vec<u64> = contenders
+                .into_iter()
+                .filter_map(|t| t.join().unwrap())
+                .collect();
+            let first = u64::from(predecessor_dead) + 1;
+            assert_eq!(
+                won,
+                vec![first],
+                "exactly one registrant wins, with the next epoch"
+            );
+            // The winner may claim the item again: it went back exactly once.
+            assert_eq!(ring.r().claim_work(0, first), Some(0));
+            assert_eq!(ring.r().claim_work(0, first), None);
+        });
+    }
+}
+
+/// The work table through ONE slot with a consumer, so a batch reuses the slot the consumer
+/// released (which clears its work-item link): producer 1 publishes one item, then dies after
+/// reserving the slot again, or after marking its second item done in it; the supervisor
+/// recovers and restarts it while the consumer drains. Both items are delivered exactly once,
+/// then end of stream.
+#[test]
+fn work_items_survive_slot_reuse_with_a_consumer() {
+    for script in [Script::DieAfterReserve, Script::DieAfterComplete] {
+        run_model(move || {
+            // Producer 1 only (producer 0 has finished), consumer 2, one slot, two items.
+            let ring = Arc::new(HeapRing::with_work(1, 2, 1, TakePolicy::Fifo, 2));
+            ring.r().finish(0);
+            let e1 = ring.register(1, 0);
+            let victim = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let item = ring.r().claim_work(1, e1).unwrap();
+                    ring.deliver(1, e1, item);
+                    ring.produce_work(1, e1, script)
+                })
+            };
+            let consumer = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let mut st = TakeState::new(5, 2);
+                    let mut got = Vec::new();
+                    while let Some((v, _, c)) = ring.consume(2, &mut st) {
+                        got.push(v);
+                        ring.r().release(2, c).unwrap();
+                    }
+                    got
+                })
+            };
+            assert!(!victim.join().unwrap());
+            ring.recover(1);
+            let e = ring.register(1, 1);
+            assert!(ring.produce_work(1, e, Script::Normal));
+            ring.r().finish(1);
+            let mut got = consumer.join().unwrap();
+            got.sort();
+            assert_eq!(got, vec![0, 1], "{script:?}");
+            assert!(ring.all_work_done(), "{script:?}");
+        });
+    }
 }

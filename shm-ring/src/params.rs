@@ -16,7 +16,10 @@ pub const MAX_WORK_ITEMS: u64 = 1 << 26;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TakePolicy {
-    /// Oldest publish ticket first.
+    /// The oldest publish ticket among the READY items one scan sees; every item committed
+    /// before the take began is seen. Tickets are drawn just before a commit, so across
+    /// concurrent producers the order is approximate: a commit that lands during a take's scan
+    /// can be passed over for a younger item, and a ticket drawn early can be committed late.
     Fifo,
     /// Serve only once `min_ready` items are READY (waived once the ring is closed), then choose a
     /// bucket by `pick` and a random item in it (seeded per consumer): more diverse batches and
@@ -65,6 +68,24 @@ pub struct RingParams {
     /// producers take more and a dead producer's claims are redone. 0: no work table.
     #[serde(default)]
     pub work_items: u64,
+}
+
+#[cfg(test)]
+impl RingParams {
+    /// The smallest valid ring, for unit tests: one producer, one consumer, two 64-byte slots.
+    pub(crate) fn tiny_fifo() -> RingParams {
+        RingParams {
+            slots: 2,
+            slot_size: 64,
+            buckets: 1,
+            producers: 1,
+            consumers: 1,
+            held_per_consumer: 1,
+            policy: TakePolicy::Fifo,
+            seed: 1,
+            work_items: 0,
+        }
+    }
 }
 
 impl Default for RingParams {

@@ -5,8 +5,10 @@
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
-use crate::core::{Claim, CommitMeta, CoreParams, ItemMeta, Recovered, RingRef, TakeState, Taken};
-use crate::layout::{W_ALIVE, W_DONE};
+use crate::core::{
+    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
+};
+use crate::layout::{Lease, LEASE_START_MASK};
 use crate::segment::{self, Creator, Segment, NO_GPU};
 use crate::sync::Ordering;
 use crate::{sys, Phase, RingError, RingParams, Role, WorkerId};
@@ -75,9 +77,11 @@ impl Ring {
         self.seg.creator()
     }
 
-    /// True if the ring's creator has exited: nobody will clean it up, and `--gc` may remove it.
+    /// True if the ring's creator is known to be gone: nobody will clean it up, and `--gc` may
+    /// remove it. False while it runs, and when this process cannot judge (another pid
+    /// namespace; see [`Creator::liveness`]).
     pub fn is_stale(&self) -> bool {
-        !self.seg.creator().alive()
+        self.seg.creator().liveness() == Some(false)
     }
 
     /// True once every expected producer has finished or been retired.
@@ -138,38 +142,35 @@ impl Ring {
         }
     }
 
-    /// Registers this process as worker `id`. A worker record left ALIVE by a process that has
-    /// since died is recovered first, so a restarted worker cleans up after its predecessor even
-    /// without a supervisor.
+    /// Registers this process as worker `wid`: one CAS takes the id's lease (see
+    /// `layout::Lease`), refused while another live process, or this one, holds it. Whatever
+    /// earlier incarnations left (a dead one's slots and claims) is recovered first, so a
+    /// restarted worker cleans up after its predecessor even without a supervisor.
     fn register(&self, wid: WorkerId) -> Result<Worker<'_>, RingError> {
         self.writable()?;
         let id = self.id_of(wid)?;
+        let me = my_lease()?;
         let core = self.core_ref();
+        let epoch =
+            core.register(id, me, holder_alive)
+                .map_err(|holder| RingError::WorkerBusy {
+                    id: wid,
+                    pid: holder.pid(),
+                })?;
         let rec = core.worker(id);
-        let me = sys::pid();
         let r = Ordering::Relaxed;
-        if rec.state.load(r) == W_ALIVE {
-            let pid = rec.pid.load(r);
-            let start = rec.pid_start.load(r);
-            if pid != me && sys::process_alive(pid, start) {
-                return Err(RingError::WorkerBusy { id: wid, pid });
-            }
-            if pid != me {
-                core.recover(id);
-            }
-        }
-        rec.pid.store(me, r);
+        rec.pid.store(me.pid(), r);
         rec.pid_start
-            .store(sys::process_start_ticks(me).unwrap_or(0), r);
-        rec.epoch.fetch_add(1, r);
+            .store(sys::process_start_ticks(me.pid()).unwrap_or(0), r);
         rec.registered_ns.store(sys::monotonic_ns(), r);
-        rec.state.store(W_ALIVE, r);
         core.heartbeat(id);
         core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,
             id,
             wid,
+            lease: me,
+            epoch,
         })
     }
 
@@ -191,21 +192,130 @@ impl Ring {
         })
     }
 
-    /// For the supervisor, after worker `id`'s process has exited: its WRITING slots become FREE
-    /// and its READING slots READY again, delivery count + 1.
+    /// For the supervisor, once worker `id`'s process has exited: its WRITING slots become FREE
+    /// (with the work items they carried), its READING slots READY again with delivery count +
+    /// 1, and the work items it claimed FREE.
+    ///
+    /// Refuses ([`RingError::WorkerAlive`]) while the id is registered by a running process,
+    /// and always while it is registered by this process: its handles may be in use, and
+    /// freeing their slots would let two writers share a payload. A zombie (exited, not yet
+    /// reaped) counts as gone. Safe to call again, also after a recovery that was itself
+    /// interrupted.
     pub fn recover(&self, id: WorkerId) -> Result<Recovered, RingError> {
+        self.recover_with(id, holder_alive)
+    }
+
+    /// [`Ring::recover`] without the liveness check: recovers worker `id` even if the process
+    /// that registered it, this one included, still runs. For supervisors that know better than
+    /// `/proc`, and for tests that stand in for a crash by forgetting a worker's handles.
+    ///
+    /// # Safety
+    ///
+    /// No handle of worker `id` ([`Producer`], [`Consumer`], [`WriteSlot`], [`ReadSlot`]) may be
+    /// used after this call, in any process: its process has exited, or every such handle was
+    /// leaked (`std::mem::forget`) and is unreachable. Otherwise a slot it still writes or reads
+    /// can be handed to another worker, and two processes touch one payload at once.
+    pub unsafe fn recover_unchecked(&self, id: WorkerId) -> Result<Recovered, RingError> {
+        self.recover_with(id, |_| false)
+    }
+
+    /// [`Ring::recover`] for a consumer that may hold a batch whose training is known to be
+    /// applied (a drafter group committed the update that used it before the consumer died):
+    /// that slot is freed as a release would free it, not delivered again, after `on_retired`
+    /// has read its meta and payload (e.g. to write the ledger line the dead consumer could
+    /// not). Everything else is recovered as by [`Ring::recover`].
+    pub fn recover_retiring(
+        &self,
+        wid: WorkerId,
+        batch_id: u64,
+        mut on_retired: impl FnMut(&ItemMeta, &[u8]),
+    ) -> Result<Recovered, RingError> {
+        let seg = self.segment();
+        let mut before = |idx: usize, meta: ItemMeta| {
+            let ptr = seg.payload_ptr(idx);
+            let len = (meta.len as usize).min(seg.params().slot_size as usize);
+            // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
+            // process is gone), so no process writes these bytes until the CAS that frees the
+            // slot, which happens after this call returns; `len` is capped at the slot's
+            // capacity, inside the mapping, which outlives this call.
+            let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+            on_retired(&meta, payload);
+        };
+        let mut retire = Retire {
+            batch_id,
+            before: &mut before,
+        };
+        self.recover_inner(wid, holder_alive, Some(&mut retire))
+    }
+
+    /// For the creator of a resumed run, before any producer starts: counts work `items` as
+    /// done (their batches' training is in the checkpoint), so no producer claims them. Returns
+    /// how many were newly marked; an item out of range is an error naming it.
+    pub fn mark_work_done(&self, items: impl IntoIterator<Item = u64>) -> Result<u64, RingError> {
         self.writable()?;
-        let id = self.id_of(id)?;
-        Ok(self.core_ref().recover(id))
+        let core = self.core_ref();
+        let mut n = 0;
+        for item in items {
+            n += u64::from(core.mark_done_before(item)?);
+        }
+        Ok(n)
+    }
+
+    fn recover_with(
+        &self,
+        wid: WorkerId,
+        holder_alive: impl Fn(Lease) -> bool,
+    ) -> Result<Recovered, RingError> {
+        self.recover_inner(wid, holder_alive, None)
+    }
+
+    fn recover_inner(
+        &self,
+        wid: WorkerId,
+        holder_alive: impl Fn(Lease) -> bool,
+        retire: Option<&mut Retire<'_>>,
+    ) -> Result<Recovered, RingError> {
+        self.writable()?;
+        let id = self.id_of(wid)?;
+        let me = my_lease()?;
+        self.core_ref()
+            .recover(id, me, holder_alive, retire)
+            .map_err(|holder| RingError::WorkerAlive {
+                id: wid,
+                pid: holder.pid(),
+            })
     }
 
     /// For the supervisor: counts producer `index`, which will not come back, as finished so the
-    /// ring still closes. Call [`Ring::recover`] first. Returns true if this closed the ring.
+    /// ring still closes. Call [`Ring::recover`] first. Refuses a producer whose process runs.
+    /// Returns true if this closed the ring.
     pub fn retire(&self, index: u32) -> Result<bool, RingError> {
         self.writable()?;
-        let id = self.id_of(WorkerId::producer(index))?;
-        Ok(self.core_ref().retire(id))
+        let wid = WorkerId::producer(index);
+        let id = self.id_of(wid)?;
+        let core = self.core_ref();
+        if let Some(holder) = core.live_holder(id, holder_alive) {
+            return Err(RingError::WorkerAlive {
+                id: wid,
+                pid: holder.pid(),
+            });
+        }
+        Ok(core.retire(id))
     }
+}
+
+/// This process's lease word.
+fn my_lease() -> Result<Lease, RingError> {
+    let pid = sys::pid();
+    Lease::of(pid, sys::process_start_ticks(pid).unwrap_or(0))
+        .ok_or(RingError::UnsupportedPid { pid })
+}
+
+/// The staleness rule (see `sys::holder_alive`), with this process always counted alive: its
+/// own registrations are live handles, whatever `/proc` says.
+fn holder_alive(holder: Lease) -> bool {
+    holder.pid() == sys::pid()
+        || sys::holder_alive(holder.pid(), holder.start_ticks(), LEASE_START_MASK)
 }
 
 /// What producers and consumers share: a registration in the worker table.
@@ -213,6 +323,10 @@ struct Worker<'r> {
     ring: &'r Ring,
     id: u32,
     wid: WorkerId,
+    /// This process's lease word, which holds the id while this handle lives.
+    lease: Lease,
+    /// The registration epoch; tags this incarnation's work claims.
+    epoch: u64,
 }
 
 impl Worker<'_> {
@@ -230,19 +344,15 @@ impl Worker<'_> {
             .store(gpu.unwrap_or(NO_GPU), Ordering::Relaxed);
     }
     fn epoch(&self) -> u64 {
-        self.core().worker(self.id).epoch.load(Ordering::Relaxed)
+        self.epoch
     }
 }
 
 impl Drop for Worker<'_> {
+    /// Leaves cleanly: the id is free for the next registration. Slots whose guards were leaked
+    /// stay as they are until that registration, or a recovery, cleans them up.
     fn drop(&mut self) {
-        self.core().enter(self.id, None);
-        let _ = self.core().worker(self.id).state.compare_exchange(
-            W_ALIVE,
-            W_DONE,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
+        self.core().unregister(self.id, self.lease);
     }
 }
 
@@ -332,15 +442,17 @@ impl<'r> Producer<'r> {
     }
 
     /// Claims the next unit of work (see [`RingParams::work_items`]): faster producers claim
-    /// more, and items a dead producer held come back once the fresh ones run out. `None` when
-    /// every item is claimed or done.
+    /// more, and items given back (by a dead producer's recovery, an aborted slot or
+    /// [`Producer::unclaim_work`]) are claimed once the fresh ones run out. `None` when one scan
+    /// of the table found every item claimed or done: the producer should finish. It never
+    /// blocks or spins.
     pub fn claim_work(&self) -> Option<u64> {
-        self.w.core().claim_work(self.w.id)
+        self.w.core().claim_work(self.w.id, self.w.epoch)
     }
 
     /// Gives back a claimed item this producer will not do (e.g. it is stopping early).
     pub fn unclaim_work(&self, item: u64) -> Result<(), RingError> {
-        self.w.core().unclaim_work(self.w.id, item)
+        self.w.core().unclaim_work(self.w.id, self.w.epoch, item)
     }
 
     /// Declares that this producer will publish nothing more. The last expected producer to
@@ -350,7 +462,8 @@ impl<'r> Producer<'r> {
     }
 }
 
-/// A slot being written. Dropping it without [`WriteSlot::commit`] gives the slot back unpublished.
+/// A slot being written. Dropping it without [`WriteSlot::commit`] gives the slot back
+/// unpublished, and the work item it completed (if any) back to the work table.
 pub struct WriteSlot<'p> {
     p: &'p Producer<'p>,
     claim: Claim,
@@ -376,10 +489,14 @@ impl WriteSlot<'_> {
     }
 
     /// Records that this slot's batch completes work item `item`, which this producer claimed.
-    /// The item counts as done exactly when the batch is committed: if the producer dies before
-    /// [`WriteSlot::commit`], recovery returns the item to be claimed again.
+    /// The item counts as done exactly when the batch is committed: if the slot is dropped
+    /// (aborted) or the producer dies before [`WriteSlot::commit`], the item goes back to be
+    /// claimed again, by any producer. One item per slot.
     pub fn complete_work(&mut self, item: u64) -> Result<(), RingError> {
-        self.p.w.core().complete_work(self.p.w.id, self.claim, item)
+        self.p
+            .w
+            .core()
+            .complete_work(self.p.w.id, self.p.w.epoch, self.claim, item)
     }
 
     /// Publishes the payload as READY with its metadata.

@@ -20,8 +20,9 @@ use crate::RingError;
 
 /// "hspipeR1" in ASCII.
 const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
-/// Bumped whenever any shared type changes shape.
-pub const LAYOUT_VERSION: u32 = 1;
+/// Bumped whenever any shared type changes shape or meaning. 2: worker leases, tagged work
+/// words, the creator's pid namespace and boot.
+pub const LAYOUT_VERSION: u32 = 2;
 /// Every hspipe ring's name starts with this; `--list` and `--gc` look for it.
 pub const NAME_PREFIX: &str = "hspipe-";
 /// A `gpu` field value meaning "not set".
@@ -55,6 +56,11 @@ pub(crate) struct Header {
     payload_off: AtomicU64,
     work_items: AtomicU64,
     work_off: AtomicU64,
+    /// The creator's pid namespace inode and boot id (0: unknown): what a judge of the creator's
+    /// liveness must share with it to trust `/proc`.
+    creator_pidns: AtomicU64,
+    creator_boot_hi: AtomicU64,
+    creator_boot_lo: AtomicU64,
 }
 
 /// Byte offsets of each region, computed from the parameters.
@@ -105,12 +111,57 @@ pub struct Creator {
     #[serde(skip)]
     pub start_ticks: u64,
     pub created_unix_ns: u64,
+    /// Inode of the creator's pid namespace (0: unknown).
+    pub pid_namespace: u64,
+    /// The creator's boot id (0: unknown).
+    #[serde(skip)]
+    pub boot_id: u128,
+}
+
+/// Whether this process's pid namespace and boot are those of a ring's creator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kinship {
+    /// Same boot and pid namespace: `/proc` shows the creator's processes as they are.
+    Same,
+    /// Another boot: every process of the creator's boot is gone.
+    OtherBoot,
+    /// Another pid namespace: the creator's pids mean nothing here.
+    OtherNamespace,
+    /// This process or the creator could not read its boot or pid namespace.
+    Unknown,
 }
 
 impl Creator {
-    /// True if the creating process still runs (a recycled pid does not count).
+    pub(crate) fn kinship(&self) -> Kinship {
+        let (Some(boot), Some(ns)) = (sys::boot_id(), sys::pid_namespace()) else {
+            return Kinship::Unknown;
+        };
+        if self.boot_id == 0 || self.pid_namespace == 0 {
+            Kinship::Unknown
+        } else if self.boot_id != boot {
+            Kinship::OtherBoot
+        } else if self.pid_namespace != ns {
+            Kinship::OtherNamespace
+        } else {
+            Kinship::Same
+        }
+    }
+
+    /// `Some(true)` if the creating process still runs, `Some(false)` if it is gone (exited,
+    /// a zombie, its pid recycled, or it ran in an earlier boot), `None` if this process cannot
+    /// judge: the ring was made in another pid namespace, or either side's is unknown.
+    pub fn liveness(&self) -> Option<bool> {
+        match self.kinship() {
+            Kinship::Same => Some(sys::process_alive(self.pid, self.start_ticks)),
+            Kinship::OtherBoot => Some(false),
+            Kinship::OtherNamespace | Kinship::Unknown => None,
+        }
+    }
+
+    /// False only when the creator is known to be gone (see [`Creator::liveness`]): a creator
+    /// that cannot be judged counts as alive, so nothing removes its ring.
     pub fn alive(&self) -> bool {
-        sys::process_alive(self.pid, self.start_ticks)
+        self.liveness() != Some(false)
     }
 }
 
@@ -254,6 +305,10 @@ impl Segment {
         h.payload_off.store(self.offsets.payload, r);
         h.work_items.store(p.work_items, r);
         h.work_off.store(self.offsets.work, r);
+        h.creator_pidns.store(sys::pid_namespace().unwrap_or(0), r);
+        let boot = sys::boot_id().unwrap_or(0);
+        h.creator_boot_hi.store((boot >> 64) as u64, r);
+        h.creator_boot_lo.store(boot as u64, r);
         for (i, w) in self.workers().iter().enumerate() {
             let i = i as u32;
             let (role, index) = if i < p.producers {
@@ -291,7 +346,12 @@ impl Segment {
                 info.size
             )));
         }
-        let _ = info.mode;
+        if info.mode & 0o077 != 0 {
+            return Err(RingError::InsecureMode {
+                name: name.to_string(),
+                mode: info.mode & 0o777,
+            });
+        }
         let map = map_whole(&fd, name, info.size, writable)?;
         // SAFETY: the mapping is at least one page long, page-aligned, and `Header` is made of
         // atomics, valid for any bit pattern.
@@ -339,14 +399,30 @@ impl Segment {
                 offsets.total, info.size
             )));
         }
-        Ok(Segment {
+        let seg = Segment {
             name: name.to_string(),
             map,
             owner: false,
             writable,
             params,
             offsets,
-        })
+        };
+        // A writer judges other workers' liveness by pid: it must see the pids they see. (Where
+        // either side cannot tell, as without /proc, liveness falls back to `kill(pid, 0)`.)
+        if writable {
+            let what = match seg.creator().kinship() {
+                Kinship::OtherBoot => Some("boot"),
+                Kinship::OtherNamespace => Some("pid namespace"),
+                Kinship::Same | Kinship::Unknown => None,
+            };
+            if let Some(what) = what {
+                return Err(RingError::ForeignNamespace {
+                    name: name.to_string(),
+                    what,
+                });
+            }
+        }
+        Ok(seg)
     }
 
     pub(crate) fn name(&self) -> &str {
@@ -379,6 +455,9 @@ impl Segment {
             uid: h.creator_uid.load(Ordering::Relaxed),
             start_ticks: h.creator_start.load(Ordering::Relaxed),
             created_unix_ns: h.created_unix_ns.load(Ordering::Relaxed),
+            pid_namespace: h.creator_pidns.load(Ordering::Relaxed),
+            boot_id: u128::from(h.creator_boot_hi.load(Ordering::Relaxed)) << 64
+                | u128::from(h.creator_boot_lo.load(Ordering::Relaxed)),
         }
     }
 
@@ -486,7 +565,9 @@ pub struct SegmentInfo {
     pub bytes: u64,
     /// The creator, if the header could be read.
     pub creator: Option<Creator>,
-    /// `Some(true)` if the creator runs, `Some(false)` if it is gone (stale), `None` if unknown.
+    /// `Some(true)` if the creator runs, `Some(false)` if it is gone (stale), `None` if this
+    /// process cannot tell (unreadable header, or another pid namespace: see
+    /// [`Creator::liveness`]).
     pub live: Option<bool>,
     /// Why the header could not be read, if it could not.
     pub problem: Option<String>,
@@ -507,12 +588,15 @@ pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
         let info = match Segment::attach(&name, false) {
             Ok(seg) => {
                 let c = seg.creator();
+                let live = c.liveness();
                 SegmentInfo {
                     name,
                     bytes,
                     creator: Some(c),
-                    live: Some(c.alive()),
-                    problem: None,
+                    live,
+                    problem: live.is_none().then(|| {
+                        "made in another pid namespace (or one this process cannot read): its creator's liveness cannot be judged here".to_string()
+                    }),
                 }
             }
             Err(e) => SegmentInfo {
@@ -533,4 +617,83 @@ pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
 pub(crate) fn unlink_name(name: &str) -> Result<(), RingError> {
     check_name(name)?;
     sys::shm_unlink(name).map_err(|e| io_err("unlink", name, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dead pid: a child that has exited and been reaped.
+    fn dead_pid() -> u32 {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        c.id()
+    }
+
+    /// `shm-ring-stat --gc RING`: only this test's ring, so other tests' rings are not touched.
+    fn gc(name: &str) -> String {
+        let args = crate::stat_cli::Args {
+            gc: true,
+            ring: Some(name.to_string()),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        crate::stat_cli::run(&args, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    /// Issue #9, item 6: the creator's pid namespace and boot are recorded. A ring whose creator
+    /// pid is gone HERE but which was made in another pid namespace is not judged (its creator
+    /// may run there): `--gc` leaves it and writers may not attach. In this namespace it is stale
+    /// and `--gc` removes it; made in an earlier boot, it is stale whatever its namespace.
+    #[test]
+    fn a_ring_of_another_pid_namespace_is_never_judged_stale_nor_collected() {
+        let name = format!("hspipe-u-{}-pidns", std::process::id());
+        let seg = Segment::create(&name, &RingParams::tiny_fifo()).unwrap();
+        let h = seg.header();
+        let r = Ordering::Relaxed;
+        assert_eq!(seg.creator().liveness(), Some(true));
+        assert_ne!(
+            h.creator_pidns.load(r),
+            0,
+            "the creator's namespace is recorded"
+        );
+        h.creator_pid.store(dead_pid(), r);
+        let mine = h.creator_pidns.load(r);
+        h.creator_pidns.store(mine ^ 1, r);
+
+        assert_eq!(seg.creator().liveness(), None);
+        let listed = list_segments().unwrap();
+        let me = listed.iter().find(|s| s.name == name).unwrap();
+        assert_eq!(me.live, None);
+        assert!(me.problem.as_deref().unwrap().contains("pid namespace"));
+        assert!(!gc(&name).contains(&name));
+        assert!(std::path::Path::new("/dev/shm").join(&name).exists());
+        let err = Segment::attach(&name, true).err().unwrap();
+        assert!(
+            matches!(
+                err,
+                RingError::ForeignNamespace {
+                    what: "pid namespace",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(Segment::attach(&name, false).is_ok(), "reading is harmless");
+
+        // Another boot: every process of it is gone.
+        h.creator_boot_lo.store(h.creator_boot_lo.load(r) ^ 1, r);
+        assert_eq!(seg.creator().liveness(), Some(false));
+        h.creator_boot_lo.store(h.creator_boot_lo.load(r) ^ 1, r);
+
+        h.creator_pidns.store(mine, r);
+        assert_eq!(seg.creator().liveness(), Some(false));
+        let out = gc(&name);
+        // A launcher starting elsewhere meanwhile may reclaim it first: stale is stale.
+        assert!(
+            !std::path::Path::new("/dev/shm").join(&name).exists(),
+            "{out}"
+        );
+    }
 }

@@ -22,6 +22,7 @@ use crate::{list_segments, screen, Phase, Ring, SlotCounts, Snapshot, TakePolicy
 ///   shm-ring-stat RING --watch 2          refresh every 2 s
 ///   shm-ring-stat RING --json             the same as one JSON document
 ///   shm-ring-stat --gc                    remove rings whose creator has died
+///   shm-ring-stat --gc RING               remove RING if its creator has died
 #[derive(Parser, Debug)]
 #[command(name = "shm-ring-stat", version, verbatim_doc_comment)]
 pub struct Args {
@@ -43,7 +44,8 @@ pub struct Args {
     /// List every hspipe ring with its creator pid and whether it is live or stale.
     #[arg(long)]
     pub list: bool,
-    /// Remove stale rings (creator dead); never removes a live one.
+    /// Remove stale rings (creator dead), or only RING if named; never removes a live one, nor
+    /// one whose creator cannot be judged from here (another pid namespace).
     #[arg(long)]
     pub gc: bool,
 }
@@ -176,7 +178,10 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
 }
 
 fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
-    let segs = list_segments().context("reading /dev/shm")?;
+    let mut segs = list_segments().context("reading /dev/shm")?;
+    if let Some(only) = &args.ring {
+        segs.retain(|s| &s.name == only);
+    }
     if args.json && !args.gc {
         writeln!(out, "{}", serde_json::to_string_pretty(&segs)?)?;
         return Ok(());
@@ -185,7 +190,7 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         let status = match s.live {
             Some(true) => "live",
             Some(false) => "stale",
-            None => "unreadable",
+            None => "unknown",
         };
         let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
         if args.gc {

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::layout::{
-    peek, peek32, Word, FREE, READING, READY, ROLE_PRODUCER, WORK_DONE, WORK_FREE, WRITING,
-    W_ALIVE, W_DEAD, W_DONE, W_RETIRED, W_VACANT,
+    peek, peek32, Word, WorkWord, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE, W_DEAD,
+    W_DONE, W_RETIRED, W_VACANT,
 };
 use crate::segment::{Creator, LAYOUT_VERSION, NO_GPU};
 use crate::sync::Ordering;
@@ -122,6 +122,7 @@ pub struct Snapshot {
     pub params: RingParams,
     pub size_bytes: u64,
     pub creator: Creator,
+    /// False only when the creator is known to be gone (see [`Creator::liveness`]).
     pub creator_alive: bool,
     pub closed: bool,
     pub producers_done: u32,
@@ -232,10 +233,11 @@ impl Ring {
             ..WorkCounts::default()
         };
         for w in seg.work() {
-            match peek(w) {
-                WORK_FREE => {}
-                WORK_DONE => work.done += 1,
-                _ => work.claimed += 1,
+            let w = WorkWord(peek(w));
+            if w.is_done() {
+                work.done += 1;
+            } else if !w.is_free() {
+                work.claimed += 1;
             }
         }
         Snapshot {

@@ -207,17 +207,82 @@ pub(crate) fn pid() -> u32 {
 /// Together with the pid it names a process uniquely, so a recycled pid is not taken for the
 /// creator of a segment.
 pub(crate) fn process_start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces; fields after it are
-    // counted from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    proc_stat(pid).ok().map(|s| s.start_ticks)
 }
 
-/// True if a process with this pid and start time is running (or is a zombie not yet reaped).
-pub(crate) fn process_alive(pid: u32, start_ticks: u64) -> bool {
-    match process_start_ticks(pid) {
-        Some(t) => start_ticks == 0 || t == start_ticks,
-        None => false,
+/// What `/proc/<pid>/stat` says about a process.
+struct ProcStat {
+    /// Field 3: R, S, D, Z (zombie), X (dead), ...
+    state: char,
+    start_ticks: u64,
+}
+
+fn proc_stat(pid: u32) -> io::Result<ProcStat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/<pid>/stat");
+    // The command name (field 2) is in parentheses and may hold spaces; fields after it are
+    // counted from the last ')'.
+    let rest = &stat[stat.rfind(')').ok_or_else(bad)? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields
+        .next()
+        .and_then(|f| f.chars().next())
+        .ok_or_else(bad)?;
+    let start_ticks = fields
+        .nth(18)
+        .and_then(|f| f.parse().ok())
+        .ok_or_else(bad)?;
+    Ok(ProcStat { state, start_ticks })
+}
+
+/// True if process `pid`, started at `start_ticks` (0: unknown; compared on its low
+/// `start_mask` bits), may still run. The staleness rule of the ring:
+/// - no `/proc/<pid>`: gone;
+/// - a zombie (or dead) process: gone, since it can never touch memory again, reaped or not;
+/// - another start time: gone, the pid was recycled;
+/// - `/proc/<pid>/stat` unreadable for another reason: `kill(pid, 0)` decides, and anything but
+///   "no such process" counts as alive, since what cannot be seen is not judged gone.
+pub(crate) fn holder_alive(pid: u32, start_ticks: u64, start_mask: u64) -> bool {
+    match proc_stat(pid) {
+        Ok(st) => {
+            !matches!(st.state, 'Z' | 'X')
+                && (start_ticks == 0 || st.start_ticks & start_mask == start_ticks & start_mask)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(_) => {
+            let Ok(p) = libc::pid_t::try_from(pid) else {
+                return true;
+            };
+            // SAFETY: kill with signal 0 only checks that the process exists.
+            let rc = unsafe { libc::kill(p, 0) };
+            !(rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
+        }
     }
+}
+
+/// True if a process with this pid and start time is running (a zombie does not count).
+pub(crate) fn process_alive(pid: u32, start_ticks: u64) -> bool {
+    holder_alive(pid, start_ticks, u64::MAX)
+}
+
+/// Inode of this process's pid namespace (`/proc/self/ns/pid`), if `/proc` is this process's
+/// own: `/proc/self` must name our pid, or `/proc` belongs to another pid namespace and nothing
+/// read from it about pids can be trusted.
+pub(crate) fn pid_namespace() -> Option<u64> {
+    let me = std::fs::read_link("/proc/self").ok()?;
+    if me.to_str()?.parse::<u32>().ok()? != pid() {
+        return None;
+    }
+    use std::os::unix::fs::MetadataExt;
+    Some(std::fs::metadata("/proc/self/ns/pid").ok()?.ino())
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`), as a number; None if unreadable.
+pub(crate) fn boot_id() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let hex: String = text.trim().chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(&hex, 16).ok().filter(|&b| b != 0)
 }

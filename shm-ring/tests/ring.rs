@@ -246,6 +246,9 @@ fn payload_is_written_and_read_in_place_in_page_aligned_slots() {
     r.release().unwrap();
 }
 
+/// One producer commits everything before the first take, so each take's scan sees every item
+/// and ticket order is exact. (Across concurrent producers FIFO is approximate: see
+/// `TakePolicy::Fifo`. No test asserts more.)
 #[test]
 fn fifo_serves_in_publish_order_and_ends_after_the_last_item() {
     let name = unique("fifo");
@@ -502,9 +505,17 @@ fn recover_redelivers_held_items_frees_writes_and_restart_bumps_the_epoch() {
     let s = ring.snapshot();
     assert_eq!((s.slots.writing, s.slots.reading), (1, 1));
 
-    let r = ring.recover(WorkerId::producer(1)).unwrap();
+    // Both are registered by this (live) process: the checked recovery refuses them.
+    assert!(matches!(
+        ring.recover(WorkerId::producer(1)),
+        Err(RingError::WorkerAlive { .. })
+    ));
+    // SAFETY: producer 1, consumer 0 and their slot guards were forgotten above and are never
+    // used again, as if their processes had been killed.
+    let r = unsafe { ring.recover_unchecked(WorkerId::producer(1)) }.unwrap();
     assert_eq!((r.freed, r.requeued), (1, 0));
-    let r = ring.recover(WorkerId::consumer(0)).unwrap();
+    // SAFETY: as above.
+    let r = unsafe { ring.recover_unchecked(WorkerId::consumer(0)) }.unwrap();
     assert_eq!((r.freed, r.requeued), (0, 1));
     let s = ring.snapshot();
     assert_eq!((s.slots.writing, s.slots.reading, s.slots.ready), (0, 0, 1));
@@ -654,7 +665,8 @@ fn a_dead_producers_claimed_and_unpublished_work_is_redone() {
     std::mem::forget(dead);
     assert_eq!(ring.snapshot().work.done, 2, "b looks done until recovery");
 
-    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    // SAFETY: producer 0 and its slot guard were forgotten above and are never used again.
+    let r = unsafe { ring.recover_unchecked(WorkerId::producer(0)) }.unwrap();
     assert_eq!(
         (r.freed, r.work_returned),
         (1, 2),
@@ -691,4 +703,107 @@ fn a_dead_producers_claimed_and_unpublished_work_is_redone() {
         Some(3),
         "a given-back item can be claimed again"
     );
+}
+
+/// Issue #9, defect 3: a slot whose batch completed a work item is aborted (dropped, or its
+/// commit refused): the item must be claimable again, or its batch is never published. Before
+/// the fix the item stayed DONE with its slot FREE, out of recovery's sight.
+#[test]
+fn an_aborted_slot_gives_its_work_item_back() {
+    let name = unique("abortw");
+    let ring = Ring::create(&name, &with_work(2)).unwrap();
+    let p0 = ring.producer(0).unwrap();
+    let p1 = ring.producer(1).unwrap();
+    let a = p0.claim_work().unwrap();
+    let mut w = p0.reserve(8).unwrap();
+    w.complete_work(a).unwrap();
+    drop(w);
+    let b = p0.claim_work().unwrap();
+    let mut w = p0.reserve(8).unwrap();
+    w.complete_work(b).unwrap();
+    assert!(w
+        .commit(CommitMeta {
+            bucket: 99,
+            ..Default::default()
+        })
+        .is_err());
+    assert_eq!(ring.snapshot().work.done, 0, "neither batch was published");
+    let mut again = vec![p1.claim_work().unwrap(), p1.claim_work().unwrap()];
+    again.sort();
+    assert_eq!(again, vec![0, 1], "both items can be claimed again");
+    assert_eq!(p1.claim_work(), None);
+}
+
+/// Issue #9, defect 4: recovery of a worker whose process runs (here: this one, mid-write) is
+/// refused, so a second registration cannot be handed the same slot while the first writer
+/// still holds it. Before the fix `recover` freed the slot and a new producer 0 reserved it:
+/// two live `WriteSlot`s over one payload.
+#[test]
+fn recover_refuses_a_live_worker_so_no_two_writers_share_a_slot() {
+    let name = unique("alive");
+    let ring = Ring::create(&name, &fifo(1, 1, 1)).unwrap();
+    let p0 = ring.producer(0).unwrap();
+    let mut w = p0.reserve(8).unwrap();
+    let err = ring.recover(WorkerId::producer(0)).unwrap_err();
+    assert!(
+        matches!(err, RingError::WorkerAlive { pid, .. } if pid == std::process::id()),
+        "{err}"
+    );
+    assert!(err.to_string().contains("still running"), "{err}");
+    assert!(matches!(ring.retire(0), Err(RingError::WorkerAlive { .. })));
+    assert!(matches!(
+        ring.producer(0),
+        Err(RingError::WorkerBusy { .. })
+    ));
+    // The slot is still ours, and still the only one being written.
+    w.payload_mut()[0] = 1;
+    assert_eq!(ring.snapshot().slots.writing, 1);
+    w.commit(CommitMeta::default()).unwrap();
+    // Once the handle is gone (the worker left), recovery is allowed and finds nothing.
+    drop(p0);
+    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    assert_eq!((r.freed, r.requeued, r.work_returned), (0, 0, 0));
+}
+
+/// Issue #9, item 5: registration is one CAS on the id's lease. Even the registering process
+/// cannot hold one id twice (before the fix, a second `producer(0)` in the same process
+/// succeeded); once the first handle is dropped, the id is free again.
+#[test]
+fn one_id_cannot_be_registered_twice_even_by_one_process() {
+    let name = unique("twice");
+    let ring = Ring::create(&name, &fifo(1, 1, 2)).unwrap();
+    let first = ring.consumer(0).unwrap();
+    let err = ring.consumer(0).err().unwrap();
+    assert!(
+        matches!(err, RingError::WorkerBusy { pid, .. } if pid == std::process::id()),
+        "{err}"
+    );
+    assert_eq!(first.epoch(), 1);
+    drop(first);
+    assert_eq!(ring.consumer(0).unwrap().epoch(), 2);
+}
+
+/// Issue #9, item 6: a ring whose mode lets group or other users open it is refused, for
+/// reading and writing, naming the mode.
+#[test]
+fn attach_refuses_a_segment_that_group_or_others_may_open() {
+    let name = unique("mode");
+    let _ring = Ring::create(&name, &fifo(1, 1, 2)).unwrap();
+    for mode in [0o640, 0o604, 0o660] {
+        std::fs::set_permissions(
+            format!("/dev/shm/{name}"),
+            std::fs::Permissions::from_mode(mode),
+        )
+        .unwrap();
+        for err in [
+            Ring::attach(&name).err().unwrap(),
+            Ring::open_read_only(&name).err().unwrap(),
+        ] {
+            assert!(
+                matches!(err, RingError::InsecureMode { mode: m, .. } if m == mode),
+                "{err}"
+            );
+            assert!(err.to_string().contains(&format!("{mode:03o}")), "{err}");
+        }
+    }
 }

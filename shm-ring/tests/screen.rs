@@ -180,3 +180,15 @@ fn printed_once_it_is_as_wide_as_asked_and_has_no_trends() {
     );
     assert!(has(&lines, "phases: "), "{text}");
 }
+
+#[test]
+fn any_terminal_size_is_drawn_without_a_panic() {
+    let (_r, rep) = five_by_three();
+    let trends = trends();
+    for w in (1..=30).chain([45, 79, 99, 100, 109, 110, 111, 140, 250]) {
+        for h in [1, 2, 3, 5, 9, 13, 24] {
+            let s = render(&rep, &trends, w, h);
+            assert!(s.len() <= h as usize);
+        }
+    }
+}

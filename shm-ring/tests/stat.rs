@@ -143,8 +143,10 @@ fn a_slow_peer_is_named_with_its_dominant_phase() {
 fn a_dead_worker_is_a_warning() {
     let r = ring("dead", 1, 2, 4);
     let c = r.consumer(1).unwrap();
+    // The consumer "dies": its handle is leaked, as a killed process's would be.
     std::mem::forget(c);
-    r.recover(WorkerId::consumer(1)).unwrap();
+    // SAFETY: the only handle of consumer 1 was forgotten above and is never used again.
+    unsafe { r.recover_unchecked(WorkerId::consumer(1)) }.unwrap();
     let a = r.snapshot();
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(v.warnings.len(), 1, "{v:?}");
@@ -194,6 +196,11 @@ fn the_cli_prints_the_table_and_json_and_names_a_missing_ring() {
     // A file that is not a ring.
     let junk = unique("junk");
     std::fs::write(format!("/dev/shm/{junk}"), [7u8; 8192]).unwrap();
+    std::fs::set_permissions(
+        format!("/dev/shm/{junk}"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let err = format!(
         "{:#}",
         run(

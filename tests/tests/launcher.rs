@@ -69,6 +69,7 @@ impl Run {
     fn launcher_log(&self) -> String {
         std::fs::read_to_string(self.run_dir().join("launcher.log")).unwrap()
     }
+    /// 5 targets, 3 drafters, a monitor line every 0.2 s unless `extra` sets `--monitor`.
     fn args(&self, config: &Path, extra: &[&str]) -> Vec<String> {
         let run_dir = self.run_dir();
         let mut args = vec![
@@ -76,13 +77,14 @@ impl Run {
             "0-4",
             "--drafters",
             "5-7",
-            "--monitor",
-            "0.2",
             "--config",
             config.to_str().unwrap(),
             "--run-dir",
             run_dir.to_str().unwrap(),
         ];
+        if !extra.contains(&"--monitor") {
+            args.extend(["--monitor", "0.2"]);
+        }
         args.extend_from_slice(extra);
         args.into_iter().map(String::from).collect()
     }
@@ -156,6 +158,70 @@ fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
     n
 }
 
+/// The drafters trained ONE model: at every group step every rank's ledger line carries the same
+/// weights digest, and no step is recorded twice by one rank. Returns the number of steps.
+fn one_model(lines: &[LedgerLine]) -> usize {
+    let mut by_step: HashMap<u64, Vec<&LedgerLine>> = HashMap::new();
+    for l in lines {
+        by_step.entry(l.step).or_default().push(l);
+    }
+    for (step, ls) in &by_step {
+        // A line the launcher wrote for a rank that died after the step committed has no digest.
+        let digests: Vec<&str> = ls
+            .iter()
+            .map(|l| l.digest.as_str())
+            .filter(|d| !d.is_empty())
+            .collect();
+        assert!(
+            !digests.is_empty(),
+            "step {step}: no rank recorded a digest: {ls:?}"
+        );
+        assert!(
+            digests.iter().all(|d| *d == digests[0]),
+            "step {step}: digests differ across ranks: {ls:?}"
+        );
+    }
+    by_step.len()
+}
+
+/// A drafter killed at an exact point of the group protocol (a mock fault): the run completes,
+/// every sample is trained exactly once by the ledgers, the ranks kept one model, and the victim
+/// was restarted `restarts` times. Returns the launcher's output.
+fn group_kill(tag: &str, fault: &str, restarts: u64) -> String {
+    let run = Run::new(tag);
+    let cfg = config(&run.dir, true, &format!("[faults.drafter-1]\n{fault}\n"));
+    let launcher = run.launch(&cfg, &[]);
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["duplicated"], 0, "{s}");
+    assert_eq!(s["samples_trained"], 400, "{s}");
+    assert_eq!(s["workers"][6]["restarts"], restarts, "{s}");
+    let lines = run.ledgers();
+    let counts = sample_counts(&lines);
+    assert!(counts.values().all(|&c| c == 1), "a sample trained twice");
+    one_model(&lines);
+    out
+}
+
+#[test]
+fn a_drafter_killed_inside_the_reduction_costs_one_step_not_the_run() {
+    let out = group_kill("lgsync", "crash_in_sync_at = 3", 1);
+    assert!(out.contains("drafter-1") && out.contains("died"), "{out}");
+}
+
+#[test]
+fn a_drafter_killed_after_its_update_was_applied_has_its_batch_retired_not_retrained() {
+    let out = group_kill("lgcommit", "crash_after_commit_at = 3", 1);
+    assert!(out.contains("retired, not redelivered"), "{out}");
+}
+
+#[test]
+fn a_drafter_killed_again_while_rejoining_rejoins_at_the_next_try() {
+    group_kill("lgjoin", "crash_in_sync_at = 3\ncrash_in_join = true", 2);
+}
+
 pub(crate) fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -212,6 +278,18 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
     assert!(run.run_dir().join("config.toml").is_file());
     let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-2.log")).unwrap();
     assert!(log.contains("drained"), "{log}");
+    // One model: equal digests at every step, and one group checkpoint, no per-drafter ones.
+    let steps = one_model(&lines);
+    assert!(
+        steps < lines.len(),
+        "ranks shared steps: {steps} steps, {} batches",
+        lines.len()
+    );
+    let ckpts: Vec<_> = std::fs::read_dir(run.run_dir().join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(ckpts, ["drafter.safetensors"]);
 }
 
 /// Kills one worker from outside mid-run; only it is restarted, the run completes.
@@ -245,6 +323,16 @@ fn kill_one_mid_run(tag: &str, victim: usize) {
         "every sample trained"
     );
     assert!(!pid_alive(victim_pid));
+    // Through the crash and the rejoin, the group kept one model.
+    one_model(&run.ledgers());
+    if before.workers[victim].role == shm_ring::Role::Consumer {
+        let log = std::fs::read_to_string(
+            run.run_dir()
+                .join(format!("logs/drafter-{}.log", before.workers[victim].index)),
+        )
+        .unwrap();
+        assert!(log.contains("joined the group"), "{log}");
+    }
 }
 
 #[test]
@@ -292,12 +380,10 @@ fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
     for p in pids {
         assert!(!pid_alive(p), "worker {p} outlived the launcher");
     }
-    for d in 0..3 {
-        assert!(
-            checkpoint_path(&run.run_dir(), d).exists(),
-            "drafter {d} checkpointed"
-        );
-    }
+    assert!(
+        checkpoint_path(&run.run_dir()).exists(),
+        "the group checkpointed"
+    );
     let s = run.summary();
     assert_eq!(s["exit_code"], 130);
     let counts = sample_counts(&run.ledgers());
@@ -465,7 +551,7 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     let used = rd("used");
     std::fs::create_dir_all(format!("{used}/checkpoints")).unwrap();
     std::fs::write(
-        format!("{used}/checkpoints/drafter-0.safetensors"),
+        format!("{used}/checkpoints/drafter.safetensors"),
         b"garbage",
     )
     .unwrap();
@@ -527,11 +613,18 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     // No other test's launcher may reclaim the killed launcher's ring before the one below.
     let _alone = stale_segments_exclusive();
     let dead = Run::with_lock("ldead", None);
-    let mut killed = dead.launch(&config(&dead.dir, true, ""), &[]);
+    // Enough data that the group checkpoints (every 3 steps) long before the targets finish.
+    let cfg = config(&dead.dir, true, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("synthetic_samples = 400", "synthetic_samples = 4000"),
+    )
+    .unwrap();
+    let mut killed = dead.launch(&cfg, &[]);
     let killed_ring = attach(&mut killed);
     let s = wait_until("8 live workers and a checkpoint", &killed_ring, |s| {
-        s.workers.iter().all(|w| w.alive)
-            && (0..3).any(|d| checkpoint_path(&dead.run_dir(), d).exists())
+        s.workers.iter().all(|w| w.alive) && checkpoint_path(&dead.run_dir()).exists()
     });
 
     // A concurrent launcher with far more data than the test takes to finish.
@@ -685,4 +778,142 @@ fn a_hung_drafter_is_killed_and_restarted() {
     assert_eq!(s["ok"], true, "{s}");
     assert!(s["workers"][1]["restarts"].as_u64().unwrap() >= 1);
     assert_eq!(s["samples_trained"], 60);
+}
+
+/// Ledger lines of the run, skipping a line torn by a kill.
+fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
+    (0..3)
+        .flat_map(|d| {
+            std::fs::read_to_string(ledger_path(&run.run_dir(), d))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<LedgerLine>(l).ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The step of the group checkpoint, read as any tool would read the file.
+fn checkpoint_step(run: &Run) -> u64 {
+    let bytes = std::fs::read(checkpoint_path(&run.run_dir())).unwrap();
+    let st = proto::safetensors::SafeTensors::parse(&bytes).unwrap();
+    u64::from_le_bytes(st.tensor("step").unwrap().data.try_into().unwrap())
+}
+
+/// The launcher and every worker SIGKILLed mid-run, then `--resume`: the plan is finished,
+/// every batch is in exactly one applied update, and no batch whose update was in the
+/// checkpoint is trained again. Then the resume inputs that must be refused.
+#[test]
+fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_checkpointed() {
+    let run = Run::new("lresume");
+    let cfg = config(&run.dir, true, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("synthetic_samples = 400", "synthetic_samples = 1500"),
+    )
+    .unwrap();
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
+        checkpoint_path(&run.run_dir()).exists() && s.counters.released >= 20
+    });
+    let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
+    kill(launcher.child.id(), libc::SIGKILL);
+    let _ = launcher.wait_status();
+    let deadline = Instant::now() + crate::support::WATCHDOG;
+    while pids.iter().any(|&p| pid_alive(p)) {
+        assert!(Instant::now() < deadline, "workers outlived their launcher");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(ring);
+    let step = checkpoint_step(&run);
+    let old = ledgers_tolerant(&run);
+    let kept: HashMap<u64, u64> = old
+        .iter()
+        .filter(|l| l.step <= step)
+        .map(|l| (l.batch_id, l.step))
+        .collect();
+    assert!(!kept.is_empty(), "the checkpoint holds some updates");
+
+    let run_dir = run.run_dir();
+    let resume_args = |dir: &str| -> Vec<String> {
+        [
+            "--targets",
+            "0-4",
+            "--drafters",
+            "5-7",
+            "--monitor",
+            "0.2",
+            "--resume",
+            dir,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = resume_args(run_dir.to_str().unwrap());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = spawn(&workspace_bin("launcher"), &args).finish();
+    assert!(
+        out.contains("resuming") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["duplicated"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["samples_trained"], 1500, "{s}");
+    let lines = run.ledgers();
+    let mut seen = HashMap::new();
+    for l in &lines {
+        *seen.entry(l.batch_id).or_insert(0) += 1;
+        match kept.get(&l.batch_id) {
+            // Checkpointed: its line is the old one, never a new training.
+            Some(&st) => assert_eq!(
+                l.step, st,
+                "checkpointed batch {} trained again",
+                l.batch_id
+            ),
+            None => assert!(
+                l.step > step,
+                "batch {} after the resume has step {}",
+                l.batch_id,
+                l.step
+            ),
+        }
+    }
+    assert!(seen.values().all(|&n| n == 1), "a batch in two updates");
+    assert_eq!(seen.len() as u64, s["batches_total"].as_u64().unwrap());
+    one_model(&lines);
+
+    // A finished run, a directory that is no run, a checkpoint that does not load: clear
+    // errors, and nothing in the run directory changes.
+    let ledger0 = std::fs::read(ledger_path(&run_dir, 0)).unwrap();
+    let bad = |dir: &Path, want: &str| {
+        let args = resume_args(dir.to_str().unwrap());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = std::process::Command::new(workspace_bin("launcher"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{err:?} should say {want:?}"
+        );
+    };
+    bad(&run_dir, "nothing to resume");
+    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    bad(&run.dir, "not a run directory");
+    std::fs::remove_file(run_dir.join("summary.json")).unwrap();
+    std::fs::write(checkpoint_path(&run_dir), b"garbage").unwrap();
+    bad(&run_dir, "checkpoint does not load");
+    assert_eq!(
+        std::fs::read(checkpoint_path(&run_dir)).unwrap(),
+        b"garbage"
+    );
+    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
 }

@@ -110,11 +110,20 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
     let busy = ring.snapshot();
     assert!(busy.slots.reading >= 1 && busy.slots.writing >= 1);
 
-    // A live worker's id cannot be taken over.
+    // A live worker's id cannot be taken over, nor recovered while its process runs.
     assert!(matches!(
         ring.consumer(0),
         Err(RingError::WorkerBusy { .. })
     ));
+    for (id, who) in [
+        (WorkerId::consumer(0), &victim_c),
+        (WorkerId::producer(0), &victim_p),
+    ] {
+        assert!(matches!(
+            ring.recover(id),
+            Err(RingError::WorkerAlive { pid, .. }) if pid == who.child.id()
+        ));
+    }
 
     let victim_out = victim_c.kill();
     victim_p.kill();

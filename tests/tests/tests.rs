@@ -1,5 +1,6 @@
 //! All integration tests of the `tests` crate build into this one binary, one module per area.
 
+mod chaos;
 mod launcher;
 mod ring_processes;
 mod screen;

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use collective::ShmGroup;
 use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
@@ -57,12 +58,19 @@ impl Drop for RunDir {
 
 /// Creates the ring the launcher would, for `targets` × `drafters`; returns it and the number
 /// of samples.
-fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, usize) {
+/// The ring and the drafter group, made as the launcher makes them.
+fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, ShmGroup, usize) {
     let cfg = PipelineConfig::load(config).unwrap();
     let data = Dataset::load(&cfg).unwrap();
     let batches = plan(&data, &cfg).len() as u64;
     let params = cfg.ring_params(targets, drafters, batches).unwrap();
-    (Ring::create(name, &params).unwrap(), data.len())
+    let ring = Ring::create(name, &params).unwrap();
+    let group = ShmGroup::create(
+        &proto::group_segment(name),
+        &drafter_worker::group_params(&cfg, drafters, 0),
+    )
+    .unwrap();
+    (ring, group, data.len())
 }
 
 /// A run directory with the standard config, and a ring for `targets` x `drafters` made as the
@@ -72,6 +80,7 @@ struct Setup {
     config: PathBuf,
     name: String,
     ring: Ring,
+    group: ShmGroup,
     samples: usize,
 }
 
@@ -79,12 +88,13 @@ fn setup(tag: &str, targets: u32, drafters: u32) -> Setup {
     let run = RunDir::new(tag);
     let config = run.config("run.toml", "");
     let name = unique(tag);
-    let (ring, samples) = make_ring(&name, &config, targets, drafters);
+    let (ring, group, samples) = make_ring(&name, &config, targets, drafters);
     Setup {
         run,
         config,
         name,
         ring,
+        group,
         samples,
     }
 }
@@ -137,6 +147,7 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
         name,
         ring,
         samples,
+        group: _group,
     } = setup("w2x2", 2, 2);
     let drafters: Vec<Proc> = (0..2)
         .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
@@ -165,7 +176,7 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
     }
     for d in 0..2 {
         assert!(
-            checkpoint_path(&run.0, d).exists(),
+            checkpoint_path(&run.0).exists(),
             "final checkpoint of drafter {d}"
         );
     }
@@ -180,6 +191,7 @@ fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
         name,
         ring,
         samples,
+        group,
     } = setup("wcrash", 2, 1);
     let crashing = run.config("crash.toml", "[faults.drafter-0]\ncrash_after = 5\n");
     let victim = worker(DRAFTER, 0, &name, &run.0, &crashing);
@@ -189,7 +201,9 @@ fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
 
     let status = victim.wait_status();
     assert!(!status.success(), "the injected crash kills drafter 0");
-    // The supervisor's part: recover the ring, restart the drafter alone.
+    // The supervisor's part: remove it from the group, recover the ring, restart it alone.
+    let gone = group.remove(0).unwrap();
+    assert!(gone.was_member);
     let r = ring.recover(WorkerId::consumer(0)).unwrap();
     assert_eq!(r.requeued, 1, "the batch it held goes back");
     let before = ledger(&run.0, 0);
@@ -247,6 +261,7 @@ fn bad_inputs_give_clear_errors() {
         name,
         ring: _ring,
         samples: _,
+        group: _group,
     } = setup("wbad", 1, 1);
     let dir = run.0.to_str().unwrap();
     // A standalone worker on `ring` with `config`.
@@ -313,10 +328,10 @@ fn bad_inputs_give_clear_errors() {
 
     // A checkpoint that does not load.
     std::fs::create_dir_all(run.0.join("checkpoints")).unwrap();
-    std::fs::write(checkpoint_path(&run.0, 0), b"garbage").unwrap();
+    std::fs::write(checkpoint_path(&run.0), b"garbage").unwrap();
     assert_error(
         &standalone(DRAFTER, "0", &name, &config),
-        "drafter-0.safetensors",
+        "drafter.safetensors",
     );
 
     // Missing flags are usage errors.
@@ -332,6 +347,7 @@ fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() 
         name,
         ring,
         samples,
+        group: _group,
     } = setup("tcrash", 2, 2);
     let crashing = run.config("crash.toml", "[faults.target-0]\ncrash_after = 3\n");
     let drafters: Vec<Proc> = (0..2)
@@ -373,7 +389,7 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
     )
     .unwrap();
     let name = unique("wint");
-    let (ring, samples) = make_ring(&name, &config, 2, 2);
+    let (ring, _group, samples) = make_ring(&name, &config, 2, 2);
     let drafters: Vec<Proc> = (0..2)
         .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
         .collect();
@@ -406,9 +422,7 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
     );
     let n = trained(&run.0, 2);
     assert!(n.len() < samples && n.values().all(|&c| c == 1));
-    for d in 0..2 {
-        assert!(checkpoint_path(&run.0, d).exists());
-    }
+    assert!(checkpoint_path(&run.0).exists(), "the group checkpointed");
 }
 
 #[test]
@@ -421,6 +435,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
         name,
         ring,
         samples: _,
+        group: _group,
     } = setup("whello", 1, 1);
     let batches = ring.params().work_items;
     let server = Server::new().unwrap();
@@ -463,6 +478,7 @@ fn a_drafter_refuses_corrupt_batches_loudly_and_trains_nothing_from_them() {
         name,
         ring: _ring,
         samples: _,
+        group: _group,
     } = setup("wcorrupt", 1, 1);
     let drafter = worker(DRAFTER, 0, &name, &run.0, &config);
     // ring-peer publishes payloads that are not batches.

@@ -1,0 +1,125 @@
+//! `launcher --resume RUN_DIR`: continue a run that was stopped (Ctrl-C) or killed outright
+//! (launcher and workers SIGKILLed) from its group checkpoint.
+//!
+//! The checkpoint holds the model and optimizer after step S. A ledger line with step <= S is
+//! a batch whose update is in it: that batch is done and is never trained again (its work item
+//! is marked DONE in the new ring). A line with a later step recorded an update that was lost
+//! with the processes: it is dropped from the ledger and its batch is trained again. Torn lines
+//! go too. Nothing in the run directory is changed until everything has been checked, so a bad
+//! resume leaves the run as it was.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
+use gpu::mock::{MockDrafter, Sim};
+use gpu::DrafterBackend;
+use proto::PipelineConfig;
+
+/// What a resume will do, checked and not yet applied.
+#[derive(Debug)]
+pub struct Resume {
+    /// The checkpoint's step (0 without a checkpoint): the group starts there.
+    pub step: u32,
+    /// Planned batches whose update is in the checkpoint.
+    pub done: BTreeSet<u64>,
+    /// Each ledger file and the lines it keeps.
+    ledgers: Vec<(PathBuf, Vec<String>)>,
+    /// Lines dropped (updates after the checkpoint, torn lines).
+    pub dropped: usize,
+}
+
+/// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
+/// whose plan has `batches` batches, and works out what is done.
+pub fn check(
+    run_dir: &Path,
+    cfg: &PipelineConfig,
+    drafters: u32,
+    batches: u64,
+) -> anyhow::Result<Resume> {
+    let summary = run_dir.join("summary.json");
+    if let Ok(text) = std::fs::read_to_string(&summary) {
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("reading {}", summary.display()))?;
+        if v["ok"] == true {
+            bail!(
+                "{} finished: every sample was trained ({}); nothing to resume",
+                run_dir.display(),
+                summary.display()
+            );
+        }
+    }
+    let ckpt = checkpoint_path(run_dir);
+    let step = if ckpt.exists() {
+        let mut d = MockDrafter::new(
+            Sim::new(cfg.drafter.tokens_per_s, Default::default()),
+            cfg.drafter.params as usize,
+            cfg.model.hidden,
+        );
+        d.load(&ckpt).with_context(|| {
+            "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
+        })?;
+        u32::try_from(d.step()).context("checkpoint step out of range")?
+    } else {
+        0
+    };
+    let mut ledgers = Vec::new();
+    let (mut done, mut dropped) = (BTreeSet::new(), 0);
+    let mut files = 0;
+    for d in 0.. {
+        let path = ledger_path(run_dir, d);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        files += 1;
+        let mut keep = Vec::new();
+        for line in text.lines() {
+            match serde_json::from_str::<LedgerLine>(line) {
+                Ok(l) if l.step <= u64::from(step) => {
+                    if l.batch_id >= batches {
+                        bail!(
+                            "{} names batch {}, but the run's plan has {batches}: did its data change?",
+                            path.display(),
+                            l.batch_id
+                        );
+                    }
+                    done.insert(l.batch_id);
+                    keep.push(line.to_string());
+                }
+                _ => dropped += 1,
+            }
+        }
+        ledgers.push((path, keep));
+    }
+    if files > drafters {
+        bail!(
+            "the run had {files} drafters (ledger files); resume it with at least as many --drafters, not {drafters}"
+        );
+    }
+    Ok(Resume {
+        step,
+        done,
+        ledgers,
+        dropped,
+    })
+}
+
+impl Resume {
+    /// Rewrites the ledgers to the lines kept (temp file, then rename: a crash leaves the old
+    /// ledger or the new one).
+    pub fn apply(&self) -> anyhow::Result<()> {
+        for (path, keep) in &self.ledgers {
+            let tmp = path.with_extension("jsonl.tmp");
+            let mut text = keep.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}

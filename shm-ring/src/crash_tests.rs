@@ -1,0 +1,342 @@
+//! Deterministic reproductions of kills in the middle of a ring operation: the test does half
+//! of the operation by hand, as a process SIGKILLed at that point would leave it, then lets the
+//! ring recover and carry on. (Kills between operations, in every interleaving, are the loom
+//! models' part: see `model.rs`.)
+//!
+//! Each test names the defect of issue #9 it reproduces. Every one of them failed on the code
+//! before that issue (checked once, with the same steps against the old encoding) and passes now.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use crate::core::Claim;
+use crate::layout::{Lease, Word, WorkWord, READY, WRITING};
+use crate::model::{process, HeapRing, SUPERVISOR};
+use crate::params::TakePolicy;
+use crate::sync::Ordering;
+use crate::{RingError, RingParams};
+
+/// Two producers (0, 1), one consumer (2), `slots` slots, `items` work items; both producers
+/// registered (epoch 1).
+fn ring(slots: usize, items: usize) -> HeapRing {
+    let r = HeapRing::with_work(slots, 2, 1, TakePolicy::Fifo, items);
+    assert_eq!(r.register(0, 0), 1);
+    assert_eq!(r.register(1, 0), 1);
+    r
+}
+
+/// Producer `id` "reserves" slot `idx` and is killed right after the CAS: the slot is WRITING
+/// with whatever its `work_item` held.
+fn reserve_by_hand(r: &HeapRing, id: u32, idx: usize) -> Claim {
+    let s = &r.slots[idx];
+    let cur = Word(s.state.load(Ordering::Relaxed));
+    let new = cur.next(WRITING, id);
+    s.state
+        .compare_exchange(cur.0, new.0, Ordering::Acquire, Ordering::Relaxed)
+        .unwrap();
+    Claim { idx, word: new }
+}
+
+/// Runs `f` on a thread; fails the test if it does not return within 20 s (a spin or a hang).
+fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{what} did not return in 20 s: it spins or hangs"))
+}
+
+/// Defect 1a. Producer 0 takes item 0 from the cursor and is preempted before its CAS; producer
+/// 1 claims item 1 and dies; recovery returns item 1; the restarted producer 1 takes item 0
+/// (still FREE). Producer 0's CAS fails. The returned item 1 must still be claimed by someone:
+/// the old code trusted a count of returned items, which the restart's claim of item 0 had used
+/// up, so item 1 stayed FREE and was never published.
+#[test]
+fn a_returned_item_is_claimed_after_a_scan_took_a_fresh_one() {
+    let r = ring(2, 2);
+    // Producer 0's claim, first half: its cursor ticket.
+    assert_eq!(r.ctl.work_cursor.fetch_add(1, Ordering::Relaxed), 0);
+    assert_eq!(r.r().claim_work(1, 1), Some(1));
+    r.recover(1);
+    let e = r.register(1, 1);
+    let mut got = vec![r.r().claim_work(1, e).unwrap()];
+    // Producer 0's claim, second half: the CAS on item 0 fails, so it looks further.
+    assert!(r.work[0]
+        .compare_exchange(
+            0,
+            WorkWord::claimed(0, 1).0,
+            Ordering::Relaxed,
+            Ordering::Relaxed
+        )
+        .is_err());
+    got.extend(r.r().claim_work(0, 1));
+    got.extend(r.r().claim_work(1, e));
+    got.sort();
+    assert_eq!(got, vec![0, 1], "every item is claimed by someone");
+}
+
+/// Defect 1b. Producer 1 claims a returned item and is killed right after its CAS (before the
+/// old code decremented its count of returned items, which then stayed one too high for good).
+/// With every item claimed, another producer's claim must answer None, not spin for ever.
+#[test]
+fn a_producer_killed_in_a_claim_makes_nobody_spin() {
+    let r = std::sync::Arc::new(ring(2, 1));
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    r.recover(0);
+    // Producer 1's claim of the returned item: the CAS, then the kill.
+    r.work[0]
+        .compare_exchange(
+            0,
+            WorkWord::claimed(1, 1).0,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        )
+        .unwrap();
+    let e = r.register(0, 1);
+    let r2 = r.clone();
+    let got = watchdog("claim_work with every item claimed", move || {
+        r2.r().claim_work(0, e)
+    });
+    assert_eq!(got, None);
+}
+
+/// Defect 2, first half. Item 0 is published through slot 0 and consumed. Producer 1 reserves
+/// slot 0 and is killed before it could clear the slot's old `work_item` (the old code cleared
+/// it only after its CAS). Recovery must not turn the published item back into work: the old
+/// code wrote CLAIMED over its DONE, it was redone and published twice.
+#[test]
+fn a_stale_work_item_never_brings_a_published_batch_back() {
+    let r = ring(1, 1);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    r.deliver(0, 1, 0);
+    let mut st = crate::core::TakeState::new(1, 2);
+    let (_, _, held) = r.consume(2, &mut st).unwrap();
+    r.r().release(2, held).unwrap();
+    // The kill: WRITING by producer 1, carrying item 0 as the old code's slot still did.
+    reserve_by_hand(&r, 1, 0);
+    r.slots[0].work_item.store(1, Ordering::Relaxed);
+    let out = r.recover(1);
+    assert_eq!((out.freed, out.work_returned), (1, 0));
+    assert!(r.all_work_done(), "the published item stays done");
+    assert_eq!(r.r().claim_work(0, 1), None, "nothing to redo");
+    assert_eq!(r.slots[0].work_item.load(Ordering::Relaxed), 0);
+}
+
+/// Defect 2, second half. Producer 0 holds item 0 now; a dead producer 1's WRITING slot carries
+/// item 0 (stale, as above). Recovery of producer 1 must leave producer 0's claim alone: the old
+/// code stored CLAIMED(1) over it with a plain store, then freed it, and producer 0's
+/// `complete_work` failed with NotClaimed.
+#[test]
+fn recovery_never_overwrites_a_live_producers_claim() {
+    let r = ring(2, 1);
+    reserve_by_hand(&r, 1, 1);
+    r.slots[1].work_item.store(1, Ordering::Relaxed);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    r.recover(1);
+    r.deliver(0, 1, 0);
+    assert!(r.all_work_done());
+    assert_eq!(r.ready_batches(), vec![0]);
+}
+
+/// Defect 2, ordering. Producer 1 marked item 0 DONE in slot 0 and died before committing. The
+/// supervisor's recovery is itself killed after it undid the mark (item FREE) but before it
+/// freed the slot; producer 0 claims the item meanwhile. Recovery run again must free the slot
+/// and leave producer 0's claim alone, so the batch is published exactly once.
+#[test]
+fn a_recovery_cut_short_and_run_again_is_still_correct() {
+    for cut_after_clear in [false, true] {
+        let r = ring(2, 1);
+        assert_eq!(r.r().claim_work(1, 1), Some(0));
+        let c = r.write(1, 0);
+        r.r().complete_work(1, 1, c, 0).unwrap();
+        // The first recovery, by hand up to the kill: takes the lease, undoes the mark.
+        r.r().take_lease(1, SUPERVISOR, |_| false).unwrap();
+        r.work[0]
+            .compare_exchange(
+                WorkWord::done(c.idx, c.word.generation()).0,
+                0,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .unwrap();
+        if cut_after_clear {
+            r.slots[c.idx].work_item.store(0, Ordering::Relaxed);
+        }
+        assert_eq!(r.r().claim_work(0, 1), Some(0));
+        // Recovery again, by a new supervisor: the dead one's lease does not stop it.
+        let again = r
+            .r()
+            .recover(1, process(9, 9), |l| l != SUPERVISOR, None)
+            .unwrap();
+        assert_eq!(again.freed, 1);
+        r.deliver(0, 1, 0);
+        assert_eq!(
+            r.ready_batches(),
+            vec![0],
+            "cut after clear: {cut_after_clear}"
+        );
+        assert!(r.all_work_done());
+    }
+}
+
+/// Defect 3. A slot whose item was marked DONE is aborted (a refused commit, or the guard
+/// dropped): the item must become claimable again. The old code left it DONE with the slot FREE,
+/// so recovery never saw it and the batch was never published.
+#[test]
+fn an_aborted_slot_gives_its_item_back() {
+    let r = ring(1, 1);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    let c = r.write(0, 0);
+    r.r().complete_work(0, 1, c, 0).unwrap();
+    r.r().abort(0, c);
+    assert_eq!(r.r().claim_work(1, 1), Some(0), "any producer may claim it");
+    r.deliver(1, 1, 0);
+    assert_eq!(r.ready_batches(), vec![0]);
+}
+
+/// Defect 4 (claims). A stale incarnation of producer 0, one recovery has already replaced, can
+/// neither complete nor give back the item its successor holds now: claims carry the epoch.
+/// The old code's claims named only the worker id, so the stale incarnation's `complete_work`
+/// succeeded on its successor's claim.
+#[test]
+fn a_stale_incarnation_cannot_act_on_its_successors_claim() {
+    let r = ring(2, 1);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    r.recover(0);
+    let e = r.register(0, 1);
+    assert_eq!(r.r().claim_work(0, e), Some(0));
+    let stale = r.write(0, 0);
+    assert!(matches!(
+        r.r().complete_work(0, 1, stale, 0),
+        Err(RingError::NotClaimed { item: 0 })
+    ));
+    assert!(matches!(
+        r.r().unclaim_work(0, 1, 0),
+        Err(RingError::NotClaimed { item: 0 })
+    ));
+    r.r().abort(0, stale);
+    r.deliver(0, e, 0);
+    assert_eq!(r.ready_batches(), vec![0]);
+}
+
+/// A slot carries one item: a second `complete_work` on it is refused, so recovery, which undoes
+/// the item a slot carries, can never miss one.
+#[test]
+fn a_slot_carries_at_most_one_work_item() {
+    let r = ring(1, 2);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    assert_eq!(r.r().claim_work(0, 1), Some(1));
+    let c = r.write(0, 0);
+    r.r().complete_work(0, 1, c, 0).unwrap();
+    assert!(matches!(
+        r.r().complete_work(0, 1, c, 1),
+        Err(RingError::SlotCarriesWork { slot: 0, item: 0 })
+    ));
+    // The slot still carries item 0, and publishes it.
+    r.publish(0, c, 0);
+    assert_eq!(
+        Word(r.slots[0].state.load(Ordering::Relaxed)).state(),
+        READY
+    );
+    assert_eq!(r.ready_batches(), vec![0]);
+}
+
+/// Item 5's staleness rule on a real ring: a lease held by a zombie (exited, not reaped) or by
+/// a recycled pid (a live process with another start time) does not block the id; one held by a
+/// live process does.
+#[test]
+fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
+    use std::process::Command;
+    let name = format!("hspipe-u-{}-lease", std::process::id());
+    let ring = crate::Ring::create(&name, &RingParams::tiny_fifo()).unwrap();
+    let lease = |pid: u32, start: u64| {
+        ring.core_ref()
+            .worker(0)
+            .lease
+            .store(Lease::of(pid, start).unwrap().0, Ordering::Relaxed)
+    };
+    /// Kills and reaps a child even if the test fails.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let live = Reap(Command::new("sleep").arg("30").spawn().unwrap());
+    let zombie = Reap(Command::new("true").spawn().unwrap());
+    let (live_pid, zpid) = (live.0.id(), zombie.0.id());
+    // Wait until it has exited (it stays a zombie: we have not reaped it).
+    watchdog("a child to exit", move || loop {
+        let stat = std::fs::read_to_string(format!("/proc/{zpid}/stat")).unwrap();
+        if stat[stat.rfind(')').unwrap() + 1..]
+            .trim_start()
+            .starts_with('Z')
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    });
+    let start = |pid| crate::sys::process_start_ticks(pid).unwrap();
+
+    lease(zpid, start(zpid));
+    drop(ring.producer(0).expect("a zombie holder is gone"));
+    lease(live_pid, start(live_pid) + 1);
+    drop(ring.producer(0).expect("a recycled pid is not the holder"));
+    lease(live_pid, start(live_pid));
+    assert!(matches!(
+        ring.producer(0),
+        Err(RingError::WorkerBusy { pid, .. }) if pid == live_pid
+    ));
+    assert!(matches!(
+        ring.recover(crate::WorkerId::producer(0)),
+        Err(RingError::WorkerAlive { pid, .. }) if pid == live_pid
+    ));
+    drop(live);
+    ring.recover(crate::WorkerId::producer(0)).unwrap();
+    drop(ring.producer(0).unwrap());
+}
+
+/// The drafter group's case: a consumer holding two batches dies after the update that used the
+/// first was applied (a committed group step) but before it released it. Recovery retiring that
+/// batch frees its slot as consumed (it must not be trained twice) after showing it to the
+/// caller, and still redelivers the other one.
+#[test]
+fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
+    let r = ring(3, 2);
+    r.register(2, 0);
+    for item in 0..2 {
+        assert_eq!(r.r().claim_work(0, 1), Some(item));
+        r.deliver(0, 1, item);
+    }
+    let mut st = crate::core::TakeState::new(1, 2);
+    let (a, _, _) = r.consume(2, &mut st).unwrap();
+    let (b, _, _) = r.consume(2, &mut st).unwrap();
+    let mut seen = Vec::new();
+    let mut before = |idx: usize, meta: crate::ItemMeta| seen.push((idx, meta.batch_id));
+    let mut retire = crate::core::Retire {
+        batch_id: a,
+        before: &mut before,
+    };
+    let out = r
+        .r()
+        .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
+        .unwrap();
+    assert_eq!((out.retired, out.requeued), (1, 1));
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].1, a,
+        "the caller saw the retired batch before its slot was freed"
+    );
+    // Only the other batch comes back, once more delivered.
+    assert_eq!(
+        r.ready_batches(),
+        [b],
+        "the retired batch is not delivered again"
+    );
+    r.register(2, 1);
+    let mut st = crate::core::TakeState::new(1, 2);
+    let (again, delivery, _) = r.consume(2, &mut st).unwrap();
+    assert_eq!((again, delivery), (b, 1));
+}
