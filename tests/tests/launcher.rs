@@ -665,8 +665,8 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
         "reclaimed ",
         "which is gone",
         &format!("the run in {dead_dir} stopped without finishing"),
-        "its last checkpoints",
-        &format!("{dead_dir}/checkpoints"),
+        &format!("its group checkpoint is {dead_dir}/checkpoints/drafter.safetensors"),
+        &format!("launcher --resume {dead_dir}"),
     ] {
         assert!(line.contains(want), "{line:?} should say {want:?}");
     }
