@@ -268,25 +268,15 @@ fn run_state(run: &Path) -> String {
             run.display()
         );
     }
-    let ckpt = run.join("checkpoints");
-    let n = std::fs::read_dir(&ckpt)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
-                .count()
-        })
-        .unwrap_or(0);
-    let last = if n == 0 {
-        "it wrote no checkpoint".to_string()
+    let ckpt = drafter_worker::checkpoint_path(run);
+    let last = if ckpt.exists() {
+        format!("its group checkpoint is {}", ckpt.display())
     } else {
-        format!(
-            "its last checkpoints ({n}) are in {} and its ledgers in {}",
-            ckpt.display(),
-            run.join("ledger").display()
-        )
+        "it wrote no checkpoint yet (a resume trains it from the start)".to_string()
     };
     format!(
-        "the run in {} stopped without finishing; {last}",
+        "the run in {} stopped without finishing; {last}; continue it with `launcher --resume {}` (and its --targets/--drafters)",
+        run.display(),
         run.display()
     )
 }

@@ -65,6 +65,64 @@ pub struct Interval {
     pub workers: Vec<WorkerRates>,
 }
 
+/// Share of the interval a drafter group's ranks spend in `sync` above which the verdict names
+/// the rank the others wait for.
+const SYNC_STALL: f64 = 0.10;
+
+/// "drafters wait 37% in sync for drafter 2 (compute per token 3.0x the group median)" when
+/// the ranks of a synchronous group spend a real share of their time waiting for each other.
+/// The rank named is the slowest per token over its life (cumulative compute time over tokens
+/// trained, from the snapshot), not the one with the longest batch of the moment: a batch's
+/// length changes every step, a slow GPU does not, and one interval holds too few batches to
+/// tell them apart. With no rank slow per token, the waits come from batches of unequal length.
+fn group_stall(b: &Snapshot, drafters: Vec<&WorkerRates>) -> Option<String> {
+    if drafters.len() < 2 {
+        return None;
+    }
+    let phase = |w: &WorkerRates, p: &str| w.phases.get(p).copied().unwrap_or(0.0);
+    let wait = mean(drafters.iter().map(|w| phase(w, "sync")))?;
+    if wait < SYNC_STALL {
+        return None;
+    }
+    // Compute nanoseconds per token trained, over each live rank's incarnation.
+    let costs: Vec<(u32, f64)> = drafters
+        .iter()
+        .filter_map(|w| {
+            let rec = b
+                .workers
+                .iter()
+                .find(|r| r.role == Role::Consumer && r.index == w.index && r.alive)?;
+            let ns = *rec.phase_ns.get("compute")?;
+            (rec.tokens > 0).then(|| (w.index, ns as f64 / rec.tokens as f64))
+        })
+        .collect();
+    let slowest = costs.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+    let m = (costs.len() >= 2).then(|| median(costs.iter().map(|c| c.1).collect()));
+    match (slowest, m) {
+        (Some(&(k, c)), Some(m)) if m > 0.0 && c >= SLOW_RANK * m => {
+            let others = mean(
+                drafters
+                    .iter()
+                    .filter(|w| w.index != k)
+                    .map(|w| phase(w, "sync")),
+            )
+            .unwrap_or(wait);
+            Some(format!(
+                "drafters wait {} in sync for drafter {k} (compute per token {:.1}x the group median)",
+                pct(others),
+                c / m
+            ))
+        }
+        _ => Some(format!(
+            "drafters wait {} in sync: their batches take unequal time (no rank is slow per token)",
+            pct(wait)
+        )),
+    }
+}
+
+/// How much slower per token than the group's median a rank must be to be named.
+const SLOW_RANK: f64 = 1.5;
+
 /// Which side limits the pipeline.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -76,6 +134,8 @@ pub enum Bottleneck {
     Neither,
     /// Nothing moved in the interval (finished, not started, or stale).
     Idle,
+    /// Every producer is done; the consumers are training what is left.
+    Draining,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -215,7 +275,15 @@ pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
     let tw = mean(live("target").map(|w| w.waiting));
     let dw = mean(live("drafter").map(|w| w.waiting));
     let moved = iv.published_per_s > 0.0 || iv.released_per_s > 0.0;
-    let (bottleneck, line) = match (tw, dw) {
+    let left = b.slots.ready + b.slots.reading;
+    let (bottleneck, mut line) = match (tw, dw) {
+        _ if b.closed && left > 0 => (
+            Bottleneck::Draining,
+            format!(
+                "draining: the targets are done ({}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
+                b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
+            ),
+        ),
         _ if !moved && b.closed => (
             Bottleneck::Idle,
             format!("finished: every producer is done ({}/{}) and nothing moved", b.producers_done, b.producers_expected),
@@ -250,9 +318,19 @@ pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
             ),
         ),
     };
+    // A synchronous drafter group waits for its slowest rank at every step: name it.
+    let group = group_stall(b, live("drafter").collect());
+    if let Some(g) = &group {
+        line.push_str("; ");
+        line.push_str(g);
+    }
     let mut stragglers = Vec::new();
     if moved {
         for role in ["target", "drafter"] {
+            if role == "drafter" && group.is_some() {
+                // In a group the fast ranks wait in sync (low busy); the straggler is named above.
+                continue;
+            }
             let peers: Vec<&WorkerRates> = live(role).collect();
             if peers.len() < 2 {
                 continue;

@@ -226,7 +226,7 @@ fn verdict_style(b: Bottleneck) -> Style {
         Bottleneck::Drafters | Bottleneck::Targets => Color::Yellow,
         Bottleneck::Balanced => Color::Green,
         Bottleneck::Neither => Color::Magenta,
-        Bottleneck::Idle => Color::Gray,
+        Bottleneck::Idle | Bottleneck::Draining => Color::Gray,
     };
     Style::new().fg(color).add_modifier(Modifier::BOLD)
 }

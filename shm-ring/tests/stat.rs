@@ -120,23 +120,58 @@ fn a_closed_ring_where_nothing_moves_is_finished() {
 }
 
 #[test]
-fn a_slow_peer_is_named_with_its_dominant_phase() {
-    let r = ring("strag", 1, 3, 6);
-    let p = r.producer(0).unwrap();
-    let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
+fn a_slow_target_is_named_with_its_dominant_phase() {
+    let r = ring("strag", 3, 1, 6);
+    let ps: Vec<_> = (0..3).map(|i| r.producer(i).unwrap()).collect();
+    let c = r.consumer(0).unwrap();
     let a = r.snapshot();
-    p.add_phase(Phase::Compute, ms(900));
-    cs[0].add_phase(Phase::Compute, ms(970));
-    cs[1].add_phase(Phase::Compute, ms(960));
-    cs[2].add_phase(Phase::Compute, ms(410));
-    cs[2].add_phase(Phase::Sync, ms(520));
-    publish(&p);
-    cs[0].take().unwrap().unwrap().release().unwrap();
+    ps[0].add_phase(Phase::Compute, ms(970));
+    ps[1].add_phase(Phase::Compute, ms(960));
+    ps[2].add_phase(Phase::Compute, ms(410));
+    ps[2].add_phase(Phase::Load, ms(520));
+    c.add_phase(Phase::Compute, ms(900));
+    publish(&ps[0]);
+    c.take().unwrap().unwrap().release().unwrap();
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(
         v.stragglers,
-        vec!["drafter 2 busy 41% vs peers 97%: 52% in sync".to_string()]
+        vec!["target 2 busy 41% vs peers 97%: 52% in load".to_string()]
     );
+}
+
+/// The drafters are one synchronous group: ranks 0 and 1 wait in sync for rank 2, which is
+/// three times slower per token. The verdict names rank 2 (not the fast ranks, whose busy
+/// share is low only because they wait for it).
+#[test]
+fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
+    let r = ring("group", 1, 3, 6);
+    let p = r.producer(0).unwrap();
+    let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
+    for _ in 0..3 {
+        p.reserve(8)
+            .unwrap()
+            .commit(CommitMeta {
+                tokens: 100,
+                ..Default::default()
+            })
+            .unwrap();
+    }
+    let a = r.snapshot();
+    for (i, c) in cs.iter().enumerate() {
+        let (compute, sync) = if i == 2 { (900, 0) } else { (300, 600) };
+        c.add_phase(Phase::Compute, ms(compute));
+        c.add_phase(Phase::Sync, ms(sync));
+        c.take().unwrap().unwrap().release().unwrap();
+    }
+    let (v, _) = judge(&r, &a, &[]);
+    assert!(
+        v.line.ends_with(
+            "; drafters wait 60% in sync for drafter 2 (compute per token 3.0x the group median)"
+        ),
+        "{}",
+        v.line
+    );
+    assert!(v.stragglers.is_empty(), "{:?}", v.stragglers);
 }
 
 #[test]

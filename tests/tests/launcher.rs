@@ -665,8 +665,8 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
         "reclaimed ",
         "which is gone",
         &format!("the run in {dead_dir} stopped without finishing"),
-        "its last checkpoints",
-        &format!("{dead_dir}/checkpoints"),
+        &format!("its group checkpoint is {dead_dir}/checkpoints/drafter.safetensors"),
+        &format!("launcher --resume {dead_dir}"),
     ] {
         assert!(line.contains(want), "{line:?} should say {want:?}");
     }
@@ -916,4 +916,51 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         b"garbage"
     );
     assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+}
+
+/// One slow rank holds the whole synchronous group: the verdict names it (drafter 2, three
+/// times slower), never another rank, on most intervals once data flows; and once the targets
+/// are done, it says the drafters are draining instead of "both sides wait".
+#[test]
+fn the_verdict_names_the_slow_rank_the_group_waits_for_and_then_the_drain() {
+    let run = Run::new("lslowrank");
+    let cfg = config(&run.dir, true, "[faults.drafter-2]\nslow = 3.0\n");
+    let out = run.launch(&cfg, &["--monitor", "0.5"]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let ticks: Vec<serde_json::Value> =
+        std::fs::read_to_string(run.run_dir().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let verdicts: Vec<&str> = ticks.iter().filter_map(|t| t["verdict"].as_str()).collect();
+    for v in &verdicts {
+        assert!(
+            !v.contains("in sync for drafter 0") && !v.contains("in sync for drafter 1"),
+            "named the wrong rank: {v}"
+        );
+    }
+    // Intervals in which data flowed and the targets still ran.
+    let flowing: Vec<&&str> = verdicts
+        .iter()
+        .filter(|v| {
+            !v.starts_with("idle") && !v.starts_with("draining") && !v.starts_with("finished")
+        })
+        .skip(3)
+        .collect();
+    let named = flowing
+        .iter()
+        .filter(|v| v.contains("in sync for drafter 2"))
+        .count();
+    assert!(
+        !flowing.is_empty() && named * 2 >= flowing.len(),
+        "drafter 2 named in {named} of {} intervals: {flowing:#?}",
+        flowing.len()
+    );
+    assert!(
+        verdicts
+            .iter()
+            .any(|v| v.starts_with("draining: the targets are done")),
+        "{verdicts:#?}"
+    );
 }
