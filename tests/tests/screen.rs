@@ -342,6 +342,23 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
         "the take-over is not marked"
     );
 
+    // The drafter's loss and acceptance length, once the metrics carry them: a panel each.
+    let with_loss: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let mut t: serde_json::Value = serde_json::from_str(l).unwrap();
+            t["drafter_loss"] = (3.0 / (1.0 + i as f64)).into();
+            t["acceptance_length"] = (1.0 + 0.1 * i as f64).into();
+            format!("{t}\n")
+        })
+        .collect();
+    std::fs::write(cut.join("metrics.jsonl"), with_loss).unwrap();
+    let (code, err) = report(&[cut.to_str().unwrap(), "-o", cut_svg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let svg = std::fs::read_to_string(&cut_svg).unwrap();
+    assert!(svg.contains("\ndrafter loss\n") && svg.contains("\nacceptance length (tau)\n"));
+
     // Bad input: exit 1, `error: ` and what is wrong, where.
     let bad = |name: &str, metrics: Option<&str>| -> String {
         let d = run.dir.join(name);
