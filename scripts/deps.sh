@@ -9,7 +9,7 @@
 #
 # Usage: scripts/deps.sh            fetch what crates.lock names (quick no-op when present)
 #        scripts/deps.sh --update   re-resolve crates.txt into crates.lock (then rebuild the
-#                                   lock file: cargo generate-lockfile)
+#                                   build: cargo adds the new crates to Cargo.lock)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,7 +57,7 @@ rm -f "$apt/debs"/*.deb
 (cd "$apt/debs" && apt-get "${opts[@]}" download $(cat "../../../$lock")) >"$apt/download.log" 2>&1 || {
     grep -E '^(E|W):' "$apt/download.log" >&2 || cat "$apt/download.log" >&2
     echo "error: could not download the packages in $lock; if Debian moved a version on," >&2
-    echo "       run scripts/deps.sh --update and cargo generate-lockfile, then commit both" >&2
+    echo "       run scripts/deps.sh --update, build, then commit crates.lock and Cargo.lock" >&2
     exit 1
 }
 rm -rf "$deps/unpack" "$deps/registry"

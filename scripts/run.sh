@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
-exec cargo run --quiet --release -p launcher -- "$@"
+# The launcher runs the worker binaries beside it: build them too, so stale ones never run.
+cargo build --quiet --release -p launcher -p target-worker -p drafter-worker
+exec target/release/launcher "$@"

@@ -551,7 +551,15 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                 w.child = None;
                 w.control = None;
                 match status.code() {
-                    Some(0) => w.phase = Phase::Done,
+                    Some(0) => {
+                        w.phase = Phase::Done;
+                        // A drafter that finished has left the group: a rank restarted late
+                        // must not wait for it to admit it (it admits itself into an empty
+                        // group, sees the ring's end and finishes too).
+                        if w.role == WorkerRole::Drafter {
+                            group.remove(w.index)?;
+                        }
+                    }
                     Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
                     _ => {
                         // A drafter leaves the group first: survivors blocked in the reduction
