@@ -182,18 +182,24 @@ pub fn record_retired(
         digest: String::new(),
         epoch: 0,
     };
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(&path)
-        .with_context(|| format!("opening ledger {}", path.display()))?;
-    end_torn_line(&mut f)?;
+    let mut f = open_ledger(&path)?;
     let mut out = serde_json::to_string(&line)?;
     out.push('\n');
     f.write_all(out.as_bytes())
         .with_context(|| format!("appending to {}", path.display()))?;
     Ok(true)
+}
+
+/// Opens a ledger for appending and ends a line its last writer's kill tore.
+fn open_ledger(path: &Path) -> anyhow::Result<File> {
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .read(true)
+        .open(path)
+        .with_context(|| format!("opening ledger {}", path.display()))?;
+    end_torn_line(&mut f).with_context(|| format!("repairing ledger {}", path.display()))?;
+    Ok(f)
 }
 
 /// The group's one checkpoint: weights, optimizer state and step.
@@ -306,14 +312,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         cfg.model.hidden,
     );
     let ledger_file = ledger_path(&s.run_dir, s.index);
-    let mut ledger = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(&ledger_file)
-        .with_context(|| format!("opening ledger {}", ledger_file.display()))?;
-    end_torn_line(&mut ledger)
-        .with_context(|| format!("repairing ledger {}", ledger_file.display()))?;
+    let mut ledger = open_ledger(&ledger_file)?;
 
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let group_name = proto::group_segment(&s.ring);
