@@ -157,6 +157,8 @@ pub struct Monitor {
     events: Vec<EventTick>,
     /// The restarts of the last tick, for the final one.
     restarts: u32,
+    /// The verdict over recent ticks (a window, with hysteresis).
+    judge: analysis::Judge,
 }
 
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
@@ -205,6 +207,7 @@ impl Monitor {
             started: Instant::now(),
             events: Vec::new(),
             restarts: 0,
+            judge: analysis::Judge::new(),
         })
     }
 
@@ -250,7 +253,7 @@ impl Monitor {
         };
         let snap = ring.snapshot();
         let iv = analysis::interval(prev, &snap, &self.occupancy);
-        let verdict = analysis::verdict(&snap, &iv);
+        let verdict = self.judge.verdict(prev, &snap, &self.occupancy);
         self.occupancy.clear();
         let (tb, tw) = shares(&iv, "target");
         let (db, dw) = shares(&iv, "drafter");

@@ -1,35 +1,74 @@
-//! What two snapshots of a ring say about the interval between them: rates, each worker's time
-//! by phase, and a verdict that names the bottleneck and any straggler, with the figures that
-//! show it. Pure functions of snapshots, so the same analysis serves `shm-ring-stat`, the
-//! launcher and tests.
+//! What snapshots of a ring say: rates over an interval, each worker's time by phase, and a
+//! verdict that names the bottleneck, the worker at fault if one is, and the figures that show
+//! it. [`Judge`] gives the verdict over a sliding window of recent intervals with hysteresis;
+//! the launcher's monitor, `shm-ring-stat` and the scenario tests (tests/tests/verdict.rs) all
+//! use it, so they say the same thing.
 //!
 //! Definitions (all fractions of the interval's wall time, per worker):
 //! - *busy*: time in `compute` (the GPU doing model work);
 //! - *waiting*: time blocked on the ring (`wait_full` for targets, `wait_empty` for drafters);
-//! - everything else (`load`, `copy_in`, `sync`, `checkpoint`, `other`) is *overhead*.
+//! - everything else (`load`, `copy_in`, `sync`, `checkpoint`, `other`) is *overhead*;
+//! - *working*: every phase but the waits on the ring and `sync` (which waits for the other
+//!   ranks): the time a worker's own step takes. A worker's *pace* is its working time per
+//!   token over its life (all incarnations), from the cumulative counters of the last snapshot.
 //!
-//! Verdict rules: a side that waits much while the other does not is fed by (or feeds) the
-//! bottleneck. Targets waiting on a full ring mean the drafters are too slow; drafters waiting on
-//! an empty ring (or one below `min_ready`) mean the targets are. A worker whose busy share is
-//! far below its peers' is a straggler, and its largest non-compute phase says where its time
-//! went.
+//! The verdict, in order (the first that holds):
+//! 1. *finished*: the ring is closed and empty, and nothing moved;
+//! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
+//!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
+//! 3. *draining*: every target is done (the ring closed), or every planned batch is handed out,
+//!    and the drafters train what is left;
+//! 4. *starting*: nothing was taken yet: the drafters wait for the ring to reach `min_ready`;
+//! 5. *idle*: nothing was published or trained and no worker did any work in the window;
+//! 6. the sides: targets waiting on a full ring while drafters do not, or the ring *filling*
+//!    (published well above trained) while the drafters do not wait, mean the drafters are the
+//!    bottleneck; drafters waiting on the ring while targets do not, or the ring *emptying*,
+//!    mean the targets are; both calm is *balanced*; both waiting is *neither*.
+//!
+//! A phase in progress counts up to the snapshot, so a worker computing a batch longer than the
+//! period is busy, not idle. The window holds at least [`WINDOW_EVENTS`] ring events (publishes
+//! and releases; at most 30 s, never reaching back before the first take), so one long batch or
+//! one group step of simultaneous releases does not flip the verdict; on top, a side stays the
+//! bottleneck until its evidence falls below half the threshold that made it one (hysteresis).
+//!
+//! Drafters that spend time in `sync` form a synchronous group: a step lasts as long as its
+//! slowest rank, so the group waits on the ring as long as its most waiting rank does, and a rank
+//! slow per token (pace under 0.6x its peers' median) holds every other rank, which the verdict
+//! says with the share they wait for it. Independent drafters (no `sync`) and targets (which
+//! claim work as they go) lose only a slow worker's own share: the ring absorbs it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 
 use crate::stats::{SlotCounts, Snapshot, WorkerSnapshot, WorkerState};
 use crate::{Phase, Role};
 
-/// A side counts as waiting when its mean waiting share is above this.
+/// A side counts as waiting when its waiting share is above this (to become the bottleneck's
+/// evidence) ...
 const WAITS: f64 = 0.20;
-/// And as not waiting when below this.
+/// ... and as not waiting when below this.
 const CALM: f64 = 0.10;
-/// A straggler's busy share is below this fraction of its peers' median.
+/// A straggler's speed per token is below this fraction of its peers' median.
 const STRAGGLER: f64 = 0.6;
-/// A live worker silent this long is worth a warning (workers beat at every ring operation and
-/// every 100 ms while blocked on the ring).
+/// Items a worker must have finished before its pace is judged.
+const MIN_ITEMS: u64 = 3;
+/// A live worker silent this long is hung whatever its history.
 const SILENT_S: f64 = 60.0;
+/// A live worker silent for this many of its mean steps, and at least `SILENT_MIN_S`, is hung.
+const SILENT_STEPS: f64 = 10.0;
+const SILENT_MIN_S: f64 = 5.0;
+/// Share of the window a drafter group's ranks spend in `sync` above which the verdict says
+/// what they wait for.
+const SYNC_STALL: f64 = 0.10;
+/// Ring events (publishes + releases) a window holds at least, unless history is shorter.
+pub const WINDOW_EVENTS: u64 = 24;
+/// A window never reaches further back than this.
+const WINDOW_MAX_S: f64 = 30.0;
+/// The ring fills (or empties) when its net change over the window is at least this many
+/// batches and this share of what was published (trained).
+const TREND_MIN: f64 = 4.0;
+const TREND_SHARE: f64 = 1.0 / 3.0;
 
 /// One worker over the interval.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -62,80 +101,41 @@ pub struct Interval {
     pub full_frac: f64,
     /// Share of occupancy samples with no READY item.
     pub empty_frac: f64,
+    /// Share of occupancy samples with fewer READY items than the take policy serves from
+    /// (`min_ready`; 1 for FIFO), the ring open: drafters could take nothing.
+    pub short_frac: f64,
     pub workers: Vec<WorkerRates>,
 }
 
-/// Share of the interval a drafter group's ranks spend in `sync` above which the verdict names
-/// the rank the others wait for.
-const SYNC_STALL: f64 = 0.10;
-
-/// "drafters wait 37% in sync for drafter 2 (compute per token 3.0x the group median)" when
-/// the ranks of a synchronous group spend a real share of their time waiting for each other.
-/// The rank named is the slowest per token over its life (cumulative compute time over tokens
-/// trained, from the snapshot), not the one with the longest batch of the moment: a batch's
-/// length changes every step, a slow GPU does not, and one interval holds too few batches to
-/// tell them apart. With no rank slow per token, the waits come from batches of unequal length.
-fn group_stall(b: &Snapshot, drafters: Vec<&WorkerRates>) -> Option<String> {
-    if drafters.len() < 2 {
-        return None;
-    }
-    let phase = |w: &WorkerRates, p: &str| w.phases.get(p).copied().unwrap_or(0.0);
-    let wait = mean(drafters.iter().map(|w| phase(w, "sync")))?;
-    if wait < SYNC_STALL {
-        return None;
-    }
-    // Compute nanoseconds per token trained, over each live rank's incarnation.
-    let costs: Vec<(u32, f64)> = drafters
-        .iter()
-        .filter_map(|w| {
-            let rec = b
-                .workers
-                .iter()
-                .find(|r| r.role == Role::Consumer && r.index == w.index && r.alive)?;
-            let ns = *rec.phase_ns.get("compute")?;
-            (rec.tokens > 0).then(|| (w.index, ns as f64 / rec.tokens as f64))
-        })
-        .collect();
-    let slowest = costs.iter().max_by(|a, b| a.1.total_cmp(&b.1));
-    let m = (costs.len() >= 2).then(|| median(costs.iter().map(|c| c.1).collect()));
-    match (slowest, m) {
-        (Some(&(k, c)), Some(m)) if m > 0.0 && c >= SLOW_RANK * m => {
-            let others = mean(
-                drafters
-                    .iter()
-                    .filter(|w| w.index != k)
-                    .map(|w| phase(w, "sync")),
-            )
-            .unwrap_or(wait);
-            Some(format!(
-                "drafters wait {} in sync for drafter {k} (compute per token {:.1}x the group median)",
-                pct(others),
-                c / m
-            ))
-        }
-        _ => Some(format!(
-            "drafters wait {} in sync: their batches take unequal time (no rank is slow per token)",
-            pct(wait)
-        )),
-    }
-}
-
-/// How much slower per token than the group's median a rank must be to be named.
-const SLOW_RANK: f64 = 1.5;
-
-/// Which side limits the pipeline.
+/// Which side limits the pipeline, or what state the run is in.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Bottleneck {
     Drafters,
     Targets,
     Balanced,
-    /// Both sides wait: the time goes elsewhere (start-up, a stall).
+    /// Both sides wait: the time goes elsewhere.
     Neither,
-    /// Nothing moved in the interval (finished, not started, or stale).
+    /// Nothing moved and nobody worked in the window (finished, not started, or stale).
     Idle,
-    /// Every producer is done; the consumers are training what is left.
+    /// The targets are done (or have every planned batch in hand); the drafters are training
+    /// what is left.
     Draining,
+    /// Nothing was taken yet: the targets fill the ring up to `min_ready`.
+    Starting,
+    /// A live worker is silent far past its usual step: hung, and named.
+    Stalled,
+}
+
+/// Where the ring's occupancy went over the window.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Trend {
+    /// Published well above trained: the drafters cannot keep up.
+    Filling,
+    /// Trained well above published: the targets cannot keep up.
+    Emptying,
+    Steady,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -143,9 +143,17 @@ pub struct Verdict {
     pub bottleneck: Bottleneck,
     /// One line for people, with the figures.
     pub line: String,
+    /// The worker the verdict holds responsible, named as in the run directory's logs
+    /// (`drafter-2`): a silent worker, the rank a drafter group waits for, or else the slowest
+    /// straggler. `None` when no one worker is at fault.
+    pub worker: Option<String>,
+    /// Workers far slower per token than their peers, with their figures and what they cost.
     pub stragglers: Vec<String>,
     /// Dead workers, a stale ring, and other things to look at.
     pub warnings: Vec<String>,
+    pub trend: Trend,
+    /// Seconds of history the verdict is judged over.
+    pub window_s: f64,
 }
 
 fn role_name(r: Role) -> &'static str {
@@ -197,6 +205,10 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
         occupancy.to_vec()
     };
     let n = samples.len() as f64;
+    let serves_from = match b.params.policy {
+        crate::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
+        _ => 1,
+    };
     let tokens: u64 = b
         .workers
         .iter()
@@ -211,6 +223,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
         tokens_per_s: tokens as f64 / secs,
         full_frac: samples.iter().filter(|s| s.free == 0).count() as f64 / n,
         empty_frac: samples.iter().filter(|s| s.ready == 0).count() as f64 / n,
+        short_frac: samples.iter().filter(|s| s.ready < serves_from).count() as f64 / n,
         workers: a
             .workers
             .iter()
@@ -218,6 +231,92 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
             .map(|(x, y)| rates(x, y, dt_ns))
             .collect(),
     }
+}
+
+/// The verdict over a sliding window of recent intervals, with hysteresis. Feed it every
+/// interval in order: the monitor per tick, `shm-ring-stat --watch` per refresh, a test per
+/// observation.
+#[derive(Default)]
+pub struct Judge {
+    /// Snapshots ending the recent intervals, oldest first, each with the occupancy samples of
+    /// the interval it ends (the first has none: it only starts the history).
+    history: VecDeque<(Snapshot, Vec<SlotCounts>)>,
+    /// The last verdict's class, for hysteresis.
+    last: Option<Bottleneck>,
+}
+
+impl Judge {
+    pub fn new() -> Judge {
+        Judge::default()
+    }
+
+    /// The verdict at `b`, the end of the interval from `a` (with the occupancy samples taken
+    /// during it), judged over the window of recent intervals that ends at `b`. Intervals are
+    /// expected in order, each starting where the previous ended; one that does not starts a
+    /// new history.
+    pub fn verdict(&mut self, a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Verdict {
+        let continues = self.history.back().is_some_and(|(s, _)| {
+            s.taken_at_ns == a.taken_at_ns && s.name == a.name && s.workers.len() == b.workers.len()
+        });
+        if !continues {
+            self.history.clear();
+            self.history.push_back((a.clone(), Vec::new()));
+        }
+        self.history.push_back((b.clone(), occupancy.to_vec()));
+        // Forget what no window can reach (keeping the two newest entries at least).
+        while self.history.len() > 2
+            && (b.taken_at_ns.saturating_sub(self.history[1].0.taken_at_ns) as f64 / 1e9)
+                > WINDOW_MAX_S
+        {
+            self.history.pop_front();
+        }
+        let start = self.window_start();
+        let samples: Vec<SlotCounts> = self
+            .history
+            .iter()
+            .skip(start + 1)
+            .flat_map(|(_, occ)| occ.iter().copied())
+            .collect();
+        let first = &self.history[start].0;
+        let iv = interval(first, b, &samples);
+        // The window holds the first take: it is mostly start-up.
+        let fresh = first.counters.taken == 0;
+        let v = judge(b, &iv, self.last, fresh);
+        self.last = Some(v.bottleneck);
+        v
+    }
+
+    /// Index in `history` of the window's first snapshot: the newest that leaves at least
+    /// `WINDOW_EVENTS` ring events in the window, or the oldest within `WINDOW_MAX_S`; never one
+    /// before the first take (start-up waits say nothing about the run), unless the window
+    /// would be empty.
+    fn window_start(&self) -> usize {
+        let n = self.history.len();
+        let b = &self.history[n - 1].0;
+        let events = |s: &Snapshot| {
+            b.counters.published.saturating_sub(s.counters.published)
+                + b.counters.released.saturating_sub(s.counters.released)
+        };
+        let mut k = n - 2;
+        while k > 0 {
+            let s = &self.history[k].0;
+            let older = &self.history[k - 1].0;
+            if events(s) >= WINDOW_EVENTS
+                || (b.taken_at_ns.saturating_sub(older.taken_at_ns) as f64 / 1e9) > WINDOW_MAX_S
+                || (older.counters.taken == 0 && b.counters.taken > 0)
+            {
+                break;
+            }
+            k -= 1;
+        }
+        k
+    }
+}
+
+/// The verdict for one interval of ring `b` (its end snapshot), without a window or history:
+/// what [`Judge`] says for a single interval.
+pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
+    judge(b, iv, None, false)
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -234,8 +333,447 @@ fn pct(x: f64) -> String {
     format!("{:.0}%", x * 100.0)
 }
 
-/// The verdict for an interval of ring `b` (its end snapshot).
-pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
+/// Phases that are a worker's own work (not waiting on the ring or on other ranks).
+fn working(p: Phase) -> bool {
+    !p.is_wait() && p != Phase::Sync
+}
+
+/// A worker's pace over its life: working nanoseconds per token, and the working phase it
+/// spends most in with that phase's share of the working time. `None` before `MIN_ITEMS`.
+struct Pace {
+    ns_per_token: f64,
+    ns_per_item: f64,
+    phase: &'static str,
+    share: f64,
+}
+
+fn pace(w: &WorkerSnapshot) -> Option<Pace> {
+    let work: Vec<(&'static str, u64)> = Phase::ALL
+        .iter()
+        .filter(|p| working(**p))
+        .map(|p| (p.name(), w.phase_ns[p.name()]))
+        .collect();
+    let total: u64 = work.iter().map(|(_, ns)| ns).sum();
+    if w.items < MIN_ITEMS || w.tokens == 0 || total == 0 {
+        return None;
+    }
+    let (phase, ns) = work
+        .iter()
+        .copied()
+        .max_by_key(|(_, ns)| *ns)
+        .unwrap_or(("compute", 0));
+    Some(Pace {
+        ns_per_token: total as f64 / w.tokens as f64,
+        ns_per_item: total as f64 / w.items as f64,
+        phase,
+        share: ns as f64 / total as f64,
+    })
+}
+
+/// A worker far slower per token than the median of its live peers of the same role.
+struct Slow {
+    role: Role,
+    index: u32,
+    /// Its time per token over the peers' median.
+    ratio: f64,
+    phase: &'static str,
+    share: f64,
+}
+
+fn slow_workers(b: &Snapshot) -> Vec<Slow> {
+    let mut out = Vec::new();
+    for role in [Role::Producer, Role::Consumer] {
+        let paces: Vec<(&WorkerSnapshot, Pace)> = b
+            .workers
+            .iter()
+            .filter(|w| w.role == role && w.alive)
+            .filter_map(|w| Some((w, pace(w)?)))
+            .collect();
+        for (w, p) in &paces {
+            let others: Vec<f64> = paces
+                .iter()
+                .filter(|(o, _)| o.index != w.index)
+                .map(|(_, q)| q.ns_per_token)
+                .collect();
+            if others.is_empty() {
+                continue;
+            }
+            let m = median(others);
+            if m > 0.0 && p.ns_per_token * STRAGGLER > m {
+                out.push(Slow {
+                    role,
+                    index: w.index,
+                    ratio: p.ns_per_token / m,
+                    phase: p.phase,
+                    share: p.share,
+                });
+            }
+        }
+    }
+    out.sort_by(|a, b| b.ratio.total_cmp(&a.ratio));
+    out
+}
+
+/// The live worker silent longest past what its steps explain, with its silence in seconds.
+fn silent_worker(b: &Snapshot) -> Option<(&WorkerSnapshot, f64, Option<f64>)> {
+    b.workers
+        .iter()
+        .filter(|w| w.alive)
+        .filter_map(|w| {
+            let age_ns = w.heartbeat_age_ns?;
+            let age = age_ns as f64 / 1e9;
+            // Its usual step, from the work done up to its last heartbeat: the silence itself
+            // (a phase in progress, counted up to the snapshot) must not stretch it.
+            let step = pace(w).map(|p| {
+                let done = (p.ns_per_item * w.items as f64 - age_ns as f64).max(0.0);
+                done / w.items as f64 / 1e9
+            });
+            let limit = step.map_or(SILENT_S, |s| {
+                (SILENT_STEPS * s).clamp(SILENT_MIN_S, SILENT_S)
+            });
+            (age > limit).then_some((w, age, step))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// The phase a worker is in now, from the shares of the window: the one that grew most.
+fn current_phase(w: &WorkerRates) -> &'static str {
+    w.phases
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(n, _)| *n)
+        .unwrap_or("other")
+}
+
+fn name(role: &str, index: u32) -> String {
+    format!("{role}-{index}")
+}
+
+/// The verdict for the window `iv` that ends at snapshot `b`; `last` is the previous verdict's
+/// class, for hysteresis; `fresh` says the window holds the first take.
+fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> Verdict {
+    let warnings = warnings(b);
+    let live = |role: &'static str| iv.workers.iter().filter(move |w| w.role == role && w.alive);
+    let phase = |w: &WorkerRates, p: &str| w.phases.get(p).copied().unwrap_or(0.0);
+    // Drafters that ever waited in `sync` are one synchronous group.
+    let drafters = || b.workers.iter().filter(|w| w.role == Role::Consumer);
+    let group = drafters().count() >= 2
+        && drafters().any(|w| w.phase_ns.get("sync").copied().unwrap_or(0) > 0);
+    let tw = mean(live("target").map(|w| w.waiting));
+    // A group steps at its slowest rank's pace: it waits for data while any rank does.
+    let dw = if group {
+        live("drafter").map(|w| w.waiting).reduce(f64::max)
+    } else {
+        mean(live("drafter").map(|w| w.waiting))
+    };
+    let published = (iv.published_per_s * iv.seconds).round();
+    let released = (iv.released_per_s * iv.seconds).round();
+    let net = published - released;
+    let trend = if net >= TREND_MIN && net >= TREND_SHARE * published {
+        Trend::Filling
+    } else if -net >= TREND_MIN && -net >= TREND_SHARE * released {
+        Trend::Emptying
+    } else {
+        Trend::Steady
+    };
+    let moved = published > 0.0 || released > 0.0;
+    let worked = iv.workers.iter().filter(|w| w.alive).any(|w| {
+        Phase::ALL
+            .iter()
+            .any(|p| working(*p) && phase(w, p.name()) > 0.01)
+    });
+    let slow = slow_workers(b);
+    let slow_rank = slow.iter().find(|s| s.role == Role::Consumer && group);
+    let sync = mean(live("drafter").map(|w| phase(w, "sync"))).unwrap_or(0.0);
+    let drafters_live = drafters().filter(|w| w.alive).count();
+    let live_paces = drafters().filter(|w| w.alive && pace(w).is_some()).count();
+    let left = b.slots.ready + b.slots.reading;
+    // The end of the plan: every batch claimed and a target already out of work.
+    let work_handed_out = b.work.total > 0
+        && b.work.done + b.work.claimed >= b.work.total
+        && b.producers_done > 0
+        && b.counters.taken > 0;
+    let mut worker = None;
+
+    let silent = silent_worker(b);
+    let (bottleneck, mut line) = if b.closed && left == 0 {
+        (
+            Bottleneck::Idle,
+            format!(
+                "finished: every producer is done ({}/{}) and every batch is trained",
+                b.producers_done, b.producers_expected
+            ),
+        )
+    } else if let Some((w, age, step)) = silent {
+        let role = role_name(w.role);
+        worker = Some(name(role, w.index));
+        let now = iv
+            .workers
+            .iter()
+            .find(|r| r.role == role && r.index == w.index)
+            .map_or("other", current_phase);
+        let usual = step.map_or(String::new(), |s| format!(", its steps take {s:.1}s"));
+        let held = if w.role == Role::Consumer && group {
+            let others = mean(
+                live("drafter")
+                    .filter(|r| r.index != w.index)
+                    .map(|r| phase(r, "sync")),
+            )
+            .unwrap_or(0.0);
+            format!("; the other drafters wait {} in sync for it", pct(others))
+        } else {
+            format!("; the other {role}s go on without it")
+        };
+        (
+            Bottleneck::Stalled,
+            format!(
+                "stalled: {role} {} (pid {}) has sent no heartbeat for {age:.0}s, in {now}{usual}: hung, or a step far longer than usual{held}",
+                w.index, w.pid
+            ),
+        )
+    } else if b.closed && left > 0 {
+        (
+            Bottleneck::Draining,
+            format!(
+                "draining: the targets are done ({}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
+                b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
+            ),
+        )
+    } else if work_handed_out {
+        (
+            Bottleneck::Draining,
+            format!(
+                "draining: every planned batch is handed out ({} of {} published, {} claimed; targets done {}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
+                b.work.done, b.work.total, b.work.claimed, b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
+            ),
+        )
+    } else if fresh && b.counters.taken > 0 && !b.closed {
+        (
+            Bottleneck::Starting,
+            format!(
+                "starting: the drafters took their first {} batch(es) in the last {:.1}s, after waiting for the ring to fill",
+                b.counters.taken, iv.seconds
+            ),
+        )
+    } else if b.counters.taken == 0 && !b.closed {
+        let gate = match b.params.policy {
+            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+                "the drafters wait until {min_ready} batches are READY ({} now, {} being written)",
+                b.slots.ready, b.slots.writing
+            ),
+            _ => format!(
+                "the targets compute the first batches ({} being written)",
+                b.slots.writing
+            ),
+        };
+        (Bottleneck::Starting, format!("starting: {gate}"))
+    } else if !moved && !worked {
+        (
+            Bottleneck::Idle,
+            format!(
+                "idle: nothing was published or trained, and no worker worked, in the last {:.1}s",
+                iv.seconds
+            ),
+        )
+    } else {
+        let e = Evidence {
+            t: tw,
+            d: dw,
+            trend,
+            published,
+            released,
+        };
+        sides(b, iv, last, &e)
+    };
+
+    // A synchronous group waits for its slowest rank at every step: say for whom, unless the
+    // ranks wait for one that waits for data (the targets' fault, said above).
+    if group
+        && sync >= SYNC_STALL
+        && !matches!(
+            bottleneck,
+            Bottleneck::Targets | Bottleneck::Starting | Bottleneck::Stalled
+        )
+    {
+        match slow_rank {
+            Some(s) => {
+                let others = mean(
+                    live("drafter")
+                        .filter(|w| w.index != s.index)
+                        .map(|w| phase(w, "sync")),
+                )
+                .unwrap_or(sync);
+                line.push_str(&format!(
+                    "; drafters wait {} in sync for drafter {} ({} per token {:.1}x the group median)",
+                    pct(others),
+                    s.index,
+                    s.phase,
+                    s.ratio
+                ));
+            }
+            // Every rank's pace is known and none is slow: the batches differ.
+            None if live_paces == drafters_live => line.push_str(&format!(
+                "; drafters wait {} in sync: their batches take unequal time (no rank is slow per token)",
+                pct(sync)
+            )),
+            None => line.push_str(&format!("; drafters wait {} in sync", pct(sync))),
+        }
+    }
+
+    let stragglers: Vec<String> = slow
+        .iter()
+        .map(|s| {
+            let role = role_name(s.role);
+            let ips = |w: &WorkerRates| w.items_per_s;
+            let me = iv
+                .workers
+                .iter()
+                .find(|w| w.role == role && w.index == s.index);
+            let peers: Vec<f64> = live(role).filter(|w| w.index != s.index).map(ips).collect();
+            let items = match (me, peers.is_empty()) {
+                (Some(me), false) => {
+                    format!(", {:.1} items/s vs peers {:.1}", me.items_per_s, median(peers))
+                }
+                _ => String::new(),
+            };
+            let cost = match s.role {
+                Role::Producer => {
+                    "targets claim work as they go, so the others take more: it costs only its own share".to_string()
+                }
+                Role::Consumer if group => {
+                    let others = mean(
+                        live("drafter")
+                            .filter(|w| w.index != s.index)
+                            .map(|w| phase(w, "sync")),
+                    )
+                    .unwrap_or(0.0);
+                    format!(
+                        "the group waits for it at every step: the other ranks wait {} in sync",
+                        pct(others)
+                    )
+                }
+                Role::Consumer => {
+                    "the ring absorbs it: the other drafters take more batches, so it costs only its own share".to_string()
+                }
+            };
+            format!(
+                "{role} {} is slow: {:.1}x its peers' time per token ({} in {}{items}); {cost}",
+                s.index,
+                s.ratio,
+                pct(s.share),
+                s.phase
+            )
+        })
+        .collect();
+    if worker.is_none() {
+        worker = slow_rank
+            .or(slow.first())
+            .map(|s| name(role_name(s.role), s.index));
+    }
+    Verdict {
+        bottleneck,
+        line,
+        worker,
+        stragglers,
+        warnings,
+        trend,
+        window_s: iv.seconds,
+    }
+}
+
+/// What the sides did over the window.
+struct Evidence {
+    /// Targets' mean waiting share, drafters' (a group's: its most waiting rank's).
+    t: Option<f64>,
+    d: Option<f64>,
+    trend: Trend,
+    /// Batches published and trained in the window.
+    published: f64,
+    released: f64,
+}
+
+/// Which side limits the pipeline, from the waits and the ring's trend over the window.
+fn sides(
+    b: &Snapshot,
+    iv: &Interval,
+    last: Option<Bottleneck>,
+    e: &Evidence,
+) -> (Bottleneck, String) {
+    let (t, d) = (e.t.unwrap_or(0.0), e.d.unwrap_or(0.0));
+    // Hysteresis: a side that was the bottleneck stays it until its evidence halves.
+    let hi = |c| if last == Some(c) { CALM } else { WAITS };
+    let lo = |c| if last == Some(c) { WAITS } else { CALM };
+    let by_waits_d = t > hi(Bottleneck::Drafters) && d < lo(Bottleneck::Drafters);
+    let by_trend_d = e.trend == Trend::Filling && d < lo(Bottleneck::Drafters);
+    let by_waits_t = d > hi(Bottleneck::Targets) && t < lo(Bottleneck::Targets);
+    let by_trend_t = e.trend == Trend::Emptying && t < lo(Bottleneck::Targets);
+    let targets = by_waits_t || by_trend_t;
+    let drafters = (by_waits_d || by_trend_d) && (!targets || t >= d);
+    let ring = format!("{}/{}", b.slots.ready, b.params.slots);
+    let (secs, net) = (iv.seconds, e.published - e.released);
+    if drafters && by_waits_d {
+        (
+            Bottleneck::Drafters,
+            format!(
+                "drafters are the bottleneck: ring full {} of the time, targets waited {} (drafters waited {})",
+                pct(iv.full_frac), pct(t), pct(d)
+            ),
+        )
+    } else if drafters {
+        (
+            Bottleneck::Drafters,
+            format!(
+                "drafters are the bottleneck: the ring fills (+{net:.0} batches in {secs:.1}s, now {ring} ready): they train {:.1}/s of the {:.1}/s published (targets waited {}, drafters {})",
+                e.released / secs, e.published / secs, pct(t), pct(d)
+            ),
+        )
+    } else if by_waits_t {
+        let short = match b.params.policy {
+            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+                "ring below min_ready ({min_ready}) {} of the time",
+                pct(iv.short_frac)
+            ),
+            _ => format!("ring empty {} of the time", pct(iv.empty_frac)),
+        };
+        (
+            Bottleneck::Targets,
+            format!(
+                "targets are the bottleneck: {short}, drafters waited {} (targets waited {})",
+                pct(d),
+                pct(t)
+            ),
+        )
+    } else if targets {
+        (
+            Bottleneck::Targets,
+            format!(
+                "targets are the bottleneck: the ring empties ({net:.0} batches in {secs:.1}s, now {ring} ready): they publish {:.1}/s of the {:.1}/s trained (drafters waited {}, targets {})",
+                e.published / secs, e.released / secs, pct(d), pct(t)
+            ),
+        )
+    } else if t < WAITS && d < WAITS {
+        (
+            Bottleneck::Balanced,
+            format!(
+                "balanced: targets waited {}, drafters waited {}; the ring holds steady ({ring} ready)",
+                pct(t),
+                pct(d)
+            ),
+        )
+    } else {
+        (
+            Bottleneck::Neither,
+            format!(
+                "both sides wait (targets {}, drafters {}): the time goes elsewhere; see each worker's phases",
+                pct(t),
+                pct(d)
+            ),
+        )
+    }
+}
+
+/// Dead, unrecovered, retired and silent workers, and a stale ring.
+fn warnings(b: &Snapshot) -> Vec<String> {
     let mut warnings = Vec::new();
     if !b.creator_alive {
         warnings.push(format!(
@@ -243,128 +781,31 @@ pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
             b.creator.pid
         ));
     }
-    for w in &iv.workers {
+    for w in &b.workers {
+        let role = role_name(w.role);
         match w.state {
             WorkerState::Dead => warnings.push(format!(
-                "{} {} died (pid {}) and was recovered; not running now",
-                w.role, w.index, w.pid
+                "{role} {} died (pid {}) and was recovered; not running now",
+                w.index, w.pid
             )),
             WorkerState::Alive if !w.alive => warnings.push(format!(
-                "{} {} (pid {}) is registered but its process is gone: not recovered yet",
-                w.role, w.index, w.pid
+                "{role} {} (pid {}) is registered but its process is gone: not recovered yet",
+                w.index, w.pid
             )),
             WorkerState::Retired => warnings.push(format!(
-                "{} {} was retired after crashing past its restart limit",
-                w.role, w.index
+                "{role} {} was retired after crashing past its restart limit",
+                w.index
             )),
             _ => {}
         }
     }
-    for w in b.workers.iter().filter(|w| w.alive) {
-        let age = w.heartbeat_age_ns.unwrap_or(0) as f64 / 1e9;
-        if age > SILENT_S {
-            warnings.push(format!(
-                "{} {} (pid {}) has sent no heartbeat for {age:.0}s: hung, or in a very long step",
-                role_name(w.role),
-                w.index,
-                w.pid
-            ));
-        }
+    if let Some((w, age, _)) = silent_worker(b) {
+        warnings.push(format!(
+            "{} {} (pid {}) has sent no heartbeat for {age:.0}s: hung, or in a very long step",
+            role_name(w.role),
+            w.index,
+            w.pid
+        ));
     }
-    let live = |role: &'static str| iv.workers.iter().filter(move |w| w.role == role && w.alive);
-    let tw = mean(live("target").map(|w| w.waiting));
-    let dw = mean(live("drafter").map(|w| w.waiting));
-    let moved = iv.published_per_s > 0.0 || iv.released_per_s > 0.0;
-    let left = b.slots.ready + b.slots.reading;
-    let (bottleneck, mut line) = match (tw, dw) {
-        _ if b.closed && left > 0 => (
-            Bottleneck::Draining,
-            format!(
-                "draining: the targets are done ({}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
-                b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
-            ),
-        ),
-        _ if !moved && b.closed => (
-            Bottleneck::Idle,
-            format!("finished: every producer is done ({}/{}) and nothing moved", b.producers_done, b.producers_expected),
-        ),
-        _ if !moved => (
-            Bottleneck::Idle,
-            "idle: nothing was published or trained in the interval".to_string(),
-        ),
-        (Some(t), Some(d)) if t > WAITS && d < CALM => (
-            Bottleneck::Drafters,
-            format!(
-                "drafters are the bottleneck: ring full {} of the time, targets waited {} (drafters waited {})",
-                pct(iv.full_frac), pct(t), pct(d)
-            ),
-        ),
-        (Some(t), Some(d)) if d > WAITS && t < CALM => (
-            Bottleneck::Targets,
-            format!(
-                "targets are the bottleneck: ring empty {} of the time, drafters waited {} (targets waited {})",
-                pct(iv.empty_frac), pct(d), pct(t)
-            ),
-        ),
-        (Some(t), Some(d)) if t < WAITS && d < WAITS => (
-            Bottleneck::Balanced,
-            format!("balanced: targets waited {}, drafters waited {}", pct(t), pct(d)),
-        ),
-        (t, d) => (
-            Bottleneck::Neither,
-            format!(
-                "both sides wait (targets {}, drafters {}): the time goes elsewhere; see each worker's phases",
-                pct(t.unwrap_or(0.0)), pct(d.unwrap_or(0.0))
-            ),
-        ),
-    };
-    // A synchronous drafter group waits for its slowest rank at every step: name it.
-    let group = group_stall(b, live("drafter").collect());
-    if let Some(g) = &group {
-        line.push_str("; ");
-        line.push_str(g);
-    }
-    let mut stragglers = Vec::new();
-    if moved {
-        for role in ["target", "drafter"] {
-            if role == "drafter" && group.is_some() {
-                // In a group the fast ranks wait in sync (low busy); the straggler is named above.
-                continue;
-            }
-            let peers: Vec<&WorkerRates> = live(role).collect();
-            if peers.len() < 2 {
-                continue;
-            }
-            for w in &peers {
-                let others: Vec<f64> = peers
-                    .iter()
-                    .filter(|p| p.index != w.index)
-                    .map(|p| p.busy)
-                    .collect();
-                let m = median(others);
-                if m > 0.2 && w.busy < STRAGGLER * m {
-                    let (phase, share) = w
-                        .phases
-                        .iter()
-                        .filter(|(name, _)| **name != "compute")
-                        .max_by(|a, b| a.1.total_cmp(b.1))
-                        .map(|(n, s)| (*n, *s))
-                        .unwrap_or(("other", 0.0));
-                    stragglers.push(format!(
-                        "{role} {} busy {} vs peers {}: {} in {phase}",
-                        w.index,
-                        pct(w.busy),
-                        pct(m),
-                        pct(share)
-                    ));
-                }
-            }
-        }
-    }
-    Verdict {
-        bottleneck,
-        line,
-        stragglers,
-        warnings,
-    }
+    warnings
 }

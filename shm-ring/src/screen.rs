@@ -226,7 +226,8 @@ fn verdict_style(b: Bottleneck) -> Style {
         Bottleneck::Drafters | Bottleneck::Targets => Color::Yellow,
         Bottleneck::Balanced => Color::Green,
         Bottleneck::Neither => Color::Magenta,
-        Bottleneck::Idle | Bottleneck::Draining => Color::Gray,
+        Bottleneck::Idle | Bottleneck::Draining | Bottleneck::Starting => Color::Gray,
+        Bottleneck::Stalled => Color::Red,
     };
     Style::new().fg(color).add_modifier(Modifier::BOLD)
 }
@@ -729,6 +730,7 @@ pub fn watch(ring: &Ring, period: Duration) -> anyhow::Result<()> {
 
     let mut trends = Trends::default();
     let mut report: Option<Report> = None;
+    let mut judge = analysis::Judge::new();
     let mut occupancy: Vec<SlotCounts> = Vec::new();
     let (mut start, mut start_at) = (ring.snapshot(), Instant::now());
     // One-second bins for the trends: the snapshot at the bin's start, READY samples in it.
@@ -767,7 +769,7 @@ pub fn watch(ring: &Ring, period: Duration) -> anyhow::Result<()> {
         let due = if report.is_some() { period } else { first };
         if now.duration_since(start_at) >= due {
             let end = ring.snapshot();
-            report = Some(Report::between(&start, end.clone(), &occupancy));
+            report = Some(Report::judged(&mut judge, &start, end.clone(), &occupancy));
             (start, start_at) = (end, now);
             occupancy.clear();
             redraw = true;

@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde::Serialize;
 
-use crate::analysis::{self, Interval, Verdict};
+use crate::analysis::{self, Interval, Judge, Verdict};
 use crate::{list_segments, screen, Phase, Ring, SlotCounts, Snapshot, TakePolicy};
 
 /// Show what an hspipe ring holds, where each worker's time goes, and which side is the
@@ -87,22 +87,38 @@ pub fn main() -> i32 {
 
 /// Samples `ring` for `dur`: a snapshot at each end and slot counts every 10 ms between.
 pub fn measure(ring: &Ring, dur: Duration) -> Report {
-    let a = ring.snapshot();
+    measure_from(ring, ring.snapshot(), dur, &mut Judge::new())
+}
+
+/// Like `measure`, from snapshot `a` (the previous report's end), judged with `judge`'s
+/// history.
+fn measure_from(ring: &Ring, a: Snapshot, dur: Duration, judge: &mut Judge) -> Report {
     let start = Instant::now();
     let mut occ = Vec::new();
     while start.elapsed() < dur {
         occ.push(ring.slot_counts());
         std::thread::sleep(Duration::from_millis(10).min(dur));
     }
-    Report::between(&a, ring.snapshot(), &occ)
+    Report::judged(judge, &a, ring.snapshot(), &occ)
 }
 
 impl Report {
     /// The report for the interval from snapshot `a` to `b`, with the slot counts sampled
     /// between them.
     pub fn between(a: &Snapshot, b: Snapshot, occupancy: &[SlotCounts]) -> Report {
+        Report::judged(&mut Judge::new(), a, b, occupancy)
+    }
+
+    /// Like `between`, with the verdict judged over `judge`'s window of earlier intervals (the
+    /// one before this started at `a`).
+    pub fn judged(
+        judge: &mut Judge,
+        a: &Snapshot,
+        b: Snapshot,
+        occupancy: &[SlotCounts],
+    ) -> Report {
         let interval = analysis::interval(a, &b, occupancy);
-        let verdict = analysis::verdict(&b, &interval);
+        let verdict = judge.verdict(a, &b, occupancy);
         Report {
             snapshot: b,
             interval,
@@ -162,9 +178,12 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         return list_or_gc(args, out);
     }
     let ring = open(args)?;
+    let mut judge = Judge::new();
+    let mut start = ring.snapshot();
     loop {
         let dur = Duration::from_secs_f64(args.watch.unwrap_or(args.interval).max(0.05));
-        let report = measure(&ring, dur);
+        let report = measure_from(&ring, start, dur, &mut judge);
+        start = report.snapshot.clone();
         if args.json {
             writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
         } else {

@@ -35,14 +35,22 @@ fn five_by_three() -> (Ring, Report) {
     for (i, c) in cs.iter().enumerate() {
         c.set_gpu(Some(5 + i as u32));
     }
+    // Mid-run: the drafters have taken before.
+    let meta = CommitMeta {
+        tokens: 100,
+        ..CommitMeta::default()
+    };
+    ps[0].reserve(8).unwrap().commit(meta).unwrap();
+    cs[1].take().unwrap().unwrap().release().unwrap();
     let a = r.snapshot();
     for (i, p) in ps.iter().enumerate() {
-        let compute = if i == 4 { 200 } else { 400 };
-        p.add_phase(Phase::Compute, Duration::from_millis(compute));
-        p.add_phase(Phase::WaitFull, Duration::from_millis(550));
-        p.add_phase(Phase::Load, Duration::from_millis(30));
+        // Target 4 is slow: it loads for half the second where the others wait.
+        let (load, wait) = if i == 4 { (500, 50) } else { (30, 550) };
+        p.add_phase(Phase::Compute, Duration::from_millis(400));
+        p.add_phase(Phase::WaitFull, Duration::from_millis(wait));
+        p.add_phase(Phase::Load, Duration::from_millis(load));
         for _ in 0..3 {
-            p.reserve(8).unwrap().commit(CommitMeta::default()).unwrap();
+            p.reserve(8).unwrap().commit(meta).unwrap();
         }
     }
     for c in &cs {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::common::{fifo, unique};
-use shm_ring::analysis::{interval, verdict, Bottleneck, Verdict};
+use shm_ring::analysis::{interval, verdict, Bottleneck, Judge, Trend, Verdict};
 use shm_ring::stat_cli::{run, Args};
 use shm_ring::{CommitMeta, Phase, Ring, SlotCounts, Snapshot, WorkerId};
 
@@ -102,7 +102,10 @@ fn small_waits_on_both_sides_are_balanced() {
     c.take().unwrap().unwrap().release().unwrap();
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(v.bottleneck, Bottleneck::Balanced);
-    assert_eq!(v.line, "balanced: targets waited 3%, drafters waited 5%");
+    assert_eq!(
+        v.line,
+        "balanced: targets waited 3%, drafters waited 5%; the ring holds steady (0/4 ready)"
+    );
 }
 
 #[test]
@@ -119,23 +122,74 @@ fn a_closed_ring_where_nothing_moves_is_finished() {
     );
 }
 
+/// Publishes a batch of `tokens` tokens.
+fn publish_tokens(p: &shm_ring::Producer<'_>, tokens: u64) {
+    p.reserve(8)
+        .unwrap()
+        .commit(CommitMeta {
+            tokens,
+            ..Default::default()
+        })
+        .unwrap();
+}
+
+/// A target three times slower per token than its peers, most of it loading data, is named
+/// with its figures and what it costs (nothing but its share: targets claim work as they go).
 #[test]
 fn a_slow_target_is_named_with_its_dominant_phase() {
-    let r = ring("strag", 3, 1, 6);
+    let r = ring("strag", 3, 1, 12);
     let ps: Vec<_> = (0..3).map(|i| r.producer(i).unwrap()).collect();
     let c = r.consumer(0).unwrap();
     let a = r.snapshot();
-    ps[0].add_phase(Phase::Compute, ms(970));
-    ps[1].add_phase(Phase::Compute, ms(960));
-    ps[2].add_phase(Phase::Compute, ms(410));
+    for (i, p) in ps.iter().enumerate() {
+        for _ in 0..3 {
+            publish_tokens(p, 100);
+        }
+        p.add_phase(Phase::Compute, ms(if i == 2 { 410 } else { 300 }));
+    }
     ps[2].add_phase(Phase::Load, ms(520));
     c.add_phase(Phase::Compute, ms(900));
-    publish(&ps[0]);
     c.take().unwrap().unwrap().release().unwrap();
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(
         v.stragglers,
-        vec!["target 2 busy 41% vs peers 97%: 52% in load".to_string()]
+        vec![
+            "target 2 is slow: 3.1x its peers' time per token (56% in load, 3.0 items/s vs peers 3.0); \
+             targets claim work as they go, so the others take more: it costs only its own share"
+                .to_string()
+        ]
+    );
+    assert_eq!(v.worker.as_deref(), Some("target-2"));
+}
+
+/// Independent drafters (no group, no `sync`): a slow one takes fewer batches, the others take
+/// more; the ring absorbs it, and the verdict says so and that it costs only its share.
+#[test]
+fn a_slow_independent_drafter_is_absorbed_by_the_ring() {
+    let r = ring("indep", 1, 3, 16);
+    let p = r.producer(0).unwrap();
+    let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
+    let a = r.snapshot();
+    p.add_phase(Phase::Compute, ms(950));
+    for (i, c) in cs.iter().enumerate() {
+        // Drafter 1 is three times slower per batch: 3 batches where the others do 9.
+        let n = if i == 1 { 3 } else { 9 };
+        for _ in 0..n {
+            publish_tokens(&p, 100);
+            c.take().unwrap().unwrap().release().unwrap();
+        }
+        c.add_phase(Phase::Compute, ms(900));
+    }
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Balanced, "{v:?}");
+    assert_eq!(v.worker.as_deref(), Some("drafter-1"));
+    assert_eq!(
+        v.stragglers,
+        vec![
+            "drafter 1 is slow: 3.0x its peers' time per token (100% in compute, 3.0 items/s vs peers 9.0); \
+             the ring absorbs it: the other drafters take more batches, so it costs only its own share"
+                .to_string()
+        ]
     );
 }
 
@@ -147,21 +201,16 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
     let r = ring("group", 1, 3, 6);
     let p = r.producer(0).unwrap();
     let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
-    for _ in 0..3 {
-        p.reserve(8)
-            .unwrap()
-            .commit(CommitMeta {
-                tokens: 100,
-                ..Default::default()
-            })
-            .unwrap();
-    }
     let a = r.snapshot();
+    // Three group steps: each rank trains one batch per step.
     for (i, c) in cs.iter().enumerate() {
         let (compute, sync) = if i == 2 { (900, 0) } else { (300, 600) };
         c.add_phase(Phase::Compute, ms(compute));
         c.add_phase(Phase::Sync, ms(sync));
-        c.take().unwrap().unwrap().release().unwrap();
+        for _ in 0..3 {
+            publish_tokens(&p, 100);
+            c.take().unwrap().unwrap().release().unwrap();
+        }
     }
     let (v, _) = judge(&r, &a, &[]);
     assert!(
@@ -171,7 +220,180 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
         "{}",
         v.line
     );
-    assert!(v.stragglers.is_empty(), "{:?}", v.stragglers);
+    assert_eq!(v.worker.as_deref(), Some("drafter-2"));
+    assert_eq!(v.stragglers.len(), 1, "{:?}", v.stragglers);
+    assert!(
+        v.stragglers[0].starts_with("drafter 2 is slow: 3.0x")
+            && v.stragglers[0].ends_with(
+                "the group waits for it at every step: the other ranks wait 60% in sync"
+            ),
+        "{:?}",
+        v.stragglers
+    );
+}
+
+/// Publishes and trains one batch, so the run is past its start.
+fn one_through(p: &shm_ring::Producer<'_>, c: &shm_ring::Consumer<'_>) {
+    publish_tokens(p, 100);
+    c.take().unwrap().unwrap().release().unwrap();
+}
+
+/// Issue #14's second row: nobody waits yet, but the targets publish far more than the drafters
+/// train, so the ring fills: the drafters cannot keep up.
+#[test]
+fn a_filling_ring_with_nobody_waiting_names_the_drafters() {
+    let r = ring("fill", 1, 1, 16);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    one_through(&p, &c);
+    let a = r.snapshot();
+    p.add_phase(Phase::Compute, ms(950));
+    c.add_phase(Phase::Compute, ms(950));
+    for _ in 0..9 {
+        publish_tokens(&p, 100);
+    }
+    for _ in 0..3 {
+        c.take().unwrap().unwrap().release().unwrap();
+    }
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Drafters, "{v:?}");
+    assert_eq!(v.trend, Trend::Filling);
+    assert_eq!(
+        v.line,
+        "drafters are the bottleneck: the ring fills (+6 batches in 1.0s, now 6/16 ready): they \
+         train 3.0/s of the 9.0/s published (targets waited 0%, drafters 0%)"
+    );
+}
+
+/// The other way: the drafters train what the ring held faster than the targets refill it.
+#[test]
+fn an_emptying_ring_with_nobody_waiting_names_the_targets() {
+    let r = ring("drain", 1, 1, 16);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    one_through(&p, &c);
+    for _ in 0..10 {
+        publish_tokens(&p, 100);
+    }
+    let a = r.snapshot();
+    p.add_phase(Phase::Compute, ms(950));
+    c.add_phase(Phase::Compute, ms(950));
+    publish_tokens(&p, 100);
+    for _ in 0..8 {
+        c.take().unwrap().unwrap().release().unwrap();
+    }
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Targets, "{v:?}");
+    assert_eq!(v.trend, Trend::Emptying);
+    assert!(
+        v.line
+            .starts_with("targets are the bottleneck: the ring empties (-7 batches"),
+        "{}",
+        v.line
+    );
+}
+
+/// Issue #14's third row: a target computing a batch longer than the interval publishes
+/// nothing in it, and the drafters wait: the targets are the bottleneck, not "idle". The
+/// target's phase in progress counts up to the snapshot.
+#[test]
+fn a_batch_longer_than_the_interval_is_busy_not_idle() {
+    let r = ring("long", 1, 1, 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    one_through(&p, &c);
+    p.enter(Phase::Compute);
+    let a = r.snapshot();
+    std::thread::sleep(ms(50));
+    c.add_phase(Phase::WaitEmpty, ms(900));
+    let b = r.snapshot();
+    let iv = interval(&a, &b, &[]);
+    let v = verdict(&b, &iv);
+    assert_eq!(v.bottleneck, Bottleneck::Targets, "{v:?}");
+    assert!(iv.workers[0].busy > 0.5, "{:?}", iv.workers[0]);
+}
+
+/// Before the first take the drafters wait for the ring to fill: starting, not "targets are
+/// the bottleneck".
+#[test]
+fn before_the_first_take_it_is_starting() {
+    let r = ring("start", 1, 1, 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    let a = r.snapshot();
+    p.add_phase(Phase::Compute, ms(950));
+    c.add_phase(Phase::WaitEmpty, ms(950));
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Starting, "{v:?}");
+    assert_eq!(
+        v.line,
+        "starting: the targets compute the first batches (0 being written)"
+    );
+}
+
+/// A live worker silent for far longer than its steps take is named: stalled.
+#[test]
+fn a_silent_worker_is_stalled_and_named() {
+    let r = ring("silent", 1, 2, 8);
+    let p = r.producer(0).unwrap();
+    let cs: Vec<_> = (0..2).map(|i| r.consumer(i).unwrap()).collect();
+    for c in &cs {
+        for _ in 0..3 {
+            one_through(&p, c);
+        }
+        c.add_phase(Phase::Compute, ms(300));
+    }
+    let a = r.snapshot();
+    // Drafter 1 has sent nothing for the 30 s it has been computing; its steps took 0.1 s.
+    cs[1].add_phase(Phase::Compute, Duration::from_secs(30));
+    let mut b = r.snapshot();
+    b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+    b.workers[2].heartbeat_age_ns = Some(30_000_000_000);
+    let v = verdict(&b, &interval(&a, &b, &[]));
+    assert_eq!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
+    assert_eq!(v.worker.as_deref(), Some("drafter-1"));
+    assert!(
+        v.line.starts_with("stalled: drafter 1 (pid ")
+            && v.line.contains("has sent no heartbeat for 30s")
+            && v.line.contains("its steps take 0.1s"),
+        "{}",
+        v.line
+    );
+    // Silent for less than 10 of its steps (and 5 s): not stalled.
+    b.workers[2].heartbeat_age_ns = Some(900_000_000);
+    let v = verdict(&b, &interval(&a, &b, &[]));
+    assert_ne!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
+}
+
+/// Hysteresis: once the drafters are the bottleneck, an interval in which the targets wait
+/// 15% (under the 20% that made it so, over half of it) keeps the verdict; judged alone, the
+/// same interval is balanced.
+#[test]
+fn the_verdict_does_not_flip_on_a_weaker_interval() {
+    let r = ring("hyst", 1, 1, 16);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    one_through(&p, &c);
+    let mut judge_ = Judge::new();
+    let mut a = r.snapshot();
+    let mut step = |wait_full: u64| {
+        p.add_phase(Phase::WaitFull, ms(wait_full));
+        p.add_phase(Phase::Compute, ms(1000 - wait_full));
+        c.add_phase(Phase::Compute, ms(990));
+        // Enough ring events that the window is this interval alone.
+        for _ in 0..12 {
+            one_through(&p, &c);
+        }
+        let mut b = r.snapshot();
+        b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+        let alone = verdict(&b, &interval(&a, &b, &[]));
+        let judged = judge_.verdict(&a, &b, &[]);
+        a = b;
+        (judged, alone)
+    };
+    let (first, _) = step(500);
+    assert_eq!(first.bottleneck, Bottleneck::Drafters, "{first:?}");
+    let (judged, alone) = step(150);
+    assert_eq!(alone.bottleneck, Bottleneck::Balanced, "{alone:?}");
+    assert_eq!(judged.bottleneck, Bottleneck::Drafters, "{judged:?}");
+    // Under half the threshold, it changes.
+    let (judged, _) = step(50);
+    assert_eq!(judged.bottleneck, Bottleneck::Balanced, "{judged:?}");
 }
 
 #[test]

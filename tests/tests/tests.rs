@@ -5,4 +5,5 @@ mod launcher;
 mod ring_processes;
 mod screen;
 mod support;
+mod verdict;
 mod workers;
