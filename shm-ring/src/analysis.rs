@@ -51,8 +51,8 @@ const WAITS: f64 = 0.20;
 const CALM: f64 = 0.10;
 /// A straggler's speed per token is below this fraction of its peers' median.
 const STRAGGLER: f64 = 0.6;
-/// Items a worker must have finished before its pace is judged.
-const MIN_ITEMS: u64 = 3;
+/// Items a worker must have finished before its pace is judged (the first few are noisy).
+const MIN_ITEMS: u64 = 5;
 /// A live worker silent this long is hung whatever its history.
 const SILENT_S: f64 = 60.0;
 /// A live worker silent for this many of its mean steps, and at least `SILENT_MIN_S`, is hung.
@@ -145,7 +145,8 @@ pub struct Verdict {
     pub line: String,
     /// The worker the verdict holds responsible, named as in the run directory's logs
     /// (`drafter-2`): a silent worker, the rank a drafter group waits for, or else the slowest
-    /// straggler. `None` when no one worker is at fault.
+    /// straggler (of the bottleneck's side when one side is). `None` when no one worker is at
+    /// fault.
     pub worker: Option<String>,
     /// Workers far slower per token than their peers, with their figures and what they cost.
     pub stragglers: Vec<String>,
@@ -666,8 +667,15 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
         })
         .collect();
     if worker.is_none() {
+        // A slow worker on the side that is not the bottleneck holds nothing up: listed as a
+        // straggler, not blamed.
+        let blamed = |s: &&Slow| match bottleneck {
+            Bottleneck::Drafters => s.role == Role::Consumer,
+            Bottleneck::Targets => s.role == Role::Producer,
+            _ => true,
+        };
         worker = slow_rank
-            .or(slow.first())
+            .or(slow.iter().find(blamed))
             .map(|s| name(role_name(s.role), s.index));
     }
     Verdict {

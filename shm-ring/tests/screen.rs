@@ -26,7 +26,7 @@ const NAMES: [&str; 8] = [
 /// A 5x3 ring over one (made-up) second: targets waiting on a full ring, drafters computing,
 /// one drafter dead and recovered (a warning), one target slow (a straggler).
 fn five_by_three() -> (Ring, Report) {
-    let r = Ring::create(&unique("screen"), &fifo(5, 3, 24)).unwrap();
+    let r = Ring::create(&unique("screen"), &fifo(5, 3, 32)).unwrap();
     let ps: Vec<_> = (0..5).map(|i| r.producer(i).unwrap()).collect();
     let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
     for (i, p) in ps.iter().enumerate() {
@@ -49,7 +49,7 @@ fn five_by_three() -> (Ring, Report) {
         p.add_phase(Phase::Compute, Duration::from_millis(400));
         p.add_phase(Phase::WaitFull, Duration::from_millis(wait));
         p.add_phase(Phase::Load, Duration::from_millis(load));
-        for _ in 0..3 {
+        for _ in 0..5 {
             p.reserve(8).unwrap().commit(meta).unwrap();
         }
     }

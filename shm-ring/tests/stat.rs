@@ -137,24 +137,28 @@ fn publish_tokens(p: &shm_ring::Producer<'_>, tokens: u64) {
 /// with its figures and what it costs (nothing but its share: targets claim work as they go).
 #[test]
 fn a_slow_target_is_named_with_its_dominant_phase() {
-    let r = ring("strag", 3, 1, 12);
+    let r = ring("strag", 3, 1, 16);
     let ps: Vec<_> = (0..3).map(|i| r.producer(i).unwrap()).collect();
     let c = r.consumer(0).unwrap();
     let a = r.snapshot();
     for (i, p) in ps.iter().enumerate() {
-        for _ in 0..3 {
+        for _ in 0..5 {
             publish_tokens(p, 100);
         }
         p.add_phase(Phase::Compute, ms(if i == 2 { 410 } else { 300 }));
     }
     ps[2].add_phase(Phase::Load, ms(520));
     c.add_phase(Phase::Compute, ms(900));
-    c.take().unwrap().unwrap().release().unwrap();
+    for _ in 0..15 {
+        c.take().unwrap().unwrap().release().unwrap();
+    }
     let (v, _) = judge(&r, &a, &[]);
+    // The drafter keeps up (nobody waits, the ring holds): the slow target is the one to see.
+    assert_eq!(v.bottleneck, Bottleneck::Balanced, "{v:?}");
     assert_eq!(
         v.stragglers,
         vec![
-            "target 2 is slow: 3.1x its peers' time per token (56% in load, 3.0 items/s vs peers 3.0); \
+            "target 2 is slow: 3.1x its peers' time per token (56% in load, 5.0 items/s vs peers 5.0); \
              targets claim work as they go, so the others take more: it costs only its own share"
                 .to_string()
         ]
@@ -172,8 +176,8 @@ fn a_slow_independent_drafter_is_absorbed_by_the_ring() {
     let a = r.snapshot();
     p.add_phase(Phase::Compute, ms(950));
     for (i, c) in cs.iter().enumerate() {
-        // Drafter 1 is three times slower per batch: 3 batches where the others do 9.
-        let n = if i == 1 { 3 } else { 9 };
+        // Drafter 1 is three times slower per batch: 5 batches where the others do 15.
+        let n = if i == 1 { 5 } else { 15 };
         for _ in 0..n {
             publish_tokens(&p, 100);
             c.take().unwrap().unwrap().release().unwrap();
@@ -186,7 +190,7 @@ fn a_slow_independent_drafter_is_absorbed_by_the_ring() {
     assert_eq!(
         v.stragglers,
         vec![
-            "drafter 1 is slow: 3.0x its peers' time per token (100% in compute, 3.0 items/s vs peers 9.0); \
+            "drafter 1 is slow: 3.0x its peers' time per token (100% in compute, 5.0 items/s vs peers 15.0); \
              the ring absorbs it: the other drafters take more batches, so it costs only its own share"
                 .to_string()
         ]
@@ -202,12 +206,12 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
     let p = r.producer(0).unwrap();
     let cs: Vec<_> = (0..3).map(|i| r.consumer(i).unwrap()).collect();
     let a = r.snapshot();
-    // Three group steps: each rank trains one batch per step.
+    // Five group steps: each rank trains one batch per step.
     for (i, c) in cs.iter().enumerate() {
         let (compute, sync) = if i == 2 { (900, 0) } else { (300, 600) };
         c.add_phase(Phase::Compute, ms(compute));
         c.add_phase(Phase::Sync, ms(sync));
-        for _ in 0..3 {
+        for _ in 0..5 {
             publish_tokens(&p, 100);
             c.take().unwrap().unwrap().release().unwrap();
         }
@@ -334,7 +338,7 @@ fn a_silent_worker_is_stalled_and_named() {
     let p = r.producer(0).unwrap();
     let cs: Vec<_> = (0..2).map(|i| r.consumer(i).unwrap()).collect();
     for c in &cs {
-        for _ in 0..3 {
+        for _ in 0..5 {
             one_through(&p, c);
         }
         c.add_phase(Phase::Compute, ms(300));

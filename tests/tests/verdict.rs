@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use shm_ring::analysis::{Bottleneck, Judge, Verdict};
+use shm_ring::analysis::{interval, Bottleneck, Judge, Verdict};
 use shm_ring::{Role, Snapshot, WorkerState};
 
 use crate::launcher::{attach, kill, Run};
@@ -27,6 +27,8 @@ const PERIOD: Duration = Duration::from_millis(250);
 /// up to 2048 tokens of sequences 16..=512 long.
 struct Mock {
     slots: u32,
+    /// `bucketed` (with `min_ready`) or `fifo`.
+    policy: &'static str,
     min_ready: u32,
     samples: u64,
     /// Each worker's simulated speed.
@@ -38,6 +40,7 @@ struct Mock {
 /// Targets 3 x 30k tok/s against drafters 3 x 8k: the drafters are the bottleneck by 3.75x.
 const DRAFTER_BOUND: Mock = Mock {
     slots: 24,
+    policy: "bucketed",
     min_ready: 4,
     samples: 1000,
     target_tps: 30_000.0,
@@ -49,6 +52,7 @@ const DRAFTER_BOUND: Mock = Mock {
 /// 3 x 8k: the targets are the bottleneck by 3.2x.
 const TARGET_BOUND: Mock = Mock {
     slots: 24,
+    policy: "bucketed",
     min_ready: 3,
     samples: 500,
     target_tps: 2_500.0,
@@ -62,6 +66,7 @@ impl Mock {
             r#"
 [ring]
 slots = {}
+policy = "{}"
 min_ready = {}
 [model]
 layers = 2
@@ -80,6 +85,7 @@ params = 4096
 {}
 "#,
             self.slots,
+            self.policy,
             self.min_ready,
             self.samples,
             self.target_tps,
@@ -252,24 +258,22 @@ fn trained(o: &Obs) -> u64 {
 
 /// Targets far faster than the drafters: the ring fills, then stays full with the targets
 /// waiting. Every interval after the first 12 batches until the plan is handed out says the
-/// drafters are the bottleneck and names no worker (a target that happens to get fewer free
-/// slots is no straggler).
+/// drafters are the bottleneck and blames no worker (a target that gets fewer free slots, or
+/// less of a busy machine's CPU, holds nothing up).
 #[test]
 fn drafter_bound_names_the_drafters() {
     let seen = scenario("vdrafters", &DRAFTER_BOUND, &[], |obs| {
-        obs.iter().filter(|o| o.s.slots.free == 0).count() >= 8
+        obs.iter()
+            .filter(|o| flowing(o) && trained(o) >= 12)
+            .count()
+            >= 10
     });
-    let sel = seen.expect(
+    seen.expect(
         "drafter-bound",
         |o| flowing(o) && trained(o) >= 12,
         Bottleneck::Drafters,
         None,
         6,
-    );
-    assert!(
-        sel.iter().all(|o| o.v.stragglers.is_empty()),
-        "{}",
-        seen.trace()
     );
 }
 
@@ -341,15 +345,17 @@ fn target_bound_with_long_batches_names_the_targets_never_idle() {
     assert!(idle.is_empty(), "the monitor said {idle:?}");
 }
 
-/// Matched sides (3 x 8k tok/s each, the targets a little slower to leave the group's own
-/// overhead): nobody waits much, the ring holds. Balanced on every interval after warm-up.
+/// Matched sides (3 x 8k tok/s each; the group's own overhead leaves the targets a little
+/// ahead, so the large ring fills slowly and never fills up in the run): nobody waits, the
+/// ring holds. Balanced on every interval after warm-up.
 #[test]
 fn matched_sides_are_balanced() {
     let mock = Mock {
-        slots: 24,
+        slots: 60,
+        policy: "bucketed",
         min_ready: 4,
         samples: 1400,
-        target_tps: 7_000.0,
+        target_tps: 8_000.0,
         drafter_tps: 8_000.0,
         faults: "",
     };
@@ -375,7 +381,8 @@ fn matched_sides_are_balanced() {
 #[test]
 fn a_slow_drafter_fills_the_ring_and_is_named() {
     let mock = Mock {
-        slots: 40,
+        slots: 60,
+        policy: "bucketed",
         min_ready: 4,
         samples: 1500,
         target_tps: 8_000.0,
@@ -386,13 +393,13 @@ fn a_slow_drafter_fills_the_ring_and_is_named() {
         obs.iter().filter(|o| o.s.slots.free == 0).count() >= 3
             && obs
                 .iter()
-                .filter(|o| flowing(o) && trained(o) >= 12)
+                .filter(|o| flowing(o) && trained(o) >= 18)
                 .count()
                 >= 10
     });
     let sel = seen.expect(
         "slow drafter",
-        |o| flowing(o) && trained(o) >= 12,
+        |o| flowing(o) && trained(o) >= 18,
         Bottleneck::Drafters,
         Some("drafter-1"),
         8,
@@ -427,13 +434,13 @@ fn the_group_names_its_slow_rank_not_the_ranks_that_wait_for_it() {
     };
     let seen = scenario("vslowrank", &mock, &[], |obs| {
         obs.iter()
-            .filter(|o| flowing(o) && trained(o) >= 12)
+            .filter(|o| flowing(o) && trained(o) >= 18)
             .count()
             >= 10
     });
     let sel = seen.expect(
         "slow rank",
-        |o| flowing(o) && trained(o) >= 12,
+        |o| flowing(o) && trained(o) >= 18,
         Bottleneck::Drafters,
         Some("drafter-2"),
         8,
@@ -460,6 +467,47 @@ fn the_group_names_its_slow_rank_not_the_ranks_that_wait_for_it() {
             seen.trace()
         );
     }
+}
+
+/// The group with a rank waiting in sync: under FIFO, each rank takes whatever is READY, so in
+/// a target-bound run the ranks that got a batch wait in sync for the one still waiting on the
+/// empty ring. The ranks wait in sync a real share of the time, yet the verdict says the
+/// targets are the bottleneck and blames no rank: they wait for data, not for a slow rank.
+#[test]
+fn ranks_waiting_in_sync_for_a_rank_without_data_blame_the_targets() {
+    let mock = Mock {
+        policy: "fifo",
+        ..TARGET_BOUND
+    };
+    let regime = |o: &Obs| flowing(o) && trained(o) >= 6;
+    let seen = scenario("vsyncdata", &mock, &[], |obs| {
+        obs.iter().filter(|o| regime(o)).count() >= 16
+    });
+    let sel = seen.expect(
+        "ranks waiting in sync",
+        regime,
+        Bottleneck::Targets,
+        None,
+        12,
+    );
+    assert!(
+        sel.iter().all(|o| o
+            .v
+            .line
+            .starts_with("targets are the bottleneck: ring empty")
+            && !o.v.line.contains("in sync")),
+        "{}",
+        seen.trace()
+    );
+    let (first, last) = (&sel[0].s, &sel[sel.len() - 1].s);
+    let iv = interval(first, last, &[]);
+    let drafters: Vec<_> = iv.workers.iter().filter(|w| w.role == "drafter").collect();
+    let sync = drafters.iter().map(|w| w.phases["sync"]).sum::<f64>() / drafters.len() as f64;
+    assert!(
+        sync >= 0.10,
+        "the ranks waited only {sync:.2} in sync\n{}",
+        seen.trace()
+    );
 }
 
 /// Start-up under min_ready: the drafters wait for 8 READY batches from slow targets. Every
@@ -560,14 +608,14 @@ fn a_crashed_target_keeps_the_verdict() {
     }
 }
 
-/// A drafter that hangs in its step after 5 batches: the group waits for it in sync and the
+/// A drafter that hangs in its step after 7 batches: the group waits for it in sync and the
 /// ring fills. Once it has been silent for more than 10 of its steps (at least 5 s), every
 /// interval says the run is stalled and names drafter 1; before it hung, the drafters were the
 /// bottleneck and nobody was named.
 #[test]
 fn a_hung_drafter_stalls_the_group_and_is_named() {
     let mock = Mock {
-        faults: "[faults.drafter-1]\nhang_after = 5\n",
+        faults: "[faults.drafter-1]\nhang_after = 7\n",
         ..DRAFTER_BOUND
     };
     let silent = |o: &Obs| {
@@ -594,7 +642,7 @@ fn a_hung_drafter_stalls_the_group_and_is_named() {
                 && o.worker(Role::Consumer, 1)
                     .heartbeat_age_ns
                     .is_some_and(|ns| ns < 1_000_000_000)
-                && o.worker(Role::Consumer, 1).items < 4
+                && o.worker(Role::Consumer, 1).items < 6
         },
         Bottleneck::Drafters,
         None,
