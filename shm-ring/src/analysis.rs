@@ -13,12 +13,13 @@
 //!   token over its life (all incarnations), from the cumulative counters of the last snapshot.
 //!
 //! The verdict, in order (the first that holds):
-//! 1. *finished*: the ring is closed and empty, and nothing moved;
+//! 1. *finished*: the ring is closed and empty;
 //! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
-//! 3. *draining*: every target is done (the ring closed), or every planned batch is handed out,
-//!    and the drafters train what is left;
-//! 4. *starting*: nothing was taken yet: the drafters wait for the ring to reach `min_ready`;
+//! 3. *draining*: every target is done (the ring closed), or every planned batch is handed out
+//!    and a target is already out of work; the drafters train what is left;
+//! 4. *starting*: nothing was taken yet (the drafters wait for the ring to reach `min_ready`),
+//!    or the window holds the first take;
 //! 5. *idle*: nothing was published or trained and no worker did any work in the window;
 //! 6. the sides: targets waiting on a full ring while drafters do not, or the ring *filling*
 //!    (published well above trained) while the drafters do not wait, mean the drafters are the
