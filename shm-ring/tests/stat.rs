@@ -122,6 +122,41 @@ fn a_closed_ring_where_nothing_moves_is_finished() {
     );
 }
 
+/// Asserts `got` says `want`, but for the pace figures ("3.0x", and a phase's share of the
+/// working time, "(56% in"): a worker's phase in progress (`other`, since it registered) counts
+/// the test's own real time into its pace, so those are checked within 0.3 and 15 points.
+fn says(got: &str, want: &str) {
+    fn split(s: &str) -> (String, Vec<f64>) {
+        let mut figures = Vec::new();
+        let words: Vec<String> = s
+            .split(' ')
+            .map(|w| {
+                if let Some(x) = w.strip_suffix('x').and_then(|n| n.parse::<f64>().ok()) {
+                    figures.push(x * 10.0);
+                    "Rx".to_string()
+                } else if let Some(p) = w
+                    .strip_prefix('(')
+                    .and_then(|w| w.strip_suffix('%'))
+                    .and_then(|n| n.parse::<f64>().ok())
+                {
+                    figures.push(p / 5.0);
+                    "(N%".to_string()
+                } else {
+                    w.to_string()
+                }
+            })
+            .collect();
+        (words.join(" "), figures)
+    }
+    let (g, gf) = split(got);
+    let (w, wf) = split(want);
+    assert_eq!(g, w, "{got}");
+    assert_eq!(gf.len(), wf.len(), "{got}");
+    for (a, b) in gf.iter().zip(&wf) {
+        assert!((a - b).abs() <= 3.0, "{got}\nshould say about\n{want}");
+    }
+}
+
 /// Publishes a batch of `tokens` tokens.
 fn publish_tokens(p: &shm_ring::Producer<'_>, tokens: u64) {
     p.reserve(8)
@@ -155,15 +190,39 @@ fn a_slow_target_is_named_with_its_dominant_phase() {
     let (v, _) = judge(&r, &a, &[]);
     // The drafter keeps up (nobody waits, the ring holds): the slow target is the one to see.
     assert_eq!(v.bottleneck, Bottleneck::Balanced, "{v:?}");
-    assert_eq!(
-        v.stragglers,
-        vec![
-            "target 2 is slow: 3.1x its peers' time per token (56% in load, 5.0 items/s vs peers 5.0); \
-             targets claim work as they go, so the others take more: it costs only its own share"
-                .to_string()
-        ]
+    assert_eq!(v.stragglers.len(), 1, "{v:?}");
+    says(
+        &v.stragglers[0],
+        "target 2 is slow: 3.1x its peers' time per token (56% in load, 5.0 items/s vs peers 5.0); \
+         targets claim work as they go, so the others take more: it costs only its own share",
     );
     assert_eq!(v.worker.as_deref(), Some("target-2"));
+}
+
+/// When the drafters are the bottleneck, a slow target holds nothing up: it is listed as a
+/// straggler but the verdict blames no worker.
+#[test]
+fn a_slow_target_behind_slow_drafters_is_listed_not_blamed() {
+    let r = ring("stragd", 2, 1, 16);
+    let ps: Vec<_> = (0..2).map(|i| r.producer(i).unwrap()).collect();
+    let c = r.consumer(0).unwrap();
+    let a = r.snapshot();
+    for (i, p) in ps.iter().enumerate() {
+        for _ in 0..5 {
+            publish_tokens(p, 100);
+        }
+        p.add_phase(Phase::Compute, ms(if i == 1 { 600 } else { 200 }));
+        p.add_phase(Phase::WaitFull, ms(if i == 1 { 300 } else { 700 }));
+    }
+    c.add_phase(Phase::Compute, ms(950));
+    for _ in 0..10 {
+        c.take().unwrap().unwrap().release().unwrap();
+    }
+    let (v, _) = judge(&r, &a, &[r.slot_counts(); 4]);
+    assert_eq!(v.bottleneck, Bottleneck::Drafters, "{v:?}");
+    assert_eq!(v.worker, None, "{v:?}");
+    assert_eq!(v.stragglers.len(), 1, "{v:?}");
+    assert!(v.stragglers[0].starts_with("target 1 is slow: "), "{v:?}");
 }
 
 /// Independent drafters (no group, no `sync`): a slow one takes fewer batches, the others take
@@ -187,13 +246,11 @@ fn a_slow_independent_drafter_is_absorbed_by_the_ring() {
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(v.bottleneck, Bottleneck::Balanced, "{v:?}");
     assert_eq!(v.worker.as_deref(), Some("drafter-1"));
-    assert_eq!(
-        v.stragglers,
-        vec![
-            "drafter 1 is slow: 3.0x its peers' time per token (100% in compute, 5.0 items/s vs peers 15.0); \
-             the ring absorbs it: the other drafters take more batches, so it costs only its own share"
-                .to_string()
-        ]
+    assert_eq!(v.stragglers.len(), 1, "{v:?}");
+    says(
+        &v.stragglers[0],
+        "drafter 1 is slow: 3.0x its peers' time per token (100% in compute, 5.0 items/s vs peers 15.0); \
+         the ring absorbs it: the other drafters take more batches, so it costs only its own share",
     );
 }
 
@@ -217,22 +274,17 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
         }
     }
     let (v, _) = judge(&r, &a, &[]);
-    assert!(
-        v.line.ends_with(
-            "; drafters wait 60% in sync for drafter 2 (compute per token 3.0x the group median)"
-        ),
-        "{}",
-        v.line
+    says(
+        &v.line,
+        "balanced: targets waited 0%, drafters waited 0%; the ring holds steady (0/6 ready); \
+         drafters wait 60% in sync for drafter 2 (compute per token 3.0x the group median)",
     );
     assert_eq!(v.worker.as_deref(), Some("drafter-2"));
     assert_eq!(v.stragglers.len(), 1, "{:?}", v.stragglers);
-    assert!(
-        v.stragglers[0].starts_with("drafter 2 is slow: 3.0x")
-            && v.stragglers[0].ends_with(
-                "the group waits for it at every step: the other ranks wait 60% in sync"
-            ),
-        "{:?}",
-        v.stragglers
+    says(
+        &v.stragglers[0],
+        "drafter 2 is slow: 3.0x its peers' time per token (100% in compute, 5.0 items/s vs peers 5.0); \
+         the group waits for it at every step: the other ranks wait 60% in sync",
     );
 }
 
