@@ -377,7 +377,8 @@ fn matched_sides_are_balanced() {
 /// Issue #14's second row: one drafter three times slower holds the group, so the ring fills
 /// while nobody waits yet; then it is full and the targets wait. The drafters are the
 /// bottleneck from warm-up on, and the verdict names drafter 1 all along, with the share the
-/// others wait for it in sync; the filling was judged from the ring's trend.
+/// others wait for it in sync; the filling was judged from the ring's trend. The launcher's
+/// monitor, judging its own ticks, says the same.
 #[test]
 fn a_slow_drafter_fills_the_ring_and_is_named() {
     let mock = Mock {
@@ -412,6 +413,13 @@ fn a_slow_drafter_fills_the_ring_and_is_named() {
         filling >= 3,
         "filling seen {filling} times\n{}",
         seen.trace()
+    );
+    // The launcher's monitor, judging its own ticks, said so too.
+    let monitor = seen.monitor_verdicts();
+    assert!(
+        monitor.iter().any(|v| v.contains("the ring fills"))
+            && monitor.iter().any(|v| v.contains("in sync for drafter 1")),
+        "{monitor:#?}"
     );
     assert!(
         sel.iter().all(|o| o
@@ -610,8 +618,8 @@ fn a_crashed_target_keeps_the_verdict() {
 
 /// A drafter that hangs in its step after 7 batches: the group waits for it in sync and the
 /// ring fills. Once it has been silent for more than 10 of its steps (at least 5 s), every
-/// interval says the run is stalled and names drafter 1; before it hung, the drafters were the
-/// bottleneck and nobody was named.
+/// interval says the run is stalled and names drafter 1 (and so does the launcher's monitor);
+/// before it hung, the drafters were the bottleneck and nobody was named.
 #[test]
 fn a_hung_drafter_stalls_the_group_and_is_named() {
     let mock = Mock {
@@ -632,6 +640,11 @@ fn a_hung_drafter_stalls_the_group_and_is_named() {
         Bottleneck::Stalled,
         Some("drafter-1"),
         4,
+    );
+    let monitor = seen.monitor_verdicts();
+    assert!(
+        monitor.iter().any(|v| v.starts_with("stalled: drafter 1 ")),
+        "{monitor:#?}"
     );
     // Before the hang: drafter 1 beats at every ring operation and group wait.
     seen.expect(
