@@ -16,12 +16,13 @@
 //! 1. *finished*: the ring is closed and empty;
 //! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
-//! 3. *draining*: every target is done (the ring closed), or every planned batch is handed out
+//! 3. *idle* when no drafter runs (after the first take: before it, drafters may still start);
+//! 4. *draining*: every target is done (the ring closed), or every planned batch is handed out
 //!    and a target is already out of work; the drafters train what is left;
-//! 4. *starting*: nothing was taken yet (the drafters wait for the ring to reach `min_ready`),
+//! 5. *starting*: nothing was taken yet (the drafters wait for the ring to reach `min_ready`),
 //!    or the window holds the first take;
-//! 5. *idle*: nothing was published or trained and no worker did any work in the window;
-//! 6. the sides: targets waiting on a full ring while drafters do not, or the ring *filling*
+//! 6. *idle*: nothing was published or trained and no worker did any work in the window;
+//! 7. the sides: targets waiting on a full ring while drafters do not, or the ring *filling*
 //!    (published well above trained) while the drafters do not wait, mean the drafters are the
 //!    bottleneck; drafters waiting on the ring while targets do not, or the ring *emptying*,
 //!    mean the targets are; both calm is *balanced*; both waiting is *neither*.
@@ -531,6 +532,14 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
             format!(
                 "stalled: {role} {} (pid {}) has sent no heartbeat for {age:.0}s, in {now}{usual}: hung, or a step far longer than usual{held}",
                 w.index, w.pid
+            ),
+        )
+    } else if drafters_live == 0 && b.counters.taken > 0 {
+        (
+            Bottleneck::Idle,
+            format!(
+                "idle: no drafter is running; {} batch(es) wait in the ring",
+                b.slots.ready
             ),
         )
     } else if b.closed && left > 0 {

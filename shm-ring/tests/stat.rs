@@ -452,6 +452,28 @@ fn the_verdict_does_not_flip_on_a_weaker_interval() {
     assert_eq!(judged.bottleneck, Bottleneck::Balanced, "{judged:?}");
 }
 
+/// With no drafter running (the only one died), nothing drains the ring: idle, and why.
+#[test]
+fn with_no_drafter_running_it_is_idle() {
+    let r = ring("nodrafter", 1, 1, 4);
+    let p = r.producer(0).unwrap();
+    let c = r.consumer(0).unwrap();
+    one_through(&p, &c);
+    publish_tokens(&p, 100);
+    std::mem::forget(c);
+    // SAFETY: the only handle of consumer 0 was forgotten above and is never used again.
+    unsafe { r.recover_unchecked(WorkerId::consumer(0)) }.unwrap();
+    let a = r.snapshot();
+    p.add_phase(Phase::WaitFull, ms(900));
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Idle, "{v:?}");
+    assert_eq!(
+        v.line,
+        "idle: no drafter is running; 1 batch(es) wait in the ring"
+    );
+    assert!(v.warnings[0].starts_with("drafter 0 died"), "{v:?}");
+}
+
 #[test]
 fn a_dead_worker_is_a_warning() {
     let r = ring("dead", 1, 2, 4);
