@@ -337,10 +337,13 @@ fn target_bound_with_long_batches_names_the_targets_never_idle() {
         "{}",
         seen.trace()
     );
-    let idle: Vec<String> = seen
-        .monitor_verdicts()
-        .into_iter()
-        .filter(|v| v.starts_with("idle"))
+    // Nor did the launcher's monitor, judging its own ticks, ever call the run idle while the
+    // targets computed (its last tick, after the hard stop killed every worker, may say that no
+    // drafter runs, which is true).
+    let monitor = seen.monitor_verdicts();
+    let idle: Vec<&String> = monitor
+        .iter()
+        .filter(|v| v.starts_with("idle") && !v.starts_with("idle: no drafter is running"))
         .collect();
     assert!(idle.is_empty(), "the monitor said {idle:?}");
 }
