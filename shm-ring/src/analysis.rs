@@ -29,7 +29,7 @@
 //!
 //! A phase in progress counts up to the snapshot, so a worker computing a batch longer than the
 //! period is busy, not idle. The window holds at least [`WINDOW_EVENTS`] ring events (publishes
-//! and releases; at most 30 s, never reaching back before the first take), so one long batch or
+//! and releases; at most 60 s, never reaching back before the first take), so one long batch or
 //! one group step of simultaneous releases does not flip the verdict; on top, a side stays the
 //! bottleneck until its evidence falls below half the threshold that made it one (hysteresis).
 //!
@@ -64,13 +64,15 @@ const SILENT_MIN_S: f64 = 5.0;
 /// what they wait for.
 const SYNC_STALL: f64 = 0.10;
 /// Ring events (publishes + releases) a window holds at least, unless history is shorter.
-pub const WINDOW_EVENTS: u64 = 24;
+pub const WINDOW_EVENTS: u64 = 48;
 /// A window never reaches further back than this.
-const WINDOW_MAX_S: f64 = 30.0;
+const WINDOW_MAX_S: f64 = 60.0;
 /// The ring fills (or empties) when its net change over the window is at least this many
-/// batches and this share of what was published (trained).
+/// batches and this share of what was published (trained): a window of 48 events holds about 24
+/// publishes, and a group step releases a batch per rank at once, so smaller imbalances are
+/// noise. Half the share keeps a side the bottleneck (hysteresis).
 const TREND_MIN: f64 = 4.0;
-const TREND_SHARE: f64 = 1.0 / 3.0;
+const TREND_SHARE: f64 = 0.15;
 
 /// One worker over the interval.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -472,9 +474,16 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
     let published = (iv.published_per_s * iv.seconds).round();
     let released = (iv.released_per_s * iv.seconds).round();
     let net = published - released;
-    let trend = if net >= TREND_MIN && net >= TREND_SHARE * published {
+    let share = |c| {
+        if last == Some(c) {
+            TREND_SHARE / 2.0
+        } else {
+            TREND_SHARE
+        }
+    };
+    let trend = if net >= TREND_MIN && net >= share(Bottleneck::Drafters) * published {
         Trend::Filling
-    } else if -net >= TREND_MIN && -net >= TREND_SHARE * released {
+    } else if -net >= TREND_MIN && -net >= share(Bottleneck::Targets) * released {
         Trend::Emptying
     } else {
         Trend::Steady

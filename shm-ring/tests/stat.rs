@@ -431,8 +431,8 @@ fn the_verdict_does_not_flip_on_a_weaker_interval() {
         p.add_phase(Phase::WaitFull, ms(wait_full));
         p.add_phase(Phase::Compute, ms(1000 - wait_full));
         c.add_phase(Phase::Compute, ms(990));
-        // Enough ring events that the window is this interval alone.
-        for _ in 0..12 {
+        // Enough ring events (48) that the window is this interval alone.
+        for _ in 0..24 {
             one_through(&p, &c);
         }
         let mut b = r.snapshot();
