@@ -22,10 +22,11 @@
 //! 5. *starting*: nothing was taken yet (the drafters wait for the ring to reach `min_ready`),
 //!    or the window holds the first take;
 //! 6. *idle*: nothing was published or trained and no worker did any work in the window;
-//! 7. the sides: targets waiting on a full ring while drafters do not, or the ring *filling*
-//!    (published well above trained) while the drafters do not wait, mean the drafters are the
-//!    bottleneck; drafters waiting on the ring while targets do not, or the ring *emptying*,
-//!    mean the targets are; both calm is *balanced*; both waiting is *neither*.
+//! 7. the sides: the ring *filling* (trained under 85% of published) means the drafters are the
+//!    bottleneck whatever the waits (drafters that wait then wait for a bucket or `min_ready`,
+//!    not for data), the ring *emptying* the targets; with the ring steady, targets waiting on a
+//!    full ring while drafters do not mean the drafters are, drafters waiting on the ring while
+//!    targets do not the targets; both calm is *balanced*; both waiting is *neither*.
 //!
 //! A phase in progress counts up to the snapshot, so a worker computing a batch longer than the
 //! period is busy, not idle. The window holds at least [`WINDOW_EVENTS`] ring events (publishes
@@ -731,11 +732,15 @@ fn sides(
     let hi = |c| if last == Some(c) { CALM } else { WAITS };
     let lo = |c| if last == Some(c) { WAITS } else { CALM };
     let by_waits_d = t > hi(Bottleneck::Drafters) && d < lo(Bottleneck::Drafters);
-    let by_trend_d = e.trend == Trend::Filling && d < lo(Bottleneck::Drafters);
     let by_waits_t = d > hi(Bottleneck::Targets) && t < lo(Bottleneck::Targets);
-    let by_trend_t = e.trend == Trend::Emptying && t < lo(Bottleneck::Targets);
-    let targets = by_waits_t || by_trend_t;
-    let drafters = (by_waits_d || by_trend_d) && (!targets || t >= d);
+    // The trend wins over the waits: drafters that wait while the ring fills wait for a bucket
+    // or for `min_ready` (the policy), not for data; targets never wait on an emptying ring.
+    let drafters = match e.trend {
+        Trend::Filling => true,
+        Trend::Emptying => false,
+        Trend::Steady => by_waits_d,
+    };
+    let targets = !drafters && (e.trend == Trend::Emptying || by_waits_t);
     let ring = format!("{}/{}", b.slots.ready, b.params.slots);
     let (secs, net) = (iv.seconds, e.published - e.released);
     if drafters && by_waits_d {
@@ -754,7 +759,7 @@ fn sides(
                 e.released / secs, e.published / secs, pct(t), pct(d)
             ),
         )
-    } else if by_waits_t {
+    } else if targets && by_waits_t {
         let short = match b.params.policy {
             crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
                 "ring below min_ready ({min_ready}) {} of the time",
