@@ -69,9 +69,10 @@ pub const WINDOW_EVENTS: u64 = 48;
 /// A window never reaches further back than this.
 const WINDOW_MAX_S: f64 = 60.0;
 /// The ring fills (or empties) when its net change over the window is at least this many
-/// batches and this share of what was published (trained): a window of 48 events holds about 24
-/// publishes, and a group step releases a batch per rank at once, so smaller imbalances are
-/// noise. Half the share keeps a side the bottleneck (hysteresis).
+/// batches, and twice what the drafters can hold at once (a group step takes a batch per rank
+/// at once, and `min_ready` gating makes the ring swing by as much), and this share of what was
+/// published (trained): a window of 48 events holds about 24 publishes, so smaller imbalances
+/// are noise. Half the share keeps a side the bottleneck (hysteresis).
 const TREND_MIN: f64 = 4.0;
 const TREND_SHARE: f64 = 0.15;
 
@@ -482,9 +483,11 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
             TREND_SHARE
         }
     };
-    let trend = if net >= TREND_MIN && net >= share(Bottleneck::Drafters) * published {
+    let swing = f64::from(2 * b.params.consumers * b.params.held_per_consumer.max(1));
+    let least = TREND_MIN.max(swing);
+    let trend = if net >= least && net >= share(Bottleneck::Drafters) * published {
         Trend::Filling
-    } else if -net >= TREND_MIN && -net >= share(Bottleneck::Targets) * released {
+    } else if -net >= least && -net >= share(Bottleneck::Targets) * released {
         Trend::Emptying
     } else {
         Trend::Steady
