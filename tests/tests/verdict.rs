@@ -170,6 +170,28 @@ impl Seen {
         sel
     }
 
+    /// Asserts that every line of `sel` passes `ok`.
+    fn every_line(&self, sel: &[&Obs], ok: impl Fn(&str) -> bool) {
+        if let Some(o) = sel.iter().find(|o| !ok(&o.v.line)) {
+            panic!("unexpected: {}\n{}", o.v.line, self.trace());
+        }
+    }
+
+    /// Asserts that on every interval that ends with the worker down (dead, retired, or its
+    /// process gone and not yet recovered) a warning starting with `who` says so.
+    fn warned_while_down(&self, role: Role, index: u32, who: &str) {
+        for o in &self.obs {
+            let w = o.worker(role, index);
+            let down = matches!(w.state, WorkerState::Dead | WorkerState::Retired)
+                || (w.state == WorkerState::Alive && !w.alive);
+            assert!(
+                !down || o.v.warnings.iter().any(|l| l.starts_with(who)),
+                "no warning about {who}\n{}",
+                self.trace()
+            );
+        }
+    }
+
     /// The launcher's monitor lines, from `metrics.jsonl`.
     fn monitor_verdicts(&self) -> Vec<String> {
         std::fs::read_to_string(self.run.run_dir().join("metrics.jsonl"))
@@ -332,11 +354,7 @@ fn target_bound_with_long_batches_names_the_targets_never_idle() {
         None,
         12,
     );
-    assert!(
-        sel.iter().all(|o| !o.v.line.contains("in sync")),
-        "{}",
-        seen.trace()
-    );
+    seen.every_line(&sel, |l| !l.contains("in sync"));
     // Nor did the launcher's monitor, judging its own ticks, ever call the run idle while the
     // targets computed (its last tick, after the hard stop killed every worker, may say that no
     // drafter runs, which is true).
@@ -424,14 +442,9 @@ fn a_slow_drafter_fills_the_ring_and_is_named() {
             && monitor.iter().any(|v| v.contains("in sync for drafter 1")),
         "{monitor:#?}"
     );
-    assert!(
-        sel.iter().all(|o| o
-            .v
-            .line
-            .contains("in sync for drafter 1 (compute per token")),
-        "{}",
-        seen.trace()
-    );
+    seen.every_line(&sel, |l| {
+        l.contains("in sync for drafter 1 (compute per token")
+    });
 }
 
 /// The group with one slow rank (drafter 2, 3x) and a full ring: drafters are the bottleneck,
@@ -501,15 +514,9 @@ fn ranks_waiting_in_sync_for_a_rank_without_data_blame_the_targets() {
         None,
         12,
     );
-    assert!(
-        sel.iter().all(|o| o
-            .v
-            .line
-            .starts_with("targets are the bottleneck: ring empty")
-            && !o.v.line.contains("in sync")),
-        "{}",
-        seen.trace()
-    );
+    seen.every_line(&sel, |l| {
+        l.starts_with("targets are the bottleneck: ring empty") && !l.contains("in sync")
+    });
     let (first, last) = (&sel[0].s, &sel[sel.len() - 1].s);
     let iv = interval(first, last, &[]);
     let drafters: Vec<_> = iv.workers.iter().filter(|w| w.role == "drafter").collect();
@@ -539,12 +546,7 @@ fn start_up_under_min_ready_is_starting() {
         None,
         4,
     );
-    assert!(
-        sel.iter()
-            .all(|o| o.v.line.contains("wait until 8 batches are READY")),
-        "{}",
-        seen.trace()
-    );
+    seen.every_line(&sel, |l| l.contains("wait until 8 batches are READY"));
 }
 
 /// A drafter that crashes after every 6 batches and is restarted (twice, then given up): the
@@ -569,16 +571,7 @@ fn a_crashed_drafter_restarting_keeps_the_verdict() {
         None,
         6,
     );
-    for o in &seen.obs {
-        let d1 = o.worker(Role::Consumer, 1);
-        if d1.state == WorkerState::Dead || (d1.state == WorkerState::Alive && !d1.alive) {
-            assert!(
-                o.v.warnings.iter().any(|w| w.starts_with("drafter 1 ")),
-                "{}",
-                seen.trace()
-            );
-        }
-    }
+    seen.warned_while_down(Role::Consumer, 1, "drafter 1 ");
 }
 
 /// A target that crashes after every 5 batches in a target-bound run (restarted twice, then
@@ -601,22 +594,7 @@ fn a_crashed_target_keeps_the_verdict() {
         None,
         10,
     );
-    let down = seen
-        .obs
-        .iter()
-        .filter(|o| {
-            let t1 = o.worker(Role::Producer, 1);
-            matches!(t1.state, WorkerState::Dead | WorkerState::Retired)
-                || (t1.state == WorkerState::Alive && !t1.alive)
-        })
-        .collect::<Vec<_>>();
-    for o in down {
-        assert!(
-            o.v.warnings.iter().any(|w| w.starts_with("target 1 ")),
-            "{}",
-            seen.trace()
-        );
-    }
+    seen.warned_while_down(Role::Producer, 1, "target 1 ");
 }
 
 /// A drafter that hangs in its step after 7 batches: the group waits for it in sync and the
