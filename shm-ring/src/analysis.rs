@@ -69,8 +69,8 @@ pub const WINDOW_EVENTS: u64 = 48;
 /// A window never reaches further back than this.
 const WINDOW_MAX_S: f64 = 60.0;
 /// The ring fills (or empties) when its net change over the window is at least this many
-/// batches, and twice what the drafters can hold at once (a group step takes a batch per rank
-/// at once, and `min_ready` gating makes the ring swing by as much), and this share of what was
+/// batches, twice what the drafters can hold at once (a group step takes a batch per rank at
+/// once) and `min_ready` (the gate makes the ring swing by as much), and this share of what was
 /// published (trained): a window of 48 events holds about 24 publishes, so smaller imbalances
 /// are noise. Half the share keeps a side the bottleneck (hysteresis).
 const TREND_MIN: f64 = 4.0;
@@ -483,8 +483,12 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
             TREND_SHARE
         }
     };
-    let swing = f64::from(2 * b.params.consumers * b.params.held_per_consumer.max(1));
-    let least = TREND_MIN.max(swing);
+    let gate = match b.params.policy {
+        crate::TakePolicy::Bucketed { min_ready, .. } => min_ready,
+        crate::TakePolicy::Fifo => 0,
+    };
+    let swing = (2 * b.params.consumers * b.params.held_per_consumer.max(1)).max(gate);
+    let least = TREND_MIN.max(f64::from(swing));
     let trend = if net >= least && net >= share(Bottleneck::Drafters) * published {
         Trend::Filling
     } else if -net >= least && -net >= share(Bottleneck::Targets) * released {
