@@ -443,8 +443,9 @@ fn silent_worker(b: &Snapshot) -> Option<(&WorkerSnapshot, f64, Option<f64>)> {
         .max_by(|a, b| a.1.total_cmp(&b.1))
 }
 
-/// The phase a worker is in now, from the shares of the window: the one that grew most.
-fn current_phase(w: &WorkerRates) -> &'static str {
+/// The phase a worker spent most of the window in: for a silent worker, the one it is stuck
+/// in (a phase in progress counts up to the snapshot).
+fn main_phase(w: &WorkerRates) -> &'static str {
     w.phases
         .iter()
         .max_by(|a, b| a.1.total_cmp(b.1))
@@ -531,7 +532,7 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
             .workers
             .iter()
             .find(|r| r.role == role && r.index == w.index)
-            .map_or("other", current_phase);
+            .map_or("other", main_phase);
         let usual = step.map_or(String::new(), |s| format!(", its steps take {s:.1}s"));
         let held = if w.role == Role::Consumer && group {
             let others = mean(
