@@ -220,6 +220,10 @@ fn checkpoint(backend: &MockDrafter, path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the reduced buffer carries after the backend's gradient: one slot that counts the ranks
+/// that saw the ring's end, one where the leader puts the next step's bucket plus one (0: none).
+const EXTRA: usize = 2;
+
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
 /// (the launcher creates the group with them; the buffer adds one slot to the backend's).
 pub fn group_params(
@@ -230,7 +234,7 @@ pub fn group_params(
     let (grad, state) = MockDrafter::sizes(cfg.drafter.params as usize, cfg.model.hidden);
     collective::GroupParams {
         ranks: drafters,
-        buf_len: grad as u64 + 1,
+        buf_len: grad as u64 + EXTRA as u64,
         state_len: state as u64,
         initial_step,
     }
@@ -246,11 +250,13 @@ enum Next<'c> {
     End,
 }
 
-/// Takes the batch for this step: waits while the targets may still publish, gives up at once
-/// once the ring is closed. Corrupt batches are refused (released) and counted.
+/// Takes the batch for this step, from bucket `prefer` if it has one READY: waits while the
+/// targets may still publish, gives up at once once the ring is closed. Corrupt batches are
+/// refused (released) and counted.
 fn next_batch<'c>(
     ring: &Ring,
     consumer: &'c Consumer<'_>,
+    prefer: Option<u32>,
     refused: &mut u64,
 ) -> anyhow::Result<Next<'c>> {
     loop {
@@ -258,7 +264,7 @@ fn next_batch<'c>(
         // held by other ranks are theirs.
         let closed = ring.is_closed();
         let timeout = Duration::from_millis(if closed { 1 } else { 200 });
-        let slot = match consumer.take_timeout(timeout)? {
+        let slot = match consumer.take_timeout_preferring(prefer, timeout)? {
             Take::Item(slot) => slot,
             Take::End => return Ok(Next::End),
             Take::TimedOut if closed => return Ok(Next::Dry),
@@ -405,10 +411,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     tracing::info!(ring = %s.ring, epoch, step = backend.step(), "attached");
 
     let n = backend.grad_len();
-    // The summed buffer: the backend's gradient, loss sum and loss tokens, then "saw the end".
-    let mut grad = vec![0f32; n + 1];
-    let mut sum = vec![0f32; n + 1];
+    // The summed buffer: the backend's gradient, loss sum and loss tokens, then `EXTRA`.
+    let mut grad = vec![0f32; n + EXTRA];
+    let mut sum = vec![0f32; n + EXTRA];
     let mut report = FinalReport::default();
+    let buckets = ring.params().buckets;
+    // The bucket of this step, drawn by the leader during the last one (None: the first step,
+    // a step after the leader died, or `coherent` off).
+    let mut prefer: Option<u32> = None;
     loop {
         let m = group.membership();
         let leader = m.leader() == Some(s.index);
@@ -425,7 +435,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             checkpoint(&backend, &ckpt)?;
             consumer.enter(Phase::Other);
         }
-        let next = next_batch(&ring, &consumer, &mut report.refused)?;
+        let next = next_batch(&ring, &consumer, prefer, &mut report.refused)?;
         let (slot, ended) = match next {
             Next::Batch(slot) => (Some(slot), false),
             Next::Dry => (None, false),
@@ -461,6 +471,15 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             }
         }
         grad[n] = if ended { 1.0 } else { 0.0 };
+        // Length-coherent steps: the leader draws the next step's bucket now, in proportion to
+        // what is READY, and the reduction hands it to every rank with the gradients (a redone
+        // round carries it again; a round without the leader carries none).
+        grad[n + 1] = 0.0;
+        if cfg.drafter.coherent && group.membership().leader() == Some(s.index) {
+            if let Some(b) = consumer.draw_bucket() {
+                grad[n + 1] = (b + 1) as f32;
+            }
+        }
         consumer.enter(Phase::Sync);
         target_step.set(u64::from(group.membership().step) + 1);
         let red = group.all_reduce(&grad, batch, &mut sum, &beat)?;
@@ -502,7 +521,22 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             tokens = stats.tokens,
             "step"
         );
+        if red.membership.leader() == Some(s.index) {
+            if let Some(tx) = &s.to_launcher {
+                // The launcher may be stopping and gone: the loss is telemetry, never fatal.
+                let _ = tx.send(ToLauncher::Progress {
+                    step: u64::from(red.step),
+                    loss: stats.loss,
+                    tokens: stats.tokens,
+                });
+            }
+        }
         let everyone_ended = sum[n] as u32 == red.membership.len();
+        // Two ranks that both thought they led (a membership change between their looks) sum
+        // to a value that may name no bucket: then none is preferred.
+        let drawn = sum[n + 1];
+        prefer = (drawn >= 1.0 && drawn <= buckets as f32 && drawn.fract() == 0.0)
+            .then(|| drawn as u32 - 1);
         let every = cfg.drafter.checkpoint_every.max(1);
         if everyone_ended || u64::from(red.step) % every == 0 {
             consumer.enter(Phase::Checkpoint);

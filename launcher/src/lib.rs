@@ -502,6 +502,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                         w.report = Some(r);
                     }
                 }
+                Event::Progress { step, loss, tokens } => mon.progress(step, loss, tokens),
                 Event::HandshakeFailed(key, why) => {
                     mon.say(&format!(
                         "{:?} {}: handshake failed: {why}",

@@ -24,6 +24,12 @@ pub struct Key {
 pub enum Event {
     Connected(Key, control::Sender<ToWorker>),
     Report(Key, FinalReport),
+    /// The group leader's step and loss (see [`ToLauncher::Progress`]).
+    Progress {
+        step: u64,
+        loss: f32,
+        tokens: u64,
+    },
     HandshakeFailed(Key, String),
 }
 
@@ -188,8 +194,13 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         return;
     }
     while let Ok(msg) = rx.recv() {
-        if let ToLauncher::Report(r) = msg {
-            let _ = events.send(Event::Report(key, r));
+        let ev = match msg {
+            ToLauncher::Report(r) => Event::Report(key, r),
+            ToLauncher::Progress { step, loss, tokens } => Event::Progress { step, loss, tokens },
+            ToLauncher::Hello { .. } => continue,
+        };
+        if events.send(ev).is_err() {
+            return;
         }
     }
 }

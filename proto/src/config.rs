@@ -77,7 +77,7 @@ impl Default for RingConfig {
             buckets: 6,
             policy: PolicyName::Bucketed,
             min_ready: 10,
-            pick: BucketPick::RoundRobin,
+            pick: BucketPick::Proportional,
             seed: 0x5eed,
         }
     }
@@ -156,6 +156,10 @@ pub struct DrafterConfig {
     pub checkpoint_every: u64,
     /// Weights of the mock drafter (f32; the gradient all-reduced each step is this size).
     pub params: u64,
+    /// Length-coherent group steps: the leader draws each step's length bucket (in proportion
+    /// to what is READY) and every rank prefers it, so a step waits less for its longest batch.
+    /// Off: each rank takes under the ring's policy on its own.
+    pub coherent: bool,
 }
 
 impl Default for DrafterConfig {
@@ -164,6 +168,7 @@ impl Default for DrafterConfig {
             tokens_per_s: 58_000.0,
             checkpoint_every: 50,
             params: 1_048_576,
+            coherent: true,
         }
     }
 }

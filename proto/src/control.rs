@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The largest frame either side accepts.
 pub const MAX_FRAME: u32 = 16 << 20;
@@ -50,6 +50,13 @@ pub enum ToLauncher {
         pid: u32,
     },
     Report(FinalReport),
+    /// The drafter group's leader, after each applied step: the step and its mean loss per
+    /// loss token over `tokens` loss tokens (for the monitor and metrics.jsonl).
+    Progress {
+        step: u64,
+        loss: f32,
+        tokens: u64,
+    },
 }
 
 /// Launcher → worker.

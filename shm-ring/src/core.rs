@@ -566,8 +566,9 @@ impl<'a> RingRef<'a> {
 
     // ---- consumer side -------------------------------------------------------------------
 
-    /// One attempt to take an item for consumer `id` under the ring's policy.
-    pub(crate) fn try_take(&self, id: u32, st: &mut TakeState) -> TryTake {
+    /// One attempt to take an item for consumer `id` under the ring's policy. A bucketed policy
+    /// serves bucket `prefer` if it has a READY item (the drafter group's bucket of the step).
+    pub(crate) fn try_take(&self, id: u32, st: &mut TakeState, prefer: Option<u32>) -> TryTake {
         let buckets = self.params.buckets as usize;
         loop {
             // Read `closed` before scanning: if it is set, every item ever committed is visible
@@ -607,7 +608,10 @@ impl<'a> RingRef<'a> {
                     if !closed && ready < min_ready {
                         return TryTake::Wait;
                     }
-                    let b = choose_bucket(&per_bucket[..buckets], pick, st);
+                    let b = match prefer {
+                        Some(b) if per_bucket.get(b as usize).is_some_and(|&n| n > 0) => b,
+                        _ => choose_bucket(&per_bucket[..buckets], pick, st),
+                    };
                     self.nth_ready_in_bucket(b, st.rng.below(per_bucket[b as usize]))
                 }
             };
@@ -647,12 +651,30 @@ impl<'a> RingRef<'a> {
         None
     }
 
+    /// READY items per bucket, as one scan sees them (`buckets` entries).
+    pub(crate) fn ready_per_bucket(&self) -> Vec<u32> {
+        let buckets = self.params.buckets as usize;
+        let mut per_bucket = vec![0u32; buckets];
+        for s in self.slots {
+            if Word(s.state.load(Ordering::Acquire)).state() == READY {
+                per_bucket[(s.bucket.load(Ordering::Relaxed) as usize).min(buckets - 1)] += 1;
+            }
+        }
+        per_bucket
+    }
+
     /// Takes an item, sleeping on `ready_seq` while there is none, at most until `deadline`.
-    pub(crate) fn take(&self, id: u32, st: &mut TakeState, deadline: Option<Instant>) -> Taken {
+    pub(crate) fn take(
+        &self,
+        id: u32,
+        st: &mut TakeState,
+        prefer: Option<u32>,
+        deadline: Option<Instant>,
+    ) -> Taken {
         let mut waited: Option<Option<Phase>> = None;
         let out = loop {
             let seq = self.ctl.ready_seq.load(Ordering::Acquire);
-            match self.try_take(id, st) {
+            match self.try_take(id, st, prefer) {
                 TryTake::Item(c) => break Taken::Item(c),
                 TryTake::End => break Taken::End,
                 TryTake::Wait => {}
@@ -942,9 +964,20 @@ impl<'a> RingRef<'a> {
     }
 }
 
-fn choose_bucket(per_bucket: &[u32], pick: BucketPick, st: &mut TakeState) -> u32 {
+pub(crate) fn choose_bucket(per_bucket: &[u32], pick: BucketPick, st: &mut TakeState) -> u32 {
     let n = per_bucket.len() as u32;
     match pick {
+        BucketPick::Proportional => {
+            let total: u32 = per_bucket.iter().sum();
+            let mut r = st.rng.below(total);
+            for (b, &c) in per_bucket.iter().enumerate() {
+                if r < c {
+                    return b as u32;
+                }
+                r -= c;
+            }
+            0
+        }
         BucketPick::RoundRobin => {
             for k in 0..n {
                 let b = (st.next_bucket + k) % n;

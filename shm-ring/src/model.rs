@@ -185,7 +185,7 @@ impl HeapRing {
         id: u32,
         st: &mut TakeState,
     ) -> Option<(u64, u32, crate::core::Claim)> {
-        match self.r().take(id, st, None) {
+        match self.r().take(id, st, None, None) {
             Taken::Item(c) => {
                 // SAFETY: slot `c.idx` is READING and owned by `id`.
                 let v = self.payload[c.idx].with(|p| unsafe { *p });

@@ -273,6 +273,7 @@ impl Segment {
                 match pick {
                     BucketPick::RoundRobin => 0,
                     BucketPick::Fullest => 1,
+                    BucketPick::Proportional => 2,
                 },
             ),
         };
@@ -536,10 +537,10 @@ fn read_params(h: &Header) -> Result<RingParams, crate::ConfigError> {
         0 => TakePolicy::Fifo,
         _ => TakePolicy::Bucketed {
             min_ready: h.min_ready.load(r),
-            pick: if h.pick.load(r) == 1 {
-                BucketPick::Fullest
-            } else {
-                BucketPick::RoundRobin
+            pick: match h.pick.load(r) {
+                1 => BucketPick::Fullest,
+                2 => BucketPick::Proportional,
+                _ => BucketPick::RoundRobin,
             },
         },
     };
