@@ -475,8 +475,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         // what is READY, and the reduction hands it to every rank with the gradients (a redone
         // round carries it again; a round without the leader carries none).
         grad[n + 1] = 0.0;
-        if cfg.drafter.coherent && group.membership().leader() == Some(s.index) {
-            if let Some(b) = consumer.draw_bucket() {
+        let m = group.membership();
+        if cfg.drafter.coherent && m.leader() == Some(s.index) {
+            if let Some(b) = consumer.draw_bucket(m.len()) {
                 grad[n + 1] = (b + 1) as f32;
             }
         }

@@ -555,14 +555,22 @@ impl<'r> Consumer<'r> {
         self.take_until(prefer, Some(Instant::now() + timeout))
     }
 
-    /// The bucket this consumer's policy would serve now, drawn in proportion to the READY
-    /// items of each bucket whatever the ring's `pick` (None if nothing is READY). The drafter
-    /// group's leader draws the next step's bucket with it: the ranks then take from one
-    /// bucket, and the mix of lengths still follows what is published.
-    pub fn draw_bucket(&self) -> Option<u32> {
-        let per_bucket = self.w.core().ready_per_bucket();
+    /// A bucket drawn in proportion to its READY items, among the buckets holding at least
+    /// `at_least` of them (among all if none does; None if nothing is READY), whatever the
+    /// ring's `pick`. The drafter group's leader draws the next step's bucket with it, `at_least`
+    /// the group's size: the ranks then take from one bucket, and the mix of lengths still
+    /// follows what is published (a bucket short of items waits until it has enough, or until
+    /// the fallback takes them when the drawn bucket runs out).
+    pub fn draw_bucket(&self, at_least: u32) -> Option<u32> {
+        let mut per_bucket = self.w.core().ready_per_bucket();
         if per_bucket.iter().all(|&n| n == 0) {
             return None;
+        }
+        if per_bucket.iter().any(|&n| n >= at_least) {
+            per_bucket
+                .iter_mut()
+                .filter(|n| **n < at_least)
+                .for_each(|n| *n = 0);
         }
         let mut st = self.st.borrow_mut();
         Some(crate::core::choose_bucket(
