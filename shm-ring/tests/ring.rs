@@ -501,7 +501,13 @@ fn a_preferred_bucket_is_served_while_it_has_items() {
     }
     // Fullest alone would serve bucket 0 first.
     assert_eq!(got, vec![1, 1, 0, 0]);
-    assert_eq!(c.draw_bucket(), Some(0), "only bucket 0 has READY items");
+    assert_eq!(c.draw_bucket(1), Some(0), "only bucket 0 has READY items");
+    publish(&p, 102, 2);
+    assert_eq!(c.draw_bucket(2), Some(0), "only bucket 0 has 2 READY");
+    assert!(
+        c.draw_bucket(4).is_some(),
+        "none has 4: any bucket with an item"
+    );
 }
 
 #[test]
@@ -623,14 +629,8 @@ fn snapshot_reports_phases_counters_and_buckets_without_writing() {
 }
 
 fn thread_cpu() -> Duration {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage writes a full rusage on success.
-    let ru = unsafe {
-        assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()), 0);
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// A blocked worker sleeps in the kernel: over 1.5 s of blocking, it uses a small fraction of

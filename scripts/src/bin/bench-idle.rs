@@ -22,16 +22,8 @@ struct Args {
 }
 
 fn thread_cpu() -> Duration {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage fills the whole struct on success, which we check.
-    let ru = unsafe {
-        if libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) != 0 {
-            return Duration::ZERO;
-        }
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 fn params() -> RingParams {
