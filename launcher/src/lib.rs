@@ -120,17 +120,9 @@ pub enum Backend {
 
 /// True if an NVIDIA driver library can be loaded. Never panics where none exists.
 fn nvidia_driver_present() -> bool {
-    let name = c"libcuda.so.1";
-    // SAFETY: dlopen with a valid NUL-terminated name; the handle is closed right away.
-    unsafe {
-        let h = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
-    }
+    // SAFETY: loading the driver library runs its initialisers, which NVIDIA's driver supports
+    // in any process; nothing from it is called, and the handle is dropped (closed) at once.
+    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
 }
 
 fn choose_backend(b: Backend) -> anyhow::Result<String> {

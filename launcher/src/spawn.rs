@@ -122,22 +122,21 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
         .stderr(logf);
-    let parent = std::process::id() as i32;
+    // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only, which then
+    // stops the workers in order.
+    cmd.process_group(0);
+    let parent = rustix::process::getpid();
     // SAFETY: the closure runs in the child between fork and exec and only makes
-    // async-signal-safe system calls (prctl, getppid, setpgid, _exit).
+    // async-signal-safe system calls (prctl, getppid); its errors are errno values, which do
+    // not allocate.
     unsafe {
         cmd.pre_exec(move || {
             // Die with the launcher, even if it is SIGKILLed.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::Kill))?;
+            // The launcher may have died before that took effect: then do not start at all.
+            if rustix::process::getppid() != Some(parent) {
+                return Err(rustix::io::Errno::SRCH.into());
             }
-            // The launcher may have died before prctl took effect.
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only,
-            // which then stops the workers in order.
-            libc::setpgid(0, 0);
             Ok(())
         });
     }

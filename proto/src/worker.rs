@@ -62,8 +62,10 @@ pub struct Setup {
 /// The signals that ask for an ordered stop, in the launcher and in the workers alike: Ctrl-C,
 /// `kill`, a closed terminal or dropped SSH session (SIGHUP), and Ctrl-\\ (SIGQUIT), as torchrun
 /// treats them. A second one of any of them stops hard.
-pub const STOP_SIGNALS: [libc::c_int; 4] =
-    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    [SIGINT, SIGTERM, SIGHUP, SIGQUIT]
+};
 
 /// Exit code of a worker stopped by a second stop signal.
 pub const EXIT_SECOND_SIGNAL: i32 = 130;
