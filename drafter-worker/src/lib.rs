@@ -207,17 +207,11 @@ pub fn checkpoint_path(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints").join("drafter.safetensors")
 }
 
-/// Writes the state to a temporary file, syncs it, renames it over the checkpoint and syncs
-/// the directory: a crash leaves either the old checkpoint or the new one, never half of one.
+/// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
+/// never half of one.
 fn checkpoint(backend: &MockDrafter, path: &Path) -> anyhow::Result<()> {
-    let tmp = path.with_extension("safetensors.tmp");
-    backend.save(&tmp)?;
-    File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
-    if let Some(dir) = path.parent() {
-        File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    proto::atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
+        .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
 /// What the reduced buffer carries after the backend's gradient: one slot that counts the ranks

@@ -108,17 +108,16 @@ pub fn check(
 }
 
 impl Resume {
-    /// Rewrites the ledgers to the lines kept (temp file, then rename: a crash leaves the old
-    /// ledger or the new one).
+    /// Rewrites the ledgers to the lines kept (atomically: a crash leaves the old ledger or
+    /// the new one).
     pub fn apply(&self) -> anyhow::Result<()> {
         for (path, keep) in &self.ledgers {
-            let tmp = path.with_extension("jsonl.tmp");
             let mut text = keep.join("\n");
             if !text.is_empty() {
                 text.push('\n');
             }
-            std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-            std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
+            proto::atomic_file::replace(path, text.as_bytes())
+                .with_context(|| format!("replacing {}", path.display()))?;
         }
         Ok(())
     }
