@@ -142,7 +142,7 @@ impl HeapRing {
             match first {
                 Script::DieAfterComplete => return false,
                 Script::AbortAfterComplete => {
-                    self.r().abort(id, c);
+                    self.r().abort(c);
                     continue;
                 }
                 _ => {}

@@ -512,7 +512,7 @@ impl WriteSlot<'_> {
 impl Drop for WriteSlot<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.p.w.core().abort(self.p.w.id, self.claim);
+            self.p.w.core().abort(self.claim);
         }
     }
 }
