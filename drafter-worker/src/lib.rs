@@ -23,8 +23,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
-use gpu::mock::{MockDrafter, Sim};
-use gpu::DrafterBackend;
+use gpu::{BackendKind, DrafterBackend};
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
 use proto::worker::{setup, WorkerArgs};
 use proto::BatchView;
@@ -209,7 +208,7 @@ pub fn checkpoint_path(run_dir: &Path) -> PathBuf {
 
 /// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
 /// never half of one.
-fn checkpoint(backend: &MockDrafter, path: &Path) -> anyhow::Result<()> {
+fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
     proto::atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
         .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
@@ -221,17 +220,18 @@ const EXTRA: usize = 2;
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
 /// (the launcher creates the group with them; the buffer adds one slot to the backend's).
 pub fn group_params(
+    backend: BackendKind,
     cfg: &proto::PipelineConfig,
     drafters: u32,
     initial_step: u32,
-) -> collective::GroupParams {
-    let (grad, state) = MockDrafter::sizes(cfg.drafter.params as usize, cfg.model.hidden);
-    collective::GroupParams {
+) -> Result<collective::GroupParams, gpu::GpuError> {
+    let (grad, state) = gpu::drafter_sizes(backend, cfg)?;
+    Ok(collective::GroupParams {
         ranks: drafters,
         buf_len: grad as u64 + EXTRA as u64,
         state_len: state as u64,
         initial_step,
-    }
+    })
 }
 
 /// What a rank brings to a step.
@@ -306,11 +306,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
     }
     let ckpt = checkpoint_path(&s.run_dir);
-    let mut backend = MockDrafter::new(
-        Sim::new(cfg.drafter.tokens_per_s, cfg.faults_for(&s.name)),
-        cfg.drafter.params as usize,
-        cfg.model.hidden,
-    );
+    let mut backend = gpu::drafter(s.backend, cfg, &s.name)?;
     let ledger_file = ledger_path(&s.run_dir, s.index);
     let mut ledger = open_ledger(&ledger_file)?;
 
@@ -374,7 +370,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             backend.load(&ckpt)?;
         }
         consumer.enter(Phase::Sync);
-        let mut state = vec![0u32; backend.state_words()];
+        let mut state = vec![0u32; backend.state_len()];
         // Marker file: the join fault fires in one incarnation only.
         let marker = s.run_dir.join(format!("logs/.{}-crashed-in-join", s.name));
         let joining = || {
@@ -426,7 +422,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         if s.stop.take_checkpoint_request() && leader {
             consumer.enter(Phase::Checkpoint);
-            checkpoint(&backend, &ckpt)?;
+            checkpoint(backend.as_ref(), &ckpt)?;
             consumer.enter(Phase::Other);
         }
         let next = next_batch(&ring, &consumer, prefer, &mut report.refused)?;
@@ -537,7 +533,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             consumer.enter(Phase::Checkpoint);
             ledger.sync_data().context("syncing the ledger")?;
             if red.membership.leader() == Some(s.index) {
-                checkpoint(&backend, &ckpt)?;
+                checkpoint(backend.as_ref(), &ckpt)?;
             }
             consumer.enter(Phase::Other);
         }

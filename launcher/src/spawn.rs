@@ -85,6 +85,7 @@ pub struct Welcome {
     pub ring: String,
     pub run_dir: PathBuf,
     pub config_toml: String,
+    pub backend: proto::config::BackendKind,
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
@@ -185,6 +186,7 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         run_dir: welcome.run_dir,
         gpu: Some(gpu),
         config_toml: welcome.config_toml,
+        backend: welcome.backend,
     });
     if sent.is_err() {
         return failed("the worker went away during the handshake".into());

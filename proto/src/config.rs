@@ -62,6 +62,25 @@ pub struct RingConfig {
     pub seed: u64,
 }
 
+/// The compute backend a run uses, chosen by the launcher and sent to every worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// CPU only: simulated speed and content, a real learner, injected faults.
+    Mock,
+    /// NVIDIA GPUs through cudarc (not built yet).
+    Cuda,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Mock => "mock",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyName {
