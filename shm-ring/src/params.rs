@@ -31,9 +31,9 @@ pub enum TakePolicy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BucketPick {
-    /// A bucket with probability in proportion to its READY items (seeded per consumer): the
-    /// trained mix of lengths follows the published mix, so no length class piles up in the
-    /// ring and trains late in the run. The default.
+    /// Buckets in proportion to their READY items (smooth weighted round-robin, per consumer):
+    /// the trained mix of lengths follows the published mix, so no length class piles up in
+    /// the ring and trains late in the run. The default.
     Proportional,
     /// The next non-empty bucket after the one this consumer served last. Serves buckets
     /// equally while they fill unequally: the common lengths pile up and train late.

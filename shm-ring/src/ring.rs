@@ -555,7 +555,8 @@ impl<'r> Consumer<'r> {
         self.take_until(prefer, Some(Instant::now() + timeout))
     }
 
-    /// A bucket drawn in proportion to its READY items, among the buckets holding at least
+    /// A bucket chosen in proportion to its READY items (as the proportional pick chooses),
+    /// among the buckets holding at least
     /// `at_least` of them (among all if none does; None if nothing is READY), whatever the
     /// ring's `pick`. The drafter group's leader draws the next step's bucket with it, `at_least`
     /// the group's size: the ranks then take from one bucket, and the mix of lengths still

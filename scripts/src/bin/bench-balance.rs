@@ -32,6 +32,7 @@ use collective::{Collective, GroupParams, ShmGroup, NO_BATCH};
 use gpu::mock::Sim;
 use proto::config::Faults;
 use proto::PipelineConfig;
+use scripts::median;
 use shm_ring::{BucketPick, CommitMeta, Consumer, Ring, RingParams, Take, TakePolicy};
 use target_worker::data::{plan, Dataset, PlannedBatch};
 
@@ -46,6 +47,14 @@ struct Args {
     /// weigh little, as in a long training run.
     #[arg(long, default_value_t = 10_000)]
     samples: u64,
+    /// Also print each design's token mix over buckets per tenth of the run (pooled).
+    #[arg(long)]
+    show_tenths: bool,
+    /// Skew the length mix: keep every sample of the longest bucket and a third of the others,
+    /// so one length class arrives three times as often as each other (the mix the drift
+    /// problem was seen with). The default synthetic data spreads tokens evenly over buckets.
+    #[arg(long)]
+    long_heavy: bool,
 }
 
 const TARGETS: usize = 5;
@@ -347,14 +356,9 @@ fn drift(runs: &[&Tenths]) -> f64 {
 /// `runs` seeded shuffles of the plan. Steps of `clump` batches from one bucket (the group's
 /// length-coherent steps) are shuffled as units, as they have fewer independent draws.
 fn drift_floor(batches: &[PlannedBatch], runs: usize, clump: usize) -> f64 {
-    let mut rng = 0x5eed_u64;
-    let mut next = move || {
-        rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0x5eed);
     // Clumps: consecutive batches of one bucket, `clump` at a time.
     let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); BUCKETS as usize];
     for (i, b) in batches.iter().enumerate() {
@@ -369,9 +373,7 @@ fn drift_floor(batches: &[PlannedBatch], runs: usize, clump: usize) -> f64 {
             let orders: Vec<Tenths> = (0..runs)
                 .map(|_| {
                     let mut u = units.clone();
-                    for i in (1..u.len()).rev() {
-                        u.swap(i, (next() % (i as u64 + 1)) as usize);
-                    }
+                    u.shuffle(&mut rng);
                     tenths(&u.concat(), batches)
                 })
                 .collect();
@@ -382,16 +384,19 @@ fn drift_floor(batches: &[PlannedBatch], runs: usize, clump: usize) -> f64 {
     draws[50]
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 fn main() {
     let args = Args::parse();
     let mut cfg = PipelineConfig::default();
     cfg.data.synthetic_samples = args.samples;
-    let data = Dataset::load(&cfg).unwrap();
+    let mut data = Dataset::load(&cfg).unwrap();
+    if args.long_heavy {
+        let longest = cfg.ring.buckets - 1;
+        let mut i = 0u64;
+        data.samples.retain(|smp| {
+            i += 1;
+            cfg.bucket_of(smp.input_ids.len() as u32) == longest || i % 3 == 0
+        });
+    }
     let batches = plan(&data, &cfg);
     let seq_lens: Vec<Vec<u32>> = batches
         .iter()
@@ -471,6 +476,22 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    if args.show_tenths {
+        for (d, rs) in designs.iter().zip(&results) {
+            println!(
+                "{}: token share per bucket, each tenth of the run",
+                d.name()
+            );
+            for t in 0..10 {
+                let m: Vec<f64> = (0..BUCKETS as usize)
+                    .map(|b| rs.iter().map(|r| r.tenths[t][b]).sum())
+                    .collect();
+                let total: f64 = m.iter().sum();
+                let shares: Vec<String> = m.iter().map(|x| format!("{:.2}", x / total)).collect();
+                println!("  {t}: [{}]", shares.join(", "));
+            }
+        }
+    }
     for (d, rs) in designs.iter().zip(&results) {
         let tps = median(rs.iter().map(|r| r.tokens as f64 / r.wall_s).collect());
         let sync = if matches!(d, Design::Group { .. }) {

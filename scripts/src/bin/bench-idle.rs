@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use scripts::median;
 use shm_ring::{CommitMeta, Ring, RingParams, Take, TakePolicy};
 
 #[derive(Parser)]
@@ -84,11 +85,6 @@ fn measure(role: &str, secs: f64) -> anyhow::Result<f64> {
         .trim()
         .parse()
         .context("parsing the child's figure")
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() -> anyhow::Result<()> {
