@@ -96,6 +96,9 @@ struct Outcome {
     sync: [f64; DRAFTERS],
     /// Tokens per bucket in each tenth of the run, in training order.
     tenths: Tenths,
+    /// For the group: the share of the ranks' time a step's unequal batches alone make them
+    /// wait (each rank's simulated cost short of the step's longest), whatever the protocol.
+    spread: f64,
 }
 
 type Tenths = [[f64; BUCKETS as usize]; 10];
@@ -308,6 +311,21 @@ fn run_once(
     let wall = start.elapsed().as_secs_f64();
     let mut trained: Vec<(u64, usize)> = outs.iter().flat_map(|o| o.3.clone()).collect();
     trained.sort_unstable();
+    let mut spread = 0.0;
+    if matches!(design, Design::Group { .. }) {
+        let sim = Sim::new(d_speed, Faults::default());
+        for step in trained.chunk_by(|a, b| a.0 == b.0) {
+            let costs: Vec<f64> = step
+                .iter()
+                .map(|&(_, b)| sim.cost(&seq_lens[b]).as_secs_f64())
+                .collect();
+            let max = costs.iter().copied().fold(0.0, f64::max);
+            // A rank with no batch in the step (the end of the run) waits the whole step.
+            spread += costs.iter().map(|c| max - c).sum::<f64>()
+                + max * (DRAFTERS - costs.len()) as f64;
+        }
+        spread /= wall * DRAFTERS as f64;
+    }
     let order: Vec<usize> = trained.into_iter().map(|(_, b)| b).collect();
     Outcome {
         wall_s: wall,
@@ -315,6 +333,7 @@ fn run_once(
         busy: std::array::from_fn(|k| outs[k].1.as_secs_f64() / wall),
         sync: std::array::from_fn(|k| outs[k].2.as_secs_f64() / wall),
         tenths: tenths(&order, batches),
+        spread,
     }
 }
 
@@ -463,8 +482,8 @@ fn main() {
         drift_floor(&batches, args.runs, 1),
         drift_floor(&batches, args.runs, DRAFTERS),
     );
-    println!("| design | tokens/s (scaled) | / ideal | busy (d0, d1, d2) | sync (d0, d1, d2) | length drift |");
-    println!("|---|---|---|---|---|---|");
+    println!("| design | tokens/s (scaled) | / ideal | busy (d0, d1, d2) | sync (d0, d1, d2) | of which unequal batches | length drift |");
+    println!("|---|---|---|---|---|---|---|");
     let pct = |f: &dyn Fn(&Outcome) -> [f64; DRAFTERS], rs: &[Outcome]| {
         (0..DRAFTERS)
             .map(|k| {
@@ -494,13 +513,16 @@ fn main() {
     }
     for (d, rs) in designs.iter().zip(&results) {
         let tps = median(rs.iter().map(|r| r.tokens as f64 / r.wall_s).collect());
-        let sync = if matches!(d, Design::Group { .. }) {
-            pct(&|r| r.sync, rs)
+        let (sync, spread) = if matches!(d, Design::Group { .. }) {
+            (
+                pct(&|r| r.sync, rs),
+                format!("{:.1}%", 100.0 * median(rs.iter().map(|r| r.spread).collect())),
+            )
         } else {
-            "-".into()
+            ("-".into(), "-".into())
         };
         println!(
-            "| {} | {tps:.0} | {:.3} | {} | {sync} | {:.3} |",
+            "| {} | {tps:.0} | {:.3} | {} | {sync} | {spread} | {:.3} |",
             d.name(),
             tps / ideal,
             pct(&|r| r.busy, rs),
