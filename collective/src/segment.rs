@@ -8,10 +8,7 @@
 //! Layout (offsets from the start, each part 128-byte aligned):
 //! `Header | Control | RankRec × ranks | buffers: ranks × 2 × buf_len u32 | state: state_len u32`.
 
-use std::os::fd::OwnedFd;
-
-use rustix::fs::Mode;
-use rustix::mm::{MapFlags, ProtFlags};
+use shmem::Mapping;
 
 use crate::group::{Control, Membership, Memory, RankRec, MAX_RANKS};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -80,20 +77,13 @@ impl Offsets {
 /// A mapped group segment.
 pub struct Segment {
     name: String,
-    ptr: *mut u8,
-    len: usize,
+    map: Mapping,
     ranks: u32,
     buf_len: usize,
     state_len: usize,
     off: Offsets,
     owner: bool,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics (see `Memory`); the raw
-// pointer is never handed out, so moving or sharing the handle between threads is sound.
-unsafe impl Send for Segment {}
-// SAFETY: as above: all access through `&AtomicU*`.
-unsafe impl Sync for Segment {}
 
 fn seg_err(name: &str, why: impl std::fmt::Display) -> GroupError {
     GroupError::Segment {
@@ -112,23 +102,6 @@ fn check_name(name: &str) -> Result<(), GroupError> {
     Ok(())
 }
 
-fn map(name: &str, fd: &OwnedFd, len: usize) -> Result<*mut u8, GroupError> {
-    // SAFETY: a fresh shared mapping of `len` bytes of `fd`, which holds at least `len` bytes
-    // (checked or reserved by the caller); no existing memory is replaced (null hint).
-    let p = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    }
-    .map_err(|e| seg_err(name, format!("mmap of {len} bytes: {e}")))?;
-    Ok(p.cast())
-}
-
 impl Segment {
     /// Creates `/dev/shm/<name>` for a group of `p.ranks`, all ranks members.
     pub fn create(name: &str, p: &GroupParams) -> Result<Segment, GroupError> {
@@ -141,32 +114,21 @@ impl Segment {
         }
         let off = Offsets::of(p.ranks, p.buf_len, p.state_len)
             .ok_or_else(|| seg_err(name, "sizes overflow"))?;
-        let fd = rustix::shm::shm_open(
-            name,
-            rustix::shm::OFlags::CREATE | rustix::shm::OFlags::EXCL | rustix::shm::OFlags::RDWR,
-            Mode::RUSR | Mode::WUSR,
-        )
-        .map_err(|e| seg_err(name, format!("create: {e}")))?;
-        let unlink = || {
-            let _ = rustix::shm::shm_unlink(name);
-        };
-        if let Err(e) = rustix::fs::fallocate(
-            &fd,
-            rustix::fs::FallocateFlags::empty(),
-            0,
-            off.total as u64,
-        ) {
-            unlink();
-            return Err(seg_err(
+        // Exclusive, 0600, every byte reserved (so a too-small /dev/shm fails here).
+        let fd = shmem::create(name, off.total as u64).map_err(|e| {
+            let free = shmem::free_bytes().unwrap_or(0);
+            seg_err(
                 name,
-                format!("reserving {} bytes in /dev/shm: {e}", off.total),
-            ));
-        }
-        let ptr = map(name, &fd, off.total).inspect_err(|_| unlink())?;
+                format!("create ({} bytes; {free} free in /dev/shm): {e}", off.total),
+            )
+        })?;
+        let map = Mapping::new(&fd, off.total, true).map_err(|e| {
+            let _ = shmem::unlink(name);
+            seg_err(name, format!("mapping {} bytes: {e}", off.total))
+        })?;
         let seg = Segment {
             name: name.to_string(),
-            ptr,
-            len: off.total,
+            map,
             ranks: p.ranks,
             buf_len: p.buf_len as usize,
             state_len: p.state_len as usize,
@@ -198,33 +160,31 @@ impl Segment {
     /// Attaches to an existing group segment.
     pub fn attach(name: &str) -> Result<Segment, GroupError> {
         check_name(name)?;
-        let fd = rustix::shm::shm_open(name, rustix::shm::OFlags::RDWR, Mode::empty())
-            .map_err(|e| seg_err(name, format!("open: {e}")))?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| seg_err(name, format!("fstat: {e}")))?;
-        if st.st_uid != rustix::process::geteuid().as_raw() {
-            return Err(seg_err(name, format!("owned by uid {}, not us", st.st_uid)));
+        let fd = shmem::open(name, true).map_err(|e| seg_err(name, format!("open: {e}")))?;
+        let st = shmem::stat(&fd).map_err(|e| seg_err(name, format!("fstat: {e}")))?;
+        if st.uid != shmem::euid() {
+            return Err(seg_err(name, format!("owned by uid {}, not us", st.uid)));
         }
-        if st.st_mode & 0o077 != 0 {
+        if st.mode & 0o077 != 0 {
             return Err(seg_err(
                 name,
                 format!(
                     "mode {:o} lets others in; a group segment is 0600",
-                    st.st_mode & 0o777
+                    st.mode & 0o777
                 ),
             ));
         }
-        let size = st.st_size as usize;
+        let size = st.size as usize;
         if size < std::mem::size_of::<Header>() {
             return Err(seg_err(
                 name,
                 format!("{size} bytes: too small to be a group"),
             ));
         }
-        let ptr = map(name, &fd, size)?;
+        let map = Mapping::new(&fd, size, true).map_err(|e| seg_err(name, format!("mmap: {e}")))?;
         let mut seg = Segment {
             name: name.to_string(),
-            ptr,
-            len: size,
+            map,
             ranks: 0,
             buf_len: 0,
             state_len: 0,
@@ -262,16 +222,16 @@ impl Segment {
 
     fn header(&self) -> &Header {
         // SAFETY: the mapping is at least one page, page-aligned, and Header is all atomics.
-        unsafe { &*(self.ptr as *const Header) }
+        unsafe { &*(self.map.as_ptr() as *const Header) }
     }
 
     /// `n` atomics of type T at byte offset `off`.
     fn slice<T>(&self, off: usize, n: usize) -> &[T] {
-        assert!(off + n * std::mem::size_of::<T>() <= self.len);
+        assert!(off + n * std::mem::size_of::<T>() <= self.map.len());
         // SAFETY: in bounds (asserted), aligned (offsets are 128-aligned and sizes multiples of
         // T's alignment), and T is an atomic type, valid for any bit pattern and for shared
         // mutation through `&`.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(off) as *const T, n) }
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off) as *const T, n) }
     }
 }
 
@@ -296,11 +256,9 @@ impl Memory for Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are the mapping made in create()/attach(), unmapped only here;
-        // every reference into it borrows `self`, so none outlives this.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+        // The mapping unmaps itself; the name goes with the creator's handle.
         if self.owner {
-            let _ = rustix::shm::shm_unlink(self.name.as_str());
+            let _ = shmem::unlink(&self.name);
         }
     }
 }

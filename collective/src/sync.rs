@@ -12,19 +12,13 @@ pub(crate) const WAIT_SLICE: std::time::Duration = std::time::Duration::from_mil
 /// futex: the word may live in a segment mapped by several processes.
 #[cfg(not(loom))]
 pub(crate) fn wait(word: &AtomicU32, seen: u32) {
-    let ts = rustix::thread::futex::Timespec {
-        tv_sec: 0,
-        tv_nsec: WAIT_SLICE.as_nanos() as _,
-    };
-    // EAGAIN (the word moved), EINTR and ETIMEDOUT all mean: look again.
-    let _ =
-        rustix::thread::futex::wait(word, rustix::thread::futex::Flags::empty(), seen, Some(ts));
+    shmem::futex_wait(word, seen, WAIT_SLICE);
 }
 
 /// Wakes every waiter on `word`.
 #[cfg(not(loom))]
 pub(crate) fn wake_all(word: &AtomicU32) {
-    let _ = rustix::thread::futex::wake(word, rustix::thread::futex::Flags::empty(), u32::MAX);
+    shmem::futex_wake_all(word);
 }
 
 /// Under loom a wait is a yield: the model then explores every order of the re-checks, and a

@@ -23,8 +23,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
-use gpu::mock::{MockDrafter, Sim};
-use gpu::DrafterBackend;
+use gpu::{BackendKind, DrafterBackend};
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
 use proto::worker::{setup, WorkerArgs};
 use proto::BatchView;
@@ -207,33 +206,32 @@ pub fn checkpoint_path(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints").join("drafter.safetensors")
 }
 
-/// Writes the state to a temporary file, syncs it, renames it over the checkpoint and syncs
-/// the directory: a crash leaves either the old checkpoint or the new one, never half of one.
-fn checkpoint(backend: &MockDrafter, path: &Path) -> anyhow::Result<()> {
-    let tmp = path.with_extension("safetensors.tmp");
-    backend.save(&tmp)?;
-    File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
-    if let Some(dir) = path.parent() {
-        File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+/// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
+/// never half of one.
+fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
+    proto::atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
+        .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
+
+/// What the reduced buffer carries after the backend's gradient: one slot that counts the ranks
+/// that saw the ring's end, one where the leader puts the next step's bucket plus one (0: none).
+const EXTRA: usize = 2;
 
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
 /// (the launcher creates the group with them; the buffer adds one slot to the backend's).
 pub fn group_params(
+    backend: BackendKind,
     cfg: &proto::PipelineConfig,
     drafters: u32,
     initial_step: u32,
-) -> collective::GroupParams {
-    let (grad, state) = MockDrafter::sizes(cfg.drafter.params as usize, cfg.model.hidden);
-    collective::GroupParams {
+) -> Result<collective::GroupParams, gpu::GpuError> {
+    let (grad, state) = gpu::drafter_sizes(backend, cfg)?;
+    Ok(collective::GroupParams {
         ranks: drafters,
-        buf_len: grad as u64 + 1,
+        buf_len: grad as u64 + EXTRA as u64,
         state_len: state as u64,
         initial_step,
-    }
+    })
 }
 
 /// What a rank brings to a step.
@@ -246,11 +244,13 @@ enum Next<'c> {
     End,
 }
 
-/// Takes the batch for this step: waits while the targets may still publish, gives up at once
-/// once the ring is closed. Corrupt batches are refused (released) and counted.
+/// Takes the batch for this step, from bucket `prefer` if it has one READY: waits while the
+/// targets may still publish, gives up at once once the ring is closed. Corrupt batches are
+/// refused (released) and counted.
 fn next_batch<'c>(
     ring: &Ring,
     consumer: &'c Consumer<'_>,
+    prefer: Option<u32>,
     refused: &mut u64,
 ) -> anyhow::Result<Next<'c>> {
     loop {
@@ -258,7 +258,7 @@ fn next_batch<'c>(
         // held by other ranks are theirs.
         let closed = ring.is_closed();
         let timeout = Duration::from_millis(if closed { 1 } else { 200 });
-        let slot = match consumer.take_timeout(timeout)? {
+        let slot = match consumer.take_timeout_preferring(prefer, timeout)? {
             Take::Item(slot) => slot,
             Take::End => return Ok(Next::End),
             Take::TimedOut if closed => return Ok(Next::Dry),
@@ -306,11 +306,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
     }
     let ckpt = checkpoint_path(&s.run_dir);
-    let mut backend = MockDrafter::new(
-        Sim::new(cfg.drafter.tokens_per_s, cfg.faults_for(&s.name)),
-        cfg.drafter.params as usize,
-        cfg.model.hidden,
-    );
+    let mut backend = gpu::drafter(s.backend, cfg, &s.name)?;
     let ledger_file = ledger_path(&s.run_dir, s.index);
     let mut ledger = open_ledger(&ledger_file)?;
 
@@ -374,7 +370,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             backend.load(&ckpt)?;
         }
         consumer.enter(Phase::Sync);
-        let mut state = vec![0u32; backend.state_words()];
+        let mut state = vec![0u32; backend.state_len()];
         // Marker file: the join fault fires in one incarnation only.
         let marker = s.run_dir.join(format!("logs/.{}-crashed-in-join", s.name));
         let joining = || {
@@ -405,10 +401,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     tracing::info!(ring = %s.ring, epoch, step = backend.step(), "attached");
 
     let n = backend.grad_len();
-    // The summed buffer: the backend's gradient, loss sum and loss tokens, then "saw the end".
-    let mut grad = vec![0f32; n + 1];
-    let mut sum = vec![0f32; n + 1];
+    // The summed buffer: the backend's gradient, loss sum and loss tokens, then `EXTRA`.
+    let mut grad = vec![0f32; n + EXTRA];
+    let mut sum = vec![0f32; n + EXTRA];
     let mut report = FinalReport::default();
+    let buckets = ring.params().buckets;
+    // The bucket of this step, drawn by the leader during the last one (None: the first step,
+    // a step after the leader died, or `coherent` off).
+    let mut prefer: Option<u32> = None;
     loop {
         let m = group.membership();
         let leader = m.leader() == Some(s.index);
@@ -422,10 +422,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         if s.stop.take_checkpoint_request() && leader {
             consumer.enter(Phase::Checkpoint);
-            checkpoint(&backend, &ckpt)?;
+            checkpoint(backend.as_ref(), &ckpt)?;
             consumer.enter(Phase::Other);
         }
-        let next = next_batch(&ring, &consumer, &mut report.refused)?;
+        let next = next_batch(&ring, &consumer, prefer, &mut report.refused)?;
         let (slot, ended) = match next {
             Next::Batch(slot) => (Some(slot), false),
             Next::Dry => (None, false),
@@ -461,6 +461,16 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             }
         }
         grad[n] = if ended { 1.0 } else { 0.0 };
+        // Length-coherent steps: the leader draws the next step's bucket now, in proportion to
+        // what is READY, and the reduction hands it to every rank with the gradients (a redone
+        // round carries it again; a round without the leader carries none).
+        grad[n + 1] = 0.0;
+        let m = group.membership();
+        if cfg.drafter.coherent && m.leader() == Some(s.index) {
+            if let Some(b) = consumer.draw_bucket(m.len()) {
+                grad[n + 1] = (b + 1) as f32;
+            }
+        }
         consumer.enter(Phase::Sync);
         target_step.set(u64::from(group.membership().step) + 1);
         let red = group.all_reduce(&grad, batch, &mut sum, &beat)?;
@@ -502,13 +512,28 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             tokens = stats.tokens,
             "step"
         );
+        if red.membership.leader() == Some(s.index) {
+            if let Some(tx) = &s.to_launcher {
+                // The launcher may be stopping and gone: the loss is telemetry, never fatal.
+                let _ = tx.send(ToLauncher::Progress {
+                    step: u64::from(red.step),
+                    loss: stats.loss,
+                    tokens: stats.tokens,
+                });
+            }
+        }
         let everyone_ended = sum[n] as u32 == red.membership.len();
+        // Two ranks that both thought they led (a membership change between their looks) sum
+        // to a value that may name no bucket: then none is preferred.
+        let drawn = sum[n + 1];
+        prefer = (drawn >= 1.0 && drawn <= buckets as f32 && drawn.fract() == 0.0)
+            .then(|| drawn as u32 - 1);
         let every = cfg.drafter.checkpoint_every.max(1);
         if everyone_ended || u64::from(red.step) % every == 0 {
             consumer.enter(Phase::Checkpoint);
             ledger.sync_data().context("syncing the ledger")?;
             if red.membership.leader() == Some(s.index) {
-                checkpoint(&backend, &ckpt)?;
+                checkpoint(backend.as_ref(), &ckpt)?;
             }
             consumer.enter(Phase::Other);
         }

@@ -4,6 +4,10 @@
 //!   mock GPUs run side by side on two cores) and fault injection. The default where no GPU
 //!   driver is present, and what every test runs on.
 //! - `cuda` (later): cudarc, loaded dynamically; never panics where no driver exists.
+//!
+//! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
+//! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait
+//! objects and never name a backend; the next one plugs in here.
 
 use std::path::Path;
 
@@ -32,6 +36,8 @@ pub enum GpuError {
     Checkpoint { path: String, why: String },
     #[error("shape: {0}")]
     Shape(String),
+    #[error("the {0} backend is not built yet; use --backend mock")]
+    Unavailable(BackendKind),
 }
 
 /// A frozen target model: token ids in, hidden states of the captured layers out.
@@ -83,10 +89,52 @@ pub trait DrafterBackend {
     fn save(&self, path: &Path) -> Result<(), GpuError>;
     /// Restores the state written by `save`.
     fn load(&mut self, path: &Path) -> Result<(), GpuError>;
+    /// Length of `export_state`'s words.
+    fn state_len(&self) -> usize;
     /// Weights, optimizer state and step as words, for a rank joining the group.
     fn export_state(&self) -> Vec<u32>;
     /// Takes the state a live rank exported.
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
 }
 
-pub use proto::config::Faults;
+pub use proto::config::{BackendKind, Faults};
+
+/// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
+pub fn target(
+    kind: BackendKind,
+    cfg: &proto::PipelineConfig,
+    name: &str,
+) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
+    match kind {
+        BackendKind::Mock => Ok(Box::new(mock::MockTarget::new(cfg, name))),
+        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
+    }
+}
+
+/// A drafter rank for worker `name` under `cfg`, at step 0 (load a checkpoint or join the
+/// group to go on).
+pub fn drafter(
+    kind: BackendKind,
+    cfg: &proto::PipelineConfig,
+    name: &str,
+) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
+    match kind {
+        BackendKind::Mock => Ok(Box::new(mock::MockDrafter::for_worker(cfg, name))),
+        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
+    }
+}
+
+/// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the
+/// launcher sizes the group segment with it).
+pub fn drafter_sizes(
+    kind: BackendKind,
+    cfg: &proto::PipelineConfig,
+) -> Result<(usize, usize), GpuError> {
+    match kind {
+        BackendKind::Mock => Ok(mock::MockDrafter::sizes(
+            cfg.drafter.params as usize,
+            cfg.model.hidden,
+        )),
+        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
+    }
+}

@@ -98,11 +98,32 @@ impl Sim {
     }
 }
 
+/// The mock's start-up fault: a worker that dies as it starts (a crash loop).
+fn start(faults: &Faults) {
+    if faults.crash_at_start {
+        tracing::error!("injected crash at start");
+        std::process::abort();
+    }
+}
+
 /// A mock target model.
 pub struct MockTarget {
     pub layers: u32,
     pub hidden: u32,
     pub sim: Sim,
+}
+
+impl MockTarget {
+    /// Worker `name`'s target under `cfg`: its shape, speed and faults.
+    pub fn new(cfg: &proto::PipelineConfig, name: &str) -> MockTarget {
+        let faults = cfg.faults_for(name);
+        start(&faults);
+        MockTarget {
+            layers: cfg.model.layers,
+            hidden: cfg.model.hidden,
+            sim: Sim::new(cfg.target.tokens_per_s, faults),
+        }
+    }
 }
 
 impl TargetBackend for MockTarget {
@@ -182,8 +203,15 @@ impl MockDrafter {
     }
 
     /// The weights, Adam's two moments and the step, as u32 words: what a joining rank needs.
-    pub fn state_words(&self) -> usize {
-        Self::sizes(self.weights.len(), self.hidden as u32).1
+    /// Worker `name`'s drafter under `cfg`: its size, speed and faults.
+    pub fn for_worker(cfg: &proto::PipelineConfig, name: &str) -> MockDrafter {
+        let faults = cfg.faults_for(name);
+        start(&faults);
+        MockDrafter::new(
+            Sim::new(cfg.drafter.tokens_per_s, faults),
+            cfg.drafter.params as usize,
+            cfg.model.hidden,
+        )
     }
 
     /// `(grad_len, state_words)` of a drafter built with `new(_, params, hidden)`, without
@@ -208,6 +236,10 @@ pub fn digest(xs: &[f32]) -> u64 {
 impl DrafterBackend for MockDrafter {
     fn grad_len(&self) -> usize {
         self.weights.len() + 2
+    }
+
+    fn state_len(&self) -> usize {
+        Self::sizes(self.weights.len(), self.hidden as u32).1
     }
 
     fn gradient(&mut self, batch: &BatchView<'_>, grad: &mut [f32]) -> Result<(), GpuError> {
@@ -375,7 +407,7 @@ impl DrafterBackend for MockDrafter {
     }
 
     fn export_state(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.state_words());
+        let mut out = Vec::with_capacity(self.state_len());
         for xs in [&self.weights, &self.m, &self.v] {
             out.extend(xs.iter().map(|x| x.to_bits()));
         }
@@ -385,10 +417,10 @@ impl DrafterBackend for MockDrafter {
 
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError> {
         let n = self.weights.len();
-        if state.len() != self.state_words() {
+        if state.len() != self.state_len() {
             return Err(GpuError::BufferSize {
                 got: state.len() * 4,
-                want: self.state_words() * 4,
+                want: self.state_len() * 4,
             });
         }
         let f = |k: usize| -> Vec<f32> {

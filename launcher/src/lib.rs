@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use collective::ShmGroup;
+use proto::config::BackendKind;
 use proto::control::{self, FinalReport, ToWorker, WorkerRole};
 use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
@@ -76,7 +77,8 @@ pub struct Args {
     /// Allow a GPU in both lists (for machines with a single GPU).
     #[arg(long)]
     pub share_gpus: bool,
-    /// Compute backend; auto uses cuda where an NVIDIA driver is present, else mock.
+    /// Compute backend. auto: mock (the cuda backend is not built yet; once it is, auto takes
+    /// it where an NVIDIA driver is present).
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
     /// Pipeline config (TOML); every field has a default.
@@ -120,27 +122,19 @@ pub enum Backend {
 
 /// True if an NVIDIA driver library can be loaded. Never panics where none exists.
 fn nvidia_driver_present() -> bool {
-    let name = c"libcuda.so.1";
-    // SAFETY: dlopen with a valid NUL-terminated name; the handle is closed right away.
-    unsafe {
-        let h = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
-    }
+    // SAFETY: loading the driver library runs its initialisers, which NVIDIA's driver supports
+    // in any process; nothing from it is called, and the handle is dropped (closed) at once.
+    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
 }
 
-fn choose_backend(b: Backend) -> anyhow::Result<String> {
+/// The backend the workers build, and why, for the run's first line.
+fn choose_backend(b: Backend) -> anyhow::Result<(BackendKind, String)> {
     let driver = nvidia_driver_present();
+    let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
     match b {
-        Backend::Mock => Ok("mock (requested)".into()),
-        Backend::Auto if !driver => Ok("mock (no NVIDIA driver found)".into()),
-        Backend::Auto => {
-            Ok("mock (an NVIDIA driver is present, but the cuda backend is not built yet)".into())
-        }
+        Backend::Mock => mock("requested"),
+        Backend::Auto if !driver => mock("no NVIDIA driver found"),
+        Backend::Auto => mock("an NVIDIA driver is present, but the cuda backend is not built yet"),
         Backend::Cuda if !driver => {
             bail!("--backend cuda: no NVIDIA driver (libcuda.so.1) on this machine; use --backend mock")
         }
@@ -225,7 +219,8 @@ pub struct Outcome {
 /// What `run` settles before the run directory, and so its log, exists.
 struct Prepared {
     cfg: PipelineConfig,
-    backend: String,
+    /// The backend the workers build, and why (for the run's first line and the summary).
+    backend: (BackendKind, String),
     exes: [WorkerExe; 2],
     data: Dataset,
     batches: u64,
@@ -318,7 +313,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     );
     let (run_dir, resume) = match &args.resume {
         Some(dir) => {
-            let r = resume::check(dir, &cfg, nd, batches)
+            let r = resume::check(dir, &cfg, backend.0, nd, batches)
                 .with_context(|| format!("resuming {}", dir.display()))?;
             (dir.clone(), Some(r))
         }
@@ -395,7 +390,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     // The drafter group: one model trained by every drafter (see the collective crate).
     let group = ShmGroup::create(
         &group_name,
-        &drafter_worker::group_params(&cfg, nd, start_step),
+        &drafter_worker::group_params(backend.0, &cfg, nd, start_step)?,
     )
     .context("creating the drafter group")?;
     // For `shm-ring-stat --run-dir`.
@@ -403,8 +398,8 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
 
     println!(
-        "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {backend}",
-        nt, targets, nd, drafters
+        "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {}",
+        nt, targets, nd, drafters, backend.1
     );
     println!(
         "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
@@ -419,6 +414,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         ring: ring_name.clone(),
         run_dir: run_dir.clone(),
         config_toml: cfg.to_toml(),
+        backend: backend.0,
     };
     let mut workers: Vec<Worker> = targets
         .iter()
@@ -502,6 +498,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                         w.report = Some(r);
                     }
                 }
+                Event::Progress { step, loss, tokens } => mon.progress(step, loss, tokens),
                 Event::HandshakeFailed(key, why) => {
                     mon.say(&format!(
                         "{:?} {}: handshake failed: {why}",
@@ -706,7 +703,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     let summary = summary::build(
         &run_dir,
         &ring_name,
-        &backend,
+        &backend.1,
         &snap,
         data.len() as u64,
         nd,

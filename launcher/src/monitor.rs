@@ -53,6 +53,9 @@ pub struct Tick {
     /// The drafter group's training loss, once the drafters report it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drafter_loss: Option<f64>,
+    /// The drafter group's last applied step, once the drafters report it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group_step: Option<u64>,
     /// The drafter's acceptance length (tau), once the drafters report it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub acceptance_length: Option<f64>,
@@ -157,6 +160,12 @@ pub struct Monitor {
     events: Vec<EventTick>,
     /// The restarts of the last tick, for the final one.
     restarts: u32,
+    /// The drafter group's progress since the last tick: loss x tokens, tokens, last step.
+    loss_sum: f64,
+    loss_tokens: u64,
+    step: Option<u64>,
+    /// The last interval's loss, kept while an interval brings no step.
+    loss: Option<f64>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
 }
@@ -207,8 +216,30 @@ impl Monitor {
             started: Instant::now(),
             events: Vec::new(),
             restarts: 0,
+            loss_sum: 0.0,
+            loss_tokens: 0,
+            step: None,
+            loss: None,
             judge: analysis::Judge::new(),
         })
+    }
+
+    /// The group leader applied `step`, whose mean loss per loss token was `loss`.
+    pub fn progress(&mut self, step: u64, loss: f32, tokens: u64) {
+        if loss.is_finite() && tokens > 0 {
+            self.loss_sum += f64::from(loss) * tokens as f64;
+            self.loss_tokens += tokens;
+        }
+        self.step = Some(step);
+    }
+
+    /// The token-weighted mean loss of the steps since the last tick (or the last one known).
+    fn interval_loss(&mut self) -> Option<f64> {
+        if self.loss_tokens > 0 {
+            self.loss = Some(self.loss_sum / self.loss_tokens as f64);
+            (self.loss_sum, self.loss_tokens) = (0.0, 0);
+        }
+        self.loss
     }
 
     /// Prints an event line without breaking the progress bar; the next tick records it.
@@ -275,7 +306,8 @@ impl Monitor {
             verdict: verdict.line,
             workers: iv.workers.iter().map(WorkerTick::new).collect(),
             events: std::mem::take(&mut self.events),
-            drafter_loss: None,
+            drafter_loss: self.interval_loss(),
+            group_step: self.step,
             acceptance_length: None,
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
@@ -289,8 +321,14 @@ impl Monitor {
         } else {
             format!("{:.0} tok/s", t.tokens_per_s)
         };
+        // The one model the drafter group trains: its step and loss.
+        let group = match (t.group_step, t.drafter_loss) {
+            (Some(step), Some(loss)) => format!("  step {step} loss {loss:.4}"),
+            (Some(step), None) => format!("  step {step}"),
+            _ => String::new(),
+        };
         let line = format!(
-            "[{:6.1}s] {rate:>12}  trained {}/{}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
+            "[{:6.1}s] {rate:>12}  trained {}/{}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
             t.t_s,
             t.batches_trained,
             t.batches_total,
@@ -324,7 +362,7 @@ impl Monitor {
                 };
                 b.bar.set_position(t.batches_trained);
                 b.bar.set_message(format!(
-                    "{rate}  ring {}/{}  ETA {eta}  busy T {:.0}% D {:.0}%  restarts {restarts}  | {}",
+                    "{rate}{group}  ring {}/{}  ETA {eta}  busy T {:.0}% D {:.0}%  restarts {restarts}  | {}",
                     t.ring_ready,
                     t.ring_slots,
                     tb * 100.0,

@@ -880,9 +880,8 @@ pub fn write(
 ) -> anyhow::Result<(u32, u32)> {
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
-    let tmp = out.with_extension("svg.tmp");
-    std::fs::write(&tmp, svg).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    proto::atomic_file::replace(out, svg.as_bytes())
+        .with_context(|| format!("writing {}", out.display()))?;
     Ok((plan.width, plan.height))
 }
 

@@ -13,8 +13,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
-use gpu::mock::{MockDrafter, Sim};
-use gpu::DrafterBackend;
+use gpu::BackendKind;
 use proto::PipelineConfig;
 
 /// What a resume will do, checked and not yet applied.
@@ -35,6 +34,7 @@ pub struct Resume {
 pub fn check(
     run_dir: &Path,
     cfg: &PipelineConfig,
+    backend: BackendKind,
     drafters: u32,
     batches: u64,
 ) -> anyhow::Result<Resume> {
@@ -52,11 +52,7 @@ pub fn check(
     }
     let ckpt = checkpoint_path(run_dir);
     let step = if ckpt.exists() {
-        let mut d = MockDrafter::new(
-            Sim::new(cfg.drafter.tokens_per_s, Default::default()),
-            cfg.drafter.params as usize,
-            cfg.model.hidden,
-        );
+        let mut d = gpu::drafter(backend, cfg, "launcher")?;
         d.load(&ckpt).with_context(|| {
             "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
         })?;
@@ -108,17 +104,16 @@ pub fn check(
 }
 
 impl Resume {
-    /// Rewrites the ledgers to the lines kept (temp file, then rename: a crash leaves the old
-    /// ledger or the new one).
+    /// Rewrites the ledgers to the lines kept (atomically: a crash leaves the old ledger or
+    /// the new one).
     pub fn apply(&self) -> anyhow::Result<()> {
         for (path, keep) in &self.ledgers {
-            let tmp = path.with_extension("jsonl.tmp");
             let mut text = keep.join("\n");
             if !text.is_empty() {
                 text.push('\n');
             }
-            std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-            std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
+            proto::atomic_file::replace(path, text.as_bytes())
+                .with_context(|| format!("replacing {}", path.display()))?;
         }
         Ok(())
     }

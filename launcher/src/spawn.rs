@@ -24,6 +24,12 @@ pub struct Key {
 pub enum Event {
     Connected(Key, control::Sender<ToWorker>),
     Report(Key, FinalReport),
+    /// The group leader's step and loss (see [`ToLauncher::Progress`]).
+    Progress {
+        step: u64,
+        loss: f32,
+        tokens: u64,
+    },
     HandshakeFailed(Key, String),
 }
 
@@ -79,6 +85,7 @@ pub struct Welcome {
     pub ring: String,
     pub run_dir: PathBuf,
     pub config_toml: String,
+    pub backend: proto::config::BackendKind,
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
@@ -116,22 +123,21 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
         .stderr(logf);
-    let parent = std::process::id() as i32;
+    // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only, which then
+    // stops the workers in order.
+    cmd.process_group(0);
+    let parent = rustix::process::getpid();
     // SAFETY: the closure runs in the child between fork and exec and only makes
-    // async-signal-safe system calls (prctl, getppid, setpgid, _exit).
+    // async-signal-safe system calls (prctl, getppid); its errors are errno values, which do
+    // not allocate.
     unsafe {
         cmd.pre_exec(move || {
             // Die with the launcher, even if it is SIGKILLed.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::Kill))?;
+            // The launcher may have died before that took effect: then do not start at all.
+            if rustix::process::getppid() != Some(parent) {
+                return Err(rustix::io::Errno::SRCH.into());
             }
-            // The launcher may have died before prctl took effect.
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only,
-            // which then stops the workers in order.
-            libc::setpgid(0, 0);
             Ok(())
         });
     }
@@ -180,6 +186,7 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         run_dir: welcome.run_dir,
         gpu: Some(gpu),
         config_toml: welcome.config_toml,
+        backend: welcome.backend,
     });
     if sent.is_err() {
         return failed("the worker went away during the handshake".into());
@@ -188,8 +195,13 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         return;
     }
     while let Ok(msg) = rx.recv() {
-        if let ToLauncher::Report(r) = msg {
-            let _ = events.send(Event::Report(key, r));
+        let ev = match msg {
+            ToLauncher::Report(r) => Event::Report(key, r),
+            ToLauncher::Progress { step, loss, tokens } => Event::Progress { step, loss, tokens },
+            ToLauncher::Hello { .. } => continue,
+        };
+        if events.send(ev).is_err() {
+            return;
         }
     }
 }

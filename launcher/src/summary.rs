@@ -137,14 +137,11 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
     s
 }
 
-/// Writes summary.json atomically (temp file, then rename).
+/// Writes summary.json atomically.
 pub fn write(run_dir: &Path, s: &Summary) -> anyhow::Result<()> {
     let path = run_dir.join("summary.json");
-    let tmp = run_dir.join(".summary.json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(s)? + "\n")
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    proto::atomic_file::replace(&path, (serde_json::to_string_pretty(s)? + "\n").as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 pub fn print(s: &Summary) {

@@ -62,6 +62,25 @@ pub struct RingConfig {
     pub seed: u64,
 }
 
+/// The compute backend a run uses, chosen by the launcher and sent to every worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// CPU only: simulated speed and content, a real learner, injected faults.
+    Mock,
+    /// NVIDIA GPUs through cudarc (not built yet).
+    Cuda,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Mock => "mock",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyName {
@@ -77,7 +96,7 @@ impl Default for RingConfig {
             buckets: 6,
             policy: PolicyName::Bucketed,
             min_ready: 10,
-            pick: BucketPick::RoundRobin,
+            pick: BucketPick::Proportional,
             seed: 0x5eed,
         }
     }
@@ -156,6 +175,10 @@ pub struct DrafterConfig {
     pub checkpoint_every: u64,
     /// Weights of the mock drafter (f32; the gradient all-reduced each step is this size).
     pub params: u64,
+    /// Length-coherent group steps: the leader draws each step's length bucket (in proportion
+    /// to what is READY) and every rank prefers it, so a step waits less for its longest batch.
+    /// Off: each rank takes under the ring's policy on its own.
+    pub coherent: bool,
 }
 
 impl Default for DrafterConfig {
@@ -164,6 +187,7 @@ impl Default for DrafterConfig {
             tokens_per_s: 58_000.0,
             checkpoint_every: 50,
             params: 1_048_576,
+            coherent: true,
         }
     }
 }

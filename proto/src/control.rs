@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The largest frame either side accepts.
 pub const MAX_FRAME: u32 = 16 << 20;
@@ -50,6 +50,13 @@ pub enum ToLauncher {
         pid: u32,
     },
     Report(FinalReport),
+    /// The drafter group's leader, after each applied step: the step and its mean loss per
+    /// loss token over `tokens` loss tokens (for the monitor and metrics.jsonl).
+    Progress {
+        step: u64,
+        loss: f32,
+        tokens: u64,
+    },
 }
 
 /// Launcher → worker.
@@ -62,6 +69,8 @@ pub enum ToWorker {
         gpu: Option<u32>,
         /// The pipeline config as TOML, validated again by the worker.
         config_toml: String,
+        /// The compute backend the launcher chose for the run.
+        backend: crate::config::BackendKind,
     },
     Refused {
         why: String,
@@ -268,6 +277,7 @@ pub struct WorkerLink {
     pub run_dir: PathBuf,
     pub gpu: Option<u32>,
     pub config_toml: String,
+    pub backend: crate::config::BackendKind,
 }
 
 /// Connects to the launcher's server `name`, says hello, and waits up to `timeout` for Welcome.
@@ -298,6 +308,7 @@ pub fn connect(
             run_dir,
             gpu,
             config_toml,
+            backend,
         } => {
             if version != PROTOCOL_VERSION {
                 return Err(ControlError::Version {
@@ -312,6 +323,7 @@ pub fn connect(
                 run_dir,
                 gpu,
                 config_toml,
+                backend,
             })
         }
         ToWorker::Refused { why } => Err(ControlError::Refused(why)),
@@ -346,6 +358,7 @@ mod tests {
             run_dir: "/tmp/run".into(),
             gpu: Some(3),
             config_toml: String::new(),
+            backend: crate::config::BackendKind::Mock,
         });
         let link = connect(&name, WorkerRole::Drafter, 2, Duration::from_secs(30)).unwrap();
         assert_eq!((link.ring.as_str(), link.gpu), ("hspipe-x", Some(3)));
@@ -357,6 +370,7 @@ mod tests {
             run_dir: PathBuf::new(),
             gpu: None,
             config_toml: String::new(),
+            backend: crate::config::BackendKind::Mock,
         });
         let err = connect(&name, WorkerRole::Target, 0, Duration::from_secs(30))
             .err()

@@ -2,6 +2,7 @@
 //! and read in place, checksummed), and — with the workers issue — the pipeline config and the
 //! launcher ↔ worker control messages.
 
+pub mod atomic_file;
 pub mod batch;
 pub mod config;
 pub mod control;

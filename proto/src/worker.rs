@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::BackendKind;
 use crate::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
 use crate::{ConfigError, PipelineConfig};
 
@@ -34,6 +35,9 @@ pub struct WorkerArgs {
     /// GPU this worker drives, for telemetry (standalone).
     #[arg(long)]
     pub gpu: Option<u32>,
+    /// Compute backend (standalone; the launcher chooses it otherwise).
+    #[arg(long, value_enum, default_value_t = BackendKind::Mock)]
+    pub backend: BackendKind,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +58,8 @@ pub struct Setup {
     pub run_dir: PathBuf,
     pub gpu: Option<u32>,
     pub config: PipelineConfig,
+    /// The compute backend to build (the launcher's choice, or `--backend` standalone).
+    pub backend: BackendKind,
     pub stop: StopFlags,
     /// Present when the launcher started us.
     pub to_launcher: Option<control::Sender<ToLauncher>>,
@@ -62,8 +68,10 @@ pub struct Setup {
 /// The signals that ask for an ordered stop, in the launcher and in the workers alike: Ctrl-C,
 /// `kill`, a closed terminal or dropped SSH session (SIGHUP), and Ctrl-\\ (SIGQUIT), as torchrun
 /// treats them. A second one of any of them stops hard.
-pub const STOP_SIGNALS: [libc::c_int; 4] =
-    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    [SIGINT, SIGTERM, SIGHUP, SIGQUIT]
+};
 
 /// Exit code of a worker stopped by a second stop signal.
 pub const EXIT_SECOND_SIGNAL: i32 = 130;
@@ -129,10 +137,6 @@ pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
     let stop = StopFlags::default();
     install_signal_handlers(&stop).map_err(SetupError::Signal)?;
     let setup = connect_or_read(args, role, name, stop)?;
-    if setup.config.faults_for(&setup.name).crash_at_start {
-        tracing::error!("injected crash at start");
-        std::process::abort();
-    }
     Ok(setup)
 }
 
@@ -168,6 +172,7 @@ fn connect_or_read(
                 run_dir: link.run_dir,
                 gpu: link.gpu,
                 config,
+                backend: link.backend,
                 stop,
                 to_launcher: Some(link.to_launcher),
             })
@@ -184,6 +189,7 @@ fn connect_or_read(
                 run_dir: args.run_dir.clone().expect("clap requires --run-dir"),
                 gpu: args.gpu,
                 config,
+                backend: args.backend,
                 stop,
                 to_launcher: None,
             })

@@ -42,50 +42,11 @@
 //!
 //! # Work items
 //!
-//! Producers may also claim numbered units of work through the ring (a target claims planned
-//! batches), so faster producers take more. Each item has one word in the work table (see
-//! `WorkWord`): FREE → CLAIMED(p, epoch) → DONE(slot, generation), each step one CAS.
-//!
-//! - `claim_work` takes fresh items from a shared cursor, then makes ONE full scan for FREE
-//!   items (given back by `unclaim_work`, `abort` or recovery, or fresh ones whose cursor holder
-//!   lost them to such a scan) before it answers None. No count decides anything, so a producer
-//!   killed anywhere cannot strand an item or make another spin; a producer that finds nothing
-//!   finishes.
-//! - `complete_work` records the item in its WRITING slot's `work_item`, then marks it
-//!   DONE(slot, generation of that WRITING word); the producer commits next. Since the mark
-//!   names the slot and its generation, it is undone only by whoever frees that very WRITING
-//!   period: `abort` (the item goes back FREE) or recovery (likewise, if the producer died before
-//!   its commit). One item per slot.
-//! - Every CAS of a slot to FREE (release, abort, recovery) is preceded by clearing `work_item`,
-//!   so a FREE slot carries no item and a new writer never inherits one.
-//!
-//! Invariants: an item is DONE exactly when its batch is committed, or its slot is WRITING by a
-//! producer that has not yet committed or aborted; recovery of that producer makes it FREE. An
-//! item is CLAIMED only by an incarnation that registered with that epoch; recovery frees every
-//! claim of a dead id. Every FREE item is claimed by the next `claim_work` whose scan passes it.
-//! So every item is published exactly once, provided some producer claims after the last
-//! recovery (a restarted producer does).
-//!
-//! The work table carries no data: every change is one CAS, and each word's modification order
-//! is the whole protocol, so its operations are Relaxed. What recovery reads of a dead producer
-//! (its slots' `work_item`) is ordered by that producer's exit and the lease hand-over.
+//! See `work.rs`: the work table, by which producers claim planned batches.
 //!
 //! # Registration and recovery
 //!
-//! Each worker id has a lease word (see `Lease`): a process registers by ONE CAS from the word it
-//! saw, free or held by a process judged gone, to its own (pid, start time). Two registrants
-//! cannot both win. The winner first cleans up whatever its predecessors left (`cleanup`), then
-//! bumps the epoch. `recover` takes the same lease (refusing a live holder, the caller's own
-//! process included), cleans up, and gives the lease back; it only restores invariants, so it is
-//! correct when run again after being interrupted itself (a registrant that finds the lease
-//! held by a dead supervisor cleans up again):
-//!
-//! - a WRITING slot: its item's DONE(slot, generation) mark is undone first (CAS to FREE; an
-//!   interrupted recover finds it already undone, or claimed by someone else, and the CAS
-//!   fails harmlessly), then `work_item` is cleared, then the slot is freed;
-//! - a READING slot goes back to READY with delivery + 1 (a delivery interrupted between the two
-//!   may be counted twice; it is telemetry);
-//! - every item CLAIMED by the id, whatever its epoch, goes back FREE.
+//! See `recovery.rs`: leases, registration, and recovery of a dead worker's slots and claims.
 //!
 //! # End of stream
 //!
@@ -96,9 +57,17 @@
 use std::time::{Duration, Instant};
 
 use crate::layout::*;
-use crate::params::{BucketPick, TakePolicy};
+use crate::params::TakePolicy;
+
+mod recovery;
+mod take;
+mod work;
+
 use crate::sync::{self, fence, AtomicU32, AtomicU64, Ordering};
 use crate::{Phase, RingError};
+pub use recovery::Recovered;
+pub(crate) use recovery::Retire;
+pub(crate) use take::{choose_bucket, TakeState};
 
 /// The longest a waiter sleeps before it looks again. Bounded so that waiters notice stop
 /// requests, closed rings and recovered slots even if a wake-up were lost.
@@ -158,39 +127,6 @@ pub(crate) struct Claim {
     pub word: Word,
 }
 
-/// Per-consumer state of the take policy (not shared).
-#[derive(Clone, Debug)]
-pub(crate) struct TakeState {
-    pub next_bucket: u32,
-    pub rng: SplitMix64,
-}
-
-impl TakeState {
-    pub(crate) fn new(seed: u64, id: u32) -> Self {
-        TakeState {
-            next_bucket: 0,
-            rng: SplitMix64(seed ^ (u64::from(id) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-        }
-    }
-}
-
-/// A small seeded generator; the choice within a bucket needs spread, not cryptography.
-#[derive(Clone, Debug)]
-pub(crate) struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    pub(crate) fn below(&mut self, n: u32) -> u32 {
-        (self.next_u64() % u64::from(n.max(1))) as u32
-    }
-}
-
 /// Outcome of one non-blocking take attempt.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum TryTake {
@@ -207,28 +143,6 @@ pub(crate) enum Taken {
     Item(Claim),
     End,
     TimedOut,
-}
-
-/// What `recover` did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Recovered {
-    /// Slots the dead worker was writing, now FREE.
-    pub freed: u32,
-    /// Items the dead worker was reading, now READY again with delivery + 1.
-    pub requeued: u32,
-    /// Work items the dead producer had claimed (or marked done in an unpublished batch), now
-    /// FREE for any producer.
-    pub work_returned: u64,
-    /// Items the dead consumer was reading whose training is known to be applied (see
-    /// `Ring::recover_retiring`), now FREE as if released.
-    pub retired: u32,
-}
-
-/// A batch a dead consumer holds that must count as trained, not be delivered again, and what
-/// to do with it before its slot is freed (the slot index and its meta).
-pub(crate) struct Retire<'f> {
-    pub batch_id: u64,
-    pub before: &'f mut dyn FnMut(usize, ItemMeta),
 }
 
 impl<'a> RingRef<'a> {
@@ -346,7 +260,7 @@ impl<'a> RingRef<'a> {
     ) -> Result<(), RingError> {
         if meta.bucket >= self.params.buckets {
             // Give the slot back: the item is not published.
-            self.abort(id, claim);
+            self.abort(claim);
             return Err(RingError::BadBucket {
                 bucket: meta.bucket,
                 buckets: self.params.buckets,
@@ -382,130 +296,9 @@ impl<'a> RingRef<'a> {
         Ok(())
     }
 
-    /// Claims the next work item for producer `id` (registered with `epoch`): a fresh one from
-    /// the cursor while they last, then the first FREE item of one full scan. None when that
-    /// scan finds none: every item is claimed or done, and the caller should finish.
-    pub(crate) fn claim_work(&self, id: u32, epoch: u64) -> Option<u64> {
-        let total = self.work.len() as u64;
-        let mine = WorkWord::claimed(id, epoch).0;
-        // The work table's operations are Relaxed: see "Work items" in the module doc.
-        let claim = |w: &AtomicU64| {
-            w.compare_exchange(WORK_FREE, mine, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        };
-        loop {
-            let i = self.ctl.work_cursor.fetch_add(1, Ordering::Relaxed);
-            if i >= total {
-                break;
-            }
-            if claim(&self.work[i as usize]) {
-                return Some(i);
-            }
-        }
-        // Fresh items are handed out. The count of returned items is not kept: a kill between a
-        // claim and its count update would skew it. One CAS per item reads each word's latest
-        // value, so the scan misses no item that was FREE when it passed.
-        self.work.iter().position(claim).map(|i| i as u64)
-    }
-
-    /// Marks FREE work `item` DONE for good, before any producer runs. Returns false if it was
-    /// not FREE.
-    pub(crate) fn mark_done_before(&self, item: u64) -> Result<bool, RingError> {
-        let w = self.work_word(item)?;
-        Ok(w.compare_exchange(
-            WORK_FREE,
-            WorkWord::done_before().0,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        )
-        .is_ok())
-    }
-
-    fn work_word(&self, item: u64) -> Result<&'a AtomicU64, RingError> {
-        self.work
-            .get(item as usize)
-            .ok_or(RingError::NoSuchWorkItem {
-                item,
-                items: self.work.len() as u64,
-            })
-    }
-
-    /// Marks work item `item` DONE on behalf of the batch in WRITING slot `claim`; the caller
-    /// commits the slot next. Fails if `id`'s incarnation `epoch` does not hold the item, or if
-    /// the slot already carries one.
-    pub(crate) fn complete_work(
-        &self,
-        id: u32,
-        epoch: u64,
-        claim: Claim,
-        item: u64,
-    ) -> Result<(), RingError> {
-        let w = self.work_word(item)?;
-        let s = &self.slots[claim.idx];
-        let carried = s.work_item.load(Ordering::Relaxed);
-        if carried != 0 {
-            return Err(RingError::SlotCarriesWork {
-                slot: claim.idx,
-                item: carried - 1,
-            });
-        }
-        // The link first, then the mark: recovery of a producer killed in between finds the
-        // item still CLAIMED and returns it by its claim.
-        s.work_item.store(item + 1, Ordering::Relaxed);
-        let done = WorkWord::done(claim.idx, claim.word.generation());
-        if w.compare_exchange(
-            WorkWord::claimed(id, epoch).0,
-            done.0,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        )
-        .is_err()
-        {
-            s.work_item.store(0, Ordering::Relaxed);
-            return Err(RingError::NotClaimed { item });
-        }
-        Ok(())
-    }
-
-    /// Gives back a claimed work item that producer `id` (incarnation `epoch`) will not do.
-    pub(crate) fn unclaim_work(&self, id: u32, epoch: u64, item: u64) -> Result<(), RingError> {
-        let w = self.work_word(item)?;
-        w.compare_exchange(
-            WorkWord::claimed(id, epoch).0,
-            WORK_FREE,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        )
-        .map(drop)
-        .map_err(|_| RingError::NotClaimed { item })
-    }
-
-    /// Undoes the DONE mark of the item that WRITING slot `claim` carries, if the mark is this
-    /// WRITING period's, and clears the link. The item goes back FREE. Returns true if an item
-    /// went back. Called by the slot's writer (abort) or by recovery once the writer is gone.
-    fn unmark_work(&self, claim: Claim) -> bool {
-        let s = &self.slots[claim.idx];
-        let item = s.work_item.load(Ordering::Relaxed);
-        let undone = item
-            .checked_sub(1)
-            .and_then(|i| self.work.get(i as usize))
-            .is_some_and(|w| {
-                w.compare_exchange(
-                    WorkWord::done(claim.idx, claim.word.generation()).0,
-                    WORK_FREE,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            });
-        s.work_item.store(0, Ordering::Relaxed);
-        undone
-    }
-
     /// Gives a WRITING slot back without publishing it. A work item it carried goes back FREE,
     /// so the batch is redone rather than lost.
-    pub(crate) fn abort(&self, id: u32, claim: Claim) {
-        let _ = id;
+    pub(crate) fn abort(&self, claim: Claim) {
         let s = &self.slots[claim.idx];
         if Word(s.state.load(Ordering::Relaxed)) != claim.word {
             // Reclaimed by recovery: not ours to touch any more.
@@ -566,8 +359,9 @@ impl<'a> RingRef<'a> {
 
     // ---- consumer side -------------------------------------------------------------------
 
-    /// One attempt to take an item for consumer `id` under the ring's policy.
-    pub(crate) fn try_take(&self, id: u32, st: &mut TakeState) -> TryTake {
+    /// One attempt to take an item for consumer `id` under the ring's policy. A bucketed policy
+    /// serves bucket `prefer` if it has a READY item (the drafter group's bucket of the step).
+    pub(crate) fn try_take(&self, id: u32, st: &mut TakeState, prefer: Option<u32>) -> TryTake {
         let buckets = self.params.buckets as usize;
         loop {
             // Read `closed` before scanning: if it is set, every item ever committed is visible
@@ -607,7 +401,10 @@ impl<'a> RingRef<'a> {
                     if !closed && ready < min_ready {
                         return TryTake::Wait;
                     }
-                    let b = choose_bucket(&per_bucket[..buckets], pick, st);
+                    let b = match prefer {
+                        Some(b) if per_bucket.get(b as usize).is_some_and(|&n| n > 0) => b,
+                        _ => choose_bucket(&per_bucket[..buckets], pick, st),
+                    };
                     self.nth_ready_in_bucket(b, st.rng.below(per_bucket[b as usize]))
                 }
             };
@@ -647,12 +444,30 @@ impl<'a> RingRef<'a> {
         None
     }
 
+    /// READY items per bucket, as one scan sees them (`buckets` entries).
+    pub(crate) fn ready_per_bucket(&self) -> Vec<u32> {
+        let buckets = self.params.buckets as usize;
+        let mut per_bucket = vec![0u32; buckets];
+        for s in self.slots {
+            if Word(s.state.load(Ordering::Acquire)).state() == READY {
+                per_bucket[(s.bucket.load(Ordering::Relaxed) as usize).min(buckets - 1)] += 1;
+            }
+        }
+        per_bucket
+    }
+
     /// Takes an item, sleeping on `ready_seq` while there is none, at most until `deadline`.
-    pub(crate) fn take(&self, id: u32, st: &mut TakeState, deadline: Option<Instant>) -> Taken {
+    pub(crate) fn take(
+        &self,
+        id: u32,
+        st: &mut TakeState,
+        prefer: Option<u32>,
+        deadline: Option<Instant>,
+    ) -> Taken {
         let mut waited: Option<Option<Phase>> = None;
         let out = loop {
             let seq = self.ctl.ready_seq.load(Ordering::Acquire);
-            match self.try_take(id, st) {
+            match self.try_take(id, st, prefer) {
                 TryTake::Item(c) => break Taken::Item(c),
                 TryTake::End => break Taken::End,
                 TryTake::Wait => {}
@@ -724,192 +539,6 @@ impl<'a> RingRef<'a> {
         Ok(())
     }
 
-    // ---- supervisor side -----------------------------------------------------------------
-
-    /// The holder of worker `id`'s lease, if one holds it and `holder_alive` judges it alive.
-    pub(crate) fn live_holder(
-        &self,
-        id: u32,
-        holder_alive: impl Fn(Lease) -> bool,
-    ) -> Option<Lease> {
-        let cur = Lease(self.worker(id).lease.load(Ordering::Acquire));
-        (cur.is_held() && holder_alive(cur)).then_some(cur)
-    }
-
-    /// Takes worker `id`'s lease for process `me` by one CAS from the word seen: free, or held by
-    /// a process `holder_alive` judges gone. Refuses a live holder, returning it; `holder_alive`
-    /// must call the caller's own process alive, so one process never holds an id twice. A
-    /// failed CAS means another process won the lease: it is judged again.
-    pub(crate) fn take_lease(
-        &self,
-        id: u32,
-        me: Lease,
-        holder_alive: impl Fn(Lease) -> bool,
-    ) -> Result<(), Lease> {
-        let lease = &self.worker(id).lease;
-        // SYNC: Acquire pairs with the Release CAS in `give_back_lease` (and with the Release
-        // half of a predecessor's `take_lease`): what the previous holder did to the ring happens
-        // before the cleanup the new holder does next.
-        let mut cur = Lease(lease.load(Ordering::Acquire));
-        loop {
-            if cur.is_held() && holder_alive(cur) {
-                return Err(cur);
-            }
-            // SYNC: AcqRel: Acquire as the load above; Release so that a holder that takes over
-            // from this one (if this process dies) sees what it did.
-            match lease.compare_exchange(cur.0, me.0, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(()),
-                Err(now) => cur = Lease(now),
-            }
-        }
-    }
-
-    /// Gives worker `id`'s lease back if `me` holds it.
-    pub(crate) fn give_back_lease(&self, id: u32, me: Lease) {
-        // SYNC: Release pairs with the Acquire in `take_lease`.
-        let _ = self.worker(id).lease.compare_exchange(
-            me.0,
-            Lease::FREE.0,
-            Ordering::Release,
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Registers process `me` as worker `id`: takes the lease, cleans up what earlier
-    /// incarnations left, and starts a new epoch, which it returns. Refuses a live holder.
-    pub(crate) fn register(
-        &self,
-        id: u32,
-        me: Lease,
-        holder_alive: impl Fn(Lease) -> bool,
-    ) -> Result<u64, Lease> {
-        self.take_lease(id, me, holder_alive)?;
-        self.cleanup(id, None);
-        let w = self.worker(id);
-        // Only the lease holder bumps the epoch, so Relaxed suffices.
-        let epoch = w.epoch.fetch_add(1, Ordering::Relaxed) + 1;
-        w.state.store(W_ALIVE, Ordering::Relaxed);
-        Ok(epoch)
-    }
-
-    /// A registered worker leaves cleanly: it stops its clock and gives its lease back.
-    pub(crate) fn unregister(&self, id: u32, me: Lease) {
-        self.enter(id, None);
-        let _ = self.worker(id).state.compare_exchange(
-            W_ALIVE,
-            W_DONE,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-        self.give_back_lease(id, me);
-    }
-
-    /// For a supervisor (process `me`): returns what worker `id` held once its process is gone.
-    /// Takes `id`'s lease (refusing a holder `holder_alive` judges alive, the caller's own
-    /// process included), cleans up, marks the worker dead and gives the lease back.
-    pub(crate) fn recover(
-        &self,
-        id: u32,
-        me: Lease,
-        holder_alive: impl Fn(Lease) -> bool,
-        retire: Option<&mut Retire<'_>>,
-    ) -> Result<Recovered, Lease> {
-        self.take_lease(id, me, holder_alive)?;
-        let out = self.cleanup(id, retire);
-        let w = self.worker(id);
-        // A dead worker's clock stops: readers must not count time past its death.
-        w.phase_cur.store(0, Ordering::Relaxed);
-        let _ = w
-            .state
-            .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
-        self.give_back_lease(id, me);
-        Ok(out)
-    }
-
-    /// Returns what earlier incarnations of worker `id` held: WRITING slots become FREE (the
-    /// item each carried, if marked DONE in that slot, FREE again), READING slots READY again
-    /// with delivery + 1 (at-least-once delivery), CLAIMED work items FREE. The caller holds
-    /// `id`'s lease, so no incarnation of `id` runs. Idempotent: see "Registration and
-    /// recovery" in the module doc for why an interrupted run is completed by the next.
-    ///
-    /// With `retire`, a READING slot holding `retire.batch_id` is instead freed as a release
-    /// would free it (its batch counts as consumed), after `retire.before` has seen it.
-    pub(crate) fn cleanup(&self, id: u32, mut retire: Option<&mut Retire<'_>>) -> Recovered {
-        let mut out = Recovered::default();
-        for (idx, s) in self.slots.iter().enumerate() {
-            let cur = Word(s.state.load(Ordering::Acquire));
-            if cur.owner() != id {
-                continue;
-            }
-            // SYNC: both CASes are Release: freeing pairs with the Acquire CAS in `try_reserve`,
-            // requeueing with the Acquire CAS in `try_take`.
-            let cas = |new: Word| {
-                s.state
-                    .compare_exchange(cur.0, new.0, Ordering::Release, Ordering::Relaxed)
-                    .is_ok()
-            };
-            match cur.state() {
-                WRITING => {
-                    // The batch in this slot was never published: the item it completes, if
-                    // marked DONE in this very WRITING period, is not done. Unmark first, free
-                    // the slot last, so a recovery cut short in between still sees the slot.
-                    if self.unmark_work(Claim { idx, word: cur }) {
-                        out.work_returned += 1;
-                    }
-                    if cas(cur.next(FREE, 0)) {
-                        out.freed += 1;
-                    }
-                }
-                READING
-                    if retire
-                        .as_ref()
-                        .is_some_and(|r| self.item_meta(idx).batch_id == r.batch_id) =>
-                {
-                    // Its update is applied: consumed, like a release. The dead owner cannot
-                    // move the slot, so `before` reads a payload nobody else touches.
-                    if let Some(r) = retire.as_mut() {
-                        (r.before)(idx, self.item_meta(idx));
-                    }
-                    s.work_item.store(0, Ordering::Relaxed);
-                    if cas(cur.next(FREE, 0)) {
-                        out.retired += 1;
-                        sync::tally(&self.ctl.released, 1);
-                    }
-                }
-                READING => {
-                    // The dead owner cannot move the slot, so nobody reads `delivery` before the
-                    // CAS below publishes it.
-                    s.delivery.fetch_add(1, Ordering::Relaxed);
-                    if cas(cur.next(READY, 0)) {
-                        out.requeued += 1;
-                    } else {
-                        s.delivery.fetch_sub(1, Ordering::Relaxed);
-                    }
-                }
-                _ => {}
-            }
-        }
-        // Items still claimed by any incarnation of the id go back for another producer.
-        for w in self.work {
-            let v = WorkWord(w.load(Ordering::Relaxed));
-            if v.claimer() == Some(id)
-                && w.compare_exchange(v.0, WORK_FREE, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-            {
-                out.work_returned += 1;
-            }
-        }
-        sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
-        sync::tally(&self.ctl.aborted, u64::from(out.freed));
-        if out.freed > 0 || out.retired > 0 {
-            self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
-        }
-        if out.requeued > 0 || out.retired > 0 || self.closed() {
-            self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
-        }
-        out
-    }
-
     /// Bumps a futex word and wakes everyone sleeping on it.
     ///
     /// The wake system call is skipped when nobody waits. SYNC (Dekker): the waker bumps the
@@ -939,23 +568,6 @@ impl<'a> RingRef<'a> {
         fence(Ordering::SeqCst);
         sync::wait(word, seq, max);
         waiters.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-fn choose_bucket(per_bucket: &[u32], pick: BucketPick, st: &mut TakeState) -> u32 {
-    let n = per_bucket.len() as u32;
-    match pick {
-        BucketPick::RoundRobin => {
-            for k in 0..n {
-                let b = (st.next_bucket + k) % n;
-                if per_bucket[b as usize] > 0 {
-                    st.next_bucket = (b + 1) % n;
-                    return b;
-                }
-            }
-            0
-        }
-        BucketPick::Fullest => (0..n).max_by_key(|&b| per_bucket[b as usize]).unwrap_or(0),
     }
 }
 

@@ -189,7 +189,7 @@ fn an_aborted_slot_gives_its_item_back() {
     assert_eq!(r.r().claim_work(0, 1), Some(0));
     let c = r.write(0, 0);
     r.r().complete_work(0, 1, c, 0).unwrap();
-    r.r().abort(0, c);
+    r.r().abort(c);
     assert_eq!(r.r().claim_work(1, 1), Some(0), "any producer may claim it");
     r.deliver(1, 1, 0);
     assert_eq!(r.ready_batches(), vec![0]);
@@ -215,7 +215,7 @@ fn a_stale_incarnation_cannot_act_on_its_successors_claim() {
         r.r().unclaim_work(0, 1, 0),
         Err(RingError::NotClaimed { item: 0 })
     ));
-    r.r().abort(0, stale);
+    r.r().abort(stale);
     r.deliver(0, e, 0);
     assert_eq!(r.ready_batches(), vec![0]);
 }

@@ -142,7 +142,7 @@ impl HeapRing {
             match first {
                 Script::DieAfterComplete => return false,
                 Script::AbortAfterComplete => {
-                    self.r().abort(id, c);
+                    self.r().abort(c);
                     continue;
                 }
                 _ => {}
@@ -185,7 +185,7 @@ impl HeapRing {
         id: u32,
         st: &mut TakeState,
     ) -> Option<(u64, u32, crate::core::Claim)> {
-        match self.r().take(id, st, None) {
+        match self.r().take(id, st, None, None) {
             Taken::Item(c) => {
                 // SAFETY: slot `c.idx` is READING and owned by `id`.
                 let v = self.payload[c.idx].with(|p| unsafe { *p });

@@ -31,17 +31,24 @@ pub enum TakePolicy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BucketPick {
-    /// The next non-empty bucket after the one this consumer served last.
+    /// Buckets in proportion to their READY items (smooth weighted round-robin, per consumer):
+    /// the trained mix of lengths follows the published mix, so no length class piles up in
+    /// the ring and trains late in the run. The default.
+    Proportional,
+    /// The next non-empty bucket after the one this consumer served last. Serves buckets
+    /// equally while they fill unequally: the common lengths pile up and train late.
     RoundRobin,
     /// The bucket with the most READY items.
     Fullest,
 }
 
 impl TakePolicy {
-    /// The predecessor's settled choice: bucketed, `min_ready` 10, round-robin.
+    /// The predecessor's settled depth (bucketed, `min_ready` 10), with buckets chosen in
+    /// proportion to what is READY (its round-robin biased the order of lengths; see
+    /// BENCHMARKS.md, "Length drift").
     pub const DEFAULT_BUCKETED: TakePolicy = TakePolicy::Bucketed {
         min_ready: 10,
-        pick: BucketPick::RoundRobin,
+        pick: BucketPick::Proportional,
     };
 }
 

@@ -512,7 +512,7 @@ impl WriteSlot<'_> {
 impl Drop for WriteSlot<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.p.w.core().abort(self.p.w.id, self.claim);
+            self.p.w.core().abort(self.claim);
         }
     }
 }
@@ -531,7 +531,7 @@ impl<'r> Consumer<'r> {
     /// end of stream: the ring is closed and every item has been taken and settled.
     pub fn take(&self) -> Result<Option<ReadSlot<'_>>, RingError> {
         loop {
-            match self.take_until(None)? {
+            match self.take_until(None, None)? {
                 Take::Item(s) => return Ok(Some(s)),
                 Take::End => return Ok(None),
                 Take::TimedOut => {}
@@ -541,10 +541,51 @@ impl<'r> Consumer<'r> {
 
     /// As [`Consumer::take`], giving up after `timeout`.
     pub fn take_timeout(&self, timeout: Duration) -> Result<Take<'_>, RingError> {
-        self.take_until(Some(Instant::now() + timeout))
+        self.take_until(None, Some(Instant::now() + timeout))
     }
 
-    fn take_until(&self, deadline: Option<Instant>) -> Result<Take<'_>, RingError> {
+    /// As [`Consumer::take_timeout`], serving bucket `prefer` when it has a READY item (under
+    /// a bucketed policy; the `min_ready` rule still holds). The drafter group uses it so the
+    /// ranks of one step train batches of one length class.
+    pub fn take_timeout_preferring(
+        &self,
+        prefer: Option<u32>,
+        timeout: Duration,
+    ) -> Result<Take<'_>, RingError> {
+        self.take_until(prefer, Some(Instant::now() + timeout))
+    }
+
+    /// A bucket chosen in proportion to its READY items (as the proportional pick chooses),
+    /// among the buckets holding at least
+    /// `at_least` of them (among all if none does; None if nothing is READY), whatever the
+    /// ring's `pick`. The drafter group's leader draws the next step's bucket with it, `at_least`
+    /// the group's size: the ranks then take from one bucket, and the mix of lengths still
+    /// follows what is published (a bucket short of items waits until it has enough, or until
+    /// the fallback takes them when the drawn bucket runs out).
+    pub fn draw_bucket(&self, at_least: u32) -> Option<u32> {
+        let mut per_bucket = self.w.core().ready_per_bucket();
+        if per_bucket.iter().all(|&n| n == 0) {
+            return None;
+        }
+        if per_bucket.iter().any(|&n| n >= at_least) {
+            per_bucket
+                .iter_mut()
+                .filter(|n| **n < at_least)
+                .for_each(|n| *n = 0);
+        }
+        let mut st = self.st.borrow_mut();
+        Some(crate::core::choose_bucket(
+            &per_bucket,
+            crate::BucketPick::Proportional,
+            &mut st,
+        ))
+    }
+
+    fn take_until(
+        &self,
+        prefer: Option<u32>,
+        deadline: Option<Instant>,
+    ) -> Result<Take<'_>, RingError> {
         let limit = self.w.ring.params().held_per_consumer;
         if self.held.get() >= limit {
             return Err(RingError::TooManyHeld {
@@ -552,7 +593,7 @@ impl<'r> Consumer<'r> {
             });
         }
         let core = self.w.core();
-        let taken = core.take(self.w.id, &mut self.st.borrow_mut(), deadline);
+        let taken = core.take(self.w.id, &mut self.st.borrow_mut(), prefer, deadline);
         Ok(match taken {
             Taken::Item(claim) => {
                 let meta = core.item_meta(claim.idx);

@@ -235,18 +235,20 @@ impl Segment {
         check_name(name)?;
         params.validate()?;
         let offsets = Offsets::of(params);
-        let fd = sys::shm_open(name, true, true).map_err(|e| io_err("create", name, e))?;
-        let mut guard = UnlinkGuard(Some(name));
-        if let Err(e) = sys::reserve(&fd, offsets.total) {
-            if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EFBIG) {
-                return Err(RingError::ShmTooSmall {
+        // Exclusive, 0600, every byte reserved (`shmem::create` unlinks what it made if the
+        // reservation fails).
+        let fd = shmem::create(name, offsets.total).map_err(|e| {
+            if sys::is_out_of_space(&e) {
+                RingError::ShmTooSmall {
                     name: name.to_string(),
                     needed: offsets.total,
                     available: sys::shm_free_bytes().unwrap_or(0),
-                });
+                }
+            } else {
+                io_err("create", name, e)
             }
-            return Err(io_err("reserve memory for", name, e));
-        }
+        })?;
+        let mut guard = UnlinkGuard(Some(name));
         let map = map_whole(&fd, name, offsets.total, true)?;
         let seg = Segment {
             name: name.to_string(),
@@ -273,6 +275,7 @@ impl Segment {
                 match pick {
                     BucketPick::RoundRobin => 0,
                     BucketPick::Fullest => 1,
+                    BucketPick::Proportional => 2,
                 },
             ),
         };
@@ -326,7 +329,7 @@ impl Segment {
 
     pub(crate) fn attach(name: &str, writable: bool) -> Result<Segment, RingError> {
         check_name(name)?;
-        let fd = sys::shm_open(name, false, writable).map_err(|e| io_err("open", name, e))?;
+        let fd = sys::shm_open(name, writable).map_err(|e| io_err("open", name, e))?;
         let info = sys::fstat(&fd).map_err(|e| io_err("stat", name, e))?;
         let me = sys::euid();
         if writable && info.uid != me {
@@ -536,10 +539,10 @@ fn read_params(h: &Header) -> Result<RingParams, crate::ConfigError> {
         0 => TakePolicy::Fifo,
         _ => TakePolicy::Bucketed {
             min_ready: h.min_ready.load(r),
-            pick: if h.pick.load(r) == 1 {
-                BucketPick::Fullest
-            } else {
-                BucketPick::RoundRobin
+            pick: match h.pick.load(r) {
+                1 => BucketPick::Fullest,
+                2 => BucketPick::Proportional,
+                _ => BucketPick::RoundRobin,
             },
         },
     };

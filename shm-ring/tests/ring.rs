@@ -443,6 +443,73 @@ fn bucketed_round_robin_visits_each_non_empty_bucket_in_turn() {
     assert_eq!(buckets, vec![0, 2, 0, 2, 0, 0, 0, 0]);
 }
 
+/// The mix a bucketed consumer trains follows the mix in the ring: with 24 READY in bucket 0
+/// and 6 in bucket 2, the first 10 takes come mostly from bucket 0. Round-robin (the old
+/// default) alternates, 5 and 5, so the crowded bucket piles up and trains late in the run.
+#[test]
+fn proportional_pick_serves_buckets_in_proportion_to_what_is_ready() {
+    let first_ten = |pick| {
+        let name = unique("prop");
+        let ring = Ring::create(&name, &bucketed(1, pick)).unwrap();
+        let p = ring.producer(0).unwrap();
+        for i in 0..24 {
+            publish(&p, i, 0);
+        }
+        for i in 0..6 {
+            publish(&p, 100 + i, 2);
+        }
+        let c = ring.consumer(0).unwrap();
+        let mut from_crowded = 0;
+        for _ in 0..10 {
+            let Take::Item(r) = c.take_timeout(Duration::from_secs(10)).unwrap() else {
+                panic!("30 READY: an item is served");
+            };
+            from_crowded += u32::from(r.meta().bucket == 0);
+        }
+        from_crowded
+    };
+    let proportional = first_ten(BucketPick::Proportional);
+    assert!(
+        proportional >= 7,
+        "expected about 8 of 10 from the bucket holding 80%, got {proportional}"
+    );
+    assert_eq!(first_ten(BucketPick::RoundRobin), 5);
+}
+
+/// The drafter group's take: the step's bucket is served while it has READY items, the
+/// policy's own choice otherwise (never a wait for the preferred bucket).
+#[test]
+fn a_preferred_bucket_is_served_while_it_has_items() {
+    let name = unique("pref");
+    let ring = Ring::create(&name, &bucketed(1, BucketPick::Fullest)).unwrap();
+    let p = ring.producer(0).unwrap();
+    for i in 0..5 {
+        publish(&p, i, 0);
+    }
+    publish(&p, 100, 1);
+    publish(&p, 101, 1);
+    let c = ring.consumer(0).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        let Take::Item(r) = c
+            .take_timeout_preferring(Some(1), Duration::from_secs(10))
+            .unwrap()
+        else {
+            panic!("items are READY");
+        };
+        got.push(r.meta().bucket);
+    }
+    // Fullest alone would serve bucket 0 first.
+    assert_eq!(got, vec![1, 1, 0, 0]);
+    assert_eq!(c.draw_bucket(1), Some(0), "only bucket 0 has READY items");
+    publish(&p, 102, 2);
+    assert_eq!(c.draw_bucket(2), Some(0), "only bucket 0 has 2 READY");
+    assert!(
+        c.draw_bucket(4).is_some(),
+        "none has 4: any bucket with an item"
+    );
+}
+
 #[test]
 fn random_choice_within_a_bucket_is_seeded() {
     let order = |seed: u64| {
@@ -562,14 +629,8 @@ fn snapshot_reports_phases_counters_and_buckets_without_writing() {
 }
 
 fn thread_cpu() -> Duration {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage writes a full rusage on success.
-    let ru = unsafe {
-        assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()), 0);
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// A blocked worker sleeps in the kernel: over 1.5 s of blocking, it uses a small fraction of

@@ -10,8 +10,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use gpu::mock::{MockTarget, Sim};
-use gpu::TargetBackend;
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
 use proto::worker::{setup, WorkerArgs, EXIT_STOPPED};
 use proto::{batch_len, BatchSpec, BatchWriter};
@@ -81,6 +79,8 @@ fn prepare(
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = setup(&args.common, WorkerRole::Target)?;
     let cfg = &s.config;
+    // The model first: a backend that cannot start fails before this worker takes any work.
+    let mut backend = gpu::target(s.backend, cfg, &s.name)?;
     let data = Dataset::load(cfg).context("loading the dataset")?;
     let plan = plan(&data, cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
@@ -103,11 +103,6 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         data = %data.source,
         "attached"
     );
-    let mut backend = MockTarget {
-        layers: cfg.model.layers,
-        hidden: cfg.model.hidden,
-        sim: Sim::new(cfg.target.tokens_per_s, cfg.faults_for(&s.name)),
-    };
     let mut report = FinalReport::default();
     let mut stopped = false;
 

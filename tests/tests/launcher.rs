@@ -290,6 +290,14 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert_eq!(ckpts, ["drafter.safetensors"]);
+    // The monitor shows the group's model: its step (at least the last that trained a batch;
+    // the last steps may only see the end) and a loss.
+    let metrics = std::fs::read_to_string(run.run_dir().join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let last_step = lines.iter().map(|l| l.step).max().unwrap();
+    assert!(last["group_step"].as_u64() >= Some(last_step), "{last}");
+    let loss = last["drafter_loss"].as_f64().unwrap_or(f64::NAN);
+    assert!(loss.is_finite() && loss > 0.0, "{last}");
 }
 
 /// Kills one worker from outside mid-run; only it is restarted, the run completes.

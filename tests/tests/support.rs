@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A unique ring name for this test process.
 pub fn unique(tag: &str) -> String {
@@ -150,29 +150,32 @@ impl Proc {
     /// Waits for exit, at most `WATCHDOG`; returns stdout. Panics (after killing the child) if
     /// it hangs or fails.
     pub fn finish(mut self) -> String {
-        let deadline = Instant::now() + WATCHDOG;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                let mut s = std::mem::take(&mut self.before);
-                if let Some(o) = self.out.as_mut() {
-                    o.read_to_string(&mut s).unwrap();
-                }
-                if !status.success() {
-                    // Give the stderr thread a moment to collect the last lines.
-                    std::thread::sleep(Duration::from_millis(100));
-                    panic!(
-                        "{} failed: {status}\n--- its stderr:\n{}",
-                        self.what,
-                        self.stderr()
-                    );
-                }
-                return s;
-            }
-            if Instant::now() > deadline {
+        let status = self.wait_watchdog();
+        let mut s = std::mem::take(&mut self.before);
+        if let Some(o) = self.out.as_mut() {
+            o.read_to_string(&mut s).unwrap();
+        }
+        if !status.success() {
+            // Give the stderr thread a moment to collect the last lines.
+            std::thread::sleep(Duration::from_millis(100));
+            panic!(
+                "{} failed: {status}\n--- its stderr:\n{}",
+                self.what,
+                self.stderr()
+            );
+        }
+        s
+    }
+
+    /// Waits for exit, at most `WATCHDOG`; kills the child and panics if it hangs.
+    fn wait_watchdog(&mut self) -> std::process::ExitStatus {
+        use wait_timeout::ChildExt;
+        match self.child.wait_timeout(WATCHDOG).unwrap() {
+            Some(status) => status,
+            None => {
                 let _ = self.child.kill();
                 panic!("{} hung for {WATCHDOG:?}", self.what);
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -196,17 +199,7 @@ impl Proc {
 
     /// Waits for exit (at most `WATCHDOG`) and returns the status, success or not.
     pub fn wait_status(mut self) -> std::process::ExitStatus {
-        let deadline = Instant::now() + WATCHDOG;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("{} hung for {WATCHDOG:?}", self.what);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_watchdog()
     }
 
     /// SIGKILLs the child and reaps it, as a crash would end it. Returns what it printed.

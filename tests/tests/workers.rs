@@ -67,7 +67,7 @@ fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, S
     let ring = Ring::create(name, &params).unwrap();
     let group = ShmGroup::create(
         &proto::group_segment(name),
-        &drafter_worker::group_params(&cfg, drafters, 0),
+        &drafter_worker::group_params(proto::config::BackendKind::Mock, &cfg, drafters, 0).unwrap(),
     )
     .unwrap();
     (ring, group, data.len())
@@ -292,6 +292,24 @@ fn bad_inputs_give_clear_errors() {
         "hspipe-nope",
     );
 
+    // A backend that is not built: a clear error from either worker before it takes work.
+    for bin in [TARGET, DRAFTER] {
+        let out = run_bin(
+            bin,
+            &[
+                "--index",
+                "0",
+                "--ring",
+                &name,
+                "--run-dir",
+                dir,
+                "--backend",
+                "cuda",
+            ],
+        );
+        assert_error(&out, "the cuda backend is not built yet");
+    }
+
     // A config field that does not exist.
     let bad = run.config("bad.toml", "[drafter]\nspeed = 3\n");
     assert_error(&standalone(DRAFTER, "0", &name, &bad), "bad.toml");
@@ -457,6 +475,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
             run_dir: run.0.clone(),
             gpu: Some(4),
             config_toml: std::fs::read_to_string(&config).unwrap(),
+            backend: proto::config::BackendKind::Mock,
         })
         .unwrap();
     let report = match rx.recv_timeout(crate::support::WATCHDOG).unwrap() {

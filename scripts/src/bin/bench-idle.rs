@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use scripts::median;
 use shm_ring::{CommitMeta, Ring, RingParams, Take, TakePolicy};
 
 #[derive(Parser)]
@@ -22,16 +23,8 @@ struct Args {
 }
 
 fn thread_cpu() -> Duration {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage fills the whole struct on success, which we check.
-    let ru = unsafe {
-        if libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) != 0 {
-            return Duration::ZERO;
-        }
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 fn params() -> RingParams {
@@ -92,11 +85,6 @@ fn measure(role: &str, secs: f64) -> anyhow::Result<f64> {
         .trim()
         .parse()
         .context("parsing the child's figure")
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() -> anyhow::Result<()> {

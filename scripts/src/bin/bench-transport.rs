@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use scripts::median;
 use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
 
 #[derive(Parser)]
@@ -274,11 +275,6 @@ fn memcpy_run(size: usize, items: u64) -> f64 {
         black_box(&mut *dst);
     }
     t0.elapsed().as_secs_f64()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn human(size: usize) -> String {

@@ -1,0 +1,227 @@
+//! Registration and recovery: who may act for a worker id, and how a dead worker's slots and
+//! claims come back.
+//!
+//! Each worker id has a lease word (see `Lease`): a process registers by ONE CAS from the word it
+//! saw, free or held by a process judged gone, to its own (pid, start time). Two registrants
+//! cannot both win. The winner first cleans up whatever its predecessors left (`cleanup`), then
+//! bumps the epoch. `recover` takes the same lease (refusing a live holder, the caller's own
+//! process included), cleans up, and gives the lease back; it only restores invariants, so it is
+//! correct when run again after being interrupted itself (a registrant that finds the lease
+//! held by a dead supervisor cleans up again):
+//!
+//! - a WRITING slot: its item's DONE(slot, generation) mark is undone first (CAS to FREE; an
+//!   interrupted recover finds it already undone, or claimed by someone else, and the CAS
+//!   fails harmlessly), then `work_item` is cleared, then the slot is freed;
+//! - a READING slot goes back to READY with delivery + 1 (a delivery interrupted between the two
+//!   may be counted twice; it is telemetry);
+//! - every item CLAIMED by the id, whatever its epoch, goes back FREE.
+
+use super::*;
+
+/// What `recover` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    /// Slots the dead worker was writing, now FREE.
+    pub freed: u32,
+    /// Items the dead worker was reading, now READY again with delivery + 1.
+    pub requeued: u32,
+    /// Work items the dead producer had claimed (or marked done in an unpublished batch), now
+    /// FREE for any producer.
+    pub work_returned: u64,
+    /// Items the dead consumer was reading whose training is known to be applied (see
+    /// `Ring::recover_retiring`), now FREE as if released.
+    pub retired: u32,
+}
+
+/// A batch a dead consumer holds that must count as trained, not be delivered again, and what
+/// to do with it before its slot is freed (the slot index and its meta).
+pub(crate) struct Retire<'f> {
+    pub batch_id: u64,
+    pub before: &'f mut dyn FnMut(usize, ItemMeta),
+}
+
+impl RingRef<'_> {
+    /// The holder of worker `id`'s lease, if one holds it and `holder_alive` judges it alive.
+    pub(crate) fn live_holder(
+        &self,
+        id: u32,
+        holder_alive: impl Fn(Lease) -> bool,
+    ) -> Option<Lease> {
+        let cur = Lease(self.worker(id).lease.load(Ordering::Acquire));
+        (cur.is_held() && holder_alive(cur)).then_some(cur)
+    }
+
+    /// Takes worker `id`'s lease for process `me` by one CAS from the word seen: free, or held by
+    /// a process `holder_alive` judges gone. Refuses a live holder, returning it; `holder_alive`
+    /// must call the caller's own process alive, so one process never holds an id twice. A
+    /// failed CAS means another process won the lease: it is judged again.
+    pub(crate) fn take_lease(
+        &self,
+        id: u32,
+        me: Lease,
+        holder_alive: impl Fn(Lease) -> bool,
+    ) -> Result<(), Lease> {
+        let lease = &self.worker(id).lease;
+        // SYNC: Acquire pairs with the Release CAS in `give_back_lease` (and with the Release
+        // half of a predecessor's `take_lease`): what the previous holder did to the ring happens
+        // before the cleanup the new holder does next.
+        let mut cur = Lease(lease.load(Ordering::Acquire));
+        loop {
+            if cur.is_held() && holder_alive(cur) {
+                return Err(cur);
+            }
+            // SYNC: AcqRel: Acquire as the load above; Release so that a holder that takes over
+            // from this one (if this process dies) sees what it did.
+            match lease.compare_exchange(cur.0, me.0, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = Lease(now),
+            }
+        }
+    }
+
+    /// Gives worker `id`'s lease back if `me` holds it.
+    pub(crate) fn give_back_lease(&self, id: u32, me: Lease) {
+        // SYNC: Release pairs with the Acquire in `take_lease`.
+        let _ = self.worker(id).lease.compare_exchange(
+            me.0,
+            Lease::FREE.0,
+            Ordering::Release,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Registers process `me` as worker `id`: takes the lease, cleans up what earlier
+    /// incarnations left, and starts a new epoch, which it returns. Refuses a live holder.
+    pub(crate) fn register(
+        &self,
+        id: u32,
+        me: Lease,
+        holder_alive: impl Fn(Lease) -> bool,
+    ) -> Result<u64, Lease> {
+        self.take_lease(id, me, holder_alive)?;
+        self.cleanup(id, None);
+        let w = self.worker(id);
+        // Only the lease holder bumps the epoch, so Relaxed suffices.
+        let epoch = w.epoch.fetch_add(1, Ordering::Relaxed) + 1;
+        w.state.store(W_ALIVE, Ordering::Relaxed);
+        Ok(epoch)
+    }
+
+    /// A registered worker leaves cleanly: it stops its clock and gives its lease back.
+    pub(crate) fn unregister(&self, id: u32, me: Lease) {
+        self.enter(id, None);
+        let _ = self.worker(id).state.compare_exchange(
+            W_ALIVE,
+            W_DONE,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        self.give_back_lease(id, me);
+    }
+
+    /// For a supervisor (process `me`): returns what worker `id` held once its process is gone.
+    /// Takes `id`'s lease (refusing a holder `holder_alive` judges alive, the caller's own
+    /// process included), cleans up, marks the worker dead and gives the lease back.
+    pub(crate) fn recover(
+        &self,
+        id: u32,
+        me: Lease,
+        holder_alive: impl Fn(Lease) -> bool,
+        retire: Option<&mut Retire<'_>>,
+    ) -> Result<Recovered, Lease> {
+        self.take_lease(id, me, holder_alive)?;
+        let out = self.cleanup(id, retire);
+        let w = self.worker(id);
+        // A dead worker's clock stops: readers must not count time past its death.
+        w.phase_cur.store(0, Ordering::Relaxed);
+        let _ = w
+            .state
+            .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
+        self.give_back_lease(id, me);
+        Ok(out)
+    }
+
+    /// Returns what earlier incarnations of worker `id` held: WRITING slots become FREE (the
+    /// item each carried, if marked DONE in that slot, FREE again), READING slots READY again
+    /// with delivery + 1 (at-least-once delivery), CLAIMED work items FREE. The caller holds
+    /// `id`'s lease, so no incarnation of `id` runs. Idempotent: see "Registration and
+    /// recovery" in the module doc for why an interrupted run is completed by the next.
+    ///
+    /// With `retire`, a READING slot holding `retire.batch_id` is instead freed as a release
+    /// would free it (its batch counts as consumed), after `retire.before` has seen it.
+    pub(crate) fn cleanup(&self, id: u32, mut retire: Option<&mut Retire<'_>>) -> Recovered {
+        let mut out = Recovered::default();
+        for (idx, s) in self.slots.iter().enumerate() {
+            let cur = Word(s.state.load(Ordering::Acquire));
+            if cur.owner() != id {
+                continue;
+            }
+            // SYNC: both CASes are Release: freeing pairs with the Acquire CAS in `try_reserve`,
+            // requeueing with the Acquire CAS in `try_take`.
+            let cas = |new: Word| {
+                s.state
+                    .compare_exchange(cur.0, new.0, Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+            };
+            match cur.state() {
+                WRITING => {
+                    // The batch in this slot was never published: the item it completes, if
+                    // marked DONE in this very WRITING period, is not done. Unmark first, free
+                    // the slot last, so a recovery cut short in between still sees the slot.
+                    if self.unmark_work(Claim { idx, word: cur }) {
+                        out.work_returned += 1;
+                    }
+                    if cas(cur.next(FREE, 0)) {
+                        out.freed += 1;
+                    }
+                }
+                READING
+                    if retire
+                        .as_ref()
+                        .is_some_and(|r| self.item_meta(idx).batch_id == r.batch_id) =>
+                {
+                    // Its update is applied: consumed, like a release. The dead owner cannot
+                    // move the slot, so `before` reads a payload nobody else touches.
+                    if let Some(r) = retire.as_mut() {
+                        (r.before)(idx, self.item_meta(idx));
+                    }
+                    s.work_item.store(0, Ordering::Relaxed);
+                    if cas(cur.next(FREE, 0)) {
+                        out.retired += 1;
+                        sync::tally(&self.ctl.released, 1);
+                    }
+                }
+                READING => {
+                    // The dead owner cannot move the slot, so nobody reads `delivery` before the
+                    // CAS below publishes it.
+                    s.delivery.fetch_add(1, Ordering::Relaxed);
+                    if cas(cur.next(READY, 0)) {
+                        out.requeued += 1;
+                    } else {
+                        s.delivery.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Items still claimed by any incarnation of the id go back for another producer.
+        for w in self.work {
+            let v = WorkWord(w.load(Ordering::Relaxed));
+            if v.claimer() == Some(id)
+                && w.compare_exchange(v.0, WORK_FREE, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                out.work_returned += 1;
+            }
+        }
+        sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
+        sync::tally(&self.ctl.aborted, u64::from(out.freed));
+        if out.freed > 0 || out.retired > 0 {
+            self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+        }
+        if out.requeued > 0 || out.retired > 0 || self.closed() {
+            self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        }
+        out
+    }
+}
