@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod plan;
 pub mod safetensors;
 pub mod worker;
 

@@ -178,7 +178,7 @@ fn main() {
         .map(|b| {
             b.sample_ids
                 .iter()
-                .map(|&id| data.samples[id as usize].input_ids.len() as u32)
+                .map(|&id| data.lengths()[id as usize])
                 .collect()
         })
         .collect();
