@@ -314,20 +314,24 @@ impl<'a> ListColumn<'a> {
     /// Checks offsets and sizes once, so `range` and `value` stay in bounds.
     fn check(&self, name: &str) -> Result<()> {
         let w = if self.large { 8 } else { 4 };
-        if self.offsets.len() < w * (self.rows + 1) {
+        let need = self.rows.checked_add(1).and_then(|n| n.checked_mul(w));
+        if need.is_none_or(|n| self.offsets.len() < n) {
             return bad(format!(
                 "column {name}: {} bytes of offsets for {} rows",
                 self.offsets.len(),
                 self.rows
             ));
         }
-        if self.null_count > 0 && self.validity.len() * 8 < self.rows {
+        if self.null_count > 0 && (self.validity.len() as u64) * 8 < self.rows as u64 {
             return bad(format!("column {name}: validity bitmap too short"));
         }
-        if self.values_null_count > 0 && self.values_validity.len() * 8 < self.values_len {
+        if self.values_null_count > 0
+            && (self.values_validity.len() as u64) * 8 < self.values_len as u64
+        {
             return bad(format!("column {name}: value validity bitmap too short"));
         }
-        if self.values.len() < self.values_len * usize::from(self.bits / 8) {
+        let need = self.values_len.checked_mul(usize::from(self.bits / 8));
+        if need.is_none_or(|n| self.values.len() < n) {
             return bad(format!(
                 "column {name}: {} bytes of values for {} values",
                 self.values.len(),

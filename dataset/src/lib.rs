@@ -109,3 +109,6 @@ pub(crate) fn check_sample(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -23,6 +23,8 @@ pub struct Writer<W: Write> {
     mask_offsets: Vec<i32>,
     mask: Vec<u8>,
     rows: usize,
+    /// A batch is written once it holds this many tokens (or `BATCH_ROWS` rows).
+    batch_tokens: usize,
     /// Samples and tokens written so far.
     pub samples: u64,
     pub tokens: u64,
@@ -52,13 +54,31 @@ impl<W: Write> Writer<W> {
             mask_offsets: Vec::new(),
             mask: Vec::new(),
             rows: 0,
+            batch_tokens: BATCH_TOKENS,
             samples: 0,
             tokens: 0,
         })
     }
 
+    /// Smaller record batches, for tests of files with many.
+    #[cfg(test)]
+    pub(crate) fn batch_tokens(mut self, n: usize) -> Self {
+        self.batch_tokens = n;
+        self
+    }
+
     /// Appends one sample; `mask` None means every token is learned from.
     pub fn push(&mut self, ids: &[u32], mask: Option<&[u8]>) -> std::io::Result<()> {
+        // Offsets are 32-bit (`list`, not `large_list`); a batch is flushed long before.
+        if ids.len() > (i32::MAX as usize) - self.batch_tokens {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "a sample of {} tokens is too long for one record batch",
+                    ids.len()
+                ),
+            ));
+        }
         if self.rows == 0 {
             self.id_offsets.push(0);
             self.mask_offsets.push(0);
@@ -81,7 +101,7 @@ impl<W: Write> Writer<W> {
         self.rows += 1;
         self.samples += 1;
         self.tokens += ids.len() as u64;
-        if self.ids.len() >= BATCH_TOKENS || self.rows >= BATCH_ROWS {
+        if self.ids.len() >= self.batch_tokens || self.rows >= BATCH_ROWS {
             self.flush()?;
         }
         Ok(())
