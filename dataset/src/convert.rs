@@ -471,16 +471,14 @@ fn parquet<W: Write>(
         .wait()
         .map_err(|e| err(format!("waiting for {py}: {e}")))?;
     let stderr = errs.join().unwrap_or_default();
-    let tail: String = stderr
+    // Python's last line says what went wrong (a traceback's exception, or our helper's line).
+    let tail = stderr
         .trim()
         .lines()
-        .rev()
-        .take(3)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect::<Vec<_>>()
-        .join("; ");
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string();
     match status.code() {
         _ if result.is_err() => result,
         Some(0) => result,

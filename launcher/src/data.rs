@@ -72,7 +72,7 @@ pub fn prepare(
     let started = Instant::now();
     let mut show = Show::new(input);
     let p = dataset::prepare(input, max_len, cache, out, &mut |pr| show.update(pr))
-        .with_context(|| format!("preparing the dataset {}", input.display()));
+        .context("preparing the dataset");
     show.done();
     let mut p = p?;
     p.path =
