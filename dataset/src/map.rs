@@ -18,3 +18,14 @@ pub fn map_read_only(file: &File) -> std::io::Result<Mmap> {
     // slice borrowed from it.
     unsafe { Mmap::map(file) }
 }
+
+/// Drops this process's page-table entries for the whole map: its resident size falls back to
+/// nothing, while the file's pages stay in the page cache for the next read (and for every
+/// other process). Only a hint: an error leaves the map as it was.
+pub fn unmap_resident(map: &Mmap) {
+    // SAFETY: `Mmap::map` makes a MAP_SHARED, PROT_READ mapping of a file that is not modified
+    // while mapped (see `map_read_only`). MADV_DONTNEED on a shared file mapping only removes
+    // this process's page-table entries; the next access faults the same pages back from the
+    // page cache, so every slice borrowed from the map reads the same bytes before and after.
+    let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+}

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::ipc::{self, Layout, ListColumn, Schema, Type};
-use crate::map::map_read_only;
+use crate::map::{map_read_only, unmap_resident};
 use crate::DataError;
 
 /// One record batch: byte ranges in the map.
@@ -73,6 +73,12 @@ impl Mapped {
             path: path.to_path_buf(),
             source: e,
         })?;
+        // Samples are read scattered (a batch gathers samples from across the file): without
+        // this, a fault maps the whole large folio or fault-around window (up to megabytes)
+        // around a 3 KB sample, and each process's resident size grows towards the file's.
+        // The pages are the page cache's, shared either way; this keeps each process's share
+        // to what it reads. Only a hint: ignored where unsupported.
+        let _ = map.advise(memmap2::Advice::Random);
         let (schema, blocks) =
             ipc::parse_footer(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
         let layout = Layout::new(&schema).map_err(|e| bad(e.to_string()))?;
@@ -212,6 +218,14 @@ impl Mapped {
             }
         }
         out
+    }
+
+    /// Lets go of the pages read so far: a page fault maps a whole large folio (megabytes on
+    /// Linux 6.x) around the few KB of a sample, so a process that read many scattered samples
+    /// shows most of the file as resident. The pages stay in the page cache, shared; calling
+    /// this after copying out a batch keeps the process's resident size to that batch.
+    pub fn unmap_resident(&self) {
+        unmap_resident(&self.map);
     }
 
     /// Sample `i` (dataset order); None past the end.

@@ -105,6 +105,14 @@ impl Dataset {
         &self.lengths
     }
 
+    /// After a sample was copied out: lets go of the mapped pages they touched (see
+    /// `dataset::Mapped::unmap_resident`), so a target's resident size stays its batches' (one `madvise`, a few microseconds).
+    pub fn unmap_resident(&self) {
+        if let Samples::Mapped(m) = &self.samples {
+            m.unmap_resident();
+        }
+    }
+
     /// Sample `id`: its ids and its mask (None: learn from every token). None past the end.
     pub fn sample(&self, id: u64) -> Option<dataset::Sample<'_>> {
         match &self.samples {

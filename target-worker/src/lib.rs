@@ -65,6 +65,8 @@ fn prepare(
             None => loss_mask.resize(input_ids.len(), 1),
         }
         seq_lens.push(sample.input_ids.len() as u32);
+        // Copied out: the folio around it need not stay in this process's resident size.
+        data.unmap_resident();
     }
     Prepared {
         item,

@@ -139,12 +139,14 @@ fn wait_rusage(pid: u32) -> anyhow::Result<(i32, u64)> {
 }
 
 /// Peak figures of one process, in KiB: VmHWM (the kernel's peak RSS, with shared pages),
-/// and the largest RssAnon (private memory) and RssFile (mapped files) seen.
+/// and the largest RssAnon (private memory), RssFile (mapped files: the binary and the
+/// prepared data) and RssShmem (the ring's slots it touched) seen.
 #[derive(Clone, Copy, Debug, Default)]
 struct Mem {
     hwm: u64,
     anon: u64,
     file: u64,
+    shm: u64,
 }
 
 fn status_of(pid: u32) -> Option<(String, u32, Mem)> {
@@ -163,6 +165,7 @@ fn status_of(pid: u32) -> Option<(String, u32, Mem)> {
             Some("VmHWM") => m.hwm = v(l),
             Some("RssAnon") => m.anon = v(l),
             Some("RssFile") => m.file = v(l),
+            Some("RssShmem") => m.shm = v(l),
             _ => {}
         }
     }
@@ -221,6 +224,7 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
                 e.1.hwm = e.1.hwm.max(m.hwm);
                 e.1.anon = e.1.anon.max(m.anon);
                 e.1.file = e.1.file.max(m.file);
+                e.1.shm = e.1.shm.max(m.shm);
             }
         }
         let t = started.elapsed().as_secs_f64();
@@ -293,7 +297,7 @@ fn summarise(name: &str, ls: &[Launch]) {
     };
     let med = |f: &dyn Fn(&Launch) -> f64| median(ls.iter().map(f).collect());
     println!(
-        "| {name} | {:.2} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
+        "| {name} | {:.2} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
         med(&|l| l.first_published_s),
         med(&|l| l.first_batch_s),
         med(&|l| mib(pick(l, "launcher", |m| m.hwm))),
@@ -301,6 +305,7 @@ fn summarise(name: &str, ls: &[Launch]) {
         med(&|l| mib(pick(l, "target", |m| m.hwm))),
         med(&|l| mib(pick(l, "target", |m| m.anon))),
         med(&|l| mib(pick(l, "target", |m| m.file))),
+        med(&|l| mib(pick(l, "target", |m| m.shm))),
         med(&|l| mib(pick(l, "drafter", |m| m.hwm))),
         med(&|l| mib(pick(l, "drafter", |m| m.anon))),
         med(&|l| mib(l.procs.values().map(|(_, m)| m.hwm).sum())),
@@ -399,7 +404,7 @@ fn run(
             let _ = std::fs::remove_dir_all(&run_dir);
         }
     }
-    println!("| launch | first batch published (s) | first batch trained (s) | launcher peak / private (MiB) | largest target peak / private / mapped data (MiB) | largest drafter peak / private (MiB) | all processes: sum of peaks / private (MiB) |");
+    println!("| launch | first batch published (s) | first batch trained (s) | launcher peak / private (MiB) | largest target peak / private / files / ring (MiB) | largest drafter peak / private (MiB) | all processes: sum of peaks / private (MiB) |");
     println!("|---|---|---|---|---|---|---|");
     for (k, (name, _, _)) in modes.iter().enumerate() {
         summarise(name, &results[k]);
