@@ -57,6 +57,9 @@ enum Cmd {
         baseline_drafters: String,
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Runs of the baseline (at most `runs`): at 3 GB each of its processes needs ~6 GB.
+        #[arg(long)]
+        baseline_runs: Option<usize>,
         /// Scratch directory (cache, run directories); emptied first.
         #[arg(long, default_value = "/tmp/hspipe-bench-data")]
         work: PathBuf,
@@ -321,6 +324,7 @@ fn run(
     bt: &str,
     bd: &str,
     runs: usize,
+    baseline_runs: usize,
     work: &Path,
 ) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(work);
@@ -373,6 +377,13 @@ fn run(
             vec!["--data".into(), s(&prepared)],
         ),
     ];
+    // The floor: the same launch on the built-in synthetic data (no file at all), so the mock
+    // pipeline's own time to a first batch (simulated compute, min_ready) shows apart.
+    modes.push((
+        "built-in synthetic data, 2000 samples (no file: the floor)",
+        launcher.to_path_buf(),
+        vec!["--synthetic".into(), "2000".into()],
+    ));
     if let Some(b) = baseline {
         modes.push((
             "every process parses the JSONL (before)",
@@ -383,6 +394,9 @@ fn run(
     let mut results: Vec<Vec<Launch>> = modes.iter().map(|_| Vec::new()).collect();
     for r in 0..runs {
         for (k, (name, exe, extra)) in modes.iter().enumerate() {
+            if exe != launcher && r >= baseline_runs {
+                continue;
+            }
             let run_dir = work.join(format!("run-{k}-{r}"));
             let before = exe != launcher;
             let (t, d) = if before { (bt, bd) } else { ("0-4", "5-7") };
@@ -423,6 +437,7 @@ fn main() -> anyhow::Result<()> {
             baseline_targets,
             baseline_drafters,
             runs,
+            baseline_runs,
             work,
         } => run(
             &data,
@@ -431,6 +446,7 @@ fn main() -> anyhow::Result<()> {
             &baseline_targets,
             &baseline_drafters,
             runs,
+            baseline_runs.unwrap_or(runs),
             &work,
         ),
     }
