@@ -8,12 +8,23 @@
 //! would miss an edit inside the file that keeps its size, the kind re-tokenizing with a
 //! similar tokenizer makes, and then train on stale data. So a re-run, a `--resume` and a
 //! restarted target reuse the prepared file only when the input is byte for byte the same.
+//!
+//! Reading a 3 GB input again at every launch costs seconds, so once hashed, the key is
+//! remembered in a *stamp* (`<cache>/stamps/`) with the input's device, inode, size,
+//! modification and change times; a launch whose input shows the very same stamp takes the key
+//! from it. Any write to a file moves its change time (ctime), which no user call can set back,
+//! so an edited input never matches its old stamp, even with its size and mtime restored. As
+//! git does, a stamp is only written for files whose times are over 2 s in the past when the
+//! hash starts (a write in the same tick as the stamp could otherwise go unseen).
 
 use std::fs::File;
 use std::hash::Hasher;
 use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
 use twox_hash::xxh3::{Hash128, HasherExt};
 
 use crate::convert::{self, Kind};
@@ -54,6 +65,8 @@ pub struct Prepared {
     pub key: String,
     /// True when an earlier preparation was reused (or the input was already prepared).
     pub reused: bool,
+    /// True when the key came from the input's unchanged stamp, without reading it.
+    pub key_from_stamp: bool,
     /// What the input was.
     pub kind: Kind,
     pub samples: u64,
@@ -175,22 +188,48 @@ pub fn prepare(
             path: input.to_path_buf(),
             key: m.meta("hspipe.key").unwrap_or("").to_string(),
             reused: true,
+            key_from_stamp: false,
             kind,
             samples: m.len(),
             tokens: m.tokens(),
         });
     }
-    let key = content_key(input, &kind, max_len, progress)?;
+    let stamp = Stamp::of(input, &kind, max_len);
+    let stamp_path = stamp.as_ref().map(|s| s.path(cache_dir));
+    let remembered = stamp_path.as_ref().and_then(|p| Stamp::read(p));
+    // The stamp to remember once the data is prepared (never for input that fails).
+    let mut to_stamp = None;
+    let (key, key_from_stamp) = match (&stamp, remembered) {
+        (Some(now), Some(was)) if was.same_input(now) => (was.key, true),
+        _ => {
+            let started = SystemTime::now();
+            let key = content_key(input, &kind, max_len, progress)?;
+            if let (Some(mut st), Some(p)) = (stamp, stamp_path) {
+                if st.settled_before(started) {
+                    st.key = key.clone();
+                    to_stamp = Some((st, p));
+                }
+            }
+            (key, false)
+        }
+    };
+    let remember = |to_stamp: Option<(Stamp, PathBuf)>| {
+        if let (Some((st, p)), None) = (to_stamp, out) {
+            st.write(&p);
+        }
+    };
     let target = match out {
         Some(p) => p.to_path_buf(),
         None => cache_dir.join(format!("{key}.arrow")),
     };
     if out.is_none() && target.exists() {
         let m = open_cached(&target, &key)?;
+        remember(to_stamp);
         return Ok(Prepared {
             path: target,
             key,
             reused: true,
+            key_from_stamp,
             kind,
             samples: m.len(),
             tokens: m.tokens(),
@@ -228,10 +267,12 @@ pub fn prepare(
         let _ = d.sync_all();
     }
     let m = open_cached(&target, &key)?;
+    remember(to_stamp);
     Ok(Prepared {
         path: target,
         key,
         reused: false,
+        key_from_stamp,
         kind,
         samples: m.len(),
         tokens: m.tokens(),
@@ -301,4 +342,102 @@ fn write_prepared(
     f.sync_all().map_err(werr)?;
     let _ = (&f).flush();
     Ok(())
+}
+
+/// One input file's identity and change times.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct FileStamp {
+    name: PathBuf,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+/// What an input looked like when its content key was computed.
+#[derive(Debug, Serialize, Deserialize)]
+struct Stamp {
+    format: String,
+    max_len: u32,
+    files: Vec<FileStamp>,
+    key: String,
+}
+
+impl Stamp {
+    /// The input's stamp now (None if a file cannot be looked at: then it is hashed).
+    fn of(input: &Path, kind: &Kind, max_len: u32) -> Option<Stamp> {
+        let files = kind
+            .files(input)
+            .into_iter()
+            .map(|f| {
+                let f = std::fs::canonicalize(&f).ok()?;
+                let m = std::fs::metadata(&f).ok()?;
+                Some(FileStamp {
+                    dev: m.dev(),
+                    ino: m.ino(),
+                    size: m.size(),
+                    mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+                    ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+                    name: f,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Stamp {
+            format: FORMAT_VERSION.to_string(),
+            max_len,
+            files,
+            key: String::new(),
+        })
+    }
+
+    /// Where the stamp of this input lives: named by a hash of its files' paths and max_len.
+    fn path(&self, cache_dir: &Path) -> PathBuf {
+        let mut h = Hash128::with_seed(1);
+        for f in &self.files {
+            h.write(f.name.as_os_str().as_encoded_bytes());
+            h.write(&[0]);
+        }
+        h.write(&self.max_len.to_le_bytes());
+        cache_dir
+            .join("stamps")
+            .join(format!("{:032x}.json", h.finish_ext()))
+    }
+
+    fn read(path: &Path) -> Option<Stamp> {
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+    }
+
+    fn same_input(&self, now: &Stamp) -> bool {
+        self.format == now.format
+            && self.max_len == now.max_len
+            && self.files == now.files
+            && self.key.len() == 32
+    }
+
+    /// True when every file's times are over 2 s before `t` (see the module doc).
+    fn settled_before(&self, t: SystemTime) -> bool {
+        let Ok(t) = t.duration_since(UNIX_EPOCH) else {
+            return false;
+        };
+        let limit = (t.saturating_sub(Duration::from_secs(2))).as_nanos() as i128;
+        self.files
+            .iter()
+            .all(|f| f.mtime_ns < limit && f.ctime_ns < limit)
+    }
+
+    /// Best effort: without a stamp the next launch hashes the input again.
+    fn write(&self, path: &Path) {
+        let Some(dir) = path.parent() else { return };
+        if std::fs::create_dir_all(dir).is_err() {
+            return;
+        }
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let Ok(text) = serde_json::to_string(self) else {
+            return;
+        };
+        if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
 }

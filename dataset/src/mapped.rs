@@ -73,12 +73,6 @@ impl Mapped {
             path: path.to_path_buf(),
             source: e,
         })?;
-        // Samples are read scattered (a batch gathers samples from across the file): without
-        // this, a fault maps the whole large folio or fault-around window (up to megabytes)
-        // around a 3 KB sample, and each process's resident size grows towards the file's.
-        // The pages are the page cache's, shared either way; this keeps each process's share
-        // to what it reads. Only a hint: ignored where unsupported.
-        let _ = map.advise(memmap2::Advice::Random);
         let (schema, blocks) =
             ipc::parse_footer(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
         let layout = Layout::new(&schema).map_err(|e| bad(e.to_string()))?;
@@ -172,6 +166,10 @@ impl Mapped {
             });
             starts.push(first + cols.rows as u64);
         }
+        // Checked (the offsets were read in order, with the kernel's readahead); from here
+        // samples are read scattered, a few KB here and there: no readahead around them. Only
+        // a hint: ignored where unsupported.
+        let _ = map.advise(memmap2::Advice::Random);
         Ok(Mapped {
             map,
             path: path.to_path_buf(),

@@ -317,3 +317,51 @@ fn a_prepared_file_given_as_input_is_used_as_it_is() {
         "{err} ({longest})"
     );
 }
+
+#[test]
+fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
+    let d = Dir::new("stamp");
+    let cache = d.0.join("cache");
+    let text = jsonl_of(&samples(50));
+    let input = d.file("train.jsonl", text.as_bytes());
+    // A stamp is only written for files whose times are over 2 s old (a write in the same
+    // tick as the stamp could go unseen otherwise): let them age.
+    std::thread::sleep(std::time::Duration::from_millis(2200));
+    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!first.reused && !first.key_from_stamp);
+    let mut hashed = false;
+    let again = prepare(&input, 512, &cache, None, &mut |p| {
+        hashed |= p.stage == crate::Stage::Hashing
+    })
+    .unwrap();
+    assert!(
+        again.reused && again.key_from_stamp && !hashed,
+        "not read again"
+    );
+    assert_eq!(
+        (again.path.clone(), again.key.clone()),
+        (first.path.clone(), first.key.clone())
+    );
+
+    // One byte changed, size and modification time put back: the change time moved, so the
+    // stamp does not match; hashed, converted again.
+    let t = std::fs::metadata(&input).unwrap().modified().unwrap();
+    std::fs::write(
+        &input,
+        text.replacen("\"input_ids\": [0]", "\"input_ids\": [9]", 1),
+    )
+    .unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&input)
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
+    let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!third.reused && !third.key_from_stamp);
+    assert_ne!(third.key, first.key);
+    // Its times are fresh: no stamp was trusted or written, so it is hashed again.
+    let fourth = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(fourth.reused && !fourth.key_from_stamp);
+    assert_eq!(fourth.key, third.key);
+}

@@ -88,8 +88,13 @@ pub fn prepare(
     let line = if p.reused && p.kind == (dataset::Kind::ArrowFile { prepared: true }) {
         format!("dataset: {what} is prepared; mapped as it is")
     } else if p.reused {
+        let how = if p.key_from_stamp {
+            "its files unchanged since hashed"
+        } else {
+            "its content hashed"
+        };
         format!(
-            "dataset: {what} was prepared before (content key {}, checked in {secs:.1} s): mapping {}",
+            "dataset: {what} was prepared before (content key {}, {how}, in {secs:.1} s): mapping {}",
             p.key,
             p.path.display()
         )

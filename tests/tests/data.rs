@@ -354,10 +354,12 @@ fn bad_rows_in_every_format_are_named_by_file_and_row() {
     );
 }
 
+/// The prepared files in a cache (not its stamps).
 fn cache_files(cache: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(cache)
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
         .collect();
     v.sort();
     v
@@ -387,11 +389,14 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     let text = jsonl_of(&samples(400));
     std::fs::write(dir.path("train.jsonl"), &text).unwrap();
     let cache = dir.path("cache");
-    // Target 1 crashes after two batches and is restarted.
+    // Target 1 crashes after every two batches (each incarnation counts anew) and is
+    // restarted as often as that takes.
     let config = run_config(&dir, 2_000_000.0, "[faults.target-1]\ncrash_after = 2\n");
     let args = |run: &str| {
         vec![
-            "--data".to_string(),
+            "--max-restarts".to_string(),
+            "100".into(),
+            "--data".into(),
             dir.s("train.jsonl"),
             "--data-cache".into(),
             cache.to_string_lossy().into_owned(),
