@@ -206,6 +206,16 @@ fn a_failed_conversion_leaves_nothing_in_the_cache() {
     assert!(!cache.exists(), "the cache directory it made is gone again");
 }
 
+/// Changes sample 0's one id (0 to 9): the same size, and the modification time put back.
+fn edit_keeping_size_and_mtime(input: &Path, text: &str) {
+    let changed = text.replacen("\"input_ids\": [0]", "\"input_ids\": [9]", 1);
+    assert!(changed.len() == text.len() && changed != text);
+    let t = std::fs::metadata(input).unwrap().modified().unwrap();
+    std::fs::write(input, &changed).unwrap();
+    let f = std::fs::File::options().write(true).open(input).unwrap();
+    f.set_modified(t).unwrap();
+}
+
 #[test]
 fn the_cache_is_reused_for_the_same_bytes_and_not_for_changed_ones() {
     let d = Dir::new("cache");
@@ -233,16 +243,7 @@ fn the_cache_is_reused_for_the_same_bytes_and_not_for_changed_ones() {
     );
 
     // One id changed, same size and modification time: converted again, to another file.
-    let changed = text.replacen("\"input_ids\": [0]", "\"input_ids\": [9]", 1);
-    assert_eq!(changed.len(), text.len());
-    let t = std::fs::metadata(&input).unwrap().modified().unwrap();
-    std::fs::write(&input, &changed).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&input)
-        .unwrap()
-        .set_modified(t)
-        .unwrap();
+    edit_keeping_size_and_mtime(&input, &text);
     let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
     assert!(!third.reused);
     assert_ne!(third.path, first.path);
@@ -345,18 +346,7 @@ fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
 
     // One byte changed, size and modification time put back: the change time moved, so the
     // stamp does not match; hashed, converted again.
-    let t = std::fs::metadata(&input).unwrap().modified().unwrap();
-    std::fs::write(
-        &input,
-        text.replacen("\"input_ids\": [0]", "\"input_ids\": [9]", 1),
-    )
-    .unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&input)
-        .unwrap()
-        .set_modified(t)
-        .unwrap();
+    edit_keeping_size_and_mtime(&input, &text);
     let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
     assert!(!third.reused && !third.key_from_stamp);
     assert_ne!(third.key, first.key);
