@@ -18,6 +18,26 @@ if ! command -v tmux >/dev/null; then
     }
 fi
 
+# The data tests make Parquet and HF `datasets` fixtures and check that pyarrow reads the Arrow
+# files we write; `launcher` reads Parquet through pyarrow. Both come from PyPI into the
+# project's own venv, .venv (made once; a re-run only compares the requirements file).
+venv=.venv
+req=scripts/py/requirements.txt
+if ! { [ -x "$venv/bin/python" ] && cmp -s "$req" "$venv/.hspipe-requirements"; }; then
+    echo "== Python venv $venv with $(grep -v '^#' "$req" | tr '\n' ' ')"
+    python3 -m venv "$venv" || {
+        echo "error: the data tests need Python 3 with its venv module (apt-get install python3-venv)" >&2
+        exit 1
+    }
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req" || {
+        echo "error: could not install $req into $venv (is PyPI reachable?)" >&2
+        exit 1
+    }
+    cp "$req" "$venv/.hspipe-requirements"
+fi
+# The tests and the launcher they start use this interpreter (dataset::PYTHON_ENV).
+export HSPIPE_PYTHON="$PWD/$venv/bin/python"
+
 # The end-to-end tests run the real launcher and worker binaries, which `cargo test` alone does
 # not build for another crate's tests: build them first.
 echo "== cargo build --workspace --bins"

@@ -3,6 +3,7 @@
 //! live monitor (copied to `<run-dir>/launcher.log`) and writes the run directory's
 //! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 
+pub mod data;
 pub mod gpus;
 pub mod monitor;
 mod output;
@@ -61,9 +62,14 @@ pub mod exit {
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
 ///   launcher report runs/exp1                              a picture of a run (report --help)
+///   launcher prepare train.parquet                         prepare data only (prepare --help)
 ///
-/// The run directory gets logs/, ledger/, checkpoints/, config.toml, launcher.log (all that
-/// is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
+/// --data is prepared once into a memory-mapped Arrow file in the cache (--data-cache,
+/// default data-cache beside the run directory), which every worker maps; the same input is
+/// found there by its content and never converted again.
+///
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json,
+/// launcher.log (all that is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
 /// `shm-ring-stat --list`.
 #[derive(Parser, Debug)]
 #[command(name = "launcher", version, verbatim_doc_comment)]
@@ -88,9 +94,14 @@ pub struct Args {
     /// config and data: batches whose update is in the checkpoint are not trained again.
     #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
     pub resume: Option<PathBuf>,
-    /// Training data: JSONL with input_ids (and optional loss_mask) per line.
+    /// Training data: JSONL with input_ids (and optional loss_mask) per line, Parquet or Arrow
+    /// with input_ids (and optional loss_mask) list columns, an HF datasets save_to_disk
+    /// directory, or a file `launcher prepare` made.
     #[arg(long, conflicts_with = "synthetic")]
     pub data: Option<PathBuf>,
+    /// Where prepared data is cached (default: data-cache beside the run directory).
+    #[arg(long, value_name = "DIR")]
+    pub data_cache: Option<PathBuf>,
     /// Use N samples of the built-in synthetic dataset (the default when --data is absent).
     #[arg(long)]
     pub synthetic: Option<u64>,
@@ -223,6 +234,8 @@ struct Prepared {
     backend: (BackendKind, String),
     exes: [WorkerExe; 2],
     data: Dataset,
+    /// The line saying how the data was prepared.
+    data_line: Option<String>,
     batches: u64,
     params: shm_ring::RingParams,
     run_id: String,
@@ -296,13 +309,6 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         WorkerExe::find(WorkerRole::Drafter, args.worker_dir.as_deref())?,
     ];
 
-    let data = Dataset::load(&cfg).context("loading the dataset")?;
-    let batches = plan(&data, &cfg).len() as u64;
-    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
-    let params = cfg
-        .ring_params(nt, nd, batches)
-        .context("sizing the ring")?;
-
     let run_id = format!(
         "{}-{}",
         std::time::SystemTime::now()
@@ -311,28 +317,56 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .unwrap_or(0),
         std::process::id()
     );
-    let (run_dir, resume) = match &args.resume {
-        Some(dir) => {
-            let r = resume::check(dir, &cfg, backend.0, nd, batches)
-                .with_context(|| format!("resuming {}", dir.display()))?;
-            (dir.clone(), Some(r))
+    let run_dir = match (&args.resume, &args.run_dir) {
+        (Some(dir), _) | (None, Some(dir)) => dir.clone(),
+        (None, None) => PathBuf::from("runs").join(&run_id),
+    };
+
+    // The data, prepared once (or found prepared) and mapped: only the lengths are read here.
+    let mut prepared = None;
+    let mut data_line = None;
+    if let Some(input) = cfg.data.path.clone() {
+        let cache = args
+            .data_cache
+            .clone()
+            .unwrap_or_else(|| dataset::default_cache_dir(&run_dir));
+        let (p, line) = data::prepare(&input, cfg.data.max_len, &cache, None)?;
+        if args.resume.is_some() {
+            data::check_same(&run_dir, &p)
+                .with_context(|| format!("resuming {}", run_dir.display()))?;
         }
+        cfg.data.prepared = Some(p.path.clone());
+        data_line = Some(line);
+        prepared = Some((input, p));
+    }
+    let data = Dataset::load(&cfg).context("loading the dataset")?;
+    let batches = plan(&data, &cfg).len() as u64;
+    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
+    let params = cfg
+        .ring_params(nt, nd, batches)
+        .context("sizing the ring")?;
+
+    let resume = match &args.resume {
+        Some(dir) => Some(
+            resume::check(dir, &cfg, backend.0, nd, batches)
+                .with_context(|| format!("resuming {}", dir.display()))?,
+        ),
         None => {
-            let run_dir = args
-                .run_dir
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("runs").join(&run_id));
             prepare_run_dir(&run_dir)?;
             std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
                 .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
-            (run_dir, None)
+            None
         }
     };
+    if let Some((input, p)) = &prepared {
+        data::write_record(&run_dir, input, p)?;
+    }
     Ok(Prepared {
         cfg,
         backend,
         exes,
         data,
+        data_line,
         batches,
         params,
         run_id,
@@ -348,6 +382,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         backend,
         exes,
         data,
+        data_line,
         batches,
         params,
         run_id,
@@ -401,6 +436,9 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {}",
         nt, targets, nd, drafters, backend.1
     );
+    if let Some(line) = &data_line {
+        println!("{line}");
+    }
     println!(
         "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
         data.source,

@@ -19,6 +19,11 @@ fn main() {
         let args = launcher::report::ReportArgs::parse_from(&argv[1..]);
         exit_with(launcher::report::run(args));
     }
+    // `launcher prepare INPUT`: prepare data only (see launcher::data).
+    if argv.get(1).map(String::as_str) == Some("prepare") {
+        let args = launcher::data::PrepareArgs::parse_from(&argv[1..]);
+        exit_with(launcher::data::run_prepare(args));
+    }
     let args = launcher::Args::parse();
     exit_with(launcher::run(args));
 }

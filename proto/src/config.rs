@@ -125,9 +125,14 @@ impl Default for ModelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// A JSONL file with `input_ids` (and optionally `loss_mask`) per line; none means the
-    /// built-in synthetic dataset.
+    /// Training data: a JSONL file with `input_ids` (and optionally `loss_mask`) per line, a
+    /// Parquet file, an HF `datasets` `save_to_disk` directory, or a prepared Arrow file; none
+    /// means the built-in synthetic dataset.
     pub path: Option<PathBuf>,
+    /// The prepared (memory-mapped) file of `path` that every worker maps. The launcher sets
+    /// it once it has prepared `path`; a user leaves it out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prepared: Option<PathBuf>,
     /// Samples in the synthetic dataset.
     pub synthetic_samples: u64,
     pub min_len: u32,
@@ -139,6 +144,7 @@ impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
             path: None,
+            prepared: None,
             synthetic_samples: 2000,
             min_len: 32,
             max_len: 4096,

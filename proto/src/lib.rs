@@ -6,6 +6,7 @@ pub mod atomic_file;
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod plan;
 pub mod safetensors;
 pub mod worker;
 

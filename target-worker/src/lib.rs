@@ -53,10 +53,18 @@ fn prepare(
     let mut loss_mask = Vec::with_capacity(b.tokens as usize);
     let mut seq_lens = Vec::with_capacity(b.sample_ids.len());
     for &id in &b.sample_ids {
-        let sample = &data.samples[id as usize];
-        input_ids.extend_from_slice(&sample.input_ids);
-        loss_mask.extend_from_slice(&sample.loss_mask);
+        // The plan holds only ids of the dataset it was computed from.
+        let Some(sample) = data.sample(id) else {
+            continue;
+        };
+        input_ids.extend_from_slice(sample.input_ids);
+        match sample.loss_mask {
+            Some(m) => loss_mask.extend_from_slice(m),
+            None => loss_mask.resize(input_ids.len(), 1),
+        }
         seq_lens.push(sample.input_ids.len() as u32);
+        // Copied out: the folio around it need not stay in this process's resident size.
+        data.unmap_resident();
     }
     Prepared {
         item,
@@ -77,7 +85,21 @@ fn prepare(
 
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let s = setup(&args.common, WorkerRole::Target)?;
+    let mut s = setup(&args.common, WorkerRole::Target)?;
+    // Started standalone on a config naming data that nobody prepared: prepare it here, into
+    // the cache a launcher would use (the launcher always passes the prepared file).
+    if let (Some(path), None) = (&s.config.data.path, &s.config.data.prepared) {
+        let p = dataset::prepare(
+            path,
+            s.config.data.max_len,
+            &dataset::default_cache_dir(&s.run_dir),
+            None,
+            &mut |_| {},
+        )
+        .context("preparing the dataset")?;
+        s.config.data.prepared = Some(p.path);
+    }
+    let s = s;
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
     let mut backend = gpu::target(s.backend, cfg, &s.name)?;

@@ -34,7 +34,7 @@ use proto::config::Faults;
 use proto::PipelineConfig;
 use scripts::median;
 use shm_ring::{BucketPick, CommitMeta, Consumer, Ring, RingParams, Take, TakePolicy};
-use target_worker::data::{plan, Dataset, PlannedBatch};
+use target_worker::data::{Dataset, PlannedBatch};
 
 #[derive(Parser)]
 struct Args {
@@ -321,8 +321,8 @@ fn run_once(
                 .collect();
             let max = costs.iter().copied().fold(0.0, f64::max);
             // A rank with no batch in the step (the end of the run) waits the whole step.
-            spread += costs.iter().map(|c| max - c).sum::<f64>()
-                + max * (DRAFTERS - costs.len()) as f64;
+            spread +=
+                costs.iter().map(|c| max - c).sum::<f64>() + max * (DRAFTERS - costs.len()) as f64;
         }
         spread /= wall * DRAFTERS as f64;
     }
@@ -407,22 +407,23 @@ fn main() {
     let args = Args::parse();
     let mut cfg = PipelineConfig::default();
     cfg.data.synthetic_samples = args.samples;
-    let mut data = Dataset::load(&cfg).unwrap();
+    let data = Dataset::load(&cfg).unwrap();
+    let mut lengths = data.lengths().to_vec();
     if args.long_heavy {
         let longest = cfg.ring.buckets - 1;
         let mut i = 0u64;
-        data.samples.retain(|smp| {
+        lengths.retain(|&len| {
             i += 1;
-            cfg.bucket_of(smp.input_ids.len() as u32) == longest || i % 3 == 0
+            cfg.bucket_of(len) == longest || i % 3 == 0
         });
     }
-    let batches = plan(&data, &cfg);
+    let batches = proto::plan::plan(&lengths, &cfg);
     let seq_lens: Vec<Vec<u32>> = batches
         .iter()
         .map(|b| {
             b.sample_ids
                 .iter()
-                .map(|&id| data.samples[id as usize].input_ids.len() as u32)
+                .map(|&id| lengths[id as usize])
                 .collect()
         })
         .collect();
@@ -516,7 +517,10 @@ fn main() {
         let (sync, spread) = if matches!(d, Design::Group { .. }) {
             (
                 pct(&|r| r.sync, rs),
-                format!("{:.1}%", 100.0 * median(rs.iter().map(|r| r.spread).collect())),
+                format!(
+                    "{:.1}%",
+                    100.0 * median(rs.iter().map(|r| r.spread).collect())
+                ),
             )
         } else {
             ("-".into(), "-".into())

@@ -1,0 +1,443 @@
+//! Preparing an input once: its content key, the cache of prepared files, and the conversion
+//! into a temporary file renamed into place.
+//!
+//! The key is an XXH3-128 hash of every byte of the input (for an HF directory, of its data
+//! files' names and bytes, in order), of the format version and of `max_len` (which decides
+//! what is refused). Hashing reads the input once (about a second per GB from the page cache);
+//! a key from the size and modification time, or from the head and tail, would be free but
+//! would miss an edit inside the file that keeps its size, the kind re-tokenizing with a
+//! similar tokenizer makes, and then train on stale data. So a re-run, a `--resume` and a
+//! restarted target reuse the prepared file only when the input is byte for byte the same.
+//!
+//! Reading a 3 GB input again at every launch costs seconds, so once hashed, the key is
+//! remembered in a *stamp* (`<cache>/stamps/`) with the input's device, inode, size,
+//! modification and change times; a launch whose input shows the very same stamp takes the key
+//! from it. Any write to a file moves its change time (ctime), which no user call can set back,
+//! so an edited input never matches its old stamp, even with its size and mtime restored. As
+//! git does, a stamp is only written for files whose times are over 2 s in the past when the
+//! hash starts (a write in the same tick as the stamp could otherwise go unseen).
+
+use std::fs::File;
+use std::hash::Hasher;
+use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use twox_hash::xxh3::{Hash128, HasherExt};
+
+use crate::convert::{self, Kind};
+use crate::mapped::Mapped;
+use crate::writer::Writer;
+use crate::{DataError, FORMAT_VERSION};
+
+/// What a step of `prepare` is doing, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Reading the input to compute its content key.
+    Hashing,
+    /// Converting it into the prepared file.
+    Converting,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Bytes,
+    Rows,
+}
+
+/// Progress of `prepare`: `done` of `total` (0: unknown) in `unit`.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    pub stage: Stage,
+    pub done: u64,
+    pub total: u64,
+    pub unit: Unit,
+}
+
+/// The outcome of `prepare`.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The prepared file every process maps.
+    pub path: PathBuf,
+    /// The input's content key (the file's name in the cache).
+    pub key: String,
+    /// True when an earlier preparation was reused (or the input was already prepared).
+    pub reused: bool,
+    /// True when the key came from the input's unchanged stamp, without reading it.
+    pub key_from_stamp: bool,
+    /// What the input was.
+    pub kind: Kind,
+    pub samples: u64,
+    pub tokens: u64,
+}
+
+/// The cache directory for runs whose directory is `run_dir`: `data-cache` beside it, so runs
+/// under one parent (`runs/` by default) share it, and a resumed run finds it.
+pub fn default_cache_dir(run_dir: &Path) -> PathBuf {
+    let parent = run_dir.parent().filter(|p| !p.as_os_str().is_empty());
+    parent.unwrap_or_else(|| Path::new(".")).join("data-cache")
+}
+
+/// The content key of `input` (of kind `kind`) under `max_len`.
+pub fn content_key(
+    input: &Path,
+    kind: &Kind,
+    max_len: u32,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<String, DataError> {
+    let files = kind.files(input);
+    let total: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    let mut h = Hash128::with_seed(0);
+    h.write(b"hspipe dataset ");
+    h.write(FORMAT_VERSION.as_bytes());
+    h.write(&max_len.to_le_bytes());
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    for f in &files {
+        if files.len() > 1 {
+            let name = f
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            h.write(&(name.len() as u64).to_le_bytes());
+            h.write(name.as_bytes());
+        }
+        let mut file = File::open(f).map_err(|e| DataError::Read {
+            path: f.clone(),
+            source: e,
+        })?;
+        loop {
+            let n = file.read(&mut buf).map_err(|e| DataError::Read {
+                path: f.clone(),
+                source: e,
+            })?;
+            if n == 0 {
+                break;
+            }
+            h.write(&buf[..n]);
+            done += n as u64;
+            progress(Progress {
+                stage: Stage::Hashing,
+                done,
+                total,
+                unit: Unit::Bytes,
+            });
+        }
+    }
+    Ok(format!("{:032x}", h.finish_ext()))
+}
+
+/// Opens a prepared file and checks that it is the one for `key`.
+fn open_cached(path: &Path, key: &str) -> Result<Mapped, DataError> {
+    let hint = "it is truncated or not hspipe's; delete it and the data is prepared again";
+    let m = Mapped::open(path).map_err(|e| DataError::Prepared {
+        path: path.to_path_buf(),
+        why: format!(
+            "{}; {hint}",
+            match e {
+                DataError::Prepared { why, .. } => why,
+                e => e.to_string(),
+            }
+        ),
+    })?;
+    match m.meta("hspipe.key") {
+        Some(k) if k == key => Ok(m),
+        other => Err(DataError::Prepared {
+            path: path.to_path_buf(),
+            why: format!(
+                "it holds {}, not the data of key {key}; {hint}",
+                other.map_or("no hspipe key".to_string(), |k| format!(
+                    "the data of key {k}"
+                ))
+            ),
+        }),
+    }
+}
+
+/// Prepares `input` for runs: the prepared file in `cache_dir` named by the input's content
+/// key, converted now if it is not there yet (or written to `out` instead, always converted).
+/// An input that is itself a prepared file is used as it is.
+pub fn prepare(
+    input: &Path,
+    max_len: u32,
+    cache_dir: &Path,
+    out: Option<&Path>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Prepared, DataError> {
+    let kind = convert::detect(input)?;
+    if kind == (Kind::ArrowFile { prepared: true }) && out.is_none() {
+        let m = Mapped::open(input)?;
+        if let Some((i, n)) = m.lengths().iter().enumerate().find(|(_, &n)| n > max_len) {
+            return Err(DataError::Row {
+                path: input.to_path_buf(),
+                row: i as u64,
+                why: format!("{n} tokens, more than data.max_len {max_len}"),
+            });
+        }
+        if m.is_empty() {
+            return Err(DataError::Empty {
+                path: input.to_path_buf(),
+            });
+        }
+        return Ok(Prepared {
+            path: input.to_path_buf(),
+            key: m.meta("hspipe.key").unwrap_or("").to_string(),
+            reused: true,
+            key_from_stamp: false,
+            kind,
+            samples: m.len(),
+            tokens: m.tokens(),
+        });
+    }
+    let stamp = Stamp::of(input, &kind, max_len);
+    let stamp_path = stamp.as_ref().map(|s| s.path(cache_dir));
+    let remembered = stamp_path.as_ref().and_then(|p| Stamp::read(p));
+    // The stamp to remember once the data is prepared (never for input that fails).
+    let mut to_stamp = None;
+    let (key, key_from_stamp) = match (&stamp, remembered) {
+        (Some(now), Some(was)) if was.same_input(now) => (was.key, true),
+        _ => {
+            let started = SystemTime::now();
+            let key = content_key(input, &kind, max_len, progress)?;
+            if let (Some(mut st), Some(p)) = (stamp, stamp_path) {
+                if st.settled_before(started) {
+                    st.key = key.clone();
+                    to_stamp = Some((st, p));
+                }
+            }
+            (key, false)
+        }
+    };
+    let remember = |to_stamp: Option<(Stamp, PathBuf)>| {
+        if let (Some((st, p)), None) = (to_stamp, out) {
+            st.write(&p);
+        }
+    };
+    let target = match out {
+        Some(p) => p.to_path_buf(),
+        None => cache_dir.join(format!("{key}.arrow")),
+    };
+    if out.is_none() && target.exists() {
+        let m = open_cached(&target, &key)?;
+        remember(to_stamp);
+        return Ok(Prepared {
+            path: target,
+            key,
+            reused: true,
+            key_from_stamp,
+            kind,
+            samples: m.len(),
+            tokens: m.tokens(),
+        });
+    }
+    let dir = target
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let created_dir = !dir.exists();
+    let write_err = |e: std::io::Error| DataError::Write {
+        path: target.clone(),
+        source: e,
+    };
+    std::fs::create_dir_all(dir).map_err(write_err)?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let result = write_prepared(input, &kind, max_len, &key, &tmp, progress);
+    let result = result.and_then(|()| std::fs::rename(&tmp, &target).map_err(write_err));
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        if created_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
+        return Err(e);
+    }
+    // The rename is durable once the directory is synced.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    let m = open_cached(&target, &key)?;
+    remember(to_stamp);
+    Ok(Prepared {
+        path: target,
+        key,
+        reused: false,
+        key_from_stamp,
+        kind,
+        samples: m.len(),
+        tokens: m.tokens(),
+    })
+}
+
+fn write_prepared(
+    input: &Path,
+    kind: &Kind,
+    max_len: u32,
+    key: &str,
+    tmp: &Path,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(), DataError> {
+    let werr = |e: std::io::Error| DataError::Write {
+        path: tmp.to_path_buf(),
+        source: e,
+    };
+    let meta = vec![
+        ("hspipe.dataset".to_string(), FORMAT_VERSION.to_string()),
+        ("hspipe.key".to_string(), key.to_string()),
+        ("hspipe.source".to_string(), input.display().to_string()),
+        ("hspipe.max_len".to_string(), max_len.to_string()),
+    ];
+    let f = File::create(tmp).map_err(werr)?;
+    let mut w = Writer::new(BufWriter::with_capacity(1 << 20, f), meta).map_err(werr)?;
+    let (unit, mut total) = match kind {
+        Kind::Parquet => (Unit::Rows, 0),
+        k => (
+            Unit::Bytes,
+            k.files(input)
+                .iter()
+                .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
+                .sum(),
+        ),
+    };
+    let total_cell = std::cell::Cell::new(0u64);
+    convert::convert(
+        input,
+        kind,
+        max_len,
+        &mut w,
+        &mut |done| {
+            if total_cell.get() != 0 {
+                total = total_cell.get();
+            }
+            progress(Progress {
+                stage: Stage::Converting,
+                done,
+                total,
+                unit,
+            })
+        },
+        &mut |n| total_cell.set(n),
+    )
+    .map_err(|e| match e {
+        DataError::Write { source, .. } => werr(source),
+        e => e,
+    })?;
+    if w.samples == 0 {
+        return Err(DataError::Empty {
+            path: input.to_path_buf(),
+        });
+    }
+    let buf = w.finish().map_err(werr)?;
+    let f = buf.into_inner().map_err(|e| werr(e.into_error()))?;
+    f.sync_all().map_err(werr)?;
+    let _ = (&f).flush();
+    Ok(())
+}
+
+/// One input file's identity and change times.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct FileStamp {
+    name: PathBuf,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+/// What an input looked like when its content key was computed.
+#[derive(Debug, Serialize, Deserialize)]
+struct Stamp {
+    format: String,
+    max_len: u32,
+    files: Vec<FileStamp>,
+    key: String,
+}
+
+impl Stamp {
+    /// The input's stamp now (None if a file cannot be looked at: then it is hashed).
+    fn of(input: &Path, kind: &Kind, max_len: u32) -> Option<Stamp> {
+        let files = kind
+            .files(input)
+            .into_iter()
+            .map(|f| {
+                let f = std::fs::canonicalize(&f).ok()?;
+                let m = std::fs::metadata(&f).ok()?;
+                Some(FileStamp {
+                    dev: m.dev(),
+                    ino: m.ino(),
+                    size: m.size(),
+                    mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+                    ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+                    name: f,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Stamp {
+            format: FORMAT_VERSION.to_string(),
+            max_len,
+            files,
+            key: String::new(),
+        })
+    }
+
+    /// Where the stamp of this input lives: named by a hash of its files' paths and max_len.
+    fn path(&self, cache_dir: &Path) -> PathBuf {
+        let mut h = Hash128::with_seed(1);
+        for f in &self.files {
+            h.write(f.name.as_os_str().as_encoded_bytes());
+            h.write(&[0]);
+        }
+        h.write(&self.max_len.to_le_bytes());
+        cache_dir
+            .join("stamps")
+            .join(format!("{:032x}.json", h.finish_ext()))
+    }
+
+    fn read(path: &Path) -> Option<Stamp> {
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+    }
+
+    fn same_input(&self, now: &Stamp) -> bool {
+        self.format == now.format
+            && self.max_len == now.max_len
+            && self.files == now.files
+            && self.key.len() == 32
+    }
+
+    /// True when every file's times are over 2 s before `t` (see the module doc).
+    fn settled_before(&self, t: SystemTime) -> bool {
+        let Ok(t) = t.duration_since(UNIX_EPOCH) else {
+            return false;
+        };
+        let limit = (t.saturating_sub(Duration::from_secs(2))).as_nanos() as i128;
+        self.files
+            .iter()
+            .all(|f| f.mtime_ns < limit && f.ctime_ns < limit)
+    }
+
+    /// Best effort: without a stamp the next launch hashes the input again.
+    fn write(&self, path: &Path) {
+        let Some(dir) = path.parent() else { return };
+        if std::fs::create_dir_all(dir).is_err() {
+            return;
+        }
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let Ok(text) = serde_json::to_string(self) else {
+            return;
+        };
+        if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+}

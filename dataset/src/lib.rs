@@ -1,0 +1,114 @@
+//! Tokenized training data, prepared once into one memory-mapped Arrow IPC file that every
+//! process maps read-only.
+//!
+//! - [`prepare`] turns an input (JSONL, Parquet, an HF `datasets` `save_to_disk` directory, or
+//!   an Arrow IPC file or stream) into the prepared file, streaming with bounded memory, and
+//!   caches it by the input's content (an XXH3-128 hash of its bytes): the same input is never
+//!   converted twice, a changed one always is.
+//! - [`Mapped`] maps a prepared file: opening it reads the footer and the list offsets only
+//!   (4 bytes a sample); a sample's ids are a slice of the map, so a process touches only the
+//!   pages of the samples it uses.
+//!
+//! The prepared file is an Arrow IPC *file* (`ARROW1`) with two columns, `input_ids:
+//! list<uint32>` and `loss_mask: list<uint8>` (a null mask means all ones), and schema metadata
+//! `hspipe.dataset` (format version), `hspipe.key` (the input's content key) and
+//! `hspipe.source`. pyarrow, arrow-rs and DuckDB read it as they read any Arrow file.
+//!
+//! Every row of every format is checked as the JSONL loader always did (empty, longer than
+//! `max_len`, a mask of another length or with entries other than 0/1, ids that are not
+//! integers or out of range for `u32`), naming the file and line (JSONL) or row (Arrow,
+//! Parquet, counted from 0).
+
+mod cache;
+mod convert;
+mod fb;
+pub mod ipc;
+mod map;
+mod mapped;
+mod writer;
+
+use std::path::PathBuf;
+
+pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
+pub use convert::{detect, Kind, PYTHON_ENV};
+pub use mapped::{Mapped, Sample};
+pub use writer::Writer;
+
+#[cfg(target_endian = "big")]
+compile_error!(
+    "Arrow data is little-endian and hspipe maps it in place: a little-endian machine is needed"
+);
+
+/// The prepared format's version, in its metadata and in every content key.
+pub const FORMAT_VERSION: &str = "1";
+
+/// A dataset that cannot be used, naming the file and the line or row at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("reading dataset {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("dataset {path} has no samples")]
+    Empty { path: PathBuf },
+    /// A JSONL line (counted from 1).
+    #[error("{path}:{line}: {why}")]
+    Line {
+        path: PathBuf,
+        line: u64,
+        why: String,
+    },
+    /// A row of an Arrow or Parquet table (counted from 0, over the whole dataset).
+    #[error("{path}: row {row}: {why}")]
+    Row {
+        path: PathBuf,
+        row: u64,
+        why: String,
+    },
+    /// A file that is not what its kind promises (malformed Arrow, missing columns).
+    #[error("dataset {path}: {why}")]
+    Format { path: PathBuf, why: String },
+    /// Reading Parquet through Python and pyarrow went wrong.
+    #[error("reading Parquet file {path}: {why}")]
+    Parquet { path: PathBuf, why: String },
+    /// A prepared (cached) file that cannot be used.
+    #[error("prepared data {path} is not usable: {why}")]
+    Prepared { path: PathBuf, why: String },
+    #[error("writing prepared data {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Checks one sample as the JSONL loader always did; `Err` says why it is refused.
+pub(crate) fn check_sample(
+    ids_len: usize,
+    mask: Option<&[u8]>,
+    max_len: u32,
+) -> Result<(), String> {
+    if ids_len == 0 {
+        return Err("input_ids is empty".into());
+    }
+    if ids_len > max_len as usize {
+        return Err(format!(
+            "{ids_len} tokens, more than data.max_len {max_len}"
+        ));
+    }
+    if let Some(m) = mask {
+        if m.len() != ids_len {
+            return Err(format!(
+                "loss_mask has {} entries, input_ids has {ids_len}",
+                m.len()
+            ));
+        }
+        if m.iter().any(|&b| b > 1) {
+            return Err("loss_mask entries must be 0 or 1".into());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,357 @@
+//! The crate's tests: the format read back, every row error, the cache's reuse and
+//! invalidation, and damaged files refused without a panic.
+
+use std::path::{Path, PathBuf};
+
+use crate::{prepare, DataError, Kind, Mapped, Writer};
+
+/// A directory removed at the end of the test (kept when it fails, to look at).
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d =
+            std::env::temp_dir().join(format!("hspipe-dataset-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+    fn file(&self, name: &str, text: &[u8]) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+type Owned = (Vec<u32>, Option<Vec<u8>>);
+
+fn samples(n: usize) -> Vec<Owned> {
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7919) % 300;
+            let ids = (0..len)
+                .map(|j| ((i * 31 + j * 17) % 100_000) as u32 + u32::from(i == 3) * 4_000_000_000)
+                .collect();
+            let mask = (i % 3 != 0).then(|| (0..len).map(|j| u8::from(j >= len / 4)).collect());
+            (ids, mask)
+        })
+        .collect()
+}
+
+fn read_all(m: &Mapped) -> Vec<Owned> {
+    (0..m.len())
+        .map(|i| {
+            let s = m.sample(i).unwrap();
+            (s.input_ids.to_vec(), s.loss_mask.map(<[u8]>::to_vec))
+        })
+        .collect()
+}
+
+fn write(path: &Path, data: &[Owned], batch_tokens: usize) {
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = Writer::new(f, vec![("hspipe.dataset".into(), "1".into())])
+        .unwrap()
+        .batch_tokens(batch_tokens);
+    for (ids, mask) in data {
+        w.push(ids, mask.as_deref()).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+fn jsonl_of(data: &[Owned]) -> String {
+    data.iter()
+        .map(|(ids, mask)| match mask {
+            Some(m) => format!("{{\"input_ids\": {ids:?}, \"loss_mask\": {m:?}}}\n"),
+            None => format!("{{\"input_ids\": {ids:?}}}\n"),
+        })
+        .collect()
+}
+
+#[test]
+fn what_is_written_maps_back_sample_for_sample_across_many_record_batches() {
+    let d = Dir::new("rt");
+    let data = samples(500);
+    for batch_tokens in [1, 1000, 1 << 22] {
+        let p = d.0.join(format!("x{batch_tokens}.arrow"));
+        write(&p, &data, batch_tokens);
+        let m = Mapped::open(&p).unwrap();
+        assert_eq!(m.len(), 500);
+        assert_eq!(read_all(&m), data, "batch_tokens {batch_tokens}");
+        // Letting go of the resident pages changes nothing that is read afterwards.
+        m.unmap_resident();
+        assert_eq!(read_all(&m), data, "after unmap_resident");
+        let lens: Vec<u32> = data.iter().map(|(i, _)| i.len() as u32).collect();
+        assert_eq!(m.lengths(), lens);
+        assert_eq!(m.tokens(), lens.iter().map(|&l| u64::from(l)).sum::<u64>());
+        assert!(m.sample(500).is_none());
+        // The file is also an Arrow stream after its 8-byte magic, as the format says.
+        let bytes = std::fs::read(&p).unwrap();
+        let mut s = crate::ipc::StreamReader::new(&bytes[8..]);
+        let mut rows = 0;
+        while let Some(c) = s.next_batch().unwrap() {
+            rows += c.rows;
+        }
+        assert_eq!(rows, 500);
+    }
+}
+
+#[test]
+fn every_cut_of_a_prepared_file_and_garbage_are_errors_not_panics() {
+    let d = Dir::new("cut");
+    let p = d.0.join("x.arrow");
+    write(&p, &samples(40), 500);
+    let bytes = std::fs::read(&p).unwrap();
+    // Every cut near the ends (header, schema, footer), and a spread of cuts in between.
+    let n = bytes.len();
+    let cuts = (0..n).filter(|&c| c < 1024 || c + 1024 > n || c % 61 == 0);
+    for cut in cuts {
+        let q = d.file("cut.arrow", &bytes[..cut]);
+        assert!(Mapped::open(&q).is_err(), "cut at {cut} of {}", bytes.len());
+    }
+    // Flipped bytes: refused or read, never a panic.
+    for i in (0..bytes.len()).step_by(13) {
+        let mut b = bytes.clone();
+        b[i] ^= 0x5a;
+        let q = d.file("flip.arrow", &b);
+        if let Ok(m) = Mapped::open(&q) {
+            let _ = read_all(&m);
+        }
+    }
+}
+
+fn jsonl(text: &str, max_len: u32) -> Result<Vec<Owned>, DataError> {
+    let d = Dir::new("jsonl");
+    let input = d.file("train.jsonl", text.as_bytes());
+    let p = prepare(&input, max_len, &d.0.join("cache"), None, &mut |_| {})?;
+    Ok(read_all(&Mapped::open(&p.path).unwrap()))
+}
+
+#[test]
+fn jsonl_reads_samples_and_names_the_bad_line() {
+    let got = jsonl(
+        "{\"input_ids\": [1,2,3]}\n\n{\"input_ids\": [4], \"loss_mask\": [0]}\n",
+        8,
+    )
+    .unwrap();
+    assert_eq!(got, vec![(vec![1, 2, 3], None), (vec![4], Some(vec![0]))]);
+
+    let cases = [
+        (
+            "{\"input_ids\": [1]}\n{\"input_ids\": [1,\n",
+            ":2: not a sample",
+        ),
+        ("{\"input_ids\": []}\n", ":1: input_ids is empty"),
+        (
+            "{\"input_ids\": [1,2], \"loss_mask\": [1]}\n",
+            ":1: loss_mask has 1 entries",
+        ),
+        (
+            "{\"input_ids\": [1,2], \"loss_mask\": [1, 2]}\n",
+            ":1: loss_mask entries must be 0 or 1",
+        ),
+        (
+            "{\"input_ids\": [1,2,3,4,5,6,7,8,9]}\n",
+            ":1: 9 tokens, more than data.max_len 8",
+        ),
+        (
+            "\n{\"input_ids\": [1.5]}\n",
+            ":2: not a sample: invalid type: floating point",
+        ),
+        (
+            "{\"input_ids\": [-1]}\n",
+            ":1: not a sample: invalid value: integer `-1`",
+        ),
+        (
+            "{\"input_ids\": [4294967296]}\n",
+            ":1: not a sample: invalid value: integer `4294967296`",
+        ),
+        ("{\"ids\": [1]}\n", ":1: not a sample"),
+        ("\n\n", "has no samples"),
+    ];
+    for (text, want) in cases {
+        let err = jsonl(text, 8).unwrap_err().to_string();
+        assert!(
+            err.contains(want) && err.contains("train.jsonl"),
+            "{err:?} should contain {want:?}"
+        );
+    }
+    let err = prepare(
+        Path::new("/nonexistent/x.jsonl"),
+        8,
+        Path::new("/nonexistent/cache"),
+        None,
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("/nonexistent/x.jsonl"), "{err}");
+}
+
+#[test]
+fn a_failed_conversion_leaves_nothing_in_the_cache() {
+    let d = Dir::new("fail");
+    let input = d.file("bad.jsonl", b"{\"input_ids\": [1]}\n{\"input_ids\": []}\n");
+    let cache = d.0.join("cache");
+    assert!(prepare(&input, 8, &cache, None, &mut |_| {}).is_err());
+    assert!(!cache.exists(), "the cache directory it made is gone again");
+}
+
+/// Changes sample 0's one id (0 to 9): the same size, and the modification time put back.
+fn edit_keeping_size_and_mtime(input: &Path, text: &str) {
+    let changed = text.replacen("\"input_ids\": [0]", "\"input_ids\": [9]", 1);
+    assert!(changed.len() == text.len() && changed != text);
+    let t = std::fs::metadata(input).unwrap().modified().unwrap();
+    std::fs::write(input, &changed).unwrap();
+    let f = std::fs::File::options().write(true).open(input).unwrap();
+    f.set_modified(t).unwrap();
+}
+
+#[test]
+fn the_cache_is_reused_for_the_same_bytes_and_not_for_changed_ones() {
+    let d = Dir::new("cache");
+    let cache = d.0.join("cache");
+    let text = jsonl_of(&samples(50));
+    let input = d.file("train.jsonl", text.as_bytes());
+    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!first.reused);
+    assert_eq!(first.kind, Kind::Jsonl);
+    let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let made = mtime(&first.path);
+
+    // The same bytes: the same file, not written again.
+    let again = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(again.reused);
+    assert_eq!(
+        (again.path.clone(), mtime(&again.path)),
+        (first.path.clone(), made)
+    );
+    // The same bytes under another name: still the same content.
+    let copy = d.file("copy.jsonl", text.as_bytes());
+    assert_eq!(
+        prepare(&copy, 512, &cache, None, &mut |_| {}).unwrap().path,
+        first.path
+    );
+
+    // One id changed, same size and modification time: converted again, to another file.
+    edit_keeping_size_and_mtime(&input, &text);
+    let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!third.reused);
+    assert_ne!(third.path, first.path);
+    assert_eq!(read_all(&Mapped::open(&third.path).unwrap())[0].0[0], 9);
+
+    // Another max_len decides other refusals: another key.
+    let fourth = prepare(&input, 4096, &cache, None, &mut |_| {}).unwrap();
+    assert!(!fourth.reused);
+    assert_ne!(fourth.path, third.path);
+}
+
+#[test]
+fn a_truncated_or_foreign_cache_file_is_a_clear_error() {
+    let d = Dir::new("bad-cache");
+    let cache = d.0.join("cache");
+    let input = d.file("train.jsonl", jsonl_of(&samples(50)).as_bytes());
+    let p = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let good = std::fs::read(&p.path).unwrap();
+
+    std::fs::write(&p.path, &good[..good.len() / 2]).unwrap();
+    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&*p.path.to_string_lossy()) && err.contains("truncated or not hspipe's"),
+        "{err}"
+    );
+
+    std::fs::write(&p.path, b"{\"input_ids\": [1]}\n").unwrap();
+    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not an Arrow IPC file") && err.contains("delete it"),
+        "{err}"
+    );
+
+    // A good prepared file of other data, under this input's key.
+    let other = d.file("other.jsonl", b"{\"input_ids\": [1]}\n");
+    let o = prepare(&other, 512, &cache, None, &mut |_| {}).unwrap();
+    std::fs::copy(&o.path, &p.path).unwrap();
+    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("the data of key {}", o.key)) && err.contains(&p.key),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_prepared_file_given_as_input_is_used_as_it_is() {
+    let d = Dir::new("direct");
+    let input = d.file("train.jsonl", jsonl_of(&samples(20)).as_bytes());
+    let out = d.0.join("train.arrow");
+    let p = prepare(&input, 512, &d.0.join("unused"), Some(&out), &mut |_| {}).unwrap();
+    assert_eq!(p.path, out);
+    assert!(!d.0.join("unused").exists());
+    let q = prepare(&out, 512, &d.0.join("unused"), None, &mut |_| {}).unwrap();
+    assert_eq!(
+        (q.path.clone(), q.reused, q.key.clone()),
+        (out.clone(), true, p.key.clone())
+    );
+    assert_eq!(q.kind, Kind::ArrowFile { prepared: true });
+    // Under a smaller max_len its longest sample is refused, by row.
+    let longest = samples(20).iter().map(|s| s.0.len()).max().unwrap();
+    let err = prepare(&out, 10, &d.0.join("unused"), None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("train.arrow: row ") && err.contains("more than data.max_len 10"),
+        "{err} ({longest})"
+    );
+}
+
+#[test]
+fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
+    let d = Dir::new("stamp");
+    let cache = d.0.join("cache");
+    let text = jsonl_of(&samples(50));
+    let input = d.file("train.jsonl", text.as_bytes());
+    // A stamp is only written for files whose times are over 2 s old (a write in the same
+    // tick as the stamp could go unseen otherwise): let them age.
+    std::thread::sleep(std::time::Duration::from_millis(2200));
+    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!first.reused && !first.key_from_stamp);
+    let mut hashed = false;
+    let again = prepare(&input, 512, &cache, None, &mut |p| {
+        hashed |= p.stage == crate::Stage::Hashing
+    })
+    .unwrap();
+    assert!(
+        again.reused && again.key_from_stamp && !hashed,
+        "not read again"
+    );
+    assert_eq!(
+        (again.path.clone(), again.key.clone()),
+        (first.path.clone(), first.key.clone())
+    );
+
+    // One byte changed, size and modification time put back: the change time moved, so the
+    // stamp does not match; hashed, converted again.
+    edit_keeping_size_and_mtime(&input, &text);
+    let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(!third.reused && !third.key_from_stamp);
+    assert_ne!(third.key, first.key);
+    // Its times are fresh: no stamp was trusted or written, so it is hashed again.
+    let fourth = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(fourth.reused && !fourth.key_from_stamp);
+    assert_eq!(fourth.key, third.key);
+}

@@ -1,0 +1,222 @@
+//! The launcher's side of the data: preparing `--data` once (with a progress bar on a
+//! terminal, a line every 10 s otherwise), the `launcher prepare` command, and the record of
+//! which prepared data a run uses (`<run-dir>/dataset.json`), so a resume refuses data that
+//! changed.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use dataset::{Progress, Stage, Unit};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use proto::PipelineConfig;
+use serde::{Deserialize, Serialize};
+
+/// Prepare training data once into the memory-mapped Arrow file every process of a run maps,
+/// e.g. on a CPU machine, to copy beside the runs of a GPU machine.
+///
+/// The input is JSONL (one {"input_ids": [...], "loss_mask": [...]} per line, mask optional),
+/// Parquet or an Arrow IPC file or stream with input_ids (and optionally loss_mask) list
+/// columns, or an HF `datasets` save_to_disk directory. Parquet is read through pyarrow
+/// (Python 3; HSPIPE_PYTHON names the interpreter, default python3).
+///
+/// The prepared file goes to the cache (DIR/<content key>.arrow), where a launcher whose run
+/// directory is beside DIR finds it without converting again; or, with -o, to a file of your
+/// choice that `launcher --data FILE` uses as it is.
+///
+/// Examples:
+///   launcher prepare train.jsonl                       into runs/data-cache/
+///   launcher prepare hf_dataset/train -o train.arrow   a file to copy to another machine
+///   launcher --targets 0-4 --drafters 5-7 --data train.arrow
+#[derive(Parser, Debug)]
+#[command(name = "launcher prepare", verbatim_doc_comment)]
+pub struct PrepareArgs {
+    /// The input: a JSONL, Parquet or Arrow file, or an HF datasets directory.
+    pub input: PathBuf,
+    /// Pipeline config (for data.max_len, which decides what is refused).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Cache directory (default: runs/data-cache, the cache of runs under runs/).
+    #[arg(long, value_name = "DIR", conflicts_with = "out")]
+    pub data_cache: Option<PathBuf>,
+    /// Write the prepared file here instead of the cache.
+    #[arg(short, long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+/// `launcher prepare`: exit code 0, or an error.
+pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
+    let cfg = match &args.config {
+        Some(p) => PipelineConfig::load(p)?,
+        None => PipelineConfig::default(),
+    };
+    let cache = args
+        .data_cache
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join("data-cache"));
+    let (p, line) = prepare(&args.input, cfg.data.max_len, &cache, args.out.as_deref())?;
+    println!("{line}");
+    println!("{}", p.path.display());
+    Ok(0)
+}
+
+/// Prepares `input` (or finds it prepared); returns the outcome and a line for the user.
+pub fn prepare(
+    input: &Path,
+    max_len: u32,
+    cache: &Path,
+    out: Option<&Path>,
+) -> anyhow::Result<(dataset::Prepared, String)> {
+    let started = Instant::now();
+    let mut show = Show::new(input);
+    let p = dataset::prepare(input, max_len, cache, out, &mut |pr| show.update(pr))
+        .context("preparing the dataset");
+    show.done();
+    let mut p = p?;
+    p.path =
+        std::path::absolute(&p.path).with_context(|| format!("resolving {}", p.path.display()))?;
+    let what = format!(
+        "{} ({}, {} samples, {:.1}M tokens)",
+        input.display(),
+        p.kind.name(),
+        p.samples,
+        p.tokens as f64 / 1e6
+    );
+    let secs = started.elapsed().as_secs_f64();
+    let line = if p.reused && p.kind == (dataset::Kind::ArrowFile { prepared: true }) {
+        format!("dataset: {what} is prepared; mapped as it is")
+    } else if p.reused {
+        let how = if p.key_from_stamp {
+            "its files unchanged since hashed"
+        } else {
+            "its content hashed"
+        };
+        format!(
+            "dataset: {what} was prepared before (content key {}, {how}, in {secs:.1} s): mapping {}",
+            p.key,
+            p.path.display()
+        )
+    } else {
+        format!(
+            "dataset: {what} prepared in {secs:.1} s into {}",
+            p.path.display()
+        )
+    };
+    Ok((p, line))
+}
+
+/// Progress of a preparation: a bar on a terminal, a line every 10 s otherwise.
+struct Show {
+    what: String,
+    bar: Option<ProgressBar>,
+    stage: Option<Stage>,
+    last_line: Instant,
+}
+
+impl Show {
+    fn new(input: &Path) -> Show {
+        Show {
+            what: input.display().to_string(),
+            bar: std::io::stderr()
+                .is_terminal()
+                .then(|| ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr())),
+            stage: None,
+            last_line: Instant::now(),
+        }
+    }
+
+    fn update(&mut self, p: Progress) {
+        let verb = match p.stage {
+            Stage::Hashing => "checking",
+            Stage::Converting => "preparing",
+        };
+        if let Some(bar) = &self.bar {
+            if self.stage != Some(p.stage) {
+                let template = match p.unit {
+                    Unit::Bytes => {
+                        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
+                    }
+                    Unit::Rows => "{msg} [{bar:30}] {pos}/{len} rows {per_sec} eta {eta}",
+                };
+                if let Ok(style) = ProgressStyle::with_template(template) {
+                    bar.set_style(style.progress_chars("=> "));
+                }
+                bar.reset();
+                bar.set_message(format!("{verb} {}", self.what));
+            }
+            bar.set_length(p.total.max(p.done));
+            bar.set_position(p.done);
+        } else if self.last_line.elapsed() >= Duration::from_secs(10) {
+            self.last_line = Instant::now();
+            let unit = if p.unit == Unit::Bytes {
+                "MB"
+            } else {
+                "k rows"
+            };
+            let scale = if p.unit == Unit::Bytes { 1e6 } else { 1e3 };
+            println!(
+                "dataset: {verb} {}: {:.0} of {:.0} {unit}",
+                self.what,
+                p.done as f64 / scale,
+                p.total as f64 / scale
+            );
+        }
+        self.stage = Some(p.stage);
+    }
+
+    fn done(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `<run-dir>/dataset.json`: the data a run was planned from.
+#[derive(Serialize, Deserialize)]
+pub struct Record {
+    pub input: PathBuf,
+    pub prepared: PathBuf,
+    pub key: String,
+    pub samples: u64,
+    pub tokens: u64,
+}
+
+pub fn record_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("dataset.json")
+}
+
+pub fn write_record(run_dir: &Path, input: &Path, p: &dataset::Prepared) -> anyhow::Result<()> {
+    let r = Record {
+        input: input.to_path_buf(),
+        prepared: p.path.clone(),
+        key: p.key.clone(),
+        samples: p.samples,
+        tokens: p.tokens,
+    };
+    let path = record_path(run_dir);
+    std::fs::write(&path, serde_json::to_string_pretty(&r)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Refuses to resume `run_dir` on data other than the data it was planned from.
+pub fn check_same(run_dir: &Path, now: &dataset::Prepared) -> anyhow::Result<()> {
+    let path = record_path(run_dir);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let was: Record =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    if was.key != now.key {
+        bail!(
+            "the data changed since this run started: {} has content key {} now, the run was planned from key {} (prepared file {}); resuming would follow another plan. Restore the data, or set data.path in {} to that prepared file",
+            was.input.display(),
+            now.key,
+            was.key,
+            was.prepared.display(),
+            run_dir.join("config.toml").display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! The batch plan: a contract between the launcher and every target.
+//!
+//! Planned batch `i` is work item `i` of the ring: the launcher sizes the ring's work table by
+//! the plan's length, and targets claim items by index, so every process must compute the same
+//! plan. It depends only on the samples' lengths (in dataset order) and the config: samples are
+//! grouped by length class (bucket), shuffled within each class (seeded), packed greedily
+//! under the token budget, and the batches interleaved by a seeded key so early work is not all
+//! one length. Processes read the lengths from the memory-mapped prepared dataset (the list
+//! offsets alone), so computing the plan never touches a token.
+
+use crate::PipelineConfig;
+
+/// One planned batch: samples of one length class, within the token budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedBatch {
+    pub sample_ids: Vec<u64>,
+    pub bucket: u32,
+    pub tokens: u64,
+}
+
+/// SplitMix64's finaliser: the seeded hash of the plan (and of the synthetic data).
+pub fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The batch plan for samples of these lengths (sample id = index). Identical in every process
+/// for the same lengths and config.
+pub fn plan(lengths: &[u32], cfg: &PipelineConfig) -> Vec<PlannedBatch> {
+    let buckets = cfg.ring.buckets.max(1);
+    let budget = u64::from(cfg.target.token_budget);
+    let mut by_bucket: Vec<Vec<u64>> = vec![Vec::new(); buckets as usize];
+    for (id, &len) in lengths.iter().enumerate() {
+        by_bucket[cfg.bucket_of(len) as usize].push(id as u64);
+    }
+    let mut out = Vec::new();
+    for (b, mut ids) in by_bucket.into_iter().enumerate() {
+        // Seeded Fisher-Yates: batches mix samples from across the dataset.
+        for i in (1..ids.len()).rev() {
+            let j = (mix(cfg.data.seed ^ mix(b as u64 * 1_000_003 + i as u64)) % (i as u64 + 1))
+                as usize;
+            ids.swap(i, j);
+        }
+        let new = || PlannedBatch {
+            sample_ids: Vec::new(),
+            bucket: b as u32,
+            tokens: 0,
+        };
+        let mut cur = new();
+        for id in ids {
+            let len = u64::from(lengths[id as usize]);
+            if !cur.sample_ids.is_empty() && cur.tokens + len > budget {
+                out.push(std::mem::replace(&mut cur, new()));
+            }
+            cur.sample_ids.push(id);
+            cur.tokens += len;
+        }
+        if !cur.sample_ids.is_empty() {
+            out.push(cur);
+        }
+    }
+    out.sort_by_key(|b| mix(cfg.data.seed ^ b.sample_ids[0]));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plan_covers_every_sample_once_within_budget_and_bucket() {
+        let c = PipelineConfig::default();
+        let lens: Vec<u32> = (0..1000u64).map(|i| 32 + (mix(i) % 4000) as u32).collect();
+        let p = plan(&lens, &c);
+        assert_eq!(p, plan(&lens, &c), "deterministic");
+        let mut ids: Vec<u64> = p.iter().flat_map(|b| b.sample_ids.clone()).collect();
+        ids.sort();
+        assert_eq!(ids, (0..1000).collect::<Vec<_>>());
+        for b in &p {
+            assert!(b.tokens <= u64::from(c.target.token_budget));
+            for &id in &b.sample_ids {
+                assert_eq!(c.bucket_of(lens[id as usize]), b.bucket);
+            }
+        }
+    }
+
+    /// The plan is a contract between processes and across versions: a run resumed by a newer
+    /// build must plan as the old one did. These batches were computed by the plan as it was
+    /// in target-worker before it moved here.
+    #[test]
+    fn the_plan_is_the_one_every_earlier_build_computed() {
+        let mut c = PipelineConfig::default();
+        c.target.token_budget = 300;
+        let lens: Vec<u32> = (0..40u64).map(|i| 1 + (mix(i) % 200) as u32).collect();
+        let p = plan(&lens, &c);
+        let digest = p.iter().fold(0u64, |h, b| {
+            b.sample_ids.iter().fold(
+                mix(h ^ u64::from(b.bucket) ^ b.tokens),
+                |h, &id| mix(h ^ id),
+            )
+        });
+        assert_eq!((p.len(), digest), (PINNED_LEN, PINNED_DIGEST));
+    }
+    const PINNED_LEN: usize = 16;
+    const PINNED_DIGEST: u64 = 0xfeae_d1f0_e20f_7e4c;
+}

@@ -1,0 +1,453 @@
+//! Data at scale (BENCHMARKS.md, "Data at scale"): a JSONL generator with a stated long-tailed
+//! length distribution, and a harness that measures preparing it (`launcher prepare`: wall
+//! time, peak RSS) and launching on it (time from the launcher's start to the first trained
+//! batch, and every process's peak memory), against another launcher binary (the JSONL path
+//! before the prepared data: every process parsed the whole file).
+//!
+//! ```text
+//! bench-data gen --mb 600 --out /tmp/d600.jsonl
+//! bench-data run --data /tmp/d600.jsonl --runs 3 --baseline /tmp/hspipe-base/target/release/launcher
+//! ```
+//!
+//! Lengths: log-normal, median 512 tokens, sigma 1.0, clamped to 16..=4096 (mean about 790:
+//! many short chats, a long tail of long documents); ids uniform below 151,936 (Qwen's
+//! vocabulary); one sample in four has a loss_mask (its first fifth 0). About 7.7 bytes of
+//! JSONL per token, so 600 MB is about 78M tokens in 99k samples.
+
+use std::collections::BTreeMap;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Writes a JSONL dataset of about MB megabytes.
+    Gen {
+        #[arg(long)]
+        mb: u64,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Measures preparing DATA and launching on it.
+    Run {
+        #[arg(long)]
+        data: PathBuf,
+        /// This tree's launcher.
+        #[arg(long, default_value = "target/release/launcher")]
+        launcher: PathBuf,
+        /// A launcher to compare with (e.g. one built from the commit before the prepared data).
+        #[arg(long)]
+        baseline: Option<PathBuf>,
+        /// Topology of the baseline's launches (its memory grows with the process count).
+        #[arg(long, default_value = "0-4")]
+        baseline_targets: String,
+        #[arg(long, default_value = "5-7")]
+        baseline_drafters: String,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Runs of the baseline (at most `runs`): at 3 GB each of its processes needs ~6 GB.
+        #[arg(long)]
+        baseline_runs: Option<usize>,
+        /// Scratch directory (cache, run directories); emptied first.
+        #[arg(long, default_value = "/tmp/hspipe-bench-data")]
+        work: PathBuf,
+    },
+}
+
+/// xorshift64*: a small seeded generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn unit(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f64 {
+        (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos()
+    }
+}
+
+fn gen(mb: u64, out: &Path, seed: u64) -> anyhow::Result<()> {
+    let f = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut w = BufWriter::with_capacity(1 << 22, f);
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let target = mb * 1_000_000;
+    let (mut bytes, mut samples, mut tokens) = (0u64, 0u64, 0u64);
+    let mut line = String::with_capacity(1 << 16);
+    while bytes < target {
+        let len = ((512f64.ln() + rng.normal()).exp().round() as u64).clamp(16, 4096);
+        line.clear();
+        line.push_str("{\"input_ids\": [");
+        for i in 0..len {
+            if i > 0 {
+                line.push_str(", ");
+            }
+            line.push_str(&(rng.next() % 151_936).to_string());
+        }
+        line.push(']');
+        if rng.next() % 4 == 0 {
+            line.push_str(", \"loss_mask\": [");
+            for i in 0..len {
+                line.push_str(if i == 0 { "" } else { ", " });
+                line.push(if i < len / 5 { '0' } else { '1' });
+            }
+            line.push(']');
+        }
+        line.push_str("}\n");
+        w.write_all(line.as_bytes())?;
+        bytes += line.len() as u64;
+        samples += 1;
+        tokens += len;
+    }
+    w.flush()?;
+    println!(
+        "{}: {:.1} MB, {samples} samples, {:.1}M tokens (mean {:.0} tokens a sample)",
+        out.display(),
+        bytes as f64 / 1e6,
+        tokens as f64 / 1e6,
+        tokens as f64 / samples as f64
+    );
+    Ok(())
+}
+
+/// Waits for `pid` and returns its exit code and peak RSS in KiB (the kernel's count).
+fn wait_rusage(pid: u32) -> anyhow::Result<(i32, u64)> {
+    let mut status = 0;
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: wait4 writes the status and the rusage struct, both valid for writes.
+    let r = unsafe { libc::wait4(pid as i32, &mut status, 0, ru.as_mut_ptr()) };
+    if r != pid as i32 {
+        bail!("wait4({pid}): {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: wait4 succeeded, so it filled the struct (zeroed before in any case).
+    let ru = unsafe { ru.assume_init() };
+    Ok((libc::WEXITSTATUS(status), ru.ru_maxrss as u64))
+}
+
+/// Peak figures of one process, in KiB: VmHWM (the kernel's peak RSS, with shared pages),
+/// and the largest RssAnon (private memory), RssFile (mapped files: the binary and the
+/// prepared data) and RssShmem (the ring's slots it touched) seen.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mem {
+    hwm: u64,
+    anon: u64,
+    file: u64,
+    shm: u64,
+}
+
+fn status_of(pid: u32) -> Option<(String, u32, Mem)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let (mut name, mut ppid, mut m) = (String::new(), 0, Mem::default());
+    for l in text.lines() {
+        let v = |l: &str| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+        };
+        match l.split(':').next() {
+            Some("Name") => name = l.split_whitespace().nth(1).unwrap_or("").to_string(),
+            Some("PPid") => ppid = v(l) as u32,
+            Some("VmHWM") => m.hwm = v(l),
+            Some("RssAnon") => m.anon = v(l),
+            Some("RssFile") => m.file = v(l),
+            Some("RssShmem") => m.shm = v(l),
+            _ => {}
+        }
+    }
+    Some((name, ppid, m))
+}
+
+/// One launch: seconds to the first published and the first trained batch, and each
+/// process's peak memory.
+struct Launch {
+    first_published_s: f64,
+    first_batch_s: f64,
+    procs: BTreeMap<u32, (String, Mem)>,
+}
+
+fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<Launch> {
+    let started = Instant::now();
+    let mut child = Command::new(launcher)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", launcher.display()))?;
+    let lpid = child.id();
+    let mut procs: BTreeMap<u32, (String, Mem)> = BTreeMap::new();
+    let mut first: Option<f64> = None;
+    let mut published: Option<f64> = None;
+    let mut ring: Option<shm_ring::Ring> = None;
+    let mut signalled = 0;
+    loop {
+        if let Some(st) = child.try_wait()? {
+            if first.is_none() {
+                bail!(
+                    "{} exited ({st}) before training a batch",
+                    launcher.display()
+                );
+            }
+            break;
+        }
+        // The launcher's children (the workers), from the kernel's lists of each of its
+        // threads: no /proc scan.
+        let mut pids = vec![lpid];
+        for t in std::fs::read_dir(format!("/proc/{lpid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(c) = std::fs::read_to_string(t.path().join("children")) {
+                pids.extend(c.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+            }
+        }
+        for pid in pids {
+            if let Some((name, _, m)) = status_of(pid) {
+                // The name seen last: a child is named after the launcher until it execs.
+                let e = procs.entry(pid).or_insert((String::new(), Mem::default()));
+                e.0 = name;
+                e.1.hwm = e.1.hwm.max(m.hwm);
+                e.1.anon = e.1.anon.max(m.anon);
+                e.1.file = e.1.file.max(m.file);
+                e.1.shm = e.1.shm.max(m.shm);
+            }
+        }
+        let t = started.elapsed().as_secs_f64();
+        if ring.is_none() {
+            if let Ok(name) = std::fs::read_to_string(run_dir.join("ring")) {
+                ring = shm_ring::Ring::open_read_only(name.trim()).ok();
+            }
+        }
+        if published.is_none()
+            && ring
+                .as_ref()
+                .is_some_and(|r| r.snapshot().counters.published > 0)
+        {
+            published = Some(t);
+        }
+        if first.is_none() {
+            let trained = (0..8).any(|d| {
+                std::fs::metadata(run_dir.join(format!("ledger/drafter-{d}.jsonl")))
+                    .is_ok_and(|m| m.len() > 0)
+            });
+            if trained {
+                first = Some(t);
+            }
+        }
+        // Two seconds of training after the first batch, then stop hard (two signals).
+        if let Some(f) = first {
+            if t > f + 2.0 && signalled < 2 {
+                // SAFETY: kill with a valid pid and signal; the child is ours and not reaped.
+                unsafe { libc::kill(lpid as i32, libc::SIGTERM) };
+                signalled += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        if started.elapsed() > Duration::from_secs(900) {
+            let _ = child.kill();
+            bail!("launch hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(Launch {
+        first_published_s: published.unwrap_or(f64::NAN),
+        first_batch_s: first.unwrap_or(f64::NAN),
+        procs,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// Medians over the runs of: first batch, launcher peak, largest target and drafter peaks
+/// (VmHWM and private), and the sum of every process's peak.
+fn summarise(name: &str, ls: &[Launch]) {
+    let pick = |l: &Launch, who: &str, f: fn(&Mem) -> u64| {
+        l.procs
+            .values()
+            .filter(|(n, _)| n.starts_with(who))
+            .map(|(_, m)| f(m))
+            .max()
+            .unwrap_or(0)
+    };
+    let med = |f: &dyn Fn(&Launch) -> f64| median(ls.iter().map(f).collect());
+    println!(
+        "| {name} | {:.2} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
+        med(&|l| l.first_published_s),
+        med(&|l| l.first_batch_s),
+        med(&|l| mib(pick(l, "launcher", |m| m.hwm))),
+        med(&|l| mib(pick(l, "launcher", |m| m.anon))),
+        med(&|l| mib(pick(l, "target", |m| m.hwm))),
+        med(&|l| mib(pick(l, "target", |m| m.anon))),
+        med(&|l| mib(pick(l, "target", |m| m.file))),
+        med(&|l| mib(pick(l, "target", |m| m.shm))),
+        med(&|l| mib(pick(l, "drafter", |m| m.hwm))),
+        med(&|l| mib(pick(l, "drafter", |m| m.anon))),
+        med(&|l| mib(l.procs.values().map(|(_, m)| m.hwm).sum())),
+        med(&|l| mib(l.procs.values().map(|(_, m)| m.anon).sum())),
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    data: &Path,
+    launcher: &Path,
+    baseline: Option<&Path>,
+    bt: &str,
+    bd: &str,
+    runs: usize,
+    baseline_runs: usize,
+    work: &Path,
+) -> anyhow::Result<()> {
+    let _ = std::fs::remove_dir_all(work);
+    std::fs::create_dir_all(work)?;
+    let size = std::fs::metadata(data)?.len() as f64 / 1e6;
+    let cache = work.join("cache");
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    // Preparing: a cold cache each time (the input itself is in the page cache after the
+    // first read, as on a re-run).
+    let (mut secs, mut rss) = (Vec::new(), Vec::new());
+    let mut prepared = PathBuf::new();
+    for _ in 0..runs {
+        let _ = std::fs::remove_dir_all(&cache);
+        let t = Instant::now();
+        let child = Command::new(launcher)
+            .args(["prepare", &s(data), "--data-cache", &s(&cache)])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let pid = child.id();
+        let (code, kib) = wait_rusage(pid)?;
+        secs.push(t.elapsed().as_secs_f64());
+        rss.push(mib(kib));
+        if code != 0 {
+            bail!("launcher prepare exited {code}");
+        }
+        prepared = std::fs::read_dir(&cache)?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "arrow"))
+            .context("no prepared file")?;
+    }
+    let psize = std::fs::metadata(&prepared)?.len() as f64 / 1e6;
+    println!(
+        "{}: {size:.0} MB of JSONL; prepared file {psize:.0} MB; prepare: {:.2} s, peak RSS {:.0} MiB (medians of {runs})",
+        data.display(),
+        median(secs),
+        median(rss)
+    );
+    // Launches, interleaved so every mode sees the same machine.
+    let mut modes: Vec<(&str, PathBuf, Vec<String>)> = vec![
+        (
+            "prepared data, --data the JSONL (content key checked)",
+            launcher.to_path_buf(),
+            vec!["--data".into(), s(data), "--data-cache".into(), s(&cache)],
+        ),
+        (
+            "prepared data, --data the prepared file",
+            launcher.to_path_buf(),
+            vec!["--data".into(), s(&prepared)],
+        ),
+    ];
+    // The floor: the same launch on the built-in synthetic data (no file at all), so the mock
+    // pipeline's own time to a first batch (simulated compute, min_ready) shows apart.
+    modes.push((
+        "built-in synthetic data, 2000 samples (no file: the floor)",
+        launcher.to_path_buf(),
+        vec!["--synthetic".into(), "2000".into()],
+    ));
+    if let Some(b) = baseline {
+        modes.push((
+            "every process parses the JSONL (before)",
+            b.to_path_buf(),
+            vec!["--data".into(), s(data)],
+        ));
+    }
+    let mut results: Vec<Vec<Launch>> = modes.iter().map(|_| Vec::new()).collect();
+    for r in 0..runs {
+        for (k, (name, exe, extra)) in modes.iter().enumerate() {
+            if exe != launcher && r >= baseline_runs {
+                continue;
+            }
+            let run_dir = work.join(format!("run-{k}-{r}"));
+            let before = exe != launcher;
+            let (t, d) = if before { (bt, bd) } else { ("0-4", "5-7") };
+            let mut args: Vec<String> = [
+                "--targets",
+                t,
+                "--drafters",
+                d,
+                "--monitor",
+                "5",
+                "--run-dir",
+            ]
+            .map(String::from)
+            .to_vec();
+            args.push(s(&run_dir));
+            args.extend(extra.iter().cloned());
+            let l = launch(exe, &args, &run_dir).with_context(|| format!("{name}, run {r}"))?;
+            results[k].push(l);
+            let _ = std::fs::remove_dir_all(&run_dir);
+        }
+    }
+    println!("| launch | first batch published (s) | first batch trained (s) | launcher peak / private (MiB) | largest target peak / private / files / ring (MiB) | largest drafter peak / private (MiB) | all processes: sum of peaks / private (MiB) |");
+    println!("|---|---|---|---|---|---|---|");
+    for (k, (name, _, _)) in modes.iter().enumerate() {
+        summarise(name, &results[k]);
+    }
+    let _ = std::fs::remove_dir_all(work);
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    match Args::parse().cmd {
+        Cmd::Gen { mb, out, seed } => gen(mb, &out, seed),
+        Cmd::Run {
+            data,
+            launcher,
+            baseline,
+            baseline_targets,
+            baseline_drafters,
+            runs,
+            baseline_runs,
+            work,
+        } => run(
+            &data,
+            &launcher,
+            baseline.as_deref(),
+            &baseline_targets,
+            &baseline_drafters,
+            runs,
+            baseline_runs.unwrap_or(runs),
+            &work,
+        ),
+    }
+}

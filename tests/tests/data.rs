@@ -1,0 +1,575 @@
+//! Training data end to end: the same samples through JSONL, Parquet and an HF `datasets`
+//! directory plan and train the same; pyarrow reads the prepared file and we read pyarrow's;
+//! bad rows in every format are named; the cache is reused by re-runs, a resume and a
+//! restarted target, and refused when damaged; a resume refuses changed data.
+//!
+//! Fixtures come from `tests/py/fixtures.py`, run with the Python that `scripts/test.sh`
+//! provides (`.venv`, with pyarrow and datasets; `HSPIPE_PYTHON` names it). Without it these
+//! tests fail, saying so: they never skip.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use drafter_worker::{ledger_path, LedgerLine};
+use proto::PipelineConfig;
+
+use crate::launcher::{kill, no_segment_of};
+use crate::support::{spawn, stale_segments_shared, unique, workspace_bin, Proc, WATCHDOG};
+
+/// The Python with pyarrow and datasets: `HSPIPE_PYTHON`, else the repository's `.venv`.
+/// Panics, saying how to get one, when it is missing.
+fn python() -> String {
+    static SET: Once = Once::new();
+    let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python");
+    // Before any test of this module starts a process that reads it (the launcher reads
+    // Parquet through it); scripts/test.sh sets it for the whole run.
+    SET.call_once(|| {
+        if std::env::var_os(dataset::PYTHON_ENV).is_none() {
+            std::env::set_var(dataset::PYTHON_ENV, venv);
+        }
+    });
+    let py = std::env::var(dataset::PYTHON_ENV).unwrap();
+    let out = Command::new(&py)
+        .args(["-c", "import pyarrow, datasets"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => py,
+        Ok(o) => panic!(
+            "the data tests need Python with pyarrow and datasets, and {py} has not them ({}): run scripts/test.sh, which installs them into .venv, or set {} to a Python that has them",
+            String::from_utf8_lossy(&o.stderr).trim(),
+            dataset::PYTHON_ENV
+        ),
+        Err(e) => panic!(
+            "the data tests need Python with pyarrow and datasets, and {py} cannot run ({e}): run scripts/test.sh, which makes .venv with them, or set {} to a Python that has them",
+            dataset::PYTHON_ENV
+        ),
+    }
+}
+
+/// Runs `tests/py/fixtures.py` with `args`; returns its stdout.
+fn fixtures(args: &[&str]) -> String {
+    let py = python();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/py/fixtures.py");
+    let out = Command::new(&py)
+        .arg(script)
+        .args(args)
+        .env("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        .env("HF_DATASETS_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fixtures.py {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A test's directory, removed at the end unless the test failed.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        let d = std::env::temp_dir().join(unique(tag));
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+    fn s(&self, name: &str) -> String {
+        self.path(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+type Owned = (Vec<u32>, Option<Vec<u8>>);
+
+/// `n` samples of 16..=512 tokens; every third without a mask.
+fn samples(n: usize) -> Vec<Owned> {
+    (0..n)
+        .map(|i| {
+            let h = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+            let len = 16 + (h % 497) as usize;
+            let ids = (0..len)
+                .map(|j| ((h as usize + j * 7) % 150_000) as u32)
+                .collect();
+            let mask = (i % 3 != 0).then(|| (0..len).map(|j| u8::from(j >= len / 5)).collect());
+            (ids, mask)
+        })
+        .collect()
+}
+
+fn jsonl_of(data: &[Owned]) -> String {
+    data.iter()
+        .map(|(ids, mask)| match mask {
+            Some(m) => format!("{{\"input_ids\": {ids:?}, \"loss_mask\": {m:?}}}\n"),
+            None => format!("{{\"input_ids\": {ids:?}}}\n"),
+        })
+        .collect()
+}
+
+fn samples_json(data: &[Owned]) -> String {
+    let v: Vec<serde_json::Value> = data
+        .iter()
+        .map(|(ids, mask)| serde_json::json!({"input_ids": ids, "loss_mask": mask}))
+        .collect();
+    serde_json::to_string(&v).unwrap()
+}
+
+fn read_all(m: &dataset::Mapped) -> Vec<Owned> {
+    (0..m.len())
+        .map(|i| {
+            let s = m.sample(i).unwrap();
+            (s.input_ids.to_vec(), s.loss_mask.map(<[u8]>::to_vec))
+        })
+        .collect()
+}
+
+fn prepare(
+    input: &Path,
+    max_len: u32,
+    cache: &Path,
+) -> Result<dataset::Prepared, dataset::DataError> {
+    dataset::prepare(input, max_len, cache, None, &mut |_| {})
+}
+
+/// A config for quick runs over 16..=512-token samples; `tokens_per_s` sets both sides' speed.
+fn run_config(dir: &Dir, tokens_per_s: f64, extra: &str) -> PathBuf {
+    let p = dir.path("run.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 16\nmax_len = 512\n[target]\ntoken_budget = 2048\ntokens_per_s = {tokens_per_s:.1}\n[drafter]\ntokens_per_s = {tokens_per_s:.1}\ncheckpoint_every = 3\n{extra}"
+        ),
+    )
+    .unwrap();
+    p
+}
+
+/// Starts `launcher` (5 targets, 3 drafters) with `config` (None: a resume) and `args`.
+fn launch(config: Option<&Path>, args: &[&str]) -> Proc {
+    let mut all = vec!["--targets", "0-4", "--drafters", "5-7", "--monitor", "0.5"];
+    if let Some(c) = config {
+        all.extend(["--config", c.to_str().unwrap()]);
+    }
+    all.extend_from_slice(args);
+    spawn(&workspace_bin("launcher"), &all)
+}
+
+/// Every ledger line of a run, by batch: its sorted sample ids and tokens.
+fn trained(run_dir: &Path) -> BTreeMap<u64, (Vec<u64>, u64)> {
+    let mut out = BTreeMap::new();
+    for d in 0..3 {
+        let text = std::fs::read_to_string(ledger_path(run_dir, d)).unwrap_or_default();
+        for l in text.lines() {
+            let l: LedgerLine = serde_json::from_str(l).unwrap();
+            let mut ids = l.sample_ids.clone();
+            ids.sort_unstable();
+            out.insert(l.batch_id, (ids, l.tokens));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_same_samples_as_jsonl_parquet_and_a_datasets_directory_plan_and_train_the_same() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dformats");
+    let data = samples(300);
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&data)).unwrap();
+    std::fs::write(dir.path("samples.json"), samples_json(&data)).unwrap();
+    fixtures(&["formats", &dir.s("samples.json"), &dir.s("")]);
+    let config = run_config(&dir, 2_000_000.0, "");
+    let cfg = PipelineConfig::load(&config).unwrap();
+    let inputs = ["train.jsonl", "train.parquet", "hf"];
+
+    // The library: the same samples (a missing mask stays missing), so the same plan.
+    let mut plans = Vec::new();
+    for input in inputs {
+        let p = prepare(&dir.path(input), 512, &dir.path("cache")).unwrap();
+        let m = dataset::Mapped::open(&p.path).unwrap();
+        assert_eq!(read_all(&m), data, "{input}");
+        plans.push(proto::plan::plan(&m.lengths(), &cfg));
+    }
+    assert!(plans.len() == 3 && plans[0] == plans[1] && plans[0] == plans[2]);
+
+    // End to end: each format trains the same batches with the same samples.
+    let mut runs = Vec::new();
+    for input in inputs {
+        let run_dir = dir.path(&format!("run-{}", input.replace('.', "-")));
+        let l = launch(
+            Some(&config),
+            &[
+                "--data",
+                &dir.s(input),
+                "--run-dir",
+                run_dir.to_str().unwrap(),
+            ],
+        );
+        let out = l.finish();
+        assert!(
+            out.contains("exit code 0") && out.contains("prepared in"),
+            "{input}: {out}"
+        );
+        runs.push(trained(&run_dir));
+    }
+    assert_eq!(runs[0].len(), plans[0].len(), "every planned batch trained");
+    let samples: usize = runs[0].values().map(|(ids, _)| ids.len()).sum();
+    assert_eq!(samples, 300);
+    assert_eq!(runs[0], runs[1], "JSONL and Parquet");
+    assert_eq!(runs[0], runs[2], "JSONL and the datasets directory");
+}
+
+#[test]
+fn pyarrow_reads_what_we_write_and_we_map_what_pyarrow_writes() {
+    let dir = Dir::new("dinterop");
+    let data = samples(40);
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&data)).unwrap();
+    let out = dir.path("train.arrow");
+    let p = dataset::prepare(
+        &dir.path("train.jsonl"),
+        512,
+        &dir.path("unused"),
+        Some(&out),
+        &mut |_| {},
+    )
+    .unwrap();
+
+    // pyarrow: a valid Arrow file (validated in full), our columns, types and metadata.
+    let got: serde_json::Value =
+        serde_json::from_str(&fixtures(&["read", &dir.s("train.arrow")])).unwrap();
+    let ids: Vec<Vec<u32>> = serde_json::from_value(got["input_ids"].clone()).unwrap();
+    let masks: Vec<Option<Vec<u8>>> = serde_json::from_value(got["loss_mask"].clone()).unwrap();
+    let back: Vec<Owned> = ids.into_iter().zip(masks).collect();
+    assert_eq!(back, data);
+    assert_eq!(got["metadata"]["hspipe.key"], p.key.as_str());
+    assert_eq!(got["metadata"]["hspipe.dataset"], dataset::FORMAT_VERSION);
+    assert_eq!(got["types"][0], "list<item: uint32 not null>");
+    assert_eq!(got["types"][1], "list<item: uint8 not null>");
+
+    // What pyarrow writes (three record batches, other columns between ours) maps as it is.
+    fixtures(&["arrow", &dir.s("")]);
+    let m = dataset::Mapped::open(&dir.path("pyarrow.arrow")).unwrap();
+    let mut want: Vec<Owned> = Vec::new();
+    for k in 0..3u32 {
+        for i in 0..5 + k {
+            let ids = (0..=i).map(|j| k * 100 + i + j).collect();
+            let mask = (i % 2 == 0).then(|| vec![1u8; i as usize + 1]);
+            want.push((ids, mask));
+        }
+    }
+    assert_eq!(read_all(&m), want);
+    // And converts to the same samples; a large_list<int16> stream converts too.
+    let c = prepare(&dir.path("pyarrow.arrow"), 512, &dir.path("cache")).unwrap();
+    assert_eq!(c.kind, dataset::Kind::ArrowFile { prepared: false });
+    assert_eq!(read_all(&dataset::Mapped::open(&c.path).unwrap()), want);
+    let s = prepare(&dir.path("stream.arrows"), 512, &dir.path("cache")).unwrap();
+    assert_eq!(s.kind, dataset::Kind::ArrowStream);
+    assert_eq!(
+        read_all(&dataset::Mapped::open(&s.path).unwrap()),
+        vec![(vec![7, 8], None), (vec![9], None)]
+    );
+}
+
+#[test]
+fn bad_rows_in_every_format_are_named_by_file_and_row() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dbad");
+    fixtures(&["bad", &dir.s("")]);
+    let cases = [
+        ("negative.parquet", "negative.parquet: row 2: input_ids[1] = -5 is out of range for a token id"),
+        ("too_big.parquet", "too_big.parquet: row 2: input_ids[0] = 4294967296 is out of range"),
+        ("empty.parquet", "empty.parquet: row 2: input_ids is empty"),
+        ("null_row.parquet", "null_row.parquet: row 2: input_ids is null"),
+        ("null_id.parquet", "null_id.parquet: row 2: input_ids[1] is null"),
+        ("too_long.parquet", "too_long.parquet: row 2: 9 tokens, more than data.max_len 8"),
+        ("mask_length.parquet", "mask_length.parquet: row 2: loss_mask has 1 entries, input_ids has 2"),
+        ("mask_value.parquet", "mask_value.parquet: row 2: loss_mask entries must be 0 or 1"),
+        ("float_ids.parquet", "column input_ids has type list<floating point>; it must be a list of integer token ids"),
+        ("no_column.parquet", "no input_ids column (columns: ids)"),
+        ("not.parquet", "named .parquet, but it does not start like a parquet file"),
+        ("corrupt.parquet", "pyarrow could not read it"),
+        // Rows count across an HF directory's shards.
+        ("hf_too_big", "hf_too_big/data-00001-of-00002.arrow: row 5: input_ids[0] = 4294967297 is out of range"),
+        ("hf_mask_value", "hf_mask_value/data-00000-of-00001.arrow: row 2: loss_mask entries must be 0 or 1"),
+        ("hf_empty", "hf_empty/data-00000-of-00001.arrow: row 1: input_ids is empty"),
+        ("hf_dict", "a DatasetDict (splits: "),
+    ];
+    for (input, want) in cases {
+        let err = prepare(&dir.path(input), 8, &dir.path("cache"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{input}: {err:?} should say {want:?}");
+    }
+    assert!(!dir.path("cache").exists(), "nothing left half-written");
+
+    // Through the launcher: exit 1, the row named, no panic, nothing left in /dev/shm.
+    let config = run_config(&dir, 2_000_000.0, "");
+    let l = launch(
+        Some(&config),
+        &[
+            "--data",
+            &dir.s("negative.parquet"),
+            "--run-dir",
+            &dir.s("run"),
+        ],
+    );
+    let pid = l.child.id();
+    let (status, err) = l.wait_status_keep();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("error: preparing the dataset: ") && err.contains("row 2: input_ids[1] = -5"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    no_segment_of(pid);
+
+    // Without pyarrow, Parquet is an error that says how to get it.
+    let l = Command::new(workspace_bin("launcher"))
+        .args([
+            "prepare",
+            &dir.s("negative.parquet"),
+            "--data-cache",
+            &dir.s("cache"),
+        ])
+        .env(dataset::PYTHON_ENV, "/nonexistent/python3")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&l.stderr);
+    assert_eq!(l.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("could not start /nonexistent/python3") && err.contains("pip install pyarrow"),
+        "{err}"
+    );
+}
+
+/// The prepared files in a cache (not its stamps).
+fn cache_files(cache: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Waits until some drafter has trained a batch of `run_dir`.
+fn wait_trained(run_dir: &Path, what: &str) {
+    let deadline = Instant::now() + WATCHDOG;
+    while trained(run_dir).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: nothing trained in {WATCHDOG:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_refuses_changed_data(
+) {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dcache");
+    let text = jsonl_of(&samples(400));
+    std::fs::write(dir.path("train.jsonl"), &text).unwrap();
+    let cache = dir.path("cache");
+    // Target 1 crashes after every two batches (each incarnation counts anew) and is
+    // restarted as often as that takes.
+    let config = run_config(&dir, 2_000_000.0, "[faults.target-1]\ncrash_after = 2\n");
+    let args = |run: &str| {
+        vec![
+            "--max-restarts".to_string(),
+            "100".into(),
+            "--data".into(),
+            dir.s("train.jsonl"),
+            "--data-cache".into(),
+            cache.to_string_lossy().into_owned(),
+            "--run-dir".into(),
+            dir.s(run),
+        ]
+    };
+
+    let out = launch(Some(&config), &strs(&args("run1"))).finish();
+    assert!(
+        out.contains("prepared in") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let files = cache_files(&cache);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let made = std::fs::metadata(&files[0]).unwrap().modified().unwrap();
+    // The restarted target mapped the prepared file again; no target converted anything.
+    let log = std::fs::read_to_string(dir.path("run1/logs/target-1.log")).unwrap();
+    let mapped = format!("{} (mapped, 400 samples)", files[0].display());
+    assert!(
+        log.matches(&mapped).count() >= 2,
+        "two incarnations map it: {log}"
+    );
+    assert!(out.contains("target-1 restarted"), "{out}");
+
+    // A re-run: found by content, not converted again.
+    let out = launch(Some(&config), &strs(&args("run2"))).finish();
+    assert!(
+        out.contains("was prepared before") && !out.contains("prepared in"),
+        "{out}"
+    );
+    assert_eq!(cache_files(&cache), files);
+    assert_eq!(
+        std::fs::metadata(&files[0]).unwrap().modified().unwrap(),
+        made
+    );
+
+    // A run stopped early, then resumed: the data changed in between is refused, the same
+    // data is reused.
+    let slow = run_config(&dir, 3000.0, "");
+    let l = launch(Some(&slow), &strs(&args("run3")));
+    wait_trained(&dir.path("run3"), "run3");
+    kill(l.child.id(), libc::SIGINT);
+    assert_eq!(l.wait_status().code(), Some(130));
+    let changed = text.replacen("\"input_ids\": [", "\"input_ids\": [1", 1);
+    std::fs::write(dir.path("train.jsonl"), &changed).unwrap();
+    let resume = [
+        "--resume",
+        &dir.s("run3"),
+        "--data-cache",
+        cache.to_str().unwrap(),
+    ];
+    let l = launch(None, &resume);
+    let (status, err) = l.wait_status_keep();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the data changed since this run started"),
+        "{err}"
+    );
+    assert_eq!(
+        cache_files(&cache).len(),
+        2,
+        "the changed data was prepared (to compare)"
+    );
+    std::fs::write(dir.path("train.jsonl"), &text).unwrap();
+    let out = launch(None, &resume).finish();
+    assert!(
+        out.contains("was prepared before") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run3/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (s["ok"].clone(), s["samples_trained"].clone()),
+        (true.into(), 400.into())
+    );
+}
+
+/// `launcher prepare ARGS`, which must succeed; returns its stdout.
+fn launcher_prepare(args: &[&str]) -> String {
+    let out = Command::new(workspace_bin("launcher"))
+        .arg("prepare")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn a_truncated_or_foreign_cache_file_stops_the_launcher_with_a_clear_error() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dtrunc");
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(60))).unwrap();
+    let config = run_config(&dir, 2_000_000.0, "");
+    let stdout = launcher_prepare(&[
+        &dir.s("train.jsonl"),
+        "--config",
+        config.to_str().unwrap(),
+        "--data-cache",
+        &dir.s("cache"),
+    ]);
+    let cached = PathBuf::from(stdout.lines().last().unwrap());
+    assert!(cached.starts_with(dir.path("cache")), "{stdout}");
+    let good = std::fs::read(&cached).unwrap();
+    let run = |n: &str| {
+        [
+            "--data",
+            &dir.s("train.jsonl"),
+            "--data-cache",
+            &dir.s("cache"),
+            "--run-dir",
+            &dir.s(n),
+        ]
+        .map(String::from)
+    };
+
+    for (n, bytes) in [
+        ("cut", good[..good.len() - 100].to_vec()),
+        ("foreign", b"{\"input_ids\": [1, 2]}\n".to_vec()),
+    ] {
+        std::fs::write(&cached, &bytes).unwrap();
+        let args = run(n);
+        let l = launch(
+            Some(&config),
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let pid = l.child.id();
+        let (status, err) = l.wait_status_keep();
+        assert_eq!(status.code(), Some(1), "{n}: {err}");
+        assert!(
+            err.contains(&format!("prepared data {} is not usable", cached.display()))
+                && err.contains("truncated or not hspipe's; delete it"),
+            "{n}: {err}"
+        );
+        no_segment_of(pid);
+    }
+    // Deleted, as the message says: prepared again.
+    std::fs::remove_file(&cached).unwrap();
+    let args = run("again");
+    let out = launch(
+        Some(&config),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .finish();
+    assert!(
+        out.contains("prepared in") && out.contains("exit code 0"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_file_launcher_prepare_wrote_is_used_as_it_is() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dout");
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(60))).unwrap();
+    let config = run_config(&dir, 2_000_000.0, "");
+    launcher_prepare(&[&dir.s("train.jsonl"), "-o", &dir.s("train.arrow")]);
+    // Moved to "another machine": the input is gone, the prepared file is all a run needs.
+    std::fs::remove_file(dir.path("train.jsonl")).unwrap();
+    let out = launch(
+        Some(&config),
+        &["--data", &dir.s("train.arrow"), "--run-dir", &dir.s("run")],
+    )
+    .finish();
+    assert!(
+        out.contains("is prepared; mapped as it is") && out.contains("exit code 0"),
+        "{out}"
+    );
+    assert!(!dir.path("data-cache").exists(), "nothing converted");
+}
