@@ -321,8 +321,8 @@ fn run_once(
                 .collect();
             let max = costs.iter().copied().fold(0.0, f64::max);
             // A rank with no batch in the step (the end of the run) waits the whole step.
-            spread += costs.iter().map(|c| max - c).sum::<f64>()
-                + max * (DRAFTERS - costs.len()) as f64;
+            spread +=
+                costs.iter().map(|c| max - c).sum::<f64>() + max * (DRAFTERS - costs.len()) as f64;
         }
         spread /= wall * DRAFTERS as f64;
     }
@@ -516,7 +516,10 @@ fn main() {
         let (sync, spread) = if matches!(d, Design::Group { .. }) {
             (
                 pct(&|r| r.sync, rs),
-                format!("{:.1}%", 100.0 * median(rs.iter().map(|r| r.spread).collect())),
+                format!(
+                    "{:.1}%",
+                    100.0 * median(rs.iter().map(|r| r.spread).collect())
+                ),
             )
         } else {
             ("-".into(), "-".into())
