@@ -110,6 +110,8 @@ pub fn prepare(
 /// Progress of a preparation: a bar on a terminal, a line every 10 s otherwise.
 struct Show {
     what: String,
+    terminal: bool,
+    /// Made at the first update, with the style of its unit (never drawn empty).
     bar: Option<ProgressBar>,
     stage: Option<Stage>,
     last_line: Instant,
@@ -119,9 +121,8 @@ impl Show {
     fn new(input: &Path) -> Show {
         Show {
             what: input.display().to_string(),
-            bar: std::io::stderr()
-                .is_terminal()
-                .then(|| ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr())),
+            terminal: std::io::stderr().is_terminal(),
+            bar: None,
             stage: None,
             last_line: Instant::now(),
         }
@@ -132,6 +133,12 @@ impl Show {
             Stage::Hashing => "checking",
             Stage::Converting => "preparing",
         };
+        if self.terminal && self.bar.is_none() {
+            self.bar = Some(ProgressBar::with_draw_target(
+                Some(p.total.max(p.done)),
+                ProgressDrawTarget::stderr(),
+            ));
+        }
         if let Some(bar) = &self.bar {
             if self.stage != Some(p.stage) {
                 let template = match p.unit {
@@ -143,8 +150,8 @@ impl Show {
                 if let Ok(style) = ProgressStyle::with_template(template) {
                     bar.set_style(style.progress_chars("=> "));
                 }
-                bar.reset();
                 bar.set_message(format!("{verb} {}", self.what));
+                bar.reset();
             }
             bar.set_length(p.total.max(p.done));
             bar.set_position(p.done);

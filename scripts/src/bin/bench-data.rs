@@ -367,7 +367,7 @@ fn run(
     // Launches, interleaved so every mode sees the same machine.
     let mut modes: Vec<(&str, PathBuf, Vec<String>)> = vec![
         (
-            "prepared data, --data the JSONL (content key checked)",
+            "prepared data, --data the JSONL (its key from the stamp)",
             launcher.to_path_buf(),
             vec!["--data".into(), s(data), "--data-cache".into(), s(&cache)],
         ),
@@ -377,10 +377,10 @@ fn run(
             vec!["--data".into(), s(&prepared)],
         ),
     ];
-    // The floor: the same launch on the built-in synthetic data (no file at all), so the mock
+    // For scale: the same launch on the built-in synthetic data (no file at all), so the mock
     // pipeline's own time to a first batch (simulated compute, min_ready) shows apart.
     modes.push((
-        "built-in synthetic data, 2000 samples (no file: the floor)",
+        "built-in synthetic data, 2000 samples (generated in each process)",
         launcher.to_path_buf(),
         vec!["--synthetic".into(), "2000".into()],
     ));
