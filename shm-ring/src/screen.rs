@@ -704,6 +704,38 @@ pub fn print_once(rep: &Report, width: u16, out: &mut impl Write) -> std::io::Re
     Ok(())
 }
 
+/// What the terminal's input says within a wait.
+enum Input {
+    None,
+    Ready,
+    /// The terminal is gone: reading it would only ever fail.
+    HungUp,
+    /// stdin is not the terminal (crossterm reads /dev/tty then): crossterm's own wait.
+    Unknown,
+}
+
+fn wait_input(timeout: Duration) -> Input {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let stdin = std::io::stdin();
+    if !rustix::termios::isatty(&stdin) {
+        return Input::Unknown;
+    }
+    let mut fds = [PollFd::new(&stdin, PollFlags::IN)];
+    match poll(&mut fds, timeout.as_millis() as i32) {
+        Ok(0) => Input::None,
+        Ok(_) => {
+            let got = fds[0].revents();
+            if got.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::NVAL) {
+                Input::HungUp
+            } else {
+                Input::Ready
+            }
+        }
+        // EINTR (a signal: the loop looks at the stop flag next) and the like.
+        Err(_) => Input::None,
+    }
+}
+
 /// Puts the terminal back however `watch` ends (an error, a panic, or q).
 struct Restore;
 
@@ -742,8 +774,17 @@ pub fn watch(ring: &Ring, period: Duration) -> anyhow::Result<()> {
         let counts = ring.slot_counts();
         occupancy.push(counts);
         bin_ready.push(counts.ready);
-        // Waiting for input is the 10 ms pause between samples.
-        if event::poll(Duration::from_millis(10))? {
+        // Waiting for input is the 10 ms pause between samples. A terminal that hung up (its
+        // window closed, the SSH session or the tmux server gone) leaves stdin readable with
+        // nothing to read, and crossterm's poll then spins inside itself for good: so wait on
+        // stdin here, leave on a hang-up, and let crossterm read only what is there.
+        let input = match wait_input(Duration::from_millis(10)) {
+            Input::HungUp => break,
+            Input::Ready => event::poll(Duration::ZERO)?,
+            Input::None => false,
+            Input::Unknown => event::poll(Duration::from_millis(10))?,
+        };
+        if input {
             match event::read()? {
                 Event::Key(k) if k.kind != KeyEventKind::Release => {
                     let ctrl_c =

@@ -179,16 +179,12 @@ fn the_watch_screen_and_the_progress_line_fit_80x24_and_120x40() {
         progress.join("\n")
     );
 
-    tmux.start(
-        "stat",
-        80,
-        24,
-        &format!(
-            "{} --run-dir {} --watch 0.3",
-            workspace_bin("shm-ring-stat"),
-            run_dir.display()
-        ),
+    let watch = format!(
+        "{} --run-dir {} --watch 0.3",
+        workspace_bin("shm-ring-stat"),
+        run_dir.display()
     );
+    tmux.start("stat", 80, 24, &watch);
     let small = tmux.wait_for("stat", "verdict and 8 worker rows at 80x24", complete);
     assert_fits(&small, 80, 24);
     // Narrow: the phases are a stacked bar with its legend.
@@ -225,6 +221,23 @@ fn the_watch_screen_and_the_progress_line_fit_80x24_and_120x40() {
         "the tokens/s trend: {}",
         wide.join("\n")
     );
+
+    // A terminal that goes away (here its tmux server, as when a window closes or an SSH
+    // session drops) ends the screen: before, crossterm spun on the dead terminal for good.
+    let gone = Tmux::new();
+    gone.start("stat", 80, 24, &watch);
+    gone.wait_for("stat", "a second screen", complete);
+    let orphan = gone.pid("stat");
+    drop(gone);
+    let deadline = Instant::now() + WATCHDOG;
+    while std::fs::read_to_string(format!("/proc/{orphan}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "shm-ring-stat --watch still runs after its terminal went away"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     // q leaves the screen; the run goes on until stopped.
     tmux.ok(&["send-keys", "-t", "stat", "q"]);
