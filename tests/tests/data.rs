@@ -17,7 +17,7 @@ use drafter_worker::{ledger_path, LedgerLine};
 use proto::PipelineConfig;
 
 use crate::launcher::{kill, no_segment_of};
-use crate::support::{spawn, stale_segments_shared, unique, workspace_bin, Proc, WATCHDOG};
+use crate::support::{spawn, stale_segments_shared, workspace_bin, Proc, TestDir, WATCHDOG};
 
 /// The Python with pyarrow and datasets: `HSPIPE_PYTHON`, else the repository's `.venv`.
 /// Panics, saying how to get one, when it is missing.
@@ -68,28 +68,12 @@ fn fixtures(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// A test's directory, removed at the end unless the test failed.
-struct Dir(PathBuf);
+/// A test's directory; `s` gives a path in it as an argument.
+type Dir = TestDir;
 
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let d = std::env::temp_dir().join(unique(tag));
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
+impl TestDir {
     fn s(&self, name: &str) -> String {
         self.path(name).to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 

@@ -11,8 +11,8 @@ use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use shm_ring::{Ring, Snapshot};
 
 use crate::support::{
-    spawn, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared, unique,
-    workspace_bin, Proc, WATCHDOG,
+    spawn, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared, workspace_bin,
+    Proc, TestDir, WATCHDOG,
 };
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
@@ -45,7 +45,7 @@ checkpoint_every = 3
 }
 
 pub(crate) struct Run {
-    pub(crate) dir: PathBuf,
+    pub(crate) dir: TestDir,
     /// Launchers reclaim stale segments at start; see `support::stale_segments_shared`.
     _shared: Option<RwLockReadGuard<'static, ()>>,
 }
@@ -56,10 +56,8 @@ impl Run {
     }
     /// For a test that holds `stale_segments_exclusive` itself.
     fn with_lock(tag: &str, shared: Option<RwLockReadGuard<'static, ()>>) -> Run {
-        let dir = std::env::temp_dir().join(unique(tag));
-        std::fs::create_dir_all(&dir).unwrap();
         Run {
-            dir,
+            dir: TestDir::new(tag),
             _shared: shared,
         }
     }
@@ -114,14 +112,6 @@ impl Run {
                     .collect::<Vec<_>>()
             })
             .collect()
-    }
-}
-
-impl Drop for Run {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Process helpers: children that are killed when a test fails, and watchdogs against hangs.
 
 use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -14,6 +15,36 @@ pub fn unique(tag: &str) -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// A test's directory under the system temp dir: removed when the test passes, kept to look at
+/// when it fails.
+pub struct TestDir(pub PathBuf);
+
+impl TestDir {
+    pub fn new(tag: &str) -> TestDir {
+        let d = std::env::temp_dir().join(unique(tag));
+        std::fs::create_dir_all(&d).unwrap();
+        TestDir(d)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// Every launcher removes, at start, the segments of this user whose creator is dead. A test

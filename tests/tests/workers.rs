@@ -11,7 +11,7 @@ use proto::PipelineConfig;
 use shm_ring::{Ring, WorkerId};
 use target_worker::data::{plan, Dataset};
 
-use crate::support::{unique, Proc};
+use crate::support::{unique, Proc, TestDir};
 
 const CONFIG: &str = r#"
 [ring]
@@ -32,27 +32,14 @@ tokens_per_s = 2000000.0
 checkpoint_every = 2
 "#;
 
-/// A run directory under the system temp dir, removed when the test passes.
-struct RunDir(PathBuf);
+/// A run directory; `config` writes a config into it.
+type RunDir = TestDir;
 
-impl RunDir {
-    fn new(tag: &str) -> RunDir {
-        let p = std::env::temp_dir().join(unique(tag));
-        std::fs::create_dir_all(&p).unwrap();
-        RunDir(p)
-    }
+impl TestDir {
     fn config(&self, name: &str, extra: &str) -> PathBuf {
-        let p = self.0.join(name);
+        let p = self.path(name);
         std::fs::write(&p, format!("{CONFIG}{extra}")).unwrap();
         p
-    }
-}
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 
