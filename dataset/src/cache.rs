@@ -19,7 +19,7 @@
 
 use std::fs::File;
 use std::hash::Hasher;
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Read};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -245,26 +245,19 @@ pub fn prepare(
         source: e,
     };
     std::fs::create_dir_all(dir).map_err(write_err)?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        target
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let result = write_prepared(input, &kind, max_len, &key, &tmp, progress);
-    let result = result.and_then(|()| std::fs::rename(&tmp, &target).map_err(write_err));
+    // Written whole or not at all (`proto::atomic_file`: temporary file, sync, rename, sync
+    // of the directory); a failure leaves no temporary file behind.
+    let result = proto::atomic_file::replace_with(&target, |tmp| {
+        write_prepared(input, &kind, max_len, &key, tmp, progress).map_err(Failed::Data)
+    });
     if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
         if created_dir {
             let _ = std::fs::remove_dir(dir);
         }
-        return Err(e);
-    }
-    // The rename is durable once the directory is synced.
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
+        return Err(match e {
+            Failed::Data(e) => e,
+            Failed::Io(e) => write_err(e),
+        });
     }
     let m = open_cached(&target, &key)?;
     remember(to_stamp);
@@ -277,6 +270,18 @@ pub fn prepare(
         samples: m.len(),
         tokens: m.tokens(),
     })
+}
+
+/// Why writing the prepared file failed: converting the input, or the file system.
+enum Failed {
+    Data(DataError),
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for Failed {
+    fn from(e: std::io::Error) -> Failed {
+        Failed::Io(e)
+    }
 }
 
 fn write_prepared(
@@ -338,9 +343,8 @@ fn write_prepared(
         });
     }
     let buf = w.finish().map_err(werr)?;
-    let f = buf.into_inner().map_err(|e| werr(e.into_error()))?;
-    f.sync_all().map_err(werr)?;
-    let _ = (&f).flush();
+    // Flushed here; the caller syncs and renames it.
+    buf.into_inner().map_err(|e| werr(e.into_error()))?;
     Ok(())
 }
 
@@ -432,12 +436,9 @@ impl Stamp {
         if std::fs::create_dir_all(dir).is_err() {
             return;
         }
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
         let Ok(text) = serde_json::to_string(self) else {
             return;
         };
-        if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
+        let _ = proto::atomic_file::replace(path, text.as_bytes());
     }
 }

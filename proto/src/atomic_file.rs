@@ -1,8 +1,8 @@
 //! Replacing a file so that a crash leaves the old one or the new one, never half of one: write
 //! a temporary file in the same directory, sync it, rename it over the target, sync the
 //! directory (without that last sync the rename itself may not survive a power loss). Used for
-//! everything a run directory holds whole: `summary.json`, the group checkpoint, a resumed
-//! run's ledgers, the report's SVG.
+//! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
+//! report's SVG, a prepared dataset and its input stamps.
 
 use std::fs::File;
 use std::io;
