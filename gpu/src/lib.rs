@@ -3,7 +3,8 @@
 //! - [`mock`]: CPU only, deterministic, with simulated speed (time is spent sleeping, so eight
 //!   mock GPUs run side by side on two cores) and fault injection. The default where no GPU
 //!   driver is present, and what every test runs on.
-//! - `cuda` (later): cudarc, loaded dynamically; never panics where no driver exists.
+//! - `cuda` (later): a model on the `cuda` crate (the driver API, opened at run time; never
+//!   panics where no driver exists), once a model library can be built here (issue #12).
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
 //! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait

@@ -72,6 +72,15 @@ impl Ring {
         self.seg.offsets().total
     }
 
+    /// The payload arena: every slot's bytes, one page-aligned range (`slots × slot_stride`).
+    /// For registering it with a device driver as pinned memory; the range stays mapped while
+    /// this handle lives, and its bytes belong to whichever worker owns each slot.
+    pub fn payload_arena(&self) -> (*mut u8, usize) {
+        let p = self.seg.params();
+        let len = u64::from(p.slots) * p.slot_stride();
+        (self.seg.payload_ptr(0), len as usize)
+    }
+
     /// The process that created the ring.
     pub fn creator(&self) -> Creator {
         self.seg.creator()

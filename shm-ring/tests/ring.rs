@@ -868,3 +868,32 @@ fn attach_refuses_a_segment_that_group_or_others_may_open() {
         }
     }
 }
+
+/// The payload arena a driver pins (`Ring::payload_arena`) is page-aligned and holds every
+/// slot's payload, so registering it once covers every batch any worker writes or reads.
+#[test]
+fn the_payload_arena_covers_every_slot_and_is_page_aligned() {
+    let mut p = fifo(1, 1, 4);
+    p.slot_size = 5000; // not a page multiple: slots are a stride apart
+    let ring = Ring::create(&unique("arena"), &p).unwrap();
+    let (base, len) = ring.payload_arena();
+    assert_eq!(base as usize % 4096, 0, "arena base not page-aligned");
+    assert_eq!(len as u64, 4 * p.slot_stride(), "arena length");
+    assert_eq!(len % 4096, 0, "arena length not whole pages");
+    let prod = ring.producer(0).unwrap();
+    let mut seen = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut w = prod.reserve(5000).unwrap();
+        let at = w.payload_mut().as_ptr() as usize;
+        assert!(
+            at >= base as usize && at + 5000 <= base as usize + len,
+            "slot {} payload at {at:#x} outside the arena {base:?}+{len}",
+            w.slot()
+        );
+        seen.push(w.slot());
+        held.push(w);
+    }
+    seen.sort();
+    assert_eq!(seen, [0, 1, 2, 3], "every slot reserved once");
+}

@@ -1,0 +1,464 @@
+//! The device check of the data path (`scripts/gpu-check.sh` runs it): on one GPU, with a real
+//! ring in `/dev/shm`, it answers whether hidden states can cross from the ring to the GPU and
+//! back at full speed while the GPU computes.
+//!
+//! 1. The ring's payload arena is registered as pinned memory in place (`cuMemHostRegister`).
+//! 2. Copy bandwidth, host-to-device and device-to-host, from a ring slot (registered), from
+//!    ordinary pageable memory, and from the driver's own pinned memory (`cuMemAllocHost`, the
+//!    reference): medians of CUDA-event times.
+//! 3. The bytes of a batch taken from the ring arrive intact (summed on the device).
+//! 4. Copies overlap compute: a kernel of about twice a copy's length runs on one stream while
+//!    a slot is copied on another, in each direction; the share of the copy hidden under the
+//!    kernel is measured from events, and so is the drafter's double-buffered loop (step `s`
+//!    computing while batch `s+1` is copied in), as the GPU's busy share against the same loop
+//!    on one stream.
+//!
+//! Exit status: 0 every check passed; 1 a check failed (named); 2 no CUDA driver or device
+//! (nothing was checked). `--json PATH` writes every figure.
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use cuda::{probe::Probe, Device, DeviceBuffer, Driver, Event, Stream};
+use scripts::median;
+use serde_json::json;
+use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
+
+#[derive(Parser)]
+#[command(
+    about = "Checks the CUDA data path on one GPU: pinned ring arena, copy bandwidth, overlap"
+)]
+struct Args {
+    /// GPU ordinal (after CUDA_VISIBLE_DEVICES).
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// Size of one ring slot, which is also the size of every copy, in MiB (the design's
+    /// batches are 200-800 MiB).
+    #[arg(long, default_value_t = 256)]
+    slot_mib: u64,
+    /// Timed repetitions of each copy; the report gives medians.
+    #[arg(long, default_value_t = 15)]
+    reps: usize,
+    /// Steps of the double-buffered loop.
+    #[arg(long, default_value_t = 12)]
+    steps: usize,
+    /// Writes every figure as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+const MIB: usize = 1 << 20;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let driver = match Driver::load() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-check: {e}: nothing to check on this machine");
+            return ExitCode::from(2);
+        }
+    };
+    let dev = match driver.open(args.device) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-check: {e}: nothing to check on this machine");
+            return ExitCode::from(2);
+        }
+    };
+    match check(&driver, &dev, &args) {
+        Ok(failed) if failed.is_empty() => {
+            println!("gpu-check: every check passed");
+            ExitCode::SUCCESS
+        }
+        Ok(failed) => {
+            for f in &failed {
+                eprintln!("gpu-check: FAILED: {f}");
+            }
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("gpu-check: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs every check; returns the failed ones by name.
+fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<String>> {
+    let mut failed = Vec::new();
+    let (major, minor) = driver.version()?;
+    println!(
+        "device {}: {} (driver for CUDA {major}.{minor}, {} copy engines)",
+        dev.ordinal(),
+        dev.name()?,
+        dev.copy_engines()?
+    );
+    let len = usize::try_from(args.slot_mib)? * MIB;
+    if len == 0 || args.reps == 0 || args.steps < 2 {
+        bail!("--slot-mib and --reps must be positive and --steps at least 2");
+    }
+
+    // The ring, as a launcher makes it: one producer (this process) and one consumer holding
+    // two batches (the one computing and the one being copied in).
+    let name = format!("hspipe-gpucheck-{}", std::process::id());
+    let ring = Ring::create(
+        &name,
+        &RingParams {
+            slots: 4,
+            slot_size: len as u64,
+            buckets: 1,
+            producers: 1,
+            consumers: 1,
+            held_per_consumer: 2,
+            policy: TakePolicy::Fifo,
+            seed: 0,
+            work_items: 0,
+        },
+    )
+    .with_context(|| format!("creating ring {name} of 4 x {} MiB", args.slot_mib))?;
+    let (arena, arena_len) = ring.payload_arena();
+    // SAFETY: the arena stays mapped while `ring` lives; `pinned` is declared after `ring` and
+    // so dropped (unregistered) before it.
+    let pinned = match unsafe { dev.register(arena, arena_len) } {
+        Ok(p) => {
+            println!("ring arena: {} MiB registered as pinned", arena_len / MIB);
+            Some(p)
+        }
+        Err(e) => {
+            println!("ring arena: NOT pinned ({e}); copies fall back to pageable speed");
+            failed.push(format!("registering the ring arena as pinned memory: {e}"));
+            None
+        }
+    };
+
+    // Two batches published and taken, as a drafter holds them.
+    let producer = ring.producer(0)?;
+    let consumer = ring.consumer(0)?;
+    let mut host_sums = Vec::new();
+    for batch in 0..2u64 {
+        let mut w = producer.reserve(len)?;
+        let p = w.payload_mut();
+        for (i, b) in p.iter_mut().enumerate() {
+            *b = (i as u64 * 31 + batch * 7) as u8;
+        }
+        host_sums.push(p.iter().map(|&b| u64::from(b)).sum::<u64>());
+        w.commit(CommitMeta {
+            bucket: 0,
+            tokens: 1,
+            batch_id: batch,
+            checksum: 0,
+        })?;
+    }
+    let taken = [
+        consumer.take()?.context("batch 0 not READY")?,
+        consumer.take()?.context("batch 1 not READY")?,
+    ];
+    if let Some(p) = &pinned {
+        for t in &taken {
+            if !p.covers(t.payload().as_ptr(), t.payload().len()) {
+                failed.push(format!("slot {} lies outside the pinned range", t.slot()));
+            }
+        }
+    }
+
+    let probe = Probe::load(dev)?;
+    let copy = dev.stream()?;
+    let compute = dev.stream()?;
+    let dbuf = [dev.alloc(len)?, dev.alloc(len)?];
+    let timer = Timer::new(dev)?;
+
+    // Bandwidth: ring slot, pageable, driver-pinned; each direction.
+    let pageable = vec![1u8; len];
+    let mut reference = dev.alloc_pinned(len)?;
+    reference.fill(1);
+    let gbs = |ms: f64| len as f64 / (ms / 1e3) / 1e9;
+    let mut h2d = Vec::new();
+    for (what, src) in [
+        ("ring slot", taken[0].payload().as_ptr()),
+        ("pageable", pageable.as_ptr()),
+        ("cuMemAllocHost", reference.as_ptr()),
+    ] {
+        let ms = timer.median(&copy, args.reps, || {
+            // SAFETY: every source outlives the timed copy, which is synchronised before the
+            // next one (Timer::median waits for each).
+            unsafe { copy.copy_h2d(&dbuf[0], 0, src, len) }
+        })?;
+        h2d.push((what, ms, gbs(ms)));
+    }
+    // Device-to-host into a slot being written, as a target does.
+    let mut slot_w = producer.reserve(len)?;
+    let mut pageable_w = vec![0u8; len];
+    let mut d2h = Vec::new();
+    let dsts: [(&str, *mut u8); 3] = [
+        ("ring slot", slot_w.payload_mut().as_mut_ptr()),
+        ("pageable", pageable_w.as_mut_ptr()),
+        ("cuMemAllocHost", reference.as_mut_ptr()),
+    ];
+    for (what, dst) in dsts {
+        let ms = timer.median(&copy, args.reps, || {
+            // SAFETY: as above; nothing on the host touches the destination meanwhile.
+            unsafe { copy.copy_d2h(dst, &dbuf[0], 0, len) }
+        })?;
+        d2h.push((what, ms, gbs(ms)));
+    }
+    println!(
+        "copies of {} MiB (median of {}; GB/s):",
+        args.slot_mib, args.reps
+    );
+    for (dir, rows) in [("host->device", &h2d), ("device->host", &d2h)] {
+        let line: Vec<String> = rows
+            .iter()
+            .map(|(w, ms, g)| format!("{w} {g:.1} ({ms:.2} ms)"))
+            .collect();
+        println!("  {dir}: {}", line.join(", "));
+    }
+    let slot_vs_ref = |rows: &[(&str, f64, f64)]| rows[0].2 / rows[2].2;
+    if pinned.is_some() {
+        for (dir, rows) in [("host->device", &h2d), ("device->host", &d2h)] {
+            if slot_vs_ref(rows) < 0.8 {
+                failed.push(format!(
+                    "{dir} from the pinned ring runs at {:.2}x of cuMemAllocHost memory",
+                    slot_vs_ref(rows)
+                ));
+            }
+        }
+    }
+
+    // Integrity: each taken batch, copied in, sums on the device to what the host wrote.
+    let sum = dev.alloc(8)?;
+    for (t, want) in taken.iter().zip(&host_sums) {
+        copy.copy_h2d_sync(&dbuf[0], 0, t.payload())?;
+        let zero = [0u8; 8];
+        copy.copy_h2d_sync(&sum, 0, &zero)?;
+        probe.byte_sum(&copy, &dbuf[0], len, &sum)?;
+        let mut got = [0u8; 8];
+        copy.copy_d2h_sync(&mut got, &sum, 0)?;
+        let got = u64::from_le_bytes(got);
+        if got != *want {
+            failed.push(format!(
+                "batch {} summed to {got} on the device, {want} on the host",
+                t.meta().batch_id
+            ));
+        }
+    }
+    println!("integrity: both batches arrived intact (byte sums equal)");
+
+    // A kernel about twice a copy long.
+    let copy_ms = h2d[0].1;
+    let cycles = timer.calibrate_spin(&probe, &compute, 2.0 * copy_ms)?;
+
+    // Overlap of one copy with one kernel, each direction.
+    let mut overlap = Vec::new();
+    for dir in ["host->device", "device->host"] {
+        let ev = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
+        let e = ev(4)?;
+        compute.record(&e[0])?;
+        probe.spin(&compute, cycles)?;
+        compute.record(&e[1])?;
+        copy.wait(&e[0])?;
+        copy.record(&e[2])?;
+        if dir == "host->device" {
+            // SAFETY: the slot is held until after the synchronise below.
+            unsafe { copy.copy_h2d(&dbuf[1], 0, taken[1].payload().as_ptr(), len)? };
+        } else {
+            // SAFETY: the reserved slot is written by nothing else until the synchronise.
+            unsafe { copy.copy_d2h(slot_w.payload_mut().as_mut_ptr(), &dbuf[1], 0, len)? };
+        }
+        copy.record(&e[3])?;
+        copy.synchronize()?;
+        compute.synchronize()?;
+        let (kernel, copy_end) = (e[1].since(&e[0])?, e[3].since(&e[0])?);
+        let copy_len = e[3].since(&e[2])?;
+        let hidden = ((kernel.min(copy_end) - e[2].since(&e[0])?).max(0.0) / copy_len).min(1.0);
+        println!(
+            "overlap {dir}: copy {copy_len:.2} ms under a {kernel:.2} ms kernel, {:.0}% hidden \
+             (copy began {:.3} ms after the kernel, ended {:.2} ms after it began)",
+            hidden * 100.0,
+            e[2].since(&e[0])?,
+            copy_end
+        );
+        if hidden < 0.9 {
+            failed.push(format!(
+                "{dir} copy overlapped only {:.0}% with compute",
+                hidden * 100.0
+            ));
+        }
+        overlap.push(
+            json!({"direction": dir, "copy_ms": copy_len, "kernel_ms": kernel,
+            "hidden_share": hidden}),
+        );
+    }
+    drop(slot_w);
+
+    // The drafter's loop: step s computes while batch s+1 is copied in (two device buffers),
+    // against the same loop on one stream. Busy share = kernel time / wall time.
+    let step_cycles = timer.calibrate_spin(&probe, &compute, 1.5 * copy_ms)?;
+    let serial = double_buffered(
+        dev,
+        &probe,
+        &compute,
+        &compute,
+        &dbuf,
+        &taken,
+        args.steps,
+        step_cycles,
+    )?;
+    let overlapped = double_buffered(
+        dev,
+        &probe,
+        &compute,
+        &copy,
+        &dbuf,
+        &taken,
+        args.steps,
+        step_cycles,
+    )?;
+    println!(
+        "double-buffered loop, {} steps: GPU busy {:.1}% with the copy on its own stream, \
+         {:.1}% on one stream ({:.2} vs {:.2} ms per step)",
+        args.steps,
+        overlapped.busy * 100.0,
+        serial.busy * 100.0,
+        overlapped.wall_ms / args.steps as f64,
+        serial.wall_ms / args.steps as f64,
+    );
+    if overlapped.busy < 0.9 {
+        failed.push(format!(
+            "double-buffered loop kept the GPU busy only {:.0}%",
+            overlapped.busy * 100.0
+        ));
+    }
+
+    for t in taken {
+        t.release()?;
+    }
+    let arena_pinned = pinned.is_some();
+    drop(pinned);
+    if let Some(path) = &args.json {
+        let rows = |r: &[(&str, f64, f64)]| {
+            r.iter()
+                .map(|(w, ms, g)| json!({"source": w, "median_ms": ms, "gb_per_s": g}))
+                .collect::<Vec<_>>()
+        };
+        let doc = json!({
+            "device": dev.name()?, "driver_cuda": format!("{major}.{minor}"),
+            "copy_mib": args.slot_mib, "reps": args.reps,
+            "arena_pinned": arena_pinned,
+            "h2d": rows(&h2d), "d2h": rows(&d2h), "overlap": overlap,
+            "loop": {"steps": args.steps, "busy_overlapped": overlapped.busy,
+                     "busy_one_stream": serial.busy, "ms_per_step_overlapped":
+                     overlapped.wall_ms / args.steps as f64, "ms_per_step_one_stream":
+                     serial.wall_ms / args.steps as f64},
+            "failed": failed,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(failed)
+}
+
+struct LoopTimes {
+    busy: f64,
+    wall_ms: f64,
+}
+
+/// Runs `steps` steps of the drafter's loop: batch `s+1` is copied into buffer `(s+1) % 2` on
+/// `copy` while step `s` (a spin) computes on buffer `s % 2` on `compute`; a copy waits for
+/// the step that last used its buffer, a step for its copy. With `copy == compute` everything
+/// queues on one stream, copies between steps.
+#[allow(clippy::too_many_arguments)]
+fn double_buffered(
+    dev: &Device,
+    probe: &Probe<'_>,
+    compute: &Stream<'_>,
+    copy: &Stream<'_>,
+    dbuf: &[DeviceBuffer<'_>; 2],
+    taken: &[shm_ring::ReadSlot<'_>; 2],
+    steps: usize,
+    cycles: u64,
+) -> anyhow::Result<LoopTimes> {
+    let events = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
+    let (copied, done) = (events(steps)?, events(steps)?);
+    let (begin, starts) = (dev.event()?, events(steps)?);
+    let src = |s: usize| taken[s % 2].payload();
+    compute.record(&begin)?;
+    copy.wait(&begin)?;
+    // SAFETY: the taken slots are held until the caller releases them, after this returns.
+    unsafe { copy.copy_h2d(&dbuf[0], 0, src(0).as_ptr(), src(0).len())? };
+    copy.record(&copied[0])?;
+    for s in 0..steps {
+        if s + 1 < steps {
+            if s >= 1 {
+                copy.wait(&done[s - 1])?; // buffer (s+1)%2 was step s-1's
+            }
+            let b = &dbuf[(s + 1) % 2];
+            // SAFETY: as above.
+            unsafe { copy.copy_h2d(b, 0, src(s + 1).as_ptr(), src(s + 1).len())? };
+            copy.record(&copied[s + 1])?;
+        }
+        compute.wait(&copied[s])?;
+        compute.record(&starts[s])?;
+        probe.spin(compute, cycles)?;
+        compute.record(&done[s])?;
+    }
+    compute.synchronize()?;
+    copy.synchronize()?;
+    let mut busy = 0.0;
+    for s in 0..steps {
+        busy += done[s].since(&starts[s])?;
+    }
+    // From the first step's start: the first copy, before any step, is the same in both.
+    let wall = done[steps - 1].since(&starts[0])?;
+    Ok(LoopTimes {
+        busy: busy / wall,
+        wall_ms: wall,
+    })
+}
+
+/// Times work on a stream with a pair of events.
+struct Timer<'d> {
+    start: Event<'d>,
+    end: Event<'d>,
+}
+
+impl<'d> Timer<'d> {
+    fn new(dev: &'d Device) -> anyhow::Result<Timer<'d>> {
+        Ok(Timer {
+            start: dev.event()?,
+            end: dev.event()?,
+        })
+    }
+
+    /// Median milliseconds of `work` queued `reps` times (one warm-up first), each waited for.
+    fn median(
+        &self,
+        stream: &Stream<'_>,
+        reps: usize,
+        mut work: impl FnMut() -> cuda::Result<()>,
+    ) -> anyhow::Result<f64> {
+        let mut ms = Vec::with_capacity(reps);
+        for i in 0..=reps {
+            stream.record(&self.start)?;
+            work()?;
+            stream.record(&self.end)?;
+            self.end.synchronize()?;
+            if i > 0 {
+                ms.push(self.end.since(&self.start)?);
+            }
+        }
+        Ok(median(ms))
+    }
+
+    /// Spin cycles that take about `ms` milliseconds on this GPU.
+    fn calibrate_spin(
+        &self,
+        probe: &Probe<'_>,
+        stream: &Stream<'_>,
+        ms: f64,
+    ) -> anyhow::Result<u64> {
+        const TRIAL: u64 = 10_000_000;
+        let per_cycle = self.median(stream, 3, || probe.spin(stream, TRIAL))? / TRIAL as f64;
+        Ok(((ms / per_cycle) as u64).max(1000))
+    }
+}
