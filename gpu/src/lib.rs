@@ -15,7 +15,9 @@ use std::path::Path;
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
+pub mod cuda_copy;
 pub mod mock;
+pub mod prefetch;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +41,8 @@ pub enum GpuError {
     Shape(String),
     #[error("the {0} backend is not built yet; use --backend mock")]
     Unavailable(BackendKind),
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
 }
 
 /// A frozen target model: token ids in, hidden states of the captured layers out.

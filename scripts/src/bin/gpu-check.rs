@@ -10,7 +10,8 @@
 //! 4. Copies overlap compute: a kernel of about twice a copy's length runs on one stream while
 //!    a slot is copied on another, in each direction; the share of the copy hidden under the
 //!    kernel is measured from events, and so is the drafter's double-buffered loop (step `s`
-//!    computing while batch `s+1` is copied in), as the GPU's busy share against the same loop
+//!    computing while batch `s+1` is copied in; `gpu::prefetch` on the CUDA engine, the logic
+//!    the CPU tests check with a copy thread), as the GPU's busy share against the same loop
 //!    on one stream.
 //!
 //! Exit status: 0 every check passed; 1 a check failed (named); 2 no CUDA driver or device
@@ -20,7 +21,9 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use cuda::{probe::Probe, Device, DeviceBuffer, Driver, Event, Stream};
+use cuda::{probe::Probe, Device, Driver, Event, Stream};
+use gpu::cuda_copy::CudaCopy;
+use gpu::prefetch::{Prefetch, PushError};
 use scripts::median;
 use serde_json::json;
 use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
@@ -299,7 +302,6 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
         &probe,
         &compute,
         &compute,
-        &dbuf,
         &taken,
         args.steps,
         step_cycles,
@@ -309,7 +311,6 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
         &probe,
         &compute,
         &copy,
-        &dbuf,
         &taken,
         args.steps,
         step_cycles,
@@ -363,47 +364,43 @@ struct LoopTimes {
     wall_ms: f64,
 }
 
-/// Runs `steps` steps of the drafter's loop: batch `s+1` is copied into buffer `(s+1) % 2` on
-/// `copy` while step `s` (a spin) computes on buffer `s % 2` on `compute`; a copy waits for
-/// the step that last used its buffer, a step for its copy. With `copy == compute` everything
-/// queues on one stream, copies between steps.
-#[allow(clippy::too_many_arguments)]
+/// Runs `steps` steps of the drafter's loop through `gpu::prefetch` (the logic the CPU tests
+/// check) on the CUDA engine: batch `s+1` is copied into one device buffer on `copy` while step
+/// `s` (a spin) computes on the other on `compute`. With `copy == compute` everything queues on
+/// one stream, copies between steps.
 fn double_buffered(
     dev: &Device,
     probe: &Probe<'_>,
     compute: &Stream<'_>,
     copy: &Stream<'_>,
-    dbuf: &[DeviceBuffer<'_>; 2],
     taken: &[shm_ring::ReadSlot<'_>; 2],
     steps: usize,
     cycles: u64,
 ) -> anyhow::Result<LoopTimes> {
+    let len = taken[0].payload().len().max(taken[1].payload().len());
+    let mut pf = Prefetch::new(CudaCopy::new(dev, copy, compute, len)?);
     let events = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
-    let (copied, done) = (events(steps)?, events(steps)?);
-    let (begin, starts) = (dev.event()?, events(steps)?);
-    let src = |s: usize| taken[s % 2].payload();
-    compute.record(&begin)?;
-    copy.wait(&begin)?;
-    // SAFETY: the taken slots are held until the caller releases them, after this returns.
-    unsafe { copy.copy_h2d(&dbuf[0], 0, src(0).as_ptr(), src(0).len())? };
-    copy.record(&copied[0])?;
-    for s in 0..steps {
+    let (starts, done) = (events(steps)?, events(steps)?);
+    let batch = |s: usize| taken[s % 2].payload();
+    let push = |pf: &mut Prefetch<_, _>, s: usize| {
+        pf.push(batch(s)).map_err(|e| match e {
+            PushError::Full(_) => anyhow::anyhow!("prefetch full at batch {s}"),
+            PushError::Engine(_, e) => anyhow::Error::from(e).context(format!("batch {s}")),
+        })
+    };
+    push(&mut pf, 0)?;
+    let mut s = 0;
+    while let Some(buf) = pf.begin_step()? {
         if s + 1 < steps {
-            if s >= 1 {
-                copy.wait(&done[s - 1])?; // buffer (s+1)%2 was step s-1's
-            }
-            let b = &dbuf[(s + 1) % 2];
-            // SAFETY: as above.
-            unsafe { copy.copy_h2d(b, 0, src(s + 1).as_ptr(), src(s + 1).len())? };
-            copy.record(&copied[s + 1])?;
+            push(&mut pf, s + 1)?;
         }
-        compute.wait(&copied[s])?;
         compute.record(&starts[s])?;
         probe.spin(compute, cycles)?;
         compute.record(&done[s])?;
+        pf.end_step(buf)?;
+        s += 1;
     }
     compute.synchronize()?;
-    copy.synchronize()?;
     let mut busy = 0.0;
     for s in 0..steps {
         busy += done[s].since(&starts[s])?;
