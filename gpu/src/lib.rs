@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 pub mod cuda_copy;
 pub mod mock;
 pub mod prefetch;
+pub mod timeline;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]

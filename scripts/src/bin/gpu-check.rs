@@ -24,6 +24,7 @@ use clap::Parser;
 use cuda::{probe::Probe, Device, Driver, Event, Stream};
 use gpu::cuda_copy::CudaCopy;
 use gpu::prefetch::{Prefetch, PushError};
+use gpu::timeline::Use;
 use scripts::median;
 use serde_json::json;
 use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
@@ -315,19 +316,22 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
         args.steps,
         step_cycles,
     )?;
+    let per_step = |u: &Use| u.wall / args.steps as f64;
     println!(
         "double-buffered loop, {} steps: GPU busy {:.1}% with the copy on its own stream, \
-         {:.1}% on one stream ({:.2} vs {:.2} ms per step)",
+         {:.1}% on one stream ({:.2} vs {:.2} ms per step; largest idle gap {:.3} vs {:.3} ms)",
         args.steps,
-        overlapped.busy * 100.0,
-        serial.busy * 100.0,
-        overlapped.wall_ms / args.steps as f64,
-        serial.wall_ms / args.steps as f64,
+        overlapped.busy_share() * 100.0,
+        serial.busy_share() * 100.0,
+        per_step(&overlapped),
+        per_step(&serial),
+        overlapped.largest_gap,
+        serial.largest_gap,
     );
-    if overlapped.busy < 0.9 {
+    if overlapped.busy_share() < 0.9 {
         failed.push(format!(
             "double-buffered loop kept the GPU busy only {:.0}%",
-            overlapped.busy * 100.0
+            overlapped.busy_share() * 100.0
         ));
     }
 
@@ -347,21 +351,18 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
             "copy_mib": args.slot_mib, "reps": args.reps,
             "arena_pinned": arena_pinned,
             "h2d": rows(&h2d), "d2h": rows(&d2h), "overlap": overlap,
-            "loop": {"steps": args.steps, "busy_overlapped": overlapped.busy,
-                     "busy_one_stream": serial.busy, "ms_per_step_overlapped":
-                     overlapped.wall_ms / args.steps as f64, "ms_per_step_one_stream":
-                     serial.wall_ms / args.steps as f64},
+            "loop": {"steps": args.steps, "busy_overlapped": overlapped.busy_share(),
+                     "busy_one_stream": serial.busy_share(),
+                     "ms_per_step_overlapped": per_step(&overlapped),
+                     "ms_per_step_one_stream": per_step(&serial),
+                     "largest_gap_ms_overlapped": overlapped.largest_gap,
+                     "largest_gap_ms_one_stream": serial.largest_gap},
             "failed": failed,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(failed)
-}
-
-struct LoopTimes {
-    busy: f64,
-    wall_ms: f64,
 }
 
 /// Runs `steps` steps of the drafter's loop through `gpu::prefetch` (the logic the CPU tests
@@ -376,7 +377,7 @@ fn double_buffered(
     taken: &[shm_ring::ReadSlot<'_>; 2],
     steps: usize,
     cycles: u64,
-) -> anyhow::Result<LoopTimes> {
+) -> anyhow::Result<Use> {
     let len = taken[0].payload().len().max(taken[1].payload().len());
     let mut pf = Prefetch::new(CudaCopy::new(dev, copy, compute, len)?);
     let events = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
@@ -401,16 +402,13 @@ fn double_buffered(
         s += 1;
     }
     compute.synchronize()?;
-    let mut busy = 0.0;
+    // Step intervals from the first step's start: the first copy, before any step, is the same
+    // in both loops.
+    let mut steps_ms = Vec::with_capacity(steps);
     for s in 0..steps {
-        busy += done[s].since(&starts[s])?;
+        steps_ms.push((starts[s].since(&starts[0])?, done[s].since(&starts[0])?));
     }
-    // From the first step's start: the first copy, before any step, is the same in both.
-    let wall = done[steps - 1].since(&starts[0])?;
-    Ok(LoopTimes {
-        busy: busy / wall,
-        wall_ms: wall,
-    })
+    Ok(Use::of(&steps_ms))
 }
 
 /// Times work on a stream with a pair of events.
