@@ -1,5 +1,8 @@
 //! The mock backend: deterministic content, simulated speed, real drafter state, injected faults.
 //!
+//! Length: about 600 lines: the target, the drafter (a real learner, with its checkpoint
+//! format and exact-gradient tests) and their faults are one backend.
+//!
 //! A mock target's hidden state for (token, position, layer, channel) is a fixed function of
 //! those four numbers ([`hidden_value`]), so a drafter verifies the content of every batch, not
 //! just its checksum. Simulated time is `tokens / tokens_per_s` plus a term quadratic in each

@@ -1,5 +1,8 @@
 //! `launcher report RUN_DIR`: one picture (SVG) of a whole run, from its run directory.
 //!
+//! Length: about 900 lines for one drawing: reading the run (`load`), the event marks
+//! (`marks`), and `draw`, one block per panel on a shared time axis and palette.
+//!
 //! It reads `metrics.jsonl` (one tick per monitor period, written by `monitor`), and, where they
 //! exist, `summary.json` and the drafters' ledgers. It draws, over the run's time: the ring's
 //! READY batches and slots in use against its capacity, tokens/s trained, one band per worker

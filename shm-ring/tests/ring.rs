@@ -1,5 +1,7 @@
 //! Behaviour of the ring on real shared-memory segments, with threads as workers.
 //! (Multi-process stress and chaos tests live in the `tests` crate.)
+//!
+//! Length: one test per behaviour of the public API, each standing alone.
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;

@@ -1,6 +1,8 @@
 //! shm-ring-stat's analysis on rings put into known states: each gives the right verdict and
 //! figures. Phase times are injected with `add_phase`, and the interval is fixed at one second,
 //! so the figures are exact whatever the machine's speed.
+//!
+//! Length: one test per ring state and verdict, each standing alone.
 
 use std::time::Duration;
 

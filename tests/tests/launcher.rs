@@ -1,6 +1,9 @@
 //! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals
 //! (also with the terminal gone), reclaiming a killed launcher's ring, bad input, crash loops.
 //! Every run uses its own run directory and ring.
+//!
+//! Length: one file per area of behaviour; its length is its scenarios, each test standing
+//! alone.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -4,6 +4,8 @@
 //! `shm-ring-stat` use, then asserts the verdict's class and the worker it names on every
 //! interval of the scenario's regime, after a warm-up stated as a count of trained batches.
 //!
+//! Length: one test per scenario of the table, each standing alone.
+//!
 //! Regimes are told apart by what the snapshot says (batches taken, the ring closed, the plan
 //! handed out, a worker's heartbeat), never by the clock, and the sides' speeds differ by a
 //! factor of 3 or more (the balanced run excepted, where they match), so the verdict does not
