@@ -19,6 +19,7 @@ pub mod cuda_copy;
 pub mod mock;
 pub mod prefetch;
 pub mod timeline;
+pub mod writeback;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]

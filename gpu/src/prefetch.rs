@@ -28,6 +28,21 @@ use crate::GpuError;
 /// Buffers on the device: one computing, one being filled.
 pub const BUFFERS: usize = 2;
 
+/// Bytes that stay where they are when their owner moves: a borrowed slice, a heap buffer, a
+/// ring slot's payload in shared memory. The bookkeeping moves a batch in after its copy has
+/// started, so an engine that copies asynchronously (the CUDA one) needs this of its batches.
+///
+/// # Safety
+/// The address of the bytes (`AsRef`/`AsMut`) must not change while the value lives, however
+/// often it is moved.
+pub unsafe trait StableBytes {}
+// SAFETY: a borrow's bytes are the borrowed value's, which a move of the borrow leaves alone.
+unsafe impl StableBytes for &[u8] {}
+// SAFETY: as above.
+unsafe impl StableBytes for &mut [u8] {}
+// SAFETY: moving a Vec moves its (pointer, length, capacity), not the heap bytes.
+unsafe impl StableBytes for Vec<u8> {}
+
 /// Copies batches into device buffers, asynchronously.
 pub trait CopyEngine<H> {
     /// Begins copying `src`'s bytes into buffer `buf`, after the last step on `buf` is done
