@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 mod sys;
 
+pub mod nccl;
 pub mod probe;
 
 use sys::{Api, CuContext, CuDevice, CuDevicePtr, CuEvent, CuResult, CuStream, CUDA_SUCCESS};
@@ -58,6 +59,14 @@ pub enum CudaError {
     },
     #[error("kernel {0:?} is not in the module")]
     NoKernel(String),
+    #[error("no NCCL: cannot load {path} ({why})")]
+    NoNccl { path: String, why: String },
+    #[error("{call} failed: {name} ({code})")]
+    Nccl {
+        call: &'static str,
+        code: i32,
+        name: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;
@@ -77,7 +86,17 @@ impl Driver {
 
     /// Loads the driver library at `path` and initialises it.
     pub fn load_from(path: &str) -> Result<Driver> {
-        let api = Arc::new(Api::load(path)?);
+        let api = Arc::new(Api::load(path).map_err(|e| match e.symbol {
+            None => CudaError::NoDriver {
+                path: e.path,
+                why: e.why,
+            },
+            Some(name) => CudaError::Symbol {
+                name,
+                path: e.path,
+                why: e.why,
+            },
+        })?);
         // SAFETY: cuInit takes flags (must be 0) and may be called any number of times.
         check(&api, "cuInit", unsafe { (api.cuInit)(0) })?;
         Ok(Driver { api })

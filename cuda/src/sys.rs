@@ -38,40 +38,47 @@ pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: c_int = 40;
 /// The library's file name: the driver's, not the toolkit's runtime.
 pub const LIBCUDA: &str = "libcuda.so.1";
 
-/// Declares the table: one field per entry point, filled by `load` from the symbol of the same
+/// Why a table could not be loaded: the library (`symbol` None) or one entry point.
+pub struct LoadError {
+    pub path: String,
+    pub symbol: Option<&'static str>,
+    pub why: String,
+}
+
+/// Declares a table: one field per entry point, filled by `load` from the symbol of the same
 /// name (fields are named as the C symbols, so a grep for a driver call finds its use).
 macro_rules! api {
-    ($($name:ident: fn($($arg:ty),*) -> $ret:ty;)*) => {
+    ($table:ident { $($name:ident: fn($($arg:ty),*) -> $ret:ty;)* }) => {
         #[allow(non_snake_case)]
-        pub struct Api {
+        pub struct $table {
             $(pub $name: unsafe extern "C" fn($($arg),*) -> $ret,)*
             /// Keeps the library mapped while the pointers above are used.
             _lib: libloading::Library,
         }
 
-        impl Api {
+        impl $table {
             /// Opens `path` and resolves every entry point; the first one missing is named.
-            pub fn load(path: &str) -> Result<Api, crate::CudaError> {
-                // SAFETY: loading runs the library's initialisers. libcuda's only set up its
-                // own state; a library given by the user through HSPIPE_LIBCUDA is theirs.
-                let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-                    crate::CudaError::NoDriver { path: path.to_string(), why: e.to_string() }
-                })?;
-                Ok(Api {
+            pub fn load(path: &str) -> Result<$table, LoadError> {
+                let err = |symbol, e: libloading::Error| LoadError {
+                    path: path.to_string(),
+                    symbol,
+                    why: e.to_string(),
+                };
+                // SAFETY: loading runs the library's initialisers. The driver's and NCCL's only
+                // set up their own state; a library named by the user through the environment
+                // is theirs.
+                let lib = unsafe { libloading::Library::new(path) }.map_err(|e| err(None, e))?;
+                Ok($table {
                     $(
-                        // SAFETY: the symbol's C signature is the driver API's, as declared in
-                        // cuda.h (CUDA 12 and 13 alike); the pointer is kept no longer than
-                        // `_lib`, which this struct owns.
+                        // SAFETY: the symbol's C signature is the one declared here, as in
+                        // cuda.h / nccl.h (CUDA 12 and 13 alike); the pointer is kept no longer
+                        // than `_lib`, which this struct owns.
                         $name: *unsafe {
                             lib.get::<unsafe extern "C" fn($($arg),*) -> $ret>(
                                 concat!(stringify!($name), "\0").as_bytes(),
                             )
                         }
-                        .map_err(|e| crate::CudaError::Symbol {
-                            name: stringify!($name),
-                            path: path.to_string(),
-                            why: e.to_string(),
-                        })?,
+                        .map_err(|e| err(Some(stringify!($name)), e))?,
                     )*
                     _lib: lib,
                 })
@@ -81,6 +88,7 @@ macro_rules! api {
 }
 
 api! {
+Api {
     cuInit: fn(c_uint) -> CuResult;
     cuDriverGetVersion: fn(*mut c_int) -> CuResult;
     cuGetErrorName: fn(CuResult, *mut *const c_char) -> CuResult;
@@ -122,4 +130,40 @@ api! {
         *mut *mut c_void,
         *mut *mut c_void
     ) -> CuResult;
+}
+}
+
+/// `ncclResult_t`: 0 is success; `ncclGetErrorString` names the others.
+pub type NcclResult = c_int;
+/// `ncclComm_t`.
+pub type NcclComm = *mut c_void;
+pub const NCCL_SUCCESS: NcclResult = 0;
+/// `ncclInProgress`: a non-blocking call or an abort still running.
+pub const NCCL_IN_PROGRESS: NcclResult = 7;
+/// `ncclFloat32`.
+pub const NCCL_FLOAT32: c_int = 7;
+/// `ncclSum`.
+pub const NCCL_SUM: c_int = 0;
+/// NCCL's library, as its wheels and packages install it.
+pub const LIBNCCL: &str = "libnccl.so.2";
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NcclUniqueId {
+    pub internal: [c_char; 128],
+}
+
+api! {
+NcclApi {
+    ncclGetVersion: fn(*mut c_int) -> NcclResult;
+    ncclGetErrorString: fn(NcclResult) -> *const c_char;
+    ncclGetUniqueId: fn(*mut NcclUniqueId) -> NcclResult;
+    ncclCommInitRank: fn(*mut NcclComm, c_int, NcclUniqueId, c_int) -> NcclResult;
+    ncclAllReduce: fn(
+        *const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CuStream
+    ) -> NcclResult;
+    ncclCommGetAsyncError: fn(NcclComm, *mut NcclResult) -> NcclResult;
+    ncclCommAbort: fn(NcclComm) -> NcclResult;
+}
 }

@@ -38,3 +38,17 @@ fn the_probe_ptx_declares_its_kernels() {
         );
     }
 }
+
+/// NCCL is optional until a group spans GPUs: a missing library is an error naming it.
+#[test]
+fn a_missing_nccl_is_an_error_naming_the_library() {
+    let e = nccl::Nccl::load_from("/nonexistent/libnccl.so.2")
+        .err()
+        .expect("no NCCL at that path");
+    assert!(matches!(e, CudaError::NoNccl { .. }), "{e}");
+    assert!(e.to_string().contains("/nonexistent/libnccl.so.2"), "{e}");
+    let e = nccl::Nccl::load_from("libc.so.6")
+        .err()
+        .expect("libc is not NCCL");
+    assert!(e.to_string().contains("ncclGetVersion"), "{e}");
+}

@@ -14,6 +14,8 @@
 //!    the CPU tests check with a copy thread), as the GPU's busy share against the same loop
 //!    on one stream; and the target's loop (the forward of batch `i+1` while batch `i` is
 //!    copied out into its ring slot, committed once complete; `gpu::writeback`).
+//! 5. NCCL, if found (`$HSPIPE_LIBNCCL` or `libnccl.so.2`): a one-rank communicator, an
+//!    all-reduce that must return its input, an abort (one GPU is all a check can count on).
 //!
 //! Exit status: 0 every check passed; 1 a check failed (named); 2 no CUDA driver or device
 //! (nothing was checked). `--json PATH` writes every figure.
@@ -22,6 +24,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use cuda::nccl::{Nccl, LIBNCCL_ENV};
 use cuda::{probe::Probe, Device, Driver, Event, Stream};
 use gpu::cuda_copy::{CudaCopy, CudaCopyOut};
 use gpu::prefetch::{Prefetch, PushError, StableBytes};
@@ -250,6 +253,16 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     }
     println!("integrity: both batches arrived intact (byte sums equal)");
 
+    // NCCL, the group's collective across GPUs: loaded, a one-rank communicator (one GPU is
+    // all a check can count on), an all-reduce whose result must equal its input, an abort.
+    let nccl = match nccl_check(dev, &copy, &timer, &dbuf, len, args.reps) {
+        Ok(v) => v,
+        Err(e) => {
+            failed.push(format!("NCCL: {e:#}"));
+            json!({"error": format!("{e:#}")})
+        }
+    };
+
     // A kernel about twice a copy long.
     let copy_ms = h2d[0].1;
     let cycles = timer.calibrate_spin(&probe, &compute, 2.0 * copy_ms)?;
@@ -405,6 +418,7 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
                      "busy_one_stream": t_serial.busy_share(),
                      "ms_per_batch_overlapped": per_step(&t_overlapped),
                      "ms_per_batch_one_stream": per_step(&t_serial)},
+            "nccl": nccl,
             "failed": failed,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
@@ -457,6 +471,48 @@ fn double_buffered(
         steps_ms.push((starts[s].since(&starts[0])?, done[s].since(&starts[0])?));
     }
     Ok(Use::of(&steps_ms))
+}
+
+/// The NCCL part of the check; a machine without NCCL is reported, not failed (a group on one
+/// node can use the shared-memory collective).
+fn nccl_check(
+    dev: &Device,
+    stream: &Stream<'_>,
+    timer: &Timer<'_>,
+    dbuf: &[cuda::DeviceBuffer<'_>; 2],
+    len: usize,
+    reps: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let nccl = match Nccl::load() {
+        Ok(n) => n,
+        Err(e) => {
+            println!("nccl: not checked ({e}; set {LIBNCCL_ENV} to its path)");
+            return Ok(json!({"checked": false, "why": e.to_string()}));
+        }
+    };
+    let (a, b, c) = nccl.version()?;
+    let comm = nccl.init_rank(dev, 1, &nccl.unique_id()?, 0)?;
+    let count = len / 4;
+    let input: Vec<u8> = (0..count)
+        .flat_map(|i| ((i % 1_000_003) as f32 * 0.5).to_le_bytes())
+        .collect();
+    stream.copy_h2d_sync(&dbuf[0], 0, &input)?;
+    let ms = timer.median(stream, reps, || {
+        comm.all_reduce_sum_f32(&dbuf[0], &dbuf[1], count, stream)
+    })?;
+    comm.async_error()?;
+    let mut out = vec![0u8; count * 4];
+    stream.copy_d2h_sync(&mut out, &dbuf[1], 0)?;
+    if out != input {
+        bail!("a one-rank all-reduce changed its input");
+    }
+    comm.abort()?;
+    println!(
+        "nccl {a}.{b}.{c}: one-rank all-reduce of {} MiB in {ms:.2} ms (median), result exact; \
+         abort returned",
+        len / MIB
+    );
+    Ok(json!({"checked": true, "version": format!("{a}.{b}.{c}"), "all_reduce_ms": ms}))
 }
 
 /// A reserved ring slot as the destination of a copy-out.
