@@ -103,7 +103,7 @@ pub use proto::config::{BackendKind, Faults};
 pub fn target(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
-    name: &str,
+    name: proto::WorkerName,
 ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
     match kind {
         BackendKind::Mock => Ok(Box::new(mock::MockTarget::new(cfg, name))),
@@ -112,11 +112,12 @@ pub fn target(
 }
 
 /// A drafter rank for worker `name` under `cfg`, at step 0 (load a checkpoint or join the
-/// group to go on).
+/// group to go on); `None` for a drafter that is no worker and takes no worker's faults (the
+/// launcher reading a checkpoint).
 pub fn drafter(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
-    name: &str,
+    name: Option<proto::WorkerName>,
 ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
     match kind {
         BackendKind::Mock => Ok(Box::new(mock::MockDrafter::for_worker(cfg, name))),

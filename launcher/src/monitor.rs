@@ -19,7 +19,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use shm_ring::analysis::{self, Interval, WorkerRates};
-use shm_ring::{Ring, SlotCounts, Snapshot, WorkerState};
+use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
 
@@ -77,7 +77,8 @@ pub struct WorkerTick {
     pub tokens_per_s: f64,
     pub busy: f64,
     pub waiting: f64,
-    pub phases: BTreeMap<String, f64>,
+    /// By phase name (`wait_full`, ...).
+    pub phases: BTreeMap<Phase, f64>,
 }
 
 /// A line the launcher printed, and when (seconds since the run started).
@@ -102,7 +103,7 @@ impl WorkerTick {
             WorkerState::Retired => "retired",
         };
         WorkerTick {
-            name: format!("{}-{}", w.role, w.index),
+            name: w.name().to_string(),
             gpu: w.gpu,
             state: state.to_string(),
             alive: w.alive,
@@ -115,7 +116,7 @@ impl WorkerTick {
                 .phases
                 .iter()
                 .filter(|(_, v)| share(**v) > 0.0)
-                .map(|(k, v)| (k.to_string(), share(*v)))
+                .map(|(k, v)| (k, share(*v)))
                 .collect(),
         }
     }
@@ -171,7 +172,7 @@ pub struct Monitor {
 }
 
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
-fn shares(iv: &Interval, role: &str) -> (f64, f64) {
+fn shares(iv: &Interval, role: Role) -> (f64, f64) {
     let ws: Vec<_> = iv
         .workers
         .iter()
@@ -286,8 +287,8 @@ impl Monitor {
         let iv = analysis::interval(prev, &snap, &self.occupancy);
         let verdict = self.judge.verdict(prev, &snap, &self.occupancy);
         self.occupancy.clear();
-        let (tb, tw) = shares(&iv, "target");
-        let (db, dw) = shares(&iv, "drafter");
+        let (tb, tw) = shares(&iv, Role::Producer);
+        let (db, dw) = shares(&iv, Role::Consumer);
         let t = Tick {
             t_s: started.elapsed().as_secs_f64(),
             tokens_per_s: iv.tokens_per_s,

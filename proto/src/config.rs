@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use shm_ring::{BucketPick, RingParams, TakePolicy};
+use shm_ring::{BucketPick, RingParams, TakePolicy, WorkerName};
 
 use crate::batch::{batch_len, BatchSpec, Dtype};
 
@@ -296,15 +296,8 @@ impl PipelineConfig {
             ));
         }
         for (name, f) in &self.faults {
-            let known = name
-                .strip_prefix("target-")
-                .or_else(|| name.strip_prefix("drafter-"))
-                .is_some_and(|i| i.parse::<u32>().is_ok());
-            if !known {
-                return Err(invalid(
-                    "faults",
-                    format!("{name:?} is not a worker name (use target-N or drafter-N)"),
-                ));
+            if let Err(e) = name.parse::<WorkerName>() {
+                return Err(invalid("faults", e.to_string()));
             }
             if f.slow.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
                 return Err(invalid(
@@ -380,9 +373,13 @@ impl PipelineConfig {
         Ok(p)
     }
 
-    /// The faults configured for worker `name` (e.g. `drafter-0`); none by default.
-    pub fn faults_for(&self, name: &str) -> Faults {
-        self.faults.get(name).cloned().unwrap_or_default()
+    /// The faults configured for worker `name` (the key `drafter-0`); none by default.
+    pub fn faults_for(&self, name: WorkerName) -> Faults {
+        self.faults
+            .iter()
+            .find(|(key, _)| key.parse() == Ok(name))
+            .map(|(_, f)| f.clone())
+            .unwrap_or_default()
     }
 
     /// The length class of a batch whose longest sequence has `max_seq` tokens.
@@ -433,6 +430,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("drafter.params"), "{err}");
+    }
+
+    #[test]
+    fn fault_keys_are_worker_names() {
+        let toml = "[faults.drafter-1]\ncrash_after = 4\n[faults.target-0]\nslow = 2.0\n";
+        let c = PipelineConfig::from_toml(toml, Path::new("f.toml")).unwrap();
+        assert_eq!(c.faults_for(WorkerName::consumer(1)).crash_after, Some(4));
+        assert_eq!(c.faults_for(WorkerName::producer(0)).slow, Some(2.0));
+        assert_eq!(c.faults_for(WorkerName::producer(1)), Faults::default());
+        assert_eq!(c.faults_for(WorkerName::consumer(0)), Faults::default());
+
+        for key in ["drafter", "producer-1", "target-x", "drafter-1-2"] {
+            let toml = format!("[faults.{key}]\ncrash_after = 4\n");
+            let err = PipelineConfig::from_toml(&toml, Path::new("f.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("faults") && err.contains(&format!("{key:?} is not a worker name")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -40,12 +40,13 @@
 //! says with the share they wait for it. Independent drafters (no `sync`) and targets (which
 //! claim work as they go) lose only a slow worker's own share: the ring absorbs it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use serde::Serialize;
 
+use crate::phase::{Phase, PhaseMap};
 use crate::stats::{SlotCounts, Snapshot, WorkerSnapshot, WorkerState};
-use crate::{Phase, Role};
+use crate::worker::{role_name, Role, WorkerName};
 
 /// A side counts as waiting when its waiting share is above this (to become the bottleneck's
 /// evidence) ...
@@ -79,7 +80,9 @@ const TREND_SHARE: f64 = 0.15;
 /// One worker over the interval.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct WorkerRates {
-    pub role: &'static str,
+    /// `"target"` or `"drafter"` in JSON.
+    #[serde(with = "role_name")]
+    pub role: Role,
     pub index: u32,
     pub gpu: Option<u32>,
     pub pid: u32,
@@ -92,7 +95,16 @@ pub struct WorkerRates {
     pub busy: f64,
     pub waiting: f64,
     /// Share of the interval in each phase.
-    pub phases: BTreeMap<&'static str, f64>,
+    pub phases: PhaseMap<f64>,
+}
+
+impl WorkerRates {
+    pub fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
 }
 
 /// The ring over the interval.
@@ -163,29 +175,18 @@ pub struct Verdict {
     pub window_s: f64,
 }
 
-fn role_name(r: Role) -> &'static str {
-    match r {
-        Role::Producer => "target",
-        Role::Consumer => "drafter",
-    }
-}
-
 fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
-    let frac = |name: &str| {
-        let d = b.phase_ns[name].saturating_sub(a.phase_ns[name]) as f64;
+    let phases = PhaseMap::from_fn(|p: Phase| {
+        let d = b.phase_ns[p].saturating_sub(a.phase_ns[p]) as f64;
         (d / dt_ns).clamp(0.0, 1.0)
-    };
-    let phases: BTreeMap<&'static str, f64> = Phase::ALL
-        .iter()
-        .map(|p| (p.name(), frac(p.name())))
-        .collect();
+    });
     let waiting = match b.role {
-        Role::Producer => phases["wait_full"],
-        Role::Consumer => phases["wait_empty"],
+        Role::Producer => phases[Phase::WaitFull],
+        Role::Consumer => phases[Phase::WaitEmpty],
     };
     let secs = dt_ns / 1e9;
     WorkerRates {
-        role: role_name(b.role),
+        role: b.role,
         index: b.index,
         gpu: b.gpu,
         pid: b.pid,
@@ -195,7 +196,7 @@ fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
         items: b.items,
         items_per_s: b.items.saturating_sub(a.items) as f64 / secs,
         tokens_per_s: b.tokens.saturating_sub(a.tokens) as f64 / secs,
-        busy: phases["compute"],
+        busy: phases[Phase::Compute],
         waiting,
         phases,
     }
@@ -213,7 +214,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
     };
     let n = samples.len() as f64;
     let serves_from = match b.params.policy {
-        crate::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
+        crate::params::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
         _ => 1,
     };
     let tokens: u64 = b
@@ -350,15 +351,15 @@ fn working(p: Phase) -> bool {
 struct Pace {
     ns_per_token: f64,
     ns_per_item: f64,
-    phase: &'static str,
+    phase: Phase,
     share: f64,
 }
 
 fn pace(w: &WorkerSnapshot) -> Option<Pace> {
-    let work: Vec<(&'static str, u64)> = Phase::ALL
+    let work: Vec<(Phase, u64)> = Phase::ALL
         .iter()
         .filter(|p| working(**p))
-        .map(|p| (p.name(), w.phase_ns[p.name()]))
+        .map(|&p| (p, w.phase_ns[p]))
         .collect();
     let total: u64 = work.iter().map(|(_, ns)| ns).sum();
     if w.items < MIN_ITEMS || w.tokens == 0 || total == 0 {
@@ -368,7 +369,7 @@ fn pace(w: &WorkerSnapshot) -> Option<Pace> {
         .iter()
         .copied()
         .max_by_key(|(_, ns)| *ns)
-        .unwrap_or(("compute", 0));
+        .unwrap_or((Phase::Compute, 0));
     Some(Pace {
         ns_per_token: total as f64 / w.tokens as f64,
         ns_per_item: total as f64 / w.items as f64,
@@ -383,8 +384,17 @@ struct Slow {
     index: u32,
     /// Its time per token over the peers' median.
     ratio: f64,
-    phase: &'static str,
+    phase: Phase,
     share: f64,
+}
+
+impl Slow {
+    fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
 }
 
 fn slow_workers(b: &Snapshot) -> Vec<Slow> {
@@ -445,34 +455,28 @@ fn silent_worker(b: &Snapshot) -> Option<(&WorkerSnapshot, f64, Option<f64>)> {
 
 /// The phase a worker spent most of the window in: for a silent worker, the one it is stuck
 /// in (a phase in progress counts up to the snapshot).
-fn main_phase(w: &WorkerRates) -> &'static str {
+fn main_phase(w: &WorkerRates) -> Phase {
     w.phases
         .iter()
         .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(n, _)| *n)
-        .unwrap_or("other")
-}
-
-fn name(role: &str, index: u32) -> String {
-    format!("{role}-{index}")
+        .map_or(Phase::Other, |(p, _)| p)
 }
 
 /// The verdict for the window `iv` that ends at snapshot `b`; `last` is the previous verdict's
 /// class, for hysteresis; `fresh` says the window holds the first take.
 fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> Verdict {
     let warnings = warnings(b);
-    let live = |role: &'static str| iv.workers.iter().filter(move |w| w.role == role && w.alive);
-    let phase = |w: &WorkerRates, p: &str| w.phases.get(p).copied().unwrap_or(0.0);
+    let live = |role: Role| iv.workers.iter().filter(move |w| w.role == role && w.alive);
+    let phase = |w: &WorkerRates, p: Phase| w.phases[p];
     // Drafters that ever waited in `sync` are one synchronous group.
     let drafters = || b.workers.iter().filter(|w| w.role == Role::Consumer);
-    let group = drafters().count() >= 2
-        && drafters().any(|w| w.phase_ns.get("sync").copied().unwrap_or(0) > 0);
-    let tw = mean(live("target").map(|w| w.waiting));
+    let group = drafters().count() >= 2 && drafters().any(|w| w.phase_ns[Phase::Sync] > 0);
+    let tw = mean(live(Role::Producer).map(|w| w.waiting));
     // A group steps at its slowest rank's pace: it waits for data while any rank does.
     let dw = if group {
-        live("drafter").map(|w| w.waiting).reduce(f64::max)
+        live(Role::Consumer).map(|w| w.waiting).reduce(f64::max)
     } else {
-        mean(live("drafter").map(|w| w.waiting))
+        mean(live(Role::Consumer).map(|w| w.waiting))
     };
     let published = (iv.published_per_s * iv.seconds).round();
     let released = (iv.released_per_s * iv.seconds).round();
@@ -485,8 +489,8 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
         }
     };
     let gate = match b.params.policy {
-        crate::TakePolicy::Bucketed { min_ready, .. } => min_ready,
-        crate::TakePolicy::Fifo => 0,
+        crate::params::TakePolicy::Bucketed { min_ready, .. } => min_ready,
+        crate::params::TakePolicy::Fifo => 0,
     };
     let swing = (2 * b.params.consumers * b.params.held_per_consumer.max(1)).max(gate);
     let least = TREND_MIN.max(f64::from(swing));
@@ -501,11 +505,11 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
     let worked = iv.workers.iter().filter(|w| w.alive).any(|w| {
         Phase::ALL
             .iter()
-            .any(|p| working(*p) && phase(w, p.name()) > 0.01)
+            .any(|p| working(*p) && phase(w, *p) > 0.01)
     });
     let slow = slow_workers(b);
     let slow_rank = slow.iter().find(|s| s.role == Role::Consumer && group);
-    let sync = mean(live("drafter").map(|w| phase(w, "sync"))).unwrap_or(0.0);
+    let sync = mean(live(Role::Consumer).map(|w| phase(w, Phase::Sync))).unwrap_or(0.0);
     let drafters_live = drafters().filter(|w| w.alive).count();
     let live_paces = drafters().filter(|w| w.alive && pace(w).is_some()).count();
     let left = b.slots.ready + b.slots.reading;
@@ -526,19 +530,20 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
             ),
         )
     } else if let Some((w, age, step)) = silent {
-        let role = role_name(w.role);
-        worker = Some(name(role, w.index));
+        let role = w.role;
+        worker = Some(w.name().to_string());
         let now = iv
             .workers
             .iter()
-            .find(|r| r.role == role && r.index == w.index)
-            .map_or("other", main_phase);
+            .find(|r| r.name() == w.name())
+            .map_or(Phase::Other, main_phase)
+            .name();
         let usual = step.map_or(String::new(), |s| format!(", its steps take {s:.1}s"));
         let held = if w.role == Role::Consumer && group {
             let others = mean(
-                live("drafter")
+                live(Role::Consumer)
                     .filter(|r| r.index != w.index)
-                    .map(|r| phase(r, "sync")),
+                    .map(|r| phase(r, Phase::Sync)),
             )
             .unwrap_or(0.0);
             format!("; the other drafters wait {} in sync for it", pct(others))
@@ -586,7 +591,7 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
         )
     } else if b.counters.taken == 0 && !b.closed {
         let gate = match b.params.policy {
-            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+            crate::params::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
                 "the drafters wait until {min_ready} batches are READY ({} now, {} being written)",
                 b.slots.ready, b.slots.writing
             ),
@@ -627,16 +632,16 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
         match slow_rank {
             Some(s) => {
                 let others = mean(
-                    live("drafter")
+                    live(Role::Consumer)
                         .filter(|w| w.index != s.index)
-                        .map(|w| phase(w, "sync")),
+                        .map(|w| phase(w, Phase::Sync)),
                 )
                 .unwrap_or(sync);
                 line.push_str(&format!(
                     "; drafters wait {} in sync for drafter {} ({} per token {:.1}x the group median)",
                     pct(others),
                     s.index,
-                    s.phase,
+                    s.phase.name(),
                     s.ratio
                 ));
             }
@@ -652,12 +657,9 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
     let stragglers: Vec<String> = slow
         .iter()
         .map(|s| {
-            let role = role_name(s.role);
+            let role = s.role;
             let ips = |w: &WorkerRates| w.items_per_s;
-            let me = iv
-                .workers
-                .iter()
-                .find(|w| w.role == role && w.index == s.index);
+            let me = iv.workers.iter().find(|w| w.name() == s.name());
             let peers: Vec<f64> = live(role).filter(|w| w.index != s.index).map(ips).collect();
             let items = match (me, peers.is_empty()) {
                 (Some(me), false) => {
@@ -671,9 +673,9 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
                 }
                 Role::Consumer if group => {
                     let others = mean(
-                        live("drafter")
+                        live(Role::Consumer)
                             .filter(|w| w.index != s.index)
-                            .map(|w| phase(w, "sync")),
+                            .map(|w| phase(w, Phase::Sync)),
                     )
                     .unwrap_or(0.0);
                     format!(
@@ -690,7 +692,7 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
                 s.index,
                 s.ratio,
                 pct(s.share),
-                s.phase
+                s.phase.name()
             )
         })
         .collect();
@@ -704,7 +706,7 @@ fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> 
         };
         worker = slow_rank
             .or(slow.iter().find(blamed))
-            .map(|s| name(role_name(s.role), s.index));
+            .map(|s| s.name().to_string());
     }
     Verdict {
         bottleneck,
@@ -769,7 +771,7 @@ fn sides(
         )
     } else if targets && by_waits_t {
         let short = match b.params.policy {
-            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+            crate::params::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
                 "ring below min_ready ({min_ready}) {} of the time",
                 pct(iv.short_frac)
             ),
@@ -822,7 +824,7 @@ fn warnings(b: &Snapshot) -> Vec<String> {
         ));
     }
     for w in &b.workers {
-        let role = role_name(w.role);
+        let role = w.role;
         match w.state {
             WorkerState::Dead => warnings.push(format!(
                 "{role} {} died (pid {}) and was recovered; not running now",
@@ -842,9 +844,7 @@ fn warnings(b: &Snapshot) -> Vec<String> {
     if let Some((w, age, _)) = silent_worker(b) {
         warnings.push(format!(
             "{} {} (pid {}) has sent no heartbeat for {age:.0}s: hung, or in a very long step",
-            role_name(w.role),
-            w.index,
-            w.pid
+            w.role, w.index, w.pid
         ));
     }
     warnings

@@ -8,10 +8,14 @@ use std::time::{Duration, Instant};
 use crate::core::{
     Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
 };
+use crate::error::RingError;
 use crate::layout::{Lease, LEASE_START_MASK};
+use crate::params::RingParams;
+use crate::phase::Phase;
 use crate::segment::{self, Creator, Segment, NO_GPU};
 use crate::sync::Ordering;
-use crate::{sys, Phase, RingError, RingParams, Role, WorkerId};
+use crate::sys;
+use crate::worker::{Role, WorkerName};
 
 /// A ring in a shared-memory segment, created by the supervisor and attached by workers.
 ///
@@ -118,7 +122,7 @@ impl Ring {
         &self.seg
     }
 
-    fn id_of(&self, id: WorkerId) -> Result<u32, RingError> {
+    fn id_of(&self, id: WorkerName) -> Result<u32, RingError> {
         let p = self.params();
         let (limit, base) = match id.role {
             Role::Producer => (p.producers, 0),
@@ -146,7 +150,7 @@ impl Ring {
     /// `layout::Lease`), refused while another live process, or this one, holds it. Whatever
     /// earlier incarnations left (a dead one's slots and claims) is recovered first, so a
     /// restarted worker cleans up after its predecessor even without a supervisor.
-    fn register(&self, wid: WorkerId) -> Result<Worker<'_>, RingError> {
+    fn register(&self, wid: WorkerName) -> Result<Worker<'_>, RingError> {
         self.writable()?;
         let id = self.id_of(wid)?;
         let me = my_lease()?;
@@ -177,13 +181,13 @@ impl Ring {
     /// Registers producer `index` of this process.
     pub fn producer(&self, index: u32) -> Result<Producer<'_>, RingError> {
         Ok(Producer {
-            w: self.register(WorkerId::producer(index))?,
+            w: self.register(WorkerName::producer(index))?,
         })
     }
 
     /// Registers consumer `index` of this process.
     pub fn consumer(&self, index: u32) -> Result<Consumer<'_>, RingError> {
-        let w = self.register(WorkerId::consumer(index))?;
+        let w = self.register(WorkerName::consumer(index))?;
         let st = TakeState::new(self.params().seed, w.id);
         Ok(Consumer {
             w,
@@ -201,7 +205,7 @@ impl Ring {
     /// freeing their slots would let two writers share a payload. A zombie (exited, not yet
     /// reaped) counts as gone. Safe to call again, also after a recovery that was itself
     /// interrupted.
-    pub fn recover(&self, id: WorkerId) -> Result<Recovered, RingError> {
+    pub fn recover(&self, id: WorkerName) -> Result<Recovered, RingError> {
         self.recover_with(id, holder_alive)
     }
 
@@ -215,7 +219,7 @@ impl Ring {
     /// used after this call, in any process: its process has exited, or every such handle was
     /// leaked (`std::mem::forget`) and is unreachable. Otherwise a slot it still writes or reads
     /// can be handed to another worker, and two processes touch one payload at once.
-    pub unsafe fn recover_unchecked(&self, id: WorkerId) -> Result<Recovered, RingError> {
+    pub unsafe fn recover_unchecked(&self, id: WorkerName) -> Result<Recovered, RingError> {
         self.recover_with(id, |_| false)
     }
 
@@ -226,7 +230,7 @@ impl Ring {
     /// not). Everything else is recovered as by [`Ring::recover`].
     pub fn recover_retiring(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         batch_id: u64,
         mut on_retired: impl FnMut(&ItemMeta, &[u8]),
     ) -> Result<Recovered, RingError> {
@@ -263,7 +267,7 @@ impl Ring {
 
     fn recover_with(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         holder_alive: impl Fn(Lease) -> bool,
     ) -> Result<Recovered, RingError> {
         self.recover_inner(wid, holder_alive, None)
@@ -271,7 +275,7 @@ impl Ring {
 
     fn recover_inner(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         holder_alive: impl Fn(Lease) -> bool,
         retire: Option<&mut Retire<'_>>,
     ) -> Result<Recovered, RingError> {
@@ -291,7 +295,7 @@ impl Ring {
     /// Returns true if this closed the ring.
     pub fn retire(&self, index: u32) -> Result<bool, RingError> {
         self.writable()?;
-        let wid = WorkerId::producer(index);
+        let wid = WorkerName::producer(index);
         let id = self.id_of(wid)?;
         let core = self.core_ref();
         if let Some(holder) = core.live_holder(id, holder_alive) {
@@ -322,7 +326,7 @@ fn holder_alive(holder: Lease) -> bool {
 struct Worker<'r> {
     ring: &'r Ring,
     id: u32,
-    wid: WorkerId,
+    wid: WorkerName,
     /// This process's lease word, which holds the id while this handle lives.
     lease: Lease,
     /// The registration epoch; tags this incarnation's work claims.
@@ -360,7 +364,7 @@ impl Drop for Worker<'_> {
 macro_rules! worker_methods {
     () => {
         /// This worker's id in the ring.
-        pub fn id(&self) -> WorkerId {
+        pub fn id(&self) -> WorkerName {
             self.w.wid
         }
         /// How many times this id has been registered (1 for the first run; restarts add one).
