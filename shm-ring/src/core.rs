@@ -406,7 +406,7 @@ impl<'a> RingRef<'a> {
                         Some(b) if per_bucket.get(b as usize).is_some_and(|&n| n > 0) => b,
                         _ => choose_bucket(&per_bucket[..buckets], pick, st),
                     };
-                    self.nth_ready_in_bucket(b, st.rng.below(per_bucket[b as usize]))
+                    self.nth_ready_in_bucket(b, st.below(per_bucket[b as usize]))
                 }
             };
             let Some(c) = pick else { continue };
