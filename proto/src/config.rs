@@ -50,8 +50,11 @@ pub struct Faults {
 #[serde(deny_unknown_fields, default)]
 pub struct RingConfig {
     pub slots: u32,
-    /// Bytes per slot; 0 means "just enough for the largest batch the token budget allows".
-    pub slot_bytes: u64,
+    /// Bytes per slot (the ring's `slot_size`); 0 means "just enough for the largest batch the
+    /// token budget allows". The TOML key is `slot_bytes`, as it always was; `slot_size` is
+    /// accepted too.
+    #[serde(rename = "slot_bytes", alias = "slot_size")]
+    pub slot_size: u64,
     /// Length classes: bucket `b` holds batches whose longest sequence is in the b-th equal
     /// slice of `1..=max_len`.
     pub buckets: u32,
@@ -92,7 +95,7 @@ impl Default for RingConfig {
     fn default() -> Self {
         RingConfig {
             slots: 60,
-            slot_bytes: 0,
+            slot_size: 0,
             buckets: 6,
             policy: PolicyName::Bucketed,
             min_ready: 10,
@@ -310,12 +313,12 @@ impl PipelineConfig {
             return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
         }
         let need = self.largest_batch_bytes()?;
-        if self.ring.slot_bytes != 0 && self.ring.slot_bytes < need {
+        if self.ring.slot_size != 0 && self.ring.slot_size < need {
             return Err(invalid(
                 "ring.slot_bytes",
                 format!(
                     "{} bytes cannot hold the largest batch ({need} bytes for a {}-token budget); raise it or set 0 for automatic",
-                    self.ring.slot_bytes, self.target.token_budget
+                    self.ring.slot_size, self.target.token_budget
                 ),
             ));
         }
@@ -347,10 +350,10 @@ impl PipelineConfig {
         work_items: u64,
     ) -> Result<RingParams, ConfigError> {
         let r = &self.ring;
-        let slot_size = if r.slot_bytes == 0 {
+        let slot_size = if r.slot_size == 0 {
             self.largest_batch_bytes()?
         } else {
-            r.slot_bytes
+            r.slot_size
         };
         let p = RingParams {
             slots: r.slots,
@@ -419,6 +422,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ring.slot_bytes"), "{err}");
+        // The ring's name for it works as a key too.
+        let c = PipelineConfig::from_toml("[ring]\nslot_size = 16777216\n", Path::new("a.toml"))
+            .unwrap();
+        assert_eq!(c.ring.slot_size, 16 << 20);
 
         let err =
             PipelineConfig::from_toml("[drafter]\ntokens_per_s = -1.0\n", Path::new("a.toml"))

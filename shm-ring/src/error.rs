@@ -41,8 +41,8 @@ pub enum RingError {
         name: String,
         source: std::io::Error,
     },
-    #[error("payload of {len} bytes does not fit a slot of {capacity} bytes")]
-    PayloadTooLarge { len: u64, capacity: u64 },
+    #[error("payload of {len} bytes does not fit a slot of {slot_size} bytes")]
+    PayloadTooLarge { len: u64, slot_size: u64 },
     #[error("bucket {bucket} is out of range: the ring has {buckets} buckets")]
     BadBucket { bucket: u32, buckets: u32 },
     #[error("{id} does not exist: the ring has {producers} producers and {consumers} consumers")]

@@ -240,8 +240,8 @@ impl Ring {
             let len = (meta.len as usize).min(seg.params().slot_size as usize);
             // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
             // process is gone), so no process writes these bytes until the CAS that frees the
-            // slot, which happens after this call returns; `len` is capped at the slot's
-            // capacity, inside the mapping, which outlives this call.
+            // slot, which happens after this call returns; `len` is capped at the slot
+            // size, inside the mapping, which outlives this call.
             let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
             on_retired(&meta, payload);
         };
@@ -426,11 +426,11 @@ impl<'r> Producer<'r> {
         len: usize,
         deadline: Option<Instant>,
     ) -> Result<Option<WriteSlot<'_>>, RingError> {
-        let capacity = self.w.ring.params().slot_size;
-        if len as u64 > capacity {
+        let slot_size = self.w.ring.params().slot_size;
+        if len as u64 > slot_size {
             return Err(RingError::PayloadTooLarge {
                 len: len as u64,
-                capacity,
+                slot_size,
             });
         }
         Ok(self
@@ -482,7 +482,7 @@ impl WriteSlot<'_> {
         let ptr = self.p.w.ring.segment().payload_ptr(self.claim.idx);
         // SAFETY: the slot is WRITING and owned by this producer (the claim's CAS proved it),
         // so no other process reads or writes these bytes until we commit or abort; `len` is at
-        // most the slot capacity, which lies inside the mapping; the mapping outlives `self`
+        // most the slot size, which lies inside the mapping; the mapping outlives `self`
         // (it borrows the ring), and `&mut self` makes this the only live reference.
         unsafe { std::slice::from_raw_parts_mut(ptr, self.len) }
     }
@@ -637,7 +637,7 @@ impl ReadSlot<'_> {
     pub fn payload(&self) -> &[u8] {
         let ptr = self.c.w.ring.segment().payload_ptr(self.claim.idx);
         // SAFETY: the slot is READING and owned by this consumer, so no producer writes it until
-        // we release; `meta.len` was checked against the slot capacity in `take_until`; the
+        // we release; `meta.len` was checked against the slot size in `take_until`; the
         // mapping outlives `self`.
         unsafe { std::slice::from_raw_parts(ptr, self.meta.len as usize) }
     }

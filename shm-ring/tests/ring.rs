@@ -214,7 +214,7 @@ fn payload_is_written_and_read_in_place_in_page_aligned_slots() {
             err,
             RingError::PayloadTooLarge {
                 len: 4097,
-                capacity: 4096
+                slot_size: 4096
             }
         ),
         "{err}"
