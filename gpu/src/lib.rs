@@ -1,8 +1,8 @@
 //! Compute backends behind two traits, so the workers do not know whether a GPU is real.
 //!
 //! - [`mock`]: CPU only, deterministic, with simulated speed (time is spent sleeping, so eight
-//!   mock GPUs run side by side on two cores) and fault injection. The default where no GPU
-//!   driver is present, and what every test runs on.
+//!   mock GPUs run side by side on two cores) and fault injection. What `--backend auto`
+//!   picks, driver or not, until the cuda backend is built; what every test runs on.
 //! - `cuda` (later): cudarc, loaded dynamically; never panics where no driver exists.
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and

@@ -202,8 +202,7 @@ impl MockDrafter {
         }
     }
 
-    /// The weights, Adam's two moments and the step, as u32 words: what a joining rank needs.
-    /// Worker `name`'s drafter under `cfg`: its size, speed and faults.
+    /// Worker `name`'s drafter under `cfg`: its size, speed and faults (none for `None`).
     pub fn for_worker(cfg: &proto::PipelineConfig, name: Option<proto::WorkerName>) -> MockDrafter {
         let faults = name.map(|n| cfg.faults_for(n)).unwrap_or_default();
         start(&faults);
