@@ -11,6 +11,10 @@
 //! worker, the header, the slot bar, warnings, trends, buckets, rates, the legend. Phases are a
 //! stacked bar per worker on narrow terminals, one column each from about 110 columns, and both
 //! on very wide ones.
+//!
+//! One file past 500 lines on purpose: the sections are drawn from one fitting decision (which
+//! lines and columns the size allows), so split by section they would pass that state around;
+//! the verdict and the figures it draws are `analysis`'s.
 
 use std::collections::VecDeque;
 use std::io::Write;
