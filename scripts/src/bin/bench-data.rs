@@ -24,6 +24,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
+use shm_ring::WorkerName;
 
 #[derive(Parser)]
 struct Args {
@@ -235,7 +236,7 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         }
         if first.is_none() {
             let trained = (0..8).any(|d| {
-                std::fs::metadata(run_dir.join(format!("ledger/drafter-{d}.jsonl")))
+                std::fs::metadata(run_dir.join(format!("ledger/{}.jsonl", WorkerName::consumer(d))))
                     .is_ok_and(|m| m.len() > 0)
             });
             if trained {
