@@ -388,3 +388,31 @@ impl Monitor {
         self.record(ring, self.restarts, self.started, Instant::now())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// metrics.jsonl names phases as it always did (`"wait_full"`, ...), and reads them back.
+    #[test]
+    fn a_worker_tick_keeps_its_json_names() {
+        let mut t = WorkerTick {
+            name: shm_ring::WorkerName::consumer(2).to_string(),
+            ..WorkerTick::default()
+        };
+        t.phases.insert(Phase::WaitFull, 0.25);
+        t.phases.insert(Phase::Compute, 0.5);
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["name"], "drafter-2");
+        assert_eq!(
+            json["phases"],
+            serde_json::json!({"wait_full": 0.25, "compute": 0.5})
+        );
+        let back: WorkerTick = serde_json::from_value(json).unwrap();
+        assert_eq!(back.phases, t.phases);
+        let old = r#"{"name": "target-0", "phases": {"copy_in": 0.1, "sync": 0.2}}"#;
+        let old: WorkerTick = serde_json::from_str(old).unwrap();
+        assert_eq!(old.phases[&Phase::CopyIn], 0.1);
+        assert_eq!(old.phases[&Phase::Sync], 0.2);
+    }
+}
