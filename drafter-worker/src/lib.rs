@@ -24,11 +24,11 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::{BackendKind, DrafterBackend};
-use proto::control::{FinalReport, ToLauncher, WorkerRole};
+use proto::control::{FinalReport, ToLauncher};
 use proto::worker::{setup, WorkerArgs};
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
-use shm_ring::{Consumer, Phase, ReadSlot, Ring, Take};
+use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -72,7 +72,7 @@ pub struct LedgerLine {
 pub fn ledger_path(run_dir: &Path, index: u32) -> PathBuf {
     run_dir
         .join("ledger")
-        .join(format!("drafter-{index}.jsonl"))
+        .join(format!("{}.jsonl", shm_ring::WorkerName::consumer(index)))
 }
 
 /// Every drafter's ledger lines, and how many lines could not be read. A line that does not
@@ -299,14 +299,14 @@ fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
 
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let s = setup(&args.common, WorkerRole::Drafter)?;
+    let s = setup(&args.common, Role::Consumer)?;
     let cfg = &s.config;
     for dir in ["ledger", "checkpoints"] {
         std::fs::create_dir_all(s.run_dir.join(dir))
             .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
     }
     let ckpt = checkpoint_path(&s.run_dir);
-    let mut backend = gpu::drafter(s.backend, cfg, &s.name)?;
+    let mut backend = gpu::drafter(s.backend, cfg, Some(s.name))?;
     let ledger_file = ledger_path(&s.run_dir, s.index);
     let mut ledger = open_ledger(&ledger_file)?;
 
@@ -321,7 +321,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let epoch = consumer.epoch();
     // Injected faults that place a kill inside the group protocol (first incarnation only, so
     // the restarted rank gets through).
-    let faults = cfg.faults_for(&s.name);
+    let faults = cfg.faults_for(s.name);
     let first = epoch == 1;
     let die = |what: &str| -> ! {
         tracing::error!("injected crash {what}");

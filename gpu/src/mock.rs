@@ -118,7 +118,7 @@ pub struct MockTarget {
 
 impl MockTarget {
     /// Worker `name`'s target under `cfg`: its shape, speed and faults.
-    pub fn new(cfg: &proto::PipelineConfig, name: &str) -> MockTarget {
+    pub fn new(cfg: &proto::PipelineConfig, name: proto::WorkerName) -> MockTarget {
         let faults = cfg.faults_for(name);
         start(&faults);
         MockTarget {
@@ -205,10 +205,9 @@ impl MockDrafter {
         }
     }
 
-    /// The weights, Adam's two moments and the step, as u32 words: what a joining rank needs.
-    /// Worker `name`'s drafter under `cfg`: its size, speed and faults.
-    pub fn for_worker(cfg: &proto::PipelineConfig, name: &str) -> MockDrafter {
-        let faults = cfg.faults_for(name);
+    /// Worker `name`'s drafter under `cfg`: its size, speed and faults (none for `None`).
+    pub fn for_worker(cfg: &proto::PipelineConfig, name: Option<proto::WorkerName>) -> MockDrafter {
+        let faults = name.map(|n| cfg.faults_for(n)).unwrap_or_default();
         start(&faults);
         MockDrafter::new(
             Sim::new(cfg.drafter.tokens_per_s, faults),

@@ -24,9 +24,9 @@ use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use collective::ShmGroup;
 use proto::config::BackendKind;
-use proto::control::{self, FinalReport, ToWorker, WorkerRole};
+use proto::control::{self, FinalReport, ToWorker};
 use proto::PipelineConfig;
-use shm_ring::{Ring, WorkerId};
+use shm_ring::{Ring, Role, WorkerName};
 use target_worker::data::{plan, Dataset};
 
 use crate::spawn::{Event, Key, Welcome, WorkerExe};
@@ -180,7 +180,7 @@ enum Phase {
 }
 
 struct Worker {
-    role: WorkerRole,
+    role: Role,
     index: u32,
     gpu: u32,
     child: Option<Child>,
@@ -200,16 +200,10 @@ impl Worker {
             spawn: self.spawns.saturating_sub(1),
         }
     }
-    fn name(&self) -> String {
-        match self.role {
-            WorkerRole::Target => format!("target-{}", self.index),
-            WorkerRole::Drafter => format!("drafter-{}", self.index),
-        }
-    }
-    fn ring_id(&self) -> WorkerId {
-        match self.role {
-            WorkerRole::Target => WorkerId::producer(self.index),
-            WorkerRole::Drafter => WorkerId::consumer(self.index),
+    fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
         }
     }
     fn finished(&self) -> bool {
@@ -305,8 +299,8 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     cfg.validate().context("checking the config")?;
     let backend = choose_backend(args.backend)?;
     let exes = [
-        WorkerExe::find(WorkerRole::Target, args.worker_dir.as_deref())?,
-        WorkerExe::find(WorkerRole::Drafter, args.worker_dir.as_deref())?,
+        WorkerExe::find(Role::Producer, args.worker_dir.as_deref())?,
+        WorkerExe::find(Role::Consumer, args.worker_dir.as_deref())?,
     ];
 
     let run_id = format!(
@@ -457,12 +451,12 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     let mut workers: Vec<Worker> = targets
         .iter()
         .enumerate()
-        .map(|(i, &gpu)| (WorkerRole::Target, i as u32, gpu))
+        .map(|(i, &gpu)| (Role::Producer, i as u32, gpu))
         .chain(
             drafters
                 .iter()
                 .enumerate()
-                .map(|(i, &gpu)| (WorkerRole::Drafter, i as u32, gpu)),
+                .map(|(i, &gpu)| (Role::Consumer, i as u32, gpu)),
         )
         .map(|(role, index, gpu)| Worker {
             role,
@@ -538,10 +532,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                 }
                 Event::Progress { step, loss, tokens } => mon.progress(step, loss, tokens),
                 Event::HandshakeFailed(key, why) => {
-                    mon.say(&format!(
-                        "{:?} {}: handshake failed: {why}",
-                        key.role, key.index
-                    ));
+                    mon.say(&format!("{}: handshake failed: {why}", key.name()));
                 }
             }
         }
@@ -553,10 +544,9 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
             let snap = ring.snapshot();
             let hang_ns = (args.hang_timeout * 1e9) as u64;
             for w in &mut workers {
-                let rec = &snap.workers[match w.role {
-                    WorkerRole::Target => w.index as usize,
-                    WorkerRole::Drafter => (nt + w.index) as usize,
-                }];
+                let Some(rec) = snap.worker(w.name()) else {
+                    continue;
+                };
                 // Only a worker that has registered this incarnation can be late.
                 let silent = rec.heartbeat_age_ns.unwrap_or(0);
                 if w.child.is_some() && rec.pid == w.pid && silent > hang_ns {
@@ -576,7 +566,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         // 4. Exits, recoveries, restarts.
         let drafters_left = workers
             .iter()
-            .filter(|w| w.role == WorkerRole::Drafter && !matches!(w.phase, Phase::GaveUp))
+            .filter(|w| w.role == Role::Consumer && !matches!(w.phase, Phase::GaveUp))
             .count();
         for w in &mut workers {
             if let Some(child) = &mut w.child {
@@ -591,7 +581,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                         // A drafter that finished has left the group: a rank restarted late
                         // must not wait for it to admit it (it admits itself into an empty
                         // group, sees the ring's end and finishes too).
-                        if w.role == WorkerRole::Drafter {
+                        if w.role == Role::Consumer {
                             group.remove(w.index)?;
                         }
                     }
@@ -600,7 +590,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                         // A drafter leaves the group first: survivors blocked in the reduction
                         // go on without it, and we learn whether its batch is in an applied
                         // update. If it still holds that batch, it is retired, not redelivered.
-                        let committed = if w.role == WorkerRole::Drafter {
+                        let committed = if w.role == Role::Consumer {
                             let gone = group.remove(w.index)?;
                             gone.committed_batch.map(|b| (b, gone.membership.step))
                         } else {
@@ -610,7 +600,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                             Some((batch, step)) => {
                                 let mut wrote = Ok(false);
                                 let r =
-                                    ring.recover_retiring(w.ring_id(), batch, |meta, payload| {
+                                    ring.recover_retiring(w.name(), batch, |meta, payload| {
                                         wrote = drafter_worker::record_retired(
                                             &run_dir,
                                             w.index,
@@ -634,7 +624,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                                 }
                                 r
                             }
-                            None => ring.recover(w.ring_id())?,
+                            None => ring.recover(w.name())?,
                         };
                         let what = format!(
                             "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
@@ -645,7 +635,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                             r.work_returned
                         );
                         mon.say(&what);
-                        let stop_target = stopping && w.role == WorkerRole::Target;
+                        let stop_target = stopping && w.role == Role::Producer;
                         if w.restarts < args.max_restarts && !stop_target {
                             w.phase = Phase::Backoff(Instant::now() + backoff(w.restarts));
                             w.restarts += 1;
@@ -665,7 +655,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                                 mon.say(&note);
                                 notes.push(note);
                             }
-                            if w.role == WorkerRole::Target {
+                            if w.role == Role::Producer {
                                 // Count it as finished so the ring still closes.
                                 ring.retire(w.index)?;
                             }
@@ -686,7 +676,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
         for w in &mut workers {
             if let Phase::Backoff(at) = w.phase {
                 if now >= at {
-                    let exe = &exes[usize::from(w.role == WorkerRole::Drafter)];
+                    let exe = &exes[usize::from(w.role == Role::Consumer)];
                     let key = Key {
                         role: w.role,
                         index: w.index,
@@ -737,7 +727,8 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
     } else if stopping && signals.received() > 0 {
         exit_code = exit::INTERRUPTED;
     }
-    let restarts: HashMap<String, u32> = workers.iter().map(|w| (w.name(), w.restarts)).collect();
+    let restarts: HashMap<WorkerName, u32> =
+        workers.iter().map(|w| (w.name(), w.restarts)).collect();
     let summary = summary::build(
         &run_dir,
         &ring_name,

@@ -52,7 +52,7 @@ pub fn check(
     }
     let ckpt = checkpoint_path(run_dir);
     let step = if ckpt.exists() {
-        let mut d = gpu::drafter(backend, cfg, "launcher")?;
+        let mut d = gpu::drafter(backend, cfg, None)?;
         d.load(&ckpt).with_context(|| {
             "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
         })?;

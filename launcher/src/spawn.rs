@@ -10,14 +10,24 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Sender;
 
 use anyhow::{bail, Context};
-use proto::control::{self, FinalReport, ToLauncher, ToWorker, WorkerRole, PROTOCOL_VERSION};
+use proto::control::{self, FinalReport, ToLauncher, ToWorker, PROTOCOL_VERSION};
+use shm_ring::{Role, WorkerName};
 
 /// Which worker, and which incarnation of it (restarts get a new `spawn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Key {
-    pub role: WorkerRole,
+    pub role: Role,
     pub index: u32,
     pub spawn: u32,
+}
+
+impl Key {
+    pub fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
 }
 
 /// What handshake threads tell the supervisor.
@@ -43,10 +53,10 @@ pub enum WorkerExe {
 impl WorkerExe {
     /// The worker binaries beside the launcher (or in `dir`); without `dir`, falls back to the
     /// launcher's own worker mode when they are not there (e.g. after `cargo run -p launcher`).
-    pub fn find(role: WorkerRole, dir: Option<&Path>) -> anyhow::Result<WorkerExe> {
+    pub fn find(role: Role, dir: Option<&Path>) -> anyhow::Result<WorkerExe> {
         let (name, mode) = match role {
-            WorkerRole::Target => ("target-worker", "worker-target"),
-            WorkerRole::Drafter => ("drafter-worker", "worker-drafter"),
+            Role::Producer => ("target-worker", "worker-target"),
+            Role::Consumer => ("drafter-worker", "worker-drafter"),
         };
         match dir {
             Some(d) => {
@@ -174,8 +184,9 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
     };
     if version != PROTOCOL_VERSION || role != key.role || index != key.index {
         let why = format!(
-            "expected {:?} {} speaking protocol {PROTOCOL_VERSION}, got {role:?} {index} speaking {version}",
-            key.role, key.index
+            "expected {} speaking protocol {PROTOCOL_VERSION}, got {} speaking {version}",
+            key.name(),
+            WorkerName { role, index }
         );
         let _ = reply.send(ToWorker::Refused { why: why.clone() });
         return failed(why);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use drafter_worker::{account, read_ledgers};
 use serde::Serialize;
-use shm_ring::{Role, Snapshot};
+use shm_ring::{Snapshot, WorkerName};
 
 #[derive(Debug, Serialize)]
 pub struct WorkerSummary {
@@ -63,7 +63,7 @@ pub fn build(
     samples_total: u64,
     drafters: u32,
     wall: Duration,
-    restarts: &HashMap<String, u32>,
+    restarts: &HashMap<WorkerName, u32>,
 ) -> anyhow::Result<Summary> {
     let (lines, torn) = read_ledgers(run_dir, drafters)?;
     let acct = account(&lines);
@@ -73,24 +73,18 @@ pub fn build(
     let workers = snap
         .workers
         .iter()
-        .map(|w| {
-            let (role, name) = match w.role {
-                Role::Producer => ("target", format!("target-{}", w.index)),
-                Role::Consumer => ("drafter", format!("drafter-{}", w.index)),
-            };
-            WorkerSummary {
-                role,
-                index: w.index,
-                gpu: w.gpu,
-                restarts: restarts.get(&name).copied().unwrap_or(0),
-                items: w.items,
-                tokens: w.tokens,
-                busy_frac: if wall_s > 0.0 {
-                    (w.busy_ns() as f64 / 1e9 / wall_s).min(1.0)
-                } else {
-                    0.0
-                },
-            }
+        .map(|w| WorkerSummary {
+            role: w.role.name(),
+            index: w.index,
+            gpu: w.gpu,
+            restarts: restarts.get(&w.name()).copied().unwrap_or(0),
+            items: w.items,
+            tokens: w.tokens,
+            busy_frac: if wall_s > 0.0 {
+                (w.busy_ns() as f64 / 1e9 / wall_s).min(1.0)
+            } else {
+                0.0
+            },
         })
         .collect();
     Ok(Summary {

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::BackendKind;
-use crate::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
+use crate::control::{self, ControlError, ToLauncher, ToWorker};
 use crate::{ConfigError, PipelineConfig};
+use shm_ring::{Role, WorkerName};
 
 /// Exit code of a worker that stopped on request before its part was complete (not a crash:
 /// the launcher does not restart it).
@@ -53,7 +54,7 @@ pub enum SetupError {
 /// Everything a worker needs to start.
 pub struct Setup {
     pub index: u32,
-    pub name: String,
+    pub name: WorkerName,
     pub ring: String,
     pub run_dir: PathBuf,
     pub gpu: Option<u32>,
@@ -127,13 +128,12 @@ pub fn init_logging(name: &str) {
 
 /// Handshakes with the launcher (if `--control`) or reads the standalone flags, loads and
 /// validates the config, and installs the stop handlers.
-pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
-    let kind = match role {
-        WorkerRole::Target => "target",
-        WorkerRole::Drafter => "drafter",
+pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
+    let name = WorkerName {
+        role,
+        index: args.index,
     };
-    let name = format!("{kind}-{}", args.index);
-    init_logging(&name);
+    init_logging(&name.to_string());
     let stop = StopFlags::default();
     install_signal_handlers(&stop).map_err(SetupError::Signal)?;
     let setup = connect_or_read(args, role, name, stop)?;
@@ -142,8 +142,8 @@ pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
 
 fn connect_or_read(
     args: &WorkerArgs,
-    role: WorkerRole,
-    name: String,
+    role: Role,
+    name: WorkerName,
     stop: StopFlags,
 ) -> Result<Setup, SetupError> {
     match &args.control {

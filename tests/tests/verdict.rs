@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use shm_ring::analysis::{interval, Bottleneck, Judge, Verdict};
-use shm_ring::{Role, Snapshot, WorkerState};
+use shm_ring::{Phase, Role, Snapshot, WorkerName, WorkerState};
 
 use crate::launcher::{attach, kill, Run};
 use crate::support::{spawn, workspace_bin, Proc, WATCHDOG};
@@ -105,11 +105,7 @@ struct Obs {
 
 impl Obs {
     fn worker(&self, role: Role, index: u32) -> &shm_ring::WorkerSnapshot {
-        self.s
-            .workers
-            .iter()
-            .find(|w| w.role == role && w.index == index)
-            .unwrap()
+        self.s.worker(WorkerName { role, index }).unwrap()
     }
 }
 
@@ -521,8 +517,12 @@ fn ranks_waiting_in_sync_for_a_rank_without_data_blame_the_targets() {
     });
     let (first, last) = (&sel[0].s, &sel[sel.len() - 1].s);
     let iv = interval(first, last, &[]);
-    let drafters: Vec<_> = iv.workers.iter().filter(|w| w.role == "drafter").collect();
-    let sync = drafters.iter().map(|w| w.phases["sync"]).sum::<f64>() / drafters.len() as f64;
+    let drafters: Vec<_> = iv
+        .workers
+        .iter()
+        .filter(|w| w.role == Role::Consumer)
+        .collect();
+    let sync = drafters.iter().map(|w| w.phases[Phase::Sync]).sum::<f64>() / drafters.len() as f64;
     assert!(
         sync >= 0.10,
         "the ranks waited only {sync:.2} in sync\n{}",
