@@ -59,6 +59,8 @@ pub enum CudaError {
     },
     #[error("kernel {0:?} is not in the module")]
     NoKernel(String),
+    #[error("{0}")]
+    Mismatch(String),
     #[error("no NCCL: cannot load {path} ({why})")]
     NoNccl { path: String, why: String },
     #[error("{call} failed: {name} ({code})")]
@@ -223,22 +225,19 @@ impl Device {
         Ok(Event { dev: self, raw: e })
     }
 
-    /// `len` bytes of device memory, zeroed.
+    /// `len` bytes of device memory, contents undefined (zeroing would run on the legacy
+    /// stream, unordered with the non-blocking streams hspipe uses).
     pub fn alloc(&self, len: usize) -> Result<DeviceBuffer<'_>> {
         self.bind()?;
         let mut p: CuDevicePtr = 0;
         // SAFETY: writes one device address; freed in DeviceBuffer::drop.
         let r = unsafe { (self.api.cuMemAlloc_v2)(&mut p, len.max(1)) };
         self.check("cuMemAlloc", r)?;
-        let buf = DeviceBuffer {
+        Ok(DeviceBuffer {
             dev: self,
             ptr: p,
             len,
-        };
-        // SAFETY: the range was just allocated with at least `len` bytes.
-        let r = unsafe { (self.api.cuMemsetD8_v2)(p, 0, len) };
-        self.check("cuMemsetD8", r)?;
-        Ok(buf)
+        })
     }
 
     /// `len` bytes of page-locked host memory from the driver (`cuMemAllocHost`): the reference
@@ -387,9 +386,9 @@ impl Stream<'_> {
         self.dev.check("cuStreamWaitEvent", r)
     }
 
-    /// Blocks until everything queued on the stream is done.
+    /// Blocks until everything queued on the stream is done. Needs no current context, so
+    /// nothing can make it return before the stream is idle but the driver's own error.
     pub fn synchronize(&self) -> Result<()> {
-        self.dev.bind()?;
         // SAFETY: the stream is live.
         let r = unsafe { (self.dev.api.cuStreamSynchronize)(self.raw) };
         self.dev.check("cuStreamSynchronize", r)
@@ -478,8 +477,9 @@ impl DeviceBuffer<'_> {
 impl Drop for DeviceBuffer<'_> {
     fn drop(&mut self) {
         let _ = self.dev.bind();
-        // SAFETY: allocated by cuMemAlloc in `Device::alloc`, freed once. cuMemFree waits for
-        // work still using it.
+        // SAFETY: allocated by cuMemAlloc in `Device::alloc`, freed once. Device memory only:
+        // a kernel or copy still using it can corrupt device data, never host memory. (The
+        // driver synchronises cuMemFree in practice; hspipe's users synchronise first.)
         unsafe { (self.dev.api.cuMemFree_v2)(self.ptr) };
     }
 }

@@ -1,7 +1,8 @@
 // Kernels of the device check (scripts/gpu-check.sh), compiled to PTX that the driver JITs at
 // load time, so nothing here needs nvcc to build hspipe. Regenerate probe.ptx after a change
-// (from cuda/src):
-//   nvcc -ptx -arch=compute_75 -o probe.ptx probe.cu
+// (from cuda/src), then lower the PTX version: nvcc 13 writes ISA 9.0, which only CUDA 13 drivers
+// read; nothing here needs more than 7.0 (drivers from CUDA 11.0 on):
+//   nvcc -ptx -arch=compute_75 -o probe.ptx probe.cu && sed -i 's/^\.version .*/.version 7.0/' probe.ptx
 
 // Stands in for a model step: one thread spins for `cycles` SM clock cycles, so a copy on
 // another stream has something to overlap with and the timing does not depend on memory.
@@ -20,4 +21,10 @@ extern "C" __global__ void byte_sum(const unsigned char* data, unsigned long lon
         acc += data[i];
     }
     atomicAdd(out, acc);
+}
+
+// Writes `v` at `p`: stamps a batch's id into its device buffer from the compute stream, so every
+// batch copied out differs from the one before it in the same slot.
+extern "C" __global__ void stamp(unsigned long long* p, unsigned long long v) {
+    *p = v;
 }

@@ -1,6 +1,7 @@
 //! The device check's kernels (`probe.cu`, shipped as PTX in `probe.ptx` and JIT-compiled by the
 //! driver, so no build needs nvcc): `spin` stands in for a model step of a chosen length, and
-//! `byte_sum` proves bytes copied from the ring arrived intact without copying them back.
+//! `byte_sum` proves bytes copied from the ring arrived intact without copying them back, and
+//! `stamp` writes a batch id into a device buffer.
 
 use std::ffi::{c_void, CStr};
 
@@ -20,6 +21,7 @@ pub struct Probe<'d> {
     module: Module<'d>,
     spin: CuFunction,
     byte_sum: CuFunction,
+    stamp: CuFunction,
 }
 
 impl<'d> Probe<'d> {
@@ -27,10 +29,12 @@ impl<'d> Probe<'d> {
         let module = dev.module(PTX)?;
         let spin = module.function("spin")?;
         let byte_sum = module.function("byte_sum")?;
+        let stamp = module.function("stamp")?;
         Ok(Probe {
             module,
             spin,
             byte_sum,
+            stamp,
         })
     }
 
@@ -61,6 +65,14 @@ impl<'d> Probe<'d> {
         self.launch(stream, self.byte_sum, 256, &mut params)
     }
 
+    /// Queues a write of `v` into the first 8 bytes of `buf`.
+    pub fn stamp(&self, stream: &Stream<'_>, buf: &DeviceBuffer<'_>, v: u64) -> Result<()> {
+        buf.bounds("stamp", 0, 8)?;
+        let (mut p, mut v) = (buf.ptr, v);
+        let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
+        self.launch(stream, self.stamp, 1, &mut params)
+    }
+
     fn launch(
         &self,
         stream: &Stream<'_>,
@@ -70,7 +82,9 @@ impl<'d> Probe<'d> {
     ) -> Result<()> {
         let dev = self.module.dev;
         if !std::ptr::eq(dev, stream.dev) {
-            return Err(CudaError::NoKernel("stream of another device".into()));
+            return Err(CudaError::Mismatch(
+                "a probe kernel was queued on a stream of another Device handle".into(),
+            ));
         }
         dev.bind()?;
         // SAFETY: `f` belongs to this live module; `params` points at one value per kernel

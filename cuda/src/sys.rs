@@ -8,7 +8,8 @@
 //! Why our own table and not cudarc: crates.io is unreachable on the machines this project is
 //! built on, and cudarc is packaged nowhere reachable (issue #13). The driver API is a stable C
 //! ABI; the few dozen calls the data path needs are listed below with their `_v2` names, as
-//! `cuda.h` maps them.
+//! `cuda.h` maps them (CUDA 13 maps `cuEventElapsedTime` to a `_v2` too; the first version,
+//! used here, is still exported by every driver).
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
@@ -52,8 +53,9 @@ macro_rules! api {
         #[allow(non_snake_case)]
         pub struct $table {
             $(pub $name: unsafe extern "C" fn($($arg),*) -> $ret,)*
-            /// Keeps the library mapped while the pointers above are used.
-            _lib: libloading::Library,
+            /// The library, never closed: unloading a driver or NCCL while their threads and
+            /// exit handlers live is a known cause of crashes at exit (cudarc keeps it too).
+            _lib: &'static libloading::Library,
         }
 
         impl $table {
@@ -68,11 +70,12 @@ macro_rules! api {
                 // set up their own state; a library named by the user through the environment
                 // is theirs.
                 let lib = unsafe { libloading::Library::new(path) }.map_err(|e| err(None, e))?;
+                // Leaked on purpose (see `_lib`); one per load, and a process loads each once.
+                let lib: &'static libloading::Library = Box::leak(Box::new(lib));
                 Ok($table {
                     $(
                         // SAFETY: the symbol's C signature is the one declared here, as in
-                        // cuda.h / nccl.h (CUDA 12 and 13 alike); the pointer is kept no longer
-                        // than `_lib`, which this struct owns.
+                        // cuda.h / nccl.h (CUDA 12 and 13 alike); the library is never closed.
                         $name: *unsafe {
                             lib.get::<unsafe extern "C" fn($($arg),*) -> $ret>(
                                 concat!(stringify!($name), "\0").as_bytes(),
@@ -101,7 +104,6 @@ Api {
     cuCtxSetCurrent: fn(CuContext) -> CuResult;
     cuMemAlloc_v2: fn(*mut CuDevicePtr, usize) -> CuResult;
     cuMemFree_v2: fn(CuDevicePtr) -> CuResult;
-    cuMemsetD8_v2: fn(CuDevicePtr, u8, usize) -> CuResult;
     cuMemAllocHost_v2: fn(*mut *mut c_void, usize) -> CuResult;
     cuMemFreeHost: fn(*mut c_void) -> CuResult;
     cuMemHostRegister_v2: fn(*mut c_void, usize, c_uint) -> CuResult;

@@ -31,7 +31,7 @@ fn a_library_without_the_driver_api_is_refused_by_name() {
 #[test]
 fn the_probe_ptx_declares_its_kernels() {
     let ptx = include_str!("probe.ptx");
-    for k in ["spin", "byte_sum"] {
+    for k in ["spin", "byte_sum", "stamp"] {
         assert!(
             ptx.contains(&format!(".visible .entry {k}(")),
             "probe.ptx lacks kernel {k}"
@@ -51,4 +51,16 @@ fn a_missing_nccl_is_an_error_naming_the_library() {
         .err()
         .expect("libc is not NCCL");
     assert!(e.to_string().contains("ncclGetVersion"), "{e}");
+}
+
+/// The PTX is JIT-compiled by the driver, which refuses an ISA newer than it knows: nvcc 13
+/// writes 9.0 (CUDA 13 drivers only); the file is kept at 7.0 (CUDA 11.0 drivers on).
+#[test]
+fn the_probe_ptx_is_read_by_drivers_from_cuda_11() {
+    let ptx = include_str!("probe.ptx");
+    let v = ptx
+        .lines()
+        .find_map(|l| l.strip_prefix(".version "))
+        .expect("probe.ptx has a .version line");
+    assert_eq!(v.trim(), "7.0", "regenerate probe.ptx as probe.cu says");
 }

@@ -24,7 +24,12 @@ pub struct CudaCopy<'d, 's> {
 
 impl<'d, 's> CudaCopy<'d, 's> {
     /// Two device buffers of `len` bytes on `dev`.
-    pub fn new(
+    ///
+    /// # Safety
+    /// Neither the engine nor the [`crate::prefetch::Prefetch`] holding it may be leaked
+    /// (`mem::forget`) while a copy is in flight: dropping it waits for the copies, forgetting
+    /// it would let the batches they read go.
+    pub unsafe fn new(
         dev: &'d Device,
         copy: &'s Stream<'d>,
         compute: &'s Stream<'d>,
@@ -63,7 +68,11 @@ impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy<'_, '_> {
             self.copy
                 .copy_h2d(&self.bufs[buf], 0, src.as_ptr(), src.len())?
         };
-        self.copy.record(&self.copied[buf])?;
+        if let Err(e) = self.copy.record(&self.copied[buf]) {
+            // The batch goes back to the caller with the error: not while the copy reads it.
+            let _ = self.copy.synchronize();
+            return Err(e.into());
+        }
         Ok(())
     }
 
@@ -74,6 +83,13 @@ impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy<'_, '_> {
     fn finish(&mut self, buf: usize) -> Result<(), GpuError> {
         self.compute.record(&self.stepped[buf])?;
         Ok(self.copied[buf].synchronize()?)
+    }
+}
+
+impl Drop for CudaCopy<'_, '_> {
+    fn drop(&mut self) {
+        // The batches being read are dropped after the engine (`Prefetch`'s field order).
+        let _ = self.copy.synchronize();
     }
 }
 
@@ -92,7 +108,11 @@ pub struct CudaCopyOut<'d, 's, H> {
 
 impl<'d, 's, H> CudaCopyOut<'d, 's, H> {
     /// Two device buffers of `len` bytes on `dev`.
-    pub fn new(
+    ///
+    /// # Safety
+    /// The engine (and the [`crate::writeback::WriteBack`] holding it) may not be leaked while
+    /// a copy is in flight: dropping it waits for the copies, forgetting it would not.
+    pub unsafe fn new(
         dev: &'d Device,
         copy: &'s Stream<'d>,
         compute: &'s Stream<'d>,
@@ -119,19 +139,34 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
         Ok(self.compute.wait(&self.copied[buf])?)
     }
 
-    fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), GpuError> {
-        self.compute.record(&self.forwarded[buf])?;
-        self.copy.wait(&self.forwarded[buf])?;
+    fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), (H, GpuError)> {
+        if self.held[buf].is_some() {
+            let e = GpuError::Shape(format!("write-back: buffer {buf} has a copy in flight"));
+            return Err((dst, e));
+        }
+        let (want, got) = (dst.as_mut().len(), self.bufs[buf].len());
+        if want > got {
+            return Err((dst, GpuError::BufferSize { got, want }));
+        }
+        if let Err(e) = self
+            .compute
+            .record(&self.forwarded[buf])
+            .and_then(|()| self.copy.wait(&self.forwarded[buf]))
+        {
+            return Err((dst, e.into()));
+        }
         let d = dst.as_mut();
-        let len = d.len().min(self.bufs[buf].len());
         // SAFETY: `dst` is held here (`held[buf]`) until `complete(buf)` has waited for this
-        // copy's event; its bytes do not move with it (`StableBytes`), and nothing else
-        // touches a reserved ring slot.
-        unsafe {
-            self.copy
-                .copy_d2h(d.as_mut_ptr(), &self.bufs[buf], 0, len)?
-        };
-        self.copy.record(&self.copied[buf])?;
+        // copy's event, or until Drop has waited for the stream; its bytes do not move with it
+        // (`StableBytes`), and nothing else touches a reserved ring slot.
+        if let Err(e) = unsafe { self.copy.copy_d2h(d.as_mut_ptr(), &self.bufs[buf], 0, want) } {
+            return Err((dst, e.into()));
+        }
+        if let Err(e) = self.copy.record(&self.copied[buf]) {
+            // Back to the caller with the error, but not while the copy writes into it.
+            let _ = self.copy.synchronize();
+            return Err((dst, e.into()));
+        }
         self.held[buf] = Some(dst);
         Ok(())
     }
@@ -141,5 +176,12 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
         self.held[buf]
             .take()
             .ok_or_else(|| GpuError::Shape(format!("write-back: no copy-out of buffer {buf}")))
+    }
+}
+
+impl<H> Drop for CudaCopyOut<'_, '_, H> {
+    fn drop(&mut self) {
+        // Before `held` (the destinations) is dropped.
+        let _ = self.copy.synchronize();
     }
 }

@@ -17,7 +17,8 @@
 //!   used it is applied).
 //!
 //! Use, per step: `begin_step` (oldest batch, its copy complete), `push` the next batch (its
-//! copy overlaps this step), compute, `end_step` (the batch back, to release).
+//! copy overlaps this step), compute, `end_step` (the batch back, to release); at a stop,
+//! `retire_oldest` until `None`.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -68,6 +69,8 @@ enum State {
 
 /// The double buffer: at most [`BUFFERS`] batches held, computed in the order pushed.
 pub struct Prefetch<H, E: CopyEngine<H>> {
+    /// Declared first, so dropped first: an asynchronous engine waits for its copies in its
+    /// `Drop`, before the batches they read are dropped.
     engine: E,
     bufs: [Option<(H, State)>; BUFFERS],
     /// Buffers in the order their batches were pushed.
@@ -144,20 +147,21 @@ impl<H, E: CopyEngine<H>> Prefetch<H, E> {
         Ok(self.bufs[buf].take().expect("checked above").0)
     }
 
-    /// Hands back every batch held, oldest first, once their copies are complete (a stop or
-    /// an error: the caller releases or aborts them).
-    pub fn drain(&mut self) -> Result<Vec<H>, GpuError> {
-        let mut out = Vec::new();
-        while let Some(buf) = self.order.pop_front() {
-            self.engine.finish(buf)?;
-            out.push(
-                self.bufs[buf]
-                    .take()
-                    .expect("ordered buffers hold a batch")
-                    .0,
-            );
-        }
-        Ok(out)
+    /// Hands back the oldest batch held once its copy is complete (at a stop or after an
+    /// error: the caller releases or aborts it); `None` when nothing is held. On an error the
+    /// batch stays held.
+    pub fn retire_oldest(&mut self) -> Result<Option<H>, GpuError> {
+        let Some(&buf) = self.order.front() else {
+            return Ok(None);
+        };
+        self.engine.finish(buf)?;
+        self.order.pop_front();
+        Ok(Some(
+            self.bufs[buf]
+                .take()
+                .expect("ordered buffers hold a batch")
+                .0,
+        ))
     }
 
     pub fn engine(&self) -> &E {
@@ -414,8 +418,8 @@ mod tests {
             "the other buffer is not stepping"
         );
         assert_eq!(pf.end_step(buf).unwrap().0 .0, 0);
-        let rest: Vec<u64> = pf.drain().unwrap().iter().map(|b| b.0 .0).collect();
-        assert_eq!(rest, [1], "drain hands back what is held");
+        assert_eq!(pf.retire_oldest().unwrap().map(|b| b.0 .0), Some(1));
+        assert!(pf.retire_oldest().unwrap().is_none(), "nothing left");
         assert!(pf.is_empty());
     }
 }

@@ -11,10 +11,11 @@
 //!   (`before_forward`: the host waits on the CPU, the compute stream on the device).
 //! - A copy-out starts only after the forward that filled the buffer (the engine orders it).
 //! - While its copy is in flight the slot belongs to the engine; it comes back, complete, from
-//!   [`WriteBack::next_buffer`] or [`WriteBack::flush`], oldest first, to be committed.
+//!   [`WriteBack::next_buffer`] or [`WriteBack::complete_oldest`], oldest first, to be committed.
 //!
 //! Use, per batch: `next_buffer` (a buffer to run the forward into, and maybe a finished slot
-//! to commit), the forward, `copy_out` into the batch's reserved slot; at the end, `flush`.
+//! to commit), the forward, `copy_out` into the batch's reserved slot; at the end,
+//! `complete_oldest` until `None`.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -27,15 +28,17 @@ use crate::GpuError;
 pub trait CopyOutEngine<H> {
     /// Makes the forward about to run into `buf` wait for `buf`'s last copy-out.
     fn before_forward(&mut self, buf: usize) -> Result<(), GpuError>;
-    /// The forward into `buf` has been issued: begins copying `buf` into `dst` after it,
-    /// without waiting. The engine holds `dst` until [`CopyOutEngine::complete`].
-    fn start_copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError>;
+    /// The forward into `buf` has been issued: begins copying the first `dst.len()` bytes of
+    /// `buf` into `dst` after it, without waiting. The engine holds `dst` until
+    /// [`CopyOutEngine::complete`]; on an error `dst` comes back, no copy in flight into it.
+    fn start_copy_out(&mut self, buf: usize, dst: H) -> Result<(), (H, GpuError)>;
     /// Waits for `buf`'s copy-out and returns its destination, filled.
     fn complete(&mut self, buf: usize) -> Result<H, GpuError>;
 }
 
 /// The double buffer of a target: at most [`BUFFERS`] copies in flight, returned in order.
 pub struct WriteBack<H, E: CopyOutEngine<H>> {
+    /// An asynchronous engine waits for its copies in its `Drop`.
     engine: E,
     /// Buffers with a copy in flight, oldest first.
     in_flight: VecDeque<usize>,
@@ -52,39 +55,42 @@ impl<H, E: CopyOutEngine<H>> WriteBack<H, E> {
     }
 
     /// A buffer for the next forward, ready to be written (its last copy-out waited for), and
-    /// the slot of that copy if one was in flight: commit it.
+    /// the slot of that copy if one was in flight: commit it. On an error nothing changed.
     pub fn next_buffer(&mut self) -> Result<(usize, Option<H>), GpuError> {
-        let free = (0..BUFFERS).find(|b| !self.in_flight.contains(b));
-        let (buf, done) = match free {
-            Some(b) => (b, None),
-            None => {
-                let b = self.in_flight.pop_front().expect("all buffers in flight");
-                (b, Some(self.engine.complete(b)?))
-            }
-        };
-        self.engine.before_forward(buf)?;
-        Ok((buf, done))
+        if let Some(b) = (0..BUFFERS).find(|b| !self.in_flight.contains(b)) {
+            self.engine.before_forward(b)?;
+            return Ok((b, None));
+        }
+        let b = *self.in_flight.front().expect("all buffers in flight");
+        self.engine.before_forward(b)?;
+        let done = self.engine.complete(b)?;
+        self.in_flight.pop_front();
+        Ok((b, Some(done)))
     }
 
-    /// After the forward into `buf` was issued: copies it out into `dst`, asynchronously.
-    pub fn copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError> {
+    /// After the forward into `buf` was issued: copies it out into `dst`, asynchronously. On
+    /// an error `dst` comes back.
+    pub fn copy_out(&mut self, buf: usize, dst: H) -> Result<(), (H, GpuError)> {
         if buf >= BUFFERS || self.in_flight.contains(&buf) {
-            return Err(GpuError::Shape(format!(
+            let e = GpuError::Shape(format!(
                 "write-back: buffer {buf} is not free for a copy-out"
-            )));
+            ));
+            return Err((dst, e));
         }
         self.engine.start_copy_out(buf, dst)?;
         self.in_flight.push_back(buf);
         Ok(())
     }
 
-    /// Waits for every copy in flight; their slots, oldest first.
-    pub fn flush(&mut self) -> Result<Vec<H>, GpuError> {
-        let mut out = Vec::new();
-        while let Some(b) = self.in_flight.pop_front() {
-            out.push(self.engine.complete(b)?);
-        }
-        Ok(out)
+    /// Waits for the oldest copy in flight and hands back its slot; `None` when none is. On an
+    /// error the copy stays in flight.
+    pub fn complete_oldest(&mut self) -> Result<Option<H>, GpuError> {
+        let Some(&b) = self.in_flight.front() else {
+            return Ok(None);
+        };
+        let done = self.engine.complete(b)?;
+        self.in_flight.pop_front();
+        Ok(Some(done))
     }
 
     pub fn engine(&self) -> &E {
@@ -118,6 +124,7 @@ impl<H: AsMut<[u8]> + Send + 'static> CpuCopyOut<H> {
                 {
                     let src = b[buf].lock().unwrap_or_else(|p| p.into_inner());
                     let d = dst.as_mut();
+                    // `start_copy_out` checked that the buffer holds d.len() bytes.
                     let n = d.len().min(src.len());
                     d[..n].copy_from_slice(&src[..n]);
                 }
@@ -160,12 +167,29 @@ impl<H: AsMut<[u8]> + Send + 'static> CopyOutEngine<H> for CpuCopyOut<H> {
         self.wait(buf)
     }
 
-    fn start_copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError> {
-        self.pending[buf] = true;
-        self.jobs
-            .as_ref()
-            .and_then(|j| j.send((buf, dst)).ok())
-            .ok_or_else(|| GpuError::Shape("write-back: the copy thread is gone".into()))
+    fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), (H, GpuError)> {
+        let have = self.buffer(buf).len();
+        let want = dst.as_mut().len();
+        if want > have {
+            let e = GpuError::BufferSize { got: have, want };
+            return Err((dst, e));
+        }
+        let Some(jobs) = &self.jobs else {
+            return Err((
+                dst,
+                GpuError::Shape("write-back: the copy thread is gone".into()),
+            ));
+        };
+        match jobs.send((buf, dst)) {
+            Ok(()) => {
+                self.pending[buf] = true;
+                Ok(())
+            }
+            Err(mpsc::SendError((_, dst))) => Err((
+                dst,
+                GpuError::Shape("write-back: the copy thread is gone".into()),
+            )),
+        }
     }
 
     fn complete(&mut self, buf: usize) -> Result<H, GpuError> {
@@ -266,12 +290,18 @@ mod tests {
                 );
             }
             log.note(format!("forward {i} end"));
-            wb.copy_out(buf, Slot(i, vec![0; 1000 + i as usize]))
-                .unwrap();
+            if wb
+                .copy_out(buf, Slot(i, vec![0; 1000 + i as usize]))
+                .is_err()
+            {
+                panic!("copy-out of batch {i} refused");
+            }
         }
         // The last forward has nothing after it to wait for its copy.
         log.note(format!("forward {n} start"));
-        committed.extend(wb.flush().unwrap());
+        while let Some(s) = wb.complete_oldest().unwrap() {
+            committed.push(s);
+        }
         let ids: Vec<u64> = committed.iter().map(|s| s.0).collect();
         assert_eq!(ids, (0..n).collect::<Vec<_>>(), "every slot once, in order");
         for s in &committed {
@@ -294,19 +324,27 @@ mod tests {
     }
 
     #[test]
-    fn a_busy_buffer_is_refused_for_a_copy_out() {
+    fn a_busy_buffer_or_a_too_long_slot_is_refused_and_the_slot_handed_back() {
         let mut wb = WriteBack::new(CpuCopyOut::new(|_, _: &Slot, _| {}));
         let (buf, none) = wb.next_buffer().unwrap();
         assert!(none.is_none());
-        wb.copy_out(buf, Slot(0, vec![0; 4])).unwrap();
+        wb.engine().buffer(buf).resize(4, 9);
+        match wb.copy_out(buf, Slot(0, vec![0; 5])) {
+            Err((s, GpuError::BufferSize { got: 4, want: 5 })) => assert_eq!(s.0, 0),
+            Err((_, e)) => panic!("wrong error {e}"),
+            Ok(()) => panic!("a slot longer than the buffer was taken"),
+        }
+        assert!(wb.copy_out(buf, Slot(0, vec![0; 4])).is_ok());
+        match wb.copy_out(buf, Slot(1, vec![0; 4])) {
+            Err((s, _)) => assert_eq!(s.0, 1, "the refused slot comes back"),
+            Ok(()) => panic!("a buffer with a copy in flight took another"),
+        }
         assert!(
-            wb.copy_out(buf, Slot(1, vec![0; 4])).is_err(),
-            "copy in flight"
-        );
-        assert!(
-            wb.copy_out(7, Slot(1, vec![0; 4])).is_err(),
+            wb.copy_out(7, Slot(2, vec![0; 4])).is_err(),
             "no such buffer"
         );
-        assert_eq!(wb.flush().unwrap().len(), 1);
+        let back = wb.complete_oldest().unwrap().unwrap();
+        assert_eq!((back.0, back.1.as_slice()), (0, &[9u8; 4][..]));
+        assert!(wb.complete_oldest().unwrap().is_none());
     }
 }
