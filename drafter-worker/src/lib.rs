@@ -25,10 +25,10 @@ use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::{BackendKind, DrafterBackend};
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
-use proto::worker::{setup, WorkerArgs};
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Take};
+use worker_runtime::{setup, WorkerArgs};
 
 /// Train one drafter on batches from the ring.
 ///

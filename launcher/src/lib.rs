@@ -595,7 +595,7 @@ fn supervise(args: &Args, prep: Prepared, tee: &output::Tee) -> anyhow::Result<i
                             group.remove(w.index)?;
                         }
                     }
-                    Some(c) if c == proto::worker::EXIT_STOPPED => w.phase = Phase::Stopped,
+                    Some(c) if c == proto::stop::EXIT_STOPPED => w.phase = Phase::Stopped,
                     _ => {
                         // A drafter leaves the group first: survivors blocked in the reduction
                         // go on without it, and we learn whether its batch is in an applied

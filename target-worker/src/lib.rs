@@ -11,9 +11,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use proto::control::{FinalReport, ToLauncher, WorkerRole};
-use proto::worker::{setup, WorkerArgs, EXIT_STOPPED};
+use proto::stop::EXIT_STOPPED;
 use proto::{batch_len, BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Ring};
+use worker_runtime::{setup, WorkerArgs};
 
 use crate::data::{plan, Dataset, PlannedBatch};
 
