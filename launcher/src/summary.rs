@@ -54,17 +54,35 @@ pub struct Summary {
     pub workers: Vec<WorkerSummary>,
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn build(
-    run_dir: &Path,
-    ring: &str,
-    backend: &str,
-    snap: &Snapshot,
-    samples_total: u64,
-    drafters: u32,
-    wall: Duration,
-    restarts: &HashMap<String, u32>,
-) -> anyhow::Result<Summary> {
+/// What the supervisor knows at the end of a run, for [`build`].
+pub struct Facts<'a> {
+    pub run_dir: &'a Path,
+    /// The ring's name.
+    pub ring: &'a str,
+    /// The backend's description.
+    pub backend: &'a str,
+    /// The ring's telemetry at the end.
+    pub snap: &'a Snapshot,
+    pub samples_total: u64,
+    pub drafters: u32,
+    pub wall: Duration,
+    /// Restarts by worker name (`target-0`).
+    pub restarts: &'a HashMap<String, u32>,
+}
+
+/// The summary from the ledgers and the ring's telemetry; `ok`, the exit code and the notes
+/// are set by [`finalise`].
+pub fn build(f: &Facts) -> anyhow::Result<Summary> {
+    let Facts {
+        run_dir,
+        ring,
+        backend,
+        snap,
+        samples_total,
+        drafters,
+        wall,
+        restarts,
+    } = *f;
     let (lines, torn) = read_ledgers(run_dir, drafters)?;
     let acct = account(&lines);
     let batches = lines.len() as u64;
@@ -226,16 +244,16 @@ mod tests {
             },
         )
         .unwrap();
-        let s = build(
-            &dir,
-            ring.name(),
-            "mock",
-            &ring.snapshot(),
-            4,
-            2,
-            Duration::from_secs(1),
-            &HashMap::new(),
-        );
+        let s = build(&Facts {
+            run_dir: &dir,
+            ring: ring.name(),
+            backend: "mock",
+            snap: &ring.snapshot(),
+            samples_total: 4,
+            drafters: 2,
+            wall: Duration::from_secs(1),
+            restarts: &HashMap::new(),
+        });
         std::fs::remove_dir_all(&dir).unwrap();
         let s = finalise(s.unwrap(), 0, Vec::new());
         assert_eq!((s.samples_trained, s.samples_total), (4, 4));

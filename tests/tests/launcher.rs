@@ -523,10 +523,6 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
             vec!["--config".into(), "/nonexistent/run.toml".into()],
             "/nonexistent/run.toml",
         ),
-        (
-            vec!["--worker-dir".into(), "/nonexistent".into()],
-            "worker binary not found",
-        ),
         (vec!["--backend".into(), "cuda".into()], "cuda"),
     ];
     for (i, (extra, want)) in cases.iter().enumerate() {
@@ -568,8 +564,12 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     no_segment_of(pid);
 }
 
+/// Every worker is the launcher's own binary, started through its hidden subcommand and named
+/// for `ps` (`target-worker 0 ...`): never the `target-worker` and `drafter-worker` binaries
+/// that lie beside it here (a stale one of those once ran instead of the launcher's code). And
+/// each sees only its own GPU.
 #[test]
-fn each_worker_sees_only_its_gpu() {
+fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
     let run = Run::new("lenv");
     let cfg = config(&run.dir, true, "");
     let mut launcher = run.launch(&cfg, &[]);
@@ -577,6 +577,27 @@ fn each_worker_sees_only_its_gpu() {
     let s = wait_until("8 live workers", &ring, |s| {
         s.workers.iter().all(|w| w.alive)
     });
+    let launcher_exe = std::fs::canonicalize(workspace_bin("launcher")).unwrap();
+    assert!(
+        launcher_exe.with_file_name("target-worker").exists(),
+        "the worker binaries are built beside the launcher, so this test can show they are not used"
+    );
+    for w in &s.workers {
+        let kind = match w.role {
+            shm_ring::Role::Producer => "target-worker",
+            shm_ring::Role::Consumer => "drafter-worker",
+        };
+        let exe = std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap();
+        assert_eq!(exe, launcher_exe, "{kind} {} (pid {})", w.index, w.pid);
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", w.pid)).unwrap();
+        let argv: Vec<String> = (cmdline.split(|&b| b == 0))
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        assert_eq!(argv[0], format!("{kind} {}", w.index), "{argv:?}");
+        assert_eq!(argv[1], kind, "{argv:?}");
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).unwrap();
+        assert_eq!(comm.trim_end(), kind);
+    }
     for (i, w) in s.workers.iter().enumerate() {
         let env = std::fs::read(format!("/proc/{}/environ", w.pid)).unwrap();
         let env = String::from_utf8_lossy(&env);
