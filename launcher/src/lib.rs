@@ -18,11 +18,11 @@ mod spawn;
 mod summary;
 mod supervisor;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use proto::config::BackendKind;
-use proto::PipelineConfig;
+use proto::{PipelineConfig, RunDir};
 use target_worker::data::{plan, Dataset};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
@@ -63,7 +63,7 @@ pub(crate) struct Prepared {
     pub(crate) batches: u64,
     pub(crate) params: shm_ring::RingParams,
     pub(crate) run_id: String,
-    pub(crate) run_dir: PathBuf,
+    pub(crate) run_dir: RunDir,
     pub(crate) resume: Option<resume::Resume>,
 }
 
@@ -72,7 +72,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let prep = prepare(&args)?;
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
-    let tee = output::Tee::install(&prep.run_dir.join("launcher.log"))?;
+    let tee = output::Tee::install(&prep.run_dir.launcher_log())?;
     let result = supervisor::Supervisor::start(&args, prep, &tee).and_then(|s| s.run());
     if let Err(e) = &result {
         // main prints it to the terminal once the tee is gone; this is the log's copy.
@@ -87,7 +87,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
-            let p = dir.join("config.toml");
+            let p = RunDir::new(dir).config();
             if !p.is_file() {
                 bail!(
                     "{} is not a run directory: it has no config.toml",
@@ -117,10 +117,10 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .unwrap_or(0),
         std::process::id()
     );
-    let run_dir = match (&args.resume, &args.run_dir) {
+    let run_dir = RunDir::new(match (&args.resume, &args.run_dir) {
         (Some(dir), _) | (None, Some(dir)) => dir.clone(),
         (None, None) => PathBuf::from("runs").join(&run_id),
-    };
+    });
 
     // The data, prepared once (or found prepared) and mapped: only the lengths are read here.
     let mut prepared = None;
@@ -129,11 +129,11 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         let cache = args
             .data_cache
             .clone()
-            .unwrap_or_else(|| dataset::default_cache_dir(&run_dir));
+            .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
         let (p, line) = data::prepare(&input, cfg.data.max_len, &cache, None)?;
         if args.resume.is_some() {
             data::check_same(&run_dir, &p)
-                .with_context(|| format!("resuming {}", run_dir.display()))?;
+                .with_context(|| format!("resuming {}", run_dir.path().display()))?;
         }
         cfg.data.prepared = Some(p.path.clone());
         data_line = Some(line);
@@ -148,13 +148,14 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
 
     let resume = match &args.resume {
         Some(dir) => Some(
-            resume::check(dir, &cfg, backend.0, nd, batches)
+            resume::check(&run_dir, &cfg, backend.0, nd, batches)
                 .with_context(|| format!("resuming {}", dir.display()))?,
         ),
         None => {
-            prepare_run_dir(&run_dir)?;
-            std::fs::write(run_dir.join("config.toml"), cfg.to_toml())
-                .with_context(|| format!("writing {}", run_dir.join("config.toml").display()))?;
+            run_dir.prepare()?;
+            let p = run_dir.config();
+            std::fs::write(&p, cfg.to_toml())
+                .with_context(|| format!("writing {}", p.display()))?;
             None
         }
     };
@@ -172,26 +173,4 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         run_dir,
         resume,
     })
-}
-
-/// Creates the run directory's layout; refuses one that already holds a run.
-fn prepare_run_dir(dir: &Path) -> anyhow::Result<()> {
-    for sub in ["ledger", "checkpoints"] {
-        let p = dir.join(sub);
-        if p.read_dir()
-            .map(|mut d| d.next().is_some())
-            .unwrap_or(false)
-        {
-            bail!(
-                "run directory {} already holds a run ({} is not empty): pick another --run-dir",
-                dir.display(),
-                p.display()
-            );
-        }
-    }
-    for sub in ["logs", "ledger", "checkpoints"] {
-        std::fs::create_dir_all(dir.join(sub))
-            .with_context(|| format!("creating {}", dir.join(sub).display()))?;
-    }
-    Ok(())
 }

@@ -16,7 +16,6 @@
 //! [`finish`](Supervisor::finish) writes the summary and removes the ring.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -24,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use collective::ShmGroup;
 use proto::control::{self, FinalReport, ToWorker, WorkerRole};
+use proto::RunDir;
 use shm_ring::{Ring, WorkerId};
 
 use crate::cli::{exit, Args};
@@ -116,7 +116,7 @@ pub(crate) struct Supervisor<'a> {
     group: ShmGroup,
     _record: Option<reclaim::Registration>,
     ring_name: String,
-    run_dir: PathBuf,
+    run_dir: RunDir,
     /// The backend's description, for the summary.
     backend: String,
     samples: u64,
@@ -317,7 +317,7 @@ impl<'a> Supervisor<'a> {
                 "{} gave up after {} restart(s); log: {}",
                 w.name(),
                 w.restarts,
-                log_path(&self.run_dir, w).display()
+                self.run_dir.log(&w.name()).display()
             );
             self.mon.say(&note);
             self.notes.push(note);
@@ -387,7 +387,7 @@ impl<'a> Supervisor<'a> {
             let child = spawn::spawn(
                 key,
                 w.gpu,
-                &log_path(&self.run_dir, w),
+                &self.run_dir.log(&w.name()),
                 &self.welcome,
                 self.events_tx.clone(),
             )
@@ -477,8 +477,4 @@ impl<'a> Supervisor<'a> {
         summary::print(&summary);
         Ok(exit_code)
     }
-}
-
-fn log_path(run_dir: &Path, w: &Worker) -> PathBuf {
-    run_dir.join("logs").join(format!("{}.log", w.name()))
 }

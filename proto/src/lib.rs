@@ -9,6 +9,7 @@ pub mod batch;
 pub mod config;
 pub mod control;
 pub mod plan;
+pub mod run_dir;
 pub mod safetensors;
 pub mod stop;
 
@@ -17,6 +18,7 @@ pub use batch::{
     BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
+pub use run_dir::{LedgerLine, RunDir, RunDirError};
 
 /// The drafter group's shared-memory segment of the run whose ring is `ring` (the launcher
 /// creates it; drafters attach to it by this name).

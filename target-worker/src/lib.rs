@@ -93,7 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let p = dataset::prepare(
             path,
             s.config.data.max_len,
-            &dataset::default_cache_dir(&s.run_dir),
+            &dataset::default_cache_dir(s.run_dir.path()),
             None,
             &mut |_| {},
         )

@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use drafter_worker::LedgerLine;
+use proto::LedgerLine;
 
 use crate::launcher::{attach, config, kill, no_segment_of, pid_alive, Run};
 

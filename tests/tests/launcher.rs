@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
-use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
+use proto::{LedgerLine, RunDir};
 use shm_ring::{Ring, Snapshot};
 
 use crate::support::{
@@ -105,7 +105,7 @@ impl Run {
     pub(crate) fn ledgers(&self) -> Vec<LedgerLine> {
         (0..3)
             .flat_map(|d| {
-                std::fs::read_to_string(ledger_path(&self.run_dir(), d))
+                std::fs::read_to_string(RunDir::new(self.run_dir()).ledger(d))
                     .unwrap_or_default()
                     .lines()
                     .map(|l| serde_json::from_str::<LedgerLine>(l).unwrap())
@@ -379,7 +379,7 @@ fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
         assert!(!pid_alive(p), "worker {p} outlived the launcher");
     }
     assert!(
-        checkpoint_path(&run.run_dir()).exists(),
+        RunDir::new(run.run_dir()).checkpoint().exists(),
         "the group checkpointed"
     );
     let s = run.summary();
@@ -643,7 +643,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     let mut killed = dead.launch(&cfg, &[]);
     let killed_ring = attach(&mut killed);
     let s = wait_until("8 live workers and a checkpoint", &killed_ring, |s| {
-        s.workers.iter().all(|w| w.alive) && checkpoint_path(&dead.run_dir()).exists()
+        s.workers.iter().all(|w| w.alive) && RunDir::new(dead.run_dir()).checkpoint().exists()
     });
 
     // A concurrent launcher with far more data than the test takes to finish.
@@ -803,7 +803,7 @@ fn a_hung_drafter_is_killed_and_restarted() {
 fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
     (0..3)
         .flat_map(|d| {
-            std::fs::read_to_string(ledger_path(&run.run_dir(), d))
+            std::fs::read_to_string(RunDir::new(run.run_dir()).ledger(d))
                 .unwrap_or_default()
                 .lines()
                 .filter_map(|l| serde_json::from_str::<LedgerLine>(l).ok())
@@ -814,7 +814,7 @@ fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
 
 /// The step of the group checkpoint, read as any tool would read the file.
 fn checkpoint_step(run: &Run) -> u64 {
-    let bytes = std::fs::read(checkpoint_path(&run.run_dir())).unwrap();
+    let bytes = std::fs::read(RunDir::new(run.run_dir()).checkpoint()).unwrap();
     let st = proto::safetensors::SafeTensors::parse(&bytes).unwrap();
     u64::from_le_bytes(st.tensor("step").unwrap().data.try_into().unwrap())
 }
@@ -835,7 +835,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
     let mut launcher = run.launch(&cfg, &[]);
     let ring = attach(&mut launcher);
     let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
-        checkpoint_path(&run.run_dir()).exists() && s.counters.released >= 20
+        RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= 20
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
     kill(launcher.child.id(), libc::SIGKILL);
@@ -909,7 +909,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
 
     // A finished run, a directory that is no run, a checkpoint that does not load: clear
     // errors, and nothing in the run directory changes.
-    let ledger0 = std::fs::read(ledger_path(&run_dir, 0)).unwrap();
+    let ledger0 = std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap();
     let bad = |dir: &Path, want: &str| {
         let args = resume_args(dir.to_str().unwrap());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -925,16 +925,22 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         );
     };
     bad(&run_dir, "nothing to resume");
-    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
     bad(&run.dir, "not a run directory");
     std::fs::remove_file(run_dir.join("summary.json")).unwrap();
-    std::fs::write(checkpoint_path(&run_dir), b"garbage").unwrap();
+    std::fs::write(RunDir::new(&run_dir).checkpoint(), b"garbage").unwrap();
     bad(&run_dir, "checkpoint does not load");
     assert_eq!(
-        std::fs::read(checkpoint_path(&run_dir)).unwrap(),
+        std::fs::read(RunDir::new(&run_dir).checkpoint()).unwrap(),
         b"garbage"
     );
-    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
 }
 
 /// One slow rank holds the whole synchronous group: the verdict names it (drafter 2, three

@@ -17,7 +17,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use proto::config::BackendKind;
 use proto::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
 use proto::stop::{EXIT_SECOND_SIGNAL, STOP_SIGNALS};
-use proto::{ConfigError, PipelineConfig};
+use proto::{ConfigError, PipelineConfig, RunDir};
 
 /// The command line both workers share.
 #[derive(clap::Args, Debug, Clone)]
@@ -65,7 +65,7 @@ pub struct Setup {
     pub index: u32,
     pub name: String,
     pub ring: String,
-    pub run_dir: PathBuf,
+    pub run_dir: RunDir,
     pub gpu: Option<u32>,
     pub config: PipelineConfig,
     /// The compute backend to build (the launcher's choice, or `--backend` standalone).
@@ -168,7 +168,7 @@ fn connect_or_read(
                 index: args.index,
                 name,
                 ring: link.ring,
-                run_dir: link.run_dir,
+                run_dir: RunDir::new(link.run_dir),
                 gpu: link.gpu,
                 config,
                 backend: link.backend,
@@ -185,7 +185,7 @@ fn connect_or_read(
                 index: args.index,
                 name,
                 ring: args.ring.clone().expect("clap requires --ring"),
-                run_dir: args.run_dir.clone().expect("clap requires --run-dir"),
+                run_dir: RunDir::new(args.run_dir.clone().expect("clap requires --run-dir")),
                 gpu: args.gpu,
                 config,
                 backend: args.backend,

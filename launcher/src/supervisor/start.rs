@@ -44,9 +44,13 @@ impl<'a> Supervisor<'a> {
         let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
         let group_name = proto::group_segment(&ring_name);
         // Made before the ring: while the ring exists, so does the record.
-        let record = reclaim::register(&ring_name, std::slice::from_ref(&group_name), &run_dir)
-            .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
-            .ok();
+        let record = reclaim::register(
+            &ring_name,
+            std::slice::from_ref(&group_name),
+            run_dir.path(),
+        )
+        .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
+        .ok();
         let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
         // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
         let start_step = match &resume {
@@ -57,7 +61,7 @@ impl<'a> Supervisor<'a> {
                     .context("marking the checkpointed batches done")?;
                 println!(
                     "resuming {} from its checkpoint at step {}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
-                    run_dir.display(),
+                    run_dir.path().display(),
                     r.step,
                     r.dropped
                 );
@@ -72,8 +76,7 @@ impl<'a> Supervisor<'a> {
         )
         .context("creating the drafter group")?;
         // For `shm-ring-stat --run-dir`.
-        std::fs::write(run_dir.join("ring"), format!("{ring_name}\n"))
-            .with_context(|| format!("writing {}", run_dir.join("ring").display()))?;
+        run_dir.write_ring_name(&ring_name)?;
 
         println!(
             "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {}",
@@ -88,12 +91,12 @@ impl<'a> Supervisor<'a> {
             batches,
             params.slots,
             params.slot_size / 1024,
-            run_dir.display()
+            run_dir.path().display()
         );
 
         let welcome = Welcome {
             ring: ring_name.clone(),
-            run_dir: run_dir.clone(),
+            run_dir: run_dir.path().to_path_buf(),
             config_toml: cfg.to_toml(),
             backend: backend.0,
         };
