@@ -3,6 +3,10 @@
 //! process maps) and the *stream* format (what HF `datasets` writes, and what the Parquet
 //! helper pipes to us). Spec: <https://arrow.apache.org/docs/format/Columnar.html#serialization-and-interprocess-communication-ipc>.
 //!
+//! Length: about 900 lines, because reading and writing each table (message, schema, record
+//! batch, footer) sit side by side, checked against one layout; apart, the two halves of a
+//! table could drift.
+//!
 //! A message is `0xFFFFFFFF`, an `i32` metadata length, a FlatBuffer `Message` (padded to 8),
 //! then the body: the record batch's buffers, each at an offset the metadata gives. A stream
 //! is a schema message, record batches, and an end marker (`0xFFFFFFFF 0`). A file is

@@ -24,9 +24,9 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::{BackendKind, DrafterBackend};
-use proto::control::{FinalReport, ToLauncher, WorkerRole};
+use proto::control::{FinalReport, ToLauncher};
 use proto::{BatchView, LedgerLine, RunDir};
-use shm_ring::{Consumer, Phase, ReadSlot, Ring, Take};
+use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
 use worker_runtime::{setup, WorkerArgs};
 
 /// Train one drafter on batches from the ring.
@@ -243,13 +243,13 @@ fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
 
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let s = setup(&args.common, WorkerRole::Drafter)?;
+    let s = setup(&args.common, Role::Consumer)?;
     let cfg = &s.config;
     for dir in [s.run_dir.ledger_dir(), s.run_dir.checkpoints_dir()] {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let ckpt = s.run_dir.checkpoint();
-    let mut backend = gpu::drafter(s.backend, cfg, &s.name)?;
+    let mut backend = gpu::drafter(s.backend, cfg, Some(s.name))?;
     let ledger_file = s.run_dir.ledger(s.index);
     let mut ledger = open_ledger(&ledger_file)?;
 
@@ -264,7 +264,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let epoch = consumer.epoch();
     // Injected faults that place a kill inside the group protocol (first incarnation only, so
     // the restarted rank gets through).
-    let faults = cfg.faults_for(&s.name);
+    let faults = cfg.faults_for(s.name);
     let first = epoch == 1;
     let die = |what: &str| -> ! {
         tracing::error!("injected crash {what}");

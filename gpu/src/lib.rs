@@ -1,9 +1,10 @@
 //! Compute backends behind two traits, so the workers do not know whether a GPU is real.
 //!
 //! - [`mock`]: CPU only, deterministic, with simulated speed (time is spent sleeping, so eight
-//!   mock GPUs run side by side on two cores) and fault injection. The default where no GPU
-//!   driver is present, and what every test runs on.
-//! - `cuda` (later): cudarc, loaded dynamically; never panics where no driver exists.
+//!   mock GPUs run side by side on two cores) and fault injection. What `--backend auto`
+//!   picks, driver or not, until the cuda backend is built; what every test runs on.
+//! - `cuda` (later): a model on the `cuda` crate (the driver API, opened at run time; never
+//!   panics where no driver exists), once a model library can be built here (issue #12).
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
 //! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait
@@ -14,7 +15,11 @@ use std::path::Path;
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
+pub mod cuda_copy;
 pub mod mock;
+pub mod prefetch;
+pub mod timeline;
+pub mod writeback;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +43,8 @@ pub enum GpuError {
     Shape(String),
     #[error("the {0} backend is not built yet; use --backend mock")]
     Unavailable(BackendKind),
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
 }
 
 /// A frozen target model: token ids in, hidden states of the captured layers out.
@@ -103,7 +110,7 @@ pub use proto::config::{BackendKind, Faults};
 pub fn target(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
-    name: &str,
+    name: proto::WorkerName,
 ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
     match kind {
         BackendKind::Mock => Ok(Box::new(mock::MockTarget::new(cfg, name))),
@@ -112,11 +119,12 @@ pub fn target(
 }
 
 /// A drafter rank for worker `name` under `cfg`, at step 0 (load a checkpoint or join the
-/// group to go on).
+/// group to go on); `None` for a drafter that is no worker and takes no worker's faults (the
+/// launcher reading a checkpoint).
 pub fn drafter(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
-    name: &str,
+    name: Option<proto::WorkerName>,
 ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
     match kind {
         BackendKind::Mock => Ok(Box::new(mock::MockDrafter::for_worker(cfg, name))),

@@ -1,5 +1,8 @@
 //! The mock backend: deterministic content, simulated speed, real drafter state, injected faults.
 //!
+//! Length: about 600 lines: the target, the drafter (a real learner, with its checkpoint
+//! format and exact-gradient tests) and their faults are one backend.
+//!
 //! A mock target's hidden state for (token, position, layer, channel) is a fixed function of
 //! those four numbers ([`hidden_value`]), so a drafter verifies the content of every batch, not
 //! just its checksum. Simulated time is `tokens / tokens_per_s` plus a term quadratic in each
@@ -115,7 +118,7 @@ pub struct MockTarget {
 
 impl MockTarget {
     /// Worker `name`'s target under `cfg`: its shape, speed and faults.
-    pub fn new(cfg: &proto::PipelineConfig, name: &str) -> MockTarget {
+    pub fn new(cfg: &proto::PipelineConfig, name: proto::WorkerName) -> MockTarget {
         let faults = cfg.faults_for(name);
         start(&faults);
         MockTarget {
@@ -202,10 +205,9 @@ impl MockDrafter {
         }
     }
 
-    /// The weights, Adam's two moments and the step, as u32 words: what a joining rank needs.
-    /// Worker `name`'s drafter under `cfg`: its size, speed and faults.
-    pub fn for_worker(cfg: &proto::PipelineConfig, name: &str) -> MockDrafter {
-        let faults = cfg.faults_for(name);
+    /// Worker `name`'s drafter under `cfg`: its size, speed and faults (none for `None`).
+    pub fn for_worker(cfg: &proto::PipelineConfig, name: Option<proto::WorkerName>) -> MockDrafter {
+        let faults = name.map(|n| cfg.faults_for(n)).unwrap_or_default();
         start(&faults);
         MockDrafter::new(
             Sim::new(cfg.drafter.tokens_per_s, faults),

@@ -3,7 +3,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};
 use launcher::{exit, Cli, Command};
-use proto::control::WorkerRole;
+use shm_ring::Role;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -17,11 +17,11 @@ fn main() -> ExitCode {
     match (cli.command, cli.run) {
         // How the launcher starts its workers (spawn.rs): itself, through a hidden subcommand.
         (Some(Command::TargetWorker(args)), _) => {
-            launcher::name_process(WorkerRole::Target);
+            launcher::name_process(Role::Producer);
             worker_runtime::exit_code(target_worker::run(args))
         }
         (Some(Command::DrafterWorker(args)), _) => {
-            launcher::name_process(WorkerRole::Drafter);
+            launcher::name_process(Role::Consumer);
             worker_runtime::exit_code(drafter_worker::run(args))
         }
         (Some(Command::Report(args)), _) => exit_code(launcher::report::run(args)),

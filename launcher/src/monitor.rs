@@ -19,7 +19,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use proto::RunDir;
 use serde::{Deserialize, Serialize};
 use shm_ring::analysis::{self, Interval, WorkerRates};
-use shm_ring::{Ring, SlotCounts, Snapshot, WorkerState};
+use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
 
@@ -77,7 +77,8 @@ pub struct WorkerTick {
     pub tokens_per_s: f64,
     pub busy: f64,
     pub waiting: f64,
-    pub phases: BTreeMap<String, f64>,
+    /// By phase name (`wait_full`, ...).
+    pub phases: BTreeMap<Phase, f64>,
 }
 
 /// A line the launcher printed, and when (seconds since the run started).
@@ -102,7 +103,7 @@ impl WorkerTick {
             WorkerState::Retired => "retired",
         };
         WorkerTick {
-            name: format!("{}-{}", w.role, w.index),
+            name: w.name().to_string(),
             gpu: w.gpu,
             state: state.to_string(),
             alive: w.alive,
@@ -115,7 +116,7 @@ impl WorkerTick {
                 .phases
                 .iter()
                 .filter(|(_, v)| share(**v) > 0.0)
-                .map(|(k, v)| (k.to_string(), share(*v)))
+                .map(|(k, v)| (k, share(*v)))
                 .collect(),
         }
     }
@@ -171,7 +172,7 @@ pub struct Monitor {
 }
 
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
-fn shares(iv: &Interval, role: &str) -> (f64, f64) {
+fn shares(iv: &Interval, role: Role) -> (f64, f64) {
     let ws: Vec<_> = iv
         .workers
         .iter()
@@ -291,8 +292,8 @@ impl Monitor {
         let iv = analysis::interval(prev, &snap, &self.occupancy);
         let verdict = self.judge.verdict(prev, &snap, &self.occupancy);
         self.occupancy.clear();
-        let (tb, tw) = shares(&iv, "target");
-        let (db, dw) = shares(&iv, "drafter");
+        let (tb, tw) = shares(&iv, Role::Producer);
+        let (db, dw) = shares(&iv, Role::Consumer);
         let t = Tick {
             t_s: started.elapsed().as_secs_f64(),
             tokens_per_s: iv.tokens_per_s,
@@ -390,5 +391,33 @@ impl Monitor {
         // The bar is gone: the last line goes to the terminal as a plain line.
         self.bar = None;
         self.record(ring, self.restarts, self.started, Instant::now())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// metrics.jsonl names phases as it always did (`"wait_full"`, ...), and reads them back.
+    #[test]
+    fn a_worker_tick_keeps_its_json_names() {
+        let mut t = WorkerTick {
+            name: shm_ring::WorkerName::consumer(2).to_string(),
+            ..WorkerTick::default()
+        };
+        t.phases.insert(Phase::WaitFull, 0.25);
+        t.phases.insert(Phase::Compute, 0.5);
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["name"], "drafter-2");
+        assert_eq!(
+            json["phases"],
+            serde_json::json!({"wait_full": 0.25, "compute": 0.5})
+        );
+        let back: WorkerTick = serde_json::from_value(json).unwrap();
+        assert_eq!(back.phases, t.phases);
+        let old = r#"{"name": "target-0", "phases": {"copy_in": 0.1, "sync": 0.2}}"#;
+        let old: WorkerTick = serde_json::from_str(old).unwrap();
+        assert_eq!(old.phases[&Phase::CopyIn], 0.1);
+        assert_eq!(old.phases[&Phase::Sync], 0.2);
     }
 }

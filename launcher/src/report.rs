@@ -15,6 +15,9 @@
 //!
 //! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
 //! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
+//!
+//! One file past 500 lines on purpose: reading the run and drawing its panels share the time
+//! axis, the bins and the marks, and each panel is a few dozen lines of plotters calls.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -26,6 +29,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use proto::{LedgerLine, RunDir};
 use shm_ring::screen::human_rate;
+use shm_ring::{Phase, Role, WorkerName};
 
 use crate::monitor::{EventTick, Tick};
 
@@ -260,12 +264,10 @@ pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
     let mut out = Vec::new();
     for e in ticks.iter().flat_map(|t| &t.events) {
         let first = e.text.split_whitespace().next().unwrap_or("");
-        let is_worker = ["target-", "drafter-"].iter().any(|p| {
-            first
-                .strip_prefix(p)
-                .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
-        });
-        let worker = is_worker.then(|| first.to_string());
+        let worker = first
+            .parse::<WorkerName>()
+            .is_ok()
+            .then(|| first.to_string());
         let kind = if worker.is_some() {
             if e.text.contains("killing it as hung") {
                 MarkKind::Hung
@@ -298,15 +300,15 @@ pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
 }
 
 /// Phases in stacking order (compute at the bottom), with the colours of the legend.
-const PHASES: [(&str, &str, RGBColor); 8] = [
-    ("compute", "compute", RGBColor(67, 160, 71)),
-    ("wait_full", "wait: ring full", RGBColor(229, 57, 53)),
-    ("wait_empty", "wait: ring empty", RGBColor(255, 179, 0)),
-    ("load", "load", RGBColor(30, 136, 229)),
-    ("copy_in", "copy in", RGBColor(0, 172, 193)),
-    ("sync", "sync", RGBColor(142, 36, 170)),
-    ("checkpoint", "checkpoint", RGBColor(121, 134, 203)),
-    ("other", "other", RGBColor(158, 158, 158)),
+const PHASES: [(Phase, &str, RGBColor); 8] = [
+    (Phase::Compute, "compute", RGBColor(67, 160, 71)),
+    (Phase::WaitFull, "wait: ring full", RGBColor(229, 57, 53)),
+    (Phase::WaitEmpty, "wait: ring empty", RGBColor(255, 179, 0)),
+    (Phase::Load, "load", RGBColor(30, 136, 229)),
+    (Phase::CopyIn, "copy in", RGBColor(0, 172, 193)),
+    (Phase::Sync, "sync", RGBColor(142, 36, 170)),
+    (Phase::Checkpoint, "checkpoint", RGBColor(121, 134, 203)),
+    (Phase::Other, "other", RGBColor(158, 158, 158)),
 ];
 
 const FONT: &str = "sans-serif";
@@ -720,7 +722,7 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
                     Some(
                         PHASES[..=k]
                             .iter()
-                            .map(|(p, ..)| w.phases.get(*p).copied().unwrap_or(0.0))
+                            .map(|(p, ..)| w.phases.get(p).copied().unwrap_or(0.0))
                             .sum::<f64>()
                             .min(1.0),
                     )
@@ -754,9 +756,10 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
                 label.push_str(&format!(", {deaths} death(s), {restarts} restart(s)"));
             }
             if let Some(l) = name
-                .strip_prefix("drafter-")
-                .and_then(|i| i.parse::<u32>().ok())
-                .and_then(|i| run.ledgers.iter().find(|l| l.drafter == i))
+                .parse::<WorkerName>()
+                .ok()
+                .filter(|n| n.role == Role::Consumer)
+                .and_then(|n| run.ledgers.iter().find(|l| l.drafter == n.index))
             {
                 label.push_str(&format!(
                     "; ledger: {} batches, {} redelivered",

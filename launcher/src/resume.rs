@@ -51,7 +51,7 @@ pub fn check(
     }
     let ckpt = run_dir.checkpoint();
     let step = if ckpt.exists() {
-        let mut d = gpu::drafter(backend, cfg, "launcher")?;
+        let mut d = gpu::drafter(backend, cfg, None)?;
         d.load(&ckpt).with_context(|| {
             "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
         })?;

@@ -10,14 +10,24 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Sender;
 
 use anyhow::Context;
-use proto::control::{self, FinalReport, ToLauncher, ToWorker, WorkerRole, PROTOCOL_VERSION};
+use proto::control::{self, FinalReport, ToLauncher, ToWorker, PROTOCOL_VERSION};
+use shm_ring::{Role, WorkerName};
 
 /// Which worker, and which incarnation of it (restarts get a new `spawn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Key {
-    pub role: WorkerRole,
+    pub role: Role,
     pub index: u32,
     pub spawn: u32,
+}
+
+impl Key {
+    pub fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
 }
 
 /// What handshake threads tell the supervisor.
@@ -40,17 +50,17 @@ pub enum Event {
 const SELF_EXE: &str = "/proc/self/exe";
 
 /// The hidden subcommand that makes the launcher's binary a worker of `role` (`cli::Command`).
-fn subcommand(role: WorkerRole) -> &'static str {
+fn subcommand(role: Role) -> &'static str {
     match role {
-        WorkerRole::Target => "target-worker",
-        WorkerRole::Drafter => "drafter-worker",
+        Role::Producer => "target-worker",
+        Role::Consumer => "drafter-worker",
     }
 }
 
 /// Names this process after the worker subcommand it runs (`/proc/self/comm`: what `ps -C`,
 /// `top` and `pgrep` show), which exec'ing `/proc/self/exe` left as `exe`. Only cosmetic, so a
 /// failure is ignored.
-pub fn name_process(role: WorkerRole) {
+pub fn name_process(role: Role) {
     if let Ok(name) = std::ffi::CString::new(subcommand(role)) {
         let _ = rustix::thread::set_name(&name);
     }
@@ -147,8 +157,9 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
     };
     if version != PROTOCOL_VERSION || role != key.role || index != key.index {
         let why = format!(
-            "expected {:?} {} speaking protocol {PROTOCOL_VERSION}, got {role:?} {index} speaking {version}",
-            key.role, key.index
+            "expected {} speaking protocol {PROTOCOL_VERSION}, got {} speaking {version}",
+            key.name(),
+            WorkerName { role, index }
         );
         let _ = reply.send(ToWorker::Refused { why: why.clone() });
         return failed(why);

@@ -13,7 +13,7 @@ use anyhow::Context;
 use drafter_worker::account;
 use proto::RunDir;
 use serde::Serialize;
-use shm_ring::{Role, Snapshot};
+use shm_ring::{Snapshot, WorkerName};
 
 #[derive(Debug, Serialize)]
 pub struct WorkerSummary {
@@ -67,7 +67,7 @@ pub struct Facts<'a> {
     pub drafters: u32,
     pub wall: Duration,
     /// Restarts by worker name (`target-0`).
-    pub restarts: &'a HashMap<String, u32>,
+    pub restarts: &'a HashMap<WorkerName, u32>,
 }
 
 /// The summary from the ledgers and the ring's telemetry; `ok`, the exit code and the notes
@@ -91,24 +91,18 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
     let workers = snap
         .workers
         .iter()
-        .map(|w| {
-            let (role, name) = match w.role {
-                Role::Producer => ("target", format!("target-{}", w.index)),
-                Role::Consumer => ("drafter", format!("drafter-{}", w.index)),
-            };
-            WorkerSummary {
-                role,
-                index: w.index,
-                gpu: w.gpu,
-                restarts: restarts.get(&name).copied().unwrap_or(0),
-                items: w.items,
-                tokens: w.tokens,
-                busy_frac: if wall_s > 0.0 {
-                    (w.busy_ns() as f64 / 1e9 / wall_s).min(1.0)
-                } else {
-                    0.0
-                },
-            }
+        .map(|w| WorkerSummary {
+            role: w.role.name(),
+            index: w.index,
+            gpu: w.gpu,
+            restarts: restarts.get(&w.name()).copied().unwrap_or(0),
+            items: w.items,
+            tokens: w.tokens,
+            busy_frac: if wall_s > 0.0 {
+                (w.busy_ns() as f64 / 1e9 / wall_s).min(1.0)
+            } else {
+                0.0
+            },
         })
         .collect();
     Ok(Summary {

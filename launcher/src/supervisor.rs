@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use collective::ShmGroup;
-use proto::control::{self, FinalReport, ToWorker, WorkerRole};
+use proto::control::{self, FinalReport, ToWorker};
 use proto::RunDir;
-use shm_ring::{Ring, WorkerId};
+use shm_ring::{Ring, Role, WorkerName};
 
 use crate::cli::{exit, Args};
 use crate::monitor::Monitor;
@@ -51,7 +51,7 @@ enum Life {
 
 /// One worker, across its incarnations.
 struct Worker {
-    role: WorkerRole,
+    role: Role,
     index: u32,
     gpu: u32,
     child: Option<Child>,
@@ -64,7 +64,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(role: WorkerRole, index: u32, gpu: u32) -> Worker {
+    fn new(role: Role, index: u32, gpu: u32) -> Worker {
         Worker {
             role,
             index,
@@ -86,16 +86,10 @@ impl Worker {
             spawn: self.spawns.saturating_sub(1),
         }
     }
-    fn name(&self) -> String {
-        match self.role {
-            WorkerRole::Target => format!("target-{}", self.index),
-            WorkerRole::Drafter => format!("drafter-{}", self.index),
-        }
-    }
-    fn ring_id(&self) -> WorkerId {
-        match self.role {
-            WorkerRole::Target => WorkerId::producer(self.index),
-            WorkerRole::Drafter => WorkerId::consumer(self.index),
+    fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
         }
     }
     fn finished(&self) -> bool {
@@ -210,10 +204,8 @@ impl<'a> Supervisor<'a> {
                 }
                 Event::Progress { step, loss, tokens } => self.mon.progress(step, loss, tokens),
                 Event::HandshakeFailed(key, why) => {
-                    self.mon.say(&format!(
-                        "{:?} {}: handshake failed: {why}",
-                        key.role, key.index
-                    ));
+                    self.mon
+                        .say(&format!("{}: handshake failed: {why}", key.name()));
                 }
             }
         }
@@ -228,12 +220,10 @@ impl<'a> Supervisor<'a> {
         self.last_hang_check = Instant::now();
         let snap = self.ring.snapshot();
         let hang_ns = (self.args.hang_timeout * 1e9) as u64;
-        let nt = self.args.targets.0.len();
         for w in &mut self.workers {
-            let rec = &snap.workers[match w.role {
-                WorkerRole::Target => w.index as usize,
-                WorkerRole::Drafter => nt + w.index as usize,
-            }];
+            let Some(rec) = snap.worker(w.name()) else {
+                continue;
+            };
             // Only a worker that has registered this incarnation can be late.
             let silent = rec.heartbeat_age_ns.unwrap_or(0);
             if w.child.is_some() && rec.pid == w.pid && silent > hang_ns {
@@ -255,7 +245,7 @@ impl<'a> Supervisor<'a> {
     fn exits(&mut self) -> anyhow::Result<()> {
         // Counted before this pass's exits: a drafter given up now is seen at the next pass.
         let drafters_left = (self.workers.iter())
-            .filter(|w| w.role == WorkerRole::Drafter && w.life != Life::GaveUp)
+            .filter(|w| w.role == Role::Consumer && w.life != Life::GaveUp)
             .count();
         for i in 0..self.workers.len() {
             let w = &mut self.workers[i];
@@ -273,7 +263,7 @@ impl<'a> Supervisor<'a> {
                     // A drafter that finished has left the group: a rank restarted late must
                     // not wait for it to admit it (it admits itself into an empty group, sees
                     // the ring's end and finishes too).
-                    if w.role == WorkerRole::Drafter {
+                    if w.role == Role::Consumer {
                         self.group.remove(w.index)?;
                     }
                 }
@@ -303,7 +293,7 @@ impl<'a> Supervisor<'a> {
             r.freed,
             r.work_returned
         ));
-        let stop_target = self.stopping && w.role == WorkerRole::Target;
+        let stop_target = self.stopping && w.role == Role::Producer;
         if w.restarts < self.args.max_restarts && !stop_target {
             w.life = Life::Backoff(Instant::now() + backoff(w.restarts));
             w.restarts += 1;
@@ -317,12 +307,12 @@ impl<'a> Supervisor<'a> {
                 "{} gave up after {} restart(s); log: {}",
                 w.name(),
                 w.restarts,
-                self.run_dir.log(&w.name()).display()
+                self.run_dir.log(w.name()).display()
             );
             self.mon.say(&note);
             self.notes.push(note);
         }
-        if w.role == WorkerRole::Target {
+        if w.role == Role::Producer {
             // Count it as finished so the ring still closes.
             self.ring.retire(w.index)?;
         }
@@ -334,19 +324,19 @@ impl<'a> Supervisor<'a> {
     /// in an applied update; if it still holds that batch, it is retired, not redelivered.
     fn recover(&mut self, i: usize) -> anyhow::Result<shm_ring::Recovered> {
         let w = &self.workers[i];
-        let committed = if w.role == WorkerRole::Drafter {
+        let committed = if w.role == Role::Consumer {
             let gone = self.group.remove(w.index)?;
             gone.committed_batch.map(|b| (b, gone.membership.step))
         } else {
             None
         };
         let Some((batch, step)) = committed else {
-            return Ok(self.ring.recover(w.ring_id())?);
+            return Ok(self.ring.recover(w.name())?);
         };
         let mut wrote = Ok(false);
         let r = self
             .ring
-            .recover_retiring(w.ring_id(), batch, |meta, payload| {
+            .recover_retiring(w.name(), batch, |meta, payload| {
                 wrote = drafter_worker::record_retired(
                     &self.run_dir,
                     w.index,
@@ -387,7 +377,7 @@ impl<'a> Supervisor<'a> {
             let child = spawn::spawn(
                 key,
                 w.gpu,
-                &self.run_dir.log(&w.name()),
+                &self.run_dir.log(w.name()),
                 &self.welcome,
                 self.events_tx.clone(),
             )
@@ -434,7 +424,7 @@ impl<'a> Supervisor<'a> {
         } else if self.stopping && self.signals.received() > 0 {
             exit_code = exit::INTERRUPTED;
         }
-        let restarts: HashMap<String, u32> = (self.workers.iter())
+        let restarts: HashMap<WorkerName, u32> = (self.workers.iter())
             .map(|w| (w.name(), w.restarts))
             .collect();
         let summary = summary::build(&summary::Facts {

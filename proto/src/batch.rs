@@ -85,8 +85,8 @@ pub struct BatchHeader {
 /// A batch that cannot be written or read, naming what is wrong.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BatchError {
-    #[error("batch of {needed} bytes does not fit a slot of {capacity} bytes (lower the token budget or raise the slot size)")]
-    TooLarge { needed: u64, capacity: u64 },
+    #[error("batch of {needed} bytes does not fit a slot of {slot_size} bytes (lower the token budget or raise the slot size)")]
+    TooLarge { needed: u64, slot_size: u64 },
     #[error("batch is truncated: {what}")]
     Truncated { what: String },
     #[error("batch is corrupt: {what}")]
@@ -131,7 +131,7 @@ fn sections(spec: &BatchSpec, header_len: u64) -> Option<(Section, Section, Sect
 fn header_for(spec: &BatchSpec) -> Result<(BatchHeader, u64), BatchError> {
     let overflow = || BatchError::TooLarge {
         needed: u64::MAX,
-        capacity: 0,
+        slot_size: 0,
     };
     let mut h = BatchHeader {
         version: BATCH_VERSION,
@@ -170,7 +170,7 @@ impl<'a> BatchWriter<'a> {
         if needed > buf.len() as u64 {
             return Err(BatchError::TooLarge {
                 needed,
-                capacity: buf.len() as u64,
+                slot_size: buf.len() as u64,
             });
         }
         Ok(BatchWriter { buf, header })
@@ -366,7 +366,7 @@ mod tests {
         let mut buf = vec![0u8; 512];
         let err = BatchWriter::new(&mut buf, &spec()).err().unwrap();
         assert!(
-            matches!(err, BatchError::TooLarge { capacity: 512, .. }),
+            matches!(err, BatchError::TooLarge { slot_size: 512, .. }),
             "{err}"
         );
     }

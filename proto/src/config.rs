@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use shm_ring::{BucketPick, RingParams, TakePolicy};
+use shm_ring::{BucketPick, RingParams, TakePolicy, WorkerName};
 
 use crate::batch::{batch_len, BatchSpec, Dtype};
 
@@ -50,8 +50,11 @@ pub struct Faults {
 #[serde(deny_unknown_fields, default)]
 pub struct RingConfig {
     pub slots: u32,
-    /// Bytes per slot; 0 means "just enough for the largest batch the token budget allows".
-    pub slot_bytes: u64,
+    /// Bytes per slot (the ring's `slot_size`); 0 means "just enough for the largest batch the
+    /// token budget allows". The TOML key is `slot_bytes`, as it always was; `slot_size` is
+    /// accepted too.
+    #[serde(rename = "slot_bytes", alias = "slot_size")]
+    pub slot_size: u64,
     /// Length classes: bucket `b` holds batches whose longest sequence is in the b-th equal
     /// slice of `1..=max_len`.
     pub buckets: u32,
@@ -114,7 +117,7 @@ impl Default for RingConfig {
     fn default() -> Self {
         RingConfig {
             slots: 60,
-            slot_bytes: 0,
+            slot_size: 0,
             buckets: 6,
             policy: PolicyName::Bucketed,
             min_ready: 10,
@@ -318,15 +321,8 @@ impl PipelineConfig {
             ));
         }
         for (name, f) in &self.faults {
-            let known = name
-                .strip_prefix("target-")
-                .or_else(|| name.strip_prefix("drafter-"))
-                .is_some_and(|i| i.parse::<u32>().is_ok());
-            if !known {
-                return Err(invalid(
-                    "faults",
-                    format!("{name:?} is not a worker name (use target-N or drafter-N)"),
-                ));
+            if let Err(e) = name.parse::<WorkerName>() {
+                return Err(invalid("faults", e.to_string()));
             }
             if f.slow.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
                 return Err(invalid(
@@ -339,12 +335,12 @@ impl PipelineConfig {
             return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
         }
         let need = self.largest_batch_bytes()?;
-        if self.ring.slot_bytes != 0 && self.ring.slot_bytes < need {
+        if self.ring.slot_size != 0 && self.ring.slot_size < need {
             return Err(invalid(
                 "ring.slot_bytes",
                 format!(
                     "{} bytes cannot hold the largest batch ({need} bytes for a {}-token budget); raise it or set 0 for automatic",
-                    self.ring.slot_bytes, self.target.token_budget
+                    self.ring.slot_size, self.target.token_budget
                 ),
             ));
         }
@@ -376,10 +372,10 @@ impl PipelineConfig {
         work_items: u64,
     ) -> Result<RingParams, ConfigError> {
         let r = &self.ring;
-        let slot_size = if r.slot_bytes == 0 {
+        let slot_size = if r.slot_size == 0 {
             self.largest_batch_bytes()?
         } else {
-            r.slot_bytes
+            r.slot_size
         };
         let p = RingParams {
             slots: r.slots,
@@ -402,9 +398,13 @@ impl PipelineConfig {
         Ok(p)
     }
 
-    /// The faults configured for worker `name` (e.g. `drafter-0`); none by default.
-    pub fn faults_for(&self, name: &str) -> Faults {
-        self.faults.get(name).cloned().unwrap_or_default()
+    /// The faults configured for worker `name` (the key `drafter-0`); none by default.
+    pub fn faults_for(&self, name: WorkerName) -> Faults {
+        self.faults
+            .iter()
+            .find(|(key, _)| key.parse() == Ok(name))
+            .map(|(_, f)| f.clone())
+            .unwrap_or_default()
     }
 
     /// The length class of a batch whose longest sequence has `max_seq` tokens.
@@ -444,6 +444,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ring.slot_bytes"), "{err}");
+        // The ring's name for it works as a key too.
+        let c = PipelineConfig::from_toml("[ring]\nslot_size = 16777216\n", Path::new("a.toml"))
+            .unwrap();
+        assert_eq!(c.ring.slot_size, 16 << 20);
 
         let err =
             PipelineConfig::from_toml("[drafter]\ntokens_per_s = -1.0\n", Path::new("a.toml"))
@@ -455,6 +459,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("drafter.params"), "{err}");
+    }
+
+    #[test]
+    fn fault_keys_are_worker_names() {
+        let toml = "[faults.drafter-1]\ncrash_after = 4\n[faults.target-0]\nslow = 2.0\n";
+        let c = PipelineConfig::from_toml(toml, Path::new("f.toml")).unwrap();
+        assert_eq!(c.faults_for(WorkerName::consumer(1)).crash_after, Some(4));
+        assert_eq!(c.faults_for(WorkerName::producer(0)).slow, Some(2.0));
+        assert_eq!(c.faults_for(WorkerName::producer(1)), Faults::default());
+        assert_eq!(c.faults_for(WorkerName::consumer(0)), Faults::default());
+
+        for key in ["drafter", "producer-1", "target-x", "drafter-1-2"] {
+            let toml = format!("[faults.{key}]\ncrash_after = 4\n");
+            let err = PipelineConfig::from_toml(&toml, Path::new("f.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("faults") && err.contains(&format!("{key:?} is not a worker name")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

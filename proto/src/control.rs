@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use shm_ring::Role;
 
 /// Bumped on any change to the messages below.
 pub const PROTOCOL_VERSION: u32 = 4;
@@ -33,19 +34,12 @@ pub const PROTOCOL_VERSION: u32 = 4;
 /// The largest frame either side accepts.
 pub const MAX_FRAME: u32 = 16 << 20;
 
-/// A worker's role on the control plane.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum WorkerRole {
-    Target,
-    Drafter,
-}
-
 /// Worker → launcher.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToLauncher {
     Hello {
         version: u32,
-        role: WorkerRole,
+        role: Role,
         index: u32,
         pid: u32,
     },
@@ -283,7 +277,7 @@ pub struct WorkerLink {
 /// Connects to the launcher's server `name`, says hello, and waits up to `timeout` for Welcome.
 pub fn connect(
     name: &str,
-    role: WorkerRole,
+    role: Role,
     index: u32,
     timeout: Duration,
 ) -> Result<WorkerLink, ControlError> {
@@ -336,7 +330,7 @@ mod tests {
     use super::*;
 
     /// Plays the launcher in a thread: accepts one worker and answers with `answer(version)`.
-    fn launcher(answer: fn(u32) -> ToWorker) -> (String, std::thread::JoinHandle<WorkerRole>) {
+    fn launcher(answer: fn(u32) -> ToWorker) -> (String, std::thread::JoinHandle<Role>) {
         let server = Server::new().unwrap();
         let name = server.name().to_string();
         let h = std::thread::spawn(move || {
@@ -360,9 +354,9 @@ mod tests {
             config_toml: String::new(),
             backend: crate::config::BackendKind::Mock,
         });
-        let link = connect(&name, WorkerRole::Drafter, 2, Duration::from_secs(30)).unwrap();
+        let link = connect(&name, Role::Consumer, 2, Duration::from_secs(30)).unwrap();
         assert_eq!((link.ring.as_str(), link.gpu), ("hspipe-x", Some(3)));
-        assert_eq!(h.join().unwrap(), WorkerRole::Drafter);
+        assert_eq!(h.join().unwrap(), Role::Consumer);
 
         let (name, _h) = launcher(|v| ToWorker::Welcome {
             version: v + 1,
@@ -372,7 +366,7 @@ mod tests {
             config_toml: String::new(),
             backend: crate::config::BackendKind::Mock,
         });
-        let err = connect(&name, WorkerRole::Target, 0, Duration::from_secs(30))
+        let err = connect(&name, Role::Producer, 0, Duration::from_secs(30))
             .err()
             .unwrap();
         assert!(matches!(err, ControlError::Version { .. }), "{err}");
@@ -380,7 +374,7 @@ mod tests {
         let (name, _h) = launcher(|_| ToWorker::Refused {
             why: "index taken".into(),
         });
-        let err = connect(&name, WorkerRole::Target, 0, Duration::from_secs(30))
+        let err = connect(&name, Role::Producer, 0, Duration::from_secs(30))
             .err()
             .unwrap();
         assert!(err.to_string().contains("index taken"), "{err}");
@@ -388,14 +382,9 @@ mod tests {
 
     #[test]
     fn a_bad_server_name_is_a_clear_error() {
-        let err = connect(
-            "no-such-server",
-            WorkerRole::Target,
-            0,
-            Duration::from_secs(1),
-        )
-        .err()
-        .unwrap();
+        let err = connect("no-such-server", Role::Producer, 0, Duration::from_secs(1))
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("no-such-server"), "{err}");
     }
 
@@ -410,7 +399,7 @@ mod tests {
             rx.recv().unwrap();
             drop(halves);
         });
-        let err = connect(&name, WorkerRole::Target, 0, Duration::from_millis(50))
+        let err = connect(&name, Role::Producer, 0, Duration::from_millis(50))
             .err()
             .unwrap();
         assert!(matches!(err, ControlError::Timeout(_)), "{err}");

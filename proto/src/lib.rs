@@ -19,6 +19,8 @@ pub use batch::{
 };
 pub use config::{ConfigError, PipelineConfig};
 pub use run_dir::{LedgerLine, RunDir, RunDirError};
+/// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.
+pub use shm_ring::{Role, WorkerName};
 
 /// The drafter group's shared-memory segment of the run whose ring is `ring` (the launcher
 /// creates it; drafters attach to it by this name).

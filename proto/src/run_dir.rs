@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use shm_ring::WorkerName;
 
 /// A run directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,7 +82,7 @@ impl RunDir {
     }
 
     /// The log of worker `name` (`target-0`), all its incarnations.
-    pub fn log(&self, name: &str) -> PathBuf {
+    pub fn log(&self, name: WorkerName) -> PathBuf {
         self.logs_dir().join(format!("{name}.log"))
     }
 
@@ -91,7 +92,7 @@ impl RunDir {
 
     /// Drafter `index`'s ledger.
     pub fn ledger(&self, index: u32) -> PathBuf {
-        self.ledger_dir().join(format!("drafter-{index}.jsonl"))
+        (self.ledger_dir()).join(format!("{}.jsonl", WorkerName::consumer(index)))
     }
 
     pub fn checkpoints_dir(&self) -> PathBuf {

@@ -40,12 +40,18 @@
 //! says with the share they wait for it. Independent drafters (no `sync`) and targets (which
 //! claim work as they go) lose only a slow worker's own share: the ring absorbs it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use serde::Serialize;
 
+use crate::phase::{Phase, PhaseMap};
 use crate::stats::{SlotCounts, Snapshot, WorkerSnapshot, WorkerState};
-use crate::{Phase, Role};
+use crate::worker::{role_name, Role, WorkerName};
+
+mod pace;
+mod verdict;
+
+use verdict::judge;
 
 /// A side counts as waiting when its waiting share is above this (to become the bottleneck's
 /// evidence) ...
@@ -79,7 +85,9 @@ const TREND_SHARE: f64 = 0.15;
 /// One worker over the interval.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct WorkerRates {
-    pub role: &'static str,
+    /// `"target"` or `"drafter"` in JSON.
+    #[serde(with = "role_name")]
+    pub role: Role,
     pub index: u32,
     pub gpu: Option<u32>,
     pub pid: u32,
@@ -92,7 +100,16 @@ pub struct WorkerRates {
     pub busy: f64,
     pub waiting: f64,
     /// Share of the interval in each phase.
-    pub phases: BTreeMap<&'static str, f64>,
+    pub phases: PhaseMap<f64>,
+}
+
+impl WorkerRates {
+    pub fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
 }
 
 /// The ring over the interval.
@@ -163,29 +180,18 @@ pub struct Verdict {
     pub window_s: f64,
 }
 
-fn role_name(r: Role) -> &'static str {
-    match r {
-        Role::Producer => "target",
-        Role::Consumer => "drafter",
-    }
-}
-
 fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
-    let frac = |name: &str| {
-        let d = b.phase_ns[name].saturating_sub(a.phase_ns[name]) as f64;
+    let phases = PhaseMap::from_fn(|p: Phase| {
+        let d = b.phase_ns[p].saturating_sub(a.phase_ns[p]) as f64;
         (d / dt_ns).clamp(0.0, 1.0)
-    };
-    let phases: BTreeMap<&'static str, f64> = Phase::ALL
-        .iter()
-        .map(|p| (p.name(), frac(p.name())))
-        .collect();
+    });
     let waiting = match b.role {
-        Role::Producer => phases["wait_full"],
-        Role::Consumer => phases["wait_empty"],
+        Role::Producer => phases[Phase::WaitFull],
+        Role::Consumer => phases[Phase::WaitEmpty],
     };
     let secs = dt_ns / 1e9;
     WorkerRates {
-        role: role_name(b.role),
+        role: b.role,
         index: b.index,
         gpu: b.gpu,
         pid: b.pid,
@@ -195,7 +201,7 @@ fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
         items: b.items,
         items_per_s: b.items.saturating_sub(a.items) as f64 / secs,
         tokens_per_s: b.tokens.saturating_sub(a.tokens) as f64 / secs,
-        busy: phases["compute"],
+        busy: phases[Phase::Compute],
         waiting,
         phases,
     }
@@ -213,7 +219,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
     };
     let n = samples.len() as f64;
     let serves_from = match b.params.policy {
-        crate::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
+        crate::params::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
         _ => 1,
     };
     let tokens: u64 = b
@@ -338,514 +344,4 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn pct(x: f64) -> String {
     format!("{:.0}%", x * 100.0)
-}
-
-/// Phases that are a worker's own work (not waiting on the ring or on other ranks).
-fn working(p: Phase) -> bool {
-    !p.is_wait() && p != Phase::Sync
-}
-
-/// A worker's pace over its life: working nanoseconds per token, and the working phase it
-/// spends most in with that phase's share of the working time. `None` before `MIN_ITEMS`.
-struct Pace {
-    ns_per_token: f64,
-    ns_per_item: f64,
-    phase: &'static str,
-    share: f64,
-}
-
-fn pace(w: &WorkerSnapshot) -> Option<Pace> {
-    let work: Vec<(&'static str, u64)> = Phase::ALL
-        .iter()
-        .filter(|p| working(**p))
-        .map(|p| (p.name(), w.phase_ns[p.name()]))
-        .collect();
-    let total: u64 = work.iter().map(|(_, ns)| ns).sum();
-    if w.items < MIN_ITEMS || w.tokens == 0 || total == 0 {
-        return None;
-    }
-    let (phase, ns) = work
-        .iter()
-        .copied()
-        .max_by_key(|(_, ns)| *ns)
-        .unwrap_or(("compute", 0));
-    Some(Pace {
-        ns_per_token: total as f64 / w.tokens as f64,
-        ns_per_item: total as f64 / w.items as f64,
-        phase,
-        share: ns as f64 / total as f64,
-    })
-}
-
-/// A worker far slower per token than the median of its live peers of the same role.
-struct Slow {
-    role: Role,
-    index: u32,
-    /// Its time per token over the peers' median.
-    ratio: f64,
-    phase: &'static str,
-    share: f64,
-}
-
-fn slow_workers(b: &Snapshot) -> Vec<Slow> {
-    let mut out = Vec::new();
-    for role in [Role::Producer, Role::Consumer] {
-        let paces: Vec<(&WorkerSnapshot, Pace)> = b
-            .workers
-            .iter()
-            .filter(|w| w.role == role && w.alive)
-            .filter_map(|w| Some((w, pace(w)?)))
-            .collect();
-        for (w, p) in &paces {
-            let others: Vec<f64> = paces
-                .iter()
-                .filter(|(o, _)| o.index != w.index)
-                .map(|(_, q)| q.ns_per_token)
-                .collect();
-            if others.is_empty() {
-                continue;
-            }
-            let m = median(others);
-            if m > 0.0 && p.ns_per_token * STRAGGLER > m {
-                out.push(Slow {
-                    role,
-                    index: w.index,
-                    ratio: p.ns_per_token / m,
-                    phase: p.phase,
-                    share: p.share,
-                });
-            }
-        }
-    }
-    out.sort_by(|a, b| b.ratio.total_cmp(&a.ratio));
-    out
-}
-
-/// The live worker silent longest past what its steps explain, with its silence in seconds.
-fn silent_worker(b: &Snapshot) -> Option<(&WorkerSnapshot, f64, Option<f64>)> {
-    b.workers
-        .iter()
-        .filter(|w| w.alive)
-        .filter_map(|w| {
-            let age_ns = w.heartbeat_age_ns?;
-            let age = age_ns as f64 / 1e9;
-            // Its usual step, from the work done up to its last heartbeat: the silence itself
-            // (a phase in progress, counted up to the snapshot) must not stretch it.
-            let step = pace(w).map(|p| {
-                let done = (p.ns_per_item * w.items as f64 - age_ns as f64).max(0.0);
-                done / w.items as f64 / 1e9
-            });
-            let limit = step.map_or(SILENT_S, |s| {
-                (SILENT_STEPS * s).clamp(SILENT_MIN_S, SILENT_S)
-            });
-            (age > limit).then_some((w, age, step))
-        })
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-}
-
-/// The phase a worker spent most of the window in: for a silent worker, the one it is stuck
-/// in (a phase in progress counts up to the snapshot).
-fn main_phase(w: &WorkerRates) -> &'static str {
-    w.phases
-        .iter()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(n, _)| *n)
-        .unwrap_or("other")
-}
-
-fn name(role: &str, index: u32) -> String {
-    format!("{role}-{index}")
-}
-
-/// The verdict for the window `iv` that ends at snapshot `b`; `last` is the previous verdict's
-/// class, for hysteresis; `fresh` says the window holds the first take.
-fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> Verdict {
-    let warnings = warnings(b);
-    let live = |role: &'static str| iv.workers.iter().filter(move |w| w.role == role && w.alive);
-    let phase = |w: &WorkerRates, p: &str| w.phases.get(p).copied().unwrap_or(0.0);
-    // Drafters that ever waited in `sync` are one synchronous group.
-    let drafters = || b.workers.iter().filter(|w| w.role == Role::Consumer);
-    let group = drafters().count() >= 2
-        && drafters().any(|w| w.phase_ns.get("sync").copied().unwrap_or(0) > 0);
-    let tw = mean(live("target").map(|w| w.waiting));
-    // A group steps at its slowest rank's pace: it waits for data while any rank does.
-    let dw = if group {
-        live("drafter").map(|w| w.waiting).reduce(f64::max)
-    } else {
-        mean(live("drafter").map(|w| w.waiting))
-    };
-    let published = (iv.published_per_s * iv.seconds).round();
-    let released = (iv.released_per_s * iv.seconds).round();
-    let net = published - released;
-    let share = |c| {
-        if last == Some(c) {
-            TREND_SHARE / 2.0
-        } else {
-            TREND_SHARE
-        }
-    };
-    let gate = match b.params.policy {
-        crate::TakePolicy::Bucketed { min_ready, .. } => min_ready,
-        crate::TakePolicy::Fifo => 0,
-    };
-    let swing = (2 * b.params.consumers * b.params.held_per_consumer.max(1)).max(gate);
-    let least = TREND_MIN.max(f64::from(swing));
-    let trend = if net >= least && net >= share(Bottleneck::Drafters) * published {
-        Trend::Filling
-    } else if -net >= least && -net >= share(Bottleneck::Targets) * released {
-        Trend::Emptying
-    } else {
-        Trend::Steady
-    };
-    let moved = published > 0.0 || released > 0.0;
-    let worked = iv.workers.iter().filter(|w| w.alive).any(|w| {
-        Phase::ALL
-            .iter()
-            .any(|p| working(*p) && phase(w, p.name()) > 0.01)
-    });
-    let slow = slow_workers(b);
-    let slow_rank = slow.iter().find(|s| s.role == Role::Consumer && group);
-    let sync = mean(live("drafter").map(|w| phase(w, "sync"))).unwrap_or(0.0);
-    let drafters_live = drafters().filter(|w| w.alive).count();
-    let live_paces = drafters().filter(|w| w.alive && pace(w).is_some()).count();
-    let left = b.slots.ready + b.slots.reading;
-    // The end of the plan: every batch claimed and a target already out of work.
-    let work_handed_out = b.work.total > 0
-        && b.work.done + b.work.claimed >= b.work.total
-        && b.producers_done > 0
-        && b.counters.taken > 0;
-    let mut worker = None;
-
-    let silent = silent_worker(b);
-    let (bottleneck, mut line) = if b.closed && left == 0 {
-        (
-            Bottleneck::Idle,
-            format!(
-                "finished: every producer is done ({}/{}) and every batch is trained",
-                b.producers_done, b.producers_expected
-            ),
-        )
-    } else if let Some((w, age, step)) = silent {
-        let role = role_name(w.role);
-        worker = Some(name(role, w.index));
-        let now = iv
-            .workers
-            .iter()
-            .find(|r| r.role == role && r.index == w.index)
-            .map_or("other", main_phase);
-        let usual = step.map_or(String::new(), |s| format!(", its steps take {s:.1}s"));
-        let held = if w.role == Role::Consumer && group {
-            let others = mean(
-                live("drafter")
-                    .filter(|r| r.index != w.index)
-                    .map(|r| phase(r, "sync")),
-            )
-            .unwrap_or(0.0);
-            format!("; the other drafters wait {} in sync for it", pct(others))
-        } else {
-            format!("; the other {role}s go on without it")
-        };
-        (
-            Bottleneck::Stalled,
-            format!(
-                "stalled: {role} {} (pid {}) has sent no heartbeat for {age:.0}s, in {now}{usual}: hung, or a step far longer than usual{held}",
-                w.index, w.pid
-            ),
-        )
-    } else if drafters_live == 0 && b.counters.taken > 0 {
-        (
-            Bottleneck::Idle,
-            format!(
-                "idle: no drafter is running; {} batch(es) wait in the ring",
-                b.slots.ready
-            ),
-        )
-    } else if b.closed && left > 0 {
-        (
-            Bottleneck::Draining,
-            format!(
-                "draining: the targets are done ({}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
-                b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
-            ),
-        )
-    } else if work_handed_out {
-        (
-            Bottleneck::Draining,
-            format!(
-                "draining: every planned batch is handed out ({} of {} published, {} claimed; targets done {}/{}); the drafters are training the last {left} batch(es) ({} ready, {} in training)",
-                b.work.done, b.work.total, b.work.claimed, b.producers_done, b.producers_expected, b.slots.ready, b.slots.reading
-            ),
-        )
-    } else if fresh && b.counters.taken > 0 && !b.closed {
-        (
-            Bottleneck::Starting,
-            format!(
-                "starting: the drafters took their first {} batch(es) in the last {:.1}s, after waiting for the ring to fill",
-                b.counters.taken, iv.seconds
-            ),
-        )
-    } else if b.counters.taken == 0 && !b.closed {
-        let gate = match b.params.policy {
-            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
-                "the drafters wait until {min_ready} batches are READY ({} now, {} being written)",
-                b.slots.ready, b.slots.writing
-            ),
-            _ => format!(
-                "the targets compute the first batches ({} being written)",
-                b.slots.writing
-            ),
-        };
-        (Bottleneck::Starting, format!("starting: {gate}"))
-    } else if !moved && !worked {
-        (
-            Bottleneck::Idle,
-            format!(
-                "idle: nothing was published or trained, and no worker worked, in the last {:.1}s",
-                iv.seconds
-            ),
-        )
-    } else {
-        let e = Evidence {
-            t: tw,
-            d: dw,
-            trend,
-            published,
-            released,
-        };
-        sides(b, iv, last, &e)
-    };
-
-    // A synchronous group waits for its slowest rank at every step: say for whom, unless the
-    // ranks wait for one that waits for data (the targets' fault, said above).
-    if group
-        && sync >= SYNC_STALL
-        && !matches!(
-            bottleneck,
-            Bottleneck::Targets | Bottleneck::Starting | Bottleneck::Stalled
-        )
-    {
-        match slow_rank {
-            Some(s) => {
-                let others = mean(
-                    live("drafter")
-                        .filter(|w| w.index != s.index)
-                        .map(|w| phase(w, "sync")),
-                )
-                .unwrap_or(sync);
-                line.push_str(&format!(
-                    "; drafters wait {} in sync for drafter {} ({} per token {:.1}x the group median)",
-                    pct(others),
-                    s.index,
-                    s.phase,
-                    s.ratio
-                ));
-            }
-            // Every rank's pace is known and none is slow: the batches differ.
-            None if live_paces == drafters_live => line.push_str(&format!(
-                "; drafters wait {} in sync: their batches take unequal time (no rank is slow per token)",
-                pct(sync)
-            )),
-            None => line.push_str(&format!("; drafters wait {} in sync", pct(sync))),
-        }
-    }
-
-    let stragglers: Vec<String> = slow
-        .iter()
-        .map(|s| {
-            let role = role_name(s.role);
-            let ips = |w: &WorkerRates| w.items_per_s;
-            let me = iv
-                .workers
-                .iter()
-                .find(|w| w.role == role && w.index == s.index);
-            let peers: Vec<f64> = live(role).filter(|w| w.index != s.index).map(ips).collect();
-            let items = match (me, peers.is_empty()) {
-                (Some(me), false) => {
-                    format!(", {:.1} items/s vs peers {:.1}", me.items_per_s, median(peers))
-                }
-                _ => String::new(),
-            };
-            let cost = match s.role {
-                Role::Producer => {
-                    "targets claim work as they go, so the others take more: it costs only its own share".to_string()
-                }
-                Role::Consumer if group => {
-                    let others = mean(
-                        live("drafter")
-                            .filter(|w| w.index != s.index)
-                            .map(|w| phase(w, "sync")),
-                    )
-                    .unwrap_or(0.0);
-                    format!(
-                        "the group waits for it at every step: the other ranks wait {} in sync",
-                        pct(others)
-                    )
-                }
-                Role::Consumer => {
-                    "the ring absorbs it: the other drafters take more batches, so it costs only its own share".to_string()
-                }
-            };
-            format!(
-                "{role} {} is slow: {:.1}x its peers' time per token ({} in {}{items}); {cost}",
-                s.index,
-                s.ratio,
-                pct(s.share),
-                s.phase
-            )
-        })
-        .collect();
-    if worker.is_none() {
-        // A slow worker on the side that is not the bottleneck holds nothing up: listed as a
-        // straggler, not blamed.
-        let blamed = |s: &&Slow| match bottleneck {
-            Bottleneck::Drafters => s.role == Role::Consumer,
-            Bottleneck::Targets => s.role == Role::Producer,
-            _ => true,
-        };
-        worker = slow_rank
-            .or(slow.iter().find(blamed))
-            .map(|s| name(role_name(s.role), s.index));
-    }
-    Verdict {
-        bottleneck,
-        line,
-        worker,
-        stragglers,
-        warnings,
-        trend,
-        window_s: iv.seconds,
-    }
-}
-
-/// What the sides did over the window.
-struct Evidence {
-    /// Targets' mean waiting share, drafters' (a group's: its most waiting rank's).
-    t: Option<f64>,
-    d: Option<f64>,
-    trend: Trend,
-    /// Batches published and trained in the window.
-    published: f64,
-    released: f64,
-}
-
-/// Which side limits the pipeline, from the waits and the ring's trend over the window.
-fn sides(
-    b: &Snapshot,
-    iv: &Interval,
-    last: Option<Bottleneck>,
-    e: &Evidence,
-) -> (Bottleneck, String) {
-    let (t, d) = (e.t.unwrap_or(0.0), e.d.unwrap_or(0.0));
-    // Hysteresis: a side that was the bottleneck stays it until its evidence halves.
-    let hi = |c| if last == Some(c) { CALM } else { WAITS };
-    let lo = |c| if last == Some(c) { WAITS } else { CALM };
-    let by_waits_d = t > hi(Bottleneck::Drafters) && d < lo(Bottleneck::Drafters);
-    let by_waits_t = d > hi(Bottleneck::Targets) && t < lo(Bottleneck::Targets);
-    // The trend wins over the waits: drafters that wait while the ring fills wait for a bucket
-    // or for `min_ready` (the policy), not for data; targets never wait on an emptying ring.
-    let drafters = match e.trend {
-        Trend::Filling => true,
-        Trend::Emptying => false,
-        Trend::Steady => by_waits_d,
-    };
-    let targets = !drafters && (e.trend == Trend::Emptying || by_waits_t);
-    let ring = format!("{}/{}", b.slots.ready, b.params.slots);
-    let (secs, net) = (iv.seconds, e.published - e.released);
-    if drafters && by_waits_d {
-        (
-            Bottleneck::Drafters,
-            format!(
-                "drafters are the bottleneck: ring full {} of the time, targets waited {} (drafters waited {})",
-                pct(iv.full_frac), pct(t), pct(d)
-            ),
-        )
-    } else if drafters {
-        (
-            Bottleneck::Drafters,
-            format!(
-                "drafters are the bottleneck: the ring fills (+{net:.0} batches in {secs:.1}s, now {ring} ready): they train {:.1}/s of the {:.1}/s published (targets waited {}, drafters {})",
-                e.released / secs, e.published / secs, pct(t), pct(d)
-            ),
-        )
-    } else if targets && by_waits_t {
-        let short = match b.params.policy {
-            crate::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
-                "ring below min_ready ({min_ready}) {} of the time",
-                pct(iv.short_frac)
-            ),
-            _ => format!("ring empty {} of the time", pct(iv.empty_frac)),
-        };
-        (
-            Bottleneck::Targets,
-            format!(
-                "targets are the bottleneck: {short}, drafters waited {} (targets waited {})",
-                pct(d),
-                pct(t)
-            ),
-        )
-    } else if targets {
-        (
-            Bottleneck::Targets,
-            format!(
-                "targets are the bottleneck: the ring empties ({net:.0} batches in {secs:.1}s, now {ring} ready): they publish {:.1}/s of the {:.1}/s trained (drafters waited {}, targets {})",
-                e.published / secs, e.released / secs, pct(d), pct(t)
-            ),
-        )
-    } else if t < WAITS && d < WAITS {
-        (
-            Bottleneck::Balanced,
-            format!(
-                "balanced: targets waited {}, drafters waited {}; the ring holds steady ({ring} ready)",
-                pct(t),
-                pct(d)
-            ),
-        )
-    } else {
-        (
-            Bottleneck::Neither,
-            format!(
-                "both sides wait (targets {}, drafters {}): the time goes elsewhere; see each worker's phases",
-                pct(t),
-                pct(d)
-            ),
-        )
-    }
-}
-
-/// Dead, unrecovered, retired and silent workers, and a stale ring.
-fn warnings(b: &Snapshot) -> Vec<String> {
-    let mut warnings = Vec::new();
-    if !b.creator_alive {
-        warnings.push(format!(
-            "stale: creator pid {} is gone; `shm-ring-stat --gc` removes this ring",
-            b.creator.pid
-        ));
-    }
-    for w in &b.workers {
-        let role = role_name(w.role);
-        match w.state {
-            WorkerState::Dead => warnings.push(format!(
-                "{role} {} died (pid {}) and was recovered; not running now",
-                w.index, w.pid
-            )),
-            WorkerState::Alive if !w.alive => warnings.push(format!(
-                "{role} {} (pid {}) is registered but its process is gone: not recovered yet",
-                w.index, w.pid
-            )),
-            WorkerState::Retired => warnings.push(format!(
-                "{role} {} was retired after crashing past its restart limit",
-                w.index
-            )),
-            _ => {}
-        }
-    }
-    if let Some((w, age, _)) = silent_worker(b) {
-        warnings.push(format!(
-            "{} {} (pid {}) has sent no heartbeat for {age:.0}s: hung, or in a very long step",
-            role_name(w.role),
-            w.index,
-            w.pid
-        ));
-    }
-    warnings
 }

@@ -63,8 +63,9 @@ mod recovery;
 mod take;
 mod work;
 
-use crate::sync::{self, fence, AtomicU32, AtomicU64, Ordering};
-use crate::{Phase, RingError};
+use crate::error::RingError;
+use crate::phase::Phase;
+use crate::sync::{self, AtomicU64, Ordering};
 pub use recovery::Recovered;
 pub(crate) use recovery::Retire;
 pub(crate) use take::{choose_bucket, TakeState};
@@ -239,7 +240,7 @@ impl<'a> RingRef<'a> {
             if waited.is_none() {
                 waited = Some(self.enter(id, Some(Phase::WaitFull)));
             }
-            self.sleep(&self.ctl.free_seq, &self.ctl.free_waiters, seq, sleep);
+            sync::sleep(&self.ctl.free_seq, &self.ctl.free_waiters, seq, sleep);
             // A worker blocked on the ring is alive: say so at every wake.
             self.heartbeat(id);
         };
@@ -292,7 +293,7 @@ impl<'a> RingRef<'a> {
         sync::tally(&w.tokens, meta.tokens);
         sync::tally(&w.bytes, len);
         self.heartbeat(id);
-        self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         Ok(())
     }
 
@@ -316,7 +317,7 @@ impl<'a> RingRef<'a> {
             .is_ok()
         {
             sync::tally(&self.ctl.aborted, 1);
-            self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+            sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
     }
 
@@ -348,9 +349,9 @@ impl<'a> RingRef<'a> {
         if done == self.params.producers {
             // SYNC: pairs with the Acquire load in `closed()`.
             self.ctl.closed.store(1, Ordering::Release);
-            self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+            sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
             // Producers of a closed ring have nothing to wait for either.
-            self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+            sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
             true
         } else {
             false
@@ -405,7 +406,7 @@ impl<'a> RingRef<'a> {
                         Some(b) if per_bucket.get(b as usize).is_some_and(|&n| n > 0) => b,
                         _ => choose_bucket(&per_bucket[..buckets], pick, st),
                     };
-                    self.nth_ready_in_bucket(b, st.rng.below(per_bucket[b as usize]))
+                    self.nth_ready_in_bucket(b, st.below(per_bucket[b as usize]))
                 }
             };
             let Some(c) = pick else { continue };
@@ -478,7 +479,7 @@ impl<'a> RingRef<'a> {
             if waited.is_none() {
                 waited = Some(self.enter(id, Some(Phase::WaitEmpty)));
             }
-            self.sleep(&self.ctl.ready_seq, &self.ctl.ready_waiters, seq, sleep);
+            sync::sleep(&self.ctl.ready_seq, &self.ctl.ready_waiters, seq, sleep);
             self.heartbeat(id);
         };
         if let Some(prev) = waited {
@@ -530,44 +531,13 @@ impl<'a> RingRef<'a> {
         sync::tally(&w.tokens, tokens);
         sync::tally(&w.bytes, len);
         self.heartbeat(id);
-        self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+        sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         // Consumers draining a closed ring wait for in-flight items like this one to settle, so
         // a release wakes them too. (Waking only when the ring is closed would race with the
         // close: we could see it open while a drainer already saw it closed and this slot busy.
         // loom found that lost wake-up.) Releases are few per second; the extra wake is cheap.
-        self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         Ok(())
-    }
-
-    /// Bumps a futex word and wakes everyone sleeping on it.
-    ///
-    /// The wake system call is skipped when nobody waits. SYNC (Dekker): the waker bumps the
-    /// word, then a SeqCst fence, then reads `waiters`; a sleeper (`sleep`) counts itself in
-    /// `waiters`, then a SeqCst fence, then reads the word (inside the futex). Of the two fences
-    /// one comes first: if the waker's, the sleeper sees the new word and does not sleep; if the
-    /// sleeper's, the waker sees the sleeper counted and wakes it. No wake-up is lost.
-    fn bump(&self, word: &AtomicU32, waiters: &AtomicU32) {
-        // SYNC: Release pairs with the Acquire load of the sequence before a waiter's scan.
-        word.fetch_add(1, Ordering::Release);
-        fence(Ordering::SeqCst);
-        if waiters.load(Ordering::Relaxed) > 0 {
-            sync::wake_all(word);
-        }
-    }
-
-    /// Sleeps while `word` still holds `seq` (see `bump` for the hand-shake with wakers). First
-    /// spins a few microseconds: at high rates the word usually moves sooner than a sleep and
-    /// wake-up would take.
-    fn sleep(&self, word: &AtomicU32, waiters: &AtomicU32, seq: u32, max: Duration) {
-        if sync::spin_until_changed(word, seq) {
-            return;
-        }
-        // A waiter killed while asleep leaves the count one too high: wakers then make the
-        // system call needlessly, which is harmless.
-        waiters.fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        sync::wait(word, seq, max);
-        waiters.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -10,11 +10,12 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use crate::core::Claim;
+use crate::error::RingError;
 use crate::layout::{Lease, Word, WorkWord, READY, WRITING};
 use crate::model::{process, HeapRing, SUPERVISOR};
+use crate::params::RingParams;
 use crate::params::TakePolicy;
 use crate::sync::Ordering;
-use crate::{RingError, RingParams};
 
 /// Two producers (0, 1), one consumer (2), `slots` slots, `items` work items; both producers
 /// registered (epoch 1).
@@ -249,7 +250,7 @@ fn a_slot_carries_at_most_one_work_item() {
 fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
     use std::process::Command;
     let name = format!("hspipe-u-{}-lease", std::process::id());
-    let ring = crate::Ring::create(&name, &RingParams::tiny_fifo()).unwrap();
+    let ring = crate::ring::Ring::create(&name, &RingParams::tiny_fifo()).unwrap();
     let lease = |pid: u32, start: u64| {
         ring.core_ref()
             .worker(0)
@@ -290,11 +291,12 @@ fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
         Err(RingError::WorkerBusy { pid, .. }) if pid == live_pid
     ));
     assert!(matches!(
-        ring.recover(crate::WorkerId::producer(0)),
+        ring.recover(crate::worker::WorkerName::producer(0)),
         Err(RingError::WorkerAlive { pid, .. }) if pid == live_pid
     ));
     drop(live);
-    ring.recover(crate::WorkerId::producer(0)).unwrap();
+    ring.recover(crate::worker::WorkerName::producer(0))
+        .unwrap();
     drop(ring.producer(0).unwrap());
 }
 
@@ -314,7 +316,7 @@ fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
     let (a, _, _) = r.consume(2, &mut st).unwrap();
     let (b, _, _) = r.consume(2, &mut st).unwrap();
     let mut seen = Vec::new();
-    let mut before = |idx: usize, meta: crate::ItemMeta| seen.push((idx, meta.batch_id));
+    let mut before = |idx: usize, meta: crate::core::ItemMeta| seen.push((idx, meta.batch_id));
     let mut retire = crate::core::Retire {
         batch_id: a,
         before: &mut before,

@@ -53,7 +53,11 @@ impl Word {
     }
 }
 
+// Zeroed records on the heap (`Default`, below) are for the loom models and unit tests; a
+// segment is zeroed by the kernel instead.
+
 /// An atomic alone on a 128-byte line (two lines, for the adjacent-line prefetcher).
+#[cfg_attr(any(test, loom), derive(Default))]
 #[repr(C, align(128))]
 pub(crate) struct Padded<T>(pub T);
 
@@ -65,6 +69,7 @@ impl<T> std::ops::Deref for Padded<T> {
 }
 
 /// Ring-wide counters and futex words, written by every worker.
+#[cfg_attr(any(test, loom), derive(Default))]
 #[repr(C)]
 pub(crate) struct Control {
     /// Publish tickets, drawn just before each commit: FIFO serves the lowest it sees READY.
@@ -95,6 +100,7 @@ pub(crate) struct Control {
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the
 /// owner while the slot is WRITING and published by the Release CAS to READY.
+#[cfg_attr(any(test, loom), derive(Default))]
 #[repr(C, align(128))]
 pub(crate) struct SlotRecord {
     pub state: AtomicU64,
@@ -118,6 +124,7 @@ pub const PHASES: usize = 8;
 
 /// One worker's registration and telemetry. Written by that worker (and by the supervisor when
 /// it recovers it); read by anyone.
+#[cfg_attr(any(test, loom), derive(Default))]
 #[repr(C, align(128))]
 pub(crate) struct WorkerRecord {
     /// Who holds this worker id now: a [`Lease`] word, taken and given back by one CAS each.
@@ -250,76 +257,6 @@ impl Lease {
 
 pub(crate) const ROLE_PRODUCER: u32 = 1;
 pub(crate) const ROLE_CONSUMER: u32 = 2;
-
-/// Builds zeroed shared types on the heap, for loom models and unit tests of the state machine
-/// without a segment.
-#[cfg(any(test, loom))]
-pub(crate) mod heap {
-    use super::*;
-
-    fn u64s() -> AtomicU64 {
-        AtomicU64::new(0)
-    }
-    fn u32s() -> AtomicU32 {
-        AtomicU32::new(0)
-    }
-
-    pub(crate) fn control() -> Control {
-        Control {
-            next_ticket: Padded(u64s()),
-            ready_seq: Padded(u32s()),
-            free_seq: Padded(u32s()),
-            ready_waiters: Padded(u32s()),
-            free_waiters: Padded(u32s()),
-            producers_done: Padded(u32s()),
-            closed: Padded(u32s()),
-            reserve_hint: Padded(u32s()),
-            published: Padded(u64s()),
-            taken: Padded(u64s()),
-            released: Padded(u64s()),
-            redelivered: Padded(u64s()),
-            aborted: Padded(u64s()),
-            work_cursor: Padded(u64s()),
-        }
-    }
-
-    pub(crate) fn slot() -> SlotRecord {
-        SlotRecord {
-            state: u64s(),
-            ticket: u64s(),
-            len: u64s(),
-            batch_id: u64s(),
-            checksum: u64s(),
-            tokens: u64s(),
-            bucket: u32s(),
-            delivery: u32s(),
-            producer: u32s(),
-            work_item: u64s(),
-        }
-    }
-
-    pub(crate) fn worker() -> WorkerRecord {
-        WorkerRecord {
-            lease: u64s(),
-            role: u32s(),
-            index: u32s(),
-            gpu: u32s(),
-            state: u32s(),
-            pid: u32s(),
-            finished: u32s(),
-            epoch: u64s(),
-            pid_start: u64s(),
-            registered_ns: u64s(),
-            heartbeat_ns: u64s(),
-            items: u64s(),
-            tokens: u64s(),
-            bytes: u64s(),
-            phase_ns: std::array::from_fn(|_| u64s()),
-            phase_cur: u32s(),
-            phase_since: u64s(),
-        }
-    }
-}
 
 /// Reads a word for display; telemetry needs no ordering.
 pub(crate) fn peek(a: &AtomicU64) -> u64 {

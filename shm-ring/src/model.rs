@@ -12,7 +12,7 @@
 //! do half an operation by hand.
 
 use crate::core::{Claim, CommitMeta, CoreParams, RingRef, TakeState, Taken};
-use crate::layout::{heap, Control, Lease, SlotRecord, WorkWord, WorkerRecord};
+use crate::layout::{Control, Lease, SlotRecord, WorkWord, WorkerRecord};
 use crate::params::TakePolicy;
 use crate::sync::{AtomicU64, Ordering};
 
@@ -71,9 +71,11 @@ impl HeapRing {
                 buckets: 2,
                 policy,
             },
-            ctl: heap::control(),
-            slots: (0..slots).map(|_| heap::slot()).collect(),
-            workers: (0..producers + consumers).map(|_| heap::worker()).collect(),
+            ctl: Control::default(),
+            slots: (0..slots).map(|_| SlotRecord::default()).collect(),
+            workers: (0..producers + consumers)
+                .map(|_| WorkerRecord::default())
+                .collect(),
             work: (0..items).map(|_| AtomicU64::new(0)).collect(),
             payload: (0..slots).map(|_| UnsafeCell::new(0)).collect(),
         }

@@ -58,7 +58,8 @@ impl TakePolicy {
 pub struct RingParams {
     /// Number of payload slots.
     pub slots: u32,
-    /// Capacity of one slot in bytes; rounded up to whole pages.
+    /// Payload bytes of one slot (hspipe's one name for it: `slot_size`, also in JSON; the
+    /// config file's key is `ring.slot_bytes`); the mapping rounds it up to whole pages.
     pub slot_size: u64,
     /// Number of length buckets an item can be filed under.
     pub buckets: u32,

@@ -8,10 +8,14 @@ use std::time::{Duration, Instant};
 use crate::core::{
     Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
 };
+use crate::error::RingError;
 use crate::layout::{Lease, LEASE_START_MASK};
+use crate::params::RingParams;
+use crate::phase::Phase;
 use crate::segment::{self, Creator, Segment, NO_GPU};
 use crate::sync::Ordering;
-use crate::{sys, Phase, RingError, RingParams, Role, WorkerId};
+use crate::sys;
+use crate::worker::{Role, WorkerName};
 
 /// A ring in a shared-memory segment, created by the supervisor and attached by workers.
 ///
@@ -72,6 +76,15 @@ impl Ring {
         self.seg.offsets().total
     }
 
+    /// The payload arena: every slot's bytes, one page-aligned range (`slots × slot_stride`).
+    /// For registering it with a device driver as pinned memory; the range stays mapped while
+    /// this handle lives, and its bytes belong to whichever worker owns each slot.
+    pub fn payload_arena(&self) -> (*mut u8, usize) {
+        let p = self.seg.params();
+        let len = u64::from(p.slots) * p.slot_stride();
+        (self.seg.payload_ptr(0), len as usize)
+    }
+
     /// The process that created the ring.
     pub fn creator(&self) -> Creator {
         self.seg.creator()
@@ -118,7 +131,7 @@ impl Ring {
         &self.seg
     }
 
-    fn id_of(&self, id: WorkerId) -> Result<u32, RingError> {
+    fn id_of(&self, id: WorkerName) -> Result<u32, RingError> {
         let p = self.params();
         let (limit, base) = match id.role {
             Role::Producer => (p.producers, 0),
@@ -146,7 +159,7 @@ impl Ring {
     /// `layout::Lease`), refused while another live process, or this one, holds it. Whatever
     /// earlier incarnations left (a dead one's slots and claims) is recovered first, so a
     /// restarted worker cleans up after its predecessor even without a supervisor.
-    fn register(&self, wid: WorkerId) -> Result<Worker<'_>, RingError> {
+    fn register(&self, wid: WorkerName) -> Result<Worker<'_>, RingError> {
         self.writable()?;
         let id = self.id_of(wid)?;
         let me = my_lease()?;
@@ -177,13 +190,13 @@ impl Ring {
     /// Registers producer `index` of this process.
     pub fn producer(&self, index: u32) -> Result<Producer<'_>, RingError> {
         Ok(Producer {
-            w: self.register(WorkerId::producer(index))?,
+            w: self.register(WorkerName::producer(index))?,
         })
     }
 
     /// Registers consumer `index` of this process.
     pub fn consumer(&self, index: u32) -> Result<Consumer<'_>, RingError> {
-        let w = self.register(WorkerId::consumer(index))?;
+        let w = self.register(WorkerName::consumer(index))?;
         let st = TakeState::new(self.params().seed, w.id);
         Ok(Consumer {
             w,
@@ -201,7 +214,7 @@ impl Ring {
     /// freeing their slots would let two writers share a payload. A zombie (exited, not yet
     /// reaped) counts as gone. Safe to call again, also after a recovery that was itself
     /// interrupted.
-    pub fn recover(&self, id: WorkerId) -> Result<Recovered, RingError> {
+    pub fn recover(&self, id: WorkerName) -> Result<Recovered, RingError> {
         self.recover_with(id, holder_alive)
     }
 
@@ -215,7 +228,7 @@ impl Ring {
     /// used after this call, in any process: its process has exited, or every such handle was
     /// leaked (`std::mem::forget`) and is unreachable. Otherwise a slot it still writes or reads
     /// can be handed to another worker, and two processes touch one payload at once.
-    pub unsafe fn recover_unchecked(&self, id: WorkerId) -> Result<Recovered, RingError> {
+    pub unsafe fn recover_unchecked(&self, id: WorkerName) -> Result<Recovered, RingError> {
         self.recover_with(id, |_| false)
     }
 
@@ -226,7 +239,7 @@ impl Ring {
     /// not). Everything else is recovered as by [`Ring::recover`].
     pub fn recover_retiring(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         batch_id: u64,
         mut on_retired: impl FnMut(&ItemMeta, &[u8]),
     ) -> Result<Recovered, RingError> {
@@ -236,8 +249,8 @@ impl Ring {
             let len = (meta.len as usize).min(seg.params().slot_size as usize);
             // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
             // process is gone), so no process writes these bytes until the CAS that frees the
-            // slot, which happens after this call returns; `len` is capped at the slot's
-            // capacity, inside the mapping, which outlives this call.
+            // slot, which happens after this call returns; `len` is capped at the slot
+            // size, inside the mapping, which outlives this call.
             let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
             on_retired(&meta, payload);
         };
@@ -263,7 +276,7 @@ impl Ring {
 
     fn recover_with(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         holder_alive: impl Fn(Lease) -> bool,
     ) -> Result<Recovered, RingError> {
         self.recover_inner(wid, holder_alive, None)
@@ -271,7 +284,7 @@ impl Ring {
 
     fn recover_inner(
         &self,
-        wid: WorkerId,
+        wid: WorkerName,
         holder_alive: impl Fn(Lease) -> bool,
         retire: Option<&mut Retire<'_>>,
     ) -> Result<Recovered, RingError> {
@@ -291,7 +304,7 @@ impl Ring {
     /// Returns true if this closed the ring.
     pub fn retire(&self, index: u32) -> Result<bool, RingError> {
         self.writable()?;
-        let wid = WorkerId::producer(index);
+        let wid = WorkerName::producer(index);
         let id = self.id_of(wid)?;
         let core = self.core_ref();
         if let Some(holder) = core.live_holder(id, holder_alive) {
@@ -322,7 +335,7 @@ fn holder_alive(holder: Lease) -> bool {
 struct Worker<'r> {
     ring: &'r Ring,
     id: u32,
-    wid: WorkerId,
+    wid: WorkerName,
     /// This process's lease word, which holds the id while this handle lives.
     lease: Lease,
     /// The registration epoch; tags this incarnation's work claims.
@@ -360,7 +373,7 @@ impl Drop for Worker<'_> {
 macro_rules! worker_methods {
     () => {
         /// This worker's id in the ring.
-        pub fn id(&self) -> WorkerId {
+        pub fn id(&self) -> WorkerName {
             self.w.wid
         }
         /// How many times this id has been registered (1 for the first run; restarts add one).
@@ -422,11 +435,11 @@ impl<'r> Producer<'r> {
         len: usize,
         deadline: Option<Instant>,
     ) -> Result<Option<WriteSlot<'_>>, RingError> {
-        let capacity = self.w.ring.params().slot_size;
-        if len as u64 > capacity {
+        let slot_size = self.w.ring.params().slot_size;
+        if len as u64 > slot_size {
             return Err(RingError::PayloadTooLarge {
                 len: len as u64,
-                capacity,
+                slot_size,
             });
         }
         Ok(self
@@ -478,7 +491,7 @@ impl WriteSlot<'_> {
         let ptr = self.p.w.ring.segment().payload_ptr(self.claim.idx);
         // SAFETY: the slot is WRITING and owned by this producer (the claim's CAS proved it),
         // so no other process reads or writes these bytes until we commit or abort; `len` is at
-        // most the slot capacity, which lies inside the mapping; the mapping outlives `self`
+        // most the slot size, which lies inside the mapping; the mapping outlives `self`
         // (it borrows the ring), and `&mut self` makes this the only live reference.
         unsafe { std::slice::from_raw_parts_mut(ptr, self.len) }
     }
@@ -633,7 +646,7 @@ impl ReadSlot<'_> {
     pub fn payload(&self) -> &[u8] {
         let ptr = self.c.w.ring.segment().payload_ptr(self.claim.idx);
         // SAFETY: the slot is READING and owned by this consumer, so no producer writes it until
-        // we release; `meta.len` was checked against the slot capacity in `take_until`; the
+        // we release; `meta.len` was checked against the slot size in `take_until`; the
         // mapping outlives `self`.
         unsafe { std::slice::from_raw_parts(ptr, self.meta.len as usize) }
     }

@@ -11,6 +11,10 @@
 //! worker, the header, the slot bar, warnings, trends, buckets, rates, the legend. Phases are a
 //! stacked bar per worker on narrow terminals, one column each from about 110 columns, and both
 //! on very wide ones.
+//!
+//! One file past 500 lines on purpose: the sections are drawn from one fitting decision (which
+//! lines and columns the size allows), so split by section they would pass that state around;
+//! the verdict and the figures it draws are `analysis`'s.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -28,8 +32,11 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Sparkline, Widget};
 
 use crate::analysis::{self, Bottleneck, WorkerRates};
+use crate::params::TakePolicy;
+use crate::phase::Phase;
+use crate::ring::Ring;
 use crate::stat_cli::Report;
-use crate::{Phase, Ring, SlotCounts, TakePolicy, WorkerState};
+use crate::stats::{SlotCounts, WorkerState};
 
 /// How far back the trends reach, in one-second bins.
 pub const TREND_BINS: usize = 60;
@@ -190,7 +197,7 @@ fn share_bar(frac: f64, cells: usize) -> String {
 fn stack(w: &WorkerRates, cells: usize) -> Vec<(usize, char, Color)> {
     let shares: Vec<f64> = PHASE_KEYS
         .iter()
-        .map(|(p, ..)| w.phases.get(p.name()).copied().unwrap_or(0.0).max(0.0))
+        .map(|&(p, ..)| w.phases[p].max(0.0))
         .collect();
     let total: f64 = shares.iter().sum::<f64>().min(1.0);
     let want = (total * cells as f64).round() as usize;
@@ -351,7 +358,7 @@ impl Columns {
 
     fn row(&self, w: &WorkerRates) -> Line<'static> {
         let mut spans = Vec::new();
-        let name = format!("{}-{}", w.role, w.index);
+        let name = w.name();
         let gpu = w.gpu.map(|g| g.to_string()).unwrap_or_else(|| "-".into());
         spans.push(Span::raw(format!("{name:<9} {gpu:>3} ")));
         if self.pid {
@@ -381,7 +388,7 @@ impl Columns {
         )));
         if self.phase_columns {
             for p in Phase::ALL {
-                let v = w.phases.get(p.name()).copied().unwrap_or(0.0);
+                let v = w.phases[p];
                 spans.push(Span::raw(format!("{:>5} ", pct(v))));
             }
         }

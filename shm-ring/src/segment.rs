@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::error::RingError;
 use crate::layout::{Control, SlotRecord, WorkerRecord, ROLE_CONSUMER, ROLE_PRODUCER};
 use crate::params::{BucketPick, RingParams, TakePolicy, PAGE};
 use crate::sys::{self, Mapping};
-use crate::RingError;
 
 /// "hspipeR1" in ASCII.
 const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
@@ -533,7 +533,7 @@ fn map_whole(fd: &OwnedFd, name: &str, len: u64, writable: bool) -> Result<Mappi
     Mapping::new(fd, len, writable).map_err(|e| io_err("map", name, e))
 }
 
-fn read_params(h: &Header) -> Result<RingParams, crate::ConfigError> {
+fn read_params(h: &Header) -> Result<RingParams, crate::params::ConfigError> {
     let r = Ordering::Relaxed;
     let policy = match h.policy_kind.load(r) {
         0 => TakePolicy::Fifo,

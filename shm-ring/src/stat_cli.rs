@@ -10,7 +10,12 @@ use clap::Parser;
 use serde::Serialize;
 
 use crate::analysis::{self, Interval, Judge, Verdict};
-use crate::{list_segments, screen, Phase, Ring, SlotCounts, Snapshot, TakePolicy};
+use crate::params::TakePolicy;
+use crate::phase::Phase;
+use crate::ring::Ring;
+use crate::screen;
+use crate::segment::list_segments;
+use crate::stats::{SlotCounts, Snapshot};
 
 /// Show what an hspipe ring holds, where each worker's time goes, and which side is the
 /// bottleneck. Attaches read-only and never disturbs the run.
@@ -322,14 +327,14 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
         writeln!(out, "warning: {w}")?;
     }
     writeln!(out)?;
-    let phases: Vec<&str> = Phase::ALL.iter().map(|p| p.name()).collect();
+
     write!(
         out,
         "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9} {:>5} {:>5} |",
         "role", "idx", "gpu", "pid", "alive", "restarts", "items", "tok/s", "busy", "wait"
     )?;
-    for ph in &phases {
-        write!(out, " {:>10}", ph)?;
+    for ph in Phase::ALL {
+        write!(out, " {:>10}", ph.name())?;
     }
     writeln!(out)?;
     for w in &iv.workers {
@@ -347,7 +352,7 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
             w.busy * 100.0,
             w.waiting * 100.0
         )?;
-        for ph in &phases {
+        for ph in Phase::ALL {
             write!(out, " {:>9.0}%", w.phases[ph] * 100.0)?;
         }
         writeln!(out)?;

@@ -3,17 +3,19 @@
 //! takes a lock, and so never disturbs the run. Fields read at slightly different instants may
 //! disagree by an operation in flight; rates over an interval are what matter.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use crate::layout::{
     peek, peek32, Word, WorkWord, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE, W_DEAD,
     W_DONE, W_RETIRED, W_VACANT,
 };
+use crate::params::RingParams;
+use crate::phase::{Phase, PhaseMap};
+use crate::ring::Ring;
 use crate::segment::{Creator, LAYOUT_VERSION, NO_GPU};
 use crate::sync::Ordering;
-use crate::{sys, Phase, Ring, RingParams, Role};
+use crate::sys;
+use crate::worker::{Role, WorkerName};
 
 /// Slots by state.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -84,23 +86,30 @@ pub struct WorkerSnapshot {
     pub items: u64,
     pub tokens: u64,
     pub bytes: u64,
-    /// Cumulative nanoseconds by phase name.
-    pub phase_ns: BTreeMap<&'static str, u64>,
+    /// Cumulative nanoseconds by phase (a map by phase name in JSON).
+    pub phase_ns: PhaseMap<u64>,
 }
 
 impl WorkerSnapshot {
+    pub fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
+
     /// Nanoseconds spent waiting on the ring (full or empty).
     pub fn wait_ns(&self) -> u64 {
         Phase::ALL
             .iter()
             .filter(|p| p.is_wait())
-            .map(|p| self.phase_ns[p.name()])
+            .map(|&p| self.phase_ns[p])
             .sum()
     }
 
     /// Nanoseconds busy: in `compute`, the GPU doing model work.
     pub fn busy_ns(&self) -> u64 {
-        self.phase_ns[Phase::Compute.name()]
+        self.phase_ns[Phase::Compute]
     }
 
     /// Nanoseconds neither computing nor waiting on the ring: load, copy-in, sync,
@@ -109,7 +118,7 @@ impl WorkerSnapshot {
         Phase::ALL
             .iter()
             .filter(|p| !p.is_wait() && **p != Phase::Compute)
-            .map(|p| self.phase_ns[p.name()])
+            .map(|&p| self.phase_ns[p])
             .sum()
     }
 }
@@ -131,10 +140,24 @@ pub struct Snapshot {
     /// READY items per bucket.
     pub ready_per_bucket: Vec<u32>,
     pub counters: RingCounters,
+    /// Every worker of the ring, in the ring's order: look one up with [`Snapshot::worker`],
+    /// not by position.
     pub workers: Vec<WorkerSnapshot>,
     pub work: WorkCounts,
     /// CLOCK_MONOTONIC nanoseconds when the snapshot was taken, for rates between two snapshots.
     pub taken_at_ns: u64,
+}
+
+impl Snapshot {
+    /// The worker of that name; `None` if the ring has no such worker.
+    pub fn worker(&self, name: WorkerName) -> Option<&WorkerSnapshot> {
+        self.workers.iter().find(|w| w.name() == name)
+    }
+
+    /// The workers of one role, in index order.
+    pub fn workers_of(&self, role: Role) -> impl Iterator<Item = &WorkerSnapshot> {
+        self.workers.iter().filter(move |w| w.role == role)
+    }
 }
 
 impl Ring {
@@ -220,10 +243,9 @@ impl Ring {
                     items: peek(&w.items),
                     tokens: peek(&w.tokens),
                     bytes: peek(&w.bytes),
-                    phase_ns: Phase::ALL
-                        .iter()
-                        .map(|&ph| (ph.name(), peek(&w.phase_ns[ph as usize]) + running(ph)))
-                        .collect(),
+                    phase_ns: PhaseMap::from_fn(|ph: Phase| {
+                        peek(&w.phase_ns[ph as usize]) + running(ph)
+                    }),
                 }
             })
             .collect();

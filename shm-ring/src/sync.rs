@@ -5,7 +5,10 @@
 //! atomics are `core`'s and waiting is a *shared* futex (`FUTEX_WAIT` without
 //! `FUTEX_PRIVATE_FLAG`), because waiters and wakers live in different processes that map the
 //! same segment at different addresses: a private futex is keyed by virtual address and would
-//! never see the other process's wake.
+//! never see the other process's wake. [`bump`] and [`sleep`] are the ring's wake and wait on
+//! a sequence word with its waiter count, built on these.
+//!
+//! Only the `shmem` crate is called here, never `sys.rs` (which is not built under loom).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -21,13 +24,13 @@ use std::time::Duration;
 /// timeout is what lets waiters notice stop requests and dead peers.
 #[cfg(not(loom))]
 pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    crate::sys::futex_wait(word, expected, timeout);
+    shmem::futex_wait(word, expected, timeout);
 }
 
 /// Wakes every waiter sleeping on `word`, in any process.
 #[cfg(not(loom))]
 pub(crate) fn wake_all(word: &AtomicU32) {
-    crate::sys::futex_wake_all(word);
+    shmem::futex_wake_all(word);
 }
 
 // Under loom a futex is modelled by one mutex and condition variable for all words: a waiter
@@ -82,7 +85,7 @@ pub(crate) fn spin_until_changed(_word: &AtomicU32, _seen: u32) -> bool {
 /// heartbeats written by one worker can be compared with the time read by another.
 #[cfg(not(loom))]
 pub(crate) fn now_ns() -> u64 {
-    crate::sys::monotonic_ns()
+    shmem::monotonic_ns()
 }
 
 #[cfg(loom)]
@@ -108,3 +111,34 @@ pub(crate) fn record(word: &AtomicU64, v: u64) {
 
 #[cfg(loom)]
 pub(crate) fn record(_word: &AtomicU64, _v: u64) {}
+
+/// Bumps a futex word and wakes everyone sleeping on it.
+///
+/// The wake system call is skipped when nobody waits. SYNC (Dekker): the waker bumps the
+/// word, then a SeqCst fence, then reads `waiters`; a sleeper (`sleep`) counts itself in
+/// `waiters`, then a SeqCst fence, then reads the word (inside the futex). Of the two fences
+/// one comes first: if the waker's, the sleeper sees the new word and does not sleep; if the
+/// sleeper's, the waker sees the sleeper counted and wakes it. No wake-up is lost.
+pub(crate) fn bump(word: &AtomicU32, waiters: &AtomicU32) {
+    // SYNC: Release pairs with the Acquire load of the sequence before a waiter's scan.
+    word.fetch_add(1, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if waiters.load(Ordering::Relaxed) > 0 {
+        wake_all(word);
+    }
+}
+
+/// Sleeps while `word` still holds `seq` (see `bump` for the hand-shake with wakers). First
+/// spins a few microseconds: at high rates the word usually moves sooner than a sleep and
+/// wake-up would take.
+pub(crate) fn sleep(word: &AtomicU32, waiters: &AtomicU32, seq: u32, max: Duration) {
+    if spin_until_changed(word, seq) {
+        return;
+    }
+    // A waiter killed while asleep leaves the count one too high: wakers then make the
+    // system call needlessly, which is harmless.
+    waiters.fetch_add(1, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
+    wait(word, seq, max);
+    waiters.fetch_sub(1, Ordering::Relaxed);
+}

@@ -1,12 +1,12 @@
 //! The process identity the ring's staleness rule needs (start times, zombies, pid namespace,
-//! boot id), from `/proc` and rustix; the shared memory, mapping and futex calls are the
-//! `shmem` crate's, re-exported here. No `unsafe` in this module.
+//! boot id), from `/proc` and rustix; the shared memory and mapping calls are the `shmem`
+//! crate's, re-exported here (the futex calls `sync.rs` makes itself). No `unsafe` in this module.
 
 use std::io;
 
 pub(crate) use shmem::{
-    euid, free_bytes as shm_free_bytes, futex_wait, futex_wake_all, is_out_of_space, monotonic_ns,
-    open as shm_open, stat as fstat, unlink as shm_unlink, Mapping,
+    euid, free_bytes as shm_free_bytes, is_out_of_space, monotonic_ns, open as shm_open,
+    stat as fstat, unlink as shm_unlink, Mapping,
 };
 
 pub(crate) fn pid() -> u32 {

@@ -1,5 +1,7 @@
 //! Behaviour of the ring on real shared-memory segments, with threads as workers.
 //! (Multi-process stress and chaos tests live in the `tests` crate.)
+//!
+//! Length: one test per behaviour of the public API, each standing alone.
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -10,7 +12,7 @@ use std::time::Duration;
 use crate::common::{fifo, unique};
 use shm_ring::{
     BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
-    WorkerId, WorkerState,
+    WorkerName, WorkerState,
 };
 
 /// Runs `f` on a thread and fails the test, naming `what`, if it does not return in 60 s.
@@ -214,7 +216,7 @@ fn payload_is_written_and_read_in_place_in_page_aligned_slots() {
             err,
             RingError::PayloadTooLarge {
                 len: 4097,
-                capacity: 4096
+                slot_size: 4096
             }
         ),
         "{err}"
@@ -574,20 +576,23 @@ fn recover_redelivers_held_items_frees_writes_and_restart_bumps_the_epoch() {
 
     // Both are registered by this (live) process: the checked recovery refuses them.
     assert!(matches!(
-        ring.recover(WorkerId::producer(1)),
+        ring.recover(WorkerName::producer(1)),
         Err(RingError::WorkerAlive { .. })
     ));
     // SAFETY: producer 1, consumer 0 and their slot guards were forgotten above and are never
     // used again, as if their processes had been killed.
-    let r = unsafe { ring.recover_unchecked(WorkerId::producer(1)) }.unwrap();
+    let r = unsafe { ring.recover_unchecked(WorkerName::producer(1)) }.unwrap();
     assert_eq!((r.freed, r.requeued), (1, 0));
     // SAFETY: as above.
-    let r = unsafe { ring.recover_unchecked(WorkerId::consumer(0)) }.unwrap();
+    let r = unsafe { ring.recover_unchecked(WorkerName::consumer(0)) }.unwrap();
     assert_eq!((r.freed, r.requeued), (0, 1));
     let s = ring.snapshot();
     assert_eq!((s.slots.writing, s.slots.reading, s.slots.ready), (0, 0, 1));
     assert_eq!(s.counters.redelivered, 1);
-    assert_eq!(s.workers[2].state, WorkerState::Dead);
+    assert_eq!(
+        s.worker(WorkerName::consumer(0)).unwrap().state,
+        WorkerState::Dead
+    );
 
     // The restarted consumer comes back under the same id, one epoch later, and gets the item
     // again with its delivery count.
@@ -596,14 +601,15 @@ fn recover_redelivers_held_items_frees_writes_and_restart_bumps_the_epoch() {
     let item = c0.take().unwrap().unwrap();
     assert_eq!((item.meta().batch_id, item.meta().delivery), (9, 1));
     item.release().unwrap();
-    assert_eq!(ring.snapshot().workers[2].restarts, 1);
+    let s = ring.snapshot();
+    assert_eq!(s.worker(WorkerName::consumer(0)).unwrap().restarts, 1);
 
     // Producer 1 will not come back: retiring it (with producer 0 finished) closes the ring.
     assert!(!p0.finish());
     assert!(ring.retire(1).unwrap());
     assert!(c0.take().unwrap().is_none());
     assert!(matches!(
-        ring.recover(WorkerId::consumer(5)),
+        ring.recover(WorkerName::consumer(5)),
         Err(RingError::NoSuchWorker { .. })
     ));
 }
@@ -622,10 +628,42 @@ fn snapshot_reports_phases_counters_and_buckets_without_writing() {
     let s = reader.snapshot();
     assert_eq!(s.ready_per_bucket, vec![0, 0, 2, 0]);
     assert_eq!(s.counters.published, 2);
-    let w = &s.workers[0];
+    let w = s.worker(WorkerName::producer(0)).unwrap();
     assert_eq!((w.gpu, w.items, w.alive, w.epoch), (Some(3), 2, true, 1));
-    assert_eq!(w.phase_ns["compute"], 5_000_000);
+    assert_eq!(w.phase_ns[Phase::Compute], 5_000_000);
     assert!(!s.closed && s.creator_alive);
+}
+
+#[test]
+fn snapshot_finds_a_worker_by_name() {
+    let name = unique("byname");
+    let ring = Ring::create(&name, &fifo(2, 3, 4)).unwrap();
+    let p1 = ring.producer(1).unwrap();
+    p1.add_phase(Phase::Load, Duration::from_millis(2));
+    let c2 = ring.consumer(2).unwrap();
+    c2.add_phase(Phase::Sync, Duration::from_millis(3));
+    let s = ring.snapshot();
+    let t1 = s.worker("target-1".parse().unwrap()).unwrap();
+    assert_eq!(
+        (t1.name(), t1.state),
+        (WorkerName::producer(1), WorkerState::Alive)
+    );
+    assert_eq!(t1.phase_ns[Phase::Load], 2_000_000);
+    let d2 = s.worker(WorkerName::consumer(2)).unwrap();
+    assert_eq!(d2.name().to_string(), "drafter-2");
+    assert_eq!(d2.phase_ns[Phase::Sync], 3_000_000);
+    assert_eq!(
+        s.worker(WorkerName::consumer(0)).unwrap().state,
+        WorkerState::Vacant
+    );
+    // Names the ring does not have.
+    assert!(s.worker(WorkerName::producer(2)).is_none());
+    assert!(s.worker(WorkerName::consumer(3)).is_none());
+    let drafters: Vec<u32> = s
+        .workers_of(shm_ring::Role::Consumer)
+        .map(|w| w.index)
+        .collect();
+    assert_eq!(drafters, [0, 1, 2]);
 }
 
 fn thread_cpu() -> Duration {
@@ -727,7 +765,7 @@ fn a_dead_producers_claimed_and_unpublished_work_is_redone() {
     assert_eq!(ring.snapshot().work.done, 2, "b looks done until recovery");
 
     // SAFETY: producer 0 and its slot guard were forgotten above and are never used again.
-    let r = unsafe { ring.recover_unchecked(WorkerId::producer(0)) }.unwrap();
+    let r = unsafe { ring.recover_unchecked(WorkerName::producer(0)) }.unwrap();
     assert_eq!(
         (r.freed, r.work_returned),
         (1, 2),
@@ -805,7 +843,7 @@ fn recover_refuses_a_live_worker_so_no_two_writers_share_a_slot() {
     let ring = Ring::create(&name, &fifo(1, 1, 1)).unwrap();
     let p0 = ring.producer(0).unwrap();
     let mut w = p0.reserve(8).unwrap();
-    let err = ring.recover(WorkerId::producer(0)).unwrap_err();
+    let err = ring.recover(WorkerName::producer(0)).unwrap_err();
     assert!(
         matches!(err, RingError::WorkerAlive { pid, .. } if pid == std::process::id()),
         "{err}"
@@ -822,7 +860,7 @@ fn recover_refuses_a_live_worker_so_no_two_writers_share_a_slot() {
     w.commit(CommitMeta::default()).unwrap();
     // Once the handle is gone (the worker left), recovery is allowed and finds nothing.
     drop(p0);
-    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    let r = ring.recover(WorkerName::producer(0)).unwrap();
     assert_eq!((r.freed, r.requeued, r.work_returned), (0, 0, 0));
 }
 
@@ -867,4 +905,33 @@ fn attach_refuses_a_segment_that_group_or_others_may_open() {
             assert!(err.to_string().contains(&format!("{mode:03o}")), "{err}");
         }
     }
+}
+
+/// The payload arena a driver pins (`Ring::payload_arena`) is page-aligned and holds every
+/// slot's payload, so registering it once covers every batch any worker writes or reads.
+#[test]
+fn the_payload_arena_covers_every_slot_and_is_page_aligned() {
+    let mut p = fifo(1, 1, 4);
+    p.slot_size = 5000; // not a page multiple: slots are a stride apart
+    let ring = Ring::create(&unique("arena"), &p).unwrap();
+    let (base, len) = ring.payload_arena();
+    assert_eq!(base as usize % 4096, 0, "arena base not page-aligned");
+    assert_eq!(len as u64, 4 * p.slot_stride(), "arena length");
+    assert_eq!(len % 4096, 0, "arena length not whole pages");
+    let prod = ring.producer(0).unwrap();
+    let mut seen = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut w = prod.reserve(5000).unwrap();
+        let at = w.payload_mut().as_ptr() as usize;
+        assert!(
+            at >= base as usize && at + 5000 <= base as usize + len,
+            "slot {} payload at {at:#x} outside the arena {base:?}+{len}",
+            w.slot()
+        );
+        seen.push(w.slot());
+        held.push(w);
+    }
+    seen.sort();
+    assert_eq!(seen, [0, 1, 2, 3], "every slot reserved once");
 }

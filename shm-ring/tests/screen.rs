@@ -8,7 +8,7 @@ use ratatui::layout::Rect;
 use ratatui::widgets::Widget;
 use shm_ring::screen::{buffer_lines, print_once, Trends, View};
 use shm_ring::stat_cli::Report;
-use shm_ring::{CommitMeta, Phase, Ring, WorkerId};
+use shm_ring::{CommitMeta, Phase, Ring, WorkerName};
 
 use crate::common::{fifo, unique};
 
@@ -62,7 +62,7 @@ fn five_by_three() -> (Ring, Report) {
     std::mem::forget(ps);
     std::mem::forget(cs);
     // SAFETY: every handle of consumer 2 was forgotten above and is never used again.
-    unsafe { r.recover_unchecked(WorkerId::consumer(2)) }.unwrap();
+    unsafe { r.recover_unchecked(WorkerName::consumer(2)) }.unwrap();
     let mut b = r.snapshot();
     b.taken_at_ns = a.taken_at_ns + 1_000_000_000;
     let occupancy = vec![r.slot_counts(); 10];

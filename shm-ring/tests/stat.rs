@@ -1,13 +1,15 @@
 //! shm-ring-stat's analysis on rings put into known states: each gives the right verdict and
 //! figures. Phase times are injected with `add_phase`, and the interval is fixed at one second,
 //! so the figures are exact whatever the machine's speed.
+//!
+//! Length: one test per ring state and verdict, each standing alone.
 
 use std::time::Duration;
 
 use crate::common::{fifo, unique};
 use shm_ring::analysis::{interval, verdict, Bottleneck, Judge, Trend, Verdict};
 use shm_ring::stat_cli::{run, Args};
-use shm_ring::{CommitMeta, Phase, Ring, SlotCounts, Snapshot, WorkerId};
+use shm_ring::{CommitMeta, Phase, Ring, SlotCounts, Snapshot, WorkerName};
 
 fn ring(tag: &str, producers: u32, consumers: u32, slots: u32) -> Ring {
     Ring::create(&unique(tag), &fifo(producers, consumers, slots)).unwrap()
@@ -400,7 +402,7 @@ fn a_silent_worker_is_stalled_and_named() {
     cs[1].add_phase(Phase::Compute, Duration::from_secs(30));
     let mut b = r.snapshot();
     b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
-    b.workers[2].heartbeat_age_ns = Some(30_000_000_000);
+    drafter_mut(&mut b, 1).heartbeat_age_ns = Some(30_000_000_000);
     let v = verdict(&b, &interval(&a, &b, &[]));
     assert_eq!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
     assert_eq!(v.worker.as_deref(), Some("drafter-1"));
@@ -412,7 +414,7 @@ fn a_silent_worker_is_stalled_and_named() {
         v.line
     );
     // Silent for less than 10 of its steps (and 5 s): not stalled.
-    b.workers[2].heartbeat_age_ns = Some(900_000_000);
+    drafter_mut(&mut b, 1).heartbeat_age_ns = Some(900_000_000);
     let v = verdict(&b, &interval(&a, &b, &[]));
     assert_ne!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
 }
@@ -462,7 +464,7 @@ fn with_no_drafter_running_it_is_idle() {
     publish_tokens(&p, 100);
     std::mem::forget(c);
     // SAFETY: the only handle of consumer 0 was forgotten above and is never used again.
-    unsafe { r.recover_unchecked(WorkerId::consumer(0)) }.unwrap();
+    unsafe { r.recover_unchecked(WorkerName::consumer(0)) }.unwrap();
     let a = r.snapshot();
     p.add_phase(Phase::WaitFull, ms(900));
     let (v, _) = judge(&r, &a, &[]);
@@ -481,7 +483,7 @@ fn a_dead_worker_is_a_warning() {
     // The consumer "dies": its handle is leaked, as a killed process's would be.
     std::mem::forget(c);
     // SAFETY: the only handle of consumer 1 was forgotten above and is never used again.
-    unsafe { r.recover_unchecked(WorkerId::consumer(1)) }.unwrap();
+    unsafe { r.recover_unchecked(WorkerName::consumer(1)) }.unwrap();
     let a = r.snapshot();
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(v.warnings.len(), 1, "{v:?}");
@@ -558,4 +560,10 @@ fn stat_reads_a_segment_it_may_only_read() {
     std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
     let ro = Ring::open_read_only(r.name()).unwrap();
     assert_eq!(ro.snapshot().params.slots, 2);
+}
+
+/// Worker `drafter-i` of a snapshot, to edit.
+fn drafter_mut(s: &mut Snapshot, i: u32) -> &mut shm_ring::WorkerSnapshot {
+    let name = WorkerName::consumer(i);
+    s.workers.iter_mut().find(|w| w.name() == name).unwrap()
 }

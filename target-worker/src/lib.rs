@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use proto::control::{FinalReport, ToLauncher, WorkerRole};
+use proto::control::{FinalReport, ToLauncher};
 use proto::stop::EXIT_STOPPED;
 use proto::{batch_len, BatchSpec, BatchWriter};
-use shm_ring::{CommitMeta, Phase, Ring};
+use shm_ring::{CommitMeta, Phase, Ring, Role};
 use worker_runtime::{setup, WorkerArgs};
 
 use crate::data::{plan, Dataset, PlannedBatch};
@@ -86,7 +86,7 @@ fn prepare(
 
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let mut s = setup(&args.common, WorkerRole::Target)?;
+    let mut s = setup(&args.common, Role::Producer)?;
     // Started standalone on a config naming data that nobody prepared: prepare it here, into
     // the cache a launcher would use (the launcher always passes the prepared file).
     if let (Some(path), None) = (&s.config.data.path, &s.config.data.prepared) {
@@ -103,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = s;
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
-    let mut backend = gpu::target(s.backend, cfg, &s.name)?;
+    let mut backend = gpu::target(s.backend, cfg, s.name)?;
     let data = Dataset::load(cfg).context("loading the dataset")?;
     let plan = plan(&data, cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;

@@ -10,6 +10,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use proto::LedgerLine;
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::launcher::{attach, config, kill, no_segment_of, pid_alive, Run};
 
@@ -21,15 +23,15 @@ fn seed() -> u64 {
         .unwrap_or(0x05ee_d0f0_c4a0_5000)
 }
 
-/// xorshift64*: enough spread for choosing victims and pauses.
-struct Choices(u64);
+/// The seeded choices of victims and pauses.
+struct Choices(Xoshiro256PlusPlus);
 
 impl Choices {
+    fn new(seed: u64) -> Choices {
+        Choices(Xoshiro256PlusPlus::seed_from_u64(seed))
+    }
     fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        self.0.gen_range(0..n)
     }
 }
 
@@ -130,7 +132,7 @@ fn one_run(run_no: u32, choices: &mut Choices, cap: u32) -> u32 {
 fn random_sigkills_of_targets_and_drafters_lose_and_repeat_nothing() {
     let seed = seed();
     eprintln!("chaos seed {seed} (replay with HSPIPE_CHAOS_SEED={seed})");
-    let mut choices = Choices(seed | 1);
+    let mut choices = Choices::new(seed);
     let (mut kills, mut runs) = (0, 0);
     while kills < KILLS {
         assert!(

@@ -3,6 +3,8 @@
 //! bad rows in every format are named; the cache is reused by re-runs, a resume and a
 //! restarted target, and refused when damaged; a resume refuses changed data.
 //!
+//! Length: one test per format and per failure a user meets, each standing alone.
+//!
 //! Fixtures come from `tests/py/fixtures.py`, run with the Python that `scripts/test.sh`
 //! provides (`.venv`, with pyarrow and datasets; `HSPIPE_PYTHON` names it). Without it these
 //! tests fail, saying so: they never skip.

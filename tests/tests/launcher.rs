@@ -1,6 +1,9 @@
 //! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals
 //! (also with the terminal gone), reclaiming a killed launcher's ring, bad input, crash loops.
 //! Every run uses its own run directory and ring.
+//!
+//! Length: one file per area of behaviour; its length is its scenarios, each test standing
+//! alone.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,7 +11,7 @@ use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
 use proto::{LedgerLine, RunDir};
-use shm_ring::{Ring, Snapshot};
+use shm_ring::{Ring, Role, Snapshot, WorkerName};
 
 use crate::support::{
     spawn, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared, workspace_bin,
@@ -291,7 +294,7 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
 }
 
 /// Kills one worker from outside mid-run; only it is restarted, the run completes.
-fn kill_one_mid_run(tag: &str, victim: usize) {
+fn kill_one_mid_run(tag: &str, victim: WorkerName) {
     let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
     let mut launcher = run.launch(&cfg, &[]);
@@ -299,22 +302,28 @@ fn kill_one_mid_run(tag: &str, victim: usize) {
     let before = wait_until("8 live workers and 3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
-    let victim_pid = before.workers[victim].pid;
+    let victim_pid = before.worker(victim).unwrap().pid;
     kill(victim_pid, libc::SIGKILL);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
-    for (i, (b, a)) in before.workers.iter().zip(&after.workers).enumerate() {
-        if i == victim {
+    for b in &before.workers {
+        let a = after.worker(b.name()).unwrap();
+        if b.name() == victim {
             assert_ne!(a.pid, b.pid, "the victim was restarted");
             assert_eq!(a.epoch, 2);
         } else {
-            assert_eq!((a.pid, a.epoch), (b.pid, 1), "worker {i} kept running");
+            assert_eq!((a.pid, a.epoch), (b.pid, 1), "{} kept running", b.name());
         }
     }
     let s = run.summary();
     assert_eq!(s["ok"], true);
-    assert_eq!(s["workers"][victim]["restarts"], 1);
+    let summarised = s["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["role"] == victim.role.name() && w["index"] == victim.index);
+    assert_eq!(summarised.unwrap()["restarts"], 1, "{s}");
     assert_eq!(
         sample_counts(&run.ledgers()).len(),
         400,
@@ -323,24 +332,21 @@ fn kill_one_mid_run(tag: &str, victim: usize) {
     assert!(!pid_alive(victim_pid));
     // Through the crash and the rejoin, the group kept one model.
     one_model(&run.ledgers());
-    if before.workers[victim].role == shm_ring::Role::Consumer {
-        let log = std::fs::read_to_string(
-            run.run_dir()
-                .join(format!("logs/drafter-{}.log", before.workers[victim].index)),
-        )
-        .unwrap();
+    if victim.role == Role::Consumer {
+        let log =
+            std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
         assert!(log.contains("joined the group"), "{log}");
     }
 }
 
 #[test]
 fn sigkill_of_one_drafter_restarts_only_it_and_the_run_completes() {
-    kill_one_mid_run("lkd", 6);
+    kill_one_mid_run("lkd", WorkerName::consumer(1));
 }
 
 #[test]
 fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
-    kill_one_mid_run("lkt", 2);
+    kill_one_mid_run("lkt", WorkerName::producer(2));
 }
 
 /// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,

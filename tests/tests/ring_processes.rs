@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use shm_ring::{Ring, RingError, RingParams, TakePolicy, WorkerId};
+use shm_ring::{Ring, RingError, RingParams, Role, TakePolicy, WorkerName};
 use tests::batch_id;
 
 use crate::support::{parse_got, ring_peer, unique, Proc};
@@ -73,7 +73,7 @@ fn five_by_three_processes_deliver_every_payload_exactly_once() {
     assert_eq!(s.counters.taken, 5 * PER);
     assert_eq!(s.counters.released, 5 * PER);
     assert_eq!(s.slots.free, 16);
-    let consumed: u64 = s.workers[5..].iter().map(|w| w.items).sum();
+    let consumed: u64 = s.workers_of(Role::Consumer).map(|w| w.items).sum();
     assert_eq!(consumed, 5 * PER);
 }
 
@@ -116,8 +116,8 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
         Err(RingError::WorkerBusy { .. })
     ));
     for (id, who) in [
-        (WorkerId::consumer(0), &victim_c),
-        (WorkerId::producer(0), &victim_p),
+        (WorkerName::consumer(0), &victim_c),
+        (WorkerName::producer(0), &victim_p),
     ] {
         assert!(matches!(
             ring.recover(id),
@@ -127,8 +127,8 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
 
     let victim_out = victim_c.kill();
     victim_p.kill();
-    let rc = ring.recover(WorkerId::consumer(0)).unwrap();
-    let rp = ring.recover(WorkerId::producer(0)).unwrap();
+    let rc = ring.recover(WorkerName::consumer(0)).unwrap();
+    let rp = ring.recover(WorkerName::producer(0)).unwrap();
     assert_eq!((rc.freed, rc.requeued), (0, 1), "the held item goes back");
     assert_eq!(
         (rp.freed, rp.requeued),
@@ -154,8 +154,17 @@ fn sigkilled_consumer_and_mid_write_producer_lose_nothing() {
     let s = ring.snapshot();
     assert_eq!(s.counters.redelivered, 1);
     assert_eq!((s.slots.free, s.closed), (6, true), "nothing stuck");
-    assert_eq!(s.workers[0].epoch, 2, "producer 0 re-registered");
-    assert_eq!(s.workers[2].epoch, 2, "consumer 0 re-registered");
+    let epoch = |name| s.worker(name).unwrap().epoch;
+    assert_eq!(
+        epoch(WorkerName::producer(0)),
+        2,
+        "producer 0 re-registered"
+    );
+    assert_eq!(
+        epoch(WorkerName::consumer(0)),
+        2,
+        "consumer 0 re-registered"
+    );
 }
 
 /// A producer killed mid-write that will not come back is retired: the ring still closes and
@@ -169,7 +178,7 @@ fn retiring_a_dead_producer_still_closes_the_ring() {
     let good = ring_peer(&["produce", &name, "0", "50", "4096"]);
     assert_eq!(dying.line_starting("writing"), "writing 5");
     dying.kill();
-    ring.recover(WorkerId::producer(1)).unwrap();
+    ring.recover(WorkerName::producer(1)).unwrap();
     good.finish();
     ring.retire(1).unwrap();
     let seen = tally(&[consumer.finish()]);

@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use shm_ring::WorkerName;
+
 use crate::launcher::{config, kill, no_segment_of, Run};
 use crate::support::{spawn, workspace_bin, WATCHDOG};
 
@@ -115,9 +117,10 @@ impl Drop for Tmux {
 
 /// The workers of a 5-target, 3-drafter run, by the names of their logs.
 fn workers() -> Vec<String> {
-    let targets = (0..5).map(|i| format!("target-{i}"));
+    let targets = (0..5).map(WorkerName::producer);
     targets
-        .chain((0..3).map(|i| format!("drafter-{i}")))
+        .chain((0..3).map(WorkerName::consumer))
+        .map(|w| w.to_string())
         .collect()
 }
 

@@ -2,6 +2,7 @@
 
 mod chaos;
 mod data;
+mod gpu;
 mod launcher;
 mod ring_processes;
 mod screen;

@@ -4,6 +4,8 @@
 //! `shm-ring-stat` use, then asserts the verdict's class and the worker it names on every
 //! interval of the scenario's regime, after a warm-up stated as a count of trained batches.
 //!
+//! Length: one test per scenario of the table, each standing alone.
+//!
 //! Regimes are told apart by what the snapshot says (batches taken, the ring closed, the plan
 //! handed out, a worker's heartbeat), never by the clock, and the sides' speeds differ by a
 //! factor of 3 or more (the balanced run excepted, where they match), so the verdict does not
@@ -14,7 +16,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use shm_ring::analysis::{interval, Bottleneck, Judge, Verdict};
-use shm_ring::{Role, Snapshot, WorkerState};
+use shm_ring::{Phase, Role, Snapshot, WorkerName, WorkerState};
 
 use crate::launcher::{attach, kill, Run};
 use crate::support::{spawn, workspace_bin, Proc, WATCHDOG};
@@ -103,11 +105,7 @@ struct Obs {
 
 impl Obs {
     fn worker(&self, role: Role, index: u32) -> &shm_ring::WorkerSnapshot {
-        self.s
-            .workers
-            .iter()
-            .find(|w| w.role == role && w.index == index)
-            .unwrap()
+        self.s.worker(WorkerName { role, index }).unwrap()
     }
 }
 
@@ -519,8 +517,12 @@ fn ranks_waiting_in_sync_for_a_rank_without_data_blame_the_targets() {
     });
     let (first, last) = (&sel[0].s, &sel[sel.len() - 1].s);
     let iv = interval(first, last, &[]);
-    let drafters: Vec<_> = iv.workers.iter().filter(|w| w.role == "drafter").collect();
-    let sync = drafters.iter().map(|w| w.phases["sync"]).sum::<f64>() / drafters.len() as f64;
+    let drafters: Vec<_> = iv
+        .workers
+        .iter()
+        .filter(|w| w.role == Role::Consumer)
+        .collect();
+    let sync = drafters.iter().map(|w| w.phases[Phase::Sync]).sum::<f64>() / drafters.len() as f64;
     assert!(
         sync >= 0.10,
         "the ranks waited only {sync:.2} in sync\n{}",

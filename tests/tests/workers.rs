@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use collective::ShmGroup;
 use proto::PipelineConfig;
 use proto::{LedgerLine, RunDir};
-use shm_ring::{Ring, WorkerId};
+use shm_ring::{Phase, Ring, Role, WorkerName};
 use target_worker::data::{plan, Dataset};
 
 use crate::support::{unique, Proc, TestDir};
@@ -150,13 +150,13 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
     assert!(s.closed);
     // Each worker's time is broken down by phase in its record.
     for w in s.workers.iter().filter(|w| w.items > 0) {
-        assert!(w.phase_ns["compute"] > 0, "compute time of {w:?}");
+        assert!(w.phase_ns[Phase::Compute] > 0, "compute time of {w:?}");
     }
-    for w in s.workers[2..].iter().filter(|w| w.items > 0) {
-        assert!(w.phase_ns["copy_in"] > 0, "drafter copy-in time");
+    for w in s.workers_of(Role::Consumer).filter(|w| w.items > 0) {
+        assert!(w.phase_ns[Phase::CopyIn] > 0, "drafter copy-in time");
     }
-    for w in &s.workers[2..] {
-        assert!(w.phase_ns["checkpoint"] > 0, "drafter checkpoint time");
+    for w in s.workers_of(Role::Consumer) {
+        assert!(w.phase_ns[Phase::Checkpoint] > 0, "drafter checkpoint time");
     }
     for d in 0..2 {
         assert!(
@@ -188,7 +188,7 @@ fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
     // The supervisor's part: remove it from the group, recover the ring, restart it alone.
     let gone = group.remove(0).unwrap();
     assert!(gone.was_member);
-    let r = ring.recover(WorkerId::consumer(0)).unwrap();
+    let r = ring.recover(WorkerName::consumer(0)).unwrap();
     assert_eq!(r.requeued, 1, "the batch it held goes back");
     let before = ledger(&run.0, 0);
     let last_ckpt_step = before.last().unwrap().step / 2 * 2;
@@ -362,7 +362,7 @@ fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() 
         "the injected crash kills target 0"
     );
     let other = worker(TARGET, 1, &name, &run.0, &config);
-    let r = ring.recover(WorkerId::producer(0)).unwrap();
+    let r = ring.recover(WorkerName::producer(0)).unwrap();
     assert_eq!(r.freed, 1, "it died writing its third batch");
     assert!(r.work_returned >= 1, "its unpublished claims go back");
     let restarted = worker(TARGET, 0, &name, &run.0, &config);
@@ -375,7 +375,13 @@ fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() 
         n.values().all(|&c| c == 1),
         "exactly once: no batch published twice"
     );
-    assert_eq!(ring.snapshot().workers[0].epoch, 2);
+    assert_eq!(
+        ring.snapshot()
+            .worker(WorkerName::producer(0))
+            .unwrap()
+            .epoch,
+        2
+    );
 }
 
 #[test]
@@ -473,7 +479,10 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
     assert_eq!(report.items, batches);
     target.finish();
     drafter.finish();
-    assert_eq!(ring.snapshot().workers[0].gpu, Some(4));
+    assert_eq!(
+        ring.snapshot().worker(WorkerName::producer(0)).unwrap().gpu,
+        Some(4)
+    );
 }
 
 #[test]

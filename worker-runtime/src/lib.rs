@@ -15,9 +15,9 @@ use std::process::ExitCode;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use proto::config::BackendKind;
-use proto::control::{self, ControlError, ToLauncher, ToWorker, WorkerRole};
+use proto::control::{self, ControlError, ToLauncher, ToWorker};
 use proto::stop::{EXIT_SECOND_SIGNAL, STOP_SIGNALS};
-use proto::{ConfigError, PipelineConfig, RunDir};
+use proto::{ConfigError, PipelineConfig, Role, RunDir, WorkerName};
 
 /// The command line both workers share.
 #[derive(clap::Args, Debug, Clone)]
@@ -63,7 +63,7 @@ pub enum SetupError {
 /// Everything a worker needs to start.
 pub struct Setup {
     pub index: u32,
-    pub name: String,
+    pub name: WorkerName,
     pub ring: String,
     pub run_dir: RunDir,
     pub gpu: Option<u32>,
@@ -126,13 +126,12 @@ pub fn init_logging(name: &str) {
 
 /// Handshakes with the launcher (if `--control`) or reads the standalone flags, loads and
 /// validates the config, and installs the stop handlers.
-pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
-    let kind = match role {
-        WorkerRole::Target => "target",
-        WorkerRole::Drafter => "drafter",
+pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
+    let name = WorkerName {
+        role,
+        index: args.index,
     };
-    let name = format!("{kind}-{}", args.index);
-    init_logging(&name);
+    init_logging(&name.to_string());
     let stop = StopFlags::default();
     install_signal_handlers(&stop).map_err(SetupError::Signal)?;
     let setup = connect_or_read(args, role, name, stop)?;
@@ -141,8 +140,8 @@ pub fn setup(args: &WorkerArgs, role: WorkerRole) -> Result<Setup, SetupError> {
 
 fn connect_or_read(
     args: &WorkerArgs,
-    role: WorkerRole,
-    name: String,
+    role: Role,
+    name: WorkerName,
     stop: StopFlags,
 ) -> Result<Setup, SetupError> {
     match &args.control {

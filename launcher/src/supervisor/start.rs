@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use collective::ShmGroup;
-use proto::control::WorkerRole;
-use shm_ring::Ring;
+use shm_ring::{Ring, Role};
 
 use super::{Supervisor, Worker};
 use crate::cli::Args;
@@ -101,10 +100,10 @@ impl<'a> Supervisor<'a> {
             backend: backend.0,
         };
         let workers = (targets.iter().enumerate())
-            .map(|(i, &gpu)| Worker::new(WorkerRole::Target, i as u32, gpu))
+            .map(|(i, &gpu)| Worker::new(Role::Producer, i as u32, gpu))
             .chain(
                 (drafters.iter().enumerate())
-                    .map(|(i, &gpu)| Worker::new(WorkerRole::Drafter, i as u32, gpu)),
+                    .map(|(i, &gpu)| Worker::new(Role::Consumer, i as u32, gpu)),
             )
             .collect();
         let mon = Monitor::new(

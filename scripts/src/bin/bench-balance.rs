@@ -1,6 +1,9 @@
 //! Pipeline balance: 5 mock targets and 3 mock drafters over the batch plan of the default
 //! synthetic dataset, in five designs measured side by side:
 //!
+//! Length: over 500 lines because the five designs share the plan, the mock speeds and the
+//! report; one program per table of BENCHMARKS.md.
+//!
 //! - independent drafters: ONE shared ring (hspipe's ring) against per-drafter rings fed
 //!   round-robin (target i → drafter i mod 3, the predecessor's design, built from shm-ring for
 //!   a fair comparison);

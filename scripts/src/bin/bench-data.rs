@@ -22,6 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use shm_ring::WorkerName;
 
 #[derive(Parser)]
 struct Args {
@@ -66,43 +69,31 @@ enum Cmd {
     },
 }
 
-/// xorshift64*: a small seeded generator.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos()
-    }
+/// A standard normal draw (Box-Muller; `1 - u` keeps the logarithm's argument above 0).
+fn normal(rng: &mut impl Rng) -> f64 {
+    let (u, v): (f64, f64) = (rng.gen(), rng.gen());
+    (-2.0 * (1.0 - u).ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
 fn gen(mb: u64, out: &Path, seed: u64) -> anyhow::Result<()> {
     let f = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut w = BufWriter::with_capacity(1 << 22, f);
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let target = mb * 1_000_000;
     let (mut bytes, mut samples, mut tokens) = (0u64, 0u64, 0u64);
     let mut line = String::with_capacity(1 << 16);
     while bytes < target {
-        let len = ((512f64.ln() + rng.normal()).exp().round() as u64).clamp(16, 4096);
+        let len = ((512f64.ln() + normal(&mut rng)).exp().round() as u64).clamp(16, 4096);
         line.clear();
         line.push_str("{\"input_ids\": [");
         for i in 0..len {
             if i > 0 {
                 line.push_str(", ");
             }
-            line.push_str(&(rng.next() % 151_936).to_string());
+            line.push_str(&rng.gen_range(0..151_936u32).to_string());
         }
         line.push(']');
-        if rng.next() % 4 == 0 {
+        if rng.gen_ratio(1, 4) {
             line.push_str(", \"loss_mask\": [");
             for i in 0..len {
                 line.push_str(if i == 0 { "" } else { ", " });
@@ -245,7 +236,7 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         }
         if first.is_none() {
             let trained = (0..8).any(|d| {
-                std::fs::metadata(run_dir.join(format!("ledger/drafter-{d}.jsonl")))
+                std::fs::metadata(run_dir.join(format!("ledger/{}.jsonl", WorkerName::consumer(d))))
                     .is_ok_and(|m| m.len() > 0)
             });
             if trained {

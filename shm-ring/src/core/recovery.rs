@@ -217,10 +217,10 @@ impl RingRef<'_> {
         sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
         sync::tally(&self.ctl.aborted, u64::from(out.freed));
         if out.freed > 0 || out.retired > 0 {
-            self.bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+            crate::sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
         if out.requeued > 0 || out.retired > 0 || self.closed() {
-            self.bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+            crate::sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         }
         out
     }

@@ -1,6 +1,9 @@
 //! The take policy's choices: which bucket a bucketed take serves, and the seeded generator
 //! that picks within it. Per consumer, never shared.
 
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+
 use crate::params::{BucketPick, MAX_BUCKETS};
 
 /// Per-consumer state of the take policy (not shared).
@@ -9,33 +12,28 @@ pub(crate) struct TakeState {
     pub next_bucket: u32,
     /// Smooth weighted round-robin credits of the proportional pick, per bucket.
     pub credit: [i64; MAX_BUCKETS as usize],
-    pub rng: SplitMix64,
+    /// Picks the item within a bucket: the choice needs spread, not cryptography.
+    pub rng: Xoshiro256PlusPlus,
 }
 
 impl TakeState {
+    /// Worker `id`'s state under the ring's `seed`: the seed's xoshiro stream, jumped `id`
+    /// times (2^128 draws each), so consumers draw from non-overlapping streams.
     pub(crate) fn new(seed: u64, id: u32) -> Self {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        for _ in 0..id {
+            rng.jump();
+        }
         TakeState {
             next_bucket: 0,
             credit: [0; MAX_BUCKETS as usize],
-            rng: SplitMix64(seed ^ (u64::from(id) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+            rng,
         }
     }
-}
 
-/// A small seeded generator; the choice within a bucket needs spread, not cryptography.
-#[derive(Clone, Debug)]
-pub(crate) struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+    /// A uniform index below `n` (0 when `n` is 0).
     pub(crate) fn below(&mut self, n: u32) -> u32 {
-        (self.next_u64() % u64::from(n.max(1))) as u32
+        self.rng.gen_range(0..n.max(1))
     }
 }
 

@@ -1,0 +1,312 @@
+//! Double-buffered write-back, the target's half of the data path, the same on every device:
+//! batch `i`'s captured layers are copied from the device into its ring slot while the forward
+//! of batch `i+1` runs into the other device buffer; a slot is handed back to be committed only
+//! once its copy is complete.
+//!
+//! [`WriteBack`] is the bookkeeping; a [`CopyOutEngine`] does the copies: [`CpuCopyOut`] with a
+//! copy thread (the logic runs and is tested on any machine) and
+//! [`crate::cuda_copy::CudaCopyOut`] with a copy stream and events. The rules:
+//!
+//! - A forward into a buffer starts only after that buffer's last copy-out is complete
+//!   (`before_forward`: the host waits on the CPU, the compute stream on the device).
+//! - A copy-out starts only after the forward that filled the buffer (the engine orders it).
+//! - While its copy is in flight the slot belongs to the engine; it comes back, complete, from
+//!   [`WriteBack::next_buffer`] or [`WriteBack::flush`], oldest first, to be committed.
+//!
+//! Use, per batch: `next_buffer` (a buffer to run the forward into, and maybe a finished slot
+//! to commit), the forward, `copy_out` into the batch's reserved slot; at the end, `flush`.
+
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use crate::prefetch::BUFFERS;
+use crate::GpuError;
+
+/// Copies device buffers out into destinations it holds while the copy is in flight.
+pub trait CopyOutEngine<H> {
+    /// Makes the forward about to run into `buf` wait for `buf`'s last copy-out.
+    fn before_forward(&mut self, buf: usize) -> Result<(), GpuError>;
+    /// The forward into `buf` has been issued: begins copying `buf` into `dst` after it,
+    /// without waiting. The engine holds `dst` until [`CopyOutEngine::complete`].
+    fn start_copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError>;
+    /// Waits for `buf`'s copy-out and returns its destination, filled.
+    fn complete(&mut self, buf: usize) -> Result<H, GpuError>;
+}
+
+/// The double buffer of a target: at most [`BUFFERS`] copies in flight, returned in order.
+pub struct WriteBack<H, E: CopyOutEngine<H>> {
+    engine: E,
+    /// Buffers with a copy in flight, oldest first.
+    in_flight: VecDeque<usize>,
+    _h: std::marker::PhantomData<fn(H) -> H>,
+}
+
+impl<H, E: CopyOutEngine<H>> WriteBack<H, E> {
+    pub fn new(engine: E) -> Self {
+        WriteBack {
+            engine,
+            in_flight: VecDeque::new(),
+            _h: std::marker::PhantomData,
+        }
+    }
+
+    /// A buffer for the next forward, ready to be written (its last copy-out waited for), and
+    /// the slot of that copy if one was in flight: commit it.
+    pub fn next_buffer(&mut self) -> Result<(usize, Option<H>), GpuError> {
+        let free = (0..BUFFERS).find(|b| !self.in_flight.contains(b));
+        let (buf, done) = match free {
+            Some(b) => (b, None),
+            None => {
+                let b = self.in_flight.pop_front().expect("all buffers in flight");
+                (b, Some(self.engine.complete(b)?))
+            }
+        };
+        self.engine.before_forward(buf)?;
+        Ok((buf, done))
+    }
+
+    /// After the forward into `buf` was issued: copies it out into `dst`, asynchronously.
+    pub fn copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError> {
+        if buf >= BUFFERS || self.in_flight.contains(&buf) {
+            return Err(GpuError::Shape(format!(
+                "write-back: buffer {buf} is not free for a copy-out"
+            )));
+        }
+        self.engine.start_copy_out(buf, dst)?;
+        self.in_flight.push_back(buf);
+        Ok(())
+    }
+
+    /// Waits for every copy in flight; their slots, oldest first.
+    pub fn flush(&mut self) -> Result<Vec<H>, GpuError> {
+        let mut out = Vec::new();
+        while let Some(b) = self.in_flight.pop_front() {
+            out.push(self.engine.complete(b)?);
+        }
+        Ok(out)
+    }
+
+    pub fn engine(&self) -> &E {
+        &self.engine
+    }
+}
+
+/// The CPU "device": buffers are host vectors, and a copy thread copies them out into the
+/// destinations (which travel to it and back), overlapping the caller's next forward.
+pub struct CpuCopyOut<H> {
+    jobs: Option<mpsc::Sender<(usize, H)>>,
+    done: mpsc::Receiver<(usize, H)>,
+    /// Destinations whose copy came back before they were asked for.
+    back: [Option<H>; BUFFERS],
+    pending: [bool; BUFFERS],
+    bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<H: AsMut<[u8]> + Send + 'static> CpuCopyOut<H> {
+    /// Starts the copy thread; `observe(buf, &dst, start)` is called on it just before and
+    /// just after each copy.
+    pub fn new(observe: impl Fn(usize, &H, bool) + Send + 'static) -> CpuCopyOut<H> {
+        let (jobs, rx) = mpsc::channel::<(usize, H)>();
+        let (done_tx, done) = mpsc::channel();
+        let bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]> = Arc::new(Default::default());
+        let b = bufs.clone();
+        let thread = std::thread::spawn(move || {
+            for (buf, mut dst) in rx {
+                observe(buf, &dst, true);
+                {
+                    let src = b[buf].lock().unwrap_or_else(|p| p.into_inner());
+                    let d = dst.as_mut();
+                    let n = d.len().min(src.len());
+                    d[..n].copy_from_slice(&src[..n]);
+                }
+                observe(buf, &dst, false);
+                if done_tx.send((buf, dst)).is_err() {
+                    break;
+                }
+            }
+        });
+        CpuCopyOut {
+            jobs: Some(jobs),
+            done,
+            back: [None, None],
+            pending: [false; BUFFERS],
+            bufs,
+            thread: Some(thread),
+        }
+    }
+
+    /// Buffer `buf`, for the forward to write into.
+    pub fn buffer(&self, buf: usize) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.bufs[buf].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait(&mut self, buf: usize) -> Result<(), GpuError> {
+        while self.pending[buf] {
+            let (b, h) = self
+                .done
+                .recv()
+                .map_err(|_| GpuError::Shape("write-back: the copy thread is gone".into()))?;
+            self.pending[b] = false;
+            self.back[b] = Some(h);
+        }
+        Ok(())
+    }
+}
+
+impl<H: AsMut<[u8]> + Send + 'static> CopyOutEngine<H> for CpuCopyOut<H> {
+    fn before_forward(&mut self, buf: usize) -> Result<(), GpuError> {
+        self.wait(buf)
+    }
+
+    fn start_copy_out(&mut self, buf: usize, dst: H) -> Result<(), GpuError> {
+        self.pending[buf] = true;
+        self.jobs
+            .as_ref()
+            .and_then(|j| j.send((buf, dst)).ok())
+            .ok_or_else(|| GpuError::Shape("write-back: the copy thread is gone".into()))
+    }
+
+    fn complete(&mut self, buf: usize) -> Result<H, GpuError> {
+        self.wait(buf)?;
+        self.back[buf]
+            .take()
+            .ok_or_else(|| GpuError::Shape(format!("write-back: no copy-out of buffer {buf}")))
+    }
+}
+
+impl<H> Drop for CpuCopyOut<H> {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Condvar;
+    use std::time::Duration;
+
+    #[derive(Default)]
+    struct Log {
+        events: Mutex<Vec<String>>,
+        cv: Condvar,
+    }
+
+    impl Log {
+        fn note(&self, what: String) {
+            self.events.lock().unwrap().push(what);
+            self.cv.notify_all();
+        }
+        fn index(&self, what: &str) -> usize {
+            let ev = self.events.lock().unwrap();
+            ev.iter()
+                .position(|w| w == what)
+                .unwrap_or_else(|| panic!("no event {what:?} in {ev:?}"))
+        }
+        /// Waits (at most 20 s) until `what` is logged; false if it never was.
+        fn wait_for(&self, what: &str) -> bool {
+            let ev = self.events.lock().unwrap();
+            let (_ev, to) = self
+                .cv
+                .wait_timeout_while(ev, Duration::from_secs(20), |v| {
+                    !v.iter().any(|w| w == what)
+                })
+                .unwrap();
+            !to.timed_out()
+        }
+    }
+
+    /// A reserved slot: its batch id and bytes.
+    struct Slot(u64, Vec<u8>);
+    impl AsMut<[u8]> for Slot {
+        fn as_mut(&mut self) -> &mut [u8] {
+            &mut self.1
+        }
+    }
+
+    /// Reproduces what write-back is for: batch `i`'s copy-out is in flight while the forward
+    /// of batch `i+1` runs. Each copy-out waits to finish until the next forward has begun,
+    /// and each forward waits to end until the previous copy-out has begun (each wait at most
+    /// 20 s), so a loop that copied synchronously, or ran the forward only after the copy,
+    /// fails the order checks. Every slot comes back once, in order, with its own batch's
+    /// bytes.
+    #[test]
+    fn a_copy_out_is_in_flight_while_the_next_forward_runs_and_slots_return_in_order() {
+        let log = Arc::new(Log::default());
+        let l = log.clone();
+        let engine = CpuCopyOut::new(move |_buf, s: &Slot, start| {
+            let i = s.0;
+            l.note(format!("copy {i} {}", if start { "start" } else { "end" }));
+            if start {
+                l.wait_for(&format!("forward {} start", i + 1));
+            }
+        });
+        let mut wb = WriteBack::new(engine);
+        let n = 6u64;
+        let mut committed = Vec::new();
+        for i in 0..n {
+            let (buf, done) = wb.next_buffer().unwrap();
+            committed.extend(done);
+            log.note(format!("forward {i} start"));
+            {
+                let mut b = wb.engine().buffer(buf);
+                b.clear();
+                b.resize(1000 + i as usize, i as u8 + 1);
+            }
+            if i > 0 {
+                assert!(
+                    log.wait_for(&format!("copy {} start", i - 1)),
+                    "the copy-out of batch {} never began while forward {i} ran",
+                    i - 1
+                );
+            }
+            log.note(format!("forward {i} end"));
+            wb.copy_out(buf, Slot(i, vec![0; 1000 + i as usize]))
+                .unwrap();
+        }
+        // The last forward has nothing after it to wait for its copy.
+        log.note(format!("forward {n} start"));
+        committed.extend(wb.flush().unwrap());
+        let ids: Vec<u64> = committed.iter().map(|s| s.0).collect();
+        assert_eq!(ids, (0..n).collect::<Vec<_>>(), "every slot once, in order");
+        for s in &committed {
+            assert!(
+                s.1.iter().all(|&x| x == s.0 as u8 + 1),
+                "slot {} holds its own batch's bytes",
+                s.0
+            );
+        }
+        for i in 0..n - 1 {
+            assert!(
+                log.index(&format!("copy {i} start"))
+                    < log.index(&format!("forward {} end", i + 1))
+            );
+            assert!(
+                log.index(&format!("copy {i} end"))
+                    > log.index(&format!("forward {} start", i + 1))
+            );
+        }
+    }
+
+    #[test]
+    fn a_busy_buffer_is_refused_for_a_copy_out() {
+        let mut wb = WriteBack::new(CpuCopyOut::new(|_, _: &Slot, _| {}));
+        let (buf, none) = wb.next_buffer().unwrap();
+        assert!(none.is_none());
+        wb.copy_out(buf, Slot(0, vec![0; 4])).unwrap();
+        assert!(
+            wb.copy_out(buf, Slot(1, vec![0; 4])).is_err(),
+            "copy in flight"
+        );
+        assert!(
+            wb.copy_out(7, Slot(1, vec![0; 4])).is_err(),
+            "no such buffer"
+        );
+        assert_eq!(wb.flush().unwrap().len(), 1);
+    }
+}
