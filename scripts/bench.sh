@@ -18,7 +18,7 @@ echo "## idle cost";           ./target/release/bench-idle --runs 5 --seconds 3
 # Data at scale: prepare and launch on generated JSONL of 60 and 600 MB (3 GB by hand, see
 # BENCHMARKS.md). BASELINE_LAUNCHER=path/to/launcher compares with another build (the figures
 # compare with commit cc08f19, before the prepared data).
-cargo build --release -p launcher -p target-worker -p drafter-worker
+cargo build --release -p launcher
 for mb in 60 600; do
     echo "## data at scale: $mb MB"
     ./target/release/bench-data gen --mb "$mb" --out "/tmp/hspipe-bench-$mb.jsonl"

@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
-# The launcher runs the worker binaries beside it: build them too, so stale ones never run.
-cargo build --quiet --release -p launcher -p target-worker -p drafter-worker
+# The launcher runs its workers as itself (hidden subcommands): it is the only binary needed.
+cargo build --quiet --release -p launcher
 exec target/release/launcher "$@"

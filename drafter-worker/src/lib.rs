@@ -17,7 +17,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -25,10 +25,9 @@ use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::{BackendKind, DrafterBackend};
 use proto::control::{FinalReport, ToLauncher};
-use proto::worker::{setup, WorkerArgs};
-use proto::BatchView;
-use serde::{Deserialize, Serialize};
+use proto::{BatchView, LedgerLine, RunDir};
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
+use worker_runtime::{setup, WorkerArgs};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -45,56 +44,6 @@ use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
 pub struct Args {
     #[command(flatten)]
     pub common: WorkerArgs,
-}
-
-/// One line of a drafter's ledger: a batch it trained on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LedgerLine {
-    pub batch_id: u64,
-    pub sample_ids: Vec<u64>,
-    pub tokens: u64,
-    /// Earlier deliveries of this batch to drafters that died holding it.
-    pub delivery: u32,
-    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
-    /// Two tickets for one batch id mean it was published twice.
-    #[serde(default)]
-    pub ticket: u64,
-    /// The group step whose update used it.
-    pub step: u64,
-    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
-    /// in a line the launcher wrote for a rank that died before it could (see `record_retired`).
-    #[serde(default)]
-    pub digest: String,
-    /// The drafter's registration epoch (1 for the first run; restarts add one).
-    pub epoch: u64,
-}
-
-pub fn ledger_path(run_dir: &Path, index: u32) -> PathBuf {
-    run_dir
-        .join("ledger")
-        .join(format!("{}.jsonl", shm_ring::WorkerName::consumer(index)))
-}
-
-/// Every drafter's ledger lines, and how many lines could not be read. A line that does not
-/// parse was torn by a drafter killed in the middle of writing it: its batch was not released,
-/// so the ring delivered it again and another line records it.
-pub fn read_ledgers(run_dir: &Path, drafters: u32) -> anyhow::Result<(Vec<LedgerLine>, u64)> {
-    let (mut lines, mut torn) = (Vec::new(), 0);
-    for d in 0..drafters {
-        let path = ledger_path(run_dir, d);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-        };
-        for line in text.lines() {
-            match serde_json::from_str(line) {
-                Ok(l) => lines.push(l),
-                Err(_) => torn += 1,
-            }
-        }
-    }
-    Ok((lines, torn))
 }
 
 /// What the ledgers say about exactly-once training.
@@ -153,13 +102,13 @@ pub fn account(lines: &[LedgerLine]) -> Accounting {
 /// unless its ledger already ends with it (it died between the write and the release). The
 /// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
 pub fn record_retired(
-    run_dir: &Path,
+    run_dir: &RunDir,
     index: u32,
     meta: &shm_ring::ItemMeta,
     payload: &[u8],
     step: u64,
 ) -> anyhow::Result<bool> {
-    let path = ledger_path(run_dir, index);
+    let path = run_dir.ledger(index);
     let text = std::fs::read_to_string(&path).unwrap_or_default();
     let last: Option<LedgerLine> = text
         .lines()
@@ -199,11 +148,6 @@ fn open_ledger(path: &Path) -> anyhow::Result<File> {
         .with_context(|| format!("opening ledger {}", path.display()))?;
     end_torn_line(&mut f).with_context(|| format!("repairing ledger {}", path.display()))?;
     Ok(f)
-}
-
-/// The group's one checkpoint: weights, optimizer state and step.
-pub fn checkpoint_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("checkpoints").join("drafter.safetensors")
 }
 
 /// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
@@ -301,13 +245,12 @@ fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = setup(&args.common, Role::Consumer)?;
     let cfg = &s.config;
-    for dir in ["ledger", "checkpoints"] {
-        std::fs::create_dir_all(s.run_dir.join(dir))
-            .with_context(|| format!("creating {}", s.run_dir.join(dir).display()))?;
+    for dir in [s.run_dir.ledger_dir(), s.run_dir.checkpoints_dir()] {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let ckpt = checkpoint_path(&s.run_dir);
+    let ckpt = s.run_dir.checkpoint();
     let mut backend = gpu::drafter(s.backend, cfg, Some(s.name))?;
-    let ledger_file = ledger_path(&s.run_dir, s.index);
+    let ledger_file = s.run_dir.ledger(s.index);
     let mut ledger = open_ledger(&ledger_file)?;
 
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
@@ -372,7 +315,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         consumer.enter(Phase::Sync);
         let mut state = vec![0u32; backend.state_len()];
         // Marker file: the join fault fires in one incarnation only.
-        let marker = s.run_dir.join(format!("logs/.{}-crashed-in-join", s.name));
+        let marker = (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name));
         let joining = || {
             consumer.heartbeat();
             if faults.crash_in_join && !marker.exists() {
@@ -600,9 +543,10 @@ mod tests {
 
     #[test]
     fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
-        let dir = std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id()));
-        std::fs::create_dir_all(dir.join("ledger")).unwrap();
-        let path = ledger_path(&dir, 0);
+        let dir =
+            RunDir::new(std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id())));
+        std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+        let path = dir.ledger(0);
         let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
         std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
         let mut f = OpenOptions::new()
@@ -612,8 +556,8 @@ mod tests {
             .unwrap();
         end_torn_line(&mut f).unwrap();
         f.write_all(format!("{whole}\n").as_bytes()).unwrap();
-        let (lines, torn) = read_ledgers(&dir, 1).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        let (lines, torn) = dir.read_ledgers(1).unwrap();
+        std::fs::remove_dir_all(dir.path()).unwrap();
         assert_eq!((lines.len(), torn), (2, 1));
     }
 }

@@ -1,12 +1,7 @@
+use std::process::ExitCode;
+
 use clap::Parser;
 
-fn main() {
-    let args = drafter_worker::Args::parse();
-    match drafter_worker::run(args) {
-        Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> ExitCode {
+    worker_runtime::exit_code(drafter_worker::run(drafter_worker::Args::parse()))
 }

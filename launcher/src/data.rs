@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use dataset::{Progress, Stage, Unit};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use proto::PipelineConfig;
+use proto::{PipelineConfig, RunDir};
 use serde::{Deserialize, Serialize};
 
 /// Prepare training data once into the memory-mapped Arrow file every process of a run maps,
@@ -190,11 +190,7 @@ pub struct Record {
     pub tokens: u64,
 }
 
-pub fn record_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("dataset.json")
-}
-
-pub fn write_record(run_dir: &Path, input: &Path, p: &dataset::Prepared) -> anyhow::Result<()> {
+pub fn write_record(run_dir: &RunDir, input: &Path, p: &dataset::Prepared) -> anyhow::Result<()> {
     let r = Record {
         input: input.to_path_buf(),
         prepared: p.path.clone(),
@@ -202,14 +198,14 @@ pub fn write_record(run_dir: &Path, input: &Path, p: &dataset::Prepared) -> anyh
         samples: p.samples,
         tokens: p.tokens,
     };
-    let path = record_path(run_dir);
+    let path = run_dir.dataset_record();
     std::fs::write(&path, serde_json::to_string_pretty(&r)? + "\n")
         .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Refuses to resume `run_dir` on data other than the data it was planned from.
-pub fn check_same(run_dir: &Path, now: &dataset::Prepared) -> anyhow::Result<()> {
-    let path = record_path(run_dir);
+pub fn check_same(run_dir: &RunDir, now: &dataset::Prepared) -> anyhow::Result<()> {
+    let path = run_dir.dataset_record();
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(());
     };
@@ -222,7 +218,7 @@ pub fn check_same(run_dir: &Path, now: &dataset::Prepared) -> anyhow::Result<()>
             now.key,
             was.key,
             was.prepared.display(),
-            run_dir.join("config.toml").display()
+            run_dir.config().display()
         );
     }
     Ok(())

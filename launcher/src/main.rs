@@ -1,46 +1,49 @@
 use std::io::Write;
+use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
+use launcher::{exit, Cli, Command};
+use shm_ring::Role;
 
-fn main() {
-    // Worker mode: the launcher runs the workers itself when their binaries are not beside it.
-    let mut argv: Vec<String> = std::env::args().collect();
-    if argv.len() > 1 && (argv[1] == "worker-target" || argv[1] == "worker-drafter") {
-        let mode = argv.remove(1);
-        let code = if mode == "worker-target" {
-            target_worker::run(target_worker::Args::parse_from(&argv))
-        } else {
-            drafter_worker::run(drafter_worker::Args::parse_from(&argv))
-        };
-        exit_with(code);
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are "errors" that exit 0.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    match (cli.command, cli.run) {
+        // How the launcher starts its workers (spawn.rs): itself, through a hidden subcommand.
+        (Some(Command::TargetWorker(args)), _) => {
+            launcher::name_process(Role::Producer);
+            worker_runtime::exit_code(target_worker::run(args))
+        }
+        (Some(Command::DrafterWorker(args)), _) => {
+            launcher::name_process(Role::Consumer);
+            worker_runtime::exit_code(drafter_worker::run(args))
+        }
+        (Some(Command::Report(args)), _) => exit_code(launcher::report::run(args)),
+        (Some(Command::Prepare(args)), _) => exit_code(launcher::data::run_prepare(args)),
+        (None, Some(args)) => exit_code(launcher::run(args)),
+        // Not reached: without a subcommand clap requires the run's options.
+        (None, None) => {
+            let _ = Cli::command().print_help();
+            ExitCode::from(exit::USAGE as u8)
+        }
     }
-    // `launcher report RUN_DIR`: a picture of a run (see launcher::report).
-    if argv.get(1).map(String::as_str) == Some("report") {
-        let args = launcher::report::ReportArgs::parse_from(&argv[1..]);
-        exit_with(launcher::report::run(args));
-    }
-    // `launcher prepare INPUT`: prepare data only (see launcher::data).
-    if argv.get(1).map(String::as_str) == Some("prepare") {
-        let args = launcher::data::PrepareArgs::parse_from(&argv[1..]);
-        exit_with(launcher::data::run_prepare(args));
-    }
-    let args = launcher::Args::parse();
-    exit_with(launcher::run(args));
 }
 
-fn exit_with(r: anyhow::Result<i32>) -> ! {
+fn exit_code(r: anyhow::Result<i32>) -> ExitCode {
     match r {
-        Ok(code) => std::process::exit(code),
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(exit::ERROR as u8)),
         Err(e) => {
             // Not eprintln!: it panics if the terminal is gone (the run directory's
             // launcher.log has the message too, once it exists).
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
             let usage = e.downcast_ref::<launcher::UsageError>().is_some();
-            std::process::exit(if usage {
-                launcher::exit::USAGE
-            } else {
-                launcher::exit::ERROR
-            });
+            ExitCode::from(if usage { exit::USAGE } else { exit::ERROR } as u8)
         }
     }
 }

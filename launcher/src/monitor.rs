@@ -12,11 +12,11 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use proto::RunDir;
 use serde::{Deserialize, Serialize};
 use shm_ring::analysis::{self, Interval, WorkerRates};
 use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
@@ -189,8 +189,13 @@ fn shares(iv: &Interval, role: Role) -> (f64, f64) {
 }
 
 impl Monitor {
-    pub fn new(run_dir: &Path, total: u64, every: Duration, tee: &Tee) -> anyhow::Result<Monitor> {
-        let path = run_dir.join("metrics.jsonl");
+    pub fn new(
+        run_dir: &RunDir,
+        total: u64,
+        every: Duration,
+        tee: &Tee,
+    ) -> anyhow::Result<Monitor> {
+        let path = run_dir.metrics();
         let metrics =
             // Appended: a resumed run adds to what the run wrote before.
             std::fs::OpenOptions::new()

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use proto::RunDir;
 use rustix::fs::{flock, FlockOperation};
 use serde::{Deserialize, Serialize};
 use shm_ring::Ring;
@@ -247,9 +248,7 @@ fn reclaim_stale_segments(lines: &mut Vec<String>) {
             .name
             .strip_prefix(shm_ring::NAME_PREFIX)
             .map(|id| Path::new("runs").join(id))
-            .filter(|run| {
-                std::fs::read_to_string(run.join("ring")).is_ok_and(|r| r.trim() == s.name)
-            });
+            .filter(|run| RunDir::new(run).read_ring_name().is_ok_and(|r| r == s.name));
         match run {
             Some(run) => {
                 lines.push(format!("{what}: {}", run_state(&run)));
@@ -262,13 +261,14 @@ fn reclaim_stale_segments(lines: &mut Vec<String>) {
 
 /// What a dead launcher's run directory holds, for the next launcher's message.
 fn run_state(run: &Path) -> String {
-    if run.join("summary.json").exists() {
+    let run_dir = RunDir::new(run);
+    if run_dir.summary().exists() {
         return format!(
             "the run in {} had finished (see its summary.json)",
             run.display()
         );
     }
-    let ckpt = drafter_worker::checkpoint_path(run);
+    let ckpt = run_dir.checkpoint();
     let last = if ckpt.exists() {
         format!("its group checkpoint is {}", ckpt.display())
     } else {
@@ -285,7 +285,7 @@ fn run_state(run: &Path) -> String {
 fn note_in_run_log(run: &Path, what: &str) {
     if let Ok(mut f) = OpenOptions::new()
         .append(true)
-        .open(run.join("launcher.log"))
+        .open(RunDir::new(run).launcher_log())
     {
         let _ = writeln!(
             f,

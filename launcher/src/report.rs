@@ -24,10 +24,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
 use clap::Parser;
-use drafter_worker::LedgerLine;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use proto::{LedgerLine, RunDir};
 use shm_ring::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
@@ -85,7 +85,8 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             dir.display()
         );
     }
-    let path = dir.join("metrics.jsonl");
+    let run = RunDir::new(dir);
+    let path = run.metrics();
     if !path.exists() {
         bail!(
             "{} has no metrics.jsonl: not a launcher run directory, or its launcher stopped before it started the run",
@@ -150,12 +151,12 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             path.display()
         );
     }
-    let summary = std::fs::read_to_string(dir.join("summary.json"))
+    let summary = std::fs::read_to_string(run.summary())
         .ok()
         .and_then(|s| serde_json::from_str(&s).ok());
     let mut ledgers = Vec::new();
     for d in 0.. {
-        let p = drafter_worker::ledger_path(dir, d);
+        let p = run.ledger(d);
         let Ok(text) = std::fs::read_to_string(&p) else {
             break;
         };

@@ -9,12 +9,11 @@
 //! resume leaves the run as it was.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use gpu::BackendKind;
-use proto::PipelineConfig;
+use proto::{LedgerLine, PipelineConfig, RunDir};
 
 /// What a resume will do, checked and not yet applied.
 #[derive(Debug)]
@@ -32,25 +31,25 @@ pub struct Resume {
 /// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
 /// whose plan has `batches` batches, and works out what is done.
 pub fn check(
-    run_dir: &Path,
+    run_dir: &RunDir,
     cfg: &PipelineConfig,
     backend: BackendKind,
     drafters: u32,
     batches: u64,
 ) -> anyhow::Result<Resume> {
-    let summary = run_dir.join("summary.json");
+    let summary = run_dir.summary();
     if let Ok(text) = std::fs::read_to_string(&summary) {
         let v: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("reading {}", summary.display()))?;
         if v["ok"] == true {
             bail!(
                 "{} finished: every sample was trained ({}); nothing to resume",
-                run_dir.display(),
+                run_dir.path().display(),
                 summary.display()
             );
         }
     }
-    let ckpt = checkpoint_path(run_dir);
+    let ckpt = run_dir.checkpoint();
     let step = if ckpt.exists() {
         let mut d = gpu::drafter(backend, cfg, None)?;
         d.load(&ckpt).with_context(|| {
@@ -64,7 +63,7 @@ pub fn check(
     let (mut done, mut dropped) = (BTreeSet::new(), 0);
     let mut files = 0;
     for d in 0.. {
-        let path = ledger_path(run_dir, d);
+        let path = run_dir.ledger(d);
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,

@@ -1,4 +1,4 @@
-//! The launcher's stop signals (`proto::worker::STOP_SIGNALS`: SIGINT, SIGTERM, SIGHUP,
+//! The launcher's stop signals (`proto::stop::STOP_SIGNALS`: SIGINT, SIGTERM, SIGHUP,
 //! SIGQUIT). Unlike a worker, the launcher must not exit from a handler even on the second
 //! signal: it still has to kill the workers, write the summary and remove the ring. So the
 //! signals are only counted, by a thread reading signal-hook's self-pipe, and the supervision
@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::sync::Arc;
 
-use proto::worker::STOP_SIGNALS;
+use proto::stop::STOP_SIGNALS;
 
 /// Stop signals received so far.
 #[derive(Clone)]

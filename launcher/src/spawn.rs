@@ -1,6 +1,6 @@
-//! Starting one worker process: its binary, its GPU, its log, a parent-death signal, and the
-//! control-channel handshake (in a thread, so a worker that dies before connecting cannot block
-//! the supervisor).
+//! Starting one worker process: the launcher's own binary through a hidden subcommand, its GPU,
+//! its log, a parent-death signal, and the control-channel handshake (in a thread, so a worker
+//! that dies before connecting cannot block the supervisor).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Sender;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use proto::control::{self, FinalReport, ToLauncher, ToWorker, PROTOCOL_VERSION};
 use shm_ring::{Role, WorkerName};
 
@@ -43,49 +43,26 @@ pub enum Event {
     HandshakeFailed(Key, String),
 }
 
-/// How to run a worker: a separate binary, or the launcher itself in worker mode.
-#[derive(Clone, Debug)]
-pub enum WorkerExe {
-    Binary(PathBuf),
-    SelfAs(&'static str),
+/// What the launcher runs as a worker: itself. `/proc/self/exe` is the launcher's own binary
+/// (the file it was started from, even if that path has been replaced since, say by a rebuild),
+/// so a worker is always the launcher's own code: no worker binary to deploy beside it, and no
+/// stale one to pick up by mistake.
+const SELF_EXE: &str = "/proc/self/exe";
+
+/// The hidden subcommand that makes the launcher's binary a worker of `role` (`cli::Command`).
+fn subcommand(role: Role) -> &'static str {
+    match role {
+        Role::Producer => "target-worker",
+        Role::Consumer => "drafter-worker",
+    }
 }
 
-impl WorkerExe {
-    /// The worker binaries beside the launcher (or in `dir`); without `dir`, falls back to the
-    /// launcher's own worker mode when they are not there (e.g. after `cargo run -p launcher`).
-    pub fn find(role: Role, dir: Option<&Path>) -> anyhow::Result<WorkerExe> {
-        let (name, mode) = match role {
-            Role::Producer => ("target-worker", "worker-target"),
-            Role::Consumer => ("drafter-worker", "worker-drafter"),
-        };
-        match dir {
-            Some(d) => {
-                let p = d.join(name);
-                if !p.is_file() {
-                    bail!(
-                        "worker binary not found: {} (check --worker-dir)",
-                        p.display()
-                    );
-                }
-                Ok(WorkerExe::Binary(p))
-            }
-            None => {
-                let me = std::env::current_exe().context("finding the launcher's own path")?;
-                let beside = me.with_file_name(name);
-                Ok(if beside.is_file() {
-                    WorkerExe::Binary(beside)
-                } else {
-                    WorkerExe::SelfAs(mode)
-                })
-            }
-        }
-    }
-
-    pub fn describe(&self) -> String {
-        match self {
-            WorkerExe::Binary(p) => p.display().to_string(),
-            WorkerExe::SelfAs(mode) => format!("launcher {mode}"),
-        }
+/// Names this process after the worker subcommand it runs (`/proc/self/comm`: what `ps -C`,
+/// `top` and `pgrep` show), which exec'ing `/proc/self/exe` left as `exe`. Only cosmetic, so a
+/// failure is ignored.
+pub fn name_process(role: Role) {
+    if let Ok(name) = std::ffi::CString::new(subcommand(role)) {
+        let _ = rustix::thread::set_name(&name);
     }
 }
 
@@ -101,7 +78,6 @@ pub struct Welcome {
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
 /// forwards its messages as `Event`s.
 pub fn spawn(
-    exe: &WorkerExe,
     key: Key,
     gpu: u32,
     log: &Path,
@@ -120,15 +96,12 @@ pub fn spawn(
         "--- launcher: starting (incarnation {}) on GPU {gpu}",
         key.spawn + 1
     )?;
-    let mut cmd = match exe {
-        WorkerExe::Binary(p) => Command::new(p),
-        WorkerExe::SelfAs(mode) => {
-            let mut c = Command::new(std::env::current_exe()?);
-            c.arg(mode);
-            c
-        }
-    };
-    cmd.args(["--index", &key.index.to_string(), "--control", &server_name])
+    let sub = subcommand(key.role);
+    let mut cmd = Command::new(SELF_EXE);
+    // argv[0]: `ps` shows `target-worker 3 ...`, not `launcher`.
+    cmd.arg0(format!("{sub} {}", key.index))
+        .arg(sub)
+        .args(["--index", &key.index.to_string(), "--control", &server_name])
         .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
@@ -153,7 +126,7 @@ pub fn spawn(
     }
     let child = cmd
         .spawn()
-        .with_context(|| format!("starting {}", exe.describe()))?;
+        .with_context(|| format!("starting {SELF_EXE} {sub}"))?;
     let welcome = welcome.clone();
     std::thread::spawn(move || handshake(server, key, gpu, welcome, events));
     Ok(child)

@@ -7,11 +7,11 @@
 //! update skews them.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use drafter_worker::{account, read_ledgers};
+use drafter_worker::account;
+use proto::RunDir;
 use serde::Serialize;
 use shm_ring::{Snapshot, WorkerName};
 
@@ -54,18 +54,36 @@ pub struct Summary {
     pub workers: Vec<WorkerSummary>,
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn build(
-    run_dir: &Path,
-    ring: &str,
-    backend: &str,
-    snap: &Snapshot,
-    samples_total: u64,
-    drafters: u32,
-    wall: Duration,
-    restarts: &HashMap<WorkerName, u32>,
-) -> anyhow::Result<Summary> {
-    let (lines, torn) = read_ledgers(run_dir, drafters)?;
+/// What the supervisor knows at the end of a run, for [`build`].
+pub struct Facts<'a> {
+    pub run_dir: &'a RunDir,
+    /// The ring's name.
+    pub ring: &'a str,
+    /// The backend's description.
+    pub backend: &'a str,
+    /// The ring's telemetry at the end.
+    pub snap: &'a Snapshot,
+    pub samples_total: u64,
+    pub drafters: u32,
+    pub wall: Duration,
+    /// Restarts by worker name (`target-0`).
+    pub restarts: &'a HashMap<WorkerName, u32>,
+}
+
+/// The summary from the ledgers and the ring's telemetry; `ok`, the exit code and the notes
+/// are set by [`finalise`].
+pub fn build(f: &Facts) -> anyhow::Result<Summary> {
+    let Facts {
+        run_dir,
+        ring,
+        backend,
+        snap,
+        samples_total,
+        drafters,
+        wall,
+        restarts,
+    } = *f;
+    let (lines, torn) = run_dir.read_ledgers(drafters)?;
     let acct = account(&lines);
     let batches = lines.len() as u64;
     let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
@@ -132,8 +150,8 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
 }
 
 /// Writes summary.json atomically.
-pub fn write(run_dir: &Path, s: &Summary) -> anyhow::Result<()> {
-    let path = run_dir.join("summary.json");
+pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
+    let path = run_dir.summary();
     proto::atomic_file::replace(&path, (serde_json::to_string_pretty(s)? + "\n").as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }
@@ -176,7 +194,7 @@ pub fn print(s: &Summary) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use drafter_worker::{ledger_path, LedgerLine};
+    use proto::LedgerLine;
     use shm_ring::{Ring, RingParams, TakePolicy};
 
     /// Issue #9, item 8: a batch trained twice by live drafters (published twice: two tickets)
@@ -185,7 +203,8 @@ mod tests {
     #[test]
     fn a_batch_trained_twice_is_counted_in_duplicated_and_the_run_is_not_ok() {
         let dir = std::env::temp_dir().join(format!("hspipe-summary-{}", std::process::id()));
-        std::fs::create_dir_all(dir.join("ledger")).unwrap();
+        let dir = RunDir::new(dir);
+        std::fs::create_dir_all(dir.ledger_dir()).unwrap();
         let line = |d: u32, batch_id: u64, ticket: u64| {
             let l = LedgerLine {
                 batch_id,
@@ -197,7 +216,7 @@ mod tests {
                 digest: String::new(),
                 epoch: 1,
             };
-            let path = ledger_path(&dir, d);
+            let path = dir.ledger(d);
             let mut text = std::fs::read_to_string(&path).unwrap_or_default();
             text += &(serde_json::to_string(&l).unwrap() + "\n");
             std::fs::write(path, text).unwrap();
@@ -220,17 +239,17 @@ mod tests {
             },
         )
         .unwrap();
-        let s = build(
-            &dir,
-            ring.name(),
-            "mock",
-            &ring.snapshot(),
-            4,
-            2,
-            Duration::from_secs(1),
-            &HashMap::new(),
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
+        let s = build(&Facts {
+            run_dir: &dir,
+            ring: ring.name(),
+            backend: "mock",
+            snap: &ring.snapshot(),
+            samples_total: 4,
+            drafters: 2,
+            wall: Duration::from_secs(1),
+            restarts: &HashMap::new(),
+        });
+        std::fs::remove_dir_all(dir.path()).unwrap();
         let s = finalise(s.unwrap(), 0, Vec::new());
         assert_eq!((s.samples_trained, s.samples_total), (4, 4));
         assert_eq!(s.duplicated, 1);

@@ -1,20 +1,24 @@
 //! What hspipe's processes agree on: the hidden-state batch layout inside a ring slot (written
-//! and read in place, checksummed), and — with the workers issue — the pipeline config and the
-//! launcher ↔ worker control messages.
+//! and read in place, checksummed), the batch plan, the pipeline config, the launcher ↔ worker
+//! control messages, the stop signals and exit codes (`stop`), and the checkpoint format. How a
+//! worker process runs (its flags, logging, signal handlers) is not a contract: that is the
+//! `worker-runtime` crate.
 
 pub mod atomic_file;
 pub mod batch;
 pub mod config;
 pub mod control;
 pub mod plan;
+pub mod run_dir;
 pub mod safetensors;
-pub mod worker;
+pub mod stop;
 
 pub use batch::{
     batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section, ALIGN,
     BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
+pub use run_dir::{LedgerLine, RunDir, RunDirError};
 /// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.
 pub use shm_ring::{Role, WorkerName};
 

@@ -152,12 +152,17 @@ fn run_on_stdout(args: &Args) -> anyhow::Result<()> {
     }
 }
 
+/// The file in a run directory that holds the name of the run's ring (`--run-dir`). The
+/// launcher writes it through `proto::RunDir`, which takes the name from here: `proto` depends
+/// on this crate, not the other way.
+pub const RUN_DIR_RING_FILE: &str = "ring";
+
 /// Checks the flags and attaches to the ring they name.
 fn open(args: &Args) -> anyhow::Result<Ring> {
     let name = match (&args.ring, &args.run_dir) {
         (Some(r), _) => r.clone(),
         (None, Some(d)) => {
-            let p = d.join("ring");
+            let p = d.join(RUN_DIR_RING_FILE);
             std::fs::read_to_string(&p)
                 .with_context(|| format!("reading the ring name from {}", p.display()))?
                 .trim()

@@ -11,9 +11,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use proto::control::{FinalReport, ToLauncher};
-use proto::worker::{setup, WorkerArgs, EXIT_STOPPED};
+use proto::stop::EXIT_STOPPED;
 use proto::{batch_len, BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Ring, Role};
+use worker_runtime::{setup, WorkerArgs};
 
 use crate::data::{plan, Dataset, PlannedBatch};
 
@@ -92,7 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let p = dataset::prepare(
             path,
             s.config.data.max_len,
-            &dataset::default_cache_dir(&s.run_dir),
+            &dataset::default_cache_dir(s.run_dir.path()),
             None,
             &mut |_| {},
         )

@@ -1,12 +1,7 @@
+use std::process::ExitCode;
+
 use clap::Parser;
 
-fn main() {
-    let args = target_worker::Args::parse();
-    match target_worker::run(args) {
-        Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> ExitCode {
+    worker_runtime::exit_code(target_worker::run(target_worker::Args::parse()))
 }

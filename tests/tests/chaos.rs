@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use drafter_worker::LedgerLine;
+use proto::LedgerLine;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 

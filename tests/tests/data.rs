@@ -15,8 +15,8 @@ use std::process::Command;
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
-use drafter_worker::{ledger_path, LedgerLine};
 use proto::PipelineConfig;
+use proto::{LedgerLine, RunDir};
 
 use crate::launcher::{kill, no_segment_of};
 use crate::support::{spawn, stale_segments_shared, workspace_bin, Proc, TestDir, WATCHDOG};
@@ -157,7 +157,7 @@ fn launch(config: Option<&Path>, args: &[&str]) -> Proc {
 fn trained(run_dir: &Path) -> BTreeMap<u64, (Vec<u64>, u64)> {
     let mut out = BTreeMap::new();
     for d in 0..3 {
-        let text = std::fs::read_to_string(ledger_path(run_dir, d)).unwrap_or_default();
+        let text = std::fs::read_to_string(RunDir::new(run_dir).ledger(d)).unwrap_or_default();
         for l in text.lines() {
             let l: LedgerLine = serde_json::from_str(l).unwrap();
             let mut ids = l.sample_ids.clone();

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
-use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
+use proto::{LedgerLine, RunDir};
 use shm_ring::{Ring, Role, Snapshot, WorkerName};
 
 use crate::support::{
@@ -108,7 +108,7 @@ impl Run {
     pub(crate) fn ledgers(&self) -> Vec<LedgerLine> {
         (0..3)
             .flat_map(|d| {
-                std::fs::read_to_string(ledger_path(&self.run_dir(), d))
+                std::fs::read_to_string(RunDir::new(self.run_dir()).ledger(d))
                     .unwrap_or_default()
                     .lines()
                     .map(|l| serde_json::from_str::<LedgerLine>(l).unwrap())
@@ -385,7 +385,7 @@ fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
         assert!(!pid_alive(p), "worker {p} outlived the launcher");
     }
     assert!(
-        checkpoint_path(&run.run_dir()).exists(),
+        RunDir::new(run.run_dir()).checkpoint().exists(),
         "the group checkpointed"
     );
     let s = run.summary();
@@ -529,10 +529,6 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
             vec!["--config".into(), "/nonexistent/run.toml".into()],
             "/nonexistent/run.toml",
         ),
-        (
-            vec!["--worker-dir".into(), "/nonexistent".into()],
-            "worker binary not found",
-        ),
         (vec!["--backend".into(), "cuda".into()], "cuda"),
     ];
     for (i, (extra, want)) in cases.iter().enumerate() {
@@ -574,8 +570,12 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     no_segment_of(pid);
 }
 
+/// Every worker is the launcher's own binary, started through its hidden subcommand and named
+/// for `ps` (`target-worker 0 ...`): never the `target-worker` and `drafter-worker` binaries
+/// that lie beside it here (a stale one of those once ran instead of the launcher's code). And
+/// each sees only its own GPU.
 #[test]
-fn each_worker_sees_only_its_gpu() {
+fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
     let run = Run::new("lenv");
     let cfg = config(&run.dir, true, "");
     let mut launcher = run.launch(&cfg, &[]);
@@ -583,6 +583,27 @@ fn each_worker_sees_only_its_gpu() {
     let s = wait_until("8 live workers", &ring, |s| {
         s.workers.iter().all(|w| w.alive)
     });
+    let launcher_exe = std::fs::canonicalize(workspace_bin("launcher")).unwrap();
+    assert!(
+        launcher_exe.with_file_name("target-worker").exists(),
+        "the worker binaries are built beside the launcher, so this test can show they are not used"
+    );
+    for w in &s.workers {
+        let kind = match w.role {
+            shm_ring::Role::Producer => "target-worker",
+            shm_ring::Role::Consumer => "drafter-worker",
+        };
+        let exe = std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap();
+        assert_eq!(exe, launcher_exe, "{kind} {} (pid {})", w.index, w.pid);
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", w.pid)).unwrap();
+        let argv: Vec<String> = (cmdline.split(|&b| b == 0))
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        assert_eq!(argv[0], format!("{kind} {}", w.index), "{argv:?}");
+        assert_eq!(argv[1], kind, "{argv:?}");
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).unwrap();
+        assert_eq!(comm.trim_end(), kind);
+    }
     for (i, w) in s.workers.iter().enumerate() {
         let env = std::fs::read(format!("/proc/{}/environ", w.pid)).unwrap();
         let env = String::from_utf8_lossy(&env);
@@ -628,7 +649,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     let mut killed = dead.launch(&cfg, &[]);
     let killed_ring = attach(&mut killed);
     let s = wait_until("8 live workers and a checkpoint", &killed_ring, |s| {
-        s.workers.iter().all(|w| w.alive) && checkpoint_path(&dead.run_dir()).exists()
+        s.workers.iter().all(|w| w.alive) && RunDir::new(dead.run_dir()).checkpoint().exists()
     });
 
     // A concurrent launcher with far more data than the test takes to finish.
@@ -788,7 +809,7 @@ fn a_hung_drafter_is_killed_and_restarted() {
 fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
     (0..3)
         .flat_map(|d| {
-            std::fs::read_to_string(ledger_path(&run.run_dir(), d))
+            std::fs::read_to_string(RunDir::new(run.run_dir()).ledger(d))
                 .unwrap_or_default()
                 .lines()
                 .filter_map(|l| serde_json::from_str::<LedgerLine>(l).ok())
@@ -799,7 +820,7 @@ fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
 
 /// The step of the group checkpoint, read as any tool would read the file.
 fn checkpoint_step(run: &Run) -> u64 {
-    let bytes = std::fs::read(checkpoint_path(&run.run_dir())).unwrap();
+    let bytes = std::fs::read(RunDir::new(run.run_dir()).checkpoint()).unwrap();
     let st = proto::safetensors::SafeTensors::parse(&bytes).unwrap();
     u64::from_le_bytes(st.tensor("step").unwrap().data.try_into().unwrap())
 }
@@ -820,7 +841,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
     let mut launcher = run.launch(&cfg, &[]);
     let ring = attach(&mut launcher);
     let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
-        checkpoint_path(&run.run_dir()).exists() && s.counters.released >= 20
+        RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= 20
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
     kill(launcher.child.id(), libc::SIGKILL);
@@ -894,7 +915,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
 
     // A finished run, a directory that is no run, a checkpoint that does not load: clear
     // errors, and nothing in the run directory changes.
-    let ledger0 = std::fs::read(ledger_path(&run_dir, 0)).unwrap();
+    let ledger0 = std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap();
     let bad = |dir: &Path, want: &str| {
         let args = resume_args(dir.to_str().unwrap());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -910,16 +931,22 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         );
     };
     bad(&run_dir, "nothing to resume");
-    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
     bad(&run.dir, "not a run directory");
     std::fs::remove_file(run_dir.join("summary.json")).unwrap();
-    std::fs::write(checkpoint_path(&run_dir), b"garbage").unwrap();
+    std::fs::write(RunDir::new(&run_dir).checkpoint(), b"garbage").unwrap();
     bad(&run_dir, "checkpoint does not load");
     assert_eq!(
-        std::fs::read(checkpoint_path(&run_dir)).unwrap(),
+        std::fs::read(RunDir::new(&run_dir).checkpoint()).unwrap(),
         b"garbage"
     );
-    assert_eq!(std::fs::read(ledger_path(&run_dir, 0)).unwrap(), ledger0);
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
 }
 
 /// One slow rank holds the whole synchronous group: the verdict names it (drafter 2, three

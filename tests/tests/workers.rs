@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use collective::ShmGroup;
-use drafter_worker::{checkpoint_path, ledger_path, LedgerLine};
 use proto::PipelineConfig;
+use proto::{LedgerLine, RunDir};
 use shm_ring::{Phase, Ring, Role, WorkerName};
 use target_worker::data::{plan, Dataset};
 
@@ -31,9 +31,6 @@ tokens_per_s = 2000000.0
 tokens_per_s = 2000000.0
 checkpoint_every = 2
 "#;
-
-/// A run directory; `config` writes a config into it.
-type RunDir = TestDir;
 
 impl TestDir {
     fn config(&self, name: &str, extra: &str) -> PathBuf {
@@ -63,7 +60,7 @@ fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, S
 /// A run directory with the standard config, and a ring for `targets` x `drafters` made as the
 /// launcher would.
 struct Setup {
-    run: RunDir,
+    run: TestDir,
     config: PathBuf,
     name: String,
     ring: Ring,
@@ -72,7 +69,7 @@ struct Setup {
 }
 
 fn setup(tag: &str, targets: u32, drafters: u32) -> Setup {
-    let run = RunDir::new(tag);
+    let run = TestDir::new(tag);
     let config = run.config("run.toml", "");
     let name = unique(tag);
     let (ring, group, samples) = make_ring(&name, &config, targets, drafters);
@@ -106,7 +103,7 @@ const TARGET: &str = "target-worker";
 const DRAFTER: &str = "drafter-worker";
 
 fn ledger(run: &Path, index: u32) -> Vec<LedgerLine> {
-    std::fs::read_to_string(ledger_path(run, index))
+    std::fs::read_to_string(RunDir::new(run).ledger(index))
         .unwrap_or_default()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -163,7 +160,7 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
     }
     for d in 0..2 {
         assert!(
-            checkpoint_path(&run.0).exists(),
+            RunDir::new(&run.0).checkpoint().exists(),
             "final checkpoint of drafter {d}"
         );
     }
@@ -333,7 +330,7 @@ fn bad_inputs_give_clear_errors() {
 
     // A checkpoint that does not load.
     std::fs::create_dir_all(run.0.join("checkpoints")).unwrap();
-    std::fs::write(checkpoint_path(&run.0), b"garbage").unwrap();
+    std::fs::write(RunDir::new(&run.0).checkpoint(), b"garbage").unwrap();
     assert_error(
         &standalone(DRAFTER, "0", &name, &config),
         "drafter.safetensors",
@@ -389,7 +386,7 @@ fn a_crashed_target_is_redone_by_its_restart_and_every_sample_is_trained_once() 
 
 #[test]
 fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
-    let run = RunDir::new("wint");
+    let run = TestDir::new("wint");
     // Slow targets and more data, so the run is still going when the signal comes.
     let config = run.0.join("slow.toml");
     std::fs::write(
@@ -433,7 +430,10 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
     );
     let n = trained(&run.0, 2);
     assert!(n.len() < samples && n.values().all(|&c| c == 1));
-    assert!(checkpoint_path(&run.0).exists(), "the group checkpointed");
+    assert!(
+        RunDir::new(&run.0).checkpoint().exists(),
+        "the group checkpointed"
+    );
 }
 
 #[test]

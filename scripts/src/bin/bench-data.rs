@@ -223,8 +223,8 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         }
         let t = started.elapsed().as_secs_f64();
         if ring.is_none() {
-            if let Ok(name) = std::fs::read_to_string(run_dir.join("ring")) {
-                ring = shm_ring::Ring::open_read_only(name.trim()).ok();
+            if let Ok(name) = proto::RunDir::new(run_dir).read_ring_name() {
+                ring = shm_ring::Ring::open_read_only(&name).ok();
             }
         }
         if published.is_none()

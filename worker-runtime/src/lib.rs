@@ -1,19 +1,23 @@
 //! What both workers do the same way: their command line, the handshake or standalone setup,
 //! logging, and learning that they should stop (a signal, or `Stop` from the launcher).
+//!
+//! Worker runtime, not protocol: what the launcher and a worker agree on (the control messages,
+//! the stop signals and exit codes) is in `proto`; how a worker process sets itself up is here,
+//! shared by `target-worker` and `drafter-worker` (their standalone binaries and the launcher's
+//! hidden subcommands alike).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::BackendKind;
-use crate::control::{self, ControlError, ToLauncher, ToWorker};
-use crate::{ConfigError, PipelineConfig};
-use shm_ring::{Role, WorkerName};
+use std::process::ExitCode;
 
-/// Exit code of a worker that stopped on request before its part was complete (not a crash:
-/// the launcher does not restart it).
-pub const EXIT_STOPPED: i32 = 3;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use proto::config::BackendKind;
+use proto::control::{self, ControlError, ToLauncher, ToWorker};
+use proto::stop::{EXIT_SECOND_SIGNAL, STOP_SIGNALS};
+use proto::{ConfigError, PipelineConfig, Role, RunDir, WorkerName};
 
 /// The command line both workers share.
 #[derive(clap::Args, Debug, Clone)]
@@ -37,7 +41,12 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub gpu: Option<u32>,
     /// Compute backend (standalone; the launcher chooses it otherwise).
-    #[arg(long, value_enum, default_value_t = BackendKind::Mock)]
+    #[arg(
+        long,
+        default_value_t = BackendKind::Mock,
+        value_parser = PossibleValuesParser::new(BackendKind::NAMES)
+            .try_map(|s| s.parse::<BackendKind>()),
+    )]
     pub backend: BackendKind,
 }
 
@@ -56,7 +65,7 @@ pub struct Setup {
     pub index: u32,
     pub name: WorkerName,
     pub ring: String,
-    pub run_dir: PathBuf,
+    pub run_dir: RunDir,
     pub gpu: Option<u32>,
     pub config: PipelineConfig,
     /// The compute backend to build (the launcher's choice, or `--backend` standalone).
@@ -65,17 +74,6 @@ pub struct Setup {
     /// Present when the launcher started us.
     pub to_launcher: Option<control::Sender<ToLauncher>>,
 }
-
-/// The signals that ask for an ordered stop, in the launcher and in the workers alike: Ctrl-C,
-/// `kill`, a closed terminal or dropped SSH session (SIGHUP), and Ctrl-\\ (SIGQUIT), as torchrun
-/// treats them. A second one of any of them stops hard.
-pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    [SIGINT, SIGTERM, SIGHUP, SIGQUIT]
-};
-
-/// Exit code of a worker stopped by a second stop signal.
-pub const EXIT_SECOND_SIGNAL: i32 = 130;
 
 /// Set by a stop signal or by the launcher.
 #[derive(Clone, Default)]
@@ -169,7 +167,7 @@ fn connect_or_read(
                 index: args.index,
                 name,
                 ring: link.ring,
-                run_dir: link.run_dir,
+                run_dir: RunDir::new(link.run_dir),
                 gpu: link.gpu,
                 config,
                 backend: link.backend,
@@ -186,13 +184,27 @@ fn connect_or_read(
                 index: args.index,
                 name,
                 ring: args.ring.clone().expect("clap requires --ring"),
-                run_dir: args.run_dir.clone().expect("clap requires --run-dir"),
+                run_dir: RunDir::new(args.run_dir.clone().expect("clap requires --run-dir")),
                 gpu: args.gpu,
                 config,
                 backend: args.backend,
                 stop,
                 to_launcher: None,
             })
+        }
+    }
+}
+
+/// A worker's exit code from what its `run` returned: its own code, or 1 with the error chain
+/// on stderr (its log). For the workers' `main`s, standalone or as the launcher's subcommands.
+pub fn exit_code(result: anyhow::Result<i32>) -> ExitCode {
+    match result {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            // Not eprintln!: it panics if stderr is gone.
+            let _ =
+                std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("error: {e:#}\n"));
+            ExitCode::FAILURE
         }
     }
 }

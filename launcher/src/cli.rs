@@ -1,0 +1,307 @@
+//! The launcher's command line: the run's options, its subcommands (`report`, `prepare`, and
+//! the hidden worker subcommands through which the launcher starts its workers), GPU lists, the
+//! checks clap cannot make, and the exit codes.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Exit codes (also in the README).
+pub mod exit {
+    /// Every sample was trained.
+    pub const OK: i32 = 0;
+    /// An error stopped the run (the message says which).
+    pub const ERROR: i32 = 1;
+    /// Bad command line.
+    pub const USAGE: i32 = 2;
+    /// The run ended but degraded: a worker gave up past its restart limit, samples were left
+    /// untrained, or a batch was trained twice; `summary.json` says why.
+    pub const DEGRADED: i32 = 3;
+    /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
+    pub const INTERRUPTED: i32 = 130;
+    /// Stopped by a second stop signal: workers were killed.
+    pub const KILLED: i32 = 131;
+}
+
+/// Train speculative-decoding drafters from frozen target models, one process per GPU.
+///
+/// Targets turn training text into hidden states; drafters learn from them; batches move
+/// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C (or SIGTERM, or
+/// SIGHUP from a closed terminal, or SIGQUIT) stops targets, lets drafters drain and
+/// checkpoint, then exits (a second signal kills at once). At start, rings left by dead
+/// launchers of the same user are removed, with a line saying which run stopped.
+///
+/// Examples:
+///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data
+///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
+///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
+///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
+///   launcher report runs/exp1                              a picture of a run (report --help)
+///   launcher prepare train.parquet                         prepare data only (prepare --help)
+///
+/// --data is prepared once into a memory-mapped Arrow file in the cache (--data-cache,
+/// default data-cache beside the run directory), which every worker maps; the same input is
+/// found there by its content and never converted again.
+///
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json,
+/// launcher.log (all that is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
+/// `shm-ring-stat --list`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "launcher",
+    version,
+    verbatim_doc_comment,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    disable_help_subcommand = true
+)]
+pub struct Cli {
+    /// Present unless a subcommand is given (clap then requires --targets and --drafters).
+    #[command(flatten)]
+    pub run: Option<Args>,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// A picture of a run (see `launcher report --help`).
+    Report(crate::report::ReportArgs),
+    /// Prepare training data only (see `launcher prepare --help`).
+    Prepare(crate::data::PrepareArgs),
+    /// A target worker: how the launcher starts one (`spawn`), never typed by a user.
+    #[command(hide = true)]
+    TargetWorker(target_worker::Args),
+    /// A drafter worker: how the launcher starts one (`spawn`), never typed by a user.
+    #[command(hide = true)]
+    DrafterWorker(drafter_worker::Args),
+}
+
+/// The options of a run (no subcommand).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GPUs for target workers: 0-4, 0,2,4 or 0-2,6.
+    #[arg(long, value_parser = gpu_list_arg)]
+    pub targets: GpuList,
+    /// GPUs for drafter workers, same syntax.
+    #[arg(long, value_parser = gpu_list_arg)]
+    pub drafters: GpuList,
+    /// Allow a GPU in both lists (for machines with a single GPU).
+    #[arg(long)]
+    pub share_gpus: bool,
+    /// Compute backend. auto: mock (the cuda backend is not built yet; once it is, auto takes
+    /// it where an NVIDIA driver is present).
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    pub backend: Backend,
+    /// Pipeline config (TOML); every field has a default.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Continue the stopped or killed run in RUN_DIR from its group checkpoint, with its own
+    /// config and data: batches whose update is in the checkpoint are not trained again.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
+    pub resume: Option<PathBuf>,
+    /// Training data: JSONL with input_ids (and optional loss_mask) per line, Parquet or Arrow
+    /// with input_ids (and optional loss_mask) list columns, an HF datasets save_to_disk
+    /// directory, or a file `launcher prepare` made.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub data: Option<PathBuf>,
+    /// Where prepared data is cached (default: data-cache beside the run directory).
+    #[arg(long, value_name = "DIR")]
+    pub data_cache: Option<PathBuf>,
+    /// Use N samples of the built-in synthetic dataset (the default when --data is absent).
+    #[arg(long)]
+    pub synthetic: Option<u64>,
+    /// Run directory (default: runs/<run id>). Must not hold an earlier run.
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Restarts allowed per worker before it is given up.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: u32,
+    /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
+    /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
+    /// while blocked on the ring, so only a step or checkpoint longer than this trips it.
+    #[arg(long, default_value_t = 600.0)]
+    pub hang_timeout: f64,
+    /// Seconds between monitor updates.
+    #[arg(long, default_value_t = 1.0)]
+    pub monitor: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Auto,
+    Mock,
+    Cuda,
+}
+
+/// A usage error: printed like clap's, exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for UsageError {}
+
+impl Args {
+    /// The checks clap cannot make; each failure is a usage error (exit code 2).
+    pub fn check(&self) -> Result<(), UsageError> {
+        let shared = overlap(&self.targets.0, &self.drafters.0);
+        if !shared.is_empty() && !self.share_gpus {
+            return Err(UsageError(format!(
+                "GPU(s) {shared:?} are in both --targets and --drafters; pass --share-gpus to allow that on a machine with few GPUs"
+            )));
+        }
+        if !(self.hang_timeout.is_finite() && self.hang_timeout > 0.0) {
+            return Err(UsageError(format!(
+                "--hang-timeout must be a positive number of seconds, got {}",
+                self.hang_timeout
+            )));
+        }
+        if !(self.monitor.is_finite() && self.monitor > 0.0) {
+            return Err(UsageError(format!(
+                "--monitor must be a positive number of seconds, got {}",
+                self.monitor
+            )));
+        }
+        Ok(())
+    }
+}
+
+// GPU lists on the command line: `0-4`, `0,2,4`, `0-2,6`.
+
+/// Most GPU index accepted.
+const MAX_GPU: u32 = 1023;
+
+/// A parsed GPU list, in the order given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuList(pub Vec<u32>);
+
+/// clap's value parser for `--targets` and `--drafters`.
+pub fn gpu_list_arg(s: &str) -> Result<GpuList, String> {
+    parse_gpu_list(s).map(GpuList)
+}
+
+/// Parses a GPU list; the error says what is wrong with it.
+pub fn parse_gpu_list(s: &str) -> Result<Vec<u32>, String> {
+    if s.trim().is_empty() {
+        return Err("the GPU list is empty (write e.g. 0-4, 0,2,4 or 0-2,6)".into());
+    }
+    let mut out: Vec<u32> = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            return Err(format!("{s:?} has an empty entry between commas"));
+        }
+        let num = |t: &str| -> Result<u32, String> {
+            let n: u32 = t
+                .trim()
+                .parse()
+                .map_err(|_| format!("{t:?} in {s:?} is not a GPU number"))?;
+            if n > MAX_GPU {
+                return Err(format!("GPU {n} is out of range (at most {MAX_GPU})"));
+            }
+            Ok(n)
+        };
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let n = num(part)?;
+                (n, n)
+            }
+        };
+        if lo > hi {
+            return Err(format!("range {part:?} is reversed (write {hi}-{lo})"));
+        }
+        for g in lo..=hi {
+            if out.contains(&g) {
+                return Err(format!("GPU {g} is listed twice in {s:?}"));
+            }
+            out.push(g);
+        }
+    }
+    Ok(out)
+}
+
+/// GPUs in both lists, if any.
+pub fn overlap(a: &[u32], b: &[u32]) -> Vec<u32> {
+    a.iter().copied().filter(|g| b.contains(g)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_ranges_lists_and_mixes() {
+        assert_eq!(parse_gpu_list("0-4").unwrap(), vec![0, 1, 2, 3, 4]);
+        assert_eq!(parse_gpu_list("0,2,4").unwrap(), vec![0, 2, 4]);
+        assert_eq!(parse_gpu_list("0-2,6").unwrap(), vec![0, 1, 2, 6]);
+        assert_eq!(parse_gpu_list("7").unwrap(), vec![7]);
+    }
+
+    #[test]
+    fn refuses_bad_lists_saying_why() {
+        let cases = [
+            ("", "empty"),
+            ("  ", "empty"),
+            ("4-0", "reversed"),
+            ("a", "not a GPU number"),
+            ("1-", "not a GPU number"),
+            ("-3", "not a GPU number"),
+            ("0,,1", "empty entry"),
+            ("0,0", "listed twice"),
+            ("0-2,1", "listed twice"),
+            ("5000", "out of range"),
+        ];
+        for (s, want) in cases {
+            let err = parse_gpu_list(s).unwrap_err();
+            assert!(err.contains(want), "{s:?}: {err:?} should say {want:?}");
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_a_run_or_one_subcommand() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let parse = |args: &[&str]| Cli::try_parse_from([&["launcher"], args].concat());
+        let run = parse(&["--targets", "0-1", "--drafters", "2"]).unwrap();
+        assert!(run.command.is_none());
+        assert_eq!(run.run.unwrap().drafters, GpuList(vec![2]));
+        let worker = parse(&["target-worker", "--index", "3", "--control", "c"]).unwrap();
+        assert!(
+            matches!(&worker.command, Some(Command::TargetWorker(a)) if a.common.index == 3),
+            "{worker:?}"
+        );
+        assert!(worker.run.is_none());
+        assert!(matches!(
+            parse(&["drafter-worker", "--index", "0", "--control", "c"])
+                .unwrap()
+                .command,
+            Some(Command::DrafterWorker(_))
+        ));
+        assert!(matches!(
+            parse(&["report", "runs/1"]).unwrap().command,
+            Some(Command::Report(_))
+        ));
+        // Neither a run nor a subcommand, or both: usage errors.
+        for bad in [&[][..], &["--targets", "0", "report", "runs/1"]] {
+            let e = parse(bad).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
+        // The worker subcommands are the launcher's own business: not in --help.
+        let help = Cli::command().render_long_help().to_string();
+        assert!(
+            help.contains("report") && !help.contains("target-worker"),
+            "{help}"
+        );
+    }
+
+    #[test]
+    fn overlap_names_shared_gpus() {
+        assert_eq!(overlap(&[0, 1, 2], &[2, 3]), vec![2]);
+        assert!(overlap(&[0, 1], &[2, 3]).is_empty());
+    }
+}

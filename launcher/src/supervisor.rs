@@ -1,0 +1,470 @@
+//! The supervisor: owns the ring, the drafter group and one [`Worker`] record per worker
+//! process, and runs the loop that keeps them going. Each pass of [`Supervisor::run`] does, in
+//! order, every 20 ms:
+//!
+//! 1. [`signals`](Supervisor::signals): the first stop signal stops in order, the second kills.
+//! 2. [`control_events`](Supervisor::control_events): what the handshake threads learned.
+//! 3. [`hangs`](Supervisor::hangs): once a second, a worker silent past `--hang-timeout` is
+//!    killed (its exit is then handled like any crash).
+//! 4. [`exits`](Supervisor::exits): reap, recover the ring (and the group), decide restart or
+//!    give up; with no drafter left, stop the targets.
+//! 5. [`restarts`](Supervisor::restarts): start every worker whose backoff is over.
+//! 6. [`monitor`](Supervisor::monitor): the progress bar or lines, and `metrics.jsonl`.
+//!
+//! [`start`](Supervisor::start) (in `start.rs`) creates the ring and the group first. The loop
+//! ends when every worker is finished (or killed by a second signal); then
+//! [`finish`](Supervisor::finish) writes the summary and removes the ring.
+
+use std::collections::HashMap;
+use std::process::{Child, ExitStatus};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use collective::ShmGroup;
+use proto::control::{self, FinalReport, ToWorker};
+use proto::RunDir;
+use shm_ring::{Ring, Role, WorkerName};
+
+use crate::cli::{exit, Args};
+use crate::monitor::Monitor;
+use crate::signals::StopSignals;
+use crate::spawn::{self, Event, Key, Welcome};
+use crate::{reclaim, summary};
+
+mod start;
+
+/// Where a worker is in its life, as the supervisor sees it (not to be confused with
+/// `shm_ring::Phase`, the time accounting of what a running worker does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Life {
+    Running,
+    /// Waiting out the backoff before a (re)start; the first start is due at once.
+    Backoff(Instant),
+    /// Exited 0: its part is complete.
+    Done,
+    /// Exited after a stop request.
+    Stopped,
+    /// Crashed past its restart limit.
+    GaveUp,
+}
+
+/// One worker, across its incarnations.
+struct Worker {
+    role: Role,
+    index: u32,
+    gpu: u32,
+    child: Option<Child>,
+    pid: u32,
+    spawns: u32,
+    restarts: u32,
+    life: Life,
+    control: Option<control::Sender<ToWorker>>,
+    report: Option<FinalReport>,
+}
+
+impl Worker {
+    fn new(role: Role, index: u32, gpu: u32) -> Worker {
+        Worker {
+            role,
+            index,
+            gpu,
+            child: None,
+            pid: 0,
+            spawns: 0,
+            restarts: 0,
+            life: Life::Backoff(Instant::now()),
+            control: None,
+            report: None,
+        }
+    }
+    /// The current incarnation (restarts get a new `spawn`).
+    fn key(&self) -> Key {
+        Key {
+            role: self.role,
+            index: self.index,
+            spawn: self.spawns.saturating_sub(1),
+        }
+    }
+    fn name(&self) -> WorkerName {
+        WorkerName {
+            role: self.role,
+            index: self.index,
+        }
+    }
+    fn finished(&self) -> bool {
+        matches!(self.life, Life::Done | Life::Stopped | Life::GaveUp)
+    }
+}
+
+/// The wait before restart number `restarts + 1`: 200 ms doubling, at most 5 s.
+fn backoff(restarts: u32) -> Duration {
+    Duration::from_millis(200 * (1u64 << restarts.min(5))).min(Duration::from_secs(5))
+}
+
+pub(crate) struct Supervisor<'a> {
+    args: &'a Args,
+    // Dropped in this order: the ring and the group are removed before the launcher's record
+    // of them (`reclaim`), so a launcher killed in between still leaves what reclaims them.
+    ring: Ring,
+    group: ShmGroup,
+    _record: Option<reclaim::Registration>,
+    ring_name: String,
+    run_dir: RunDir,
+    /// The backend's description, for the summary.
+    backend: String,
+    samples: u64,
+    drafters: u32,
+    welcome: Welcome,
+    workers: Vec<Worker>,
+    signals: StopSignals,
+    events: mpsc::Receiver<Event>,
+    /// Given to each incarnation's handshake thread.
+    events_tx: mpsc::Sender<Event>,
+    mon: Monitor,
+    /// Lines for the summary: why the run is degraded.
+    notes: Vec<String>,
+    /// A stop was asked for (a signal, or no drafter left): targets stop, drafters drain.
+    stopping: bool,
+    /// A second signal killed every worker.
+    killed: bool,
+    last_hang_check: Instant,
+    started: Instant,
+}
+
+impl<'a> Supervisor<'a> {
+    /// Runs the workers to the end; returns the process exit code once the summary is written.
+    pub(crate) fn run(mut self) -> anyhow::Result<i32> {
+        loop {
+            if self.signals() {
+                break;
+            }
+            self.control_events();
+            self.hangs();
+            self.exits()?;
+            self.restarts()?;
+            self.monitor()?;
+            if self.workers.iter().all(Worker::finished) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.finish()
+    }
+
+    /// Step 1: the first stop signal stops in order, the second kills every worker. True when
+    /// the loop must end (killed).
+    fn signals(&mut self) -> bool {
+        let received = self.signals.received();
+        if received >= 1 && !self.stopping {
+            self.stopping = true;
+            self.mon.say(&format!(
+                "stopping: {}: targets stop claiming, drafters drain and checkpoint (a second signal kills every worker)",
+                self.signals.last_name()
+            ));
+            self.send_stop();
+        }
+        if received < 2 {
+            return false;
+        }
+        self.mon.say(&format!(
+            "second signal ({}): killing every worker",
+            self.signals.last_name()
+        ));
+        for w in &mut self.workers {
+            if let Some(mut c) = w.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            if !w.finished() {
+                w.life = Life::Stopped;
+            }
+        }
+        self.killed = true;
+        true
+    }
+
+    /// Step 2: what the handshake threads report (a connected worker, its final report, the
+    /// group's progress, a failed handshake).
+    fn control_events(&mut self) {
+        while let Ok(ev) = self.events.try_recv() {
+            match ev {
+                Event::Connected(key, sender) => {
+                    if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
+                        if self.stopping {
+                            let _ = sender.send(ToWorker::Stop);
+                        }
+                        w.control = Some(sender);
+                    }
+                }
+                Event::Report(key, r) => {
+                    if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
+                        w.report = Some(r);
+                    }
+                }
+                Event::Progress { step, loss, tokens } => self.mon.progress(step, loss, tokens),
+                Event::HandshakeFailed(key, why) => {
+                    self.mon
+                        .say(&format!("{}: handshake failed: {why}", key.name()));
+                }
+            }
+        }
+    }
+
+    /// Step 3, once a second: a running worker silent for too long is killed; its exit is
+    /// handled by [`exits`](Self::exits) like any crash.
+    fn hangs(&mut self) {
+        if self.last_hang_check.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_hang_check = Instant::now();
+        let snap = self.ring.snapshot();
+        let hang_ns = (self.args.hang_timeout * 1e9) as u64;
+        for w in &mut self.workers {
+            let Some(rec) = snap.worker(w.name()) else {
+                continue;
+            };
+            // Only a worker that has registered this incarnation can be late.
+            let silent = rec.heartbeat_age_ns.unwrap_or(0);
+            if w.child.is_some() && rec.pid == w.pid && silent > hang_ns {
+                self.mon.say(&format!(
+                    "{} (pid {}) sent no heartbeat for {:.0}s: killing it as hung",
+                    w.name(),
+                    w.pid,
+                    silent as f64 / 1e9
+                ));
+                if let Some(c) = &mut w.child {
+                    let _ = c.kill();
+                }
+            }
+        }
+    }
+
+    /// Step 4: reaps exited workers and decides what each exit means; with every drafter
+    /// gone, stops the targets (nothing could drain the ring).
+    fn exits(&mut self) -> anyhow::Result<()> {
+        // Counted before this pass's exits: a drafter given up now is seen at the next pass.
+        let drafters_left = (self.workers.iter())
+            .filter(|w| w.role == Role::Consumer && w.life != Life::GaveUp)
+            .count();
+        for i in 0..self.workers.len() {
+            let w = &mut self.workers[i];
+            let Some(child) = &mut w.child else {
+                continue;
+            };
+            let Some(status) = child.try_wait().context("waiting for a worker")? else {
+                continue;
+            };
+            w.child = None;
+            w.control = None;
+            match status.code() {
+                Some(0) => {
+                    w.life = Life::Done;
+                    // A drafter that finished has left the group: a rank restarted late must
+                    // not wait for it to admit it (it admits itself into an empty group, sees
+                    // the ring's end and finishes too).
+                    if w.role == Role::Consumer {
+                        self.group.remove(w.index)?;
+                    }
+                }
+                Some(c) if c == proto::stop::EXIT_STOPPED => w.life = Life::Stopped,
+                _ => self.crashed(i, status)?,
+            }
+        }
+        if drafters_left == 0 && !self.stopping {
+            self.stopping = true;
+            let note = "no drafter left: stopping the targets".to_string();
+            self.mon.say(&note);
+            self.notes.push(note);
+            self.send_stop();
+        }
+        Ok(())
+    }
+
+    /// Worker `i` died: recover what it held, then schedule its restart or give it up.
+    fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
+        let r = self.recover(i)?;
+        let w = &mut self.workers[i];
+        self.mon.say(&format!(
+            "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
+            w.name(),
+            w.pid,
+            r.requeued,
+            r.freed,
+            r.work_returned
+        ));
+        let stop_target = self.stopping && w.role == Role::Producer;
+        if w.restarts < self.args.max_restarts && !stop_target {
+            w.life = Life::Backoff(Instant::now() + backoff(w.restarts));
+            w.restarts += 1;
+            return Ok(());
+        }
+        if stop_target {
+            w.life = Life::Stopped;
+        } else {
+            w.life = Life::GaveUp;
+            let note = format!(
+                "{} gave up after {} restart(s); log: {}",
+                w.name(),
+                w.restarts,
+                self.run_dir.log(w.name()).display()
+            );
+            self.mon.say(&note);
+            self.notes.push(note);
+        }
+        if w.role == Role::Producer {
+            // Count it as finished so the ring still closes.
+            self.ring.retire(w.index)?;
+        }
+        Ok(())
+    }
+
+    /// Restores the ring's invariants after worker `i` died. A drafter leaves the group first:
+    /// survivors blocked in the reduction go on without it, and we learn whether its batch is
+    /// in an applied update; if it still holds that batch, it is retired, not redelivered.
+    fn recover(&mut self, i: usize) -> anyhow::Result<shm_ring::Recovered> {
+        let w = &self.workers[i];
+        let committed = if w.role == Role::Consumer {
+            let gone = self.group.remove(w.index)?;
+            gone.committed_batch.map(|b| (b, gone.membership.step))
+        } else {
+            None
+        };
+        let Some((batch, step)) = committed else {
+            return Ok(self.ring.recover(w.name())?);
+        };
+        let mut wrote = Ok(false);
+        let r = self
+            .ring
+            .recover_retiring(w.name(), batch, |meta, payload| {
+                wrote = drafter_worker::record_retired(
+                    &self.run_dir,
+                    w.index,
+                    meta,
+                    payload,
+                    u64::from(step),
+                );
+            })?;
+        if r.retired > 0 {
+            let how = match wrote {
+                Ok(true) => "its ledger line written for it".to_string(),
+                Ok(false) => "its ledger line was already written".into(),
+                Err(e) => format!("its ledger line could not be written: {e:#}"),
+            };
+            self.mon.say(&format!(
+                "{} died holding batch {batch}, whose update the group applied at step {step}: retired, not redelivered ({how})",
+                w.name()
+            ));
+        }
+        Ok(r)
+    }
+
+    /// Step 5: starts every worker whose backoff is over (the first start is due at once).
+    fn restarts(&mut self) -> anyhow::Result<()> {
+        let now = Instant::now();
+        for w in &mut self.workers {
+            let Life::Backoff(at) = w.life else {
+                continue;
+            };
+            if now < at {
+                continue;
+            }
+            let key = Key {
+                role: w.role,
+                index: w.index,
+                spawn: w.spawns,
+            };
+            let child = spawn::spawn(
+                key,
+                w.gpu,
+                &self.run_dir.log(w.name()),
+                &self.welcome,
+                self.events_tx.clone(),
+            )
+            .with_context(|| format!("starting {}", w.name()))?;
+            if w.spawns > 0 {
+                self.mon.say(&format!(
+                    "{} restarted (restart {} of at most {}), pid {}",
+                    w.name(),
+                    w.restarts,
+                    self.args.max_restarts,
+                    child.id()
+                ));
+            }
+            w.pid = child.id();
+            w.spawns += 1;
+            w.child = Some(child);
+            w.life = Life::Running;
+        }
+        Ok(())
+    }
+
+    /// Step 6: the progress bar or lines, and a line of `metrics.jsonl` when one is due.
+    fn monitor(&mut self) -> anyhow::Result<()> {
+        let restarts: u32 = self.workers.iter().map(|w| w.restarts).sum();
+        self.mon.tick(&self.ring, restarts, self.started)
+    }
+
+    /// Asks every connected worker to stop in order.
+    fn send_stop(&self) {
+        for w in &self.workers {
+            if let Some(c) = &w.control {
+                let _ = c.send(ToWorker::Stop);
+            }
+        }
+    }
+
+    /// The last tick, the exit code, `summary.json`; then the ring and the group go.
+    fn finish(mut self) -> anyhow::Result<i32> {
+        self.mon.finish(&self.ring)?;
+        let wall = self.started.elapsed();
+        let mut exit_code = exit::OK;
+        if self.killed {
+            exit_code = exit::KILLED;
+        } else if self.stopping && self.signals.received() > 0 {
+            exit_code = exit::INTERRUPTED;
+        }
+        let restarts: HashMap<WorkerName, u32> = (self.workers.iter())
+            .map(|w| (w.name(), w.restarts))
+            .collect();
+        let summary = summary::build(&summary::Facts {
+            run_dir: &self.run_dir,
+            ring: &self.ring_name,
+            backend: &self.backend,
+            snap: &self.ring.snapshot(),
+            samples_total: self.samples,
+            drafters: self.drafters,
+            wall,
+            restarts: &restarts,
+        })?;
+        let mut notes = std::mem::take(&mut self.notes);
+        // Judged from the ledgers only (summary.rs): what was trained, and what twice.
+        if exit_code == exit::OK
+            && (!notes.is_empty()
+                || summary.samples_trained < summary.samples_total
+                || summary.duplicated > 0)
+        {
+            exit_code = exit::DEGRADED;
+            if summary.samples_trained < summary.samples_total {
+                notes.push(format!(
+                    "{} of {} samples were not trained",
+                    summary.samples_total - summary.samples_trained,
+                    summary.samples_total
+                ));
+            }
+        }
+        let refused: u64 = (self.workers.iter())
+            .filter_map(|w| w.report.as_ref())
+            .map(|r| r.refused)
+            .sum();
+        if refused > 0 {
+            notes.push(format!(
+                "drafters refused {refused} corrupt batch(es); see their logs"
+            ));
+        }
+        let summary = summary::finalise(summary, exit_code, notes);
+        summary::write(&self.run_dir, &summary)?;
+        summary::print(&summary);
+        Ok(exit_code)
+    }
+}

@@ -1,0 +1,139 @@
+//! Starting a run: the ring and the drafter group (after reclaiming what dead launchers left),
+//! the run's first lines, and the supervisor with its workers, none started yet.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use collective::ShmGroup;
+use shm_ring::{Ring, Role};
+
+use super::{Supervisor, Worker};
+use crate::cli::Args;
+use crate::monitor::Monitor;
+use crate::output::Tee;
+use crate::signals::StopSignals;
+use crate::spawn::Welcome;
+use crate::{reclaim, Prepared};
+
+impl<'a> Supervisor<'a> {
+    /// Creates the ring and the drafter group (after reclaiming what dead launchers left),
+    /// prints the run's first lines and lists the workers, none started yet.
+    pub(crate) fn start(args: &'a Args, prep: Prepared, tee: &Tee) -> anyhow::Result<Self> {
+        let Prepared {
+            cfg,
+            backend,
+            data,
+            data_line,
+            batches,
+            params,
+            run_id,
+            run_dir,
+            resume,
+        } = prep;
+        let (targets, drafters) = (&args.targets.0, &args.drafters.0);
+        let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
+        // Before the ring exists: from here a stop signal is counted, never fatal, so the ring
+        // is always removed.
+        let signals = StopSignals::install().context("installing signal handlers")?;
+        // Frees what dead launchers hold before this ring takes its share of /dev/shm.
+        for line in reclaim::reclaim() {
+            println!("{line}");
+        }
+        let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
+        let group_name = proto::group_segment(&ring_name);
+        // Made before the ring: while the ring exists, so does the record.
+        let record = reclaim::register(
+            &ring_name,
+            std::slice::from_ref(&group_name),
+            run_dir.path(),
+        )
+        .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
+        .ok();
+        let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+        // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
+        let start_step = match &resume {
+            Some(r) => {
+                r.apply()?;
+                let n = ring
+                    .mark_work_done(r.done.iter().copied())
+                    .context("marking the checkpointed batches done")?;
+                println!(
+                    "resuming {} from its checkpoint at step {}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
+                    run_dir.path().display(),
+                    r.step,
+                    r.dropped
+                );
+                r.step
+            }
+            None => 0,
+        };
+        // The drafter group: one model trained by every drafter (see the collective crate).
+        let group = ShmGroup::create(
+            &group_name,
+            &drafter_worker::group_params(backend.0, &cfg, nd, start_step)?,
+        )
+        .context("creating the drafter group")?;
+        // For `shm-ring-stat --run-dir`.
+        run_dir.write_ring_name(&ring_name)?;
+
+        println!(
+            "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {}",
+            nt, targets, nd, drafters, backend.1
+        );
+        if let Some(line) = &data_line {
+            println!("{line}");
+        }
+        println!(
+            "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
+            data.source,
+            batches,
+            params.slots,
+            params.slot_size / 1024,
+            run_dir.path().display()
+        );
+
+        let welcome = Welcome {
+            ring: ring_name.clone(),
+            run_dir: run_dir.path().to_path_buf(),
+            config_toml: cfg.to_toml(),
+            backend: backend.0,
+        };
+        let workers = (targets.iter().enumerate())
+            .map(|(i, &gpu)| Worker::new(Role::Producer, i as u32, gpu))
+            .chain(
+                (drafters.iter().enumerate())
+                    .map(|(i, &gpu)| Worker::new(Role::Consumer, i as u32, gpu)),
+            )
+            .collect();
+        let mon = Monitor::new(
+            &run_dir,
+            batches,
+            Duration::from_secs_f64(args.monitor),
+            tee,
+        )?;
+        let (events_tx, events) = mpsc::channel();
+        Ok(Supervisor {
+            args,
+            ring,
+            group,
+            _record: record,
+            ring_name,
+            run_dir,
+            backend: backend.1,
+            samples: data.len() as u64,
+            drafters: nd,
+            welcome,
+            workers,
+            signals,
+            events,
+            events_tx,
+            mon,
+            notes: Vec::new(),
+            stopping: false,
+            killed: false,
+            last_hang_check: Instant::now(),
+            started: Instant::now(),
+        })
+    }
+}

@@ -1,0 +1,238 @@
+//! The run directory: a contract between the launcher (which lays it out), the workers (which
+//! write their ledgers, the checkpoint and their logs into it), `shm-ring-stat --run-dir`,
+//! `launcher report`, a later `--resume` and the tests. Every path in it is a method of
+//! [`RunDir`], so no process spells a file name of its own; the README's "The run directory"
+//! lists the same files for users.
+//!
+//! A drafter's ledger is one JSON [`LedgerLine`] per trained batch, each written with one
+//! `write` before the batch's slot is released; a line that does not parse was torn by a kill.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use shm_ring::WorkerName;
+
+/// A run directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunDir(PathBuf);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir"
+    )]
+    HoldsRun { dir: PathBuf, sub: PathBuf },
+}
+
+fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> RunDirError + 'p {
+    move |source| RunDirError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl RunDir {
+    pub fn new(path: impl Into<PathBuf>) -> RunDir {
+        RunDir(path.into())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `shm-ring-stat --run-dir`'s way to the run's ring: a file holding its name.
+    pub fn ring_file(&self) -> PathBuf {
+        self.0.join(shm_ring::stat_cli::RUN_DIR_RING_FILE)
+    }
+
+    /// The effective pipeline config (a resume reads it back).
+    pub fn config(&self) -> PathBuf {
+        self.0.join("config.toml")
+    }
+
+    /// The data the run was planned from (`launcher::data::Record`).
+    pub fn dataset_record(&self) -> PathBuf {
+        self.0.join("dataset.json")
+    }
+
+    /// Everything the launcher printed.
+    pub fn launcher_log(&self) -> PathBuf {
+        self.0.join("launcher.log")
+    }
+
+    /// The monitor's ticks, one JSON line each.
+    pub fn metrics(&self) -> PathBuf {
+        self.0.join("metrics.jsonl")
+    }
+
+    /// What the run did; `ok` true means every sample was trained once.
+    pub fn summary(&self) -> PathBuf {
+        self.0.join("summary.json")
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.0.join("logs")
+    }
+
+    /// The log of worker `name` (`target-0`), all its incarnations.
+    pub fn log(&self, name: WorkerName) -> PathBuf {
+        self.logs_dir().join(format!("{name}.log"))
+    }
+
+    pub fn ledger_dir(&self) -> PathBuf {
+        self.0.join("ledger")
+    }
+
+    /// Drafter `index`'s ledger.
+    pub fn ledger(&self, index: u32) -> PathBuf {
+        (self.ledger_dir()).join(format!("{}.jsonl", WorkerName::consumer(index)))
+    }
+
+    pub fn checkpoints_dir(&self) -> PathBuf {
+        self.0.join("checkpoints")
+    }
+
+    /// The group's one checkpoint: weights, optimizer state and step.
+    pub fn checkpoint(&self) -> PathBuf {
+        self.checkpoints_dir().join("drafter.safetensors")
+    }
+
+    /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
+    /// a run, whose ledgers and checkpoint would be silently reused.
+    pub fn prepare(&self) -> Result<(), RunDirError> {
+        for sub in [self.ledger_dir(), self.checkpoints_dir()] {
+            if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
+                return Err(RunDirError::HoldsRun {
+                    dir: self.0.clone(),
+                    sub,
+                });
+            }
+        }
+        for sub in [self.logs_dir(), self.ledger_dir(), self.checkpoints_dir()] {
+            std::fs::create_dir_all(&sub).map_err(io("creating", &sub))?;
+        }
+        Ok(())
+    }
+
+    /// Records the name of the run's ring (for `shm-ring-stat --run-dir`).
+    pub fn write_ring_name(&self, ring: &str) -> Result<(), RunDirError> {
+        let p = self.ring_file();
+        std::fs::write(&p, format!("{ring}\n")).map_err(io("writing", &p))
+    }
+
+    /// The name of the run's ring, as [`write_ring_name`](Self::write_ring_name) left it.
+    pub fn read_ring_name(&self) -> Result<String, RunDirError> {
+        let p = self.ring_file();
+        let text = std::fs::read_to_string(&p).map_err(io("reading", &p))?;
+        Ok(text.trim().to_string())
+    }
+
+    /// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), and
+    /// how many lines could not be read. A line that does not parse was torn by a drafter
+    /// killed in the middle of writing it: its batch was not released, so the ring delivered
+    /// it again and another line records it.
+    pub fn read_ledgers(&self, drafters: u32) -> Result<(Vec<LedgerLine>, u64), RunDirError> {
+        let (mut lines, mut torn) = (Vec::new(), 0);
+        for d in 0..drafters {
+            let path = self.ledger(d);
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io("reading", &path)(e)),
+            };
+            for line in text.lines() {
+                match serde_json::from_str(line) {
+                    Ok(l) => lines.push(l),
+                    Err(_) => torn += 1,
+                }
+            }
+        }
+        Ok((lines, torn))
+    }
+}
+
+impl AsRef<Path> for RunDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+/// One line of a drafter's ledger: a batch it trained on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerLine {
+    pub batch_id: u64,
+    pub sample_ids: Vec<u64>,
+    pub tokens: u64,
+    /// Earlier deliveries of this batch to drafters that died holding it.
+    pub delivery: u32,
+    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
+    /// Two tickets for one batch id mean it was published twice.
+    #[serde(default)]
+    pub ticket: u64,
+    /// The group step whose update used it.
+    pub step: u64,
+    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
+    /// in a line the launcher wrote for a rank that died before it could
+    /// (`drafter_worker::record_retired`).
+    #[serde(default)]
+    pub digest: String,
+    /// The drafter's registration epoch (1 for the first run; restarts add one).
+    pub epoch: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_run_dir_is_laid_out_and_a_used_one_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path().join("run"));
+        run.prepare().unwrap();
+        for d in [run.logs_dir(), run.ledger_dir(), run.checkpoints_dir()] {
+            assert!(d.is_dir(), "{}", d.display());
+        }
+        // Prepared twice while still empty: fine (a run that failed before training).
+        run.prepare().unwrap();
+        std::fs::write(run.checkpoint(), b"weights").unwrap();
+        let e = run.prepare().unwrap_err();
+        assert!(e.to_string().contains("already holds a run"), "{e}");
+    }
+
+    #[test]
+    fn the_ring_name_and_the_ledgers_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path());
+        run.prepare().unwrap();
+        run.write_ring_name("hspipe-1").unwrap();
+        assert_eq!(run.read_ring_name().unwrap(), "hspipe-1");
+        let line = LedgerLine {
+            batch_id: 7,
+            sample_ids: vec![1, 2],
+            tokens: 9,
+            delivery: 0,
+            ticket: 3,
+            step: 1,
+            digest: "ab".into(),
+            epoch: 1,
+        };
+        let text = format!(
+            "{}\n{{\"batch_id\": 8, \"sam",
+            serde_json::to_string(&line).unwrap()
+        );
+        std::fs::write(run.ledger(1), text).unwrap();
+        // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
+        assert_eq!(run.read_ledgers(2).unwrap(), (vec![line], 1));
+        let e = RunDir::new(tmp.path().join("none"))
+            .read_ring_name()
+            .unwrap_err();
+        assert!(e.to_string().contains("none"), "{e}");
+    }
+}

@@ -1,0 +1,31 @@
+//! How a run is stopped, and how a worker says why it ended: a contract between the launcher,
+//! the workers and the user (README, "Stopping a run").
+
+/// The signals that ask for an ordered stop, in the launcher and in the workers alike: Ctrl-C,
+/// `kill`, a closed terminal or dropped SSH session (SIGHUP), and Ctrl-\\ (SIGQUIT), as torchrun
+/// treats them. A second one of any of them stops hard.
+pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
+    use rustix::process::Signal;
+    [
+        Signal::Int as std::ffi::c_int,
+        Signal::Term as std::ffi::c_int,
+        Signal::Hup as std::ffi::c_int,
+        Signal::Quit as std::ffi::c_int,
+    ]
+};
+
+/// Exit code of a worker that stopped on request before its part was complete (not a crash:
+/// the launcher does not restart it).
+pub const EXIT_STOPPED: i32 = 3;
+
+/// Exit code of a worker stopped by a second stop signal.
+pub const EXIT_SECOND_SIGNAL: i32 = 130;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_stop_signals_are_int_term_hup_quit() {
+        // The numbers Linux gives them on every architecture hspipe builds for.
+        assert_eq!(super::STOP_SIGNALS, [2, 15, 1, 3]);
+    }
+}
