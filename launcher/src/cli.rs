@@ -89,8 +89,8 @@ pub struct Args {
     /// Allow a GPU in both lists (for machines with a single GPU).
     #[arg(long)]
     pub share_gpus: bool,
-    /// Compute backend. auto: mock (the cuda backend is not built yet; once it is, auto takes
-    /// it where an NVIDIA driver is present).
+    /// Compute backend. auto: mock, saying whether an NVIDIA driver was found (the cuda
+    /// backend is not built yet; once it is, auto takes it where a driver and GPUs are).
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
     /// Pipeline config (TOML); every field has a default.

@@ -28,26 +28,37 @@ use target_worker::data::{plan, Dataset};
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
 pub use crate::spawn::name_process;
 
-/// True if an NVIDIA driver library can be loaded. Never panics where none exists.
-fn nvidia_driver_present() -> bool {
-    // SAFETY: loading the driver library runs its initialisers, which NVIDIA's driver supports
-    // in any process; nothing from it is called, and the handle is dropped (closed) at once.
-    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
+/// What this machine has for the cuda backend, in words ("NVIDIA driver for CUDA 13.0 with
+/// 8 GPUs"), or why it has none. Loads the driver through the `cuda` crate (its presence
+/// test: never panics where no driver exists; the launcher creates no context).
+fn probe_driver() -> Result<String, String> {
+    let d = cuda::Driver::load().map_err(|e| e.to_string())?;
+    let (major, minor) = d.version().map_err(|e| e.to_string())?;
+    let n = d.device_count().map_err(|e| e.to_string())?;
+    Ok(format!(
+        "NVIDIA driver for CUDA {major}.{minor} with {n} GPUs"
+    ))
 }
 
 /// The backend the workers build, and why, for the run's first line.
 fn choose_backend(b: Backend) -> anyhow::Result<(BackendKind, String)> {
-    let driver = nvidia_driver_present();
+    choose_backend_with(b, probe_driver())
+}
+
+fn choose_backend_with(
+    b: Backend,
+    driver: Result<String, String>,
+) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
-    match b {
-        Backend::Mock => mock("requested"),
-        Backend::Auto if !driver => mock("no NVIDIA driver found"),
-        Backend::Auto => mock("an NVIDIA driver is present, but the cuda backend is not built yet"),
-        Backend::Cuda if !driver => {
-            bail!("--backend cuda: no NVIDIA driver (libcuda.so.1) on this machine; use --backend mock")
-        }
-        Backend::Cuda => {
-            bail!("--backend cuda: the cuda backend is not built yet; use --backend mock")
+    match (b, driver) {
+        (Backend::Mock, _) => mock("requested"),
+        (Backend::Auto, Err(why)) => mock(&why),
+        (Backend::Auto, Ok(found)) => mock(&format!(
+            "found an {found}, but the cuda backend is not built yet"
+        )),
+        (Backend::Cuda, Err(why)) => bail!("--backend cuda: {why}; use --backend mock"),
+        (Backend::Cuda, Ok(found)) => {
+            bail!("--backend cuda: found an {found}, but the cuda backend is not built yet; use --backend mock")
         }
     }
 }
@@ -173,4 +184,47 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         run_dir,
         resume,
     })
+}
+
+#[cfg(test)]
+mod backend_tests {
+    use super::*;
+
+    /// `auto` says what it found and uses the mock; `cuda` is a clear error either way; the
+    /// words name the library that was missing.
+    #[test]
+    fn auto_says_what_it_found_and_cuda_is_a_clear_error() {
+        let none = || Err("no CUDA driver: cannot load /x/libcuda.so.1 (not found)".to_string());
+        let gpu = || Ok("NVIDIA driver for CUDA 13.0 with 8 GPUs".to_string());
+        let (k, why) = choose_backend_with(Backend::Auto, none()).unwrap();
+        assert_eq!(k, BackendKind::Mock);
+        assert!(why.contains("/x/libcuda.so.1"), "{why}");
+        let (k, why) = choose_backend_with(Backend::Auto, gpu()).unwrap();
+        assert_eq!(k, BackendKind::Mock);
+        assert!(
+            why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
+            "{why}"
+        );
+        let e = choose_backend_with(Backend::Cuda, none())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
+            "{e}"
+        );
+        let e = choose_backend_with(Backend::Cuda, gpu())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not built yet"), "{e}");
+        assert_eq!(
+            choose_backend_with(Backend::Mock, gpu()).unwrap().1,
+            "mock (requested)"
+        );
+    }
+
+    /// On this machine (or any): probing never panics, whatever is installed.
+    #[test]
+    fn probing_the_driver_never_panics() {
+        let _ = probe_driver();
+    }
 }
