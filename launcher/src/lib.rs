@@ -158,12 +158,18 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         .context("sizing the ring")?;
 
     let resume = match &args.resume {
-        Some(dir) => Some(
-            resume::check(&run_dir, &cfg, backend.0, nd, batches)
-                .with_context(|| format!("resuming {}", dir.display()))?,
-        ),
+        Some(dir) => {
+            run_dir
+                .check_plan_version()
+                .with_context(|| format!("resuming {}", dir.display()))?;
+            Some(
+                resume::check(&run_dir, &cfg, backend.0, nd, batches)
+                    .with_context(|| format!("resuming {}", dir.display()))?,
+            )
+        }
         None => {
             run_dir.prepare()?;
+            run_dir.write_plan_version()?;
             let p = run_dir.config();
             std::fs::write(&p, cfg.to_toml())
                 .with_context(|| format!("writing {}", p.display()))?;

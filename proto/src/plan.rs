@@ -14,6 +14,12 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::PipelineConfig;
 
+/// The plan's version: bumped whenever [`plan`] gives other batches for the same lengths and
+/// config (1: hand-written SplitMix64 shuffles, until 2026-11-30; 2: `rand`'s xoshiro256++). A
+/// run directory records the version it was planned with (`RunDir::plan_version`), and a
+/// resume refuses another: the ledgers name batches by their index in the plan.
+pub const PLAN_VERSION: u32 = 2;
+
 /// One planned batch: samples of one length class, within the token budget.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedBatch {

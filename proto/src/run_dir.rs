@@ -28,6 +28,8 @@ pub enum RunDirError {
         "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir"
     )]
     HoldsRun { dir: PathBuf, sub: PathBuf },
+    #[error("{path}: {why}")]
+    Invalid { path: PathBuf, why: String },
 }
 
 fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> RunDirError + 'p {
@@ -55,6 +57,41 @@ impl RunDir {
     /// The effective pipeline config (a resume reads it back).
     pub fn config(&self) -> PathBuf {
         self.0.join("config.toml")
+    }
+
+    /// The version of the batch plan the run was made with (`plan::PLAN_VERSION`, one line).
+    pub fn plan_version(&self) -> PathBuf {
+        self.0.join("plan-version")
+    }
+
+    /// Records that this run is planned with this build's `plan::PLAN_VERSION`.
+    pub fn write_plan_version(&self) -> Result<(), RunDirError> {
+        let p = self.plan_version();
+        std::fs::write(&p, format!("{}\n", crate::plan::PLAN_VERSION)).map_err(io("writing", &p))
+    }
+
+    /// Refuses to resume a run planned with another version of the plan (or, with no record,
+    /// by a build from before versions were recorded: version 1).
+    pub fn check_plan_version(&self) -> Result<(), RunDirError> {
+        let p = self.plan_version();
+        let was = match std::fs::read_to_string(&p) {
+            Ok(t) => t.trim().parse::<u32>().map_err(|_| RunDirError::Invalid {
+                path: p.clone(),
+                why: format!("{:?} is not a plan version", t.trim()),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 1,
+            Err(e) => return Err(io("reading", &p)(e)),
+        };
+        if was != crate::plan::PLAN_VERSION {
+            return Err(RunDirError::Invalid {
+                path: p,
+                why: format!(
+                    "the run was planned with plan version {was}, this build plans version {}: its ledgers name other batches, so resuming would train some samples twice and others never; finish it with the build that started it",
+                    crate::plan::PLAN_VERSION
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The data the run was planned from (`launcher::data::Record`).
@@ -204,6 +241,24 @@ mod tests {
         std::fs::write(run.checkpoint(), b"weights").unwrap();
         let e = run.prepare().unwrap_err();
         assert!(e.to_string().contains("already holds a run"), "{e}");
+    }
+
+    /// A run planned by this build resumes; one with no record (a build from before plan
+    /// versions: its shuffles were others) or another version is refused, naming why.
+    #[test]
+    fn a_resume_refuses_a_run_planned_with_another_plan_version() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path());
+        let e = run.check_plan_version().unwrap_err().to_string();
+        assert!(e.contains("plan version 1"), "{e}");
+        run.write_plan_version().unwrap();
+        run.check_plan_version().unwrap();
+        std::fs::write(run.plan_version(), "3\n").unwrap();
+        let e = run.check_plan_version().unwrap_err().to_string();
+        assert!(e.contains("plan version 3") && e.contains("twice"), "{e}");
+        std::fs::write(run.plan_version(), "two\n").unwrap();
+        let e = run.check_plan_version().unwrap_err().to_string();
+        assert!(e.contains("\"two\""), "{e}");
     }
 
     #[test]

@@ -947,6 +947,13 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
         ledger0
     );
+    // A run planned by an older build (its ledgers name batches of another plan).
+    std::fs::write(RunDir::new(&run_dir).plan_version(), "1\n").unwrap();
+    bad(&run_dir, "plan version 1");
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
 }
 
 /// One slow rank holds the whole synchronous group: the verdict names it (drafter 2, three
