@@ -6,6 +6,7 @@
 //! choices. Where each kill lands in a worker's code still depends on scheduling, which is the
 //! point: over many kills they land everywhere, between and inside ring operations.
 
+use rustix::process::Signal;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -96,7 +97,7 @@ fn one_run(run_no: u32, choices: &mut Choices, cap: u32) -> u32 {
         let victim = choices.below(8) as usize;
         let w = &ring.snapshot().workers[victim];
         if w.alive {
-            kill(w.pid, libc::SIGKILL);
+            kill(w.pid, Signal::Kill);
             kills += 1;
             victims.push(victim);
         }

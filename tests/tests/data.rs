@@ -9,6 +9,7 @@
 //! provides (`.venv`, with pyarrow and datasets; `HSPIPE_PYTHON` names it). Without it these
 //! tests fail, saying so: they never skip.
 
+use rustix::process::Signal;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -425,7 +426,7 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     let slow = run_config(&dir, 3000.0, "");
     let l = launch(Some(&slow), &strs(&args("run3")));
     wait_trained(&dir.path("run3"), "run3");
-    kill(l.child.id(), libc::SIGINT);
+    kill(l.child.id(), Signal::Int);
     assert_eq!(l.wait_status().code(), Some(130));
     let changed = text.replacen("\"input_ids\": [", "\"input_ids\": [1", 1);
     std::fs::write(dir.path("train.jsonl"), &changed).unwrap();

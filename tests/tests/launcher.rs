@@ -5,6 +5,7 @@
 //! Length: one file per area of behaviour; its length is its scenarios, each test standing
 //! alone.
 
+use rustix::process::{Pid, Signal};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::RwLockReadGuard;
@@ -219,9 +220,9 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-pub(crate) fn kill(pid: u32, sig: i32) {
-    // SAFETY: kill(2) on a pid we read from the ring's worker table.
-    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0, "kill {pid}");
+pub(crate) fn kill(pid: u32, sig: Signal) {
+    let p = Pid::from_raw(pid as i32).expect("a live pid is positive");
+    rustix::process::kill_process(p, sig).unwrap_or_else(|e| panic!("kill {pid}: {e}"));
 }
 
 /// Nothing of launcher `pid` is left in /dev/shm (its ring is `hspipe-<secs>-<pid>`).
@@ -303,7 +304,7 @@ fn kill_one_mid_run(tag: &str, victim: WorkerName) {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, libc::SIGKILL);
+    kill(victim_pid, Signal::Kill);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
@@ -354,7 +355,7 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
 /// 130. With `output_gone`, the launcher's stdout and stderr are pipes whose reader has gone
 /// before the signal (a closed terminal, a dropped SSH session): the stop must still complete,
 /// and `launcher.log` must still hold all of it.
-fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
+fn ordered_stop(tag: &str, sig: Signal, output_gone: bool) {
     let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
     let mut launcher = if output_gone {
@@ -401,40 +402,40 @@ fn ordered_stop(tag: &str, sig: i32, output_gone: bool) {
     }
 }
 
-fn signal_name(sig: i32) -> &'static str {
+fn signal_name(sig: Signal) -> &'static str {
     match sig {
-        libc::SIGINT => "SIGINT",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGQUIT => "SIGQUIT",
+        Signal::Int => "SIGINT",
+        Signal::Term => "SIGTERM",
+        Signal::Hup => "SIGHUP",
+        Signal::Quit => "SIGQUIT",
         _ => "another signal",
     }
 }
 
 #[test]
 fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lint", libc::SIGINT, false);
+    ordered_stop("lint", Signal::Int, false);
 }
 
 /// What a closed terminal or a dropped SSH session sends.
 #[test]
 fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lhup", libc::SIGHUP, false);
+    ordered_stop("lhup", Signal::Hup, false);
 }
 
 #[test]
 fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lquit", libc::SIGQUIT, false);
+    ordered_stop("lquit", Signal::Quit, false);
 }
 
 #[test]
 fn sighup_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lhupgone", libc::SIGHUP, true);
+    ordered_stop("lhupgone", Signal::Hup, true);
 }
 
 #[test]
 fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lquitgone", libc::SIGQUIT, true);
+    ordered_stop("lquitgone", Signal::Quit, true);
 }
 
 #[test]
@@ -710,7 +711,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     // The live launcher's ring was not touched, and it still stops in order.
     assert!(!out.contains(live_ring.name()), "{out}");
     assert!(shm(&live_ring).exists());
-    kill(live_pid, libc::SIGTERM);
+    kill(live_pid, Signal::Term);
     assert_eq!(running.wait_status().code(), Some(130));
     no_segment_of(live_pid);
 }
@@ -726,10 +727,10 @@ fn a_second_signal_kills_every_worker_at_once() {
         s.workers.iter().all(|w| w.alive)
     });
     // Any two of the stop signals: a closed terminal's SIGHUP, then SIGQUIT (Ctrl-\).
-    kill(pid, libc::SIGHUP);
+    kill(pid, Signal::Hup);
     // Two signals sent at once may merge into one: wait until the first is acted on.
     launcher.line_starting("stopping:");
-    kill(pid, libc::SIGQUIT);
+    kill(pid, Signal::Quit);
     assert_eq!(launcher.wait_status().code(), Some(131));
     no_segment_of(pid);
     for w in &s.workers {
@@ -844,7 +845,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= 20
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
-    kill(launcher.child.id(), libc::SIGKILL);
+    kill(launcher.child.id(), Signal::Kill);
     let _ = launcher.wait_status();
     let deadline = Instant::now() + crate::support::WATCHDOG;
     while pids.iter().any(|&p| pid_alive(p)) {

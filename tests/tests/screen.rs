@@ -1,6 +1,7 @@
 //! What a person sees: `shm-ring-stat --watch` and the launcher's progress line in a real
 //! terminal (tmux, on a private server), and `launcher report`'s picture of a run.
 
+use rustix::process::Signal;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -245,7 +246,7 @@ fn the_watch_screen_and_the_progress_line_fit_80x24_and_120x40() {
     // q leaves the screen; the run goes on until stopped.
     tmux.ok(&["send-keys", "-t", "stat", "q"]);
     tmux.wait_gone("stat");
-    kill(launcher_pid, libc::SIGINT);
+    kill(launcher_pid, Signal::Int);
     tmux.wait_gone("run");
     no_segment_of(launcher_pid);
     assert_eq!(run.summary()["exit_code"], 130);

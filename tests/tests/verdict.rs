@@ -12,6 +12,7 @@
 //! depend on the machine's speed. Once a scenario has been seen long enough, the run is stopped
 //! hard (two SIGINTs), which removes its ring like any ending.
 
+use rustix::process::Signal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -245,9 +246,9 @@ fn scenario(tag: &str, mock: &Mock, extra: &[&str], enough: impl Fn(&[Obs]) -> b
         if enough(&obs) {
             // A second signal stops hard: the workers are killed, the ring removed. What the
             // ring shows from here on is the stop, not the scenario.
-            kill(launcher.child.id(), libc::SIGINT);
+            kill(launcher.child.id(), Signal::Int);
             std::thread::sleep(Duration::from_millis(300));
-            kill(launcher.child.id(), libc::SIGINT);
+            kill(launcher.child.id(), Signal::Int);
             break;
         }
         assert!(

@@ -1,6 +1,7 @@
 //! target-worker and drafter-worker as real processes on a ring made by the test (the
 //! launcher's part played by the test): exact coverage, restart from checkpoint, bad inputs.
 
+use rustix::process::Signal;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -410,9 +411,8 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     // Any stop signal: SIGINT, SIGTERM, and here SIGHUP (a closed terminal) and SIGQUIT.
-    for (t, sig) in targets.iter().zip([libc::SIGHUP, libc::SIGQUIT]) {
-        // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { libc::kill(t.child.id() as i32, sig) }, 0);
+    for (t, sig) in targets.iter().zip([Signal::Hup, Signal::Quit]) {
+        crate::launcher::kill(t.child.id(), sig);
     }
     for t in targets {
         assert_eq!(t.wait_status().code(), Some(3), "a stopped target exits 3");
