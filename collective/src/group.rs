@@ -1,5 +1,7 @@
 //! The group protocol on any memory (a segment in production, the heap in tests and loom).
 //!
+//! Length: the protocol and the narration of each of its CAS steps stay together.
+//!
 //! # The group word
 //!
 //! One 64-bit word holds everything the ranks must agree on, so that every decision is one CAS:

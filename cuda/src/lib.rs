@@ -2,6 +2,9 @@
 //! host memory pinned in place (the ring's arena), copy streams, events that time and order the
 //! work, and the device check's kernels.
 //!
+//! Length: one thin wrapper per driver call, each with its reason to be sound; split by handle
+//! they would scatter the shared `check` and `bind`.
+//!
 //! - **No toolkit to build, no panic without a driver.** `libcuda.so.1` is opened by
 //!   [`Driver::load`] and every entry point is resolved then (`sys`); a machine without it gets
 //!   [`CudaError::NoDriver`], one without a symbol [`CudaError::Symbol`]. Nothing is linked, so

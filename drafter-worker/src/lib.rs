@@ -1,5 +1,8 @@
 //! The drafter worker: one rank of the drafter group, which trains ONE model data-parallel.
 //!
+//! Length: the group step (take, verify, gradient, all-reduce, apply, ledger, release) and its
+//! failure paths read top to bottom in one file.
+//!
 //! Each group step: take at most one batch from the ring, verify it, compute the gradient of its
 //! summed loss, all-reduce with the other ranks (the `collective` crate), apply the identical
 //! update, append one ledger line (step and weights digest), and only then release the slot: a

@@ -1,6 +1,9 @@
 //! The lock-free slot state machine, independent of where its memory lives (a shared-memory
 //! segment in production, the heap in loom models and unit tests).
 //!
+//! Length: the transitions and the narration of their Release/Acquire pairs stay together; the
+//! work table, recovery and take policy already live in `core/`.
+//!
 //! # States
 //!
 //! Every slot has one 64-bit state word `state | owner << 8 | generation << 24`:

@@ -1,6 +1,8 @@
 //! The public handles: [`Ring`] (a mapped segment), [`Producer`] and [`Consumer`] (a registered
 //! worker), and the slot guards [`WriteSlot`] and [`ReadSlot`] through which payloads are written
 //! and read in place.
+//!
+//! Length: the public handles and their documentation; each method is a thin call into `core`.
 
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! The named segment under `/dev/shm`: its header, its layout, and how it is created, attached,
 //! listed and removed.
 //!
+//! Length: create and attach check the same layout field by field, so they stay side by side.
+//!
 //! Creation is two-phase: create exclusively (mode 0600), reserve all memory, map, initialise
 //! every field, then publish the magic number last with a Release store. An attacher checks the
 //! owner, the size, then the magic with an Acquire load (pairs with that store), the layout

@@ -1,5 +1,7 @@
 //! target-worker and drafter-worker as real processes on a ring made by the test (the
 //! launcher's part played by the test): exact coverage, restart from checkpoint, bad inputs.
+//!
+//! Length: one test per behaviour, each standing alone.
 
 use rustix::process::Signal;
 use std::collections::HashMap;

@@ -2,6 +2,9 @@
 //! ring in `/dev/shm`, it answers whether hidden states can cross from the ring to the GPU and
 //! back at full speed while the GPU computes.
 //!
+//! Length: one program for one check a GPU machine runs at once; its parts share the ring, the
+//! device, the streams and the timer.
+//!
 //! 1. The ring's payload arena is registered as pinned memory in place (`cuMemHostRegister`).
 //! 2. Copy bandwidth, host-to-device and device-to-host, from a ring slot (registered), from
 //!    ordinary pageable memory, and from the driver's own pinned memory (`cuMemAllocHost`, the
