@@ -32,7 +32,11 @@ pub use crate::spawn::name_process;
 /// 8 GPUs"), or why it has none. Loads the driver through the `cuda` crate (its presence
 /// test: never panics where no driver exists; the launcher creates no context).
 fn probe_driver() -> Result<String, String> {
-    let d = cuda::Driver::load().map_err(|e| e.to_string())?;
+    let d = cuda::Driver::load().map_err(|e| match e {
+        // libloading's words already name the library: "libcuda.so.1: cannot open ...".
+        cuda::CudaError::NoDriver { why, .. } => format!("no NVIDIA driver: {why}"),
+        e => e.to_string(),
+    })?;
     let (major, minor) = d.version().map_err(|e| e.to_string())?;
     let n = d.device_count().map_err(|e| e.to_string())?;
     Ok(format!(
