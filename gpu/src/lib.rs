@@ -15,6 +15,7 @@ use std::path::Path;
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
+mod copy_thread;
 pub mod cuda_copy;
 pub mod mock;
 pub mod prefetch;

@@ -21,9 +21,9 @@
 //! `retire_oldest` until `None`.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
+use crate::copy_thread::CopyThread;
 use crate::GpuError;
 
 /// Buffers on the device: one computing, one being filled.
@@ -182,59 +182,34 @@ pub enum PushError<H> {
 /// the caller's compute as a copy stream's do. `H` is a shared handle to the bytes (the copy
 /// thread keeps a clone until its copy is done).
 pub struct CpuCopy<H> {
-    jobs: Option<mpsc::Sender<(usize, H)>>,
-    done: mpsc::Receiver<usize>,
-    /// Copies started and not yet seen complete, per buffer.
-    pending: [bool; BUFFERS],
-    bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: CopyThread<(usize, H)>,
 }
 
 impl<H: AsRef<[u8]> + Send + 'static> CpuCopy<H> {
     /// Starts the copy thread. `observe` is called on it just before and just after each copy
     /// (`true` at the start), with the buffer: telemetry, or a test's witness of the order.
     pub fn new(observe: impl Fn(usize, &H, bool) + Send + 'static) -> CpuCopy<H> {
-        let (jobs, rx) = mpsc::channel::<(usize, H)>();
-        let (done_tx, done) = mpsc::channel();
-        let bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]> = Arc::new(Default::default());
-        let b = bufs.clone();
-        let thread = std::thread::spawn(move || {
-            for (buf, src) in rx {
-                observe(buf, &src, true);
-                {
-                    let mut dst = b[buf].lock().unwrap_or_else(|p| p.into_inner());
-                    dst.clear();
-                    dst.extend_from_slice(src.as_ref());
-                }
-                observe(buf, &src, false);
-                drop(src);
-                if done_tx.send(buf).is_err() {
-                    break;
-                }
+        let thread = CopyThread::new(move |buf: &Mutex<Vec<u8>>, src: &mut (usize, H)| {
+            observe(src.0, &src.1, true);
+            {
+                let mut dst = buf.lock().unwrap_or_else(|p| p.into_inner());
+                dst.clear();
+                dst.extend_from_slice(src.1.as_ref());
             }
+            observe(src.0, &src.1, false);
         });
-        CpuCopy {
-            jobs: Some(jobs),
-            done,
-            pending: [false; BUFFERS],
-            bufs,
-            thread: Some(thread),
-        }
+        CpuCopy { thread }
     }
 
     /// The bytes in buffer `buf` (for the step computing on it).
     pub fn buffer(&self, buf: usize) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.bufs[buf].lock().unwrap_or_else(|p| p.into_inner())
+        self.thread.buffer(buf)
     }
 
     fn wait(&mut self, buf: usize) -> Result<(), GpuError> {
-        while self.pending[buf] {
-            let b = self
-                .done
-                .recv()
-                .map_err(|_| GpuError::Shape("prefetch: the copy thread is gone".into()))?;
-            self.pending[b] = false;
-        }
+        self.thread.wait(buf)?;
+        // The copy thread's clone of the batch is no longer needed.
+        drop(self.thread.take_back(buf));
         Ok(())
     }
 }
@@ -242,11 +217,9 @@ impl<H: AsRef<[u8]> + Send + 'static> CpuCopy<H> {
 impl<H: AsRef<[u8]> + Clone + Send + 'static> CopyEngine<H> for CpuCopy<H> {
     fn start_copy(&mut self, buf: usize, src: &H) -> Result<(), GpuError> {
         // The last step on `buf` ended before `finish` returned, so the buffer is free.
-        self.pending[buf] = true;
-        self.jobs
-            .as_ref()
-            .and_then(|j| j.send((buf, src.clone())).ok())
-            .ok_or_else(|| GpuError::Shape("prefetch: the copy thread is gone".into()))
+        self.thread
+            .start(buf, (buf, src.clone()))
+            .map_err(|(_, e)| e)
     }
 
     fn before_step(&mut self, buf: usize) -> Result<(), GpuError> {
@@ -258,19 +231,11 @@ impl<H: AsRef<[u8]> + Clone + Send + 'static> CopyEngine<H> for CpuCopy<H> {
     }
 }
 
-impl<H> Drop for CpuCopy<H> {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
     use std::time::Duration;
 
     /// A witness of the order of things across the copy thread and the stepping thread.

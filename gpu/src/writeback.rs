@@ -18,9 +18,9 @@
 //! `complete_oldest` until `None`.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
+use crate::copy_thread::CopyThread;
 use crate::prefetch::BUFFERS;
 use crate::GpuError;
 
@@ -101,117 +101,62 @@ impl<H, E: CopyOutEngine<H>> WriteBack<H, E> {
 /// The CPU "device": buffers are host vectors, and a copy thread copies them out into the
 /// destinations (which travel to it and back), overlapping the caller's next forward.
 pub struct CpuCopyOut<H> {
-    jobs: Option<mpsc::Sender<(usize, H)>>,
-    done: mpsc::Receiver<(usize, H)>,
-    /// Destinations whose copy came back before they were asked for.
-    back: [Option<H>; BUFFERS],
-    pending: [bool; BUFFERS],
-    bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: CopyThread<(usize, H)>,
 }
 
 impl<H: AsMut<[u8]> + Send + 'static> CpuCopyOut<H> {
     /// Starts the copy thread; `observe(buf, &dst, start)` is called on it just before and
     /// just after each copy.
     pub fn new(observe: impl Fn(usize, &H, bool) + Send + 'static) -> CpuCopyOut<H> {
-        let (jobs, rx) = mpsc::channel::<(usize, H)>();
-        let (done_tx, done) = mpsc::channel();
-        let bufs: Arc<[Mutex<Vec<u8>>; BUFFERS]> = Arc::new(Default::default());
-        let b = bufs.clone();
-        let thread = std::thread::spawn(move || {
-            for (buf, mut dst) in rx {
-                observe(buf, &dst, true);
-                {
-                    let src = b[buf].lock().unwrap_or_else(|p| p.into_inner());
-                    let d = dst.as_mut();
-                    // `start_copy_out` checked that the buffer holds d.len() bytes.
-                    let n = d.len().min(src.len());
-                    d[..n].copy_from_slice(&src[..n]);
-                }
-                observe(buf, &dst, false);
-                if done_tx.send((buf, dst)).is_err() {
-                    break;
-                }
+        let thread = CopyThread::new(move |buf: &Mutex<Vec<u8>>, dst: &mut (usize, H)| {
+            observe(dst.0, &dst.1, true);
+            {
+                let src = buf.lock().unwrap_or_else(|p| p.into_inner());
+                let d = dst.1.as_mut();
+                // `start_copy_out` checked that the buffer holds d.len() bytes.
+                let n = d.len().min(src.len());
+                d[..n].copy_from_slice(&src[..n]);
             }
+            observe(dst.0, &dst.1, false);
         });
-        CpuCopyOut {
-            jobs: Some(jobs),
-            done,
-            back: [None, None],
-            pending: [false; BUFFERS],
-            bufs,
-            thread: Some(thread),
-        }
+        CpuCopyOut { thread }
     }
 
     /// Buffer `buf`, for the forward to write into.
     pub fn buffer(&self, buf: usize) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.bufs[buf].lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn wait(&mut self, buf: usize) -> Result<(), GpuError> {
-        while self.pending[buf] {
-            let (b, h) = self
-                .done
-                .recv()
-                .map_err(|_| GpuError::Shape("write-back: the copy thread is gone".into()))?;
-            self.pending[b] = false;
-            self.back[b] = Some(h);
-        }
-        Ok(())
+        self.thread.buffer(buf)
     }
 }
 
 impl<H: AsMut<[u8]> + Send + 'static> CopyOutEngine<H> for CpuCopyOut<H> {
     fn before_forward(&mut self, buf: usize) -> Result<(), GpuError> {
-        self.wait(buf)
+        self.thread.wait(buf)
     }
 
     fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), (H, GpuError)> {
         let have = self.buffer(buf).len();
         let want = dst.as_mut().len();
         if want > have {
-            let e = GpuError::BufferSize { got: have, want };
-            return Err((dst, e));
+            return Err((dst, GpuError::BufferSize { got: have, want }));
         }
-        let Some(jobs) = &self.jobs else {
-            return Err((
-                dst,
-                GpuError::Shape("write-back: the copy thread is gone".into()),
-            ));
-        };
-        match jobs.send((buf, dst)) {
-            Ok(()) => {
-                self.pending[buf] = true;
-                Ok(())
-            }
-            Err(mpsc::SendError((_, dst))) => Err((
-                dst,
-                GpuError::Shape("write-back: the copy thread is gone".into()),
-            )),
-        }
+        self.thread
+            .start(buf, (buf, dst))
+            .map_err(|((_, dst), e)| (dst, e))
     }
 
     fn complete(&mut self, buf: usize) -> Result<H, GpuError> {
-        self.wait(buf)?;
-        self.back[buf]
-            .take()
+        self.thread.wait(buf)?;
+        self.thread
+            .take_back(buf)
+            .map(|(_, dst)| dst)
             .ok_or_else(|| GpuError::Shape(format!("write-back: no copy-out of buffer {buf}")))
-    }
-}
-
-impl<H> Drop for CpuCopyOut<H> {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
     use std::sync::Condvar;
     use std::time::Duration;
 
