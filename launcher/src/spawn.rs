@@ -16,17 +16,13 @@ use shm_ring::{Role, WorkerName};
 /// Which worker, and which incarnation of it (restarts get a new `spawn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Key {
-    pub role: Role,
-    pub index: u32,
+    pub name: WorkerName,
     pub spawn: u32,
 }
 
 impl Key {
     pub fn name(&self) -> WorkerName {
-        WorkerName {
-            role: self.role,
-            index: self.index,
-        }
+        self.name
     }
 }
 
@@ -96,12 +92,17 @@ pub fn spawn(
         "--- launcher: starting (incarnation {}) on GPU {gpu}",
         key.spawn + 1
     )?;
-    let sub = subcommand(key.role);
+    let sub = subcommand(key.name.role);
     let mut cmd = Command::new(SELF_EXE);
     // argv[0]: `ps` shows `target-worker 3 ...`, not `launcher`.
-    cmd.arg0(format!("{sub} {}", key.index))
+    cmd.arg0(format!("{sub} {}", key.name.index))
         .arg(sub)
-        .args(["--index", &key.index.to_string(), "--control", &server_name])
+        .args([
+            "--index",
+            &key.name.index.to_string(),
+            "--control",
+            &server_name,
+        ])
         .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
@@ -155,7 +156,7 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
     else {
         return failed("the first message was not Hello".into());
     };
-    if version != PROTOCOL_VERSION || role != key.role || index != key.index {
+    if version != PROTOCOL_VERSION || role != key.name.role || index != key.name.index {
         let why = format!(
             "expected {} speaking protocol {PROTOCOL_VERSION}, got {} speaking {version}",
             key.name(),

@@ -51,8 +51,7 @@ enum Life {
 
 /// One worker, across its incarnations.
 struct Worker {
-    role: Role,
-    index: u32,
+    name: WorkerName,
     gpu: u32,
     child: Option<Child>,
     pid: u32,
@@ -64,10 +63,9 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(role: Role, index: u32, gpu: u32) -> Worker {
+    fn new(name: WorkerName, gpu: u32) -> Worker {
         Worker {
-            role,
-            index,
+            name,
             gpu,
             child: None,
             pid: 0,
@@ -81,16 +79,12 @@ impl Worker {
     /// The current incarnation (restarts get a new `spawn`).
     fn key(&self) -> Key {
         Key {
-            role: self.role,
-            index: self.index,
+            name: self.name,
             spawn: self.spawns.saturating_sub(1),
         }
     }
     fn name(&self) -> WorkerName {
-        WorkerName {
-            role: self.role,
-            index: self.index,
-        }
+        self.name
     }
     fn finished(&self) -> bool {
         matches!(self.life, Life::Done | Life::Stopped | Life::GaveUp)
@@ -245,7 +239,7 @@ impl<'a> Supervisor<'a> {
     fn exits(&mut self) -> anyhow::Result<()> {
         // Counted before this pass's exits: a drafter given up now is seen at the next pass.
         let drafters_left = (self.workers.iter())
-            .filter(|w| w.role == Role::Consumer && w.life != Life::GaveUp)
+            .filter(|w| w.name.role == Role::Consumer && w.life != Life::GaveUp)
             .count();
         for i in 0..self.workers.len() {
             let w = &mut self.workers[i];
@@ -263,8 +257,8 @@ impl<'a> Supervisor<'a> {
                     // A drafter that finished has left the group: a rank restarted late must
                     // not wait for it to admit it (it admits itself into an empty group, sees
                     // the ring's end and finishes too).
-                    if w.role == Role::Consumer {
-                        self.group.remove(w.index)?;
+                    if w.name.role == Role::Consumer {
+                        self.group.remove(w.name.index)?;
                     }
                 }
                 Some(c) if c == proto::stop::EXIT_STOPPED => w.life = Life::Stopped,
@@ -293,7 +287,7 @@ impl<'a> Supervisor<'a> {
             r.freed,
             r.work_returned
         ));
-        let stop_target = self.stopping && w.role == Role::Producer;
+        let stop_target = self.stopping && w.name.role == Role::Producer;
         if w.restarts < self.args.max_restarts && !stop_target {
             w.life = Life::Backoff(Instant::now() + backoff(w.restarts));
             w.restarts += 1;
@@ -312,9 +306,9 @@ impl<'a> Supervisor<'a> {
             self.mon.say(&note);
             self.notes.push(note);
         }
-        if w.role == Role::Producer {
+        if w.name.role == Role::Producer {
             // Count it as finished so the ring still closes.
-            self.ring.retire(w.index)?;
+            self.ring.retire(w.name.index)?;
         }
         Ok(())
     }
@@ -324,8 +318,8 @@ impl<'a> Supervisor<'a> {
     /// in an applied update; if it still holds that batch, it is retired, not redelivered.
     fn recover(&mut self, i: usize) -> anyhow::Result<shm_ring::Recovered> {
         let w = &self.workers[i];
-        let committed = if w.role == Role::Consumer {
-            let gone = self.group.remove(w.index)?;
+        let committed = if w.name.role == Role::Consumer {
+            let gone = self.group.remove(w.name.index)?;
             gone.committed_batch.map(|b| (b, gone.membership.step))
         } else {
             None
@@ -339,7 +333,7 @@ impl<'a> Supervisor<'a> {
             .recover_retiring(w.name(), batch, |meta, payload| {
                 wrote = drafter_worker::record_retired(
                     &self.run_dir,
-                    w.index,
+                    w.name.index,
                     meta,
                     payload,
                     u64::from(step),
@@ -370,8 +364,7 @@ impl<'a> Supervisor<'a> {
                 continue;
             }
             let key = Key {
-                role: w.role,
-                index: w.index,
+                name: w.name,
                 spawn: w.spawns,
             };
             let child = spawn::spawn(

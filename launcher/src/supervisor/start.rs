@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use collective::ShmGroup;
-use shm_ring::{Ring, Role};
+use shm_ring::{Ring, WorkerName};
 
 use super::{Supervisor, Worker};
 use crate::cli::Args;
@@ -100,10 +100,10 @@ impl<'a> Supervisor<'a> {
             backend: backend.0,
         };
         let workers = (targets.iter().enumerate())
-            .map(|(i, &gpu)| Worker::new(Role::Producer, i as u32, gpu))
+            .map(|(i, &gpu)| Worker::new(WorkerName::producer(i as u32), gpu))
             .chain(
                 (drafters.iter().enumerate())
-                    .map(|(i, &gpu)| Worker::new(Role::Consumer, i as u32, gpu)),
+                    .map(|(i, &gpu)| Worker::new(WorkerName::consumer(i as u32), gpu)),
             )
             .collect();
         let mon = Monitor::new(
