@@ -44,6 +44,13 @@ pub struct Tick {
     pub closed: bool,
     /// shm-ring-stat's verdict over the period.
     pub verdict: String,
+    /// The verdict's class (`drafters`, `targets`, `balanced`, `draining`, `stalled`, ...), for
+    /// a program reading the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bottleneck: Option<analysis::Bottleneck>,
+    /// The worker the verdict holds responsible (`drafter-2`), if one is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verdict_worker: Option<String>,
     /// Every worker over the period.
     pub workers: Vec<WorkerTick>,
     /// What the launcher said since the previous tick (a worker died, restarted, gave up; a
@@ -310,6 +317,8 @@ impl Monitor {
             restarts,
             closed: snap.closed,
             verdict: verdict.line,
+            bottleneck: Some(verdict.bottleneck),
+            verdict_worker: verdict.worker,
             workers: iv.workers.iter().map(WorkerTick::new).collect(),
             events: std::mem::take(&mut self.events),
             drafter_loss: self.interval_loss(),

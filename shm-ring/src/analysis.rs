@@ -131,7 +131,7 @@ pub struct Interval {
 }
 
 /// Which side limits the pipeline, or what state the run is in.
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Bottleneck {
     Drafters,

@@ -979,6 +979,25 @@ fn the_verdict_names_the_slow_rank_the_group_waits_for_and_then_the_drain() {
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
     let verdicts: Vec<&str> = ticks.iter().filter_map(|t| t["verdict"].as_str()).collect();
+    // The class and the worker blamed are fields of their own, for programs.
+    for t in &ticks {
+        let class = t["bottleneck"].as_str().unwrap_or_default();
+        assert!(
+            [
+                "drafters", "targets", "balanced", "neither", "idle", "draining", "starting",
+                "stalled"
+            ]
+            .contains(&class),
+            "bottleneck {class:?} in {t}"
+        );
+        if t["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("in sync for drafter 2")
+        {
+            assert_eq!(t["verdict_worker"], "drafter-2", "{t}");
+        }
+    }
     for v in &verdicts {
         assert!(
             !v.contains("in sync for drafter 0") && !v.contains("in sync for drafter 1"),
