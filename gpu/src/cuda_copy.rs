@@ -11,15 +11,46 @@ use crate::prefetch::{CopyEngine, StableBytes, BUFFERS};
 use crate::writeback::CopyOutEngine;
 use crate::GpuError;
 
-/// Copy-stream prefetch into two device buffers.
-pub struct CudaCopy<'d, 's> {
+/// What both engines hold: the two streams, two device buffers, and per buffer an event after
+/// its last copy and one after its last compute (a step, or a forward). Dropping it waits for
+/// the copy stream, so it is declared before whatever the copies read or write.
+struct Lanes<'d, 's> {
     copy: &'s Stream<'d>,
     compute: &'s Stream<'d>,
     bufs: [DeviceBuffer<'d>; BUFFERS],
     /// Recorded on the copy stream after each buffer's copy.
     copied: [Event<'d>; BUFFERS],
-    /// Recorded on the compute stream after each buffer's step.
-    stepped: [Event<'d>; BUFFERS],
+    /// Recorded on the compute stream after each buffer's step or forward.
+    computed: [Event<'d>; BUFFERS],
+}
+
+impl<'d, 's> Lanes<'d, 's> {
+    fn new(
+        dev: &'d Device,
+        copy: &'s Stream<'d>,
+        compute: &'s Stream<'d>,
+        len: usize,
+    ) -> Result<Self, GpuError> {
+        Ok(Lanes {
+            copy,
+            compute,
+            bufs: [dev.alloc(len)?, dev.alloc(len)?],
+            copied: [dev.event()?, dev.event()?],
+            computed: [dev.event()?, dev.event()?],
+        })
+    }
+}
+
+impl Drop for Lanes<'_, '_> {
+    fn drop(&mut self) {
+        // No copy outlives the engine: what it reads or writes is dropped after this.
+        let _ = self.copy.synchronize();
+    }
+}
+
+/// Copy-stream prefetch into two device buffers.
+pub struct CudaCopy<'d, 's> {
+    lanes: Lanes<'d, 's>,
 }
 
 impl<'d, 's> CudaCopy<'d, 's> {
@@ -27,8 +58,8 @@ impl<'d, 's> CudaCopy<'d, 's> {
     ///
     /// # Safety
     /// Neither the engine nor the [`crate::prefetch::Prefetch`] holding it may be leaked
-    /// (`mem::forget`) while a copy is in flight: dropping it waits for the copies, forgetting
-    /// it would let the batches they read go.
+    /// (`mem::forget`) while a copy is in flight: dropping it waits for the copies (before
+    /// `Prefetch` drops the batches they read), forgetting it would let them go.
     pub unsafe fn new(
         dev: &'d Device,
         copy: &'s Stream<'d>,
@@ -36,72 +67,55 @@ impl<'d, 's> CudaCopy<'d, 's> {
         len: usize,
     ) -> Result<Self, GpuError> {
         Ok(CudaCopy {
-            copy,
-            compute,
-            bufs: [dev.alloc(len)?, dev.alloc(len)?],
-            copied: [dev.event()?, dev.event()?],
-            stepped: [dev.event()?, dev.event()?],
+            lanes: Lanes::new(dev, copy, compute, len)?,
         })
     }
 
     /// The device buffer a step computes on.
     pub fn buffer(&self, buf: usize) -> &DeviceBuffer<'d> {
-        &self.bufs[buf]
+        &self.lanes.bufs[buf]
     }
 
     /// The stream steps run on.
     pub fn compute(&self) -> &Stream<'d> {
-        self.compute
+        self.lanes.compute
     }
 }
 
 impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy<'_, '_> {
     fn start_copy(&mut self, buf: usize, src: &H) -> Result<(), GpuError> {
+        let l = &self.lanes;
         let src = src.as_ref();
         // An event never recorded counts as complete, so the first copy into a buffer waits
         // for nothing.
-        self.copy.wait(&self.stepped[buf])?;
+        l.copy.wait(&l.computed[buf])?;
         // SAFETY: `Prefetch` owns the batch until `finish(buf)` returns, and `finish` waits for
         // this copy's event first; its bytes do not move with it (`StableBytes`), and nothing
         // writes a held ring slot.
-        unsafe {
-            self.copy
-                .copy_h2d(&self.bufs[buf], 0, src.as_ptr(), src.len())?
-        };
-        if let Err(e) = self.copy.record(&self.copied[buf]) {
+        unsafe { l.copy.copy_h2d(&l.bufs[buf], 0, src.as_ptr(), src.len())? };
+        if let Err(e) = l.copy.record(&l.copied[buf]) {
             // The batch goes back to the caller with the error: not while the copy reads it.
-            let _ = self.copy.synchronize();
+            let _ = l.copy.synchronize();
             return Err(e.into());
         }
         Ok(())
     }
 
     fn before_step(&mut self, buf: usize) -> Result<(), GpuError> {
-        Ok(self.compute.wait(&self.copied[buf])?)
+        Ok(self.lanes.compute.wait(&self.lanes.copied[buf])?)
     }
 
     fn finish(&mut self, buf: usize) -> Result<(), GpuError> {
-        self.compute.record(&self.stepped[buf])?;
-        Ok(self.copied[buf].synchronize()?)
-    }
-}
-
-impl Drop for CudaCopy<'_, '_> {
-    fn drop(&mut self) {
-        // The batches being read are dropped after the engine (`Prefetch`'s field order).
-        let _ = self.copy.synchronize();
+        let l = &self.lanes;
+        l.compute.record(&l.computed[buf])?;
+        Ok(l.copied[buf].synchronize()?)
     }
 }
 
 /// Copy-stream write-back from two device buffers into ring slots.
 pub struct CudaCopyOut<'d, 's, H> {
-    copy: &'s Stream<'d>,
-    compute: &'s Stream<'d>,
-    bufs: [DeviceBuffer<'d>; BUFFERS],
-    /// Recorded on the compute stream after each buffer's forward.
-    forwarded: [Event<'d>; BUFFERS],
-    /// Recorded on the copy stream after each buffer's copy-out.
-    copied: [Event<'d>; BUFFERS],
+    /// Declared first: dropping it waits for the copies into `held`.
+    lanes: Lanes<'d, 's>,
     /// Each copy's destination while it is in flight.
     held: [Option<H>; BUFFERS],
 }
@@ -119,24 +133,20 @@ impl<'d, 's, H> CudaCopyOut<'d, 's, H> {
         len: usize,
     ) -> Result<Self, GpuError> {
         Ok(CudaCopyOut {
-            copy,
-            compute,
-            bufs: [dev.alloc(len)?, dev.alloc(len)?],
-            forwarded: [dev.event()?, dev.event()?],
-            copied: [dev.event()?, dev.event()?],
+            lanes: Lanes::new(dev, copy, compute, len)?,
             held: [None, None],
         })
     }
 
     /// The device buffer a forward writes into.
     pub fn buffer(&self, buf: usize) -> &DeviceBuffer<'d> {
-        &self.bufs[buf]
+        &self.lanes.bufs[buf]
     }
 }
 
 impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
     fn before_forward(&mut self, buf: usize) -> Result<(), GpuError> {
-        Ok(self.compute.wait(&self.copied[buf])?)
+        Ok(self.lanes.compute.wait(&self.lanes.copied[buf])?)
     }
 
     fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), (H, GpuError)> {
@@ -144,27 +154,28 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
             let e = GpuError::Shape(format!("write-back: buffer {buf} has a copy in flight"));
             return Err((dst, e));
         }
-        let (want, got) = (dst.as_mut().len(), self.bufs[buf].len());
+        let l = &self.lanes;
+        let (want, got) = (dst.as_mut().len(), l.bufs[buf].len());
         if want > got {
             return Err((dst, GpuError::BufferSize { got, want }));
         }
-        if let Err(e) = self
+        if let Err(e) = l
             .compute
-            .record(&self.forwarded[buf])
-            .and_then(|()| self.copy.wait(&self.forwarded[buf]))
+            .record(&l.computed[buf])
+            .and_then(|()| l.copy.wait(&l.computed[buf]))
         {
             return Err((dst, e.into()));
         }
         let d = dst.as_mut();
         // SAFETY: `dst` is held here (`held[buf]`) until `complete(buf)` has waited for this
-        // copy's event, or until Drop has waited for the stream; its bytes do not move with it
+        // copy's event, or until `Lanes`' drop has waited for the stream; its bytes do not move with it
         // (`StableBytes`), and nothing else touches a reserved ring slot.
-        if let Err(e) = unsafe { self.copy.copy_d2h(d.as_mut_ptr(), &self.bufs[buf], 0, want) } {
+        if let Err(e) = unsafe { l.copy.copy_d2h(d.as_mut_ptr(), &l.bufs[buf], 0, want) } {
             return Err((dst, e.into()));
         }
-        if let Err(e) = self.copy.record(&self.copied[buf]) {
+        if let Err(e) = l.copy.record(&l.copied[buf]) {
             // Back to the caller with the error, but not while the copy writes into it.
-            let _ = self.copy.synchronize();
+            let _ = l.copy.synchronize();
             return Err((dst, e.into()));
         }
         self.held[buf] = Some(dst);
@@ -172,16 +183,9 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
     }
 
     fn complete(&mut self, buf: usize) -> Result<H, GpuError> {
-        self.copied[buf].synchronize()?;
+        self.lanes.copied[buf].synchronize()?;
         self.held[buf]
             .take()
             .ok_or_else(|| GpuError::Shape(format!("write-back: no copy-out of buffer {buf}")))
-    }
-}
-
-impl<H> Drop for CudaCopyOut<'_, '_, H> {
-    fn drop(&mut self) {
-        // Before `held` (the destinations) is dropped.
-        let _ = self.copy.synchronize();
     }
 }
