@@ -24,6 +24,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
+use scripts::median;
 use shm_ring::WorkerName;
 
 #[derive(Parser)]
@@ -263,15 +264,6 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         first_batch_s: first.unwrap_or(f64::NAN),
         procs,
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
 }
 
 fn mib(kib: u64) -> f64 {
