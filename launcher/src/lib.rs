@@ -46,24 +46,30 @@ fn probe_driver() -> Result<String, String> {
 
 /// The backend the workers build, and why, for the run's first line.
 fn choose_backend(b: Backend) -> anyhow::Result<(BackendKind, String)> {
-    choose_backend_with(b, probe_driver())
+    choose_backend_with(b, probe_driver)
 }
 
+/// `probe` runs only for `auto` and `cuda`: with `--backend mock` the launcher never loads or
+/// initialises a driver.
 fn choose_backend_with(
     b: Backend,
-    driver: Result<String, String>,
+    probe: impl FnOnce() -> Result<String, String>,
 ) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
-    match (b, driver) {
-        (Backend::Mock, _) => mock("requested"),
-        (Backend::Auto, Err(why)) => mock(&why),
-        (Backend::Auto, Ok(found)) => mock(&format!(
-            "found an {found}, but the cuda backend is not built yet"
-        )),
-        (Backend::Cuda, Err(why)) => bail!("--backend cuda: {why}; use --backend mock"),
-        (Backend::Cuda, Ok(found)) => {
-            bail!("--backend cuda: found an {found}, but the cuda backend is not built yet; use --backend mock")
-        }
+    match b {
+        Backend::Mock => mock("requested"),
+        Backend::Auto => match probe() {
+            Err(why) => mock(&why),
+            Ok(found) => mock(&format!(
+                "found an {found}, but the cuda backend is not built yet"
+            )),
+        },
+        Backend::Cuda => match probe() {
+            Err(why) => bail!("--backend cuda: {why}; use --backend mock"),
+            Ok(found) => bail!(
+                "--backend cuda: found an {found}, but the cuda backend is not built yet; use --backend mock"
+            ),
+        },
     }
 }
 
@@ -206,28 +212,28 @@ mod backend_tests {
     fn auto_says_what_it_found_and_cuda_is_a_clear_error() {
         let none = || Err("no CUDA driver: cannot load /x/libcuda.so.1 (not found)".to_string());
         let gpu = || Ok("NVIDIA driver for CUDA 13.0 with 8 GPUs".to_string());
-        let (k, why) = choose_backend_with(Backend::Auto, none()).unwrap();
+        let (k, why) = choose_backend_with(Backend::Auto, none).unwrap();
         assert_eq!(k, BackendKind::Mock);
         assert!(why.contains("/x/libcuda.so.1"), "{why}");
-        let (k, why) = choose_backend_with(Backend::Auto, gpu()).unwrap();
+        let (k, why) = choose_backend_with(Backend::Auto, gpu).unwrap();
         assert_eq!(k, BackendKind::Mock);
         assert!(
             why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
             "{why}"
         );
-        let e = choose_backend_with(Backend::Cuda, none())
+        let e = choose_backend_with(Backend::Cuda, none)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
             "{e}"
         );
-        let e = choose_backend_with(Backend::Cuda, gpu())
+        let e = choose_backend_with(Backend::Cuda, gpu)
             .unwrap_err()
             .to_string();
         assert!(e.contains("not built yet"), "{e}");
         assert_eq!(
-            choose_backend_with(Backend::Mock, gpu()).unwrap().1,
+            choose_backend_with(Backend::Mock, gpu).unwrap().1,
             "mock (requested)"
         );
     }
