@@ -14,6 +14,7 @@ use shm_ring::{
     BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
     WorkerName, WorkerState,
 };
+use testkit::{batch_id, checksum, fill, thread_cpu};
 
 /// Runs `f` on a thread and fails the test, naming `what`, if it does not return in 60 s.
 fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -25,24 +26,6 @@ fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'stati
         Ok(v) => v,
         Err(_) => panic!("{what} hung for 60 s"),
     }
-}
-
-/// A payload whose every byte is derived from (producer, seq), so any corruption shows.
-fn fill(buf: &mut [u8], producer: u32, seq: u64) -> u64 {
-    let mut x = (u64::from(producer) << 32) ^ seq ^ 0x9e37_79b9_7f4a_7c15;
-    for b in buf.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-    checksum(buf)
-}
-
-fn checksum(buf: &[u8]) -> u64 {
-    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 fn shm_exists(name: &str) -> bool {
@@ -223,7 +206,7 @@ fn payload_is_written_and_read_in_place_in_page_aligned_slots() {
     );
 
     let mut w = p.reserve(4096).unwrap();
-    let sum = fill(w.payload_mut(), 0, 7);
+    let sum = fill(w.payload_mut(), batch_id(0, 7));
     let write_ptr = w.payload_mut().as_ptr() as usize;
     assert_eq!(write_ptr % 4096, 0, "slots are page-aligned");
     w.commit(CommitMeta {
@@ -327,7 +310,7 @@ fn five_producers_three_consumers_threads_deliver_every_item_exactly_once() {
                     for seq in 0..PER_PRODUCER {
                         let len = 64 + (seq as usize * 37) % 4000;
                         let mut w = p.reserve(len).unwrap();
-                        let sum = fill(w.payload_mut(), pi, seq);
+                        let sum = fill(w.payload_mut(), batch_id(pi, seq));
                         w.commit(CommitMeta {
                             bucket: (seq % 4) as u32,
                             tokens: len as u64,
@@ -664,11 +647,6 @@ fn snapshot_finds_a_worker_by_name() {
         .map(|w| w.index)
         .collect();
     assert_eq!(drafters, [0, 1, 2]);
-}
-
-fn thread_cpu() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// A blocked worker sleeps in the kernel: over 1.5 s of blocking, it uses a small fraction of

@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use scripts::median;
 use shm_ring::{CommitMeta, Ring, RingParams, Take, TakePolicy};
+use testkit::thread_cpu;
 
 #[derive(Parser)]
 struct Args {
@@ -20,11 +21,6 @@ struct Args {
     runs: usize,
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
-}
-
-fn thread_cpu() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 fn params() -> RingParams {

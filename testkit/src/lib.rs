@@ -1,0 +1,79 @@
+//! Helpers the tests and benchmarks of several crates share (shm-ring's own tests, the
+//! multi-process tests and `ring-peer`, the benchmarks), kept once here. Nothing in hspipe's
+//! binaries uses it.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+/// A ring (or directory) name unique to this process and call. Rings are unlinked by their
+/// creating handle's drop, so a failing test leaves nothing behind.
+pub fn unique(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "hspipe-t-{}-{tag}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Fills `buf` with bytes derived from `batch_id` alone, so a reader can check content, not
+/// just a checksum. Returns the checksum of the bytes.
+pub fn fill(buf: &mut [u8], batch_id: u64) -> u64 {
+    let mut x = batch_id ^ 0x9e37_79b9_7f4a_7c15;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let bytes = x.to_le_bytes();
+        chunk.copy_from_slice(&bytes[..chunk.len()]);
+    }
+    checksum(buf)
+}
+
+/// FNV-1a over the bytes.
+pub fn checksum(buf: &[u8]) -> u64 {
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// True if `buf` is exactly what `fill` writes for `batch_id`.
+pub fn verify(buf: &[u8], batch_id: u64) -> bool {
+    let mut want = vec![0u8; buf.len()];
+    fill(&mut want, batch_id);
+    want == buf
+}
+
+/// The batch id of producer `p`'s item `seq`.
+pub fn batch_id(p: u32, seq: u64) -> u64 {
+    (u64::from(p) << 32) | seq
+}
+
+/// The payload length of a batch: varied, up to `max_len`.
+pub fn payload_len(batch_id: u64, max_len: usize) -> usize {
+    let h = checksum(&batch_id.to_le_bytes()) as usize;
+    1 + h % max_len
+}
+
+/// CPU time this thread has used.
+pub fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filled_payload_verifies_and_a_changed_byte_does_not() {
+        let mut b = vec![0u8; 1001];
+        let sum = fill(&mut b, batch_id(3, 9));
+        assert_eq!(sum, checksum(&b));
+        assert!(verify(&b, batch_id(3, 9)));
+        assert!(!verify(&b, batch_id(3, 10)));
+        b[500] ^= 1;
+        assert!(!verify(&b, batch_id(3, 9)));
+        assert_ne!(unique("a"), unique("a"));
+    }
+}
