@@ -5,7 +5,6 @@
 # Run on an otherwise idle machine: the figures are medians, but a busy neighbour still shows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
 cargo build --release -p scripts
 command -v python3 >/dev/null || { echo "error: python3 is needed for the Python baseline" >&2; exit 1; }
 echo "## transport";           ./target/release/bench-transport --runs 5 --sizes 4K,1M,64M,256M

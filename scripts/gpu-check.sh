@@ -12,7 +12,6 @@ cd "$(dirname "$0")/.."
 
 bin=${GPU_CHECK_BIN:-}
 if [ -z "$bin" ]; then
-    scripts/deps.sh
     echo "== cargo build --release -p scripts --bin gpu-check"
     cargo build --release -q -p scripts --bin gpu-check
     bin=target/release/gpu-check

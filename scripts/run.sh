@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The README's run command: fetches the crates if needed (scripts/deps.sh), then runs the
-# launcher in release mode with the arguments given, e.g.
+# The README's run command: builds and runs the launcher in release mode with the arguments
+# given, e.g.
 #   scripts/run.sh --targets 0-4 --drafters 5-7
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
 # The launcher runs its workers as itself (hidden subcommands): it is the only binary needed.
 cargo build --quiet --release -p launcher
 exec target/release/launcher "$@"

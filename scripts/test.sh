@@ -4,9 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The crates come from Debian's archive (crates.io is not reachable here): see scripts/deps.sh.
-scripts/deps.sh
-
 # The screen tests run shm-ring-stat and the launcher in a real terminal: tmux's.
 if ! command -v tmux >/dev/null; then
     echo "== installing tmux (the screen tests' terminal)"
