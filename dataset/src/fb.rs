@@ -68,7 +68,7 @@ impl Table {
 }
 
 fn pad_to(b: &mut Vec<u8>, align: usize) {
-    while b.len() % align != 0 {
+    while !b.len().is_multiple_of(align) {
         b.push(0);
     }
 }
@@ -161,7 +161,7 @@ fn write_child(b: &mut Vec<u8>, v: &Val) -> usize {
             bytes,
         } => {
             // The elements (after the 4-byte count) must be aligned to `align`.
-            while (b.len() + 4) % (*align).max(4) != 0 {
+            while !(b.len() + 4).is_multiple_of((*align).max(4)) {
                 b.push(0);
             }
             let pos = b.len();

@@ -116,7 +116,7 @@ impl Mapped {
             if ids.null_count > 0 || ids.values_null_count > 0 {
                 return Err(bad(format!("record batch {k}: input_ids has nulls")));
             }
-            if ids.values.as_ptr() as usize % 4 != 0 {
+            if !(ids.values.as_ptr() as usize).is_multiple_of(4) {
                 return Err(bad(format!(
                     "record batch {k}: input_ids is not 4-byte aligned"
                 )));

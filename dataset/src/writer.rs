@@ -85,7 +85,7 @@ impl<W: Write> Writer<W> {
         }
         self.ids.extend_from_slice(ids);
         self.id_offsets.push(self.ids.len() as i32);
-        if self.rows % 8 == 0 {
+        if self.rows.is_multiple_of(8) {
             self.mask_valid.push(0);
         }
         match mask {

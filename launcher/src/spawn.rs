@@ -117,7 +117,7 @@ pub fn spawn(
     unsafe {
         cmd.pre_exec(move || {
             // Die with the launcher, even if it is SIGKILLed.
-            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::Kill))?;
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
             // The launcher may have died before that took effect: then do not start at all.
             if rustix::process::getppid() != Some(parent) {
                 return Err(rustix::io::Errno::SRCH.into());

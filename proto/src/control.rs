@@ -251,7 +251,7 @@ impl Server {
         let ours = rustix::process::geteuid().as_raw();
         loop {
             let (stream, _) = self.listener.accept().map_err(io_err)?;
-            let theirs = rustix::net::sockopt::get_socket_peercred(&stream)
+            let theirs = rustix::net::sockopt::socket_peercred(&stream)
                 .map_err(|e| io_err(e.into()))?
                 .uid
                 .as_raw();

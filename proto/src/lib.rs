@@ -10,7 +10,6 @@ pub mod config;
 pub mod control;
 pub mod plan;
 pub mod run_dir;
-pub mod safetensors;
 pub mod stop;
 
 pub use batch::{

@@ -253,9 +253,13 @@ mod tests {
         assert!(e.contains("plan version 1"), "{e}");
         run.write_plan_version().unwrap();
         run.check_plan_version().unwrap();
-        std::fs::write(run.plan_version(), "3\n").unwrap();
+        let other = crate::plan::PLAN_VERSION - 1;
+        std::fs::write(run.plan_version(), format!("{other}\n")).unwrap();
         let e = run.check_plan_version().unwrap_err().to_string();
-        assert!(e.contains("plan version 3") && e.contains("twice"), "{e}");
+        assert!(
+            e.contains(&format!("plan version {other}")) && e.contains("twice"),
+            "{e}"
+        );
         std::fs::write(run.plan_version(), "two\n").unwrap();
         let e = run.check_plan_version().unwrap_err().to_string();
         assert!(e.contains("\"two\""), "{e}");

@@ -7,10 +7,10 @@
 pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
     use rustix::process::Signal;
     [
-        Signal::Int as std::ffi::c_int,
-        Signal::Term as std::ffi::c_int,
-        Signal::Hup as std::ffi::c_int,
-        Signal::Quit as std::ffi::c_int,
+        Signal::INT.as_raw(),
+        Signal::TERM.as_raw(),
+        Signal::HUP.as_raw(),
+        Signal::QUIT.as_raw(),
     ]
 };
 

@@ -187,7 +187,7 @@ fn share_bar(frac: f64, cells: usize) -> String {
     ];
     let mut s = symbols::block::FULL.repeat(eighths / 8);
     s.push_str(parts[eighths % 8]);
-    let used = eighths / 8 + usize::from(eighths % 8 > 0);
+    let used = eighths / 8 + usize::from(!eighths.is_multiple_of(8));
     s.push_str(&" ".repeat(cells.saturating_sub(used)));
     s
 }
@@ -728,7 +728,11 @@ fn wait_input(timeout: Duration) -> Input {
         return Input::Unknown;
     }
     let mut fds = [PollFd::new(&stdin, PollFlags::IN)];
-    match poll(&mut fds, timeout.as_millis() as i32) {
+    let timeout = rustix::event::Timespec::try_from(timeout).unwrap_or(rustix::event::Timespec {
+        tv_sec: i64::MAX,
+        tv_nsec: 0,
+    });
+    match poll(&mut fds, Some(&timeout)) {
         Ok(0) => Input::None,
         Ok(_) => {
             let got = fds[0].revents();

@@ -36,7 +36,7 @@ pub fn is_out_of_space(e: &io::Error) -> bool {
 /// Exclusively creates `/dev/shm/<name>` (mode 0600) of `len` bytes, all reserved now. On
 /// failure after the create, the name is unlinked again: nothing is left behind.
 pub fn create(name: &str, len: u64) -> io::Result<OwnedFd> {
-    let fd = rustix::shm::shm_open(
+    let fd = rustix::shm::open(
         name,
         OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
         Mode::RUSR | Mode::WUSR,
@@ -49,7 +49,7 @@ pub fn create(name: &str, len: u64) -> io::Result<OwnedFd> {
             rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len).map_err(io::Error::from)
         });
     if let Err(e) = sized {
-        let _ = rustix::shm::shm_unlink(name);
+        let _ = rustix::shm::unlink(name);
         return Err(e);
     }
     Ok(fd)
@@ -62,12 +62,12 @@ pub fn open(name: &str, writable: bool) -> io::Result<OwnedFd> {
     } else {
         OFlags::RDONLY
     };
-    rustix::shm::shm_open(name, flags, Mode::empty()).map_err(io::Error::from)
+    rustix::shm::open(name, flags, Mode::empty()).map_err(io::Error::from)
 }
 
 /// Removes the name `/dev/shm/<name>`; mappings stay valid until unmapped.
 pub fn unlink(name: &str) -> io::Result<()> {
-    rustix::shm::shm_unlink(name).map_err(io::Error::from)
+    rustix::shm::unlink(name).map_err(io::Error::from)
 }
 
 /// What an attacher checks before it trusts a segment.
@@ -171,7 +171,7 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
         word,
         rustix::thread::futex::Flags::empty(),
         expected,
-        Some(ts),
+        Some(&ts),
     );
 }
 

@@ -11,7 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use proto::LedgerLine;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::launcher::{attach, config, kill, no_segment_of, pid_alive, Run};
@@ -32,7 +32,7 @@ impl Choices {
         Choices(Xoshiro256PlusPlus::seed_from_u64(seed))
     }
     fn below(&mut self, n: u64) -> u64 {
-        self.0.gen_range(0..n)
+        self.0.random_range(0..n)
     }
 }
 
@@ -97,7 +97,7 @@ fn one_run(run_no: u32, choices: &mut Choices, cap: u32) -> u32 {
         let victim = choices.below(8) as usize;
         let w = &ring.snapshot().workers[victim];
         if w.alive {
-            kill(w.pid, Signal::Kill);
+            kill(w.pid, Signal::KILL);
             kills += 1;
             victims.push(victim);
         }

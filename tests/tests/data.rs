@@ -426,7 +426,7 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     let slow = run_config(&dir, 3000.0, "");
     let l = launch(Some(&slow), &strs(&args("run3")));
     wait_trained(&dir.path("run3"), "run3");
-    kill(l.child.id(), Signal::Int);
+    kill(l.child.id(), Signal::INT);
     assert_eq!(l.wait_status().code(), Some(130));
     let changed = text.replacen("\"input_ids\": [", "\"input_ids\": [1", 1);
     std::fs::write(dir.path("train.jsonl"), &changed).unwrap();

@@ -304,7 +304,7 @@ fn kill_one_mid_run(tag: &str, victim: WorkerName) {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, Signal::Kill);
+    kill(victim_pid, Signal::KILL);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
@@ -404,38 +404,38 @@ fn ordered_stop(tag: &str, sig: Signal, output_gone: bool) {
 
 fn signal_name(sig: Signal) -> &'static str {
     match sig {
-        Signal::Int => "SIGINT",
-        Signal::Term => "SIGTERM",
-        Signal::Hup => "SIGHUP",
-        Signal::Quit => "SIGQUIT",
+        Signal::INT => "SIGINT",
+        Signal::TERM => "SIGTERM",
+        Signal::HUP => "SIGHUP",
+        Signal::QUIT => "SIGQUIT",
         _ => "another signal",
     }
 }
 
 #[test]
 fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lint", Signal::Int, false);
+    ordered_stop("lint", Signal::INT, false);
 }
 
 /// What a closed terminal or a dropped SSH session sends.
 #[test]
 fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lhup", Signal::Hup, false);
+    ordered_stop("lhup", Signal::HUP, false);
 }
 
 #[test]
 fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lquit", Signal::Quit, false);
+    ordered_stop("lquit", Signal::QUIT, false);
 }
 
 #[test]
 fn sighup_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lhupgone", Signal::Hup, true);
+    ordered_stop("lhupgone", Signal::HUP, true);
 }
 
 #[test]
 fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lquitgone", Signal::Quit, true);
+    ordered_stop("lquitgone", Signal::QUIT, true);
 }
 
 #[test]
@@ -711,7 +711,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     // The live launcher's ring was not touched, and it still stops in order.
     assert!(!out.contains(live_ring.name()), "{out}");
     assert!(shm(&live_ring).exists());
-    kill(live_pid, Signal::Term);
+    kill(live_pid, Signal::TERM);
     assert_eq!(running.wait_status().code(), Some(130));
     no_segment_of(live_pid);
 }
@@ -727,10 +727,10 @@ fn a_second_signal_kills_every_worker_at_once() {
         s.workers.iter().all(|w| w.alive)
     });
     // Any two of the stop signals: a closed terminal's SIGHUP, then SIGQUIT (Ctrl-\).
-    kill(pid, Signal::Hup);
+    kill(pid, Signal::HUP);
     // Two signals sent at once may merge into one: wait until the first is acted on.
     launcher.line_starting("stopping:");
-    kill(pid, Signal::Quit);
+    kill(pid, Signal::QUIT);
     assert_eq!(launcher.wait_status().code(), Some(131));
     no_segment_of(pid);
     for w in &s.workers {
@@ -822,8 +822,8 @@ fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
 /// The step of the group checkpoint, read as any tool would read the file.
 fn checkpoint_step(run: &Run) -> u64 {
     let bytes = std::fs::read(RunDir::new(run.run_dir()).checkpoint()).unwrap();
-    let st = proto::safetensors::SafeTensors::parse(&bytes).unwrap();
-    u64::from_le_bytes(st.tensor("step").unwrap().data.try_into().unwrap())
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    u64::from_le_bytes(st.tensor("step").unwrap().data().try_into().unwrap())
 }
 
 /// The launcher and every worker SIGKILLed mid-run, then `--resume`: the plan is finished,
@@ -845,7 +845,7 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= 20
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
-    kill(launcher.child.id(), Signal::Kill);
+    kill(launcher.child.id(), Signal::KILL);
     let _ = launcher.wait_status();
     let deadline = Instant::now() + crate::support::WATCHDOG;
     while pids.iter().any(|&p| pid_alive(p)) {

@@ -246,7 +246,7 @@ fn the_watch_screen_and_the_progress_line_fit_80x24_and_120x40() {
     // q leaves the screen; the run goes on until stopped.
     tmux.ok(&["send-keys", "-t", "stat", "q"]);
     tmux.wait_gone("stat");
-    kill(launcher_pid, Signal::Int);
+    kill(launcher_pid, Signal::INT);
     tmux.wait_gone("run");
     no_segment_of(launcher_pid);
     assert_eq!(run.summary()["exit_code"], 130);

@@ -246,9 +246,9 @@ fn scenario(tag: &str, mock: &Mock, extra: &[&str], enough: impl Fn(&[Obs]) -> b
         if enough(&obs) {
             // A second signal stops hard: the workers are killed, the ring removed. What the
             // ring shows from here on is the stop, not the scenario.
-            kill(launcher.child.id(), Signal::Int);
+            kill(launcher.child.id(), Signal::INT);
             std::thread::sleep(Duration::from_millis(300));
-            kill(launcher.child.id(), Signal::Int);
+            kill(launcher.child.id(), Signal::INT);
             break;
         }
         assert!(

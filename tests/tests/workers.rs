@@ -413,7 +413,7 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     // Any stop signal: SIGINT, SIGTERM, and here SIGHUP (a closed terminal) and SIGQUIT.
-    for (t, sig) in targets.iter().zip([Signal::Hup, Signal::Quit]) {
+    for (t, sig) in targets.iter().zip([Signal::HUP, Signal::QUIT]) {
         crate::launcher::kill(t.child.id(), sig);
     }
     for t in targets {

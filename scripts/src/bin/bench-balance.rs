@@ -417,7 +417,7 @@ fn main() {
         let mut i = 0u64;
         lengths.retain(|&len| {
             i += 1;
-            cfg.bucket_of(len) == longest || i % 3 == 0
+            cfg.bucket_of(len) == longest || i.is_multiple_of(3)
         });
     }
     let batches = proto::plan::plan(&lengths, &cfg);

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use scripts::median;
 use shm_ring::WorkerName;
@@ -71,8 +71,8 @@ enum Cmd {
 }
 
 /// A standard normal draw (Box-Muller; `1 - u` keeps the logarithm's argument above 0).
-fn normal(rng: &mut impl Rng) -> f64 {
-    let (u, v): (f64, f64) = (rng.gen(), rng.gen());
+fn normal(rng: &mut impl RngExt) -> f64 {
+    let (u, v): (f64, f64) = (rng.random(), rng.random());
     (-2.0 * (1.0 - u).ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
@@ -91,10 +91,10 @@ fn gen(mb: u64, out: &Path, seed: u64) -> anyhow::Result<()> {
             if i > 0 {
                 line.push_str(", ");
             }
-            line.push_str(&rng.gen_range(0..151_936u32).to_string());
+            line.push_str(&rng.random_range(0..151_936u32).to_string());
         }
         line.push(']');
-        if rng.gen_ratio(1, 4) {
+        if rng.random_ratio(1, 4) {
             line.push_str(", \"loss_mask\": [");
             for i in 0..len {
                 line.push_str(if i == 0 { "" } else { ", " });

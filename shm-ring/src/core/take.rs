@@ -1,7 +1,7 @@
 //! The take policy's choices: which bucket a bucketed take serves, and the seeded generator
 //! that picks within it. Per consumer, never shared.
 
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::params::{BucketPick, MAX_BUCKETS};
@@ -33,7 +33,7 @@ impl TakeState {
 
     /// A uniform index below `n` (0 when `n` is 0).
     pub(crate) fn below(&mut self, n: u32) -> u32 {
-        self.rng.gen_range(0..n.max(1))
+        self.rng.random_range(0..n.max(1))
     }
 }
 
