@@ -1,8 +1,13 @@
-//! NCCL, opened at run time like the driver (`$HSPIPE_LIBNCCL`, else `libnccl.so.2`): the
-//! collective a drafter group spread over GPUs sums its gradients with. A communicator is made
-//! from a [`UniqueId`] that one rank draws and the others receive over the control plane (it is
-//! 128 plain bytes); every rank then receives the same reduced buffer, which is what keeps the
-//! group's weights bitwise equal.
+//! NCCL through cudarc, loaded at run time like the driver (cudarc asks the dynamic loader for
+//! `libnccl.so`, then `libnccl.so.2` and its other names): the collective a drafter group
+//! spread over GPUs sums its gradients with. A communicator is made from a [`UniqueId`] that one
+//! rank draws and the others receive over the control plane (it is 128 plain bytes); every rank
+//! then receives the same reduced buffer, which is what keeps the group's weights bitwise equal.
+//!
+//! [`Nccl::load`] is the presence check (cudarc panics at the first call into a library it
+//! cannot load). The communicator is our own [`Comm`] over cudarc's `result` layer rather than
+//! cudarc's `Comm`, whose drop also aborts but panics if the abort fails, and which has no way
+//! to ask for an asynchronous error or to abort with an answer.
 //!
 //! A dropped [`Comm`] is aborted, not destroyed: `ncclCommDestroy` waits for peers that may be
 //! dead, `ncclCommAbort` does not. A membership change aborts the communicator and makes a new
@@ -10,19 +15,34 @@
 //! give up on a peer dead inside `ncclCommInitRank` or a collective (a dead peer is today seen
 //! through the launcher's membership change, which aborts).
 
-use std::ffi::CStr;
+use std::ffi::{c_void, CStr, OsString};
 use std::sync::Arc;
 
-use crate::sys::{self, NcclApi, NcclComm, NcclResult};
-use crate::{CudaError, Device, DeviceBuffer, Result, Stream};
+use cudarc::nccl::{result, sys};
 
-/// Environment variable naming the NCCL library to load.
+use crate::{bounds, refuse_retired, CudaContext, CudaError, CudaSlice, CudaStream, Named};
+use crate::{DevicePtr, DevicePtrMut, Result};
+
+/// Formerly the path of the NCCL library to load; refused now, as `HSPIPE_LIBCUDA` is.
 pub const LIBNCCL_ENV: &str = "HSPIPE_LIBNCCL";
 
-/// The loaded NCCL library.
-#[derive(Clone)]
+/// Every NCCL entry point this module calls, looked up before the first call (a library that
+/// lacks one is refused by name instead of making cudarc panic).
+const ENTRY_POINTS: [&str; 7] = [
+    "ncclGetVersion",
+    "ncclGetErrorString",
+    "ncclGetUniqueId",
+    "ncclCommInitRank",
+    "ncclAllReduce",
+    "ncclCommGetAsyncError",
+    "ncclCommAbort",
+];
+
+/// NCCL, found and checked. Only an `Nccl` makes communicators, so nothing calls into
+/// cudarc's NCCL before the presence check.
+#[derive(Clone, Copy, Debug)]
 pub struct Nccl {
-    api: Arc<NcclApi>,
+    version: (u32, u32, u32),
 }
 
 /// The bytes every rank of one communicator must share.
@@ -36,150 +56,180 @@ impl std::fmt::Debug for UniqueId {
 }
 
 impl Nccl {
-    /// Loads NCCL (`$HSPIPE_LIBNCCL`, else `libnccl.so.2`).
+    /// Finds NCCL where cudarc will look for it and checks that it has what this module calls.
     pub fn load() -> Result<Nccl> {
-        let path = std::env::var(LIBNCCL_ENV).unwrap_or_else(|_| sys::LIBNCCL.to_string());
-        Nccl::load_from(&path)
+        Nccl::load_with(std::env::var_os(LIBNCCL_ENV))
     }
 
-    pub fn load_from(path: &str) -> Result<Nccl> {
-        let api = NcclApi::load(path).map_err(|e| CudaError::NoNccl {
-            path: e.path,
-            why: match e.symbol {
-                None => e.why,
-                Some(s) => format!("it lacks {s}: {}", e.why),
-            },
-        })?;
-        Ok(Nccl { api: Arc::new(api) })
+    pub(crate) fn load_with(retired: Option<OsString>) -> Result<Nccl> {
+        refuse_retired(LIBNCCL_ENV, retired)?;
+        // SAFETY: opening a library runs its initialisers; NCCL's set up only its own state.
+        // The library is closed again; cudarc opens it for good below.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::NoNccl {
+                why: crate::not_found("nccl"),
+            });
+        }
+        // SAFETY: cudarc opens the library it just found (the same names in the same order),
+        // so this does not reach cudarc's panic; the symbols are looked up, not called.
+        let lib = unsafe { sys::culib() };
+        for symbol in ENTRY_POINTS {
+            // SAFETY: as above; the type is a plain pointer, nothing is called.
+            if let Err(e) = unsafe { lib.get::<*const c_void>(symbol) } {
+                return Err(CudaError::Symbol {
+                    library: "libnccl",
+                    symbol,
+                    why: e.to_string(),
+                });
+            }
+        }
+        let v = result::get_nccl_version().map_err(|e| nccl_error("ncclGetVersion", e))?;
+        let v = v.max(0) as u32;
+        Ok(Nccl {
+            version: (v / 10000, (v % 10000) / 100, v % 100),
+        })
     }
 
     /// (major, minor, patch).
-    pub fn version(&self) -> Result<(u32, u32, u32)> {
-        let mut v = 0;
-        // SAFETY: writes one int through a valid pointer.
-        let r = unsafe { (self.api.ncclGetVersion)(&mut v) };
-        self.check("ncclGetVersion", r)?;
-        let v = v.max(0) as u32;
-        Ok((v / 10000, (v % 10000) / 100, v % 100))
+    pub fn version(&self) -> (u32, u32, u32) {
+        self.version
     }
 
     /// A fresh id for a new communicator (one rank draws it, the others are sent it).
     pub fn unique_id(&self) -> Result<UniqueId> {
-        let mut id = sys::NcclUniqueId { internal: [0; 128] };
-        // SAFETY: writes the 128-byte struct through a valid pointer.
-        let r = unsafe { (self.api.ncclGetUniqueId)(&mut id) };
-        self.check("ncclGetUniqueId", r)?;
+        let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
         Ok(UniqueId(id.internal.map(|c| c as u8)))
     }
 
-    /// Joins communicator `id` as `rank` of `nranks` on `dev`; blocks until every rank has
-    /// joined.
-    pub fn init_rank<'d>(
+    /// Joins communicator `id` as `rank` of `nranks` on `ctx`'s device; blocks until every
+    /// rank has joined.
+    pub fn init_rank(
         &self,
-        dev: &'d Device,
+        ctx: &Arc<CudaContext>,
         nranks: u32,
         id: &UniqueId,
         rank: u32,
-    ) -> Result<Comm<'d>> {
-        dev.bind()?;
-        let mut comm: NcclComm = std::ptr::null_mut();
-        let id = sys::NcclUniqueId {
+    ) -> Result<Comm> {
+        // NCCL uses the device of the current context.
+        ctx.bind_to_thread().named("cuCtxSetCurrent")?;
+        let id = sys::ncclUniqueId {
             internal: id.0.map(|b| b as std::ffi::c_char),
         };
-        // SAFETY: writes one communicator handle; the id is passed by value; NCCL uses the
-        // device whose context `bind` made current. Released in Comm::drop.
-        let r = unsafe { (self.api.ncclCommInitRank)(&mut comm, nranks as i32, id, rank as i32) };
-        self.check("ncclCommInitRank", r)?;
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: writes one communicator handle; the id is passed by value. Aborted in
+        // `Comm::abort` or `Comm::drop`, once.
+        unsafe { result::comm_init_rank(&mut raw, nranks as i32, id, rank as i32) }
+            .map_err(|e| nccl_error("ncclCommInitRank", e))?;
         Ok(Comm {
-            nccl: self.clone(),
-            dev,
-            raw: comm,
-        })
-    }
-
-    fn check(&self, call: &'static str, r: NcclResult) -> Result<()> {
-        if r == sys::NCCL_SUCCESS {
-            return Ok(());
-        }
-        // SAFETY: NCCL returns a static string for any result code.
-        let s = unsafe { (self.api.ncclGetErrorString)(r) };
-        let name = if s.is_null() {
-            "unknown error".to_string()
-        } else {
-            // SAFETY: a static, NUL-terminated string owned by NCCL.
-            unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
-        };
-        Err(CudaError::Nccl {
-            call,
-            code: r,
-            name,
+            ctx: ctx.clone(),
+            raw,
         })
     }
 }
 
 /// One rank's communicator; aborted on drop.
-pub struct Comm<'d> {
-    nccl: Nccl,
-    dev: &'d Device,
-    raw: NcclComm,
+pub struct Comm {
+    ctx: Arc<CudaContext>,
+    raw: sys::ncclComm_t,
 }
 
-impl Comm<'_> {
+impl Comm {
     /// Queues the sum over the ranks of `count` floats of `send` into `recv` on `stream`.
     pub fn all_reduce_sum_f32(
         &self,
-        send: &DeviceBuffer<'_>,
-        recv: &DeviceBuffer<'_>,
+        send: &CudaSlice<u8>,
+        recv: &mut CudaSlice<u8>,
         count: usize,
-        stream: &Stream<'_>,
+        stream: &CudaStream,
     ) -> Result<()> {
         let bytes = count.saturating_mul(4);
-        send.bounds("all-reduce input", 0, bytes)?;
-        recv.bounds("all-reduce output", 0, bytes)?;
-        self.dev.bind()?;
-        // SAFETY: both device ranges hold `count` floats (checked); the stream and the
+        bounds("all-reduce input", send.len(), 0, bytes)?;
+        bounds("all-reduce output", recv.len(), 0, bytes)?;
+        if **stream.context() != *self.ctx {
+            return Err(CudaError::Mismatch(
+                "an all-reduce was queued on a stream of another device than its communicator's"
+                    .into(),
+            ));
+        }
+        self.ctx.bind_to_thread().named("cuCtxSetCurrent")?;
+        // The guards record the buffers' read and write events once the collective is queued
+        // (at the end of this function), so their other streams stay ordered with it.
+        let (src, _read) = send.device_ptr(stream);
+        let (dst, _written) = recv.device_ptr_mut(stream);
+        // SAFETY: both device ranges hold `count` floats (checked above); the stream and the
         // communicator are live and of this device.
-        let r = unsafe {
-            (self.nccl.api.ncclAllReduce)(
-                send.ptr as *const std::ffi::c_void,
-                recv.ptr as *mut std::ffi::c_void,
+        unsafe {
+            result::all_reduce(
+                src as *const c_void,
+                dst as *mut c_void,
                 count,
-                sys::NCCL_FLOAT32,
-                sys::NCCL_SUM,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
                 self.raw,
-                stream.raw,
+                stream.cu_stream() as sys::cudaStream_t,
             )
-        };
-        self.nccl.check("ncclAllReduce", r)
+        }
+        .map_err(|e| nccl_error("ncclAllReduce", e))?;
+        Ok(())
     }
 
     /// An error NCCL met in the background (a peer gone, a network failure), if any.
     pub fn async_error(&self) -> Result<()> {
-        let mut e = sys::NCCL_SUCCESS;
-        // SAFETY: writes one result through a valid pointer; the communicator is live.
-        let r = unsafe { (self.nccl.api.ncclCommGetAsyncError)(self.raw, &mut e) };
-        self.nccl.check("ncclCommGetAsyncError", r)?;
+        // Read as a plain integer: a value outside cudarc's enum (a newer NCCL's) must not be
+        // stored into the enum type.
+        let mut e: u32 = 0;
+        // SAFETY: NCCL writes one `ncclResult_t` (a C int) through the pointer; the
+        // communicator is live.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, (&raw mut e).cast()) };
+        r.result()
+            .map_err(|err| nccl_error("ncclCommGetAsyncError", err))?;
         match e {
-            sys::NCCL_IN_PROGRESS => Ok(()),
-            e => self.nccl.check("a collective (async)", e),
+            // ncclSuccess, and ncclInProgress (a non-blocking operation still running).
+            0 | 7 => Ok(()),
+            code => Err(CudaError::Nccl {
+                call: "a collective (async)",
+                code: code as i32,
+                name: format!("NCCL error {code}"),
+            }),
         }
     }
 
     /// Aborts the communicator: outstanding collectives are abandoned, nothing waits for peers.
-    pub fn abort(self) -> Result<()> {
-        let raw = self.raw;
-        let nccl = self.nccl.clone();
-        std::mem::forget(self);
-        // SAFETY: the communicator is live and aborted once (Drop will not run).
-        let r = unsafe { (nccl.api.ncclCommAbort)(raw) };
-        nccl.check("ncclCommAbort", r)
+    pub fn abort(mut self) -> Result<()> {
+        // Null tells the drop that the communicator is gone.
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the communicator is live and aborted once: the drop sees null.
+        let r = unsafe { result::comm_abort(raw) };
+        r.map(|_| ()).map_err(|e| nccl_error("ncclCommAbort", e))
     }
 }
 
-impl Drop for Comm<'_> {
+impl Drop for Comm {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
-        // SAFETY: the communicator is live; abort frees it without waiting for peers.
-        unsafe { (self.nccl.api.ncclCommAbort)(self.raw) };
+        if self.raw.is_null() {
+            return;
+        }
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the communicator is live; abort frees it without waiting for peers. A failed
+        // abort has no one to tell in a drop, and must not panic.
+        let _ = unsafe { result::comm_abort(self.raw) };
+    }
+}
+
+/// `call` failed with `e`, named by NCCL.
+fn nccl_error(call: &'static str, e: result::NcclError) -> CudaError {
+    // SAFETY: NCCL returns a static string for any result code (or null).
+    let s = unsafe { sys::ncclGetErrorString(e.0) };
+    let name = if s.is_null() {
+        "unknown error".to_string()
+    } else {
+        // SAFETY: a static, NUL-terminated string owned by NCCL.
+        unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+    };
+    CudaError::Nccl {
+        call,
+        code: e.0 as i32,
+        name,
     }
 }

@@ -1,110 +1,124 @@
 //! The device check's kernels (`probe.cu`, shipped as PTX in `probe.ptx` and JIT-compiled by the
-//! driver, so no build needs nvcc): `spin` stands in for a model step of a chosen length, and
-//! `byte_sum` proves bytes copied from the ring arrived intact without copying them back, and
-//! `stamp` writes a batch id into a device buffer.
+//! driver when cudarc loads the module, so no build needs nvcc): `spin` stands in for a model
+//! step of a chosen length, `byte_sum` proves bytes copied from the ring arrived intact without
+//! copying them back, and `stamp` writes a batch id into a device buffer. Launched through
+//! cudarc's launch builder, so the buffers' event tracking sees every kernel that uses them.
 
-use std::ffi::{c_void, CStr};
+use std::sync::Arc;
 
-use crate::sys::CuFunction;
-use crate::{CudaError, Device, DeviceBuffer, Module, Result, Stream};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use crate::{bounds, CudaContext, CudaError, CudaSlice, CudaStream, Named, Result};
 
 /// `nvcc -ptx -arch=compute_75 probe.cu` (regenerate after editing probe.cu).
-const PTX: &CStr = {
-    match CStr::from_bytes_with_nul(concat!(include_str!("probe.ptx"), "\0").as_bytes()) {
-        Ok(c) => c,
-        Err(_) => panic!("probe.ptx holds a NUL byte"),
+const PTX: &str = include_str!("probe.ptx");
+
+// cudarc turns PTX text into a C string with an `unwrap`; a NUL byte in the file would panic
+// there, so it fails the build here instead.
+const _: () = {
+    let b = PTX.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        assert!(b[i] != 0, "probe.ptx holds a NUL byte");
+        i += 1;
     }
 };
 
 /// The probe module, loaded on one device.
-pub struct Probe<'d> {
-    module: Module<'d>,
-    spin: CuFunction,
-    byte_sum: CuFunction,
-    stamp: CuFunction,
+pub struct Probe {
+    ctx: Arc<CudaContext>,
+    spin: CudaFunction,
+    byte_sum: CudaFunction,
+    stamp: CudaFunction,
 }
 
-impl<'d> Probe<'d> {
-    pub fn load(dev: &'d Device) -> Result<Probe<'d>> {
-        let module = dev.module(PTX)?;
-        let spin = module.function("spin")?;
-        let byte_sum = module.function("byte_sum")?;
-        let stamp = module.function("stamp")?;
+impl Probe {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Probe> {
+        let module = ctx
+            .load_module(Ptx::from_src(PTX))
+            .named("cuModuleLoadData (probe.ptx)")?;
+        let function = |kernel: &'static str| {
+            module
+                .load_function(kernel)
+                .map_err(|e| CudaError::NoKernel {
+                    kernel,
+                    code: e.0 as i32,
+                    name: crate::error_name(e),
+                })
+        };
         Ok(Probe {
-            module,
-            spin,
-            byte_sum,
-            stamp,
+            ctx: ctx.clone(),
+            spin: function("spin")?,
+            byte_sum: function("byte_sum")?,
+            stamp: function("stamp")?,
         })
     }
 
     /// Queues one thread that spins for `cycles` SM clock cycles.
-    pub fn spin(&self, stream: &Stream<'_>, cycles: u64) -> Result<()> {
-        let mut cycles = cycles;
-        let mut params = [(&raw mut cycles).cast::<c_void>()];
-        self.launch(stream, self.spin, 1, &mut params)
+    pub fn spin(&self, stream: &CudaStream, cycles: u64) -> Result<()> {
+        self.same_device(stream)?;
+        let mut launch = stream.launch_builder(&self.spin);
+        launch.arg(&cycles);
+        // SAFETY: `spin(unsigned long long)` takes one u64, passed by reference to a local that
+        // outlives the call (the driver copies parameters when the launch is queued).
+        unsafe { launch.launch(threads(1)) }.named("cuLaunchKernel spin")?;
+        Ok(())
     }
 
-    /// Queues the sum of the first `len` bytes of `data` into the u64 at the start of `out`
-    /// (added to what is there: zero it first).
+    /// Queues the sum of the first `len` bytes of `data` into `out[0]` (added to what is there:
+    /// zero it first).
     pub fn byte_sum(
         &self,
-        stream: &Stream<'_>,
-        data: &DeviceBuffer<'_>,
+        stream: &CudaStream,
+        data: &CudaSlice<u8>,
         len: usize,
-        out: &DeviceBuffer<'_>,
+        out: &mut CudaSlice<u64>,
     ) -> Result<()> {
-        data.bounds("byte_sum input", 0, len)?;
-        out.bounds("byte_sum output", 0, 8)?;
-        let (mut d, mut n, mut o) = (data.ptr, len as u64, out.ptr);
-        let mut params = [
-            (&raw mut d).cast::<c_void>(),
-            (&raw mut n).cast::<c_void>(),
-            (&raw mut o).cast::<c_void>(),
-        ];
-        self.launch(stream, self.byte_sum, 256, &mut params)
+        self.same_device(stream)?;
+        bounds("byte_sum input", data.len(), 0, len)?;
+        bounds("byte_sum output", out.num_bytes(), 0, 8)?;
+        let n = len as u64;
+        let mut launch = stream.launch_builder(&self.byte_sum);
+        launch.arg(data).arg(&n).arg(out);
+        // SAFETY: `byte_sum(const uchar*, ull n, ull* out)` reads `n` bytes of `data` and adds
+        // into one u64 of `out`, both bounds-checked above; the arguments match its parameters
+        // in order and type.
+        unsafe { launch.launch(threads(256)) }.named("cuLaunchKernel byte_sum")?;
+        Ok(())
     }
 
     /// Queues a write of `v` into the first 8 bytes of `buf`.
-    pub fn stamp(&self, stream: &Stream<'_>, buf: &DeviceBuffer<'_>, v: u64) -> Result<()> {
-        buf.bounds("stamp", 0, 8)?;
-        let (mut p, mut v) = (buf.ptr, v);
-        let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
-        self.launch(stream, self.stamp, 1, &mut params)
+    pub fn stamp(&self, stream: &CudaStream, buf: &mut CudaSlice<u8>, v: u64) -> Result<()> {
+        self.same_device(stream)?;
+        bounds("stamp", buf.len(), 0, 8)?;
+        let mut launch = stream.launch_builder(&self.stamp);
+        launch.arg(buf).arg(&v);
+        // SAFETY: `stamp(ull* p, ull v)` writes 8 bytes at `p`, which `buf` holds (checked
+        // above); device allocations are aligned for any variable, as the u64 store needs.
+        unsafe { launch.launch(threads(1)) }.named("cuLaunchKernel stamp")?;
+        Ok(())
     }
 
-    fn launch(
-        &self,
-        stream: &Stream<'_>,
-        f: CuFunction,
-        threads: u32,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        let dev = self.module.dev;
-        if !std::ptr::eq(dev, stream.dev) {
-            return Err(CudaError::Mismatch(
-                "a probe kernel was queued on a stream of another Device handle".into(),
-            ));
+    /// The module is loaded in one context; a kernel queued on another's stream would fail
+    /// on the driver with a less telling error.
+    fn same_device(&self, stream: &CudaStream) -> Result<()> {
+        if **stream.context() != *self.ctx {
+            return Err(CudaError::Mismatch(format!(
+                "a probe kernel loaded on device {} was queued on a stream of device {}",
+                self.ctx.ordinal(),
+                stream.context().ordinal()
+            )));
         }
-        dev.bind()?;
-        // SAFETY: `f` belongs to this live module; `params` points at one value per kernel
-        // parameter, of the kernel's types (probe.cu), read by the driver during the call; the
-        // device buffers they name were bounds-checked above.
-        let r = unsafe {
-            (dev.api.cuLaunchKernel)(
-                f,
-                1,
-                1,
-                1,
-                threads,
-                1,
-                1,
-                0,
-                stream.raw,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        dev.check("cuLaunchKernel", r)
+        Ok(())
+    }
+}
+
+/// One block of `n` threads.
+fn threads(n: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (n, 1, 1),
+        shared_mem_bytes: 0,
     }
 }

@@ -5,7 +5,9 @@
 //! check's baseline). [`CudaCopyOut`] is the target's half: forwards on the compute stream,
 //! copies out into ring slots on the copy stream.
 
-use cuda::{Device, DeviceBuffer, Event, Stream};
+use std::sync::Arc;
+
+use cuda::{CudaEvent, CudaSlice, CudaStream, HostCopy, Named};
 
 use crate::prefetch::{CopyEngine, StableBytes, BUFFERS};
 use crate::writeback::CopyOutEngine;
@@ -14,34 +16,42 @@ use crate::GpuError;
 /// What both engines hold: the two streams, two device buffers, and per buffer an event after
 /// its last copy and one after its last compute (a step, or a forward). Dropping it waits for
 /// the copy stream, so it is declared before whatever the copies read or write.
-struct Lanes<'d, 's> {
-    copy: &'s Stream<'d>,
-    compute: &'s Stream<'d>,
-    bufs: [DeviceBuffer<'d>; BUFFERS],
+struct Lanes {
+    copy: Arc<CudaStream>,
+    compute: Arc<CudaStream>,
+    bufs: [CudaSlice<u8>; BUFFERS],
     /// Recorded on the copy stream after each buffer's copy.
-    copied: [Event<'d>; BUFFERS],
+    copied: [CudaEvent; BUFFERS],
     /// Recorded on the compute stream after each buffer's step or forward.
-    computed: [Event<'d>; BUFFERS],
+    computed: [CudaEvent; BUFFERS],
 }
 
-impl<'d, 's> Lanes<'d, 's> {
+impl Lanes {
     fn new(
-        dev: &'d Device,
-        copy: &'s Stream<'d>,
-        compute: &'s Stream<'d>,
+        copy: &Arc<CudaStream>,
+        compute: &Arc<CudaStream>,
         len: usize,
     ) -> Result<Self, GpuError> {
+        let ctx = copy.context();
+        // Allocated (and zeroed) on the copy stream, which writes them first; cudarc's event
+        // tracking makes the compute stream's first use wait for that.
+        let buf = || {
+            copy.alloc_zeros::<u8>(len)
+                .named("allocating a device buffer")
+        };
+        // Events without timing: they only order the streams (and cost less to record).
+        let event = || ctx.new_event(None).named("cuEventCreate");
         Ok(Lanes {
-            copy,
-            compute,
-            bufs: [dev.alloc(len)?, dev.alloc(len)?],
-            copied: [dev.event()?, dev.event()?],
-            computed: [dev.event()?, dev.event()?],
+            copy: copy.clone(),
+            compute: compute.clone(),
+            bufs: [buf()?, buf()?],
+            copied: [event()?, event()?],
+            computed: [event()?, event()?],
         })
     }
 }
 
-impl Drop for Lanes<'_, '_> {
+impl Drop for Lanes {
     fn drop(&mut self) {
         // No copy outlives the engine: what it reads or writes is dropped after this.
         let _ = self.copy.synchronize();
@@ -49,51 +59,53 @@ impl Drop for Lanes<'_, '_> {
 }
 
 /// Copy-stream prefetch into two device buffers.
-pub struct CudaCopy<'d, 's> {
-    lanes: Lanes<'d, 's>,
+pub struct CudaCopy {
+    lanes: Lanes,
 }
 
-impl<'d, 's> CudaCopy<'d, 's> {
-    /// Two device buffers of `len` bytes on `dev`.
+impl CudaCopy {
+    /// Two device buffers of `len` bytes on the streams' device.
     ///
     /// # Safety
     /// Neither the engine nor the [`crate::prefetch::Prefetch`] holding it may be leaked
     /// (`mem::forget`) while a copy is in flight: dropping it waits for the copies (before
     /// `Prefetch` drops the batches they read), forgetting it would let them go.
     pub unsafe fn new(
-        dev: &'d Device,
-        copy: &'s Stream<'d>,
-        compute: &'s Stream<'d>,
+        copy: &Arc<CudaStream>,
+        compute: &Arc<CudaStream>,
         len: usize,
     ) -> Result<Self, GpuError> {
         Ok(CudaCopy {
-            lanes: Lanes::new(dev, copy, compute, len)?,
+            lanes: Lanes::new(copy, compute, len)?,
         })
     }
 
     /// The device buffer a step computes on.
-    pub fn buffer(&self, buf: usize) -> &DeviceBuffer<'d> {
+    pub fn buffer(&self, buf: usize) -> &CudaSlice<u8> {
         &self.lanes.bufs[buf]
     }
 
     /// The stream steps run on.
-    pub fn compute(&self) -> &Stream<'d> {
-        self.lanes.compute
+    pub fn compute(&self) -> &Arc<CudaStream> {
+        &self.lanes.compute
     }
 }
 
-impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy<'_, '_> {
+impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy {
     fn start_copy(&mut self, buf: usize, src: &H) -> Result<(), GpuError> {
-        let l = &self.lanes;
+        let l = &mut self.lanes;
         let src = src.as_ref();
         // An event never recorded counts as complete, so the first copy into a buffer waits
         // for nothing.
-        l.copy.wait(&l.computed[buf])?;
+        l.copy.wait(&l.computed[buf]).named("cuStreamWaitEvent")?;
         // SAFETY: `Prefetch` owns the batch until `finish(buf)` returns, and `finish` waits for
         // this copy's event first; its bytes do not move with it (`StableBytes`), and nothing
         // writes a held ring slot.
-        unsafe { l.copy.copy_h2d(&l.bufs[buf], 0, src.as_ptr(), src.len())? };
-        if let Err(e) = l.copy.record(&l.copied[buf]) {
+        unsafe {
+            l.copy
+                .copy_h2d(&mut l.bufs[buf], 0, src.as_ptr(), src.len())?
+        };
+        if let Err(e) = l.copied[buf].record(&l.copy).named("cuEventRecord") {
             // The batch goes back to the caller with the error: not while the copy reads it.
             let _ = l.copy.synchronize();
             return Err(e.into());
@@ -102,51 +114,57 @@ impl<H: AsRef<[u8]> + StableBytes> CopyEngine<H> for CudaCopy<'_, '_> {
     }
 
     fn before_step(&mut self, buf: usize) -> Result<(), GpuError> {
-        Ok(self.lanes.compute.wait(&self.lanes.copied[buf])?)
+        let l = &self.lanes;
+        Ok(l.compute.wait(&l.copied[buf]).named("cuStreamWaitEvent")?)
     }
 
     fn finish(&mut self, buf: usize) -> Result<(), GpuError> {
         let l = &self.lanes;
-        l.compute.record(&l.computed[buf])?;
-        Ok(l.copied[buf].synchronize()?)
+        l.computed[buf].record(&l.compute).named("cuEventRecord")?;
+        Ok(l.copied[buf].synchronize().named("cuEventSynchronize")?)
     }
 }
 
 /// Copy-stream write-back from two device buffers into ring slots.
-pub struct CudaCopyOut<'d, 's, H> {
+pub struct CudaCopyOut<H> {
     /// Declared first: dropping it waits for the copies into `held`.
-    lanes: Lanes<'d, 's>,
+    lanes: Lanes,
     /// Each copy's destination while it is in flight.
     held: [Option<H>; BUFFERS],
 }
 
-impl<'d, 's, H> CudaCopyOut<'d, 's, H> {
-    /// Two device buffers of `len` bytes on `dev`.
+impl<H> CudaCopyOut<H> {
+    /// Two device buffers of `len` bytes on the streams' device.
     ///
     /// # Safety
     /// The engine (and the [`crate::writeback::WriteBack`] holding it) may not be leaked while
     /// a copy is in flight: dropping it waits for the copies, forgetting it would not.
     pub unsafe fn new(
-        dev: &'d Device,
-        copy: &'s Stream<'d>,
-        compute: &'s Stream<'d>,
+        copy: &Arc<CudaStream>,
+        compute: &Arc<CudaStream>,
         len: usize,
     ) -> Result<Self, GpuError> {
         Ok(CudaCopyOut {
-            lanes: Lanes::new(dev, copy, compute, len)?,
+            lanes: Lanes::new(copy, compute, len)?,
             held: [None, None],
         })
     }
 
     /// The device buffer a forward writes into.
-    pub fn buffer(&self, buf: usize) -> &DeviceBuffer<'d> {
+    pub fn buffer(&self, buf: usize) -> &CudaSlice<u8> {
         &self.lanes.bufs[buf]
+    }
+
+    /// The device buffer a forward writes into, to write it (a kernel, or a copy in).
+    pub fn buffer_mut(&mut self, buf: usize) -> &mut CudaSlice<u8> {
+        &mut self.lanes.bufs[buf]
     }
 }
 
-impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
+impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<H> {
     fn before_forward(&mut self, buf: usize) -> Result<(), GpuError> {
-        Ok(self.lanes.compute.wait(&self.lanes.copied[buf])?)
+        let l = &self.lanes;
+        Ok(l.compute.wait(&l.copied[buf]).named("cuStreamWaitEvent")?)
     }
 
     fn start_copy_out(&mut self, buf: usize, mut dst: H) -> Result<(), (H, GpuError)> {
@@ -159,10 +177,10 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
         if want > got {
             return Err((dst, GpuError::BufferSize { got, want }));
         }
-        if let Err(e) = l
-            .compute
-            .record(&l.computed[buf])
+        if let Err(e) = l.computed[buf]
+            .record(&l.compute)
             .and_then(|()| l.copy.wait(&l.computed[buf]))
+            .named("ordering the copy-out after the forward")
         {
             return Err((dst, e.into()));
         }
@@ -173,7 +191,7 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
         if let Err(e) = unsafe { l.copy.copy_d2h(d.as_mut_ptr(), &l.bufs[buf], 0, want) } {
             return Err((dst, e.into()));
         }
-        if let Err(e) = l.copy.record(&l.copied[buf]) {
+        if let Err(e) = l.copied[buf].record(&l.copy).named("cuEventRecord") {
             // Back to the caller with the error, but not while the copy writes into it.
             let _ = l.copy.synchronize();
             return Err((dst, e.into()));
@@ -183,7 +201,9 @@ impl<H: AsMut<[u8]> + StableBytes> CopyOutEngine<H> for CudaCopyOut<'_, '_, H> {
     }
 
     fn complete(&mut self, buf: usize) -> Result<H, GpuError> {
-        self.lanes.copied[buf].synchronize()?;
+        self.lanes.copied[buf]
+            .synchronize()
+            .named("cuEventSynchronize")?;
         self.held[buf]
             .take()
             .ok_or_else(|| GpuError::Shape(format!("write-back: no copy-out of buffer {buf}")))

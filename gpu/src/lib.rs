@@ -3,8 +3,9 @@
 //! - [`mock`]: CPU only, deterministic, with simulated speed (time is spent sleeping, so eight
 //!   mock GPUs run side by side on two cores) and fault injection. What `--backend auto`
 //!   picks, driver or not, until the cuda backend is built; what every test runs on.
-//! - `cuda` (later): a model on the `cuda` crate (the driver API, opened at run time; never
-//!   panics where no driver exists), once a model library can be built here (issue #12).
+//! - `cuda` (later): a model on the `cuda` crate (cudarc's driver API, loaded at run time
+//!   behind a presence check, so it never panics where no driver exists), once a model library
+//!   can be built here (issue #12).
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
 //! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait

@@ -96,6 +96,13 @@ impl<H, E: CopyOutEngine<H>> WriteBack<H, E> {
     pub fn engine(&self) -> &E {
         &self.engine
     }
+
+    /// The engine, to write the device buffer a forward fills (`next_buffer` said which). The
+    /// bookkeeping stays here: an engine's own calls made through this are the caller's to
+    /// keep in order.
+    pub fn engine_mut(&mut self) -> &mut E {
+        &mut self.engine
+    }
 }
 
 /// The CPU "device": buffers are host vectors, and a copy thread copies them out into the

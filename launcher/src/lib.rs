@@ -30,14 +30,15 @@ pub use crate::spawn::name_process;
 
 /// What this machine has for the cuda backend, in words ("NVIDIA driver for CUDA 13.0 with
 /// 8 GPUs"), or why it has none. Loads the driver through the `cuda` crate (its presence
-/// test: never panics where no driver exists; the launcher creates no context).
+/// check comes before cudarc's first call, which would panic where no driver exists; the
+/// launcher creates no context).
 fn probe_driver() -> Result<String, String> {
     let d = cuda::Driver::load().map_err(|e| match e {
-        // libloading's words already name the library: "libcuda.so.1: cannot open ...".
-        cuda::CudaError::NoDriver { why, .. } => format!("no NVIDIA driver: {why}"),
+        // The reason names what the loader was asked for and where a driver is looked for.
+        cuda::CudaError::NoDriver { why } => format!("no NVIDIA driver: {why}"),
         e => e.to_string(),
     })?;
-    let (major, minor) = d.version().map_err(|e| e.to_string())?;
+    let (major, minor) = d.version();
     let n = d.device_count().map_err(|e| e.to_string())?;
     Ok(format!(
         "NVIDIA driver for CUDA {major}.{minor} with {n} GPUs"

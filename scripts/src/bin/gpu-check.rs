@@ -17,18 +17,25 @@
 //!    the CPU tests check with a copy thread), as the GPU's busy share against the same loop
 //!    on one stream; and the target's loop (the forward of batch `i+1` while batch `i` is
 //!    copied out into its ring slot, committed once complete; `gpu::writeback`).
-//! 5. NCCL, if found (`$HSPIPE_LIBNCCL` or `libnccl.so.2`): a one-rank communicator, an
+//! 5. NCCL, if found (`libnccl.so.2` on the loader's path): a one-rank communicator, an
 //!    all-reduce that must return its input, an abort (one GPU is all a check can count on).
+//!
+//! The driver and NCCL are cudarc's, loaded at run time behind the `cuda` crate's presence
+//! check: cudarc finds them by name through the dynamic loader (`LD_LIBRARY_PATH` for one
+//! outside its path); `HSPIPE_LIBCUDA` and `HSPIPE_LIBNCCL`, which used to name a path, are
+//! refused when set.
 //!
 //! Exit status: 0 every check passed; 1 a check failed (named); 2 no CUDA driver or device
 //! (nothing was checked). `--json PATH` writes every figure.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use cuda::nccl::{Nccl, LIBNCCL_ENV};
-use cuda::{probe::Probe, Device, Driver, Event, Stream};
+use cuda::nccl::Nccl;
+use cuda::probe::Probe;
+use cuda::{CudaContext, CudaEvent, CudaSlice, CudaStream, Driver, HostCopy, Named, Registered};
 use gpu::cuda_copy::{CudaCopy, CudaCopyOut};
 use gpu::prefetch::{Prefetch, PushError, StableBytes};
 use gpu::timeline::Use;
@@ -39,7 +46,12 @@ use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
 
 #[derive(Parser)]
 #[command(
-    about = "Checks the CUDA data path on one GPU: pinned ring arena, copy bandwidth, overlap"
+    about = "Checks the CUDA data path on one GPU: pinned ring arena, copy bandwidth, overlap",
+    after_help = "The NVIDIA driver (libcuda.so.1) and NCCL (libnccl.so.2) are found by name \
+                  through the dynamic loader: put a directory outside its path on \
+                  LD_LIBRARY_PATH. HSPIPE_LIBCUDA and HSPIPE_LIBNCCL no longer name a library \
+                  and are refused when set.\n\nExit status: 0 every check passed, 1 a check \
+                  failed, 2 no CUDA driver or GPU (nothing checked)."
 )]
 struct Args {
     /// GPU ordinal (after CUDA_VISIBLE_DEVICES).
@@ -97,14 +109,14 @@ fn main() -> ExitCode {
 }
 
 /// Runs every check; returns the failed ones by name.
-fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<String>> {
+fn check(driver: &Driver, dev: &Arc<CudaContext>, args: &Args) -> anyhow::Result<Vec<String>> {
     let mut failed = Vec::new();
-    let (major, minor) = driver.version()?;
+    let (major, minor) = driver.version();
     println!(
         "device {}: {} (driver for CUDA {major}.{minor}, {} copy engines)",
         dev.ordinal(),
-        dev.name()?,
-        dev.copy_engines()?
+        dev.name().named("cuDeviceGetName")?,
+        cuda::copy_engines(dev)?
     );
     let len = usize::try_from(args.slot_mib)
         .ok()
@@ -135,7 +147,7 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     let (arena, arena_len) = ring.payload_arena();
     // SAFETY: the arena stays mapped while `ring` lives; `pinned` is declared after `ring` and
     // so dropped (unregistered) before it.
-    let pinned = match unsafe { dev.register(arena, arena_len) } {
+    let pinned = match unsafe { Registered::new(dev, arena, arena_len) } {
         Ok(p) => {
             println!("ring arena: {} MiB registered as pinned", arena_len / MIB);
             Some(p)
@@ -178,26 +190,30 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     }
 
     let probe = Probe::load(dev)?;
-    let copy = dev.stream()?;
-    let compute = dev.stream()?;
-    let dbuf = [dev.alloc(len)?, dev.alloc(len)?];
+    let copy = dev.new_stream().named("cuStreamCreate")?;
+    let compute = dev.new_stream().named("cuStreamCreate")?;
+    let device_buffer = || {
+        copy.alloc_zeros::<u8>(len)
+            .named("allocating a device buffer")
+    };
+    let mut dbuf = [device_buffer()?, device_buffer()?];
     let timer = Timer::new(dev)?;
 
     // Bandwidth: ring slot, pageable, driver-pinned; each direction.
     let pageable = vec![1u8; len];
-    let mut reference = dev.alloc_pinned(len)?;
-    reference.fill(1);
+    let mut reference = cuda::alloc_pinned(dev, len, 1)?;
+    let reference_src = reference.as_ptr().named("cuEventSynchronize")?;
     let gbs = |ms: f64| len as f64 / (ms / 1e3) / 1e9;
     let mut h2d = Vec::new();
     for (what, src) in [
         ("ring slot", taken[0].payload().as_ptr()),
         ("pageable", pageable.as_ptr()),
-        ("cuMemAllocHost", reference.as_ptr()),
+        ("cuMemAllocHost", reference_src),
     ] {
         let ms = timer.median(&copy, args.reps, || {
             // SAFETY: every source outlives the timed copy, which is synchronised before the
             // next one (Timer::median waits for each).
-            unsafe { copy.copy_h2d(&dbuf[0], 0, src, len) }
+            unsafe { copy.copy_h2d(&mut dbuf[0], 0, src, len) }
         })?;
         h2d.push((what, ms, gbs(ms)));
     }
@@ -208,7 +224,10 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     let dsts: [(&str, *mut u8); 3] = [
         ("ring slot", slot_w.payload_mut().as_mut_ptr()),
         ("pageable", pageable_w.as_mut_ptr()),
-        ("cuMemAllocHost", reference.as_mut_ptr()),
+        (
+            "cuMemAllocHost",
+            reference.as_mut_ptr().named("cuEventSynchronize")?,
+        ),
     ];
     for (what, dst) in dsts {
         let ms = timer.median(&copy, args.reps, || {
@@ -242,15 +261,16 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
 
     // Integrity: each taken batch, copied in, sums on the device to what the host wrote.
     let failures_before = failed.len();
-    let sum = dev.alloc(8)?;
+    let mut sum = copy
+        .alloc_zeros::<u64>(1)
+        .named("allocating a device buffer")?;
     for (t, want) in taken.iter().zip(&host_sums) {
-        copy.copy_h2d_sync(&dbuf[0], 0, t.payload())?;
-        let zero = [0u8; 8];
-        copy.copy_h2d_sync(&sum, 0, &zero)?;
-        probe.byte_sum(&copy, &dbuf[0], len, &sum)?;
-        let mut got = [0u8; 8];
-        copy.copy_d2h_sync(&mut got, &sum, 0)?;
-        let got = u64::from_le_bytes(got);
+        copy.copy_h2d_sync(&mut dbuf[0], 0, t.payload())?;
+        copy.memset_zeros(&mut sum).named("cuMemsetD8Async")?;
+        probe.byte_sum(&copy, &dbuf[0], len, &mut sum)?;
+        let got = copy.clone_dtoh(&sum).named("cuMemcpyDtoHAsync")?;
+        copy.synchronize().named("cuStreamSynchronize")?;
+        let got = got[0];
         if got != *want {
             failed.push(format!(
                 "batch {} summed to {got} on the device, {want} on the host",
@@ -264,7 +284,7 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
 
     // NCCL, the group's collective across GPUs: loaded, a one-rank communicator (one GPU is
     // all a check can count on), an all-reduce whose result must equal its input, an abort.
-    let nccl = match nccl_check(dev, &copy, &timer, &dbuf, len, args.reps) {
+    let nccl = match nccl_check(dev, &copy, &timer, &mut dbuf, len, args.reps) {
         Ok(v) => v,
         Err(e) => {
             failed.push(format!("NCCL: {e:#}"));
@@ -279,32 +299,30 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     // Overlap of one copy with one kernel, each direction.
     let mut overlap = Vec::new();
     for dir in ["host->device", "device->host"] {
-        let ev = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
-        let e = ev(4)?;
-        compute.record(&e[0])?;
+        let e = events(dev, 4)?;
+        record(&e[0], &compute)?;
         probe.spin(&compute, cycles)?;
-        compute.record(&e[1])?;
-        copy.wait(&e[0])?;
-        copy.record(&e[2])?;
+        record(&e[1], &compute)?;
+        copy.wait(&e[0]).named("cuStreamWaitEvent")?;
+        record(&e[2], &copy)?;
         if dir == "host->device" {
             // SAFETY: the slot is held until after the synchronise below.
-            unsafe { copy.copy_h2d(&dbuf[1], 0, taken[1].payload().as_ptr(), len)? };
+            unsafe { copy.copy_h2d(&mut dbuf[1], 0, taken[1].payload().as_ptr(), len)? };
         } else {
             // SAFETY: the reserved slot is written by nothing else until the synchronise.
             unsafe { copy.copy_d2h(slot_w.payload_mut().as_mut_ptr(), &dbuf[1], 0, len)? };
         }
-        copy.record(&e[3])?;
-        copy.synchronize()?;
-        compute.synchronize()?;
-        let (kernel, copy_end) = (e[1].since(&e[0])?, e[3].since(&e[0])?);
-        let copy_len = e[3].since(&e[2])?;
-        let hidden = ((kernel.min(copy_end) - e[2].since(&e[0])?).max(0.0) / copy_len).min(1.0);
+        record(&e[3], &copy)?;
+        copy.synchronize().named("cuStreamSynchronize")?;
+        compute.synchronize().named("cuStreamSynchronize")?;
+        let (kernel, copy_end) = (ms(&e[0], &e[1])?, ms(&e[0], &e[3])?);
+        let copy_len = ms(&e[2], &e[3])?;
+        let began = ms(&e[0], &e[2])?;
+        let hidden = ((kernel.min(copy_end) - began).max(0.0) / copy_len).min(1.0);
         println!(
             "overlap {dir}: copy {copy_len:.2} ms under a {kernel:.2} ms kernel, {:.0}% hidden \
-             (copy began {:.3} ms after the kernel, ended {:.2} ms after it began)",
+             (copy began {began:.3} ms after the kernel, ended {copy_end:.2} ms after it began)",
             hidden * 100.0,
-            e[2].since(&e[0])?,
-            copy_end
         );
         if hidden < 0.9 {
             failed.push(format!(
@@ -322,24 +340,8 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     // The drafter's loop: step s computes while batch s+1 is copied in (two device buffers),
     // against the same loop on one stream. Busy share = kernel time / wall time.
     let step_cycles = timer.calibrate_spin(&probe, &compute, 1.5 * copy_ms)?;
-    let serial = double_buffered(
-        dev,
-        &probe,
-        &compute,
-        &compute,
-        &taken,
-        args.steps,
-        step_cycles,
-    )?;
-    let overlapped = double_buffered(
-        dev,
-        &probe,
-        &compute,
-        &copy,
-        &taken,
-        args.steps,
-        step_cycles,
-    )?;
+    let serial = double_buffered(&probe, &compute, &compute, &taken, args.steps, step_cycles)?;
+    let overlapped = double_buffered(&probe, &compute, &copy, &taken, args.steps, step_cycles)?;
     let per_step = |u: &Use| u.wall / args.steps as f64;
     println!(
         "double-buffered loop, {} steps: GPU busy {:.1}% with the copy on its own stream, \
@@ -366,7 +368,6 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
     // The target's loop: the forward of batch i+1 runs while batch i is copied out into its
     // ring slot; a slot is committed once its copy is complete.
     let (t_serial, bad_serial) = write_back(
-        dev,
         &probe,
         &compute,
         &compute,
@@ -378,7 +379,6 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
         0,
     )?;
     let (t_overlapped, bad) = write_back(
-        dev,
         &probe,
         &compute,
         &copy,
@@ -420,7 +420,8 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
                 .collect::<Vec<_>>()
         };
         let doc = json!({
-            "device": dev.name()?, "driver_cuda": format!("{major}.{minor}"),
+            "device": dev.name().named("cuDeviceGetName")?,
+            "driver_cuda": format!("{major}.{minor}"),
             "copy_mib": args.slot_mib, "reps": args.reps,
             "arena_pinned": arena_pinned,
             "h2d": rows(&h2d), "d2h": rows(&d2h), "overlap": overlap,
@@ -449,10 +450,9 @@ fn check(driver: &Driver, dev: &Device, args: &Args) -> anyhow::Result<Vec<Strin
 /// `s` (a spin) computes on the other on `compute`. With `copy == compute` everything queues on
 /// one stream, copies between steps.
 fn double_buffered(
-    dev: &Device,
-    probe: &Probe<'_>,
-    compute: &Stream<'_>,
-    copy: &Stream<'_>,
+    probe: &Probe,
+    compute: &Arc<CudaStream>,
+    copy: &Arc<CudaStream>,
     taken: &[shm_ring::ReadSlot<'_>; 2],
     steps: usize,
     cycles: u64,
@@ -460,9 +460,9 @@ fn double_buffered(
     let len = taken[0].payload().len().max(taken[1].payload().len());
     // SAFETY: the engine lives in `pf`, a local that is dropped (never leaked) before this
     // function returns, also on `?`.
-    let mut pf = Prefetch::new(unsafe { CudaCopy::new(dev, copy, compute, len)? });
-    let events = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
-    let (starts, done) = (events(steps)?, events(steps)?);
+    let mut pf = Prefetch::new(unsafe { CudaCopy::new(copy, compute, len)? });
+    let dev = compute.context();
+    let (starts, done) = (events(dev, steps)?, events(dev, steps)?);
     let batch = |s: usize| taken[s % 2].payload();
     let push = |pf: &mut Prefetch<_, _>, s: usize| {
         pf.push(batch(s)).map_err(|e| match e {
@@ -476,18 +476,18 @@ fn double_buffered(
         if s + 1 < steps {
             push(&mut pf, s + 1)?;
         }
-        compute.record(&starts[s])?;
+        record(&starts[s], compute)?;
         probe.spin(compute, cycles)?;
-        compute.record(&done[s])?;
+        record(&done[s], compute)?;
         pf.end_step(buf)?;
         s += 1;
     }
-    compute.synchronize()?;
+    compute.synchronize().named("cuStreamSynchronize")?;
     // Step intervals from the first step's start: the first copy, before any step, is the same
     // in both loops.
     let mut steps_ms = Vec::with_capacity(steps);
     for s in 0..steps {
-        steps_ms.push((starts[s].since(&starts[0])?, done[s].since(&starts[0])?));
+        steps_ms.push((ms(&starts[0], &starts[s])?, ms(&starts[0], &done[s])?));
     }
     Ok(Use::of(&steps_ms))
 }
@@ -495,33 +495,37 @@ fn double_buffered(
 /// The NCCL part of the check; a machine without NCCL is reported, not failed (a group on one
 /// node can use the shared-memory collective).
 fn nccl_check(
-    dev: &Device,
-    stream: &Stream<'_>,
-    timer: &Timer<'_>,
-    dbuf: &[cuda::DeviceBuffer<'_>; 2],
+    dev: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    timer: &Timer,
+    dbuf: &mut [CudaSlice<u8>; 2],
     len: usize,
     reps: usize,
 ) -> anyhow::Result<serde_json::Value> {
     let nccl = match Nccl::load() {
         Ok(n) => n,
         Err(e) => {
-            println!("nccl: not checked ({e}; set {LIBNCCL_ENV} to its path)");
+            println!(
+                "nccl: not checked ({e}; a library outside the loader's path is found through \
+                 LD_LIBRARY_PATH)"
+            );
             return Ok(json!({"checked": false, "why": e.to_string()}));
         }
     };
-    let (a, b, c) = nccl.version()?;
+    let (a, b, c) = nccl.version();
     let comm = nccl.init_rank(dev, 1, &nccl.unique_id()?, 0)?;
     let count = len / 4;
     let input: Vec<u8> = (0..count)
         .flat_map(|i| ((i % 1_000_003) as f32 * 0.5).to_le_bytes())
         .collect();
-    stream.copy_h2d_sync(&dbuf[0], 0, &input)?;
+    let [send, recv] = dbuf;
+    stream.copy_h2d_sync(send, 0, &input)?;
     let ms = timer.median(stream, reps, || {
-        comm.all_reduce_sum_f32(&dbuf[0], &dbuf[1], count, stream)
+        comm.all_reduce_sum_f32(send, recv, count, stream)
     })?;
     comm.async_error()?;
     let mut out = vec![0u8; count * 4];
-    stream.copy_d2h_sync(&mut out, &dbuf[1], 0)?;
+    stream.copy_d2h_sync(&mut out, recv, 0)?;
     if out != input {
         bail!("a one-rank all-reduce changed its input");
     }
@@ -554,10 +558,9 @@ unsafe impl StableBytes for Out<'_> {}
 /// slots that arrived wrong.
 #[allow(clippy::too_many_arguments)]
 fn write_back(
-    dev: &Device,
-    probe: &Probe<'_>,
-    compute: &Stream<'_>,
-    copy: &Stream<'_>,
+    probe: &Probe,
+    compute: &Arc<CudaStream>,
+    copy: &Arc<CudaStream>,
     producer: &shm_ring::Producer<'_>,
     consumer: &shm_ring::Consumer<'_>,
     batches: usize,
@@ -567,16 +570,16 @@ fn write_back(
 ) -> anyhow::Result<(Use, Vec<String>)> {
     // SAFETY: the engine lives in `wb`, a local that is dropped (never leaked) before this
     // function returns, also on `?`.
-    let mut wb = WriteBack::new(unsafe { CudaCopyOut::new(dev, copy, compute, len)? });
+    let mut wb = WriteBack::new(unsafe { CudaCopyOut::new(copy, compute, len)? });
     // The "captured layers": a known pattern in both device buffers, the batch's id stamped
     // into its first 8 bytes by the forward (ids start at `first_id`, so no batch looks like
     // one an earlier run left in the same slot).
     let pattern: Vec<u8> = (0..len).map(|i| (i * 13 + 5) as u8).collect();
     for b in 0..2 {
-        copy.copy_h2d_sync(wb.engine().buffer(b), 0, &pattern)?;
+        copy.copy_h2d_sync(wb.engine_mut().buffer_mut(b), 0, &pattern)?;
     }
-    let events = |n| (0..n).map(|_| dev.event()).collect::<Result<Vec<_>, _>>();
-    let (starts, ends) = (events(batches)?, events(batches)?);
+    let dev = compute.context();
+    let (starts, ends) = (events(dev, batches)?, events(dev, batches)?);
     let mut bad = Vec::new();
     let mut next_commit = 0u64;
     // Slots committed inside the loop are checked at three pages (a whole compare of 256 MiB
@@ -615,10 +618,14 @@ fn write_back(
         if let Some(slot) = done {
             commit(slot, false)?;
         }
-        compute.record(&starts[i])?;
-        probe.stamp(compute, wb.engine().buffer(buf), first_id + i as u64)?;
+        record(&starts[i], compute)?;
+        probe.stamp(
+            compute,
+            wb.engine_mut().buffer_mut(buf),
+            first_id + i as u64,
+        )?;
         probe.spin(compute, cycles)?;
-        compute.record(&ends[i])?;
+        record(&ends[i], compute)?;
         if let Err((_slot, e)) = wb.copy_out(buf, Out(producer.reserve(len)?)) {
             return Err(e).context(format!("copying out batch {i}"));
         }
@@ -631,55 +638,67 @@ fn write_back(
             "target loop: {next_commit} of {batches} batches committed"
         ));
     }
-    compute.synchronize()?;
+    compute.synchronize().named("cuStreamSynchronize")?;
     let mut forwards = Vec::with_capacity(batches);
     for i in 0..batches {
-        forwards.push((starts[i].since(&starts[0])?, ends[i].since(&starts[0])?));
+        forwards.push((ms(&starts[0], &starts[i])?, ms(&starts[0], &ends[i])?));
     }
     Ok((Use::of(&forwards), bad))
 }
 
-/// Times work on a stream with a pair of events.
-struct Timer<'d> {
-    start: Event<'d>,
-    end: Event<'d>,
+/// `n` events that record GPU-clock time.
+fn events(dev: &Arc<CudaContext>, n: usize) -> cuda::Result<Vec<CudaEvent>> {
+    (0..n).map(|_| cuda::timing_event(dev)).collect()
 }
 
-impl<'d> Timer<'d> {
-    fn new(dev: &'d Device) -> anyhow::Result<Timer<'d>> {
+/// Marks this point of `stream` in `ev`.
+fn record(ev: &CudaEvent, stream: &CudaStream) -> cuda::Result<()> {
+    ev.record(stream).named("cuEventRecord")
+}
+
+/// Milliseconds from `start` to `end`, both recorded (waits for both; GPU time, about half a
+/// microsecond of resolution).
+fn ms(start: &CudaEvent, end: &CudaEvent) -> cuda::Result<f64> {
+    let ms = start.elapsed_ms(end).named("cuEventElapsedTime")?;
+    Ok(f64::from(ms))
+}
+
+/// Times work on a stream with a pair of events.
+struct Timer {
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+impl Timer {
+    fn new(dev: &Arc<CudaContext>) -> anyhow::Result<Timer> {
         Ok(Timer {
-            start: dev.event()?,
-            end: dev.event()?,
+            start: cuda::timing_event(dev)?,
+            end: cuda::timing_event(dev)?,
         })
     }
 
     /// Median milliseconds of `work` queued `reps` times (one warm-up first), each waited for.
     fn median(
         &self,
-        stream: &Stream<'_>,
+        stream: &CudaStream,
         reps: usize,
         mut work: impl FnMut() -> cuda::Result<()>,
     ) -> anyhow::Result<f64> {
-        let mut ms = Vec::with_capacity(reps);
+        let mut times = Vec::with_capacity(reps);
         for i in 0..=reps {
-            stream.record(&self.start)?;
+            record(&self.start, stream)?;
             work()?;
-            stream.record(&self.end)?;
-            self.end.synchronize()?;
+            record(&self.end, stream)?;
+            self.end.synchronize().named("cuEventSynchronize")?;
             if i > 0 {
-                ms.push(self.end.since(&self.start)?);
+                times.push(ms(&self.start, &self.end)?);
             }
         }
-        Ok(median(ms))
+        Ok(median(times))
     }
 
     /// Spin cycles that take about `ms` milliseconds on this GPU.
-    fn calibrate_spin(
-        &self,
-        probe: &Probe<'_>,
-        stream: &Stream<'_>,
-        ms: f64,
-    ) -> anyhow::Result<u64> {
+    fn calibrate_spin(&self, probe: &Probe, stream: &CudaStream, ms: f64) -> anyhow::Result<u64> {
         const TRIAL: u64 = 10_000_000;
         let per_cycle = self.median(stream, 3, || probe.spin(stream, TRIAL))? / TRIAL as f64;
         let cycles = ms / per_cycle;
