@@ -68,6 +68,15 @@ fn write(path: &Path, data: &[Owned], batch_tokens: usize) {
     w.finish().unwrap();
 }
 
+/// Where the stream of an Arrow file starts: after the 6-byte magic, padded with zeros to the
+/// writer's alignment (8 in the format's words, 64 as arrow-rs writes it).
+fn stream_start(file: &[u8]) -> usize {
+    (8..file.len())
+        .step_by(8)
+        .find(|&i| file[i..i + 4] != [0; 4])
+        .unwrap()
+}
+
 fn jsonl_of(data: &[Owned]) -> String {
     data.iter()
         .map(|(ids, mask)| match mask {
@@ -94,14 +103,18 @@ fn what_is_written_maps_back_sample_for_sample_across_many_record_batches() {
         assert_eq!(m.lengths(), lens);
         assert_eq!(m.tokens(), lens.iter().map(|&l| u64::from(l)).sum::<u64>());
         assert!(m.sample(500).is_none());
-        // The file is also an Arrow stream after its 8-byte magic, as the format says.
+        // The file is also an Arrow stream after its magic and padding, as the format says.
         let bytes = std::fs::read(&p).unwrap();
-        let mut s = crate::ipc::StreamReader::new(&bytes[8..]);
-        let mut rows = 0;
-        while let Some(c) = s.next_batch().unwrap() {
-            rows += c.rows;
-        }
+        let s =
+            arrow_ipc::reader::StreamReader::try_new(&bytes[stream_start(&bytes)..], None).unwrap();
+        let rows: usize = s.map(|b| b.unwrap().num_rows()).sum();
         assert_eq!(rows, 500);
+        // Zero-copy: every sample's ids are bytes of the map.
+        let map = m.map_range();
+        for i in 0..m.len() {
+            let ids = m.sample(i).unwrap().input_ids.as_ptr_range();
+            assert!(map.contains(&(ids.start as usize)) && ids.end as usize <= map.end);
+        }
     }
 }
 
@@ -354,4 +367,63 @@ fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
     let fourth = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
     assert!(fourth.reused && !fourth.key_from_stamp);
     assert_eq!(fourth.key, third.key);
+}
+
+/// What the hand-written writer before arrow-rs made, format version 1 as now: the samples of
+/// `samples(40)` in record batches of about 1,500 tokens, under the content key of
+/// `jsonl_of(samples(40))` with max_len 512 (written by that writer, kept as it wrote it).
+const V1_FILE: &[u8] = include_bytes!("../testdata/v1-hspipe-writer.arrow");
+
+#[test]
+fn a_cache_file_the_earlier_writer_prepared_is_still_mapped_and_reused() {
+    let d = Dir::new("v1");
+    let data = samples(40);
+    let input = d.file("train.jsonl", jsonl_of(&data).as_bytes());
+    let cache = d.0.join("cache");
+    let key = crate::content_key(&input, &Kind::Jsonl, 512, &mut |_| {}).unwrap();
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(cache.join(format!("{key}.arrow")), V1_FILE).unwrap();
+    let p = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert!(p.reused && p.key == key, "{p:?}");
+    let m = Mapped::open(&p.path).unwrap();
+    assert_eq!(read_all(&m), data);
+    assert_eq!(m.meta("hspipe.dataset"), Some(crate::FORMAT_VERSION));
+    assert!(m.record_batches() >= 4, "{}", m.record_batches());
+    // arrow-rs writes other bytes for the same input (its own padding and FlatBuffer layout),
+    // under the same key: the same samples.
+    let q = prepare(&input, 512, &d.0.join("new"), None, &mut |_| {}).unwrap();
+    assert!(!q.reused && q.key == key);
+    assert_ne!(std::fs::read(&q.path).unwrap(), V1_FILE);
+    assert_eq!(read_all(&Mapped::open(&q.path).unwrap()), data);
+}
+
+#[test]
+fn a_damaged_arrow_stream_or_file_input_is_an_error_not_a_panic() {
+    let d = Dir::new("damaged-input");
+    let p = d.0.join("x.arrow");
+    write(&p, &samples(12), 300);
+    let file = std::fs::read(&p).unwrap();
+    let stream = file[stream_start(&file)..].to_vec();
+    let convert = |bytes: &[u8], kind: &Kind| {
+        let q = d.file("input", bytes);
+        let mut w = Writer::new(std::io::sink(), Vec::new()).unwrap();
+        crate::convert::convert(&q, kind, 512, &mut w, &mut |_| {}, &mut |_| {})
+    };
+    assert!(convert(&stream, &Kind::ArrowStream).is_ok());
+    assert!(convert(&file, &Kind::ArrowFile { prepared: false }).is_ok());
+    for (bytes, kind) in [
+        (&stream, Kind::ArrowStream),
+        (&file, Kind::ArrowFile { prepared: false }),
+    ] {
+        for cut in (0..bytes.len()).step_by(17) {
+            if let Err(e) = convert(&bytes[..cut], &kind) {
+                assert!(e.to_string().contains("input"), "{e}");
+            }
+        }
+        for i in (0..bytes.len()).step_by(7) {
+            let mut b = bytes.clone();
+            b[i] ^= 0x5a;
+            let _ = convert(&b, &kind);
+        }
+    }
 }
