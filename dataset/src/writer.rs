@@ -1,14 +1,14 @@
 //! Writes the prepared format with arrow-ipc's `FileWriter`: an Arrow IPC file of record
 //! batches, each holding up to `BATCH_TOKENS` tokens, so a conversion holds one batch in memory
 //! whatever the input's size (arrow writes a batch's buffers as they are, without copying them
-//! into one body first).
+//! into one body first, and hands them back for the next batch).
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, ListArray, RecordBatch, UInt32Array, UInt8Array};
-use arrow_buffer::{NullBufferBuilder, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, Buffer, NullBufferBuilder, OffsetBuffer, ScalarBuffer};
 use arrow_ipc::writer::FileWriter;
 use arrow_schema::{ArrowError, DataType, Field, FieldRef, Schema};
 
@@ -32,9 +32,23 @@ pub struct Writer<W: Write> {
     /// A batch holds at most this many tokens (or `BATCH_ROWS` rows), but for a single sample
     /// longer than that.
     batch_tokens: usize,
+    /// Buffers that arrow did not hand back after a batch, so were allocated again (none, as
+    /// long as `flush`'s reuse works; tested).
+    fresh: u64,
     /// Samples and tokens written so far.
     pub samples: u64,
     pub tokens: u64,
+}
+
+/// The vector a buffer was made from, emptied, if nothing else holds the buffer (else a new
+/// one, counted in `fresh`: the next batch then allocates its own).
+fn reuse<T: ArrowNativeType>(b: Buffer, fresh: &mut u64) -> Vec<T> {
+    let mut v = b.into_vec().unwrap_or_else(|_| {
+        *fresh += 1;
+        Vec::new()
+    });
+    v.clear();
+    v
 }
 
 fn io_err(e: ArrowError) -> std::io::Error {
@@ -70,11 +84,18 @@ impl<W: Write> Writer<W> {
             mask: Vec::new(),
             rows: 0,
             batch_tokens: BATCH_TOKENS,
+            fresh: 0,
             samples: 0,
             tokens: 0,
         };
         me.start_batch();
         Ok(me)
+    }
+
+    /// Buffers allocated again after a batch (see `fresh`).
+    #[cfg(test)]
+    pub(crate) fn fresh_buffers(&self) -> u64 {
+        self.fresh
     }
 
     /// Smaller record batches, for tests of files with many.
@@ -85,16 +106,19 @@ impl<W: Write> Writer<W> {
         self
     }
 
-    /// Empty buffers for the next batch, sized for a full one: the arrays of the last batch
-    /// were handed to arrow and freed once written.
+    /// Buffers for the next batch: the last batch's, handed back by arrow once written (see
+    /// `flush`), else new ones sized for a full batch.
     fn start_batch(&mut self) {
         let (tokens, rows) = (self.batch_tokens.min(BATCH_TOKENS), BATCH_ROWS);
-        self.ids = Vec::with_capacity(tokens);
-        self.mask = Vec::with_capacity(tokens);
-        self.id_offsets = Vec::with_capacity(rows + 1);
-        self.mask_offsets = Vec::with_capacity(rows + 1);
-        self.id_offsets.push(0);
-        self.mask_offsets.push(0);
+        self.ids.clear();
+        self.ids.reserve(tokens);
+        self.mask.clear();
+        self.mask.reserve(tokens);
+        for v in [&mut self.id_offsets, &mut self.mask_offsets] {
+            v.clear();
+            v.reserve(rows + 1);
+            v.push(0);
+        }
         self.mask_valid = NullBufferBuilder::new(rows);
         self.rows = 0;
     }
@@ -138,30 +162,63 @@ impl<W: Write> Writer<W> {
         if self.rows == 0 {
             return Ok(());
         }
-        // The offsets are monotone by construction (each is the previous plus a length).
-        let ids = ListArray::try_new(
-            self.ids_item.clone(),
-            OffsetBuffer::new(ScalarBuffer::from(std::mem::take(&mut self.id_offsets))),
-            Arc::new(UInt32Array::from(std::mem::take(&mut self.ids))),
+        // Arrow takes the vectors as they are (no copy); once the batch is written and dropped
+        // these handles are the last, and give the vectors back with their capacity. A new
+        // 16 MiB vector per batch would cost more than the page faults: glibc raises its mmap
+        // threshold after the first is freed, serves the next ones from the heap, and the
+        // process's peak grew by 4 MiB at 600 MB of input.
+        let ids = Buffer::from_vec(std::mem::take(&mut self.ids));
+        let id_offsets = Buffer::from_vec(std::mem::take(&mut self.id_offsets));
+        let mask = Buffer::from_vec(std::mem::take(&mut self.mask));
+        let mask_offsets = Buffer::from_vec(std::mem::take(&mut self.mask_offsets));
+        let written = self.write_batch(&ids, &id_offsets, &mask, &mask_offsets);
+        self.ids = reuse(ids, &mut self.fresh);
+        self.id_offsets = reuse(id_offsets, &mut self.fresh);
+        self.mask = reuse(mask, &mut self.fresh);
+        self.mask_offsets = reuse(mask_offsets, &mut self.fresh);
+        written?;
+        self.start_batch();
+        Ok(())
+    }
+
+    /// Writes one record batch of these buffers (`rows` rows).
+    fn write_batch(
+        &mut self,
+        ids: &Buffer,
+        id_offsets: &Buffer,
+        mask: &Buffer,
+        mask_offsets: &Buffer,
+    ) -> std::io::Result<()> {
+        let list = |item: &FieldRef, offsets: &Buffer, values: ArrayRef, nulls| {
+            let offsets = ScalarBuffer::<i32>::new(offsets.clone(), 0, self.rows + 1);
+            // The offsets are monotone by construction (each is the previous plus a length).
+            ListArray::try_new(item.clone(), OffsetBuffer::new(offsets), values, nulls)
+                .map_err(io_err)
+        };
+        let ids = list(
+            &self.ids_item,
+            id_offsets,
+            Arc::new(UInt32Array::new(
+                ScalarBuffer::new(ids.clone(), 0, ids.len() / 4),
+                None,
+            )),
             None,
-        )
-        .map_err(io_err)?;
-        let mask = ListArray::try_new(
-            self.mask_item.clone(),
-            OffsetBuffer::new(ScalarBuffer::from(std::mem::take(&mut self.mask_offsets))),
-            Arc::new(UInt8Array::from(std::mem::take(&mut self.mask))),
+        )?;
+        let mask = list(
+            &self.mask_item,
+            mask_offsets,
+            Arc::new(UInt8Array::new(
+                ScalarBuffer::new(mask.clone(), 0, mask.len()),
+                None,
+            )),
             self.mask_valid.finish(),
-        )
-        .map_err(io_err)?;
+        )?;
         let batch = RecordBatch::try_new(
             self.schema.clone(),
             vec![Arc::new(ids) as ArrayRef, Arc::new(mask)],
         )
         .map_err(io_err)?;
-        self.w.write(&batch).map_err(io_err)?;
-        drop(batch);
-        self.start_batch();
-        Ok(())
+        self.w.write(&batch).map_err(io_err)
     }
 
     /// Writes the last batch, the end-of-stream marker and the footer; returns the writer.
