@@ -16,8 +16,8 @@ if ! command -v tmux >/dev/null; then
 fi
 
 # The data tests make Parquet and HF `datasets` fixtures and check that pyarrow reads the Arrow
-# files we write; `launcher` reads Parquet through pyarrow. Both come from PyPI into the
-# project's own venv, .venv (made once; a re-run only compares the requirements file).
+# files we write (hspipe itself runs no Python). Both come from PyPI into the project's own
+# venv, .venv (made once; a re-run only compares the requirements file).
 venv=.venv
 req=scripts/py/requirements.txt
 if ! { [ -x "$venv/bin/python" ] && cmp -s "$req" "$venv/.hspipe-requirements"; }; then
@@ -32,7 +32,7 @@ if ! { [ -x "$venv/bin/python" ] && cmp -s "$req" "$venv/.hspipe-requirements"; 
     }
     cp "$req" "$venv/.hspipe-requirements"
 fi
-# The tests and the launcher they start use this interpreter (dataset::PYTHON_ENV).
+# The data tests run their fixtures and checks with this interpreter.
 export HSPIPE_PYTHON="$PWD/$venv/bin/python"
 
 # The end-to-end tests run the real launcher and worker binaries, which `cargo test` alone does

@@ -18,14 +18,13 @@
 //! hash starts (a write in the same tick as the stamp could otherwise go unseen).
 
 use std::fs::File;
-use std::hash::Hasher;
 use std::io::{BufWriter, Read};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use twox_hash::xxh3::{Hash128, HasherExt};
+use twox_hash::XxHash3_128;
 
 use crate::convert::{self, Kind};
 use crate::mapped::Mapped;
@@ -92,7 +91,7 @@ pub fn content_key(
         .iter()
         .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
         .sum();
-    let mut h = Hash128::with_seed(0);
+    let mut h = XxHash3_128::with_seed(0);
     h.write(b"hspipe dataset ");
     h.write(FORMAT_VERSION.as_bytes());
     h.write(&max_len.to_le_bytes());
@@ -129,7 +128,7 @@ pub fn content_key(
             });
         }
     }
-    Ok(format!("{:032x}", h.finish_ext()))
+    Ok(format!("{:032x}", h.finish_128()))
 }
 
 /// Opens a prepared file and checks that it is the one for `key`.
@@ -397,7 +396,7 @@ impl Stamp {
 
     /// Where the stamp of this input lives: named by a hash of its files' paths and max_len.
     fn path(&self, cache_dir: &Path) -> PathBuf {
-        let mut h = Hash128::with_seed(1);
+        let mut h = XxHash3_128::with_seed(1);
         for f in &self.files {
             h.write(f.name.as_os_str().as_encoded_bytes());
             h.write(&[0]);
@@ -405,7 +404,7 @@ impl Stamp {
         h.write(&self.max_len.to_le_bytes());
         cache_dir
             .join("stamps")
-            .join(format!("{:032x}.json", h.finish_ext()))
+            .join(format!("{:032x}.json", h.finish_128()))
     }
 
     fn read(path: &Path) -> Option<Stamp> {

@@ -2,31 +2,34 @@
 //! checks for every format. Memory stays bounded: one JSONL line, or one input record batch,
 //! plus the writer's batch.
 //!
-//! Parquet is read through pyarrow, in a small Python helper (`parquet_to_arrow.py`, bundled
-//! in the binary) that streams the file's row groups to us as an Arrow IPC stream. No Rust
-//! Parquet reader is packaged by Debian (crates.io is not reachable here), and a reader of our
-//! own would need Thrift metadata, the Snappy/ZSTD/GZIP codecs, dictionary pages, and
-//! repetition/definition levels for list columns: weeks of format work, against a
-//! dependency that every Parquet user already has. The helper needs Python 3 with pyarrow
-//! (`HSPIPE_PYTHON` names the interpreter, default `python3`); the error says so when it is
-//! missing.
+//! Arrow IPC files and streams are read with arrow-ipc (`arrow_io`, which checks each record
+//! batch against its body first), Parquet with the `parquet` crate's Arrow reader, a bounded
+//! number of rows at a time: both give Arrow record batches, and one function checks and
+//! converts their rows, whatever the writer (extra columns, `large_list`, any integer type).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
+use arrow_array::cast::AsArray;
+use arrow_array::types::{
+    Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+};
+use arrow_array::{Array, ArrayRef, ArrowPrimitiveType, RecordBatch};
+use arrow_buffer::NullBuffer;
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::ProjectionMask;
 use serde::Deserialize;
 
-use crate::ipc::{self, Columns, IpcError, Layout, ListColumn, StreamReader};
-use crate::map::map_read_only;
+use crate::arrow_io::{self, type_name, IpcError, IpcFile, IpcStream};
+use crate::map::{buffer_of, map_read_only};
 use crate::writer::Writer;
 use crate::{check_sample, DataError};
 
-/// The environment variable naming the Python interpreter for Parquet (default `python3`).
-pub const PYTHON_ENV: &str = "HSPIPE_PYTHON";
-
-const PARQUET_HELPER: &str = include_str!("parquet_to_arrow.py");
+/// Parquet rows per record batch: a bounded part of a row group in memory at a time.
+const PARQUET_BATCH_ROWS: usize = 8192;
 
 /// What an input is, found from its content (and for a directory, its files).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,16 +103,16 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
     let n = read_up_to(&mut f, &mut head).map_err(read_err(path))?;
     let head = &head[..n];
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    if head.starts_with(ipc::MAGIC) {
+    if head.starts_with(arrow_io::MAGIC) {
         let prepared = {
             let map = map_read_only(&f).map_err(read_err(path))?;
-            ipc::parse_footer(&map)
-                .map(|(s, _)| s.meta("hspipe.dataset").is_some())
+            IpcFile::open(&map)
+                .map(|file| file.schema.metadata().contains_key("hspipe.dataset"))
                 .unwrap_or(false)
         };
         return Ok(Kind::ArrowFile { prepared });
     }
-    if head.starts_with(&ipc::CONTINUATION.to_le_bytes()) {
+    if head.starts_with(&arrow_io::CONTINUATION) {
         return Ok(Kind::ArrowStream);
     }
     if head.starts_with(b"PAR1") {
@@ -209,7 +212,7 @@ pub fn convert<W: Write>(
                 max_len,
                 w,
                 &mut rows,
-                &mut |r| tick(r.read),
+                &mut |read| tick(read),
             )
         }
         Kind::HfDir(files) => {
@@ -224,7 +227,7 @@ pub fn convert<W: Write>(
                     max_len,
                     w,
                     &mut rows,
-                    &mut |r| tick(before + r.read),
+                    &mut |read| tick(before + read),
                 )?;
                 before += size;
             }
@@ -291,20 +294,150 @@ fn write_err(e: std::io::Error) -> DataError {
     }
 }
 
+/// A column of lists of integers, whatever its offsets' width and its integer type.
+struct Lists<'a> {
+    name: &'static str,
+    nulls: Option<&'a NullBuffer>,
+    offsets: Offsets<'a>,
+    values: &'a dyn Array,
+}
+
+enum Offsets<'a> {
+    Small(&'a [i32]),
+    Large(&'a [i64]),
+}
+
+impl<'a> Lists<'a> {
+    /// `col`, which `check_list` accepted the type of.
+    fn of(col: &'a ArrayRef, name: &'static str) -> Result<Lists<'a>, String> {
+        let (offsets, values) = if let Some(l) = col.as_list_opt::<i32>() {
+            (Offsets::Small(l.value_offsets()), l.values())
+        } else if let Some(l) = col.as_list_opt::<i64>() {
+            (Offsets::Large(l.value_offsets()), l.values())
+        } else {
+            return Err(format!("column {name} is not a list"));
+        };
+        Ok(Lists {
+            name,
+            nulls: col.nulls().filter(|n| n.null_count() > 0),
+            offsets,
+            values: values.as_ref(),
+        })
+    }
+
+    fn is_null(&self, row: usize) -> bool {
+        self.nulls.is_some_and(|n| n.is_null(row))
+    }
+
+    /// The value range of `row` (arrow checked the offsets when it decoded the batch).
+    fn range(&self, row: usize) -> Range<usize> {
+        match self.offsets {
+            Offsets::Small(o) => o[row] as usize..o[row + 1] as usize,
+            Offsets::Large(o) => o[row] as usize..o[row + 1] as usize,
+        }
+    }
+
+    /// Appends the values of `row` to `out`, each as `conv` turns it; `Err` says which entry
+    /// is refused, and why.
+    fn push<U>(
+        &self,
+        row: usize,
+        out: &mut Vec<U>,
+        conv: impl Fn(i128) -> Result<U, String>,
+    ) -> Result<(), String> {
+        let r = self.range(row);
+        let v = self.values;
+        match v.data_type() {
+            DataType::Int8 => ints::<Int8Type, U>(v, r, out, conv),
+            DataType::Int16 => ints::<Int16Type, U>(v, r, out, conv),
+            DataType::Int32 => ints::<Int32Type, U>(v, r, out, conv),
+            DataType::Int64 => ints::<Int64Type, U>(v, r, out, conv),
+            DataType::UInt8 => ints::<UInt8Type, U>(v, r, out, conv),
+            DataType::UInt16 => ints::<UInt16Type, U>(v, r, out, conv),
+            DataType::UInt32 => ints::<UInt32Type, U>(v, r, out, conv),
+            DataType::UInt64 => ints::<UInt64Type, U>(v, r, out, conv),
+            t => Err((0, format!(" holds {}, not integers", type_name(t)))),
+        }
+        .map_err(|(j, why)| format!("{}[{j}]{why}", self.name))
+    }
+}
+
+/// Appends `values[range]` (integers of type `T`) to `out` through `conv`; `Err` gives the
+/// refused entry, counted from the range's start, and what is wrong with it.
+fn ints<T: ArrowPrimitiveType, U>(
+    values: &dyn Array,
+    range: Range<usize>,
+    out: &mut Vec<U>,
+    conv: impl Fn(i128) -> Result<U, String>,
+) -> Result<(), (usize, String)>
+where
+    i128: From<T::Native>,
+{
+    let Some(a) = values.as_primitive_opt::<T>() else {
+        return Err((0, " holds other values than its schema says".into()));
+    };
+    let nulls = a.nulls().filter(|n| n.null_count() > 0);
+    for (j, i) in range.enumerate() {
+        if nulls.is_some_and(|n| n.is_null(i)) {
+            return Err((j, " is null".into()));
+        }
+        out.push(conv(i128::from(a.values()[i])).map_err(|why| (j, why))?);
+    }
+    Ok(())
+}
+
+/// Checks that `f` is a list (or large list) of integers; `what` describes them for messages.
+fn check_list(f: &Field, what: &str) -> Result<(), String> {
+    match f.data_type() {
+        DataType::List(c) | DataType::LargeList(c) if c.data_type().is_integer() => Ok(()),
+        t => Err(format!(
+            "column {} has type {}; it must be a list of integer {what}",
+            f.name(),
+            type_name(t)
+        )),
+    }
+}
+
+/// Checks that `schema` has our columns, of usable types.
+fn check_schema(path: &Path, schema: &Schema) -> Result<(), DataError> {
+    let (ids, mask) = arrow_io::our_columns(schema).map_err(|e| format_err(path, e))?;
+    check_list(schema.field(ids), "token ids").map_err(|e| format_err(path, e))?;
+    if let Some(m) = mask {
+        check_list(schema.field(m), "0/1 flags").map_err(|e| format_err(path, e))?;
+    }
+    Ok(())
+}
+
+fn token_id(v: i128) -> Result<u32, String> {
+    u32::try_from(v).map_err(|_| format!(" = {v} is out of range for a token id (0..=4294967295)"))
+}
+
 /// Converts the rows of one record batch; `first` is the dataset row of its first row.
 fn rows<W: Write>(
     path: &Path,
-    cols: &Columns<'_>,
+    batch: &RecordBatch,
     first: u64,
     max_len: u32,
     w: &mut Writer<W>,
     ids: &mut Vec<u32>,
     mask: &mut Vec<u8>,
 ) -> Result<(), DataError> {
-    let ic: &ListColumn<'_> = &cols.input_ids;
-    // The common case, `list<uint32>` without nulls, is copied straight from the body.
-    let direct = ic.bits == 32 && !ic.signed && ic.values_null_count == 0;
-    for row in 0..cols.rows {
+    check_schema(path, &batch.schema())?;
+    let col = |name| batch.column_by_name(name);
+    let Some(ic) = col("input_ids") else {
+        return Err(format_err(path, "no input_ids column"));
+    };
+    let ic = Lists::of(ic, "input_ids").map_err(|e| format_err(path, e))?;
+    let mc = col("loss_mask")
+        .map(|c| Lists::of(c, "loss_mask"))
+        .transpose()
+        .map_err(|e| format_err(path, e))?;
+    // The common case, `list<uint32>` without nulls, is copied straight from the values.
+    let direct = ic
+        .values
+        .as_primitive_opt::<UInt32Type>()
+        .filter(|v| v.null_count() == 0);
+    for row in 0..batch.num_rows() {
         let bad = |why: String| DataError::Row {
             path: path.to_path_buf(),
             row: first + row as u64,
@@ -314,38 +447,16 @@ fn rows<W: Write>(
             return Err(bad("input_ids is null".into()));
         }
         ids.clear();
-        let range = ic.range(row);
-        if direct {
-            let b = &ic.values[4 * range.start..4 * range.end];
-            ids.extend(
-                b.chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            );
-        } else {
-            for (j, i) in range.enumerate() {
-                match ic.value(i) {
-                    None => return Err(bad(format!("input_ids[{j}] is null"))),
-                    Some(v) => match u32::try_from(v) {
-                        Ok(v) => ids.push(v),
-                        Err(_) => {
-                            return Err(bad(format!(
-                            "input_ids[{j}] = {v} is out of range for a token id (0..=4294967295)"
-                        )))
-                        }
-                    },
-                }
-            }
+        match direct {
+            Some(v) => ids.extend_from_slice(&v.values()[ic.range(row)]),
+            None => ic.push(row, ids, token_id).map_err(bad)?,
         }
-        let m = match &cols.loss_mask {
+        let m = match &mc {
             Some(mc) if !mc.is_null(row) => {
                 mask.clear();
-                for (j, i) in mc.range(row).enumerate() {
-                    match mc.value(i) {
-                        None => return Err(bad(format!("loss_mask[{j}] is null"))),
-                        // Anything but 0 and 1 is refused by `check_sample`.
-                        Some(v) => mask.push(u8::try_from(v).unwrap_or(u8::MAX)),
-                    }
-                }
+                // Anything but 0 and 1 is refused by `check_sample`.
+                mc.push(row, mask, |v| Ok(u8::try_from(v).unwrap_or(u8::MAX)))
+                    .map_err(bad)?;
                 Some(mask.as_slice())
             }
             _ => None,
@@ -366,27 +477,27 @@ fn ipc_err(path: &Path) -> impl Fn(IpcError) -> DataError + '_ {
     }
 }
 
-/// Converts an Arrow IPC stream; `rows` counts dataset rows across calls (HF shards).
+/// Converts an Arrow IPC stream; `row` counts dataset rows across calls (HF shards).
 fn stream<R: Read, W: Write>(
     path: &Path,
     r: R,
     max_len: u32,
     w: &mut Writer<W>,
     row: &mut u64,
-    tick: &mut dyn FnMut(&StreamReader<R>),
+    tick: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
-    let mut s = StreamReader::new(r);
+    let mut s = IpcStream::new(r);
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
-    while let Some(cols) = s.next_batch().map_err(ipc_err(path))? {
-        let n = cols.rows as u64;
-        rows(path, &cols, *row, max_len, w, &mut ids, &mut mask)?;
-        *row += n;
-        tick(&s);
+    while let Some(batch) = s.next_batch().map_err(ipc_err(path))? {
+        rows(path, &batch, *row, max_len, w, &mut ids, &mut mask)?;
+        *row += batch.num_rows() as u64;
+        tick(s.read);
     }
     Ok(())
 }
 
-/// Converts an Arrow IPC file (not one hspipe prepared: that one is used as it is).
+/// Converts an Arrow IPC file (not one hspipe prepared: that one is used as it is). It is
+/// mapped, and read through the same checked decoder as a prepared file.
 fn arrow_file<W: Write>(
     path: &Path,
     max_len: u32,
@@ -394,26 +505,42 @@ fn arrow_file<W: Write>(
     tick: Tick<'_>,
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
-    let map = map_read_only(&f).map_err(read_err(path))?;
-    let (schema, blocks) = ipc::parse_footer(&map).map_err(ipc_err(path))?;
-    let layout = Layout::new(&schema).map_err(ipc_err(path))?;
+    let map = std::sync::Arc::new(map_read_only(&f).map_err(read_err(path))?);
+    let file = IpcFile::open(&map).map_err(ipc_err(path))?;
+    check_schema(path, &file.schema)?;
+    // Other writers' buffers may be unaligned: arrow copies those (converting copies anyway).
+    let decoder = file.decoder(false).map_err(ipc_err(path))?;
+    let buffer = buffer_of(&map);
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     let mut row = 0u64;
-    for b in &blocks {
-        let (rb, body) = ipc::block_parts(&map, b).map_err(ipc_err(path))?;
-        let cols = layout.columns(rb, body).map_err(ipc_err(path))?;
-        rows(path, &cols, row, max_len, w, &mut ids, &mut mask)?;
-        row += cols.rows as u64;
-        tick(b.offset + u64::from(b.meta_len) + b.body_len);
+    for k in 0..file.batches() {
+        let batch = file.batch(&decoder, &buffer, k).map_err(ipc_err(path))?;
+        rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
+        row += batch.num_rows() as u64;
+        tick(file.batch_end(k));
     }
     Ok(())
 }
 
-/// The Python interpreter for the Parquet helper.
-pub fn python() -> String {
-    std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".into())
+/// What a Parquet error means for the user: the codecs this build leaves out are named.
+fn parquet_why(e: impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    const OFF: &str = "Disabled feature at compile time: ";
+    match e.find(OFF).map(|i| e[i + OFF.len()..].trim()) {
+        Some(codec) => {
+            let codec = match codec {
+                "flate2" => "GZIP".to_string(),
+                c => c.to_uppercase(),
+            };
+            format!(
+                "it is compressed with {codec}, which hspipe does not read (it reads uncompressed, Snappy and ZSTD Parquet): write it again with one of those (pyarrow: `pq.write_table(t, path, compression=\"zstd\")`)"
+            )
+        }
+        None => format!("not a readable Parquet file: {e}"),
+    }
 }
 
+/// Converts a Parquet file, `PARQUET_BATCH_ROWS` rows at a time (of our columns only).
 fn parquet<W: Write>(
     path: &Path,
     max_len: u32,
@@ -421,73 +548,29 @@ fn parquet<W: Write>(
     tick: Tick<'_>,
     total_rows: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
-    let py = python();
-    let err = |why: String| DataError::Parquet {
+    let err = |e: String| DataError::Parquet {
         path: path.to_path_buf(),
-        why,
+        why: e,
     };
-    let how = format!(
-        "hspipe reads Parquet through pyarrow: install it (`{py} -m pip install pyarrow`), or set {PYTHON_ENV} to a Python that has it (scripts/test.sh makes .venv/bin/python with it)"
-    );
-    let mut child = Command::new(&py)
-        .arg("-c")
-        .arg(PARQUET_HELPER)
-        .arg(path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| err(format!("could not start {py}: {e}; {how}")))?;
-    let stderr = child.stderr.take();
-    let errs = std::thread::spawn(move || {
-        let mut s = String::new();
-        if let Some(mut e) = stderr {
-            let _ = e.read_to_string(&mut s);
-        }
-        s
-    });
-    let out = child.stdout.take();
-    let result = match out {
-        None => Err(err("no output from the helper".into())),
-        Some(out) => {
-            let mut told = false;
-            let mut row = 0;
-            stream(path, BufReader::new(out), max_len, w, &mut row, &mut |r| {
-                if !told {
-                    told = true;
-                    if let Some(n) = r.rows_total() {
-                        total_rows(n);
-                    }
-                }
-                tick(row_of(r));
-            })
-        }
-    };
-    // On a bad row we stop reading: the helper must not be left blocked on a full pipe.
-    if result.is_err() {
-        let _ = child.kill();
+    let f = File::open(path).map_err(read_err(path))?;
+    let b = ParquetRecordBatchReaderBuilder::try_new(f).map_err(|e| err(parquet_why(e)))?;
+    let schema = b.schema().clone();
+    check_schema(path, &schema)?;
+    let (ids, mask) = arrow_io::our_columns(&schema).map_err(|e| format_err(path, e))?;
+    total_rows(u64::try_from(b.metadata().file_metadata().num_rows()).unwrap_or(0));
+    let only_ours = ProjectionMask::roots(b.parquet_schema(), std::iter::once(ids).chain(mask));
+    let reader = b
+        .with_projection(only_ours)
+        .with_batch_size(PARQUET_BATCH_ROWS)
+        .build()
+        .map_err(|e| err(parquet_why(e)))?;
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    let mut row = 0u64;
+    for batch in reader {
+        let batch = batch.map_err(|e| err(parquet_why(e)))?;
+        rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
+        row += batch.num_rows() as u64;
+        tick(row);
     }
-    let status = child
-        .wait()
-        .map_err(|e| err(format!("waiting for {py}: {e}")))?;
-    let stderr = errs.join().unwrap_or_default();
-    // Python's last line says what went wrong (a traceback's exception, or our helper's line).
-    let tail = stderr
-        .trim()
-        .lines()
-        .last()
-        .unwrap_or("")
-        .trim()
-        .to_string();
-    match status.code() {
-        _ if result.is_err() => result,
-        Some(0) => result,
-        Some(3) => Err(err(format!("{py} has no pyarrow ({tail}); {how}"))),
-        Some(4) => Err(format_err(path, tail)),
-        _ => Err(err(format!("pyarrow could not read it: {tail}"))),
-    }
-}
-
-fn row_of<R>(r: &StreamReader<R>) -> u64 {
-    r.rows
+    Ok(())
 }

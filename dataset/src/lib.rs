@@ -19,10 +19,9 @@
 //! integers or out of range for `u32`), naming the file and line (JSONL) or row (Arrow,
 //! Parquet, counted from 0).
 
+mod arrow_io;
 mod cache;
 mod convert;
-mod fb;
-pub mod ipc;
 mod map;
 mod mapped;
 mod writer;
@@ -30,7 +29,7 @@ mod writer;
 use std::path::PathBuf;
 
 pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
-pub use convert::{detect, Kind, PYTHON_ENV};
+pub use convert::{detect, Kind};
 pub use mapped::{Mapped, Sample};
 pub use writer::Writer;
 
@@ -69,7 +68,8 @@ pub enum DataError {
     /// A file that is not what its kind promises (malformed Arrow, missing columns).
     #[error("dataset {path}: {why}")]
     Format { path: PathBuf, why: String },
-    /// Reading Parquet through Python and pyarrow went wrong.
+    /// A Parquet file that the `parquet` crate cannot read (damaged, or compressed with a
+    /// codec this build leaves out).
     #[error("reading Parquet file {path}: {why}")]
     Parquet { path: PathBuf, why: String },
     /// A prepared (cached) file that cannot be used.

@@ -1,7 +1,10 @@
-//! The one `unsafe` of this crate: mapping a file read-only.
+//! The `unsafe` of this crate: mapping a file read-only, and dropping its resident pages; and the
+//! map as an Arrow buffer (safe: `bytes` owns an `Arc` of it).
 
 use std::fs::File;
+use std::sync::Arc;
 
+use arrow_buffer::Buffer;
 use memmap2::Mmap;
 
 /// Maps `file` read-only, whole.
@@ -28,4 +31,20 @@ pub fn unmap_resident(map: &Mmap) {
     // this process's page-table entries; the next access faults the same pages back from the
     // page cache, so every slice borrowed from the map reads the same bytes before and after.
     let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+}
+
+/// The map shared by an Arrow buffer and its owner (`Mapped`, which also advises the kernel
+/// about it).
+struct SharedMap(Arc<Mmap>);
+
+impl AsRef<[u8]> for SharedMap {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// An Arrow buffer over the whole map, without a copy: arrays decoded from it are slices of the
+/// map, and keep it mapped while they live.
+pub fn buffer_of(map: &Arc<Mmap>) -> Buffer {
+    Buffer::from(bytes::Bytes::from_owner(SharedMap(map.clone())))
 }

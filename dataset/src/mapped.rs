@@ -2,35 +2,55 @@
 //! kernel keeps one copy of its pages for all of them.
 //!
 //! Opening reads the footer and each record batch's metadata and list offsets (4 bytes a
-//! sample, checked once: monotone, inside the values, masks as long as their ids), never the
-//! token ids themselves; a sample is then a slice of the map.
+//! sample, checked once by arrow and by us: monotone, inside the values, masks as long as their
+//! ids), never the token ids themselves: arrow's `FileDecoder` decodes over a buffer that owns
+//! the map, so the arrays are slices of it (alignment required, so nothing is copied); a
+//! sample is then a slice of the map.
 
+use std::collections::HashMap;
 use std::fs::File;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use arrow_array::cast::AsArray;
+use arrow_array::types::{UInt32Type, UInt8Type};
+use arrow_array::{Array, ArrayRef, RecordBatch};
+use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_schema::{DataType, Field};
 use memmap2::Mmap;
 
-use crate::ipc::{self, Layout, ListColumn, Schema, Type};
-use crate::map::{map_read_only, unmap_resident};
+use crate::arrow_io::{type_name, IpcFile};
+use crate::map::{buffer_of, map_read_only, unmap_resident};
 use crate::DataError;
 
-/// One record batch: byte ranges in the map.
+/// A `list<uint*>` column of one record batch: slices of the map.
 #[derive(Clone, Debug)]
-struct Batch {
-    /// `rows + 1` little-endian `i32` offsets of `input_ids`.
-    ids_offsets: Range<usize>,
-    /// The `u32` token ids (4-aligned in the map).
-    ids: Range<usize>,
-    mask: Option<Mask>,
+struct List<T: arrow_buffer::ArrowNativeType> {
+    /// Present only when some row is null.
+    nulls: Option<NullBuffer>,
+    offsets: OffsetBuffer<i32>,
+    values: ScalarBuffer<T>,
 }
 
+impl<T: arrow_buffer::ArrowNativeType> List<T> {
+    fn range(&self, row: usize) -> std::ops::Range<usize> {
+        self.offsets[row] as usize..self.offsets[row + 1] as usize
+    }
+
+    fn len_of(&self, row: usize) -> usize {
+        (self.offsets[row + 1] - self.offsets[row]) as usize
+    }
+
+    fn is_null(&self, row: usize) -> bool {
+        self.nulls.as_ref().is_some_and(|n| n.is_null(row))
+    }
+}
+
+/// One record batch.
 #[derive(Clone, Debug)]
-struct Mask {
-    /// Empty when no row's mask is null.
-    validity: Range<usize>,
-    offsets: Range<usize>,
-    values: Range<usize>,
+struct Batch {
+    ids: List<u32>,
+    mask: Option<List<u8>>,
 }
 
 /// A sample borrowed from the map.
@@ -43,19 +63,40 @@ pub struct Sample<'a> {
 
 /// A prepared dataset file, mapped.
 pub struct Mapped {
-    map: Mmap,
+    map: Arc<Mmap>,
     path: PathBuf,
-    schema: Schema,
+    meta: HashMap<String, String>,
     batches: Vec<Batch>,
     /// First sample of each batch, and the total at the end.
     starts: Vec<u64>,
     tokens: u64,
 }
 
-fn i32_at(map: &[u8], at: usize) -> i32 {
-    map.get(at..at + 4)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, i32::from_le_bytes)
+/// True when `f` is `list<uint{bits}>` (32-bit offsets, the values not dictionary-encoded).
+fn is_list_of(f: &Field, item: &DataType) -> bool {
+    matches!(f.data_type(), DataType::List(c) if c.data_type() == item)
+}
+
+/// The list column `col` of a batch, as `list<T>`; `open` checked the schema's types.
+fn list<T: arrow_array::ArrowPrimitiveType>(
+    col: &ArrayRef,
+    name: &str,
+) -> Result<List<T::Native>, String> {
+    let l = col
+        .as_list_opt::<i32>()
+        .ok_or_else(|| format!("column {name} is not a list"))?;
+    let values = l
+        .values()
+        .as_primitive_opt::<T>()
+        .ok_or_else(|| format!("column {name} holds other values than its schema says"))?;
+    if values.null_count() > 0 {
+        return Err(format!("{name} has null entries"));
+    }
+    Ok(List {
+        nulls: l.nulls().filter(|n| n.null_count() > 0).cloned(),
+        offsets: l.offsets().clone(),
+        values: values.values().clone(),
+    })
 }
 
 impl Mapped {
@@ -69,102 +110,77 @@ impl Mapped {
             path: path.to_path_buf(),
             source: e,
         })?;
-        let map = map_read_only(&file).map_err(|e| DataError::Read {
+        let map = Arc::new(map_read_only(&file).map_err(|e| DataError::Read {
             path: path.to_path_buf(),
             source: e,
-        })?;
-        let (schema, blocks) =
-            ipc::parse_footer(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
-        let layout = Layout::new(&schema).map_err(|e| bad(e.to_string()))?;
-        let want = |name: &str, bits: u8| -> Result<(), DataError> {
-            let Some(f) = schema.fields.iter().find(|f| f.name == name) else {
+        })?);
+        let ipc = IpcFile::open(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
+        let schema = ipc.schema.clone();
+        let want = |name: &str, item: DataType| -> Result<(), DataError> {
+            let Ok(f) = schema.field_with_name(name) else {
                 return Ok(());
             };
-            let ok = f.ty == Type::List { large: false }
-                && f.children[0].ty
-                    == Type::Int {
-                        bits,
-                        signed: false,
-                    };
-            if ok {
+            if is_list_of(f, &item) {
                 Ok(())
             } else {
                 Err(bad(format!(
-                    "column {name} is {}, not list<uint{bits}>: give this file to `launcher prepare` as input to convert it",
-                    f.type_name()
+                    "column {name} is {}, not list<{}>: give this file to `launcher prepare` as input to convert it",
+                    type_name(f.data_type()),
+                    type_name(&item)
                 )))
             }
         };
-        want("input_ids", 32)?;
-        want("loss_mask", 8)?;
-        let base = map.as_ptr() as usize;
-        let range = |s: &[u8]| {
-            let a = s.as_ptr() as usize - base;
-            a..a + s.len()
-        };
-        let mut batches = Vec::with_capacity(blocks.len());
+        want("input_ids", DataType::UInt32)?;
+        want("loss_mask", DataType::UInt8)?;
+        // Aligned buffers are required: a misaligned one would be copied, and the point of the
+        // map is that nothing is.
+        let decoder = ipc.decoder(true).map_err(|e| bad(e.to_string()))?;
+        let buffer = buffer_of(&map);
+        let mut batches = Vec::with_capacity(ipc.batches());
         let mut starts = vec![0u64];
         let mut tokens = 0u64;
-        for (k, b) in blocks.iter().enumerate() {
-            let (rb, body) =
-                ipc::block_parts(&map, b).map_err(|e| bad(format!("record batch {k}: {e}")))?;
-            let cols = layout
-                .columns(rb, body)
-                .map_err(|e| bad(format!("record batch {k}: {e}")))?;
+        for k in 0..ipc.batches() {
+            let in_batch = |e: String| bad(format!("record batch {k}: {e}"));
+            let rb: RecordBatch = ipc
+                .batch(&decoder, &buffer, k)
+                .map_err(|e| in_batch(e.to_string()))?;
             let first = *starts.last().unwrap_or(&0);
-            let ids: &ListColumn<'_> = &cols.input_ids;
-            if ids.null_count > 0 || ids.values_null_count > 0 {
-                return Err(bad(format!("record batch {k}: input_ids has nulls")));
+            let rows = rb.num_rows();
+            let cols = rb.columns();
+            if cols[0].null_count() > 0 {
+                return Err(in_batch("input_ids has nulls".into()));
             }
-            if !(ids.values.as_ptr() as usize).is_multiple_of(4) {
-                return Err(bad(format!(
-                    "record batch {k}: input_ids is not 4-byte aligned"
-                )));
-            }
-            for row in 0..cols.rows {
-                if ids.range(row).is_empty() {
+            let ids = list::<UInt32Type>(&cols[0], "input_ids").map_err(in_batch)?;
+            for row in 0..rows {
+                if ids.len_of(row) == 0 {
                     return Err(bad(format!(
                         "sample {}: input_ids is empty",
                         first + row as u64
                     )));
                 }
             }
-            let mask = match &cols.loss_mask {
+            let mask = match cols.get(1) {
                 None => None,
-                Some(m) => {
-                    if m.values_null_count > 0 {
-                        return Err(bad(format!("record batch {k}: loss_mask has null entries")));
-                    }
-                    for row in 0..cols.rows {
-                        if !m.is_null(row) && m.range(row).len() != ids.range(row).len() {
+                Some(c) => {
+                    let m = list::<UInt8Type>(c, "loss_mask").map_err(in_batch)?;
+                    for row in 0..rows {
+                        if !m.is_null(row) && m.len_of(row) != ids.len_of(row) {
                             return Err(bad(format!(
                                 "sample {}: loss_mask has {} entries, input_ids has {}",
                                 first + row as u64,
-                                m.range(row).len(),
-                                ids.range(row).len()
+                                m.len_of(row),
+                                ids.len_of(row)
                             )));
                         }
                     }
-                    Some(Mask {
-                        validity: if m.null_count > 0 {
-                            range(m.validity)
-                        } else {
-                            0..0
-                        },
-                        offsets: range(&m.offsets[..4 * (cols.rows + 1)]),
-                        values: range(&m.values[..m.values_len]),
-                    })
+                    Some(m)
                 }
             };
-            if cols.rows > 0 {
-                tokens += (ids.range(cols.rows - 1).end - ids.range(0).start) as u64;
+            if rows > 0 {
+                tokens += (ids.offsets[rows] - ids.offsets[0]) as u64;
             }
-            batches.push(Batch {
-                ids_offsets: range(&ids.offsets[..4 * (cols.rows + 1)]),
-                ids: range(&ids.values[..4 * ids.values_len]),
-                mask,
-            });
-            starts.push(first + cols.rows as u64);
+            batches.push(Batch { ids, mask });
+            starts.push(first + rows as u64);
         }
         // Checked (the offsets were read in order, with the kernel's readahead); from here
         // samples are read scattered, a few KB here and there: no readahead around them. Only
@@ -173,7 +189,7 @@ impl Mapped {
         Ok(Mapped {
             map,
             path: path.to_path_buf(),
-            schema,
+            meta: schema.metadata().clone().into(),
             batches,
             starts,
             tokens,
@@ -200,20 +216,14 @@ impl Mapped {
 
     /// A value of the schema's metadata (`hspipe.key`, `hspipe.source`, ...).
     pub fn meta(&self, key: &str) -> Option<&str> {
-        self.schema.meta(key)
+        self.meta.get(key).map(String::as_str)
     }
 
     /// Every sample's length, in order, from the offsets alone.
     pub fn lengths(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len() as usize);
-        for (k, b) in self.batches.iter().enumerate() {
-            let rows = (self.starts[k + 1] - self.starts[k]) as usize;
-            let mut prev = i32_at(&self.map, b.ids_offsets.start);
-            for r in 1..=rows {
-                let o = i32_at(&self.map, b.ids_offsets.start + 4 * r);
-                out.push((o - prev) as u32);
-                prev = o;
-            }
+        for b in &self.batches {
+            out.extend(b.ids.offsets.windows(2).map(|w| (w[1] - w[0]) as u32));
         }
         out
     }
@@ -234,25 +244,30 @@ impl Mapped {
         let k = self.starts.partition_point(|&s| s <= i) - 1;
         let b = &self.batches[k];
         let row = (i - self.starts[k]) as usize;
-        let (a, e) = (
-            i32_at(&self.map, b.ids_offsets.start + 4 * row) as usize,
-            i32_at(&self.map, b.ids_offsets.start + 4 * row + 4) as usize,
-        );
-        // Aligned and in bounds: `open` checked both.
-        let input_ids: &[u32] =
-            bytemuck::cast_slice(&self.map[b.ids.start + 4 * a..b.ids.start + 4 * e]);
-        let loss_mask = b.mask.as_ref().and_then(|m| {
-            let valid = m.validity.is_empty()
-                || self.map[m.validity.start + row / 8] & (1 << (row % 8)) != 0;
-            valid.then(|| {
-                let a = i32_at(&self.map, m.offsets.start + 4 * row) as usize;
-                let e = i32_at(&self.map, m.offsets.start + 4 * row + 4) as usize;
-                &self.map[m.values.start + a..m.values.start + e]
-            })
-        });
+        // In bounds: arrow checked every offset against the values when it decoded the batch.
+        let input_ids = &b.ids.values[b.ids.range(row)];
+        let loss_mask = b
+            .mask
+            .as_ref()
+            .filter(|m| !m.is_null(row))
+            .map(|m| &m.values[m.range(row)]);
         Some(Sample {
             input_ids,
             loss_mask,
         })
+    }
+}
+
+#[cfg(test)]
+impl Mapped {
+    /// The addresses of the map, for tests that samples are slices of it.
+    pub(crate) fn map_range(&self) -> std::ops::Range<usize> {
+        let r = self.map.as_ptr_range();
+        r.start as usize..r.end as usize
+    }
+
+    /// Record batches in the file.
+    pub(crate) fn record_batches(&self) -> usize {
+        self.batches.len()
     }
 }

@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 ///
 /// The input is JSONL (one {"input_ids": [...], "loss_mask": [...]} per line, mask optional),
 /// Parquet or an Arrow IPC file or stream with input_ids (and optionally loss_mask) list
-/// columns, or an HF `datasets` save_to_disk directory. Parquet is read through pyarrow
-/// (Python 3; HSPIPE_PYTHON names the interpreter, default python3).
+/// columns, or an HF `datasets` save_to_disk directory. Parquet may be uncompressed or Snappy or
+/// ZSTD compressed; no format needs Python.
 ///
 /// The prepared file goes to the cache (DIR/<content key>.arrow), where a launcher whose run
 /// directory is beside DIR finds it without converting again; or, with -o, to a file of your

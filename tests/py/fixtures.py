@@ -1,8 +1,8 @@
 """Fixtures and checks for the data tests (tests/tests/data.rs), run with the project's venv
 (scripts/test.sh makes .venv with pyarrow and datasets).
 
-  fixtures.py formats SAMPLES.json OUT_DIR   the same samples as Parquet and as an HF datasets
-                                             save_to_disk directory (3 shards)
+  fixtures.py formats SAMPLES.json OUT_DIR   the same samples as Parquet (Snappy, and ZSTD) and as
+                                             an HF datasets save_to_disk directory (3 shards)
   fixtures.py read FILE.arrow                pyarrow reads (and fully validates) an Arrow file;
                                              prints {"input_ids", "loss_mask", "metadata"}
   fixtures.py arrow OUT_DIR                  Arrow files as other programs write them
@@ -40,6 +40,7 @@ def formats(samples_path, out):
         }
     )
     pq.write_table(t, os.path.join(out, "train.parquet"), row_group_size=37)
+    pq.write_table(t, os.path.join(out, "train-zstd.parquet"), row_group_size=37, compression="zstd")
     # HF datasets: int32 ids, int64 masks, three shards.
     hf_save({"input_ids": ids, "loss_mask": mask}, {"input_ids": "int32", "loss_mask": "int64"}, os.path.join(out, "hf"), shards=3)
 
@@ -95,6 +96,8 @@ def bad(out):
     pq.write_table(pa.table({"ids": pa.array([[1]])}), os.path.join(out, "no_column.parquet"))
     with open(os.path.join(out, "not.parquet"), "w") as f:
         f.write("{}")
+    # A codec hspipe leaves out (it reads uncompressed, Snappy and ZSTD Parquet).
+    pq.write_table(pa.table({"input_ids": pa.array([[1]])}), os.path.join(out, "gzip.parquet"), compression="gzip")
     with open(os.path.join(out, "corrupt.parquet"), "wb") as f:
         f.write(b"PAR1" + b"\0" * 64 + b"PAR1")
     # HF datasets directories: the row counts across shards.

@@ -7,13 +7,13 @@
 //!
 //! Fixtures come from `tests/py/fixtures.py`, run with the Python that `scripts/test.sh`
 //! provides (`.venv`, with pyarrow and datasets; `HSPIPE_PYTHON` names it). Without it these
-//! tests fail, saying so: they never skip.
+//! tests fail, saying so: they never skip. Only the tests use Python: hspipe reads every
+//! format, Parquet included, in Rust.
 
 use rustix::process::Signal;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use proto::PipelineConfig;
@@ -22,32 +22,26 @@ use proto::{LedgerLine, RunDir};
 use crate::launcher::{kill, no_segment_of};
 use crate::support::{spawn, stale_segments_shared, workspace_bin, Proc, TestDir, WATCHDOG};
 
+/// The environment variable naming the tests' Python (it makes fixtures and checks our files
+/// with pyarrow; hspipe itself runs no Python, for any input format).
+const PYTHON_ENV: &str = "HSPIPE_PYTHON";
+
 /// The Python with pyarrow and datasets: `HSPIPE_PYTHON`, else the repository's `.venv`.
 /// Panics, saying how to get one, when it is missing.
 fn python() -> String {
-    static SET: Once = Once::new();
     let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python");
-    // Before any test of this module starts a process that reads it (the launcher reads
-    // Parquet through it); scripts/test.sh sets it for the whole run.
-    SET.call_once(|| {
-        if std::env::var_os(dataset::PYTHON_ENV).is_none() {
-            std::env::set_var(dataset::PYTHON_ENV, venv);
-        }
-    });
-    let py = std::env::var(dataset::PYTHON_ENV).unwrap();
+    let py = std::env::var(PYTHON_ENV).unwrap_or_else(|_| venv.to_string());
     let out = Command::new(&py)
         .args(["-c", "import pyarrow, datasets"])
         .output();
     match out {
         Ok(o) if o.status.success() => py,
         Ok(o) => panic!(
-            "the data tests need Python with pyarrow and datasets, and {py} has not them ({}): run scripts/test.sh, which installs them into .venv, or set {} to a Python that has them",
+            "the data tests need Python with pyarrow and datasets, and {py} has not them ({}): run scripts/test.sh, which installs them into .venv, or set {PYTHON_ENV} to a Python that has them",
             String::from_utf8_lossy(&o.stderr).trim(),
-            dataset::PYTHON_ENV
         ),
         Err(e) => panic!(
-            "the data tests need Python with pyarrow and datasets, and {py} cannot run ({e}): run scripts/test.sh, which makes .venv with them, or set {} to a Python that has them",
-            dataset::PYTHON_ENV
+            "the data tests need Python with pyarrow and datasets, and {py} cannot run ({e}): run scripts/test.sh, which makes .venv with them, or set {PYTHON_ENV} to a Python that has them",
         ),
     }
 }
@@ -190,6 +184,9 @@ fn the_same_samples_as_jsonl_parquet_and_a_datasets_directory_plan_and_train_the
         plans.push(proto::plan::plan(&m.lengths(), &cfg));
     }
     assert!(plans.len() == 3 && plans[0] == plans[1] && plans[0] == plans[2]);
+    // Parquet compressed with ZSTD (pyarrow's default is Snappy, as above) reads the same.
+    let z = prepare(&dir.path("train-zstd.parquet"), 512, &dir.path("cache")).unwrap();
+    assert_eq!(read_all(&dataset::Mapped::open(&z.path).unwrap()), data);
 
     // End to end: each format trains the same batches with the same samples.
     let mut runs = Vec::new();
@@ -286,7 +283,8 @@ fn bad_rows_in_every_format_are_named_by_file_and_row() {
         ("float_ids.parquet", "column input_ids has type list<floating point>; it must be a list of integer token ids"),
         ("no_column.parquet", "no input_ids column (columns: ids)"),
         ("not.parquet", "named .parquet, but it does not start like a parquet file"),
-        ("corrupt.parquet", "pyarrow could not read it"),
+        ("corrupt.parquet", "corrupt.parquet: not a readable Parquet file"),
+        ("gzip.parquet", "gzip.parquet: it is compressed with GZIP, which hspipe does not read"),
         // Rows count across an HF directory's shards.
         ("hf_too_big", "hf_too_big/data-00001-of-00002.arrow: row 5: input_ids[0] = 4294967297 is out of range"),
         ("hf_mask_value", "hf_mask_value/data-00000-of-00001.arrow: row 2: loss_mask entries must be 0 or 1"),
@@ -322,7 +320,8 @@ fn bad_rows_in_every_format_are_named_by_file_and_row() {
     assert!(!err.contains("panicked"), "{err}");
     no_segment_of(pid);
 
-    // Without pyarrow, Parquet is an error that says how to get it.
+    // No Python is needed to read Parquet: with none to be found, the launcher still reads the
+    // file up to its bad row.
     let l = Command::new(workspace_bin("launcher"))
         .args([
             "prepare",
@@ -330,13 +329,14 @@ fn bad_rows_in_every_format_are_named_by_file_and_row() {
             "--data-cache",
             &dir.s("cache"),
         ])
-        .env(dataset::PYTHON_ENV, "/nonexistent/python3")
+        .env(PYTHON_ENV, "/nonexistent/python3")
+        .env("PATH", "/nonexistent")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&l.stderr);
     assert_eq!(l.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("could not start /nonexistent/python3") && err.contains("pip install pyarrow"),
+        err.contains("negative.parquet: row 2: input_ids[1] = -5") && !err.contains("ython"),
         "{err}"
     );
 }

@@ -7,7 +7,12 @@
 //! ```text
 //! bench-data gen --mb 600 --out /tmp/d600.jsonl
 //! bench-data run --data /tmp/d600.jsonl --runs 3 --baseline /tmp/hspipe-base/target/release/launcher
+//! bench-data run --data /tmp/d60.jsonl --runs 3 --baseline OLD/launcher --baseline-prepares
 //! ```
+//!
+//! With `--baseline-prepares` the baseline is an earlier build of the prepared-data path (e.g.
+//! before a change to the data crate): both prepare the same input in turn, and both launch on
+//! their own prepared data, side by side.
 //!
 //! Lengths: log-normal, median 512 tokens, sigma 1.0, clamped to 16..=4096 (mean about 790:
 //! many short chats, a long tail of long documents); ids uniform below 151,936 (Qwen's
@@ -64,6 +69,11 @@ enum Cmd {
         /// Runs of the baseline (at most `runs`): at 3 GB each of its processes needs ~6 GB.
         #[arg(long)]
         baseline_runs: Option<usize>,
+        /// The baseline prepares data too (an earlier build of the prepared-data path, not the
+        /// JSONL-parsing one): its `launcher prepare` is measured beside ours, and its launches
+        /// are the two prepared-data modes, each with its own cache.
+        #[arg(long)]
+        baseline_prepares: bool,
         /// Scratch directory (cache, run directories); emptied first.
         #[arg(long, default_value = "/tmp/hspipe-bench-data")]
         work: PathBuf,
@@ -299,6 +309,31 @@ fn summarise(name: &str, ls: &[Launch]) {
     );
 }
 
+/// One `launcher prepare` of `data` into a cold `cache`: seconds, peak RSS (MiB) and the
+/// prepared file.
+fn prepare_once(launcher: &Path, data: &Path, cache: &Path) -> anyhow::Result<(f64, f64, PathBuf)> {
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let _ = std::fs::remove_dir_all(cache);
+    let t = Instant::now();
+    let child = Command::new(launcher)
+        .args(["prepare", &s(data), "--data-cache", &s(cache)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let pid = child.id();
+    let (code, kib) = wait_rusage(pid)?;
+    let secs = t.elapsed().as_secs_f64();
+    if code != 0 {
+        bail!("{} prepare exited {code}", launcher.display());
+    }
+    let prepared = std::fs::read_dir(cache)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "arrow"))
+        .context("no prepared file")?;
+    Ok((secs, mib(kib), prepared))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run(
     data: &Path,
@@ -308,45 +343,46 @@ fn run(
     bd: &str,
     runs: usize,
     baseline_runs: usize,
+    baseline_prepares: bool,
     work: &Path,
 ) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work)?;
     let size = std::fs::metadata(data)?.len() as f64 / 1e6;
-    let cache = work.join("cache");
     let s = |p: &Path| p.to_string_lossy().into_owned();
     // Preparing: a cold cache each time (the input itself is in the page cache after the
-    // first read, as on a re-run).
-    let (mut secs, mut rss) = (Vec::new(), Vec::new());
-    let mut prepared = PathBuf::new();
-    for _ in 0..runs {
-        let _ = std::fs::remove_dir_all(&cache);
-        let t = Instant::now();
-        let child = Command::new(launcher)
-            .args(["prepare", &s(data), "--data-cache", &s(&cache)])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        let pid = child.id();
-        let (code, kib) = wait_rusage(pid)?;
-        secs.push(t.elapsed().as_secs_f64());
-        rss.push(mib(kib));
-        if code != 0 {
-            bail!("launcher prepare exited {code}");
-        }
-        prepared = std::fs::read_dir(&cache)?
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|e| e == "arrow"))
-            .context("no prepared file")?;
+    // first read, as on a re-run); a baseline that prepares too goes in turn with ours.
+    let mut preparers = vec![("", launcher, work.join("cache"))];
+    if let Some(b) = baseline.filter(|_| baseline_prepares) {
+        preparers.push((" (baseline)", b, work.join("cache-baseline")));
     }
-    let psize = std::fs::metadata(&prepared)?.len() as f64 / 1e6;
-    println!(
-        "{}: {size:.0} MB of JSONL; prepared file {psize:.0} MB; prepare: {:.2} s, peak RSS {:.0} MiB (medians of {runs})",
-        data.display(),
-        median(secs),
-        median(rss)
-    );
+    let mut figures: Vec<(Vec<f64>, Vec<f64>, PathBuf)> = preparers
+        .iter()
+        .map(|_| (Vec::new(), Vec::new(), PathBuf::new()))
+        .collect();
+    for r in 0..runs {
+        for (k, (_, exe, cache)) in preparers.iter().enumerate() {
+            if k > 0 && r >= baseline_runs {
+                continue;
+            }
+            let (secs, rss, prepared) = prepare_once(exe, data, cache)?;
+            figures[k].0.push(secs);
+            figures[k].1.push(rss);
+            figures[k].2 = prepared;
+        }
+    }
+    for ((tag, exe, _), (secs, rss, prepared)) in preparers.iter().zip(&figures) {
+        let psize = std::fs::metadata(prepared)?.len() as f64 / 1e6;
+        let n = secs.len();
+        println!(
+            "{}{tag}: {size:.0} MB of JSONL; prepared file {psize:.0} MB; {} prepare: {:.2} s, peak RSS {:.0} MiB (medians of {n})",
+            data.display(),
+            exe.display(),
+            median(secs.clone()),
+            median(rss.clone())
+        );
+    }
+    let (cache, prepared) = (preparers[0].2.clone(), figures[0].2.clone());
     // Launches, interleaved so every mode sees the same machine.
     let mut modes: Vec<(&str, PathBuf, Vec<String>)> = vec![
         (
@@ -367,12 +403,25 @@ fn run(
         launcher.to_path_buf(),
         vec!["--synthetic".into(), "2000".into()],
     ));
-    if let Some(b) = baseline {
-        modes.push((
+    match (baseline, preparers.get(1), figures.get(1)) {
+        (Some(b), Some((_, _, bcache)), Some((_, _, bprepared))) => {
+            modes.push((
+                "baseline: prepared data, --data the JSONL (its key from the stamp)",
+                b.to_path_buf(),
+                vec!["--data".into(), s(data), "--data-cache".into(), s(bcache)],
+            ));
+            modes.push((
+                "baseline: prepared data, --data the prepared file",
+                b.to_path_buf(),
+                vec!["--data".into(), s(bprepared)],
+            ));
+        }
+        (Some(b), _, _) => modes.push((
             "every process parses the JSONL (before)",
             b.to_path_buf(),
             vec!["--data".into(), s(data)],
-        ));
+        )),
+        _ => {}
     }
     let mut results: Vec<Vec<Launch>> = modes.iter().map(|_| Vec::new()).collect();
     for r in 0..runs {
@@ -381,7 +430,9 @@ fn run(
                 continue;
             }
             let run_dir = work.join(format!("run-{k}-{r}"));
-            let before = exe != launcher;
+            // A baseline that prepares runs the same topology as ours (its memory does not grow
+            // with the data).
+            let before = exe != launcher && !baseline_prepares;
             let (t, d) = if before { (bt, bd) } else { ("0-4", "5-7") };
             let mut args: Vec<String> = [
                 "--targets",
@@ -421,6 +472,7 @@ fn main() -> anyhow::Result<()> {
             baseline_drafters,
             runs,
             baseline_runs,
+            baseline_prepares,
             work,
         } => run(
             &data,
@@ -430,6 +482,7 @@ fn main() -> anyhow::Result<()> {
             &baseline_drafters,
             runs,
             baseline_runs.unwrap_or(runs),
+            baseline_prepares,
             &work,
         ),
     }
