@@ -40,8 +40,6 @@ mod sync;
 mod worker;
 
 #[cfg(not(loom))]
-pub mod analysis;
-#[cfg(not(loom))]
 mod ring;
 #[cfg(not(loom))]
 mod segment;
@@ -71,8 +69,3 @@ pub use crate::stats::{
     RingCounters, SlotCounts, Snapshot, WorkCounts, WorkerSnapshot, WorkerState,
 };
 pub use crate::worker::{role_name, BadWorkerName, Role, WorkerName};
-
-#[cfg(not(loom))]
-pub mod screen;
-#[cfg(not(loom))]
-pub mod stat_cli;

@@ -31,8 +31,8 @@ pub(super) fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh
         }
     };
     let gate = match b.params.policy {
-        crate::params::TakePolicy::Bucketed { min_ready, .. } => min_ready,
-        crate::params::TakePolicy::Fifo => 0,
+        TakePolicy::Bucketed { min_ready, .. } => min_ready,
+        TakePolicy::Fifo => 0,
     };
     let swing = (2 * b.params.consumers * b.params.held_per_consumer.max(1)).max(gate);
     let least = TREND_MIN.max(f64::from(swing));
@@ -73,7 +73,7 @@ pub(super) fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh
         )
     } else if let Some((w, age, step)) = silent {
         let role = w.role;
-        worker = Some(w.name().to_string());
+        worker = Some(w.name());
         let now = iv
             .workers
             .iter()
@@ -133,7 +133,7 @@ pub(super) fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh
         )
     } else if b.counters.taken == 0 && !b.closed {
         let gate = match b.params.policy {
-            crate::params::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+            TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
                 "the drafters wait until {min_ready} batches are READY ({} now, {} being written)",
                 b.slots.ready, b.slots.writing
             ),
@@ -246,9 +246,7 @@ pub(super) fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh
             Bottleneck::Targets => s.role == Role::Producer,
             _ => true,
         };
-        worker = slow_rank
-            .or(slow.iter().find(blamed))
-            .map(|s| s.name().to_string());
+        worker = slow_rank.or(slow.iter().find(blamed)).map(Slow::name);
     }
     Verdict {
         bottleneck,
@@ -313,7 +311,7 @@ fn sides(
         )
     } else if targets && by_waits_t {
         let short = match b.params.policy {
-            crate::params::TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
+            TakePolicy::Bucketed { min_ready, .. } if min_ready > 1 => format!(
                 "ring below min_ready ({min_ready}) {} of the time",
                 pct(iv.short_frac)
             ),
