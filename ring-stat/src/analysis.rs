@@ -12,7 +12,8 @@
 //!   ranks): the time a worker's own step takes. A worker's *pace* is its working time per
 //!   token over its life (all incarnations), from the cumulative counters of the last snapshot.
 //!
-//! The verdict, in order (the first that holds):
+//! The verdict, in order (the first that holds; 1-6 are the functions of `verdict::RULES`, 7 is
+//! `verdict::sides`, and a new rule goes into that list at its place in this order):
 //! 1. *finished*: the ring is closed and empty;
 //! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
@@ -50,6 +51,7 @@ use shm_ring::{
 
 mod pace;
 mod verdict;
+mod window;
 
 use verdict::judge;
 
