@@ -56,8 +56,10 @@ mod crash_tests;
 
 pub use crate::core::{CommitMeta, ItemMeta, Recovered};
 pub use crate::error::RingError;
-pub use crate::layout::{MAX_WORKERS, PHASES};
-pub use crate::params::{BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS};
+pub use crate::layout::PHASES;
+pub use crate::params::{
+    BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS, MAX_WORKERS,
+};
 
 pub use crate::phase::{Phase, PhaseMap};
 #[cfg(not(loom))]
