@@ -44,7 +44,8 @@ cargo test --workspace
 
 # loom explores every interleaving of the slot state machine, the close broadcast, recovery, the
 # work table with a producer killed at each step, and registration (shm-ring/src/model.rs), and
-# the drafter group's collective (collective/src/model.rs). Two preemptions keep it to about a minute; its own target dir keeps the
+# the drafter group's collective (collective/src/model.rs), both on shmem::sync's one model of a futex.
+# Two preemptions keep it to about a minute; its own target dir keeps the
 # --cfg loom build from invalidating the normal one.
 echo "== loom models (LOOM_MAX_PREEMPTIONS=2)"
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \

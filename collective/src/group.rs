@@ -47,8 +47,8 @@
 //! - admission CAS (AcqRel, in `admit_joiners`) → `word` load (Acquire, in `join`): the joiner
 //!   sees the state area written before the CAS.
 
-use crate::sync::{self, AtomicU32, AtomicU64, Ordering};
 use crate::GroupError;
+use shmem::sync::{self, AtomicU32, AtomicU64, Ordering, WAIT_SLICE};
 
 /// Ranks in a group at most (one bit each in the group word).
 pub const MAX_RANKS: usize = 16;
@@ -321,7 +321,7 @@ impl<M: Memory> Protocol<M> {
                 if stop() {
                     return Err(GroupError::Stopped);
                 }
-                sync::wait(&c.seq, seen);
+                sync::wait(&c.seq, seen, WAIT_SLICE);
             }
         }
     }
@@ -450,7 +450,7 @@ impl<M: Memory> Protocol<M> {
                 r.join.store(0, Ordering::Relaxed);
                 return Err(GroupError::Stopped);
             }
-            sync::wait(&c.seq, seen);
+            sync::wait(&c.seq, seen, WAIT_SLICE);
         }
     }
 

@@ -14,8 +14,9 @@
 //!   not for others, because commits and membership changes are CASes on one word.
 //! - **The launcher knows** whether a dead rank's last batch is in an applied update
 //!   ([`Removed::committed_batch`]): retire it if so, redeliver it otherwise. Exactly once.
-//! - **No busy spin.** Waiters sleep on a shared futex for at most 100 ms at a time and ask
-//!   their `stop` closure between sleeps.
+//! - **No busy spin.** Waiters sleep on a shared futex for at most `shmem::sync::WAIT_SLICE`
+//!   (100 ms) at a time and ask their `stop` closure between sleeps. Atomics and waits come
+//!   from `shmem::sync`, which loom swaps for its own (the ring's models use the same).
 //!
 //! Used by `drafter-worker` (one rank per worker) and the launcher (creates the segment,
 //! removes a dead rank before recovering the ring).
@@ -27,7 +28,6 @@ mod group;
 mod model;
 #[cfg(not(loom))]
 mod segment;
-mod sync;
 
 pub use group::{Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
 #[cfg(not(loom))]

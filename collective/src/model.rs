@@ -80,7 +80,7 @@ fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
 }
 
 /// A rank that never arrived is removed with no committed batch, and the survivor finishes
-/// alone (progress does not depend on a timeout: loom's waits are yields).
+/// alone (progress does not depend on a timeout: loom's futex model waits without one).
 #[test]
 fn a_rank_dead_before_arriving_leaves_the_survivor_to_finish_alone() {
     model(|| {
@@ -135,7 +135,7 @@ fn a_joiner_gets_the_leaders_state_then_reduces_with_it() {
 fn a_joiner_that_died_asking_is_never_admitted_after_its_removal() {
     model(|| {
         let g = group(2, 0b01, 1);
-        g.mem.rank(1).join.store(1, crate::sync::Ordering::Release);
+        g.mem.rank(1).join.store(1, shmem::sync::Ordering::Release);
         let gl = g.clone();
         let leader = thread::spawn(move || {
             gl.admit_joiners(0, 0, &[5]).unwrap();

@@ -2,21 +2,27 @@
 //!
 //! Same rules as the ring's: exclusive create with mode 0600, every byte reserved up front
 //! (`fallocate`, so a too-small `/dev/shm` fails here and not with SIGBUS mid-run), the magic
-//! published last; attach checks owner, mode, magic, version and size. The creator's handle
+//! published last; attach checks owner, mode, size, magic and version (`shmem`'s checks, the
+//! ring's too) and that the size fits the header. The creator's handle
 //! unlinks the name when dropped.
 //!
 //! Layout (offsets from the start, each part 128-byte aligned):
 //! `Header | Control | RankRec × ranks | buffers: ranks × 2 × buf_len u32 | state: state_len u32`.
 
-use shmem::Mapping;
+use shmem::{Mapping, Refusal, Stamp};
 
 use crate::group::{Control, Membership, Memory, RankRec, MAX_RANKS};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::GroupError;
+use shmem::sync::{AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"hsgroup1");
 /// Bumped on any change to the layout.
 pub const LAYOUT_VERSION: u32 = 1;
+/// What attach expects at the start of the header.
+const STAMP: Stamp = Stamp {
+    magic: MAGIC,
+    version: LAYOUT_VERSION,
+};
 
 #[repr(C, align(128))]
 struct Header {
@@ -92,6 +98,24 @@ fn seg_err(name: &str, why: impl std::fmt::Display) -> GroupError {
     }
 }
 
+/// A refused segment, in the group's words.
+fn refused(name: &str, r: Refusal) -> GroupError {
+    let why = match r {
+        Refusal::ForeignOwner { owner, .. } => format!("owned by uid {owner}, not us"),
+        Refusal::InsecureMode { mode } => {
+            format!("mode {mode:o} lets others in; a group segment is 0600")
+        }
+        Refusal::TooSmall { size, .. } => format!("{size} bytes: too small to be a group"),
+        Refusal::Uninitialised | Refusal::BadMagic { .. } => {
+            "not an hspipe group segment (bad magic)".to_string()
+        }
+        Refusal::Version { found, expected } => {
+            format!("layout version {found}, this build reads {expected}")
+        }
+    };
+    seg_err(name, why)
+}
+
 fn check_name(name: &str) -> Result<(), GroupError> {
     if name.is_empty() || name.len() > 200 || name.contains('/') {
         return Err(seg_err(
@@ -162,25 +186,9 @@ impl Segment {
         check_name(name)?;
         let fd = shmem::open(name, true).map_err(|e| seg_err(name, format!("open: {e}")))?;
         let st = shmem::stat(&fd).map_err(|e| seg_err(name, format!("fstat: {e}")))?;
-        if st.uid != shmem::euid() {
-            return Err(seg_err(name, format!("owned by uid {}, not us", st.uid)));
-        }
-        if st.mode & 0o077 != 0 {
-            return Err(seg_err(
-                name,
-                format!(
-                    "mode {:o} lets others in; a group segment is 0600",
-                    st.mode & 0o777
-                ),
-            ));
-        }
+        shmem::check_file(&st, true, std::mem::size_of::<Header>() as u64)
+            .map_err(|e| refused(name, e))?;
         let size = st.size as usize;
-        if size < std::mem::size_of::<Header>() {
-            return Err(seg_err(
-                name,
-                format!("{size} bytes: too small to be a group"),
-            ));
-        }
         let map = Mapping::new(&fd, size, true).map_err(|e| seg_err(name, format!("mmap: {e}")))?;
         let mut seg = Segment {
             name: name.to_string(),
@@ -193,16 +201,10 @@ impl Segment {
         };
         let h = seg.header();
         // SYNC: pairs with the Release store of the magic in create().
-        if h.magic.load(Ordering::Acquire) != MAGIC {
-            return Err(seg_err(name, "not an hspipe group segment (bad magic)"));
-        }
-        let version = h.version.load(Ordering::Relaxed);
-        if version != LAYOUT_VERSION {
-            return Err(seg_err(
-                name,
-                format!("layout version {version}, this build reads {LAYOUT_VERSION}"),
-            ));
-        }
+        let magic = h.magic.load(Ordering::Acquire);
+        STAMP
+            .check(magic, h.version.load(Ordering::Relaxed))
+            .map_err(|e| refused(name, e))?;
         let ranks = h.ranks.load(Ordering::Relaxed);
         let buf_len = h.buf_len.load(Ordering::Relaxed);
         let state_len = h.state_len.load(Ordering::Relaxed);

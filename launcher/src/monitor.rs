@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use proto::RunDir;
+use ring_stat::analysis::{self, Interval, WorkerRates};
 use serde::{Deserialize, Serialize};
-use shm_ring::analysis::{self, Interval, WorkerRates};
 use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
@@ -318,7 +318,7 @@ impl Monitor {
             closed: snap.closed,
             verdict: verdict.line,
             bottleneck: Some(verdict.bottleneck),
-            verdict_worker: verdict.worker,
+            verdict_worker: verdict.worker.map(|w| w.to_string()),
             workers: iv.workers.iter().map(WorkerTick::new).collect(),
             events: std::mem::take(&mut self.events),
             drafter_loss: self.interval_loss(),

@@ -28,7 +28,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use proto::{LedgerLine, RunDir};
-use shm_ring::screen::human_rate;
+use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
 use crate::monitor::{EventTick, Tick};

@@ -17,7 +17,7 @@ pub use batch::{
     BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
-pub use run_dir::{LedgerLine, RunDir, RunDirError};
+pub use run_dir::{LedgerLine, RunDir, RunDirError, RUN_DIR_RING_FILE};
 /// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.
 pub use shm_ring::{Role, WorkerName};
 

@@ -12,6 +12,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use shm_ring::WorkerName;
 
+/// The file in a run directory that holds the name of the run's ring: the launcher writes it
+/// ([`RunDir::write_ring_name`]) and `shm-ring-stat --run-dir` reads it ([`RunDir::ring_file`]).
+pub const RUN_DIR_RING_FILE: &str = "ring";
+
 /// A run directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunDir(PathBuf);
@@ -51,7 +55,7 @@ impl RunDir {
 
     /// `shm-ring-stat --run-dir`'s way to the run's ring: a file holding its name.
     pub fn ring_file(&self) -> PathBuf {
-        self.0.join(shm_ring::stat_cli::RUN_DIR_RING_FILE)
+        self.0.join(RUN_DIR_RING_FILE)
     }
 
     /// The effective pipeline config (a resume reads it back).

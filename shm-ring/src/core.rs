@@ -73,9 +73,10 @@ pub use recovery::Recovered;
 pub(crate) use recovery::Retire;
 pub(crate) use take::{choose_bucket, TakeState};
 
-/// The longest a waiter sleeps before it looks again. Bounded so that waiters notice stop
-/// requests, closed rings and recovered slots even if a wake-up were lost.
-pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(100);
+/// The longest a waiter sleeps before it looks again (bounded so that waiters notice stop
+/// requests, closed rings and recovered slots even if a wake-up were lost): the one slice every
+/// shared-memory waiter uses.
+pub(crate) const MAX_SLEEP: Duration = shmem::sync::WAIT_SLICE;
 
 /// Plain copies of the parameters the state machine needs.
 #[derive(Clone, Copy, Debug)]

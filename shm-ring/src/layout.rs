@@ -6,6 +6,7 @@
 //! map the segment at different addresses, so positions are offsets computed from the header.
 //! Atomics that different processes write often sit on their own 128-byte lines.
 
+use crate::params::{MAX_SLOTS, MAX_WORKERS};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Slot states. See the state machine in `core.rs`.
@@ -18,9 +19,6 @@ const STATE_BITS: u32 = 8;
 const OWNER_BITS: u32 = 16;
 const OWNER_SHIFT: u32 = STATE_BITS;
 const GEN_SHIFT: u32 = STATE_BITS + OWNER_BITS;
-
-/// The most workers one ring can have: an owner id must fit the state word.
-pub const MAX_WORKERS: u32 = 1 << 10;
 
 /// A decoded slot state word: `state | owner << 8 | generation << 24`.
 ///
@@ -179,7 +177,9 @@ const WORK_A_MASK: u64 = (1 << (WORK_B_SHIFT - WORK_A_SHIFT)) - 1;
 const WORK_B_MASK: u64 = (1 << (64 - WORK_B_SHIFT)) - 1;
 // Worker ids and slot indices must fit the 10-bit `a` field.
 const _: () = assert!(MAX_WORKERS as u64 - 1 <= WORK_A_MASK);
-const _: () = assert!(crate::params::MAX_SLOTS as u64 - 1 <= WORK_A_MASK);
+const _: () = assert!(MAX_SLOTS as u64 - 1 <= WORK_A_MASK);
+// And a worker id must fit the slot state word's owner field.
+const _: () = assert!(MAX_WORKERS as u64 - 1 < 1 << OWNER_BITS);
 
 impl WorkWord {
     pub(crate) fn claimed(owner: u32, epoch: u64) -> Self {

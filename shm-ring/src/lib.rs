@@ -40,8 +40,6 @@ mod sync;
 mod worker;
 
 #[cfg(not(loom))]
-pub mod analysis;
-#[cfg(not(loom))]
 mod ring;
 #[cfg(not(loom))]
 mod segment;
@@ -58,8 +56,10 @@ mod crash_tests;
 
 pub use crate::core::{CommitMeta, ItemMeta, Recovered};
 pub use crate::error::RingError;
-pub use crate::layout::{MAX_WORKERS, PHASES};
-pub use crate::params::{BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS};
+pub use crate::layout::PHASES;
+pub use crate::params::{
+    BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS, MAX_WORKERS,
+};
 
 pub use crate::phase::{Phase, PhaseMap};
 #[cfg(not(loom))]
@@ -71,8 +71,3 @@ pub use crate::stats::{
     RingCounters, SlotCounts, Snapshot, WorkCounts, WorkerSnapshot, WorkerState,
 };
 pub use crate::worker::{role_name, BadWorkerName, Role, WorkerName};
-
-#[cfg(not(loom))]
-pub mod screen;
-#[cfg(not(loom))]
-pub mod stat_cli;

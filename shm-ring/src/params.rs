@@ -3,8 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::layout::MAX_WORKERS;
-
+/// The most workers one ring can have. A worker id is an owner in the slot state word and in
+/// the work word (`layout.rs` asserts it fits both); the limits live here, with the validation,
+/// so the layout depends on the parameters and not the other way.
+pub const MAX_WORKERS: u32 = 1 << 10;
 /// Most slots in one ring. A take scans every slot, which is cheap at this size.
 pub const MAX_SLOTS: u32 = 1024;
 /// Most length buckets.

@@ -5,8 +5,9 @@
 //!
 //! Creation is two-phase: create exclusively (mode 0600), reserve all memory, map, initialise
 //! every field, then publish the magic number last with a Release store. An attacher checks the
-//! owner, the size, then the magic with an Acquire load (pairs with that store), the layout
-//! version and the recorded layout before it touches anything past the header.
+//! owner, the mode, the size, then the magic with an Acquire load (pairs with that store) and the
+//! layout version (`shmem`'s checks, the drafter group's too), then the recorded layout before
+//! it touches anything past the header.
 
 use std::io;
 use std::mem::size_of;
@@ -14,6 +15,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use serde::Serialize;
+use shmem::{Refusal, Stamp};
 
 use crate::error::RingError;
 use crate::layout::{Control, SlotRecord, WorkerRecord, ROLE_CONSUMER, ROLE_PRODUCER};
@@ -25,6 +27,11 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// Bumped whenever any shared type changes shape or meaning. 2: worker leases, tagged work
 /// words, the creator's pid namespace and boot.
 pub const LAYOUT_VERSION: u32 = 2;
+/// What attach expects at the start of the header.
+const STAMP: Stamp = Stamp {
+    magic: MAGIC,
+    version: LAYOUT_VERSION,
+};
 /// Every hspipe ring's name starts with this; `--list` and `--gc` look for it.
 pub const NAME_PREFIX: &str = "hspipe-";
 /// A `gpu` field value meaning "not set".
@@ -221,6 +228,29 @@ fn io_err(op: &'static str, name: &str, e: io::Error) -> RingError {
     }
 }
 
+/// A refused segment, in the ring's words.
+fn refused(name: &str, r: Refusal) -> RingError {
+    let name = name.to_string();
+    match r {
+        Refusal::ForeignOwner { owner, me } => RingError::ForeignOwner { name, owner, me },
+        Refusal::InsecureMode { mode } => RingError::InsecureMode { name, mode },
+        Refusal::TooSmall { size, .. } => RingError::Corrupt {
+            name,
+            what: format!("it is {size} bytes, smaller than a ring header"),
+        },
+        Refusal::Uninitialised => RingError::Corrupt {
+            name,
+            what: "it was never initialised (its creator died while creating it, or is creating it now)".into(),
+        },
+        Refusal::BadMagic { found } => RingError::BadMagic { name, found },
+        Refusal::Version { found, expected } => RingError::VersionMismatch {
+            name,
+            found,
+            expected,
+        },
+    }
+}
+
 /// Unlinks a half-made segment if creation fails part way.
 struct UnlinkGuard<'a>(Option<&'a str>);
 
@@ -333,55 +363,20 @@ impl Segment {
         check_name(name)?;
         let fd = sys::shm_open(name, writable).map_err(|e| io_err("open", name, e))?;
         let info = sys::fstat(&fd).map_err(|e| io_err("stat", name, e))?;
-        let me = sys::euid();
-        if writable && info.uid != me {
-            return Err(RingError::ForeignOwner {
-                name: name.to_string(),
-                owner: info.uid,
-                me,
-            });
-        }
+        shmem::check_file(&info, writable, PAGE).map_err(|r| refused(name, r))?;
         let corrupt = |what: String| RingError::Corrupt {
             name: name.to_string(),
             what,
         };
-        if info.size < PAGE {
-            return Err(corrupt(format!(
-                "it is {} bytes, smaller than a ring header",
-                info.size
-            )));
-        }
-        if info.mode & 0o077 != 0 {
-            return Err(RingError::InsecureMode {
-                name: name.to_string(),
-                mode: info.mode & 0o777,
-            });
-        }
         let map = map_whole(&fd, name, info.size, writable)?;
         // SAFETY: the mapping is at least one page long, page-aligned, and `Header` is made of
         // atomics, valid for any bit pattern.
         let h = unsafe { &*map.as_ptr().cast::<Header>() };
         // SYNC: Acquire pairs with the Release store of the magic in `initialise`.
         let magic = h.magic.load(Ordering::Acquire);
-        if magic == 0 {
-            return Err(corrupt(
-                "it was never initialised (its creator died while creating it, or is creating it now)".into(),
-            ));
-        }
-        if magic != MAGIC {
-            return Err(RingError::BadMagic {
-                name: name.to_string(),
-                found: magic,
-            });
-        }
-        let version = h.version.load(Ordering::Relaxed);
-        if version != LAYOUT_VERSION {
-            return Err(RingError::VersionMismatch {
-                name: name.to_string(),
-                found: version,
-                expected: LAYOUT_VERSION,
-            });
-        }
+        STAMP
+            .check(magic, h.version.load(Ordering::Relaxed))
+            .map_err(|r| refused(name, r))?;
         let params =
             read_params(h).map_err(|e| corrupt(format!("its parameters are invalid: {e}")))?;
         let offsets = Offsets::of(&params);
@@ -578,6 +573,15 @@ pub struct SegmentInfo {
     pub problem: Option<String>,
 }
 
+impl SegmentInfo {
+    /// True when the creator is known to be gone: what `shm-ring-stat --gc` removes. A segment
+    /// whose creator cannot be judged (an unreadable header, another pid namespace) is never
+    /// stale, so nothing removes a ring that may still be in use.
+    pub fn is_stale(&self) -> bool {
+        self.live == Some(false)
+    }
+}
+
 /// Every `hspipe-*` segment in `/dev/shm`, sorted by name.
 pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
     let mut out = Vec::new();
@@ -635,16 +639,18 @@ mod tests {
         c.id()
     }
 
-    /// `shm-ring-stat --gc RING`: only this test's ring, so other tests' rings are not touched.
+    /// What `shm-ring-stat --gc RING` does (ring-stat's CLI, over this crate's listing): remove
+    /// RING if the listing judges it stale. Only this test's ring, so other tests' rings are not
+    /// touched.
     fn gc(name: &str) -> String {
-        let args = crate::stat_cli::Args {
-            gc: true,
-            ring: Some(name.to_string()),
-            ..Default::default()
-        };
-        let mut out = Vec::new();
-        crate::stat_cli::run(&args, &mut out).unwrap();
-        String::from_utf8(out).unwrap()
+        let mut out = String::new();
+        for s in list_segments().unwrap() {
+            if s.name == name && s.is_stale() {
+                unlink_name(&s.name).unwrap();
+                out.push_str(&format!("removed {}\n", s.name));
+            }
+        }
+        out
     }
 
     /// Issue #9, item 6: the creator's pid namespace and boot are recorded. A ring whose creator

@@ -98,28 +98,9 @@ impl WorkerSnapshot {
         }
     }
 
-    /// Nanoseconds spent waiting on the ring (full or empty).
-    pub fn wait_ns(&self) -> u64 {
-        Phase::ALL
-            .iter()
-            .filter(|p| p.is_wait())
-            .map(|&p| self.phase_ns[p])
-            .sum()
-    }
-
     /// Nanoseconds busy: in `compute`, the GPU doing model work.
     pub fn busy_ns(&self) -> u64 {
         self.phase_ns[Phase::Compute]
-    }
-
-    /// Nanoseconds neither computing nor waiting on the ring: load, copy-in, sync,
-    /// checkpoint, other.
-    pub fn overhead_ns(&self) -> u64 {
-        Phase::ALL
-            .iter()
-            .filter(|p| !p.is_wait() && **p != Phase::Compute)
-            .map(|&p| self.phase_ns[p])
-            .sum()
     }
 }
 

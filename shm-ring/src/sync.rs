@@ -1,62 +1,19 @@
-//! The one place where atomics and blocking come from, so that loom can swap them.
+//! The ring's waits and wakes on its sequence words, and its telemetry stores, over
+//! `shmem::sync`: the one facade for atomics and futex waits, which loom swaps for its own
+//! (loom's atomics, and a futex modelled by a mutex and a condition variable that waits without
+//! a timeout; see that module). The ring's modules take their atomics from here, so the whole
+//! crate sees one set.
 //!
-//! Under `cfg(loom)` the atomics are loom's and "waiting" is a `yield_now`, which lets loom
-//! explore every interleaving of the lock-free state machine without a kernel. Otherwise the
-//! atomics are `core`'s and waiting is a *shared* futex (`FUTEX_WAIT` without
-//! `FUTEX_PRIVATE_FLAG`), because waiters and wakers live in different processes that map the
-//! same segment at different addresses: a private futex is keyed by virtual address and would
-//! never see the other process's wake. [`bump`] and [`sleep`] are the ring's wake and wait on
-//! a sequence word with its waiter count, built on these.
+//! What is the ring's own: [`bump`] and [`sleep`], the wake and the wait on a sequence word
+//! with its waiter count; the spin before a sleep; and the clock and telemetry counters, which
+//! loom models skip (they decide nothing and would only add states).
 //!
 //! Only the `shmem` crate is called here, never `sys.rs` (which is not built under loom).
 
-#[cfg(loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
-
-#[cfg(not(loom))]
-pub(crate) use core::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
-
 use std::time::Duration;
 
-/// Sleeps while `word` still holds `expected`, at most `timeout`.
-///
-/// Spurious returns are allowed: every caller re-checks its condition in a loop, and the bounded
-/// timeout is what lets waiters notice stop requests and dead peers.
-#[cfg(not(loom))]
-pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    shmem::futex_wait(word, expected, timeout);
-}
-
-/// Wakes every waiter sleeping on `word`, in any process.
-#[cfg(not(loom))]
-pub(crate) fn wake_all(word: &AtomicU32) {
-    shmem::futex_wake_all(word);
-}
-
-// Under loom a futex is modelled by one mutex and condition variable for all words: a waiter
-// checks the word and sleeps while holding the mutex, and a waker takes the mutex before it
-// notifies, so no wake-up is lost between the check and the sleep. The model waits WITHOUT a
-// timeout: if the algorithm ever relied on the 100 ms timeout to make progress, loom would
-// report a deadlock.
-#[cfg(loom)]
-loom::lazy_static! {
-    static ref FUTEX: (loom::sync::Mutex<()>, loom::sync::Condvar) =
-        (loom::sync::Mutex::new(()), loom::sync::Condvar::new());
-}
-
-#[cfg(loom)]
-pub(crate) fn wait(word: &AtomicU32, expected: u32, _timeout: Duration) {
-    let guard = FUTEX.0.lock().unwrap();
-    if word.load(Ordering::SeqCst) == expected {
-        drop(FUTEX.1.wait(guard).unwrap());
-    }
-}
-
-#[cfg(loom)]
-pub(crate) fn wake_all(_word: &AtomicU32) {
-    drop(FUTEX.0.lock().unwrap());
-    FUTEX.1.notify_all();
-}
+pub(crate) use shmem::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use shmem::sync::{wait, wake_all};
 
 /// Spins this many times (a few microseconds) watching a sequence word before a waiter sleeps.
 #[cfg(not(loom))]

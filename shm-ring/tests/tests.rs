@@ -2,5 +2,3 @@
 
 mod common;
 mod ring;
-mod screen;
-mod stat;

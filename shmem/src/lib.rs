@@ -10,6 +10,10 @@
 //! - **Shared futexes.** [`futex_wait`]/[`futex_wake_all`] use the shared (not private) futex
 //!   ops: waiters and wakers are different processes mapping one segment at different
 //!   addresses, and a private futex is keyed by virtual address.
+//! - **Checked before trusted.** [`check_file`] and [`Stamp::check`] are the owner, mode, size,
+//!   magic and version checks every attacher makes.
+//! - **One facade for loom.** [`sync`] gives both crates their atomics and futex waits, swapped
+//!   by loom's under `cfg(loom)`.
 //!
 //! Why rustix: `nix` has no futex, and std has neither shared memory nor futexes. rustix makes
 //! each call safe except `mmap`/`munmap`, which stay in [`Mapping`]. Errors keep their errno;
@@ -24,6 +28,11 @@ use std::time::Duration;
 use rustix::fs::{FallocateFlags, Mode};
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::shm::OFlags;
+
+mod check;
+pub mod sync;
+
+pub use check::{check_file, Refusal, Stamp};
 
 /// True if `e` says the filesystem (or the size limit) has no room: `/dev/shm` is too small
 /// for the segment.

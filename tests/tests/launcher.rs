@@ -616,13 +616,13 @@ fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
         );
     }
     // shm-ring-stat finds the run's ring from its run directory.
-    let args = shm_ring::stat_cli::Args {
+    let args = ring_stat::cli::Args {
         run_dir: Some(run.run_dir()),
         interval: 0.1,
         ..Default::default()
     };
     let mut out = Vec::new();
-    shm_ring::stat_cli::run(&args, &mut out).unwrap();
+    ring_stat::cli::run(&args, &mut out).unwrap();
     let out = String::from_utf8(out).unwrap();
     assert!(
         out.contains(ring.name()) && out.contains("verdict:"),

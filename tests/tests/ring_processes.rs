@@ -205,7 +205,7 @@ fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
     assert!(r.is_stale());
     assert!(!live_ring.is_stale());
     // shm-ring-stat says so in its verdict.
-    let report = shm_ring::stat_cli::measure(&r, std::time::Duration::from_millis(20));
+    let report = ring_stat::measure(&r, std::time::Duration::from_millis(20));
     assert!(
         report.verdict.warnings[0].starts_with("stale: creator pid"),
         "{:?}",
@@ -217,12 +217,12 @@ fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
     assert_eq!(find(&stale), Some(Some(false)));
     assert_eq!(find(&live), Some(Some(true)));
 
-    let args = shm_ring::stat_cli::Args {
+    let args = ring_stat::cli::Args {
         gc: true,
         ..Default::default()
     };
     let mut out = Vec::new();
-    shm_ring::stat_cli::run(&args, &mut out).unwrap();
+    ring_stat::cli::run(&args, &mut out).unwrap();
     let out = String::from_utf8(out).unwrap();
     assert!(out.contains(&format!("removed {stale}")), "{out}");
     assert!(!std::path::Path::new("/dev/shm").join(&stale).exists());

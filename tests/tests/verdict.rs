@@ -1,6 +1,6 @@
 //! The verdict on every scenario a user meets (issue #14): the real launcher and workers on the
 //! mock backend, one test per scenario. The test attaches to the run's ring read-only and judges
-//! it every `PERIOD` with `shm_ring::analysis::Judge`, the code the launcher's monitor and
+//! it every `PERIOD` with `ring_stat::analysis::Judge`, the code the launcher's monitor and
 //! `shm-ring-stat` use, then asserts the verdict's class and the worker it names on every
 //! interval of the scenario's regime, after a warm-up stated as a count of trained batches.
 //!
@@ -16,7 +16,7 @@ use rustix::process::Signal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use shm_ring::analysis::{interval, Bottleneck, Judge, Verdict};
+use ring_stat::analysis::{interval, Bottleneck, Judge, Verdict};
 use shm_ring::{Phase, Role, Snapshot, WorkerName, WorkerState};
 
 use crate::launcher::{attach, kill, Run};
@@ -158,7 +158,7 @@ impl Seen {
         );
         for o in &sel {
             assert!(
-                o.v.bottleneck == want && o.v.worker.as_deref() == worker,
+                o.v.bottleneck == want && o.v.worker.map(|w| w.to_string()).as_deref() == worker,
                 "{what}: want {want:?} naming {worker:?}, got {:?} naming {:?}: {}\n{}",
                 o.v.bottleneck,
                 o.v.worker,

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use crate::common::{fifo, unique};
-use shm_ring::analysis::{interval, verdict, Bottleneck, Judge, Trend, Verdict};
-use shm_ring::stat_cli::{run, Args};
+use ring_stat::analysis::{interval, verdict, Bottleneck, Judge, Trend, Verdict};
+use ring_stat::cli::{run, Args};
 use shm_ring::{CommitMeta, Phase, Ring, SlotCounts, Snapshot, WorkerName};
 
 fn ring(tag: &str, producers: u32, consumers: u32, slots: u32) -> Ring {
@@ -26,7 +26,7 @@ fn judge(
     ring: &Ring,
     a: &Snapshot,
     occupancy: &[SlotCounts],
-) -> (Verdict, shm_ring::analysis::Interval) {
+) -> (Verdict, ring_stat::analysis::Interval) {
     let mut b = ring.snapshot();
     b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
     let iv = interval(a, &b, occupancy);
@@ -198,7 +198,7 @@ fn a_slow_target_is_named_with_its_dominant_phase() {
         "target 2 is slow: 3.1x its peers' time per token (56% in load, 5.0 items/s vs peers 5.0); \
          targets claim work as they go, so the others take more: it costs only its own share",
     );
-    assert_eq!(v.worker.as_deref(), Some("target-2"));
+    assert_eq!(v.worker, Some(WorkerName::producer(2)));
 }
 
 /// When the drafters are the bottleneck, a slow target holds nothing up: it is listed as a
@@ -223,6 +223,7 @@ fn a_slow_target_behind_slow_drafters_is_listed_not_blamed() {
     let (v, _) = judge(&r, &a, &[r.slot_counts(); 4]);
     assert_eq!(v.bottleneck, Bottleneck::Drafters, "{v:?}");
     assert_eq!(v.worker, None, "{v:?}");
+    assert!(serde_json::to_value(&v).unwrap()["worker"].is_null());
     assert_eq!(v.stragglers.len(), 1, "{v:?}");
     assert!(v.stragglers[0].starts_with("target 1 is slow: "), "{v:?}");
 }
@@ -247,7 +248,9 @@ fn a_slow_independent_drafter_is_absorbed_by_the_ring() {
     }
     let (v, _) = judge(&r, &a, &[]);
     assert_eq!(v.bottleneck, Bottleneck::Balanced, "{v:?}");
-    assert_eq!(v.worker.as_deref(), Some("drafter-1"));
+    assert_eq!(v.worker, Some(WorkerName::consumer(1)));
+    // Named in `--json` (and the monitor's metrics) as the logs name it.
+    assert_eq!(serde_json::to_value(&v).unwrap()["worker"], "drafter-1");
     assert_eq!(v.stragglers.len(), 1, "{v:?}");
     says(
         &v.stragglers[0],
@@ -281,7 +284,7 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
         "balanced: targets waited 0%, drafters waited 0%; the ring holds steady (0/6 ready); \
          drafters wait 60% in sync for drafter 2 (compute per token 3.0x the group median)",
     );
-    assert_eq!(v.worker.as_deref(), Some("drafter-2"));
+    assert_eq!(v.worker, Some(WorkerName::consumer(2)));
     assert_eq!(v.stragglers.len(), 1, "{:?}", v.stragglers);
     says(
         &v.stragglers[0],
@@ -405,7 +408,7 @@ fn a_silent_worker_is_stalled_and_named() {
     drafter_mut(&mut b, 1).heartbeat_age_ns = Some(30_000_000_000);
     let v = verdict(&b, &interval(&a, &b, &[]));
     assert_eq!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
-    assert_eq!(v.worker.as_deref(), Some("drafter-1"));
+    assert_eq!(v.worker, Some(WorkerName::consumer(1)));
     assert!(
         v.line.starts_with("stalled: drafter 1 (pid ")
             && v.line.contains("has sent no heartbeat for 30s")

@@ -12,7 +12,8 @@
 //!   ranks): the time a worker's own step takes. A worker's *pace* is its working time per
 //!   token over its life (all incarnations), from the cumulative counters of the last snapshot.
 //!
-//! The verdict, in order (the first that holds):
+//! The verdict, in order (the first that holds; 1-6 are the functions of `verdict::RULES`, 7 is
+//! `verdict::sides`, and a new rule goes into that list at its place in this order):
 //! 1. *finished*: the ring is closed and empty;
 //! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
@@ -42,14 +43,15 @@
 
 use std::collections::VecDeque;
 
-use serde::Serialize;
-
-use crate::phase::{Phase, PhaseMap};
-use crate::stats::{SlotCounts, Snapshot, WorkerSnapshot, WorkerState};
-use crate::worker::{role_name, Role, WorkerName};
+use serde::{Serialize, Serializer};
+use shm_ring::{
+    role_name, Phase, PhaseMap, Role, SlotCounts, Snapshot, TakePolicy, WorkerName, WorkerSnapshot,
+    WorkerState,
+};
 
 mod pace;
 mod verdict;
+mod window;
 
 use verdict::judge;
 
@@ -169,8 +171,9 @@ pub struct Verdict {
     /// The worker the verdict holds responsible, named as in the run directory's logs
     /// (`drafter-2`): a silent worker, the rank a drafter group waits for, or else the slowest
     /// straggler (of the bottleneck's side when one side is). `None` when no one worker is at
-    /// fault.
-    pub worker: Option<String>,
+    /// fault. Written by name in JSON (`"drafter-2"`), as the logs name it.
+    #[serde(serialize_with = "name_text")]
+    pub worker: Option<WorkerName>,
     /// Workers far slower per token than their peers, with their figures and what they cost.
     pub stragglers: Vec<String>,
     /// Dead workers, a stale ring, and other things to look at.
@@ -178,6 +181,14 @@ pub struct Verdict {
     pub trend: Trend,
     /// Seconds of history the verdict is judged over.
     pub window_s: f64,
+}
+
+/// A worker's name as its text (`"drafter-2"`), or null.
+fn name_text<S: Serializer>(w: &Option<WorkerName>, s: S) -> Result<S::Ok, S::Error> {
+    match w {
+        Some(w) => s.collect_str(w),
+        None => s.serialize_none(),
+    }
 }
 
 fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
@@ -219,7 +230,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
     };
     let n = samples.len() as f64;
     let serves_from = match b.params.policy {
-        crate::params::TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
+        TakePolicy::Bucketed { min_ready, .. } if !b.closed => min_ready.max(1),
         _ => 1,
     };
     let tokens: u64 = b

@@ -31,12 +31,10 @@ use ratatui::symbols;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Sparkline, Widget};
 
+use shm_ring::{Phase, Ring, SlotCounts, TakePolicy, WorkerState};
+
 use crate::analysis::{self, Bottleneck, WorkerRates};
-use crate::params::TakePolicy;
-use crate::phase::Phase;
-use crate::ring::Ring;
-use crate::stat_cli::Report;
-use crate::stats::{SlotCounts, WorkerState};
+use crate::report::Report;
 
 /// How far back the trends reach, in one-second bins.
 pub const TREND_BINS: usize = 60;

@@ -3,19 +3,16 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use serde::Serialize;
+use proto::RunDir;
+use shm_ring::{list_segments, Phase, Ring, Snapshot, TakePolicy};
 
-use crate::analysis::{self, Interval, Judge, Verdict};
-use crate::params::TakePolicy;
-use crate::phase::Phase;
-use crate::ring::Ring;
+use crate::analysis::Judge;
+use crate::report::{measure, measure_from, Report};
 use crate::screen;
-use crate::segment::list_segments;
-use crate::stats::{SlotCounts, Snapshot};
 
 /// Show what an hspipe ring holds, where each worker's time goes, and which side is the
 /// bottleneck. Attaches read-only and never disturbs the run.
@@ -70,14 +67,6 @@ impl Default for Args {
     }
 }
 
-/// Everything `--json` prints.
-#[derive(Serialize)]
-pub struct Report {
-    pub snapshot: Snapshot,
-    pub interval: Interval,
-    pub verdict: Verdict,
-}
-
 /// Runs the CLI; returns the process exit code.
 pub fn main() -> i32 {
     let args = Args::parse();
@@ -86,48 +75,6 @@ pub fn main() -> i32 {
         Err(e) => {
             eprintln!("error: {e:#}");
             1
-        }
-    }
-}
-
-/// Samples `ring` for `dur`: a snapshot at each end and slot counts every 10 ms between.
-pub fn measure(ring: &Ring, dur: Duration) -> Report {
-    measure_from(ring, ring.snapshot(), dur, &mut Judge::new())
-}
-
-/// Like `measure`, from snapshot `a` (the previous report's end), judged with `judge`'s
-/// history.
-fn measure_from(ring: &Ring, a: Snapshot, dur: Duration, judge: &mut Judge) -> Report {
-    let start = Instant::now();
-    let mut occ = Vec::new();
-    while start.elapsed() < dur {
-        occ.push(ring.slot_counts());
-        std::thread::sleep(Duration::from_millis(10).min(dur));
-    }
-    Report::judged(judge, &a, ring.snapshot(), &occ)
-}
-
-impl Report {
-    /// The report for the interval from snapshot `a` to `b`, with the slot counts sampled
-    /// between them.
-    pub fn between(a: &Snapshot, b: Snapshot, occupancy: &[SlotCounts]) -> Report {
-        Report::judged(&mut Judge::new(), a, b, occupancy)
-    }
-
-    /// Like `between`, with the verdict judged over `judge`'s window of earlier intervals (the
-    /// one before this started at `a`).
-    pub fn judged(
-        judge: &mut Judge,
-        a: &Snapshot,
-        b: Snapshot,
-        occupancy: &[SlotCounts],
-    ) -> Report {
-        let interval = analysis::interval(a, &b, occupancy);
-        let verdict = judge.verdict(a, &b, occupancy);
-        Report {
-            snapshot: b,
-            interval,
-            verdict,
         }
     }
 }
@@ -152,17 +99,12 @@ fn run_on_stdout(args: &Args) -> anyhow::Result<()> {
     }
 }
 
-/// The file in a run directory that holds the name of the run's ring (`--run-dir`). The
-/// launcher writes it through `proto::RunDir`, which takes the name from here: `proto` depends
-/// on this crate, not the other way.
-pub const RUN_DIR_RING_FILE: &str = "ring";
-
 /// Checks the flags and attaches to the ring they name.
 fn open(args: &Args) -> anyhow::Result<Ring> {
     let name = match (&args.ring, &args.run_dir) {
         (Some(r), _) => r.clone(),
         (None, Some(d)) => {
-            let p = d.join(RUN_DIR_RING_FILE);
+            let p = RunDir::new(d.as_path()).ring_file();
             std::fs::read_to_string(&p)
                 .with_context(|| format!("reading the ring name from {}", p.display()))?
                 .trim()
@@ -223,7 +165,7 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         };
         let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
         if args.gc {
-            if s.live == Some(false) {
+            if s.is_stale() {
                 Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
                 writeln!(out, "removed {} (creator pid {pid} is gone)", s.name)?;
             }

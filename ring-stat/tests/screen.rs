@@ -6,8 +6,8 @@ use std::time::Duration;
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;
 use ratatui::widgets::Widget;
-use shm_ring::screen::{buffer_lines, print_once, Trends, View};
-use shm_ring::stat_cli::Report;
+use ring_stat::screen::{buffer_lines, print_once, Trends, View};
+use ring_stat::Report;
 use shm_ring::{CommitMeta, Phase, Ring, WorkerName};
 
 use crate::common::{fifo, unique};

@@ -1,0 +1,4 @@
+fn main() -> std::process::ExitCode {
+    // 0 or 1 (see `cli::main`).
+    std::process::ExitCode::from(u8::try_from(ring_stat::cli::main()).unwrap_or(1))
+}

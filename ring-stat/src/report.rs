@@ -1,0 +1,60 @@
+//! One measurement of a ring: the snapshot at the end of an interval, the interval's rates and
+//! the verdict. The CLI prints it (a table or `--json`) and the screen draws it; both take it
+//! from here, so neither depends on the other.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use shm_ring::{Ring, SlotCounts, Snapshot};
+
+use crate::analysis::{self, Interval, Judge, Verdict};
+
+/// Everything `--json` prints.
+#[derive(Serialize)]
+pub struct Report {
+    pub snapshot: Snapshot,
+    pub interval: Interval,
+    pub verdict: Verdict,
+}
+
+/// Samples `ring` for `dur`: a snapshot at each end and slot counts every 10 ms between.
+pub fn measure(ring: &Ring, dur: Duration) -> Report {
+    measure_from(ring, ring.snapshot(), dur, &mut Judge::new())
+}
+
+/// Like `measure`, from snapshot `a` (the previous report's end), judged with `judge`'s
+/// history.
+pub(crate) fn measure_from(ring: &Ring, a: Snapshot, dur: Duration, judge: &mut Judge) -> Report {
+    let start = Instant::now();
+    let mut occ = Vec::new();
+    while start.elapsed() < dur {
+        occ.push(ring.slot_counts());
+        std::thread::sleep(Duration::from_millis(10).min(dur));
+    }
+    Report::judged(judge, &a, ring.snapshot(), &occ)
+}
+
+impl Report {
+    /// The report for the interval from snapshot `a` to `b`, with the slot counts sampled
+    /// between them.
+    pub fn between(a: &Snapshot, b: Snapshot, occupancy: &[SlotCounts]) -> Report {
+        Report::judged(&mut Judge::new(), a, b, occupancy)
+    }
+
+    /// Like `between`, with the verdict judged over `judge`'s window of earlier intervals (the
+    /// one before this started at `a`).
+    pub fn judged(
+        judge: &mut Judge,
+        a: &Snapshot,
+        b: Snapshot,
+        occupancy: &[SlotCounts],
+    ) -> Report {
+        let interval = analysis::interval(a, &b, occupancy);
+        let verdict = judge.verdict(a, &b, occupancy);
+        Report {
+            snapshot: b,
+            interval,
+            verdict,
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! All integration tests of ring-stat build into this one binary, one module per area.
+
+mod common;
+mod screen;
+mod stat;
