@@ -6,6 +6,9 @@
 //! batch against its body first), Parquet with the `parquet` crate's Arrow reader, a bounded
 //! number of rows at a time: both give Arrow record batches, and one function checks and
 //! converts their rows, whatever the writer (extra columns, `large_list`, any integer type).
+//!
+//! Length: past 500 lines because every input kind is here, so the one row check and the one
+//! error per bad row (file and line or row) stay in one place for all of them.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};

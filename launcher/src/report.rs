@@ -16,7 +16,7 @@
 //! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
 //! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
 //!
-//! One file past 500 lines on purpose: reading the run and drawing its panels share the time
+//! Length: past 500 lines on purpose: reading the run and drawing its panels share the time
 //! axis, the bins and the marks, and each panel is a few dozen lines of plotters calls.
 
 use std::io::{BufRead, BufReader};

@@ -3,6 +3,9 @@
 //! Every field has a default, so an empty file (or none) is a valid config: the defaults run the
 //! mock pipeline quickly on a laptop-sized machine while keeping the shape of the real problem
 //! (5 captured layers, bf16, length-bucketed batches under a token budget).
+//!
+//! Length: just past 500 lines: each section's struct, its defaults and its validation belong
+//! together, and validation across sections (the ring against the workers) needs them all.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

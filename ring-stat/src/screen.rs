@@ -12,7 +12,7 @@
 //! stacked bar per worker on narrow terminals, one column each from about 110 columns, and both
 //! on very wide ones.
 //!
-//! One file past 500 lines on purpose: the sections are drawn from one fitting decision (which
+//! Length: one file past 500 lines on purpose: the sections are drawn from one fitting decision (which
 //! lines and columns the size allows), so split by section they would pass that state around;
 //! the verdict and the figures it draws are `analysis`'s.
 

@@ -7,5 +7,6 @@ mod launcher;
 mod ring_processes;
 mod screen;
 mod support;
+mod tidy;
 mod verdict;
 mod workers;
