@@ -18,8 +18,6 @@
 //! released, so a crash never loses the line of a batch whose slot was freed; every rank syncs
 //! its ledger at each checkpoint step.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
@@ -28,7 +26,8 @@ use clap::Parser;
 use collective::{Collective, ShmGroup, NO_BATCH};
 use gpu::{BackendKind, DrafterBackend};
 use proto::control::{FinalReport, ToLauncher};
-use proto::{BatchView, LedgerLine, RunDir};
+use proto::ledger::{Ledger, LedgerLine};
+use proto::BatchView;
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
 use worker_runtime::{setup, WorkerArgs};
 
@@ -49,114 +48,10 @@ pub struct Args {
     pub common: WorkerArgs,
 }
 
-/// What the ledgers say about exactly-once training.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Accounting {
-    /// Distinct samples in any line.
-    pub samples_trained: u64,
-    /// Batches whose training is recorded more than once by live drafters: published more than
-    /// once (several tickets), or one delivery of a publication recorded twice. A line of an
-    /// earlier delivery does not count: its drafter died holding the batch, which the ring
-    /// delivered again (at-least-once delivery across a crash).
-    pub duplicated: u64,
-    /// Samples whose batch was trained by no live drafter or by more than one.
-    pub samples_not_once: u64,
-}
-
-/// Accounts for `lines` (see [`Accounting`]).
-pub fn account(lines: &[LedgerLine]) -> Accounting {
-    use std::collections::{BTreeMap, HashMap, HashSet};
-    // batch id -> ticket -> deliveries recorded
-    let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
-    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
-    for l in lines {
-        batches
-            .entry(l.batch_id)
-            .or_default()
-            .entry(l.ticket)
-            .or_default()
-            .push(l.delivery);
-        for &s in &l.sample_ids {
-            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
-        }
-    }
-    let twice = |deliveries: &Vec<u32>| {
-        let mut d = deliveries.clone();
-        d.sort_unstable();
-        d.windows(2).any(|w| w[0] == w[1])
-    };
-    let duplicated: HashSet<u64> = batches
-        .iter()
-        .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
-        .map(|(&b, _)| b)
-        .collect();
-    Accounting {
-        samples_trained: samples.len() as u64,
-        duplicated: duplicated.len() as u64,
-        samples_not_once: samples
-            .values()
-            .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
-            .count() as u64,
-    }
-}
-
-/// For the launcher: drafter `index` died holding a batch whose update the group applied in
-/// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
-/// unless its ledger already ends with it (it died between the write and the release). The
-/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
-pub fn record_retired(
-    run_dir: &RunDir,
-    index: u32,
-    meta: &shm_ring::ItemMeta,
-    payload: &[u8],
-    step: u64,
-) -> anyhow::Result<bool> {
-    let path = run_dir.ledger(index);
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    let last: Option<LedgerLine> = text
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok());
-    if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
-        return Ok(false);
-    }
-    let view = BatchView::parse(payload)
-        .with_context(|| format!("reading retired batch {}", meta.batch_id))?;
-    let spec = &view.header().spec;
-    let line = LedgerLine {
-        batch_id: meta.batch_id,
-        sample_ids: spec.sample_ids.clone(),
-        tokens: spec.tokens(),
-        delivery: meta.delivery,
-        ticket: meta.ticket,
-        step,
-        digest: String::new(),
-        epoch: 0,
-    };
-    let mut f = open_ledger(&path)?;
-    let mut out = serde_json::to_string(&line)?;
-    out.push('\n');
-    f.write_all(out.as_bytes())
-        .with_context(|| format!("appending to {}", path.display()))?;
-    Ok(true)
-}
-
-/// Opens a ledger for appending and ends a line its last writer's kill tore.
-fn open_ledger(path: &Path) -> anyhow::Result<File> {
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(path)
-        .with_context(|| format!("opening ledger {}", path.display()))?;
-    end_torn_line(&mut f).with_context(|| format!("repairing ledger {}", path.display()))?;
-    Ok(f)
-}
-
 /// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
 /// never half of one.
 fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
-    proto::atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
+    atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
         .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
@@ -226,24 +121,6 @@ fn next_batch<'c>(
     }
 }
 
-/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
-/// left it without its newline: end it, so it stays one unreadable line (its batch was not
-/// released, so it is redelivered) instead of swallowing our first line.
-fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
-    use std::io::{Read, Seek, SeekFrom};
-    let len = ledger.seek(SeekFrom::End(0))?;
-    if len == 0 {
-        return Ok(());
-    }
-    ledger.seek(SeekFrom::End(-1))?;
-    let mut last = [0u8];
-    ledger.read_exact(&mut last)?;
-    if last[0] != b'\n' {
-        ledger.write_all(b"\n")?;
-    }
-    Ok(())
-}
-
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = setup(&args.common, Role::Consumer)?;
@@ -254,7 +131,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let ckpt = s.run_dir.checkpoint();
     let mut backend = gpu::drafter(s.backend, cfg, Some(s.name))?;
     let ledger_file = s.run_dir.ledger(s.index);
-    let mut ledger = open_ledger(&ledger_file)?;
+    let mut ledger = Ledger::open(&ledger_file)?;
 
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let group_name = proto::group_segment(&s.ring);
@@ -443,11 +320,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 digest: format!("{:016x}", backend.digest()),
                 epoch,
             };
-            let mut text = serde_json::to_string(&line)?;
-            text.push('\n');
-            ledger
-                .write_all(text.as_bytes())
-                .with_context(|| format!("appending to {}", ledger_file.display()))?;
+            ledger.append(&line)?;
             slot.release()?;
             report.items += 1;
             report.tokens += line.tokens;
@@ -477,7 +350,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let every = cfg.drafter.checkpoint_every.max(1);
         if everyone_ended || u64::from(red.step) % every == 0 {
             consumer.enter(Phase::Checkpoint);
-            ledger.sync_data().context("syncing the ledger")?;
+            ledger.sync()?;
             if red.membership.leader() == Some(s.index) {
                 checkpoint(backend.as_ref(), &ckpt)?;
             }
@@ -500,67 +373,4 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let _ = tx.send(ToLauncher::Report(report));
     }
     Ok(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
-        LedgerLine {
-            batch_id,
-            sample_ids: samples.to_vec(),
-            tokens: 1,
-            delivery,
-            ticket,
-            step: 0,
-            digest: String::new(),
-            epoch: 1,
-        }
-    }
-
-    #[test]
-    fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
-        // Batch 1 trained by a drafter that died before releasing it, then again on its
-        // redelivery: at-least-once across a crash, not a duplicate.
-        let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
-        assert_eq!(
-            account(&redelivered),
-            Accounting {
-                samples_trained: 2,
-                duplicated: 0,
-                samples_not_once: 0
-            }
-        );
-        // Published twice (two tickets), or one delivery trained twice: duplicated, and the
-        // distinct-sample count alone would not show it.
-        for twice in [
-            [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
-            [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
-        ] {
-            let a = account(&twice);
-            assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
-            assert_eq!(a.samples_not_once, 2);
-        }
-    }
-
-    #[test]
-    fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
-        let dir =
-            RunDir::new(std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id())));
-        std::fs::create_dir_all(dir.ledger_dir()).unwrap();
-        let path = dir.ledger(0);
-        let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
-        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
-        let mut f = OpenOptions::new()
-            .append(true)
-            .read(true)
-            .open(&path)
-            .unwrap();
-        end_torn_line(&mut f).unwrap();
-        f.write_all(format!("{whole}\n").as_bytes()).unwrap();
-        let (lines, torn) = dir.read_ledgers(1).unwrap();
-        std::fs::remove_dir_all(dir.path()).unwrap();
-        assert_eq!((lines.len(), torn), (2, 1));
-    }
 }

@@ -23,7 +23,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use proto::config::BackendKind;
 use proto::{PipelineConfig, RunDir};
-use target_worker::data::{plan, Dataset};
+use dataset::Dataset;
+use proto::plan::plan;
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
 pub use crate::spawn::name_process;
@@ -161,8 +162,18 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         data_line = Some(line);
         prepared = Some((input, p));
     }
-    let data = Dataset::load(&cfg).context("loading the dataset")?;
-    let batches = plan(&data, &cfg).len() as u64;
+    let data = Dataset::load(
+        cfg.data.prepared.as_deref(),
+        cfg.data.path.as_deref(),
+        dataset::Synthetic {
+            samples: cfg.data.synthetic_samples,
+            min_len: cfg.data.min_len,
+            max_len: cfg.data.max_len,
+            seed: cfg.data.seed,
+        },
+    )
+    .context("loading the dataset")?;
+    let batches = plan(data.lengths(), &cfg).len() as u64;
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     let params = cfg
         .ring_params(nt, nd, batches)

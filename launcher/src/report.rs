@@ -27,7 +27,7 @@ use clap::Parser;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use proto::{LedgerLine, RunDir};
+use proto::{ledger, RunDir};
 use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
@@ -156,22 +156,21 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         .and_then(|s| serde_json::from_str(&s).ok());
     let mut ledgers = Vec::new();
     for d in 0.. {
-        let p = run.ledger(d);
-        let Ok(text) = std::fs::read_to_string(&p) else {
+        let Ok(Some(entries)) = ledger::read(&run, d) else {
             break;
         };
         let mut st = LedgerStats {
             drafter: d,
             ..LedgerStats::default()
         };
-        for line in text.lines() {
-            match serde_json::from_str::<LedgerLine>(line) {
-                Ok(l) => {
+        for entry in entries {
+            match entry.line {
+                Some(l) => {
                     st.batches += 1;
                     st.redelivered += u64::from(l.delivery > 0);
                     st.epochs = st.epochs.max(l.epoch);
                 }
-                Err(_) => st.unreadable += 1,
+                None => st.unreadable += 1,
             }
         }
         ledgers.push(st);
@@ -884,7 +883,7 @@ pub fn write(
 ) -> anyhow::Result<(u32, u32)> {
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
-    proto::atomic_file::replace(out, svg.as_bytes())
+    atomic_file::replace(out, svg.as_bytes())
         .with_context(|| format!("writing {}", out.display()))?;
     Ok((plan.width, plan.height))
 }

@@ -331,7 +331,7 @@ impl<'a> Supervisor<'a> {
         let r = self
             .ring
             .recover_retiring(w.name(), batch, |meta, payload| {
-                wrote = drafter_worker::record_retired(
+                wrote = proto::ledger::record_retired(
                     &self.run_dir,
                     w.name.index,
                     meta,

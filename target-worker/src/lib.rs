@@ -3,8 +3,6 @@
 //! the ring slot, marks the work item done and publishes. Calls `finish()` at the end of the data
 //! so the last target to finish closes the ring.
 
-pub mod data;
-
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -16,7 +14,8 @@ use proto::{batch_len, BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Ring, Role};
 use worker_runtime::{setup, WorkerArgs};
 
-use crate::data::{plan, Dataset, PlannedBatch};
+use dataset::Dataset;
+use proto::plan::{plan, PlannedBatch};
 
 /// Run one target model: claim planned batches from the ring's work table, compute hidden
 /// states into ring slots, publish.
@@ -104,8 +103,18 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
     let mut backend = gpu::target(s.backend, cfg, s.name)?;
-    let data = Dataset::load(cfg).context("loading the dataset")?;
-    let plan = plan(&data, cfg);
+    let data = Dataset::load(
+        cfg.data.prepared.as_deref(),
+        cfg.data.path.as_deref(),
+        dataset::Synthetic {
+            samples: cfg.data.synthetic_samples,
+            min_len: cfg.data.min_len,
+            max_len: cfg.data.max_len,
+            seed: cfg.data.seed,
+        },
+    )
+    .context("loading the dataset")?;
+    let plan = plan(data.lengths(), cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     if ring.params().work_items != plan.len() as u64 {
         bail!(

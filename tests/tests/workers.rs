@@ -12,7 +12,8 @@ use collective::ShmGroup;
 use proto::PipelineConfig;
 use proto::{LedgerLine, RunDir};
 use shm_ring::{Phase, Ring, Role, WorkerName};
-use target_worker::data::{plan, Dataset};
+use dataset::Dataset;
+use proto::plan::plan;
 
 use crate::support::{unique, Proc, TestDir};
 
@@ -48,8 +49,9 @@ impl TestDir {
 /// The ring and the drafter group, made as the launcher makes them.
 fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, ShmGroup, usize) {
     let cfg = PipelineConfig::load(config).unwrap();
-    let data = Dataset::load(&cfg).unwrap();
-    let batches = plan(&data, &cfg).len() as u64;
+    let d = &cfg.data;
+    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
+    let batches = plan(data.lengths(), &cfg).len() as u64;
     let params = cfg.ring_params(targets, drafters, batches).unwrap();
     let ring = Ring::create(name, &params).unwrap();
     let group = ShmGroup::create(

@@ -37,7 +37,8 @@ use proto::config::Faults;
 use proto::PipelineConfig;
 use scripts::median;
 use shm_ring::{BucketPick, CommitMeta, Consumer, Ring, RingParams, Take, TakePolicy};
-use target_worker::data::{Dataset, PlannedBatch};
+use dataset::Dataset;
+use proto::plan::PlannedBatch;
 
 #[derive(Parser)]
 struct Args {
@@ -410,7 +411,8 @@ fn main() {
     let args = Args::parse();
     let mut cfg = PipelineConfig::default();
     cfg.data.synthetic_samples = args.samples;
-    let data = Dataset::load(&cfg).unwrap();
+    let d = &cfg.data;
+    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
     let mut lengths = data.lengths().to_vec();
     if args.long_heavy {
         let longest = cfg.ring.buckets - 1;
