@@ -20,8 +20,11 @@ mod copy_thread;
 pub mod cuda_copy;
 pub mod mock;
 pub mod prefetch;
+pub mod step;
 pub mod timeline;
 pub mod writeback;
+
+pub use step::StepBuffer;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -74,21 +77,21 @@ pub struct StepStats {
 /// its loss on a batch, the group sums the gradients (the collective crate), and every rank
 /// applies the same update, so the weights stay bitwise equal.
 pub trait DrafterBackend {
-    /// Length of the buffer that is summed across the group each step: the gradient of the
-    /// summed loss, then the loss sum and the loss-token count (so one all-reduce carries all).
+    /// Length of the gradient (a [`StepBuffer`] for it is what the group sums each step).
     fn grad_len(&self) -> usize;
-    /// Computes the gradient of the summed loss on `batch` into `grad` (overwritten, of
-    /// `grad_len()`), after verifying the batch's content.
-    fn gradient(&mut self, batch: &BatchView<'_>, grad: &mut [f32]) -> Result<(), GpuError>;
+    /// Computes the gradient of the summed loss on `batch` into `out`'s gradient, and the loss
+    /// sum and loss tokens into their parts (all overwritten), after verifying the batch's
+    /// content. `out` is a buffer for `grad_len()`.
+    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError>;
     /// Applies one optimizer update from the group's summed buffer (normalised here by the
-    /// step's total loss tokens, its last slot). Deterministic: the same input gives the same
-    /// bits on every rank.
-    fn apply(&mut self, summed: &[f32]) -> StepStats;
+    /// step's total loss tokens). Deterministic: the same input gives the same bits on every
+    /// rank.
+    fn apply(&mut self, summed: &StepBuffer) -> StepStats;
     /// One step trained alone: `gradient`, then `apply` of this rank's own buffer.
     fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError> {
-        let mut g = vec![0.0; self.grad_len()];
-        self.gradient(batch, &mut g)?;
-        Ok(self.apply(&g))
+        let mut b = StepBuffer::new(self.grad_len());
+        self.gradient(batch, &mut b)?;
+        Ok(self.apply(&b))
     }
     /// Steps applied so far (restored from a checkpoint, then counting on).
     fn step(&self) -> u64;

@@ -21,10 +21,10 @@ mod supervisor;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use proto::config::BackendKind;
-use proto::{PipelineConfig, RunDir};
 use dataset::Dataset;
+use proto::config::BackendKind;
 use proto::plan::plan;
+use proto::{PipelineConfig, RunDir};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
 pub use crate::spawn::name_process;

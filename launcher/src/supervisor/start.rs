@@ -5,7 +5,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use collective::ShmGroup;
 use shm_ring::{Ring, WorkerName};
 
 use super::{Supervisor, Worker};
@@ -69,7 +68,7 @@ impl<'a> Supervisor<'a> {
             None => 0,
         };
         // The drafter group: one model trained by every drafter (see the collective crate).
-        let group = ShmGroup::create(
+        let group = collective::create(
             &group_name,
             &drafter_worker::group_params(backend.0, &cfg, nd, start_step)?,
         )

@@ -32,13 +32,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use collective::{Collective, GroupParams, ShmGroup, NO_BATCH};
+use dataset::Dataset;
 use gpu::mock::Sim;
 use proto::config::Faults;
+use proto::plan::PlannedBatch;
 use proto::PipelineConfig;
 use scripts::median;
 use shm_ring::{BucketPick, CommitMeta, Consumer, Ring, RingParams, Take, TakePolicy};
-use dataset::Dataset;
-use proto::plan::PlannedBatch;
 
 #[derive(Parser)]
 struct Args {
@@ -284,7 +284,6 @@ fn run_once(
                         bucket: batches[b].bucket,
                         tokens: batches[b].tokens,
                         batch_id: b as u64,
-                        checksum: 0,
                     })
                     .unwrap();
                 }
