@@ -8,14 +8,16 @@
 //!   can be built here (issue #12).
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
-//! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait
-//! objects and never name a backend; the next one plugs in here.
+//! the launcher's choice ([`BackendKind`], sent by name in the handshake). The workers hold
+//! trait objects and never name a backend; the next one is a variant and a [`Maker`] in
+//! `backend.rs`, the one place a backend is chosen.
 
 use std::path::Path;
 
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
+pub mod backend;
 mod copy_thread;
 pub mod cuda_copy;
 pub mod mock;
@@ -24,6 +26,7 @@ pub mod step;
 pub mod timeline;
 pub mod writeback;
 
+pub use backend::{BackendKind, Maker, UnknownBackend};
 pub use step::StepBuffer;
 
 /// What can go wrong in a backend, naming the file or value at fault.
@@ -109,7 +112,7 @@ pub trait DrafterBackend {
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
 }
 
-pub use proto::config::{BackendKind, Faults};
+pub use proto::config::Faults;
 
 /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
 pub fn target(
@@ -117,10 +120,7 @@ pub fn target(
     cfg: &proto::PipelineConfig,
     name: proto::WorkerName,
 ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(Box::new(mock::MockTarget::new(cfg, name))),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().target(cfg, name)
 }
 
 /// A drafter rank for worker `name` under `cfg`, at step 0 (load a checkpoint or join the
@@ -131,10 +131,7 @@ pub fn drafter(
     cfg: &proto::PipelineConfig,
     name: Option<proto::WorkerName>,
 ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(Box::new(mock::MockDrafter::for_worker(cfg, name))),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().drafter(cfg, name)
 }
 
 /// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the
@@ -143,11 +140,5 @@ pub fn drafter_sizes(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
 ) -> Result<(usize, usize), GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(mock::MockDrafter::sizes(
-            cfg.drafter.params as usize,
-            cfg.model.hidden,
-        )),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().drafter_sizes(cfg)
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use proto::{BatchView, Dtype};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
-use crate::{DrafterBackend, Faults, GpuError, StepBuffer, StepStats, TargetBackend};
+use crate::{DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend};
 
 /// The mock target's hidden state, as bf16 bits: a per-(token, channel) signal in [-0.5, 0.5)
 /// plus position- and layer-dependent noise in [-0.125, 0.125), both from hashes of the
@@ -427,6 +427,35 @@ impl DrafterBackend for MockDrafter {
         (self.weights, self.m, self.v) = (f(0), f(1), f(2));
         self.step = u64::from(state[3 * n]) | (u64::from(state[3 * n + 1]) << 32);
         Ok(())
+    }
+}
+
+/// What builds the mock's models ([`crate::BackendKind::Mock`]).
+pub struct Mock;
+
+impl Maker for Mock {
+    fn built(&self) -> bool {
+        true
+    }
+    fn target(
+        &self,
+        cfg: &proto::PipelineConfig,
+        name: proto::WorkerName,
+    ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
+        Ok(Box::new(MockTarget::new(cfg, name)))
+    }
+    fn drafter(
+        &self,
+        cfg: &proto::PipelineConfig,
+        name: Option<proto::WorkerName>,
+    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
+        Ok(Box::new(MockDrafter::for_worker(cfg, name)))
+    }
+    fn drafter_sizes(&self, cfg: &proto::PipelineConfig) -> Result<(usize, usize), GpuError> {
+        Ok(MockDrafter::sizes(
+            cfg.drafter.params as usize,
+            cfg.model.hidden,
+        ))
     }
 }
 

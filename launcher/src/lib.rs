@@ -22,7 +22,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use dataset::Dataset;
-use proto::config::BackendKind;
+use gpu::BackendKind;
 use proto::plan::plan;
 use proto::{PipelineConfig, RunDir};
 
@@ -59,18 +59,20 @@ fn choose_backend_with(
 ) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
     match b {
-        Backend::Mock => mock("requested"),
+        Backend::Kind(BackendKind::Mock) => mock("requested"),
         Backend::Auto => match probe() {
             Err(why) => mock(&why),
             Ok(found) => mock(&format!(
                 "found an {found}, but the cuda backend is not built yet"
             )),
         },
-        Backend::Cuda => match probe() {
-            Err(why) => bail!("--backend cuda: {why}; use --backend mock"),
-            Ok(found) => bail!(
-                "--backend cuda: found an {found}, but the cuda backend is not built yet; use --backend mock"
+        // A device backend: the driver must be there, and the backend built.
+        Backend::Kind(k) => match probe() {
+            Err(why) => bail!("--backend {k}: {why}; use --backend mock"),
+            Ok(found) if !k.maker().built() => bail!(
+                "--backend {k}: found an {found}, but the {k} backend is not built yet; use --backend mock"
             ),
+            Ok(found) => Ok((k, format!("{k} ({found})"))),
         },
     }
 }
@@ -233,19 +235,21 @@ mod backend_tests {
             why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
             "{why}"
         );
-        let e = choose_backend_with(Backend::Cuda, none)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), none)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
             "{e}"
         );
-        let e = choose_backend_with(Backend::Cuda, gpu)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), gpu)
             .unwrap_err()
             .to_string();
         assert!(e.contains("not built yet"), "{e}");
         assert_eq!(
-            choose_backend_with(Backend::Mock, gpu).unwrap().1,
+            choose_backend_with(Backend::Kind(BackendKind::Mock), gpu)
+                .unwrap()
+                .1,
             "mock (requested)"
         );
     }

@@ -65,47 +65,6 @@ pub struct RingConfig {
     pub seed: u64,
 }
 
-/// The compute backend a run uses, chosen by the launcher and sent to every worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BackendKind {
-    /// CPU only: simulated speed and content, a real learner, injected faults.
-    Mock,
-    /// NVIDIA GPUs through cudarc (not built yet).
-    Cuda,
-}
-
-impl BackendKind {
-    /// Every backend's name, as `Display` writes it and `FromStr` reads it.
-    pub const NAMES: [&'static str; 2] = ["mock", "cuda"];
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = ConfigError;
-    fn from_str(s: &str) -> Result<Self, ConfigError> {
-        match s {
-            "mock" => Ok(BackendKind::Mock),
-            "cuda" => Ok(BackendKind::Cuda),
-            _ => Err(invalid(
-                "backend",
-                format!(
-                    "unknown backend {s:?}: expected one of {:?}",
-                    BackendKind::NAMES
-                ),
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            BackendKind::Mock => "mock",
-            BackendKind::Cuda => "cuda",
-        })
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyName {

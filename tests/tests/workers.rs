@@ -61,7 +61,7 @@ fn make_ring(
     let ring = Ring::create(name, &params).unwrap();
     let group = collective::create(
         &proto::group_segment(name),
-        &drafter_worker::group_params(proto::config::BackendKind::Mock, &cfg, drafters, 0).unwrap(),
+        &drafter_worker::group_params(gpu::BackendKind::Mock, &cfg, drafters, 0).unwrap(),
     )
     .unwrap();
     (ring, group, data.len())
@@ -477,7 +477,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
             run_dir: run.0.clone(),
             gpu: Some(4),
             config_toml: std::fs::read_to_string(&config).unwrap(),
-            backend: proto::config::BackendKind::Mock,
+            backend: "mock".into(),
         })
         .unwrap();
     let report = match rx.recv_timeout(crate::support::WATCHDOG).unwrap() {
