@@ -28,6 +28,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use proto::{ledger, RunDir};
+use ring_stat::numbers::{median, pct};
 use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
@@ -467,7 +468,7 @@ struct YAxis<'f> {
 }
 
 fn percent(v: &f64) -> String {
-    format!("{:.0}%", v * 100.0)
+    pct(*v)
 }
 
 /// The axis of the bands: shares of the time, 0 to 100%.
@@ -938,12 +939,7 @@ fn draw_legend(legend: &Area<'_>, width: u32) -> anyhow::Result<()> {
 
 /// The monitor period, as the median time between ticks.
 fn median_period(ticks: &[Tick]) -> f64 {
-    let mut d: Vec<f64> = ticks.windows(2).map(|w| w[1].t_s - w[0].t_s).collect();
-    if d.is_empty() {
-        return 0.0;
-    }
-    d.sort_by(f64::total_cmp);
-    d[d.len() / 2]
+    median(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s)).unwrap_or(0.0)
 }
 
 /// Draws `run` and writes the picture to `out` (via a temporary file, so a reader never sees
