@@ -164,17 +164,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         data_line = Some(line);
         prepared = Some((input, p));
     }
-    let data = Dataset::load(
-        cfg.data.prepared.as_deref(),
-        cfg.data.path.as_deref(),
-        dataset::Synthetic {
-            samples: cfg.data.synthetic_samples,
-            min_len: cfg.data.min_len,
-            max_len: cfg.data.max_len,
-            seed: cfg.data.seed,
-        },
-    )
-    .context("loading the dataset")?;
+    let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
     let batches = plan(data.lengths(), &cfg).len() as u64;
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     let params = cfg

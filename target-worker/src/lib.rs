@@ -83,6 +83,20 @@ fn prepare(
     }
 }
 
+/// The dataset a target reads: the one `cfg` names (`dataset::Dataset::load` over its `data`
+/// fields). The launcher plans the run and sizes the ring with this same function, so the two
+/// can never read different data from one config.
+pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::DataError> {
+    let d = &cfg.data;
+    let synthetic = dataset::Synthetic {
+        samples: d.synthetic_samples,
+        min_len: d.min_len,
+        max_len: d.max_len,
+        seed: d.seed,
+    };
+    Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
+}
+
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut s = setup(&args.common, Role::Producer)?;
@@ -103,17 +117,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
     let mut backend = gpu::target(s.backend, cfg, s.name)?;
-    let data = Dataset::load(
-        cfg.data.prepared.as_deref(),
-        cfg.data.path.as_deref(),
-        dataset::Synthetic {
-            samples: cfg.data.synthetic_samples,
-            min_len: cfg.data.min_len,
-            max_len: cfg.data.max_len,
-            seed: cfg.data.seed,
-        },
-    )
-    .context("loading the dataset")?;
+    let data = load_dataset(cfg).context("loading the dataset")?;
     let plan = plan(data.lengths(), cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     if ring.params().work_items != plan.len() as u64 {
