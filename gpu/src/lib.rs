@@ -114,6 +114,11 @@ pub trait DrafterBackend {
 
 pub use proto::config::Faults;
 
+/// Buffers on the device for the double-buffered copies (`prefetch`'s copy-in, `writeback`'s
+/// copy-out): one computing, one being copied. Here, beside the modules, so the CPU copy thread
+/// and the engines all take it from one place without importing each other.
+pub const BUFFERS: usize = 2;
+
 /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
 pub fn target(
     kind: BackendKind,

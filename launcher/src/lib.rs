@@ -4,7 +4,7 @@
 //! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 //!
 //! `cli` is the command line; `run` settles everything that can be checked before the run
-//! directory exists (`prepare`), then hands over to the `supervisor`.
+//! directory exists (`settle`), then hands over to the `supervisor`.
 
 pub mod cli;
 pub mod data;
@@ -78,7 +78,7 @@ fn choose_backend_with(
 }
 
 /// What `run` settles before the run directory, and so its log, exists.
-pub(crate) struct Prepared {
+pub(crate) struct Settled {
     pub(crate) cfg: PipelineConfig,
     /// The backend the workers build, and why (for the run's first line and the summary).
     pub(crate) backend: (BackendKind, String),
@@ -94,11 +94,11 @@ pub(crate) struct Prepared {
 
 /// Runs the launcher; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let prep = prepare(&args)?;
+    let settled = settle(&args)?;
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
-    let tee = output::Tee::install(&prep.run_dir.launcher_log())?;
-    let result = supervisor::Supervisor::start(&args, prep, &tee).and_then(|s| s.run());
+    let tee = output::Tee::install(&settled.run_dir.launcher_log())?;
+    let result = supervisor::Supervisor::start(&args, settled, &tee).and_then(|s| s.run());
     if let Err(e) = &result {
         // main prints it to the terminal once the tee is gone; this is the log's copy.
         tee.log().line(&format!("error: {e:#}"));
@@ -107,7 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Checks the command line and config, loads the data and lays out the run directory.
-fn prepare(args: &Args) -> anyhow::Result<Prepared> {
+fn settle(args: &Args) -> anyhow::Result<Settled> {
     args.check()?;
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let mut cfg = match (&args.resume, &args.config) {
@@ -155,7 +155,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .data_cache
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
-        let (p, line) = data::prepare(&input, cfg.data.max_len, &cache, None)?;
+        let (p, line) = data::prepare_dataset(&input, cfg.data.max_len, &cache, None)?;
         if args.resume.is_some() {
             data::check_same(&run_dir, &p)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;
@@ -182,7 +182,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             )
         }
         None => {
-            run_dir.prepare()?;
+            run_dir.lay_out()?;
             run_dir.write_plan_version()?;
             let p = run_dir.config();
             std::fs::write(&p, cfg.to_toml())
@@ -193,7 +193,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     if let Some((input, p)) = &prepared {
         data::write_record(&run_dir, input, p)?;
     }
-    Ok(Prepared {
+    Ok(Settled {
         cfg,
         backend,
         data,

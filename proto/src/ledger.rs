@@ -315,7 +315,7 @@ mod tests {
     fn the_ledgers_read_back() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path());
-        run.prepare().unwrap();
+        run.lay_out().unwrap();
         let line = LedgerLine {
             batch_id: 7,
             sample_ids: vec![1, 2],

@@ -145,7 +145,7 @@ impl RunDir {
 
     /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
     /// a run, whose ledgers and checkpoint would be silently reused.
-    pub fn prepare(&self) -> Result<(), RunDirError> {
+    pub fn lay_out(&self) -> Result<(), RunDirError> {
         for sub in [self.ledger_dir(), self.checkpoints_dir()] {
             if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
                 return Err(RunDirError::HoldsRun {
@@ -188,14 +188,14 @@ mod tests {
     fn a_new_run_dir_is_laid_out_and_a_used_one_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path().join("run"));
-        run.prepare().unwrap();
+        run.lay_out().unwrap();
         for d in [run.logs_dir(), run.ledger_dir(), run.checkpoints_dir()] {
             assert!(d.is_dir(), "{}", d.display());
         }
-        // Prepared twice while still empty: fine (a run that failed before training).
-        run.prepare().unwrap();
+        // Laid out twice while still empty: fine (a run that failed before training).
+        run.lay_out().unwrap();
         std::fs::write(run.checkpoint(), b"weights").unwrap();
-        let e = run.prepare().unwrap_err();
+        let e = run.lay_out().unwrap_err();
         assert!(e.to_string().contains("already holds a run"), "{e}");
     }
 
@@ -225,7 +225,7 @@ mod tests {
     fn the_ring_name_reads_back() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path());
-        run.prepare().unwrap();
+        run.lay_out().unwrap();
         run.write_ring_name("hspipe-1").unwrap();
         assert_eq!(run.read_ring_name().unwrap(), "hspipe-1");
         let e = RunDir::new(tmp.path().join("none"))
