@@ -11,7 +11,7 @@ use proto::{PipelineConfig, WorkerName};
 pub enum BackendKind {
     /// CPU only: simulated speed and content, a real learner.
     Mock,
-    /// NVIDIA GPUs through cudarc (not built yet).
+    /// NVIDIA GPUs, on the `cuda` crate (cudarc's driver API and NCCL); not built yet.
     Cuda,
 }
 

@@ -244,9 +244,31 @@ mod backend_tests {
         );
     }
 
-    /// On this machine (or any): probing never panics, whatever is installed.
+    /// On this machine (or any): probing never panics, and its words say what it found, checked
+    /// against the `cuda` crate's own load: without a driver, the library the loader could not
+    /// find and where it looks; with one, the driver's CUDA version and its GPU count.
     #[test]
-    fn probing_the_driver_never_panics() {
-        let _ = probe_driver();
+    fn probing_the_driver_names_the_missing_library_or_the_drivers_version() {
+        match (probe_driver(), cuda::Driver::load()) {
+            (Ok(found), Ok(d)) => {
+                let (major, minor) = d.version();
+                let want = format!("NVIDIA driver for CUDA {major}.{minor} with ");
+                assert!(
+                    found.starts_with(&want) && found.ends_with(" GPUs"),
+                    "{found}"
+                );
+            }
+            (Err(why), Err(cuda::CudaError::NoDriver { .. })) => assert!(
+                why.starts_with("no NVIDIA driver: ")
+                    && why.contains("libcuda")
+                    && why.contains("LD_LIBRARY_PATH"),
+                "{why}"
+            ),
+            // A driver that is there but refused (too old, not a driver): the refusal's words.
+            (Err(why), Err(e)) => assert_eq!(why, e.to_string()),
+            (Ok(found), Err(e)) => panic!("the probe found {found:?} where no driver loads: {e}"),
+            // The driver loads but cannot count its devices: the error says which call failed.
+            (Err(why), Ok(_)) => assert!(why.contains("cuDeviceGetCount"), "{why}"),
+        }
     }
 }

@@ -21,12 +21,16 @@ pub struct PipelineConfig {
     pub data: DataConfig,
     pub target: TargetConfig,
     pub drafter: DrafterConfig,
-    /// Faults to inject into mock workers, by worker name (`target-1`, `drafter-0`).
+    /// Faults to inject, by worker name (`target-1`, `drafter-0`): see [`Faults`] for who
+    /// injects which.
     pub faults: BTreeMap<String, Faults>,
 }
 
-/// Faults a mock worker injects: crash after N items, hang after N items, or run slower by a
-/// factor. Counted per process: a restarted worker starts counting again.
+/// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
+/// `hang_after`, `slow`, `crash_at_start`: crash or hang after N items, run slower by a factor,
+/// crash at start-up); the drafter worker injects the three in the group protocol
+/// (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`) for any backend. Counted per
+/// process: a restarted worker starts counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Faults {
