@@ -1,7 +1,7 @@
 //! The mock backend: deterministic content, simulated speed, real drafter state, injected faults.
 //!
-//! Length: about 600 lines: the target, the drafter (a real learner, with its checkpoint
-//! format and exact-gradient tests) and their faults are one backend.
+//! Length: about 670 lines: the target, the drafter (a real learner, with its checkpoint
+//! format and exact-gradient tests), their faults and the backend's `Maker` are one backend.
 //!
 //! A mock target's hidden state for (token, position, layer, channel) is a fixed function of
 //! those four numbers ([`hidden_value`]), so a drafter verifies the content of every batch, not
