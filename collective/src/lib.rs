@@ -79,6 +79,23 @@ pub trait Collective {
     /// The leader between steps: admits ranks asking to join, handing them `state` (from
     /// `state_step`, the last committed step). Returns the bit set of ranks admitted.
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError>;
+    /// The launcher's side: removes dead `rank` (call only once its process is gone).
+    fn remove(&self, rank: u32) -> Result<Removed, GroupError>;
+}
+
+/// The one place a run's collective is chosen: the launcher creates the group with [`create`]
+/// and every drafter rank attaches with [`attach`]; both hold a `dyn Collective` and never name
+/// the implementation. Today that is always [`ShmGroup`]; the NCCL group, once built, is chosen
+/// here beside it.
+#[cfg(not(loom))]
+pub fn create(name: &str, params: &GroupParams) -> Result<Box<dyn Collective>, GroupError> {
+    Ok(Box::new(ShmGroup::create(name, params)?))
+}
+
+/// Attaches to the group `name` as `rank` (see [`create`]).
+#[cfg(not(loom))]
+pub fn attach(name: &str, rank: u32) -> Result<Box<dyn Collective>, GroupError> {
+    Ok(Box::new(ShmGroup::attach(name, rank)?))
 }
 
 /// A rank's (or the launcher's) handle on a shared-memory group.
@@ -115,11 +132,6 @@ impl ShmGroup {
             rank,
         })
     }
-
-    /// The launcher's side: removes dead `rank` (call only once its process is gone).
-    pub fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
-        self.proto.remove(rank)
-    }
 }
 
 #[cfg(not(loom))]
@@ -152,5 +164,8 @@ impl Collective for ShmGroup {
     }
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
         self.proto.admit_joiners(self.rank, state_step, state)
+    }
+    fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+        self.proto.remove(rank)
     }
 }

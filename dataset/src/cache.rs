@@ -244,9 +244,9 @@ pub fn prepare(
         source: e,
     };
     std::fs::create_dir_all(dir).map_err(write_err)?;
-    // Written whole or not at all (`proto::atomic_file`: temporary file, sync, rename, sync
+    // Written whole or not at all (`atomic_file`: temporary file, sync, rename, sync
     // of the directory); a failure leaves no temporary file behind.
-    let result = proto::atomic_file::replace_with(&target, |tmp| {
+    let result = atomic_file::replace_with(&target, |tmp| {
         write_prepared(input, &kind, max_len, &key, tmp, progress).map_err(Failed::Data)
     });
     if let Err(e) = result {
@@ -438,6 +438,6 @@ impl Stamp {
         let Ok(text) = serde_json::to_string(self) else {
             return;
         };
-        let _ = proto::atomic_file::replace(path, text.as_bytes());
+        let _ = atomic_file::replace(path, text.as_bytes());
     }
 }

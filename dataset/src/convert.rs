@@ -193,7 +193,7 @@ fn hf_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
 }
 
 /// Reports progress: units done (bytes or rows, as the caller set up).
-pub type Tick<'a> = &'a mut dyn FnMut(u64);
+pub type Advance<'a> = &'a mut dyn FnMut(u64);
 
 /// Converts `path` (of kind `kind`) into `w`, checking every row against `max_len`.
 pub fn convert<W: Write>(
@@ -201,11 +201,11 @@ pub fn convert<W: Write>(
     kind: &Kind,
     max_len: u32,
     w: &mut Writer<W>,
-    tick: Tick<'_>,
+    advance: Advance<'_>,
     total_rows: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
     match kind {
-        Kind::Jsonl => jsonl(path, max_len, w, tick),
+        Kind::Jsonl => jsonl(path, max_len, w, advance),
         Kind::ArrowStream => {
             let f = File::open(path).map_err(read_err(path))?;
             let mut rows = 0;
@@ -215,7 +215,7 @@ pub fn convert<W: Write>(
                 max_len,
                 w,
                 &mut rows,
-                &mut |read| tick(read),
+                &mut |read| advance(read),
             )
         }
         Kind::HfDir(files) => {
@@ -230,14 +230,14 @@ pub fn convert<W: Write>(
                     max_len,
                     w,
                     &mut rows,
-                    &mut |read| tick(before + read),
+                    &mut |read| advance(before + read),
                 )?;
                 before += size;
             }
             Ok(())
         }
-        Kind::ArrowFile { .. } => arrow_file(path, max_len, w, tick),
-        Kind::Parquet => parquet(path, max_len, w, tick, total_rows),
+        Kind::ArrowFile { .. } => arrow_file(path, max_len, w, advance),
+        Kind::Parquet => parquet(path, max_len, w, advance, total_rows),
     }
 }
 
@@ -255,7 +255,7 @@ fn jsonl<W: Write>(
     path: &Path,
     max_len: u32,
     w: &mut Writer<W>,
-    tick: Tick<'_>,
+    advance: Advance<'_>,
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
     let mut r = BufReader::with_capacity(1 << 20, f);
@@ -270,7 +270,7 @@ fn jsonl<W: Write>(
         n += 1;
         read += got as u64;
         if n % 4096 == 0 {
-            tick(read);
+            advance(read);
         }
         if line.trim().is_empty() {
             continue;
@@ -286,7 +286,7 @@ fn jsonl<W: Write>(
         w.push(&s.input_ids, s.loss_mask.as_deref())
             .map_err(write_err)?;
     }
-    tick(read);
+    advance(read);
     Ok(())
 }
 
@@ -487,14 +487,14 @@ fn stream<R: Read, W: Write>(
     max_len: u32,
     w: &mut Writer<W>,
     row: &mut u64,
-    tick: &mut dyn FnMut(u64),
+    advance: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
     let mut s = IpcStream::new(r);
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     while let Some(batch) = s.next_batch().map_err(ipc_err(path))? {
         rows(path, &batch, *row, max_len, w, &mut ids, &mut mask)?;
         *row += batch.num_rows() as u64;
-        tick(s.read);
+        advance(s.read);
     }
     Ok(())
 }
@@ -505,7 +505,7 @@ fn arrow_file<W: Write>(
     path: &Path,
     max_len: u32,
     w: &mut Writer<W>,
-    tick: Tick<'_>,
+    advance: Advance<'_>,
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
     let map = std::sync::Arc::new(map_read_only(&f).map_err(read_err(path))?);
@@ -520,7 +520,7 @@ fn arrow_file<W: Write>(
         let batch = file.batch(&decoder, &buffer, k).map_err(ipc_err(path))?;
         rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
-        tick(file.batch_end(k));
+        advance(file.batch_end(k));
     }
     Ok(())
 }
@@ -548,7 +548,7 @@ fn parquet<W: Write>(
     path: &Path,
     max_len: u32,
     w: &mut Writer<W>,
-    tick: Tick<'_>,
+    advance: Advance<'_>,
     total_rows: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
     let err = |e: String| DataError::Parquet {
@@ -573,7 +573,7 @@ fn parquet<W: Write>(
         let batch = batch.map_err(|e| err(parquet_why(e)))?;
         rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
-        tick(row);
+        advance(row);
     }
     Ok(())
 }

@@ -8,6 +8,7 @@
 //! - [`Mapped`] maps a prepared file: opening it reads the footer and the list offsets only
 //!   (4 bytes a sample); a sample's ids are a slice of the map, so a process touches only the
 //!   pages of the samples it uses.
+//! - [`Dataset`] is what a run reads: a mapped prepared file, or the built-in synthetic samples.
 //!
 //! The prepared file is an Arrow IPC *file* (`ARROW1`) with two columns, `input_ids:
 //! list<uint32>` and `loss_mask: list<uint8>` (a null mask means all ones), and schema metadata
@@ -24,6 +25,7 @@ mod cache;
 mod convert;
 mod map;
 mod mapped;
+mod samples;
 mod writer;
 
 use std::path::PathBuf;
@@ -31,6 +33,7 @@ use std::path::PathBuf;
 pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
 pub use convert::{detect, Kind};
 pub use mapped::{Mapped, Sample};
+pub use samples::{mix, Dataset, Synthetic};
 pub use writer::Writer;
 
 #[cfg(target_endian = "big")]

@@ -1,8 +1,5 @@
 //! The drafter worker: one rank of the drafter group, which trains ONE model data-parallel.
 //!
-//! Length: the group step (take, verify, gradient, all-reduce, apply, ledger, release) and its
-//! failure paths read top to bottom in one file.
-//!
 //! Each group step: take at most one batch from the ring, verify it, compute the gradient of its
 //! summed loss, all-reduce with the other ranks (the `collective` crate), apply the identical
 //! update, append one ledger line (step and weights digest), and only then release the slot: a
@@ -18,19 +15,20 @@
 //! released, so a crash never loses the line of a batch whose slot was freed; every rank syncs
 //! its ledger at each checkpoint step.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
-use std::path::Path;
+use std::cell::Cell;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use collective::{Collective, ShmGroup, NO_BATCH};
-use gpu::{BackendKind, DrafterBackend};
+use collective::{Collective, Membership, Reduced, NO_BATCH};
+use gpu::{BackendKind, DrafterBackend, StepBuffer, StepStats};
+use proto::config::Faults;
 use proto::control::{FinalReport, ToLauncher};
-use proto::{BatchView, LedgerLine, RunDir};
+use proto::ledger::{Ledger, LedgerLine};
+use proto::BatchView;
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
-use worker_runtime::{setup, WorkerArgs};
+use worker_runtime::{setup, Setup, WorkerArgs};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -49,123 +47,16 @@ pub struct Args {
     pub common: WorkerArgs,
 }
 
-/// What the ledgers say about exactly-once training.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Accounting {
-    /// Distinct samples in any line.
-    pub samples_trained: u64,
-    /// Batches whose training is recorded more than once by live drafters: published more than
-    /// once (several tickets), or one delivery of a publication recorded twice. A line of an
-    /// earlier delivery does not count: its drafter died holding the batch, which the ring
-    /// delivered again (at-least-once delivery across a crash).
-    pub duplicated: u64,
-    /// Samples whose batch was trained by no live drafter or by more than one.
-    pub samples_not_once: u64,
-}
-
-/// Accounts for `lines` (see [`Accounting`]).
-pub fn account(lines: &[LedgerLine]) -> Accounting {
-    use std::collections::{BTreeMap, HashMap, HashSet};
-    // batch id -> ticket -> deliveries recorded
-    let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
-    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
-    for l in lines {
-        batches
-            .entry(l.batch_id)
-            .or_default()
-            .entry(l.ticket)
-            .or_default()
-            .push(l.delivery);
-        for &s in &l.sample_ids {
-            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
-        }
-    }
-    let twice = |deliveries: &Vec<u32>| {
-        let mut d = deliveries.clone();
-        d.sort_unstable();
-        d.windows(2).any(|w| w[0] == w[1])
-    };
-    let duplicated: HashSet<u64> = batches
-        .iter()
-        .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
-        .map(|(&b, _)| b)
-        .collect();
-    Accounting {
-        samples_trained: samples.len() as u64,
-        duplicated: duplicated.len() as u64,
-        samples_not_once: samples
-            .values()
-            .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
-            .count() as u64,
-    }
-}
-
-/// For the launcher: drafter `index` died holding a batch whose update the group applied in
-/// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
-/// unless its ledger already ends with it (it died between the write and the release). The
-/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
-pub fn record_retired(
-    run_dir: &RunDir,
-    index: u32,
-    meta: &shm_ring::ItemMeta,
-    payload: &[u8],
-    step: u64,
-) -> anyhow::Result<bool> {
-    let path = run_dir.ledger(index);
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    let last: Option<LedgerLine> = text
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok());
-    if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
-        return Ok(false);
-    }
-    let view = BatchView::parse(payload)
-        .with_context(|| format!("reading retired batch {}", meta.batch_id))?;
-    let spec = &view.header().spec;
-    let line = LedgerLine {
-        batch_id: meta.batch_id,
-        sample_ids: spec.sample_ids.clone(),
-        tokens: spec.tokens(),
-        delivery: meta.delivery,
-        ticket: meta.ticket,
-        step,
-        digest: String::new(),
-        epoch: 0,
-    };
-    let mut f = open_ledger(&path)?;
-    let mut out = serde_json::to_string(&line)?;
-    out.push('\n');
-    f.write_all(out.as_bytes())
-        .with_context(|| format!("appending to {}", path.display()))?;
-    Ok(true)
-}
-
-/// Opens a ledger for appending and ends a line its last writer's kill tore.
-fn open_ledger(path: &Path) -> anyhow::Result<File> {
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(path)
-        .with_context(|| format!("opening ledger {}", path.display()))?;
-    end_torn_line(&mut f).with_context(|| format!("repairing ledger {}", path.display()))?;
-    Ok(f)
-}
-
 /// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
 /// never half of one.
 fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
-    proto::atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
+    atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
         .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
-/// What the reduced buffer carries after the backend's gradient: one slot that counts the ranks
-/// that saw the ring's end, one where the leader puts the next step's bucket plus one (0: none).
-const EXTRA: usize = 2;
-
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
-/// (the launcher creates the group with them; the buffer adds one slot to the backend's).
+/// (the launcher creates the group with them; the buffer is a [`StepBuffer`] for the backend's
+/// gradient).
 pub fn group_params(
     backend: BackendKind,
     cfg: &proto::PipelineConfig,
@@ -175,161 +66,193 @@ pub fn group_params(
     let (grad, state) = gpu::drafter_sizes(backend, cfg)?;
     Ok(collective::GroupParams {
         ranks: drafters,
-        buf_len: grad as u64 + EXTRA as u64,
+        buf_len: StepBuffer::len_for(grad) as u64,
         state_len: state as u64,
         initial_step,
     })
 }
 
+/// A batch this rank computed its gradient on, held until the step's update is applied.
+struct Held<'c> {
+    slot: ReadSlot<'c>,
+    sample_ids: Vec<u64>,
+    tokens: u64,
+}
+
 /// What a rank brings to a step.
 enum Next<'c> {
-    /// A verified batch, held until the step's update is applied.
-    Batch(ReadSlot<'c>),
-    /// Nothing READY and the ring is closed, but batches are still held elsewhere.
-    Dry,
+    /// A verified batch and its gradient (in the step buffer).
+    Batch(Held<'c>),
+    /// No batch: nothing READY and the ring is closed but batches are still held elsewhere, or
+    /// the batch taken was refused for its content.
+    Nothing,
     /// The ring has ended: nothing READY, written or held anywhere.
     End,
 }
 
-/// Takes the batch for this step, from bucket `prefer` if it has one READY: waits while the
-/// targets may still publish, gives up at once once the ring is closed. Corrupt batches are
-/// refused (released) and counted.
-fn next_batch<'c>(
-    ring: &Ring,
-    consumer: &'c Consumer<'_>,
-    prefer: Option<u32>,
-    refused: &mut u64,
-) -> anyhow::Result<Next<'c>> {
-    loop {
-        // Closed: nothing more will be published, so a short look is enough; the batches still
-        // held by other ranks are theirs.
-        let closed = ring.is_closed();
-        let timeout = Duration::from_millis(if closed { 1 } else { 200 });
-        let slot = match consumer.take_timeout_preferring(prefer, timeout)? {
-            Take::Item(slot) => slot,
-            Take::End => return Ok(Next::End),
-            Take::TimedOut if closed => return Ok(Next::Dry),
-            Take::TimedOut => continue,
-        };
-        // The mock's copy-in is parsing and checksumming the batch in place.
-        consumer.enter(Phase::CopyIn);
-        let ok = BatchView::parse(slot.payload()).and_then(|v| v.verify());
-        consumer.enter(Phase::Other);
-        match ok {
-            Ok(()) => return Ok(Next::Batch(slot)),
-            Err(e) => {
-                tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
-                *refused += 1;
-                slot.release()?;
-            }
+/// Kills injected into the group protocol: three places that only a drafter group has, so they
+/// fire for any backend. They fire in the first incarnation only (the join fault once, by a
+/// marker file), so the restarted rank gets through.
+struct InjectedFaults {
+    faults: Faults,
+    first: bool,
+    /// The step the reduction in progress would commit as.
+    reducing: Cell<u64>,
+    /// Present once the join fault fired.
+    join_marker: PathBuf,
+}
+
+impl InjectedFaults {
+    fn die(what: &str) -> ! {
+        tracing::error!("injected crash {what}");
+        std::process::abort();
+    }
+
+    /// While waiting in the reduction (`crash_in_sync_at`).
+    fn in_sync(&self) {
+        if self.first && (self.faults.crash_in_sync_at).is_some_and(|n| self.reducing.get() >= n) {
+            Self::die("inside the reduction");
+        }
+    }
+
+    /// While waiting to rejoin the group (`crash_in_join`).
+    fn in_join(&self) {
+        if self.faults.crash_in_join && !self.join_marker.exists() {
+            let _ = std::fs::write(&self.join_marker, b"");
+            Self::die("while rejoining the group");
+        }
+    }
+
+    /// Once the group applied `step` with this rank's batch, before its ledger line
+    /// (`crash_after_commit_at`).
+    fn after_commit(&self, step: u32, holding: bool) {
+        if self.first
+            && holding
+            && (self.faults.crash_after_commit_at).is_some_and(|k| u64::from(step) >= k)
+        {
+            Self::die("after the group applied this rank's batch, before its ledger line");
         }
     }
 }
 
-/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
-/// left it without its newline: end it, so it stays one unreadable line (its batch was not
-/// released, so it is redelivered) instead of swallowing our first line.
-fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
-    use std::io::{Read, Seek, SeekFrom};
-    let len = ledger.seek(SeekFrom::End(0))?;
-    if len == 0 {
-        return Ok(());
-    }
-    ledger.seek(SeekFrom::End(-1))?;
-    let mut last = [0u8];
-    ledger.read_exact(&mut last)?;
-    if last[0] != b'\n' {
-        ledger.write_all(b"\n")?;
-    }
-    Ok(())
+/// One rank of the group: what it holds for the whole run.
+struct Rank<'c, 'r> {
+    s: &'c Setup,
+    ring: &'r Ring,
+    consumer: &'c Consumer<'r>,
+    group: Box<dyn Collective>,
+    backend: Box<dyn DrafterBackend + Send>,
+    ledger: Ledger,
+    ckpt: PathBuf,
+    faults: InjectedFaults,
+    report: FinalReport,
+    /// The bucket of this step, drawn by the leader during the last one (None: the first step,
+    /// a step after the leader died, or `coherent` off).
+    prefer: Option<u32>,
 }
 
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let s = setup(&args.common, Role::Consumer)?;
-    let cfg = &s.config;
     for dir in [s.run_dir.ledger_dir(), s.run_dir.checkpoints_dir()] {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let ckpt = s.run_dir.checkpoint();
-    let mut backend = gpu::drafter(s.backend, cfg, Some(s.name))?;
-    let ledger_file = s.run_dir.ledger(s.index);
-    let mut ledger = open_ledger(&ledger_file)?;
-
+    let backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
+    let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let group_name = proto::group_segment(&s.ring);
-    let group = ShmGroup::attach(&group_name, s.index)
+    let group = collective::attach(&group_name, s.index)
         .with_context(|| format!("attaching to the drafter group {group_name}"))?;
     let consumer = ring
         .consumer(s.index)
         .with_context(|| format!("registering as consumer {}", s.index))?;
     consumer.set_gpu(s.gpu);
-    let epoch = consumer.epoch();
-    // Injected faults that place a kill inside the group protocol (first incarnation only, so
-    // the restarted rank gets through).
-    let faults = cfg.faults_for(s.name);
-    let first = epoch == 1;
-    let die = |what: &str| -> ! {
-        tracing::error!("injected crash {what}");
-        std::process::abort();
+    let mut rank = Rank {
+        s: &s,
+        ring: &ring,
+        consumer: &consumer,
+        group,
+        backend,
+        ledger,
+        ckpt: s.run_dir.checkpoint(),
+        faults: InjectedFaults {
+            faults: s.config.faults_for(s.name),
+            first: consumer.epoch() == 1,
+            reducing: Cell::new(0),
+            join_marker: (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name)),
+        },
+        report: FinalReport::default(),
+        prefer: None,
     };
-    let target_step = std::cell::Cell::new(0u64);
-    // Waits in the group beat for us, so the launcher does not take a long sync for a hang.
-    let beat = || {
-        consumer.heartbeat();
-        if first
-            && faults
-                .crash_in_sync_at
-                .is_some_and(|n| target_step.get() >= n)
-        {
-            die("inside the reduction");
-        }
-        false
-    };
+    rank.enter_group()?;
+    tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
+    rank.train()?;
+    rank.drained();
+    Ok(0)
+}
 
-    let start = group.membership();
-    if start.contains(s.index) && !first {
-        bail!(
-            "restarted (incarnation {epoch}) but still a member of the drafter group: whoever \
-             restarts a drafter must remove it from the group first"
-        );
+impl<'c, 'r> Rank<'c, 'r> {
+    fn is_leader(&self, m: &Membership) -> bool {
+        m.leader() == Some(self.s.index)
     }
-    if start.contains(s.index) {
-        // A first incarnation: every rank starts from the same state, the checkpoint's if any.
-        if ckpt.exists() {
-            backend
-                .load(&ckpt)
+
+    /// Starts from the group's state: a first incarnation from the checkpoint (if any), which
+    /// must be at the group's step; a restarted one by joining with the leader's live state.
+    fn enter_group(&mut self) -> anyhow::Result<()> {
+        let start = self.group.membership();
+        let first = self.faults.first;
+        if start.contains(self.s.index) && !first {
+            bail!(
+                "restarted (incarnation {}) but still a member of the drafter group: whoever \
+                 restarts a drafter must remove it from the group first",
+                self.consumer.epoch()
+            );
+        }
+        if start.contains(self.s.index) {
+            self.start_first(&start)
+        } else {
+            self.rejoin()
+        }
+    }
+
+    /// A first incarnation: every rank starts from the same state, the checkpoint's if any.
+    fn start_first(&mut self, start: &Membership) -> anyhow::Result<()> {
+        if self.ckpt.exists() {
+            self.backend
+                .load(&self.ckpt)
                 .with_context(|| "restoring the drafter; move the file away to start fresh")?;
         }
-        if backend.step() != u64::from(start.step) {
+        if self.backend.step() != u64::from(start.step) {
             bail!(
                 "the group starts at step {} but the drafter's state is at step {} ({}): \
                  a checkpoint from another run?",
                 start.step,
-                backend.step(),
-                ckpt.display()
+                self.backend.step(),
+                self.ckpt.display()
             );
         }
-    } else {
+        Ok(())
+    }
+
+    /// A restarted rank asks to join and gets the leader's live state.
+    fn rejoin(&mut self) -> anyhow::Result<()> {
         // Our own fallback, should nobody be left to hand us the live state: the checkpoint.
-        if ckpt.exists() {
-            backend.load(&ckpt)?;
+        if self.ckpt.exists() {
+            self.backend.load(&self.ckpt)?;
         }
-        consumer.enter(Phase::Sync);
-        let mut state = vec![0u32; backend.state_len()];
-        // Marker file: the join fault fires in one incarnation only.
-        let marker = (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name));
+        self.consumer.enter(Phase::Sync);
+        let mut state = vec![0u32; self.backend.state_len()];
         let joining = || {
-            consumer.heartbeat();
-            if faults.crash_in_join && !marker.exists() {
-                let _ = std::fs::write(&marker, b"");
-                die("while rejoining the group");
-            }
+            self.consumer.heartbeat();
+            self.faults.in_join();
             false
         };
-        match group.join(&mut state, backend.step() as u32, &joining)? {
+        match self
+            .group
+            .join(&mut state, self.backend.step() as u32, &joining)?
+        {
             (m, Some(step)) => {
-                backend.import_state(&state)?;
+                self.backend.import_state(&state)?;
                 tracing::info!(
                     step,
                     epoch = m.epoch,
@@ -342,124 +265,189 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                  were lost with the ranks that made them"
             ),
         }
-        consumer.enter(Phase::Other);
+        self.consumer.enter(Phase::Other);
+        Ok(())
     }
-    tracing::info!(ring = %s.ring, epoch, step = backend.step(), "attached");
 
-    let n = backend.grad_len();
-    // The summed buffer: the backend's gradient, loss sum and loss tokens, then `EXTRA`.
-    let mut grad = vec![0f32; n + EXTRA];
-    let mut sum = vec![0f32; n + EXTRA];
-    let mut report = FinalReport::default();
-    let buckets = ring.params().buckets;
-    // The bucket of this step, drawn by the leader during the last one (None: the first step,
-    // a step after the leader died, or `coherent` off).
-    let mut prefer: Option<u32> = None;
-    loop {
-        let m = group.membership();
-        let leader = m.leader() == Some(s.index);
-        if leader && group.joiners_waiting() {
-            consumer.enter(Phase::Sync);
-            let admitted = group.admit_joiners(m.step, &backend.export_state())?;
+    /// Group steps until the first one in which every member saw the ring's end.
+    fn train(&mut self) -> anyhow::Result<()> {
+        let n = self.backend.grad_len();
+        let (mut mine, mut sum) = (StepBuffer::new(n), StepBuffer::new(n));
+        while !self.step(&mut mine, &mut sum)? {}
+        Ok(())
+    }
+
+    /// One group step: take at most one batch and compute its gradient, all-reduce, apply the
+    /// update, write the ledger line, release. Returns true once every member saw the end.
+    fn step(&mut self, mine: &mut StepBuffer, sum: &mut StepBuffer) -> anyhow::Result<bool> {
+        self.between_steps()?;
+        mine.clear();
+        let next = self.take_and_compute(mine)?;
+        mine.set_ended(matches!(next, Next::End));
+        let held = match next {
+            Next::Batch(h) => Some(h),
+            Next::Nothing | Next::End => None,
+        };
+        self.draw_next_bucket(mine);
+        let batch = held.as_ref().map_or(NO_BATCH, |h| h.slot.meta().batch_id);
+        let red = self.reduce(mine, batch, sum)?;
+        self.faults.after_commit(red.step, held.is_some());
+        self.consumer.enter(Phase::Compute);
+        let stats = self.backend.apply(sum);
+        self.consumer.enter(Phase::Other);
+        if let Some(h) = held {
+            self.record(h, red.step)?;
+        }
+        self.progress(&red, &stats);
+        let everyone_ended = sum.ended_ranks() == red.membership.len();
+        self.prefer = sum.bucket(self.ring.params().buckets);
+        self.checkpoint_if_due(&red, everyone_ended)?;
+        Ok(everyone_ended)
+    }
+
+    /// The leader's duties between steps: admit restarted ranks, and write a checkpoint the
+    /// launcher asked for.
+    fn between_steps(&mut self) -> anyhow::Result<()> {
+        let m = self.group.membership();
+        let leader = self.is_leader(&m);
+        if leader && self.group.joiners_waiting() {
+            self.consumer.enter(Phase::Sync);
+            let admitted = (self.group).admit_joiners(m.step, &self.backend.export_state())?;
             if admitted != 0 {
                 tracing::info!(ranks = admitted, step = m.step, "admitted to the group");
             }
-            consumer.enter(Phase::Other);
+            self.consumer.enter(Phase::Other);
         }
-        if s.stop.take_checkpoint_request() && leader {
-            consumer.enter(Phase::Checkpoint);
-            checkpoint(backend.as_ref(), &ckpt)?;
-            consumer.enter(Phase::Other);
+        if self.s.stop.take_checkpoint_request() && leader {
+            self.consumer.enter(Phase::Checkpoint);
+            checkpoint(self.backend.as_ref(), &self.ckpt)?;
+            self.consumer.enter(Phase::Other);
         }
-        let next = next_batch(&ring, &consumer, prefer, &mut report.refused)?;
-        let (slot, ended) = match next {
-            Next::Batch(slot) => (Some(slot), false),
-            Next::Dry => (None, false),
-            Next::End => (None, true),
-        };
-        grad.fill(0.0);
-        let mut held = None;
-        let (mut batch, mut sample_ids, mut tokens) = (NO_BATCH, Vec::new(), 0);
-        if let Some(slot) = slot {
-            consumer.enter(Phase::Compute);
-            let got = BatchView::parse(slot.payload())
-                .map_err(|e| e.to_string())
-                .and_then(|view| {
-                    backend
-                        .gradient(&view, &mut grad[..n])
-                        .map_err(|e| e.to_string())?;
-                    let spec = &view.header().spec;
-                    Ok((spec.sample_ids.clone(), spec.tokens()))
-                });
+        Ok(())
+    }
+
+    /// Takes the batch for this step, from the preferred bucket if it has one READY (waits while
+    /// the targets may still publish, gives up at once once the ring is closed), verifies it and
+    /// computes its gradient into `mine`, parsing its header once. A batch that fails its
+    /// checksum is refused and another taken; one whose content the backend refuses leaves this
+    /// rank without a batch for the step.
+    fn take_and_compute(&mut self, mine: &mut StepBuffer) -> anyhow::Result<Next<'c>> {
+        let consumer = self.consumer;
+        loop {
+            // Closed: nothing more will be published, so a short look is enough; the batches
+            // still held by other ranks are theirs.
+            let closed = self.ring.is_closed();
+            let timeout = Duration::from_millis(if closed { 1 } else { 200 });
+            let slot = match consumer.take_timeout_preferring(self.prefer, timeout)? {
+                Take::Item(slot) => slot,
+                Take::End => return Ok(Next::End),
+                Take::TimedOut if closed => return Ok(Next::Nothing),
+                Take::TimedOut => continue,
+            };
+            // The mock's copy-in is parsing and checksumming the batch in place.
+            consumer.enter(Phase::CopyIn);
+            let view = BatchView::parse(slot.payload()).and_then(|v| v.verify().map(|()| v));
             consumer.enter(Phase::Other);
-            match got {
-                Ok((ids, t)) => {
-                    (batch, sample_ids, tokens) = (slot.meta().batch_id, ids, t);
-                    held = Some(slot);
+            let view = match view {
+                Ok(view) => view,
+                Err(e) => {
+                    self.refuse(slot, &e)?;
+                    continue;
                 }
+            };
+            consumer.enter(Phase::Compute);
+            let got = self.backend.gradient(&view, mine);
+            consumer.enter(Phase::Other);
+            let spec = &view.header().spec;
+            let (sample_ids, tokens) = (spec.sample_ids.clone(), spec.tokens());
+            return match got {
+                Ok(()) => Ok(Next::Batch(Held {
+                    slot,
+                    sample_ids,
+                    tokens,
+                })),
                 Err(e) => {
                     // Content the checksum did not catch: refuse it, train nothing from it.
-                    tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
-                    report.refused += 1;
-                    slot.release()?;
-                    grad.fill(0.0);
+                    self.refuse(slot, &e)?;
+                    mine.clear();
+                    Ok(Next::Nothing)
                 }
-            }
-        }
-        grad[n] = if ended { 1.0 } else { 0.0 };
-        // Length-coherent steps: the leader draws the next step's bucket now, in proportion to
-        // what is READY, and the reduction hands it to every rank with the gradients (a redone
-        // round carries it again; a round without the leader carries none).
-        grad[n + 1] = 0.0;
-        let m = group.membership();
-        if cfg.drafter.coherent && m.leader() == Some(s.index) {
-            if let Some(b) = consumer.draw_bucket(m.len()) {
-                grad[n + 1] = (b + 1) as f32;
-            }
-        }
-        consumer.enter(Phase::Sync);
-        target_step.set(u64::from(group.membership().step) + 1);
-        let red = group.all_reduce(&grad, batch, &mut sum, &beat)?;
-        if first
-            && held.is_some()
-            && faults
-                .crash_after_commit_at
-                .is_some_and(|k| u64::from(red.step) >= k)
-        {
-            die("after the group applied this rank's batch, before its ledger line");
-        }
-        consumer.enter(Phase::Compute);
-        let stats = backend.apply(&sum[..n]);
-        consumer.enter(Phase::Other);
-        if let Some(slot) = held {
-            let meta = *slot.meta();
-            let line = LedgerLine {
-                batch_id: meta.batch_id,
-                sample_ids,
-                tokens,
-                delivery: meta.delivery,
-                ticket: meta.ticket,
-                step: u64::from(red.step),
-                digest: format!("{:016x}", backend.digest()),
-                epoch,
             };
-            let mut text = serde_json::to_string(&line)?;
-            text.push('\n');
-            ledger
-                .write_all(text.as_bytes())
-                .with_context(|| format!("appending to {}", ledger_file.display()))?;
-            slot.release()?;
-            report.items += 1;
-            report.tokens += line.tokens;
         }
+    }
+
+    /// Releases a corrupt batch unused, and counts it.
+    fn refuse(&mut self, slot: ReadSlot<'c>, e: &dyn std::fmt::Display) -> anyhow::Result<()> {
+        tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
+        self.report.refused += 1;
+        slot.release()?;
+        Ok(())
+    }
+
+    /// Length-coherent steps: the leader draws the next step's bucket now, in proportion to what
+    /// is READY, and the reduction hands it to every rank with the gradients (a redone round
+    /// carries it again; a round without the leader carries none).
+    fn draw_next_bucket(&self, mine: &mut StepBuffer) {
+        let m = self.group.membership();
+        let drawn = if self.s.config.drafter.coherent && self.is_leader(&m) {
+            self.consumer.draw_bucket(m.len())
+        } else {
+            None
+        };
+        mine.set_bucket(drawn);
+    }
+
+    /// The all-reduce of this step; waits in it beat for us, so the launcher does not take a
+    /// long sync for a hang.
+    fn reduce(
+        &self,
+        mine: &StepBuffer,
+        batch: u64,
+        sum: &mut StepBuffer,
+    ) -> anyhow::Result<Reduced> {
+        self.consumer.enter(Phase::Sync);
+        (self.faults.reducing).set(u64::from(self.group.membership().step) + 1);
+        let beat = || {
+            self.consumer.heartbeat();
+            self.faults.in_sync();
+            false
+        };
+        Ok(self
+            .group
+            .all_reduce(mine.words(), batch, sum.words_mut(), &beat)?)
+    }
+
+    /// Writes the batch's ledger line (one `write`), then releases its slot: a batch whose slot
+    /// was released has its line in the file.
+    fn record(&mut self, held: Held<'c>, step: u32) -> anyhow::Result<()> {
+        let meta = *held.slot.meta();
+        let line = LedgerLine {
+            batch_id: meta.batch_id,
+            sample_ids: held.sample_ids,
+            tokens: held.tokens,
+            delivery: meta.delivery,
+            ticket: meta.ticket,
+            step: u64::from(step),
+            digest: format!("{:016x}", self.backend.digest()),
+            epoch: self.consumer.epoch(),
+        };
+        self.ledger.append(&line)?;
+        held.slot.release()?;
+        self.report.items += 1;
+        self.report.tokens += line.tokens;
+        Ok(())
+    }
+
+    /// The leader sends the step and its loss to the launcher.
+    fn progress(&self, red: &Reduced, stats: &StepStats) {
         tracing::debug!(
             step = red.step,
             loss = stats.loss,
             tokens = stats.tokens,
             "step"
         );
-        if red.membership.leader() == Some(s.index) {
-            if let Some(tx) = &s.to_launcher {
+        if self.is_leader(&red.membership) {
+            if let Some(tx) = &self.s.to_launcher {
                 // The launcher may be stopping and gone: the loss is telemetry, never fatal.
                 let _ = tx.send(ToLauncher::Progress {
                     step: u64::from(red.step),
@@ -468,99 +456,35 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 });
             }
         }
-        let everyone_ended = sum[n] as u32 == red.membership.len();
-        // Two ranks that both thought they led (a membership change between their looks) sum
-        // to a value that may name no bucket: then none is preferred.
-        let drawn = sum[n + 1];
-        prefer = (drawn >= 1.0 && drawn <= buckets as f32 && drawn.fract() == 0.0)
-            .then(|| drawn as u32 - 1);
-        let every = cfg.drafter.checkpoint_every.max(1);
+    }
+
+    /// Every `checkpoint_every` steps and at the end: every rank syncs its ledger, the leader
+    /// writes the group's checkpoint.
+    fn checkpoint_if_due(&mut self, red: &Reduced, everyone_ended: bool) -> anyhow::Result<()> {
+        let every = self.s.config.drafter.checkpoint_every.max(1);
         if everyone_ended || u64::from(red.step) % every == 0 {
-            consumer.enter(Phase::Checkpoint);
-            ledger.sync_data().context("syncing the ledger")?;
-            if red.membership.leader() == Some(s.index) {
-                checkpoint(backend.as_ref(), &ckpt)?;
+            self.consumer.enter(Phase::Checkpoint);
+            self.ledger.sync()?;
+            if self.is_leader(&red.membership) {
+                checkpoint(self.backend.as_ref(), &self.ckpt)?;
             }
-            consumer.enter(Phase::Other);
+            self.consumer.enter(Phase::Other);
         }
-        if everyone_ended {
-            break;
-        }
-    }
-    // The ring ended, so the drafter's part is complete even if a stop was requested.
-    report.complete = true;
-    tracing::info!(
-        items = report.items,
-        tokens = report.tokens,
-        step = backend.step(),
-        digest = format!("{:016x}", backend.digest()),
-        "drained"
-    );
-    if let Some(tx) = &s.to_launcher {
-        let _ = tx.send(ToLauncher::Report(report));
-    }
-    Ok(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
-        LedgerLine {
-            batch_id,
-            sample_ids: samples.to_vec(),
-            tokens: 1,
-            delivery,
-            ticket,
-            step: 0,
-            digest: String::new(),
-            epoch: 1,
-        }
+        Ok(())
     }
 
-    #[test]
-    fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
-        // Batch 1 trained by a drafter that died before releasing it, then again on its
-        // redelivery: at-least-once across a crash, not a duplicate.
-        let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
-        assert_eq!(
-            account(&redelivered),
-            Accounting {
-                samples_trained: 2,
-                duplicated: 0,
-                samples_not_once: 0
-            }
+    /// The ring ended, so the drafter's part is complete even if a stop was requested.
+    fn drained(mut self) {
+        self.report.complete = true;
+        tracing::info!(
+            items = self.report.items,
+            tokens = self.report.tokens,
+            step = self.backend.step(),
+            digest = format!("{:016x}", self.backend.digest()),
+            "drained"
         );
-        // Published twice (two tickets), or one delivery trained twice: duplicated, and the
-        // distinct-sample count alone would not show it.
-        for twice in [
-            [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
-            [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
-        ] {
-            let a = account(&twice);
-            assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
-            assert_eq!(a.samples_not_once, 2);
+        if let Some(tx) = &self.s.to_launcher {
+            let _ = tx.send(ToLauncher::Report(self.report));
         }
-    }
-
-    #[test]
-    fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
-        let dir =
-            RunDir::new(std::env::temp_dir().join(format!("hspipe-ledger-{}", std::process::id())));
-        std::fs::create_dir_all(dir.ledger_dir()).unwrap();
-        let path = dir.ledger(0);
-        let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
-        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
-        let mut f = OpenOptions::new()
-            .append(true)
-            .read(true)
-            .open(&path)
-            .unwrap();
-        end_torn_line(&mut f).unwrap();
-        f.write_all(format!("{whole}\n").as_bytes()).unwrap();
-        let (lines, torn) = dir.read_ledgers(1).unwrap();
-        std::fs::remove_dir_all(dir.path()).unwrap();
-        assert_eq!((lines.len(), torn), (2, 1));
     }
 }

@@ -7,8 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::prefetch::BUFFERS;
-use crate::GpuError;
+use crate::{GpuError, BUFFERS};
 
 /// The "device" buffers.
 pub(crate) type Buffers = Arc<[Mutex<Vec<u8>>; BUFFERS]>;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use cuda::{CudaEvent, CudaSlice, CudaStream, HostCopy, Named};
 
-use crate::prefetch::{CopyEngine, StableBytes, BUFFERS};
+use crate::prefetch::{CopyEngine, StableBytes};
 use crate::writeback::CopyOutEngine;
-use crate::GpuError;
+use crate::{GpuError, BUFFERS};
 
 /// What both engines hold: the two streams, two device buffers, and per buffer an event after
 /// its last copy and one after its last compute (a step, or a forward). Dropping it waits for

@@ -8,20 +8,26 @@
 //!   can be built here (issue #12).
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
-//! the launcher's choice ([`BackendKind`], sent in the handshake). The workers hold trait
-//! objects and never name a backend; the next one plugs in here.
+//! the launcher's choice ([`BackendKind`], sent by name in the handshake). The workers hold
+//! trait objects and never name a backend; the next one is a variant and a [`Maker`] in
+//! `backend.rs`, the one place a backend is chosen.
 
 use std::path::Path;
 
 use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
+pub mod backend;
 mod copy_thread;
 pub mod cuda_copy;
 pub mod mock;
 pub mod prefetch;
+pub mod step;
 pub mod timeline;
 pub mod writeback;
+
+pub use backend::{BackendKind, Maker, UnknownBackend};
+pub use step::StepBuffer;
 
 /// What can go wrong in a backend, naming the file or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -74,21 +80,21 @@ pub struct StepStats {
 /// its loss on a batch, the group sums the gradients (the collective crate), and every rank
 /// applies the same update, so the weights stay bitwise equal.
 pub trait DrafterBackend {
-    /// Length of the buffer that is summed across the group each step: the gradient of the
-    /// summed loss, then the loss sum and the loss-token count (so one all-reduce carries all).
+    /// Length of the gradient (a [`StepBuffer`] for it is what the group sums each step).
     fn grad_len(&self) -> usize;
-    /// Computes the gradient of the summed loss on `batch` into `grad` (overwritten, of
-    /// `grad_len()`), after verifying the batch's content.
-    fn gradient(&mut self, batch: &BatchView<'_>, grad: &mut [f32]) -> Result<(), GpuError>;
+    /// Computes the gradient of the summed loss on `batch` into `out`'s gradient, and the loss
+    /// sum and loss tokens into their parts (all overwritten), after verifying the batch's
+    /// content. `out` is a buffer for `grad_len()`.
+    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError>;
     /// Applies one optimizer update from the group's summed buffer (normalised here by the
-    /// step's total loss tokens, its last slot). Deterministic: the same input gives the same
-    /// bits on every rank.
-    fn apply(&mut self, summed: &[f32]) -> StepStats;
+    /// step's total loss tokens). Deterministic: the same input gives the same bits on every
+    /// rank.
+    fn apply(&mut self, summed: &StepBuffer) -> StepStats;
     /// One step trained alone: `gradient`, then `apply` of this rank's own buffer.
     fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError> {
-        let mut g = vec![0.0; self.grad_len()];
-        self.gradient(batch, &mut g)?;
-        Ok(self.apply(&g))
+        let mut b = StepBuffer::new(self.grad_len());
+        self.gradient(batch, &mut b)?;
+        Ok(self.apply(&b))
     }
     /// Steps applied so far (restored from a checkpoint, then counting on).
     fn step(&self) -> u64;
@@ -106,7 +112,12 @@ pub trait DrafterBackend {
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
 }
 
-pub use proto::config::{BackendKind, Faults};
+pub use proto::config::Faults;
+
+/// Buffers on the device for the double-buffered copies (`prefetch`'s copy-in, `writeback`'s
+/// copy-out): one computing, one being copied. Here, beside the modules, so the CPU copy thread
+/// and the engines all take it from one place without importing each other.
+pub const BUFFERS: usize = 2;
 
 /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
 pub fn target(
@@ -114,10 +125,7 @@ pub fn target(
     cfg: &proto::PipelineConfig,
     name: proto::WorkerName,
 ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(Box::new(mock::MockTarget::new(cfg, name))),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().target(cfg, name)
 }
 
 /// A drafter rank for worker `name` under `cfg`, at step 0 (load a checkpoint or join the
@@ -128,10 +136,7 @@ pub fn drafter(
     cfg: &proto::PipelineConfig,
     name: Option<proto::WorkerName>,
 ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(Box::new(mock::MockDrafter::for_worker(cfg, name))),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().drafter(cfg, name)
 }
 
 /// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the
@@ -140,11 +145,5 @@ pub fn drafter_sizes(
     kind: BackendKind,
     cfg: &proto::PipelineConfig,
 ) -> Result<(usize, usize), GpuError> {
-    match kind {
-        BackendKind::Mock => Ok(mock::MockDrafter::sizes(
-            cfg.drafter.params as usize,
-            cfg.model.hidden,
-        )),
-        BackendKind::Cuda => Err(GpuError::Unavailable(kind)),
-    }
+    kind.maker().drafter_sizes(cfg)
 }

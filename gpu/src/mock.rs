@@ -1,7 +1,7 @@
 //! The mock backend: deterministic content, simulated speed, real drafter state, injected faults.
 //!
-//! Length: about 600 lines: the target, the drafter (a real learner, with its checkpoint
-//! format and exact-gradient tests) and their faults are one backend.
+//! Length: about 670 lines: the target, the drafter (a real learner, with its checkpoint
+//! format and exact-gradient tests), their faults and the backend's `Maker` are one backend.
 //!
 //! A mock target's hidden state for (token, position, layer, channel) is a fixed function of
 //! those four numbers ([`hidden_value`]), so a drafter verifies the content of every batch, not
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use proto::{BatchView, Dtype};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
-use crate::{DrafterBackend, Faults, GpuError, StepStats, TargetBackend};
+use crate::{DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend};
 
 /// The mock target's hidden state, as bf16 bits: a per-(token, channel) signal in [-0.5, 0.5)
 /// plus position- and layer-dependent noise in [-0.125, 0.125), both from hashes of the
@@ -176,8 +176,8 @@ const EPS: f32 = 1e-8;
 /// summed over loss-masked tokens, layers and channels; its gradient is exact; Adam applies the
 /// update. Simulated GPU time is still slept, so many mock drafters share few cores.
 ///
-/// The gradient buffer ([`DrafterBackend::grad_len`]) is the weights' gradient followed by two
-/// slots: the loss sum and the loss-token count, so one all-reduce sums all three.
+/// Its gradient ([`DrafterBackend::grad_len`]) is the weights' gradient; the loss sum and the
+/// loss-token count go in the step buffer's parts, so one all-reduce sums all three.
 pub struct MockDrafter {
     pub sim: Sim,
     pub step: u64,
@@ -221,7 +221,7 @@ impl MockDrafter {
     pub fn sizes(params: usize, hidden: u32) -> (usize, usize) {
         let hidden = hidden.max(1) as usize;
         let n = (params / hidden).max(1) * hidden;
-        (n + 2, 3 * n + 2)
+        (n, 3 * n + 2)
     }
 }
 
@@ -237,19 +237,20 @@ pub fn digest(xs: &[f32]) -> u64 {
 
 impl DrafterBackend for MockDrafter {
     fn grad_len(&self) -> usize {
-        self.weights.len() + 2
+        self.weights.len()
     }
 
     fn state_len(&self) -> usize {
         Self::sizes(self.weights.len(), self.hidden as u32).1
     }
 
-    fn gradient(&mut self, batch: &BatchView<'_>, grad: &mut [f32]) -> Result<(), GpuError> {
+    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError> {
         let started = Instant::now();
         let spec = &batch.header().spec;
         if spec.dtype != Dtype::Bf16 {
             return Err(GpuError::Dtype(spec.dtype));
         }
+        let grad = out.gradient_mut();
         if grad.len() != self.grad_len() {
             return Err(GpuError::BufferSize {
                 got: grad.len(),
@@ -302,16 +303,14 @@ impl DrafterBackend for MockDrafter {
                 t += 1;
             }
         }
-        let n = grad.len();
-        grad[n - 2] = loss as f32;
-        grad[n - 1] = count as f32;
+        out.set_loss(loss as f32);
+        out.set_loss_tokens(count as f32);
         self.sim.finish_item(&spec.seq_lens, started);
         Ok(())
     }
 
-    fn apply(&mut self, summed: &[f32]) -> StepStats {
-        let n = self.weights.len();
-        let (loss, tokens) = (summed[n], summed[n + 1]);
+    fn apply(&mut self, summed: &StepBuffer) -> StepStats {
+        let (loss, tokens) = (summed.loss(), summed.loss_tokens());
         self.step += 1;
         // Normalise by the step's loss tokens x layers x channels (the group's, not one rank's).
         if tokens > 0.0 {
@@ -319,7 +318,7 @@ impl DrafterBackend for MockDrafter {
             let t = self.step as i32;
             let (c1, c2) = (1.0 - BETA1.powi(t), 1.0 - BETA2.powi(t));
             let params = self.weights.iter_mut().zip(&mut self.m).zip(&mut self.v);
-            for (((w, m), v), g) in params.zip(&summed[..n]) {
+            for (((w, m), v), g) in params.zip(summed.gradient()) {
                 let g = g * scale;
                 *m = BETA1 * *m + (1.0 - BETA1) * g;
                 *v = BETA2 * *v + (1.0 - BETA2) * g * g;
@@ -431,6 +430,35 @@ impl DrafterBackend for MockDrafter {
     }
 }
 
+/// What builds the mock's models ([`crate::BackendKind::Mock`]).
+pub struct Mock;
+
+impl Maker for Mock {
+    fn built(&self) -> bool {
+        true
+    }
+    fn target(
+        &self,
+        cfg: &proto::PipelineConfig,
+        name: proto::WorkerName,
+    ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
+        Ok(Box::new(MockTarget::new(cfg, name)))
+    }
+    fn drafter(
+        &self,
+        cfg: &proto::PipelineConfig,
+        name: Option<proto::WorkerName>,
+    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
+        Ok(Box::new(MockDrafter::for_worker(cfg, name)))
+    }
+    fn drafter_sizes(&self, cfg: &proto::PipelineConfig) -> Result<(usize, usize), GpuError> {
+        Ok(MockDrafter::sizes(
+            cfg.drafter.params as usize,
+            cfg.model.hidden,
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,25 +531,24 @@ mod tests {
         let view = BatchView::parse(&buf[..len]).unwrap();
         let mut d = drafter();
         d.train_step(&view).unwrap(); // move off zero
-        let mut g = vec![0.0; d.grad_len()];
+        let mut g = StepBuffer::new(d.grad_len());
         d.gradient(&view, &mut g).unwrap();
-        let n = d.weights.len();
         let k = (100 % d.rows) * d.hidden + 3; // token 100, channel 3
         let loss_at = |d: &mut MockDrafter, x: f32| {
             d.weights[k] = x;
-            let mut g = vec![0.0; d.grad_len()];
+            let mut g = StepBuffer::new(d.grad_len());
             d.gradient(&view, &mut g).unwrap();
-            f64::from(g[n])
+            f64::from(g.loss())
         };
         let x = d.weights[k];
         let h = 1e-2;
         let fd = (loss_at(&mut d, x + h) - loss_at(&mut d, x - h)) / f64::from(2.0 * h);
         assert!(
-            (fd - f64::from(g[k])).abs() < 1e-2 * fd.abs().max(1.0),
+            (fd - f64::from(g.gradient()[k])).abs() < 1e-2 * fd.abs().max(1.0),
             "{fd} vs {}",
-            g[k]
+            g.gradient()[k]
         );
-        assert_eq!(g[n + 1], 10.0, "ten loss tokens");
+        assert_eq!(g.loss_tokens(), 10.0, "ten loss tokens");
     }
 
     /// Trained on the same batches again and again, the loss falls well below where it started.
@@ -547,12 +574,19 @@ mod tests {
         let len = batch(&mut buf, false);
         let view = BatchView::parse(&buf[..len]).unwrap();
         let (mut a, mut b) = (drafter(), drafter());
-        let mut g = vec![0.0; a.grad_len()];
+        let mut g = StepBuffer::new(a.grad_len());
         for _ in 0..3 {
             a.gradient(&view, &mut g).unwrap();
-            let mut h = vec![0.0; b.grad_len()];
+            let mut h = StepBuffer::new(b.grad_len());
             b.gradient(&view, &mut h).unwrap();
-            let sum: Vec<f32> = g.iter().zip(&h).map(|(x, y)| x + y).collect();
+            let mut sum = StepBuffer::new(a.grad_len());
+            for (s, (x, y)) in sum
+                .words_mut()
+                .iter_mut()
+                .zip(g.words().iter().zip(h.words()))
+            {
+                *s = x + y;
+            }
             a.apply(&sum);
             b.apply(&sum);
             assert_eq!(a.digest(), b.digest());

@@ -24,10 +24,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::copy_thread::CopyThread;
-use crate::GpuError;
-
-/// Buffers on the device: one computing, one being filled.
-pub const BUFFERS: usize = 2;
+use crate::{GpuError, BUFFERS};
 
 /// Bytes that stay where they are when their owner moves: a borrowed slice, a heap buffer, a
 /// ring slot's payload in shared memory. The bookkeeping moves a batch in after its copy has

@@ -21,8 +21,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::copy_thread::CopyThread;
-use crate::prefetch::BUFFERS;
-use crate::GpuError;
+use crate::{GpuError, BUFFERS};
 
 /// Copies device buffers out into destinations it holds while the copy is in flight.
 pub trait CopyOutEngine<H> {

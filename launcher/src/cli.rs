@@ -4,7 +4,11 @@
 
 use std::path::PathBuf;
 
+use std::sync::OnceLock;
+
+use clap::builder::PossibleValue;
 use clap::{Parser, Subcommand, ValueEnum};
+use gpu::BackendKind;
 
 /// Exit codes (also in the README).
 pub mod exit {
@@ -127,11 +131,33 @@ pub struct Args {
     pub monitor: f64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+/// `--backend`: `auto`, or one backend by its name. The backends are `gpu::BackendKind`'s (the
+/// one list of them), so a new one is a value here without a change in this file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
+    /// What this machine can run (today always the mock, saying what it found).
     Auto,
-    Mock,
-    Cuda,
+    /// This backend, or an error before the run if it cannot run here.
+    Kind(BackendKind),
+}
+
+impl ValueEnum for Backend {
+    fn value_variants<'a>() -> &'a [Self] {
+        static ALL: OnceLock<Vec<Backend>> = OnceLock::new();
+        ALL.get_or_init(|| {
+            let kinds = BackendKind::value_variants()
+                .iter()
+                .map(|&k| Backend::Kind(k));
+            std::iter::once(Backend::Auto).chain(kinds).collect()
+        })
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        match self {
+            Backend::Auto => Some(PossibleValue::new("auto")),
+            Backend::Kind(k) => k.to_possible_value(),
+        }
+    }
 }
 
 /// A usage error: printed like clap's, exit code 2.

@@ -56,14 +56,14 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
         .data_cache
         .clone()
         .unwrap_or_else(|| PathBuf::from("runs").join("data-cache"));
-    let (p, line) = prepare(&args.input, cfg.data.max_len, &cache, args.out.as_deref())?;
+    let (p, line) = prepare_dataset(&args.input, cfg.data.max_len, &cache, args.out.as_deref())?;
     println!("{line}");
     println!("{}", p.path.display());
     Ok(0)
 }
 
 /// Prepares `input` (or finds it prepared); returns the outcome and a line for the user.
-pub fn prepare(
+pub fn prepare_dataset(
     input: &Path,
     max_len: u32,
     cache: &Path,

@@ -4,7 +4,7 @@
 //! `summary.json`. At start it reclaims the rings of dead launchers of the same user.
 //!
 //! `cli` is the command line; `run` settles everything that can be checked before the run
-//! directory exists (`prepare`), then hands over to the `supervisor`.
+//! directory exists (`settle`), then hands over to the `supervisor`.
 
 pub mod cli;
 pub mod data;
@@ -21,9 +21,10 @@ mod supervisor;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use proto::config::BackendKind;
+use dataset::Dataset;
+use gpu::BackendKind;
+use proto::plan::plan;
 use proto::{PipelineConfig, RunDir};
-use target_worker::data::{plan, Dataset};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
 pub use crate::spawn::name_process;
@@ -58,24 +59,26 @@ fn choose_backend_with(
 ) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
     match b {
-        Backend::Mock => mock("requested"),
+        Backend::Kind(BackendKind::Mock) => mock("requested"),
         Backend::Auto => match probe() {
             Err(why) => mock(&why),
             Ok(found) => mock(&format!(
                 "found an {found}, but the cuda backend is not built yet"
             )),
         },
-        Backend::Cuda => match probe() {
-            Err(why) => bail!("--backend cuda: {why}; use --backend mock"),
-            Ok(found) => bail!(
-                "--backend cuda: found an {found}, but the cuda backend is not built yet; use --backend mock"
+        // A device backend: the driver must be there, and the backend built.
+        Backend::Kind(k) => match probe() {
+            Err(why) => bail!("--backend {k}: {why}; use --backend mock"),
+            Ok(found) if !k.maker().built() => bail!(
+                "--backend {k}: found an {found}, but the {k} backend is not built yet; use --backend mock"
             ),
+            Ok(found) => Ok((k, format!("{k} ({found})"))),
         },
     }
 }
 
 /// What `run` settles before the run directory, and so its log, exists.
-pub(crate) struct Prepared {
+pub(crate) struct Settled {
     pub(crate) cfg: PipelineConfig,
     /// The backend the workers build, and why (for the run's first line and the summary).
     pub(crate) backend: (BackendKind, String),
@@ -91,11 +94,11 @@ pub(crate) struct Prepared {
 
 /// Runs the launcher; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let prep = prepare(&args)?;
+    let settled = settle(&args)?;
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
-    let tee = output::Tee::install(&prep.run_dir.launcher_log())?;
-    let result = supervisor::Supervisor::start(&args, prep, &tee).and_then(|s| s.run());
+    let tee = output::Tee::install(&settled.run_dir.launcher_log())?;
+    let result = supervisor::Supervisor::start(&args, settled, &tee).and_then(|s| s.run());
     if let Err(e) = &result {
         // main prints it to the terminal once the tee is gone; this is the log's copy.
         tee.log().line(&format!("error: {e:#}"));
@@ -104,7 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Checks the command line and config, loads the data and lays out the run directory.
-fn prepare(args: &Args) -> anyhow::Result<Prepared> {
+fn settle(args: &Args) -> anyhow::Result<Settled> {
     args.check()?;
     let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let mut cfg = match (&args.resume, &args.config) {
@@ -152,7 +155,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             .data_cache
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
-        let (p, line) = data::prepare(&input, cfg.data.max_len, &cache, None)?;
+        let (p, line) = data::prepare_dataset(&input, cfg.data.max_len, &cache, None)?;
         if args.resume.is_some() {
             data::check_same(&run_dir, &p)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;
@@ -161,8 +164,8 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
         data_line = Some(line);
         prepared = Some((input, p));
     }
-    let data = Dataset::load(&cfg).context("loading the dataset")?;
-    let batches = plan(&data, &cfg).len() as u64;
+    let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
+    let batches = plan(data.lengths(), &cfg).len() as u64;
     let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
     let params = cfg
         .ring_params(nt, nd, batches)
@@ -179,7 +182,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
             )
         }
         None => {
-            run_dir.prepare()?;
+            run_dir.lay_out()?;
             run_dir.write_plan_version()?;
             let p = run_dir.config();
             std::fs::write(&p, cfg.to_toml())
@@ -190,7 +193,7 @@ fn prepare(args: &Args) -> anyhow::Result<Prepared> {
     if let Some((input, p)) = &prepared {
         data::write_record(&run_dir, input, p)?;
     }
-    Ok(Prepared {
+    Ok(Settled {
         cfg,
         backend,
         data,
@@ -222,26 +225,50 @@ mod backend_tests {
             why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
             "{why}"
         );
-        let e = choose_backend_with(Backend::Cuda, none)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), none)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
             "{e}"
         );
-        let e = choose_backend_with(Backend::Cuda, gpu)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), gpu)
             .unwrap_err()
             .to_string();
         assert!(e.contains("not built yet"), "{e}");
         assert_eq!(
-            choose_backend_with(Backend::Mock, gpu).unwrap().1,
+            choose_backend_with(Backend::Kind(BackendKind::Mock), gpu)
+                .unwrap()
+                .1,
             "mock (requested)"
         );
     }
 
-    /// On this machine (or any): probing never panics, whatever is installed.
+    /// On this machine (or any): probing never panics, and its words say what it found, checked
+    /// against the `cuda` crate's own load: without a driver, the library the loader could not
+    /// find and where it looks; with one, the driver's CUDA version and its GPU count.
     #[test]
-    fn probing_the_driver_never_panics() {
-        let _ = probe_driver();
+    fn probing_the_driver_names_the_missing_library_or_the_drivers_version() {
+        match (probe_driver(), cuda::Driver::load()) {
+            (Ok(found), Ok(d)) => {
+                let (major, minor) = d.version();
+                let want = format!("NVIDIA driver for CUDA {major}.{minor} with ");
+                assert!(
+                    found.starts_with(&want) && found.ends_with(" GPUs"),
+                    "{found}"
+                );
+            }
+            (Err(why), Err(cuda::CudaError::NoDriver { .. })) => assert!(
+                why.starts_with("no NVIDIA driver: ")
+                    && why.contains("libcuda")
+                    && why.contains("LD_LIBRARY_PATH"),
+                "{why}"
+            ),
+            // A driver that is there but refused (too old, not a driver): the refusal's words.
+            (Err(why), Err(e)) => assert_eq!(why, e.to_string()),
+            (Ok(found), Err(e)) => panic!("the probe found {found:?} where no driver loads: {e}"),
+            // The driver loads but cannot count its devices: the error says which call failed.
+            (Err(why), Ok(_)) => assert!(why.contains("cuDeviceGetCount"), "{why}"),
+        }
     }
 }

@@ -27,7 +27,8 @@ use clap::Parser;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use proto::{LedgerLine, RunDir};
+use proto::{ledger, RunDir};
+use ring_stat::numbers::{median, pct};
 use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
@@ -156,22 +157,21 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         .and_then(|s| serde_json::from_str(&s).ok());
     let mut ledgers = Vec::new();
     for d in 0.. {
-        let p = run.ledger(d);
-        let Ok(text) = std::fs::read_to_string(&p) else {
+        let Ok(Some(entries)) = ledger::read(&run, d) else {
             break;
         };
         let mut st = LedgerStats {
             drafter: d,
             ..LedgerStats::default()
         };
-        for line in text.lines() {
-            match serde_json::from_str::<LedgerLine>(line) {
-                Ok(l) => {
+        for entry in entries {
+            match entry.line {
+                Some(l) => {
                     st.batches += 1;
                     st.redelivered += u64::from(l.delivery > 0);
                     st.epochs = st.epochs.max(l.epoch);
                 }
-                Err(_) => st.unreadable += 1,
+                None => st.unreadable += 1,
             }
         }
         ledgers.push(st);
@@ -468,7 +468,7 @@ struct YAxis<'f> {
 }
 
 fn percent(v: &f64) -> String {
-    format!("{:.0}%", v * 100.0)
+    pct(*v)
 }
 
 /// The axis of the bands: shares of the time, 0 to 100%.
@@ -556,68 +556,132 @@ fn draw_marks(
     Ok(())
 }
 
-/// Draws the run as an SVG document of `plan`'s size.
+/// What every panel of one picture shares: the run, its time axis, its bins and its marks.
+struct Canvas<'r> {
+    run: &'r RunData,
+    t_max: f64,
+    bins: Bins,
+    marks: Vec<Mark>,
+}
+
+/// Draws the run as an SVG document of `plan`'s size: the title, then the panels top to bottom
+/// (the ring, tokens/s, one band per worker, loss and acceptance), then the legend.
 fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
     let ticks = &run.ticks;
-    let t_max = ticks.iter().map(|t| t.t_s).fold(0.0, f64::max).max(1e-3) * 1.01;
-    let bins = Bins::new(ticks, (plan.width / 2) as usize);
-    let marks = marks(ticks);
+    let canvas = Canvas {
+        run,
+        t_max: ticks.iter().map(|t| t.t_s).fold(0.0, f64::max).max(1e-3) * 1.01,
+        bins: Bins::new(ticks, (plan.width / 2) as usize),
+        marks: marks(ticks),
+    };
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (plan.width, plan.height)).into_drawing_area();
         root.fill(&WHITE).map_err(draw_err)?;
-
-        // Title.
         let (title, rest) = root.split_vertically(TITLE_H);
-        let name = run
-            .dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| run.dir.display().to_string());
-        title
-            .draw_text(
-                &format!("hspipe run {name}"),
-                &(FONT, 20).into_font().style(FontStyle::Bold).color(&BLACK),
-                (12, 8),
-            )
-            .map_err(draw_err)?;
-        title
-            .draw_text(
-                &outcome(run),
-                &(FONT, 13).into_font().color(&BLACK),
-                (12, 36),
-            )
-            .map_err(draw_err)?;
-
-        // Panels, top to bottom; the last one carries the time axis.
-        let mut panels: Vec<u32> = vec![plan.ring_h, plan.rate_h];
-        let bands = plan.workers.len().max(1);
-        panels.extend(std::iter::repeat_n(plan.worker_h, bands));
-        panels.extend(std::iter::repeat_n(
-            plan.extra_h,
-            usize::from(plan.loss) + usize::from(plan.acceptance),
-        ));
-        let last = panels.len() - 1;
-        let mut areas = Vec::new();
-        let mut rest = rest;
-        for (i, h) in panels.iter().enumerate() {
-            let h = if i == last { h + AXIS_H } else { *h };
-            let (a, r) = rest.split_vertically(h);
-            areas.push(a);
-            rest = r;
+        draw_title(&title, run)?;
+        let (areas, legend) = split_panels(rest, plan);
+        let last = areas.len() - 1;
+        let mut areas = areas.iter().enumerate().map(|(i, a)| (a, i == last));
+        let (area, bottom) = areas.next().expect("the ring panel");
+        canvas.ring_panel(area, bottom)?;
+        let (area, bottom) = areas.next().expect("the rate panel");
+        canvas.rate_panel(area, bottom)?;
+        if plan.workers.is_empty() {
+            let (area, bottom) = areas.next().expect("the busy panel");
+            canvas.busy_panel(area, bottom)?;
         }
-        let legend = rest;
-        let mut areas = areas.iter().enumerate();
+        for (name, gpu) in &plan.workers {
+            let (area, bottom) = areas.next().expect("a worker band");
+            canvas.worker_band(area, bottom, name, *gpu)?;
+        }
+        // The drafter's loss and acceptance length, once the metrics carry them.
+        for (on, what, f) in [
+            (
+                plan.loss,
+                "drafter loss",
+                &(|t: &Tick| t.drafter_loss) as &dyn Fn(&Tick) -> Option<f64>,
+            ),
+            (plan.acceptance, "acceptance length (tau)", &|t: &Tick| {
+                t.acceptance_length
+            }),
+        ] {
+            if on {
+                let (area, bottom) = areas.next().expect("an extra panel");
+                canvas.extra_panel(area, bottom, what, f)?;
+            }
+        }
+        draw_legend(&legend, plan.width)?;
+        root.present().map_err(draw_err)?;
+    }
+    Ok(svg)
+}
 
-        // The ring: READY and in use, against the capacity.
-        let (i, area) = areas.next().expect("the ring panel");
+/// The run's name and how it ended.
+fn draw_title(title: &Area<'_>, run: &RunData) -> anyhow::Result<()> {
+    let name = run
+        .dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| run.dir.display().to_string());
+    title
+        .draw_text(
+            &format!("hspipe run {name}"),
+            &(FONT, 20).into_font().style(FontStyle::Bold).color(&BLACK),
+            (12, 8),
+        )
+        .map_err(draw_err)?;
+    title
+        .draw_text(
+            &outcome(run),
+            &(FONT, 13).into_font().color(&BLACK),
+            (12, 36),
+        )
+        .map_err(draw_err)?;
+    Ok(())
+}
+
+/// The panels' areas, top to bottom (the last one taller by the time axis it carries), and
+/// what is left below them for the legend.
+fn split_panels<'b>(rest: Area<'b>, plan: &Plan) -> (Vec<Area<'b>>, Area<'b>) {
+    let mut panels: Vec<u32> = vec![plan.ring_h, plan.rate_h];
+    let bands = plan.workers.len().max(1);
+    panels.extend(std::iter::repeat_n(plan.worker_h, bands));
+    panels.extend(std::iter::repeat_n(
+        plan.extra_h,
+        usize::from(plan.loss) + usize::from(plan.acceptance),
+    ));
+    let last = panels.len() - 1;
+    let mut areas = Vec::new();
+    let mut rest = rest;
+    for (i, h) in panels.iter().enumerate() {
+        let h = if i == last { h + AXIS_H } else { *h };
+        let (a, r) = rest.split_vertically(h);
+        areas.push(a);
+        rest = r;
+    }
+    (areas, rest)
+}
+
+impl Canvas<'_> {
+    fn ticks(&self) -> &[Tick] {
+        &self.run.ticks
+    }
+
+    fn all_marks(&self) -> Vec<&Mark> {
+        self.marks.iter().collect()
+    }
+
+    /// The ring: READY and in use, against the capacity.
+    fn ring_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
+        let (ticks, t_max) = (self.ticks(), self.t_max);
         let slots = ticks.iter().map(|t| t.ring_slots).max().unwrap_or(0).max(1);
         let y_max = f64::from(slots) * 1.25;
         let mut c = panel(
             area,
             t_max,
             y_max,
-            i == last,
+            bottom,
             &YAxis {
                 desc: "batches",
                 labels: 5,
@@ -625,8 +689,8 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
                 format: &|v| format!("{v:.0}"),
             },
         )?;
-        let ready = bins.series(ticks, |t| Some(f64::from(t.ring_ready)));
-        let in_use = bins.series(ticks, |t| Some(f64::from(t.ring_in_use)));
+        let ready = self.bins.series(ticks, |t| Some(f64::from(t.ring_ready)));
+        let in_use = self.bins.series(ticks, |t| Some(f64::from(t.ring_in_use)));
         let green = RGBColor(67, 160, 71);
         c.draw_series(AreaSeries::new(ready, 0.0, green.mix(0.35)).border_style(green))
             .map_err(draw_err)?;
@@ -642,28 +706,29 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             RGBColor(211, 47, 47).stroke_width(2),
         ))
         .map_err(draw_err)?;
-        let all: Vec<&Mark> = marks.iter().collect();
-        draw_marks(&mut c, &all, y_max, true)?;
+        draw_marks(&mut c, &self.all_marks(), y_max, true)?;
         name_panel(
             &mut c,
             &format!("ring: READY batches (green area) and slots in use (blue), capacity {slots} (red dashes)"),
             t_max,
             y_max,
-        )?;
+        )
+    }
 
-        // Tokens/s trained. A final tick much shorter than the period has a noisy rate.
-        let (i, area) = areas.next().expect("the rate panel");
+    /// Tokens/s trained. A final tick much shorter than the period has a noisy rate.
+    fn rate_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
+        let (ticks, t_max) = (self.ticks(), self.t_max);
         let period = median_period(ticks);
         let short: Vec<bool> = std::iter::once(false)
             .chain(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s < 0.5 * period))
             .collect();
-        let rate = bins.series_at(ticks, |i, t| (!short[i]).then_some(t.tokens_per_s));
+        let rate = (self.bins).series_at(ticks, |i, t| (!short[i]).then_some(t.tokens_per_s));
         let r_max = rate.iter().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.2;
         let mut c = panel(
             area,
             t_max,
             r_max,
-            i == last,
+            bottom,
             &YAxis {
                 desc: "tokens/s",
                 labels: 4,
@@ -685,193 +750,196 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             RGBColor(0, 131, 143).mix(0.6).stroke_width(1),
         ))
         .map_err(draw_err)?;
-        draw_marks(&mut c, &all, r_max, false)?;
+        draw_marks(&mut c, &self.all_marks(), r_max, false)?;
         name_panel(
             &mut c,
             &format!("tokens/s trained (mean {}, dashed)", human_rate(mean)),
             t_max,
             r_max,
-        )?;
+        )
+    }
 
-        // One band per worker: its time by phase, stacked.
-        if plan.workers.is_empty() {
-            let (i, area) = areas.next().expect("the busy panel");
-            let mut c = panel(area, t_max, 1.25, i == last, &SHARES)?;
-            for (f, color) in [
-                (
-                    &(|t: &Tick| Some(t.targets_busy)) as &dyn Fn(&Tick) -> Option<f64>,
-                    RGBColor(30, 136, 229),
-                ),
-                (&|t: &Tick| Some(t.drafters_busy), RGBColor(67, 160, 71)),
-            ] {
-                c.draw_series(LineSeries::new(
-                    bins.series(ticks, f),
-                    color.stroke_width(2),
-                ))
-                .map_err(draw_err)?;
-            }
-            name_panel(&mut c, "busy share: targets (blue), drafters (green); this metrics.jsonl has no per-worker records", t_max, 1.25)?;
-        }
-        for (name, gpu) in &plan.workers {
-            let (i, area) = areas.next().expect("a worker band");
-            let mut c = panel(area, t_max, 1.3, i == last, &SHARES)?;
-            // Cumulative shares, drawn from the top band down so each covers the one below.
-            for k in (0..PHASES.len()).rev() {
-                let series = bins.series(ticks, |t| {
-                    let w = t.workers.iter().find(|w| w.name == *name)?;
-                    Some(
-                        PHASES[..=k]
-                            .iter()
-                            .map(|(p, ..)| w.phases.get(p).copied().unwrap_or(0.0))
-                            .sum::<f64>()
-                            .min(1.0),
-                    )
-                });
-                let color = PHASES[k].2;
-                c.draw_series(AreaSeries::new(series, 0.0, color.filled()))
-                    .map_err(draw_err)?;
-            }
-            let mine: Vec<&Mark> = marks
-                .iter()
-                .filter(|m| m.worker.as_deref() == Some(name.as_str()) || m.worker.is_none())
-                .collect();
-            draw_marks(&mut c, &mine, 1.3, false)?;
-            let busy = bins.series(ticks, |t| {
-                Some(t.workers.iter().find(|w| w.name == *name)?.busy)
-            });
-            let mean = busy.iter().map(|p| p.1).sum::<f64>() / busy.len().max(1) as f64;
-            let restarts = ticks
-                .iter()
-                .filter_map(|t| t.workers.iter().find(|w| w.name == *name))
-                .map(|w| w.restarts)
-                .max()
-                .unwrap_or(0);
-            let deaths = mine.iter().filter(|m| m.kind == MarkKind::Died).count();
-            let mut label = format!(
-                "{name}{}: busy {:.0}% of the run",
-                gpu.map(|g| format!(" (GPU {g})")).unwrap_or_default(),
-                mean * 100.0
-            );
-            if deaths > 0 || restarts > 0 {
-                label.push_str(&format!(", {deaths} death(s), {restarts} restart(s)"));
-            }
-            if let Some(l) = name
-                .parse::<WorkerName>()
-                .ok()
-                .filter(|n| n.role == Role::Consumer)
-                .and_then(|n| run.ledgers.iter().find(|l| l.drafter == n.index))
-            {
-                label.push_str(&format!(
-                    "; ledger: {} batches, {} redelivered",
-                    l.batches, l.redelivered
-                ));
-            }
-            name_panel(&mut c, &label, t_max, 1.3)?;
-        }
-
-        // The drafter's loss and acceptance length, once the metrics carry them.
-        for (on, what, f) in [
+    /// Without per-worker records (an older metrics.jsonl): one band with both sides' busy share.
+    fn busy_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
+        let mut c = panel(area, self.t_max, 1.25, bottom, &SHARES)?;
+        for (f, color) in [
             (
-                plan.loss,
-                "drafter loss",
-                &(|t: &Tick| t.drafter_loss) as &dyn Fn(&Tick) -> Option<f64>,
+                &(|t: &Tick| Some(t.targets_busy)) as &dyn Fn(&Tick) -> Option<f64>,
+                RGBColor(30, 136, 229),
             ),
-            (plan.acceptance, "acceptance length (tau)", &|t: &Tick| {
-                t.acceptance_length
-            }),
+            (&|t: &Tick| Some(t.drafters_busy), RGBColor(67, 160, 71)),
         ] {
-            if !on {
-                continue;
-            }
-            let (i, area) = areas.next().expect("an extra panel");
-            let series = bins.series(ticks, f);
-            let y_max = series.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-6) * 1.2;
-            let mut c = panel(
-                area,
-                t_max,
-                y_max,
-                i == last,
-                &YAxis {
-                    desc: "",
-                    labels: 4,
-                    grid: true,
-                    format: &|v| format!("{v:.2}"),
-                },
-            )?;
             c.draw_series(LineSeries::new(
-                series,
-                RGBColor(142, 36, 170).stroke_width(2),
+                self.bins.series(self.ticks(), f),
+                color.stroke_width(2),
             ))
             .map_err(draw_err)?;
-            draw_marks(&mut c, &all, y_max, false)?;
-            name_panel(&mut c, what, t_max, y_max)?;
         }
-
-        // Legend: the phases' colours, and the marks; a second row when the first is full.
-        let font = (FONT, 12).into_font().color(&BLACK);
-        let left = i32::try_from(Y_LABELS_W).unwrap_or(0);
-        let right = i32::try_from(plan.width).unwrap_or(i32::MAX) - 10;
-        let (mut x, mut y) = (left, 4);
-        let mut room = |w: i32| -> (i32, i32) {
-            if x + w > right && x > left {
-                (x, y) = (left, y + 20);
-            }
-            let at = (x, y);
-            x += w;
-            at
-        };
-        let (lx, ly) = room(100);
-        legend
-            .draw_text("time by phase:", &font, (lx, ly))
-            .map_err(draw_err)?;
-        for (_, label, color) in PHASES {
-            let (lx, ly) = room(24 + 7 * label.len() as i32);
-            legend
-                .draw(&Rectangle::new(
-                    [(lx, ly), (lx + 12, ly + 12)],
-                    color.filled(),
-                ))
-                .map_err(draw_err)?;
-            legend
-                .draw_text(label, &font, (lx + 16, ly))
-                .map_err(draw_err)?;
-        }
-        let (lx, ly) = room(56);
-        legend
-            .draw_text("marks:", &font, (lx + 10, ly))
-            .map_err(draw_err)?;
-        for kind in [
-            MarkKind::Died,
-            MarkKind::Restarted,
-            MarkKind::Hung,
-            MarkKind::Stop,
-            MarkKind::Resumed,
-        ] {
-            let color = kind.color();
-            let (lx, ly) = room(26 + 7 * kind.word().len() as i32);
-            legend
-                .draw(&PathElement::new(
-                    vec![(lx + 6, ly - 2), (lx + 6, ly + 14)],
-                    color.stroke_width(2),
-                ))
-                .map_err(draw_err)?;
-            legend
-                .draw_text(kind.word(), &font, (lx + 12, ly))
-                .map_err(draw_err)?;
-        }
-        root.present().map_err(draw_err)?;
+        name_panel(&mut c, "busy share: targets (blue), drafters (green); this metrics.jsonl has no per-worker records", self.t_max, 1.25)
     }
-    Ok(svg)
+
+    /// One worker's band: its time by phase, stacked, its marks, and its label.
+    fn worker_band(
+        &self,
+        area: &Area<'_>,
+        bottom: bool,
+        name: &str,
+        gpu: Option<u32>,
+    ) -> anyhow::Result<()> {
+        let ticks = self.ticks();
+        let mut c = panel(area, self.t_max, 1.3, bottom, &SHARES)?;
+        // Cumulative shares, drawn from the top band down so each covers the one below.
+        for k in (0..PHASES.len()).rev() {
+            let series = self.bins.series(ticks, |t| {
+                let w = t.workers.iter().find(|w| w.name == name)?;
+                Some(
+                    PHASES[..=k]
+                        .iter()
+                        .map(|(p, ..)| w.phases.get(p).copied().unwrap_or(0.0))
+                        .sum::<f64>()
+                        .min(1.0),
+                )
+            });
+            let color = PHASES[k].2;
+            c.draw_series(AreaSeries::new(series, 0.0, color.filled()))
+                .map_err(draw_err)?;
+        }
+        let mine: Vec<&Mark> = (self.marks)
+            .iter()
+            .filter(|m| m.worker.as_deref() == Some(name) || m.worker.is_none())
+            .collect();
+        draw_marks(&mut c, &mine, 1.3, false)?;
+        let label = self.worker_label(name, gpu, &mine);
+        name_panel(&mut c, &label, self.t_max, 1.3)
+    }
+
+    /// A worker band's label: its GPU, busy share, deaths and restarts, and a drafter's ledger.
+    fn worker_label(&self, name: &str, gpu: Option<u32>, mine: &[&Mark]) -> String {
+        let ticks = self.ticks();
+        let busy = self.bins.series(ticks, |t| {
+            Some(t.workers.iter().find(|w| w.name == name)?.busy)
+        });
+        let mean = busy.iter().map(|p| p.1).sum::<f64>() / busy.len().max(1) as f64;
+        let restarts = ticks
+            .iter()
+            .filter_map(|t| t.workers.iter().find(|w| w.name == name))
+            .map(|w| w.restarts)
+            .max()
+            .unwrap_or(0);
+        let deaths = mine.iter().filter(|m| m.kind == MarkKind::Died).count();
+        let mut label = format!(
+            "{name}{}: busy {:.0}% of the run",
+            gpu.map(|g| format!(" (GPU {g})")).unwrap_or_default(),
+            mean * 100.0
+        );
+        if deaths > 0 || restarts > 0 {
+            label.push_str(&format!(", {deaths} death(s), {restarts} restart(s)"));
+        }
+        if let Some(l) = name
+            .parse::<WorkerName>()
+            .ok()
+            .filter(|n| n.role == Role::Consumer)
+            .and_then(|n| self.run.ledgers.iter().find(|l| l.drafter == n.index))
+        {
+            label.push_str(&format!(
+                "; ledger: {} batches, {} redelivered",
+                l.batches, l.redelivered
+            ));
+        }
+        label
+    }
+
+    /// A line over the run (the drafter's loss, the acceptance length), named `what`.
+    fn extra_panel(
+        &self,
+        area: &Area<'_>,
+        bottom: bool,
+        what: &str,
+        f: &dyn Fn(&Tick) -> Option<f64>,
+    ) -> anyhow::Result<()> {
+        let series = self.bins.series(self.ticks(), f);
+        let y_max = series.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-6) * 1.2;
+        let mut c = panel(
+            area,
+            self.t_max,
+            y_max,
+            bottom,
+            &YAxis {
+                desc: "",
+                labels: 4,
+                grid: true,
+                format: &|v| format!("{v:.2}"),
+            },
+        )?;
+        c.draw_series(LineSeries::new(
+            series,
+            RGBColor(142, 36, 170).stroke_width(2),
+        ))
+        .map_err(draw_err)?;
+        draw_marks(&mut c, &self.all_marks(), y_max, false)?;
+        name_panel(&mut c, what, self.t_max, y_max)
+    }
+}
+
+/// The legend: the phases' colours, and the marks; a second row when the first is full.
+fn draw_legend(legend: &Area<'_>, width: u32) -> anyhow::Result<()> {
+    let font = (FONT, 12).into_font().color(&BLACK);
+    let left = i32::try_from(Y_LABELS_W).unwrap_or(0);
+    let right = i32::try_from(width).unwrap_or(i32::MAX) - 10;
+    let (mut x, mut y) = (left, 4);
+    let mut room = |w: i32| -> (i32, i32) {
+        if x + w > right && x > left {
+            (x, y) = (left, y + 20);
+        }
+        let at = (x, y);
+        x += w;
+        at
+    };
+    let (lx, ly) = room(100);
+    legend
+        .draw_text("time by phase:", &font, (lx, ly))
+        .map_err(draw_err)?;
+    for (_, label, color) in PHASES {
+        let (lx, ly) = room(24 + 7 * label.len() as i32);
+        legend
+            .draw(&Rectangle::new(
+                [(lx, ly), (lx + 12, ly + 12)],
+                color.filled(),
+            ))
+            .map_err(draw_err)?;
+        legend
+            .draw_text(label, &font, (lx + 16, ly))
+            .map_err(draw_err)?;
+    }
+    let (lx, ly) = room(56);
+    legend
+        .draw_text("marks:", &font, (lx + 10, ly))
+        .map_err(draw_err)?;
+    for kind in [
+        MarkKind::Died,
+        MarkKind::Restarted,
+        MarkKind::Hung,
+        MarkKind::Stop,
+        MarkKind::Resumed,
+    ] {
+        let color = kind.color();
+        let (lx, ly) = room(26 + 7 * kind.word().len() as i32);
+        legend
+            .draw(&PathElement::new(
+                vec![(lx + 6, ly - 2), (lx + 6, ly + 14)],
+                color.stroke_width(2),
+            ))
+            .map_err(draw_err)?;
+        legend
+            .draw_text(kind.word(), &font, (lx + 12, ly))
+            .map_err(draw_err)?;
+    }
+    Ok(())
 }
 
 /// The monitor period, as the median time between ticks.
 fn median_period(ticks: &[Tick]) -> f64 {
-    let mut d: Vec<f64> = ticks.windows(2).map(|w| w[1].t_s - w[0].t_s).collect();
-    if d.is_empty() {
-        return 0.0;
-    }
-    d.sort_by(f64::total_cmp);
-    d[d.len() / 2]
+    median(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s)).unwrap_or(0.0)
 }
 
 /// Draws `run` and writes the picture to `out` (via a temporary file, so a reader never sees
@@ -884,7 +952,7 @@ pub fn write(
 ) -> anyhow::Result<(u32, u32)> {
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
-    proto::atomic_file::replace(out, svg.as_bytes())
+    atomic_file::replace(out, svg.as_bytes())
         .with_context(|| format!("writing {}", out.display()))?;
     Ok((plan.width, plan.height))
 }

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use gpu::BackendKind;
-use proto::{LedgerLine, PipelineConfig, RunDir};
+use proto::{ledger, PipelineConfig, RunDir};
 
 /// What a resume will do, checked and not yet applied.
 #[derive(Debug)]
@@ -64,16 +64,14 @@ pub fn check(
     let mut files = 0;
     for d in 0.. {
         let path = run_dir.ledger(d);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        let Some(entries) = ledger::read(run_dir, d)? else {
+            break;
         };
         files += 1;
         let mut keep = Vec::new();
-        for line in text.lines() {
-            match serde_json::from_str::<LedgerLine>(line) {
-                Ok(l) if l.step <= u64::from(step) => {
+        for entry in entries {
+            match entry.line {
+                Some(l) if l.step <= u64::from(step) => {
                     if l.batch_id >= batches {
                         bail!(
                             "{} names batch {}, but the run's plan has {batches}: did its data change?",
@@ -82,7 +80,7 @@ pub fn check(
                         );
                     }
                     done.insert(l.batch_id);
-                    keep.push(line.to_string());
+                    keep.push(entry.text);
                 }
                 _ => dropped += 1,
             }
@@ -111,7 +109,7 @@ impl Resume {
             if !text.is_empty() {
                 text.push('\n');
             }
-            proto::atomic_file::replace(path, text.as_bytes())
+            atomic_file::replace(path, text.as_bytes())
                 .with_context(|| format!("replacing {}", path.display()))?;
         }
         Ok(())

@@ -68,7 +68,7 @@ pub struct Welcome {
     pub ring: String,
     pub run_dir: PathBuf,
     pub config_toml: String,
-    pub backend: proto::config::BackendKind,
+    pub backend: gpu::BackendKind,
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
@@ -171,7 +171,7 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         run_dir: welcome.run_dir,
         gpu: Some(gpu),
         config_toml: welcome.config_toml,
-        backend: welcome.backend,
+        backend: welcome.backend.to_string(),
     });
     if sent.is_err() {
         return failed("the worker went away during the handshake".into());

@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use drafter_worker::account;
 use proto::RunDir;
 use serde::Serialize;
 use shm_ring::{Snapshot, WorkerName};
@@ -83,8 +82,8 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         wall,
         restarts,
     } = *f;
-    let (lines, torn) = run_dir.read_ledgers(drafters)?;
-    let acct = account(&lines);
+    let (lines, torn) = proto::ledger::read_all(run_dir, drafters)?;
+    let acct = proto::ledger::account(&lines);
     let batches = lines.len() as u64;
     let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
     let wall_s = wall.as_secs_f64();
@@ -152,7 +151,7 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
 /// Writes summary.json atomically.
 pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
     let path = run_dir.summary();
-    proto::atomic_file::replace(&path, (serde_json::to_string_pretty(s)? + "\n").as_bytes())
+    atomic_file::replace(&path, (serde_json::to_string_pretty(s)? + "\n").as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }
 

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use collective::ShmGroup;
+use collective::Collective;
 use proto::control::{self, FinalReport, ToWorker};
 use proto::RunDir;
 use shm_ring::{Ring, Role, WorkerName};
@@ -101,7 +101,7 @@ pub(crate) struct Supervisor<'a> {
     // Dropped in this order: the ring and the group are removed before the launcher's record
     // of them (`reclaim`), so a launcher killed in between still leaves what reclaims them.
     ring: Ring,
-    group: ShmGroup,
+    group: Box<dyn Collective>,
     _record: Option<reclaim::Registration>,
     ring_name: String,
     run_dir: RunDir,
@@ -331,7 +331,7 @@ impl<'a> Supervisor<'a> {
         let r = self
             .ring
             .recover_retiring(w.name(), batch, |meta, payload| {
-                wrote = drafter_worker::record_retired(
+                wrote = proto::ledger::record_retired(
                     &self.run_dir,
                     w.name.index,
                     meta,

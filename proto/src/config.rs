@@ -24,12 +24,16 @@ pub struct PipelineConfig {
     pub data: DataConfig,
     pub target: TargetConfig,
     pub drafter: DrafterConfig,
-    /// Faults to inject into mock workers, by worker name (`target-1`, `drafter-0`).
+    /// Faults to inject, by worker name (`target-1`, `drafter-0`): see [`Faults`] for who
+    /// injects which.
     pub faults: BTreeMap<String, Faults>,
 }
 
-/// Faults a mock worker injects: crash after N items, hang after N items, or run slower by a
-/// factor. Counted per process: a restarted worker starts counting again.
+/// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
+/// `hang_after`, `slow`, `crash_at_start`: crash or hang after N items, run slower by a factor,
+/// crash at start-up); the drafter worker injects the three in the group protocol
+/// (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`) for any backend. Counted per
+/// process: a restarted worker starts counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Faults {
@@ -66,47 +70,6 @@ pub struct RingConfig {
     pub min_ready: u32,
     pub pick: BucketPick,
     pub seed: u64,
-}
-
-/// The compute backend a run uses, chosen by the launcher and sent to every worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BackendKind {
-    /// CPU only: simulated speed and content, a real learner, injected faults.
-    Mock,
-    /// NVIDIA GPUs through cudarc (not built yet).
-    Cuda,
-}
-
-impl BackendKind {
-    /// Every backend's name, as `Display` writes it and `FromStr` reads it.
-    pub const NAMES: [&'static str; 2] = ["mock", "cuda"];
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = ConfigError;
-    fn from_str(s: &str) -> Result<Self, ConfigError> {
-        match s {
-            "mock" => Ok(BackendKind::Mock),
-            "cuda" => Ok(BackendKind::Cuda),
-            _ => Err(invalid(
-                "backend",
-                format!(
-                    "unknown backend {s:?}: expected one of {:?}",
-                    BackendKind::NAMES
-                ),
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            BackendKind::Mock => "mock",
-            BackendKind::Cuda => "cuda",
-        })
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
 /// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The largest frame either side accepts.
 pub const MAX_FRAME: u32 = 16 << 20;
@@ -63,8 +63,9 @@ pub enum ToWorker {
         gpu: Option<u32>,
         /// The pipeline config as TOML, validated again by the worker.
         config_toml: String,
-        /// The compute backend the launcher chose for the run.
-        backend: crate::config::BackendKind,
+        /// The compute backend the launcher chose for the run, by name (`gpu::BackendKind`
+        /// spells and reads it: proto knows no backend).
+        backend: String,
     },
     Refused {
         why: String,
@@ -271,7 +272,7 @@ pub struct WorkerLink {
     pub run_dir: PathBuf,
     pub gpu: Option<u32>,
     pub config_toml: String,
-    pub backend: crate::config::BackendKind,
+    pub backend: String,
 }
 
 /// Connects to the launcher's server `name`, says hello, and waits up to `timeout` for Welcome.
@@ -352,7 +353,7 @@ mod tests {
             run_dir: "/tmp/run".into(),
             gpu: Some(3),
             config_toml: String::new(),
-            backend: crate::config::BackendKind::Mock,
+            backend: "mock".into(),
         });
         let link = connect(&name, Role::Consumer, 2, Duration::from_secs(30)).unwrap();
         assert_eq!((link.ring.as_str(), link.gpu), ("hspipe-x", Some(3)));
@@ -364,7 +365,7 @@ mod tests {
             run_dir: PathBuf::new(),
             gpu: None,
             config_toml: String::new(),
-            backend: crate::config::BackendKind::Mock,
+            backend: "mock".into(),
         });
         let err = connect(&name, Role::Producer, 0, Duration::from_secs(30))
             .err()

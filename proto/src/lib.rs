@@ -4,10 +4,10 @@
 //! worker process runs (its flags, logging, signal handlers) is not a contract: that is the
 //! `worker-runtime` crate.
 
-pub mod atomic_file;
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod ledger;
 pub mod plan;
 pub mod run_dir;
 pub mod stop;
@@ -17,7 +17,8 @@ pub use batch::{
     BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
-pub use run_dir::{LedgerLine, RunDir, RunDirError, RUN_DIR_RING_FILE};
+pub use ledger::LedgerLine;
+pub use run_dir::{RunDir, RunDirError, RUN_DIR_RING_FILE};
 /// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.
 pub use shm_ring::{Role, WorkerName};
 

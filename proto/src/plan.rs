@@ -29,14 +29,6 @@ pub struct PlannedBatch {
     pub tokens: u64,
 }
 
-/// SplitMix64's finaliser, a 64-bit hash: the synthetic data's lengths and tokens (and this
-/// module's tests) derive from it. Not a generator: seeded draws use `rand`.
-pub fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 /// The batch plan for samples of these lengths (sample id = index). Identical in every process
 /// for the same lengths and config.
 pub fn plan(lengths: &[u32], cfg: &PipelineConfig) -> Vec<PlannedBatch> {
@@ -76,6 +68,7 @@ pub fn plan(lengths: &[u32], cfg: &PipelineConfig) -> Vec<PlannedBatch> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dataset::mix;
 
     #[test]
     fn the_plan_covers_every_sample_once_within_budget_and_bucket() {

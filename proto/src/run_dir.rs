@@ -4,12 +4,10 @@
 //! [`RunDir`], so no process spells a file name of its own; the README's "The run directory"
 //! lists the same files for users.
 //!
-//! A drafter's ledger is one JSON [`LedgerLine`] per trained batch, each written with one
-//! `write` before the batch's slot is released; a line that does not parse was torn by a kill.
+//! What a drafter's ledger holds, and every reading and writing of one, is `crate::ledger`'s.
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
 use shm_ring::WorkerName;
 
 /// The file in a run directory that holds the name of the run's ring: the launcher writes it
@@ -147,7 +145,7 @@ impl RunDir {
 
     /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
     /// a run, whose ledgers and checkpoint would be silently reused.
-    pub fn prepare(&self) -> Result<(), RunDirError> {
+    pub fn lay_out(&self) -> Result<(), RunDirError> {
         for sub in [self.ledger_dir(), self.checkpoints_dir()] {
             if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
                 return Err(RunDirError::HoldsRun {
@@ -174,58 +172,12 @@ impl RunDir {
         let text = std::fs::read_to_string(&p).map_err(io("reading", &p))?;
         Ok(text.trim().to_string())
     }
-
-    /// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), and
-    /// how many lines could not be read. A line that does not parse was torn by a drafter
-    /// killed in the middle of writing it: its batch was not released, so the ring delivered
-    /// it again and another line records it.
-    pub fn read_ledgers(&self, drafters: u32) -> Result<(Vec<LedgerLine>, u64), RunDirError> {
-        let (mut lines, mut torn) = (Vec::new(), 0);
-        for d in 0..drafters {
-            let path = self.ledger(d);
-            let text = match std::fs::read_to_string(&path) {
-                Ok(t) => t,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io("reading", &path)(e)),
-            };
-            for line in text.lines() {
-                match serde_json::from_str(line) {
-                    Ok(l) => lines.push(l),
-                    Err(_) => torn += 1,
-                }
-            }
-        }
-        Ok((lines, torn))
-    }
 }
 
 impl AsRef<Path> for RunDir {
     fn as_ref(&self) -> &Path {
         &self.0
     }
-}
-
-/// One line of a drafter's ledger: a batch it trained on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LedgerLine {
-    pub batch_id: u64,
-    pub sample_ids: Vec<u64>,
-    pub tokens: u64,
-    /// Earlier deliveries of this batch to drafters that died holding it.
-    pub delivery: u32,
-    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
-    /// Two tickets for one batch id mean it was published twice.
-    #[serde(default)]
-    pub ticket: u64,
-    /// The group step whose update used it.
-    pub step: u64,
-    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
-    /// in a line the launcher wrote for a rank that died before it could
-    /// (`drafter_worker::record_retired`).
-    #[serde(default)]
-    pub digest: String,
-    /// The drafter's registration epoch (1 for the first run; restarts add one).
-    pub epoch: u64,
 }
 
 #[cfg(test)]
@@ -236,14 +188,14 @@ mod tests {
     fn a_new_run_dir_is_laid_out_and_a_used_one_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path().join("run"));
-        run.prepare().unwrap();
+        run.lay_out().unwrap();
         for d in [run.logs_dir(), run.ledger_dir(), run.checkpoints_dir()] {
             assert!(d.is_dir(), "{}", d.display());
         }
-        // Prepared twice while still empty: fine (a run that failed before training).
-        run.prepare().unwrap();
+        // Laid out twice while still empty: fine (a run that failed before training).
+        run.lay_out().unwrap();
         std::fs::write(run.checkpoint(), b"weights").unwrap();
-        let e = run.prepare().unwrap_err();
+        let e = run.lay_out().unwrap_err();
         assert!(e.to_string().contains("already holds a run"), "{e}");
     }
 
@@ -270,29 +222,12 @@ mod tests {
     }
 
     #[test]
-    fn the_ring_name_and_the_ledgers_read_back() {
+    fn the_ring_name_reads_back() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path());
-        run.prepare().unwrap();
+        run.lay_out().unwrap();
         run.write_ring_name("hspipe-1").unwrap();
         assert_eq!(run.read_ring_name().unwrap(), "hspipe-1");
-        let line = LedgerLine {
-            batch_id: 7,
-            sample_ids: vec![1, 2],
-            tokens: 9,
-            delivery: 0,
-            ticket: 3,
-            step: 1,
-            digest: "ab".into(),
-            epoch: 1,
-        };
-        let text = format!(
-            "{}\n{{\"batch_id\": 8, \"sam",
-            serde_json::to_string(&line).unwrap()
-        );
-        std::fs::write(run.ledger(1), text).unwrap();
-        // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
-        assert_eq!(run.read_ledgers(2).unwrap(), (vec![line], 1));
         let e = RunDir::new(tmp.path().join("none"))
             .read_ring_name()
             .unwrap_err();

@@ -55,6 +55,8 @@ mod window;
 
 use verdict::judge;
 
+use crate::numbers::{median, pct};
+
 /// A side counts as waiting when its waiting share is above this (to become the bottleneck's
 /// evidence) ...
 const WAITS: f64 = 0.20;
@@ -346,13 +348,4 @@ pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
     let v: Vec<f64> = v.collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn pct(x: f64) -> String {
-    format!("{:.0}%", x * 100.0)
 }

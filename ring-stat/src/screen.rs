@@ -34,6 +34,7 @@ use ratatui::widgets::{Sparkline, Widget};
 use shm_ring::{Phase, Ring, SlotCounts, TakePolicy, WorkerState};
 
 use crate::analysis::{self, Bottleneck, WorkerRates};
+use crate::numbers::pct;
 use crate::report::Report;
 
 /// How far back the trends reach, in one-second bins.
@@ -111,10 +112,6 @@ pub fn human_rate(x: f64) -> String {
     } else {
         format!("{x:.0}")
     }
-}
-
-fn pct(x: f64) -> String {
-    format!("{:.0}%", x * 100.0)
 }
 
 /// The parts that fit in `width` columns, in order, each after two spaces; the first part

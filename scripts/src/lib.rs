@@ -1,8 +1,7 @@
 //! Helpers shared by the benchmark programs.
 
-/// The median of `v` (the upper one of an even count; NaN for none): benchmarks quote medians
-/// of runs.
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+/// The median of `v` (`ring_stat::numbers::median`; NaN for none, which a table prints as
+/// such): benchmarks quote medians of runs.
+pub fn median(v: Vec<f64>) -> f64 {
+    ring_stat::numbers::median(v).unwrap_or(f64::NAN)
 }

@@ -105,8 +105,6 @@ pub struct CommitMeta {
     pub tokens: u64,
     /// Caller's id for the item.
     pub batch_id: u64,
-    /// Caller's checksum of the payload; the ring stores it and never computes it.
-    pub checksum: u64,
 }
 
 /// What a consumer learns about an item it took.
@@ -116,7 +114,6 @@ pub struct ItemMeta {
     pub bucket: u32,
     pub tokens: u64,
     pub batch_id: u64,
-    pub checksum: u64,
     /// Position in publish order.
     pub ticket: u64,
     /// Earlier deliveries of this item to consumers that died holding it (0 the first time).
@@ -276,7 +273,6 @@ impl<'a> RingRef<'a> {
         s.bucket.store(meta.bucket, Ordering::Relaxed);
         s.tokens.store(meta.tokens, Ordering::Relaxed);
         s.batch_id.store(meta.batch_id, Ordering::Relaxed);
-        s.checksum.store(meta.checksum, Ordering::Relaxed);
         s.producer.store(id, Ordering::Relaxed);
         s.delivery.store(0, Ordering::Relaxed);
         let ticket = self.ctl.next_ticket.fetch_add(1, Ordering::Relaxed);
@@ -500,7 +496,6 @@ impl<'a> RingRef<'a> {
             bucket: s.bucket.load(Ordering::Relaxed),
             tokens: s.tokens.load(Ordering::Relaxed),
             batch_id: s.batch_id.load(Ordering::Relaxed),
-            checksum: s.checksum.load(Ordering::Relaxed),
             ticket: s.ticket.load(Ordering::Relaxed),
             delivery: s.delivery.load(Ordering::Relaxed),
             producer: s.producer.load(Ordering::Relaxed),

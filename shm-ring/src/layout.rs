@@ -105,7 +105,6 @@ pub(crate) struct SlotRecord {
     pub ticket: AtomicU64,
     pub len: AtomicU64,
     pub batch_id: AtomicU64,
-    pub checksum: AtomicU64,
     pub tokens: AtomicU64,
     pub bucket: AtomicU32,
     /// How many times this item has been handed to a consumer before (0 on first delivery).

@@ -23,8 +23,8 @@
 //! A ring is created 0600 and attach refuses a segment that group or other users may open. But
 //! every process of the same uid can map it and write anything into it, payloads and state words
 //! alike, and so break the protocol (lose, duplicate or corrupt batches): the ring protects
-//! against crashes, not against a hostile or buggy process of the same user. Consumers check a
-//! checksum of each payload for that reason. Liveness is judged from `/proc`, so only processes
+//! against crashes, not against a hostile or buggy process of the same user. Consumers check what
+//! each payload carries for that reason (hspipe's batches carry their own checksum). Liveness is judged from `/proc`, so only processes
 //! of the creator's pid namespace and boot may attach for writing.
 //!
 //! Under `cfg(loom)` only the state machine is compiled, on heap memory, for the loom models.

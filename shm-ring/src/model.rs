@@ -123,7 +123,6 @@ impl HeapRing {
             bucket: (item % 2) as u32,
             tokens: 1,
             batch_id: item,
-            checksum: item,
         };
         self.r().commit(id, c, 8, meta).unwrap();
     }

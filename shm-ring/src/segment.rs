@@ -25,8 +25,9 @@ use crate::sys::{self, Mapping};
 /// "hspipeR1" in ASCII.
 const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// Bumped whenever any shared type changes shape or meaning. 2: worker leases, tagged work
-/// words, the creator's pid namespace and boot.
-pub const LAYOUT_VERSION: u32 = 2;
+/// words, the creator's pid namespace and boot. 3: no checksum in the slot record (the batch
+/// carries its own, which drafters verify; nothing read the ring's copy).
+pub const LAYOUT_VERSION: u32 = 3;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

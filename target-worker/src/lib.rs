@@ -1,9 +1,7 @@
 //! The target worker: claims planned batches through the ring (faster targets claim more),
-//! prepares the next batch while the current one computes, runs the target forward straight into
+//! gathers the next batch while the current one computes, runs the target forward straight into
 //! the ring slot, marks the work item done and publishes. Calls `finish()` at the end of the data
 //! so the last target to finish closes the ring.
-
-pub mod data;
 
 use std::sync::mpsc;
 use std::time::Duration;
@@ -16,7 +14,8 @@ use proto::{batch_len, BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Ring, Role};
 use worker_runtime::{setup, WorkerArgs};
 
-use crate::data::{plan, Dataset, PlannedBatch};
+use dataset::Dataset;
+use proto::plan::{plan, PlannedBatch};
 
 /// Run one target model: claim planned batches from the ring's work table, compute hidden
 /// states into ring slots, publish.
@@ -34,8 +33,9 @@ pub struct Args {
     pub common: WorkerArgs,
 }
 
-/// A batch prepared by the prefetch thread: ids and mask gathered, ready to compute.
-struct Prepared {
+/// A batch the prefetch thread gathered: its samples' ids and masks copied out of the dataset,
+/// ready to compute.
+struct Gathered {
     item: u64,
     spec: BatchSpec,
     input_ids: Vec<u32>,
@@ -43,13 +43,14 @@ struct Prepared {
     bucket: u32,
 }
 
-fn prepare(
+/// Gathers planned batch `item` (`b`) from `data` for `producer`.
+fn gather(
     item: u64,
     b: &PlannedBatch,
     data: &Dataset,
     s: &proto::PipelineConfig,
     producer: u32,
-) -> Prepared {
+) -> Gathered {
     let mut input_ids = Vec::with_capacity(b.tokens as usize);
     let mut loss_mask = Vec::with_capacity(b.tokens as usize);
     let mut seq_lens = Vec::with_capacity(b.sample_ids.len());
@@ -67,7 +68,7 @@ fn prepare(
         // Copied out: the folio around it need not stay in this process's resident size.
         data.unmap_resident();
     }
-    Prepared {
+    Gathered {
         item,
         spec: BatchSpec {
             batch_id: item,
@@ -82,6 +83,20 @@ fn prepare(
         loss_mask,
         bucket: b.bucket,
     }
+}
+
+/// The dataset a target reads: the one `cfg` names (`dataset::Dataset::load` over its `data`
+/// fields). The launcher plans the run and sizes the ring with this same function, so the two
+/// can never read different data from one config.
+pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::DataError> {
+    let d = &cfg.data;
+    let synthetic = dataset::Synthetic {
+        samples: d.synthetic_samples,
+        min_len: d.min_len,
+        max_len: d.max_len,
+        seed: d.seed,
+    };
+    Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
 }
 
 /// Runs the worker; returns the process exit code.
@@ -104,8 +119,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
     let mut backend = gpu::target(s.backend, cfg, s.name)?;
-    let data = Dataset::load(cfg).context("loading the dataset")?;
-    let plan = plan(&data, cfg);
+    let data = load_dataset(cfg).context("loading the dataset")?;
+    let plan = plan(data.lengths(), cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     if ring.params().work_items != plan.len() as u64 {
         bail!(
@@ -132,15 +147,15 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     std::thread::scope(|scope| -> anyhow::Result<()> {
         // Prefetch: claim and gather the next batch while the current one computes. The
         // channel holds one batch, so at most two claims are outstanding.
-        let (tx, rx) = mpsc::sync_channel::<Prepared>(1);
+        let (tx, rx) = mpsc::sync_channel::<Gathered>(1);
         let (producer, plan, data, stop) = (&producer, &plan, &data, &s.stop);
         scope.spawn(move || {
             while !stop.stopping() {
                 let Some(item) = producer.claim_work() else {
                     break;
                 };
-                let prep = prepare(item, &plan[item as usize], data, cfg, s.index);
-                if tx.send(prep).is_err() {
+                let next = gather(item, &plan[item as usize], data, cfg, s.index);
+                if tx.send(next).is_err() {
                     break;
                 }
             }
@@ -148,15 +163,15 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         loop {
             // Waiting for the prefetch thread's next batch counts as loading.
             producer.enter(Phase::Load);
-            let Ok(prep) = rx.recv() else { break };
+            let Ok(next) = rx.recv() else { break };
             producer.enter(Phase::Other);
             if s.stop.stopping() {
                 // Stopping: give back what was claimed but not published.
-                producer.unclaim_work(prep.item)?;
+                producer.unclaim_work(next.item)?;
                 stopped = true;
                 continue;
             }
-            let len = batch_len(&prep.spec)? as usize;
+            let len = batch_len(&next.spec)? as usize;
             // Wait for a free slot, but keep an eye on stop requests: with every drafter gone
             // the ring stays full, and a stop must still get through.
             let slot = loop {
@@ -168,27 +183,26 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 }
             };
             let Some(mut slot) = slot else {
-                producer.unclaim_work(prep.item)?;
+                producer.unclaim_work(next.item)?;
                 stopped = true;
                 continue;
             };
-            let mut w = BatchWriter::new(slot.payload_mut(), &prep.spec)?;
+            let mut w = BatchWriter::new(slot.payload_mut(), &next.spec)?;
             let (ids, mask, hidden) = w.sections_mut();
-            for (dst, id) in ids.chunks_exact_mut(4).zip(&prep.input_ids) {
+            for (dst, id) in ids.chunks_exact_mut(4).zip(&next.input_ids) {
                 dst.copy_from_slice(&id.to_le_bytes());
             }
-            mask.copy_from_slice(&prep.loss_mask);
+            mask.copy_from_slice(&next.loss_mask);
             producer.enter(Phase::Compute);
-            backend.forward(&prep.input_ids, &prep.spec.seq_lens, hidden)?;
+            backend.forward(&next.input_ids, &next.spec.seq_lens, hidden)?;
             producer.enter(Phase::Other);
-            let (_, crc) = w.finish();
-            slot.complete_work(prep.item)?;
-            let tokens = prep.spec.tokens();
+            w.finish();
+            slot.complete_work(next.item)?;
+            let tokens = next.spec.tokens();
             slot.commit(CommitMeta {
-                bucket: prep.bucket,
+                bucket: next.bucket,
                 tokens,
-                batch_id: prep.item,
-                checksum: u64::from(crc),
+                batch_id: next.item,
             })?;
             report.items += 1;
             report.tokens += tokens;

@@ -1,4 +1,4 @@
 //! The multi-process tests' shared helpers live in `testkit` (shm-ring's own tests use them
 //! too); this crate's library only names them for `ring-peer` and the tests.
 
-pub use testkit::{batch_id, checksum, fill, payload_len, verify};
+pub use testkit::{batch_id, fill, payload_len, verify};

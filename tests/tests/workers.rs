@@ -8,11 +8,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use collective::ShmGroup;
+use collective::Collective;
+use dataset::Dataset;
+use proto::plan::plan;
 use proto::PipelineConfig;
 use proto::{LedgerLine, RunDir};
 use shm_ring::{Phase, Ring, Role, WorkerName};
-use target_worker::data::{plan, Dataset};
 
 use crate::support::{unique, Proc, TestDir};
 
@@ -46,15 +47,21 @@ impl TestDir {
 /// Creates the ring the launcher would, for `targets` × `drafters`; returns it and the number
 /// of samples.
 /// The ring and the drafter group, made as the launcher makes them.
-fn make_ring(name: &str, config: &Path, targets: u32, drafters: u32) -> (Ring, ShmGroup, usize) {
+fn make_ring(
+    name: &str,
+    config: &Path,
+    targets: u32,
+    drafters: u32,
+) -> (Ring, Box<dyn Collective>, usize) {
     let cfg = PipelineConfig::load(config).unwrap();
-    let data = Dataset::load(&cfg).unwrap();
-    let batches = plan(&data, &cfg).len() as u64;
+    let d = &cfg.data;
+    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
+    let batches = plan(data.lengths(), &cfg).len() as u64;
     let params = cfg.ring_params(targets, drafters, batches).unwrap();
     let ring = Ring::create(name, &params).unwrap();
-    let group = ShmGroup::create(
+    let group = collective::create(
         &proto::group_segment(name),
-        &drafter_worker::group_params(proto::config::BackendKind::Mock, &cfg, drafters, 0).unwrap(),
+        &drafter_worker::group_params(gpu::BackendKind::Mock, &cfg, drafters, 0).unwrap(),
     )
     .unwrap();
     (ring, group, data.len())
@@ -67,7 +74,7 @@ struct Setup {
     config: PathBuf,
     name: String,
     ring: Ring,
-    group: ShmGroup,
+    group: Box<dyn Collective>,
     samples: usize,
 }
 
@@ -470,7 +477,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
             run_dir: run.0.clone(),
             gpu: Some(4),
             config_toml: std::fs::read_to_string(&config).unwrap(),
-            backend: proto::config::BackendKind::Mock,
+            backend: "mock".into(),
         })
         .unwrap();
     let report = match rx.recv_timeout(crate::support::WATCHDOG).unwrap() {

@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use std::process::ExitCode;
 
-use clap::builder::{PossibleValuesParser, TypedValueParser};
-use proto::config::BackendKind;
+use gpu::{BackendKind, UnknownBackend};
 use proto::control::{self, ControlError, ToLauncher, ToWorker};
 use proto::stop::{EXIT_SECOND_SIGNAL, STOP_SIGNALS};
 use proto::{ConfigError, PipelineConfig, Role, RunDir, WorkerName};
@@ -41,12 +40,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub gpu: Option<u32>,
     /// Compute backend (standalone; the launcher chooses it otherwise).
-    #[arg(
-        long,
-        default_value_t = BackendKind::Mock,
-        value_parser = PossibleValuesParser::new(BackendKind::NAMES)
-            .try_map(|s| s.parse::<BackendKind>()),
-    )]
+    #[arg(long, value_enum, default_value_t = BackendKind::Mock)]
     pub backend: BackendKind,
 }
 
@@ -58,6 +52,8 @@ pub enum SetupError {
     Config(#[from] ConfigError),
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
+    #[error("the launcher's backend: {0}")]
+    Backend(#[from] UnknownBackend),
 }
 
 /// Everything a worker needs to start.
@@ -170,7 +166,7 @@ fn connect_or_read(
                 run_dir: RunDir::new(link.run_dir),
                 gpu: link.gpu,
                 config,
-                backend: link.backend,
+                backend: link.backend.parse()?,
                 stop,
                 to_launcher: Some(link.to_launcher),
             })

@@ -5,7 +5,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use collective::ShmGroup;
 use shm_ring::{Ring, WorkerName};
 
 use super::{Supervisor, Worker};
@@ -14,13 +13,13 @@ use crate::monitor::Monitor;
 use crate::output::Tee;
 use crate::signals::StopSignals;
 use crate::spawn::Welcome;
-use crate::{reclaim, Prepared};
+use crate::{reclaim, Settled};
 
 impl<'a> Supervisor<'a> {
     /// Creates the ring and the drafter group (after reclaiming what dead launchers left),
     /// prints the run's first lines and lists the workers, none started yet.
-    pub(crate) fn start(args: &'a Args, prep: Prepared, tee: &Tee) -> anyhow::Result<Self> {
-        let Prepared {
+    pub(crate) fn start(args: &'a Args, settled: Settled, tee: &Tee) -> anyhow::Result<Self> {
+        let Settled {
             cfg,
             backend,
             data,
@@ -30,7 +29,7 @@ impl<'a> Supervisor<'a> {
             run_id,
             run_dir,
             resume,
-        } = prep;
+        } = settled;
         let (targets, drafters) = (&args.targets.0, &args.drafters.0);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
         // Before the ring exists: from here a stop signal is counted, never fatal, so the ring
@@ -69,7 +68,7 @@ impl<'a> Supervisor<'a> {
             None => 0,
         };
         // The drafter group: one model trained by every drafter (see the collective crate).
-        let group = ShmGroup::create(
+        let group = collective::create(
             &group_name,
             &drafter_worker::group_params(backend.0, &cfg, nd, start_step)?,
         )

@@ -74,10 +74,9 @@ pub(super) fn slow_workers(b: &Snapshot) -> Vec<Slow> {
                 .filter(|(o, _)| o.index != w.index)
                 .map(|(_, q)| q.ns_per_token)
                 .collect();
-            if others.is_empty() {
+            let Some(m) = median(others) else {
                 continue;
-            }
-            let m = median(others);
+            };
             if m > 0.0 && p.ns_per_token * STRAGGLER > m {
                 out.push(Slow {
                     role,

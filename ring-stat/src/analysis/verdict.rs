@@ -345,9 +345,9 @@ fn stragglers(w: &Window) -> Vec<String> {
                 .filter(|r| r.index != s.index)
                 .map(|r| r.items_per_s)
                 .collect();
-            let items = match (me, peers.is_empty()) {
-                (Some(me), false) => {
-                    format!(", {:.1} items/s vs peers {:.1}", me.items_per_s, median(peers))
+            let items = match (me, median(peers)) {
+                (Some(me), Some(peers)) => {
+                    format!(", {:.1} items/s vs peers {:.1}", me.items_per_s, peers)
                 }
                 _ => String::new(),
             };

@@ -32,12 +32,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use collective::{Collective, GroupParams, ShmGroup, NO_BATCH};
+use dataset::Dataset;
 use gpu::mock::Sim;
 use proto::config::Faults;
+use proto::plan::PlannedBatch;
 use proto::PipelineConfig;
 use scripts::median;
 use shm_ring::{BucketPick, CommitMeta, Consumer, Ring, RingParams, Take, TakePolicy};
-use target_worker::data::{Dataset, PlannedBatch};
 
 #[derive(Parser)]
 struct Args {
@@ -283,7 +284,6 @@ fn run_once(
                         bucket: batches[b].bucket,
                         tokens: batches[b].tokens,
                         batch_id: b as u64,
-                        checksum: 0,
                     })
                     .unwrap();
                 }
@@ -410,7 +410,8 @@ fn main() {
     let args = Args::parse();
     let mut cfg = PipelineConfig::default();
     cfg.data.synthetic_samples = args.samples;
-    let data = Dataset::load(&cfg).unwrap();
+    let d = &cfg.data;
+    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
     let mut lengths = data.lengths().to_vec();
     if args.long_heavy {
         let longest = cfg.ring.buckets - 1;

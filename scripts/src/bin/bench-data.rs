@@ -257,8 +257,10 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         // Two seconds of training after the first batch, then stop hard (two signals).
         if let Some(f) = first {
             if t > f + 2.0 && signalled < 2 {
-                // SAFETY: kill with a valid pid and signal; the child is ours and not reaped.
-                unsafe { libc::kill(lpid as i32, libc::SIGTERM) };
+                // The child is ours and not reaped, so its pid still names it.
+                if let Some(pid) = rustix::process::Pid::from_raw(lpid as i32) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+                }
                 signalled += 1;
                 std::thread::sleep(Duration::from_millis(50));
             }

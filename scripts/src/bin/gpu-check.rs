@@ -174,7 +174,6 @@ fn check(driver: &Driver, dev: &Arc<CudaContext>, args: &Args) -> anyhow::Result
             bucket: 0,
             tokens: 1,
             batch_id: batch,
-            checksum: 0,
         })?;
     }
     let taken = [
@@ -590,7 +589,6 @@ fn write_back(
             bucket: 0,
             tokens: 1,
             batch_id: next_commit,
-            checksum: 0,
         })?;
         let r = consumer.take()?.context("a committed slot is not READY")?;
         let got = r.payload();

@@ -2,7 +2,8 @@
 //! a temporary file in the same directory, sync it, rename it over the target, sync the
 //! directory (without that last sync the rename itself may not survive a power loss). Used for
 //! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
-//! report's SVG, a prepared dataset and its input stamps.
+//! report's SVG, a prepared dataset and its input stamps. A crate of its own, below `dataset` and
+//! `proto`, so that preparing a dataset needs none of hspipe's contracts.
 
 use std::fs::File;
 use std::io;

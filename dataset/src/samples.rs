@@ -1,16 +1,31 @@
-//! The dataset a target reads: the built-in synthetic one, or a prepared dataset mapped from
-//! disk (see the `dataset` crate), and the batch plan over it (`proto::plan`, a contract every
-//! process computes identically from the samples' lengths).
+//! The dataset a run reads: the built-in synthetic one, or a prepared dataset mapped from disk.
+//! The launcher, the targets and the benchmarks load it alike, and plan batches over its lengths
+//! (`proto::plan`, a contract every process computes identically).
 //!
 //! A mapped dataset costs a process its lengths (4 bytes a sample) and the pages of the samples
 //! it gathers; the file's pages are shared by every process that maps it.
 
 use std::path::Path;
 
-pub use dataset::DataError;
-use proto::plan::mix;
-pub use proto::plan::PlannedBatch;
-use proto::PipelineConfig;
+use crate::{DataError, Mapped};
+
+/// SplitMix64's finaliser, a 64-bit hash: the synthetic data's lengths and tokens (and the batch
+/// plan's tests) derive from it. Not a generator: seeded draws use `rand`.
+pub fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The synthetic dataset's shape (the config's `data.synthetic_samples`, `min_len`, `max_len`
+/// and `seed`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Synthetic {
+    pub samples: u64,
+    pub min_len: u32,
+    pub max_len: u32,
+    pub seed: u64,
+}
 
 /// One synthetic training sample.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,7 +37,7 @@ pub struct Sample {
 
 enum Samples {
     Synthetic(Vec<Sample>),
-    Mapped(dataset::Mapped),
+    Mapped(Mapped),
 }
 
 /// All samples of a run, in dataset order; a sample's id is its index.
@@ -34,27 +49,33 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// The dataset the config names: the prepared file of `data.path` (`data.prepared`, set by
-    /// the launcher once it has prepared it), or the synthetic one.
-    pub fn load(cfg: &PipelineConfig) -> Result<Dataset, DataError> {
-        match (&cfg.data.prepared, &cfg.data.path) {
+    /// The dataset a config names: the `prepared` file of the input `path` (the config's
+    /// `data.prepared`, set by the launcher once it has prepared `data.path`), or, with neither,
+    /// the synthetic one. An input that was not prepared is an error: only the launcher (or
+    /// `launcher prepare`) converts data.
+    pub fn load(
+        prepared: Option<&Path>,
+        path: Option<&Path>,
+        synthetic: Synthetic,
+    ) -> Result<Dataset, DataError> {
+        match (prepared, path) {
             (Some(p), _) => Dataset::mapped(p),
             (None, Some(p)) => Err(DataError::Prepared {
-                path: p.clone(),
+                path: p.to_path_buf(),
                 why: "it has not been prepared (the launcher prepares it, or `launcher prepare`; then set data.prepared)".into(),
             }),
             (None, None) => Ok(Dataset::synthetic(
-                cfg.data.synthetic_samples,
-                cfg.data.min_len,
-                cfg.data.max_len,
-                cfg.data.seed,
+                synthetic.samples,
+                synthetic.min_len,
+                synthetic.max_len,
+                synthetic.seed,
             )),
         }
     }
 
     /// Maps a prepared dataset file.
     pub fn mapped(path: &Path) -> Result<Dataset, DataError> {
-        let m = dataset::Mapped::open(path)?;
+        let m = Mapped::open(path)?;
         Ok(Dataset {
             lengths: m.lengths(),
             source: format!("{} (mapped, {} samples)", path.display(), m.len()),
@@ -106,7 +127,7 @@ impl Dataset {
     }
 
     /// After a sample was copied out: lets go of the mapped pages they touched (see
-    /// `dataset::Mapped::unmap_resident`), so a target's resident size stays its batches' (one `madvise`, a few microseconds).
+    /// `Mapped::unmap_resident`), so a target's resident size stays its batches' (one `madvise`, a few microseconds).
     pub fn unmap_resident(&self) {
         if let Samples::Mapped(m) = &self.samples {
             m.unmap_resident();
@@ -114,21 +135,15 @@ impl Dataset {
     }
 
     /// Sample `id`: its ids and its mask (None: learn from every token). None past the end.
-    pub fn sample(&self, id: u64) -> Option<dataset::Sample<'_>> {
+    pub fn sample(&self, id: u64) -> Option<crate::Sample<'_>> {
         match &self.samples {
-            Samples::Synthetic(v) => v.get(id as usize).map(|s| dataset::Sample {
+            Samples::Synthetic(v) => v.get(id as usize).map(|s| crate::Sample {
                 input_ids: &s.input_ids,
                 loss_mask: Some(&s.loss_mask),
             }),
             Samples::Mapped(m) => m.sample(id),
         }
     }
-}
-
-/// The batch plan of a run (`proto::plan`). Identical in every process for the same data and
-/// config.
-pub fn plan(data: &Dataset, cfg: &PipelineConfig) -> Vec<PlannedBatch> {
-    proto::plan::plan(data.lengths(), cfg)
 }
 
 #[cfg(test)]
@@ -157,9 +172,16 @@ mod tests {
 
     #[test]
     fn a_path_that_was_not_prepared_is_an_error_naming_it() {
-        let mut c = PipelineConfig::default();
-        c.data.path = Some("train.jsonl".into());
-        let err = Dataset::load(&c).err().unwrap().to_string();
+        let synthetic = Synthetic {
+            samples: 1,
+            min_len: 1,
+            max_len: 1,
+            seed: 1,
+        };
+        let err = Dataset::load(None, Some(Path::new("train.jsonl")), synthetic)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             err.contains("train.jsonl") && err.contains("not been prepared"),
             "{err}"

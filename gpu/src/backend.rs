@@ -1,0 +1,126 @@
+//! The one place a compute backend is chosen. [`BackendKind`] names every backend: its spelling
+//! (on the command line, in messages and in the launcher's Welcome) is derived from the variant,
+//! and [`BackendKind::maker`] is the one match that maps it to what builds it. Adding a backend is
+//! one variant and one arm here, plus its [`Maker`].
+
+use crate::{mock, DrafterBackend, GpuError, TargetBackend};
+use proto::{PipelineConfig, WorkerName};
+
+/// The compute backend a run uses, chosen by the launcher and sent to every worker by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// CPU only: simulated speed and content, a real learner.
+    Mock,
+    /// NVIDIA GPUs, on the `cuda` crate (cudarc's driver API and NCCL); not built yet.
+    Cuda,
+}
+
+/// What builds one backend's models.
+pub trait Maker {
+    /// False for a backend that is named but not built yet: asking for it is an error before a
+    /// worker takes any work.
+    fn built(&self) -> bool;
+    /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
+    fn target(
+        &self,
+        cfg: &PipelineConfig,
+        name: WorkerName,
+    ) -> Result<Box<dyn TargetBackend + Send>, GpuError>;
+    /// A drafter rank for worker `name` under `cfg` (see [`crate::drafter`]).
+    fn drafter(
+        &self,
+        cfg: &PipelineConfig,
+        name: Option<WorkerName>,
+    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError>;
+    /// `(grad_len, state_len)` of the drafter [`Maker::drafter`] builds, without building one.
+    fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError>;
+}
+
+/// A backend that is named but not built yet: every model it is asked for is
+/// [`GpuError::Unavailable`].
+struct Unbuilt(BackendKind);
+
+impl Maker for Unbuilt {
+    fn built(&self) -> bool {
+        false
+    }
+    fn target(
+        &self,
+        _: &PipelineConfig,
+        _: WorkerName,
+    ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
+        Err(GpuError::Unavailable(self.0))
+    }
+    fn drafter(
+        &self,
+        _: &PipelineConfig,
+        _: Option<WorkerName>,
+    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
+        Err(GpuError::Unavailable(self.0))
+    }
+    fn drafter_sizes(&self, _: &PipelineConfig) -> Result<(usize, usize), GpuError> {
+        Err(GpuError::Unavailable(self.0))
+    }
+}
+
+impl BackendKind {
+    /// Every backend.
+    pub fn all() -> &'static [BackendKind] {
+        <BackendKind as clap::ValueEnum>::value_variants()
+    }
+
+    /// What builds this backend's models.
+    pub fn maker(self) -> Box<dyn Maker> {
+        match self {
+            BackendKind::Mock => Box::new(mock::Mock),
+            BackendKind::Cuda => Box::new(Unbuilt(self)),
+        }
+    }
+}
+
+/// The backend's name (`mock`), as the command line and the Welcome spell it: clap's derived
+/// name, so there is no second spelling to keep in step.
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use clap::ValueEnum;
+        match self.to_possible_value() {
+            Some(v) => f.write_str(v.get_name()),
+            // The derive gives every variant a name (none is skipped).
+            None => write!(f, "{self:?}"),
+        }
+    }
+}
+
+/// A name that is no backend's, naming what was asked for and what exists.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown backend {name:?}: expected one of {known:?}")]
+pub struct UnknownBackend {
+    pub name: String,
+    pub known: Vec<String>,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = UnknownBackend;
+    fn from_str(s: &str) -> Result<Self, UnknownBackend> {
+        <BackendKind as clap::ValueEnum>::from_str(s, false).map_err(|_| UnknownBackend {
+            name: s.to_string(),
+            known: BackendKind::all().iter().map(|k| k.to_string()).collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_reads_back_from_its_name_and_an_unknown_one_is_named() {
+        for &k in BackendKind::all() {
+            assert_eq!(k.to_string().parse::<BackendKind>(), Ok(k));
+        }
+        assert_eq!(BackendKind::Mock.to_string(), "mock");
+        let e = "rocm".parse::<BackendKind>().unwrap_err().to_string();
+        assert!(e.contains("\"rocm\"") && e.contains("cuda"), "{e}");
+        assert!(BackendKind::Mock.maker().built() && !BackendKind::Cuda.maker().built());
+    }
+}

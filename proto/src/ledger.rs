@@ -1,0 +1,337 @@
+//! The drafters' ledgers, the record of what was trained: one contract between the drafter that
+//! writes its ledger, the launcher that writes a line for a rank that died (a retired batch),
+//! rewrites the ledgers on resume and accounts for them in `summary.json`, `launcher report`
+//! and the tests. Every reading and writing of a ledger is here.
+//!
+//! A ledger (`RunDir::ledger`) is one JSON [`LedgerLine`] per trained batch. Each line is
+//! written with one `write` before the batch's slot is released, so a crash never loses the line
+//! of a batch whose slot was freed. A line that does not parse was torn by a drafter killed in
+//! the middle of writing it: its batch was not released, so the ring delivered it again and
+//! another line records it. Whoever appends to a ledger first ends such a torn line, so it stays
+//! one unreadable line instead of swallowing the next one.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{BatchError, BatchView, RunDir};
+
+/// One line of a drafter's ledger: a batch it trained on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerLine {
+    pub batch_id: u64,
+    pub sample_ids: Vec<u64>,
+    pub tokens: u64,
+    /// Earlier deliveries of this batch to drafters that died holding it.
+    pub delivery: u32,
+    /// The ring's publish ticket of the batch: one per publication, kept across redeliveries.
+    /// Two tickets for one batch id mean it was published twice.
+    #[serde(default)]
+    pub ticket: u64,
+    /// The group step whose update used it.
+    pub step: u64,
+    /// Digest of the weights after that update (hex): equal on every rank for one step. Empty
+    /// in a line the launcher wrote for a rank that died before it could ([`record_retired`]).
+    #[serde(default)]
+    pub digest: String,
+    /// The drafter's registration epoch (1 for the first run; restarts add one).
+    pub epoch: u64,
+}
+
+/// What can go wrong with a ledger, naming the file or the batch.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("reading retired batch {batch_id}: {source}")]
+    Batch { batch_id: u64, source: BatchError },
+    #[error("encoding a ledger line: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> LedgerError + 'p {
+    move |source| LedgerError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One line of a ledger as it is in the file: its text, and what it parses to (None: torn).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub text: String,
+    pub line: Option<LedgerLine>,
+}
+
+/// Drafter `index`'s ledger, line by line; None if the drafter has none (it never trained).
+pub fn read(run_dir: &RunDir, index: u32) -> Result<Option<Vec<Entry>>, LedgerError> {
+    let path = run_dir.ledger(index);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io("reading", &path)(e)),
+    };
+    Ok(Some(
+        text.lines()
+            .map(|l| Entry {
+                text: l.to_string(),
+                line: serde_json::from_str(l).ok(),
+            })
+            .collect(),
+    ))
+}
+
+/// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), and how many
+/// lines could not be read (torn by a kill).
+pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<(Vec<LedgerLine>, u64), LedgerError> {
+    let (mut lines, mut torn) = (Vec::new(), 0);
+    for d in 0..drafters {
+        for entry in read(run_dir, d)?.unwrap_or_default() {
+            match entry.line {
+                Some(l) => lines.push(l),
+                None => torn += 1,
+            }
+        }
+    }
+    Ok((lines, torn))
+}
+
+/// What the ledgers say about exactly-once training.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// Distinct samples in any line.
+    pub samples_trained: u64,
+    /// Batches whose training is recorded more than once by live drafters: published more than
+    /// once (several tickets), or one delivery of a publication recorded twice. A line of an
+    /// earlier delivery does not count: its drafter died holding the batch, which the ring
+    /// delivered again (at-least-once delivery across a crash).
+    pub duplicated: u64,
+    /// Samples whose batch was trained by no live drafter or by more than one.
+    pub samples_not_once: u64,
+}
+
+/// Accounts for `lines` (see [`Accounting`]).
+pub fn account(lines: &[LedgerLine]) -> Accounting {
+    // batch id -> ticket -> deliveries recorded
+    let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
+    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
+    for l in lines {
+        batches
+            .entry(l.batch_id)
+            .or_default()
+            .entry(l.ticket)
+            .or_default()
+            .push(l.delivery);
+        for &s in &l.sample_ids {
+            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
+        }
+    }
+    let twice = |deliveries: &Vec<u32>| {
+        let mut d = deliveries.clone();
+        d.sort_unstable();
+        d.windows(2).any(|w| w[0] == w[1])
+    };
+    let duplicated: HashSet<u64> = batches
+        .iter()
+        .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
+        .map(|(&b, _)| b)
+        .collect();
+    Accounting {
+        samples_trained: samples.len() as u64,
+        duplicated: duplicated.len() as u64,
+        samples_not_once: samples
+            .values()
+            .filter(|pubs| pubs.len() != 1 || pubs.iter().any(|(b, _)| duplicated.contains(b)))
+            .count() as u64,
+    }
+}
+
+/// A ledger open for appending.
+pub struct Ledger {
+    file: File,
+    path: PathBuf,
+}
+
+impl Ledger {
+    /// Opens (or creates) the ledger at `path` for appending, and ends a line its last writer's
+    /// kill tore.
+    pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(path)
+            .map_err(io("opening ledger", path))?;
+        end_torn_line(&mut file).map_err(io("repairing ledger", path))?;
+        Ok(Ledger {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Appends `line` with one `write` (no user-space buffer), so a kill leaves the line whole
+    /// or torn, never interleaved with another.
+    pub fn append(&mut self, line: &LedgerLine) -> Result<(), LedgerError> {
+        let mut text = serde_json::to_string(line)?;
+        text.push('\n');
+        self.file
+            .write_all(text.as_bytes())
+            .map_err(io("appending to", &self.path))
+    }
+
+    /// Makes the lines written so far durable (at every checkpoint step).
+    pub fn sync(&self) -> Result<(), LedgerError> {
+        self.file
+            .sync_data()
+            .map_err(io("syncing the ledger", &self.path))
+    }
+}
+
+/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
+/// left it without its newline: end it, so it stays one unreadable line (its batch was not
+/// released, so it is redelivered) instead of swallowing the next writer's first line.
+fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
+    let len = ledger.seek(SeekFrom::End(0))?;
+    if len == 0 {
+        return Ok(());
+    }
+    ledger.seek(SeekFrom::End(-1))?;
+    let mut last = [0u8];
+    ledger.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        ledger.write_all(b"\n")?;
+    }
+    Ok(())
+}
+
+/// For the launcher: drafter `index` died holding a batch whose update the group applied in
+/// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
+/// unless its ledger already ends with it (it died between the write and the release). The
+/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
+pub fn record_retired(
+    run_dir: &RunDir,
+    index: u32,
+    meta: &shm_ring::ItemMeta,
+    payload: &[u8],
+    step: u64,
+) -> Result<bool, LedgerError> {
+    let last = read(run_dir, index)
+        .ok()
+        .flatten()
+        .and_then(|entries| entries.into_iter().last())
+        .and_then(|e| e.line);
+    if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
+        return Ok(false);
+    }
+    let view = BatchView::parse(payload).map_err(|source| LedgerError::Batch {
+        batch_id: meta.batch_id,
+        source,
+    })?;
+    let spec = &view.header().spec;
+    let line = LedgerLine {
+        batch_id: meta.batch_id,
+        sample_ids: spec.sample_ids.clone(),
+        tokens: spec.tokens(),
+        delivery: meta.delivery,
+        ticket: meta.ticket,
+        step,
+        digest: String::new(),
+        epoch: 0,
+    };
+    Ledger::open(&run_dir.ledger(index))?.append(&line)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
+        LedgerLine {
+            batch_id,
+            sample_ids: samples.to_vec(),
+            tokens: 1,
+            delivery,
+            ticket,
+            step: 0,
+            digest: String::new(),
+            epoch: 1,
+        }
+    }
+
+    #[test]
+    fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
+        // Batch 1 trained by a drafter that died before releasing it, then again on its
+        // redelivery: at-least-once across a crash, not a duplicate.
+        let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
+        assert_eq!(
+            account(&redelivered),
+            Accounting {
+                samples_trained: 2,
+                duplicated: 0,
+                samples_not_once: 0
+            }
+        );
+        // Published twice (two tickets), or one delivery trained twice: duplicated, and the
+        // distinct-sample count alone would not show it.
+        for twice in [
+            [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
+            [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
+        ] {
+            let a = account(&twice);
+            assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
+            assert_eq!(a.samples_not_once, 2);
+        }
+    }
+
+    #[test]
+    fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = RunDir::new(tmp.path());
+        std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+        let path = dir.ledger(0);
+        let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
+        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
+        let mut f = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&path)
+            .unwrap();
+        end_torn_line(&mut f).unwrap();
+        f.write_all(format!("{whole}\n").as_bytes()).unwrap();
+        let (lines, torn) = read_all(&dir, 1).unwrap();
+        assert_eq!((lines.len(), torn), (2, 1));
+    }
+
+    #[test]
+    fn the_ledgers_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path());
+        run.lay_out().unwrap();
+        let line = LedgerLine {
+            batch_id: 7,
+            sample_ids: vec![1, 2],
+            tokens: 9,
+            delivery: 0,
+            ticket: 3,
+            step: 1,
+            digest: "ab".into(),
+            epoch: 1,
+        };
+        let text = format!(
+            "{}\n{{\"batch_id\": 8, \"sam",
+            serde_json::to_string(&line).unwrap()
+        );
+        std::fs::write(run.ledger(1), text).unwrap();
+        // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
+        assert_eq!(read_all(&run, 2).unwrap(), (vec![line], 1));
+    }
+}
