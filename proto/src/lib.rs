@@ -18,7 +18,7 @@ pub use batch::{
 };
 pub use config::{ConfigError, PipelineConfig};
 pub use ledger::LedgerLine;
-pub use run_dir::{RunDir, RunDirError, RUN_DIR_RING_FILE};
+pub use run_dir::{GpuLists, RunDir, RunDirError, RUN_DIR_RING_FILE};
 /// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.
 pub use shm_ring::{Role, WorkerName};
 

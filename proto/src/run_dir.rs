@@ -18,6 +18,14 @@ pub const RUN_DIR_RING_FILE: &str = "ring";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunDir(PathBuf);
 
+/// The GPUs a run's workers use, in worker order (target `i` on `targets[i]`), as the run's
+/// last launcher was given them: `launcher --resume RUN_DIR` alone resumes on these.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GpuLists {
+    pub targets: Vec<u32>,
+    pub drafters: Vec<u32>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RunDirError {
     #[error("{what} {path}: {source}")]
@@ -94,6 +102,41 @@ impl RunDir {
             });
         }
         Ok(())
+    }
+
+    /// The GPU lists the run last ran on ([`GpuLists`], JSON).
+    pub fn gpus(&self) -> PathBuf {
+        self.0.join("gpus.json")
+    }
+
+    /// Records the GPU lists the run runs on, replacing the record atomically (a resume that
+    /// changes the lists rewrites it, and a crash then must leave the old lists or the new).
+    pub fn write_gpus(&self, lists: &GpuLists) -> Result<(), RunDirError> {
+        let p = self.gpus();
+        let text = serde_json::to_string(lists).expect("a GpuLists always serialises");
+        atomic_file::replace(&p, format!("{text}\n").as_bytes()).map_err(io("writing", &p))
+    }
+
+    /// The GPU lists as [`write_gpus`](Self::write_gpus) left them, or `None` for a run
+    /// directory without the record (made by a build from before it was kept).
+    pub fn read_gpus(&self) -> Result<Option<GpuLists>, RunDirError> {
+        let p = self.gpus();
+        let text = match std::fs::read_to_string(&p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("reading", &p)(e)),
+        };
+        let lists: GpuLists = serde_json::from_str(&text).map_err(|e| RunDirError::Invalid {
+            path: p.clone(),
+            why: format!("not a record of GPU lists: {e}"),
+        })?;
+        if lists.targets.is_empty() || lists.drafters.is_empty() {
+            return Err(RunDirError::Invalid {
+                path: p,
+                why: "a run needs at least one target GPU and one drafter GPU".into(),
+            });
+        }
+        Ok(Some(lists))
     }
 
     /// The data the run was planned from (`launcher::data::Record`).
@@ -219,6 +262,32 @@ mod tests {
         std::fs::write(run.plan_version(), "two\n").unwrap();
         let e = run.check_plan_version().unwrap_err().to_string();
         assert!(e.contains("\"two\""), "{e}");
+    }
+
+    /// The GPU lists read back as written (a rewrite replaces them); no record is `None`, and
+    /// a damaged one an error naming the file.
+    #[test]
+    fn the_gpu_lists_read_back_and_a_missing_record_is_none() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path());
+        assert_eq!(run.read_gpus().unwrap(), None);
+        let lists = GpuLists {
+            targets: vec![0, 1, 2, 6],
+            drafters: vec![7],
+        };
+        run.write_gpus(&lists).unwrap();
+        assert_eq!(run.read_gpus().unwrap(), Some(lists));
+        let other = GpuLists {
+            targets: vec![3],
+            drafters: vec![4, 5],
+        };
+        run.write_gpus(&other).unwrap();
+        assert_eq!(run.read_gpus().unwrap(), Some(other));
+        for bad in ["{\"targets\": [0]", "{\"targets\": [], \"drafters\": [1]}"] {
+            std::fs::write(run.gpus(), bad).unwrap();
+            let e = run.read_gpus().unwrap_err().to_string();
+            assert!(e.contains("gpus.json"), "{e}");
+        }
     }
 
     #[test]
