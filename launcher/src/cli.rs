@@ -40,6 +40,7 @@ pub mod exit {
 ///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
+///   launcher --resume runs/exp1                            continue a stopped or killed run
 ///   launcher report runs/exp1                              a picture of a run (report --help)
 ///   launcher prepare train.parquet                         prepare data only (prepare --help)
 ///
@@ -47,9 +48,9 @@ pub mod exit {
 /// default data-cache beside the run directory), which every worker maps; the same input is
 /// found there by its content and never converted again.
 ///
-/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json,
-/// launcher.log (all that is printed), metrics.jsonl and summary.json. Watch a run from another terminal with
-/// `shm-ring-stat --list`.
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json, gpus.json
+/// (the GPU lists, for --resume), launcher.log (all that is printed), metrics.jsonl and
+/// summary.json. Watch a run from another terminal with `shm-ring-stat --list`.
 #[derive(Parser, Debug)]
 #[command(
     name = "launcher",
@@ -84,12 +85,14 @@ pub enum Command {
 /// The options of a run (no subcommand).
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// GPUs for target workers: 0-4, 0,2,4 or 0-2,6.
-    #[arg(long, value_parser = gpu_list_arg)]
-    pub targets: GpuList,
-    /// GPUs for drafter workers, same syntax.
-    #[arg(long, value_parser = gpu_list_arg)]
-    pub drafters: GpuList,
+    /// GPUs for target workers: 0-4, 0,2,4 or 0-2,6. Required, except with --resume, where
+    /// the run's own are the default.
+    #[arg(long, value_parser = gpu_list_arg, required_unless_present = "resume")]
+    pub targets: Option<GpuList>,
+    /// GPUs for drafter workers, same syntax. Required, except with --resume, where the run's
+    /// own are the default.
+    #[arg(long, value_parser = gpu_list_arg, required_unless_present = "resume")]
+    pub drafters: Option<GpuList>,
     /// Allow a GPU in both lists (for machines with a single GPU).
     #[arg(long)]
     pub share_gpus: bool,
@@ -101,7 +104,10 @@ pub struct Args {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Continue the stopped or killed run in RUN_DIR from its group checkpoint, with its own
-    /// config and data: batches whose update is in the checkpoint are not trained again.
+    /// config and data: batches whose update is in the checkpoint are not trained again. Alone,
+    /// it resumes on the GPUs the run last ran on; --targets or --drafters given with it replace
+    /// that list (other GPUs, more or fewer targets, more drafters; never fewer drafters than
+    /// the run had).
     #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
     pub resume: Option<PathBuf>,
     /// Training data: JSONL with input_ids (and optional loss_mask) per line, Parquet or Arrow
@@ -172,14 +178,9 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {}
 
 impl Args {
-    /// The checks clap cannot make; each failure is a usage error (exit code 2).
+    /// The checks clap cannot make, but for the GPU lists (a resume may take them from the run
+    /// directory: `check_gpus`); each failure is a usage error (exit code 2).
     pub fn check(&self) -> Result<(), UsageError> {
-        let shared = overlap(&self.targets.0, &self.drafters.0);
-        if !shared.is_empty() && !self.share_gpus {
-            return Err(UsageError(format!(
-                "GPU(s) {shared:?} are in both --targets and --drafters; pass --share-gpus to allow that on a machine with few GPUs"
-            )));
-        }
         if !(self.hang_timeout.is_finite() && self.hang_timeout > 0.0) {
             return Err(UsageError(format!(
                 "--hang-timeout must be a positive number of seconds, got {}",
@@ -194,6 +195,17 @@ impl Args {
         }
         Ok(())
     }
+}
+
+/// Refuses a GPU in both lists unless `--share-gpus` allows it (a usage error, exit code 2).
+pub fn check_gpus(targets: &[u32], drafters: &[u32], share_gpus: bool) -> Result<(), UsageError> {
+    let shared = overlap(targets, drafters);
+    if !shared.is_empty() && !share_gpus {
+        return Err(UsageError(format!(
+            "GPU(s) {shared:?} are in both --targets and --drafters; pass --share-gpus to allow that on a machine with few GPUs"
+        )));
+    }
+    Ok(())
 }
 
 // GPU lists on the command line: `0-4`, `0,2,4`, `0-2,6`.
@@ -251,6 +263,26 @@ pub fn parse_gpu_list(s: &str) -> Result<Vec<u32>, String> {
     Ok(out)
 }
 
+/// A GPU list as the command line takes it, runs of consecutive GPUs as ranges: `0-2,6`.
+pub fn format_gpu_list(gpus: &[u32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < gpus.len() {
+        // The longest run of consecutive GPUs from i.
+        let mut j = i;
+        while j + 1 < gpus.len() && gpus[j].checked_add(1) == Some(gpus[j + 1]) {
+            j += 1;
+        }
+        parts.push(if j == i {
+            gpus[i].to_string()
+        } else {
+            format!("{}-{}", gpus[i], gpus[j])
+        });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
 /// GPUs in both lists, if any.
 pub fn overlap(a: &[u32], b: &[u32]) -> Vec<u32> {
     a.iter().copied().filter(|g| b.contains(g)).collect()
@@ -266,6 +298,22 @@ mod tests {
         assert_eq!(parse_gpu_list("0,2,4").unwrap(), vec![0, 2, 4]);
         assert_eq!(parse_gpu_list("0-2,6").unwrap(), vec![0, 1, 2, 6]);
         assert_eq!(parse_gpu_list("7").unwrap(), vec![7]);
+    }
+
+    /// What `format_gpu_list` writes parses back to the same list, in the same order.
+    #[test]
+    fn a_formatted_list_parses_back_to_itself() {
+        let cases: [(&[u32], &str); 5] = [
+            (&[0, 1, 2, 3, 4], "0-4"),
+            (&[0, 2, 4], "0,2,4"),
+            (&[0, 1, 2, 6], "0-2,6"),
+            (&[7], "7"),
+            (&[5, 3, 4], "5,3-4"),
+        ];
+        for (gpus, text) in cases {
+            assert_eq!(format_gpu_list(gpus), text);
+            assert_eq!(parse_gpu_list(text).unwrap(), gpus);
+        }
     }
 
     #[test]
@@ -295,7 +343,12 @@ mod tests {
         let parse = |args: &[&str]| Cli::try_parse_from([&["launcher"], args].concat());
         let run = parse(&["--targets", "0-1", "--drafters", "2"]).unwrap();
         assert!(run.command.is_none());
-        assert_eq!(run.run.unwrap().drafters, GpuList(vec![2]));
+        assert_eq!(run.run.unwrap().drafters, Some(GpuList(vec![2])));
+        // A resume may take either list, or both, from the run directory.
+        let resume = parse(&["--resume", "runs/1"]).unwrap().run.unwrap();
+        assert_eq!((resume.targets, resume.drafters), (None, None));
+        let resume = parse(&["--resume", "runs/1", "--drafters", "3"]).unwrap();
+        assert_eq!(resume.run.unwrap().drafters, Some(GpuList(vec![3])));
         let worker = parse(&["target-worker", "--index", "3", "--control", "c"]).unwrap();
         assert!(
             matches!(&worker.command, Some(Command::TargetWorker(a)) if a.common.index == 3),
@@ -313,7 +366,11 @@ mod tests {
             Some(Command::Report(_))
         ));
         // Neither a run nor a subcommand, or both: usage errors.
-        for bad in [&[][..], &["--targets", "0", "report", "runs/1"]] {
+        for bad in [
+            &[][..],
+            &["--targets", "0", "report", "runs/1"],
+            &["--targets", "0"],
+        ] {
             let e = parse(bad).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
         }

@@ -24,7 +24,7 @@ use anyhow::{bail, Context};
 use dataset::Dataset;
 use gpu::BackendKind;
 use proto::plan::plan;
-use proto::{PipelineConfig, RunDir};
+use proto::{GpuLists, PipelineConfig, RunDir};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
 pub use crate::spawn::name_process;
@@ -89,6 +89,9 @@ pub(crate) struct Settled {
     pub(crate) params: shm_ring::RingParams,
     pub(crate) run_id: String,
     pub(crate) run_dir: RunDir,
+    /// The GPUs the workers use: the command line's, or on a resume the run's own for a list
+    /// not given.
+    pub(crate) gpus: GpuLists,
     pub(crate) resume: Option<resume::Resume>,
 }
 
@@ -109,7 +112,6 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 /// Checks the command line and config, loads the data and lays out the run directory.
 fn settle(args: &Args) -> anyhow::Result<Settled> {
     args.check()?;
-    let (targets, drafters) = (&args.targets.0, &args.drafters.0);
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
             let p = RunDir::new(dir).config();
@@ -124,6 +126,9 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         (None, Some(p)) => PipelineConfig::load(p)?,
         (None, None) => PipelineConfig::default(),
     };
+    // After the config: a directory that is no run at all is told so, not that it lacks
+    // a record of its GPUs.
+    let gpus = gpu_lists(args)?;
     if let Some(p) = &args.data {
         cfg.data.path = Some(p.clone());
     }
@@ -166,7 +171,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     }
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
     let batches = plan(data.lengths(), &cfg).len() as u64;
-    let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
+    let (nt, nd) = (gpus.targets.len() as u32, gpus.drafters.len() as u32);
     let params = cfg
         .ring_params(nt, nd, batches)
         .context("sizing the ring")?;
@@ -193,6 +198,9 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     if let Some((input, p)) = &prepared {
         data::write_record(&run_dir, input, p)?;
     }
+    // Rewritten by a resume too (after its checks): the next `--resume` alone runs on the GPUs
+    // this one ran on, which fit the run's ledgers.
+    run_dir.write_gpus(&gpus)?;
     Ok(Settled {
         cfg,
         backend,
@@ -202,8 +210,34 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         params,
         run_id,
         run_dir,
+        gpus,
         resume,
     })
+}
+
+/// The GPU lists of the run, checked: those given, and on a resume the run's own for a list
+/// not given.
+fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
+    let (lists, recorded) = match (&args.resume, &args.targets, &args.drafters) {
+        (Some(dir), t, d) => resume::gpu_lists(&RunDir::new(dir), t.as_ref(), d.as_ref())?,
+        (None, Some(t), Some(d)) => {
+            let lists = GpuLists {
+                targets: t.0.clone(),
+                drafters: d.0.clone(),
+            };
+            (lists, false)
+        }
+        // clap requires both lists without --resume; this is for a caller that built `Args`.
+        (None, _, _) => {
+            let why = "--targets and --drafters are required (unless --resume RUN_DIR)";
+            return Err(UsageError(why.into()).into());
+        }
+    };
+    // The run's own lists were accepted when it started, --share-gpus and all.
+    if !recorded {
+        cli::check_gpus(&lists.targets, &lists.drafters, args.share_gpus)?;
+    }
+    Ok(lists)
 }
 
 #[cfg(test)]

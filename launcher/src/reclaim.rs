@@ -275,9 +275,9 @@ fn run_state(run: &Path) -> String {
         "it wrote no checkpoint yet (a resume trains it from the start)".to_string()
     };
     format!(
-        "the run in {} stopped without finishing; {last}; continue it with `launcher --resume {}` (and its --targets/--drafters)",
+        "the run in {} stopped without finishing; {last}; continue it with `{}`",
         run.display(),
-        run.display()
+        crate::resume::command(run)
     )
 }
 

@@ -7,13 +7,66 @@
 //! with the processes: it is dropped from the ledger and its batch is trained again. Torn lines
 //! go too. Nothing in the run directory is changed until everything has been checked, so a bad
 //! resume leaves the run as it was.
+//!
+//! The GPUs: the run directory records the lists its last launcher ran on (`gpus.json`), so
+//! `--resume RUN_DIR` alone resumes on them, and a list given with it replaces the run's own.
+//! Every message that tells the user how to continue a run prints [`command`].
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use gpu::BackendKind;
-use proto::{ledger, PipelineConfig, RunDir};
+use proto::{ledger, GpuLists, PipelineConfig, RunDir};
+
+use crate::cli::{format_gpu_list, GpuList, UsageError};
+
+/// The command that continues the run in `dir`, written so that a shell runs it as printed:
+/// the path is quoted unless it holds only characters a shell leaves alone.
+pub(crate) fn command(dir: &Path) -> String {
+    let d = dir.display().to_string();
+    let plain = !d.is_empty()
+        && d.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c));
+    if plain {
+        format!("launcher --resume {d}")
+    } else {
+        format!("launcher --resume '{}'", d.replace('\'', r"'\''"))
+    }
+}
+
+/// The GPU lists a resume of `run_dir` runs on: each list given on the command line, the run's
+/// own (its `gpus.json`) for a list not given. The flag says whether both are the run's own,
+/// which a `--share-gpus` run that is resumed as it was needs not be told again. A run
+/// directory without the record (from a build before it) needs both lists given: a usage
+/// error otherwise.
+pub(crate) fn gpu_lists(
+    run_dir: &RunDir,
+    targets: Option<&GpuList>,
+    drafters: Option<&GpuList>,
+) -> anyhow::Result<(GpuLists, bool)> {
+    if let (Some(t), Some(d)) = (targets, drafters) {
+        let lists = GpuLists {
+            targets: t.0.clone(),
+            drafters: d.0.clone(),
+        };
+        return Ok((lists, false));
+    }
+    let Some(own) = run_dir.read_gpus()? else {
+        return Err(UsageError(format!(
+            "{} does not record the GPUs its run ran on (no {}: it was started by an earlier build), so pass both lists: `{} --targets LIST --drafters LIST`, with at least as many drafters as the run had",
+            run_dir.path().display(),
+            run_dir.gpus().display(),
+            command(run_dir.path())
+        ))
+        .into());
+    };
+    let lists = GpuLists {
+        targets: targets.map_or_else(|| own.targets.clone(), |t| t.0.clone()),
+        drafters: drafters.map_or_else(|| own.drafters.clone(), |d| d.0.clone()),
+    };
+    Ok((lists, targets.is_none() && drafters.is_none()))
+}
 
 /// What a resume will do, checked and not yet applied.
 #[derive(Debug)]
@@ -88,8 +141,20 @@ pub fn check(
         ledgers.push((path, keep));
     }
     if files > drafters {
+        // Where the run's own lists are recorded and fit, the command that uses them is the
+        // way out; a run without the record needs the lists spelled out.
+        let own = run_dir.read_gpus().ok().flatten();
+        let hint = match own {
+            Some(own) if own.drafters.len() as u32 >= files => format!(
+                "; `{}` alone resumes on the run's own GPUs (--targets {} --drafters {})",
+                command(run_dir.path()),
+                format_gpu_list(&own.targets),
+                format_gpu_list(&own.drafters)
+            ),
+            _ => String::new(),
+        };
         bail!(
-            "the run had {files} drafters (ledger files); resume it with at least as many --drafters, not {drafters}"
+            "the run had {files} drafters (ledger files); resume it with at least as many --drafters, not {drafters}{hint}"
         );
     }
     Ok(Resume {

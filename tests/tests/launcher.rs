@@ -692,10 +692,15 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
         "which is gone",
         &format!("the run in {dead_dir} stopped without finishing"),
         &format!("its group checkpoint is {dead_dir}/checkpoints/drafter.safetensors"),
-        &format!("launcher --resume {dead_dir}"),
     ] {
         assert!(line.contains(want), "{line:?} should say {want:?}");
     }
+    // The command to continue it ends the line: nothing else is needed.
+    let command = format!("launcher --resume {dead_dir}");
+    assert!(
+        line.ends_with(&format!("continue it with `{command}`")),
+        "{line:?} should end with the command {command:?}"
+    );
     assert!(
         !shm(&killed_ring).exists(),
         "the killed launcher's ring is gone"
@@ -714,6 +719,23 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     kill(live_pid, Signal::TERM);
     assert_eq!(running.wait_status().code(), Some(130));
     no_segment_of(live_pid);
+
+    // The command as printed (the launcher for its first word) continues the dead run on its
+    // own GPUs; stopped once it runs, it drains like any run.
+    let words: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(words[0], "launcher");
+    let mut resumed = spawn(&workspace_bin("launcher"), &words[1..]);
+    let started = resumed.line_starting("resuming ");
+    assert!(started.contains(&dead_dir), "{started}");
+    let gpus = resumed.line_starting("hspipe: ");
+    assert!(
+        gpus.contains("5 targets (GPUs [0, 1, 2, 3, 4]), 3 drafters (GPUs [5, 6, 7])"),
+        "{gpus}"
+    );
+    let resumed_pid = resumed.child.id();
+    kill(resumed_pid, Signal::TERM);
+    assert_eq!(resumed.wait_status().code(), Some(130));
+    no_segment_of(resumed_pid);
 }
 
 #[test]
@@ -826,17 +848,19 @@ fn checkpoint_step(run: &Run) -> u64 {
     u64::from_le_bytes(st.tensor("step").unwrap().data().try_into().unwrap())
 }
 
-/// The launcher and every worker SIGKILLed mid-run, then `--resume`: the plan is finished,
-/// every batch is in exactly one applied update, and no batch whose update was in the
-/// checkpoint is trained again. Then the resume inputs that must be refused.
-#[test]
-fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_checkpointed() {
-    let run = Run::new("lresume");
+/// Starts a slow run of `samples` samples on the default GPU lists (`Run::args`) and SIGKILLs
+/// the launcher and every worker once the group has checkpointed and trained a few steps
+/// after it. Returns the checkpoint's step and the batches whose update it holds (with their
+/// steps).
+fn kill_everything_mid_run(run: &Run, samples: u32) -> (u64, HashMap<u64, u64>) {
     let cfg = config(&run.dir, true, "");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(
         &cfg,
-        text.replace("synthetic_samples = 400", "synthetic_samples = 1500"),
+        text.replace(
+            "synthetic_samples = 400",
+            &format!("synthetic_samples = {samples}"),
+        ),
     )
     .unwrap();
     let mut launcher = run.launch(&cfg, &[]);
@@ -853,35 +877,50 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         std::thread::sleep(Duration::from_millis(10));
     }
     drop(ring);
-    let step = checkpoint_step(&run);
-    let old = ledgers_tolerant(&run);
-    let kept: HashMap<u64, u64> = old
+    let step = checkpoint_step(run);
+    let kept: HashMap<u64, u64> = ledgers_tolerant(run)
         .iter()
         .filter(|l| l.step <= step)
         .map(|l| (l.batch_id, l.step))
         .collect();
     assert!(!kept.is_empty(), "the checkpoint holds some updates");
+    (step, kept)
+}
 
+/// Runs `launcher --resume <run_dir>` with `extra` and no other flag, to its end; returns its
+/// exit code and stderr.
+fn resume_refused(run_dir: &Path, extra: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(workspace_bin("launcher"))
+        .args(["--resume", run_dir.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "{err}");
+    (out.status.code().unwrap(), err)
+}
+
+/// The launcher and every worker SIGKILLed mid-run, then `launcher --resume RUN_DIR` alone:
+/// it runs on the run's own GPU lists, the plan is finished, every batch is in exactly one
+/// applied update, and no batch whose update was in the checkpoint is trained again. Then the
+/// resume inputs that must be refused.
+#[test]
+fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed()
+{
+    let run = Run::new("lresume");
+    let (step, kept) = kill_everything_mid_run(&run, 1500);
     let run_dir = run.run_dir();
-    let resume_args = |dir: &str| -> Vec<String> {
-        [
-            "--targets",
-            "0-4",
-            "--drafters",
-            "5-7",
-            "--monitor",
-            "0.2",
-            "--resume",
-            dir,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let args = resume_args(run_dir.to_str().unwrap());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = spawn(&workspace_bin("launcher"), &args).finish();
+    let dir = run_dir.to_str().unwrap();
+    let out = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir, "--monitor", "0.2"],
+    )
+    .finish();
     assert!(
-        out.contains("resuming") && out.contains("exit code 0"),
+        out.contains("resuming")
+            && out
+                .contains("hspipe: 5 targets (GPUs [0, 1, 2, 3, 4]), 3 drafters (GPUs [5, 6, 7])")
+            && out.contains("exit code 0"),
         "{out}"
     );
     let s = run.summary();
@@ -918,18 +957,9 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
     // errors, and nothing in the run directory changes.
     let ledger0 = std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap();
     let bad = |dir: &Path, want: &str| {
-        let args = resume_args(dir.to_str().unwrap());
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = std::process::Command::new(workspace_bin("launcher"))
-            .args(&args)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(
-            err.contains(want) && !err.contains("panicked"),
-            "{err:?} should say {want:?}"
-        );
+        let (code, err) = resume_refused(dir, &[]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains(want), "{err:?} should say {want:?}");
     };
     bad(&run_dir, "nothing to resume");
     assert_eq!(
@@ -955,6 +985,121 @@ fn resume_after_everything_was_killed_finishes_the_plan_and_retrains_nothing_che
         std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
         ledger0
     );
+}
+
+/// Lists given with `--resume` replace the run's own where they fit: fewer drafters than the
+/// run had is refused (naming the command that resumes on the run's own GPUs) and changes
+/// nothing; other target GPUs, fewer of them, are used, with the drafters the run had; and the
+/// run directory then records the lists the resume ran on.
+#[test]
+fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_are_refused() {
+    let run = Run::new("lresumelists");
+    kill_everything_mid_run(&run, 1200);
+    let run_dir = run.run_dir();
+    let dir = run_dir.to_str().unwrap();
+    let ledgers = || {
+        (0..3)
+            .map(|d| std::fs::read(RunDir::new(&run_dir).ledger(d)).unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    let before = ledgers();
+
+    for fewer in [
+        &["--drafters", "5-6"][..],
+        &["--targets", "0-4", "--drafters", "6,8"],
+    ] {
+        let (code, err) = resume_refused(&run_dir, fewer);
+        assert_eq!(code, 1, "{fewer:?}: {err}");
+        for want in [
+            "the run had 3 drafters",
+            "at least as many --drafters, not 2",
+            &format!("`launcher --resume {dir}` alone resumes on the run's own GPUs (--targets 0-4 --drafters 5-7)"),
+        ] {
+            assert!(err.contains(want), "{fewer:?}: {err:?} should say {want:?}");
+        }
+        assert_eq!(ledgers(), before, "a refused resume changed the ledgers");
+    }
+
+    let out = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir, "--targets", "8,9", "--monitor", "0.2"],
+    )
+    .finish();
+    assert!(
+        out.contains("hspipe: 2 targets (GPUs [8, 9]), 3 drafters (GPUs [5, 6, 7])")
+            && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["samples_trained"].as_u64()),
+        (Some(true), Some(1200)),
+        "{s}"
+    );
+    let gpus: Vec<u64> = s["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["role"] == Role::Producer.name())
+        .map(|w| w["gpu"].as_u64().unwrap())
+        .collect();
+    assert_eq!(gpus, [8, 9], "{s}");
+    assert_eq!(
+        RunDir::new(&run_dir).read_gpus().unwrap(),
+        Some(proto::GpuLists {
+            targets: vec![8, 9],
+            drafters: vec![5, 6, 7]
+        })
+    );
+}
+
+/// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
+/// error that says to pass both lists (and changes nothing); with both it resumes, and records
+/// them, so the next `--resume` alone gets past the lists (to "nothing to resume").
+#[test]
+fn resume_alone_of_a_run_without_its_gpu_lists_says_to_pass_them() {
+    let run = Run::new("lresumeold");
+    let out = run.launch(&config(&run.dir, false, ""), &[]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let run_dir = run.run_dir();
+    let dir = run_dir.to_str().unwrap();
+    // As an earlier build left it, stopped before its summary.
+    std::fs::remove_file(RunDir::new(&run_dir).gpus()).expect("a run records its GPU lists");
+    std::fs::remove_file(RunDir::new(&run_dir).summary()).unwrap();
+    let ledger0 = std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap();
+
+    for partial in [&[][..], &["--targets", "0-4"], &["--drafters", "5-7"]] {
+        let (code, err) = resume_refused(&run_dir, partial);
+        assert_eq!(code, 2, "{partial:?}: {err}");
+        for want in [
+            "does not record the GPUs its run ran on",
+            "gpus.json",
+            &format!("`launcher --resume {dir} --targets LIST --drafters LIST`"),
+        ] {
+            assert!(
+                err.contains(want),
+                "{partial:?}: {err:?} should say {want:?}"
+            );
+        }
+    }
+    assert_eq!(
+        std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
+        ledger0
+    );
+    assert!(!RunDir::new(&run_dir).summary().exists());
+
+    let out = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir, "--targets", "0-4", "--drafters", "5-7"],
+    )
+    .finish();
+    assert!(
+        out.contains("resuming") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let (code, err) = resume_refused(&run_dir, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("nothing to resume"), "{err}");
 }
 
 /// One slow rank holds the whole synchronous group: the verdict names it (drafter 2, three

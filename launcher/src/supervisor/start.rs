@@ -28,9 +28,10 @@ impl<'a> Supervisor<'a> {
             params,
             run_id,
             run_dir,
+            gpus,
             resume,
         } = settled;
-        let (targets, drafters) = (&args.targets.0, &args.drafters.0);
+        let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
         // Before the ring exists: from here a stop signal is counted, never fatal, so the ring
         // is always removed.
