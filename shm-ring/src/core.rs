@@ -34,9 +34,11 @@
 //!   release sequence; the last producer's Release store of `closed` pairs with the consumers'
 //!   Acquire load, so a consumer that sees the ring closed also sees every item ever committed.
 //!
-//! A stale incarnation (a process that lost its registration) can never commit or release a
-//! slot that has since moved: its claim holds the whole word, generation included, so its CAS
-//! fails with `Reclaimed`.
+//! A stale incarnation (a process that lost its registration, e.g. one that hung, was
+//! recovered, then woke) can never commit or release a slot that has since moved: its claim
+//! holds the whole word, generation included, so its CAS fails with `Reclaimed`. `commit` and
+//! `complete_work` compare that word before they write anything, so such a writer also changes
+//! none of the slot's metadata or work link, which belong to the slot's new writer.
 //!
 //! FIFO is "the oldest ticket among the READY slots one scan saw": tickets are drawn just before
 //! the commit CAS, so a ticket drawn earlier can become READY after a later one, or land in a
@@ -269,6 +271,11 @@ impl<'a> RingRef<'a> {
             });
         }
         let s = &self.slots[claim.idx];
+        // The claim first, before any write: a stale incarnation must not overwrite the
+        // metadata of the writer that holds the slot now (see `complete_work`).
+        if Word(s.state.load(Ordering::Relaxed)) != claim.word {
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
         s.len.store(len, Ordering::Relaxed);
         s.bucket.store(meta.bucket, Ordering::Relaxed);
         s.tokens.store(meta.tokens, Ordering::Relaxed);

@@ -342,3 +342,67 @@ fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
     let (again, delivery, _) = r.consume(2, &mut st).unwrap();
     assert_eq!((again, delivery), (b, 1));
 }
+
+/// The fields of slot `idx` a writer stores before its commit.
+fn slot_fields(r: &HeapRing, idx: usize) -> [u64; 6] {
+    let s = &r.slots[idx];
+    [
+        s.len.load(Ordering::Relaxed),
+        u64::from(s.bucket.load(Ordering::Relaxed)),
+        s.tokens.load(Ordering::Relaxed),
+        s.batch_id.load(Ordering::Relaxed),
+        u64::from(s.producer.load(Ordering::Relaxed)),
+        s.work_item.load(Ordering::Relaxed),
+    ]
+}
+
+/// Issue #29, item 3. Producer 0's incarnation hangs in a write to slot 0 and is recovered
+/// (the launcher judged it gone); producer 1 reserves slot 0 and writes its own batch. The
+/// stale incarnation wakes, claims a fresh item and tries to complete it in, then commit, the
+/// slot it lost: both must fail and change nothing in the slot or the work table. The old
+/// `complete_work` linked its item into producer 1's slot and marked it DONE, and the old
+/// `commit` overwrote producer 1's metadata, before either looked at the claim.
+#[test]
+fn a_stale_writer_changes_nothing_in_a_slot_it_no_longer_owns() {
+    let r = ring(1, 2);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    let stale = r.write(0, 0);
+    r.recover(0);
+    // Producer 1 takes the fresh item 1 first; item 0 is FREE again.
+    assert_eq!(r.r().claim_work(1, 1), Some(1));
+    let fresh = r.write(1, 1);
+    let (slot_before, work_before) = (
+        slot_fields(&r, 0),
+        WorkWord(r.work[1].load(Ordering::Relaxed)),
+    );
+
+    // The stale incarnation wakes: it claims item 0 again and goes on with its lost slot.
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    let item0 = r.work[0].load(Ordering::Relaxed);
+    assert!(matches!(
+        r.r().complete_work(0, 1, stale, 0),
+        Err(RingError::Reclaimed { slot: 0 })
+    ));
+    let meta = crate::core::CommitMeta {
+        bucket: 1,
+        tokens: 77,
+        batch_id: 99,
+    };
+    assert!(matches!(
+        r.r().commit(0, stale, 5, meta),
+        Err(RingError::Reclaimed { slot: 0 })
+    ));
+    assert_eq!(slot_fields(&r, 0), slot_before, "the slot is untouched");
+    assert_eq!(WorkWord(r.work[1].load(Ordering::Relaxed)), work_before);
+    assert_eq!(
+        r.work[0].load(Ordering::Relaxed),
+        item0,
+        "item 0 stays claimed"
+    );
+
+    // Producer 1's batch is published as it wrote it.
+    r.r().complete_work(1, 1, fresh, 1).unwrap();
+    r.publish(1, fresh, 1);
+    assert_eq!(r.ready_batches(), vec![1]);
+    assert_eq!(r.r().item_meta(0).producer, 1);
+}

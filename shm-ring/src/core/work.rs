@@ -92,6 +92,18 @@ impl<'a> RingRef<'a> {
     ) -> Result<(), RingError> {
         let w = self.work_word(item)?;
         let s = &self.slots[claim.idx];
+        // Both claims first, before any write: a stale incarnation (recovered while it hung,
+        // then woken) must change nothing in a slot that is now another writer's, nor in the
+        // work table. The slot word names this WRITING period (its generation moves at every
+        // CAS), and only recovery moves it away from a live writer, which is excluded while the
+        // writer runs: so a check that passes here stays true until our own commit or abort.
+        if Word(s.state.load(Ordering::Relaxed)) != claim.word {
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
+        let mine = WorkWord::claimed(id, epoch).0;
+        if w.load(Ordering::Relaxed) != mine {
+            return Err(RingError::NotClaimed { item });
+        }
         let carried = s.work_item.load(Ordering::Relaxed);
         if carried != 0 {
             return Err(RingError::SlotCarriesWork {
@@ -103,15 +115,14 @@ impl<'a> RingRef<'a> {
         // item still CLAIMED and returns it by its claim.
         s.work_item.store(item + 1, Ordering::Relaxed);
         let done = WorkWord::done(claim.idx, claim.word.generation());
-        if w.compare_exchange(
-            WorkWord::claimed(id, epoch).0,
-            done.0,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        )
-        .is_err()
+        if w.compare_exchange(mine, done.0, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
         {
-            s.work_item.store(0, Ordering::Relaxed);
+            // Only recovery takes a claim from its holder, which the check above excludes for
+            // a running one; should it happen anyway, undo only our own link.
+            let _ = s
+                .work_item
+                .compare_exchange(item + 1, 0, Ordering::Relaxed, Ordering::Relaxed);
             return Err(RingError::NotClaimed { item });
         }
         Ok(())
