@@ -74,6 +74,7 @@ use crate::sync::{self, AtomicU64, Ordering};
 pub use recovery::Recovered;
 pub(crate) use recovery::Retire;
 pub(crate) use take::{choose_bucket, TakeState};
+pub use work::WorkClaim;
 
 /// The longest a waiter sleeps before it looks again (bounded so that waiters notice stop
 /// requests, closed rings and recovered slots even if a wake-up were lost): the one slice every
@@ -282,6 +283,9 @@ impl<'a> RingRef<'a> {
         s.batch_id.store(meta.batch_id, Ordering::Relaxed);
         s.producer.store(id, Ordering::Relaxed);
         s.delivery.store(0, Ordering::Relaxed);
+        // Our own slot's link, read while we still own it: a commit that settles an item wakes
+        // the producers waiting for held work.
+        let settles = s.work_item.load(Ordering::Relaxed) != 0;
         let ticket = self.ctl.next_ticket.fetch_add(1, Ordering::Relaxed);
         s.ticket.store(ticket, Ordering::Relaxed);
         // SYNC: Release pairs with the Acquire CAS in `try_take`: the metadata above and the
@@ -301,6 +305,9 @@ impl<'a> RingRef<'a> {
         sync::tally(&w.bytes, len);
         self.heartbeat(id);
         sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        if settles {
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
+        }
         Ok(())
     }
 
@@ -312,8 +319,9 @@ impl<'a> RingRef<'a> {
             // Reclaimed by recovery: not ours to touch any more.
             return;
         }
-        self.unmark_work(claim);
-        // SYNC: Release pairs with the Acquire CAS in `try_reserve`.
+        let returned = self.unmark_work(claim);
+        // SYNC: Release pairs with the Acquire CAS in `try_reserve`, and with the Acquire load
+        // of the slot word in `work_left` (which then sees the unmark above).
         if s.state
             .compare_exchange(
                 claim.word.0,
@@ -325,6 +333,10 @@ impl<'a> RingRef<'a> {
         {
             sync::tally(&self.ctl.aborted, 1);
             sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+        }
+        if returned {
+            // The item is FREE again: producers waiting for held work claim it.
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
         }
     }
 
@@ -359,6 +371,7 @@ impl<'a> RingRef<'a> {
             sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
             // Producers of a closed ring have nothing to wait for either.
             sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
             true
         } else {
             false
