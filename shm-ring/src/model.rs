@@ -1,5 +1,8 @@
 //! The state machine on heap memory, and the loom models that check it.
 //!
+//! Length: the heap ring's helpers and the models that use them stay together, so each model
+//! reads with the steps it is built from; every model is one scenario, standing alone.
+//!
 //! Run the models with
 //! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom cargo test -p shm-ring --release --lib model`.
 //! Capacities are tiny (one or two slots) so loom can explore every interleaving. Each slot's
