@@ -34,9 +34,11 @@
 //!   release sequence; the last producer's Release store of `closed` pairs with the consumers'
 //!   Acquire load, so a consumer that sees the ring closed also sees every item ever committed.
 //!
-//! A stale incarnation (a process that lost its registration) can never commit or release a
-//! slot that has since moved: its claim holds the whole word, generation included, so its CAS
-//! fails with `Reclaimed`.
+//! A stale incarnation (a process that lost its registration, e.g. one that hung, was
+//! recovered, then woke) can never commit or release a slot that has since moved: its claim
+//! holds the whole word, generation included, so its CAS fails with `Reclaimed`. `commit` and
+//! `complete_work` compare that word before they write anything, so such a writer also changes
+//! none of the slot's metadata or work link, which belong to the slot's new writer.
 //!
 //! FIFO is "the oldest ticket among the READY slots one scan saw": tickets are drawn just before
 //! the commit CAS, so a ticket drawn earlier can become READY after a later one, or land in a
@@ -72,6 +74,7 @@ use crate::sync::{self, AtomicU64, Ordering};
 pub use recovery::Recovered;
 pub(crate) use recovery::Retire;
 pub(crate) use take::{choose_bucket, TakeState};
+pub use work::WorkClaim;
 
 /// The longest a waiter sleeps before it looks again (bounded so that waiters notice stop
 /// requests, closed rings and recovered slots even if a wake-up were lost): the one slice every
@@ -269,12 +272,20 @@ impl<'a> RingRef<'a> {
             });
         }
         let s = &self.slots[claim.idx];
+        // The claim first, before any write: a stale incarnation must not overwrite the
+        // metadata of the writer that holds the slot now (see `complete_work`).
+        if Word(s.state.load(Ordering::Relaxed)) != claim.word {
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
         s.len.store(len, Ordering::Relaxed);
         s.bucket.store(meta.bucket, Ordering::Relaxed);
         s.tokens.store(meta.tokens, Ordering::Relaxed);
         s.batch_id.store(meta.batch_id, Ordering::Relaxed);
         s.producer.store(id, Ordering::Relaxed);
         s.delivery.store(0, Ordering::Relaxed);
+        // Our own slot's link, read while we still own it: a commit that settles an item wakes
+        // the producers waiting for held work.
+        let settles = s.work_item.load(Ordering::Relaxed) != 0;
         let ticket = self.ctl.next_ticket.fetch_add(1, Ordering::Relaxed);
         s.ticket.store(ticket, Ordering::Relaxed);
         // SYNC: Release pairs with the Acquire CAS in `try_take`: the metadata above and the
@@ -294,6 +305,9 @@ impl<'a> RingRef<'a> {
         sync::tally(&w.bytes, len);
         self.heartbeat(id);
         sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        if settles {
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
+        }
         Ok(())
     }
 
@@ -305,8 +319,9 @@ impl<'a> RingRef<'a> {
             // Reclaimed by recovery: not ours to touch any more.
             return;
         }
-        self.unmark_work(claim);
-        // SYNC: Release pairs with the Acquire CAS in `try_reserve`.
+        let returned = self.unmark_work(claim);
+        // SYNC: Release pairs with the Acquire CAS in `try_reserve`, and with the Acquire load
+        // of the slot word in `work_left` (which then sees the unmark above).
         if s.state
             .compare_exchange(
                 claim.word.0,
@@ -318,6 +333,10 @@ impl<'a> RingRef<'a> {
         {
             sync::tally(&self.ctl.aborted, 1);
             sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+        }
+        if returned {
+            // The item is FREE again: producers waiting for held work claim it.
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
         }
     }
 
@@ -352,6 +371,7 @@ impl<'a> RingRef<'a> {
             sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
             // Producers of a closed ring have nothing to wait for either.
             sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
+            sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
             true
         } else {
             false

@@ -9,7 +9,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use crate::core::Claim;
+use crate::core::{Claim, WorkClaim};
 use crate::error::RingError;
 use crate::layout::{Lease, Word, WorkWord, READY, WRITING};
 use crate::model::{process, HeapRing, SUPERVISOR};
@@ -341,4 +341,151 @@ fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
     let mut st = crate::core::TakeState::new(1, 2);
     let (again, delivery, _) = r.consume(2, &mut st).unwrap();
     assert_eq!((again, delivery), (b, 1));
+}
+
+/// What a producer's claim loop does next: publish an item, wait (items are still held by
+/// others and may come back), or finish (nothing can come back any more).
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    Item(u64),
+    Wait,
+    Finish,
+}
+
+/// One look by producer `id` (incarnation `epoch`) at the work table, without sleeping: what
+/// the target's claim loop would do now.
+fn next_work(r: &HeapRing, id: u32, epoch: u64) -> Next {
+    match r
+        .r()
+        .claim_work_until(id, epoch, Some(std::time::Instant::now()))
+    {
+        WorkClaim::Item(i) => Next::Item(i),
+        WorkClaim::Pending => Next::Wait,
+        WorkClaim::Settled => Next::Finish,
+    }
+}
+
+/// Producer `id` runs its claim loop until it must wait or finishes; returns true if it
+/// finished.
+fn claim_loop(r: &HeapRing, id: u32, epoch: u64) -> bool {
+    loop {
+        match next_work(r, id, epoch) {
+            Next::Item(i) => r.deliver(id, epoch, i),
+            Next::Wait => return false,
+            Next::Finish => {
+                r.r().finish(id);
+                return true;
+            }
+        }
+    }
+}
+
+/// Issue #29, item 1. Producer 0 publishes its share while producer 1 holds item 1; then
+/// producer 1 dies, is recovered (item 1 FREE) and given up (retired). Producer 0, whose GPU
+/// is fine, must publish item 1: the old protocol let it finish at its last scan (item 1 was
+/// claimed then), the retire closed the ring, and item 1 was never published.
+#[test]
+fn a_claim_returned_after_the_others_last_scan_is_still_published() {
+    let r = ring(2, 2);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    assert_eq!(r.r().claim_work(1, 1), Some(1));
+    r.deliver(0, 1, 0);
+    let finished = claim_loop(&r, 0, 1);
+    r.recover(1);
+    r.r().retire(1);
+    if !finished {
+        assert!(
+            claim_loop(&r, 0, 1),
+            "nothing is held any more: it finishes"
+        );
+    }
+    assert!(r.r().closed());
+    assert_eq!(r.ready_batches(), vec![0, 1], "every item is published");
+    assert!(r.all_work_done());
+}
+
+/// Issue #29, item 1, the abort case. Producer 1 marks item 1 done in its slot and aborts after
+/// producer 0's last scan (a refused commit): the item goes back FREE and producer 0 must still
+/// publish it before it finishes, while producer 1 finishes with nothing left to claim.
+#[test]
+fn an_item_aborted_after_the_others_last_scan_is_still_published() {
+    let r = ring(2, 2);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    assert_eq!(r.r().claim_work(1, 1), Some(1));
+    let c = r.write(1, 1);
+    r.r().complete_work(1, 1, c, 1).unwrap();
+    r.deliver(0, 1, 0);
+    let finished = claim_loop(&r, 0, 1);
+    r.r().abort(c);
+    // Producer 1 gives up on the item (it stops) and finishes.
+    r.r().finish(1);
+    if !finished {
+        assert!(claim_loop(&r, 0, 1));
+    }
+    assert!(r.r().closed());
+    assert_eq!(r.ready_batches(), vec![0, 1], "every item is published");
+}
+
+/// The fields of slot `idx` a writer stores before its commit.
+fn slot_fields(r: &HeapRing, idx: usize) -> [u64; 6] {
+    let s = &r.slots[idx];
+    [
+        s.len.load(Ordering::Relaxed),
+        u64::from(s.bucket.load(Ordering::Relaxed)),
+        s.tokens.load(Ordering::Relaxed),
+        s.batch_id.load(Ordering::Relaxed),
+        u64::from(s.producer.load(Ordering::Relaxed)),
+        s.work_item.load(Ordering::Relaxed),
+    ]
+}
+
+/// Issue #29, item 3. Producer 0's incarnation hangs in a write to slot 0 and is recovered
+/// (the launcher judged it gone); producer 1 reserves slot 0 and writes its own batch. The
+/// stale incarnation wakes, claims a fresh item and tries to complete it in, then commit, the
+/// slot it lost: both must fail and change nothing in the slot or the work table. The old
+/// `complete_work` linked its item into producer 1's slot and marked it DONE, and the old
+/// `commit` overwrote producer 1's metadata, before either looked at the claim.
+#[test]
+fn a_stale_writer_changes_nothing_in_a_slot_it_no_longer_owns() {
+    let r = ring(1, 2);
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    let stale = r.write(0, 0);
+    r.recover(0);
+    // Producer 1 takes the fresh item 1 first; item 0 is FREE again.
+    assert_eq!(r.r().claim_work(1, 1), Some(1));
+    let fresh = r.write(1, 1);
+    let (slot_before, work_before) = (
+        slot_fields(&r, 0),
+        WorkWord(r.work[1].load(Ordering::Relaxed)),
+    );
+
+    // The stale incarnation wakes: it claims item 0 again and goes on with its lost slot.
+    assert_eq!(r.r().claim_work(0, 1), Some(0));
+    let item0 = r.work[0].load(Ordering::Relaxed);
+    assert!(matches!(
+        r.r().complete_work(0, 1, stale, 0),
+        Err(RingError::Reclaimed { slot: 0 })
+    ));
+    let meta = crate::core::CommitMeta {
+        bucket: 1,
+        tokens: 77,
+        batch_id: 99,
+    };
+    assert!(matches!(
+        r.r().commit(0, stale, 5, meta),
+        Err(RingError::Reclaimed { slot: 0 })
+    ));
+    assert_eq!(slot_fields(&r, 0), slot_before, "the slot is untouched");
+    assert_eq!(WorkWord(r.work[1].load(Ordering::Relaxed)), work_before);
+    assert_eq!(
+        r.work[0].load(Ordering::Relaxed),
+        item0,
+        "item 0 stays claimed"
+    );
+
+    // Producer 1's batch is published as it wrote it.
+    r.r().complete_work(1, 1, fresh, 1).unwrap();
+    r.publish(1, fresh, 1);
+    assert_eq!(r.ready_batches(), vec![1]);
+    assert_eq!(r.r().item_meta(0).producer, 1);
 }

@@ -94,6 +94,11 @@ pub(crate) struct Control {
     pub aborted: Padded<AtomicU64>,
     /// Next never-claimed work item (a hint: the work table's CAS decides).
     pub work_cursor: Padded<AtomicU64>,
+    /// Futex word producers sleep on while work items are held by others; bumped when an item
+    /// goes back FREE, when a batch that completes an item is committed, and at the close.
+    pub work_seq: Padded<AtomicU32>,
+    /// Producers about to sleep or asleep on `work_seq`.
+    pub work_waiters: Padded<AtomicU32>,
 }
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the
@@ -207,6 +212,16 @@ impl WorkWord {
     }
     pub(crate) fn is_done(self) -> bool {
         self.0 & WORK_KIND_MASK == WORK_DONE
+    }
+    /// The slot named by a DONE word (for `done_before`, slot 0 with a generation no WRITING
+    /// period has).
+    pub(crate) fn done_slot(self) -> Option<usize> {
+        self.is_done()
+            .then_some(((self.0 >> WORK_A_SHIFT) & WORK_A_MASK) as usize)
+    }
+    /// The slot generation a DONE word names (meaningless for other kinds).
+    pub(crate) fn done_generation(self) -> u64 {
+        (self.0 >> WORK_B_SHIFT) & WORK_B_MASK
     }
     /// The claiming worker's id, if the item is CLAIMED.
     pub(crate) fn claimer(self) -> Option<u32> {

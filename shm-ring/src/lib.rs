@@ -54,7 +54,7 @@ mod model;
 #[cfg(all(test, not(loom)))]
 mod crash_tests;
 
-pub use crate::core::{CommitMeta, ItemMeta, Recovered};
+pub use crate::core::{CommitMeta, ItemMeta, Recovered, WorkClaim};
 pub use crate::error::RingError;
 pub use crate::layout::PHASES;
 pub use crate::params::{

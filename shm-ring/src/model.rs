@@ -1,7 +1,10 @@
 //! The state machine on heap memory, and the loom models that check it.
 //!
+//! Length: the heap ring's helpers and the models that use them stay together, so each model
+//! reads with the steps it is built from; every model is one scenario, standing alone.
+//!
 //! Run the models with
-//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p shm-ring --release --lib model`.
+//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom cargo test -p shm-ring --release --lib model`.
 //! Capacities are tiny (one or two slots) so loom can explore every interleaving. Each slot's
 //! payload is a loom `UnsafeCell`: if the Release/Acquire pairs in `core.rs` did not order a
 //! writer's payload stores before a reader's loads, loom would report a data race.
@@ -129,8 +132,30 @@ impl HeapRing {
 
     /// Producer `id` claims and publishes work items until none is left, following `script`
     /// for its first item. Returns false if the script killed it.
-    pub(crate) fn produce_work(&self, id: u32, epoch: u64, mut script: Script) -> bool {
-        while let Some(item) = self.r().claim_work(id, epoch) {
+    pub(crate) fn produce_work(&self, id: u32, epoch: u64, script: Script) -> bool {
+        self.produce_loop(id, epoch, script, || self.r().claim_work(id, epoch))
+    }
+
+    /// As `produce_work`, claiming as a target does: while items are held by others it waits
+    /// for them to settle or come back, so when it returns true every item is settled.
+    pub(crate) fn produce_work_waiting(&self, id: u32, epoch: u64, script: Script) -> bool {
+        self.produce_loop(id, epoch, script, || {
+            match self.r().claim_work_until(id, epoch, None) {
+                crate::core::WorkClaim::Item(i) => Some(i),
+                crate::core::WorkClaim::Settled => None,
+                crate::core::WorkClaim::Pending => unreachable!("no deadline"),
+            }
+        })
+    }
+
+    fn produce_loop(
+        &self,
+        id: u32,
+        epoch: u64,
+        mut script: Script,
+        claim: impl Fn() -> Option<u64>,
+    ) -> bool {
+        while let Some(item) = claim() {
             let first = std::mem::replace(&mut script, Script::Normal);
             if first == Script::DieAfterClaim {
                 return false;
@@ -485,6 +510,53 @@ fn work_items_survive_slot_reuse_with_a_consumer() {
             got.sort();
             assert_eq!(got, vec![0, 1], "{script:?}");
             assert!(ring.all_work_done(), "{script:?}");
+        });
+    }
+}
+
+/// Issue #29, item 1: a producer that finds nothing FREE waits while the other holds the only
+/// item, and publishes it if it comes back. Producer 1 claims it first (or not, as loom
+/// schedules) and runs normally, dies after its claim, or dies after marking it done in its
+/// slot; the supervisor then recovers and retires it (given up, never restarted). The item is
+/// published exactly once, both producers count toward the close, the ring closes, and no
+/// wait loses its wake-up (loom's futex has no timeout: a lost wake is a deadlock).
+#[test]
+fn a_waiting_producer_publishes_an_item_given_back_by_a_retired_one() {
+    for script in [
+        Script::Normal,
+        Script::DieAfterClaim,
+        Script::DieAfterComplete,
+    ] {
+        run_model(move || {
+            // Producers 0 and 1, no consumer; one slot, one item.
+            let ring = Arc::new(HeapRing::with_work(1, 2, 1, TakePolicy::Fifo, 1));
+            let e0 = ring.register(0, 0);
+            let e1 = ring.register(1, 0);
+            let live = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    assert!(ring.produce_work_waiting(0, e0, Script::Normal));
+                    ring.r().finish(0);
+                })
+            };
+            let victim = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let lived = ring.produce_work_waiting(1, e1, script);
+                    if lived {
+                        ring.r().finish(1);
+                    }
+                    lived
+                })
+            };
+            if !victim.join().unwrap() {
+                ring.recover(1);
+                ring.r().retire(1);
+            }
+            live.join().unwrap();
+            assert_eq!(ring.ready_batches(), vec![0], "{script:?}");
+            assert!(ring.all_work_done(), "{script:?}");
+            assert!(ring.r().closed(), "{script:?}");
         });
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::core::{
     Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
+    WorkClaim,
 };
 use crate::error::RingError;
 use crate::layout::{Lease, LEASE_START_MASK};
@@ -459,10 +460,27 @@ impl<'r> Producer<'r> {
     /// Claims the next unit of work (see [`RingParams::work_items`]): faster producers claim
     /// more, and items given back (by a dead producer's recovery, an aborted slot or
     /// [`Producer::unclaim_work`]) are claimed once the fresh ones run out. `None` when one scan
-    /// of the table found every item claimed or done: the producer should finish. It never
-    /// blocks or spins.
+    /// of the table found every item claimed or done. It never blocks or spins.
+    ///
+    /// `None` does not mean the producer may finish: an item another producer holds may still
+    /// come back (its holder dies and is given up) and then only a producer that has not
+    /// finished can publish it. A producer's claim loop uses
+    /// [`Producer::claim_work_timeout`], which says when finishing is safe.
     pub fn claim_work(&self) -> Option<u64> {
         self.w.core().claim_work(self.w.id, self.w.epoch)
+    }
+
+    /// As [`Producer::claim_work`], but while no item is FREE and some are still held (claimed,
+    /// or marked done in a batch not yet committed, by any producer, this one included), sleeps
+    /// (no CPU) for one to come back, at most `timeout`: [`WorkClaim::Pending`] then. It answers
+    /// [`WorkClaim::Settled`] once every item's batch is committed (nothing can come back any
+    /// more) or the ring is closed: only then should the producer finish. Items this producer
+    /// holds count as held, so call it from a thread other than the one that will commit them
+    /// (or with a timeout), and look at stop requests between calls.
+    pub fn claim_work_timeout(&self, timeout: Duration) -> WorkClaim {
+        self.w
+            .core()
+            .claim_work_until(self.w.id, self.w.epoch, Some(Instant::now() + timeout))
     }
 
     /// Gives back a claimed item this producer will not do (e.g. it is stopping early).

@@ -1,7 +1,8 @@
 //! The target worker: claims planned batches through the ring (faster targets claim more),
 //! gathers the next batch while the current one computes, runs the target forward straight into
-//! the ring slot, marks the work item done and publishes. Calls `finish()` at the end of the data
-//! so the last target to finish closes the ring.
+//! the ring slot, marks the work item done and publishes. Calls `finish()` once every batch is
+//! published (waiting meanwhile for batches other targets hold, which come back if they die), so
+//! the last target to finish closes the ring.
 
 use std::sync::mpsc;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use clap::Parser;
 use proto::control::{FinalReport, ToLauncher};
 use proto::stop::EXIT_STOPPED;
 use proto::{batch_len, BatchSpec, BatchWriter};
-use shm_ring::{CommitMeta, Phase, Ring, Role};
+use shm_ring::{CommitMeta, Phase, Ring, Role, WorkClaim};
 use worker_runtime::{setup, WorkerArgs};
 
 use dataset::Dataset;
@@ -150,9 +151,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         let (tx, rx) = mpsc::sync_channel::<Gathered>(1);
         let (producer, plan, data, stop) = (&producer, &plan, &data, &s.stop);
         scope.spawn(move || {
+            // Nothing FREE does not mean done: an item another target holds comes back if it
+            // dies (and nobody may restart it), so wait for held items to settle, claiming what
+            // comes back, and look at stop requests between waits.
             while !stop.stopping() {
-                let Some(item) = producer.claim_work() else {
-                    break;
+                let item = match producer.claim_work_timeout(Duration::from_millis(200)) {
+                    WorkClaim::Item(item) => item,
+                    WorkClaim::Pending => continue,
+                    WorkClaim::Settled => break,
                 };
                 let next = gather(item, &plan[item as usize], data, cfg, s.index);
                 if tx.send(next).is_err() {

@@ -464,6 +464,35 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     );
 }
 
+/// Issue #29, item 1, end to end: target-1 is slow and crashes with its batches still held
+/// (its first in WRITING, the next prefetched) long after the other targets ran out of fresh
+/// work; with `--max-restarts 0` it is given up at once and retired. The other targets, waiting
+/// for held batches instead of finishing, publish what its recovery gave back: every sample is
+/// trained, and the summary names the given-up worker. Before the fix the others had finished,
+/// the retire closed the ring, and target-1's batches were never trained.
+#[test]
+fn a_target_given_up_after_the_others_ran_out_of_work_has_its_batches_done_by_them() {
+    let run = Run::new("lgiveup");
+    let cfg = config(
+        &run.dir,
+        false,
+        "[faults.target-1]\nslow = 3000.0\ncrash_after = 1\n",
+    );
+    let launcher = run.launch(&cfg, &["--max-restarts", "0"]);
+    let (status, err) = launcher.wait_status_keep();
+    assert_eq!(status.code(), Some(3), "degraded: a worker gave up\n{err}");
+    let s = run.summary();
+    let notes = s["notes"].to_string();
+    assert!(
+        notes.contains("target-1 gave up after 0 restart(s)"),
+        "{notes}"
+    );
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 400, "every sample trained\n{err}");
+    assert_eq!(s["samples_trained"], 400);
+    assert_eq!(s["batches_published"], s["batches_total"]);
+}
+
 fn launch_bad(args: &[&str]) -> (i32, String, u32) {
     let p = spawn(&workspace_bin("launcher"), args);
     let pid = p.child.id();

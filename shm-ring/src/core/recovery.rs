@@ -219,6 +219,10 @@ impl RingRef<'_> {
         if out.freed > 0 || out.retired > 0 {
             crate::sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
+        if out.work_returned > 0 {
+            // Producers waiting for held work claim what came back (see `work.rs`).
+            crate::sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
+        }
         if out.requeued > 0 || out.retired > 0 || self.closed() {
             crate::sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         }

@@ -1,40 +1,88 @@
 //! Work items: producers claim numbered units of work through the ring (a target claims
 //! planned batches), so faster producers take more.
 //!
-//! Producers may also claim numbered units of work through the ring (a target claims planned
-//! batches), so faster producers take more. Each item has one word in the work table (see
-//! `WorkWord`): FREE → CLAIMED(p, epoch) → DONE(slot, generation), each step one CAS.
+//! # States
+//!
+//! Each item has one word in the work table (see `WorkWord`), each step ONE CAS:
+//!
+//! ```text
+//!          claim_work (p, epoch e)        complete_work (p, e)          commit (p)
+//!   FREE ───────────────────────▶ CLAIMED(p, e) ──────────────▶ DONE(s, g) ─────────▶ settled
+//!    ▲  ◀── unclaim_work (p, e) ───────┘  ▲                        │     (slot s leaves
+//!    │  ◀── recovery of p ────────────────┘                        │      WRITING@g by its
+//!    └───── abort of slot s, or recovery of p, in WRITING@g ◀──────┘      commit: for good)
+//! ```
 //!
 //! - `claim_work` takes fresh items from a shared cursor, then makes ONE full scan for FREE
 //!   items (given back by `unclaim_work`, `abort` or recovery, or fresh ones whose cursor holder
 //!   lost them to such a scan) before it answers None. No count decides anything, so a producer
-//!   killed anywhere cannot strand an item or make another spin; a producer that finds nothing
-//!   finishes.
-//! - `complete_work` records the item in its WRITING slot's `work_item`, then marks it
-//!   DONE(slot, generation of that WRITING word); the producer commits next. Since the mark
-//!   names the slot and its generation, it is undone only by whoever frees that very WRITING
-//!   period: `abort` (the item goes back FREE) or recovery (likewise, if the producer died before
-//!   its commit). One item per slot.
+//!   killed anywhere cannot strand an item or make another spin.
+//! - `complete_work` checks the slot's WRITING word and the item's claim, records the item in
+//!   its WRITING slot's `work_item`, then marks it DONE(slot, generation of that WRITING word);
+//!   the producer commits next. Since the mark names the slot and its generation, it is undone
+//!   only by whoever frees that very WRITING period: `abort` (the item goes back FREE) or
+//!   recovery (likewise, if the producer died before its commit). One item per slot.
 //! - Every CAS of a slot to FREE (release, abort, recovery) is preceded by clearing `work_item`,
 //!   so a FREE slot carries no item and a new writer never inherits one.
+//!
+//! An item is *held* while it is CLAIMED, or DONE(s, g) with slot s still WRITING@g: it may
+//! still come back FREE (its holder unclaims, aborts or dies). It is *settled* once DONE and its
+//! slot has left WRITING@g: only a commit moves it so while the mark stands (abort and recovery
+//! undo the mark BEFORE they free the slot), and no later WRITING period has generation g, so a
+//! settled item never comes back.
+//!
+//! # Waiting for returned work (`claim_work_until`)
+//!
+//! A producer that finds nothing FREE must not finish while items are held by others: a
+//! holder that dies after this producer's last scan (and is then given up, so nobody restarts
+//! it) would strand its items. So a producer finishes only once every item is settled, and
+//! until then sleeps on `work_seq`, claiming whatever comes back. Who bumps `work_seq`: every
+//! move that can end the wait, i.e. an item going back FREE (`unclaim_work`, `abort` that
+//! unmarked an item, recovery that returned one) and a commit of a slot that carries an item
+//! (held → settled); the close bumps it too. CLAIMED → DONE needs no wake: the item stays
+//! held. The items a producer holds itself count as held, so a producer that claims ahead (the
+//! target's prefetch thread) waits for its own commit, which wakes it.
+//!
+//! End of stream stays exact: a producer calls `finish()` only after it saw every item settled
+//! (or it stops on request, or the ring closed), and a settled item never needs a producer
+//! again, so no producer that finished is ever the one that should claim a returned item; the
+//! last producer to finish (or be retired) still closes the ring. A waiter is woken by the
+//! return of an item held by a dead producer when the supervisor recovers it, whether the dead
+//! producer is then restarted or given up and retired. When every producer is given up, nobody
+//! waits and the last retire closes the ring with the items left FREE: the run is degraded, as
+//! it must be, and nothing hangs.
 //!
 //! Invariants: an item is DONE exactly when its batch is committed, or its slot is WRITING by a
 //! producer that has not yet committed or aborted; recovery of that producer makes it FREE. An
 //! item is CLAIMED only by an incarnation that registered with that epoch; recovery frees every
 //! claim of a dead id. Every FREE item is claimed by the next `claim_work` whose scan passes it.
-//! So every item is published exactly once, provided some producer claims after the last
-//! recovery (a restarted producer does).
+//! So every item is published exactly once while some producer that has not finished remains.
+//!
+//! # Memory ordering
 //!
 //! The work table carries no data: every change is one CAS, and each word's modification order
 //! is the whole protocol, so its operations are Relaxed. What recovery reads of a dead producer
-//! (its slots' `work_item`) is ordered by that producer's exit and the lease hand-over.
+//! (its slots' `work_item`) is ordered by that producer's exit and the lease hand-over. The
+//! wait's pairs:
+//!
+//! - the Release increment in `sync::bump(work_seq)`, after each waking move, pairs with the
+//!   Acquire load of `work_seq` before a waiter's scan: a waiter that read the bumped value
+//!   sees the move; one that read the old value sleeps only while the word still holds it (the
+//!   futex compares), and the bump's Dekker hand-shake with `work_waiters` wakes it otherwise;
+//! - the Acquire load of a DONE item's slot word pairs with the Release CAS that moved the slot
+//!   out of WRITING@g (commit, abort or recovery, continued by later CASes' release sequence):
+//!   if that was an abort or a recovery, its unmark, sequenced before, is visible to the
+//!   re-read of the item word that follows, so a waiter never mistakes a returned item for a
+//!   settled one. Only a slot word of a later generation than g proves the period over: the
+//!   item's own load is Relaxed, so the slot word read after it may be older than WRITING@g,
+//!   and is then taken as held (the period's end will bump `work_seq`).
 
 use super::*;
 
 impl<'a> RingRef<'a> {
     /// Claims the next work item for producer `id` (registered with `epoch`): a fresh one from
     /// the cursor while they last, then the first FREE item of one full scan. None when that
-    /// scan finds none: every item is claimed or done, and the caller should finish.
+    /// scan finds none: every item is held or settled (see `claim_work_until` before finishing).
     pub(crate) fn claim_work(&self, id: u32, epoch: u64) -> Option<u64> {
         let total = self.work.len() as u64;
         let mine = WorkWord::claimed(id, epoch).0;
@@ -56,6 +104,82 @@ impl<'a> RingRef<'a> {
         // claim and its count update would skew it. One CAS per item reads each word's latest
         // value, so the scan misses no item that was FREE when it passed.
         self.work.iter().position(claim).map(|i| i as u64)
+    }
+
+    /// Claims the next work item for producer `id` (incarnation `epoch`) as `claim_work` does,
+    /// but while none is FREE and some are still held (by anyone, this producer included),
+    /// sleeps on `work_seq` and claims what comes back, at most until `deadline`. `Settled` once
+    /// every item is settled, or the ring closed or this producer finished: then it may finish.
+    pub(crate) fn claim_work_until(
+        &self,
+        id: u32,
+        epoch: u64,
+        deadline: Option<Instant>,
+    ) -> WorkClaim {
+        loop {
+            // SYNC: Acquire pairs with the Release increment in `sync::bump(work_seq)` after
+            // every move that can end this wait (see "Memory ordering" in the module doc).
+            let seq = self.ctl.work_seq.load(Ordering::Acquire);
+            if self.closed() || self.worker(id).finished.load(Ordering::Relaxed) != 0 {
+                return WorkClaim::Settled;
+            }
+            if let Some(i) = self.claim_work(id, epoch) {
+                return WorkClaim::Item(i);
+            }
+            match self.work_left() {
+                WorkLeft::Settled => return WorkClaim::Settled,
+                // An item went FREE after the claim scan passed it: claim again at once.
+                WorkLeft::Free => continue,
+                WorkLeft::Held => {}
+            }
+            let Some(sleep) = sleep_for(deadline) else {
+                return WorkClaim::Pending;
+            };
+            sync::sleep(&self.ctl.work_seq, &self.ctl.work_waiters, seq, sleep);
+            // A producer waiting for work is alive: say so at every wake.
+            self.heartbeat(id);
+        }
+    }
+
+    /// What one scan sees of the items that are not settled: any FREE, else any held, else
+    /// none (every item settled for good).
+    fn work_left(&self) -> WorkLeft {
+        let mut left = WorkLeft::Settled;
+        for w in self.work {
+            let v = WorkWord(w.load(Ordering::Relaxed));
+            if v.is_free() {
+                return WorkLeft::Free;
+            }
+            if v.claimer().is_some() {
+                left = WorkLeft::Held;
+                continue;
+            }
+            if v == WorkWord::done_before() {
+                // Done before the run started: no WRITING period can undo it.
+                continue;
+            }
+            let Some(slot) = v
+                .done_slot()
+                .and_then(|i| self.slots.get(i).map(|s| (i, s)))
+            else {
+                continue;
+            };
+            // SYNC: Acquire pairs with the Release CAS that moved the slot out of the WRITING
+            // period the mark names (see "Memory ordering" in the module doc).
+            let cur = Word(slot.1.state.load(Ordering::Acquire));
+            let period = v.done_generation();
+            if cur.generation() <= period {
+                // Still that WRITING period, or an older value of the slot word (the item's
+                // Relaxed load does not order the slot's; loom found the stale read): held.
+                // Its end, a commit or a return, bumps `work_seq`.
+                left = WorkLeft::Held;
+            } else if w.load(Ordering::Relaxed) != v.0 {
+                // The slot left that period by an abort or a recovery, which unmarked the item
+                // first: it came back (and may be claimed already). Look again.
+                return WorkLeft::Free;
+            }
+        }
+        left
     }
 
     /// Marks FREE work `item` DONE for good, before any producer runs. Returns false if it was
@@ -92,6 +216,18 @@ impl<'a> RingRef<'a> {
     ) -> Result<(), RingError> {
         let w = self.work_word(item)?;
         let s = &self.slots[claim.idx];
+        // Both claims first, before any write: a stale incarnation (recovered while it hung,
+        // then woken) must change nothing in a slot that is now another writer's, nor in the
+        // work table. The slot word names this WRITING period (its generation moves at every
+        // CAS), and only recovery moves it away from a live writer, which is excluded while the
+        // writer runs: so a check that passes here stays true until our own commit or abort.
+        if Word(s.state.load(Ordering::Relaxed)) != claim.word {
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
+        let mine = WorkWord::claimed(id, epoch).0;
+        if w.load(Ordering::Relaxed) != mine {
+            return Err(RingError::NotClaimed { item });
+        }
         let carried = s.work_item.load(Ordering::Relaxed);
         if carried != 0 {
             return Err(RingError::SlotCarriesWork {
@@ -103,15 +239,14 @@ impl<'a> RingRef<'a> {
         // item still CLAIMED and returns it by its claim.
         s.work_item.store(item + 1, Ordering::Relaxed);
         let done = WorkWord::done(claim.idx, claim.word.generation());
-        if w.compare_exchange(
-            WorkWord::claimed(id, epoch).0,
-            done.0,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        )
-        .is_err()
+        if w.compare_exchange(mine, done.0, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
         {
-            s.work_item.store(0, Ordering::Relaxed);
+            // Only recovery takes a claim from its holder, which the check above excludes for
+            // a running one; should it happen anyway, undo only our own link.
+            let _ = s
+                .work_item
+                .compare_exchange(item + 1, 0, Ordering::Relaxed, Ordering::Relaxed);
             return Err(RingError::NotClaimed { item });
         }
         Ok(())
@@ -126,8 +261,10 @@ impl<'a> RingRef<'a> {
             Ordering::Relaxed,
             Ordering::Relaxed,
         )
-        .map(drop)
-        .map_err(|_| RingError::NotClaimed { item })
+        .map_err(|_| RingError::NotClaimed { item })?;
+        // Producers waiting for held work claim it (see "Waiting for returned work").
+        sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
+        Ok(())
     }
 
     /// Undoes the DONE mark of the item that WRITING slot `claim` carries, if the mark is this
@@ -151,4 +288,24 @@ impl<'a> RingRef<'a> {
         s.work_item.store(0, Ordering::Relaxed);
         undone
     }
+}
+
+/// Outcome of a claim that waits for returned work ([`crate::Producer::claim_work_timeout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkClaim {
+    /// This producer now holds this item.
+    Item(u64),
+    /// None is FREE, but some are still held (by other producers, or by this one) and may come
+    /// back: ask again (after looking at stop requests). Do not finish yet.
+    Pending,
+    /// Every item is committed (or the ring closed, or this producer finished): nothing can
+    /// come back; finish.
+    Settled,
+}
+
+/// What `work_left` saw.
+enum WorkLeft {
+    Free,
+    Held,
+    Settled,
 }
