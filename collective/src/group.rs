@@ -50,6 +50,9 @@
 use crate::GroupError;
 use shmem::sync::{self, AtomicU32, AtomicU64, Ordering, WAIT_SLICE};
 
+#[cfg(all(test, not(loom)))]
+mod crash_search;
+
 /// Ranks in a group at most (one bit each in the group word).
 pub const MAX_RANKS: usize = 16;
 /// `batch` of a rank that contributed nothing (no data left).

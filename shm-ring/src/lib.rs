@@ -54,6 +54,9 @@ mod model;
 #[cfg(all(test, not(loom)))]
 mod crash_tests;
 
+#[cfg(all(test, not(loom)))]
+mod crash_search;
+
 pub use crate::core::{CommitMeta, ItemMeta, Recovered, WorkClaim};
 pub use crate::error::RingError;
 pub use crate::layout::PHASES;
