@@ -30,9 +30,11 @@
 //!   reader sees the payload and metadata the writer stored.
 //! - release's Release CAS (READING→FREE) pairs with reserve's Acquire CAS (FREE→WRITING): the
 //!   reader's last look at the payload happens before the next writer overwrites it.
-//! - finish's AcqRel increment of `producers_done` chains every producer's finish into one
-//!   release sequence; the last producer's Release store of `closed` pairs with the consumers'
-//!   Acquire load, so a consumer that sees the ring closed also sees every item ever committed.
+//! - finish's AcqRel CAS of the producer's `finished` flag pairs with the Acquire loads of
+//!   every flag in whichever finish (or retire) finds them all set; that call's AcqRel CAS of
+//!   `closed` pairs with the consumers' Acquire load, so a consumer that sees the ring closed
+//!   also sees every item ever committed. The flags, not a count, decide the close, so a
+//!   producer killed inside `finish` is closed over by any later finish or retire.
 //!
 //! A stale incarnation (a process that lost its registration, e.g. one that hung, was
 //! recovered, then woke) can never commit or release a slot that has since moved: its claim
@@ -156,7 +158,7 @@ impl<'a> RingRef<'a> {
     }
 
     pub(crate) fn closed(&self) -> bool {
-        // SYNC: pairs with the Release store in `finish_inner`.
+        // SYNC: pairs with the AcqRel CAS of `closed` in `finish_inner`.
         self.ctl.closed.load(Ordering::Acquire) != 0
     }
 
@@ -356,18 +358,31 @@ impl<'a> RingRef<'a> {
     fn finish_inner(&self, id: u32, state: u32) -> bool {
         let w = self.worker(id);
         w.state.store(state, Ordering::Relaxed);
+        // SYNC: the Release half pairs with the Acquire loads of the flags below, in whichever
+        // call finds every producer finished: it then sees everything this producer committed.
         if w.finished
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
+            .is_ok()
         {
-            return false;
+            // Telemetry only (the snapshot's "producers done"); the close is decided below.
+            self.ctl.producers_done.fetch_add(1, Ordering::Relaxed);
         }
-        // SYNC: AcqRel makes every producer's finish part of one release sequence that the last
-        // producer acquires before it publishes `closed`.
-        let done = self.ctl.producers_done.fetch_add(1, Ordering::AcqRel) + 1;
-        if done == self.params.producers {
-            // SYNC: pairs with the Acquire load in `closed()`.
-            self.ctl.closed.store(1, Ordering::Release);
+        // The close is decided by the flags themselves, not by one increment per producer: a
+        // producer killed between its flag and a count would otherwise leave the ring open for
+        // ever, since every later finish or retire of its id finds the flag already set (found
+        // by the crash search, #29). So every call, a repeated one too, looks at all the flags.
+        let all = (0..self.params.producers)
+            // SYNC: pairs with each producer's AcqRel CAS of its flag above.
+            .all(|p| self.worker(p).finished.load(Ordering::Acquire) != 0);
+        // SYNC: the Release half pairs with the Acquire load in `closed()`, so a consumer that
+        // sees the ring closed sees every item ever committed; the CAS makes one call the closer.
+        if all
+            && self
+                .ctl
+                .closed
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
             sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
             // Producers of a closed ring have nothing to wait for either.
             sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);

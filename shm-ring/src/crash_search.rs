@@ -22,6 +22,9 @@
 //!
 //! Everything runs on one thread, so a seed replays exactly: a failure prints the seed and the
 //! history of the run (`replay(seed)` reruns one).
+//!
+//! Length: past 500 lines because each operation's kills (between and inside it), the
+//! supervisor's part and the contracts checked after every step read one simulated state.
 
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -42,11 +45,11 @@ use crate::sync::Ordering;
 const STRICT_GIVE_UP: bool = false;
 
 /// Whether the search kills a producer inside `finish`, between its `finished` flag and the
-/// count of finished producers. It finds a real hole (see the report on issue #29 item 4): the
-/// flag makes every later `finish` or `retire` of that id a no-op, so the count never reaches
-/// the expected number and the ring never closes. The fix belongs in `core.rs`'s
-/// `finish_inner`; turn this on with it.
-const CUT_FINISH: bool = false;
+/// count of finished producers. It found a real hole (issue #29 item 4): the flag made every
+/// later `finish` or `retire` of that id a no-op, so the count never reached the expected
+/// number and the ring never closed. `finish_inner` now decides the close from the flags
+/// (`crash_tests::a_producer_killed_inside_finish_does_not_leave_the_ring_open`).
+const CUT_FINISH: bool = true;
 
 /// Seeds the suite runs (each a whole random history); sized to take a few seconds in a debug
 /// build on two cores. Run many more once with `CRASH_SEARCH_SEEDS=N`.
@@ -100,6 +103,12 @@ struct Sim {
     ring: HeapRing,
     rng: Xoshiro256PlusPlus,
     prods: Vec<Worker<Prod>>,
+    /// Producers killed inside `finish` after their flag: they count as finished for the
+    /// close, since they had nothing left to claim (the flags decide the close).
+    cut_in_finish: Vec<bool>,
+    /// A producer killed inside `finish` was the last to set its flag, so no call has closed
+    /// the ring yet; the next finish or retire must.
+    close_owed: bool,
     cons: Vec<Worker<Cons>>,
     take: Vec<TakeState>,
     items: usize,
@@ -153,7 +162,7 @@ impl Sim {
         };
         let kills_left = rng.random_range(0..=5u32);
         let ring = HeapRing::with_work(slots, producers, consumers, policy, items);
-        let prods = (0..producers)
+        let prods: Vec<Worker<Prod>> = (0..producers)
             .map(|id| Worker {
                 state: Prod::Idle,
                 epoch: ring.register(id, 0),
@@ -177,6 +186,8 @@ impl Sim {
         Sim {
             ring,
             rng,
+            cut_in_finish: vec![false; prods.len()],
+            close_owed: false,
             prods,
             cons,
             take,
@@ -194,6 +205,12 @@ impl Sim {
 
     fn kills_used(&self) -> u64 {
         self.log.iter().filter(|l| l.contains("killed")).count() as u64
+    }
+
+    /// Whether producer `j` counts toward the close: finished, given up, or killed inside
+    /// `finish` after its flag.
+    fn counts_done(&self, j: usize, w: &Worker<Prod>) -> bool {
+        matches!(w.state, Prod::Finished | Prod::GivenUp) || self.cut_in_finish[j]
     }
 
     fn p(&self) -> u32 {
@@ -330,13 +347,18 @@ impl Sim {
                     Prod::Claimed(item)
                 }
                 None => {
+                    let was_closed = r.closed();
                     let closed = r.finish(id);
+                    self.close_owed = false;
                     self.log
                         .push(format!("P{i} finds nothing, finishes (closed: {closed})"));
-                    let expect =
-                        self.prods.iter().enumerate().all(|(j, w)| {
-                            j == i || matches!(w.state, Prod::Finished | Prod::GivenUp)
-                        });
+                    // The call that finds every flag set closes, once.
+                    let expect = !was_closed
+                        && self
+                            .prods
+                            .iter()
+                            .enumerate()
+                            .all(|(j, w)| j == i || self.counts_done(j, w));
                     self.check(closed == expect, || {
                         format!("P{i}'s finish closed the ring: {closed}, expected {expect}")
                     });
@@ -423,6 +445,15 @@ impl Sim {
                         let w = &self.ring.workers[i];
                         w.state.store(crate::layout::W_DONE, Ordering::Relaxed);
                         w.finished.store(1, Ordering::Relaxed);
+                        self.cut_in_finish[i] = true;
+                        // Killed before it could look at the other flags: if it was the last,
+                        // the ring stays open until a later finish or retire closes it.
+                        self.close_owed |= !self.ring.r().closed()
+                            && self
+                                .prods
+                                .iter()
+                                .enumerate()
+                                .all(|(j, w)| self.counts_done(j, w));
                         self.log
                             .push(format!("P{i} killed in finish, flag set, not counted"));
                     }
@@ -504,12 +535,14 @@ impl Sim {
         }
         let can_restart = self.prods[i].inc + 1 < MAX_INCARNATIONS;
         if recovered && (!can_restart || self.coin(0.3)) {
-            let expect = self
-                .prods
-                .iter()
-                .enumerate()
-                .all(|(j, w)| j == i || matches!(w.state, Prod::Finished | Prod::GivenUp));
+            let expect = !self.ring.r().closed()
+                && self
+                    .prods
+                    .iter()
+                    .enumerate()
+                    .all(|(j, w)| j == i || self.counts_done(j, w));
             let closed = self.ring.r().retire(id);
+            self.close_owed = false;
             self.log
                 .push(format!("supervisor gives P{i} up (closed: {closed})"));
             self.check(closed == expect, || {
@@ -708,7 +741,9 @@ impl Sim {
         let expect = self
             .prods
             .iter()
-            .all(|w| matches!(w.state, Prod::Finished | Prod::GivenUp));
+            .enumerate()
+            .all(|(j, w)| self.counts_done(j, w))
+            && !self.close_owed;
         let closed = self.ring.r().closed();
         self.check(closed == expect, || {
             format!("ring closed: {closed}, every producer done or retired: {expect}")

@@ -18,6 +18,9 @@
 //! would wait), and the scheduler resumes a waiting rank only once the group's futex word has
 //! moved (a resumed rank's futex wait then returns at once). So each seed replays exactly, and a
 //! kill at a wait is `stop()` answering yes, which leaves the group as a SIGKILL there would.
+//!
+//! Length: past 500 lines because the scheduler, the ranks, the launcher's part and the checks
+//! of one history must see the same state; split, each would pass the whole simulation around.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;

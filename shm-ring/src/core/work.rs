@@ -84,6 +84,12 @@ impl<'a> RingRef<'a> {
     /// the cursor while they last, then the first FREE item of one full scan. None when that
     /// scan finds none: every item is held or settled (see `claim_work_until` before finishing).
     pub(crate) fn claim_work(&self, id: u32, epoch: u64) -> Option<u64> {
+        // A producer that has finished claims nothing: it could not publish the item (reserve
+        // refuses it), and one killed inside `finish` is restarted with its flag still set, so
+        // returned work must go to a producer that has not finished (found by the crash search).
+        if self.worker(id).finished.load(Ordering::Relaxed) != 0 {
+            return None;
+        }
         let total = self.work.len() as u64;
         let mine = WorkWord::claimed(id, epoch).0;
         // The work table's operations are Relaxed: see "Work items" in the module doc.
