@@ -34,7 +34,9 @@
 //!   every flag in whichever finish (or retire) finds them all set; that call's AcqRel CAS of
 //!   `closed` pairs with the consumers' Acquire load, so a consumer that sees the ring closed
 //!   also sees every item ever committed. The flags, not a count, decide the close, so a
-//!   producer killed inside `finish` is closed over by any later finish or retire.
+//!   producer killed inside `finish` is closed over by any later finish or retire; a SeqCst
+//!   fence between writing one's flag and reading the others' keeps two last producers from
+//!   both missing each other's flag.
 //!
 //! A stale incarnation (a process that lost its registration, e.g. one that hung, was
 //! recovered, then woke) can never commit or release a slot that has since moved: its claim
@@ -371,6 +373,11 @@ impl<'a> RingRef<'a> {
         // producer killed between its flag and a count would otherwise leave the ring open for
         // ever, since every later finish or retire of its id finds the flag already set (found
         // by the crash search, #29). So every call, a repeated one too, looks at all the flags.
+        // SYNC: each finishing producer writes its own flag, then reads the others': a Dekker
+        // pattern, so a SeqCst fence between the two in every call; with Acquire/Release alone
+        // two last producers could each miss the other's flag and neither close (loom's close
+        // model deadlocks without it). Of any two calls, the later fence sees the earlier flag.
+        sync::fence(Ordering::SeqCst);
         let all = (0..self.params.producers)
             // SYNC: pairs with each producer's AcqRel CAS of its flag above.
             .all(|p| self.worker(p).finished.load(Ordering::Acquire) != 0);
