@@ -33,7 +33,7 @@ use std::path::PathBuf;
 pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
 pub use convert::{detect, Kind};
 pub use mapped::{Mapped, Sample};
-pub use samples::{mix, Dataset, Synthetic};
+pub use samples::{mix, Dataset, Synthetic, SYNTHETIC_VOCAB};
 pub use writer::Writer;
 
 #[cfg(target_endian = "big")]

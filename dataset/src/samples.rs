@@ -17,14 +17,19 @@ pub fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// The synthetic dataset's shape (the config's `data.synthetic_samples`, `min_len`, `max_len`
-/// and `seed`).
+/// The synthetic data's vocabulary when no model fixes one.
+pub const SYNTHETIC_VOCAB: u32 = 32_000;
+
+/// The synthetic dataset's shape (the config's `data.synthetic_samples`, `min_len`, `max_len`,
+/// `seed` and `synthetic_vocab`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Synthetic {
     pub samples: u64,
     pub min_len: u32,
     pub max_len: u32,
     pub seed: u64,
+    /// Token ids are drawn below this.
+    pub vocab: u32,
 }
 
 /// One synthetic training sample.
@@ -64,12 +69,7 @@ impl Dataset {
                 path: p.to_path_buf(),
                 why: "it has not been prepared (the launcher prepares it, or `launcher prepare`; then set data.prepared)".into(),
             }),
-            (None, None) => Ok(Dataset::synthetic(
-                synthetic.samples,
-                synthetic.min_len,
-                synthetic.max_len,
-                synthetic.seed,
-            )),
+            (None, None) => Ok(Dataset::synthetic(&synthetic)),
         }
     }
 
@@ -86,7 +86,9 @@ impl Dataset {
     /// `n` seeded samples with lengths spread log-uniformly over `min_len..=max_len` (many
     /// short, few long, as chat data is), token ids below 32,000, and the first fifth of each
     /// sample masked out as its prompt.
-    pub fn synthetic(n: u64, min_len: u32, max_len: u32, seed: u64) -> Dataset {
+    pub fn synthetic(s: &Synthetic) -> Dataset {
+        let (n, min_len, max_len, seed) = (s.samples, s.min_len, s.max_len, s.seed);
+        let vocab = u64::from(s.vocab.max(1));
         let (lo, hi) = (
             f64::from(min_len.max(1)).ln(),
             f64::from(max_len.max(1)).ln(),
@@ -96,7 +98,7 @@ impl Dataset {
                 let u = (mix(seed ^ mix(id)) >> 11) as f64 / (1u64 << 53) as f64;
                 let len = ((lo + u * (hi - lo)).exp().round() as u32).clamp(min_len, max_len);
                 let input_ids = (0..len)
-                    .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % 32_000) as u32)
+                    .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
                     .collect();
                 let prompt = len / 5;
                 let loss_mask = (0..len).map(|pos| u8::from(pos >= prompt)).collect();
@@ -152,15 +154,22 @@ mod tests {
 
     #[test]
     fn synthetic_data_is_seeded_and_spread_over_lengths() {
-        let a = Dataset::synthetic(500, 32, 4096, 1);
-        let b = Dataset::synthetic(500, 32, 4096, 1);
+        let s = |seed| Synthetic {
+            samples: 500,
+            min_len: 32,
+            max_len: 4096,
+            seed,
+            vocab: 32_000,
+        };
+        let a = Dataset::synthetic(&s(1));
+        let b = Dataset::synthetic(&s(1));
         let all = |d: &Dataset| {
             (0..d.len() as u64)
                 .map(|i| d.sample(i).map(|s| s.input_ids.to_vec()))
                 .collect::<Vec<_>>()
         };
         assert_eq!(all(&a), all(&b));
-        assert_ne!(all(&a), all(&Dataset::synthetic(500, 32, 4096, 2)));
+        assert_ne!(all(&a), all(&Dataset::synthetic(&s(2))));
         let lens = a.lengths();
         assert!(lens.iter().all(|&l| (32..=4096).contains(&l)));
         assert!(
@@ -177,6 +186,7 @@ mod tests {
             min_len: 1,
             max_len: 1,
             seed: 1,
+            vocab: 10,
         };
         let err = Dataset::load(None, Some(Path::new("train.jsonl")), synthetic)
             .err()

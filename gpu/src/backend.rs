@@ -3,7 +3,7 @@
 //! and [`BackendKind::maker`] is the one match that maps it to what builds it. Adding a backend is
 //! one variant and one arm here, plus its [`Maker`].
 
-use crate::{mock, DrafterBackend, GpuError, TargetBackend};
+use crate::{candle, mock, DrafterBackend, GpuError, TargetBackend};
 use proto::{PipelineConfig, WorkerName};
 
 /// The compute backend a run uses, chosen by the launcher and sent to every worker by name.
@@ -11,6 +11,9 @@ use proto::{PipelineConfig, WorkerName};
 pub enum BackendKind {
     /// CPU only: simulated speed and content, a real learner.
     Mock,
+    /// A real target (an HF model directory, --model) on candle, on the CPU; the drafter is
+    /// still the mock's learner, trained on the real states.
+    Candle,
     /// NVIDIA GPUs, on the `cuda` crate (cudarc's driver API and NCCL); not built yet.
     Cuda,
 }
@@ -20,6 +23,16 @@ pub trait Maker {
     /// False for a backend that is named but not built yet: asking for it is an error before a
     /// worker takes any work.
     fn built(&self) -> bool;
+    /// Completes `cfg` with what the backend's model fixes (a real model's hidden size and
+    /// captured layers), before the ring is sized. The launcher calls it once; workers get the
+    /// result in their config.
+    fn settle(&self, _cfg: &mut PipelineConfig) -> Result<(), GpuError> {
+        Ok(())
+    }
+    /// Whether the backend's models run on the CPU (no driver needed).
+    fn on_cpu(&self) -> bool {
+        true
+    }
     /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
     fn target(
         &self,
@@ -42,6 +55,9 @@ struct Unbuilt(BackendKind);
 
 impl Maker for Unbuilt {
     fn built(&self) -> bool {
+        false
+    }
+    fn on_cpu(&self) -> bool {
         false
     }
     fn target(
@@ -73,6 +89,7 @@ impl BackendKind {
     pub fn maker(self) -> Box<dyn Maker> {
         match self {
             BackendKind::Mock => Box::new(mock::Mock),
+            BackendKind::Candle => Box::new(candle::Candle),
             BackendKind::Cuda => Box::new(Unbuilt(self)),
         }
     }

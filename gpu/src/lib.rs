@@ -3,6 +3,8 @@
 //! - [`mock`]: CPU only, deterministic, with simulated speed (time is spent sleeping, so eight
 //!   mock GPUs run side by side on two cores) and fault injection. What `--backend auto`
 //!   picks, driver or not, until the cuda backend is built; what every test runs on.
+//! - [`candle`]: a real HF target (`model::Decoder`) on candle, on the CPU, writing the
+//!   captured layers and greedy tokens; the drafter is still the mock's learner.
 //! - `cuda` (later): a model on the `cuda` crate (cudarc's driver API, loaded at run time
 //!   behind a presence check, so it never panics where no driver exists), once a model library
 //!   can be built here (issue #12).
@@ -18,6 +20,7 @@ use proto::BatchView;
 use serde::{Deserialize, Serialize};
 
 pub mod backend;
+pub mod candle;
 mod copy_thread;
 pub mod cuda_copy;
 pub mod mock;
@@ -51,19 +54,62 @@ pub enum GpuError {
     Shape(String),
     #[error("the {0} backend is not built yet; use --backend mock")]
     Unavailable(BackendKind),
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Cuda(#[from] cuda::CudaError),
 }
 
-/// A frozen target model: token ids in, hidden states of the captured layers out.
+/// Where a target writes a batch's results: two sections of its ring slot.
+pub struct TargetOut<'a> {
+    /// `tokens × layers × hidden` elements of the batch's dtype.
+    pub hidden_states: &'a mut [u8],
+    /// Little-endian u32 per token: the greedy next token after each position.
+    pub target_tokens: &'a mut [u8],
+}
+
+impl TargetOut<'_> {
+    /// Checks both sections' sizes for `tokens` tokens of `layers × hidden` elements of
+    /// `elem` bytes.
+    pub fn check(
+        &self,
+        tokens: usize,
+        layers: usize,
+        hidden: usize,
+        elem: usize,
+    ) -> Result<(), GpuError> {
+        let want = tokens * layers * hidden * elem;
+        if self.hidden_states.len() != want {
+            return Err(GpuError::BufferSize {
+                got: self.hidden_states.len(),
+                want,
+            });
+        }
+        if self.target_tokens.len() != tokens * 4 {
+            return Err(GpuError::BufferSize {
+                got: self.target_tokens.len(),
+                want: tokens * 4,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A frozen target model: token ids in, hidden states of the captured layers and the greedy
+/// next tokens out.
 pub trait TargetBackend {
-    /// Runs the forward pass over the concatenated sequences and writes
-    /// `tokens × layers × hidden` hidden states into `out`, in place.
+    /// Runs the forward pass over the concatenated sequences (no attention across them) and
+    /// writes `tokens × layers × hidden` hidden states and one greedy token per position into
+    /// `out`, in place.
     fn forward(
         &mut self,
         input_ids: &[u32],
         seq_lens: &[u32],
-        out: &mut [u8],
+        out: TargetOut<'_>,
     ) -> Result<(), GpuError>;
 }
 
@@ -137,6 +183,11 @@ pub fn drafter(
     name: Option<proto::WorkerName>,
 ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
     kind.maker().drafter(cfg, name)
+}
+
+/// Completes `cfg` with what backend `kind`'s model fixes (see [`Maker::settle`]).
+pub fn settle(kind: BackendKind, cfg: &mut proto::PipelineConfig) -> Result<(), GpuError> {
+    kind.maker().settle(cfg)
 }
 
 /// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use proto::{BatchView, Dtype};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
-use crate::{DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend};
+use crate::{
+    DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend, TargetOut,
+};
 
 /// The mock target's hidden state, as bf16 bits: a per-(token, channel) signal in [-0.5, 0.5)
 /// plus position- and layer-dependent noise in [-0.125, 0.125), both from hashes of the
@@ -35,6 +37,12 @@ pub fn hidden_value(token: u32, position: u32, layer: u32, channel: u32) -> u16 
     ));
     let f = signal + noise / 4.0;
     (f.to_bits() >> 16) as u16
+}
+
+/// The mock target's "greedy next token" after `token` at `position`: a hash, checked by the
+/// mock drafter like the hidden states.
+pub fn greedy_value(token: u32, position: u32) -> u32 {
+    hash(u64::from(token).wrapping_mul(0xd6e8_feb8_6659_fd93) ^ u64::from(position) ^ 0x70c3) as u32
 }
 
 fn hash(mut x: u64) -> u64 {
@@ -82,7 +90,7 @@ impl Sim {
     }
 
     /// Sleeps out whatever is left of the simulated time after `started`, then applies faults.
-    fn finish_item(&mut self, seq_lens: &[u32], started: Instant) {
+    pub(crate) fn finish_item(&mut self, seq_lens: &[u32], started: Instant) {
         let cost = self.cost(seq_lens);
         if let Some(left) = cost.checked_sub(started.elapsed()) {
             std::thread::sleep(left);
@@ -102,7 +110,7 @@ impl Sim {
 }
 
 /// The mock's start-up fault: a worker that dies as it starts (a crash loop).
-fn start(faults: &Faults) {
+pub(crate) fn start(faults: &Faults) {
     if faults.crash_at_start {
         tracing::error!("injected crash at start");
         std::process::abort();
@@ -134,25 +142,21 @@ impl TargetBackend for MockTarget {
         &mut self,
         input_ids: &[u32],
         seq_lens: &[u32],
-        out: &mut [u8],
+        out: TargetOut<'_>,
     ) -> Result<(), GpuError> {
         let started = Instant::now();
         let (l, h) = (self.layers as usize, self.hidden as usize);
-        let want = input_ids.len() * l * h * 2;
-        if out.len() != want {
-            return Err(GpuError::BufferSize {
-                got: out.len(),
-                want,
-            });
-        }
+        out.check(input_ids.len(), l, h, 2)?;
+        let (hidden, tokens) = (out.hidden_states, out.target_tokens);
         let mut i = 0;
         let mut t = 0;
         for &len in seq_lens {
             for pos in 0..len {
                 let tok = input_ids[t];
+                tokens[t * 4..t * 4 + 4].copy_from_slice(&greedy_value(tok, pos).to_le_bytes());
                 for layer in 0..self.layers {
                     for ch in 0..self.hidden {
-                        out[i..i + 2]
+                        hidden[i..i + 2]
                             .copy_from_slice(&hidden_value(tok, pos, layer, ch).to_le_bytes());
                         i += 2;
                     }
@@ -181,6 +185,9 @@ const EPS: f32 = 1e-8;
 pub struct MockDrafter {
     pub sim: Sim,
     pub step: u64,
+    /// Check every hidden state and greedy token against the mock target's functions; off when
+    /// the batches come from a real target (the checksum is then the content check).
+    pub verify_content: bool,
     hidden: usize,
     rows: usize,
     pub weights: Vec<f32>,
@@ -197,6 +204,7 @@ impl MockDrafter {
         MockDrafter {
             sim,
             step: 0,
+            verify_content: true,
             hidden,
             rows,
             weights: vec![0.0; n],
@@ -267,6 +275,7 @@ impl DrafterBackend for MockDrafter {
         let ids: Vec<u32> = batch.input_ids().collect();
         let mask = batch.loss_mask();
         let hs = batch.hidden_states();
+        let greedy: Vec<u32> = batch.target_tokens().collect();
         let (layers, hidden) = (spec.layers, spec.hidden);
         let (mut loss, mut count) = (0f64, 0u64);
         let mut i = 0;
@@ -274,13 +283,21 @@ impl DrafterBackend for MockDrafter {
         for &len in &spec.seq_lens {
             for pos in 0..len {
                 let row = (ids[t] as usize % self.rows) * self.hidden;
+                if self.verify_content && greedy[t] != greedy_value(ids[t], pos) {
+                    return Err(GpuError::Shape(format!(
+                        "batch {}: greedy token at {t} is {}, the mock target writes {}",
+                        spec.batch_id,
+                        greedy[t],
+                        greedy_value(ids[t], pos)
+                    )));
+                }
                 let learn = mask.get(t).is_some_and(|&m| m != 0);
                 count += u64::from(learn);
                 for layer in 0..layers {
                     for ch in 0..hidden {
                         let got = u16::from_le_bytes([hs[i], hs[i + 1]]);
                         let want = hidden_value(ids[t], pos, layer, ch);
-                        if got != want {
+                        if self.verify_content && got != want {
                             return Err(GpuError::Content {
                                 batch_id: spec.batch_id,
                                 token: t,
@@ -480,19 +497,23 @@ mod tests {
         };
         let mut w = BatchWriter::new(buf, &spec).unwrap();
         let ids: Vec<u32> = (100..110).collect();
-        let (id_bytes, mask, hid) = w.sections_mut();
-        for (c, id) in id_bytes.chunks_exact_mut(4).zip(&ids) {
+        let s = w.sections_mut();
+        for (c, id) in s.input_ids.chunks_exact_mut(4).zip(&ids) {
             c.copy_from_slice(&id.to_le_bytes());
         }
-        mask.fill(1);
+        s.loss_mask.fill(1);
         let mut target = MockTarget {
             layers: 2,
             hidden: 8,
             sim: fast(),
         };
-        target.forward(&ids, &spec.seq_lens, hid).unwrap();
+        let out = TargetOut {
+            hidden_states: s.hidden_states,
+            target_tokens: s.target_tokens,
+        };
+        target.forward(&ids, &spec.seq_lens, out).unwrap();
         if corrupt {
-            hid[37] ^= 1;
+            s.hidden_states[37] ^= 1;
         }
         w.finish().0
     }

@@ -40,6 +40,8 @@ pub mod exit {
 ///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
+///   launcher make-model tiny && launcher --targets 0-1 --drafters 2 --model tiny
+///                                                          a real (tiny) target on the CPU
 ///   launcher --resume runs/exp1                            continue a stopped or killed run
 ///   launcher report runs/exp1                              a picture of a run (report --help)
 ///   launcher prepare train.parquet                         prepare data only (prepare --help)
@@ -74,6 +76,11 @@ pub enum Command {
     Report(crate::report::ReportArgs),
     /// Prepare training data only (see `launcher prepare --help`).
     Prepare(crate::data::PrepareArgs),
+    /// Write a random-initialised model in the HF layout (see `launcher make-model --help`).
+    MakeModel(crate::model::MakeModelArgs),
+    /// Write a model's captured layers and greedy tokens for some data, as safetensors (see
+    /// `launcher capture --help`).
+    Capture(crate::model::CaptureArgs),
     /// A target worker: how the launcher starts one (`spawn`), never typed by a user.
     #[command(hide = true)]
     TargetWorker(target_worker::Args),
@@ -96,10 +103,15 @@ pub struct Args {
     /// Allow a GPU in both lists (for machines with a single GPU).
     #[arg(long)]
     pub share_gpus: bool,
-    /// Compute backend. auto: mock, saying whether an NVIDIA driver was found (the cuda
-    /// backend is not built yet; once it is, auto takes it where a driver and GPUs are).
+    /// Compute backend. auto: candle when a model is given (--model or [model] path), else
+    /// mock; it says whether an NVIDIA driver was found (the cuda backend is not built yet).
+    /// candle: the real target on the CPU (the drafter is still the mock's learner).
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
+    /// The target model: an HF model directory (config.json with model_type qwen3, qwen2 or
+    /// llama, safetensors weights, tokenizer.json). `launcher make-model DIR` makes a tiny one.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
     /// Pipeline config (TOML); every field has a default.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -108,7 +120,7 @@ pub struct Args {
     /// it resumes on the GPUs the run last ran on; --targets or --drafters given with it replace
     /// that list (other GPUs, more or fewer targets, more drafters; never fewer drafters than
     /// the run had).
-    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir"])]
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["config", "data", "synthetic", "run_dir", "model"])]
     pub resume: Option<PathBuf>,
     /// Training data: JSONL with input_ids (and optional loss_mask) per line, Parquet or Arrow
     /// with input_ids (and optional loss_mask) list columns, an HF datasets save_to_disk

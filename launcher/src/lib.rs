@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod data;
+pub mod model;
 pub mod monitor;
 mod output;
 mod reclaim;
@@ -47,25 +48,39 @@ fn probe_driver() -> Result<String, String> {
 }
 
 /// The backend the workers build, and why, for the run's first line.
-fn choose_backend(b: Backend) -> anyhow::Result<(BackendKind, String)> {
-    choose_backend_with(b, probe_driver)
+fn choose_backend(b: Backend, model: bool) -> anyhow::Result<(BackendKind, String)> {
+    choose_backend_with(b, model, probe_driver)
 }
 
 /// `probe` runs only for `auto` and `cuda`: with `--backend mock` the launcher never loads or
 /// initialises a driver.
 fn choose_backend_with(
     b: Backend,
+    model: bool,
     probe: impl FnOnce() -> Result<String, String>,
 ) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
+    let candle = |why: &str| Ok((BackendKind::Candle, format!("candle on the CPU ({why})")));
     match b {
+        Backend::Kind(BackendKind::Mock) if model => bail!(
+            "--backend mock makes up its hidden states and would ignore the model; use --backend candle (or auto) to run it"
+        ),
         Backend::Kind(BackendKind::Mock) => mock("requested"),
-        Backend::Auto => match probe() {
-            Err(why) => mock(&why),
-            Ok(found) => mock(&format!(
-                "found an {found}, but the cuda backend is not built yet"
-            )),
-        },
+        Backend::Kind(BackendKind::Candle) if !model => bail!(
+            "--backend candle runs a real model: name its HF directory with --model DIR (`launcher make-model DIR` makes a tiny one)"
+        ),
+        Backend::Kind(BackendKind::Candle) => candle("requested"),
+        Backend::Auto => {
+            let found = match probe() {
+                Err(why) => why,
+                Ok(found) => format!("found an {found}, but the cuda backend is not built yet"),
+            };
+            if model {
+                candle(&format!("a model is given; {found}"))
+            } else {
+                mock(&found)
+            }
+        }
         // A device backend: the driver must be there, and the backend built.
         Backend::Kind(k) => match probe() {
             Err(why) => bail!("--backend {k}: {why}; use --backend mock"),
@@ -136,8 +151,13 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         cfg.data.path = None;
         cfg.data.synthetic_samples = n;
     }
+    if let Some(m) = &args.model {
+        cfg.model.path = Some(m.clone());
+    }
+    let backend = choose_backend(args.backend, cfg.model.path.is_some())?;
+    // The model fixes the hidden size and captured layers the ring is sized for.
+    gpu::settle(backend.0, &mut cfg).context("loading the model's config")?;
     cfg.validate().context("checking the config")?;
-    let backend = choose_backend(args.backend)?;
 
     let run_id = format!(
         "{}-{}",
@@ -250,32 +270,55 @@ mod backend_tests {
     fn auto_says_what_it_found_and_cuda_is_a_clear_error() {
         let none = || Err("no CUDA driver: cannot load /x/libcuda.so.1 (not found)".to_string());
         let gpu = || Ok("NVIDIA driver for CUDA 13.0 with 8 GPUs".to_string());
-        let (k, why) = choose_backend_with(Backend::Auto, none).unwrap();
+        let (k, why) = choose_backend_with(Backend::Auto, false, none).unwrap();
         assert_eq!(k, BackendKind::Mock);
         assert!(why.contains("/x/libcuda.so.1"), "{why}");
-        let (k, why) = choose_backend_with(Backend::Auto, gpu).unwrap();
+        let (k, why) = choose_backend_with(Backend::Auto, false, gpu).unwrap();
         assert_eq!(k, BackendKind::Mock);
         assert!(
             why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
             "{why}"
         );
-        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), none)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), false, none)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
             "{e}"
         );
-        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), gpu)
+        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), false, gpu)
             .unwrap_err()
             .to_string();
         assert!(e.contains("not built yet"), "{e}");
         assert_eq!(
-            choose_backend_with(Backend::Kind(BackendKind::Mock), gpu)
+            choose_backend_with(Backend::Kind(BackendKind::Mock), false, gpu)
                 .unwrap()
                 .1,
             "mock (requested)"
         );
+    }
+
+    /// A model makes auto take candle; candle without a model, or the mock with one, is a
+    /// clear error before anything starts.
+    #[test]
+    fn a_model_chooses_candle_and_a_mismatch_is_a_clear_error() {
+        let none = || Err("no NVIDIA driver: cannot load libcuda.so.1".to_string());
+        let (k, why) = choose_backend_with(Backend::Auto, true, none).unwrap();
+        assert_eq!(k, BackendKind::Candle);
+        assert!(
+            why.contains("a model is given") && why.contains("libcuda"),
+            "{why}"
+        );
+        let (k, _) = choose_backend_with(Backend::Kind(BackendKind::Candle), true, none).unwrap();
+        assert_eq!(k, BackendKind::Candle);
+        let e = choose_backend_with(Backend::Kind(BackendKind::Candle), false, none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--model DIR") && e.contains("make-model"), "{e}");
+        let e = choose_backend_with(Backend::Kind(BackendKind::Mock), true, none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("would ignore the model"), "{e}");
     }
 
     /// On this machine (or any): probing never panics, and its words say what it found, checked

@@ -26,6 +26,8 @@ fn main() -> ExitCode {
         }
         (Some(Command::Report(args)), _) => exit_code(launcher::report::run(args)),
         (Some(Command::Prepare(args)), _) => exit_code(launcher::data::run_prepare(args)),
+        (Some(Command::MakeModel(args)), _) => exit_code(launcher::model::run_make_model(args)),
+        (Some(Command::Capture(args)), _) => exit_code(launcher::model::run_capture(args)),
         (None, Some(args)) => exit_code(launcher::run(args)),
         // Not reached: without a subcommand clap requires the run's options.
         (None, None) => {

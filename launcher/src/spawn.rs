@@ -69,6 +69,20 @@ pub struct Welcome {
     pub run_dir: PathBuf,
     pub config_toml: String,
     pub backend: gpu::BackendKind,
+    /// CPU threads each worker's model computes with (`RAYON_NUM_THREADS`, which candle's
+    /// kernels and matrix products read when they first run).
+    pub threads: usize,
+}
+
+/// Threads per worker: `[target] threads`, or the machine's cores shared out among `workers`
+/// (at least one each), so eight processes on two cores do not each start two threads per
+/// core.
+pub fn threads_per_worker(configured: u32, workers: usize) -> usize {
+    if configured > 0 {
+        return configured as usize;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / workers.max(1)).max(1)
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
@@ -104,6 +118,7 @@ pub fn spawn(
             &server_name,
         ])
         .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
+        .env("RAYON_NUM_THREADS", welcome.threads.to_string())
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
         .stderr(logf);

@@ -2,18 +2,20 @@
 //! place by a drafter.
 //!
 //! ```text
-//! 0      4        8            8+header_len   (256-aligned)  (256-aligned)   (256-aligned)
-//! | "HSB1" | hlen u32 | header (bincode) | pad | input_ids u32×T | loss_mask u8×T | hidden [T×L×H] dtype |
+//! 0      4        8            8+header_len   (each section 256-aligned)
+//! | "HSB1" | hlen u32 | header (bincode) | pad | input_ids u32×T | loss_mask u8×T | target_tokens u32×T | hidden [T×L×H] dtype |
 //! ```
 //!
-//! The header records every section's offset and length and a CRC-32C over the three sections.
+//! `target_tokens[t]` is the target's greedy next token after position `t` (the argmax of its
+//! LM head), so a drafter can learn what the target would say. The header records every
+//! section's offset and length and a CRC-32C over the four sections.
 //! The header is written last, by [`BatchWriter::finish`], once the sections are filled, so a
 //! target's backend writes hidden states straight into the slot: no intermediate copy.
 
 use serde::{Deserialize, Serialize};
 
-/// Layout version; a reader refuses any other.
-pub const BATCH_VERSION: u16 = 1;
+/// Layout version; a reader refuses any other. 2: the target's greedy tokens.
+pub const BATCH_VERSION: u16 = 2;
 /// Alignment of every section.
 pub const ALIGN: usize = 256;
 const MAGIC: [u8; 4] = *b"HSB1";
@@ -77,9 +79,22 @@ pub struct BatchHeader {
     pub spec: BatchSpec,
     pub input_ids: Section,
     pub loss_mask: Section,
+    pub target_tokens: Section,
     pub hidden_states: Section,
-    /// CRC-32C of input_ids, loss_mask and hidden_states, in that order.
+    /// CRC-32C of input_ids, loss_mask, target_tokens and hidden_states, in that order.
     pub checksum: u32,
+}
+
+/// A batch's four sections, to fill in place (see [`BatchWriter::sections_mut`]).
+pub struct SectionsMut<'a> {
+    /// Little-endian u32 per token.
+    pub input_ids: &'a mut [u8],
+    /// One byte per token.
+    pub loss_mask: &'a mut [u8],
+    /// Little-endian u32 per token: the target's greedy next token.
+    pub target_tokens: &'a mut [u8],
+    /// `tokens × layers × hidden` elements of the batch's dtype.
+    pub hidden_states: &'a mut [u8],
 }
 
 /// A batch that cannot be written or read, naming what is wrong.
@@ -105,7 +120,8 @@ fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
-fn sections(spec: &BatchSpec, header_len: u64) -> Option<(Section, Section, Section)> {
+/// The sections in the order they lie: input ids, loss mask, target tokens, hidden states.
+fn sections(spec: &BatchSpec, header_len: u64) -> Option<[Section; 4]> {
     let t = spec.tokens();
     let ids = Section {
         offset: align(PREFIX as u64 + header_len),
@@ -115,15 +131,19 @@ fn sections(spec: &BatchSpec, header_len: u64) -> Option<(Section, Section, Sect
         offset: align(ids.offset + ids.len),
         len: t,
     };
+    let tokens = Section {
+        offset: align(mask.offset + mask.len),
+        len: t.checked_mul(4)?,
+    };
     let hidden_len = t
         .checked_mul(u64::from(spec.layers))?
         .checked_mul(u64::from(spec.hidden))?
         .checked_mul(spec.dtype.size() as u64)?;
     let hidden = Section {
-        offset: align(mask.offset + mask.len),
+        offset: align(tokens.offset + tokens.len),
         len: hidden_len,
     };
-    Some((ids, mask, hidden))
+    Some([ids, mask, tokens, hidden])
 }
 
 /// The header for `spec` with a placeholder checksum (bincode encodes a u32 in fixed 4 bytes,
@@ -138,15 +158,14 @@ fn header_for(spec: &BatchSpec) -> Result<(BatchHeader, u64), BatchError> {
         spec: spec.clone(),
         input_ids: Section::default(),
         loss_mask: Section::default(),
+        target_tokens: Section::default(),
         hidden_states: Section::default(),
         checksum: 0,
     };
     // The header's own length does not depend on the section values (fixed-width integers).
     let hlen = bincode::serialized_size(&h).map_err(|_| overflow())?;
-    let (ids, mask, hidden) = sections(spec, hlen).ok_or_else(overflow)?;
-    h.input_ids = ids;
-    h.loss_mask = mask;
-    h.hidden_states = hidden;
+    [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states] =
+        sections(spec, hlen).ok_or_else(overflow)?;
     Ok((h, hlen))
 }
 
@@ -185,22 +204,22 @@ impl<'a> BatchWriter<'a> {
         self.len() == 0
     }
 
-    /// The three sections, to fill in place: input ids (little-endian u32 per token), loss
-    /// mask (one byte per token), hidden states (`tokens × layers × hidden` elements).
-    pub fn sections_mut(&mut self) -> (&mut [u8], &mut [u8], &mut [u8]) {
+    /// The four sections, to fill in place.
+    pub fn sections_mut(&mut self) -> SectionsMut<'_> {
         let h = &self.header;
-        let (ids, mask, hid) = (
-            h.input_ids.range(),
-            h.loss_mask.range(),
-            h.hidden_states.range(),
-        );
-        let (head, rest) = self.buf.split_at_mut(mask.start);
-        let (mask_part, hid_part) = rest.split_at_mut(hid.start - mask.start);
-        (
-            &mut head[ids],
-            &mut mask_part[..mask.len()],
-            &mut hid_part[..hid.len()],
-        )
+        let ranges =
+            [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states].map(|s| s.range());
+        // The sections lie in this order without overlapping: split the buffer at each start.
+        let (_, rest) = self.buf.split_at_mut(ranges[0].start);
+        let (ids, rest) = rest.split_at_mut(ranges[1].start - ranges[0].start);
+        let (mask, rest) = rest.split_at_mut(ranges[2].start - ranges[1].start);
+        let (tokens, rest) = rest.split_at_mut(ranges[3].start - ranges[2].start);
+        SectionsMut {
+            input_ids: &mut ids[..ranges[0].len()],
+            loss_mask: &mut mask[..ranges[1].len()],
+            target_tokens: &mut tokens[..ranges[2].len()],
+            hidden_states: &mut rest[..ranges[3].len()],
+        }
     }
 
     /// Computes the checksum and writes the header. Returns (length, checksum).
@@ -218,6 +237,7 @@ impl<'a> BatchWriter<'a> {
 fn checksum_sections(buf: &[u8], h: &BatchHeader) -> u32 {
     let crc = crc32c::crc32c(&buf[h.input_ids.range()]);
     let crc = crc32c::crc32c_append(crc, &buf[h.loss_mask.range()]);
+    let crc = crc32c::crc32c_append(crc, &buf[h.target_tokens.range()]);
     crc32c::crc32c_append(crc, &buf[h.hidden_states.range()])
 }
 
@@ -261,9 +281,9 @@ impl<'a> BatchView<'a> {
         let header: BatchHeader = bincode::deserialize(&buf[PREFIX..PREFIX + hlen])
             .map_err(|e| corrupt(format!("header does not decode: {e}")))?;
         let (want, _) = header_for(&header.spec).map_err(|_| corrupt("impossible shape".into()))?;
-        if (want.input_ids, want.loss_mask, want.hidden_states)
-            != (header.input_ids, header.loss_mask, header.hidden_states)
-        {
+        let sections =
+            |h: &BatchHeader| [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states];
+        if sections(&want) != sections(&header) {
             return Err(corrupt(
                 "section offsets disagree with the batch shape".into(),
             ));
@@ -305,6 +325,13 @@ impl<'a> BatchView<'a> {
         &self.buf[self.header.loss_mask.range()]
     }
 
+    /// The target's greedy next token after each position.
+    pub fn target_tokens(&self) -> impl Iterator<Item = u32> + 'a {
+        self.buf[self.header.target_tokens.range()]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+    }
+
     /// Raw hidden states, `tokens × layers × hidden` elements of the header's dtype.
     pub fn hidden_states(&self) -> &'a [u8] {
         &self.buf[self.header.hidden_states.range()]
@@ -329,12 +356,15 @@ mod tests {
 
     fn write(buf: &mut [u8]) -> (usize, u32) {
         let mut w = BatchWriter::new(buf, &spec()).unwrap();
-        let (ids, mask, hid) = w.sections_mut();
-        for (i, c) in ids.chunks_exact_mut(4).enumerate() {
+        let s = w.sections_mut();
+        for (i, c) in s.input_ids.chunks_exact_mut(4).enumerate() {
             c.copy_from_slice(&(i as u32 * 3).to_le_bytes());
         }
-        mask.fill(1);
-        for (i, b) in hid.iter_mut().enumerate() {
+        s.loss_mask.fill(1);
+        for (i, c) in s.target_tokens.chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&(i as u32 + 100).to_le_bytes());
+        }
+        for (i, b) in s.hidden_states.iter_mut().enumerate() {
             *b = i as u8;
         }
         w.finish()
@@ -349,7 +379,7 @@ mod tests {
         v.verify().unwrap();
         let h = v.header();
         assert_eq!(h.spec, spec());
-        for s in [h.input_ids, h.loss_mask, h.hidden_states] {
+        for s in [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states] {
             assert_eq!(s.offset % ALIGN as u64, 0, "sections are 256-byte aligned");
         }
         assert_eq!(
@@ -357,6 +387,10 @@ mod tests {
             (0..17).map(|i| i * 3).collect::<Vec<_>>()
         );
         assert_eq!(v.loss_mask(), &[1u8; 17][..]);
+        assert_eq!(
+            v.target_tokens().collect::<Vec<_>>(),
+            (100..117).collect::<Vec<_>>()
+        );
         assert_eq!(v.hidden_states().len(), 17 * 3 * 16 * 2);
         assert_eq!(v.hidden_states()[5], 5);
     }
@@ -391,6 +425,17 @@ mod tests {
             matches!(err, BatchError::Checksum { batch_id: 77, .. }),
             "{err}"
         );
+
+        // A flipped greedy token is caught too: the checksum covers all four sections.
+        let mut flipped = buf.clone();
+        let at = BatchView::parse(&buf[..len])
+            .unwrap()
+            .header()
+            .target_tokens
+            .offset as usize;
+        flipped[at + 5] ^= 0x01;
+        let err = BatchView::parse(&flipped[..len]).unwrap().verify();
+        assert!(matches!(err, Err(BatchError::Checksum { .. })), "{err:?}");
 
         let mut other = buf.clone();
         other[8..10].copy_from_slice(&9u16.to_le_bytes());

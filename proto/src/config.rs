@@ -96,9 +96,19 @@ impl Default for RingConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// Target layers captured per token (DFlash captures 5).
+    /// The target: an HF model directory (`config.json`, safetensors weights, tokenizer), for
+    /// the real-model backends (`--model DIR` sets it). None: the mock's made-up states.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Target layers captured per token (DFlash captures 5). With a model and no
+    /// `target_layer_ids`, the layers are chosen by SpecForge's rule for this many.
     pub layers: u32,
+    /// Decoder layers of the target to capture (HF's `hidden_states[i + 1]` for layer `i`);
+    /// `layers` is then their number. None: SpecForge's rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_layer_ids: Option<Vec<u32>>,
     /// Hidden size. The real 27B target has 5120; the mock default is small so runs are quick.
+    /// With a model, the model's own (set by the launcher).
     pub hidden: u32,
     pub dtype: Dtype,
 }
@@ -106,7 +116,9 @@ pub struct ModelConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
+            path: None,
             layers: 5,
+            target_layer_ids: None,
             hidden: 64,
             dtype: Dtype::Bf16,
         }
@@ -126,6 +138,10 @@ pub struct DataConfig {
     pub prepared: Option<PathBuf>,
     /// Samples in the synthetic dataset.
     pub synthetic_samples: u64,
+    /// Token ids of the synthetic dataset are drawn below this; None: 32000, or the model's
+    /// vocabulary when a model is given (the launcher sets it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub synthetic_vocab: Option<u32>,
     pub min_len: u32,
     pub max_len: u32,
     pub seed: u64,
@@ -137,6 +153,7 @@ impl Default for DataConfig {
             path: None,
             prepared: None,
             synthetic_samples: 2000,
+            synthetic_vocab: None,
             min_len: 32,
             max_len: 4096,
             seed: 1,
@@ -152,6 +169,9 @@ pub struct TargetConfig {
     /// Simulated forward speed of a mock target. The real ratio is 4,500 (target) to 5,800
     /// (drafter) tokens/s; the defaults are ten times both so a demo run takes seconds.
     pub tokens_per_s: f64,
+    /// CPU threads each worker's model computes with; 0: the machine's cores shared out
+    /// among the run's workers (at least one each).
+    pub threads: u32,
 }
 
 impl Default for TargetConfig {
@@ -159,6 +179,7 @@ impl Default for TargetConfig {
         TargetConfig {
             token_budget: 16384,
             tokens_per_s: 45_000.0,
+            threads: 0,
         }
     }
 }
@@ -218,10 +239,14 @@ fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
 impl PipelineConfig {
     /// Parses TOML text; `path` is only for messages.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             source: Box::new(e),
         })?;
+        // Layers named: their number is the captured layers'.
+        if let Some(ids) = &cfg.model.target_layer_ids {
+            cfg.model.layers = ids.len() as u32;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -275,6 +300,18 @@ impl PipelineConfig {
         }
         if self.model.layers == 0 || self.model.hidden == 0 {
             return Err(invalid("model", "layers and hidden must be at least 1"));
+        }
+        if let Some(ids) = &self.model.target_layer_ids {
+            if ids.len() != self.model.layers as usize {
+                return Err(invalid(
+                    "model.target_layer_ids",
+                    format!(
+                        "names {} layers but model.layers is {} (a config file's layers follow its ids)",
+                        ids.len(),
+                        self.model.layers
+                    ),
+                ));
+            }
         }
         let hidden = u64::from(self.model.hidden);
         if self.drafter.params < hidden || self.drafter.params > 1 << 28 {

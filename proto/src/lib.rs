@@ -13,8 +13,8 @@ pub mod run_dir;
 pub mod stop;
 
 pub use batch::{
-    batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section, ALIGN,
-    BATCH_VERSION,
+    batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section,
+    SectionsMut, ALIGN, BATCH_VERSION,
 };
 pub use config::{ConfigError, PipelineConfig};
 pub use ledger::LedgerLine;

@@ -96,6 +96,7 @@ pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::Dat
         min_len: d.min_len,
         max_len: d.max_len,
         seed: d.seed,
+        vocab: d.synthetic_vocab.unwrap_or(dataset::SYNTHETIC_VOCAB),
     };
     Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
 }
@@ -194,13 +195,17 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 continue;
             };
             let mut w = BatchWriter::new(slot.payload_mut(), &next.spec)?;
-            let (ids, mask, hidden) = w.sections_mut();
-            for (dst, id) in ids.chunks_exact_mut(4).zip(&next.input_ids) {
+            let sections = w.sections_mut();
+            for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(&next.input_ids) {
                 dst.copy_from_slice(&id.to_le_bytes());
             }
-            mask.copy_from_slice(&next.loss_mask);
+            sections.loss_mask.copy_from_slice(&next.loss_mask);
             producer.enter(Phase::Compute);
-            backend.forward(&next.input_ids, &next.spec.seq_lens, hidden)?;
+            let out = gpu::TargetOut {
+                hidden_states: sections.hidden_states,
+                target_tokens: sections.target_tokens,
+            };
+            backend.forward(&next.input_ids, &next.spec.seq_lens, out)?;
             producer.enter(Phase::Other);
             w.finish();
             slot.complete_work(next.item)?;

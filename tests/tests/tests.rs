@@ -4,6 +4,7 @@ mod chaos;
 mod data;
 mod gpu;
 mod launcher;
+mod model;
 mod ring_processes;
 mod screen;
 mod support;

@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use collective::Collective;
-use dataset::Dataset;
 use proto::plan::plan;
 use proto::PipelineConfig;
 use proto::{LedgerLine, RunDir};
@@ -54,8 +53,7 @@ fn make_ring(
     drafters: u32,
 ) -> (Ring, Box<dyn Collective>, usize) {
     let cfg = PipelineConfig::load(config).unwrap();
-    let d = &cfg.data;
-    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
+    let data = target_worker::load_dataset(&cfg).unwrap();
     let batches = plan(data.lengths(), &cfg).len() as u64;
     let params = cfg.ring_params(targets, drafters, batches).unwrap();
     let ring = Ring::create(name, &params).unwrap();

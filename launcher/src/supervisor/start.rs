@@ -12,7 +12,7 @@ use crate::cli::Args;
 use crate::monitor::Monitor;
 use crate::output::Tee;
 use crate::signals::StopSignals;
-use crate::spawn::Welcome;
+use crate::spawn::{self, Welcome};
 use crate::{reclaim, Settled};
 
 impl<'a> Supervisor<'a> {
@@ -98,6 +98,7 @@ impl<'a> Supervisor<'a> {
             run_dir: run_dir.path().to_path_buf(),
             config_toml: cfg.to_toml(),
             backend: backend.0,
+            threads: spawn::threads_per_worker(cfg.target.threads, targets.len() + drafters.len()),
         };
         let workers = (targets.iter().enumerate())
             .map(|(i, &gpu)| Worker::new(WorkerName::producer(i as u32), gpu))

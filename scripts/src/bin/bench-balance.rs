@@ -411,7 +411,13 @@ fn main() {
     let mut cfg = PipelineConfig::default();
     cfg.data.synthetic_samples = args.samples;
     let d = &cfg.data;
-    let data = Dataset::synthetic(d.synthetic_samples, d.min_len, d.max_len, d.seed);
+    let data = Dataset::synthetic(&dataset::Synthetic {
+        samples: d.synthetic_samples,
+        min_len: d.min_len,
+        max_len: d.max_len,
+        seed: d.seed,
+        vocab: dataset::SYNTHETIC_VOCAB,
+    });
     let mut lengths = data.lengths().to_vec();
     if args.long_heavy {
         let longest = cfg.ring.buckets - 1;

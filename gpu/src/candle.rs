@@ -1,0 +1,225 @@
+//! The candle backend: a real target (an HF model directory run by `model::Decoder`) on the CPU;
+//! the same code takes a GPU once candle's CUDA device is built in (the CUDA issue).
+//!
+//! The target writes the captured layers `[tokens x layers x hidden]` in the slot's dtype and
+//! the greedy next tokens into the slot. The drafter is still the mock's learner (the DFlash
+//! drafter is the next issue), with its content check off: the batches' checksums are what it
+//! verifies, the states being real.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use model::{ArchConfig, Decoder, Need};
+use proto::{Dtype, PipelineConfig, WorkerName};
+
+use crate::mock::{self, MockDrafter, Sim};
+use crate::{DrafterBackend, GpuError, Maker, TargetBackend, TargetOut};
+
+pub struct Candle;
+
+/// The model directory the config names, or the error that says how to name one.
+fn model_dir(cfg: &PipelineConfig) -> Result<&Path, GpuError> {
+    cfg.model.path.as_deref().ok_or_else(|| {
+        GpuError::Config(
+            "the candle backend runs a real model: name its HF directory with --model DIR (or [model] path); `launcher make-model DIR` makes a tiny one".into(),
+        )
+    })
+}
+
+/// The decoder layers to capture: the config's, or SpecForge's rule for `model.layers`.
+pub fn layer_ids(cfg: &PipelineConfig, arch: &ArchConfig) -> Result<Vec<usize>, GpuError> {
+    let n = arch.num_hidden_layers;
+    let ids = match &cfg.model.target_layer_ids {
+        Some(ids) => {
+            let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+            model::capture::check_layer_ids(&ids, n)?;
+            ids
+        }
+        None => model::capture::default_layer_ids(n, cfg.model.layers as usize)?,
+    };
+    Ok(ids)
+}
+
+impl Maker for Candle {
+    fn built(&self) -> bool {
+        true
+    }
+
+    fn settle(&self, cfg: &mut PipelineConfig) -> Result<(), GpuError> {
+        let dir = model_dir(cfg)?;
+        let arch = ArchConfig::load(dir)?;
+        let ids = layer_ids(cfg, &arch)?;
+        cfg.model.hidden = arch.hidden_size as u32;
+        cfg.model.layers = ids.len() as u32;
+        cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
+        let vocab = arch.vocab_size as u32;
+        match cfg.data.synthetic_vocab {
+            Some(v) if v > vocab => {
+                return Err(GpuError::Config(format!(
+                    "data.synthetic_vocab = {v} is more than the model's vocabulary of {vocab}"
+                )))
+            }
+            Some(_) => {}
+            None => cfg.data.synthetic_vocab = Some(vocab),
+        }
+        Ok(())
+    }
+
+    fn target(
+        &self,
+        cfg: &PipelineConfig,
+        name: WorkerName,
+    ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
+        Ok(Box::new(CandleTarget::new(cfg, name)?))
+    }
+
+    fn drafter(
+        &self,
+        cfg: &PipelineConfig,
+        name: Option<WorkerName>,
+    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
+        let mut d = MockDrafter::for_worker(cfg, name);
+        d.verify_content = false;
+        Ok(Box::new(d))
+    }
+
+    fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
+        mock::Mock.drafter_sizes(cfg)
+    }
+}
+
+/// A frozen HF model computing a batch's captured layers and greedy tokens.
+pub struct CandleTarget {
+    decoder: Decoder,
+    layers: Vec<usize>,
+    dtype: Dtype,
+    /// The faults injected into this worker (crash or hang after N batches); no simulated time.
+    sim: Sim,
+}
+
+impl CandleTarget {
+    /// Worker `name`'s target under `cfg`, loaded once from the model directory.
+    pub fn new(cfg: &PipelineConfig, name: WorkerName) -> Result<CandleTarget, GpuError> {
+        let faults = cfg.faults_for(name);
+        mock::start(&faults);
+        let dir = model_dir(cfg)?;
+        let t = CandleTarget::load(dir, cfg)?;
+        Ok(CandleTarget {
+            sim: Sim::new(f64::INFINITY, faults),
+            ..t
+        })
+    }
+
+    /// Loads the model in `dir` for the layers and dtype `cfg` names (the launcher's `capture`
+    /// uses this without a worker), checking that its states fit the ring's slots.
+    pub fn load(dir: &Path, cfg: &PipelineConfig) -> Result<CandleTarget, GpuError> {
+        let decoder = Decoder::load(dir, &Device::Cpu, DType::F32)?;
+        let arch = decoder.config();
+        let layers = layer_ids(cfg, arch)?;
+        if arch.hidden_size != cfg.model.hidden as usize
+            || layers.len() != cfg.model.layers as usize
+        {
+            return Err(GpuError::Config(format!(
+                "{}: hidden size {} x {} captured layers does not fit the ring's slots, sized for hidden {} x {} layers (the launcher sets model.hidden and model.layers from the model)",
+                dir.display(),
+                arch.hidden_size,
+                layers.len(),
+                cfg.model.hidden,
+                cfg.model.layers
+            )));
+        }
+        Ok(CandleTarget {
+            decoder,
+            layers,
+            dtype: cfg.model.dtype,
+            sim: Sim::new(f64::INFINITY, Default::default()),
+        })
+    }
+
+    pub fn decoder(&self) -> &Decoder {
+        &self.decoder
+    }
+
+    pub fn layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    /// The captured layers and greedy tokens of one batch, as the slot's bytes: `hidden`
+    /// `[tokens x layers x hidden]` in the slot's dtype, `tokens` little-endian u32s.
+    /// `tokens: false` stops the forward after the last captured layer and leaves them zero.
+    pub fn run(
+        &self,
+        input_ids: &[u32],
+        seq_lens: &[u32],
+        out: TargetOut<'_>,
+        tokens: bool,
+    ) -> Result<(), GpuError> {
+        let h = self.decoder.config().hidden_size;
+        out.check(input_ids.len(), self.layers.len(), h, self.dtype.size())?;
+        let got = self.decoder.forward(
+            input_ids,
+            seq_lens,
+            &Need {
+                layers: &self.layers,
+                final_hidden: false,
+                tokens,
+            },
+        )?;
+        let stride = self.layers.len() * h * self.dtype.size();
+        for (li, x) in got.layers.iter().enumerate() {
+            let bytes = to_bytes(x, self.dtype)?;
+            let row = h * self.dtype.size();
+            for (t, src) in bytes.chunks_exact(row).enumerate() {
+                let at = t * stride + li * row;
+                out.hidden_states[at..at + row].copy_from_slice(src);
+            }
+        }
+        match got.tokens {
+            Some(tk) => {
+                for (dst, id) in out.target_tokens.chunks_exact_mut(4).zip(tk) {
+                    dst.copy_from_slice(&id.to_le_bytes());
+                }
+            }
+            None => out.target_tokens.fill(0),
+        }
+        Ok(())
+    }
+}
+
+impl TargetBackend for CandleTarget {
+    fn forward(
+        &mut self,
+        input_ids: &[u32],
+        seq_lens: &[u32],
+        out: TargetOut<'_>,
+    ) -> Result<(), GpuError> {
+        self.run(input_ids, seq_lens, out, true)?;
+        self.sim.finish_item(seq_lens, std::time::Instant::now());
+        Ok(())
+    }
+}
+
+/// A `[tokens, hidden]` tensor's elements as little-endian bytes of `dtype`.
+fn to_bytes(x: &Tensor, dtype: Dtype) -> Result<Vec<u8>, GpuError> {
+    let flat = x.flatten_all()?;
+    Ok(match dtype {
+        Dtype::F32 => flat
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        Dtype::Bf16 => flat
+            .to_dtype(DType::BF16)?
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        Dtype::F16 => flat
+            .to_dtype(DType::F16)?
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+    })
+}

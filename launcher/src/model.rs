@@ -1,0 +1,388 @@
+//! The real-model commands: `launcher make-model` (a random-initialised model in the HF
+//! layout) and `launcher capture` (a model's captured layers and greedy tokens for some data,
+//! as safetensors, through the target workers' own forward).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Parser, ValueEnum};
+use gpu::candle::CandleTarget;
+use gpu::BackendKind;
+use model::make::{make_model, ConfigStyle, MakeSpec, Stored};
+use model::Family;
+use proto::{Dtype, PipelineConfig};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ModelType {
+    Qwen3,
+    Qwen2,
+    Llama,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum StoredDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Style {
+    /// transformers 4: top-level rope_theta, rope_scaling and torch_dtype.
+    Legacy,
+    /// transformers 5: rope_parameters and dtype.
+    V5,
+}
+
+/// Write a random-initialised dense decoder in the HF layout: config.json, model.safetensors
+/// (or shards with model.safetensors.index.json), tokenizer.json (a byte-level BPE) and
+/// tokenizer_config.json. The loader reads it as any HF checkpoint; it is for trying hspipe's
+/// real-model path on a CPU, for tests and for benchmarks (its states are those of random
+/// weights: nothing a drafter can learn much from).
+///
+/// Examples:
+///   launcher make-model tiny                         the README's tiny Qwen3 (8 layers, hidden 64)
+///   launcher make-model mid --layers 8 --hidden 512 --heads 8 --kv-heads 4 --head-dim 64 --intermediate 1536 --vocab 8192
+///   launcher make-model l3 --model-type llama --llama3-scaling --untied
+#[derive(Parser, Debug)]
+#[command(name = "launcher make-model", verbatim_doc_comment)]
+pub struct MakeModelArgs {
+    /// Directory to write (created; must not already hold a config.json unless --force).
+    pub dir: PathBuf,
+    #[arg(long, value_enum, default_value_t = ModelType::Qwen3)]
+    pub model_type: ModelType,
+    #[arg(long, default_value_t = 8)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 2)]
+    pub kv_heads: usize,
+    /// Head size, written as its own field (Qwen3 style); 0 writes none (HF then takes 128
+    /// for qwen3 and hidden / heads for the others).
+    #[arg(long, default_value_t = 16)]
+    pub head_dim: usize,
+    #[arg(long, default_value_t = 128)]
+    pub intermediate: usize,
+    /// Vocabulary size (at least 261: 256 bytes and 5 special tokens).
+    #[arg(long, default_value_t = 1024)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Standard deviation of the weights (HF's initializer_range).
+    #[arg(long, default_value_t = 0.02)]
+    pub init_std: f32,
+    /// How the weights are stored.
+    #[arg(long, value_enum, default_value_t = StoredDtype::Bf16)]
+    pub dtype: StoredDtype,
+    /// Write lm_head.weight (default: tied to the embedding, no lm_head in the files).
+    #[arg(long)]
+    pub untied: bool,
+    /// Split the weights into shards of at most this many MiB, with an index.
+    #[arg(long, value_name = "MIB")]
+    pub shard_mib: Option<u64>,
+    /// Which transformers' config.json style to write.
+    #[arg(long, value_enum, default_value_t = Style::Legacy)]
+    pub config_style: Style,
+    #[arg(long, default_value_t = 1_000_000.0)]
+    pub rope_theta: f64,
+    /// Llama 3.1's rope scaling (factor 8, frequency factors 1 and 4, 8192 original positions).
+    #[arg(long)]
+    pub llama3_scaling: bool,
+    /// Replace a model already in DIR.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `launcher make-model`.
+pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
+    if a.dir.join("config.json").exists() && !a.force {
+        bail!(
+            "{} already holds a model (config.json); pass --force to replace it",
+            a.dir.display()
+        );
+    }
+    let spec = MakeSpec {
+        family: match a.model_type {
+            ModelType::Qwen3 => Family::Qwen3,
+            ModelType::Qwen2 => Family::Qwen2,
+            ModelType::Llama => Family::Llama,
+        },
+        layers: a.layers,
+        hidden: a.hidden,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: (a.head_dim > 0).then_some(a.head_dim),
+        intermediate: a.intermediate,
+        vocab: a.vocab,
+        seed: a.seed,
+        init_std: a.init_std,
+        stored: match a.dtype {
+            StoredDtype::Bf16 => Stored::Bf16,
+            StoredDtype::F16 => Stored::F16,
+            StoredDtype::F32 => Stored::F32,
+        },
+        tied: !a.untied,
+        shard_bytes: a.shard_mib.map(|m| m << 20),
+        style: match a.config_style {
+            Style::Legacy => ConfigStyle::Legacy,
+            Style::V5 => ConfigStyle::V5,
+        },
+        rope_theta: a.rope_theta,
+        llama3: a.llama3_scaling.then_some(model::config::Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }),
+        attention_bias: false,
+    };
+    make_model(&a.dir, &spec).with_context(|| format!("making a model in {}", a.dir.display()))?;
+    println!(
+        "{}: {} with {} layers, hidden {}, vocabulary {} (seed {})",
+        a.dir.display(),
+        spec.family.name(),
+        spec.layers,
+        spec.hidden,
+        spec.vocab,
+        spec.seed
+    );
+    Ok(0)
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum OutDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// Run a model over some data and write what a target worker would put in the ring: for each
+/// sample, its captured layers and the target's greedy next tokens, as safetensors shards.
+///
+/// Each sample ID gives tensors `ID.hidden_states` [tokens, layers, hidden] (the decoder
+/// layers of target_layer_ids, HF's hidden_states[i + 1] for layer i), `ID.target_tokens`
+/// [tokens] u32 and `ID.input_ids` [tokens] u32; OUT/index.json names each sample's shard and
+/// the layers. The forward is the target workers' own code.
+///
+/// Examples:
+///   launcher capture --model tiny --synthetic 20 -o caps
+///   launcher capture --model Qwen3-8B --data train.jsonl --layers 1,9,17,25,33 -o caps
+#[derive(Parser, Debug)]
+#[command(name = "launcher capture", verbatim_doc_comment)]
+pub struct CaptureArgs {
+    /// The HF model directory.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Training data, as for a run (JSONL, Parquet, Arrow, HF datasets directory).
+    #[arg(long, conflicts_with = "synthetic")]
+    pub data: Option<PathBuf>,
+    /// N samples of the built-in synthetic dataset (default 16 when --data is absent).
+    #[arg(long)]
+    pub synthetic: Option<u64>,
+    /// Output directory (created; must be empty).
+    #[arg(short, long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Pipeline config (data lengths, model.layers or model.target_layer_ids).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Decoder layers to capture, e.g. 1,9,17 (default: SpecForge's rule for model.layers).
+    #[arg(long, value_delimiter = ',')]
+    pub layers: Option<Vec<u32>>,
+    /// Skip the greedy tokens: the forward stops after the last captured layer.
+    #[arg(long)]
+    pub no_tokens: bool,
+    /// The hidden states' dtype.
+    #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
+    pub dtype: OutDtype,
+    /// Most bytes of one shard, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub shard_mib: u64,
+    /// CPU threads to compute with (default: RAYON_NUM_THREADS, else every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// One sample's tensors, encoded.
+struct Captured {
+    id: u64,
+    tokens: usize,
+    hidden: Vec<u8>,
+    greedy: Vec<u8>,
+    ids: Vec<u8>,
+}
+
+/// `launcher capture`.
+pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
+    if let Some(n) = a.threads {
+        // Read by candle's kernels when they first run; no other thread exists yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
+    let mut cfg = match &a.config {
+        Some(p) => PipelineConfig::load(p)?,
+        None => PipelineConfig::default(),
+    };
+    cfg.model.path = Some(a.model.clone());
+    if let Some(ids) = &a.layers {
+        cfg.model.target_layer_ids = Some(ids.clone());
+        cfg.model.layers = ids.len() as u32;
+    }
+    cfg.model.dtype = match a.dtype {
+        OutDtype::Bf16 => Dtype::Bf16,
+        OutDtype::F16 => Dtype::F16,
+        OutDtype::F32 => Dtype::F32,
+    };
+    cfg.data.path = a.data.clone();
+    if a.data.is_none() {
+        cfg.data.synthetic_samples = a.synthetic.unwrap_or(16);
+    }
+    gpu::settle(BackendKind::Candle, &mut cfg).context("loading the model's config")?;
+    cfg.validate().context("checking the config")?;
+    if a.out.exists() && std::fs::read_dir(&a.out)?.next().is_some() {
+        bail!(
+            "{} is not empty; capture writes into an empty or new directory",
+            a.out.display()
+        );
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    if let Some(input) = &a.data {
+        let cache = PathBuf::from("runs").join("data-cache");
+        let (p, line) = crate::data::prepare_dataset(input, cfg.data.max_len, &cache, None)?;
+        println!("{line}");
+        cfg.data.prepared = Some(p.path);
+    }
+    let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
+    let target = CandleTarget::load(&a.model, &cfg)
+        .with_context(|| format!("loading {}", a.model.display()))?;
+    let layers = target.layers().to_vec();
+    println!(
+        "capture: {} samples of {} through {} (layers {layers:?}), {} threads",
+        data.len(),
+        data.source,
+        a.model.display(),
+        candle_threads(),
+    );
+    let (l, h, es) = (
+        cfg.model.layers as usize,
+        cfg.model.hidden as usize,
+        cfg.model.dtype.size(),
+    );
+    let shard_max = a.shard_mib.max(1) << 20;
+    let mut shard: Vec<Captured> = Vec::new();
+    let mut shard_bytes = 0u64;
+    let mut index = BTreeMap::new();
+    let mut shards = 0usize;
+    let mut last_line = Instant::now();
+    let started = Instant::now();
+    let mut tokens_done = 0u64;
+    for id in 0..data.len() as u64 {
+        let Some(s) = data.sample(id) else { continue };
+        let ids = s.input_ids.to_vec();
+        let t = ids.len();
+        let mut hidden = vec![0u8; t * l * h * es];
+        let mut greedy = vec![0u8; t * 4];
+        let out = gpu::TargetOut {
+            hidden_states: &mut hidden,
+            target_tokens: &mut greedy,
+        };
+        target
+            .run(&ids, &[t as u32], out, !a.no_tokens)
+            .with_context(|| format!("sample {id}"))?;
+        tokens_done += t as u64;
+        shard_bytes += (hidden.len() + greedy.len() + t * 4) as u64;
+        shard.push(Captured {
+            id,
+            tokens: t,
+            hidden,
+            greedy,
+            ids: ids.iter().flat_map(|i| i.to_le_bytes()).collect(),
+        });
+        if shard_bytes >= shard_max {
+            shards += 1;
+            write_shard(&a.out, shards, &shard, (l, h), cfg.model.dtype, &mut index)?;
+            shard.clear();
+            shard_bytes = 0;
+        }
+        if last_line.elapsed() > Duration::from_secs(5) {
+            println!(
+                "capture: {} of {} samples, {:.0} tokens/s",
+                id + 1,
+                data.len(),
+                tokens_done as f64 / started.elapsed().as_secs_f64()
+            );
+            last_line = Instant::now();
+        }
+    }
+    if !shard.is_empty() {
+        shards += 1;
+        write_shard(&a.out, shards, &shard, (l, h), cfg.model.dtype, &mut index)?;
+    }
+    let meta = serde_json::json!({
+        "model": std::path::absolute(&a.model)?,
+        "target_layer_ids": layers,
+        "dtype": cfg.model.dtype,
+        "greedy_tokens": !a.no_tokens,
+        "samples": index,
+    });
+    let p = a.out.join("index.json");
+    atomic_file::replace(&p, serde_json::to_string_pretty(&meta)?.as_bytes())
+        .with_context(|| format!("writing {}", p.display()))?;
+    println!(
+        "capture: {} samples, {tokens_done} tokens in {shards} shards under {} ({:.0} tokens/s)",
+        data.len(),
+        a.out.display(),
+        tokens_done as f64 / started.elapsed().as_secs_f64()
+    );
+    Ok(0)
+}
+
+/// The threads candle computes with (`RAYON_NUM_THREADS`, else the cores).
+fn candle_threads() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+fn write_shard(
+    dir: &Path,
+    n: usize,
+    samples: &[Captured],
+    (l, h): (usize, usize),
+    dtype: Dtype,
+    index: &mut BTreeMap<String, String>,
+) -> anyhow::Result<()> {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype as S;
+    let name = format!("capture-{n:05}.safetensors");
+    let st = match dtype {
+        Dtype::Bf16 => S::BF16,
+        Dtype::F16 => S::F16,
+        Dtype::F32 => S::F32,
+    };
+    let mut views = Vec::with_capacity(samples.len() * 3);
+    for s in samples {
+        let t = s.tokens;
+        views.push((
+            format!("{}.hidden_states", s.id),
+            TensorView::new(st, vec![t, l, h], &s.hidden)?,
+        ));
+        views.push((
+            format!("{}.target_tokens", s.id),
+            TensorView::new(S::U32, vec![t], &s.greedy)?,
+        ));
+        views.push((
+            format!("{}.input_ids", s.id),
+            TensorView::new(S::U32, vec![t], &s.ids)?,
+        ));
+        index.insert(s.id.to_string(), name.clone());
+    }
+    let p = dir.join(&name);
+    let bytes = safetensors::serialize(views, None)?;
+    atomic_file::replace(&p, &bytes).with_context(|| format!("writing {}", p.display()))?;
+    Ok(())
+}

@@ -1,0 +1,422 @@
+//! `config.json` as HF writes it, read into the one shape this crate runs: [`ArchConfig`].
+//!
+//! Both styles in use are read: most checkpoints on the Hub (transformers 4) write `rope_theta`,
+//! `rope_scaling` and `torch_dtype` at the top level; transformers 5 writes `rope_parameters:
+//! {rope_theta, rope_type, ...}` and `dtype`. Defaults are HF's own for each model type (Qwen3's
+//! `head_dim` defaults to 128, not `hidden_size / num_attention_heads`). Anything else is refused
+//! with the field and its value: another `model_type`, a mixture of experts, a rope type other
+//! than `default` and `llama3`, an activation other than SiLU, a sliding window.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::{ModelError, Result};
+
+/// The model types this crate runs: one dense decoder, three sets of flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// q/k RMS norm per head, no biases, `head_dim` its own field.
+    Qwen3,
+    /// Biases on q, k and v (not o), no q/k norm.
+    Qwen2,
+    /// No q/k norm; `attention_bias` and `mlp_bias` as configured; llama3 rope scaling common.
+    Llama,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Qwen3 => "qwen3",
+            Family::Qwen2 => "qwen2",
+            Family::Llama => "llama",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Family> {
+        Some(match s {
+            "qwen3" => Family::Qwen3,
+            "qwen2" => Family::Qwen2,
+            "llama" => Family::Llama,
+            _ => return None,
+        })
+    }
+}
+
+/// Llama 3.1's frequency-dependent rope scaling (`rope_type: "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+/// How rotary frequencies are scaled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Llama3(Llama3Scaling),
+}
+
+/// Everything the forward needs from `config.json`, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArchConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    /// Bias on the MLP's three projections.
+    pub mlp_bias: bool,
+    /// RMS norm of each head's q and k before rope (Qwen3).
+    pub qk_norm: bool,
+    /// The dtype the checkpoint says it stores (`torch_dtype` or `dtype`), if it says.
+    pub stored_dtype: Option<String>,
+}
+
+/// The fields read; the rest of the file is kept in `rest` to look for what must be refused.
+#[derive(Deserialize)]
+struct Raw {
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// Fields whose presence (with a non-zero value) means a mixture of experts.
+const MOE_FIELDS: &[&str] = &[
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+];
+
+impl ArchConfig {
+    /// Reads `DIR/config.json`.
+    pub fn load(dir: &Path) -> Result<ArchConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        ArchConfig::parse(&text, &path)
+    }
+
+    /// Parses a `config.json`'s text (`path` names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<ArchConfig> {
+        let bad = |why: String| ModelError::Config {
+            path: path.to_path_buf(),
+            why,
+        };
+        let raw: Raw = serde_json::from_str(text).map_err(|e| bad(format!("not a config: {e}")))?;
+        let model_type = raw
+            .model_type
+            .as_deref()
+            .ok_or_else(|| bad("no model_type field".into()))?;
+        let family = Family::parse(model_type).ok_or_else(|| {
+            bad(format!(
+                "model_type = {model_type:?} is not supported: expected \"qwen3\", \"qwen2\" or \"llama\" (dense decoders)"
+            ))
+        })?;
+        for f in MOE_FIELDS {
+            if let Some(v) = raw.rest.get(*f) {
+                if !(v.is_null() || v.as_u64() == Some(0)) {
+                    return Err(bad(format!(
+                        "{f} = {v}: mixture-of-experts models are not supported (dense decoders only)"
+                    )));
+                }
+            }
+        }
+        let need = |v: Option<usize>, name: &str| -> Result<usize> {
+            match v {
+                Some(0) => Err(bad(format!("{name} = 0: must be at least 1"))),
+                Some(v) => Ok(v),
+                None => Err(bad(format!("no {name} field"))),
+            }
+        };
+        let hidden_size = need(raw.hidden_size, "hidden_size")?;
+        let num_attention_heads = need(raw.num_attention_heads, "num_attention_heads")?;
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(bad(format!(
+                "num_key_value_heads = {num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"
+            )));
+        }
+        let head_dim = match (raw.head_dim, family) {
+            (Some(d), _) => d,
+            // HF's Qwen3Config defaults head_dim to 128 whatever the hidden size.
+            (None, Family::Qwen3) => 128,
+            (None, _) => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(bad(format!(
+                        "no head_dim field, and hidden_size = {hidden_size} is not a multiple of num_attention_heads = {num_attention_heads}"
+                    )));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim = {head_dim}: rotary embeddings need an even head size"
+            )));
+        }
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" {
+                return Err(bad(format!(
+                    "hidden_act = {act:?} is not supported: expected \"silu\""
+                )));
+            }
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(bad(
+                "use_sliding_window = true is not supported (full attention only)".into(),
+            ));
+        }
+        let (rope_theta, rope_scaling) = rope(&raw, family).map_err(bad)?;
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let cfg = ArchConfig {
+            family,
+            vocab_size: need(raw.vocab_size, "vocab_size")?,
+            hidden_size,
+            intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
+            num_hidden_layers: need(raw.num_hidden_layers, "num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: match family {
+                Family::Qwen2 => true,
+                Family::Qwen3 | Family::Llama => attention_bias,
+            },
+            o_bias: match family {
+                Family::Qwen2 => false,
+                Family::Qwen3 | Family::Llama => attention_bias,
+            },
+            mlp_bias: match family {
+                Family::Llama => raw.mlp_bias.unwrap_or(false),
+                Family::Qwen3 | Family::Qwen2 => false,
+            },
+            qk_norm: family == Family::Qwen3,
+            stored_dtype: raw.dtype.or(raw.torch_dtype),
+        };
+        Ok(cfg)
+    }
+
+    /// Features a q or k projection produces: heads x head size.
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+}
+
+/// The rope base and scaling, from `rope_parameters` (transformers 5) or the top-level
+/// `rope_theta` and `rope_scaling` (older), never both disagreeing.
+fn rope(raw: &Raw, family: Family) -> std::result::Result<(f64, RopeScaling), String> {
+    // HF's defaults: Qwen2 and Qwen3 configs default rope_theta to 10000.0 as Llama's does.
+    let default_theta = match family {
+        Family::Qwen3 | Family::Qwen2 | Family::Llama => 10000.0,
+    };
+    let (params, where_) = match (&raw.rope_parameters, &raw.rope_scaling) {
+        (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+        (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
+        _ => (None, ""),
+    };
+    let obj = match params {
+        None => None,
+        Some(Value::Object(o)) => Some(o),
+        Some(v) => return Err(format!("{where_} = {v}: expected an object")),
+    };
+    let num = |o: &Map<String, Value>, k: &str| -> std::result::Result<Option<f64>, String> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| format!("{where_}.{k} = {v}: expected a number")),
+        }
+    };
+    let theta = match obj {
+        Some(o) => num(o, "rope_theta")?,
+        None => None,
+    }
+    .or(raw.rope_theta)
+    .unwrap_or(default_theta);
+    if !(theta.is_finite() && theta > 1.0) {
+        return Err(format!("rope_theta = {theta}: must be a number above 1"));
+    }
+    let Some(o) = obj else {
+        return Ok((theta, RopeScaling::None));
+    };
+    // transformers 4 wrote "type" before "rope_type".
+    let ty = o.get("rope_type").or_else(|| o.get("type"));
+    let ty = match ty {
+        None | Some(Value::Null) => "default",
+        Some(Value::String(s)) => s.as_str(),
+        Some(v) => return Err(format!("{where_}.rope_type = {v}: expected a string")),
+    };
+    match ty {
+        "default" => Ok((theta, RopeScaling::None)),
+        "llama3" => {
+            let get = |k: &str| -> std::result::Result<f64, String> {
+                num(o, k)?.ok_or_else(|| format!("{where_} has rope_type \"llama3\" but no {k}"))
+            };
+            let s = Llama3Scaling {
+                factor: get("factor")?,
+                low_freq_factor: get("low_freq_factor")?,
+                high_freq_factor: get("high_freq_factor")?,
+                original_max_position_embeddings: get("original_max_position_embeddings")?,
+            };
+            if !(s.factor > 0.0
+                && s.high_freq_factor > s.low_freq_factor
+                && s.low_freq_factor > 0.0
+                && s.original_max_position_embeddings > 0.0)
+            {
+                return Err(format!(
+                    "{where_}: llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0, got {s:?}"
+                ));
+            }
+            Ok((theta, RopeScaling::Llama3(s)))
+        }
+        other => Err(format!(
+            "{where_}.rope_type = {other:?} is not supported: expected \"default\" or \"llama3\""
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<ArchConfig> {
+        ArchConfig::parse(s, Path::new("m/config.json"))
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300"#;
+
+    #[test]
+    fn both_config_styles_give_the_same_rope() {
+        let old = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+            "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+        ))
+        .unwrap();
+        let new = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "dtype": "bfloat16",
+            "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(old, new);
+        assert_eq!(old.rope_theta, 500000.0);
+        assert!(matches!(old.rope_scaling, RopeScaling::Llama3(s) if s.factor == 8.0));
+        assert_eq!(old.stored_dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(old.head_dim, 16);
+    }
+
+    #[test]
+    fn each_family_takes_its_own_flags_and_defaults() {
+        let q3 = parse(&format!(r#"{{"model_type": "qwen3", {BASE}}}"#)).unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias);
+        assert_eq!(
+            q3.head_dim, 128,
+            "Qwen3's head_dim defaults to 128, as HF's"
+        );
+        let q2 = parse(&format!(r#"{{"model_type": "qwen2", {BASE}}}"#)).unwrap();
+        assert!(q2.qkv_bias && !q2.o_bias && !q2.qk_norm);
+        let l = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "attention_bias": true, "mlp_bias": true, "tie_word_embeddings": true}}"#
+        ))
+        .unwrap();
+        assert!(l.qkv_bias && l.o_bias && l.mlp_bias && l.tie_word_embeddings);
+    }
+
+    #[test]
+    fn what_is_not_run_is_refused_by_field_and_value() {
+        let cases = [
+            (r#""model_type": "mixtral""#, "model_type = \"mixtral\""),
+            (
+                r#""model_type": "qwen3", "num_experts": 8"#,
+                "num_experts = 8",
+            ),
+            (
+                r#""model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+                "rope_scaling.rope_type = \"yarn\"",
+            ),
+            (
+                r#""model_type": "llama", "rope_parameters": {"rope_type": "dynamic"}"#,
+                "rope_parameters.rope_type = \"dynamic\"",
+            ),
+            (
+                r#""model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}"#,
+                "no low_freq_factor",
+            ),
+            (
+                r#""model_type": "llama", "hidden_act": "gelu""#,
+                "hidden_act = \"gelu\"",
+            ),
+            (
+                r#""model_type": "qwen2", "use_sliding_window": true"#,
+                "use_sliding_window",
+            ),
+        ];
+        for (fields, want) in cases {
+            let e = parse(&format!("{{{fields}, {BASE}}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("m/config.json: ") && e.contains(want), "{e}");
+        }
+        let e = parse(r#"{"model_type": "qwen3", "hidden_size": 64}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no num_attention_heads field"), "{e}");
+        let e = parse(
+            r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3,
+            "vocab_size": 300}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("num_key_value_heads = 3 must divide"), "{e}");
+        let e = parse("[1, 2]").unwrap_err().to_string();
+        assert!(e.contains("not a config"), "{e}");
+    }
+}

@@ -1,0 +1,414 @@
+//! The dense decoder that `qwen3`, `qwen2` and `llama` all are, with the differences as flags of
+//! [`ArchConfig`] (one file for the family, not one per model type: they share every line but
+//! the flags).
+//!
+//! [`Decoder::forward`] runs a batch of concatenated sequences at once: the projections and MLPs
+//! over all tokens together (big matrix products), attention within each sequence only, rope
+//! positions restarting at 0 for each. It returns the outputs of the decoder layers asked for
+//! (HF's `hidden_states[i + 1]` for layer `i`), and, when asked, the final normed state and the
+//! greedy next token at every position, the LM head computed in chunks of positions so a real
+//! vocabulary never needs a `positions x vocab` tensor. It stops after the last layer it needs.
+//!
+//! Inference only: candle's fused kernels used here (`rms_norm`, `rope_thd`,
+//! `softmax_last_dim`) have no backward pass, so nothing trained may call this forward.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Linear;
+
+use crate::config::ArchConfig;
+use crate::rope::Rope;
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+
+/// What a forward must produce.
+#[derive(Clone, Debug, Default)]
+pub struct Need<'a> {
+    /// Decoder layers whose outputs to return, in this order.
+    pub layers: &'a [usize],
+    /// The state after the final norm (HF's last `hidden_states`).
+    pub final_hidden: bool,
+    /// The greedy next token at every position (argmax of the LM head).
+    pub tokens: bool,
+}
+
+/// What a forward produced, for `tokens` positions.
+pub struct Output {
+    /// One `[tokens, hidden]` tensor per layer asked for, in order.
+    pub layers: Vec<Tensor>,
+    pub final_hidden: Option<Tensor>,
+    pub tokens: Option<Vec<u32>>,
+}
+
+struct Layer {
+    ln1: Tensor,
+    ln2: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded dense decoder.
+pub struct Decoder {
+    cfg: ArchConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    device: Device,
+    dtype: DType,
+    fused_attention: bool,
+    score_block: usize,
+    logit_chunk: usize,
+}
+
+/// Elements of one chunk of LM-head logits (positions x vocabulary): 16M f32 is 64 MiB.
+const LOGIT_CHUNK: usize = 1 << 24;
+/// Elements of one block of attention scores (heads x queries x keys): 8M f32 is 32 MiB.
+const SCORE_BLOCK: usize = 1 << 23;
+/// Most queries in one block of attention (see `attend`).
+const QUERY_BLOCK: usize = 256;
+
+impl Decoder {
+    /// Loads the model in `dir` (its `config.json` and safetensors weights) onto `device`,
+    /// computing in `dtype`.
+    pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Decoder> {
+        let cfg = ArchConfig::load(dir)?;
+        let w = Weights::open(dir, device, dtype)?;
+        Decoder::from_weights(cfg, &w)
+    }
+
+    /// Builds the decoder from `w`, every tensor checked against `cfg`'s shapes.
+    pub fn from_weights(cfg: ArchConfig, w: &Weights) -> Result<Decoder> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
+            let bias = if bias {
+                Some(w.get(&format!("{name}.bias"), &[out])?)
+            } else {
+                None
+            };
+            Ok(Linear::new(weight, bias))
+        };
+        let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let norm = |n: &str, d: usize| w.get(&format!("{p}.{n}.weight"), &[d]);
+            layers.push(Layer {
+                ln1: norm("input_layernorm", h)?,
+                ln2: norm("post_attention_layernorm", h)?,
+                q: linear(
+                    &format!("{p}.self_attn.q_proj"),
+                    cfg.q_dim(),
+                    h,
+                    cfg.qkv_bias,
+                )?,
+                k: linear(
+                    &format!("{p}.self_attn.k_proj"),
+                    cfg.kv_dim(),
+                    h,
+                    cfg.qkv_bias,
+                )?,
+                v: linear(
+                    &format!("{p}.self_attn.v_proj"),
+                    cfg.kv_dim(),
+                    h,
+                    cfg.qkv_bias,
+                )?,
+                o: linear(&format!("{p}.self_attn.o_proj"), h, cfg.q_dim(), cfg.o_bias)?,
+                q_norm: cfg
+                    .qk_norm
+                    .then(|| norm("self_attn.q_norm", cfg.head_dim))
+                    .transpose()?,
+                k_norm: cfg
+                    .qk_norm
+                    .then(|| norm("self_attn.k_norm", cfg.head_dim))
+                    .transpose()?,
+                gate: linear(&format!("{p}.mlp.gate_proj"), i, h, cfg.mlp_bias)?,
+                up: linear(&format!("{p}.mlp.up_proj"), i, h, cfg.mlp_bias)?,
+                down: linear(&format!("{p}.mlp.down_proj"), h, i, cfg.mlp_bias)?,
+            });
+        }
+        let norm = w.get("model.norm.weight", &[h])?;
+        // Tied embeddings: the checkpoint has no lm_head.weight; the head is the embedding.
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            w.get("lm_head.weight", &[cfg.vocab_size, h])?
+        };
+        Ok(Decoder {
+            rope: Rope::new(&cfg),
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            device: w.device().clone(),
+            dtype: w.dtype(),
+            fused_attention: false,
+            score_block: SCORE_BLOCK,
+            logit_chunk: LOGIT_CHUNK,
+        })
+    }
+
+    pub fn config(&self) -> &ArchConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The token embedding, `[vocab, hidden]`.
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// The LM head, `[vocab, hidden]` (the embedding itself when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// Use candle's fused CPU flash attention instead of the blocked matrix products (the
+    /// tests compare the two).
+    pub fn set_fused_attention(&mut self, on: bool) {
+        self.fused_attention = on;
+    }
+
+    /// Elements of one block of attention scores (default 8M); the tests make it small to
+    /// check that blocking changes nothing.
+    pub fn set_score_block(&mut self, elements: usize) {
+        self.score_block = elements.max(1);
+    }
+
+    /// Elements of one chunk of LM-head logits (default 16M); the tests make it small to
+    /// check that chunking changes nothing.
+    pub fn set_logit_chunk(&mut self, elements: usize) {
+        self.logit_chunk = elements.max(1);
+    }
+
+    /// Runs the concatenated sequences `ids` (lengths `seq_lens`) and returns what `need` asks.
+    pub fn forward(&self, ids: &[u32], seq_lens: &[u32], need: &Need<'_>) -> Result<Output> {
+        let total: u64 = seq_lens.iter().map(|&l| u64::from(l)).sum();
+        if total != ids.len() as u64 {
+            return Err(ModelError::Input(format!(
+                "{} token ids but the sequence lengths sum to {total}",
+                ids.len()
+            )));
+        }
+        if let Some(pos) = seq_lens.iter().position(|&l| l == 0) {
+            return Err(ModelError::Input(format!("sequence {pos} is empty")));
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(ModelError::Input(format!(
+                "token {id} at position {pos} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        let n = self.layers.len();
+        if let Some(&l) = need.layers.iter().find(|&&l| l >= n) {
+            return Err(ModelError::Layer {
+                layer: l,
+                layers: n,
+            });
+        }
+        let run = if need.final_hidden || need.tokens {
+            n
+        } else {
+            need.layers.iter().map(|&l| l + 1).max().unwrap_or(0)
+        };
+        let t = ids.len();
+        let mut positions = Vec::with_capacity(t);
+        for &l in seq_lens {
+            positions.extend(0..l);
+        }
+        let (cos, sin) = self.rope.tables(&positions, &self.device)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let lens = Tensor::new(seq_lens, &self.device)?;
+        let ids = Tensor::new(ids, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let mut layers = vec![None; need.layers.len()];
+        for (li, layer) in self.layers.iter().enumerate().take(run) {
+            x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens)?;
+            for (slot, _) in need.layers.iter().enumerate().filter(|(_, &l)| l == li) {
+                layers[slot] = Some(x.clone());
+            }
+        }
+        let layers = layers.into_iter().flatten().collect();
+        if !(need.final_hidden || need.tokens) {
+            return Ok(Output {
+                layers,
+                final_hidden: None,
+                tokens: None,
+            });
+        }
+        let last = self.rms(&x, &self.norm)?;
+        let tokens = if need.tokens {
+            Some(self.greedy(&last)?)
+        } else {
+            None
+        };
+        Ok(Output {
+            layers,
+            final_hidden: need.final_hidden.then_some(last),
+            tokens,
+        })
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            w,
+            self.cfg.rms_norm_eps as f32,
+        )?)
+    }
+
+    fn layer(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        lens: &Tensor,
+        seq_lens: &[u32],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = x.dim(0)?;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let h = self.rms(x, &l.ln1)?;
+        let mut q = l.q.forward(&h)?;
+        let mut k = l.k.forward(&h)?;
+        let v = l.v.forward(&h)?.reshape((t, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+            q = self.rms(&q.reshape((t * nh, hd))?, qn)?;
+            k = self.rms(&k.reshape((t * nkv, hd))?, kn)?;
+        }
+        let q =
+            candle_nn::rotary_emb::rope_thd(&q.reshape((1, t, nh, hd))?.contiguous()?, cos, sin)?
+                .reshape((t, nh, hd))?;
+        let k =
+            candle_nn::rotary_emb::rope_thd(&k.reshape((1, t, nkv, hd))?.contiguous()?, cos, sin)?
+                .reshape((t, nkv, hd))?;
+        let a = self.attend(&q, &k, &v, lens, seq_lens)?;
+        let x = (x + l.o.forward(&a.reshape((t, nh * hd))?)?)?;
+        let h = self.rms(&x, &l.ln2)?;
+        let m = (candle_nn::ops::silu(&l.gate.forward(&h)?)? * l.up.forward(&h)?)?;
+        Ok((x + l.down.forward(&m)?)?)
+    }
+
+    /// Causal attention within each sequence: `q` `[T, heads, d]`, `k`/`v` `[T, kv_heads, d]`.
+    ///
+    /// Matrix products over blocks of queries: each block's scores against the keys up to its
+    /// last query, the heads of a kv group sharing their keys (no copy of k or v per head),
+    /// the causal mask added to the block's own columns, softmax, then the values. Blocks keep
+    /// the scores under [`SCORE_BLOCK`] elements at any length. On a 2-core CPU this is about
+    /// twice as fast as candle's fused CPU flash kernel (a dot product per query and key),
+    /// which stays available for comparison ([`Decoder::set_fused_attention`]).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        lens: &Tensor,
+        seq_lens: &[u32],
+    ) -> Result<Tensor> {
+        let scale = 1.0 / (self.cfg.head_dim as f64).sqrt();
+        if self.fused_attention
+            && self.device.is_cpu()
+            && matches!(self.dtype, DType::F32 | DType::F16)
+        {
+            let max = seq_lens.iter().copied().max().unwrap_or(0) as usize;
+            return Ok(candle_nn::attention::flash_attn_varlen_cpu(
+                q,
+                k,
+                v,
+                None,
+                lens,
+                lens,
+                max,
+                max,
+                scale as f32,
+                true,
+                None,
+                None,
+            )?);
+        }
+        let (nh, nkv, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+        );
+        let g = nh / nkv;
+        let mut out = Vec::with_capacity(seq_lens.len());
+        let mut start = 0;
+        for &len in seq_lens {
+            let len = len as usize;
+            // [heads, len, d] as [kv, g, len, d]; keys and values [kv, len, d].
+            let qs = q
+                .narrow(0, start, len)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((nkv, g, len, hd))?;
+            let ks = k.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
+            let vs = v.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
+            // At most QUERY_BLOCK rows: the keys after a block's last query are never computed,
+            // so smaller blocks waste less of the causal triangle (half of it at one block).
+            let rows = (self.score_block / (nh * len)).clamp(16, QUERY_BLOCK);
+            let mut blocks = Vec::with_capacity(len.div_ceil(rows));
+            let mut b0 = 0;
+            while b0 < len {
+                let b = rows.min(len - b0);
+                let end = b0 + b;
+                let qb = qs
+                    .narrow(2, b0, b)?
+                    .contiguous()?
+                    .reshape((nkv, g * b, hd))?;
+                let kb = ks.narrow(1, 0, end)?;
+                let vb = vs.narrow(1, 0, end)?;
+                let scores = (qb.matmul(&kb.t()?)? * scale)?.reshape((nkv, g, b, end))?;
+                let mask = causal_mask(b0, b, end, &self.device)?.to_dtype(scores.dtype())?;
+                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+                let o = p.reshape((nkv, g * b, end))?.matmul(&vb.contiguous()?)?;
+                blocks.push(o.reshape((nh, b, hd))?);
+                b0 = end;
+            }
+            out.push(Tensor::cat(&blocks, 1)?.transpose(0, 1)?);
+            start += len;
+        }
+        Ok(Tensor::cat(&out, 0)?.contiguous()?)
+    }
+
+    /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows.
+    fn greedy(&self, last: &Tensor) -> Result<Vec<u32>> {
+        let t = last.dim(0)?;
+        let rows = (self.logit_chunk / self.cfg.vocab_size).max(1);
+        let head = self.lm_head.t()?;
+        let mut tokens = Vec::with_capacity(t);
+        let mut start = 0;
+        while start < t {
+            let n = rows.min(t - start);
+            let logits = last.narrow(0, start, n)?.matmul(&head)?;
+            tokens.extend(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+            start += n;
+        }
+        Ok(tokens)
+    }
+}
+
+/// `[rows, end]` for queries `first..first + rows` against keys `0..end`: 0 where a query may
+/// see a key (key <= query), -inf after it.
+fn causal_mask(first: usize, rows: usize, end: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (first..first + rows)
+        .flat_map(|i| (0..end).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Ok(Tensor::from_vec(m, (rows, end), device)?)
+}

@@ -1,0 +1,65 @@
+//! The real models, on candle: HF dense decoders (`qwen3`, `qwen2`, `llama`) loaded from a model
+//! directory as HF writes it, and run forward with the decoder layers DFlash conditions on
+//! captured, plus the target's greedy next token at every position.
+//!
+//! - [`config`]: `config.json` read into one [`ArchConfig`], whatever style wrote it
+//!   (transformers 4's top-level `rope_theta`/`rope_scaling`/`torch_dtype` or 5's
+//!   `rope_parameters`/`dtype`); anything this code does not run is an error naming the field.
+//! - [`weights`]: the safetensors files (one, or shards under `model.safetensors.index.json`),
+//!   memory-mapped; every tensor checked against the config's shape before it is used.
+//! - [`decoder`]: the one dense decoder family; the three model types differ only in the
+//!   flags of [`ArchConfig`] (q/k/v bias, q/k norm, head size, rope scaling).
+//! - [`capture`]: which layers a drafter of `n` layers conditions on (SpecForge's rule).
+//! - [`make`]: `make-model`, a random-initialised model in the HF layout with a `tokenizer.json`.
+//!
+//! Nothing here knows the ring or a batch: `gpu`'s candle backend turns [`decoder::Output`] into
+//! a slot's bytes.
+
+pub mod capture;
+pub mod config;
+pub mod decoder;
+pub mod make;
+mod rope;
+pub mod weights;
+
+pub use config::{ArchConfig, Family, RopeScaling};
+pub use decoder::{Decoder, Need, Output};
+
+use std::path::PathBuf;
+
+/// What can go wrong loading or running a model, naming the file, field or tensor at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {why}")]
+    Config { path: PathBuf, why: String },
+    #[error("{dir}: no weights file holds tensor {tensor}{hint}")]
+    Missing {
+        dir: PathBuf,
+        tensor: String,
+        hint: String,
+    },
+    #[error("{file}: tensor {tensor} has shape {got:?}, the config says {want:?}")]
+    Shape {
+        file: PathBuf,
+        tensor: String,
+        want: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("{file}: {why}")]
+    Weights { file: PathBuf, why: String },
+    #[error("capture layer {layer} is out of range: the model has {layers} decoder layers (0..{layers})")]
+    Layer { layer: usize, layers: usize },
+    #[error("batch: {0}")]
+    Input(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

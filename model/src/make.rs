@@ -1,0 +1,630 @@
+//! `make-model`: a random-initialised dense decoder written in the HF layout, for the README, the
+//! tests and benchmarks. What it writes is what a user's checkpoint is (`config.json`,
+//! safetensors weights, `tokenizer.json`, `tokenizer_config.json`) and the same loader reads it:
+//! there is no special path for models made here.
+//!
+//! [`MakeSpec`] covers every variant the loader takes (model type, head size apart from
+//! `hidden / heads`, tied embeddings, bf16/f16/f32 storage, shards with an index, both config
+//! styles, llama3 rope scaling), so each is a model the tests make and load. Weights are drawn
+//! from a seeded normal distribution (HF's `initializer_range`, 0.02 by default); norm weights
+//! are 1 plus a small seeded jitter, so a loader that ignored them would be caught.
+//!
+//! The tokenizer is a byte-level BPE (GPT-2 and Qwen style: any text encodes) trained with HF's
+//! `tokenizers` on a seeded built-in English-like corpus, so its merges are real ones; its size
+//! never exceeds the vocabulary (as HF allows, `vocab_size` may be larger than the tokenizer).
+//!
+//! Length: about 630 lines: the config writer, every tensor of the three families, shards and
+//! the tokenizer are one layout written in one place, which the loader's tests read back.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use serde_json::{json, Value};
+
+use crate::config::{Family, Llama3Scaling};
+use crate::{ModelError, Result};
+
+/// How stored weights are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Stored {
+    fn hf_name(self) -> &'static str {
+        match self {
+            Stored::F32 => "float32",
+            Stored::F16 => "float16",
+            Stored::Bf16 => "bfloat16",
+        }
+    }
+}
+
+/// Which transformers wrote `config.json`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfigStyle {
+    /// transformers 4 (most checkpoints on the Hub): `rope_theta`, `rope_scaling`,
+    /// `torch_dtype` at the top level.
+    Legacy,
+    /// transformers 5: `rope_parameters` and `dtype`.
+    V5,
+}
+
+/// Everything `make-model` can vary.
+#[derive(Clone, Debug)]
+pub struct MakeSpec {
+    pub family: Family,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Written as its own field; `None` writes none (HF then derives it: Qwen3 128, others
+    /// `hidden / heads`).
+    pub head_dim: Option<usize>,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub seed: u64,
+    pub init_std: f32,
+    pub stored: Stored,
+    pub tied: bool,
+    /// Split the weights into shards of at most this many bytes, with an index.
+    pub shard_bytes: Option<u64>,
+    pub style: ConfigStyle,
+    pub rope_theta: f64,
+    pub llama3: Option<Llama3Scaling>,
+    /// Bias on q, k and v for `llama` (`attention_bias`; qwen2 always has it).
+    pub attention_bias: bool,
+}
+
+impl Default for MakeSpec {
+    /// The tiny Qwen3 the README and the tests use.
+    fn default() -> Self {
+        MakeSpec {
+            family: Family::Qwen3,
+            layers: 8,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(16),
+            intermediate: 128,
+            vocab: 1024,
+            seed: 0,
+            init_std: 0.02,
+            stored: Stored::Bf16,
+            tied: true,
+            shard_bytes: None,
+            style: ConfigStyle::Legacy,
+            rope_theta: 1_000_000.0,
+            llama3: None,
+            attention_bias: false,
+        }
+    }
+}
+
+/// Tokens the tokenizer reserves, first (ids 0..): the end of text, ChatML's turn markers and
+/// Qwen3's thinking markers.
+pub const SPECIAL_TOKENS: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+];
+
+/// Writes the model `spec` describes into `dir` (created if missing; files in it replaced).
+pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
+    check(spec)?;
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let write = |name: &str, bytes: &[u8]| -> Result<()> {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).map_err(|source| ModelError::Io { path, source })
+    };
+    write("config.json", pretty(&config_json(spec)).as_bytes())?;
+    let tensors = tensors(spec);
+    let shards = shard(&tensors, spec.shard_bytes);
+    if shards.len() == 1 {
+        write("model.safetensors", &serialize(&tensors, spec.stored)?)?;
+    } else {
+        let n = shards.len();
+        let mut map = BTreeMap::new();
+        let mut total = 0u64;
+        for (i, part) in shards.iter().enumerate() {
+            let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            let subset: Vec<Tensor> = part.iter().map(|&j| tensors[j].clone()).collect();
+            for t in &subset {
+                map.insert(t.name.clone(), Value::String(name.clone()));
+                total += (t.data.len() * bytes_per(spec.stored)) as u64;
+            }
+            write(&name, &serialize(&subset, spec.stored)?)?;
+        }
+        let index = json!({"metadata": {"total_size": total}, "weight_map": map});
+        write("model.safetensors.index.json", pretty(&index).as_bytes())?;
+    }
+    let tok = tokenizer(spec.vocab, spec.seed)?;
+    write("tokenizer.json", tok.as_bytes())?;
+    let tc = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 32768,
+    });
+    write("tokenizer_config.json", pretty(&tc).as_bytes())?;
+    Ok(())
+}
+
+fn check(s: &MakeSpec) -> Result<()> {
+    let bad = |why: String| Err(ModelError::Input(why));
+    if s.layers == 0 || s.hidden == 0 || s.heads == 0 || s.kv_heads == 0 || s.intermediate == 0 {
+        return bad(
+            "layers, hidden, heads, kv heads and intermediate size must be at least 1".into(),
+        );
+    }
+    if !s.heads.is_multiple_of(s.kv_heads) {
+        return bad(format!(
+            "{} kv heads do not divide {} heads",
+            s.kv_heads, s.heads
+        ));
+    }
+    let hd = head_dim(s);
+    if hd == 0 || !hd.is_multiple_of(2) {
+        return bad(format!("head size {hd} must be even and at least 2"));
+    }
+    if s.head_dim.is_none() && s.family != Family::Qwen3 && !s.hidden.is_multiple_of(s.heads) {
+        return bad(format!(
+            "hidden {} is not a multiple of {} heads: give a head size",
+            s.hidden, s.heads
+        ));
+    }
+    let least = SPECIAL_TOKENS.len() + 256;
+    if s.vocab < least {
+        return bad(format!(
+            "vocabulary {} is too small for a byte-level tokenizer: at least {least}",
+            s.vocab
+        ));
+    }
+    Ok(())
+}
+
+/// The head size the config implies (HF's defaults when none is written).
+fn head_dim(s: &MakeSpec) -> usize {
+    match (s.head_dim, s.family) {
+        (Some(d), _) => d,
+        (None, Family::Qwen3) => 128,
+        (None, _) => s.hidden / s.heads,
+    }
+}
+
+fn config_json(s: &MakeSpec) -> Value {
+    let arch = match s.family {
+        Family::Qwen3 => "Qwen3ForCausalLM",
+        Family::Qwen2 => "Qwen2ForCausalLM",
+        Family::Llama => "LlamaForCausalLM",
+    };
+    let mut c = json!({
+        "architectures": [arch],
+        "model_type": s.family.name(),
+        "vocab_size": s.vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": s.tied,
+        "initializer_range": s.init_std,
+        "bos_token_id": null,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "use_cache": true,
+    });
+    let o = c.as_object_mut().expect("an object");
+    if let Some(d) = s.head_dim {
+        o.insert("head_dim".into(), json!(d));
+    }
+    match s.family {
+        Family::Qwen3 | Family::Qwen2 => {
+            o.insert("use_sliding_window".into(), json!(false));
+            // Qwen3 checkpoints write null; Qwen2's write a size (unused without the flag).
+            let window = match s.family {
+                Family::Qwen2 => json!(32768),
+                _ => Value::Null,
+            };
+            o.insert("sliding_window".into(), window);
+            o.insert("max_window_layers".into(), json!(s.layers));
+            o.insert("attention_bias".into(), json!(s.family == Family::Qwen2));
+        }
+        Family::Llama => {
+            o.insert("attention_bias".into(), json!(s.attention_bias));
+            o.insert("mlp_bias".into(), json!(false));
+        }
+    }
+    let scaling = s.llama3.map(|l| {
+        json!({
+            "rope_type": "llama3",
+            "factor": l.factor,
+            "low_freq_factor": l.low_freq_factor,
+            "high_freq_factor": l.high_freq_factor,
+            // An integer, as HF writes it.
+            "original_max_position_embeddings": l.original_max_position_embeddings.round() as u64,
+        })
+    });
+    match s.style {
+        ConfigStyle::Legacy => {
+            o.insert("rope_theta".into(), json!(s.rope_theta));
+            o.insert("rope_scaling".into(), scaling.unwrap_or(Value::Null));
+            o.insert("torch_dtype".into(), json!(s.stored.hf_name()));
+            o.insert("transformers_version".into(), json!("4.51.0"));
+        }
+        ConfigStyle::V5 => {
+            let mut p = scaling.unwrap_or_else(|| json!({"rope_type": "default"}));
+            p.as_object_mut()
+                .expect("an object")
+                .insert("rope_theta".into(), json!(s.rope_theta));
+            o.insert("rope_parameters".into(), p);
+            o.insert("dtype".into(), json!(s.stored.hf_name()));
+            o.insert("transformers_version".into(), json!("5.0.0"));
+        }
+    }
+    c
+}
+
+fn pretty(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).expect("JSON values serialise");
+    s.push('\n');
+    s
+}
+
+#[derive(Clone)]
+struct Tensor {
+    name: String,
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+/// Every tensor of the model, in HF's order, drawn from one seeded stream.
+fn tensors(s: &MakeSpec) -> Vec<Tensor> {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(s.seed);
+    let mut normal = move |n: usize, mean: f32, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Box-Muller: u1 in (0, 1], so the log is finite.
+                let u1: f64 = 1.0 - rng.random::<f64>();
+                let u2: f64 = rng.random::<f64>();
+                let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                mean + std * z as f32
+            })
+            .collect()
+    };
+    let (h, i, v, std) = (s.hidden, s.intermediate, s.vocab, s.init_std);
+    let hd = head_dim(s);
+    let (q, kv) = (s.heads * hd, s.kv_heads * hd);
+    let mut out = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, data: Vec<f32>| {
+        out.push(Tensor { name, shape, data });
+    };
+    push(
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        normal(v * h, 0.0, std),
+    );
+    let qkv_bias = match s.family {
+        Family::Qwen2 => true,
+        Family::Llama => s.attention_bias,
+        Family::Qwen3 => false,
+    };
+    for l in 0..s.layers {
+        let p = format!("model.layers.{l}");
+        push(
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            normal(h, 1.0, 0.1),
+        );
+        for (n, out_dim) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            push(
+                format!("{p}.self_attn.{n}.weight"),
+                vec![out_dim, h],
+                normal(out_dim * h, 0.0, std),
+            );
+            if qkv_bias {
+                push(
+                    format!("{p}.self_attn.{n}.bias"),
+                    vec![out_dim],
+                    normal(out_dim, 0.0, std),
+                );
+            }
+        }
+        push(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, q],
+            normal(h * q, 0.0, std),
+        );
+        if s.family == Family::Llama && s.attention_bias {
+            push(
+                format!("{p}.self_attn.o_proj.bias"),
+                vec![h],
+                normal(h, 0.0, std),
+            );
+        }
+        if s.family == Family::Qwen3 {
+            push(
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![hd],
+                normal(hd, 1.0, 0.1),
+            );
+            push(
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![hd],
+                normal(hd, 1.0, 0.1),
+            );
+        }
+        push(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            normal(h, 1.0, 0.1),
+        );
+        push(
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![i, h],
+            normal(i * h, 0.0, std),
+        );
+        push(
+            format!("{p}.mlp.up_proj.weight"),
+            vec![i, h],
+            normal(i * h, 0.0, std),
+        );
+        push(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, i],
+            normal(h * i, 0.0, std),
+        );
+    }
+    push("model.norm.weight".into(), vec![h], normal(h, 1.0, 0.1));
+    if !s.tied {
+        push("lm_head.weight".into(), vec![v, h], normal(v * h, 0.0, std));
+    }
+    out
+}
+
+fn bytes_per(s: Stored) -> usize {
+    match s {
+        Stored::F32 => 4,
+        Stored::F16 | Stored::Bf16 => 2,
+    }
+}
+
+/// Groups tensor indices into shards of at most `max` bytes (one tensor per shard at least).
+fn shard(tensors: &[Tensor], max: Option<u64>) -> Vec<Vec<usize>> {
+    let Some(max) = max else {
+        return vec![(0..tensors.len()).collect()];
+    };
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut size = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let b = (t.data.len() * 4) as u64;
+        let last = shards.last_mut().expect("one shard");
+        if !last.is_empty() && size + b > max {
+            shards.push(vec![i]);
+            size = b;
+        } else {
+            last.push(i);
+            size += b;
+        }
+    }
+    shards
+}
+
+fn serialize(tensors: &[Tensor], stored: Stored) -> Result<Vec<u8>> {
+    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|t| {
+            let bytes: Vec<u8> = match stored {
+                Stored::F32 => t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                Stored::F16 => t
+                    .data
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect(),
+                Stored::Bf16 => t
+                    .data
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+            };
+            (t.name.clone(), t.shape.clone(), bytes)
+        })
+        .collect();
+    let dtype = match stored {
+        Stored::F32 => safetensors::Dtype::F32,
+        Stored::F16 => safetensors::Dtype::F16,
+        Stored::Bf16 => safetensors::Dtype::BF16,
+    };
+    let mut views = Vec::with_capacity(encoded.len());
+    for (name, shape, bytes) in &encoded {
+        let view = safetensors::tensor::TensorView::new(dtype, shape.clone(), bytes)
+            .map_err(|e| ModelError::Input(format!("tensor {name}: {e}")))?;
+        views.push((name.as_str(), view));
+    }
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| ModelError::Input(format!("serialising the weights: {e}")))
+}
+
+/// Words of the built-in corpus the tokenizer's merges are learnt from.
+const WORDS: &[&str] = &[
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "had",
+    "they",
+    "you",
+    "were",
+    "their",
+    "one",
+    "all",
+    "we",
+    "can",
+    "her",
+    "has",
+    "there",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "model",
+    "token",
+    "layer",
+    "train",
+    "data",
+    "speculative",
+    "decoding",
+    "draft",
+    "target",
+    "hidden",
+    "state",
+    "sequence",
+    "batch",
+    "memory",
+    "process",
+    "question",
+    "answer",
+    "please",
+    "explain",
+    "why",
+    "how",
+    "what",
+    "think",
+    "step",
+    "first",
+    "then",
+    "finally",
+    "number",
+    "value",
+    "function",
+    "return",
+    "print",
+    "list",
+    "time",
+    "people",
+    "world",
+    "water",
+    "light",
+    "system",
+    "work",
+    "example",
+    "because",
+    "about",
+    "between",
+    "through",
+    "after",
+    "before",
+    "under",
+    "over",
+    "small",
+    "large",
+    "good",
+    "new",
+    "old",
+    "long",
+    "right",
+    "left",
+    "city",
+    "river",
+    "house",
+];
+
+/// A byte-level BPE `tokenizer.json` of at most `vocab` tokens.
+fn tokenizer(vocab: usize, seed: u64) -> Result<String> {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, Tokenizer};
+
+    let err = |e: tokenizers::Error| ModelError::Tokenizer(e.to_string());
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 0x70c);
+    let mut lines = Vec::with_capacity(4000);
+    for _ in 0..4000 {
+        let n = rng.random_range(4..16usize);
+        let mut line = String::new();
+        for k in 0..n {
+            let w = WORDS[rng.random_range(0..WORDS.len())];
+            if k == 0 {
+                let mut c = w.chars();
+                if let Some(f) = c.next() {
+                    line.extend(f.to_uppercase());
+                    line.push_str(c.as_str());
+                }
+            } else {
+                line.push(' ');
+                line.push_str(w);
+            }
+        }
+        line.push_str(if rng.random_bool(0.2) { "?\n" } else { ".\n" });
+        if rng.random_bool(0.1) {
+            line.push_str(&format!(
+                "{} {}\n",
+                rng.random_range(0..1000u32),
+                rng.random_range(0..100u32)
+            ));
+        }
+        lines.push(line);
+    }
+    let specials = SPECIAL_TOKENS
+        .iter()
+        .map(|s| AddedToken::from(*s, true))
+        .collect();
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(specials)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    let mut tok = Tokenizer::new(BPE::default());
+    tok.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+    tok.train(&mut trainer, lines.iter()).map_err(err)?;
+    tok.to_string(true).map_err(err)
+}

@@ -1,0 +1,184 @@
+//! A model directory's safetensors files, memory-mapped: `model.safetensors`, or the shards
+//! `model.safetensors.index.json`'s `weight_map` names. Every tensor is checked against the shape
+//! the config implies before it is used, and converted to the compute dtype on load (a bf16
+//! checkpoint computes in f32 on the CPU).
+//!
+//! The one `unsafe` here is the memory map (candle's `MmapedSafetensors`): a mapped file that
+//! another process truncates or rewrites while it is mapped is undefined behaviour, so the
+//! weights must not change while a run reads them (a model directory is an input, never
+//! written by hspipe).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+
+use crate::{ModelError, Result};
+
+const SINGLE: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+
+/// The mapped weights of one model directory.
+pub struct Weights {
+    dir: PathBuf,
+    files: Vec<(PathBuf, MmapedSafetensors)>,
+    /// Tensor name -> index into `files`.
+    index: HashMap<String, usize>,
+    device: Device,
+    dtype: DType,
+}
+
+impl Weights {
+    /// Maps the weights of `dir`, to be loaded onto `device` as `dtype`.
+    pub fn open(dir: &Path, device: &Device, dtype: DType) -> Result<Weights> {
+        let index_path = dir.join(INDEX);
+        let single = dir.join(SINGLE);
+        let (paths, named): (Vec<PathBuf>, Option<BTreeMap<String, String>>) = if index_path
+            .exists()
+        {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
+            #[derive(serde::Deserialize)]
+            struct Index {
+                weight_map: BTreeMap<String, String>,
+            }
+            let idx: Index = serde_json::from_str(&text).map_err(|e| ModelError::Weights {
+                file: index_path.clone(),
+                why: format!("not a safetensors index: {e}"),
+            })?;
+            let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            if let Some(f) = files
+                .iter()
+                .find(|f| Path::new(f).components().count() != 1)
+            {
+                return Err(ModelError::Weights {
+                    file: index_path,
+                    why: format!("shard {f:?} is not a file name in the model directory"),
+                });
+            }
+            (
+                files.iter().map(|f| dir.join(f)).collect(),
+                Some(idx.weight_map),
+            )
+        } else if single.exists() {
+            (vec![single], None)
+        } else if !dir.is_dir() {
+            return Err(ModelError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no such model directory",
+                ),
+            });
+        } else {
+            return Err(ModelError::Weights {
+                file: dir.to_path_buf(),
+                why: format!("no {SINGLE} and no {INDEX}: not an HF model directory with safetensors weights"),
+            });
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        for p in paths {
+            if !p.exists() {
+                return Err(ModelError::Weights {
+                    file: dir.join(INDEX),
+                    why: format!("names shard {}, which does not exist", p.display()),
+                });
+            }
+            // SAFETY: the map is read-only and the model directory is an input nobody writes
+            // while hspipe runs (module doc); candle checks the header against the file's size.
+            let st = unsafe { MmapedSafetensors::new(&p) }.map_err(|e| ModelError::Weights {
+                file: p.clone(),
+                why: format!("not a safetensors file: {e}"),
+            })?;
+            files.push((p, st));
+        }
+        let mut index = HashMap::new();
+        for (i, (_, st)) in files.iter().enumerate() {
+            for (name, _) in st.tensors() {
+                index.insert(name, i);
+            }
+        }
+        if let Some(named) = named {
+            for (tensor, file) in named {
+                let want = dir.join(&file);
+                match index.get(&tensor) {
+                    Some(&i) if files[i].0 == want => {}
+                    _ => {
+                        return Err(ModelError::Missing {
+                            dir: want,
+                            tensor,
+                            hint: format!(" ({INDEX} says it is there)"),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(Weights {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    /// Whether the files hold tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Tensor `name`, which must have shape `shape`, in the compute dtype on the device.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let Some(&i) = self.index.get(name) else {
+            return Err(ModelError::Missing {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+                hint: String::new(),
+            });
+        };
+        let (file, st) = &self.files[i];
+        let view = st.get(name).map_err(|e| ModelError::Weights {
+            file: file.clone(),
+            why: format!("tensor {name}: {e}"),
+        })?;
+        if view.shape() != shape {
+            return Err(ModelError::Shape {
+                file: file.clone(),
+                tensor: name.to_string(),
+                want: shape.to_vec(),
+                got: view.shape().to_vec(),
+            });
+        }
+        use safetensors::Dtype as S;
+        if !matches!(view.dtype(), S::F32 | S::F16 | S::BF16) {
+            return Err(ModelError::Weights {
+                file: file.clone(),
+                why: format!(
+                    "tensor {name} is stored as {:?}: only f32, f16 and bf16 weights are read (no quantized checkpoints)",
+                    view.dtype()
+                ),
+            });
+        }
+        let t = st
+            .load(name, &self.device)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .map_err(|e| ModelError::Weights {
+                file: file.clone(),
+                why: format!("tensor {name}: {e}"),
+            })?;
+        Ok(t)
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+}

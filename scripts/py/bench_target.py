@@ -1,0 +1,88 @@
+"""The real target's forward + capture on the CPU: hspipe (candle) beside PyTorch (HF
+transformers, eager and sdpa attention), same weights, same threads, interleaved round by round.
+
+Each round runs `bench-target` (a subprocess: hspipe's target code, timed in-process) and then
+transformers in this process, each timing `reps` forwards after a warm-up and reporting the
+median. The work is the same: every layer's output, the captured layers (SpecForge's rule, as
+hspipe's) stacked [tokens, layers, hidden] and cast to bf16, and the greedy token at every
+position (argmax of the LM head). Prints each round and the medians and ratios over rounds.
+
+    .venv-bench/bin/python scripts/py/bench_target.py --model /tmp/mid --threads 2 --rounds 5
+
+torch comes from PyPI into a benchmark venv (`scripts/bench-target.sh` makes it); CI never
+needs it.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def layer_ids(n_layers, n_draft=5):
+    if n_draft == 1:
+        return [n_layers // 2]
+    return [int(round(1 + i * (n_layers - 4) / (n_draft - 1))) for i in range(n_draft)]
+
+
+def torch_rate(model, ids, reps, capture):
+    times = []
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            states = torch.stack([out.hidden_states[i + 1] for i in capture], dim=2)
+            states = states.to(torch.bfloat16).contiguous()
+            greedy = out.logits.argmax(-1)
+            _ = (states.sum(), greedy.sum())
+            if rep > 0:
+                times.append(time.perf_counter() - t0)
+    return ids.numel() / statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--bin", default="target/release/bench-target")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shapes", default="512x8,1024x4,2048x2", help="seq_len x batch, comma-separated")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    models = {
+        impl: AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation=impl).eval()
+        for impl in ("eager", "sdpa")
+    }
+    capture = layer_ids(models["eager"].config.num_hidden_layers)
+    vocab = models["eager"].config.vocab_size
+    env = {"RAYON_NUM_THREADS": str(a.threads), "PATH": "/usr/bin:/bin"}
+    for shape in a.shapes.split(","):
+        seq, batch = (int(x) for x in shape.split("x"))
+        ids = torch.arange(seq * batch).mul(7919).remainder(vocab).reshape(batch, seq)
+        rates = {"hspipe": [], "eager": [], "sdpa": []}
+        for r in range(a.rounds):
+            out = subprocess.run(
+                [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)],
+                check=True, capture_output=True, text=True, env=env,
+            ).stdout
+            rates["hspipe"].append(json.loads(out)["tokens_per_s"])
+            for impl, m in models.items():
+                rates[impl].append(torch_rate(m, ids, a.reps, capture))
+            print(f"  {shape} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()), flush=True)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        ratio = {k: statistics.median(h / t for h, t in zip(rates["hspipe"], rates[k])) for k in ("eager", "sdpa")}
+        print(json.dumps({
+            "shape": shape, "threads": a.threads,
+            "tokens_per_s_median": {k: round(v, 1) for k, v in med.items()},
+            "hspipe_over_eager": round(ratio["eager"], 3),
+            "hspipe_over_sdpa": round(ratio["sdpa"], 3),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

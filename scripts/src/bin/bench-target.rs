@@ -1,0 +1,72 @@
+//! The real target's forward + capture speed on the CPU (BENCHMARKS.md, "Real target on the
+//! CPU"): the target worker's own code (`gpu::candle::CandleTarget::run`: the captured layers
+//! written as bf16 `[tokens x layers x hidden]` and the greedy tokens), over batches of
+//! equal-length sequences, timed in-process after one warm-up forward. Threads: candle reads
+//! `RAYON_NUM_THREADS`. `scripts/py/bench_target.py` runs this beside PyTorch.
+//!
+//!   bench-target --model mid --seq-len 1024 --batch 4 --reps 3
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use gpu::candle::CandleTarget;
+use proto::PipelineConfig;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// The HF model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Tokens of each sequence.
+    #[arg(long)]
+    seq_len: u32,
+    /// Sequences per forward.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
+    /// Timed forwards (after one warm-up); the median is printed.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Skip the greedy tokens (the forward stops after the last captured layer).
+    #[arg(long)]
+    no_tokens: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let mut cfg = PipelineConfig::default();
+    cfg.model.path = Some(a.model.clone());
+    gpu::settle(gpu::BackendKind::Candle, &mut cfg)?;
+    let target = CandleTarget::load(&a.model, &cfg).context("loading the model")?;
+    let vocab = target.decoder().config().vocab_size as u64;
+    let t = (a.seq_len * a.batch) as usize;
+    let ids: Vec<u32> = (0..t as u64)
+        .map(|i| (dataset::mix(i) % vocab) as u32)
+        .collect();
+    let lens = vec![a.seq_len; a.batch as usize];
+    let (l, h) = (cfg.model.layers as usize, cfg.model.hidden as usize);
+    let mut hidden = vec![0u8; t * l * h * cfg.model.dtype.size()];
+    let mut tokens = vec![0u8; t * 4];
+    let mut secs = Vec::with_capacity(a.reps);
+    for rep in 0..=a.reps {
+        let started = Instant::now();
+        let out = gpu::TargetOut {
+            hidden_states: &mut hidden,
+            target_tokens: &mut tokens,
+        };
+        target.run(&ids, &lens, out, !a.no_tokens)?;
+        if rep > 0 {
+            secs.push(started.elapsed().as_secs_f64());
+        }
+    }
+    secs.sort_by(f64::total_cmp);
+    let median = secs[secs.len() / 2];
+    println!(
+        "{{\"impl\": \"hspipe-candle\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
+        a.seq_len,
+        a.batch,
+        t as f64 / median
+    );
+    Ok(())
+}

@@ -1,0 +1,378 @@
+//! The real target (the candle backend) end to end: a target worker writing a real model's
+//! states into the ring, checked batch by batch against the model run in this process; the 5x3
+//! launcher run on a tiny model; `launcher capture`; bad model inputs.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use model::make::{make_model, MakeSpec};
+use model::{Decoder, Need};
+use proto::plan::plan;
+use proto::{BatchView, PipelineConfig};
+use shm_ring::Take;
+
+use crate::launcher::{no_segment_of, Run};
+use crate::support::{spawn, unique, workspace_bin, TestDir, WATCHDOG};
+
+/// A tiny Qwen3 (8 layers, hidden 64, vocabulary 1024) in `dir`.
+fn tiny(dir: &Path) -> PathBuf {
+    let m = dir.join("tiny");
+    make_model(&m, &MakeSpec::default()).unwrap();
+    m
+}
+
+/// Short sequences: a forward of the tiny model is quick, the attention too.
+fn config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[ring]
+slots = 16
+min_ready = 2
+[model]
+path = "{}"
+[data]
+synthetic_samples = 60
+min_len = 8
+max_len = 96
+[target]
+token_budget = 384
+[drafter]
+tokens_per_s = 2000000.0
+checkpoint_every = 4
+{extra}
+"#,
+        model.display()
+    );
+    let p = dir.join("model.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// bf16 bits as f32.
+fn bf16(b: &[u8]) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
+}
+
+/// Greatest difference between the slot's bf16 states `[T, L, H]` and the model's layers.
+fn states_diff(hidden: &[u8], layers: &[candle_core::Tensor], h: usize) -> f32 {
+    let l = layers.len();
+    let mut worst = 0f32;
+    for (li, x) in layers.iter().enumerate() {
+        let rows: Vec<Vec<f32>> = x.to_vec2().unwrap();
+        for (t, row) in rows.iter().enumerate() {
+            for (c, &want) in row.iter().enumerate() {
+                let at = ((t * l + li) * h + c) * 2;
+                worst = worst.max((bf16(&hidden[at..at + 2]) - want).abs());
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_real_target_worker_writes_the_models_layers_and_greedy_tokens_into_the_ring() {
+    let dir = TestDir::new("mworker");
+    let m = tiny(&dir.path(""));
+    let cfg_path = config(&dir.path(""), &m, "");
+    // What the launcher settles: the model's hidden size and SpecForge's 5 layers of 8.
+    let mut cfg = PipelineConfig::load(&cfg_path).unwrap();
+    gpu::settle(gpu::BackendKind::Candle, &mut cfg).unwrap();
+    assert_eq!(cfg.model.hidden, 64);
+    let ids: Vec<usize> = cfg
+        .model
+        .target_layer_ids
+        .clone()
+        .unwrap()
+        .iter()
+        .map(|&i| i as usize)
+        .collect();
+    assert_eq!(ids, model::capture::default_layer_ids(8, 5).unwrap());
+    std::fs::write(&cfg_path, cfg.to_toml()).unwrap();
+
+    let data = target_worker::load_dataset(&cfg).unwrap();
+    let batches = plan(data.lengths(), &cfg).len() as u64;
+    let name = unique("mworker");
+    let ring = shm_ring::Ring::create(&name, &cfg.ring_params(1, 1, batches).unwrap()).unwrap();
+    let target = spawn(
+        &workspace_bin("target-worker"),
+        &[
+            "--index",
+            "0",
+            "--ring",
+            &name,
+            "--run-dir",
+            dir.path("run").to_str().unwrap(),
+            "--config",
+            cfg_path.to_str().unwrap(),
+            "--backend",
+            "candle",
+        ],
+    );
+    let decoder = Decoder::load(&m, &Device::Cpu, DType::F32).unwrap();
+    let consumer = ring.consumer(0).unwrap();
+    let started = Instant::now();
+    let mut seen = 0u64;
+    let mut tokens_checked = 0usize;
+    loop {
+        assert!(started.elapsed() < WATCHDOG, "the target worker hung");
+        let slot = match consumer.take_timeout(Duration::from_millis(200)).unwrap() {
+            Take::Item(s) => s,
+            Take::End => break,
+            Take::TimedOut => continue,
+        };
+        let b = BatchView::parse(slot.payload()).unwrap();
+        b.verify().unwrap();
+        let spec = &b.header().spec;
+        assert_eq!((spec.layers, spec.hidden), (5, 64));
+        let input: Vec<u32> = b.input_ids().collect();
+        let out = decoder
+            .forward(
+                &input,
+                &spec.seq_lens,
+                &Need {
+                    layers: &ids,
+                    final_hidden: false,
+                    tokens: true,
+                },
+            )
+            .unwrap();
+        // bf16 in the slot: half an ulp of bf16 at |x| < 8 is below 0.016.
+        let diff = states_diff(b.hidden_states(), &out.layers, 64);
+        assert!(
+            diff < 0.02,
+            "batch {}: states differ by {diff}",
+            spec.batch_id
+        );
+        let greedy: Vec<u32> = b.target_tokens().collect();
+        assert_eq!(Some(greedy), out.tokens, "batch {}", spec.batch_id);
+        tokens_checked += input.len();
+        seen += 1;
+        slot.release().unwrap();
+    }
+    assert_eq!(seen, batches, "every planned batch published once");
+    assert_eq!(
+        tokens_checked as u64,
+        data.lengths().iter().map(|&l| u64::from(l)).sum::<u64>()
+    );
+    target.finish();
+}
+
+#[test]
+fn a_five_by_three_run_on_a_real_target_trains_every_sample_once() {
+    let run = Run::new("m5x3");
+    // The model made through the command line, as the README makes it.
+    let m = run.dir.join("tiny");
+    let made = spawn(
+        &workspace_bin("launcher"),
+        &["make-model", m.to_str().unwrap()],
+    )
+    .finish();
+    assert!(made.contains("qwen3 with 8 layers"), "{made}");
+    let cfg = config(&run.dir, &m, "");
+    let launcher = run.launch(&cfg, &["--model", m.to_str().unwrap()]);
+    let pid = launcher.child.id();
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    assert!(out.contains("backend candle on the CPU"), "{out}");
+    no_segment_of(pid);
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    let lines = run.ledgers();
+    let mut counts = std::collections::HashMap::new();
+    for l in &lines {
+        for &id in &l.sample_ids {
+            *counts.entry(id).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(counts.len(), 60, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "none twice");
+    // The run's config records what the model fixed, so a resume sizes the ring the same.
+    let settled = PipelineConfig::load(&run.run_dir().join("config.toml")).unwrap();
+    assert_eq!(settled.model.hidden, 64);
+    assert_eq!(settled.model.target_layer_ids, Some(vec![1, 2, 3, 4, 5]));
+}
+
+#[test]
+fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward() {
+    let dir = TestDir::new("mcapture");
+    let m = tiny(&dir.path(""));
+    let cfg = config(&dir.path(""), &m, "");
+    let out = dir.path("caps");
+    let run = |extra: &[&str], out: &Path| {
+        let mut args = vec![
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+            "--synthetic",
+            "3",
+            "--layers",
+            "0,3,5",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        spawn(&workspace_bin("launcher"), &args).finish()
+    };
+    let said = run(&[], &out);
+    assert!(said.contains("3 samples"), "{said}");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("index.json")).unwrap()).unwrap();
+    assert_eq!(index["target_layer_ids"], serde_json::json!([0, 3, 5]));
+    let shard = out.join(index["samples"]["1"].as_str().unwrap());
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<u32> = st
+        .tensor("1.input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let hidden = st.tensor("1.hidden_states").unwrap();
+    assert_eq!(hidden.shape(), [ids.len(), 3, 64]);
+    let decoder = Decoder::load(&m, &Device::Cpu, DType::F32).unwrap();
+    let want = decoder
+        .forward(
+            &ids,
+            &[ids.len() as u32],
+            &Need {
+                layers: &[0, 3, 5],
+                final_hidden: false,
+                tokens: true,
+            },
+        )
+        .unwrap();
+    assert!(states_diff(hidden.data(), &want.layers, 64) < 0.02);
+    let greedy: Vec<u32> = st
+        .tensor("1.target_tokens")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(Some(greedy), want.tokens);
+
+    // Without the tokens the forward stops early: the same states, tokens left zero.
+    let out2 = dir.path("caps-no-tokens");
+    run(&["--no-tokens"], &out2);
+    let bytes2 = std::fs::read(out2.join(shard.file_name().unwrap())).unwrap();
+    let st2 = safetensors::SafeTensors::deserialize(&bytes2).unwrap();
+    assert_eq!(st2.tensor("1.hidden_states").unwrap().data(), hidden.data());
+    assert!(st2
+        .tensor("1.target_tokens")
+        .unwrap()
+        .data()
+        .iter()
+        .all(|&b| b == 0));
+
+    // An output directory in use is refused.
+    let (status, err) = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    )
+    .wait_status_keep();
+    assert_eq!(status.code(), Some(1));
+    assert!(err.contains("is not empty"), "{err}");
+}
+
+#[test]
+fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
+    let run = Run::new("mbad");
+    let m = tiny(&run.dir);
+    let cfg = config(&run.dir, &m, "");
+    let write = |name: &str, text: &str| {
+        let p = run.dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    // An MoE config, a capture layer past the model's 8, and a slot too small for hidden 64.
+    let moe = run.dir.join("moe");
+    make_model(&moe, &MakeSpec::default()).unwrap();
+    let c = std::fs::read_to_string(moe.join("config.json")).unwrap();
+    std::fs::write(
+        moe.join("config.json"),
+        c.replacen("{", "{\"num_experts\": 8,", 1),
+    )
+    .unwrap();
+    let far = write(
+        "far.toml",
+        &format!(
+            "[model]\npath = \"{}\"\ntarget_layer_ids = [1, 8]\n",
+            m.display()
+        ),
+    );
+    let small = write(
+        "small.toml",
+        &format!(
+            "[model]\npath = \"{}\"\n[ring]\nslot_bytes = 65536\n",
+            m.display()
+        ),
+    );
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--config".into(),
+                cfg.to_str().unwrap().into(),
+                "--model".into(),
+                "/nonexistent/model".into(),
+            ],
+            "/nonexistent/model/config.json",
+        ),
+        (
+            vec![
+                "--config".into(),
+                cfg.to_str().unwrap().into(),
+                "--model".into(),
+                moe.to_str().unwrap().into(),
+            ],
+            "num_experts = 8",
+        ),
+        (
+            vec!["--config".into(), far.to_str().unwrap().into()],
+            "capture layer 8 is out of range",
+        ),
+        (
+            vec!["--config".into(), small.to_str().unwrap().into()],
+            "ring.slot_bytes",
+        ),
+        (
+            vec![
+                "--config".into(),
+                cfg.to_str().unwrap().into(),
+                "--backend".into(),
+                "mock".into(),
+            ],
+            "would ignore the model",
+        ),
+    ];
+    for (i, (extra, want)) in cases.iter().enumerate() {
+        let rd = run.dir.join(format!("run-{i}"));
+        let mut args = vec![
+            "--targets",
+            "0-1",
+            "--drafters",
+            "2",
+            "--run-dir",
+            rd.to_str().unwrap(),
+        ];
+        args.extend(extra.iter().map(String::as_str));
+        let p = spawn(&workspace_bin("launcher"), &args);
+        let pid = p.child.id();
+        let (status, err) = p.wait_status_keep();
+        assert_eq!(status.code(), Some(1), "{extra:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+        no_segment_of(pid);
+    }
+}
