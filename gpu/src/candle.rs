@@ -165,14 +165,9 @@ impl CandleTarget {
                 tokens,
             },
         )?;
-        let stride = self.layers.len() * h * self.dtype.size();
+        let l = self.layers.len();
         for (li, x) in got.layers.iter().enumerate() {
-            let bytes = to_bytes(x, self.dtype)?;
-            let row = h * self.dtype.size();
-            for (t, src) in bytes.chunks_exact(row).enumerate() {
-                let at = t * stride + li * row;
-                out.hidden_states[at..at + row].copy_from_slice(src);
-            }
+            write_layer(x, self.dtype, li, l, h, out.hidden_states)?;
         }
         match got.tokens {
             Some(tk) => {
@@ -199,27 +194,61 @@ impl TargetBackend for CandleTarget {
     }
 }
 
-/// A `[tokens, hidden]` tensor's elements as little-endian bytes of `dtype`.
-fn to_bytes(x: &Tensor, dtype: Dtype) -> Result<Vec<u8>, GpuError> {
+/// Writes layer `li` of `l` (`x`, `[tokens, hidden]`) into `out`, `[tokens x l x hidden]`
+/// little-endian elements of `dtype`: each value converted once, straight into its place.
+fn write_layer(
+    x: &Tensor,
+    dtype: Dtype,
+    li: usize,
+    l: usize,
+    h: usize,
+    out: &mut [u8],
+) -> Result<(), GpuError> {
+    fn scatter<const N: usize>(
+        vals: impl Iterator<Item = [u8; N]>,
+        li: usize,
+        l: usize,
+        h: usize,
+        out: &mut [u8],
+    ) {
+        for (i, v) in vals.enumerate() {
+            let (t, c) = (i / h, i % h);
+            let at = ((t * l + li) * h + c) * N;
+            out[at..at + N].copy_from_slice(&v);
+        }
+    }
     let flat = x.flatten_all()?;
-    Ok(match dtype {
-        Dtype::F32 => flat
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        Dtype::Bf16 => flat
-            .to_dtype(DType::BF16)?
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        Dtype::F16 => flat
-            .to_dtype(DType::F16)?
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-    })
+    match dtype {
+        Dtype::F32 => scatter(
+            flat.to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_le_bytes),
+            li,
+            l,
+            h,
+            out,
+        ),
+        Dtype::Bf16 => scatter(
+            flat.to_dtype(DType::BF16)?
+                .to_vec1::<half::bf16>()?
+                .into_iter()
+                .map(half::bf16::to_le_bytes),
+            li,
+            l,
+            h,
+            out,
+        ),
+        Dtype::F16 => scatter(
+            flat.to_dtype(DType::F16)?
+                .to_vec1::<half::f16>()?
+                .into_iter()
+                .map(half::f16::to_le_bytes),
+            li,
+            l,
+            h,
+            out,
+        ),
+    }
+    Ok(())
 }

@@ -46,6 +46,13 @@ pub enum GpuError {
         got: u16,
         want: u16,
     },
+    #[error("batch {batch_id}: greedy token at position {token} is {got}, expected {want}")]
+    GreedyToken {
+        batch_id: u64,
+        token: usize,
+        got: u32,
+        want: u32,
+    },
     #[error("batch has dtype {0:?}; the mock backend produces bf16")]
     Dtype(proto::Dtype),
     #[error("checkpoint {path}: {why}")]

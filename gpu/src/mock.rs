@@ -283,13 +283,14 @@ impl DrafterBackend for MockDrafter {
         for &len in &spec.seq_lens {
             for pos in 0..len {
                 let row = (ids[t] as usize % self.rows) * self.hidden;
-                if self.verify_content && greedy[t] != greedy_value(ids[t], pos) {
-                    return Err(GpuError::Shape(format!(
-                        "batch {}: greedy token at {t} is {}, the mock target writes {}",
-                        spec.batch_id,
-                        greedy[t],
-                        greedy_value(ids[t], pos)
-                    )));
+                let want = greedy_value(ids[t], pos);
+                if self.verify_content && greedy[t] != want {
+                    return Err(GpuError::GreedyToken {
+                        batch_id: spec.batch_id,
+                        token: t,
+                        got: greedy[t],
+                        want,
+                    });
                 }
                 let learn = mask.get(t).is_some_and(|&m| m != 0);
                 count += u64::from(learn);

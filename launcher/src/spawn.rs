@@ -205,3 +205,18 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn threads_are_the_configured_number_or_the_cores_shared_out() {
+        assert_eq!(super::threads_per_worker(3, 8), 3);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(super::threads_per_worker(0, 1), cores);
+        assert_eq!(
+            super::threads_per_worker(0, cores * 4),
+            1,
+            "at least one each"
+        );
+    }
+}

@@ -41,6 +41,27 @@ pub struct Output {
     pub tokens: Option<Vec<u32>>,
 }
 
+/// The attention's blocks of queries for one batch, each with its causal mask, made once per
+/// forward (every layer attends over the same blocks).
+struct Plan {
+    seqs: Vec<SeqBlocks>,
+}
+
+/// One sequence of a batch: its first token, its length, its blocks of queries.
+struct SeqBlocks {
+    start: usize,
+    len: usize,
+    blocks: Vec<QueryBlock>,
+}
+
+/// Queries `first..first + rows` of a sequence against its keys `0..first + rows`.
+struct QueryBlock {
+    first: usize,
+    rows: usize,
+    /// `[rows, first + rows]`: 0 where a query sees a key, -inf after it.
+    mask: Tensor,
+}
+
 struct Layer {
     ln1: Tensor,
     ln2: Tensor,
@@ -234,11 +255,12 @@ impl Decoder {
         let (cos, sin) = self.rope.tables(&positions, &self.device)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let lens = Tensor::new(seq_lens, &self.device)?;
+        let plan = self.plan(seq_lens)?;
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
         for (li, layer) in self.layers.iter().enumerate().take(run) {
-            x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens)?;
+            x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &plan)?;
             for (slot, _) in need.layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 layers[slot] = Some(x.clone());
             }
@@ -272,6 +294,44 @@ impl Decoder {
         )?)
     }
 
+    /// The blocks of queries `attend` runs for sequences of `seq_lens`, with their masks (one
+    /// tensor for each distinct block shape).
+    fn plan(&self, seq_lens: &[u32]) -> Result<Plan> {
+        let nh = self.cfg.num_attention_heads;
+        let mut masks: std::collections::HashMap<(usize, usize), Tensor> = Default::default();
+        let mut seqs = Vec::with_capacity(seq_lens.len());
+        let mut start = 0;
+        for &len in seq_lens {
+            let len = len as usize;
+            // At most QUERY_BLOCK rows: the keys after a block's last query are never computed,
+            // so smaller blocks waste less of the causal triangle (half of it at one block).
+            let rows = (self.score_block / (nh * len)).clamp(16, QUERY_BLOCK);
+            let mut blocks = Vec::with_capacity(len.div_ceil(rows));
+            let mut b0 = 0;
+            while b0 < len {
+                let b = rows.min(len - b0);
+                let mask = match masks.get(&(b0, b)) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let m = causal_mask(b0, b, b0 + b, &self.device)?.to_dtype(self.dtype)?;
+                        masks.insert((b0, b), m.clone());
+                        m
+                    }
+                };
+                blocks.push(QueryBlock {
+                    first: b0,
+                    rows: b,
+                    mask,
+                });
+                b0 += b;
+            }
+            seqs.push(SeqBlocks { start, len, blocks });
+            start += len;
+        }
+        Ok(Plan { seqs })
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
         l: &Layer,
@@ -280,6 +340,7 @@ impl Decoder {
         sin: &Tensor,
         lens: &Tensor,
         seq_lens: &[u32],
+        plan: &Plan,
     ) -> Result<Tensor> {
         let c = &self.cfg;
         let t = x.dim(0)?;
@@ -298,7 +359,7 @@ impl Decoder {
         let k =
             candle_nn::rotary_emb::rope_thd(&k.reshape((1, t, nkv, hd))?.contiguous()?, cos, sin)?
                 .reshape((t, nkv, hd))?;
-        let a = self.attend(&q, &k, &v, lens, seq_lens)?;
+        let a = self.attend(&q, &k, &v, lens, seq_lens, plan)?;
         let x = (x + l.o.forward(&a.reshape((t, nh * hd))?)?)?;
         let h = self.rms(&x, &l.ln2)?;
         let m = (candle_nn::ops::silu(&l.gate.forward(&h)?)? * l.up.forward(&h)?)?;
@@ -320,6 +381,7 @@ impl Decoder {
         v: &Tensor,
         lens: &Tensor,
         seq_lens: &[u32],
+        plan: &Plan,
     ) -> Result<Tensor> {
         let scale = 1.0 / (self.cfg.head_dim as f64).sqrt();
         if self.fused_attention
@@ -348,10 +410,13 @@ impl Decoder {
             self.cfg.head_dim,
         );
         let g = nh / nkv;
-        let mut out = Vec::with_capacity(seq_lens.len());
-        let mut start = 0;
-        for &len in seq_lens {
-            let len = len as usize;
+        let mut out = Vec::with_capacity(plan.seqs.len());
+        for &SeqBlocks {
+            start,
+            len,
+            ref blocks,
+        } in &plan.seqs
+        {
             // [heads, len, d] as [kv, g, len, d]; keys and values [kv, len, d].
             let qs = q
                 .narrow(0, start, len)?
@@ -360,13 +425,13 @@ impl Decoder {
                 .reshape((nkv, g, len, hd))?;
             let ks = k.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
             let vs = v.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
-            // At most QUERY_BLOCK rows: the keys after a block's last query are never computed,
-            // so smaller blocks waste less of the causal triangle (half of it at one block).
-            let rows = (self.score_block / (nh * len)).clamp(16, QUERY_BLOCK);
-            let mut blocks = Vec::with_capacity(len.div_ceil(rows));
-            let mut b0 = 0;
-            while b0 < len {
-                let b = rows.min(len - b0);
+            let mut outs = Vec::with_capacity(blocks.len());
+            for &QueryBlock {
+                first: b0,
+                rows: b,
+                ref mask,
+            } in blocks
+            {
                 let end = b0 + b;
                 let qb = qs
                     .narrow(2, b0, b)?
@@ -375,14 +440,11 @@ impl Decoder {
                 let kb = ks.narrow(1, 0, end)?;
                 let vb = vs.narrow(1, 0, end)?;
                 let scores = (qb.matmul(&kb.t()?)? * scale)?.reshape((nkv, g, b, end))?;
-                let mask = causal_mask(b0, b, end, &self.device)?.to_dtype(scores.dtype())?;
-                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
                 let o = p.reshape((nkv, g * b, end))?.matmul(&vb.contiguous()?)?;
-                blocks.push(o.reshape((nh, b, hd))?);
-                b0 = end;
+                outs.push(o.reshape((nh, b, hd))?);
             }
-            out.push(Tensor::cat(&blocks, 1)?.transpose(0, 1)?);
-            start += len;
+            out.push(Tensor::cat(&outs, 1)?.transpose(0, 1)?);
         }
         Ok(Tensor::cat(&out, 0)?.contiguous()?)
     }

@@ -634,15 +634,22 @@ fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
         let comm = std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).unwrap();
         assert_eq!(comm.trim_end(), kind);
     }
+    // The cores shared out among the 8 workers, at least one thread each.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / 8).max(1);
     for (i, w) in s.workers.iter().enumerate() {
         let env = std::fs::read(format!("/proc/{}/environ", w.pid)).unwrap();
         let env = String::from_utf8_lossy(&env);
-        let want = format!("CUDA_VISIBLE_DEVICES={i}\0");
-        assert!(
-            env.contains(&want),
-            "worker {i} (pid {}) lacks {want:?}",
-            w.pid
-        );
+        for want in [
+            format!("CUDA_VISIBLE_DEVICES={i}\0"),
+            format!("RAYON_NUM_THREADS={threads}\0"),
+        ] {
+            assert!(
+                env.contains(&want),
+                "worker {i} (pid {}) lacks {want:?}",
+                w.pid
+            );
+        }
     }
     // shm-ring-stat finds the run's ring from its run directory.
     let args = ring_stat::cli::Args {
