@@ -14,8 +14,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::Linear;
+use candle_core::{DType, Device, Tensor, D};
 
 use crate::config::ArchConfig;
 use crate::rope::Rope;
@@ -62,18 +61,48 @@ struct QueryBlock {
     mask: Tensor,
 }
 
+/// A projection stored for the forward: the weight transposed to `[in, out]` and contiguous
+/// (the matrix product reads it row by row), projections that read the same input fused into
+/// one (q, k and v; gate and up), so each input is read once by one larger product.
+struct Proj {
+    wt: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Proj {
+    /// HF's `[out, in]` weights (and biases), concatenated along `out` in order.
+    fn new(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Proj> {
+        let ws: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
+        let wt = Tensor::cat(&ws, 0)?.t()?.contiguous()?;
+        let bias = if parts.iter().all(|(_, b)| b.is_some()) {
+            let bs: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Proj { wt, bias })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.wt)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
 struct Layer {
     ln1: Tensor,
     ln2: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    /// q, k and v in one product: `[hidden, q_dim + 2 kv_dim]`.
+    qkv: Proj,
+    o: Proj,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    /// gate and up in one product: `[hidden, 2 intermediate]`.
+    gate_up: Proj,
+    down: Proj,
 }
 
 /// A loaded dense decoder.
@@ -110,15 +139,16 @@ impl Decoder {
     /// Builds the decoder from `w`, every tensor checked against `cfg`'s shapes.
     pub fn from_weights(cfg: ArchConfig, w: &Weights) -> Result<Decoder> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
-            let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
-            let bias = if bias {
-                Some(w.get(&format!("{name}.bias"), &[out])?)
-            } else {
-                None
+        let linear =
+            |name: &str, out: usize, inp: usize, bias: bool| -> Result<(Tensor, Option<Tensor>)> {
+                let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
+                let bias = if bias {
+                    Some(w.get(&format!("{name}.bias"), &[out])?)
+                } else {
+                    None
+                };
+                Ok((weight, bias))
             };
-            Ok(Linear::new(weight, bias))
-        };
         let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
@@ -127,25 +157,32 @@ impl Decoder {
             layers.push(Layer {
                 ln1: norm("input_layernorm", h)?,
                 ln2: norm("post_attention_layernorm", h)?,
-                q: linear(
-                    &format!("{p}.self_attn.q_proj"),
+                qkv: Proj::new(vec![
+                    linear(
+                        &format!("{p}.self_attn.q_proj"),
+                        cfg.q_dim(),
+                        h,
+                        cfg.qkv_bias,
+                    )?,
+                    linear(
+                        &format!("{p}.self_attn.k_proj"),
+                        cfg.kv_dim(),
+                        h,
+                        cfg.qkv_bias,
+                    )?,
+                    linear(
+                        &format!("{p}.self_attn.v_proj"),
+                        cfg.kv_dim(),
+                        h,
+                        cfg.qkv_bias,
+                    )?,
+                ])?,
+                o: Proj::new(vec![linear(
+                    &format!("{p}.self_attn.o_proj"),
+                    h,
                     cfg.q_dim(),
-                    h,
-                    cfg.qkv_bias,
-                )?,
-                k: linear(
-                    &format!("{p}.self_attn.k_proj"),
-                    cfg.kv_dim(),
-                    h,
-                    cfg.qkv_bias,
-                )?,
-                v: linear(
-                    &format!("{p}.self_attn.v_proj"),
-                    cfg.kv_dim(),
-                    h,
-                    cfg.qkv_bias,
-                )?,
-                o: linear(&format!("{p}.self_attn.o_proj"), h, cfg.q_dim(), cfg.o_bias)?,
+                    cfg.o_bias,
+                )?])?,
                 q_norm: cfg
                     .qk_norm
                     .then(|| norm("self_attn.q_norm", cfg.head_dim))
@@ -154,9 +191,16 @@ impl Decoder {
                     .qk_norm
                     .then(|| norm("self_attn.k_norm", cfg.head_dim))
                     .transpose()?,
-                gate: linear(&format!("{p}.mlp.gate_proj"), i, h, cfg.mlp_bias)?,
-                up: linear(&format!("{p}.mlp.up_proj"), i, h, cfg.mlp_bias)?,
-                down: linear(&format!("{p}.mlp.down_proj"), h, i, cfg.mlp_bias)?,
+                gate_up: Proj::new(vec![
+                    linear(&format!("{p}.mlp.gate_proj"), i, h, cfg.mlp_bias)?,
+                    linear(&format!("{p}.mlp.up_proj"), i, h, cfg.mlp_bias)?,
+                ])?,
+                down: Proj::new(vec![linear(
+                    &format!("{p}.mlp.down_proj"),
+                    h,
+                    i,
+                    cfg.mlp_bias,
+                )?])?,
             });
         }
         let norm = w.get("model.norm.weight", &[h])?;
@@ -346,9 +390,14 @@ impl Decoder {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let h = self.rms(x, &l.ln1)?;
-        let mut q = l.q.forward(&h)?;
-        let mut k = l.k.forward(&h)?;
-        let v = l.v.forward(&h)?.reshape((t, nkv, hd))?;
+        let qkv = l.qkv.forward(&h)?;
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let mut q = qkv.narrow(1, 0, qd)?.contiguous()?;
+        let mut k = qkv.narrow(1, qd, kvd)?.contiguous()?;
+        let v = qkv
+            .narrow(1, qd + kvd, kvd)?
+            .contiguous()?
+            .reshape((t, nkv, hd))?;
         if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
             q = self.rms(&q.reshape((t * nh, hd))?, qn)?;
             k = self.rms(&k.reshape((t * nkv, hd))?, kn)?;
@@ -362,7 +411,9 @@ impl Decoder {
         let a = self.attend(&q, &k, &v, lens, seq_lens, plan)?;
         let x = (x + l.o.forward(&a.reshape((t, nh * hd))?)?)?;
         let h = self.rms(&x, &l.ln2)?;
-        let m = (candle_nn::ops::silu(&l.gate.forward(&h)?)? * l.up.forward(&h)?)?;
+        let gu = l.gate_up.forward(&h)?;
+        let im = self.cfg.intermediate_size;
+        let m = (candle_nn::ops::silu(&gu.narrow(1, 0, im)?)? * gu.narrow(1, im, im)?)?;
         Ok((x + l.down.forward(&m)?)?)
     }
 
