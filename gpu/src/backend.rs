@@ -29,10 +29,6 @@ pub trait Maker {
     fn settle(&self, _cfg: &mut PipelineConfig) -> Result<(), GpuError> {
         Ok(())
     }
-    /// Whether the backend's models run on the CPU (no driver needed).
-    fn on_cpu(&self) -> bool {
-        true
-    }
     /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.
     fn target(
         &self,
@@ -55,9 +51,6 @@ struct Unbuilt(BackendKind);
 
 impl Maker for Unbuilt {
     fn built(&self) -> bool {
-        false
-    }
-    fn on_cpu(&self) -> bool {
         false
     }
     fn target(
