@@ -16,6 +16,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::attention::{self, Plan};
 use crate::config::ArchConfig;
 use crate::rope::Rope;
 use crate::weights::Weights;
@@ -38,27 +39,6 @@ pub struct Output {
     pub layers: Vec<Tensor>,
     pub final_hidden: Option<Tensor>,
     pub tokens: Option<Vec<u32>>,
-}
-
-/// The attention's blocks of queries for one batch, each with its causal mask, made once per
-/// forward (every layer attends over the same blocks).
-struct Plan {
-    seqs: Vec<SeqBlocks>,
-}
-
-/// One sequence of a batch: its first token, its length, its blocks of queries.
-struct SeqBlocks {
-    start: usize,
-    len: usize,
-    blocks: Vec<QueryBlock>,
-}
-
-/// Queries `first..first + rows` of a sequence against its keys `0..first + rows`.
-struct QueryBlock {
-    first: usize,
-    rows: usize,
-    /// `[rows, first + rows]`: 0 where a query sees a key, -inf after it.
-    mask: Tensor,
 }
 
 /// A projection stored for the forward: the weight transposed to `[in, out]` and contiguous
@@ -124,8 +104,6 @@ pub struct Decoder {
 const LOGIT_CHUNK: usize = 1 << 24;
 /// Elements of one block of attention scores (heads x queries x keys): 8M f32 is 32 MiB.
 const SCORE_BLOCK: usize = 1 << 23;
-/// Most queries in one block of attention (see `attend`).
-const QUERY_BLOCK: usize = 256;
 
 impl Decoder {
     /// Loads the model in `dir` (its `config.json` and safetensors weights) onto `device`,
@@ -299,7 +277,13 @@ impl Decoder {
         let (cos, sin) = self.rope.tables(&positions, &self.device)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let lens = Tensor::new(seq_lens, &self.device)?;
-        let plan = self.plan(seq_lens)?;
+        let plan = Plan::new(
+            seq_lens,
+            self.cfg.num_attention_heads,
+            self.score_block,
+            &self.device,
+            self.dtype,
+        )?;
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
@@ -336,43 +320,6 @@ impl Decoder {
             w,
             self.cfg.rms_norm_eps as f32,
         )?)
-    }
-
-    /// The blocks of queries `attend` runs for sequences of `seq_lens`, with their masks (one
-    /// tensor for each distinct block shape).
-    fn plan(&self, seq_lens: &[u32]) -> Result<Plan> {
-        let nh = self.cfg.num_attention_heads;
-        let mut masks: std::collections::HashMap<(usize, usize), Tensor> = Default::default();
-        let mut seqs = Vec::with_capacity(seq_lens.len());
-        let mut start = 0;
-        for &len in seq_lens {
-            let len = len as usize;
-            // At most QUERY_BLOCK rows: the keys after a block's last query are never computed,
-            // so smaller blocks waste less of the causal triangle (half of it at one block).
-            let rows = (self.score_block / (nh * len)).clamp(16, QUERY_BLOCK);
-            let mut blocks = Vec::with_capacity(len.div_ceil(rows));
-            let mut b0 = 0;
-            while b0 < len {
-                let b = rows.min(len - b0);
-                let mask = match masks.get(&(b0, b)) {
-                    Some(m) => m.clone(),
-                    None => {
-                        let m = causal_mask(b0, b, b0 + b, &self.device)?.to_dtype(self.dtype)?;
-                        masks.insert((b0, b), m.clone());
-                        m
-                    }
-                };
-                blocks.push(QueryBlock {
-                    first: b0,
-                    rows: b,
-                    mask,
-                });
-                b0 += b;
-            }
-            seqs.push(SeqBlocks { start, len, blocks });
-            start += len;
-        }
-        Ok(Plan { seqs })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -417,14 +364,9 @@ impl Decoder {
         Ok((x + l.down.forward(&m)?)?)
     }
 
-    /// Causal attention within each sequence: `q` `[T, heads, d]`, `k`/`v` `[T, kv_heads, d]`.
-    ///
-    /// Matrix products over blocks of queries: each block's scores against the keys up to its
-    /// last query, the heads of a kv group sharing their keys (no copy of k or v per head),
-    /// the causal mask added to the block's own columns, softmax, then the values. Blocks keep
-    /// the scores under [`SCORE_BLOCK`] elements at any length. On a 2-core CPU this is about
-    /// twice as fast as candle's fused CPU flash kernel (a dot product per query and key),
-    /// which stays available for comparison ([`Decoder::set_fused_attention`]).
+    /// Causal attention within each sequence: `q` `[T, heads, d]`, `k`/`v` `[T, kv_heads, d]`:
+    /// the blocked matrix products of `attention.rs`, or candle's fused CPU flash kernel when
+    /// asked for ([`Decoder::set_fused_attention`]).
     fn attend(
         &self,
         q: &Tensor,
@@ -455,49 +397,9 @@ impl Decoder {
                 None,
             )?);
         }
-        let (nh, nkv, hd) = (
-            self.cfg.num_attention_heads,
-            self.cfg.num_key_value_heads,
-            self.cfg.head_dim,
-        );
-        let g = nh / nkv;
-        let mut out = Vec::with_capacity(plan.seqs.len());
-        for &SeqBlocks {
-            start,
-            len,
-            ref blocks,
-        } in &plan.seqs
-        {
-            // [heads, len, d] as [kv, g, len, d]; keys and values [kv, len, d].
-            let qs = q
-                .narrow(0, start, len)?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((nkv, g, len, hd))?;
-            let ks = k.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
-            let vs = v.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
-            let mut outs = Vec::with_capacity(blocks.len());
-            for &QueryBlock {
-                first: b0,
-                rows: b,
-                ref mask,
-            } in blocks
-            {
-                let end = b0 + b;
-                let qb = qs
-                    .narrow(2, b0, b)?
-                    .contiguous()?
-                    .reshape((nkv, g * b, hd))?;
-                let kb = ks.narrow(1, 0, end)?;
-                let vb = vs.narrow(1, 0, end)?;
-                let scores = (qb.matmul(&kb.t()?)? * scale)?.reshape((nkv, g, b, end))?;
-                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
-                let o = p.reshape((nkv, g * b, end))?.matmul(&vb.contiguous()?)?;
-                outs.push(o.reshape((nh, b, hd))?);
-            }
-            out.push(Tensor::cat(&outs, 1)?.transpose(0, 1)?);
-        }
-        Ok(Tensor::cat(&out, 0)?.contiguous()?)
+        let c = &self.cfg;
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        attention::blocked(q, k, v, plan, nh, nkv, c.head_dim, scale)
     }
 
     /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows.
@@ -515,13 +417,4 @@ impl Decoder {
         }
         Ok(tokens)
     }
-}
-
-/// `[rows, end]` for queries `first..first + rows` against keys `0..end`: 0 where a query may
-/// see a key (key <= query), -inf after it.
-fn causal_mask(first: usize, rows: usize, end: usize, device: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (first..first + rows)
-        .flat_map(|i| (0..end).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Ok(Tensor::from_vec(m, (rows, end), device)?)
 }

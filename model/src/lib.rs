@@ -15,6 +15,7 @@
 //! Nothing here knows the ring or a batch: `gpu`'s candle backend turns [`decoder::Output`] into
 //! a slot's bytes.
 
+mod attention;
 pub mod capture;
 pub mod config;
 pub mod decoder;
