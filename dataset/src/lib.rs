@@ -23,6 +23,7 @@
 mod arrow_io;
 mod cache;
 mod convert;
+pub mod language;
 mod map;
 mod mapped;
 mod samples;
@@ -32,6 +33,7 @@ use std::path::PathBuf;
 
 pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
 pub use convert::{detect, Kind};
+pub use language::Language;
 pub use mapped::{Mapped, Sample};
 pub use samples::{mix, Dataset, Synthetic, SYNTHETIC_VOCAB};
 pub use writer::Writer;

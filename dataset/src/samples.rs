@@ -30,6 +30,8 @@ pub struct Synthetic {
     pub seed: u64,
     /// Token ids are drawn below this.
     pub vocab: u32,
+    /// From the built-in language (`language.rs`), seeded by `seed`, rather than uniform.
+    pub language: bool,
 }
 
 /// One synthetic training sample.
@@ -89,6 +91,9 @@ impl Dataset {
     pub fn synthetic(s: &Synthetic) -> Dataset {
         let (n, min_len, max_len, seed) = (s.samples, s.min_len, s.max_len, s.seed);
         let vocab = u64::from(s.vocab.max(1));
+        let language = s
+            .language
+            .then(|| crate::language::Language::new(0, s.vocab, seed));
         let (lo, hi) = (
             f64::from(min_len.max(1)).ln(),
             f64::from(max_len.max(1)).ln(),
@@ -97,9 +102,12 @@ impl Dataset {
             .map(|id| {
                 let u = (mix(seed ^ mix(id)) >> 11) as f64 / (1u64 << 53) as f64;
                 let len = ((lo + u * (hi - lo)).exp().round() as u32).clamp(min_len, max_len);
-                let input_ids = (0..len)
-                    .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
-                    .collect();
+                let input_ids = match &language {
+                    Some(l) => l.sample(id, len),
+                    None => (0..len)
+                        .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
+                        .collect(),
+                };
                 let prompt = len / 5;
                 let loss_mask = (0..len).map(|pos| u8::from(pos >= prompt)).collect();
                 Sample {
@@ -111,7 +119,13 @@ impl Dataset {
         Dataset {
             lengths: samples.iter().map(|s| s.input_ids.len() as u32).collect(),
             samples: Samples::Synthetic(samples),
-            source: format!("synthetic ({n} samples, seed {seed})"),
+            source: match language {
+                Some(l) => format!(
+                    "synthetic language ({n} samples, seed {seed}, {:.2} bits/token)",
+                    l.entropy_bits()
+                ),
+                None => format!("synthetic ({n} samples, seed {seed})"),
+            },
         }
     }
 
@@ -160,6 +174,7 @@ mod tests {
             max_len: 4096,
             seed,
             vocab: 32_000,
+            language: false,
         };
         let a = Dataset::synthetic(&s(1));
         let b = Dataset::synthetic(&s(1));
@@ -187,6 +202,7 @@ mod tests {
             max_len: 1,
             seed: 1,
             vocab: 10,
+            language: false,
         };
         let err = Dataset::load(None, Some(Path::new("train.jsonl")), synthetic)
             .err()

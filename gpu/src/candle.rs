@@ -62,6 +62,8 @@ impl Maker for Candle {
             Some(_) => {}
             None => cfg.data.synthetic_vocab = Some(vocab),
         }
+        // A real model's synthetic data is text it can be trained on: the built-in language.
+        cfg.data.synthetic_language.get_or_insert(true);
         Ok(())
     }
 

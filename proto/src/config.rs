@@ -142,6 +142,10 @@ pub struct DataConfig {
     /// vocabulary when a model is given (the launcher sets it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub synthetic_vocab: Option<u32>,
+    /// Synthetic ids from the built-in language (a seeded order-2 Markov chain a model can
+    /// learn) rather than uniform; None: the language when a model is given, else uniform.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub synthetic_language: Option<bool>,
     pub min_len: u32,
     pub max_len: u32,
     pub seed: u64,
@@ -154,6 +158,7 @@ impl Default for DataConfig {
             prepared: None,
             synthetic_samples: 2000,
             synthetic_vocab: None,
+            synthetic_language: None,
             min_len: 32,
             max_len: 4096,
             seed: 1,

@@ -97,6 +97,7 @@ pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::Dat
         max_len: d.max_len,
         seed: d.seed,
         vocab: d.synthetic_vocab.unwrap_or(dataset::SYNTHETIC_VOCAB),
+        language: d.synthetic_language.unwrap_or(false),
     };
     Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
 }

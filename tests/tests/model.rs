@@ -191,6 +191,10 @@ fn a_five_by_three_run_on_a_real_target_trains_every_sample_once() {
     let settled = PipelineConfig::load(&run.run_dir().join("config.toml")).unwrap();
     assert_eq!(settled.model.hidden, 64);
     assert_eq!(settled.model.target_layer_ids, Some(vec![1, 2, 3, 4, 5]));
+    // Its synthetic data are the built-in language, below the model's vocabulary.
+    assert_eq!(settled.data.synthetic_vocab, Some(1024));
+    assert_eq!(settled.data.synthetic_language, Some(true));
+    assert!(out.contains("synthetic language (60 samples"), "{out}");
 }
 
 #[test]

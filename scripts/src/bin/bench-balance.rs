@@ -417,6 +417,7 @@ fn main() {
         max_len: d.max_len,
         seed: d.seed,
         vocab: dataset::SYNTHETIC_VOCAB,
+        language: false,
     });
     let mut lengths = data.lengths().to_vec();
     if args.long_heavy {
