@@ -449,11 +449,7 @@ impl<'c, 'r> Rank<'c, 'r> {
         if self.is_leader(&red.membership) {
             if let Some(tx) = &self.s.to_launcher {
                 // The launcher may be stopping and gone: the loss is telemetry, never fatal.
-                let _ = tx.send(ToLauncher::Progress {
-                    step: u64::from(red.step),
-                    loss: stats.loss,
-                    tokens: stats.tokens,
-                });
+                let _ = tx.send(ToLauncher::Progress(*stats));
             }
         }
     }

@@ -17,7 +17,6 @@
 use std::path::Path;
 
 use proto::BatchView;
-use serde::{Deserialize, Serialize};
 
 pub mod backend;
 pub mod candle;
@@ -120,14 +119,8 @@ pub trait TargetBackend {
     ) -> Result<(), GpuError>;
 }
 
-/// Counters a drafter reports after a step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct StepStats {
-    pub step: u64,
-    pub tokens: u64,
-    /// The step's mean loss per loss-token and channel (over the whole group's batches).
-    pub loss: f32,
-}
+/// Counters a drafter reports after a step (proto's: the leader sends them to the launcher).
+pub use proto::control::StepStats;
 
 /// A drafter being trained, one rank of a data-parallel group: it computes the gradient of
 /// its loss on a batch, the group sums the gradients (the collective crate), and every rank

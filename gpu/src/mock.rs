@@ -352,6 +352,8 @@ impl DrafterBackend for MockDrafter {
             } else {
                 0.0
             },
+            tau: None,
+            lr: None,
         }
     }
 

@@ -63,9 +63,13 @@ pub struct Tick {
     /// The drafter group's last applied step, once the drafters report it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group_step: Option<u64>,
-    /// The drafter's acceptance length (tau), once the drafters report it.
+    /// The drafter's acceptance length (tau) over the interval's steps, once the drafters
+    /// report it (a drafter that drafts blocks: DFlash).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub acceptance_length: Option<f64>,
+    /// The learning rate of the interval's last step (a drafter with a schedule).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
 }
 
 /// One worker in a tick: its shares of the period by phase (zero phases left out).
@@ -174,6 +178,11 @@ pub struct Monitor {
     step: Option<u64>,
     /// The last interval's loss, kept while an interval brings no step.
     loss: Option<f64>,
+    /// Tau x steps and steps since the last tick; the last interval's tau; the last lr.
+    tau_sum: f64,
+    tau_steps: u64,
+    tau: Option<f64>,
+    lr: Option<f64>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
 }
@@ -233,17 +242,37 @@ impl Monitor {
             loss_tokens: 0,
             step: None,
             loss: None,
+            tau_sum: 0.0,
+            tau_steps: 0,
+            tau: None,
+            lr: None,
             judge: analysis::Judge::new(),
         })
     }
 
-    /// The group leader applied `step`, whose mean loss per loss token was `loss`.
-    pub fn progress(&mut self, step: u64, loss: f32, tokens: u64) {
-        if loss.is_finite() && tokens > 0 {
-            self.loss_sum += f64::from(loss) * tokens as f64;
-            self.loss_tokens += tokens;
+    /// The group leader applied a step: its mean loss per loss token, its tau and lr.
+    pub fn progress(&mut self, s: &proto::control::StepStats) {
+        if s.loss.is_finite() && s.tokens > 0 {
+            self.loss_sum += f64::from(s.loss) * s.tokens as f64;
+            self.loss_tokens += s.tokens;
         }
-        self.step = Some(step);
+        if let Some(tau) = s.tau.filter(|t| t.is_finite() && s.tokens > 0) {
+            self.tau_sum += f64::from(tau);
+            self.tau_steps += 1;
+        }
+        if let Some(lr) = s.lr {
+            self.lr = Some(f64::from(lr));
+        }
+        self.step = Some(s.step);
+    }
+
+    /// The mean tau of the steps since the last tick (or the last one known).
+    fn interval_tau(&mut self) -> Option<f64> {
+        if self.tau_steps > 0 {
+            self.tau = Some(self.tau_sum / self.tau_steps as f64);
+            (self.tau_sum, self.tau_steps) = (0.0, 0);
+        }
+        self.tau
     }
 
     /// The token-weighted mean loss of the steps since the last tick (or the last one known).
@@ -323,7 +352,8 @@ impl Monitor {
             events: std::mem::take(&mut self.events),
             drafter_loss: self.interval_loss(),
             group_step: self.step,
-            acceptance_length: None,
+            acceptance_length: self.interval_tau(),
+            lr: self.lr,
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
         let mut json = serde_json::to_string(&t)?;
@@ -337,11 +367,14 @@ impl Monitor {
             format!("{:.0} tok/s", t.tokens_per_s)
         };
         // The one model the drafter group trains: its step and loss.
-        let group = match (t.group_step, t.drafter_loss) {
+        let mut group = match (t.group_step, t.drafter_loss) {
             (Some(step), Some(loss)) => format!("  step {step} loss {loss:.4}"),
             (Some(step), None) => format!("  step {step}"),
             _ => String::new(),
         };
+        if let Some(tau) = t.acceptance_length {
+            group.push_str(&format!(" tau {tau:.2}"));
+        }
         let line = format!(
             "[{:6.1}s] {rate:>12}  trained {}/{}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
             t.t_s,

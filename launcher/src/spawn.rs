@@ -30,12 +30,8 @@ impl Key {
 pub enum Event {
     Connected(Key, control::Sender<ToWorker>),
     Report(Key, FinalReport),
-    /// The group leader's step and loss (see [`ToLauncher::Progress`]).
-    Progress {
-        step: u64,
-        loss: f32,
-        tokens: u64,
-    },
+    /// The group leader's step, loss and tau (see [`ToLauncher::Progress`]).
+    Progress(control::StepStats),
     HandshakeFailed(Key, String),
 }
 
@@ -197,7 +193,7 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
     while let Ok(msg) = rx.recv() {
         let ev = match msg {
             ToLauncher::Report(r) => Event::Report(key, r),
-            ToLauncher::Progress { step, loss, tokens } => Event::Progress { step, loss, tokens },
+            ToLauncher::Progress(s) => Event::Progress(s),
             ToLauncher::Hello { .. } => continue,
         };
         if events.send(ev).is_err() {

@@ -196,7 +196,7 @@ impl<'a> Supervisor<'a> {
                         w.report = Some(r);
                     }
                 }
-                Event::Progress { step, loss, tokens } => self.mon.progress(step, loss, tokens),
+                Event::Progress(s) => self.mon.progress(&s),
                 Event::HandshakeFailed(key, why) => {
                     self.mon
                         .say(&format!("{}: handshake failed: {why}", key.name()));

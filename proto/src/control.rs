@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
 /// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The largest frame either side accepts.
 pub const MAX_FRAME: u32 = 16 << 20;
@@ -44,13 +44,25 @@ pub enum ToLauncher {
         pid: u32,
     },
     Report(FinalReport),
-    /// The drafter group's leader, after each applied step: the step and its mean loss per
-    /// loss token over `tokens` loss tokens (for the monitor and metrics.jsonl).
-    Progress {
-        step: u64,
-        loss: f32,
-        tokens: u64,
-    },
+    /// The drafter group's leader, after each applied step (for the monitor and
+    /// metrics.jsonl).
+    Progress(StepStats),
+}
+
+/// What one applied step of the drafter group did, the same on every rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    pub step: u64,
+    /// The step's loss tokens (over the whole group's batches).
+    pub tokens: u64,
+    /// The step's mean loss per loss token (the backend's unit: per channel for the mock, per
+    /// weighted token for DFlash).
+    pub loss: f32,
+    /// The step's acceptance length over its blocks (1 + the leading block positions predicted
+    /// right), for a drafter that drafts blocks.
+    pub tau: Option<f32>,
+    /// The learning rate the step was applied with, for a backend with a schedule.
+    pub lr: Option<f32>,
 }
 
 /// Launcher → worker.
