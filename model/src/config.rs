@@ -85,6 +85,9 @@ pub struct ArchConfig {
     pub qk_norm: bool,
     /// The dtype the checkpoint says it stores (`torch_dtype` or `dtype`), if it says.
     pub stored_dtype: Option<String>,
+    /// The longest context the model was made for (HF's default per type where absent); a
+    /// drafter's export copies it.
+    pub max_position_embeddings: usize,
 }
 
 /// The fields read; the rest of the file is kept in `rest` to look for what must be refused.
@@ -99,6 +102,7 @@ struct Raw {
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
     rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
@@ -232,6 +236,11 @@ impl ArchConfig {
             },
             qk_norm: family == Family::Qwen3,
             stored_dtype: raw.dtype.or(raw.torch_dtype),
+            // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048.
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(match family {
+                Family::Qwen3 | Family::Qwen2 => 32768,
+                Family::Llama => 2048,
+            }),
         };
         Ok(cfg)
     }

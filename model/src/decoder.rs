@@ -85,6 +85,20 @@ struct Layer {
     down: Proj,
 }
 
+/// The token embedding and the LM head, each `[vocab, hidden]` (the head is the embedding
+/// itself when tied: the checkpoint then has no `lm_head.weight`). A drafter reads these two
+/// alone from its target.
+pub fn embed_and_head(cfg: &ArchConfig, w: &Weights) -> Result<(Tensor, Tensor)> {
+    let shape = [cfg.vocab_size, cfg.hidden_size];
+    let embed = w.get("model.embed_tokens.weight", &shape)?;
+    let lm_head = if cfg.tie_word_embeddings {
+        embed.clone()
+    } else {
+        w.get("lm_head.weight", &shape)?
+    };
+    Ok((embed, lm_head))
+}
+
 /// A loaded dense decoder.
 pub struct Decoder {
     cfg: ArchConfig,
@@ -127,7 +141,7 @@ impl Decoder {
                 };
                 Ok((weight, bias))
             };
-        let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let (embed, lm_head) = embed_and_head(&cfg, w)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
@@ -182,12 +196,6 @@ impl Decoder {
             });
         }
         let norm = w.get("model.norm.weight", &[h])?;
-        // Tied embeddings: the checkpoint has no lm_head.weight; the head is the embedding.
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            w.get("lm_head.weight", &[cfg.vocab_size, h])?
-        };
         Ok(Decoder {
             rope: Rope::new(&cfg),
             cfg,

@@ -19,8 +19,10 @@ mod attention;
 pub mod capture;
 pub mod config;
 pub mod decoder;
+pub mod dflash;
 pub mod make;
 mod rope;
+pub mod train;
 pub mod weights;
 
 pub use config::{ArchConfig, Family, RopeScaling};

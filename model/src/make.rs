@@ -296,13 +296,7 @@ fn tensors(s: &MakeSpec) -> Vec<Tensor> {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(s.seed);
     let mut normal = move |n: usize, mean: f32, std: f32| -> Vec<f32> {
         (0..n)
-            .map(|_| {
-                // Box-Muller: u1 in (0, 1], so the log is finite.
-                let u1: f64 = 1.0 - rng.random::<f64>();
-                let u2: f64 = rng.random::<f64>();
-                let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-                mean + std * z as f32
-            })
+            .map(|_| mean + std * crate::train::normal(&mut rng))
             .collect()
     };
     let (h, i, v, std) = (s.hidden, s.intermediate, s.vocab, s.init_std);

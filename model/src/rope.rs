@@ -12,12 +12,17 @@ pub(crate) struct Rope {
 }
 
 impl Rope {
-    pub(crate) fn new(cfg: &ArchConfig) -> Rope {
-        let d = cfg.head_dim;
-        let mut inv_freq: Vec<f32> = (0..d)
+    /// Unscaled frequencies for heads of `head_dim` and base `theta` (a Qwen3 drafter's).
+    pub(crate) fn plain(head_dim: usize, theta: f64) -> Rope {
+        let inv_freq = (0..head_dim)
             .step_by(2)
-            .map(|i| (1.0 / cfg.rope_theta.powf(i as f64 / d as f64)) as f32)
+            .map(|i| (1.0 / theta.powf(i as f64 / head_dim as f64)) as f32)
             .collect();
+        Rope { inv_freq }
+    }
+
+    pub(crate) fn new(cfg: &ArchConfig) -> Rope {
+        let Rope { mut inv_freq } = Rope::plain(cfg.head_dim, cfg.rope_theta);
         if let RopeScaling::Llama3(s) = cfg.rope_scaling {
             // transformers' `_compute_llama3_parameters`: long wavelengths are divided by the
             // factor, short ones kept, the band between blended smoothly.

@@ -1,0 +1,708 @@
+//! The DFlash drafter (block-diffusion drafting conditioned on the target's captured layers), as
+//! SpecForge and the DFlash authors define it, trainable on candle.
+//!
+//! - Context: `ctx = hidden_norm(fc(concat of the k captured layers))`, one row per token.
+//! - Blocks: each anchor `a` drafts `[token[a], MASK x (B-1)]`, embedded with the target's
+//!   frozen `embed_tokens`, at RoPE positions `a .. a+B-1` (the context keeps its own).
+//! - Layers: Qwen3 decoder layers (q/k norm, RoPE, SiLU MLP) whose keys and values are
+//!   `[kv(ctx); kv(block)]`: a block's queries see context positions `j < a` and every position
+//!   of their own block, never another block.
+//! - Head: final norm, then the target's frozen `lm_head`; block position `k >= 1` predicts the
+//!   token at `a + k`.
+//!
+//! The loss ([`Dflash::loss_and_grads`]) runs the head over the weighted positions in chunks, so
+//! no `positions x vocab` tensor exists at a real vocabulary: the forward's last state is cut
+//! from the graph, each chunk's loss backpropagates to it alone, and the summed state gradient
+//! then goes back through the layers once.
+//!
+//! The trained parameters are named as the exported `model.safetensors` names them
+//! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes
+//! them as they are.
+//!
+//! Length: about 560 lines: the config and its export, the forward, the batch's anchors and
+//! labels, the chunked loss and their tests are one model.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use serde_json::json;
+
+use crate::config::ArchConfig;
+use crate::rope::Rope;
+use crate::train::{self, linear, rms_norm, Init, Params};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+
+/// The drafter's shape, and what its export's `config.json` says.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DflashConfig {
+    pub hidden: usize,
+    /// Drafter decoder layers.
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub block_size: usize,
+    /// The target's decoder layers the context is made of (DFlash's `target_layer_ids`).
+    pub target_layer_ids: Vec<usize>,
+    /// The target's decoder layers (`num_target_layers`).
+    pub num_target_layers: usize,
+    pub mask_token_id: u32,
+}
+
+/// Where a mask token id comes from when the config names none: the tokenizer's mask token,
+/// else the last id of the vocabulary.
+const MASK_TOKENS: &[&str] = &["<|mask|>", "<mask>", "[MASK]", "<|MASK|>"];
+
+/// The mask token id for a drafter of the target in `dir`: `configured`, else the tokenizer's
+/// mask token (`<|mask|>`, `<mask>`, `[MASK]` in `tokenizer.json`'s added tokens), else
+/// `vocab - 1`, the documented fallback.
+pub fn mask_token_id(dir: &Path, vocab: usize, configured: Option<u32>) -> Result<u32> {
+    if let Some(id) = configured {
+        if id as usize >= vocab {
+            return Err(ModelError::Input(format!(
+                "mask_token_id = {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        return Ok(id);
+    }
+    let path = dir.join("tokenizer.json");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+            let added = v["added_tokens"].as_array().cloned().unwrap_or_default();
+            for t in added {
+                let content = t["content"].as_str().unwrap_or("");
+                if MASK_TOKENS.contains(&content) {
+                    if let Some(id) = t["id"].as_u64().filter(|&id| (id as usize) < vocab) {
+                        return Ok(id as u32);
+                    }
+                }
+            }
+        }
+    }
+    Ok(vocab as u32 - 1)
+}
+
+impl DflashConfig {
+    /// A drafter for `target`, conditioned on `target_layer_ids`, of `layers` decoder layers
+    /// (default: one per captured layer), otherwise shaped like the target.
+    pub fn for_target(
+        target: &ArchConfig,
+        target_layer_ids: Vec<usize>,
+        layers: Option<usize>,
+        block_size: usize,
+        mask_token_id: u32,
+    ) -> DflashConfig {
+        DflashConfig {
+            hidden: target.hidden_size,
+            layers: layers.unwrap_or(target_layer_ids.len()).max(1),
+            heads: target.num_attention_heads,
+            kv_heads: target.num_key_value_heads,
+            head_dim: target.head_dim,
+            intermediate: target.intermediate_size,
+            vocab: target.vocab_size,
+            rms_norm_eps: target.rms_norm_eps,
+            rope_theta: target.rope_theta,
+            max_position_embeddings: target.max_position_embeddings,
+            block_size: block_size.max(2),
+            num_target_layers: target.num_hidden_layers,
+            target_layer_ids,
+            mask_token_id,
+        }
+    }
+
+    /// Every trained parameter: name (the export's), shape, initialisation, in order.
+    pub fn param_specs(&self) -> Vec<(String, Vec<usize>, Init)> {
+        let (h, d, i) = (self.hidden, self.head_dim, self.intermediate);
+        let (q, kv) = (self.heads * d, self.kv_heads * d);
+        let w = Init::Normal(0.02);
+        let mut out = vec![
+            (
+                "fc.weight".to_string(),
+                vec![h, self.target_layer_ids.len() * h],
+                w,
+            ),
+            ("hidden_norm.weight".to_string(), vec![h], Init::Ones),
+        ];
+        for l in 0..self.layers {
+            let p = |n: &str| format!("layers.{l}.{n}");
+            out.extend([
+                (p("input_layernorm.weight"), vec![h], Init::Ones),
+                (p("self_attn.q_proj.weight"), vec![q, h], w),
+                (p("self_attn.k_proj.weight"), vec![kv, h], w),
+                (p("self_attn.v_proj.weight"), vec![kv, h], w),
+                (p("self_attn.o_proj.weight"), vec![h, q], w),
+                (p("self_attn.q_norm.weight"), vec![d], Init::Ones),
+                (p("self_attn.k_norm.weight"), vec![d], Init::Ones),
+                (p("post_attention_layernorm.weight"), vec![h], Init::Ones),
+                (p("mlp.gate_proj.weight"), vec![i, h], w),
+                (p("mlp.up_proj.weight"), vec![i, h], w),
+                (p("mlp.down_proj.weight"), vec![h, i], w),
+            ]);
+        }
+        out.push(("norm.weight".to_string(), vec![h], Init::Ones));
+        out
+    }
+
+    /// Elements of all trained parameters (the gradient the group sums).
+    pub fn param_len(&self) -> usize {
+        (self.param_specs().iter())
+            .map(|(_, s, _)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The export's `config.json`: what SGLang's and vLLM's DFlash loaders read.
+    pub fn to_json(&self, dtype: &str) -> serde_json::Value {
+        json!({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "tie_word_embeddings": false,
+            "torch_dtype": dtype,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "layer_types": vec!["full_attention"; self.layers],
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": self.target_layer_ids,
+            },
+        })
+    }
+
+    /// Reads an export's `config.json` back.
+    pub fn from_json(text: &str, path: &Path) -> Result<DflashConfig> {
+        let bad = |why: String| ModelError::Config {
+            path: path.to_path_buf(),
+            why,
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("not a config: {e}")))?;
+        let n = |k: &str| -> Result<usize> {
+            (v[k].as_u64().map(|x| x as usize)).ok_or_else(|| bad(format!("no {k} field")))
+        };
+        let f =
+            |k: &str| -> Result<f64> { v[k].as_f64().ok_or_else(|| bad(format!("no {k} field"))) };
+        let dc = &v["dflash_config"];
+        let ids = (dc["target_layer_ids"].as_array())
+            .ok_or_else(|| bad("no dflash_config.target_layer_ids".into()))?
+            .iter()
+            .map(|x| x.as_u64().map(|x| x as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad("dflash_config.target_layer_ids holds a non-integer".into()))?;
+        Ok(DflashConfig {
+            hidden: n("hidden_size")?,
+            layers: n("num_hidden_layers")?,
+            heads: n("num_attention_heads")?,
+            kv_heads: n("num_key_value_heads")?,
+            head_dim: n("head_dim")?,
+            intermediate: n("intermediate_size")?,
+            vocab: n("vocab_size")?,
+            rms_norm_eps: f("rms_norm_eps")?,
+            rope_theta: f("rope_theta")?,
+            max_position_embeddings: n("max_position_embeddings")?,
+            block_size: n("block_size")?,
+            num_target_layers: n("num_target_layers")?,
+            target_layer_ids: ids,
+            mask_token_id: (dc["mask_token_id"].as_u64())
+                .ok_or_else(|| bad("no dflash_config.mask_token_id".into()))?
+                as u32,
+        })
+    }
+}
+
+/// The target's two frozen tensors a drafter uses, `[vocab, hidden]` each, f32.
+pub struct Frozen {
+    pub embed: Tensor,
+    pub lm_head: Tensor,
+}
+
+impl Frozen {
+    /// `embed_tokens` and `lm_head` (those two tensors only) from the target in `dir`.
+    pub fn load(dir: &Path, device: &Device) -> Result<Frozen> {
+        let arch = ArchConfig::load(dir)?;
+        let w = Weights::open(dir, device, DType::F32)?;
+        let (embed, lm_head) = crate::decoder::embed_and_head(&arch, &w)?;
+        Ok(Frozen { embed, lm_head })
+    }
+}
+
+/// One sequence's share of a forward: its context rows in the batch and its anchors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqBlocks {
+    /// The sequence's first row in the context (rows of all sequences concatenated).
+    pub ctx_start: usize,
+    pub ctx_len: usize,
+    /// Anchor positions within the sequence, one block each, in the blocks' order.
+    pub anchors: Vec<u32>,
+}
+
+/// A batch made ready for the drafter: blocks, labels and weights per block position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftBatch {
+    pub seqs: Vec<SeqBlocks>,
+    /// `blocks x block_size` token ids: `[token[a], MASK, ...]` per block.
+    pub block_ids: Vec<u32>,
+    /// The label of each block position (0 where the weight is 0).
+    pub labels: Vec<u32>,
+    /// `loss_mask[a+k] * exp(-(k-1)/gamma)` for `k >= 1`; 0 at `k = 0` and past a sequence.
+    pub weights: Vec<f32>,
+}
+
+/// What a block position learns to predict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Label {
+    /// The target's greedy token at `a+k` (the drafter learns what the target would say).
+    Target,
+    /// The data's token at `a+k`.
+    Data,
+}
+
+/// How a batch's anchors and labels are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    pub num_anchors: usize,
+    pub gamma: f64,
+    pub label: Label,
+    /// Anchors of a batch are drawn from `seed` and the batch's id, so a redelivered batch
+    /// trains the same blocks.
+    pub seed: u64,
+}
+
+impl DraftBatch {
+    /// Anchors, blocks, labels and weights for the concatenated sequences `seq_lens` of
+    /// `ids`, `loss_mask` (one byte per token) and `greedy` (the target's next token after each
+    /// position).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &DflashConfig,
+        s: &Sampling,
+        batch_id: u64,
+        ids: &[u32],
+        loss_mask: &[u8],
+        greedy: &[u32],
+        seq_lens: &[u32],
+    ) -> DraftBatch {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(
+            s.seed ^ batch_id.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
+        let b = cfg.block_size;
+        let mut out = DraftBatch {
+            seqs: Vec::new(),
+            block_ids: Vec::new(),
+            labels: Vec::new(),
+            weights: Vec::new(),
+        };
+        let mut start = 0usize;
+        for &len in seq_lens {
+            let len = len as usize;
+            let m = |p: usize| loss_mask.get(start + p).is_some_and(|&x| x != 0);
+            let mut valid: Vec<u32> = (0..len.saturating_sub(1))
+                .filter(|&a| m(a) && m(a + 1))
+                .map(|a| a as u32)
+                .collect();
+            // A partial Fisher-Yates shuffle: the first `n` are a draw without replacement.
+            let n = valid.len().min(s.num_anchors);
+            for i in 0..n {
+                let j = rng.random_range(i..valid.len());
+                valid.swap(i, j);
+            }
+            let mut anchors = valid[..n].to_vec();
+            anchors.sort_unstable();
+            for &a in &anchors {
+                let a = a as usize;
+                out.block_ids.push(ids[start + a]);
+                out.labels.push(0);
+                out.weights.push(0.0);
+                for k in 1..b {
+                    out.block_ids.push(cfg.mask_token_id);
+                    let p = a + k;
+                    if p < len && m(p) {
+                        out.labels.push(match s.label {
+                            Label::Target => greedy[start + p - 1],
+                            Label::Data => ids[start + p],
+                        });
+                        out.weights.push((-((k - 1) as f64) / s.gamma).exp() as f32);
+                    } else {
+                        out.labels.push(0);
+                        out.weights.push(0.0);
+                    }
+                }
+            }
+            if !anchors.is_empty() {
+                out.seqs.push(SeqBlocks {
+                    ctx_start: start,
+                    ctx_len: len,
+                    anchors,
+                });
+            }
+            start += len;
+        }
+        out
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.seqs.iter().map(|s| s.anchors.len()).sum()
+    }
+}
+
+/// What a batch's loss was, summed (the group normalises by the whole step's weight sum).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossSums {
+    /// Sum over weighted positions of `weight * cross-entropy`.
+    pub loss: f64,
+    pub weight: f64,
+    /// Leading block positions whose greedy prediction equals the label, summed over blocks.
+    pub accepted: u64,
+    pub blocks: u64,
+}
+
+/// Rows of LM-head logits computed at once: `rows x vocab` f32 stays under 16 MiB.
+const LOGIT_ELEMENTS: usize = 1 << 22;
+
+/// The drafter: its config, trained parameters, the target's frozen tensors, its rope.
+pub struct Dflash {
+    pub cfg: DflashConfig,
+    pub params: Params,
+    pub frozen: Frozen,
+    rope: Rope,
+}
+
+impl Dflash {
+    /// A fresh drafter: parameters drawn from `seed` (the same on every rank).
+    pub fn new(cfg: DflashConfig, frozen: Frozen, seed: u64) -> Result<Dflash> {
+        let dev = frozen.embed.device().clone();
+        let params = Params::new(&cfg.param_specs(), seed, &dev)?;
+        let rope = Rope::plain(cfg.head_dim, cfg.rope_theta);
+        Ok(Dflash {
+            cfg,
+            params,
+            frozen,
+            rope,
+        })
+    }
+
+    fn device(&self) -> &Device {
+        self.frozen.embed.device()
+    }
+
+    /// The last state (after the final norm) of every block position, `[blocks * B, hidden]`,
+    /// for context features `ctx_in` (`[tokens, layers * hidden]`, the captured layers side by
+    /// side) and the blocks of `seqs` with token ids `block_ids`.
+    pub fn forward(
+        &self,
+        ctx_in: &Tensor,
+        block_ids: &[u32],
+        seqs: &[SeqBlocks],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let p = &self.params;
+        let dev = self.device();
+        let b = c.block_size;
+        let ctx = rms_norm(
+            &linear(ctx_in, p.get("fc.weight"))?,
+            p.get("hidden_norm.weight"),
+            c.rms_norm_eps,
+        )?;
+        let ids = Tensor::from_slice(block_ids, block_ids.len(), dev)?;
+        let mut x = self.frozen.embed.index_select(&ids, 0)?;
+        let mut bpos = Vec::with_capacity(block_ids.len());
+        let mut cpos = Vec::with_capacity(ctx_in.dim(0)?);
+        let mut masks = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            // Context rows not in any sequence with blocks keep position 0: no block sees them.
+            cpos.resize(s.ctx_start, 0);
+            cpos.extend(0..s.ctx_len as u32);
+            let mut mask = Vec::with_capacity(s.anchors.len() * s.ctx_len);
+            for &a in &s.anchors {
+                bpos.extend(a..a + b as u32);
+                mask.extend((0..s.ctx_len).map(|j| {
+                    if j < a as usize {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }));
+            }
+            masks.push(Tensor::from_vec(
+                mask,
+                (s.anchors.len(), 1, s.ctx_len),
+                dev,
+            )?);
+        }
+        cpos.resize(ctx_in.dim(0)?, 0);
+        let (bcos, bsin) = self.rope.tables(&bpos, dev)?;
+        let (ccos, csin) = self.rope.tables(&cpos, dev)?;
+        for l in 0..c.layers {
+            x = self.layer(l, &x, &ctx, (&bcos, &bsin), (&ccos, &csin), seqs, &masks)?;
+        }
+        rms_norm(&x, p.get("norm.weight"), c.rms_norm_eps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        l: usize,
+        x: &Tensor,
+        ctx: &Tensor,
+        (bcos, bsin): (&Tensor, &Tensor),
+        (ccos, csin): (&Tensor, &Tensor),
+        seqs: &[SeqBlocks],
+        masks: &[Tensor],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let w = |n: &str| self.params.get(&format!("layers.{l}.{n}"));
+        let (nh, nkv, d, b) = (c.heads, c.kv_heads, c.head_dim, c.block_size);
+        let g = nh / nkv;
+        let eps = c.rms_norm_eps;
+        let hn = rms_norm(x, w("input_layernorm.weight"), eps)?;
+        // [rows, heads * d] -> [heads, rows, d], normed per head, rotated.
+        let heads = |t: Tensor,
+                     n: usize,
+                     norm: Option<&Tensor>,
+                     cos: &Tensor,
+                     sin: &Tensor|
+         -> Result<Tensor> {
+            let rows = t.dim(0)?;
+            let t = t.reshape((rows, n, d))?;
+            let t = match norm {
+                Some(nw) => rms_norm(&t, nw, eps)?,
+                None => t,
+            };
+            let t = t.transpose(0, 1)?.contiguous()?;
+            match norm {
+                Some(_) => train::rope(&t, cos, sin),
+                None => Ok(t),
+            }
+        };
+        let (qn, kn) = (w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"));
+        let q = heads(
+            linear(&hn, w("self_attn.q_proj.weight"))?,
+            nh,
+            Some(qn),
+            bcos,
+            bsin,
+        )?;
+        let kb = heads(
+            linear(&hn, w("self_attn.k_proj.weight"))?,
+            nkv,
+            Some(kn),
+            bcos,
+            bsin,
+        )?;
+        let vb = heads(
+            linear(&hn, w("self_attn.v_proj.weight"))?,
+            nkv,
+            None,
+            bcos,
+            bsin,
+        )?;
+        let kc = heads(
+            linear(ctx, w("self_attn.k_proj.weight"))?,
+            nkv,
+            Some(kn),
+            ccos,
+            csin,
+        )?;
+        let vc = heads(
+            linear(ctx, w("self_attn.v_proj.weight"))?,
+            nkv,
+            None,
+            ccos,
+            csin,
+        )?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut b0 = 0;
+        for (s, mask) in seqs.iter().zip(masks) {
+            let (n, len) = (s.anchors.len(), s.ctx_len);
+            let m = n * b;
+            // Queries grouped by the kv head they read: [kv, n, g * B, d].
+            let qs = q
+                .narrow(1, b0, m)?
+                .reshape((nkv, g, n, b, d))?
+                .permute((0, 2, 1, 3, 4))?
+                .contiguous()?
+                .reshape((nkv, n, g * b, d))?;
+            let kcs = kc.narrow(1, s.ctx_start, len)?;
+            let vcs = vc.narrow(1, s.ctx_start, len)?;
+            let kbs = kb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
+            let vbs = vb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
+            let s_ctx = (qs.reshape((nkv, n * g * b, d))?.matmul(&kcs.t()?)? * scale)?
+                .reshape((nkv, n, g * b, len))?
+                .broadcast_add(mask)?;
+            let s_blk = (qs.matmul(&kbs.transpose(2, 3)?)? * scale)?;
+            let pr = train::softmax(&Tensor::cat(&[&s_ctx, &s_blk], 3)?)?;
+            let o_ctx = pr
+                .narrow(3, 0, len)?
+                .contiguous()?
+                .reshape((nkv, n * g * b, len))?
+                .matmul(&vcs)?
+                .reshape((nkv, n, g * b, d))?;
+            let o_blk = pr.narrow(3, len, b)?.contiguous()?.matmul(&vbs)?;
+            let o = (o_ctx + o_blk)?
+                .reshape((nkv, n, g, b, d))?
+                .permute((1, 3, 0, 2, 4))?
+                .contiguous()?
+                .reshape((m, nh * d))?;
+            outs.push(o);
+            b0 += m;
+        }
+        let attn = linear(&Tensor::cat(&outs, 0)?, w("self_attn.o_proj.weight"))?;
+        let x = (x + attn)?;
+        let hn = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
+        let gate = linear(&hn, w("mlp.gate_proj.weight"))?.silu()?;
+        let up = linear(&hn, w("mlp.up_proj.weight"))?;
+        let mlp = linear(&(gate * up)?, w("mlp.down_proj.weight"))?;
+        Ok((x + mlp)?)
+    }
+
+    /// The greedy prediction at every block position (`[blocks * B]`).
+    pub fn predict(
+        &self,
+        ctx_in: &Tensor,
+        block_ids: &[u32],
+        seqs: &[SeqBlocks],
+    ) -> Result<Vec<u32>> {
+        let h = self.forward(ctx_in, block_ids, seqs)?;
+        let rows = (LOGIT_ELEMENTS / self.cfg.vocab).max(1);
+        let mut out = Vec::with_capacity(block_ids.len());
+        for start in (0..h.dim(0)?).step_by(rows) {
+            let n = rows.min(h.dim(0)? - start);
+            let logits = h.narrow(0, start, n)?.matmul(&self.frozen.lm_head.t()?)?;
+            out.extend(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+        }
+        Ok(out)
+    }
+
+    /// The weighted cross-entropy of `batch` summed, with the gradient of that sum added into
+    /// `grad` (the layout of [`Params::flat`]), and the blocks' acceptance.
+    pub fn loss_and_grads(
+        &self,
+        ctx_in: &Tensor,
+        batch: &DraftBatch,
+        grad: &mut [f32],
+    ) -> Result<LossSums> {
+        let mut sums = LossSums {
+            blocks: batch.blocks() as u64,
+            ..LossSums::default()
+        };
+        if batch.seqs.is_empty() {
+            return Ok(sums);
+        }
+        let dev = self.device();
+        let h = self.forward(ctx_in, &batch.block_ids, &batch.seqs)?;
+        // The head and loss run on a copy cut from the graph, one chunk at a time.
+        let cut = Var::from_tensor(&h.detach())?;
+        let rows: Vec<u32> = (0..batch.weights.len() as u32)
+            .filter(|&i| batch.weights[i as usize] > 0.0)
+            .collect();
+        let mut predicted = vec![u32::MAX; batch.weights.len()];
+        let mut grad_h = Tensor::zeros(h.shape(), DType::F32, dev)?;
+        let per = (LOGIT_ELEMENTS / self.cfg.vocab).max(1);
+        for chunk in rows.chunks(per) {
+            let idx = Tensor::from_slice(chunk, chunk.len(), dev)?;
+            let labels: Vec<u32> = chunk.iter().map(|&i| batch.labels[i as usize]).collect();
+            let wts: Vec<f32> = chunk.iter().map(|&i| batch.weights[i as usize]).collect();
+            let hc = cut.as_tensor().index_select(&idx, 0)?;
+            let logits = hc.matmul(&self.frozen.lm_head.t()?)?;
+            let lab = Tensor::from_vec(labels, (chunk.len(), 1), dev)?;
+            let picked = logits.gather(&lab, 1)?;
+            let nll = (train::log_sum_exp(&logits)? - picked)?.squeeze(1)?;
+            let wt = Tensor::from_vec(wts, chunk.len(), dev)?;
+            let loss = (nll * &wt)?.sum_all()?;
+            sums.loss += f64::from(loss.to_scalar::<f32>()?);
+            sums.weight += f64::from(wt.sum_all()?.to_scalar::<f32>()?);
+            let g = loss.backward()?;
+            if let Some(gc) = g.get(cut.as_tensor()) {
+                grad_h = (grad_h + gc)?;
+            }
+            let am = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            for (&i, p) in chunk.iter().zip(am) {
+                predicted[i as usize] = p;
+            }
+        }
+        let b = self.cfg.block_size;
+        for blk in 0..batch.blocks() {
+            let accepted = (1..b)
+                .take_while(|&k| {
+                    let i = blk * b + k;
+                    batch.weights[i] > 0.0 && predicted[i] == batch.labels[i]
+                })
+                .count();
+            sums.accepted += accepted as u64;
+        }
+        let surrogate = (h * grad_h.detach())?.sum_all()?;
+        let grads = surrogate.backward()?;
+        self.params.add_grads(&grads, grad)?;
+        Ok(sums)
+    }
+
+    /// Writes the drafter as an inference engine loads it: `config.json` and `model.safetensors`
+    /// (the trained parameters only, in bf16), into `dir` (created; files replaced).
+    pub fn export(&self, dir: &Path) -> Result<()> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ModelError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut named = Vec::new();
+        for (name, t) in self.params.tensors() {
+            named.push((name.to_string(), t.to_dtype(DType::BF16)?));
+        }
+        let st = dir.join("model.safetensors");
+        candle_core::safetensors::save(&named.into_iter().collect(), &st)?;
+        let cfg = serde_json::to_string_pretty(&self.cfg.to_json("bfloat16")).expect("json");
+        let path = dir.join("config.json");
+        std::fs::write(&path, cfg + "\n").map_err(io(&path))
+    }
+
+    /// A drafter read back from its export in `dir`, with the target's frozen tensors.
+    pub fn load_export(dir: &Path, frozen: Frozen) -> Result<Dflash> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let cfg = DflashConfig::from_json(&text, &path)?;
+        let mut d = Dflash::new(cfg, frozen, 0)?;
+        let st = dir.join("model.safetensors");
+        let w = candle_core::safetensors::load(&st, d.device())?;
+        let mut flat = Vec::with_capacity(d.params.len());
+        for (name, shape) in d.params.names().iter().zip(d.params.shapes()) {
+            let t = w.get(name).ok_or_else(|| ModelError::Missing {
+                dir: dir.to_path_buf(),
+                tensor: name.clone(),
+                hint: String::new(),
+            })?;
+            if t.dims() != shape.as_slice() {
+                return Err(ModelError::Shape {
+                    file: st.clone(),
+                    tensor: name.clone(),
+                    want: shape.clone(),
+                    got: t.dims().to_vec(),
+                });
+            }
+            flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        d.params.set_flat(&flat)?;
+        Ok(d)
+    }
+}

@@ -1,0 +1,359 @@
+//! What training needs on candle: differentiable forms of the ops the inference path takes fused,
+//! named f32 parameters flattened for the drafter group's all-reduce, and AdamW with f32 masters,
+//! warm-up then cosine decay, and global-norm clipping.
+//!
+//! candle's fused `candle_nn::ops::rms_norm`, `softmax_last_dim` and `rotary_emb::rope*` have no
+//! backward: gradients stop at them silently and a loss still falls. Everything trained here is
+//! built from ops that have one (`sqr`, `mean`, `exp`, `narrow`, `cat`, `matmul`, ...); a test
+//! checks every parameter gets a gradient.
+
+use candle_core::{backprop::GradStore, DType, Device, Tensor, Var, D};
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+use crate::{ModelError, Result};
+
+/// `x * w / sqrt(mean(x^2) + eps)` over the last dimension.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let r = (ms + eps)?.sqrt()?.recip()?;
+    Ok(x.broadcast_mul(&r)?.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dimension (the max subtracted is a constant: no gradient through it).
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// `log(sum(exp(x)))` over the last dimension, kept as `[.., 1]`.
+pub fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let s = x.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(s.broadcast_add(&m)?)
+}
+
+/// Rotary embedding in HF's rotate-half form: `x [.., n, d]` by `cos`, `sin` `[n, d/2]`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let h = d / 2;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, h)?;
+    let x2 = x.narrow(D::Minus1, h, h)?;
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?)?)
+}
+
+/// `x [n, in]` through an HF `[out, in]` weight.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.matmul(&w.t()?)?)
+}
+
+/// How a parameter starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal(0, std): projections.
+    Normal(f32),
+    /// All ones: norm weights.
+    Ones,
+}
+
+/// Named f32 parameters in a fixed order: the order their gradients, weights and optimizer
+/// moments are flattened in (the group sums the flat gradient word by word).
+pub struct Params {
+    names: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    vars: Vec<Var>,
+}
+
+impl Params {
+    /// Parameters `specs` (name, shape, init), drawn from one stream seeded by `seed`, in
+    /// order: the same seed gives the same bits on every rank.
+    pub fn new(specs: &[(String, Vec<usize>, Init)], seed: u64, device: &Device) -> Result<Params> {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let mut p = Params {
+            names: Vec::new(),
+            shapes: Vec::new(),
+            vars: Vec::new(),
+        };
+        for (name, shape, init) in specs {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = match *init {
+                Init::Ones => vec![1.0; n],
+                Init::Normal(std) => (0..n).map(|_| normal(&mut rng) * std).collect(),
+            };
+            let t = Tensor::from_vec(data, shape.as_slice(), device)?;
+            p.names.push(name.clone());
+            p.shapes.push(shape.clone());
+            p.vars.push(Var::from_tensor(&t)?);
+        }
+        Ok(p)
+    }
+
+    /// Parameter `name` (a programming error if absent: names come from the model's own list).
+    pub fn get(&self, name: &str) -> &Tensor {
+        let i = self.names.iter().position(|n| n == name);
+        match i {
+            Some(i) => self.vars[i].as_tensor(),
+            None => panic!("no parameter {name}"),
+        }
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    pub fn shapes(&self) -> &[Vec<usize>] {
+        &self.shapes
+    }
+
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        (self.names.iter().map(String::as_str)).zip(self.vars.iter().map(Var::as_tensor))
+    }
+
+    /// Elements of all parameters.
+    pub fn len(&self) -> usize {
+        self.shapes
+            .iter()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The weights, flattened in order.
+    pub fn flat(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.len());
+        for v in &self.vars {
+            out.extend(v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// Sets the weights from `flat` (the layout of [`Params::flat`]).
+    pub fn set_flat(&mut self, flat: &[f32]) -> Result<()> {
+        if flat.len() != self.len() {
+            return Err(ModelError::Input(format!(
+                "{} weights given, the model has {}",
+                flat.len(),
+                self.len()
+            )));
+        }
+        let mut at = 0;
+        for (v, shape) in self.vars.iter().zip(&self.shapes) {
+            let n: usize = shape.iter().product();
+            let t = Tensor::from_slice(&flat[at..at + n], shape.as_slice(), v.device())?;
+            v.set(&t)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Adds the gradients in `grads` to `out` (the layout of [`Params::flat`]); a parameter
+    /// without one adds nothing.
+    pub fn add_grads(&self, grads: &GradStore, out: &mut [f32]) -> Result<()> {
+        let mut at = 0;
+        for (v, shape) in self.vars.iter().zip(&self.shapes) {
+            let n: usize = shape.iter().product();
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                for (o, x) in out[at..at + n].iter_mut().zip(g) {
+                    *o += x;
+                }
+            }
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// A standard normal draw (Box-Muller; u1 in (0, 1], so the log is finite).
+pub(crate) fn normal(rng: &mut impl RngExt) -> f32 {
+    let u1: f64 = 1.0 - rng.random::<f64>();
+    let u2: f64 = rng.random::<f64>();
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+/// AdamW's settings and the schedule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Steps of linear warm-up from 0.
+    pub warmup_steps: u64,
+    /// The run's total steps: cosine decay from `lr` to `lr * min_lr_ratio` over the steps after
+    /// the warm-up; later steps keep the floor.
+    pub total_steps: u64,
+    pub min_lr_ratio: f64,
+    /// The global gradient norm is clipped to this (0: no clipping).
+    pub clip: f64,
+}
+
+impl AdamWConfig {
+    /// The learning rate of step `step` (1-based).
+    pub fn lr_at(&self, step: u64) -> f64 {
+        let w = self.warmup_steps;
+        if w > 0 && step <= w {
+            return self.lr * step as f64 / w as f64;
+        }
+        let span = self.total_steps.saturating_sub(w).max(1);
+        let t = (step.saturating_sub(w) as f64 / span as f64).min(1.0);
+        let floor = self.lr * self.min_lr_ratio;
+        floor + (self.lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+}
+
+/// AdamW over flat f32 masters: moments in f32 whatever the weights' dtype, decoupled weight
+/// decay, bias correction. Pure f32 arithmetic in a fixed order: the same gradient gives the same
+/// bits on every rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    pub cfg: AdamWConfig,
+    pub step: u64,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// What one update did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Update {
+    pub lr: f64,
+    /// The gradient's global norm before clipping.
+    pub grad_norm: f64,
+}
+
+impl AdamW {
+    pub fn new(cfg: AdamWConfig, len: usize) -> AdamW {
+        AdamW {
+            cfg,
+            step: 0,
+            m: vec![0.0; len],
+            v: vec![0.0; len],
+        }
+    }
+
+    /// One update of `w` from the gradient `g` times `scale` (the loss normaliser), clipped to
+    /// the global norm.
+    pub fn update(&mut self, w: &mut [f32], g: &[f32], scale: f32) -> Update {
+        self.step += 1;
+        let c = self.cfg;
+        let norm = (g.iter().map(|&x| f64::from(x * scale).powi(2)).sum::<f64>()).sqrt();
+        let clip = if c.clip > 0.0 && norm > c.clip {
+            (c.clip / norm) as f32
+        } else {
+            1.0
+        };
+        let lr = c.lr_at(self.step);
+        let t = self.step as i32;
+        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let (lrf, eps, wd) = (lr as f32, c.eps as f32, c.weight_decay as f32);
+        for (((w, m), v), g) in w.iter_mut().zip(&mut self.m).zip(&mut self.v).zip(g) {
+            let g = g * scale * clip;
+            *m = b1 * *m + (1.0 - b1) * g;
+            *v = b2 * *v + (1.0 - b2) * g * g;
+            *w -= lrf * ((*m / c1) / ((*v / c2).sqrt() + eps) + wd * *w);
+        }
+        Update {
+            lr,
+            grad_norm: norm,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> AdamWConfig {
+        AdamWConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            warmup_steps: 10,
+            total_steps: 110,
+            min_lr_ratio: 0.1,
+            clip: 1.0,
+        }
+    }
+
+    #[test]
+    fn the_schedule_warms_up_then_decays_to_its_floor() {
+        let c = cfg();
+        assert!((c.lr_at(1) - 1e-3).abs() < 1e-12);
+        assert!((c.lr_at(10) - 1e-2).abs() < 1e-12);
+        assert!((c.lr_at(60) - 0.55e-2).abs() < 1e-9, "{}", c.lr_at(60));
+        assert!((c.lr_at(110) - 1e-3).abs() < 1e-12);
+        assert!((c.lr_at(500) - 1e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_large_gradient_is_clipped_to_norm_one() {
+        let mut a = AdamW::new(cfg(), 2);
+        let mut w = [0.0f32; 2];
+        let u = a.update(&mut w, &[30.0, 40.0], 1.0);
+        assert!((u.grad_norm - 50.0).abs() < 1e-9);
+        // Adam's first step moves each weight by lr whatever the scale: the clip shows in m.
+        assert!((a.m[0] - 0.1 * 0.6).abs() < 1e-6 && (a.m[1] - 0.1 * 0.8).abs() < 1e-6);
+    }
+
+    #[test]
+    fn differentiable_ops_agree_with_candles_fused_ones() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, 8, &dev).unwrap();
+        let want = candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap();
+        let got = rms_norm(&x, &w, 1e-6).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap()
+        };
+        assert!(diff(&want, &got) < 1e-5);
+        let want = candle_nn::ops::softmax_last_dim(&x).unwrap();
+        assert!(diff(&want, &softmax(&x).unwrap()) < 1e-6);
+        let lse = log_sum_exp(&x).unwrap();
+        let want = x.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
+        assert!(diff(&want, &lse) < 1e-5);
+        let (cos, sin) = (
+            Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap(),
+            Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap(),
+        );
+        let x4 = x.reshape((1, 1, 3, 8)).unwrap();
+        let want = candle_nn::rotary_emb::rope(&x4, &cos, &sin).unwrap();
+        assert!(diff(&want, &rope(&x4, &cos, &sin).unwrap()) < 1e-5);
+    }
+
+    #[test]
+    fn params_flatten_and_set_back_in_order() {
+        let specs = vec![
+            ("a".to_string(), vec![2, 3], Init::Normal(0.02)),
+            ("b".to_string(), vec![4], Init::Ones),
+        ];
+        let mut p = Params::new(&specs, 7, &Device::Cpu).unwrap();
+        let q = Params::new(&specs, 7, &Device::Cpu).unwrap();
+        assert_eq!(p.flat().unwrap(), q.flat().unwrap(), "one seed, one start");
+        assert_eq!(p.len(), 10);
+        let flat: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        p.set_flat(&flat).unwrap();
+        assert_eq!(p.flat().unwrap(), flat);
+        assert_eq!(p.get("b").to_vec1::<f32>().unwrap(), [6.0, 7.0, 8.0, 9.0]);
+        assert!(p.set_flat(&flat[..3]).is_err());
+    }
+}

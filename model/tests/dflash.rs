@@ -1,0 +1,275 @@
+//! The DFlash drafter: gradients reach every trained parameter and are the loss's derivative,
+//! the attention mask keeps each block to its own context, the export reads back bit for bit,
+//! and it learns.
+
+use candle_core::{Device, Tensor};
+use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::make::{make_model, MakeSpec};
+use model::ArchConfig;
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    drafter: Dflash,
+    ctx: Tensor,
+    batch: DraftBatch,
+}
+
+const SEQ: [u32; 2] = [24, 17];
+
+fn setup(num_anchors: usize) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = MakeSpec {
+        layers: 4,
+        vocab: 300,
+        ..MakeSpec::default()
+    };
+    make_model(dir.path(), &spec).unwrap();
+    let arch = ArchConfig::load(dir.path()).unwrap();
+    let mask = mask_token_id(dir.path(), arch.vocab_size, None).unwrap();
+    let cfg = DflashConfig::for_target(&arch, vec![1, 2], None, 4, mask);
+    let frozen = Frozen::load(dir.path(), &Device::Cpu).unwrap();
+    let drafter = Dflash::new(cfg, frozen, 3).unwrap();
+    let t: u32 = SEQ.iter().sum();
+    let ids: Vec<u32> = (0..t).map(|i| (i * 37 + 11) % 290 + 5).collect();
+    let greedy: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 290 + 5).collect();
+    let mut mask = vec![1u8; t as usize];
+    mask[3] = 0;
+    let sampling = Sampling {
+        num_anchors,
+        gamma: 7.0,
+        label: Label::Target,
+        seed: 1,
+    };
+    let batch = DraftBatch::new(&drafter.cfg, &sampling, 9, &ids, &mask, &greedy, &SEQ);
+    // Context features: a fixed pattern, so every run checks the same numbers.
+    let n = t as usize * 2 * 64;
+    let feats: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+        .collect();
+    let ctx = Tensor::from_vec(feats, (t as usize, 2 * 64), &Device::Cpu).unwrap();
+    Setup {
+        _dir: dir,
+        drafter,
+        ctx,
+        batch,
+    }
+}
+
+#[test]
+fn anchors_labels_and_weights_follow_the_rules() {
+    let s = setup(5);
+    let b = &s.batch;
+    assert_eq!(b.seqs.len(), 2);
+    assert_eq!(b.blocks(), 10, "five anchors in each sequence");
+    for seq in &b.seqs {
+        for &a in &seq.anchors {
+            // Position 3 is masked: no anchor at 3 or 2 (its successor is masked).
+            assert!(seq.ctx_start != 0 || (a != 3 && a != 2), "anchor {a}");
+            assert!((a as usize) + 1 < seq.ctx_len);
+        }
+    }
+    // Block 0: [token, MASK, MASK, MASK]; weights 0, 1, e^(-1/7), e^(-2/7) where in range.
+    let mask = s.drafter.cfg.mask_token_id;
+    assert!(b.block_ids[1..4].iter().all(|&t| t == mask));
+    assert_eq!(b.weights[0], 0.0);
+    let a = b.seqs[0].anchors[0] as usize;
+    assert_eq!(
+        b.labels[1],
+        (((a as u32 * 37 + 11) % 290 + 5) * 7 + 3) % 290 + 5
+    );
+    assert!((b.weights[2] - (-1.0f32 / 7.0).exp()).abs() < 1e-6);
+    // The same batch id draws the same anchors; another draws others.
+    let again = setup(5);
+    assert_eq!(again.batch, s.batch);
+}
+
+#[test]
+fn every_trained_parameter_gets_a_gradient_and_it_is_the_losss_derivative() {
+    let s = setup(6);
+    let d = &s.drafter;
+    let mut g = vec![0f32; d.params.len()];
+    let embed = d
+        .frozen
+        .embed
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let sums = d.loss_and_grads(&s.ctx, &s.batch, &mut g).unwrap();
+    assert!(sums.loss > 0.0 && sums.weight > 0.0 && sums.blocks == 12);
+    let mut at = 0;
+    for (name, shape) in d.params.names().iter().zip(d.params.shapes()) {
+        let n: usize = shape.iter().product();
+        assert!(
+            g[at..at + n].iter().any(|&x| x != 0.0),
+            "{name} has no gradient"
+        );
+        at += n;
+    }
+    // The frozen embedding is not touched.
+    let after = d
+        .frozen
+        .embed
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(embed, after);
+
+    // A central difference of the summed loss on a few weights agrees with the gradient.
+    let mut d = s.drafter;
+    let w0 = d.params.flat().unwrap();
+    let names: Vec<String> = d.params.names().to_vec();
+    let mut offsets = Vec::new();
+    let mut at = 0;
+    for (name, shape) in names.iter().zip(d.params.shapes()) {
+        if [
+            "fc.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.1.mlp.up_proj.weight",
+            "layers.0.self_attn.q_norm.weight",
+        ]
+        .contains(&name.as_str())
+        {
+            // The weight with the largest gradient: its difference stands far above f32 noise.
+            let n: usize = shape.iter().product();
+            let k = (at..at + n)
+                .max_by(|&i, &j| g[i].abs().total_cmp(&g[j].abs()))
+                .unwrap();
+            offsets.push((name.clone(), k));
+        }
+        at += shape.iter().product::<usize>();
+    }
+    assert_eq!(offsets.len(), 4);
+    for (name, k) in offsets {
+        let eps = 2e-2f32;
+        let mut loss_at = |x: f32| {
+            let mut w = w0.clone();
+            w[k] = x;
+            d.params.set_flat(&w).unwrap();
+            let mut scratch = vec![0f32; w.len()];
+            d.loss_and_grads(&s.ctx, &s.batch, &mut scratch)
+                .unwrap()
+                .loss
+        };
+        let fd = (loss_at(w0[k] + eps) - loss_at(w0[k] - eps)) / f64::from(2.0 * eps);
+        let an = f64::from(g[k]);
+        assert!(
+            (fd - an).abs() < 3e-2 * an.abs(),
+            "{name}: finite difference {fd}, gradient {an}"
+        );
+    }
+}
+
+#[test]
+fn a_block_sees_context_before_its_anchor_and_nothing_of_other_blocks() {
+    let s = setup(3);
+    let d = &s.drafter;
+    let b = &s.batch;
+    let bs = d.cfg.block_size;
+    let h = |ctx: &Tensor, ids: &[u32]| {
+        d.forward(ctx, ids, &b.seqs)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let base = h(&s.ctx, &b.block_ids);
+    let block = |rows: &[Vec<f32>], blk: usize| rows[blk * bs..(blk + 1) * bs].to_vec();
+    // Block 1 of the first sequence: its anchor.
+    let a = b.seqs[0].anchors[1] as usize;
+    let with_row = |row: usize| {
+        let mut v = s.ctx.to_vec2::<f32>().unwrap();
+        for x in &mut v[row] {
+            *x += 1.0;
+        }
+        Tensor::new(v, &Device::Cpu).unwrap()
+    };
+    // Context at the anchor and after: block 1 unchanged.
+    for row in [a, a + 1] {
+        assert_eq!(block(&h(&with_row(row), &b.block_ids), 1), block(&base, 1));
+    }
+    // Context before the anchor: block 1 moves.
+    assert_ne!(
+        block(&h(&with_row(a - 1), &b.block_ids), 1),
+        block(&base, 1)
+    );
+    // Another block's token: block 1 unchanged, that block moves.
+    let mut ids = b.block_ids.clone();
+    ids[0] = (ids[0] + 1) % 290;
+    let other = h(&s.ctx, &ids);
+    assert_eq!(block(&other, 1), block(&base, 1));
+    assert_ne!(block(&other, 0), block(&base, 0));
+    // The other sequence's context: nothing of the first sequence moves.
+    let second = b.seqs[1].ctx_start;
+    assert_eq!(
+        block(&h(&with_row(second), &b.block_ids), 1),
+        block(&base, 1)
+    );
+}
+
+#[test]
+fn the_export_reads_back_bit_for_bit() {
+    let s = setup(3);
+    let mut d = s.drafter;
+    // The export is bf16: start from weights bf16 holds exactly.
+    let w: Vec<f32> = (d.params.flat().unwrap().into_iter())
+        .map(|x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    d.params.set_flat(&w).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    d.export(out.path()).unwrap();
+    let frozen = Frozen::load(s._dir.path(), &Device::Cpu).unwrap();
+    let back = Dflash::load_export(out.path(), frozen).unwrap();
+    assert_eq!(back.cfg, d.cfg);
+    assert_eq!(back.params.flat().unwrap(), w);
+    let a = d
+        .predict(&s.ctx, &s.batch.block_ids, &s.batch.seqs)
+        .unwrap();
+    let b = back
+        .predict(&s.ctx, &s.batch.block_ids, &s.batch.seqs)
+        .unwrap();
+    assert_eq!(a, b);
+    // A file missing a tensor is named.
+    std::fs::write(out.path().join("model.safetensors"), b"junk").unwrap();
+    let frozen = Frozen::load(s._dir.path(), &Device::Cpu).unwrap();
+    assert!(Dflash::load_export(out.path(), frozen).is_err());
+}
+
+#[test]
+fn trained_on_one_batch_the_loss_falls_and_blocks_are_accepted() {
+    let s = setup(8);
+    let mut d = s.drafter;
+    let n = d.params.len();
+    let mut opt = model::train::AdamW::new(
+        model::train::AdamWConfig {
+            lr: 2e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            warmup_steps: 2,
+            total_steps: 80,
+            min_lr_ratio: 0.1,
+            clip: 1.0,
+        },
+        n,
+    );
+    let mut w = d.params.flat().unwrap();
+    let mut first = None;
+    let mut last = Default::default();
+    for _ in 0..80 {
+        let mut g = vec![0f32; n];
+        last = d.loss_and_grads(&s.ctx, &s.batch, &mut g).unwrap();
+        first.get_or_insert(last);
+        opt.update(&mut w, &g, (1.0 / last.weight) as f32);
+        d.params.set_flat(&w).unwrap();
+    }
+    let first = first.unwrap();
+    assert!(
+        last.loss < first.loss * 0.7,
+        "loss {} -> {}",
+        first.loss / first.weight,
+        last.loss / last.weight
+    );
+    assert!(last.accepted > first.accepted, "{first:?} -> {last:?}");
+}
