@@ -37,7 +37,9 @@ use worker_runtime::{setup, Setup, WorkerArgs};
 ///
 ///   drafter-worker --index 0 --ring hspipe-run1 --run-dir runs/run1
 ///
-/// Writes <run-dir>/ledger/drafter-<i>.jsonl and <run-dir>/checkpoints/drafter-<i>.safetensors.
+/// Writes <run-dir>/ledger/drafter-<i>.jsonl; the group's leader writes
+/// <run-dir>/checkpoints/drafter.safetensors and, for a drafter an engine serves (DFlash), its
+/// export <run-dir>/drafter/.
 /// A stop request (a stop signal, or Stop from the launcher) lets it drain: targets stop, the
 /// ring closes, the drafter trains what is left, checkpoints and exits 0. Exit 1 on error.
 #[derive(Parser, Debug)]
@@ -52,6 +54,29 @@ pub struct Args {
 fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
     atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
         .with_context(|| format!("writing the checkpoint {}", path.display()))
+}
+
+/// Writes the export directory whole: into a fresh directory beside it, then swapped in, so a
+/// reader (or a crash) sees the old export or the new one, never a mix.
+fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
+    if !backend.exports() {
+        return Ok(());
+    }
+    let tmp = dir.with_extension(format!("new-{}", std::process::id()));
+    let old = dir.with_extension(format!("old-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    backend
+        .export(&tmp)
+        .with_context(|| format!("exporting the drafter to {}", tmp.display()))?;
+    let had = dir.exists();
+    if had {
+        std::fs::rename(dir, &old).with_context(|| format!("moving {} aside", dir.display()))?;
+    }
+    std::fs::rename(&tmp, dir).with_context(|| format!("writing {}", dir.display()))?;
+    if had {
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    Ok(())
 }
 
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
@@ -463,6 +488,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             self.ledger.sync()?;
             if self.is_leader(&red.membership) {
                 checkpoint(self.backend.as_ref(), &self.ckpt)?;
+                export(self.backend.as_ref(), &self.s.run_dir.export_dir())?;
             }
             self.consumer.enter(Phase::Other);
         }

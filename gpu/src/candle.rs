@@ -12,13 +12,13 @@ use candle_core::{DType, Device, Tensor};
 use model::{ArchConfig, Decoder, Need};
 use proto::{Dtype, PipelineConfig, WorkerName};
 
-use crate::mock::{self, MockDrafter, Sim};
+use crate::mock::{self, Sim};
 use crate::{DrafterBackend, GpuError, Maker, TargetBackend, TargetOut};
 
 pub struct Candle;
 
 /// The model directory the config names, or the error that says how to name one.
-fn model_dir(cfg: &PipelineConfig) -> Result<&Path, GpuError> {
+pub(crate) fn model_dir(cfg: &PipelineConfig) -> Result<&Path, GpuError> {
     cfg.model.path.as_deref().ok_or_else(|| {
         GpuError::Config(
             "the candle backend runs a real model: name its HF directory with --model DIR (or [model] path); `launcher make-model DIR` makes a tiny one".into(),
@@ -80,13 +80,11 @@ impl Maker for Candle {
         cfg: &PipelineConfig,
         name: Option<WorkerName>,
     ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
-        let mut d = MockDrafter::for_worker(cfg, name);
-        d.verify_content = false;
-        Ok(Box::new(d))
+        Ok(Box::new(crate::dflash::DflashDrafter::new(cfg, name)?))
     }
 
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
-        mock::Mock.drafter_sizes(cfg)
+        crate::dflash::sizes(cfg)
     }
 }
 

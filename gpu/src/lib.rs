@@ -4,7 +4,7 @@
 //!   mock GPUs run side by side on two cores) and fault injection. What `--backend auto`
 //!   picks, driver or not, until the cuda backend is built; what every test runs on.
 //! - [`candle`]: a real HF target (`model::Decoder`) on candle, on the CPU, writing the
-//!   captured layers and greedy tokens; the drafter is still the mock's learner.
+//!   captured layers and greedy tokens; the drafter is DFlash ([`dflash`]).
 //! - `cuda` (later): a model on the `cuda` crate (cudarc's driver API, loaded at run time
 //!   behind a presence check, so it never panics where no driver exists), once a model library
 //!   can be built here (issue #12).
@@ -22,8 +22,10 @@ pub mod backend;
 pub mod candle;
 mod copy_thread;
 pub mod cuda_copy;
+pub mod dflash;
 pub mod mock;
 pub mod prefetch;
+mod state;
 pub mod step;
 pub mod timeline;
 pub mod writeback;
@@ -156,6 +158,15 @@ pub trait DrafterBackend {
     fn export_state(&self) -> Vec<u32>;
     /// Takes the state a live rank exported.
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
+    /// Writes the drafter as an inference engine loads it into `dir` (the caller makes it
+    /// atomic); nothing for a drafter no engine serves (the mock's).
+    fn export(&self, _dir: &Path) -> Result<(), GpuError> {
+        Ok(())
+    }
+    /// Whether [`DrafterBackend::export`] writes anything.
+    fn exports(&self) -> bool {
+        false
+    }
 }
 
 pub use proto::config::Faults;

@@ -13,10 +13,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use proto::{BatchView, Dtype};
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
 use crate::{
-    DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend, TargetOut,
+    state, DrafterBackend, Faults, GpuError, Maker, StepBuffer, StepStats, TargetBackend, TargetOut,
 };
 
 /// The mock target's hidden state, as bf16 bits: a per-(token, channel) signal in [-0.5, 0.5)
@@ -366,86 +365,41 @@ impl DrafterBackend for MockDrafter {
     }
 
     fn save(&self, path: &Path) -> Result<(), GpuError> {
-        let err = |why: String| GpuError::Checkpoint {
-            path: path.display().to_string(),
-            why,
-        };
-        let bytes = |xs: &[f32]| -> Vec<u8> { xs.iter().flat_map(|f| f.to_le_bytes()).collect() };
-        let (w, m, v) = (bytes(&self.weights), bytes(&self.m), bytes(&self.v));
-        let s = self.step.to_le_bytes();
         let shape = vec![self.rows, self.hidden];
-        let view = |dtype, shape, data| {
-            TensorView::new(dtype, shape, data).map_err(|e| err(e.to_string()))
-        };
-        let tensors = [
-            ("embed.weight", view(StDtype::F32, shape.clone(), &w)?),
-            ("adam.m", view(StDtype::F32, shape.clone(), &m)?),
-            ("adam.v", view(StDtype::F32, shape, &v)?),
-            ("step", view(StDtype::U64, vec![1], &s)?),
-        ];
-        let bytes = safetensors::serialize(tensors, None).map_err(|e| err(e.to_string()))?;
-        std::fs::write(path, bytes).map_err(|e| err(e.to_string()))
+        state::save(
+            path,
+            &state::State {
+                tables: vec![
+                    ("embed.weight", shape.clone(), &self.weights),
+                    ("adam.m", shape.clone(), &self.m),
+                    ("adam.v", shape, &self.v),
+                ],
+                counters: vec![self.step],
+            },
+        )
     }
 
     fn load(&mut self, path: &Path) -> Result<(), GpuError> {
-        let err = |why: String| GpuError::Checkpoint {
-            path: path.display().to_string(),
-            why,
-        };
-        let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| err(format!("not a safetensors file: {e}")))?;
-        let tensor = |name: &str| st.tensor(name).map_err(|e| err(format!("{name}: {e}")));
-        let shape = [self.rows, self.hidden];
-        let table = |name: &str| -> Result<Vec<f32>, GpuError> {
-            let t = tensor(name)?;
-            if t.dtype() != StDtype::F32 || t.shape() != shape {
-                return Err(err(format!(
-                    "{name} is {:?} {:?}, this drafter needs F32 {shape:?} (a different [drafter] params or hidden size?)",
-                    t.dtype(),
-                    t.shape()
-                )));
-            }
-            Ok(t.data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect())
-        };
-        let (w, m, v) = (table("embed.weight")?, table("adam.m")?, table("adam.v")?);
-        let s = tensor("step")?;
-        if s.dtype() != StDtype::U64 || s.shape() != [1] {
-            return Err(err("step must be U64[1]".into()));
-        }
-        self.step = u64::from_le_bytes(s.data().try_into().expect("8 bytes"));
-        (self.weights, self.m, self.v) = (w, m, v);
+        let (t, c) = state::load(
+            path,
+            &["embed.weight", "adam.m", "adam.v"],
+            &[self.rows, self.hidden],
+            1,
+            "a different [drafter] params or hidden size?",
+        )?;
+        let [w, m, v]: [Vec<f32>; 3] = t.try_into().expect("three tables");
+        (self.weights, self.m, self.v, self.step) = (w, m, v, c[0]);
         Ok(())
     }
 
     fn export_state(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.state_len());
-        for xs in [&self.weights, &self.m, &self.v] {
-            out.extend(xs.iter().map(|x| x.to_bits()));
-        }
-        out.extend([self.step as u32, (self.step >> 32) as u32]);
-        out
+        state::words(&[&self.weights, &self.m, &self.v], &[self.step])
     }
 
-    fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError> {
-        let n = self.weights.len();
-        if state.len() != self.state_len() {
-            return Err(GpuError::BufferSize {
-                got: state.len() * 4,
-                want: self.state_len() * 4,
-            });
-        }
-        let f = |k: usize| -> Vec<f32> {
-            state[k * n..(k + 1) * n]
-                .iter()
-                .map(|&b| f32::from_bits(b))
-                .collect()
-        };
-        (self.weights, self.m, self.v) = (f(0), f(1), f(2));
-        self.step = u64::from(state[3 * n]) | (u64::from(state[3 * n + 1]) << 32);
+    fn import_state(&mut self, words: &[u32]) -> Result<(), GpuError> {
+        let (t, c) = state::from_words(words, self.weights.len(), 3, 1)?;
+        let [w, m, v]: [Vec<f32>; 3] = t.try_into().expect("three tables");
+        (self.weights, self.m, self.v, self.step) = (w, m, v, c[0]);
         Ok(())
     }
 }

@@ -81,6 +81,9 @@ pub enum Command {
     /// Write a model's captured layers and greedy tokens for some data, as safetensors (see
     /// `launcher capture --help`).
     Capture(crate::model::CaptureArgs),
+    /// Speculative decoding with a trained DFlash drafter: its acceptance length, and a check
+    /// that the output is the target's greedy output (see `launcher eval --help`).
+    Eval(crate::eval::EvalArgs),
     /// A target worker: how the launcher starts one (`spawn`), never typed by a user.
     #[command(hide = true)]
     TargetWorker(target_worker::Args),

@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod data;
+pub mod eval;
 pub mod model;
 pub mod monitor;
 mod output;
@@ -192,6 +193,10 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
     let batches = plan(data.lengths(), &cfg).len() as u64;
     let (nt, nd) = (gpus.targets.len() as u32, gpus.drafters.len() as u32);
+    // The drafter's learning-rate schedule spans the run: one group step per batch per rank.
+    cfg.drafter
+        .total_steps
+        .get_or_insert(batches.div_ceil(u64::from(nd.max(1))));
     let params = cfg
         .ring_params(nt, nd, batches)
         .context("sizing the ring")?;

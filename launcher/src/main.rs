@@ -28,6 +28,7 @@ fn main() -> ExitCode {
         (Some(Command::Prepare(args)), _) => exit_code(launcher::data::run_prepare(args)),
         (Some(Command::MakeModel(args)), _) => exit_code(launcher::model::run_make_model(args)),
         (Some(Command::Capture(args)), _) => exit_code(launcher::model::run_capture(args)),
+        (Some(Command::Eval(args)), _) => exit_code(launcher::eval::run_eval(args)),
         (None, Some(args)) => exit_code(launcher::run(args)),
         // Not reached: without a subcommand clap requires the run's options.
         (None, None) => {

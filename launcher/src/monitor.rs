@@ -70,6 +70,9 @@ pub struct Tick {
     /// The learning rate of the interval's last step (a drafter with a schedule).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// Every group step applied in the interval: step, loss, tau, lr.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<proto::control::StepStats>,
 }
 
 /// One worker in a tick: its shares of the period by phase (zero phases left out).
@@ -183,6 +186,8 @@ pub struct Monitor {
     tau_steps: u64,
     tau: Option<f64>,
     lr: Option<f64>,
+    /// The steps since the last tick, for its `steps`.
+    steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
 }
@@ -246,6 +251,7 @@ impl Monitor {
             tau_steps: 0,
             tau: None,
             lr: None,
+            steps: Vec::new(),
             judge: analysis::Judge::new(),
         })
     }
@@ -264,6 +270,7 @@ impl Monitor {
             self.lr = Some(f64::from(lr));
         }
         self.step = Some(s.step);
+        self.steps.push(*s);
     }
 
     /// The mean tau of the steps since the last tick (or the last one known).
@@ -354,6 +361,7 @@ impl Monitor {
             group_step: self.step,
             acceptance_length: self.interval_tau(),
             lr: self.lr,
+            steps: std::mem::take(&mut self.steps),
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
         let mut json = serde_json::to_string(&t)?;

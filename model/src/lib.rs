@@ -11,6 +11,8 @@
 //!   flags of [`ArchConfig`] (q/k/v bias, q/k norm, head size, rope scaling).
 //! - [`capture`]: which layers a drafter of `n` layers conditions on (SpecForge's rule).
 //! - [`make`]: `make-model`, a random-initialised model in the HF layout with a `tokenizer.json`.
+//! - [`train`]: differentiable ops, named f32 parameters, AdamW; [`dflash`]: the DFlash drafter
+//!   trained on them; [`spec`]: greedy speculative decoding with it.
 //!
 //! Nothing here knows the ring or a batch: `gpu`'s candle backend turns [`decoder::Output`] into
 //! a slot's bytes.
@@ -22,6 +24,7 @@ pub mod decoder;
 pub mod dflash;
 pub mod make;
 mod rope;
+pub mod spec;
 pub mod train;
 pub mod weights;
 

@@ -24,6 +24,8 @@ pub struct PipelineConfig {
     pub data: DataConfig,
     pub target: TargetConfig,
     pub drafter: DrafterConfig,
+    /// The DFlash drafter the candle backend trains (the mock ignores it).
+    pub dflash: DflashConfig,
     /// Faults to inject, by worker name (`target-1`, `drafter-0`): see [`Faults`] for who
     /// injects which.
     pub faults: BTreeMap<String, Faults>,
@@ -202,6 +204,10 @@ pub struct DrafterConfig {
     /// to what is READY) and every rank prefers it, so a step waits less for its longest batch.
     /// Off: each rank takes under the ring's policy on its own.
     pub coherent: bool,
+    /// The run's group steps, for a learning-rate schedule: set by the launcher from the plan
+    /// (batches / drafters) when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<u64>,
 }
 
 impl Default for DrafterConfig {
@@ -211,6 +217,61 @@ impl Default for DrafterConfig {
             checkpoint_every: 50,
             params: 1_048_576,
             coherent: true,
+            total_steps: None,
+        }
+    }
+}
+
+/// What a DFlash block position learns: the target's greedy token (what the target would
+/// say) or the data's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DflashLabel {
+    Target,
+    Data,
+}
+
+/// The DFlash drafter (SpecForge's and the DFlash authors' defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DflashConfig {
+    /// Tokens per drafted block: the anchor's token then `block_size - 1` masks.
+    pub block_size: u32,
+    /// Anchors (blocks) drawn per sequence, at most.
+    pub num_anchors: u32,
+    /// Drafter decoder layers; None: one per captured target layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
+    /// Block position k >= 1 weighs `exp(-(k-1)/gamma)`.
+    pub gamma: f64,
+    pub label: DflashLabel,
+    /// The mask token; None: the tokenizer's mask token, else the vocabulary's last id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_token_id: Option<u32>,
+    /// AdamW: peak learning rate, warm-up share of the run's steps, decoupled weight decay,
+    /// global-norm clip.
+    pub lr: f64,
+    pub warmup_ratio: f64,
+    pub weight_decay: f64,
+    pub clip: f64,
+    /// The initial weights' seed (every rank starts from the same).
+    pub seed: u64,
+}
+
+impl Default for DflashConfig {
+    fn default() -> Self {
+        DflashConfig {
+            block_size: 16,
+            num_anchors: 512,
+            layers: None,
+            gamma: 7.0,
+            label: DflashLabel::Target,
+            mask_token_id: None,
+            lr: 6e-4,
+            warmup_ratio: 0.04,
+            weight_decay: 0.0,
+            clip: 1.0,
+            seed: 0,
         }
     }
 }
@@ -316,6 +377,26 @@ impl PipelineConfig {
                         self.model.layers
                     ),
                 ));
+            }
+        }
+        let f = &self.dflash;
+        if f.block_size < 2 || f.num_anchors == 0 || f.layers == Some(0) {
+            return Err(invalid(
+                "dflash",
+                "block_size must be at least 2, num_anchors and layers at least 1",
+            ));
+        }
+        for (field, v, lo) in [
+            ("dflash.gamma", f.gamma, false),
+            ("dflash.lr", f.lr, false),
+            ("dflash.warmup_ratio", f.warmup_ratio, true),
+            ("dflash.weight_decay", f.weight_decay, true),
+            ("dflash.clip", f.clip, true),
+        ] {
+            if !(v.is_finite() && (v > 0.0 || (lo && v == 0.0)))
+                || (field == "dflash.warmup_ratio" && v >= 1.0)
+            {
+                return Err(invalid(field, format!("{v} is out of range")));
             }
         }
         let hidden = u64::from(self.model.hidden);

@@ -186,6 +186,13 @@ impl RunDir {
         self.checkpoints_dir().join("drafter.safetensors")
     }
 
+    /// The drafter as an inference engine loads it (`config.json`, `model.safetensors`),
+    /// rewritten at every checkpoint by a drafter that exports (DFlash); the optimizer state
+    /// stays in the checkpoint beside it, for `--resume`.
+    pub fn export_dir(&self) -> PathBuf {
+        self.0.join("drafter")
+    }
+
     /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
     /// a run, whose ledgers and checkpoint would be silently reused.
     pub fn lay_out(&self) -> Result<(), RunDirError> {

@@ -28,7 +28,7 @@ const PYTHON_ENV: &str = "HSPIPE_PYTHON";
 
 /// The Python with pyarrow and datasets: `HSPIPE_PYTHON`, else the repository's `.venv`.
 /// Panics, saying how to get one, when it is missing.
-fn python() -> String {
+pub(crate) fn python() -> String {
     let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python");
     let py = std::env::var(PYTHON_ENV).unwrap_or_else(|_| venv.to_string());
     let out = Command::new(&py)

@@ -22,15 +22,21 @@ fn tiny(dir: &Path) -> PathBuf {
     m
 }
 
+/// `DIR/NAME`: a config for the model in `model` with a small ring, then `body`.
+fn write_config(dir: &Path, name: &str, model: &Path, body: &str) -> PathBuf {
+    let text = format!(
+        "[ring]\nslots = 16\nmin_ready = 2\n[model]\npath = \"{}\"\n{body}",
+        model.display()
+    );
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
 /// Short sequences: a forward of the tiny model is quick, the attention too.
 fn config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
-    let text = format!(
+    let body = format!(
         r#"
-[ring]
-slots = 16
-min_ready = 2
-[model]
-path = "{}"
 [data]
 synthetic_samples = 60
 min_len = 8
@@ -41,12 +47,9 @@ token_budget = 384
 tokens_per_s = 2000000.0
 checkpoint_every = 4
 {extra}
-"#,
-        model.display()
+"#
     );
-    let p = dir.join("model.toml");
-    std::fs::write(&p, text).unwrap();
-    p
+    write_config(dir, "model.toml", model, &body)
 }
 
 /// bf16 bits as f32.
@@ -378,5 +381,115 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
             "{extra:?}: {err}"
         );
         no_segment_of(pid);
+    }
+}
+
+/// The DFlash drafter trained by the group on the real target's states: its loss falls, every
+/// rank holds the same weights after every step, the export is what inference engines load
+/// (checked by Python's `safetensors`), and `launcher eval` decodes speculatively to exactly the
+/// target's greedy text.
+#[test]
+fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
+    let run = Run::new("mdflash");
+    let m = tiny(&run.dir);
+    let body = r#"
+[data]
+synthetic_samples = 400
+min_len = 16
+max_len = 64
+[target]
+token_budget = 256
+[drafter]
+checkpoint_every = 8
+[dflash]
+block_size = 8
+num_anchors = 8
+layers = 1
+lr = 1e-2
+warmup_ratio = 0.1
+"#;
+    let cfg = write_config(&run.dir, "dflash.toml", &m, body);
+    let launcher = run.launch(&cfg, &["--model", m.to_str().unwrap()]);
+    let pid = launcher.child.id();
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    no_segment_of(pid);
+    assert_eq!(run.summary()["ok"], true);
+
+    // Every step's loss and tau reach metrics.jsonl; the loss falls.
+    let metrics = std::fs::read_to_string(run.run_dir().join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .flat_map(|l| {
+            let t: serde_json::Value = serde_json::from_str(l).unwrap();
+            t["steps"].as_array().cloned().unwrap_or_default()
+        })
+        .filter(|s| s["tau"].is_number())
+        .collect();
+    assert!(steps.len() >= 12, "{} steps with blocks", steps.len());
+    let loss = |s: &[serde_json::Value]| {
+        s.iter().map(|s| s["loss"].as_f64().unwrap()).sum::<f64>() / s.len() as f64
+    };
+    let (first, last) = (loss(&steps[..3]), loss(&steps[steps.len() - 5..]));
+    assert!(
+        last < first - 0.1,
+        "loss {first:.3} over the first steps, {last:.3} over the last"
+    );
+    assert!(steps.iter().all(|s| s["tau"].as_f64().unwrap() >= 1.0));
+
+    // One model: the ranks' ledger lines of one step name one digest.
+    let mut by_step = std::collections::HashMap::new();
+    for l in run.ledgers() {
+        let d = by_step.entry(l.step).or_insert_with(|| l.digest.clone());
+        assert_eq!(*d, l.digest, "step {}", l.step);
+    }
+
+    // The export, as SGLang and vLLM load it.
+    let export = run.run_dir().join("drafter");
+    let py = crate::data::python();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/py/check_dflash_export.py");
+    let checked = std::process::Command::new(&py)
+        .arg(script)
+        .arg(&export)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+
+    // Speculative decoding with it gives the target's own greedy text, trained or not.
+    let json = run.dir.join("eval.json");
+    let eval = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "eval",
+            "--model",
+            m.to_str().unwrap(),
+            "--drafter",
+            export.to_str().unwrap(),
+            "--prompts",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--baseline",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    )
+    .finish();
+    assert!(
+        eval.contains("output equals the target's greedy output"),
+        "{eval}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for who in ["trained", "untrained"] {
+        assert_eq!(r[who]["matches_greedy"], true, "{who}: {r}");
+        assert_eq!(r[who]["tokens"], 3 * 24, "{who}: {r}");
+        let tau = r[who]["mean_acceptance_length"].as_f64().unwrap();
+        assert!((1.0..=8.0).contains(&tau), "{who}: {r}");
     }
 }

@@ -1,0 +1,388 @@
+//! The candle backend's drafter: a DFlash drafter (`model::dflash`) trained as one rank of the
+//! group. A batch's captured layers are its context, its greedy tokens (or data tokens) its
+//! labels; the gradient of the batch's summed weighted loss, the weight sum and the blocks'
+//! acceptance go into the step buffer; the update divides by the whole group's weight sum and
+//! applies AdamW to f32 masters, the same bits on every rank.
+
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::train::{AdamW, AdamWConfig};
+use model::ArchConfig;
+use proto::config::DflashLabel;
+use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
+
+use crate::mock::{self, Sim};
+use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
+
+/// Steps assumed for the schedule when the launcher set none (a drafter built outside a run).
+const DEFAULT_TOTAL_STEPS: u64 = 1000;
+
+/// The drafter's shape for the run `cfg` describes (its target's config, captured layers and
+/// the `[dflash]` section).
+pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
+    let dir = crate::candle::model_dir(cfg)?;
+    let arch = ArchConfig::load(dir)?;
+    let ids = crate::candle::layer_ids(cfg, &arch)?;
+    let f = &cfg.dflash;
+    let mask = mask_token_id(dir, arch.vocab_size, f.mask_token_id)?;
+    Ok(DflashConfig::for_target(
+        &arch,
+        ids,
+        f.layers.map(|l| l as usize),
+        f.block_size as usize,
+        mask,
+    ))
+}
+
+/// `(grad_len, state_len)` of [`DflashDrafter`] for `cfg`.
+pub fn sizes(cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
+    let n = drafter_config(cfg)?.param_len();
+    Ok((n, 3 * n + 4))
+}
+
+/// A DFlash drafter rank.
+pub struct DflashDrafter {
+    model: Dflash,
+    opt: AdamW,
+    /// The f32 masters of the weights (the model's parameters are set from them).
+    masters: Vec<f32>,
+    sampling: Sampling,
+    /// Group steps applied (a step whose group had no weighted position moves no weight).
+    step: u64,
+    /// The faults injected into this worker (crash or hang after N batches); no simulated time.
+    sim: Sim,
+}
+
+impl DflashDrafter {
+    /// Worker `name`'s drafter under `cfg` (no faults for `None`), at step 0.
+    pub fn new(cfg: &PipelineConfig, name: Option<WorkerName>) -> Result<DflashDrafter, GpuError> {
+        let faults = name.map(|n| cfg.faults_for(n)).unwrap_or_default();
+        mock::start(&faults);
+        let dc = drafter_config(cfg)?;
+        let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &Device::Cpu)?;
+        let f = &cfg.dflash;
+        let model = Dflash::new(dc, frozen, f.seed)?;
+        let masters = model.params.flat()?;
+        let total = cfg
+            .drafter
+            .total_steps
+            .unwrap_or(DEFAULT_TOTAL_STEPS)
+            .max(1);
+        let opt = AdamW::new(
+            AdamWConfig {
+                lr: f.lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: f.weight_decay,
+                warmup_steps: (f.warmup_ratio * total as f64).ceil() as u64,
+                total_steps: total,
+                min_lr_ratio: 0.1,
+                clip: f.clip,
+            },
+            masters.len(),
+        );
+        Ok(DflashDrafter {
+            model,
+            opt,
+            masters,
+            sampling: Sampling {
+                num_anchors: f.num_anchors as usize,
+                gamma: f.gamma,
+                label: match f.label {
+                    DflashLabel::Target => Label::Target,
+                    DflashLabel::Data => Label::Data,
+                },
+                seed: f.seed,
+            },
+            step: 0,
+            sim: Sim::new(f64::INFINITY, faults),
+        })
+    }
+
+    pub fn model(&self) -> &Dflash {
+        &self.model
+    }
+
+    /// Takes weights, moments and counters read from a checkpoint or a live rank.
+    fn set_state(&mut self, tables: Vec<Vec<f32>>, counters: &[u64]) -> Result<(), GpuError> {
+        let [w, m, v]: [Vec<f32>; 3] = tables.try_into().expect("three tables");
+        self.model.params.set_flat(&w)?;
+        (self.masters, self.opt.m, self.opt.v) = (w, m, v);
+        (self.step, self.opt.step) = (counters[0], counters[1]);
+        Ok(())
+    }
+}
+
+/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]`.
+fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
+    let spec = &batch.header().spec;
+    let (l, h) = (spec.layers as usize, spec.hidden as usize);
+    let t = spec.tokens() as usize;
+    let b = batch.hidden_states();
+    let vals: Vec<f32> = match spec.dtype {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::Bf16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    };
+    Ok(Tensor::from_vec(vals, (t, l * h), &Device::Cpu)?)
+}
+
+impl DrafterBackend for DflashDrafter {
+    fn grad_len(&self) -> usize {
+        self.masters.len()
+    }
+
+    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError> {
+        let started = std::time::Instant::now();
+        let spec = &batch.header().spec;
+        let c = &self.model.cfg;
+        if spec.hidden as usize != c.hidden || spec.layers as usize != c.target_layer_ids.len() {
+            return Err(GpuError::Shape(format!(
+                "batch has {} layers x hidden {}, this drafter conditions on {} layers x hidden {}",
+                spec.layers,
+                spec.hidden,
+                c.target_layer_ids.len(),
+                c.hidden
+            )));
+        }
+        if out.gradient().len() != self.masters.len() {
+            return Err(GpuError::BufferSize {
+                got: out.gradient().len(),
+                want: self.masters.len(),
+            });
+        }
+        let ids: Vec<u32> = batch.input_ids().collect();
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab) {
+            return Err(GpuError::Shape(format!(
+                "batch {}: token id {bad} is outside the target's vocabulary of {}",
+                spec.batch_id, c.vocab
+            )));
+        }
+        let greedy: Vec<u32> = batch.target_tokens().collect();
+        let db = DraftBatch::new(
+            c,
+            &self.sampling,
+            spec.batch_id,
+            &ids,
+            batch.loss_mask(),
+            &greedy,
+            &spec.seq_lens,
+        );
+        let ctx = context(batch)?;
+        out.gradient_mut().fill(0.0);
+        let sums = self.model.loss_and_grads(&ctx, &db, out.gradient_mut())?;
+        out.set_loss(sums.loss as f32);
+        out.set_loss_tokens(sums.weight as f32);
+        out.set_blocks(sums.accepted as f32, sums.blocks as f32);
+        self.sim.finish_item(&spec.seq_lens, started);
+        Ok(())
+    }
+
+    fn apply(&mut self, summed: &StepBuffer) -> StepStats {
+        self.step += 1;
+        let weight = summed.loss_tokens();
+        let mut lr = None;
+        if weight > 0.0 {
+            let u = self
+                .opt
+                .update(&mut self.masters, summed.gradient(), 1.0 / weight);
+            lr = Some(u.lr as f32);
+            // The masters are finite f32s of the model's own length: setting them cannot fail.
+            if let Err(e) = self.model.params.set_flat(&self.masters) {
+                tracing::error!(error = %e, "setting the drafter's weights");
+            }
+        }
+        let blocks = summed.blocks();
+        StepStats {
+            step: self.step,
+            tokens: blocks as u64,
+            loss: if weight > 0.0 {
+                summed.loss() / weight
+            } else {
+                0.0
+            },
+            tau: (blocks > 0.0).then(|| 1.0 + summed.accepted() / blocks),
+            lr,
+        }
+    }
+
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn digest(&self) -> u64 {
+        mock::digest(&self.masters)
+    }
+
+    fn save(&self, path: &Path) -> Result<(), GpuError> {
+        let n = vec![self.masters.len()];
+        state::save(
+            path,
+            &state::State {
+                tables: vec![
+                    ("weights", n.clone(), &self.masters),
+                    ("adam.m", n.clone(), &self.opt.m),
+                    ("adam.v", n, &self.opt.v),
+                ],
+                counters: vec![self.step, self.opt.step],
+            },
+        )
+    }
+
+    fn load(&mut self, path: &Path) -> Result<(), GpuError> {
+        let (t, c) = state::load(
+            path,
+            &["weights", "adam.m", "adam.v"],
+            &[self.masters.len()],
+            2,
+            "another DFlash shape, or another backend's checkpoint?",
+        )?;
+        self.set_state(t, &c)
+    }
+
+    fn state_len(&self) -> usize {
+        3 * self.masters.len() + 4
+    }
+
+    fn export_state(&self) -> Vec<u32> {
+        state::words(
+            &[&self.masters, &self.opt.m, &self.opt.v],
+            &[self.step, self.opt.step],
+        )
+    }
+
+    fn import_state(&mut self, words: &[u32]) -> Result<(), GpuError> {
+        let (t, c) = state::from_words(words, self.masters.len(), 3, 2)?;
+        self.set_state(t, &c)
+    }
+
+    fn export(&self, dir: &Path) -> Result<(), GpuError> {
+        Ok(self.model.export(dir)?)
+    }
+
+    fn exports(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candle::CandleTarget;
+    use crate::TargetOut;
+    use proto::{BatchSpec, BatchWriter};
+
+    /// A tiny target, a config for it, and one batch of its real states.
+    fn setup(dir: &Path) -> (PipelineConfig, Vec<u8>) {
+        let m = dir.join("tiny");
+        let spec = model::make::MakeSpec {
+            layers: 4,
+            vocab: 300,
+            ..Default::default()
+        };
+        model::make::make_model(&m, &spec).unwrap();
+        let mut cfg = PipelineConfig::default();
+        cfg.model.path = Some(m.clone());
+        cfg.model.layers = 2;
+        cfg.dflash.block_size = 4;
+        cfg.dflash.num_anchors = 4;
+        cfg.dflash.layers = Some(1);
+        crate::candle::Candle.settle(&mut cfg).unwrap();
+        let target = CandleTarget::load(&m, &cfg).unwrap();
+        let seq_lens = vec![12, 9];
+        let ids: Vec<u32> = (0..21).map(|i| (i * 31 + 7) % 290 + 5).collect();
+        let spec = BatchSpec {
+            batch_id: 5,
+            producer: 0,
+            sample_ids: vec![0, 1],
+            seq_lens: seq_lens.clone(),
+            dtype: Dtype::Bf16,
+            layers: 2,
+            hidden: 64,
+        };
+        let mut buf = vec![0u8; proto::batch::batch_len(&spec).unwrap() as usize];
+        let mut w = BatchWriter::new(&mut buf, &spec).unwrap();
+        let s = w.sections_mut();
+        for (c, id) in s.input_ids.chunks_exact_mut(4).zip(&ids) {
+            c.copy_from_slice(&id.to_le_bytes());
+        }
+        s.loss_mask.fill(1);
+        let out = TargetOut {
+            hidden_states: s.hidden_states,
+            target_tokens: s.target_tokens,
+        };
+        target.run(&ids, &seq_lens, out, true).unwrap();
+        let len = w.finish().0;
+        buf.truncate(len);
+        (cfg, buf)
+    }
+
+    use crate::Maker;
+
+    /// Two ranks applying one summed buffer stay bitwise equal; the state hand-over and the
+    /// checkpoint reproduce a rank exactly; another shape's checkpoint is refused by name.
+    #[test]
+    fn ranks_agree_and_the_state_and_checkpoint_reproduce_a_rank() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, buf) = setup(dir.path());
+        let view = BatchView::parse(&buf).unwrap();
+        let (mut a, mut b) = (
+            DflashDrafter::new(&cfg, None).unwrap(),
+            DflashDrafter::new(&cfg, None).unwrap(),
+        );
+        assert_eq!(a.digest(), b.digest(), "one seed, one start");
+        let n = a.grad_len();
+        assert_eq!(sizes(&cfg).unwrap(), (n, a.state_len()));
+        for _ in 0..3 {
+            let (mut ga, mut gb) = (StepBuffer::new(n), StepBuffer::new(n));
+            a.gradient(&view, &mut ga).unwrap();
+            b.gradient(&view, &mut gb).unwrap();
+            assert!(ga.blocks() == 8.0 && ga.loss_tokens() > 0.0);
+            let mut sum = StepBuffer::new(n);
+            for (s, (x, y)) in (sum.words_mut().iter_mut()).zip(ga.words().iter().zip(gb.words())) {
+                *s = x + y;
+            }
+            let st = a.apply(&sum);
+            b.apply(&sum);
+            assert_eq!(a.digest(), b.digest());
+            assert!(st.tau.is_some_and(|t| t >= 1.0) && st.lr.is_some() && st.loss > 0.0);
+        }
+        let mut c = DflashDrafter::new(&cfg, None).unwrap();
+        c.import_state(&a.export_state()).unwrap();
+        assert_eq!((c.digest(), c.step(), c.opt.step), (a.digest(), 3, 3));
+        let path = dir.path().join("ckpt.safetensors");
+        a.save(&path).unwrap();
+        let mut d = DflashDrafter::new(&cfg, None).unwrap();
+        d.load(&path).unwrap();
+        assert_eq!(d.export_state(), a.export_state());
+        // The next step is the same on the restored ranks as on the original.
+        let mut g = StepBuffer::new(n);
+        a.gradient(&view, &mut g).unwrap();
+        let mut h = StepBuffer::new(n);
+        d.gradient(&view, &mut h).unwrap();
+        assert_eq!(g, h);
+        let mut other = cfg.clone();
+        other.dflash.layers = Some(2);
+        let err = DflashDrafter::new(&other, None)
+            .unwrap()
+            .load(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("weights") && err.contains("ckpt.safetensors"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,231 @@
+//! `launcher eval`: real greedy speculative decoding of held-out prompts with a trained DFlash
+//! drafter on its target, reporting the mean tokens per target forward (the DFlash authors'
+//! "average acceptance length"), the acceptance per block position, and whether the output
+//! equals the target's own greedy decoding token for token (it must: a drafter never changes
+//! the output).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device};
+use clap::Parser;
+use model::dflash::{Dflash, Frozen};
+use model::{spec, Decoder};
+use serde::Serialize;
+
+/// Sample ids of the built-in language's held-out prompts: far from any run's training samples
+/// (which count from 0).
+const HELD_OUT: u64 = 1 << 40;
+
+/// Speculative decoding of held-out prompts: the drafter proposes a block, the target verifies
+/// it in one forward, the accepted prefix and the target's next token are appended. Prints the
+/// mean acceptance length (tokens per target forward, 1..block size), the acceptance at each
+/// block position, and checks the text equals the target's own greedy decoding.
+///
+/// Prompts: the built-in synthetic language (what real-model runs train on, held-out samples)
+/// or --data (a prepared-able input; each sample's first --prompt-len tokens).
+///
+/// Examples:
+///   launcher eval --model tiny --drafter runs/demo/drafter
+///   launcher eval --model tiny --drafter runs/demo/drafter --baseline --json eval.json
+/// Exit 0 when every generation equals the target's greedy output, 1 otherwise.
+#[derive(Parser, Debug)]
+#[command(name = "launcher eval", verbatim_doc_comment)]
+pub struct EvalArgs {
+    /// The target's HF model directory.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// The drafter's export (a run's <run-dir>/drafter).
+    #[arg(long, value_name = "DIR")]
+    pub drafter: PathBuf,
+    /// Prompts from this data (JSONL, Parquet, Arrow, HF datasets directory).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Prompts to decode.
+    #[arg(long, default_value_t = 8)]
+    pub prompts: usize,
+    /// Tokens of each prompt.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Tokens to generate per prompt.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Also decode with an untrained drafter of the same shape, for comparison.
+    #[arg(long)]
+    pub baseline: bool,
+    /// Write the figures as JSON here too.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// What one drafter achieved over the prompts.
+#[derive(Debug, Serialize)]
+pub struct Acceptance {
+    /// Mean tokens per target forward (verification), 1..block size.
+    pub mean_acceptance_length: f64,
+    /// Share of verifications that accepted at least k drafted tokens, k = 1..block size - 1.
+    pub per_position: Vec<f64>,
+    pub verifications: usize,
+    pub tokens: usize,
+    /// Every prompt's output equals the target's greedy decoding.
+    pub matches_greedy: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EvalReport {
+    pub model: PathBuf,
+    pub drafter: PathBuf,
+    pub prompts: usize,
+    pub max_new_tokens: usize,
+    pub block_size: usize,
+    pub trained: Acceptance,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub untrained: Option<Acceptance>,
+}
+
+fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let Some(input) = &a.data else {
+        // The language the run's synthetic data are drawn from (data.seed's default).
+        let lang = dataset::language::Language::new(
+            0,
+            vocab as u32,
+            proto::config::DataConfig::default().seed,
+        );
+        return Ok((0..a.prompts as u64)
+            .map(|i| lang.sample(HELD_OUT + i, a.prompt_len as u32))
+            .collect());
+    };
+    let cache = PathBuf::from("runs").join("data-cache");
+    let (p, line) = crate::data::prepare_dataset(input, u32::MAX, &cache, None)?;
+    println!("{line}");
+    let data = dataset::Dataset::mapped(&p.path)?;
+    let mut out = Vec::new();
+    for id in 0..data.len() as u64 {
+        if out.len() == a.prompts {
+            break;
+        }
+        if let Some(s) = data.sample(id) {
+            let ids: Vec<u32> = s.input_ids.iter().take(a.prompt_len).copied().collect();
+            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                bail!("sample {id}: token id {bad} is outside the target's vocabulary of {vocab}");
+            }
+            if !ids.is_empty() {
+                out.push(ids);
+            }
+        }
+    }
+    if out.is_empty() {
+        bail!("{} holds no sample to prompt with", input.display());
+    }
+    Ok(out)
+}
+
+fn decode(
+    target: &Decoder,
+    drafter: &Dflash,
+    prompts: &[Vec<u32>],
+    greedy: &[Vec<u32>],
+    max_new: usize,
+) -> anyhow::Result<Acceptance> {
+    let b = drafter.cfg.block_size;
+    let mut lengths = Vec::new();
+    let mut matches = true;
+    let mut tokens = 0;
+    for (i, (p, want)) in prompts.iter().zip(greedy).enumerate() {
+        let g = spec::speculative(target, drafter, p, max_new)
+            .with_context(|| format!("prompt {i}"))?;
+        if &g.tokens != want {
+            let at = g.tokens.iter().zip(want).position(|(x, y)| x != y);
+            eprintln!("prompt {i}: the speculative output differs from the target's greedy output at token {at:?}");
+            matches = false;
+        }
+        tokens += g.tokens.len();
+        lengths.extend(g.accept_lengths);
+    }
+    let n = lengths.len().max(1) as f64;
+    Ok(Acceptance {
+        mean_acceptance_length: lengths.iter().sum::<usize>() as f64 / n,
+        per_position: (1..b)
+            .map(|k| lengths.iter().filter(|&&l| l > k).count() as f64 / n)
+            .collect(),
+        verifications: lengths.len(),
+        tokens,
+        matches_greedy: matches,
+    })
+}
+
+fn line(name: &str, a: &Acceptance) -> String {
+    let per: Vec<String> = a.per_position.iter().map(|p| format!("{p:.2}")).collect();
+    format!(
+        "eval: {name}: mean acceptance length {:.2} tokens per target forward ({} verifications, {} tokens); accepted at positions 1..: [{}]; output {} the target's greedy output",
+        a.mean_acceptance_length,
+        a.verifications,
+        a.tokens,
+        per.join(", "),
+        if a.matches_greedy { "equals" } else { "DIFFERS FROM" }
+    )
+}
+
+/// `launcher eval`.
+pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
+    let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
+        .with_context(|| format!("loading the target {}", a.model.display()))?;
+    let frozen = || {
+        Frozen::load(&a.model, &Device::Cpu).with_context(|| {
+            format!(
+                "loading the target's embedding and head from {}",
+                a.model.display()
+            )
+        })
+    };
+    let drafter = Dflash::load_export(&a.drafter, frozen()?)
+        .with_context(|| format!("loading the drafter {}", a.drafter.display()))?;
+    let vocab = target.config().vocab_size;
+    if drafter.cfg.vocab != vocab || drafter.cfg.hidden != target.config().hidden_size {
+        bail!(
+            "the drafter {} was trained for vocabulary {} x hidden {}, the target {} has {} x {}",
+            a.drafter.display(),
+            drafter.cfg.vocab,
+            drafter.cfg.hidden,
+            a.model.display(),
+            vocab,
+            target.config().hidden_size
+        );
+    }
+    let prompts = prompts(&a, vocab)?;
+    println!(
+        "eval: {} prompts of up to {} tokens, {} new tokens each, block size {}",
+        prompts.len(),
+        a.prompt_len,
+        a.max_new_tokens,
+        drafter.cfg.block_size
+    );
+    let greedy: Vec<Vec<u32>> = (prompts.iter())
+        .map(|p| spec::greedy(&target, p, a.max_new_tokens))
+        .collect::<Result<_, _>>()?;
+    let trained = decode(&target, &drafter, &prompts, &greedy, a.max_new_tokens)?;
+    println!("{}", line("trained", &trained));
+    let untrained = if a.baseline {
+        let fresh = Dflash::new(drafter.cfg.clone(), frozen()?, 0)?;
+        let u = decode(&target, &fresh, &prompts, &greedy, a.max_new_tokens)?;
+        println!("{}", line("untrained", &u));
+        Some(u)
+    } else {
+        None
+    };
+    let ok = trained.matches_greedy && untrained.as_ref().is_none_or(|u| u.matches_greedy);
+    let report = EvalReport {
+        model: a.model.clone(),
+        drafter: a.drafter.clone(),
+        prompts: prompts.len(),
+        max_new_tokens: a.max_new_tokens,
+        block_size: drafter.cfg.block_size,
+        trained,
+        untrained,
+    };
+    if let Some(p) = &a.json {
+        atomic_file::replace(p, serde_json::to_string_pretty(&report)?.as_bytes())
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(if ok { 0 } else { 1 })
+}
