@@ -115,7 +115,9 @@ pub struct Args {
     /// llama, safetensors weights, tokenizer.json). `launcher make-model DIR` makes a tiny one.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
-    /// Pipeline config (TOML); every field has a default.
+    /// Pipeline config (TOML); every field has a default (README lists them). E.g. `[data]
+    /// epochs = 3` trains every sample three times, once per epoch, each epoch in its own order
+    /// (default 1; summary.json counts each epoch).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Continue the stopped or killed run in RUN_DIR from its group checkpoint, with its own

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use dataset::Dataset;
 use gpu::BackendKind;
-use proto::plan::plan;
+use proto::plan::{plan, Epochs};
 use proto::{GpuLists, PipelineConfig, RunDir};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
@@ -102,6 +102,8 @@ pub(crate) struct Settled {
     /// The line saying how the data was prepared.
     pub(crate) data_line: Option<String>,
     pub(crate) batches: u64,
+    /// Which epoch each planned batch is in.
+    pub(crate) epochs: Epochs,
     pub(crate) params: shm_ring::RingParams,
     pub(crate) run_id: String,
     pub(crate) run_dir: RunDir,
@@ -191,7 +193,8 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         prepared = Some((input, p));
     }
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
-    let batches = plan(data.lengths(), &cfg).len() as u64;
+    let planned = plan(data.lengths(), &cfg);
+    let (batches, epochs) = (planned.len() as u64, Epochs::of(&planned));
     let (nt, nd) = (gpus.targets.len() as u32, gpus.drafters.len() as u32);
     // The drafter's learning-rate schedule spans the run: one group step per batch per rank.
     cfg.drafter
@@ -232,6 +235,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         data,
         data_line,
         batches,
+        epochs,
         params,
         run_id,
         run_dir,

@@ -1,8 +1,9 @@
 //! `summary.json`: what the run did, from the drafters' ledgers (what was trained) and the
 //! ring's telemetry (what moved, and where each worker's time went).
 //!
-//! The verdict (`ok`, and the degraded exit code) comes from the ledgers alone: samples
-//! trained, and batches trained more than once. The ring's counters (`published`,
+//! The verdict (`ok`, and the degraded exit code) comes from the ledgers alone: every sample
+//! trained exactly once in every epoch of the plan (each ledger line's batch is in the epoch its
+//! plan index says), and no batch trained more than once. The ring's counters (`published`,
 //! `redelivered`) are reported, never judged: a worker killed between a CAS and its counter
 //! update skews them.
 
@@ -10,6 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
+use proto::plan::Epochs;
 use proto::RunDir;
 use serde::Serialize;
 use shm_ring::{Snapshot, WorkerName};
@@ -30,12 +32,21 @@ pub struct WorkerSummary {
 pub struct Summary {
     pub ok: bool,
     pub exit_code: i32,
+    /// Samples in the data: each epoch trains every one of them once.
     pub samples_total: u64,
-    /// Distinct samples in the drafters' ledgers.
+    /// Distinct samples in the drafters' ledgers, of any epoch.
     pub samples_trained: u64,
+    /// Passes over the data in the plan (`data.epochs`).
+    pub epochs: u32,
+    /// Distinct samples trained in each epoch, epoch 0 first: each is `samples_total` in a
+    /// complete run.
+    pub samples_trained_per_epoch: Vec<u64>,
     /// Batches whose training the ledgers record more than once by live drafters (published
     /// twice, or one delivery trained twice); `ok` is false unless 0.
     pub duplicated: u64,
+    /// Samples trained more than once within one epoch (once per epoch it happened in); `ok`
+    /// is false unless 0. Once in each of several epochs is not more than once.
+    pub samples_not_once: u64,
     pub batches_total: u64,
     pub batches_published: u64,
     /// Ledger lines: batches trained, a redelivered one counted each time it was trained.
@@ -63,6 +74,8 @@ pub struct Facts<'a> {
     /// The ring's telemetry at the end.
     pub snap: &'a Snapshot,
     pub samples_total: u64,
+    /// The plan's epochs, which say each ledger line's epoch from its batch.
+    pub epochs: &'a Epochs,
     pub drafters: u32,
     pub wall: Duration,
     /// Restarts by worker name (`target-0`).
@@ -78,12 +91,13 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         backend,
         snap,
         samples_total,
+        epochs,
         drafters,
         wall,
         restarts,
     } = *f;
     let (lines, torn) = proto::ledger::read_all(run_dir, drafters)?;
-    let acct = proto::ledger::account(&lines);
+    let acct = proto::ledger::account(&lines, epochs);
     let batches = lines.len() as u64;
     let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
     let wall_s = wall.as_secs_f64();
@@ -109,7 +123,10 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         exit_code: 0,
         samples_total,
         samples_trained: acct.samples_trained,
+        epochs: epochs.count(),
+        samples_trained_per_epoch: acct.samples_trained_per_epoch,
         duplicated: acct.duplicated,
+        samples_not_once: acct.samples_not_once,
         batches_total: snap.work.total,
         batches_published: snap.counters.published,
         batches_trained: batches,
@@ -129,11 +146,44 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
     })
 }
 
+impl Summary {
+    /// Every sample trained exactly once in every epoch, by the ledgers.
+    pub fn exactly_once(&self) -> bool {
+        self.duplicated == 0
+            && self.samples_not_once == 0
+            && (self.samples_trained_per_epoch.iter()).all(|&n| n >= self.samples_total)
+    }
+
+    /// A note for each epoch that left samples untrained.
+    pub fn untrained(&self) -> Vec<String> {
+        let total = self.samples_total;
+        (self.samples_trained_per_epoch.iter().enumerate())
+            .filter(|&(_, &n)| n < total)
+            .map(|(e, &n)| match self.epochs {
+                1 => format!("{} of {total} samples were not trained", total - n),
+                _ => format!(
+                    "epoch {e}: {} of {total} samples were not trained",
+                    total - n
+                ),
+            })
+            .collect()
+    }
+}
+
+/// Sets the verdict: `ok` for exit code 0 with no sample trained twice in an epoch (the exit code
+/// is degraded when a sample of some epoch went untrained).
 pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summary {
     if s.duplicated > 0 {
         notes.push(format!(
             "{} batch(es) were trained more than once (see the ledgers)",
             s.duplicated
+        ));
+    } else if s.samples_not_once > 0 {
+        // No batch twice, yet a sample in two batches of one epoch: the ledgers name batches
+        // of another plan.
+        notes.push(format!(
+            "{} sample(s) were trained more than once within an epoch (see the ledgers)",
+            s.samples_not_once
         ));
     }
     if s.torn_ledger_lines > 0 {
@@ -143,7 +193,7 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
         ));
     }
     s.exit_code = exit_code;
-    s.ok = exit_code == 0 && s.duplicated == 0;
+    s.ok = exit_code == 0 && s.duplicated == 0 && s.samples_not_once == 0;
     s.notes = notes;
     s
 }
@@ -157,12 +207,17 @@ pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
 
 pub fn print(s: &Summary) {
     println!();
+    let trained = match s.epochs {
+        1 => format!("{}/{} samples trained", s.samples_trained, s.samples_total),
+        n => format!(
+            "{n} epochs of {} samples, {:?} trained per epoch",
+            s.samples_total, s.samples_trained_per_epoch
+        ),
+    };
     println!(
-        "{} in {:.1}s: {}/{} samples trained, {} batches ({} redelivered, {} duplicated), {:.0} tokens/s",
+        "{} in {:.1}s: {trained}, {} batches ({} redelivered, {} duplicated), {:.0} tokens/s",
         if s.ok { "done" } else { "ended" },
         s.wall_s,
-        s.samples_trained,
-        s.samples_total,
         s.batches_trained,
         s.redelivered,
         s.duplicated,
@@ -244,6 +299,7 @@ mod tests {
             backend: "mock",
             snap: &ring.snapshot(),
             samples_total: 4,
+            epochs: &Epochs::one(),
             drafters: 2,
             wall: Duration::from_secs(1),
             restarts: &HashMap::new(),

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use collective::Collective;
 use proto::control::{self, FinalReport, ToWorker};
+use proto::plan::Epochs;
 use proto::RunDir;
 use shm_ring::{Ring, Role, WorkerName};
 
@@ -108,6 +109,8 @@ pub(crate) struct Supervisor<'a> {
     /// The backend's description, for the summary.
     backend: String,
     samples: u64,
+    /// The plan's epochs: each ledger line's epoch, for the summary.
+    epochs: Epochs,
     drafters: u32,
     welcome: Welcome,
     workers: Vec<Worker>,
@@ -426,25 +429,17 @@ impl<'a> Supervisor<'a> {
             backend: &self.backend,
             snap: &self.ring.snapshot(),
             samples_total: self.samples,
+            epochs: &self.epochs,
             drafters: self.drafters,
             wall,
             restarts: &restarts,
         })?;
         let mut notes = std::mem::take(&mut self.notes);
         // Judged from the ledgers only (summary.rs): what was trained, and what twice.
-        if exit_code == exit::OK
-            && (!notes.is_empty()
-                || summary.samples_trained < summary.samples_total
-                || summary.duplicated > 0)
-        {
+        // Every sample once in every epoch, or the run is degraded.
+        if exit_code == exit::OK && (!notes.is_empty() || !summary.exactly_once()) {
             exit_code = exit::DEGRADED;
-            if summary.samples_trained < summary.samples_total {
-                notes.push(format!(
-                    "{} of {} samples were not trained",
-                    summary.samples_total - summary.samples_trained,
-                    summary.samples_total
-                ));
-            }
+            notes.extend(summary.untrained());
         }
         let refused: u64 = (self.workers.iter())
             .filter_map(|w| w.report.as_ref())

@@ -151,6 +151,9 @@ pub struct DataConfig {
     pub min_len: u32,
     pub max_len: u32,
     pub seed: u64,
+    /// Passes over the data: every sample is trained once per epoch, each epoch in its own
+    /// order drawn from `seed` (the plan lays the epochs end to end).
+    pub epochs: u32,
 }
 
 impl Default for DataConfig {
@@ -164,6 +167,7 @@ impl Default for DataConfig {
             min_len: 32,
             max_len: 4096,
             seed: 1,
+            epochs: 1,
         }
     }
 }
@@ -339,6 +343,12 @@ impl PipelineConfig {
                     "must be between 1 and data.max_len ({}), got {}",
                     d.max_len, d.min_len
                 ),
+            ));
+        }
+        if d.epochs == 0 {
+            return Err(invalid(
+                "data.epochs",
+                "must be at least 1 (each epoch trains every sample once)",
             ));
         }
         if d.path.is_none() && d.synthetic_samples == 0 {
@@ -548,6 +558,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("drafter.params"), "{err}");
+
+        let err = PipelineConfig::from_toml("[data]\nepochs = 0\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data.epochs") && err.contains("at least 1"),
+            "{err}"
+        );
+        let c = PipelineConfig::from_toml("[data]\nepochs = 3\n", Path::new("a.toml")).unwrap();
+        assert_eq!(c.data.epochs, 3);
     }
 
     #[test]

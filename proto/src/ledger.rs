@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::plan::Epochs;
 use crate::{BatchError, BatchView, RunDir};
 
 /// One line of a drafter's ledger: a batch it trained on.
@@ -104,25 +105,30 @@ pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<(Vec<LedgerLine>, u64
     Ok((lines, torn))
 }
 
-/// What the ledgers say about exactly-once training.
+/// What the ledgers say about exactly-once training: every sample once in every epoch.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Accounting {
-    /// Distinct samples in any line.
+    /// Distinct samples in any line, of any epoch.
     pub samples_trained: u64,
+    /// Distinct samples trained in each epoch of the plan, epoch 0 first.
+    pub samples_trained_per_epoch: Vec<u64>,
     /// Batches whose training is recorded more than once by live drafters: published more than
     /// once (several tickets), or one delivery of a publication recorded twice. A line of an
     /// earlier delivery does not count: its drafter died holding the batch, which the ring
     /// delivered again (at-least-once delivery across a crash).
     pub duplicated: u64,
-    /// Samples whose batch was trained by no live drafter or by more than one.
+    /// Samples trained more than once within one epoch (in two batches of that epoch, or in a
+    /// duplicated batch), counted once for each epoch in which it happened. A sample trained
+    /// once in each of two epochs is not among them.
     pub samples_not_once: u64,
 }
 
-/// Accounts for `lines` (see [`Accounting`]).
-pub fn account(lines: &[LedgerLine]) -> Accounting {
+/// Accounts for `lines`, each batch in its epoch of the plan (see [`Accounting`]).
+pub fn account(lines: &[LedgerLine], epochs: &Epochs) -> Accounting {
     // batch id -> ticket -> deliveries recorded
     let mut batches: HashMap<u64, BTreeMap<u64, Vec<u32>>> = HashMap::new();
-    let mut samples: HashMap<u64, HashSet<(u64, u64)>> = HashMap::new();
+    // (epoch, sample) -> the publications that trained it
+    let mut samples: HashMap<(u32, u64), HashSet<(u64, u64)>> = HashMap::new();
     for l in lines {
         batches
             .entry(l.batch_id)
@@ -130,8 +136,12 @@ pub fn account(lines: &[LedgerLine]) -> Accounting {
             .entry(l.ticket)
             .or_default()
             .push(l.delivery);
+        let epoch = epochs.of_batch(l.batch_id);
         for &s in &l.sample_ids {
-            samples.entry(s).or_default().insert((l.batch_id, l.ticket));
+            samples
+                .entry((epoch, s))
+                .or_default()
+                .insert((l.batch_id, l.ticket));
         }
     }
     let twice = |deliveries: &Vec<u32>| {
@@ -144,8 +154,14 @@ pub fn account(lines: &[LedgerLine]) -> Accounting {
         .filter(|(_, tickets)| tickets.len() > 1 || tickets.values().any(twice))
         .map(|(&b, _)| b)
         .collect();
+    let mut per_epoch = vec![0; epochs.count() as usize];
+    for &(e, _) in samples.keys() {
+        per_epoch[e as usize] += 1;
+    }
+    let distinct: HashSet<u64> = samples.keys().map(|&(_, s)| s).collect();
     Accounting {
-        samples_trained: samples.len() as u64,
+        samples_trained: distinct.len() as u64,
+        samples_trained_per_epoch: per_epoch,
         duplicated: duplicated.len() as u64,
         samples_not_once: samples
             .values()
@@ -273,9 +289,10 @@ mod tests {
         // redelivery: at-least-once across a crash, not a duplicate.
         let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
         assert_eq!(
-            account(&redelivered),
+            account(&redelivered, &Epochs::one()),
             Accounting {
                 samples_trained: 2,
+                samples_trained_per_epoch: vec![2],
                 duplicated: 0,
                 samples_not_once: 0
             }
@@ -286,10 +303,61 @@ mod tests {
             [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
             [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
         ] {
-            let a = account(&twice);
+            let a = account(&twice, &Epochs::one());
             assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
             assert_eq!(a.samples_not_once, 2);
         }
+    }
+
+    /// Two epochs: batches 0 and 1 are epoch 0, batches 2 and 3 epoch 1, each epoch holding
+    /// samples 10..14 once. A sample once in each epoch is exactly once; a sample in two batches
+    /// of one epoch is not, though no batch was trained twice.
+    #[test]
+    fn every_sample_once_in_every_epoch_and_twice_in_one_epoch_is_caught() {
+        let plan: Vec<crate::plan::PlannedBatch> = [0, 0, 1, 1]
+            .into_iter()
+            .map(|epoch| crate::plan::PlannedBatch {
+                sample_ids: Vec::new(),
+                bucket: 0,
+                tokens: 0,
+                epoch,
+            })
+            .collect();
+        let epochs = Epochs::of(&plan);
+        let once_each = [
+            line(0, 1, 0, &[10, 11]),
+            line(1, 2, 0, &[12, 13]),
+            line(2, 3, 0, &[13, 10]),
+            line(3, 4, 0, &[11, 12]),
+        ];
+        assert_eq!(
+            account(&once_each, &epochs),
+            Accounting {
+                samples_trained: 4,
+                samples_trained_per_epoch: vec![4, 4],
+                duplicated: 0,
+                samples_not_once: 0
+            }
+        );
+        // With one epoch the same lines train every sample twice.
+        assert_eq!(account(&once_each, &Epochs::one()).samples_not_once, 4);
+        // Sample 13 in both batches of epoch 1 (and 11 in none): epoch 1 still counts 4
+        // samples trained, but one of them twice.
+        let twice_in_one = [
+            line(0, 1, 0, &[10, 11]),
+            line(1, 2, 0, &[12, 13]),
+            line(2, 3, 0, &[13, 10]),
+            line(3, 4, 0, &[13, 12]),
+        ];
+        let a = account(&twice_in_one, &epochs);
+        assert_eq!(a.samples_trained_per_epoch, vec![4, 3]);
+        assert_eq!((a.duplicated, a.samples_not_once), (0, 1));
+        // Epoch 1's batch trained twice (two tickets): a duplicate in that epoch only.
+        let mut again = once_each.to_vec();
+        again.push(line(3, 5, 0, &[11, 12]));
+        let a = account(&again, &epochs);
+        assert_eq!(a.samples_trained_per_epoch, vec![4, 4]);
+        assert_eq!((a.duplicated, a.samples_not_once), (1, 2));
     }
 
     #[test]

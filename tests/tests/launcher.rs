@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
-use proto::{LedgerLine, RunDir};
+use proto::plan::{plan, Epochs};
+use proto::{LedgerLine, PipelineConfig, RunDir};
 use shm_ring::{Ring, Role, Snapshot, WorkerName};
 
 use crate::support::{
@@ -46,6 +47,13 @@ checkpoint_every = 3
     let p = dir.join("test.toml");
     std::fs::write(&p, text).unwrap();
     p
+}
+
+/// Replaces `from` with `to` in the config file `cfg` (a line of `config`'s text).
+fn edit_config(cfg: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(cfg).unwrap();
+    assert!(text.contains(from), "{from:?} is not in {text}");
+    std::fs::write(cfg, text.replace(from, to)).unwrap();
 }
 
 pub(crate) struct Run {
@@ -677,12 +685,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     let dead = Run::with_lock("ldead", None);
     // Enough data that the group checkpoints (every 3 steps) long before the targets finish.
     let cfg = config(&dead.dir, true, "");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(
-        &cfg,
-        text.replace("synthetic_samples = 400", "synthetic_samples = 4000"),
-    )
-    .unwrap();
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 4000");
     let mut killed = dead.launch(&cfg, &[]);
     let killed_ring = attach(&mut killed);
     let s = wait_until("8 live workers and a checkpoint", &killed_ring, |s| {
@@ -884,25 +887,26 @@ fn checkpoint_step(run: &Run) -> u64 {
     u64::from_le_bytes(st.tensor("step").unwrap().data().try_into().unwrap())
 }
 
-/// Starts a slow run of `samples` samples on the default GPU lists (`Run::args`) and SIGKILLs
-/// the launcher and every worker once the group has checkpointed and trained a few steps
-/// after it. Returns the checkpoint's step and the batches whose update it holds (with their
-/// steps).
-fn kill_everything_mid_run(run: &Run, samples: u32) -> (u64, HashMap<u64, u64>) {
+/// Starts a slow run of `samples` samples, `epochs` times over, on the default GPU lists
+/// (`Run::args`) and SIGKILLs the launcher and every worker once the group has checkpointed and
+/// trained `released` batches. Returns the checkpoint's step and the batches whose update it
+/// holds (with their steps).
+fn kill_everything_mid_run(
+    run: &Run,
+    samples: u32,
+    epochs: u32,
+    released: u64,
+) -> (u64, HashMap<u64, u64>) {
     let cfg = config(&run.dir, true, "");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(
+    edit_config(
         &cfg,
-        text.replace(
-            "synthetic_samples = 400",
-            &format!("synthetic_samples = {samples}"),
-        ),
-    )
-    .unwrap();
+        "synthetic_samples = 400",
+        &format!("synthetic_samples = {samples}\nepochs = {epochs}"),
+    );
     let mut launcher = run.launch(&cfg, &[]);
     let ring = attach(&mut launcher);
     let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
-        RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= 20
+        RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= released
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
     kill(launcher.child.id(), Signal::KILL);
@@ -936,6 +940,115 @@ fn resume_refused(run_dir: &Path, extra: &[&str]) -> (i32, String) {
     (out.status.code().unwrap(), err)
 }
 
+/// After a resume from the checkpoint at `step` holding the updates of `kept`: every planned
+/// batch is in exactly one applied update, a checkpointed batch keeps its old line (never
+/// trained again), every other line is after the checkpoint, and the ranks kept one model.
+fn resumed_retrained_nothing(run: &Run, step: u64, kept: &HashMap<u64, u64>) {
+    let lines = run.ledgers();
+    let mut seen = HashMap::new();
+    for l in &lines {
+        *seen.entry(l.batch_id).or_insert(0) += 1;
+        match kept.get(&l.batch_id) {
+            // Checkpointed: its line is the old one, never a new training.
+            Some(&st) => assert_eq!(
+                l.step, st,
+                "checkpointed batch {} trained again",
+                l.batch_id
+            ),
+            None => assert!(
+                l.step > step,
+                "batch {} after the resume has step {}",
+                l.batch_id,
+                l.step
+            ),
+        }
+    }
+    assert!(seen.values().all(|&n| n == 1), "a batch in two updates");
+    let total = run.summary()["batches_total"].as_u64().unwrap();
+    assert_eq!(seen.len() as u64, total);
+    one_model(&lines);
+}
+
+/// How many times the ledgers trained each sample in each epoch of the run's plan (the plan
+/// computed from the run's own config, as every process computes it).
+fn trainings_per_epoch(run: &Run) -> HashMap<(u32, u64), u32> {
+    let cfg = PipelineConfig::load(&RunDir::new(run.run_dir()).config()).unwrap();
+    let data = target_worker::load_dataset(&cfg).unwrap();
+    let epochs = Epochs::of(&plan(data.lengths(), &cfg));
+    let mut n = HashMap::new();
+    for l in run.ledgers() {
+        for &id in &l.sample_ids {
+            *n.entry((epochs.of_batch(l.batch_id), id)).or_default() += 1;
+        }
+    }
+    n
+}
+
+/// `[data] epochs = 2`: every sample is trained exactly twice, once in each epoch of the plan,
+/// the run exits 0, and summary.json counts each epoch.
+#[test]
+fn two_epochs_train_every_sample_once_in_each_epoch_and_the_summary_says_so() {
+    let run = Run::new("lepochs");
+    let cfg = config(&run.dir, false, "");
+    edit_config(&cfg, "max_len = 512\n", "max_len = 512\nepochs = 2\n");
+    let out = run.launch(&cfg, &[]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    assert!(
+        out.contains("2 epochs of 400 samples, [400, 400] trained per epoch"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["epochs"], 2, "{s}");
+    assert_eq!(
+        s["samples_trained_per_epoch"],
+        serde_json::json!([400, 400]),
+        "{s}"
+    );
+    assert_eq!(
+        (s["duplicated"].as_u64(), s["samples_not_once"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(s["samples_trained"], 400, "{s}");
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 400, "every sample trained");
+    assert!(counts.values().all(|&c| c == 2), "every sample twice");
+    let per_epoch = trainings_per_epoch(&run);
+    assert_eq!(per_epoch.len(), 800, "every sample in both epochs");
+    assert!(per_epoch.values().all(|&c| c == 1), "once per epoch");
+}
+
+/// A two-epoch run SIGKILLed in its second epoch, then `launcher --resume RUN_DIR`: the run goes
+/// on where its checkpoint is, retrains nothing checkpointed, and ends with every sample once
+/// in each epoch.
+#[test]
+fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpointed() {
+    let run = Run::new("lresumeepochs");
+    // 400 samples plan about 35 batches an epoch: 45 released is in the second.
+    let (step, kept) = kill_everything_mid_run(&run, 400, 2, 45);
+    let run_dir = run.run_dir();
+    let out = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", run_dir.to_str().unwrap(), "--monitor", "0.2"],
+    )
+    .finish();
+    assert!(
+        out.contains("resuming") && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(
+        s["samples_trained_per_epoch"],
+        serde_json::json!([400, 400]),
+        "{s}"
+    );
+    resumed_retrained_nothing(&run, step, &kept);
+    let per_epoch = trainings_per_epoch(&run);
+    assert_eq!(per_epoch.len(), 800, "every sample in both epochs");
+    assert!(per_epoch.values().all(|&c| c == 1), "once per epoch");
+}
+
 /// The launcher and every worker SIGKILLed mid-run, then `launcher --resume RUN_DIR` alone:
 /// it runs on the run's own GPU lists, the plan is finished, every batch is in exactly one
 /// applied update, and no batch whose update was in the checkpoint is trained again. Then the
@@ -944,7 +1057,7 @@ fn resume_refused(run_dir: &Path, extra: &[&str]) -> (i32, String) {
 fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed()
 {
     let run = Run::new("lresume");
-    let (step, kept) = kill_everything_mid_run(&run, 1500);
+    let (step, kept) = kill_everything_mid_run(&run, 1500, 1, 20);
     let run_dir = run.run_dir();
     let dir = run_dir.to_str().unwrap();
     let out = spawn(
@@ -966,28 +1079,7 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
         "{s}"
     );
     assert_eq!(s["samples_trained"], 1500, "{s}");
-    let lines = run.ledgers();
-    let mut seen = HashMap::new();
-    for l in &lines {
-        *seen.entry(l.batch_id).or_insert(0) += 1;
-        match kept.get(&l.batch_id) {
-            // Checkpointed: its line is the old one, never a new training.
-            Some(&st) => assert_eq!(
-                l.step, st,
-                "checkpointed batch {} trained again",
-                l.batch_id
-            ),
-            None => assert!(
-                l.step > step,
-                "batch {} after the resume has step {}",
-                l.batch_id,
-                l.step
-            ),
-        }
-    }
-    assert!(seen.values().all(|&n| n == 1), "a batch in two updates");
-    assert_eq!(seen.len() as u64, s["batches_total"].as_u64().unwrap());
-    one_model(&lines);
+    resumed_retrained_nothing(&run, step, &kept);
 
     // A finished run, a directory that is no run, a checkpoint that does not load: clear
     // errors, and nothing in the run directory changes.
@@ -1030,7 +1122,7 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
 #[test]
 fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_are_refused() {
     let run = Run::new("lresumelists");
-    kill_everything_mid_run(&run, 1200);
+    kill_everything_mid_run(&run, 1200, 1, 20);
     let run_dir = run.run_dir();
     let dir = run_dir.to_str().unwrap();
     let ledgers = || {
