@@ -16,7 +16,7 @@
 //! its ledger at each checkpoint step.
 
 use std::cell::Cell;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -29,6 +29,9 @@ use proto::ledger::{Ledger, LedgerLine};
 use proto::BatchView;
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
 use worker_runtime::{setup, Setup, WorkerArgs};
+
+mod save;
+use save::{checkpoint, export};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -47,36 +50,6 @@ use worker_runtime::{setup, Setup, WorkerArgs};
 pub struct Args {
     #[command(flatten)]
     pub common: WorkerArgs,
-}
-
-/// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
-/// never half of one.
-fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
-    atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
-        .with_context(|| format!("writing the checkpoint {}", path.display()))
-}
-
-/// Writes the export directory whole: into a fresh directory beside it, then swapped in, so a
-/// reader (or a crash) sees the old export or the new one, never a mix.
-fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
-    if !backend.exports() {
-        return Ok(());
-    }
-    let tmp = dir.with_extension(format!("new-{}", std::process::id()));
-    let old = dir.with_extension(format!("old-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    backend
-        .export(&tmp)
-        .with_context(|| format!("exporting the drafter to {}", tmp.display()))?;
-    let had = dir.exists();
-    if had {
-        std::fs::rename(dir, &old).with_context(|| format!("moving {} aside", dir.display()))?;
-    }
-    std::fs::rename(&tmp, dir).with_context(|| format!("writing {}", dir.display()))?;
-    if had {
-        let _ = std::fs::remove_dir_all(&old);
-    }
-    Ok(())
 }
 
 /// The drafter group's sizes for `drafters` ranks under `cfg`, starting at `initial_step`
