@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
+use crate::summary::DrafterSummary;
 
 /// One monitor tick, as written to metrics.jsonl. Fields added later default when read from an
 /// older file.
@@ -175,30 +176,33 @@ pub struct Monitor {
     events: Vec<EventTick>,
     /// The restarts of the last tick, for the final one.
     restarts: u32,
-    /// The drafter group's progress since the last tick: loss x tokens, tokens, last step.
+    /// The drafter group's progress since the last tick: loss x tokens, tokens.
     loss_sum: f64,
     loss_tokens: u64,
-    step: Option<u64>,
+    /// The group's last step, with its last loss, tau and lr (for the ticks and the summary).
+    group: Option<DrafterSummary>,
     /// The last interval's loss, kept while an interval brings no step.
     loss: Option<f64>,
-    /// Tau x steps and steps since the last tick; the last interval's tau; the last lr.
+    /// Tau x steps and steps since the last tick; the last interval's tau.
     tau_sum: f64,
     tau_steps: u64,
     tau: Option<f64>,
-    lr: Option<f64>,
     /// The steps since the last tick, for its `steps`.
     steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
 }
 
+/// The live workers of one role over an interval.
+fn live(iv: &Interval, role: Role) -> Vec<&WorkerRates> {
+    (iv.workers.iter())
+        .filter(|w| w.role == role && w.alive)
+        .collect()
+}
+
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
 fn shares(iv: &Interval, role: Role) -> (f64, f64) {
-    let ws: Vec<_> = iv
-        .workers
-        .iter()
-        .filter(|w| w.role == role && w.alive)
-        .collect();
+    let ws = live(iv, role);
     if ws.is_empty() {
         return (0.0, 0.0);
     }
@@ -245,12 +249,11 @@ impl Monitor {
             restarts: 0,
             loss_sum: 0.0,
             loss_tokens: 0,
-            step: None,
+            group: None,
             loss: None,
             tau_sum: 0.0,
             tau_steps: 0,
             tau: None,
-            lr: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
         })
@@ -266,11 +269,13 @@ impl Monitor {
             self.tau_sum += f64::from(tau);
             self.tau_steps += 1;
         }
-        if let Some(lr) = s.lr {
-            self.lr = Some(f64::from(lr));
-        }
-        self.step = Some(s.step);
+        DrafterSummary::update(&mut self.group, s);
         self.steps.push(*s);
+    }
+
+    /// The group's last step, loss, tau and lr, for the summary; `None` before any step.
+    pub fn group(&self) -> Option<DrafterSummary> {
+        self.group
     }
 
     /// The mean tau of the steps since the last tick (or the last one known).
@@ -358,9 +363,9 @@ impl Monitor {
             workers: iv.workers.iter().map(WorkerTick::new).collect(),
             events: std::mem::take(&mut self.events),
             drafter_loss: self.interval_loss(),
-            group_step: self.step,
+            group_step: self.group.map(|g| g.step),
             acceptance_length: self.interval_tau(),
-            lr: self.lr,
+            lr: self.group.and_then(|g| g.lr),
             steps: std::mem::take(&mut self.steps),
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
