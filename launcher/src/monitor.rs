@@ -6,6 +6,9 @@
 //! restarts, stops), with the time they were said. A line is written with one `write`, so a
 //! launcher killed mid-run leaves whole lines; the last tick is written when the run ends.
 //!
+//! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
+//! without failing the run.
+//!
 //! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
 //! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
 
@@ -23,6 +26,7 @@ use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
 use crate::summary::DrafterSummary;
+use crate::tensorboard::Board;
 
 /// One monitor tick, as written to metrics.jsonl. Fields added later default when read from an
 /// older file.
@@ -164,6 +168,8 @@ struct Bar {
 
 pub struct Monitor {
     metrics: File,
+    /// The TensorBoard event file.
+    board: Board,
     total: u64,
     every: Duration,
     last: Option<(Instant, Snapshot)>,
@@ -194,7 +200,7 @@ pub struct Monitor {
 }
 
 /// The live workers of one role over an interval.
-fn live(iv: &Interval, role: Role) -> Vec<&WorkerRates> {
+pub(crate) fn live(iv: &Interval, role: Role) -> Vec<&WorkerRates> {
     (iv.workers.iter())
         .filter(|w| w.role == role && w.alive)
         .collect()
@@ -221,6 +227,7 @@ impl Monitor {
         tee: &Tee,
     ) -> anyhow::Result<Monitor> {
         let path = run_dir.metrics();
+        let (board, board_error) = Board::open(run_dir);
         let metrics =
             // Appended: a resumed run adds to what the run wrote before.
             std::fs::OpenOptions::new()
@@ -237,8 +244,9 @@ impl Monitor {
             template: String::new(),
             log: tee.log(),
         });
-        Ok(Monitor {
+        let mut mon = Monitor {
             metrics,
+            board,
             total,
             every,
             last: None,
@@ -256,7 +264,11 @@ impl Monitor {
             tau: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
-        })
+        };
+        if let Some(msg) = board_error {
+            mon.say(&msg);
+        }
+        Ok(mon)
     }
 
     /// The group leader applied a step: its mean loss per loss token, its tau and lr.
@@ -374,6 +386,9 @@ impl Monitor {
         self.metrics
             .write_all(json.as_bytes())
             .context("writing metrics.jsonl")?;
+        if let Some(msg) = self.board.record(&t, &iv) {
+            self.say(&msg);
+        }
         let rate = if t.tokens_per_s >= 1000.0 {
             format!("{:.1}k tok/s", t.tokens_per_s / 1000.0)
         } else {
