@@ -19,6 +19,7 @@ mod signals;
 mod spawn;
 mod summary;
 mod supervisor;
+mod tensorboard;
 
 use std::path::PathBuf;
 

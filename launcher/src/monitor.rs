@@ -6,6 +6,9 @@
 //! restarts, stops), with the time they were said. A line is written with one `write`, so a
 //! launcher killed mid-run leaves whole lines; the last tick is written when the run ends.
 //!
+//! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
+//! without failing the run.
+//!
 //! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
 //! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
 
@@ -22,6 +25,8 @@ use serde::{Deserialize, Serialize};
 use shm_ring::{Phase, Ring, Role, SlotCounts, Snapshot, WorkerState};
 
 use crate::output::{Log, Tee};
+use crate::summary::DrafterSummary;
+use crate::tensorboard::Board;
 
 /// One monitor tick, as written to metrics.jsonl. Fields added later default when read from an
 /// older file.
@@ -163,6 +168,8 @@ struct Bar {
 
 pub struct Monitor {
     metrics: File,
+    /// The TensorBoard event file.
+    board: Board,
     total: u64,
     every: Duration,
     last: Option<(Instant, Snapshot)>,
@@ -175,30 +182,33 @@ pub struct Monitor {
     events: Vec<EventTick>,
     /// The restarts of the last tick, for the final one.
     restarts: u32,
-    /// The drafter group's progress since the last tick: loss x tokens, tokens, last step.
+    /// The drafter group's progress since the last tick: loss x tokens, tokens.
     loss_sum: f64,
     loss_tokens: u64,
-    step: Option<u64>,
+    /// The group's last step, with its last loss, tau and lr (for the ticks and the summary).
+    group: Option<DrafterSummary>,
     /// The last interval's loss, kept while an interval brings no step.
     loss: Option<f64>,
-    /// Tau x steps and steps since the last tick; the last interval's tau; the last lr.
+    /// Tau x steps and steps since the last tick; the last interval's tau.
     tau_sum: f64,
     tau_steps: u64,
     tau: Option<f64>,
-    lr: Option<f64>,
     /// The steps since the last tick, for its `steps`.
     steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
 }
 
+/// The live workers of one role over an interval.
+pub(crate) fn live(iv: &Interval, role: Role) -> Vec<&WorkerRates> {
+    (iv.workers.iter())
+        .filter(|w| w.role == role && w.alive)
+        .collect()
+}
+
 /// Mean (busy, waiting) shares of the live workers of one role over an interval.
 fn shares(iv: &Interval, role: Role) -> (f64, f64) {
-    let ws: Vec<_> = iv
-        .workers
-        .iter()
-        .filter(|w| w.role == role && w.alive)
-        .collect();
+    let ws = live(iv, role);
     if ws.is_empty() {
         return (0.0, 0.0);
     }
@@ -217,6 +227,7 @@ impl Monitor {
         tee: &Tee,
     ) -> anyhow::Result<Monitor> {
         let path = run_dir.metrics();
+        let (board, board_error) = Board::open(run_dir);
         let metrics =
             // Appended: a resumed run adds to what the run wrote before.
             std::fs::OpenOptions::new()
@@ -233,8 +244,9 @@ impl Monitor {
             template: String::new(),
             log: tee.log(),
         });
-        Ok(Monitor {
+        let mut mon = Monitor {
             metrics,
+            board,
             total,
             every,
             last: None,
@@ -245,15 +257,18 @@ impl Monitor {
             restarts: 0,
             loss_sum: 0.0,
             loss_tokens: 0,
-            step: None,
+            group: None,
             loss: None,
             tau_sum: 0.0,
             tau_steps: 0,
             tau: None,
-            lr: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
-        })
+        };
+        if let Some(msg) = board_error {
+            mon.say(&msg);
+        }
+        Ok(mon)
     }
 
     /// The group leader applied a step: its mean loss per loss token, its tau and lr.
@@ -266,11 +281,13 @@ impl Monitor {
             self.tau_sum += f64::from(tau);
             self.tau_steps += 1;
         }
-        if let Some(lr) = s.lr {
-            self.lr = Some(f64::from(lr));
-        }
-        self.step = Some(s.step);
+        DrafterSummary::update(&mut self.group, s);
         self.steps.push(*s);
+    }
+
+    /// The group's last step, loss, tau and lr, for the summary; `None` before any step.
+    pub fn group(&self) -> Option<DrafterSummary> {
+        self.group
     }
 
     /// The mean tau of the steps since the last tick (or the last one known).
@@ -358,9 +375,9 @@ impl Monitor {
             workers: iv.workers.iter().map(WorkerTick::new).collect(),
             events: std::mem::take(&mut self.events),
             drafter_loss: self.interval_loss(),
-            group_step: self.step,
+            group_step: self.group.map(|g| g.step),
             acceptance_length: self.interval_tau(),
-            lr: self.lr,
+            lr: self.group.and_then(|g| g.lr),
             steps: std::mem::take(&mut self.steps),
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
@@ -369,6 +386,9 @@ impl Monitor {
         self.metrics
             .write_all(json.as_bytes())
             .context("writing metrics.jsonl")?;
+        if let Some(msg) = self.board.record(&t, &iv) {
+            self.say(&msg);
+        }
         let rate = if t.tokens_per_s >= 1000.0 {
             format!("{:.1}k tok/s", t.tokens_per_s / 1000.0)
         } else {

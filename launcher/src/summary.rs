@@ -1,6 +1,9 @@
 //! `summary.json`: what the run did, from the drafters' ledgers (what was trained) and the
 //! ring's telemetry (what moved, and where each worker's time went).
 //!
+//! `drafter` is the group's training where it ended: its last step, with the last loss, tau and
+//! learning rate the leader reported (`StepStats`, through the monitor).
+//!
 //! The verdict (`ok`, and the degraded exit code) comes from the ledgers alone: every sample
 //! trained exactly once in every epoch of the plan (each ledger line's batch is in the epoch its
 //! plan index says), and no batch trained more than once. The ring's counters (`published`,
@@ -26,6 +29,39 @@ pub struct WorkerSummary {
     pub tokens: u64,
     /// Fraction of the run's wall time spent in compute (the GPU doing model work).
     pub busy_frac: f64,
+}
+
+/// The drafter group's training at its last step, as the leader reported it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct DrafterSummary {
+    /// The group's last applied step.
+    pub step: u64,
+    /// The mean loss per loss token of the last step that had loss tokens (the last steps may
+    /// only see the end); null if none had.
+    pub loss: Option<f64>,
+    /// The acceptance length of the last step that reported one; null for a drafter that
+    /// reports none (the mock drafts no blocks).
+    pub tau: Option<f64>,
+    /// The learning rate of the last step that reported one (a backend with a schedule).
+    pub lr: Option<f64>,
+}
+
+impl DrafterSummary {
+    /// Takes in one applied step: the step always, its loss, tau and lr where it has them.
+    pub fn update(last: &mut Option<DrafterSummary>, s: &proto::control::StepStats) {
+        let d = last.get_or_insert_with(DrafterSummary::default);
+        d.step = s.step;
+        let trained = s.tokens > 0;
+        if trained && s.loss.is_finite() {
+            d.loss = Some(f64::from(s.loss));
+        }
+        if let Some(tau) = s.tau.filter(|t| trained && t.is_finite()) {
+            d.tau = Some(f64::from(tau));
+        }
+        if let Some(lr) = s.lr {
+            d.lr = Some(f64::from(lr));
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -62,6 +98,8 @@ pub struct Summary {
     pub ring: String,
     pub notes: Vec<String>,
     pub workers: Vec<WorkerSummary>,
+    /// The group's training where it ended; null when the group reported no step.
+    pub drafter: Option<DrafterSummary>,
 }
 
 /// What the supervisor knows at the end of a run, for [`build`].
@@ -80,6 +118,8 @@ pub struct Facts<'a> {
     pub wall: Duration,
     /// Restarts by worker name (`target-0`).
     pub restarts: &'a HashMap<WorkerName, u32>,
+    /// The group's last step, as the monitor saw it.
+    pub drafter: Option<DrafterSummary>,
 }
 
 /// The summary from the ledgers and the ring's telemetry; `ok`, the exit code and the notes
@@ -95,6 +135,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         drafters,
         wall,
         restarts,
+        drafter,
     } = *f;
     let (lines, torn) = proto::ledger::read_all(run_dir, drafters)?;
     let acct = proto::ledger::account(&lines, epochs);
@@ -143,6 +184,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         ring: ring.to_string(),
         notes: Vec::new(),
         workers,
+        drafter,
     })
 }
 
@@ -223,6 +265,16 @@ pub fn print(s: &Summary) {
         s.duplicated,
         s.tokens_per_s
     );
+    if let Some(d) = &s.drafter {
+        let mut line = format!("drafter group: step {}", d.step);
+        if let Some(loss) = d.loss {
+            line += &format!(" loss {loss:.4}");
+        }
+        if let Some(tau) = d.tau {
+            line += &format!(" tau {tau:.2}");
+        }
+        println!("{line}");
+    }
     println!(
         "{:<8} {:>3} {:>4} {:>8} {:>7} {:>10} {:>6}",
         "role", "idx", "gpu", "restarts", "items", "tokens", "busy"
@@ -248,18 +300,17 @@ pub fn print(s: &Summary) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::control::StepStats;
     use proto::LedgerLine;
     use shm_ring::{Ring, RingParams, TakePolicy};
 
-    /// Issue #9, item 8: a batch trained twice by live drafters (published twice: two tickets)
-    /// makes `duplicated` 1 and `ok` false, although every sample appears and the distinct
-    /// sample count looks perfect. Before, samples were counted in a set and the run was ok.
-    #[test]
-    fn a_batch_trained_twice_is_counted_in_duplicated_and_the_run_is_not_ok() {
-        let dir = std::env::temp_dir().join(format!("hspipe-summary-{}", std::process::id()));
+    /// A summary over a ring of two batches, from ledger lines `(drafter, batch, ticket)`
+    /// (each batch two samples, of four), with the group as the monitor saw it.
+    fn built(tag: &str, lines: &[(u32, u64, u64)], drafter: Option<DrafterSummary>) -> Summary {
+        let dir = std::env::temp_dir().join(format!("hspipe-summary-{tag}-{}", std::process::id()));
         let dir = RunDir::new(dir);
         std::fs::create_dir_all(dir.ledger_dir()).unwrap();
-        let line = |d: u32, batch_id: u64, ticket: u64| {
+        for &(d, batch_id, ticket) in lines {
             let l = LedgerLine {
                 batch_id,
                 sample_ids: vec![batch_id * 10, batch_id * 10 + 1],
@@ -274,12 +325,9 @@ mod tests {
             let mut text = std::fs::read_to_string(&path).unwrap_or_default();
             text += &(serde_json::to_string(&l).unwrap() + "\n");
             std::fs::write(path, text).unwrap();
-        };
-        line(0, 0, 0);
-        line(0, 1, 1);
-        line(1, 1, 2);
+        }
         let ring = Ring::create(
-            &format!("hspipe-u-{}-summary", std::process::id()),
+            &format!("hspipe-u-{}-summary-{tag}", std::process::id()),
             &RingParams {
                 slots: 2,
                 slot_size: 64,
@@ -303,9 +351,18 @@ mod tests {
             drafters: 2,
             wall: Duration::from_secs(1),
             restarts: &HashMap::new(),
+            drafter,
         });
         std::fs::remove_dir_all(dir.path()).unwrap();
-        let s = finalise(s.unwrap(), 0, Vec::new());
+        finalise(s.unwrap(), 0, Vec::new())
+    }
+
+    /// Issue #9, item 8: a batch trained twice by live drafters (published twice: two tickets)
+    /// makes `duplicated` 1 and `ok` false, although every sample appears and the distinct
+    /// sample count looks perfect. Before, samples were counted in a set and the run was ok.
+    #[test]
+    fn a_batch_trained_twice_is_counted_in_duplicated_and_the_run_is_not_ok() {
+        let s = built("dup", &[(0, 0, 0), (0, 1, 1), (1, 1, 2)], None);
         assert_eq!((s.samples_trained, s.samples_total), (4, 4));
         assert_eq!(s.duplicated, 1);
         assert!(!s.ok);
@@ -314,5 +371,35 @@ mod tests {
             "{:?}",
             s.notes
         );
+    }
+
+    /// `drafter` in summary.json: the group's last step, the loss of the last step that had
+    /// loss tokens (the end's steps have none), tau and lr null while no step reports them (the
+    /// mock), the last reported once one does; null when the group reported no step.
+    #[test]
+    fn the_summary_has_the_groups_last_step_loss_and_tau() {
+        let step = |step, tokens, loss, tau, lr| StepStats {
+            step,
+            tokens,
+            loss,
+            tau,
+            lr,
+        };
+        let mut group = None;
+        DrafterSummary::update(&mut group, &step(1, 10, 0.75, None, None));
+        DrafterSummary::update(&mut group, &step(2, 12, 0.5, None, None));
+        DrafterSummary::update(&mut group, &step(3, 0, f32::NAN, None, None));
+        let s = serde_json::to_value(built("group", &[(0, 0, 0), (1, 1, 1)], group)).unwrap();
+        assert_eq!(
+            s["drafter"],
+            serde_json::json!({"step": 3, "loss": 0.5, "tau": null, "lr": null})
+        );
+        DrafterSummary::update(&mut group, &step(4, 8, 0.25, Some(3.5), Some(1e-3)));
+        DrafterSummary::update(&mut group, &step(5, 0, 0.0, None, None));
+        let d = group.unwrap();
+        assert_eq!((d.step, d.loss, d.tau), (5, Some(0.25), Some(3.5)));
+        assert_eq!(d.lr, Some(f64::from(1e-3_f32)));
+        let none = serde_json::to_value(built("nogroup", &[(0, 0, 0), (1, 1, 1)], None)).unwrap();
+        assert!(none["drafter"].is_null(), "{none}");
     }
 }

@@ -433,6 +433,7 @@ impl<'a> Supervisor<'a> {
             drafters: self.drafters,
             wall,
             restarts: &restarts,
+            drafter: self.mon.group(),
         })?;
         let mut notes = std::mem::take(&mut self.notes);
         // Judged from the ledgers only (summary.rs): what was trained, and what twice.

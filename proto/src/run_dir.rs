@@ -154,6 +154,12 @@ impl RunDir {
         self.0.join("metrics.jsonl")
     }
 
+    /// The TensorBoard event files (`events.out.tfevents.*`), one per launcher: a resume adds
+    /// one beside the earlier ones. `tensorboard --logdir` reads the folder.
+    pub fn tensorboard_dir(&self) -> PathBuf {
+        self.0.join("tb")
+    }
+
     /// What the run did; `ok` true means every sample was trained once.
     pub fn summary(&self) -> PathBuf {
         self.0.join("summary.json")

@@ -1059,6 +1059,7 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
     let run = Run::new("lresume");
     let (step, kept) = kill_everything_mid_run(&run, 1500, 1, 20);
     let run_dir = run.run_dir();
+    let ticks_before = crate::tensorboard::ticks(&run_dir).len() as i64;
     let dir = run_dir.to_str().unwrap();
     let out = spawn(
         &workspace_bin("launcher"),
@@ -1080,6 +1081,33 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
     );
     assert_eq!(s["samples_trained"], 1500, "{s}");
     resumed_retrained_nothing(&run, step, &kept);
+    // TensorBoard: the killed launcher's event file is kept, and the resume's is beside it,
+    // its ticks numbered on from metrics.jsonl's and its loss from after the checkpoint.
+    let ticks = crate::tensorboard::ticks(&run_dir).len() as i64;
+    let files = crate::tensorboard::read_run(&run_dir);
+    assert_eq!(files.len(), 2, "one event file per launcher");
+    let tag = "pipeline/tokens_per_s";
+    let first = files[0].steps(tag);
+    // The kill may have come between a tick's metrics line and its events.
+    assert!(
+        !first.is_empty() && first.iter().copied().eq(1..=first.len() as i64),
+        "{first:?}"
+    );
+    assert!(
+        first.len() as i64 >= ticks_before - 1,
+        "{first:?} of {ticks_before}"
+    );
+    assert!(!files[1].truncated);
+    assert!(
+        files[1].steps(tag).into_iter().eq(ticks_before + 1..=ticks),
+        "{:?}",
+        files[1].steps(tag)
+    );
+    let resumed = files[1].steps("train/loss");
+    assert!(
+        resumed.first().is_some_and(|&s| s > step as i64),
+        "{resumed:?}"
+    );
 
     // A finished run, a directory that is no run, a checkpoint that does not load: clear
     // errors, and nothing in the run directory changes.

@@ -8,6 +8,7 @@ mod model;
 mod ring_processes;
 mod screen;
 mod support;
+mod tensorboard;
 mod tidy;
 mod verdict;
 mod workers;
