@@ -1,11 +1,17 @@
 //! A built-in synthetic language with structure a model can learn and a drafter can exploit
-//! several tokens ahead: a seeded sparse Markov chain of order 2 over the vocabulary.
+//! several tokens ahead: a seeded sparse Markov chain of order 2 over [`ACTIVE`] ids of the
+//! vocabulary.
 //!
-//! Each context (the two previous tokens) has [`SUCCESSORS`] likely next tokens, drawn from a
-//! hash of the context and the seed (no table: any vocabulary size costs nothing), taken with
-//! the skewed probabilities [`WEIGHTS`]; with probability [`NOISE`] the next token is instead
-//! uniform over the vocabulary. Tokens below `first` (a tokenizer's special tokens) never
-//! occur. [`Language::entropy_bits`] is the exact entropy per token of that rule.
+//! Each context (the previous token, and the class of the one before it, one of [`CLASSES`]) has
+//! [`SUCCESSORS`] likely next tokens, drawn from a hash of the context and the seed (no table),
+//! taken with the skewed probabilities [`WEIGHTS`]; with probability [`NOISE`] the next token is
+//! instead uniform over the active ids. Tokens below `first` (a tokenizer's special tokens)
+//! never occur. [`Language::entropy_bits`] is the exact entropy per token of that rule.
+//!
+//! Why so few contexts (`ACTIVE x CLASSES` = 1024): a model of hidden size 64 learns them in a
+//! minute on two CPU cores, so `make-model --train` gives a target whose greedy text follows the
+//! chain, and a drafter can learn the chain's next steps. A hash of the whole pair over the
+//! whole vocabulary (a million contexts at 1024 ids) is beyond any model trained that briefly.
 
 use crate::samples::mix;
 
@@ -13,8 +19,15 @@ use crate::samples::mix;
 pub const SUCCESSORS: usize = 4;
 /// Their probabilities, most likely first (before the noise is mixed in).
 pub const WEIGHTS: [f64; SUCCESSORS] = [0.6, 0.25, 0.1, 0.05];
-/// Probability that a token is uniform over the vocabulary instead.
+/// Probability that a token is uniform over the active ids instead.
 pub const NOISE: f64 = 0.05;
+/// Ids the language uses (from `first`), at most.
+pub const ACTIVE: u32 = 256;
+/// Classes of the earlier token of a context (its id modulo this).
+pub const CLASSES: u32 = 4;
+/// The seed of the one language every real-model run, `make-model --train` and `launcher eval`
+/// use: a run's `data.seed` picks samples of it, never another language.
+pub const SEED: u64 = 0x1a46_5eed;
 
 /// The language over ids `first..vocab`, seeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,20 +37,27 @@ pub struct Language {
     pub seed: u64,
 }
 
+/// How often the likeliest successor comes: what a model that knows the chain scores as its
+/// next-token accuracy.
+pub fn likeliest_share() -> f64 {
+    (1.0 - NOISE) * WEIGHTS[0] + NOISE / f64::from(ACTIVE)
+}
+
 impl Language {
-    /// The language over `first..vocab` (at least `SUCCESSORS + 1` ids).
+    /// The language over `first..vocab` (at least `SUCCESSORS + 1` ids; the first [`ACTIVE`]
+    /// of them used).
     pub fn new(first: u32, vocab: u32, seed: u64) -> Language {
         let vocab = vocab.max(first + SUCCESSORS as u32 + 1);
         Language { first, vocab, seed }
     }
 
     fn span(&self) -> u64 {
-        u64::from(self.vocab - self.first)
+        u64::from((self.vocab - self.first).min(ACTIVE))
     }
 
     /// Successor `k` of the context `(a, b)` (`b` the latest token).
     pub fn successor(&self, a: u32, b: u32, k: usize) -> u32 {
-        let h = mix(self.seed ^ mix(u64::from(a) << 32 | u64::from(b)) ^ (k as u64 + 1));
+        let h = mix(self.seed ^ mix(u64::from(a % CLASSES) << 32 | u64::from(b)) ^ (k as u64 + 1));
         self.first + (h % self.span()) as u32
     }
 
@@ -111,9 +131,12 @@ mod tests {
         assert_eq!(a, l.sample(3, 4000));
         assert_ne!(a, l.sample(4, 4000));
         assert_ne!(a, Language::new(5, 1024, 8).sample(3, 4000));
-        assert!(a.iter().all(|&t| (5..1024).contains(&t)));
+        assert!(a.iter().all(|&t| (5..5 + ACTIVE).contains(&t)));
+        // Order 2: the earlier token's class changes the successors.
+        assert_ne!(l.likeliest(5, 9), l.likeliest(6, 9));
+        assert_eq!(l.likeliest(5, 9), l.likeliest(5 + CLASSES, 9));
         // The likeliest successor comes about 0.95 x 0.6 of the time, any of the four about
-        // 0.95; uniform ids would give 1 / 1019 and 4 / 1019.
+        // 0.95; uniform ids would give 1 / 256 and 4 / 256.
         let (mut top, mut any) = (0, 0);
         for w in a.windows(3) {
             top += usize::from(w[2] == l.likeliest(w[0], w[1]));
@@ -126,7 +149,7 @@ mod tests {
             top as f64 / n
         );
         assert!(any as f64 / n > 0.93, "any {}", any as f64 / n);
-        // About 1.9 bits per token against log2(1019) = 10 for uniform ids.
+        // About 1.8 bits per token against log2(256) = 8 for uniform active ids.
         let h = l.entropy_bits();
         assert!((1.5..2.5).contains(&h), "{h}");
     }

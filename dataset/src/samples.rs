@@ -93,7 +93,7 @@ impl Dataset {
         let vocab = u64::from(s.vocab.max(1));
         let language = s
             .language
-            .then(|| crate::language::Language::new(0, s.vocab, seed));
+            .then(|| crate::language::Language::new(0, s.vocab, crate::language::SEED));
         let (lo, hi) = (
             f64::from(min_len.max(1)).ln(),
             f64::from(max_len.max(1)).ln(),
@@ -103,7 +103,8 @@ impl Dataset {
                 let u = (mix(seed ^ mix(id)) >> 11) as f64 / (1u64 << 53) as f64;
                 let len = ((lo + u * (hi - lo)).exp().round() as u32).clamp(min_len, max_len);
                 let input_ids = match &language {
-                    Some(l) => l.sample(id, len),
+                    // The seed picks samples of the one language.
+                    Some(l) => l.sample(mix(seed) ^ id, len),
                     None => (0..len)
                         .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
                         .collect(),

@@ -23,6 +23,7 @@ pub mod config;
 pub mod decoder;
 pub mod dflash;
 pub mod make;
+pub mod pretrain;
 mod rope;
 pub mod spec;
 pub mod train;

@@ -78,6 +78,8 @@ pub struct MakeSpec {
     pub llama3: Option<Llama3Scaling>,
     /// Bias on q, k and v for `llama` (`attention_bias`; qwen2 always has it).
     pub attention_bias: bool,
+    /// Train the model on the built-in synthetic language before writing it (Qwen3 only).
+    pub train: Option<crate::pretrain::TrainSpec>,
 }
 
 impl Default for MakeSpec {
@@ -101,6 +103,7 @@ impl Default for MakeSpec {
             rope_theta: 1_000_000.0,
             llama3: None,
             attention_bias: false,
+            train: None,
         }
     }
 }
@@ -117,6 +120,15 @@ pub const SPECIAL_TOKENS: &[&str] = &[
 
 /// Writes the model `spec` describes into `dir` (created if missing; files in it replaced).
 pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
+    make_model_reporting(dir, spec, &mut |_, _| {})
+}
+
+/// [`make_model`], calling `progress(step, loss)` after each training step.
+pub fn make_model_reporting(
+    dir: &Path,
+    spec: &MakeSpec,
+    progress: &mut dyn FnMut(usize, f64),
+) -> Result<()> {
     check(spec)?;
     std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
         path: dir.to_path_buf(),
@@ -126,8 +138,11 @@ pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
         let path = dir.join(name);
         std::fs::write(&path, bytes).map_err(|source| ModelError::Io { path, source })
     };
+    let mut tensors = tensors(spec);
+    if let Some(ts) = &spec.train {
+        train(spec, &mut tensors, ts, progress)?;
+    }
     write("config.json", pretty(&config_json(spec)).as_bytes())?;
-    let tensors = tensors(spec);
     let shards = shard(&tensors, spec.shard_bytes);
     if shards.len() == 1 {
         write("model.safetensors", &serialize(&tensors, spec.stored)?)?;
@@ -160,8 +175,44 @@ pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
     Ok(())
 }
 
+/// Trains `tensors` in place (see [`crate::pretrain`]).
+fn train(
+    s: &MakeSpec,
+    tensors: &mut [Tensor],
+    ts: &crate::pretrain::TrainSpec,
+    progress: &mut dyn FnMut(usize, f64),
+) -> Result<()> {
+    let dev = candle_core::Device::Cpu;
+    let values = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), t.data.clone()))
+        .collect();
+    let mut params = crate::train::Params::from_values(values, &dev)?;
+    let shape = crate::pretrain::Shape {
+        layers: s.layers,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: head_dim(s),
+        vocab: s.vocab,
+        tied: s.tied,
+        rope_theta: s.rope_theta,
+    };
+    crate::pretrain::train(&mut params, &shape, ts, progress)?;
+    let flat = params.flat()?;
+    let mut at = 0;
+    for t in tensors {
+        let n = t.data.len();
+        t.data.copy_from_slice(&flat[at..at + n]);
+        at += n;
+    }
+    Ok(())
+}
+
 fn check(s: &MakeSpec) -> Result<()> {
     let bad = |why: String| Err(ModelError::Input(why));
+    if s.train.is_some() && (s.family != Family::Qwen3 || s.llama3.is_some()) {
+        return bad("--train trains a qwen3 model only".into());
+    }
     if s.layers == 0 || s.hidden == 0 || s.heads == 0 || s.kv_heads == 0 || s.intermediate == 0 {
         return bad(
             "layers, hidden, heads, kv heads and intermediate size must be at least 1".into(),

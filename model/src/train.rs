@@ -73,20 +73,34 @@ impl Params {
     /// order: the same seed gives the same bits on every rank.
     pub fn new(specs: &[(String, Vec<usize>, Init)], seed: u64, device: &Device) -> Result<Params> {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let values = specs
+            .iter()
+            .map(|(name, shape, init)| {
+                let n: usize = shape.iter().product();
+                let data: Vec<f32> = match *init {
+                    Init::Ones => vec![1.0; n],
+                    Init::Normal(std) => (0..n).map(|_| normal(&mut rng) * std).collect(),
+                };
+                (name.clone(), shape.clone(), data)
+            })
+            .collect();
+        Params::from_values(values, device)
+    }
+
+    /// Parameters with the given values, in order.
+    pub fn from_values(
+        values: Vec<(String, Vec<usize>, Vec<f32>)>,
+        device: &Device,
+    ) -> Result<Params> {
         let mut p = Params {
             names: Vec::new(),
             shapes: Vec::new(),
             vars: Vec::new(),
         };
-        for (name, shape, init) in specs {
-            let n: usize = shape.iter().product();
-            let data: Vec<f32> = match *init {
-                Init::Ones => vec![1.0; n],
-                Init::Normal(std) => (0..n).map(|_| normal(&mut rng) * std).collect(),
-            };
+        for (name, shape, data) in values {
             let t = Tensor::from_vec(data, shape.as_slice(), device)?;
-            p.names.push(name.clone());
-            p.shapes.push(shape.clone());
+            p.names.push(name);
+            p.shapes.push(shape);
             p.vars.push(Var::from_tensor(&t)?);
         }
         Ok(p)
