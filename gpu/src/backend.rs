@@ -11,8 +11,8 @@ use proto::{PipelineConfig, WorkerName};
 pub enum BackendKind {
     /// CPU only: simulated speed and content, a real learner.
     Mock,
-    /// A real target (an HF model directory, --model) on candle, on the CPU; the drafter is
-    /// still the mock's learner, trained on the real states.
+    /// A real target (an HF model directory, --model) on candle, on the CPU, and a DFlash
+    /// drafter trained on its states.
     Candle,
     /// NVIDIA GPUs, on the `cuda` crate (cudarc's driver API and NCCL); not built yet.
     Cuda,

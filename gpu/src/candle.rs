@@ -2,9 +2,8 @@
 //! the same code takes a GPU once candle's CUDA device is built in (the CUDA issue).
 //!
 //! The target writes the captured layers `[tokens x layers x hidden]` in the slot's dtype and
-//! the greedy next tokens into the slot. The drafter is still the mock's learner (the DFlash
-//! drafter is the next issue), with its content check off: the batches' checksums are what it
-//! verifies, the states being real.
+//! the greedy next tokens into the slot. The drafter is a DFlash drafter (`dflash.rs`) trained
+//! on them; the batches' checksums are what it verifies, the states being real.
 
 use std::path::Path;
 

@@ -108,7 +108,7 @@ pub struct Args {
     pub share_gpus: bool,
     /// Compute backend. auto: candle when a model is given (--model or [model] path), else
     /// mock; it says whether an NVIDIA driver was found (the cuda backend is not built yet).
-    /// candle: the real target on the CPU (the drafter is still the mock's learner).
+    /// candle: the real target on the CPU and a DFlash drafter trained on it.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
     /// The target model: an HF model directory (config.json with model_type qwen3, qwen2 or

@@ -1,5 +1,8 @@
 //! The launcher end to end on the mock backend: full runs, crashes from outside, stop signals
 //! (also with the terminal gone), reclaiming a killed launcher's ring, bad input, crash loops.
+//! The drafter group's faults (a rank killed in the reduction, after its update, while
+//! rejoining, by SIGKILL; the whole run killed and resumed) run on the candle backend too: one
+//! scenario function taking the [`Backend`], a test for each.
 //! Every run uses its own run directory and ring.
 //!
 //! Length: one file per area of behaviour; its length is its scenarios, each test standing
@@ -47,6 +50,35 @@ checkpoint_every = 3
     let p = dir.join("test.toml");
     std::fs::write(&p, text).unwrap();
     p
+}
+
+/// What a scenario of the drafter group runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// The mock: simulated speed (`slow` targets to act mid-run), the mock's learner.
+    Mock,
+    /// A tiny real target made in the test's directory, training a DFlash drafter on its
+    /// states: `model::SMALL_DFLASH`, a run of 60 batches in a few seconds.
+    Candle,
+}
+
+impl Backend {
+    /// The run's config in `dir` (400 samples, a checkpoint every 3 steps, then `extra`) and
+    /// the launcher flags that pick this backend.
+    fn setup(self, dir: &Path, slow: bool, extra: &str) -> (PathBuf, Vec<String>) {
+        match self {
+            Backend::Mock => (config(dir, slow, extra), vec![]),
+            Backend::Candle => {
+                let model = crate::model::tiny(dir);
+                let p = dir.join("candle.toml");
+                // `config`'s ring and checkpoints; no simulated time, so `slow` means nothing.
+                let ring = "[ring]\nslots = 24\nmin_ready = 4\n[drafter]\ncheckpoint_every = 3\n";
+                let small = crate::model::SMALL_DFLASH;
+                std::fs::write(&p, format!("{ring}{small}{extra}\n")).unwrap();
+                (p, vec!["--model".into(), model.display().to_string()])
+            }
+        }
+    }
 }
 
 /// Replaces `from` with `to` in the config file `cfg` (a line of `config`'s text).
@@ -102,6 +134,11 @@ impl Run {
         let args = self.args(config, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         spawn(&workspace_bin("launcher"), &args)
+    }
+    /// `launch` with the flags of [`Backend::setup`].
+    fn launch_on(&self, (config, flags): &(PathBuf, Vec<String>)) -> Proc {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        self.launch(config, &flags)
     }
     /// Like `launch`, but the test reads the launcher's stderr nowhere, so that it can close
     /// both of its outputs (`Proc::close_output`).
@@ -186,15 +223,18 @@ fn one_model(lines: &[LedgerLine]) -> usize {
     by_step.len()
 }
 
-/// A drafter killed at an exact point of the group protocol (a mock fault): the run completes,
-/// every sample is trained exactly once by the ledgers, the ranks kept one model, and the victim
-/// was restarted `restarts` times. Returns the launcher's output.
-fn group_kill(tag: &str, fault: &str, restarts: u64) -> String {
+/// A drafter killed at an exact point of the group protocol (an injected fault, for any
+/// backend): the run completes, every sample is trained exactly once by the ledgers, the ranks
+/// kept one model (the rejoined rank's digests are the others' at every step), the victim was
+/// restarted `restarts` times, and nothing is left in /dev/shm. Returns the launcher's output.
+fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
     let run = Run::new(tag);
-    let cfg = config(&run.dir, true, &format!("[faults.drafter-1]\n{fault}\n"));
-    let launcher = run.launch(&cfg, &[]);
+    let setup = b.setup(&run.dir, true, &format!("[faults.drafter-1]\n{fault}\n"));
+    let launcher = run.launch_on(&setup);
+    let pid = launcher.child.id();
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
+    no_segment_of(pid);
     let s = run.summary();
     assert_eq!(s["ok"], true, "{s}");
     assert_eq!(s["duplicated"], 0, "{s}");
@@ -202,27 +242,67 @@ fn group_kill(tag: &str, fault: &str, restarts: u64) -> String {
     assert_eq!(s["workers"][6]["restarts"], restarts, "{s}");
     let lines = run.ledgers();
     let counts = sample_counts(&lines);
+    assert_eq!(counts.len(), 400, "every sample trained");
     assert!(counts.values().all(|&c| c == 1), "a sample trained twice");
     one_model(&lines);
+    rejoined_into_one_model(&lines, restarts + 1);
     out
 }
 
-#[test]
-fn a_drafter_killed_inside_the_reduction_costs_one_step_not_the_run() {
-    let out = group_kill("lgsync", "crash_in_sync_at = 3", 1);
+/// The drafter incarnation `epoch` (a restarted one: the other ranks never restart) rejoined
+/// and trained, at steps that other ranks trained too (`one_model` found their digests equal).
+fn rejoined_into_one_model(lines: &[LedgerLine], epoch: u64) {
+    let shared = lines.iter().filter(|r| r.epoch == epoch).any(|r| {
+        lines
+            .iter()
+            .any(|l| l.epoch == 1 && l.step == r.step && !l.digest.is_empty())
+    });
+    assert!(
+        shared,
+        "incarnation {epoch} trained no step another rank trained: {lines:?}"
+    );
+}
+
+/// A `#[test]` of `scenario` on each backend: `$mock` on the mock, `$candle` on candle.
+macro_rules! on_both_backends {
+    ($scenario:ident: $mock:ident, $candle:ident) => {
+        #[test]
+        fn $mock() {
+            $scenario(Backend::Mock);
+        }
+
+        #[test]
+        fn $candle() {
+            $scenario(Backend::Candle);
+        }
+    };
+}
+
+fn killed_inside_the_reduction(b: Backend) {
+    let out = group_kill(b, "lgsync", "crash_in_sync_at = 3", 1);
     assert!(out.contains("drafter-1") && out.contains("died"), "{out}");
 }
 
-#[test]
-fn a_drafter_killed_after_its_update_was_applied_has_its_batch_retired_not_retrained() {
-    let out = group_kill("lgcommit", "crash_after_commit_at = 3", 1);
+on_both_backends!(killed_inside_the_reduction:
+    a_drafter_killed_inside_the_reduction_costs_one_step_not_the_run,
+    a_candle_drafter_killed_inside_the_reduction_costs_one_step_not_the_run);
+
+fn killed_after_commit(b: Backend) {
+    let out = group_kill(b, "lgcommit", "crash_after_commit_at = 3", 1);
     assert!(out.contains("retired, not redelivered"), "{out}");
 }
 
-#[test]
-fn a_drafter_killed_again_while_rejoining_rejoins_at_the_next_try() {
-    group_kill("lgjoin", "crash_in_sync_at = 3\ncrash_in_join = true", 2);
+on_both_backends!(killed_after_commit:
+    a_drafter_killed_after_its_update_was_applied_has_its_batch_retired_not_retrained,
+    a_candle_drafter_killed_after_its_update_was_applied_has_its_batch_retired_not_retrained);
+
+fn killed_again_while_rejoining(b: Backend) {
+    group_kill(b, "lgjoin", "crash_in_sync_at = 3\ncrash_in_join = true", 2);
 }
+
+on_both_backends!(killed_again_while_rejoining:
+    a_drafter_killed_again_while_rejoining_rejoins_at_the_next_try,
+    a_candle_drafter_killed_again_while_rejoining_rejoins_at_the_next_try);
 
 pub(crate) fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
@@ -302,11 +382,14 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
     assert!(loss.is_finite() && loss > 0.0, "{last}");
 }
 
-/// Kills one worker from outside mid-run; only it is restarted, the run completes.
-fn kill_one_mid_run(tag: &str, victim: WorkerName) {
+/// Kills one worker from outside mid-run; only it is restarted, the run completes, nothing is
+/// left in /dev/shm. The kill lands mid-run: once 3 of about 35 (mock) or 60 (candle) batches
+/// are published, the victim cannot end before the ring does, which needs every other batch
+/// trained.
+fn kill_one_mid_run(b: Backend, tag: &str, victim: WorkerName) {
     let run = Run::new(tag);
-    let cfg = config(&run.dir, true, "");
-    let mut launcher = run.launch(&cfg, &[]);
+    let mut launcher = run.launch_on(&b.setup(&run.dir, true, ""));
+    let pid = launcher.child.id();
     let ring = attach(&mut launcher);
     let before = wait_until("8 live workers and 3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
@@ -316,6 +399,8 @@ fn kill_one_mid_run(tag: &str, victim: WorkerName) {
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
+    drop(ring);
+    no_segment_of(pid);
     for b in &before.workers {
         let a = after.worker(b.name()).unwrap();
         if b.name() == victim {
@@ -333,29 +418,31 @@ fn kill_one_mid_run(tag: &str, victim: WorkerName) {
         .iter()
         .find(|w| w["role"] == victim.role.name() && w["index"] == victim.index);
     assert_eq!(summarised.unwrap()["restarts"], 1, "{s}");
-    assert_eq!(
-        sample_counts(&run.ledgers()).len(),
-        400,
-        "every sample trained"
-    );
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 400, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "a sample trained twice");
     assert!(!pid_alive(victim_pid));
     // Through the crash and the rejoin, the group kept one model.
     one_model(&run.ledgers());
     if victim.role == Role::Consumer {
+        rejoined_into_one_model(&run.ledgers(), 2);
         let log =
             std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
         assert!(log.contains("joined the group"), "{log}");
     }
 }
 
-#[test]
-fn sigkill_of_one_drafter_restarts_only_it_and_the_run_completes() {
-    kill_one_mid_run("lkd", WorkerName::consumer(1));
+fn sigkill_of_drafter_1(b: Backend) {
+    kill_one_mid_run(b, "lkd", WorkerName::consumer(1));
 }
+
+on_both_backends!(sigkill_of_drafter_1:
+    sigkill_of_one_drafter_restarts_only_it_and_the_run_completes,
+    sigkill_of_one_candle_drafter_restarts_only_it_and_the_run_completes);
 
 #[test]
 fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
-    kill_one_mid_run("lkt", WorkerName::producer(2));
+    kill_one_mid_run(Backend::Mock, "lkt", WorkerName::producer(2));
 }
 
 /// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
@@ -884,32 +971,36 @@ fn ledgers_tolerant(run: &Run) -> Vec<LedgerLine> {
 fn checkpoint_step(run: &Run) -> u64 {
     let bytes = std::fs::read(RunDir::new(run.run_dir()).checkpoint()).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    u64::from_le_bytes(st.tensor("step").unwrap().data().try_into().unwrap())
+    // The group's step first, then a backend's own counters (DFlash: its optimizer's steps).
+    u64::from_le_bytes(st.tensor("step").unwrap().data()[..8].try_into().unwrap())
 }
 
-/// Starts a slow run of `samples` samples, `epochs` times over, on the default GPU lists
-/// (`Run::args`) and SIGKILLs the launcher and every worker once the group has checkpointed and
-/// trained `released` batches. Returns the checkpoint's step and the batches whose update it
-/// holds (with their steps).
+/// Starts a slow run of `samples` samples, `epochs` times over, on `b` and the default GPU
+/// lists (`Run::args`) and SIGKILLs the launcher and every worker once the group has
+/// checkpointed and trained `released` batches (fewer than the plan's, so the run cannot have
+/// ended). Returns the checkpoint's step, the batches whose update it holds (with their
+/// steps), and the killed launcher's pid.
 fn kill_everything_mid_run(
+    b: Backend,
     run: &Run,
     samples: u32,
     epochs: u32,
     released: u64,
-) -> (u64, HashMap<u64, u64>) {
-    let cfg = config(&run.dir, true, "");
+) -> (u64, HashMap<u64, u64>, u32) {
+    let setup = b.setup(&run.dir, true, "");
     edit_config(
-        &cfg,
+        &setup.0,
         "synthetic_samples = 400",
         &format!("synthetic_samples = {samples}\nepochs = {epochs}"),
     );
-    let mut launcher = run.launch(&cfg, &[]);
+    let mut launcher = run.launch_on(&setup);
     let ring = attach(&mut launcher);
     let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
         RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= released
     });
     let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
-    kill(launcher.child.id(), Signal::KILL);
+    let pid = launcher.child.id();
+    kill(pid, Signal::KILL);
     let _ = launcher.wait_status();
     let deadline = Instant::now() + crate::support::WATCHDOG;
     while pids.iter().any(|&p| pid_alive(p)) {
@@ -924,7 +1015,7 @@ fn kill_everything_mid_run(
         .map(|l| (l.batch_id, l.step))
         .collect();
     assert!(!kept.is_empty(), "the checkpoint holds some updates");
-    (step, kept)
+    (step, kept, pid)
 }
 
 /// Runs `launcher --resume <run_dir>` with `extra` and no other flag, to its end; returns its
@@ -1025,7 +1116,7 @@ fn two_epochs_train_every_sample_once_in_each_epoch_and_the_summary_says_so() {
 fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpointed() {
     let run = Run::new("lresumeepochs");
     // 400 samples plan about 35 batches an epoch: 45 released is in the second.
-    let (step, kept) = kill_everything_mid_run(&run, 400, 2, 45);
+    let (step, kept, _) = kill_everything_mid_run(Backend::Mock, &run, 400, 2, 45);
     let run_dir = run.run_dir();
     let out = spawn(
         &workspace_bin("launcher"),
@@ -1053,19 +1144,29 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
 /// it runs on the run's own GPU lists, the plan is finished, every batch is in exactly one
 /// applied update, and no batch whose update was in the checkpoint is trained again. Then the
 /// resume inputs that must be refused.
-#[test]
-fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed()
-{
+///
+/// On candle the checkpoint holds a DFlash drafter and its AdamW state, and the resume finds
+/// the model in the run's config.
+fn resume_alone_after_a_kill(b: Backend) {
+    let samples = match b {
+        // Slow mock targets: enough batches that the kill lands mid-run.
+        Backend::Mock => 1500,
+        Backend::Candle => 400,
+    };
     let run = Run::new("lresume");
-    let (step, kept) = kill_everything_mid_run(&run, 1500, 1, 20);
+    let (step, kept, killed) = kill_everything_mid_run(b, &run, samples, 1, 20);
     let run_dir = run.run_dir();
     let ticks_before = crate::tensorboard::ticks(&run_dir).len() as i64;
     let dir = run_dir.to_str().unwrap();
-    let out = spawn(
+    let resumed = spawn(
         &workspace_bin("launcher"),
         &["--resume", dir, "--monitor", "0.2"],
-    )
-    .finish();
+    );
+    let pid = resumed.child.id();
+    let out = resumed.finish();
+    // The resume reclaimed the killed launcher's segments and removed its own.
+    no_segment_of(killed);
+    no_segment_of(pid);
     assert!(
         out.contains("resuming")
             && out
@@ -1079,7 +1180,7 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
         (Some(true), Some(0)),
         "{s}"
     );
-    assert_eq!(s["samples_trained"], 1500, "{s}");
+    assert_eq!(s["samples_trained"], u64::from(samples), "{s}");
     resumed_retrained_nothing(&run, step, &kept);
     // TensorBoard: the killed launcher's event file is kept, and the resume's is beside it,
     // its ticks numbered on from metrics.jsonl's and its loss from after the checkpoint.
@@ -1143,6 +1244,10 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
     );
 }
 
+on_both_backends!(resume_alone_after_a_kill:
+    resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed,
+    resume_alone_of_a_candle_run_finishes_the_plan_and_retrains_nothing_checkpointed);
+
 /// Lists given with `--resume` replace the run's own where they fit: fewer drafters than the
 /// run had is refused (naming the command that resumes on the run's own GPUs) and changes
 /// nothing; other target GPUs, fewer of them, are used, with the drafters the run had; and the
@@ -1150,7 +1255,7 @@ fn resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_not
 #[test]
 fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_are_refused() {
     let run = Run::new("lresumelists");
-    kill_everything_mid_run(&run, 1200, 1, 20);
+    kill_everything_mid_run(Backend::Mock, &run, 1200, 1, 20);
     let run_dir = run.run_dir();
     let dir = run_dir.to_str().unwrap();
     let ledgers = || {

@@ -16,11 +16,27 @@ use crate::launcher::{no_segment_of, Run};
 use crate::support::{spawn, unique, workspace_bin, TestDir, WATCHDOG};
 
 /// A tiny Qwen3 (8 layers, hidden 64, vocabulary 1024) in `dir`.
-fn tiny(dir: &Path) -> PathBuf {
+pub(crate) fn tiny(dir: &Path) -> PathBuf {
     let m = dir.join("tiny");
     make_model(&m, &MakeSpec::default()).unwrap();
     m
 }
+
+/// Short samples of the built-in language (400 of them make 60 batches) and a small DFlash
+/// drafter, so that the tiny target and its drafter train a run in a few seconds. It ends in
+/// the `[dflash]` table.
+pub(crate) const SMALL_DFLASH: &str = r#"
+[data]
+synthetic_samples = 400
+min_len = 16
+max_len = 64
+[target]
+token_budget = 256
+[dflash]
+block_size = 8
+num_anchors = 8
+layers = 1
+"#;
 
 /// `DIR/NAME`: a config for the model in `model` with a small ring, then `body`.
 fn write_config(dir: &Path, name: &str, model: &Path, body: &str) -> PathBuf {
@@ -392,23 +408,9 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
 fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
     let run = Run::new("mdflash");
     let m = tiny(&run.dir);
-    let body = r#"
-[data]
-synthetic_samples = 400
-min_len = 16
-max_len = 64
-[target]
-token_budget = 256
-[drafter]
-checkpoint_every = 8
-[dflash]
-block_size = 8
-num_anchors = 8
-layers = 1
-lr = 1e-2
-warmup_ratio = 0.1
-"#;
-    let cfg = write_config(&run.dir, "dflash.toml", &m, body);
+    let body =
+        format!("{SMALL_DFLASH}lr = 1e-2\nwarmup_ratio = 0.1\n[drafter]\ncheckpoint_every = 8\n");
+    let cfg = write_config(&run.dir, "dflash.toml", &m, &body);
     let launcher = run.launch(&cfg, &["--model", m.to_str().unwrap()]);
     let pid = launcher.child.id();
     let out = launcher.finish();
