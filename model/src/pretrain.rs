@@ -38,7 +38,7 @@ impl Default for TrainSpec {
 
 /// Sample ids of the target's training text: a stream of the language apart from a run's data
 /// (which `data.seed` picks) and `launcher eval`'s held-out prompts.
-const TRAIN_STREAM: u64 = 0x7a26_e7_0000_0000;
+const TRAIN_STREAM: u64 = 0x007a_26e7_0000_0000;
 /// Sample ids of [`evaluate`]'s held-out text.
 const EVAL_STREAM: u64 = 0x3e7a_1000_0000_0000;
 

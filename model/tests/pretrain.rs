@@ -26,7 +26,12 @@ fn a_trained_target_follows_the_language_and_an_untrained_one_repeats() {
     model::make::make_model_reporting(trained.path(), &spec, &mut |_, l| losses.push(l)).unwrap();
     let after = evaluate(trained.path(), 6).unwrap();
     assert_eq!(losses.len(), 400);
-    assert!(losses[399] < losses[0] * 0.6, "loss {} -> {}", losses[0], losses[399]);
+    assert!(
+        losses[399] < losses[0] * 0.6,
+        "loss {} -> {}",
+        losses[0],
+        losses[399]
+    );
     assert!(before.greedy_repeats > 0.5, "untrained: {before:?}");
     assert!(after.accuracy > 20.0 * after.chance, "trained: {after:?}");
     assert!(after.follows_chain > 0.3, "trained: {after:?}");

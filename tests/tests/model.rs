@@ -407,9 +407,21 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
 #[test]
 fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
     let run = Run::new("mdflash");
-    let m = tiny(&run.dir);
-    let body =
-        format!("{SMALL_DFLASH}lr = 1e-2\nwarmup_ratio = 0.1\n[drafter]\ncheckpoint_every = 8\n");
+    // A target trained on the language (make-model --train), so the greedy text it must be
+    // decoded to varies; its two layers are the context.
+    let m = run.dir.join("trained");
+    let spec = MakeSpec {
+        layers: 2,
+        train: Some(model::pretrain::TrainSpec {
+            steps: 300,
+            ..Default::default()
+        }),
+        ..MakeSpec::default()
+    };
+    make_model(&m, &spec).unwrap();
+    let body = format!(
+        "target_layer_ids = [0, 1]\nlayers = 2\n{SMALL_DFLASH}lr = 1e-2\nwarmup_ratio = 0.1\n[drafter]\ncheckpoint_every = 8\n"
+    );
     let cfg = write_config(&run.dir, "dflash.toml", &m, &body);
     let launcher = run.launch(&cfg, &["--model", m.to_str().unwrap()]);
     let pid = launcher.child.id();
