@@ -37,10 +37,22 @@ pub struct Language {
     pub seed: u64,
 }
 
+/// Sample ids of held-out text, `HELD_OUT + i` (what `launcher eval` and a run's evaluations
+/// prompt with): a run's samples are `mix(data.seed) ^ id`, `make-model --train`'s another stream.
+pub const HELD_OUT: u64 = 1 << 40;
+
 /// How often the likeliest successor comes: what a model that knows the chain scores as its
 /// next-token accuracy.
 pub fn likeliest_share() -> f64 {
     (1.0 - NOISE) * WEIGHTS[0] + NOISE / f64::from(ACTIVE)
+}
+
+/// `n` held-out prompts of `len` tokens of the one language over `vocab` ids.
+pub fn held_out(vocab: u32, n: usize, len: u32) -> Vec<Vec<u32>> {
+    let lang = Language::new(0, vocab, SEED);
+    (0..n as u64)
+        .map(|i| lang.sample(HELD_OUT + i, len))
+        .collect()
 }
 
 impl Language {

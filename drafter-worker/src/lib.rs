@@ -291,13 +291,21 @@ impl<'c, 'r> Rank<'c, 'r> {
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
         self.consumer.enter(Phase::Compute);
-        let stats = self.backend.apply(sum);
+        let mut stats = self.backend.apply(sum);
         self.consumer.enter(Phase::Other);
         if let Some(h) = held {
             self.record(h, red.step)?;
         }
-        self.progress(&red, &stats);
         let everyone_ended = sum.ended_ranks() == red.membership.len();
+        if self.is_leader(&red.membership) && (self.backend.eval_due(stats.step) || everyone_ended)
+        {
+            // Telemetry: an evaluation that fails is said, never fatal.
+            match self.backend.evaluate() {
+                Ok(tau) => stats.eval_tau = tau,
+                Err(e) => tracing::warn!(error = %e, "evaluating the drafter"),
+            }
+        }
+        self.progress(&red, &stats);
         self.prefer = sum.bucket(self.ring.params().buckets);
         self.checkpoint_if_due(&red, everyone_ended)?;
         Ok(everyone_ended)

@@ -53,6 +53,17 @@ pub struct DflashDrafter {
     step: u64,
     /// The faults injected into this worker (crash or hang after N batches); no simulated time.
     sim: Sim,
+    /// What the leader's evaluations need: the target (loaded at the first), the prompts.
+    eval: Evaluation,
+}
+
+/// The leader's periodic speculative decoding on held-out prompts.
+struct Evaluation {
+    every: u64,
+    model: std::path::PathBuf,
+    target: Option<model::Decoder>,
+    prompts: Vec<Vec<u32>>,
+    new_tokens: usize,
 }
 
 impl DflashDrafter {
@@ -99,6 +110,22 @@ impl DflashDrafter {
             },
             step: 0,
             sim: Sim::new(f64::INFINITY, faults),
+            eval: Evaluation {
+                // File data: the built-in language's prompts would say nothing about it.
+                every: if cfg.data.synthetic_language == Some(true) && cfg.data.path.is_none() {
+                    f.eval_every
+                } else {
+                    0
+                },
+                model: crate::candle::model_dir(cfg)?.to_path_buf(),
+                target: None,
+                prompts: dataset::language::held_out(
+                    cfg.data.synthetic_vocab.unwrap_or(0).max(6),
+                    f.eval_prompts as usize,
+                    32,
+                ),
+                new_tokens: f.eval_new_tokens as usize,
+            },
         })
     }
 
@@ -215,6 +242,7 @@ impl DrafterBackend for DflashDrafter {
             },
             tau: (blocks > 0.0).then(|| 1.0 + summed.accepted() / blocks),
             lr,
+            eval_tau: None,
         }
     }
 
@@ -274,6 +302,32 @@ impl DrafterBackend for DflashDrafter {
 
     fn exports(&self) -> bool {
         true
+    }
+
+    fn eval_due(&self, step: u64) -> bool {
+        self.eval.every > 0 && step.is_multiple_of(self.eval.every)
+    }
+
+    fn evaluate(&mut self) -> Result<Option<f32>, GpuError> {
+        let e = &mut self.eval;
+        if e.every == 0 || e.prompts.is_empty() {
+            return Ok(None);
+        }
+        if e.target.is_none() {
+            e.target = Some(model::Decoder::load(
+                &e.model,
+                &Device::Cpu,
+                candle_core::DType::F32,
+            )?);
+        }
+        let target = e.target.as_ref().expect("loaded above");
+        let (mut tokens, mut forwards) = (0usize, 0usize);
+        for p in &e.prompts {
+            let g = model::spec::speculative(target, &self.model, p, e.new_tokens)?;
+            tokens += g.accept_lengths.iter().sum::<usize>();
+            forwards += g.accept_lengths.len();
+        }
+        Ok(Some(tokens as f32 / forwards.max(1) as f32))
     }
 }
 

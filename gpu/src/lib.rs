@@ -167,6 +167,15 @@ pub trait DrafterBackend {
     fn exports(&self) -> bool {
         false
     }
+    /// Whether the leader should evaluate after `step` (the config's `eval_every`).
+    fn eval_due(&self, _step: u64) -> bool {
+        false
+    }
+    /// Speculative decoding on held-out prompts: mean tokens per target forward; None for a
+    /// drafter that drafts no blocks.
+    fn evaluate(&mut self) -> Result<Option<f32>, GpuError> {
+        Ok(None)
+    }
 }
 
 pub use proto::config::Faults;

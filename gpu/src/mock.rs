@@ -353,6 +353,7 @@ impl DrafterBackend for MockDrafter {
             },
             tau: None,
             lr: None,
+            eval_tau: None,
         }
     }
 

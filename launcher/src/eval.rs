@@ -13,10 +13,6 @@ use model::dflash::{Dflash, Frozen};
 use model::{spec, Decoder};
 use serde::Serialize;
 
-/// Sample ids of the built-in language's held-out prompts: far from any run's training samples
-/// (which count from 0).
-const HELD_OUT: u64 = 1 << 40;
-
 /// Speculative decoding of held-out prompts: the drafter proposes a block, the target verifies
 /// it in one forward, the accepted prefix and the target's next token are appended. Prints the
 /// mean acceptance length (tokens per target forward, 1..block size), the acceptance at each
@@ -85,15 +81,12 @@ pub struct EvalReport {
 
 fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     let Some(input) = &a.data else {
-        // The language the run's synthetic data are drawn from (data.seed's default).
-        let lang = dataset::language::Language::new(
-            0,
+        // Held-out samples of the one language real-model runs train on.
+        return Ok(dataset::language::held_out(
             vocab as u32,
-            proto::config::DataConfig::default().seed,
-        );
-        return Ok((0..a.prompts as u64)
-            .map(|i| lang.sample(HELD_OUT + i, a.prompt_len as u32))
-            .collect());
+            a.prompts,
+            a.prompt_len as u32,
+        ));
     };
     let cache = PathBuf::from("runs").join("data-cache");
     let (p, line) = crate::data::prepare_dataset(input, u32::MAX, &cache, None)?;

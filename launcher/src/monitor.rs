@@ -9,6 +9,9 @@
 //! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
 //! without failing the run.
 //!
+//! Length: about 500 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
+//! snapshots, the group's steps), the line and bar that print it and their tests are one thing.
+//!
 //! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
 //! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
 
@@ -75,6 +78,10 @@ pub struct Tick {
     /// The learning rate of the interval's last step (a drafter with a schedule).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// The leader's last speculative-decoding evaluation (mean tokens per target forward on
+    /// held-out prompts; `dflash.eval_every`), once there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_acceptance_length: Option<f64>,
     /// Every group step applied in the interval: step, loss, tau, lr.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<proto::control::StepStats>,
@@ -193,6 +200,8 @@ pub struct Monitor {
     tau_sum: f64,
     tau_steps: u64,
     tau: Option<f64>,
+    /// The last evaluation's acceptance length.
+    eval_tau: Option<f64>,
     /// The steps since the last tick, for its `steps`.
     steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
@@ -262,6 +271,7 @@ impl Monitor {
             tau_sum: 0.0,
             tau_steps: 0,
             tau: None,
+            eval_tau: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
         };
@@ -378,6 +388,7 @@ impl Monitor {
             group_step: self.group.map(|g| g.step),
             acceptance_length: self.interval_tau(),
             lr: self.group.and_then(|g| g.lr),
+            eval_acceptance_length: self.eval_tau,
             steps: std::mem::take(&mut self.steps),
         };
         // One write per line: a launcher killed mid-run leaves whole lines only.
@@ -402,6 +413,9 @@ impl Monitor {
         };
         if let Some(tau) = t.acceptance_length {
             group.push_str(&format!(" tau {tau:.2}"));
+        }
+        if let Some(e) = t.eval_acceptance_length {
+            group.push_str(&format!(" (eval {e:.2})"));
         }
         let line = format!(
             "[{:6.1}s] {rate:>12}  trained {}/{}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",

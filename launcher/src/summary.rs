@@ -44,6 +44,9 @@ pub struct DrafterSummary {
     pub tau: Option<f64>,
     /// The learning rate of the last step that reported one (a backend with a schedule).
     pub lr: Option<f64>,
+    /// The leader's last speculative-decoding evaluation (mean tokens per target forward on
+    /// held-out prompts), if it made one.
+    pub eval_tau: Option<f64>,
 }
 
 impl DrafterSummary {
@@ -60,6 +63,9 @@ impl DrafterSummary {
         }
         if let Some(lr) = s.lr {
             d.lr = Some(f64::from(lr));
+        }
+        if let Some(e) = s.eval_tau {
+            d.eval_tau = Some(f64::from(e));
         }
     }
 }
@@ -273,6 +279,9 @@ pub fn print(s: &Summary) {
         if let Some(tau) = d.tau {
             line += &format!(" tau {tau:.2}");
         }
+        if let Some(e) = d.eval_tau {
+            line += &format!(" (eval: {e:.2} tokens per target forward)");
+        }
         println!("{line}");
     }
     println!(
@@ -384,6 +393,7 @@ mod tests {
             loss,
             tau,
             lr,
+            eval_tau: (step == 4).then_some(2.5),
         };
         let mut group = None;
         DrafterSummary::update(&mut group, &step(1, 10, 0.75, None, None));
@@ -392,13 +402,14 @@ mod tests {
         let s = serde_json::to_value(built("group", &[(0, 0, 0), (1, 1, 1)], group)).unwrap();
         assert_eq!(
             s["drafter"],
-            serde_json::json!({"step": 3, "loss": 0.5, "tau": null, "lr": null})
+            serde_json::json!({"step": 3, "loss": 0.5, "tau": null, "lr": null, "eval_tau": null})
         );
         DrafterSummary::update(&mut group, &step(4, 8, 0.25, Some(3.5), Some(1e-3)));
         DrafterSummary::update(&mut group, &step(5, 0, 0.0, None, None));
         let d = group.unwrap();
         assert_eq!((d.step, d.loss, d.tau), (5, Some(0.25), Some(3.5)));
         assert_eq!(d.lr, Some(f64::from(1e-3_f32)));
+        assert_eq!(d.eval_tau, Some(2.5), "the last evaluation stays");
         let none = serde_json::to_value(built("nogroup", &[(0, 0, 0), (1, 1, 1)], None)).unwrap();
         assert!(none["drafter"].is_null(), "{none}");
     }

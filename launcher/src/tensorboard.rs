@@ -165,6 +165,7 @@ impl Board {
                 ("train/loss", t.drafter_loss),
                 ("train/tau", t.acceptance_length),
                 ("train/lr", t.lr),
+                ("eval/tau", t.eval_acceptance_length),
             ];
             for (tag, v) in train {
                 if let Some(v) = v {

@@ -19,7 +19,7 @@
 //! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes
 //! them as they are.
 //!
-//! Length: about 560 lines: the config and its export, the forward, the batch's anchors and
+//! Length: about 700 lines: the config and its export, the forward, the batch's anchors and
 //! labels, the chunked loss and their tests are one model.
 
 use std::path::Path;

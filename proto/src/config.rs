@@ -260,6 +260,13 @@ pub struct DflashConfig {
     pub clip: f64,
     /// The initial weights' seed (every rank starts from the same).
     pub seed: u64,
+    /// Every this many steps (and at the end) the group's leader decodes `eval_prompts`
+    /// held-out prompts of the built-in language speculatively, `eval_new_tokens` each, and
+    /// reports the mean tokens per target forward; 0: never. Runs on file data skip it (use
+    /// `launcher eval --data`).
+    pub eval_every: u64,
+    pub eval_prompts: u32,
+    pub eval_new_tokens: u32,
 }
 
 impl Default for DflashConfig {
@@ -276,6 +283,9 @@ impl Default for DflashConfig {
             weight_decay: 0.0,
             clip: 1.0,
             seed: 0,
+            eval_every: 200,
+            eval_prompts: 4,
+            eval_new_tokens: 32,
         }
     }
 }

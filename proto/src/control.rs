@@ -63,6 +63,10 @@ pub struct StepStats {
     pub tau: Option<f32>,
     /// The learning rate the step was applied with, for a backend with a schedule.
     pub lr: Option<f32>,
+    /// Mean tokens per target forward of speculative decoding on held-out prompts, when the
+    /// leader evaluated after this step (`dflash.eval_every`).
+    #[serde(default)]
+    pub eval_tau: Option<f32>,
 }
 
 /// Launcher → worker.

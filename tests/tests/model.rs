@@ -1,6 +1,10 @@
 //! The real target (the candle backend) end to end: a target worker writing a real model's
 //! states into the ring, checked batch by batch against the model run in this process; the 5x3
-//! launcher run on a tiny model; `launcher capture`; bad model inputs.
+//! launcher run on a tiny model; `launcher capture`; bad model inputs; the DFlash drafter
+//! trained by the group, exported and decoded with.
+//!
+//! Length: about 510 lines: each test runs a whole path (a worker, the launcher, capture,
+//! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -420,7 +424,7 @@ fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
     };
     make_model(&m, &spec).unwrap();
     let body = format!(
-        "target_layer_ids = [0, 1]\nlayers = 2\n{SMALL_DFLASH}lr = 1e-2\nwarmup_ratio = 0.1\n[drafter]\ncheckpoint_every = 8\n"
+        "target_layer_ids = [0, 1]\nlayers = 2\n{SMALL_DFLASH}lr = 1e-2\nwarmup_ratio = 0.1\neval_every = 10\neval_prompts = 2\neval_new_tokens = 16\n[drafter]\ncheckpoint_every = 8\n"
     );
     let cfg = write_config(&run.dir, "dflash.toml", &m, &body);
     let launcher = run.launch(&cfg, &["--model", m.to_str().unwrap()]);
@@ -428,7 +432,12 @@ fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     no_segment_of(pid);
-    assert_eq!(run.summary()["ok"], true);
+    let summary = run.summary();
+    assert_eq!(summary["ok"], true);
+    // The leader's evaluations (every 10 steps and at the end) reach the summary.
+    let e = summary["drafter"]["eval_tau"].as_f64().unwrap();
+    assert!((1.0..=8.0).contains(&e), "{summary}");
+    assert!(out.contains("tokens per target forward"), "{out}");
 
     // Every step's loss and tau reach metrics.jsonl; the loss falls.
     let metrics = std::fs::read_to_string(run.run_dir().join("metrics.jsonl")).unwrap();
