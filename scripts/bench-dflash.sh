@@ -4,6 +4,7 @@
 # (launcher, one process per worker, the ring between them) and of the same target and drafter
 # code in one process without the ring (bench-dflash), on the same plan. Prints each run's
 # tokens/s, the drafters' phase shares (from metrics.jsonl) and the in-process parts' medians.
+# The runs do not evaluate (eval_every = 0): this measures training.
 #   scripts/bench-dflash.sh [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,7 @@ block_size = 8
 num_anchors = 64
 layers = 2
 lr = 2e-2
+eval_every = 0
 TOML
 cat > "$out/mid.toml" <<'TOML'
 [model]
@@ -50,6 +52,7 @@ checkpoint_every = 100
 block_size = 8
 num_anchors = 8
 layers = 1
+eval_every = 0
 TOML
 # The drafters' mean share of each phase over a run's ticks.
 phases() {

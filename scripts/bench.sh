@@ -25,3 +25,4 @@ for mb in 60 600; do
         ${BASELINE_LAUNCHER:+--baseline "$BASELINE_LAUNCHER"}
     rm -f "/tmp/hspipe-bench-$mb.jsonl"
 done
+echo "## the DFlash drafter on the CPU"; scripts/bench-dflash.sh 3
