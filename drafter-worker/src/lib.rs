@@ -299,8 +299,12 @@ impl<'c, 'r> Rank<'c, 'r> {
         let everyone_ended = sum.ended_ranks() == red.membership.len();
         if self.is_leader(&red.membership) && (self.backend.eval_due(stats.step) || everyone_ended)
         {
-            // Telemetry: an evaluation that fails is said, never fatal.
-            match self.backend.evaluate() {
+            // Telemetry: an evaluation that fails is said, never fatal. It beats before and
+            // after (the launcher's hang timeout is for longer than any evaluation here).
+            self.consumer.heartbeat();
+            let eval = self.backend.evaluate();
+            self.consumer.heartbeat();
+            match eval {
                 Ok(tau) => stats.eval_tau = tau,
                 Err(e) => tracing::warn!(error = %e, "evaluating the drafter"),
             }

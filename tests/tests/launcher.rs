@@ -568,10 +568,13 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
 #[test]
 fn a_target_given_up_after_the_others_ran_out_of_work_has_its_batches_done_by_them() {
     let run = Run::new("lgiveup");
+    // Slow targets (the run takes seconds, so target-1 has claimed a batch however late it
+    // starts on a loaded machine), target-1 20 times slower still: it holds its batch after the
+    // others ran out of work.
     let cfg = config(
         &run.dir,
-        false,
-        "[faults.target-1]\nslow = 3000.0\ncrash_after = 1\n",
+        true,
+        "[faults.target-1]\nslow = 20.0\ncrash_after = 1\n",
     );
     let launcher = run.launch(&cfg, &["--max-restarts", "0"]);
     let (status, err) = launcher.wait_status_keep();
