@@ -16,6 +16,10 @@ use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
 use crate::mock::{self, Sim};
 use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
 
+/// Attention scores of one part of a batch's blocks (see `DraftBatch::split`): 16M f32 elements,
+/// 64 MiB per layer and copy.
+const SCORES_PER_PART: usize = 1 << 24;
+
 /// Steps assumed for the schedule when the launcher set none (a drafter built outside a run).
 const DEFAULT_TOTAL_STEPS: u64 = 1000;
 
@@ -209,7 +213,16 @@ impl DrafterBackend for DflashDrafter {
         );
         let ctx = context(batch)?;
         out.gradient_mut().fill(0.0);
-        let sums = self.model.loss_and_grads(&ctx, &db, out.gradient_mut())?;
+        // The blocks in parts, so a batch of long sequences and many anchors never holds more
+        // than one part's attention graph at once.
+        let mut sums = model::dflash::LossSums::default();
+        for part in db.split(c, SCORES_PER_PART) {
+            let s = self.model.loss_and_grads(&ctx, &part, out.gradient_mut())?;
+            sums.loss += s.loss;
+            sums.weight += s.weight;
+            sums.accepted += s.accepted;
+            sums.blocks += s.blocks;
+        }
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);

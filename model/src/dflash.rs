@@ -361,6 +361,57 @@ impl DraftBatch {
     pub fn blocks(&self) -> usize {
         self.seqs.iter().map(|s| s.anchors.len()).sum()
     }
+
+    /// The batch cut into parts whose attention scores (`heads x B x (context + B)` per block)
+    /// stay under `max_scores` elements each (one block at least), in block order: their
+    /// gradients summed are the batch's, and a part's graph is all a backward pass holds.
+    pub fn split(&self, cfg: &DflashConfig, max_scores: usize) -> Vec<DraftBatch> {
+        let b = cfg.block_size;
+        let mut parts: Vec<DraftBatch> = Vec::new();
+        let mut cur = DraftBatch {
+            seqs: Vec::new(),
+            block_ids: Vec::new(),
+            labels: Vec::new(),
+            weights: Vec::new(),
+        };
+        let mut used = 0usize;
+        let mut blk = 0usize;
+        for s in &self.seqs {
+            let per = cfg.heads * b * (s.ctx_len + b);
+            for &a in &s.anchors {
+                if used > 0 && used + per > max_scores {
+                    parts.push(std::mem::replace(
+                        &mut cur,
+                        DraftBatch {
+                            seqs: Vec::new(),
+                            block_ids: Vec::new(),
+                            labels: Vec::new(),
+                            weights: Vec::new(),
+                        },
+                    ));
+                    used = 0;
+                }
+                match cur.seqs.last_mut() {
+                    Some(last) if last.ctx_start == s.ctx_start => last.anchors.push(a),
+                    _ => cur.seqs.push(SeqBlocks {
+                        ctx_start: s.ctx_start,
+                        ctx_len: s.ctx_len,
+                        anchors: vec![a],
+                    }),
+                }
+                let r = blk * b..(blk + 1) * b;
+                cur.block_ids.extend_from_slice(&self.block_ids[r.clone()]);
+                cur.labels.extend_from_slice(&self.labels[r.clone()]);
+                cur.weights.extend_from_slice(&self.weights[r]);
+                used += per;
+                blk += 1;
+            }
+        }
+        if !cur.seqs.is_empty() {
+            parts.push(cur);
+        }
+        parts
+    }
 }
 
 /// What a batch's loss was, summed (the group normalises by the whole step's weight sum).

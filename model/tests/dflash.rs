@@ -367,3 +367,43 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
         "trained {trained:.2}, untrained {before:.2}"
     );
 }
+
+/// A batch cut into parts has the same loss, gradient and acceptance as whole (up to the order
+/// of f32 sums), and every part holds at most the budget (one block at least).
+#[test]
+fn a_batch_in_parts_trains_as_the_whole() {
+    let s = setup(6);
+    let d = &s.drafter;
+    let n = d.params.len();
+    let mut whole = vec![0f32; n];
+    let w = d.loss_and_grads(&s.ctx, &s.batch, &mut whole).unwrap();
+    let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
+    let parts = s.batch.split(&d.cfg, 3 * per);
+    assert!(parts.len() >= 4, "{} parts", parts.len());
+    assert_eq!(
+        parts.iter().map(|p| p.blocks()).sum::<usize>(),
+        s.batch.blocks()
+    );
+    let mut split = vec![0f32; n];
+    let (mut loss, mut weight, mut accepted) = (0.0, 0.0, 0);
+    let scores = |p: &DraftBatch| -> usize {
+        (p.seqs.iter())
+            .map(|q| {
+                q.anchors.len() * d.cfg.heads * d.cfg.block_size * (q.ctx_len + d.cfg.block_size)
+            })
+            .sum()
+    };
+    for p in &parts {
+        assert!(scores(p) <= 3 * per, "{} scores", scores(p));
+        let r = d.loss_and_grads(&s.ctx, p, &mut split).unwrap();
+        (loss, weight, accepted) = (loss + r.loss, weight + r.weight, accepted + r.accepted);
+    }
+    assert!((loss - w.loss).abs() < 1e-3 * w.loss && (weight - w.weight).abs() < 1e-6);
+    assert_eq!(accepted, w.accepted);
+    let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (a, b) in whole.iter().zip(&split) {
+        assert!((a - b).abs() <= 1e-4 * scale, "{a} vs {b}");
+    }
+    // A budget below one block still makes parts of one block.
+    assert_eq!(s.batch.split(&d.cfg, 1).len(), s.batch.blocks());
+}
