@@ -463,6 +463,31 @@ impl Dflash {
         block_ids: &[u32],
         seqs: &[SeqBlocks],
     ) -> Result<Tensor> {
+        // Only the context rows of these sequences are projected (a part of a batch has
+        // few of its sequences), their starts rebased onto the rows kept.
+        let kept: usize = seqs.iter().map(|s| s.ctx_len).sum();
+        let compact: Tensor;
+        let rebased: Vec<SeqBlocks>;
+        let (ctx_in, seqs) = if kept < ctx_in.dim(0)? {
+            let rows: Vec<Tensor> = (seqs.iter())
+                .map(|s| ctx_in.narrow(0, s.ctx_start, s.ctx_len))
+                .collect::<candle_core::Result<_>>()?;
+            compact = Tensor::cat(&rows, 0)?;
+            let mut at = 0;
+            rebased = (seqs.iter())
+                .map(|s| {
+                    let r = SeqBlocks {
+                        ctx_start: at,
+                        ..s.clone()
+                    };
+                    at += s.ctx_len;
+                    r
+                })
+                .collect();
+            (&compact, rebased.as_slice())
+        } else {
+            (ctx_in, seqs)
+        };
         let c = &self.cfg;
         let p = &self.params;
         let dev = self.device();
