@@ -549,61 +549,24 @@ impl Dflash {
         let g = nh / nkv;
         let eps = c.rms_norm_eps;
         let hn = rms_norm(x, w("input_layernorm.weight"), eps)?;
-        // [rows, heads * d] -> [heads, rows, d], normed per head, rotated.
-        let heads = |t: Tensor,
-                     n: usize,
-                     norm: Option<&Tensor>,
-                     cos: &Tensor,
-                     sin: &Tensor|
-         -> Result<Tensor> {
-            let rows = t.dim(0)?;
-            let t = t.reshape((rows, n, d))?;
-            let t = match norm {
-                Some(nw) => rms_norm(&t, nw, eps)?,
-                None => t,
-            };
-            let t = t.transpose(0, 1)?.contiguous()?;
-            match norm {
-                Some(_) => train::rope(&t, cos, sin),
-                None => Ok(t),
-            }
+        // [rows, heads * d] -> [heads, rows, d]; q and k normed per head and rotated at the
+        // blocks' positions (b) or the context's (c).
+        let qk = |weight, cos, sin| {
+            Some(train::QkNorm {
+                weight,
+                eps,
+                cos,
+                sin,
+            })
         };
         let (qn, kn) = (w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"));
-        let q = heads(
-            linear(&hn, w("self_attn.q_proj.weight"))?,
-            nh,
-            Some(qn),
-            bcos,
-            bsin,
-        )?;
-        let kb = heads(
-            linear(&hn, w("self_attn.k_proj.weight"))?,
-            nkv,
-            Some(kn),
-            bcos,
-            bsin,
-        )?;
-        let vb = heads(
-            linear(&hn, w("self_attn.v_proj.weight"))?,
-            nkv,
-            None,
-            bcos,
-            bsin,
-        )?;
-        let kc = heads(
-            linear(ctx, w("self_attn.k_proj.weight"))?,
-            nkv,
-            Some(kn),
-            ccos,
-            csin,
-        )?;
-        let vc = heads(
-            linear(ctx, w("self_attn.v_proj.weight"))?,
-            nkv,
-            None,
-            ccos,
-            csin,
-        )?;
+        let proj = |x: &Tensor, n: &str| linear(x, w(&format!("self_attn.{n}_proj.weight")));
+        let (rb, rc) = (x.dim(0)?, ctx.dim(0)?);
+        let q = train::heads(&proj(&hn, "q")?, &[rb], nh, d, qk(qn, bcos, bsin))?;
+        let kb = train::heads(&proj(&hn, "k")?, &[rb], nkv, d, qk(kn, bcos, bsin))?;
+        let vb = train::heads(&proj(&hn, "v")?, &[rb], nkv, d, None)?;
+        let kc = train::heads(&proj(ctx, "k")?, &[rc], nkv, d, qk(kn, ccos, csin))?;
+        let vc = train::heads(&proj(ctx, "v")?, &[rc], nkv, d, None)?;
         let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(seqs.len());
         let mut b0 = 0;

@@ -72,29 +72,19 @@ fn forward(p: &Params, s: &Shape, ids: &Tensor, batch: usize, t: usize) -> Resul
     for l in 0..s.layers {
         let w = |n: &str| p.get(&format!("model.layers.{l}.{n}"));
         let hn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
-        let split = |y: Tensor, n: usize, norm: Option<&Tensor>| -> Result<Tensor> {
-            let y = y.reshape((batch, t, n, d))?;
-            let y = match norm {
-                Some(nw) => rms_norm(&y, nw, eps)?,
-                None => y,
-            };
-            let y = y.transpose(1, 2)?.contiguous()?;
-            match norm {
-                Some(_) => train::rope(&y, &cos, &sin),
-                None => Ok(y),
-            }
+        let qk = |n: &str| {
+            Some(train::QkNorm {
+                weight: w(n),
+                eps,
+                cos: &cos,
+                sin: &sin,
+            })
         };
-        let q = split(
-            linear(&hn, w("self_attn.q_proj.weight"))?,
-            nh,
-            Some(w("self_attn.q_norm.weight")),
-        )?;
-        let k = split(
-            linear(&hn, w("self_attn.k_proj.weight"))?,
-            nkv,
-            Some(w("self_attn.k_norm.weight")),
-        )?;
-        let v = split(linear(&hn, w("self_attn.v_proj.weight"))?, nkv, None)?;
+        let proj = |n: &str| linear(&hn, w(&format!("self_attn.{n}_proj.weight")));
+        let lead = [batch, t];
+        let q = train::heads(&proj("q")?, &lead, nh, d, qk("self_attn.q_norm.weight"))?;
+        let k = train::heads(&proj("k")?, &lead, nkv, d, qk("self_attn.k_norm.weight"))?;
+        let v = train::heads(&proj("v")?, &lead, nkv, d, None)?;
         // Heads h = kv * g + i read kv head `kv`: [batch, kv, g * t, d].
         let q = q.reshape((batch, nkv, g * t, d))?;
         let scores = (q.matmul(&k.transpose(2, 3)?)? * scale)?.broadcast_add(&mask)?;

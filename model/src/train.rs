@@ -46,6 +46,38 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok((x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?)?)
 }
 
+/// How q and k heads are prepared: RMS-normed per head, then rotated (v heads get neither).
+#[derive(Clone, Copy)]
+pub struct QkNorm<'a> {
+    pub weight: &'a Tensor,
+    pub eps: f64,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+}
+
+/// A projection's output `[lead.., n * d]` as heads `[lead[..-1], n, lead[-1], d]` (rows
+/// behind the head axis), contiguous; q and k also normed and rotated by `qk`.
+pub fn heads(
+    y: &Tensor,
+    lead: &[usize],
+    n: usize,
+    d: usize,
+    qk: Option<QkNorm<'_>>,
+) -> Result<Tensor> {
+    let mut dims = lead.to_vec();
+    dims.extend([n, d]);
+    let y = y.reshape(dims)?;
+    let y = match qk {
+        Some(q) => rms_norm(&y, q.weight, q.eps)?,
+        None => y,
+    };
+    let y = y.transpose(lead.len() - 1, lead.len())?.contiguous()?;
+    match qk {
+        Some(q) => rope(&y, q.cos, q.sin),
+        None => Ok(y),
+    }
+}
+
 /// `x [n, in]` through an HF `[out, in]` weight.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.matmul(&w.t()?)?)
