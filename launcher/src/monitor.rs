@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use proto::plan::Epochs;
 use proto::RunDir;
 use ring_stat::analysis::{self, Interval, WorkerRates};
 use serde::{Deserialize, Serialize};
@@ -40,6 +41,10 @@ pub struct Tick {
     pub tokens_per_s: f64,
     pub batches_trained: u64,
     pub batches_total: u64,
+    /// The epoch (1-based) of the first batch not yet trained, with several epochs planned:
+    /// batches are trained in plan order, overlapping only by the batches in flight.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u32>,
     pub ring_ready: u32,
     pub ring_in_use: u32,
     pub ring_slots: u32,
@@ -178,6 +183,8 @@ pub struct Monitor {
     /// The TensorBoard event file.
     board: Board,
     total: u64,
+    /// The plan's epochs, for the line's `epoch e/E`.
+    epochs: Epochs,
     every: Duration,
     last: Option<(Instant, Snapshot)>,
     /// Slot counts sampled since the last tick, for the ring-full/empty shares.
@@ -232,6 +239,7 @@ impl Monitor {
     pub fn new(
         run_dir: &RunDir,
         total: u64,
+        epochs: &Epochs,
         every: Duration,
         tee: &Tee,
     ) -> anyhow::Result<Monitor> {
@@ -257,6 +265,7 @@ impl Monitor {
             metrics,
             board,
             total,
+            epochs: epochs.clone(),
             every,
             last: None,
             occupancy: Vec::new(),
@@ -369,6 +378,8 @@ impl Monitor {
             tokens_per_s: iv.tokens_per_s,
             batches_trained: snap.counters.released,
             batches_total: self.total,
+            epoch: (self.epochs.count() > 1)
+                .then(|| self.epochs.of_batch(snap.counters.released) + 1),
             ring_ready: snap.slots.ready,
             ring_in_use: snap.slots.ready + snap.slots.writing + snap.slots.reading,
             ring_slots: snap.params.slots,
@@ -417,8 +428,12 @@ impl Monitor {
         if let Some(e) = t.eval_acceptance_length {
             group.push_str(&format!(" (eval {e:.2})"));
         }
+        let epoch = match t.epoch {
+            Some(e) => format!(" (epoch {e}/{})", self.epochs.count()),
+            None => String::new(),
+        };
         let line = format!(
-            "[{:6.1}s] {rate:>12}  trained {}/{}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
+            "[{:6.1}s] {rate:>12}  trained {}/{}{epoch}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
             t.t_s,
             t.batches_trained,
             t.batches_total,

@@ -127,6 +127,9 @@ impl Default for ModelConfig {
     }
 }
 
+/// The most epochs a run may plan: past it, a typo would lay a plan of billions of batches.
+pub const MAX_EPOCHS: u32 = 1000;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
@@ -355,10 +358,13 @@ impl PipelineConfig {
                 ),
             ));
         }
-        if d.epochs == 0 {
+        if d.epochs == 0 || d.epochs > MAX_EPOCHS {
             return Err(invalid(
                 "data.epochs",
-                "must be at least 1 (each epoch trains every sample once)",
+                format!(
+                    "must be between 1 and {MAX_EPOCHS} (each epoch trains every sample once), got {}",
+                    d.epochs
+                ),
             ));
         }
         if d.path.is_none() && d.synthetic_samples == 0 {
@@ -573,9 +579,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("data.epochs") && err.contains("at least 1"),
+            err.contains("data.epochs") && err.contains("between 1 and"),
             "{err}"
         );
+        // A typo of a huge epoch count is refused before a plan of billions of batches is laid.
+        let err = PipelineConfig::from_toml("[data]\nepochs = 100000\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("data.epochs") && err.contains("100000"), "{err}");
         let c = PipelineConfig::from_toml("[data]\nepochs = 3\n", Path::new("a.toml")).unwrap();
         assert_eq!(c.data.epochs, 3);
     }

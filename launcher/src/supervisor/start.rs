@@ -111,6 +111,7 @@ impl<'a> Supervisor<'a> {
         let mon = Monitor::new(
             &run_dir,
             batches,
+            &epochs,
             Duration::from_secs_f64(args.monitor),
             tee,
         )?;
