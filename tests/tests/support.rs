@@ -87,6 +87,8 @@ pub struct Proc {
     err_thread: Option<std::thread::JoinHandle<()>>,
     /// Stdout lines read by `line_starting` that did not match.
     before: String,
+    /// How long a wait may take before the child counts as hung (`WATCHDOG` unless set).
+    watchdog: Duration,
 }
 
 pub fn ring_peer(args: &[&str]) -> Proc {
@@ -138,10 +140,18 @@ fn spawn_with(bin: &str, args: &[&str], collect_stderr: bool) -> Proc {
         err,
         err_thread,
         before: String::new(),
+        watchdog: WATCHDOG,
     }
 }
 
 impl Proc {
+    /// A longer watchdog, for a child that does real work for minutes (the README's DFlash
+    /// demo): still a hang check, never a speed assertion.
+    pub fn watchdog(mut self, d: Duration) -> Proc {
+        self.watchdog = d;
+        self
+    }
+
     /// Closes the read ends of the child's stdout and stderr, as a closed terminal or a reader
     /// that went away would: the child's next write to either fails (EPIPE).
     pub fn close_output(&mut self) {
@@ -169,13 +179,21 @@ impl Proc {
         }
     }
 
-    /// Waits for exit, at most `WATCHDOG`; returns stdout. Panics (after killing the child) if
+    /// Waits for exit, at most the watchdog; returns stdout. Panics (after killing the child) if
     /// it hangs or fails.
     pub fn finish(mut self) -> String {
+        // Read while waiting: a child that prints more than a pipe holds (64 KiB: minutes of
+        // monitor lines) would otherwise block on its stdout and never exit.
+        let reader = self.out.take().map(|mut o| {
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                o.read_to_string(&mut s).map(|_| s)
+            })
+        });
         let status = self.wait_watchdog();
         let mut s = std::mem::take(&mut self.before);
-        if let Some(o) = self.out.as_mut() {
-            o.read_to_string(&mut s).unwrap();
+        if let Some(r) = reader {
+            s.push_str(&r.join().unwrap().unwrap());
         }
         if !status.success() {
             // Give the stderr thread a moment to collect the last lines.
@@ -189,14 +207,14 @@ impl Proc {
         s
     }
 
-    /// Waits for exit, at most `WATCHDOG`; kills the child and panics if it hangs.
+    /// Waits for exit, at most the watchdog; kills the child and panics if it hangs.
     fn wait_watchdog(&mut self) -> std::process::ExitStatus {
         use wait_timeout::ChildExt;
-        match self.child.wait_timeout(WATCHDOG).unwrap() {
+        match self.child.wait_timeout(self.watchdog).unwrap() {
             Some(status) => status,
             None => {
                 let _ = self.child.kill();
-                panic!("{} hung for {WATCHDOG:?}", self.what);
+                panic!("{} hung for {:?}", self.what, self.watchdog);
             }
         }
     }
