@@ -586,7 +586,10 @@ mod tests {
         let err = PipelineConfig::from_toml("[data]\nepochs = 100000\n", Path::new("a.toml"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("data.epochs") && err.contains("100000"), "{err}");
+        assert!(
+            err.contains("data.epochs") && err.contains("100000"),
+            "{err}"
+        );
         let c = PipelineConfig::from_toml("[data]\nepochs = 3\n", Path::new("a.toml")).unwrap();
         assert_eq!(c.data.epochs, 3);
     }

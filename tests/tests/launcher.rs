@@ -1113,7 +1113,11 @@ fn two_epochs_train_every_sample_once_in_each_epoch_and_the_summary_says_so() {
     // The monitor says which epoch the run is in, never going back, and ends in the last.
     let metrics = std::fs::read_to_string(run.run_dir().join("metrics.jsonl")).unwrap();
     let ticks: Vec<u64> = (metrics.lines())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"].as_u64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"]
+                .as_u64()
+                .unwrap()
+        })
         .collect();
     assert!(ticks.windows(2).all(|w| w[0] <= w[1]), "{ticks:?}");
     assert_eq!(ticks.last(), Some(&2), "{ticks:?}");

@@ -1,9 +1,9 @@
 //! The real target (the candle backend) end to end: a target worker writing a real model's
 //! states into the ring, checked batch by batch against the model run in this process; the 5x3
 //! launcher run on a tiny model; `launcher capture`; bad model inputs; the DFlash drafter
-//! trained by the group, exported and decoded with.
+//! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
-//! Length: about 510 lines: each test runs a whole path (a worker, the launcher, capture,
+//! Length: about 600 lines: each test runs a whole path (a worker, the launcher, capture,
 //! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
