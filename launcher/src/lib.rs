@@ -194,6 +194,9 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         prepared = Some((input, p));
     }
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
+    if let (Some(m), Some((input, _))) = (&cfg.model.path, &prepared) {
+        model::check_ids_fit(&data, m, input)?;
+    }
     let planned = plan(data.lengths(), &cfg);
     let (batches, epochs) = (planned.len() as u64, Epochs::of(&planned));
     let (nt, nd) = (gpus.targets.len() as u32, gpus.drafters.len() as u32);

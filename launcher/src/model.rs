@@ -435,3 +435,26 @@ fn write_shard(
     atomic_file::replace(&p, &bytes).with_context(|| format!("writing {}", p.display()))?;
     Ok(())
 }
+
+/// Every token id of `data` is inside the vocabulary of the model in `dir`: a file made for
+/// another tokenizer is refused here, naming the sample, before any worker starts (a target
+/// worker would otherwise fail on it mid-run, again at each restart). One pass over the mapped
+/// ids, whose pages are let go of after it.
+pub fn check_ids_fit(data: &dataset::Dataset, dir: &Path, input: &Path) -> anyhow::Result<()> {
+    let vocab = model::ArchConfig::load(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .vocab_size;
+    for id in 0..data.len() as u64 {
+        let Some(s) = data.sample(id) else { break };
+        if let Some(pos) = s.input_ids.iter().position(|&t| t as usize >= vocab) {
+            bail!(
+                "{}: sample {id}: token id {} at position {pos} is outside the model's vocabulary of {vocab} ({}): was the data tokenized for another model?",
+                input.display(),
+                s.input_ids[pos],
+                dir.display()
+            );
+        }
+    }
+    data.unmap_resident();
+    Ok(())
+}

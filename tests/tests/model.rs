@@ -344,7 +344,21 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
             m.display()
         ),
     );
+    // Data tokenized for a larger vocabulary than the model's 1024: its second sample.
+    let big = write(
+        "big-ids.jsonl",
+        "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 1500]}\n",
+    );
     let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--config".into(),
+                cfg.to_str().unwrap().into(),
+                "--data".into(),
+                big.to_str().unwrap().into(),
+            ],
+            "sample 1: token id 1500 at position 7 is outside the model's vocabulary of 1024",
+        ),
         (
             vec![
                 "--config".into(),
