@@ -183,6 +183,10 @@ pub struct TargetConfig {
     /// CPU threads each worker's model computes with; 0: the machine's cores shared out
     /// among the run's workers (at least one each).
     pub threads: u32,
+    /// A program the launcher runs as each target instead of its own worker, e.g.
+    /// `["python", "my_target.py"]`: a user's own model through the `hspipe` Python package.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
 }
 
 impl Default for TargetConfig {
@@ -191,6 +195,7 @@ impl Default for TargetConfig {
             token_budget: 16384,
             tokens_per_s: 45_000.0,
             threads: 0,
+            command: None,
         }
     }
 }
@@ -212,6 +217,10 @@ pub struct DrafterConfig {
     /// (batches / drafters) when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub total_steps: Option<u64>,
+    /// A program the launcher runs as each drafter instead of its own worker (see
+    /// [`TargetConfig::command`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
 }
 
 impl Default for DrafterConfig {
@@ -222,6 +231,7 @@ impl Default for DrafterConfig {
             params: 1_048_576,
             coherent: true,
             total_steps: None,
+            command: None,
         }
     }
 }
@@ -437,6 +447,20 @@ impl PipelineConfig {
                 return Err(invalid(
                     "faults.slow",
                     format!("{name}: must be a positive factor"),
+                ));
+            }
+        }
+        for (field, command) in [
+            ("target.command", &self.target.command),
+            ("drafter.command", &self.drafter.command),
+        ] {
+            if command
+                .as_ref()
+                .is_some_and(|c| c.first().is_none_or(String::is_empty))
+            {
+                return Err(invalid(
+                    field,
+                    "must name a program, e.g. [\"python\", \"my_worker.py\"]",
                 ));
             }
         }

@@ -493,6 +493,13 @@ impl<'r> Producer<'r> {
     pub fn finish(self) -> bool {
         self.w.core().finish(self.w.id)
     }
+
+    /// As [`Producer::finish`], for a producer held by reference for the whole process (the
+    /// Python package's, whose slots borrow it): the caller must claim and reserve nothing
+    /// afterwards.
+    pub fn finish_shared(&self) -> bool {
+        self.w.core().finish(self.w.id)
+    }
 }
 
 /// A slot being written. Dropping it without [`WriteSlot::commit`] gives the slot back
