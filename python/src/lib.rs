@@ -22,6 +22,7 @@ use worker_runtime::StopFlags;
 
 mod common;
 mod detach;
+mod dlpack;
 mod drafter;
 mod group;
 mod target;

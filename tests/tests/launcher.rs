@@ -175,7 +175,7 @@ pub(crate) fn attach(launcher: &mut Proc) -> Ring {
     Ring::open_read_only(name).unwrap()
 }
 
-fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
+pub(crate) fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
     let deadline = Instant::now() + WATCHDOG;
     loop {
         let s = ring.snapshot();
@@ -187,7 +187,7 @@ fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapsho
     }
 }
 
-fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
+pub(crate) fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
     let mut n = HashMap::new();
     for l in lines {
         for &id in &l.sample_ids {
@@ -199,7 +199,7 @@ fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
 
 /// The drafters trained ONE model: at every group step every rank's ledger line carries the same
 /// weights digest, and no step is recorded twice by one rank. Returns the number of steps.
-fn one_model(lines: &[LedgerLine]) -> usize {
+pub(crate) fn one_model(lines: &[LedgerLine]) -> usize {
     let mut by_step: HashMap<u64, Vec<&LedgerLine>> = HashMap::new();
     for l in lines {
         by_step.entry(l.step).or_default().push(l);
@@ -251,7 +251,7 @@ fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
 
 /// The drafter incarnation `epoch` (a restarted one: the other ranks never restart) rejoined
 /// and trained, at steps that other ranks trained too (`one_model` found their digests equal).
-fn rejoined_into_one_model(lines: &[LedgerLine], epoch: u64) {
+pub(crate) fn rejoined_into_one_model(lines: &[LedgerLine], epoch: u64) {
     let shared = lines.iter().filter(|r| r.epoch == epoch).any(|r| {
         lines
             .iter()
