@@ -97,6 +97,33 @@ impl Core {
         }
     }
 
+    /// At close: waits up to `wait` seconds (none by default) for the batches dropped while
+    /// viewed to be given back (`pending` sweeps and counts them); raises while any remains.
+    pub fn wait_deferred(
+        &self,
+        py: Python<'_>,
+        wait: Option<f64>,
+        pending: impl Fn() -> usize,
+    ) -> PyResult<()> {
+        if pending() == 0 {
+            return Ok(());
+        }
+        let waited = self.wait(py, "close", wait.or(Some(0.0)), false, |slice| {
+            if pending() == 0 {
+                return Ok(Some(()));
+            }
+            std::thread::sleep(slice.min(std::time::Duration::from_millis(5)));
+            Ok(None)
+        });
+        match waited {
+            Ok(_) => Ok(()),
+            Err(_) => Err(err(format!(
+                "close: {} dropped batch(es) still have live views; let them go first",
+                pending()
+            ))),
+        }
+    }
+
     pub fn phase(&self, name: &str) -> PyResult<Phase> {
         let wait = match self.reg {
             Registered::Producer(_) => Phase::WaitFull,

@@ -91,25 +91,10 @@ impl Drafter {
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
         let d = &self.d;
         d.core.check_open()?;
-        d.sweep();
-        if !d.deferred.borrow().is_empty() {
-            let waited = d
-                .core
-                .wait(py, "close", wait.or(Some(0.0)), false, |slice| {
-                    d.sweep();
-                    if d.deferred.borrow().is_empty() {
-                        return Ok(Some(()));
-                    }
-                    std::thread::sleep(slice.min(std::time::Duration::from_millis(5)));
-                    Ok(None)
-                });
-            if waited.is_err() {
-                return Err(err(format!(
-                    "close: {} dropped batch(es) still have live views; let them go first",
-                    d.deferred.borrow().len()
-                )));
-            }
-        }
+        d.core.wait_deferred(py, wait, || {
+            d.sweep();
+            d.deferred.borrow().len()
+        })?;
         d.ledger.borrow().sync().map_err(err)?;
         d.core.closed.set(true);
         let mut report = d.report.borrow().clone();

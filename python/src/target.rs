@@ -110,25 +110,10 @@ impl Target {
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
         let t = &self.t;
         t.core.check_open()?;
-        t.sweep();
-        if !t.deferred.borrow().is_empty() {
-            let waited = t
-                .core
-                .wait(py, "close", wait.or(Some(0.0)), false, |slice| {
-                    t.sweep();
-                    if t.deferred.borrow().is_empty() {
-                        return Ok(Some(()));
-                    }
-                    std::thread::sleep(slice.min(std::time::Duration::from_millis(5)));
-                    Ok(None)
-                });
-            if waited.is_err() {
-                return Err(err(format!(
-                    "close: {} dropped batch(es) still have live views; let them go first",
-                    t.deferred.borrow().len()
-                )));
-            }
-        }
+        t.core.wait_deferred(py, wait, || {
+            t.sweep();
+            t.deferred.borrow().len()
+        })?;
         let held: Vec<u64> = t.claims.borrow().iter().copied().collect();
         for item in held {
             t.give_back(item);

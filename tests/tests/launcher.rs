@@ -25,6 +25,11 @@ use crate::support::{
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
 pub(crate) fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
+    config_with(dir, slow, "", extra)
+}
+
+/// [`config`] with `target` added to its `[target]` section (`extra` goes in `[drafter]`).
+pub(crate) fn config_with(dir: &Path, slow: bool, target: &str, extra: &str) -> PathBuf {
     let speed = if slow { 8_000.0 } else { 2_000_000.0 };
     let text = format!(
         r#"
@@ -41,6 +46,7 @@ max_len = 512
 [target]
 token_budget = 2048
 tokens_per_s = {speed:.1}
+{target}
 [drafter]
 tokens_per_s = {speed:.1}
 checkpoint_every = 3

@@ -13,7 +13,8 @@ use rustix::process::Signal;
 use shm_ring::WorkerName;
 
 use crate::launcher::{
-    attach, kill, no_segment_of, one_model, rejoined_into_one_model, sample_counts, wait_until, Run,
+    attach, config_with, kill, no_segment_of, one_model, rejoined_into_one_model, sample_counts,
+    wait_until, Run,
 };
 
 /// The Python with the built `hspipe` package and numpy.
@@ -52,35 +53,9 @@ fn command(rel: &str) -> String {
 /// The launcher tests' config (400 samples, ~35 batches of 2 layers x 16), with a Python
 /// target and/or drafter command. `slow`: targets at 8,000 tokens/s, to act mid-run.
 fn config(dir: &Path, slow: bool, target: Option<&str>, drafter: Option<&str>) -> PathBuf {
-    let speed = if slow { 8_000.0 } else { 2_000_000.0 };
     let target = target.map(command).unwrap_or_default();
     let drafter = drafter.map(command).unwrap_or_default();
-    let text = format!(
-        r#"
-[ring]
-slots = 24
-min_ready = 4
-[model]
-layers = 2
-hidden = 16
-[data]
-synthetic_samples = 400
-min_len = 16
-max_len = 512
-[target]
-token_budget = 2048
-tokens_per_s = {speed:.1}
-{target}
-[drafter]
-tokens_per_s = {speed:.1}
-checkpoint_every = 3
-params = 64
-{drafter}
-"#
-    );
-    let p = dir.join("python.toml");
-    std::fs::write(&p, text).unwrap();
-    p
+    config_with(dir, slow, &target, &format!("params = 64\n{drafter}"))
 }
 
 /// Every sample trained exactly once, by the ledgers and the summary.
@@ -154,19 +129,20 @@ fn numpy_drafters_learn_from_our_targets_as_one_group() {
 }
 
 /// Kills `victim` once 3 batches are published (the targets are slow: the run cannot be over);
-/// only it is restarted, every sample is trained once, and the drafters kept one model.
-fn kill_python_worker_mid_run(tag: &str, victim: WorkerName, cfg: &Path) {
+/// only it is restarted, every sample is trained once, and the drafters kept one model. Returns
+/// the victim's log.
+fn kill_python_worker_mid_run(tag: &str, victim: WorkerName, cfg: &Path, sig: Signal) -> String {
     let run = Run::new(tag);
     let cfg = std::fs::read_to_string(cfg).unwrap();
-    std::fs::write(run.dir.join("python.toml"), cfg).unwrap();
-    let mut launcher = run.launch(&run.dir.join("python.toml"), &[]);
+    std::fs::write(run.dir.join("test.toml"), cfg).unwrap();
+    let mut launcher = run.launch(&run.dir.join("test.toml"), &[]);
     let pid = launcher.child.id();
     let ring = attach(&mut launcher);
     let before = wait_until("8 live workers and 3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, Signal::KILL);
+    kill(victim_pid, sig);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
@@ -182,26 +158,47 @@ fn kill_python_worker_mid_run(tag: &str, victim: WorkerName, cfg: &Path) {
     }
     every_sample_once(&run);
     one_model(&run.ledgers());
+    let log = std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
     if victim.role == shm_ring::Role::Consumer {
         rejoined_into_one_model(&run.ledgers(), 2);
-        let log =
-            std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
         assert!(log.contains("joined the group"), "{log}");
     }
+    log
+}
+
+/// Our slow targets four times slower still: a restarted Python rank (interpreter and numpy
+/// start-up, on a loaded machine) must come back while there are batches left to train.
+fn slower_targets(cfg: PathBuf) -> PathBuf {
+    let slower: String = (0..5)
+        .map(|i| format!("[faults.target-{i}]\nslow = 4.0\n"))
+        .collect();
+    let text = std::fs::read_to_string(&cfg).unwrap() + &slower;
+    std::fs::write(&cfg, text).unwrap();
+    cfg
 }
 
 #[test]
 fn a_sigkilled_python_drafter_is_restarted_alone_and_rejoins_the_group() {
     let dir = crate::support::TestDir::new("pykd-cfg");
-    let cfg = config(&dir, true, None, Some("examples/numpy_drafter.py"));
-    kill_python_worker_mid_run("pykd", WorkerName::consumer(1), &cfg);
+    let cfg = slower_targets(config(&dir, true, None, Some("examples/numpy_drafter.py")));
+    kill_python_worker_mid_run("pykd", WorkerName::consumer(1), &cfg, Signal::KILL);
+}
+
+/// Ctrl-C reaches a Python drafter blocked in the ring or the group (the interpreter lock is
+/// released in slices of 100 ms): KeyboardInterrupt ends it, and it is restarted like a crash.
+#[test]
+fn ctrl_c_gets_through_a_python_drafters_blocking_calls() {
+    let dir = crate::support::TestDir::new("pyint-cfg");
+    let cfg = slower_targets(config(&dir, true, None, Some("examples/numpy_drafter.py")));
+    let log = kill_python_worker_mid_run("pyint", WorkerName::consumer(2), &cfg, Signal::INT);
+    assert!(log.contains("KeyboardInterrupt"), "{log}");
 }
 
 #[test]
 fn a_sigkilled_python_target_is_restarted_alone_and_its_batches_redone() {
     let dir = crate::support::TestDir::new("pykt-cfg");
     let cfg = config(&dir, true, Some("tests/slow_target.py"), None);
-    kill_python_worker_mid_run("pykt", WorkerName::producer(2), &cfg);
+    kill_python_worker_mid_run("pykt", WorkerName::producer(2), &cfg, Signal::KILL);
 }
 
 #[test]
