@@ -83,6 +83,37 @@ impl Welcome {
     }
 }
 
+/// The config's worker commands name programs that exist (a path, or a name found on `PATH`),
+/// checked before the run starts: a typo is an error at once, not a crash loop.
+pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
+    for (section, command) in [
+        ("target", &cfg.target.command),
+        ("drafter", &cfg.drafter.command),
+    ] {
+        let Some(program) = command.as_ref().and_then(|c| c.first()) else {
+            continue;
+        };
+        let found = if program.contains('/') {
+            Path::new(program).is_file()
+        } else {
+            std::env::var_os("PATH").is_some_and(|path| {
+                std::env::split_paths(&path).any(|dir| dir.join(program).is_file())
+            })
+        };
+        if !found {
+            anyhow::bail!(
+                "[{section}] command: no program {program:?}{}",
+                if program.contains('/') {
+                    ""
+                } else {
+                    " on PATH"
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Threads per worker: `[target] threads`, or the machine's cores shared out among `workers`
 /// (at least one each), so eight processes on two cores do not each start two threads per
 /// core.

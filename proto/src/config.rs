@@ -588,6 +588,24 @@ mod tests {
                 .to_string();
         assert!(err.contains("drafter.tokens_per_s"), "{err}");
 
+        for empty in ["[target]\ncommand = []\n", "[drafter]\ncommand = [\"\"]\n"] {
+            let err = PipelineConfig::from_toml(empty, Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(".command") && err.contains("program"), "{err}");
+        }
+        // A worker command reaches every worker through the config's TOML.
+        let c = PipelineConfig::from_toml(
+            "[target]\ncommand = [\"python\", \"t.py\"]\n",
+            Path::new("a.toml"),
+        )
+        .unwrap();
+        let again = PipelineConfig::from_toml(&c.to_toml(), Path::new("b.toml")).unwrap();
+        assert_eq!(
+            again.target.command,
+            Some(vec!["python".into(), "t.py".into()])
+        );
+
         let err = PipelineConfig::from_toml("[drafter]\nparams = 3\n", Path::new("a.toml"))
             .unwrap_err()
             .to_string();

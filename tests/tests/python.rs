@@ -300,3 +300,24 @@ fn a_worker_that_claims_another_name_is_refused_in_the_handshake() {
         "expected drafter-1 speaking protocol",
     );
 }
+
+#[test]
+fn a_worker_program_that_does_not_exist_is_an_error_before_the_run() {
+    let run = Run::new("pynoprog");
+    let cfg = config(&run.dir, false, None, None);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let text = text.replace(
+        "params = 64\n",
+        "params = 64\ncommand = [\"no-such-program-hspipe\"]\n",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let (status, err) = launcher.wait_status_keep();
+    no_segment_of(pid);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[drafter] command: no program \"no-such-program-hspipe\" on PATH"),
+        "{err}"
+    );
+}
