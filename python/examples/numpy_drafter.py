@@ -47,8 +47,10 @@ def run(w):
         s = np.asarray(r.sum)
         if s[n + 1] > 0:
             weights -= lr * s[:n] / s[n + 1]
-            if r.leader:
-                print(f"step {r.step} loss {s[n] / s[n + 1]:.6f}")
+            if r.leader:                 # the monitor, TensorBoard and summary show it
+                loss = float(s[n] / s[n + 1])
+                w.progress(r.step, loss, tokens=int(s[n + 1]))
+                print(f"step {r.step} loss {loss:.6f}")
         digest = hashlib.sha256(weights.tobytes()).hexdigest()[:16]
         if batch is not None:
             batch.release(step=r.step, digest=digest)

@@ -232,6 +232,24 @@ impl Drafter {
         crate::group::admit(&self.d.group, py, state)
     }
 
+    /// The leader tells the launcher a step's loss (and loss tokens, acceptance length,
+    /// learning rate): the monitor's line, `metrics.jsonl`, TensorBoard and the summary show
+    /// it as they do our drafters'. Other ranks need not call it.
+    #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None))]
+    fn progress(&self, step: u64, loss: f32, tokens: u64, tau: Option<f32>, lr: Option<f32>) {
+        if let Some(tx) = &self.d.core.setup.to_launcher {
+            // Telemetry: a launcher that is going away is not an error here.
+            let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
+                step,
+                tokens,
+                loss,
+                tau,
+                lr,
+                eval_tau: None,
+            }));
+        }
+    }
+
     /// The group now: (epoch, last committed step, member ranks).
     #[getter]
     fn membership(&self) -> (u16, u64, Vec<u32>) {

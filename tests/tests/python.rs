@@ -126,6 +126,10 @@ fn numpy_drafters_learn_from_our_targets_as_one_group() {
     let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-0.log")).unwrap();
     let (first, last) = first_and_last_loss(&log);
     assert!(last < first * 0.8, "loss {first} -> {last}");
+    // The leader's progress reached the launcher: the summary has the group's last loss.
+    let s = run.summary();
+    let summary_loss = s["drafter"]["loss"].as_f64().unwrap_or(f64::NAN);
+    assert!(summary_loss.is_finite() && summary_loss < first, "{s}");
 }
 
 /// Kills `victim` once 3 batches are published (the targets are slow: the run cannot be over);
