@@ -124,6 +124,20 @@ impl Core {
         }
     }
 
+    /// The worker is done: closed, and the launcher has its report.
+    pub fn report(&self, report: proto::control::FinalReport) {
+        self.closed.set(true);
+        tracing::info!(
+            items = report.items,
+            tokens = report.tokens,
+            complete = report.complete,
+            "finished"
+        );
+        if let Some(tx) = &self.setup.to_launcher {
+            let _ = tx.send(proto::control::ToLauncher::Report(report));
+        }
+    }
+
     pub fn phase(&self, name: &str) -> PyResult<Phase> {
         let wait = match self.reg {
             Registered::Producer(_) => Phase::WaitFull,

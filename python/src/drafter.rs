@@ -96,13 +96,9 @@ impl Drafter {
             d.deferred.borrow().len()
         })?;
         d.ledger.borrow().sync().map_err(err)?;
-        d.core.closed.set(true);
         let mut report = d.report.borrow().clone();
         report.complete = d.ended.get();
-        tracing::info!(items = report.items, tokens = report.tokens, "drained");
-        if let Some(tx) = &d.core.setup.to_launcher {
-            let _ = tx.send(ToLauncher::Report(report));
-        }
+        d.core.report(report);
         Ok(0)
     }
 }

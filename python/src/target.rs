@@ -14,7 +14,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use dataset::Dataset;
-use proto::control::{FinalReport, ToLauncher};
+use proto::control::FinalReport;
 use proto::plan::PlannedBatch;
 use proto::{batch_len, BatchSpec, BatchWriter};
 use pyo3::prelude::*;
@@ -122,18 +122,9 @@ impl Target {
         t.stopped
             .set(t.stopped.get() || t.core.setup.stop.stopping());
         t.producer.finish_shared();
-        t.core.closed.set(true);
         let mut report = t.report.borrow().clone();
         report.complete = !t.stopped.get();
-        tracing::info!(
-            items = report.items,
-            tokens = report.tokens,
-            stopped = t.stopped.get(),
-            "finished"
-        );
-        if let Some(tx) = &t.core.setup.to_launcher {
-            let _ = tx.send(ToLauncher::Report(report));
-        }
+        t.core.report(report);
         Ok(if t.stopped.get() {
             proto::stop::EXIT_STOPPED
         } else {

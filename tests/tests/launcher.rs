@@ -181,7 +181,7 @@ pub(crate) fn attach(launcher: &mut Proc) -> Ring {
     Ring::open_read_only(name).unwrap()
 }
 
-pub(crate) fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
+fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
     let deadline = Instant::now() + WATCHDOG;
     loop {
         let s = ring.snapshot();
@@ -257,7 +257,7 @@ fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
 
 /// The drafter incarnation `epoch` (a restarted one: the other ranks never restart) rejoined
 /// and trained, at steps that other ranks trained too (`one_model` found their digests equal).
-pub(crate) fn rejoined_into_one_model(lines: &[LedgerLine], epoch: u64) {
+fn rejoined_into_one_model(lines: &[LedgerLine], epoch: u64) {
     let shared = lines.iter().filter(|r| r.epoch == epoch).any(|r| {
         lines
             .iter()
@@ -394,14 +394,26 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
 /// trained.
 fn kill_one_mid_run(b: Backend, tag: &str, victim: WorkerName) {
     let run = Run::new(tag);
-    let mut launcher = run.launch_on(&b.setup(&run.dir, true, ""));
+    let launcher = run.launch_on(&b.setup(&run.dir, true, ""));
+    kill_one_of(&run, launcher, victim, Signal::KILL);
+}
+
+/// The body of [`kill_one_mid_run`] for any run of 8 workers (Python workers' too): sends
+/// `sig` to `victim` once 3 batches are published, then checks the run. Returns the victim's
+/// log.
+pub(crate) fn kill_one_of(
+    run: &Run,
+    mut launcher: Proc,
+    victim: WorkerName,
+    sig: Signal,
+) -> String {
     let pid = launcher.child.id();
     let ring = attach(&mut launcher);
     let before = wait_until("8 live workers and 3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, Signal::KILL);
+    kill(victim_pid, sig);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
@@ -430,12 +442,12 @@ fn kill_one_mid_run(b: Backend, tag: &str, victim: WorkerName) {
     assert!(!pid_alive(victim_pid));
     // Through the crash and the rejoin, the group kept one model.
     one_model(&run.ledgers());
+    let log = std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
     if victim.role == Role::Consumer {
         rejoined_into_one_model(&run.ledgers(), 2);
-        let log =
-            std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
         assert!(log.contains("joined the group"), "{log}");
     }
+    log
 }
 
 fn sigkill_of_drafter_1(b: Backend) {

@@ -12,10 +12,7 @@ use std::process::Command;
 use rustix::process::Signal;
 use shm_ring::WorkerName;
 
-use crate::launcher::{
-    attach, config_with, kill, no_segment_of, one_model, rejoined_into_one_model, sample_counts,
-    wait_until, Run,
-};
+use crate::launcher::{config_with, kill_one_of, no_segment_of, one_model, sample_counts, Run};
 
 /// The Python with the built `hspipe` package and numpy.
 fn python() -> String {
@@ -132,42 +129,15 @@ fn numpy_drafters_learn_from_our_targets_as_one_group() {
     assert!(summary_loss.is_finite() && summary_loss < first, "{s}");
 }
 
-/// Kills `victim` once 3 batches are published (the targets are slow: the run cannot be over);
-/// only it is restarted, every sample is trained once, and the drafters kept one model. Returns
-/// the victim's log.
+/// Sends `sig` to `victim` of a run of `cfg` once 3 batches are published (the targets are
+/// slow: the run cannot be over): only it is restarted, every sample is trained once, the
+/// drafters kept one model (the launcher tests' checks). Returns the victim's log.
 fn kill_python_worker_mid_run(tag: &str, victim: WorkerName, cfg: &Path, sig: Signal) -> String {
     let run = Run::new(tag);
     let cfg = std::fs::read_to_string(cfg).unwrap();
     std::fs::write(run.dir.join("test.toml"), cfg).unwrap();
-    let mut launcher = run.launch(&run.dir.join("test.toml"), &[]);
-    let pid = launcher.child.id();
-    let ring = attach(&mut launcher);
-    let before = wait_until("8 live workers and 3 batches", &ring, |s| {
-        s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
-    });
-    let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, sig);
-    let out = launcher.finish();
-    assert!(out.contains("exit code 0"), "{out}");
-    let after = ring.snapshot();
-    drop(ring);
-    no_segment_of(pid);
-    for b in &before.workers {
-        let a = after.worker(b.name()).unwrap();
-        if b.name() == victim {
-            assert_eq!(a.epoch, 2, "the victim was restarted once");
-        } else {
-            assert_eq!((a.pid, a.epoch), (b.pid, 1), "{} kept running", b.name());
-        }
-    }
-    every_sample_once(&run);
-    one_model(&run.ledgers());
-    let log = std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
-    if victim.role == shm_ring::Role::Consumer {
-        rejoined_into_one_model(&run.ledgers(), 2);
-        assert!(log.contains("joined the group"), "{log}");
-    }
-    log
+    let launcher = run.launch(&run.dir.join("test.toml"), &[]);
+    kill_one_of(&run, launcher, victim, sig)
 }
 
 /// Our slow targets four times slower still: a restarted Python rank (interpreter and numpy
