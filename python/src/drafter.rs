@@ -3,9 +3,10 @@
 //!
 //! Ownership: a [`Batch`] holds its ring slot (READING) until `release()`, which writes the
 //! batch's ledger line first, then frees the slot: a batch whose slot was freed has its line in
-//! the ledger, as for our drafters. A batch dropped without `release()` is released without a
-//! ledger line (it then counts as untrained, and the run's summary says so), once its views
-//! are let go: never while one lives.
+//! the ledger, as for our drafters. A batch dropped without `release()` (an exception, a
+//! KeyboardInterrupt between `take()` and its caller) goes back to the ring untrained, READY for
+//! redelivery as if this rank had died holding it (`ReadSlot::requeue`), once its views are let
+//! go: never while one lives.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -58,18 +59,21 @@ impl DrafterCore {
         })
     }
 
-    /// Releases the dropped batches whose views are all gone.
+    /// Gives back the dropped batches whose views are all gone (READY again, for redelivery).
     fn sweep(&self) {
         let mut deferred = self.deferred.borrow_mut();
         let mut i = 0;
         while i < deferred.len() {
             if deferred[i].1.try_close().is_ok() {
                 let (slot, _) = deferred.swap_remove(i);
+                let batch = slot.meta().batch_id;
                 tracing::warn!(
-                    batch = slot.meta().batch_id,
-                    "a batch was dropped without release(): released untrained, with no ledger line"
+                    batch,
+                    "a batch was dropped without release(): given back to the ring untrained, for redelivery"
                 );
-                drop(slot);
+                if let Err(e) = slot.requeue() {
+                    tracing::warn!(batch, error = %e, "giving a dropped batch back");
+                }
             } else {
                 i += 1;
             }
