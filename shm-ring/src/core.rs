@@ -546,9 +546,9 @@ impl<'a> RingRef<'a> {
         }
     }
 
-    /// Puts a slot consumer `id` is reading back to READY for another take, its delivery count
-    /// + 1: what recovery does for a dead consumer's slot, done by the live owner (a batch it
-    /// will not train, e.g. one a Python drafter dropped unreleased).
+    /// Puts a slot its consumer is reading back to READY for another take, its delivery count
+    /// plus one: what recovery does for a dead consumer's slot, done by the live owner (a batch
+    /// it will not train, e.g. one a Python drafter dropped unreleased).
     pub(crate) fn requeue(&self, claim: Claim) -> Result<(), RingError> {
         let s = &self.slots[claim.idx];
         if Word(s.state.load(Ordering::Relaxed)) != claim.word {

@@ -692,8 +692,8 @@ impl ReadSlot<'_> {
         self.release_inner()
     }
 
-    /// Gives the item back unconsumed: READY again for any consumer, its delivery count + 1
-    /// (as if this consumer had died holding it). For a batch this consumer will not train.
+    /// Gives the item back unconsumed: READY again for any consumer, its delivery count plus
+    /// one (as if this consumer had died holding it). For a batch this consumer will not train.
     pub fn requeue(mut self) -> Result<(), RingError> {
         self.done = true;
         self.c.held.set(self.c.held.get().saturating_sub(1));
