@@ -39,6 +39,8 @@ export HSPIPE_PYTHON="$PWD/$venv/bin/python"
 # not build for another crate's tests: build them first.
 echo "== cargo build --workspace --bins"
 cargo build --workspace --bins
+# The Python workers' tests (tests/tests/python.rs) run the hspipe package from this venv.
+scripts/py/build-wheel.sh "$venv/bin/python"
 echo "== cargo test --workspace"
 cargo test --workspace
 

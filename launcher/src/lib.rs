@@ -145,6 +145,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         (None, Some(p)) => PipelineConfig::load(p)?,
         (None, None) => PipelineConfig::default(),
     };
+    spawn::check_commands(&cfg)?;
     // After the config: a directory that is no run at all is told so, not that it lacks
     // a record of its GPUs.
     let gpus = gpu_lists(args)?;

@@ -68,6 +68,50 @@ pub struct Welcome {
     /// CPU threads each worker's model computes with (`RAYON_NUM_THREADS`, which candle's
     /// kernels and matrix products read when they first run).
     pub threads: usize,
+    /// The programs run as targets and drafters instead of the launcher's own workers
+    /// (`[target] command`, `[drafter] command`: Python workers).
+    pub target_command: Option<Vec<String>>,
+    pub drafter_command: Option<Vec<String>>,
+}
+
+impl Welcome {
+    fn command(&self, role: Role) -> Option<&[String]> {
+        match role {
+            Role::Producer => self.target_command.as_deref(),
+            Role::Consumer => self.drafter_command.as_deref(),
+        }
+    }
+}
+
+/// The config's worker commands name programs that exist (a path, or a name found on `PATH`),
+/// checked before the run starts: a typo is an error at once, not a crash loop.
+pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
+    for (section, command) in [
+        ("target", &cfg.target.command),
+        ("drafter", &cfg.drafter.command),
+    ] {
+        let Some(program) = command.as_ref().and_then(|c| c.first()) else {
+            continue;
+        };
+        let found = if program.contains('/') {
+            Path::new(program).is_file()
+        } else {
+            std::env::var_os("PATH").is_some_and(|path| {
+                std::env::split_paths(&path).any(|dir| dir.join(program).is_file())
+            })
+        };
+        if !found {
+            anyhow::bail!(
+                "[{section}] command: no program {program:?}{}",
+                if program.contains('/') {
+                    ""
+                } else {
+                    " on PATH"
+                }
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Threads per worker: `[target] threads`, or the machine's cores shared out among `workers`
@@ -103,17 +147,33 @@ pub fn spawn(
         key.spawn + 1
     )?;
     let sub = subcommand(key.name.role);
-    let mut cmd = Command::new(SELF_EXE);
-    // argv[0]: `ps` shows `target-worker 3 ...`, not `launcher`.
-    cmd.arg0(format!("{sub} {}", key.name.index))
-        .arg(sub)
-        .args([
-            "--index",
-            &key.name.index.to_string(),
-            "--control",
-            &server_name,
-        ])
-        .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
+    let mut cmd = match welcome.command(key.name.role) {
+        // A user's program (a Python worker): its arguments are its own; the control server
+        // and the worker's name come in the environment.
+        Some([program, args @ ..]) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args)
+                .env(control::ENV_CONTROL, &server_name)
+                .env(control::ENV_WORKER, key.name.to_string())
+                // Python's prints reach the log as they happen.
+                .env("PYTHONUNBUFFERED", "1");
+            cmd
+        }
+        _ => {
+            let mut cmd = Command::new(SELF_EXE);
+            // argv[0]: `ps` shows `target-worker 3 ...`, not `launcher`.
+            cmd.arg0(format!("{sub} {}", key.name.index))
+                .arg(sub)
+                .args([
+                    "--index",
+                    &key.name.index.to_string(),
+                    "--control",
+                    &server_name,
+                ]);
+            cmd
+        }
+    };
+    cmd.env("CUDA_VISIBLE_DEVICES", gpu.to_string())
         .env("RAYON_NUM_THREADS", welcome.threads.to_string())
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
@@ -138,7 +198,10 @@ pub fn spawn(
     }
     let child = cmd
         .spawn()
-        .with_context(|| format!("starting {SELF_EXE} {sub}"))?;
+        .with_context(|| match welcome.command(key.name.role) {
+            Some(argv) => format!("starting {argv:?} (the config's command for {})", key.name),
+            None => format!("starting {SELF_EXE} {sub}"),
+        })?;
     let welcome = welcome.clone();
     std::thread::spawn(move || handshake(server, key, gpu, welcome, events));
     Ok(child)

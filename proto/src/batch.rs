@@ -204,6 +204,11 @@ impl<'a> BatchWriter<'a> {
         self.len() == 0
     }
 
+    /// The header as it will be written (section offsets and lengths; checksum not yet).
+    pub fn header(&self) -> &BatchHeader {
+        &self.header
+    }
+
     /// The four sections, to fill in place.
     pub fn sections_mut(&mut self) -> SectionsMut<'_> {
         let h = &self.header;

@@ -186,6 +186,10 @@ pub struct TargetConfig {
     /// CPU threads each worker's model computes with; 0: the machine's cores shared out
     /// among the run's workers (at least one each).
     pub threads: u32,
+    /// A program the launcher runs as each target instead of its own worker, e.g.
+    /// `["python", "my_target.py"]`: a user's own model through the `hspipe` Python package.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
 }
 
 impl Default for TargetConfig {
@@ -194,6 +198,7 @@ impl Default for TargetConfig {
             token_budget: 16384,
             tokens_per_s: 45_000.0,
             threads: 0,
+            command: None,
         }
     }
 }
@@ -215,6 +220,10 @@ pub struct DrafterConfig {
     /// (batches / drafters) when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub total_steps: Option<u64>,
+    /// A program the launcher runs as each drafter instead of its own worker (see
+    /// [`TargetConfig::command`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
 }
 
 impl Default for DrafterConfig {
@@ -225,6 +234,7 @@ impl Default for DrafterConfig {
             params: 1_048_576,
             coherent: true,
             total_steps: None,
+            command: None,
         }
     }
 }
@@ -446,6 +456,20 @@ impl PipelineConfig {
                 ));
             }
         }
+        for (field, command) in [
+            ("target.command", &self.target.command),
+            ("drafter.command", &self.drafter.command),
+        ] {
+            if command
+                .as_ref()
+                .is_some_and(|c| c.first().is_none_or(String::is_empty))
+            {
+                return Err(invalid(
+                    field,
+                    "must name a program, e.g. [\"python\", \"my_worker.py\"]",
+                ));
+            }
+        }
         if self.drafter.checkpoint_every == 0 {
             return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
         }
@@ -569,6 +593,24 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("drafter.tokens_per_s"), "{err}");
+
+        for empty in ["[target]\ncommand = []\n", "[drafter]\ncommand = [\"\"]\n"] {
+            let err = PipelineConfig::from_toml(empty, Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(".command") && err.contains("program"), "{err}");
+        }
+        // A worker command reaches every worker through the config's TOML.
+        let c = PipelineConfig::from_toml(
+            "[target]\ncommand = [\"python\", \"t.py\"]\n",
+            Path::new("a.toml"),
+        )
+        .unwrap();
+        let again = PipelineConfig::from_toml(&c.to_toml(), Path::new("b.toml")).unwrap();
+        assert_eq!(
+            again.target.command,
+            Some(vec!["python".into(), "t.py".into()])
+        );
 
         let err = PipelineConfig::from_toml("[drafter]\nparams = 3\n", Path::new("a.toml"))
             .unwrap_err()

@@ -32,6 +32,12 @@ use shm_ring::Role;
 pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The largest frame either side accepts.
+/// A worker the launcher runs from a config's `command` (a Python worker) finds its control
+/// server in this variable, and its name (`target-3`) in [`ENV_WORKER`]: its arguments stay
+/// the user's own.
+pub const ENV_CONTROL: &str = "HSPIPE_CONTROL";
+/// See [`ENV_CONTROL`].
+pub const ENV_WORKER: &str = "HSPIPE_WORKER";
 pub const MAX_FRAME: u32 = 16 << 20;
 
 /// Worker → launcher.

@@ -14,7 +14,7 @@
 //!    ▲  ◀──────────────────────────────┘ abort (p)            ▲  take (c)   │
 //!    │   recover(p): p died mid-write                          │            ▼
 //!    └──────────────────── release (c) ────────────────── READING(c) ◀─────┘
-//!                                      recover(c): back to READY, delivery + 1
+//!                          recover(c), or requeue (c): back to READY, delivery + 1
 //! ```
 //!
 //! Each arrow is ONE compare-and-swap of the whole word, and every CAS bumps the generation,
@@ -30,6 +30,8 @@
 //!   reader sees the payload and metadata the writer stored.
 //! - release's Release CAS (READING→FREE) pairs with reserve's Acquire CAS (FREE→WRITING): the
 //!   reader's last look at the payload happens before the next writer overwrites it.
+//! - requeue's Release CAS (READING→READY, by the owner) pairs with take's Acquire CAS, as
+//!   recovery's does: the next reader sees the bumped delivery count.
 //! - finish's AcqRel CAS of the producer's `finished` flag pairs with the Acquire loads of
 //!   every flag in whichever finish (or retire) finds them all set; that call's AcqRel CAS of
 //!   `closed` pairs with the consumers' Acquire load, so a consumer that sees the ring closed
@@ -542,6 +544,36 @@ impl<'a> RingRef<'a> {
             delivery: s.delivery.load(Ordering::Relaxed),
             producer: s.producer.load(Ordering::Relaxed),
         }
+    }
+
+    /// Puts a slot its consumer is reading back to READY for another take, its delivery count
+    /// plus one: what recovery does for a dead consumer's slot, done by the live owner (a batch
+    /// it will not train, e.g. one a Python drafter dropped unreleased).
+    pub(crate) fn requeue(&self, claim: Claim) -> Result<(), RingError> {
+        let s = &self.slots[claim.idx];
+        if Word(s.state.load(Ordering::Relaxed)) != claim.word {
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
+        // We own the slot (READING by us), so nobody reads `delivery` before the CAS below
+        // publishes it, as in recovery.
+        s.delivery.fetch_add(1, Ordering::Relaxed);
+        // SYNC: Release pairs with the Acquire CAS in `try_take`: the delivery count and our
+        // reads of the payload happen before the next consumer's take.
+        if s.state
+            .compare_exchange(
+                claim.word.0,
+                claim.word.next(READY, 0).0,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .is_err()
+        {
+            s.delivery.fetch_sub(1, Ordering::Relaxed);
+            return Err(RingError::Reclaimed { slot: claim.idx });
+        }
+        sync::tally(&self.ctl.redelivered, 1);
+        sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
+        Ok(())
     }
 
     /// Frees a slot consumer `id` has finished reading.

@@ -493,6 +493,13 @@ impl<'r> Producer<'r> {
     pub fn finish(self) -> bool {
         self.w.core().finish(self.w.id)
     }
+
+    /// As [`Producer::finish`], for a producer held by reference for the whole process (the
+    /// Python package's, whose slots borrow it): the caller must claim and reserve nothing
+    /// afterwards.
+    pub fn finish_shared(&self) -> bool {
+        self.w.core().finish(self.w.id)
+    }
 }
 
 /// A slot being written. Dropping it without [`WriteSlot::commit`] gives the slot back
@@ -683,6 +690,14 @@ impl ReadSlot<'_> {
     /// Frees the slot for producers.
     pub fn release(mut self) -> Result<(), RingError> {
         self.release_inner()
+    }
+
+    /// Gives the item back unconsumed: READY again for any consumer, its delivery count plus
+    /// one (as if this consumer had died holding it). For a batch this consumer will not train.
+    pub fn requeue(mut self) -> Result<(), RingError> {
+        self.done = true;
+        self.c.held.set(self.c.held.get().saturating_sub(1));
+        self.c.w.core().requeue(self.claim)
     }
 
     fn release_inner(&mut self) -> Result<(), RingError> {

@@ -911,3 +911,33 @@ fn the_payload_arena_covers_every_slot_and_is_page_aligned() {
     seen.sort();
     assert_eq!(seen, [0, 1, 2, 3], "every slot reserved once");
 }
+
+#[test]
+fn a_requeued_item_is_taken_again_whole_with_its_delivery_counted() {
+    let name = unique("requeue");
+    let ring = Ring::create(&name, &fifo(1, 2, 4)).unwrap();
+    let p = ring.producer(0).unwrap();
+    let mut w = p.reserve(64).unwrap();
+    fill(w.payload_mut(), 7);
+    w.commit(CommitMeta {
+        bucket: 0,
+        tokens: 3,
+        batch_id: 7,
+    })
+    .unwrap();
+    let (a, b) = (ring.consumer(0).unwrap(), ring.consumer(1).unwrap());
+    let first = a.take().unwrap().unwrap();
+    assert_eq!(first.meta().delivery, 0);
+    first.requeue().unwrap();
+    // Given back, not consumed: another consumer takes it, payload intact, delivery counted,
+    // and the first may take again (its hold was given back too).
+    let again = b.take().unwrap().unwrap();
+    assert_eq!((again.meta().batch_id, again.meta().delivery), (7, 1));
+    assert!(verify(again.payload(), 7));
+    assert_eq!(ring.snapshot().counters.redelivered, 1);
+    again.release().unwrap();
+    assert!(matches!(
+        a.take_timeout(Duration::from_millis(1)).unwrap(),
+        Take::TimedOut
+    ));
+}

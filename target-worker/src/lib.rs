@@ -35,17 +35,17 @@ pub struct Args {
 }
 
 /// A batch the prefetch thread gathered: its samples' ids and masks copied out of the dataset,
-/// ready to compute.
-struct Gathered {
-    item: u64,
-    spec: BatchSpec,
-    input_ids: Vec<u32>,
-    loss_mask: Vec<u8>,
-    bucket: u32,
+/// ready to compute (the Python target's claims are these too).
+pub struct Gathered {
+    pub item: u64,
+    pub spec: BatchSpec,
+    pub input_ids: Vec<u32>,
+    pub loss_mask: Vec<u8>,
+    pub bucket: u32,
 }
 
 /// Gathers planned batch `item` (`b`) from `data` for `producer`.
-fn gather(
+pub fn gather(
     item: u64,
     b: &PlannedBatch,
     data: &Dataset,

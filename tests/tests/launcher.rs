@@ -25,6 +25,11 @@ use crate::support::{
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
 pub(crate) fn config(dir: &Path, slow: bool, extra: &str) -> PathBuf {
+    config_with(dir, slow, "", extra)
+}
+
+/// [`config`] with `target` added to its `[target]` section (`extra` goes in `[drafter]`).
+pub(crate) fn config_with(dir: &Path, slow: bool, target: &str, extra: &str) -> PathBuf {
     let speed = if slow { 8_000.0 } else { 2_000_000.0 };
     let text = format!(
         r#"
@@ -41,6 +46,7 @@ max_len = 512
 [target]
 token_budget = 2048
 tokens_per_s = {speed:.1}
+{target}
 [drafter]
 tokens_per_s = {speed:.1}
 checkpoint_every = 3
@@ -187,7 +193,7 @@ fn wait_until(what: &str, ring: &Ring, f: impl Fn(&Snapshot) -> bool) -> Snapsho
     }
 }
 
-fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
+pub(crate) fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
     let mut n = HashMap::new();
     for l in lines {
         for &id in &l.sample_ids {
@@ -199,7 +205,7 @@ fn sample_counts(lines: &[LedgerLine]) -> HashMap<u64, u32> {
 
 /// The drafters trained ONE model: at every group step every rank's ledger line carries the same
 /// weights digest, and no step is recorded twice by one rank. Returns the number of steps.
-fn one_model(lines: &[LedgerLine]) -> usize {
+pub(crate) fn one_model(lines: &[LedgerLine]) -> usize {
     let mut by_step: HashMap<u64, Vec<&LedgerLine>> = HashMap::new();
     for l in lines {
         by_step.entry(l.step).or_default().push(l);
@@ -388,14 +394,26 @@ fn a_full_five_by_three_run_trains_every_sample_once_and_the_summary_agrees() {
 /// trained.
 fn kill_one_mid_run(b: Backend, tag: &str, victim: WorkerName) {
     let run = Run::new(tag);
-    let mut launcher = run.launch_on(&b.setup(&run.dir, true, ""));
+    let launcher = run.launch_on(&b.setup(&run.dir, true, ""));
+    kill_one_of(&run, launcher, victim, Signal::KILL);
+}
+
+/// The body of [`kill_one_mid_run`] for any run of 8 workers (Python workers' too): sends
+/// `sig` to `victim` once 3 batches are published, then checks the run. Returns the victim's
+/// log.
+pub(crate) fn kill_one_of(
+    run: &Run,
+    mut launcher: Proc,
+    victim: WorkerName,
+    sig: Signal,
+) -> String {
     let pid = launcher.child.id();
     let ring = attach(&mut launcher);
     let before = wait_until("8 live workers and 3 batches", &ring, |s| {
         s.workers.iter().all(|w| w.alive) && s.counters.published >= 3
     });
     let victim_pid = before.worker(victim).unwrap().pid;
-    kill(victim_pid, Signal::KILL);
+    kill(victim_pid, sig);
     let out = launcher.finish();
     assert!(out.contains("exit code 0"), "{out}");
     let after = ring.snapshot();
@@ -424,12 +442,12 @@ fn kill_one_mid_run(b: Backend, tag: &str, victim: WorkerName) {
     assert!(!pid_alive(victim_pid));
     // Through the crash and the rejoin, the group kept one model.
     one_model(&run.ledgers());
+    let log = std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
     if victim.role == Role::Consumer {
         rejoined_into_one_model(&run.ledgers(), 2);
-        let log =
-            std::fs::read_to_string(run.run_dir().join(format!("logs/{victim}.log"))).unwrap();
         assert!(log.contains("joined the group"), "{log}");
     }
+    log
 }
 
 fn sigkill_of_drafter_1(b: Backend) {

@@ -134,6 +134,41 @@ pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
     Ok(setup)
 }
 
+/// Handshakes with the launcher's control server `server` as worker `index` of `role`: the
+/// launcher's Welcome (ring, run directory, GPU, config, backend) becomes the [`Setup`], and a
+/// thread turns its Stop and Checkpoint messages (and its going away) into `stop`'s flags. For
+/// any process the launcher started as a worker: ours (`--control`) and a Python worker's
+/// (`hspipe.connect()`, which installs no signal handlers: Python keeps its own).
+pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<Setup, SetupError> {
+    let link = control::connect(server, role, index, Duration::from_secs(30))?;
+    let config = PipelineConfig::from_toml(&link.config_toml, std::path::Path::new("<launcher>"))?;
+    // Listen for Stop/Checkpoint; a closed channel means the launcher is gone.
+    let flags = stop.clone();
+    let rx = link.from_launcher;
+    std::thread::spawn(move || loop {
+        match rx.recv() {
+            Ok(ToWorker::Stop) => flags.stop.store(true, Ordering::Relaxed),
+            Ok(ToWorker::Checkpoint) => flags.checkpoint.store(true, Ordering::Relaxed),
+            Ok(_) => {}
+            Err(_) => {
+                flags.stop.store(true, Ordering::Relaxed);
+                return;
+            }
+        }
+    });
+    Ok(Setup {
+        index,
+        name: WorkerName { role, index },
+        ring: link.ring,
+        run_dir: RunDir::new(link.run_dir),
+        gpu: link.gpu,
+        config,
+        backend: link.backend.parse()?,
+        stop,
+        to_launcher: Some(link.to_launcher),
+    })
+}
+
 fn connect_or_read(
     args: &WorkerArgs,
     role: Role,
@@ -141,36 +176,7 @@ fn connect_or_read(
     stop: StopFlags,
 ) -> Result<Setup, SetupError> {
     match &args.control {
-        Some(server) => {
-            let link = control::connect(server, role, args.index, Duration::from_secs(30))?;
-            let config =
-                PipelineConfig::from_toml(&link.config_toml, std::path::Path::new("<launcher>"))?;
-            // Listen for Stop/Checkpoint; a closed channel means the launcher is gone.
-            let flags = stop.clone();
-            let rx = link.from_launcher;
-            std::thread::spawn(move || loop {
-                match rx.recv() {
-                    Ok(ToWorker::Stop) => flags.stop.store(true, Ordering::Relaxed),
-                    Ok(ToWorker::Checkpoint) => flags.checkpoint.store(true, Ordering::Relaxed),
-                    Ok(_) => {}
-                    Err(_) => {
-                        flags.stop.store(true, Ordering::Relaxed);
-                        return;
-                    }
-                }
-            });
-            Ok(Setup {
-                index: args.index,
-                name,
-                ring: link.ring,
-                run_dir: RunDir::new(link.run_dir),
-                gpu: link.gpu,
-                config,
-                backend: link.backend.parse()?,
-                stop,
-                to_launcher: Some(link.to_launcher),
-            })
-        }
+        Some(server) => connect(server, role, args.index, stop),
         None => {
             let config = match &args.config {
                 Some(p) => PipelineConfig::load(p)?,

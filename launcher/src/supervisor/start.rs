@@ -100,6 +100,8 @@ impl<'a> Supervisor<'a> {
             config_toml: cfg.to_toml(),
             backend: backend.0,
             threads: spawn::threads_per_worker(cfg.target.threads, targets.len() + drafters.len()),
+            target_command: cfg.target.command.clone(),
+            drafter_command: cfg.drafter.command.clone(),
         };
         let workers = (targets.iter().enumerate())
             .map(|(i, &gpu)| Worker::new(WorkerName::producer(i as u32), gpu))

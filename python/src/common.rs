@@ -1,0 +1,354 @@
+//! What both kinds of Python worker share: the connection (the launcher's handshake, through
+//! `worker_runtime::connect`), the ring, telemetry by phase, and the waiting loop.
+
+use std::cell::Cell;
+
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use shm_ring::{Consumer, Phase, Producer, Ring, Role};
+use worker_runtime::Setup;
+
+use crate::detach::{released, SLICE};
+
+pyo3::create_exception!(
+    hspipe,
+    HspipeError,
+    PyRuntimeError,
+    "An hspipe operation failed: the ring, the group, a ledger, or a batch's content."
+);
+
+/// An hspipe error as a Python exception, with its whole chain of causes.
+pub fn err(e: impl std::fmt::Display) -> PyErr {
+    HspipeError::new_err(e.to_string())
+}
+
+/// A worker's registration in the ring, either role.
+#[derive(Clone, Copy)]
+pub enum Registered {
+    Producer(&'static Producer<'static>),
+    Consumer(&'static Consumer<'static>),
+}
+
+impl Registered {
+    pub fn enter(self, phase: Phase) -> Option<Phase> {
+        match self {
+            Registered::Producer(p) => p.enter(phase),
+            Registered::Consumer(c) => c.enter(phase),
+        }
+    }
+    pub fn heartbeat(self) {
+        match self {
+            Registered::Producer(p) => p.heartbeat(),
+            Registered::Consumer(c) => c.heartbeat(),
+        }
+    }
+}
+
+/// The connected worker: its Welcome and its ring, both kept for the whole process (slots
+/// borrow the ring's handles, and views point into its mapping, which must never go away while
+/// an export may live).
+pub struct Core {
+    pub setup: &'static Setup,
+    pub ring: &'static Ring,
+    pub reg: Registered,
+    /// The launcher was told this worker's report (close() ran).
+    pub closed: Cell<bool>,
+}
+
+impl Core {
+    /// Waits with `attempt` (given at most [`SLICE`] each time, the interpreter lock released)
+    /// until it answers, raising on Ctrl-C (or any signal handler's exception), at `deadline`
+    /// (`TimeoutError`), or, when `stop_ends` is set and a stop was asked for, returning None.
+    pub fn wait<T>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        timeout: Option<f64>,
+        stop_ends: bool,
+        mut attempt: impl FnMut(std::time::Duration) -> PyResult<Option<T>>,
+    ) -> PyResult<Option<T>> {
+        let deadline = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a number of seconds, got {t}"
+                )))
+            }
+            Some(t) => Some(std::time::Instant::now() + std::time::Duration::from_secs_f64(t)),
+            None => None,
+        };
+        loop {
+            if stop_ends && self.setup.stop.stopping() {
+                return Ok(None);
+            }
+            let slice = deadline.map_or(SLICE, |d| {
+                d.saturating_duration_since(std::time::Instant::now())
+                    .min(SLICE)
+            });
+            if let Some(x) = released(py, || attempt(slice))? {
+                return Ok(Some(x));
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Err(PyTimeoutError::new_err(format!(
+                    "{what}: nothing after {:.3} s",
+                    timeout.unwrap_or(0.0)
+                )));
+            }
+        }
+    }
+
+    /// At close: waits up to `wait` seconds (none by default) for the batches dropped while
+    /// viewed to be given back (`pending` sweeps and counts them); raises while any remains.
+    pub fn wait_deferred(
+        &self,
+        py: Python<'_>,
+        wait: Option<f64>,
+        pending: impl Fn() -> usize,
+    ) -> PyResult<()> {
+        if pending() == 0 {
+            return Ok(());
+        }
+        let waited = self.wait(py, "close", wait.or(Some(0.0)), false, |slice| {
+            if pending() == 0 {
+                return Ok(Some(()));
+            }
+            std::thread::sleep(slice.min(std::time::Duration::from_millis(5)));
+            Ok(None)
+        });
+        match waited {
+            Ok(_) => Ok(()),
+            Err(_) => Err(err(format!(
+                "close: {} dropped batch(es) still have live views; let them go first",
+                pending()
+            ))),
+        }
+    }
+
+    /// The worker is done: closed, and the launcher has its report.
+    pub fn report(&self, report: proto::control::FinalReport) {
+        self.closed.set(true);
+        tracing::info!(
+            items = report.items,
+            tokens = report.tokens,
+            complete = report.complete,
+            "finished"
+        );
+        if let Some(tx) = &self.setup.to_launcher {
+            let _ = tx.send(proto::control::ToLauncher::Report(report));
+        }
+    }
+
+    pub fn phase(&self, name: &str) -> PyResult<Phase> {
+        let wait = match self.reg {
+            Registered::Producer(_) => Phase::WaitFull,
+            Registered::Consumer(_) => Phase::WaitEmpty,
+        };
+        Ok(match name {
+            "wait" => wait,
+            "load" => Phase::Load,
+            "copy" | "copy_in" => Phase::CopyIn,
+            "compute" => Phase::Compute,
+            "sync" => Phase::Sync,
+            "checkpoint" => Phase::Checkpoint,
+            "other" => Phase::Other,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "no phase {name:?}: wait, load, copy, compute, sync, checkpoint or other"
+                )))
+            }
+        })
+    }
+
+    /// The effective config, as Python dicts and lists (through JSON).
+    pub fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let json = serde_json::to_string(&self.setup.config).map_err(err)?;
+        py.import("json")?.call_method1("loads", (json,))
+    }
+
+    pub fn role(&self) -> Role {
+        self.setup.name.role
+    }
+
+    pub fn check_open(&self) -> PyResult<()> {
+        if self.closed.get() {
+            return Err(err(format!("{} is closed", self.setup.name)));
+        }
+        Ok(())
+    }
+}
+
+/// Time inside `with w.phase("compute"):` counts as that phase in the ring's telemetry (what
+/// `shm-ring-stat`, the screen and the verdict read); the phase before it resumes afterwards.
+#[pyclass(unsendable, module = "hspipe")]
+pub struct PhaseScope {
+    reg: Registered,
+    phase: Phase,
+    before: Option<Phase>,
+}
+
+impl PhaseScope {
+    pub fn new(reg: Registered, phase: Phase) -> PhaseScope {
+        PhaseScope {
+            reg,
+            phase,
+            before: None,
+        }
+    }
+}
+
+#[pymethods]
+impl PhaseScope {
+    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
+        slf.before = slf.reg.enter(slf.phase);
+        slf
+    }
+    fn __exit__(
+        &mut self,
+        _ty: Option<Bound<'_, PyAny>>,
+        _value: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) -> bool {
+        self.reg.enter(self.before.take().unwrap_or(Phase::Other));
+        false
+    }
+}
+
+/// The common attributes of both workers (`name`, `role`, `index`, `gpu`, `config`, ...),
+/// generated into each worker's methods.
+macro_rules! worker_methods {
+    ($t:ty) => {
+        #[pyo3::pymethods]
+        impl $t {
+            /// The worker's name (`target-0`, `drafter-2`): its log, ledger and telemetry name.
+            #[getter]
+            fn name(&self) -> String {
+                self.core().setup.name.to_string()
+            }
+            /// `"target"` or `"drafter"`.
+            #[getter]
+            fn role(&self) -> &'static str {
+                match self.core().role() {
+                    shm_ring::Role::Producer => "target",
+                    shm_ring::Role::Consumer => "drafter",
+                }
+            }
+            /// This worker's index among its kind (a drafter's rank in the group).
+            #[getter]
+            fn index(&self) -> u32 {
+                self.core().setup.index
+            }
+            /// The GPU the launcher gave this worker (also in `CUDA_VISIBLE_DEVICES`, so the
+            /// process sees it as device 0).
+            #[getter]
+            fn gpu(&self) -> Option<u32> {
+                self.core().setup.gpu
+            }
+            /// The run's effective config (every field, defaults filled), as a dict.
+            #[getter]
+            fn config<'py>(
+                &self,
+                py: pyo3::Python<'py>,
+            ) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
+                self.core().config(py)
+            }
+            #[getter]
+            fn run_dir(&self) -> std::path::PathBuf {
+                self.core().setup.run_dir.path().to_path_buf()
+            }
+            #[getter]
+            fn ring(&self) -> &str {
+                self.core().ring.name()
+            }
+            /// The backend the launcher was asked for (`mock`, `candle`, ...).
+            #[getter]
+            fn backend(&self) -> String {
+                self.core().setup.backend.to_string()
+            }
+            /// True once a stop was asked for (the launcher's stop, or it went away).
+            #[getter]
+            fn stopping(&self) -> bool {
+                self.core().setup.stop.stopping()
+            }
+            /// Tells the launcher this worker is alive (ring operations and phases do too);
+            /// call it in work that runs longer than the launcher's hang timeout.
+            fn heartbeat(&self) {
+                self.core().reg.heartbeat()
+            }
+            /// `with w.phase("compute"):` times the block as that phase: `wait`, `load`,
+            /// `copy`, `compute`, `sync`, `checkpoint` or `other`.
+            fn phase(&self, name: &str) -> pyo3::PyResult<$crate::common::PhaseScope> {
+                let p = self.core().phase(name)?;
+                Ok($crate::common::PhaseScope::new(self.core().reg, p))
+            }
+            fn __enter__(slf: pyo3::PyRef<'_, Self>) -> pyo3::PyRef<'_, Self> {
+                slf
+            }
+            fn __exit__(
+                &self,
+                py: pyo3::Python<'_>,
+                ty: Option<pyo3::Bound<'_, pyo3::PyAny>>,
+                _value: Option<pyo3::Bound<'_, pyo3::PyAny>>,
+                _tb: Option<pyo3::Bound<'_, pyo3::PyAny>>,
+            ) -> pyo3::PyResult<bool> {
+                // Leaving on an exception still tells the launcher what was done; the
+                // exception goes on (and the process exits non-zero: a crash, restarted).
+                if !self.core().closed.get() {
+                    let r = self.close_inner(py, None);
+                    if ty.is_none() {
+                        r?;
+                    }
+                }
+                Ok(false)
+            }
+            fn __repr__(&self) -> String {
+                format!(
+                    "<hspipe worker {} on ring {}>",
+                    self.core().setup.name,
+                    self.core().ring.name()
+                )
+            }
+        }
+    };
+}
+pub(crate) use worker_methods;
+
+/// Closes a slot's views before it is committed or released (`what`: "commit batch 3"): at
+/// once, or, with `wait`, once every export is let go within that many seconds. With a view
+/// still alive it raises, naming them, and the slot stays this worker's.
+pub fn close_views(
+    core: &Core,
+    py: Python<'_>,
+    exports: &crate::view::Exports,
+    what: &str,
+    wait: Option<f64>,
+) -> PyResult<()> {
+    let live = match exports.try_close() {
+        Ok(()) => return Ok(()),
+        Err(live) => live,
+    };
+    let refuse = |live: Vec<String>| {
+        err(format!(
+            "{what}: views of it are still alive: {}; let them go first (del the arrays or \
+             tensors), or pass wait=SECONDS to wait for another thread to",
+            live.join(", ")
+        ))
+    };
+    if wait.is_none() {
+        return Err(refuse(live));
+    }
+    let waited = core.wait(py, what, wait, false, |slice| {
+        if exports.try_close().is_ok() {
+            return Ok(Some(()));
+        }
+        std::thread::sleep(slice.min(std::time::Duration::from_millis(5)));
+        Ok(None)
+    });
+    match waited {
+        Ok(_) => Ok(()),
+        Err(e) if e.is_instance_of::<PyTimeoutError>(py) => match exports.try_close() {
+            Ok(()) => Ok(()),
+            Err(live) => Err(refuse(live)),
+        },
+        Err(e) => Err(e),
+    }
+}

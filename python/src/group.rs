@@ -1,0 +1,209 @@
+//! The drafter group for Python ranks: the same `collective` group our drafters use (its
+//! segment, membership epochs, one committed round per step, the launcher's removal of a dead
+//! rank), with f32 buffers from Python.
+//!
+//! A Python rank's round buffer is the group's buffer (sized by the launcher from
+//! `[drafter] params`) holding the caller's data first and, in its last word, whether the rank
+//! saw the ring's end: every rank then knows when every member has. A round contributed again
+//! after a membership change is the collective's business, invisible here; the launcher
+//! redelivers a dead rank's batch unless its update was applied.
+
+use std::cell::{Cell, RefCell};
+
+use collective::{Collective, Membership, NO_BATCH};
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+
+use crate::common::{err, Core};
+use crate::view::{self, Elem, View};
+
+pub struct Group {
+    c: Box<dyn Collective>,
+    /// f32 words of a round's buffer; the last one is the "saw the end" flag.
+    buf_len: usize,
+    /// u32 words of the state a joining rank gets.
+    state_len: usize,
+    last_step: Cell<Option<u64>>,
+    pub digest: RefCell<Option<String>>,
+}
+
+impl Group {
+    pub fn new(c: Box<dyn Collective>, buf_len: usize, state_len: usize) -> Group {
+        Group {
+            c,
+            buf_len,
+            state_len,
+            last_step: Cell::new(None),
+            digest: RefCell::new(None),
+        }
+    }
+
+    pub fn last_step(&self) -> Option<u64> {
+        self.last_step.get()
+    }
+
+    pub fn last_digest(&self) -> Option<String> {
+        self.digest.borrow().clone()
+    }
+
+    /// Asks `check_signals` from inside a wait with the lock released; the first error stops
+    /// the wait and is raised afterwards.
+    fn stop_on_signal<'a>(
+        core: &'a Core,
+        raised: &'a RefCell<Option<PyErr>>,
+    ) -> impl Fn() -> bool + 'a {
+        move || {
+            core.reg.heartbeat();
+            match Python::attach(|py| py.check_signals()) {
+                Ok(()) => false,
+                Err(e) => {
+                    *raised.borrow_mut() = Some(e);
+                    true
+                }
+            }
+        }
+    }
+}
+
+/// What one group round gave.
+#[pyclass(frozen, module = "hspipe")]
+pub struct Reduced {
+    /// The rank-order sum of every member's data (float32, read-only): the same bits on
+    /// every rank.
+    #[pyo3(get)]
+    sum: Py<View>,
+    /// The step this round committed as: record it in the ledger (`release()` does).
+    #[pyo3(get)]
+    step: u64,
+    /// The membership epoch it committed under.
+    #[pyo3(get)]
+    epoch: u16,
+    #[pyo3(get)]
+    members: Vec<u32>,
+    /// This rank is the group's leader (lowest member): it admits joiners and checkpoints.
+    #[pyo3(get)]
+    leader: bool,
+    /// Every member saw the ring's end in this round: the group's last step.
+    #[pyo3(get)]
+    everyone_ended: bool,
+}
+
+fn members(m: Membership) -> Vec<u32> {
+    m.ranks().collect()
+}
+
+/// The group methods of a drafter (in `Drafter`'s Python class).
+pub fn all_reduce(
+    core: &Core,
+    g: &Group,
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    batch: Option<u64>,
+    ended: bool,
+) -> PyResult<Reduced> {
+    let buf = PyBuffer::<f32>::get(data)?;
+    let n = buf.item_count();
+    if n + 1 > g.buf_len {
+        return Err(err(format!(
+            "all_reduce: {n} floats, but this run's group reduces at most {} (set [drafter] \
+             params to at least the size of what you reduce)",
+            g.buf_len - 1
+        )));
+    }
+    let mut mine = vec![0f32; g.buf_len];
+    buf.copy_to_slice(py, &mut mine[..n])?;
+    mine[g.buf_len - 1] = if ended { 1.0 } else { 0.0 };
+    let mut sum = vec![0f32; g.buf_len];
+    let raised = RefCell::new(None);
+    core.reg.enter(shm_ring::Phase::Sync);
+    let red = crate::detach::released(py, || {
+        let stop = Group::stop_on_signal(core, &raised);
+        g.c.all_reduce(&mine, batch.unwrap_or(NO_BATCH), &mut sum, &stop)
+    });
+    core.reg.enter(shm_ring::Phase::Other);
+    if let Some(e) = raised.into_inner() {
+        return Err(e);
+    }
+    let red = red.map_err(err)?;
+    g.last_step.set(Some(u64::from(red.step)));
+    let bytes: Vec<u8> = sum[..n].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let everyone_ended = sum[g.buf_len - 1] as u32 == red.membership.len();
+    Ok(Reduced {
+        sum: Py::new(py, view::owned("sum", Elem::F32, vec![n], &bytes))?,
+        step: u64::from(red.step),
+        epoch: red.membership.epoch,
+        members: members(red.membership),
+        leader: red.membership.leader() == Some(g.c.rank()),
+        everyone_ended,
+    })
+}
+
+/// A restarted rank: waits to be admitted and returns (step, the leader's state as uint32
+/// words); None if the group was empty (it goes on from this rank's own state). A rank that
+/// is a member already (a first incarnation) returns None at once.
+pub fn join(core: &Core, g: &Group, py: Python<'_>) -> PyResult<Option<(u64, View)>> {
+    if g.c.membership().contains(g.c.rank()) {
+        return Ok(None);
+    }
+    let mut state = vec![0u32; g.state_len];
+    let raised = RefCell::new(None);
+    core.reg.enter(shm_ring::Phase::Sync);
+    let got = crate::detach::released(py, || {
+        let stop = Group::stop_on_signal(core, &raised);
+        g.c.join(&mut state, 0, &stop)
+    });
+    core.reg.enter(shm_ring::Phase::Other);
+    if let Some(e) = raised.into_inner() {
+        return Err(e);
+    }
+    let (m, step) = got.map_err(err)?;
+    tracing::info!(epoch = m.epoch, step = ?step, "joined the group");
+    Ok(step.map(|s| {
+        let bytes: Vec<u8> = state.iter().flat_map(|w| w.to_le_bytes()).collect();
+        (
+            s,
+            view::owned("state", Elem::U32, vec![state.len()], &bytes),
+        )
+    }))
+}
+
+/// The leader between steps: admits ranks waiting to join, handing them `state` (any buffer,
+/// at most the group's state size). Returns how many were admitted.
+pub fn admit(g: &Group, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if !g.c.joiners_waiting() {
+        return Ok(0);
+    }
+    let m = g.c.membership();
+    if m.leader() != Some(g.c.rank()) {
+        return Ok(0);
+    }
+    // Any buffer, as its bytes.
+    let bytes_view = (py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((state,))?)
+    .call_method1("cast", ("B",))?;
+    let buf = PyBuffer::<u8>::get(&bytes_view)?;
+    let bytes = buf.to_vec(py)?;
+    if bytes.len() > g.state_len * 4 {
+        return Err(err(format!(
+            "admit: a state of {} bytes, but this run's group hands over at most {}",
+            bytes.len(),
+            g.state_len * 4
+        )));
+    }
+    let mut words = vec![0u32; g.state_len];
+    for (w, c) in words.iter_mut().zip(bytes.chunks(4)) {
+        let mut b = [0u8; 4];
+        b[..c.len()].copy_from_slice(c);
+        *w = u32::from_le_bytes(b);
+    }
+    let admitted = g.c.admit_joiners(m.step, &words).map_err(err)?;
+    Ok(admitted.count_ones())
+}
+
+/// (epoch, last committed step, members) of the group now.
+pub fn membership(g: &Group) -> (u16, u64, Vec<u32>) {
+    let m = g.c.membership();
+    (m.epoch, u64::from(m.step), members(m))
+}

@@ -1,0 +1,476 @@
+//! The Python target: claims planned batches from the ring's work table (the same claim, gather,
+//! reserve, write, mark-done and commit as `target-worker`), and lets Python write the hidden
+//! states and greedy tokens straight into the slot.
+//!
+//! Ownership: a [`Claim`] holds its work item until it is reserved (then the [`Slot`] holds it)
+//! or dropped (the item goes back to the table). A [`Slot`] holds its ring slot until
+//! committed, aborted or dropped; one dropped while its views live is kept (`deferred`) until
+//! they are let go, then given back with its item. `close()` finishes the producer once nothing
+//! is held, so the ring's close broadcast counts this target.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use dataset::Dataset;
+use proto::control::FinalReport;
+use proto::plan::PlannedBatch;
+use proto::{batch_len, BatchSpec, BatchWriter};
+use pyo3::prelude::*;
+use shm_ring::{CommitMeta, Producer, WorkClaim, WriteSlot};
+use target_worker::Gathered;
+
+use crate::common::{close_views, err, worker_methods, Core};
+use crate::view::{self, Elem, Exports, Memory, View};
+
+/// The sections of a slot, in `Exports`' order.
+const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
+
+pub struct TargetCore {
+    pub core: Core,
+    producer: &'static Producer<'static>,
+    data: Dataset,
+    plan: Vec<PlannedBatch>,
+    /// Items claimed and not yet committed or given back.
+    claims: RefCell<BTreeSet<u64>>,
+    /// Slots dropped while views of them lived: given back once they are let go.
+    deferred: RefCell<Vec<(WriteSlot<'static>, u64, Arc<Exports>)>>,
+    report: RefCell<FinalReport>,
+    stopped: Cell<bool>,
+}
+
+impl TargetCore {
+    pub fn new(core: Core, producer: &'static Producer<'static>) -> Result<TargetCore, String> {
+        let cfg = &core.setup.config;
+        let data =
+            target_worker::load_dataset(cfg).map_err(|e| format!("loading the dataset: {e}"))?;
+        let plan = proto::plan::plan(data.lengths(), cfg);
+        if core.ring.params().work_items != plan.len() as u64 {
+            return Err(format!(
+                "ring {} was made for {} batches but this dataset and config plan {}",
+                core.ring.name(),
+                core.ring.params().work_items,
+                plan.len()
+            ));
+        }
+        Ok(TargetCore {
+            core,
+            producer,
+            data,
+            plan,
+            claims: RefCell::default(),
+            deferred: RefCell::default(),
+            report: RefCell::default(),
+            stopped: Cell::new(false),
+        })
+    }
+
+    /// Gives back the deferred slots whose views are all gone.
+    fn sweep(&self) {
+        let mut deferred = self.deferred.borrow_mut();
+        let mut i = 0;
+        while i < deferred.len() {
+            if deferred[i].2.try_close().is_ok() {
+                let (slot, item, _) = deferred.swap_remove(i);
+                drop(slot);
+                self.give_back(item);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Returns a claimed item to the work table, for any target to claim again.
+    fn give_back(&self, item: u64) {
+        if self.claims.borrow_mut().remove(&item) {
+            if let Err(e) = self.producer.unclaim_work(item) {
+                tracing::warn!(item, error = %e, "giving back a claimed batch");
+            }
+        }
+    }
+}
+
+/// A target worker (what `hspipe.connect()` returns in a target process). Iterate it for
+/// claims; `close()` (or leaving `with`) finishes.
+#[pyclass(unsendable, module = "hspipe")]
+pub struct Target {
+    t: Rc<TargetCore>,
+}
+
+impl Target {
+    pub fn new(t: TargetCore) -> Target {
+        Target { t: Rc::new(t) }
+    }
+
+    fn core(&self) -> &Core {
+        &self.t.core
+    }
+
+    fn close_inner(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+        let t = &self.t;
+        t.core.check_open()?;
+        t.core.wait_deferred(py, wait, || {
+            t.sweep();
+            t.deferred.borrow().len()
+        })?;
+        let held: Vec<u64> = t.claims.borrow().iter().copied().collect();
+        for item in held {
+            t.give_back(item);
+            t.stopped.set(true);
+        }
+        t.stopped
+            .set(t.stopped.get() || t.core.setup.stop.stopping());
+        t.producer.finish_shared();
+        let mut report = t.report.borrow().clone();
+        report.complete = !t.stopped.get();
+        t.core.report(report);
+        Ok(if t.stopped.get() {
+            proto::stop::EXIT_STOPPED
+        } else {
+            0
+        })
+    }
+}
+
+#[pymethods]
+impl Target {
+    /// Claims the next planned batch: its sample ids and token ids, to compute. Blocks (the
+    /// interpreter lock released) while every batch left is held by other targets, which give
+    /// theirs back if they die. None when every batch is published, or a stop was asked for.
+    #[pyo3(signature = (timeout=None))]
+    fn claim(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Claim>> {
+        let t = &self.t;
+        t.core.check_open()?;
+        t.sweep();
+        let producer = t.producer;
+        let got = t.core.wait(py, "claim", timeout, true, |slice| {
+            Ok(match producer.claim_work_timeout(slice) {
+                WorkClaim::Item(item) => Some(Some(item)),
+                WorkClaim::Settled => Some(None),
+                WorkClaim::Pending => None,
+            })
+        });
+        let item = match got {
+            Ok(Some(Some(item))) => item,
+            Ok(Some(None)) => return Ok(None),
+            Ok(None) => {
+                t.stopped.set(true);
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        t.claims.borrow_mut().insert(item);
+        let cfg = &t.core.setup.config;
+        let g = target_worker::gather(
+            item,
+            &t.plan[item as usize],
+            &t.data,
+            cfg,
+            t.core.setup.index,
+        );
+        Ok(Some(Claim::new(Rc::clone(t), g)))
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Claim>> {
+        self.claim(py, None)
+    }
+
+    /// Finishes: gives back what is claimed and not committed, counts this target toward the
+    /// ring's close and sends the launcher its report. Returns the exit code the process should
+    /// exit with (0 when its part is done, 3 when stopped first): `sys.exit(w.close())`.
+    #[pyo3(signature = (wait=None))]
+    fn close(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+        self.close_inner(py, wait)
+    }
+
+    /// Batches dropped without commit() while views of them lived: held (never reused) until the
+    /// views are let go, then given back.
+    #[getter]
+    fn deferred(&self) -> usize {
+        self.t.sweep();
+        self.t.deferred.borrow().len()
+    }
+
+    /// Batches this target committed.
+    #[getter]
+    fn committed(&self) -> u64 {
+        self.t.report.borrow().items
+    }
+}
+
+worker_methods!(Target);
+
+/// A planned batch this target claimed: what to compute. `reserve()` gets its slot.
+#[pyclass(unsendable, module = "hspipe")]
+pub struct Claim {
+    t: Rc<TargetCore>,
+    item: u64,
+    g: Gathered,
+    /// A slot was reserved for it (the slot holds the work item now), or it was given back.
+    settled: bool,
+}
+
+impl Claim {
+    fn new(t: Rc<TargetCore>, g: Gathered) -> Claim {
+        Claim {
+            t,
+            item: g.item,
+            g,
+            settled: false,
+        }
+    }
+
+    fn gathered(&self) -> PyResult<&Gathered> {
+        Ok(&self.g)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.t.give_back(self.item);
+        }
+    }
+}
+
+#[pymethods]
+impl Claim {
+    /// The planned batch's id (its index in the plan).
+    #[getter]
+    fn batch_id(&self) -> u64 {
+        self.item
+    }
+    #[getter]
+    fn sample_ids(&self) -> PyResult<Vec<u64>> {
+        Ok(self.gathered()?.spec.sample_ids.clone())
+    }
+    /// Tokens of each sequence; the sections hold them one after another.
+    #[getter]
+    fn seq_lens(&self) -> PyResult<Vec<u32>> {
+        Ok(self.gathered()?.spec.seq_lens.clone())
+    }
+    #[getter]
+    fn tokens(&self) -> PyResult<u64> {
+        Ok(self.gathered()?.spec.tokens())
+    }
+    #[getter]
+    fn bucket(&self) -> PyResult<u32> {
+        Ok(self.gathered()?.bucket)
+    }
+    /// The batch's token ids, uint32 [T], read-only.
+    #[getter]
+    fn input_ids(&self) -> PyResult<View> {
+        let g = self.gathered()?;
+        let bytes: Vec<u8> = g.input_ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        Ok(view::owned(
+            "input_ids",
+            Elem::U32,
+            vec![g.input_ids.len()],
+            &bytes,
+        ))
+    }
+    /// Which tokens are trained on, uint8 [T] (0 or 1), read-only.
+    #[getter]
+    fn loss_mask(&self) -> PyResult<View> {
+        let g = self.gathered()?;
+        Ok(view::owned(
+            "loss_mask",
+            Elem::U8,
+            vec![g.loss_mask.len()],
+            &g.loss_mask,
+        ))
+    }
+
+    /// Reserves a ring slot for the batch and writes its ids and mask into it; blocks (the
+    /// interpreter lock released) while the ring is full. None if a stop was asked for while
+    /// waiting (the batch goes back to the work table).
+    #[pyo3(signature = (timeout=None))]
+    fn reserve(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Slot>> {
+        let t = Rc::clone(&self.t);
+        t.core.check_open()?;
+        if self.settled {
+            return Err(err(format!(
+                "batch {} was reserved already, or given back",
+                self.item
+            )));
+        }
+        t.sweep();
+        let len = batch_len(&self.gathered()?.spec).map_err(err)? as usize;
+        let producer = t.producer;
+        let got = t.core.wait(py, "reserve", timeout, true, |slice| {
+            producer.reserve_timeout(len, slice).map_err(err)
+        })?;
+        let Some(mut slot) = got else {
+            t.stopped.set(true);
+            self.settled = true;
+            t.give_back(self.item);
+            return Ok(None);
+        };
+        self.settled = true;
+        let g = &self.g;
+        let base = slot.payload_mut().as_mut_ptr() as usize;
+        let mut w = BatchWriter::new(slot.payload_mut(), &g.spec).map_err(err)?;
+        let h = w.header().clone();
+        let sections = w.sections_mut();
+        for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(&g.input_ids) {
+            dst.copy_from_slice(&id.to_le_bytes());
+        }
+        sections.loss_mask.copy_from_slice(&g.loss_mask);
+        let at = [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states]
+            .map(|s| (base + s.offset as usize, s.len as usize));
+        Ok(Some(Slot {
+            t,
+            slot: Some(slot),
+            item: g.item,
+            spec: g.spec.clone(),
+            bucket: g.bucket,
+            exports: Exports::new(&SECTIONS),
+            at,
+        }))
+    }
+}
+
+/// A reserved ring slot: views of its sections to fill, then `commit()`.
+#[pyclass(unsendable, module = "hspipe")]
+pub struct Slot {
+    t: Rc<TargetCore>,
+    slot: Option<WriteSlot<'static>>,
+    item: u64,
+    spec: BatchSpec,
+    bucket: u32,
+    exports: Arc<Exports>,
+    /// Each section's address and length, in `SECTIONS` order.
+    at: [(usize, usize); 4],
+}
+
+impl Slot {
+    fn view(
+        &self,
+        section: usize,
+        elem: Elem,
+        shape: Vec<usize>,
+        writable: bool,
+    ) -> PyResult<View> {
+        if self.slot.is_none() || self.exports.is_closed() {
+            return Err(err(format!(
+                "batch {}: its slot was committed or aborted",
+                self.item
+            )));
+        }
+        let (addr, len) = self.at[section];
+        view::check_shape(SECTIONS[section], elem, &shape, len)?;
+        Ok(View::new(
+            Memory::Slot {
+                exports: Arc::clone(&self.exports),
+                section,
+                addr,
+                len,
+            },
+            SECTIONS[section],
+            elem,
+            shape,
+            writable,
+        ))
+    }
+
+    fn n_tokens(&self) -> usize {
+        self.spec.tokens() as usize
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // Not committed: give it back, once nothing views it.
+            self.t
+                .deferred
+                .borrow_mut()
+                .push((slot, self.item, Arc::clone(&self.exports)));
+            self.t.sweep();
+        }
+    }
+}
+
+#[pymethods]
+impl Slot {
+    #[getter]
+    fn batch_id(&self) -> u64 {
+        self.item
+    }
+    /// The token ids, uint32 [T], read-only (already written).
+    #[getter]
+    fn input_ids(&self) -> PyResult<View> {
+        self.view(0, Elem::U32, vec![self.n_tokens()], false)
+    }
+    /// The loss mask, uint8 [T], read-only (already written).
+    #[getter]
+    fn loss_mask(&self) -> PyResult<View> {
+        self.view(1, Elem::U8, vec![self.n_tokens()], false)
+    }
+    /// The target's greedy next token after each position, uint32 [T], to write.
+    #[getter]
+    fn target_tokens(&self) -> PyResult<View> {
+        self.view(2, Elem::U32, vec![self.n_tokens()], true)
+    }
+    /// The captured layers' hidden states, [T, L, H] in the run's dtype (bf16 by default), to
+    /// write.
+    #[getter]
+    fn hidden_states(&self) -> PyResult<View> {
+        let s = &self.spec;
+        let shape = vec![self.n_tokens(), s.layers as usize, s.hidden as usize];
+        self.view(3, Elem::of(s.dtype), shape, true)
+    }
+
+    /// Publishes the batch: checksums it, writes its header, marks its work item done and
+    /// makes it READY. Raises, naming them, while views of it are alive (or waits up to `wait`
+    /// seconds for them to go).
+    #[pyo3(signature = (wait=None))]
+    fn commit(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+        let what = format!("commit batch {}", self.item);
+        if self.slot.is_none() {
+            return Err(err(format!("{what}: already committed or aborted")));
+        }
+        close_views(&self.t.core, py, &self.exports, &what, wait)?;
+        let mut slot = self.slot.take().expect("checked above");
+        BatchWriter::new(slot.payload_mut(), &self.spec)
+            .map_err(err)?
+            .finish();
+        slot.complete_work(self.item).map_err(err)?;
+        let tokens = self.spec.tokens();
+        slot.commit(CommitMeta {
+            bucket: self.bucket,
+            tokens,
+            batch_id: self.item,
+        })
+        .map_err(err)?;
+        self.t.claims.borrow_mut().remove(&self.item);
+        let mut r = self.t.report.borrow_mut();
+        r.items += 1;
+        r.tokens += tokens;
+        drop(r);
+        Ok(())
+    }
+
+    /// Gives the slot back unpublished, and its batch back to the work table.
+    #[pyo3(signature = (wait=None))]
+    fn abort(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+        if self.slot.is_none() {
+            return Ok(());
+        }
+        close_views(
+            &self.t.core,
+            py,
+            &self.exports,
+            &format!("abort batch {}", self.item),
+            wait,
+        )?;
+        drop(self.slot.take());
+        self.t.give_back(self.item);
+        Ok(())
+    }
+}
