@@ -45,7 +45,7 @@ echo "== cargo test --workspace"
 cargo test --workspace
 
 # loom explores every interleaving of the slot state machine, the close broadcast, recovery, the
-# work table with a producer killed at each step, and registration (shm-ring/src/model.rs), and
+# work table with a producer killed at each step, registration and requeue (shm-ring/src/model.rs), and
 # the drafter group's collective (collective/src/model.rs), both on shmem::sync's one model of a futex.
 # Two preemptions keep it to about a minute; its own target dir keeps the
 # --cfg loom build from invalidating the normal one.

@@ -383,6 +383,44 @@ fn recovery_redelivers_a_dead_consumers_item_and_frees_a_dead_writers_slot() {
     });
 }
 
+/// A live consumer gives an item back (`requeue`, a batch it will not train) while another
+/// consumer waits to take: the other takes it exactly once, payload intact, its delivery
+/// counted. Fails without requeue's wake (checked once): the waiting consumer sleeps on.
+#[test]
+fn a_requeued_item_is_taken_once_by_another_consumer_with_its_delivery_counted() {
+    run_model(|| {
+        // Producer 0, consumers 1 (A) and 2 (B).
+        let ring = Arc::new(HeapRing::new(1, 1, 2, TakePolicy::Fifo));
+        ring.produce(0, 40);
+        ring.r().finish(0);
+        let b = {
+            let ring = ring.clone();
+            thread::spawn(move || {
+                let mut st = TakeState::new(5, 2);
+                let mut got = Vec::new();
+                while let Some((v, delivery, claim)) = ring.consume(2, &mut st) {
+                    got.push((v, delivery));
+                    ring.r().release(2, claim).unwrap();
+                }
+                got
+            })
+        };
+        // A takes once: the item, which it gives back (B, perhaps asleep, must be woken for
+        // it), or the end of the stream when B was first.
+        let mut st = TakeState::new(6, 2);
+        let gave_back = match ring.consume(1, &mut st) {
+            Some((40, 0, claim)) => {
+                ring.r().requeue(claim).unwrap();
+                true
+            }
+            Some(other) => panic!("A took {other:?}"),
+            None => false,
+        };
+        let want = if gave_back { (40, 1) } else { (40, 0) };
+        assert_eq!(b.join().unwrap(), vec![want]);
+    });
+}
+
 /// The work table with a producer killed at each step (or aborting after `complete_work`) while
 /// another producer claims and publishes, the supervisor recovering the victim as soon as it is
 /// gone and restarting it: every item is published exactly once and ends DONE.
