@@ -224,6 +224,8 @@ fn check_body(
 /// The footer of an Arrow IPC file: its schema and where its record batches are.
 pub struct IpcFile {
     pub schema: SchemaRef,
+    /// The footer's custom metadata.
+    pub footer_meta: Vec<(String, String)>,
     version: MetadataVersion,
     blocks: Vec<Block>,
 }
@@ -253,8 +255,17 @@ impl IpcFile {
                 .schema()
                 .ok_or_else(|| IpcError::Bad("the footer has no schema".into()))?,
         )?;
+        let footer_meta = footer
+            .custom_metadata()
+            .map(|kv| {
+                kv.iter()
+                    .filter_map(|e| Some((e.key()?.to_string(), e.value()?.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(IpcFile {
             schema: Arc::new(schema),
+            footer_meta,
             version: footer.version(),
             blocks: footer
                 .recordBatches()
