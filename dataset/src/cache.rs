@@ -366,6 +366,15 @@ fn write_prepared(
         DataError::Write { source, .. } => werr(source),
         e => e,
     })?;
+    if w.samples == 0 && stats.conversations + stats.texts > 0 {
+        return Err(DataError::Format {
+            path: input.to_path_buf(),
+            why: format!(
+                "no sample is left of its {} conversations and {} texts: {} longer than data.max_len {} (data.too_long = \"truncate\" keeps them), {} with no assistant token to train",
+                stats.conversations, stats.texts, stats.dropped_too_long, options.max_len, stats.dropped_untrained
+            ),
+        });
+    }
     if w.samples == 0 {
         return Err(DataError::Empty {
             path: input.to_path_buf(),

@@ -138,3 +138,105 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
         }
     }
 }
+
+/// `n` conversations in the words of the made model's corpus: multi-turn, with and without a
+/// system message, ShareGPT keys, thinking.
+fn chats(n: usize) -> String {
+    let words = ["the", "river", "city", "house", "left", "water", "light", "small"];
+    let say = |i: usize, k: usize| -> String {
+        (0..3 + (i + k) % 5)
+            .map(|j| words[(i * 7 + k * 3 + j) % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (0..n)
+        .map(|i| {
+            let v = match i % 3 {
+                0 => serde_json::json!({"messages": [
+                    {"role": "user", "content": say(i, 0)},
+                    {"role": "assistant", "content": say(i, 1)}]}),
+                1 => serde_json::json!({"conversations": [
+                    {"from": "system", "value": say(i, 2)},
+                    {"from": "human", "value": say(i, 0)},
+                    {"from": "gpt", "value": say(i, 1)},
+                    {"from": "human", "value": say(i, 3)},
+                    {"from": "gpt", "value": say(i, 4)}]}),
+                _ => serde_json::json!({"messages": [
+                    {"role": "user", "content": say(i, 0)},
+                    {"role": "assistant", "content": format!("<think>{}</think>{}", say(i, 5), say(i, 1))}]}),
+            };
+            v.to_string() + "\n"
+        })
+        .collect()
+}
+
+/// Every sample of a run trained exactly once, by the ledgers.
+fn every_sample_once(run: &crate::launcher::Run, samples: u64) {
+    let mut counts = std::collections::BTreeMap::new();
+    for l in run.ledgers() {
+        for id in l.sample_ids {
+            *counts.entry(id).or_insert(0u32) += 1;
+        }
+    }
+    assert_eq!(counts.len() as u64, samples, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "none twice");
+}
+
+#[test]
+fn the_launcher_trains_from_conversations_on_the_mock_backend_with_the_models_tokenizer() {
+    let run = crate::launcher::Run::new("chat-mock");
+    let m = crate::model::tiny(&run.dir);
+    let data = run.dir.path("chats.jsonl");
+    std::fs::write(&data, chats(90)).unwrap();
+    let cfg = run.dir.path("mock.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 8\nmax_len = 512\ntokenizer = \"{}\"\n[target]\ntoken_budget = 1024\ntokens_per_s = 400000.0\n[drafter]\ntokens_per_s = 400000.0\n",
+            m.display()
+        ),
+    )
+    .unwrap();
+    let out = run
+        .launch(&cfg, &["--backend", "mock", "--data", data.to_str().unwrap()])
+        .finish();
+    assert!(
+        out.contains("90 samples") && out.contains("90 conversations (120 assistant turns trained)"),
+        "{out}"
+    );
+    assert_eq!(run.summary()["ok"], true);
+    every_sample_once(&run, 90);
+}
+
+#[test]
+fn the_launcher_trains_the_real_tiny_target_from_conversations_through_its_chat_template() {
+    let run = crate::launcher::Run::new("chat-candle");
+    let m = run.dir.path("tiny");
+    let made = crate::support::spawn(
+        &crate::support::workspace_bin("launcher"),
+        &["make-model", m.to_str().unwrap()],
+    )
+    .finish();
+    assert!(made.contains("qwen3"), "{made}");
+    let data = run.dir.path("chats.jsonl");
+    std::fs::write(&data, chats(30)).unwrap();
+    let cfg = run.dir.path("candle.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[ring]\nslots = 16\nmin_ready = 2\n[model]\npath = \"{}\"\n[data]\nmin_len = 8\nmax_len = 96\n[target]\ntoken_budget = 384\n[drafter]\ntokens_per_s = 2000000.0\n[dflash]\nblock_size = 8\nnum_anchors = 8\nlayers = 1\n",
+            m.display()
+        ),
+    )
+    .unwrap();
+    let out = run
+        .launch(
+            &cfg,
+            &["--model", m.to_str().unwrap(), "--data", data.to_str().unwrap()],
+        )
+        .finish();
+    assert!(out.contains("backend candle"), "{out}");
+    assert!(out.contains("30 conversations (40 assistant turns trained)"), "{out}");
+    assert_eq!(run.summary()["ok"], true);
+    every_sample_once(&run, 30);
+}

@@ -68,9 +68,21 @@ fn rewrite(src: &str) -> (String, bool) {
     let mut out = String::with_capacity(src.len() + 64);
     let mut rest = src;
     let mut found = false;
-    while let Some(at) = rest.find("{%") {
+    while let Some(at) = rest.find(['{']) {
         out.push_str(&rest[..at]);
         let tag = &rest[at..];
+        // A comment is copied as it is: a tag written in it is no tag.
+        if tag.starts_with("{#") {
+            let end = tag.find("#}").map_or(tag.len(), |e| e + 2);
+            out.push_str(&tag[..end]);
+            rest = &tag[end..];
+            continue;
+        }
+        if !tag.starts_with("{%") {
+            out.push('{');
+            rest = &tag[1..];
+            continue;
+        }
         let Some(end) = tag.find("%}") else {
             out.push_str(tag);
             rest = "";
@@ -335,6 +347,7 @@ mod tests {
     #[test]
     fn generation_tags_become_span_characters_with_their_whitespace_control() {
         let (s, found) = rewrite("a{%- generation -%} b {% endgeneration %}\nc{% if x %}{% endif %}");
+        assert_eq!(rewrite("{# no {% generation %} here #}{{ x }}"), ("{# no {% generation %} here #}{{ x }}".into(), false));
         assert!(found);
         assert_eq!(
             s,
