@@ -26,7 +26,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
 use serde::Deserialize;
 
-use crate::arrow_io::{self, type_name, IpcError, IpcFile, IpcStream};
+use crate::arrow_io::{self, is_chat, type_name, IpcError, IpcFile, IpcStream};
 use crate::map::{buffer_of, map_read_only};
 use crate::records::{record_of, ChatStats, Maker, Pipeline, Stop};
 use crate::writer::Writer;
@@ -415,15 +415,6 @@ fn check_list(f: &Field, what: &str) -> Result<(), String> {
     }
 }
 
-/// The columns a conversation or text is read from, when there is no `input_ids`.
-const CHAT_COLUMNS: [&str; 3] = ["messages", "conversations", "text"];
-
-/// True when `schema` holds conversations or texts rather than token ids.
-fn is_chat(schema: &Schema) -> bool {
-    schema.index_of("input_ids").is_err()
-        && CHAT_COLUMNS.iter().any(|c| schema.index_of(c).is_ok())
-}
-
 /// Checks that `schema` has our columns, of usable types.
 fn check_schema(path: &Path, schema: &Schema) -> Result<(), DataError> {
     let mask = schema.index_of("loss_mask").ok();
@@ -435,16 +426,6 @@ fn check_schema(path: &Path, schema: &Schema) -> Result<(), DataError> {
         check_list(schema.field(m), "0/1 flags").map_err(|e| format_err(path, e))?;
     }
     Ok(())
-}
-
-/// The columns a Parquet reader decodes: ours, by name.
-fn wanted(schema: &Schema) -> Vec<usize> {
-    let names: &[&str] = if is_chat(schema) {
-        &["messages", "conversations", "text", "loss_mask"]
-    } else {
-        &["input_ids", "loss_mask"]
-    };
-    names.iter().filter_map(|n| schema.index_of(n).ok()).collect()
 }
 
 /// The value of `a` at `i` as JSON: strings, numbers, lists and structs, as the record parser
@@ -689,7 +670,8 @@ fn parquet<W: Write>(
     let schema = b.schema().clone();
     check_schema(path, &schema)?;
     total_rows(u64::try_from(b.metadata().file_metadata().num_rows()).unwrap_or(0));
-    let only_ours = ProjectionMask::roots(b.parquet_schema(), wanted(&schema));
+    let wanted = arrow_io::projection(&schema).map_err(|e| format_err(path, e))?;
+    let only_ours = ProjectionMask::roots(b.parquet_schema(), wanted);
     let reader = b
         .with_projection(only_ours)
         .with_batch_size(PARQUET_BATCH_ROWS)

@@ -5,6 +5,8 @@ return_dict=True, return_assistant_tokens_mask=True) makes of each record. No to
 
   chat_oracle.py make OUT_DIR    writes OUT_DIR/{qwen,qwen-markers,llama,llama-markers}/,
                                  OUT_DIR/records.jsonl and OUT_DIR/expected.json
+  chat_oracle.py containers OUT_DIR   the records (as `messages`) as Parquet, an HF datasets
+                                 directory, an Arrow IPC file and stream; a bad Parquet file
   chat_oracle.py bench MODEL_DIR RECORDS.jsonl   times transformers on every record (the
                                  benchmark's Python side); prints conversations/s
 
@@ -171,6 +173,25 @@ def make(out):
         json.dump(expected, f)
 
 
+def containers(out):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[dict(m) for m in messages_of(r)] for r in RECORDS]
+    t = pa.table({"id": pa.array(range(len(rows))), "messages": rows})
+    pq.write_table(t, os.path.join(out, "chats.parquet"))
+    with pa.OSFile(os.path.join(out, "chats.arrow"), "wb") as f:
+        with pa.ipc.new_file(f, t.schema) as w:
+            w.write_table(t)
+    with pa.OSFile(os.path.join(out, "chats.arrows"), "wb") as f:
+        with pa.ipc.new_stream(f, t.schema) as w:
+            w.write_table(t)
+    datasets.Dataset(t).save_to_disk(os.path.join(out, "chats_hf"), num_shards=2)
+    bad = rows[:2] + [[{"role": "robot", "content": "beep"}]] + rows[2:]
+    pq.write_table(pa.table({"messages": bad}), os.path.join(out, "bad_role.parquet"))
+
+
 def bench(model, records):
     import time
 
@@ -192,6 +213,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
         make(sys.argv[2])
+    elif cmd == "containers":
+        containers(sys.argv[2])
     elif cmd == "bench":
         bench(sys.argv[2], sys.argv[3])
     else:

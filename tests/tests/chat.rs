@@ -33,10 +33,16 @@ fn python() -> String {
 
 /// Makes the oracle's files in `dir` (once per test).
 fn oracle(dir: &Path) -> Value {
+    run_oracle("make", dir);
+    serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap()
+}
+
+/// Runs `chat_oracle.py COMMAND DIR`.
+fn run_oracle(command: &str, dir: &Path) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/py/chat_oracle.py");
     let out = Command::new(python())
         .arg(script)
-        .arg("make")
+        .arg(command)
         .arg(dir)
         .env("TRANSFORMERS_VERBOSITY", "error")
         .env("HF_HUB_OFFLINE", "1")
@@ -44,10 +50,9 @@ fn oracle(dir: &Path) -> Value {
         .unwrap();
     assert!(
         out.status.success(),
-        "chat_oracle.py make failed:\n{}",
+        "chat_oracle.py {command} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap()
 }
 
 fn options(name: &str) -> ChatOptions {
@@ -239,4 +244,165 @@ fn the_launcher_trains_the_real_tiny_target_from_conversations_through_its_chat_
     assert!(out.contains("30 conversations (40 assistant turns trained)"), "{out}");
     assert_eq!(run.summary()["ok"], true);
     every_sample_once(&run, 30);
+}
+
+fn arrow_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|e| e == "arrow")).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn conversations_in_parquet_arrow_and_a_datasets_directory_prepare_as_in_jsonl() {
+    let d = TestDir::new("chat-containers");
+    let want = oracle(&d);
+    run_oracle("containers", &d);
+    let exp = expected(&want, "qwen/default");
+    let c = chat(&d.path("qwen"), ChatOptions::default());
+    for input in ["chats.parquet", "chats.arrow", "chats.arrows", "chats_hf"] {
+        let p = prepare(&d.path(input), Some(c.clone()), 4096, TooLong::Drop, &d.path("cache"))
+            .unwrap_or_else(|e| panic!("{input}: {e}"));
+        assert_eq!(read(&p.path), exp, "{input}");
+        assert_eq!(p.chat.unwrap().conversations, 11, "{input}");
+    }
+    let err = prepare(&d.path("bad_role.parquet"), Some(c), 4096, TooLong::Drop, &d.path("cache2"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bad_role.parquet: row 2: messages[0]: unknown role \"robot\""),
+        "{err}"
+    );
+    assert!(arrow_files(&d.path("cache2")).is_empty(), "nothing prepared");
+}
+
+#[test]
+fn a_text_record_is_tokenized_whole_and_trained_whole() {
+    let d = TestDir::new("chat-text");
+    let want = oracle(&d);
+    for model in ["qwen", "llama"] {
+        let e = &want[format!("{model}/text")][0];
+        let input = d.path(&format!("{model}-text.jsonl"));
+        std::fs::write(&input, serde_json::json!({"text": e["text"]}).to_string() + "\n").unwrap();
+        let c = chat(&d.path(model), ChatOptions::default());
+        let p = prepare(&input, Some(c), 4096, TooLong::Drop, &d.path("cache")).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(e["input_ids"].clone()).unwrap();
+        let n = ids.len();
+        assert_eq!(read(&p.path), vec![(ids, vec![1; n])], "{model}");
+        assert_eq!(p.chat.unwrap().texts, 1);
+    }
+}
+
+#[test]
+fn every_bad_conversation_is_named_by_file_and_line_and_nothing_is_prepared() {
+    let d = TestDir::new("chat-bad");
+    oracle(&d);
+    let good = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#;
+    let cases = [
+        (r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "messages[0]: unknown role \"robot\""),
+        (r#"{"conversations": [{"from": "bot", "value": "x"}]}"#, "conversations[0]: unknown role \"bot\""),
+        (r#"{"messages": [{"role": "user", "content": [{"type": "image"}]}]}"#, "messages[0]: content is a list of parts (multimodal)"),
+        (r#"{"messages": [{"role": "user", "content": 5}]}"#, "messages[0]: content is a number, not a string"),
+        (r#"{"messages": [{"role": "user"}]}"#, "messages[0]: no content"),
+        (r#"{"messages": [{"content": "x"}]}"#, "messages[0]: no role"),
+        (r#"{"messages": []}"#, "messages is an empty conversation"),
+        (r#"{"conversations": {"from": "human"}}"#, "conversations is an object, not a list of messages"),
+        (r#"{"text": 7}"#, "text is a number, not a string"),
+        (r#"{"id": 3}"#, "not a sample: it has none of input_ids, messages, conversations, text"),
+        (r#"{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}"#, "the system message must come first"),
+        ("{\"messages\": [{\"role\": \"user\", \"content\": \"\u{FDD0}\"}]}", "hspipe reserves"),
+    ];
+    let c = chat(&d.path("qwen"), ChatOptions::default());
+    for (i, (bad, want)) in cases.iter().enumerate() {
+        let input = d.path(&format!("bad{i}.jsonl"));
+        std::fs::write(&input, format!("{good}\n\n{bad}\n{good}\n")).unwrap();
+        let cache = d.path(&format!("cache{i}"));
+        let err = prepare(&input, Some(c.clone()), 4096, TooLong::Drop, &cache)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("bad{i}.jsonl:3: ")) && err.contains(want), "{err:?} should name line 3 and say {want:?}");
+        assert!(arrow_files(&cache).is_empty(), "{bad}: nothing prepared");
+    }
+    // Conversations without a tokenizer: how to give one.
+    let input = d.path("no_tokenizer.jsonl");
+    std::fs::write(&input, format!("{good}\n")).unwrap();
+    let err = prepare(&input, None, 4096, TooLong::Drop, &d.path("c")).unwrap_err().to_string();
+    assert!(err.contains("no_tokenizer.jsonl:1: ") && err.contains("--model DIR or data.tokenizer"), "{err}");
+    // A model directory without a template, and a template that does not parse.
+    let bare = d.path("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(d.path("qwen/tokenizer.json"), bare.join("tokenizer.json")).unwrap();
+    let err = Chat::load(&bare, ChatOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("no chat template"), "{err}");
+    std::fs::write(bare.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    let err = Chat::load(&bare, ChatOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("does not parse"), "{err}");
+    let err = Chat::load(&d.path("nowhere"), ChatOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("nowhere/tokenizer.json"), "{err}");
+}
+
+#[test]
+fn too_long_conversations_are_dropped_or_truncated_and_counted() {
+    let d = TestDir::new("chat-long");
+    let want = oracle(&d);
+    let exp = expected(&want, "qwen/default");
+    let records = d.path("records.jsonl");
+    let max = 40;
+    let c = chat(&d.path("qwen"), ChatOptions::default());
+    let p = prepare(&records, Some(c.clone()), max, TooLong::Drop, &d.path("cache")).unwrap();
+    let kept: Vec<Sample> = exp.iter().filter(|e| e.0.len() <= max as usize).cloned().collect();
+    assert!(!kept.is_empty() && kept.len() < exp.len(), "the set has both");
+    assert_eq!(read(&p.path), kept);
+    let s = p.chat.unwrap();
+    assert_eq!((s.dropped_too_long, s.truncated), ((exp.len() - kept.len()) as u64, 0));
+
+    let p = prepare(&records, Some(c), max, TooLong::Truncate, &d.path("cache")).unwrap();
+    let cut: Vec<Sample> = exp
+        .iter()
+        .map(|(i, m)| (i[..i.len().min(max as usize)].to_vec(), m[..m.len().min(max as usize)].to_vec()))
+        .filter(|(_, m)| m.contains(&1))
+        .collect();
+    assert_eq!(read(&p.path), cut);
+    let s = p.chat.unwrap();
+    assert_eq!(s.truncated, (exp.len() - kept.len()) as u64);
+    assert_eq!(s.dropped_untrained, 1 + (exp.len() - cut.len()) as u64, "cut to no assistant token: dropped");
+}
+
+#[test]
+fn the_cache_key_follows_the_tokenizer_the_template_and_every_option() {
+    let d = TestDir::new("chat-key");
+    oracle(&d);
+    let records = d.path("records.jsonl");
+    let cache = d.path("cache");
+    let key = |model: &str, o: ChatOptions, too_long: TooLong| {
+        let p = prepare(&records, Some(chat(&d.path(model), o)), 4096, too_long, &cache).unwrap();
+        (p.key, p.reused)
+    };
+    let (base, reused) = key("qwen", ChatOptions::default(), TooLong::Drop);
+    assert!(!reused);
+    assert_eq!(key("qwen", ChatOptions::default(), TooLong::Drop), (base.clone(), true));
+    let mut keys = std::collections::BTreeSet::from([base]);
+    for (model, opt, too_long) in [
+        ("qwen", "thinking-off", TooLong::Drop),
+        ("qwen", "thinking-on", TooLong::Drop),
+        ("qwen", "last-turn", TooLong::Drop),
+        ("qwen", "system", TooLong::Drop),
+        ("qwen", "default", TooLong::Truncate),
+        ("qwen-markers", "default", TooLong::Drop),
+        ("llama", "default", TooLong::Drop),
+    ] {
+        let (k, reused) = key(model, options(opt), too_long);
+        assert!(!reused, "{model} {opt} {too_long:?}: prepared again");
+        assert!(keys.insert(k), "{model} {opt} {too_long:?}: a key of its own");
+    }
+    // Another tokenizer (the same with one merge less) with the same template.
+    let other = d.path("qwen-other");
+    std::fs::create_dir_all(&other).unwrap();
+    for f in ["chat_template.jinja", "tokenizer_config.json"] {
+        std::fs::copy(d.path("qwen").join(f), other.join(f)).unwrap();
+    }
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(d.path("qwen/tokenizer.json")).unwrap()).unwrap();
+    tok["model"]["merges"].as_array_mut().unwrap().pop();
+    std::fs::write(other.join("tokenizer.json"), tok.to_string()).unwrap();
+    let (k, reused) = key("qwen-other", ChatOptions::default(), TooLong::Drop);
+    assert!(!reused && keys.insert(k), "another tokenizer: another key");
 }
