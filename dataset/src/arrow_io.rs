@@ -95,8 +95,7 @@ pub const CHAT_COLUMNS: [&str; 3] = ["messages", "conversations", "text"];
 
 /// True when `schema` holds conversations or texts rather than token ids.
 pub fn is_chat(schema: &Schema) -> bool {
-    schema.index_of("input_ids").is_err()
-        && CHAT_COLUMNS.iter().any(|c| schema.index_of(c).is_ok())
+    schema.index_of("input_ids").is_err() && CHAT_COLUMNS.iter().any(|c| schema.index_of(c).is_ok())
 }
 
 /// The projection that decodes only our columns: `input_ids` first, then `loss_mask`; for

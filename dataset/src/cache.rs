@@ -78,7 +78,14 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    fn of(path: PathBuf, key: String, reused: bool, key_from_stamp: bool, kind: Kind, m: &Mapped) -> Prepared {
+    fn of(
+        path: PathBuf,
+        key: String,
+        reused: bool,
+        key_from_stamp: bool,
+        kind: Kind,
+        m: &Mapped,
+    ) -> Prepared {
         Prepared {
             path,
             key,
@@ -231,7 +238,14 @@ pub fn prepare_with(
             });
         }
         let key = m.meta("hspipe.key").unwrap_or("").to_string();
-        return Ok(Prepared::of(input.to_path_buf(), key, true, false, kind, &m));
+        return Ok(Prepared::of(
+            input.to_path_buf(),
+            key,
+            true,
+            false,
+            kind,
+            &m,
+        ));
     }
     let chat = chat_part(options).unwrap_or_default();
     let stamp = Stamp::of(input, &kind, max_len, &chat);

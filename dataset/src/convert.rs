@@ -279,7 +279,11 @@ fn convert_into<W: Write>(
 /// One JSON object per line: `{"input_ids": [...], "loss_mask": [...]}` (the mask is
 /// optional: all ones), or a conversation or text (see `records`). Blank lines are skipped;
 /// lines are parsed and made into samples a chunk at a time, in parallel.
-fn jsonl<W: Write>(path: &Path, w: &mut Pipeline<'_, W>, advance: Advance<'_>) -> Result<(), DataError> {
+fn jsonl<W: Write>(
+    path: &Path,
+    w: &mut Pipeline<'_, W>,
+    advance: Advance<'_>,
+) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
     let mut r = BufReader::with_capacity(1 << 20, f);
     let (mut n, mut read) = (0u64, 0u64);
@@ -443,11 +447,19 @@ fn json_of(a: &dyn Array, i: usize) -> Result<serde_json::Value, String> {
         DataType::Boolean => J::Bool(a.as_boolean().value(i)),
         DataType::List(_) => {
             let v = a.as_list::<i32>().value(i);
-            J::Array((0..v.len()).map(|j| json_of(v.as_ref(), j)).collect::<Result<_, _>>()?)
+            J::Array(
+                (0..v.len())
+                    .map(|j| json_of(v.as_ref(), j))
+                    .collect::<Result<_, _>>()?,
+            )
         }
         DataType::LargeList(_) => {
             let v = a.as_list::<i64>().value(i);
-            J::Array((0..v.len()).map(|j| json_of(v.as_ref(), j)).collect::<Result<_, _>>()?)
+            J::Array(
+                (0..v.len())
+                    .map(|j| json_of(v.as_ref(), j))
+                    .collect::<Result<_, _>>()?,
+            )
         }
         DataType::Struct(fields) => {
             let s = a.as_struct();
@@ -512,7 +524,12 @@ fn chat_rows<W: Write>(
                 }
                 _ => None,
             };
-            record_of(cell(m, "messages")?, cell(c, "conversations")?, cell(t, "text")?, mask)
+            record_of(
+                cell(m, "messages")?,
+                cell(c, "conversations")?,
+                cell(t, "text")?,
+                mask,
+            )
         })();
         p.push(first + row as u64, r, 512)
             .map_err(|s| stopped(path, &Kind::Parquet, s))?;

@@ -40,10 +40,10 @@ pub use cache::{
     content_key, default_cache_dir, prepare, prepare_with, Prepared, Progress, Stage, Unit,
 };
 pub use chat::{Chat, ChatError, ChatOptions};
-pub use records::ChatStats;
 pub use convert::{detect, Kind};
 pub use language::Language;
 pub use mapped::{Mapped, Sample};
+pub use records::ChatStats;
 pub use samples::{mix, Dataset, Synthetic, SYNTHETIC_VOCAB};
 pub use writer::Writer;
 

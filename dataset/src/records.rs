@@ -28,9 +28,15 @@ const CHUNK_BYTES: usize = 32 << 20;
 /// What a record holds.
 #[derive(Debug)]
 pub enum Record {
-    Ids { ids: Vec<u32>, mask: Option<Vec<u8>> },
+    Ids {
+        ids: Vec<u32>,
+        mask: Option<Vec<u8>>,
+    },
     Chat(Vec<Message>),
-    Text { text: String, mask: Option<Vec<u8>> },
+    Text {
+        text: String,
+        mask: Option<Vec<u8>>,
+    },
 }
 
 /// A JSONL line, typed: the fields we read (others are ignored).
@@ -77,9 +83,7 @@ pub fn record_of(
     match present(text) {
         Some(Json::String(text)) => Ok(Record::Text { text, mask }),
         Some(v) => Err(format!("text is {}, not a string", kind(&v))),
-        None => Err(
-            "not a sample: it has none of input_ids, messages, conversations, text".into(),
-        ),
+        None => Err("not a sample: it has none of input_ids, messages, conversations, text".into()),
     }
 }
 
@@ -260,9 +264,8 @@ impl Maker {
                 let ids = self.chat()?.text(&text)?;
                 let mask = match mask {
                     Some(m) => {
-                        check_sample(ids.len(), Some(&m), u32::MAX).map_err(|e| {
-                            format!("{e} (the text's tokens, with this tokenizer)")
-                        })?;
+                        check_sample(ids.len(), Some(&m), u32::MAX)
+                            .map_err(|e| format!("{e} (the text's tokens, with this tokenizer)"))?;
                         m
                     }
                     None => vec![1; ids.len()],
@@ -375,7 +378,12 @@ impl<'a, W: Write> Pipeline<'a, W> {
         Ok(())
     }
 
-    fn tokenized(&mut self, mut ids: Vec<u32>, mut mask: Vec<u8>, t: Tokenized) -> std::io::Result<()> {
+    fn tokenized(
+        &mut self,
+        mut ids: Vec<u32>,
+        mut mask: Vec<u8>,
+        t: Tokenized,
+    ) -> std::io::Result<()> {
         let s = &mut self.stats;
         if t.conversation {
             s.conversations += 1;

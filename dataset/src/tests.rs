@@ -469,6 +469,12 @@ fn the_content_key_is_the_reference_xxh3_128() {
         .map(|i| format!("{{\"input_ids\":[{i},{}]}}\n", i * 7 % 1000))
         .collect();
     let input = dir.file("keyed.jsonl", body.as_bytes());
-    let key = crate::cache::content_key(&input, &Kind::Jsonl, &crate::Options::new(4096), &mut |_| {}).unwrap();
+    let key = crate::cache::content_key(
+        &input,
+        &Kind::Jsonl,
+        &crate::Options::new(4096),
+        &mut |_| {},
+    )
+    .unwrap();
     assert_eq!(key, "a879f63fefaa4e4b95bf0376da3690e9");
 }

@@ -81,8 +81,7 @@ fn has_chat_template(dir: &Path) -> bool {
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .is_some_and(|v| v.get("chat_template").is_some());
-    dir.join("tokenizer.json").is_file()
-        && (dir.join("chat_template.jinja").is_file() || in_config)
+    dir.join("tokenizer.json").is_file() && (dir.join("chat_template.jinja").is_file() || in_config)
 }
 
 /// How records become samples under `cfg`: with the tokenizer of `data.tokenizer` (which must
@@ -100,8 +99,9 @@ pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Op
                 train_only_last_turn: cfg.data.train_only_last_turn,
                 system_prompt: cfg.data.system_prompt.clone(),
             };
-            let c = dataset::Chat::load(&d, o)
-                .with_context(|| format!("loading the tokenizer and chat template of {}", d.display()))?;
+            let c = dataset::Chat::load(&d, o).with_context(|| {
+                format!("loading the tokenizer and chat template of {}", d.display())
+            })?;
             Some(std::sync::Arc::new(c))
         }
         None => None,
@@ -130,7 +130,10 @@ fn chat_part(s: &dataset::ChatStats, max_len: u32) -> String {
         s.trained_tokens, s.tokens
     ));
     if s.truncated > 0 {
-        out.push_str(&format!(", {} truncated to data.max_len {max_len}", s.truncated));
+        out.push_str(&format!(
+            ", {} truncated to data.max_len {max_len}",
+            s.truncated
+        ));
     }
     if s.dropped_too_long > 0 {
         out.push_str(&format!(

@@ -104,9 +104,13 @@ fn expected(v: &Value, key: &str) -> Vec<Sample> {
         .as_array()
         .unwrap_or_else(|| panic!("no expected {key}"))
         .iter()
-        .map(|s| serde_json::from_value::<(Vec<u32>, Vec<u8>)>(
-            serde_json::json!([s["input_ids"], s["loss_mask"]]),
-        ).unwrap())
+        .map(|s| {
+            serde_json::from_value::<(Vec<u32>, Vec<u8>)>(serde_json::json!([
+                s["input_ids"],
+                s["loss_mask"]
+            ]))
+            .unwrap()
+        })
         .collect()
 }
 
@@ -116,7 +120,16 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
     let want = oracle(&d);
     let records = d.path("records.jsonl");
     let sets: &[(&str, &[&str])] = &[
-        ("qwen", &["default", "thinking-off", "thinking-on", "last-turn", "system"]),
+        (
+            "qwen",
+            &[
+                "default",
+                "thinking-off",
+                "thinking-on",
+                "last-turn",
+                "system",
+            ],
+        ),
         ("llama", &["default", "last-turn", "system"]),
     ];
     for (model, opts) in sets {
@@ -134,8 +147,15 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
                 }
                 let s = p.chat.unwrap();
                 // 11 records; the one without an assistant turn has nothing to train.
-                assert_eq!((s.conversations, s.dropped_untrained), (11, 1), "{dir} {opt}");
-                let trained: u64 = exp.iter().map(|e| e.1.iter().map(|&b| u64::from(b)).sum::<u64>()).sum();
+                assert_eq!(
+                    (s.conversations, s.dropped_untrained),
+                    (11, 1),
+                    "{dir} {opt}"
+                );
+                let trained: u64 = exp
+                    .iter()
+                    .map(|e| e.1.iter().map(|&b| u64::from(b)).sum::<u64>())
+                    .sum();
                 assert_eq!(s.trained_tokens, trained, "{dir} {opt}");
                 let turns = if *opt == "last-turn" { 10 } else { 14 };
                 assert_eq!(s.turns, turns, "{dir} {opt}: assistant turns trained");
@@ -147,7 +167,9 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
 /// `n` conversations in the words of the made model's corpus: multi-turn, with and without a
 /// system message, ShareGPT keys, thinking.
 fn chats(n: usize) -> String {
-    let words = ["the", "river", "city", "house", "left", "water", "light", "small"];
+    let words = [
+        "the", "river", "city", "house", "left", "water", "light", "small",
+    ];
     let say = |i: usize, k: usize| -> String {
         (0..3 + (i + k) % 5)
             .map(|j| words[(i * 7 + k * 3 + j) % words.len()])
@@ -203,10 +225,14 @@ fn the_launcher_trains_from_conversations_on_the_mock_backend_with_the_models_to
     )
     .unwrap();
     let out = run
-        .launch(&cfg, &["--backend", "mock", "--data", data.to_str().unwrap()])
+        .launch(
+            &cfg,
+            &["--backend", "mock", "--data", data.to_str().unwrap()],
+        )
         .finish();
     assert!(
-        out.contains("90 samples") && out.contains("90 conversations (120 assistant turns trained)"),
+        out.contains("90 samples")
+            && out.contains("90 conversations (120 assistant turns trained)"),
         "{out}"
     );
     assert_eq!(run.summary()["ok"], true);
@@ -237,18 +263,30 @@ fn the_launcher_trains_the_real_tiny_target_from_conversations_through_its_chat_
     let out = run
         .launch(
             &cfg,
-            &["--model", m.to_str().unwrap(), "--data", data.to_str().unwrap()],
+            &[
+                "--model",
+                m.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+            ],
         )
         .finish();
     assert!(out.contains("backend candle"), "{out}");
-    assert!(out.contains("30 conversations (40 assistant turns trained)"), "{out}");
+    assert!(
+        out.contains("30 conversations (40 assistant turns trained)"),
+        "{out}"
+    );
     assert_eq!(run.summary()["ok"], true);
     every_sample_once(&run, 30);
 }
 
 fn arrow_files(dir: &Path) -> Vec<std::path::PathBuf> {
     std::fs::read_dir(dir)
-        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|e| e == "arrow")).collect())
+        .map(|d| {
+            d.filter_map(|e| Some(e.ok()?.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -260,19 +298,34 @@ fn conversations_in_parquet_arrow_and_a_datasets_directory_prepare_as_in_jsonl()
     let exp = expected(&want, "qwen/default");
     let c = chat(&d.path("qwen"), ChatOptions::default());
     for input in ["chats.parquet", "chats.arrow", "chats.arrows", "chats_hf"] {
-        let p = prepare(&d.path(input), Some(c.clone()), 4096, TooLong::Drop, &d.path("cache"))
-            .unwrap_or_else(|e| panic!("{input}: {e}"));
+        let p = prepare(
+            &d.path(input),
+            Some(c.clone()),
+            4096,
+            TooLong::Drop,
+            &d.path("cache"),
+        )
+        .unwrap_or_else(|e| panic!("{input}: {e}"));
         assert_eq!(read(&p.path), exp, "{input}");
         assert_eq!(p.chat.unwrap().conversations, 11, "{input}");
     }
-    let err = prepare(&d.path("bad_role.parquet"), Some(c), 4096, TooLong::Drop, &d.path("cache2"))
-        .unwrap_err()
-        .to_string();
+    let err = prepare(
+        &d.path("bad_role.parquet"),
+        Some(c),
+        4096,
+        TooLong::Drop,
+        &d.path("cache2"),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("bad_role.parquet: row 2: messages[0]: unknown role \"robot\""),
         "{err}"
     );
-    assert!(arrow_files(&d.path("cache2")).is_empty(), "nothing prepared");
+    assert!(
+        arrow_files(&d.path("cache2")).is_empty(),
+        "nothing prepared"
+    );
 }
 
 #[test]
@@ -282,7 +335,11 @@ fn a_text_record_is_tokenized_whole_and_trained_whole() {
     for model in ["qwen", "llama"] {
         let e = &want[format!("{model}/text")][0];
         let input = d.path(&format!("{model}-text.jsonl"));
-        std::fs::write(&input, serde_json::json!({"text": e["text"]}).to_string() + "\n").unwrap();
+        std::fs::write(
+            &input,
+            serde_json::json!({"text": e["text"]}).to_string() + "\n",
+        )
+        .unwrap();
         let c = chat(&d.path(model), ChatOptions::default());
         let p = prepare(&input, Some(c), 4096, TooLong::Drop, &d.path("cache")).unwrap();
         let ids: Vec<u32> = serde_json::from_value(e["input_ids"].clone()).unwrap();
@@ -298,18 +355,48 @@ fn every_bad_conversation_is_named_by_file_and_line_and_nothing_is_prepared() {
     oracle(&d);
     let good = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#;
     let cases = [
-        (r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "messages[0]: unknown role \"robot\""),
-        (r#"{"conversations": [{"from": "bot", "value": "x"}]}"#, "conversations[0]: unknown role \"bot\""),
-        (r#"{"messages": [{"role": "user", "content": [{"type": "image"}]}]}"#, "messages[0]: content is a list of parts (multimodal)"),
-        (r#"{"messages": [{"role": "user", "content": 5}]}"#, "messages[0]: content is a number, not a string"),
-        (r#"{"messages": [{"role": "user"}]}"#, "messages[0]: no content"),
-        (r#"{"messages": [{"content": "x"}]}"#, "messages[0]: no role"),
+        (
+            r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+            "messages[0]: unknown role \"robot\"",
+        ),
+        (
+            r#"{"conversations": [{"from": "bot", "value": "x"}]}"#,
+            "conversations[0]: unknown role \"bot\"",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": [{"type": "image"}]}]}"#,
+            "messages[0]: content is a list of parts (multimodal)",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": 5}]}"#,
+            "messages[0]: content is a number, not a string",
+        ),
+        (
+            r#"{"messages": [{"role": "user"}]}"#,
+            "messages[0]: no content",
+        ),
+        (
+            r#"{"messages": [{"content": "x"}]}"#,
+            "messages[0]: no role",
+        ),
         (r#"{"messages": []}"#, "messages is an empty conversation"),
-        (r#"{"conversations": {"from": "human"}}"#, "conversations is an object, not a list of messages"),
+        (
+            r#"{"conversations": {"from": "human"}}"#,
+            "conversations is an object, not a list of messages",
+        ),
         (r#"{"text": 7}"#, "text is a number, not a string"),
-        (r#"{"id": 3}"#, "not a sample: it has none of input_ids, messages, conversations, text"),
-        (r#"{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}"#, "the system message must come first"),
-        ("{\"messages\": [{\"role\": \"user\", \"content\": \"\u{FDD0}\"}]}", "hspipe reserves"),
+        (
+            r#"{"id": 3}"#,
+            "not a sample: it has none of input_ids, messages, conversations, text",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}"#,
+            "the system message must come first",
+        ),
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"\u{FDD0}\"}]}",
+            "hspipe reserves",
+        ),
     ];
     let c = chat(&d.path("qwen"), ChatOptions::default());
     for (i, (bad, want)) in cases.iter().enumerate() {
@@ -319,24 +406,41 @@ fn every_bad_conversation_is_named_by_file_and_line_and_nothing_is_prepared() {
         let err = prepare(&input, Some(c.clone()), 4096, TooLong::Drop, &cache)
             .unwrap_err()
             .to_string();
-        assert!(err.contains(&format!("bad{i}.jsonl:3: ")) && err.contains(want), "{err:?} should name line 3 and say {want:?}");
+        assert!(
+            err.contains(&format!("bad{i}.jsonl:3: ")) && err.contains(want),
+            "{err:?} should name line 3 and say {want:?}"
+        );
         assert!(arrow_files(&cache).is_empty(), "{bad}: nothing prepared");
     }
     // Conversations without a tokenizer: how to give one.
     let input = d.path("no_tokenizer.jsonl");
     std::fs::write(&input, format!("{good}\n")).unwrap();
-    let err = prepare(&input, None, 4096, TooLong::Drop, &d.path("c")).unwrap_err().to_string();
-    assert!(err.contains("no_tokenizer.jsonl:1: ") && err.contains("--model DIR or data.tokenizer"), "{err}");
+    let err = prepare(&input, None, 4096, TooLong::Drop, &d.path("c"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no_tokenizer.jsonl:1: ") && err.contains("--model DIR or data.tokenizer"),
+        "{err}"
+    );
     // A model directory without a template, and a template that does not parse.
     let bare = d.path("bare");
     std::fs::create_dir_all(&bare).unwrap();
     std::fs::copy(d.path("qwen/tokenizer.json"), bare.join("tokenizer.json")).unwrap();
-    let err = Chat::load(&bare, ChatOptions::default()).err().unwrap().to_string();
+    let err = Chat::load(&bare, ChatOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("no chat template"), "{err}");
     std::fs::write(bare.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
-    let err = Chat::load(&bare, ChatOptions::default()).err().unwrap().to_string();
+    let err = Chat::load(&bare, ChatOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("does not parse"), "{err}");
-    let err = Chat::load(&d.path("nowhere"), ChatOptions::default()).err().unwrap().to_string();
+    let err = Chat::load(&d.path("nowhere"), ChatOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("nowhere/tokenizer.json"), "{err}");
 }
 
@@ -348,23 +452,49 @@ fn too_long_conversations_are_dropped_or_truncated_and_counted() {
     let records = d.path("records.jsonl");
     let max = 40;
     let c = chat(&d.path("qwen"), ChatOptions::default());
-    let p = prepare(&records, Some(c.clone()), max, TooLong::Drop, &d.path("cache")).unwrap();
-    let kept: Vec<Sample> = exp.iter().filter(|e| e.0.len() <= max as usize).cloned().collect();
-    assert!(!kept.is_empty() && kept.len() < exp.len(), "the set has both");
+    let p = prepare(
+        &records,
+        Some(c.clone()),
+        max,
+        TooLong::Drop,
+        &d.path("cache"),
+    )
+    .unwrap();
+    let kept: Vec<Sample> = exp
+        .iter()
+        .filter(|e| e.0.len() <= max as usize)
+        .cloned()
+        .collect();
+    assert!(
+        !kept.is_empty() && kept.len() < exp.len(),
+        "the set has both"
+    );
     assert_eq!(read(&p.path), kept);
     let s = p.chat.unwrap();
-    assert_eq!((s.dropped_too_long, s.truncated), ((exp.len() - kept.len()) as u64, 0));
+    assert_eq!(
+        (s.dropped_too_long, s.truncated),
+        ((exp.len() - kept.len()) as u64, 0)
+    );
 
     let p = prepare(&records, Some(c), max, TooLong::Truncate, &d.path("cache")).unwrap();
     let cut: Vec<Sample> = exp
         .iter()
-        .map(|(i, m)| (i[..i.len().min(max as usize)].to_vec(), m[..m.len().min(max as usize)].to_vec()))
+        .map(|(i, m)| {
+            (
+                i[..i.len().min(max as usize)].to_vec(),
+                m[..m.len().min(max as usize)].to_vec(),
+            )
+        })
         .filter(|(_, m)| m.contains(&1))
         .collect();
     assert_eq!(read(&p.path), cut);
     let s = p.chat.unwrap();
     assert_eq!(s.truncated, (exp.len() - kept.len()) as u64);
-    assert_eq!(s.dropped_untrained, 1 + (exp.len() - cut.len()) as u64, "cut to no assistant token: dropped");
+    assert_eq!(
+        s.dropped_untrained,
+        1 + (exp.len() - cut.len()) as u64,
+        "cut to no assistant token: dropped"
+    );
 }
 
 #[test]
@@ -374,12 +504,22 @@ fn the_cache_key_follows_the_tokenizer_the_template_and_every_option() {
     let records = d.path("records.jsonl");
     let cache = d.path("cache");
     let key = |model: &str, o: ChatOptions, too_long: TooLong| {
-        let p = prepare(&records, Some(chat(&d.path(model), o)), 4096, too_long, &cache).unwrap();
+        let p = prepare(
+            &records,
+            Some(chat(&d.path(model), o)),
+            4096,
+            too_long,
+            &cache,
+        )
+        .unwrap();
         (p.key, p.reused)
     };
     let (base, reused) = key("qwen", ChatOptions::default(), TooLong::Drop);
     assert!(!reused);
-    assert_eq!(key("qwen", ChatOptions::default(), TooLong::Drop), (base.clone(), true));
+    assert_eq!(
+        key("qwen", ChatOptions::default(), TooLong::Drop),
+        (base.clone(), true)
+    );
     let mut keys = std::collections::BTreeSet::from([base]);
     for (model, opt, too_long) in [
         ("qwen", "thinking-off", TooLong::Drop),
@@ -392,7 +532,10 @@ fn the_cache_key_follows_the_tokenizer_the_template_and_every_option() {
     ] {
         let (k, reused) = key(model, options(opt), too_long);
         assert!(!reused, "{model} {opt} {too_long:?}: prepared again");
-        assert!(keys.insert(k), "{model} {opt} {too_long:?}: a key of its own");
+        assert!(
+            keys.insert(k),
+            "{model} {opt} {too_long:?}: a key of its own"
+        );
     }
     // Another tokenizer (the same with one merge less) with the same template.
     let other = d.path("qwen-other");
@@ -400,7 +543,9 @@ fn the_cache_key_follows_the_tokenizer_the_template_and_every_option() {
     for f in ["chat_template.jinja", "tokenizer_config.json"] {
         std::fs::copy(d.path("qwen").join(f), other.join(f)).unwrap();
     }
-    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(d.path("qwen/tokenizer.json")).unwrap()).unwrap();
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path("qwen/tokenizer.json")).unwrap())
+            .unwrap();
     tok["model"]["merges"].as_array_mut().unwrap().pop();
     std::fs::write(other.join("tokenizer.json"), tok.to_string()).unwrap();
     let (k, reused) = key("qwen-other", ChatOptions::default(), TooLong::Drop);

@@ -204,9 +204,15 @@ impl Template {
             .get_template("chat_template")
             .map_err(|e| e.to_string())?;
         let mut ctx: Vec<(String, Value)> = self.globals.clone();
-        ctx.push(("messages".into(), Value::from(minijinja::value::Serde(messages))));
+        ctx.push((
+            "messages".into(),
+            Value::from(minijinja::value::Serde(messages)),
+        ));
         ctx.push(("add_generation_prompt".into(), add_generation_prompt.into()));
-        let ctx: Value = ctx.into_iter().collect::<std::collections::BTreeMap<_, _>>().into();
+        let ctx: Value = ctx
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into();
         let raw = t.render(ctx).map_err(|e| {
             let mut s = format!("the chat template failed: {e}");
             if let Some(d) = e.detail() {
@@ -277,10 +283,11 @@ impl Markers {
         let fail = |why: &str| {
             format!("the chat template has no {{% generation %}} blocks, and its assistant turns cannot be found by markers: {why}")
         };
-        let (Some(pa), Some(pb), Some(pc), Some(pd)) =
-            (s.find(a), s.find(b), s.find(c), s.find(d))
+        let (Some(pa), Some(pb), Some(pc), Some(pd)) = (s.find(a), s.find(b), s.find(c), s.find(d))
         else {
-            return Err(fail("a probe conversation's contents are not in its rendering"));
+            return Err(fail(
+                "a probe conversation's contents are not in its rendering",
+            ));
         };
         if !(pa < pb && pb < pc && pc < pd) {
             return Err(fail("it renders a conversation's messages out of order"));
@@ -324,7 +331,10 @@ impl Markers {
         }
         // Bytes to characters, in one pass over the text.
         let bytes: Vec<usize> = spans.iter().flat_map(|&(s, e)| [s, e]).collect();
-        byte_to_char(text, &bytes).chunks(2).map(|p| (p[0], p[1])).collect()
+        byte_to_char(text, &bytes)
+            .chunks(2)
+            .map(|p| (p[0], p[1]))
+            .collect()
     }
 }
 
@@ -346,15 +356,24 @@ mod tests {
 
     #[test]
     fn generation_tags_become_span_characters_with_their_whitespace_control() {
-        let (s, found) = rewrite("a{%- generation -%} b {% endgeneration %}\nc{% if x %}{% endif %}");
-        assert_eq!(rewrite("{# no {% generation %} here #}{{ x }}"), ("{# no {% generation %} here #}{{ x }}".into(), false));
+        let (s, found) =
+            rewrite("a{%- generation -%} b {% endgeneration %}\nc{% if x %}{% endif %}");
+        assert_eq!(
+            rewrite("{# no {% generation %} here #}{{ x }}"),
+            ("{# no {% generation %} here #}{{ x }}".into(), false)
+        );
         assert!(found);
         assert_eq!(
             s,
             "a{%- if true %}\u{FDD0}{% endif -%} b {% if true %}\u{FDD1}{% endif %}\nc{% if x %}{% endif %}"
         );
         let t = Template::new("{% for m in messages %}<{{ m.role }}>{% generation %}\n{{ m.content }}{% endgeneration %}\n{% endfor %}", vec![]).unwrap();
-        let r = t.render(&[Message::new("user", "é"), Message::new("assistant", "x")], false).unwrap();
+        let r = t
+            .render(
+                &[Message::new("user", "é"), Message::new("assistant", "x")],
+                false,
+            )
+            .unwrap();
         assert_eq!(r.text, "<user>é<assistant>x");
         assert_eq!(r.spans, vec![(6, 7), (18, 19)]);
     }
@@ -363,7 +382,13 @@ mod tests {
     fn markers_are_found_for_chatml() {
         let t = Template::new("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}", vec![]).unwrap();
         let m = Markers::probe(&t).unwrap();
-        assert_eq!(m, Markers { open: "<|im_start|>assistant\n".into(), end: "<|im_end|>".into() });
+        assert_eq!(
+            m,
+            Markers {
+                open: "<|im_start|>assistant\n".into(),
+                end: "<|im_end|>".into()
+            }
+        );
         let text = "<|im_start|>user\nhé<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n";
         assert_eq!(m.spans(text), vec![(52, 64)]);
     }
@@ -371,8 +396,18 @@ mod tests {
     #[test]
     fn raise_exception_and_python_methods_work_as_in_hf_templates() {
         let t = Template::new("{{ messages[0].content.strip().split(',')[1] | tojson }}{% if messages|length > 1 %}{{ raise_exception('only one') }}{% endif %}", vec![]).unwrap();
-        assert_eq!(t.render(&[Message::new("user", " a,<b> ")], false).unwrap().text, "\"<b>\"");
-        let e = t.render(&[Message::new("user", "a"), Message::new("user", "b")], false).unwrap_err();
+        assert_eq!(
+            t.render(&[Message::new("user", " a,<b> ")], false)
+                .unwrap()
+                .text,
+            "\"<b>\""
+        );
+        let e = t
+            .render(
+                &[Message::new("user", "a"), Message::new("user", "b")],
+                false,
+            )
+            .unwrap_err();
         assert!(e.contains("only one"), "{e}");
     }
 }
