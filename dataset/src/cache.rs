@@ -78,23 +78,19 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    fn of(
-        path: PathBuf,
-        key: String,
-        reused: bool,
-        key_from_stamp: bool,
-        kind: Kind,
-        m: &Mapped,
-    ) -> Prepared {
+    /// The outcome of the file `m` maps.
+    fn of(m: &Mapped, key: String, reused: bool, key_from_stamp: bool, kind: Kind) -> Prepared {
+        let chat = ChatStats::from_meta(|k| m.meta(k).map(str::to_string));
+        let (path, samples, tokens) = (m.path().to_path_buf(), m.len(), m.tokens());
         Prepared {
             path,
             key,
             reused,
             key_from_stamp,
             kind,
-            samples: m.len(),
-            tokens: m.tokens(),
-            chat: ChatStats::from_meta(|k| m.meta(k).map(str::to_string)),
+            samples,
+            tokens,
+            chat,
         }
     }
 }
@@ -238,14 +234,7 @@ pub fn prepare_with(
             });
         }
         let key = m.meta("hspipe.key").unwrap_or("").to_string();
-        return Ok(Prepared::of(
-            input.to_path_buf(),
-            key,
-            true,
-            false,
-            kind,
-            &m,
-        ));
+        return Ok(Prepared::of(&m, key, true, false, kind));
     }
     let chat = chat_part(options).unwrap_or_default();
     let stamp = Stamp::of(input, &kind, max_len, &chat);
@@ -279,7 +268,7 @@ pub fn prepare_with(
     if out.is_none() && target.exists() {
         let m = open_cached(&target, &key)?;
         remember(to_stamp);
-        return Ok(Prepared::of(target, key, true, key_from_stamp, kind, &m));
+        return Ok(Prepared::of(&m, key, true, key_from_stamp, kind));
     }
     let dir = target
         .parent()
@@ -307,7 +296,7 @@ pub fn prepare_with(
     }
     let m = open_cached(&target, &key)?;
     remember(to_stamp);
-    Ok(Prepared::of(target, key, false, key_from_stamp, kind, &m))
+    Ok(Prepared::of(&m, key, false, key_from_stamp, kind))
 }
 
 /// Why writing the prepared file failed: converting the input, or the file system.
@@ -381,12 +370,10 @@ fn write_prepared(
         e => e,
     })?;
     if w.samples == 0 && stats.conversations + stats.texts > 0 {
+        let why = stats.nothing_left(options.max_len);
         return Err(DataError::Format {
             path: input.to_path_buf(),
-            why: format!(
-                "no sample is left of its {} conversations and {} texts: {} longer than data.max_len {} (data.too_long = \"truncate\" keeps them), {} with no assistant token to train",
-                stats.conversations, stats.texts, stats.dropped_too_long, options.max_len, stats.dropped_untrained
-            ),
+            why,
         });
     }
     if w.samples == 0 {

@@ -432,71 +432,6 @@ fn check_schema(path: &Path, schema: &Schema) -> Result<(), DataError> {
     Ok(())
 }
 
-/// The value of `a` at `i` as JSON: strings, numbers, lists and structs, as the record parser
-/// reads a JSONL line.
-fn json_of(a: &dyn Array, i: usize) -> Result<serde_json::Value, String> {
-    use serde_json::Value as J;
-    if a.is_null(i) {
-        return Ok(J::Null);
-    }
-    let num = |v: i128| J::from(v as i64);
-    Ok(match a.data_type() {
-        DataType::Utf8 => J::String(a.as_string::<i32>().value(i).to_string()),
-        DataType::LargeUtf8 => J::String(a.as_string::<i64>().value(i).to_string()),
-        DataType::Utf8View => J::String(a.as_string_view().value(i).to_string()),
-        DataType::Boolean => J::Bool(a.as_boolean().value(i)),
-        DataType::List(_) => {
-            let v = a.as_list::<i32>().value(i);
-            J::Array(
-                (0..v.len())
-                    .map(|j| json_of(v.as_ref(), j))
-                    .collect::<Result<_, _>>()?,
-            )
-        }
-        DataType::LargeList(_) => {
-            let v = a.as_list::<i64>().value(i);
-            J::Array(
-                (0..v.len())
-                    .map(|j| json_of(v.as_ref(), j))
-                    .collect::<Result<_, _>>()?,
-            )
-        }
-        DataType::Struct(fields) => {
-            let s = a.as_struct();
-            let mut m = serde_json::Map::new();
-            for (f, c) in fields.iter().zip(s.columns()) {
-                m.insert(f.name().clone(), json_of(c.as_ref(), i)?);
-            }
-            J::Object(m)
-        }
-        t if t.is_integer() => {
-            let _ = t;
-            let mut out = Vec::new();
-            ints_at(a, i, &mut out)?;
-            num(out[0])
-        }
-        t => return Err(format!("holds {}, which is not read", type_name(t))),
-    })
-}
-
-/// The integer of `a` at `i`.
-fn ints_at(a: &dyn Array, i: usize, out: &mut Vec<i128>) -> Result<(), String> {
-    let r = i..i + 1;
-    let id = |v: i128| Ok(v);
-    match a.data_type() {
-        DataType::Int8 => ints::<Int8Type, i128>(a, r, out, id),
-        DataType::Int16 => ints::<Int16Type, i128>(a, r, out, id),
-        DataType::Int32 => ints::<Int32Type, i128>(a, r, out, id),
-        DataType::Int64 => ints::<Int64Type, i128>(a, r, out, id),
-        DataType::UInt8 => ints::<UInt8Type, i128>(a, r, out, id),
-        DataType::UInt16 => ints::<UInt16Type, i128>(a, r, out, id),
-        DataType::UInt32 => ints::<UInt32Type, i128>(a, r, out, id),
-        DataType::UInt64 => ints::<UInt64Type, i128>(a, r, out, id),
-        t => Err((0, format!(" holds {}", type_name(t)))),
-    }
-    .map_err(|(_, why)| why)
-}
-
 /// The rows of a batch of conversations or texts, into the pipeline.
 fn chat_rows<W: Write>(
     path: &Path,
@@ -512,7 +447,7 @@ fn chat_rows<W: Write>(
         .map_err(|e| format_err(path, e))?;
     for row in 0..batch.num_rows() {
         let cell = |a: Option<&ArrayRef>, name: &str| {
-            a.map(|a| json_of(a.as_ref(), row).map_err(|e| format!("{name} {e}")))
+            a.map(|a| crate::cells::json_of(a.as_ref(), row).map_err(|e| format!("{name} {e}")))
                 .transpose()
         };
         let r = (|| {

@@ -25,6 +25,7 @@
 
 mod arrow_io;
 mod cache;
+mod cells;
 pub mod chat;
 mod convert;
 pub mod language;

@@ -200,6 +200,14 @@ impl ChatStats {
             .collect()
     }
 
+    /// Why a preparation that kept no sample failed.
+    pub fn nothing_left(&self, max_len: u32) -> String {
+        format!(
+            "no sample is left of its {} conversations and {} texts: {} longer than data.max_len {max_len} (data.too_long = \"truncate\" keeps them), {} with no assistant token to train",
+            self.conversations, self.texts, self.dropped_too_long, self.dropped_untrained
+        )
+    }
+
     /// Read back from a prepared file's metadata; None when it holds no conversations or texts.
     pub fn from_meta(get: impl Fn(&str) -> Option<String>) -> Option<ChatStats> {
         let n = |k: &str| -> Option<u64> { get(&format!("hspipe.chat.{k}"))?.parse().ok() };

@@ -7,6 +7,9 @@
 //! The tokenizer, model directories, records and expected outputs come from
 //! `tests/py/chat_oracle.py`, run with the tests' Python (transformers and tokenizers from PyPI,
 //! no torch: `scripts/test.sh` installs them).
+//!
+//! Length: one test per behaviour a user relies on (the oracle, the containers, bad records,
+//! too-long samples, the key, two end-to-end runs), each standing alone.
 
 use std::path::Path;
 use std::process::Command;
