@@ -466,7 +466,8 @@ fn chat_rows<W: Write>(
                 mask,
             )
         })();
-        p.push(first + row as u64, r, 512)
+        let bytes = r.as_ref().map_or(0, crate::records::Record::text_bytes);
+        p.push(first + row as u64, r, bytes)
             .map_err(|s| stopped(path, &Kind::Parquet, s))?;
     }
     Ok(())

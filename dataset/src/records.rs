@@ -39,6 +39,20 @@ pub enum Record {
     },
 }
 
+impl Record {
+    /// The bytes of text it holds (a chunk's bound on memory).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Record::Ids { ids, .. } => ids.len() * 4,
+            Record::Chat(m) => m
+                .iter()
+                .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
+                .sum(),
+            Record::Text { text, .. } => text.len(),
+        }
+    }
+}
+
 /// A JSONL line, typed: the fields we read (others are ignored).
 #[derive(Deserialize)]
 struct Line {

@@ -554,3 +554,56 @@ fn the_cache_key_follows_the_tokenizer_the_template_and_every_option() {
     let (k, reused) = key("qwen-other", ChatOptions::default(), TooLong::Drop);
     assert!(!reused && keys.insert(k), "another tokenizer: another key");
 }
+
+#[test]
+fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_is_named() {
+    let d = TestDir::new("chat-threads");
+    oracle(&d);
+    // More records than one parallel chunk (4096), in the order written.
+    let one: Vec<String> = std::fs::read_to_string(d.path("records.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let lines: Vec<&str> = (0..5000).map(|i| one[i % one.len()].as_str()).collect();
+    let input = d.path("many.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let c = chat(&d.path("llama"), ChatOptions::default());
+    let on = |threads: usize, out: &str| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let o = Options {
+            max_len: 4096,
+            too_long: TooLong::Drop,
+            chat: Some(c.clone()),
+        };
+        let out = d.path(out);
+        pool.install(|| {
+            dataset::prepare_with(&input, &o, &d.path("cache"), Some(&out), &mut |_| {})
+        })
+        .unwrap();
+        std::fs::read(out).unwrap()
+    };
+    let (a, b) = (on(1, "one.arrow"), on(4, "four.arrow"));
+    assert!(a == b, "the same bytes on 1 and 4 threads");
+    let m = Mapped::open(&d.path("four.arrow")).unwrap();
+    // Every 11th record has no assistant turn: dropped.
+    assert_eq!(m.len(), (0..5000).filter(|i| i % 11 != 10).count() as u64);
+    let mut bad = lines.clone();
+    bad[4499] = r#"{"messages": [{"role": "narrator", "content": "x"}]}"#;
+    std::fs::write(&input, bad.join("\n") + "\n").unwrap();
+    let o = Options {
+        max_len: 4096,
+        too_long: TooLong::Drop,
+        chat: Some(c),
+    };
+    let err = dataset::prepare_with(&input, &o, &d.path("cache"), None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("many.jsonl:4500: messages[0]: unknown role \"narrator\""),
+        "{err}"
+    );
+}
