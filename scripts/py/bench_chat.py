@@ -119,7 +119,7 @@ def compare(out, launcher, rounds):
         print(f"round {r + 1}: hspipe {w:.2f} s ({n / secs:.0f} conv/s preparing), "
               f"transformers {pw:.2f} s ({got['per_s']:.0f} conv/s in apply_chat_template)", flush=True)
     med = statistics.median
-    print(said.strip().splitlines()[0])
+    print(next(l for l in said.splitlines() if "prepared in" in l))
     print(f"{n} conversations, {got['tokens']} tokens, {os.cpu_count()} cores, {rounds} rounds (medians):")
     print(f"  hspipe launcher prepare   whole process {med(ours_wall):.2f} s = {n / med(ours_wall):.0f} conv/s;"
           f" preparing alone {med(ours_in):.0f} conv/s")
