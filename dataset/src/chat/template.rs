@@ -120,17 +120,23 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 }
 
 /// Python's `json.dumps(x, ensure_ascii=False)` as transformers' `tojson` filter calls it
-/// (separators `, ` and `: `; `indent` for pretty output), not minijinja's HTML-safe one.
-fn tojson(v: Value, indent: Option<usize>) -> Result<String, Error> {
-    let json = serde_json::to_value(&v)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+/// (separators `, ` and `: `, keys in their order; `indent` for pretty output), not minijinja's
+/// HTML-safe one.
+fn tojson(v: Value, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
+    // `indent` as HF templates pass it (`tojson(indent=4)`); the others are Python's defaults.
+    let indent: Option<usize> = kwargs.get("indent")?;
     let mut out = String::new();
-    python_json(&json, indent, 0, &mut out);
+    python_json(&v, indent, 0, &mut out)?;
     Ok(out)
 }
 
-fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
-    use serde_json::Value as J;
+fn python_json(
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    use minijinja::value::ValueKind;
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = indent {
             out.push('\n');
@@ -138,35 +144,40 @@ fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: 
         }
     };
     let sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        J::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, x) in items.iter().enumerate() {
+    let string = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let map = v.kind() == ValueKind::Map;
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str(if map { "{}" } else { "[]" });
+                return Ok(());
+            }
+            out.push(if map { '{' } else { '[' });
+            for (i, k) in keys.iter().enumerate() {
                 if i > 0 {
                     out.push_str(sep);
                 }
                 newline(out, depth + 1);
-                python_json(x, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        J::Object(map) if !map.is_empty() => {
-            out.push('{');
-            for (i, (k, x)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(sep);
+                if map {
+                    out.push_str(&string(&k.to_string()));
+                    out.push_str(": ");
+                    python_json(&v.get_item(k)?, indent, depth + 1, out)?;
+                } else {
+                    python_json(k, indent, depth + 1, out)?;
                 }
-                newline(out, depth + 1);
-                out.push_str(&J::String(k.clone()).to_string());
-                out.push_str(": ");
-                python_json(x, indent, depth + 1, out);
             }
             newline(out, depth);
-            out.push('}');
+            out.push(if map { '}' } else { ']' });
         }
-        other => out.push_str(&other.to_string()),
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::String => out.push_str(&string(v.as_str().unwrap_or_default())),
+        _ => out.push_str(
+            &serde_json::to_string(v)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?,
+        ),
     }
+    Ok(())
 }
 
 impl Template {
@@ -409,5 +420,14 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.contains("only one"), "{e}");
+        let t = Template::new(
+            "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}",
+            vec![],
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[Message::new("user", "é")], false).unwrap().text,
+            "{\"role\": \"user\", \"content\": \"é\"}|{\n  \"role\": \"user\",\n  \"content\": \"é\"\n}"
+        );
     }
 }
