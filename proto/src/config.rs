@@ -132,7 +132,8 @@ impl Default for ModelConfig {
 pub struct DataConfig {
     /// Training data: a JSONL file with `input_ids` (and optionally `loss_mask`) per line, a
     /// Parquet file, an HF `datasets` `save_to_disk` directory, or a prepared Arrow file; none
-    /// means the built-in synthetic dataset.
+    /// means the built-in synthetic dataset. Records may hold `messages`, `conversations` or
+    /// `text` instead (see `tokenizer`).
     pub path: Option<PathBuf>,
     /// The prepared (memory-mapped) file of `path` that every worker maps. The launcher sets
     /// it once it has prepared `path`; a user leaves it out.
