@@ -26,3 +26,4 @@ for mb in 60 600; do
     rm -f "/tmp/hspipe-bench-$mb.jsonl"
 done
 echo "## the DFlash drafter on the CPU"; scripts/bench-dflash.sh 3
+echo "## conversations against transformers"; scripts/bench-chat.sh 5000 5

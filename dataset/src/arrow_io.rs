@@ -90,8 +90,26 @@ pub fn our_columns(schema: &Schema) -> Result<(usize, Option<usize>)> {
     Ok((ids, schema.index_of("loss_mask").ok()))
 }
 
-/// The projection that decodes only our columns: `input_ids` first, then `loss_mask`.
+/// The columns a conversation or text is read from, when there is no `input_ids`.
+pub const CHAT_COLUMNS: [&str; 3] = ["messages", "conversations", "text"];
+
+/// True when `schema` holds conversations or texts rather than token ids.
+pub fn is_chat(schema: &Schema) -> bool {
+    schema.index_of("input_ids").is_err() && CHAT_COLUMNS.iter().any(|c| schema.index_of(c).is_ok())
+}
+
+/// The projection that decodes only our columns: `input_ids` first, then `loss_mask`; for
+/// conversations and texts, theirs and `loss_mask`, in the schema's order.
 pub fn projection(schema: &Schema) -> Result<Vec<usize>> {
+    if is_chat(schema) {
+        let mut v: Vec<usize> = CHAT_COLUMNS
+            .iter()
+            .chain(&["loss_mask"])
+            .filter_map(|n| schema.index_of(n).ok())
+            .collect();
+        v.sort_unstable();
+        return Ok(v);
+    }
     let (ids, mask) = our_columns(schema)?;
     Ok(std::iter::once(ids).chain(mask).collect())
 }
@@ -224,6 +242,8 @@ fn check_body(
 /// The footer of an Arrow IPC file: its schema and where its record batches are.
 pub struct IpcFile {
     pub schema: SchemaRef,
+    /// The footer's custom metadata.
+    pub footer_meta: Vec<(String, String)>,
     version: MetadataVersion,
     blocks: Vec<Block>,
 }
@@ -253,8 +273,17 @@ impl IpcFile {
                 .schema()
                 .ok_or_else(|| IpcError::Bad("the footer has no schema".into()))?,
         )?;
+        let footer_meta = footer
+            .custom_metadata()
+            .map(|kv| {
+                kv.iter()
+                    .filter_map(|e| Some((e.key()?.to_string(), e.value()?.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(IpcFile {
             schema: Arc::new(schema),
+            footer_meta,
             version: footer.version(),
             blocks: footer
                 .recordBatches()

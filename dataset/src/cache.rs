@@ -3,7 +3,9 @@
 //!
 //! The key is an XXH3-128 hash of every byte of the input (for an HF directory, of its data
 //! files' names and bytes, in order), of the format version and of `max_len` (which decides
-//! what is refused). Hashing reads the input once (about a second per GB from the page cache);
+//! what is refused), and with a tokenizer of everything that changes the ids and masks it
+//! makes ([`crate::Chat::key`]: tokenizer, special tokens, template, options) and of what
+//! becomes of too-long samples. Hashing reads the input once (about a second per GB from the page cache);
 //! a key from the size and modification time, or from the head and tail, would be free but
 //! would miss an edit inside the file that keeps its size, the kind re-tokenizing with a
 //! similar tokenizer makes, and then train on stale data. So a re-run, a `--resume` and a
@@ -28,8 +30,9 @@ use twox_hash::XxHash3_128;
 
 use crate::convert::{self, Kind};
 use crate::mapped::Mapped;
+use crate::records::{ChatStats, Maker};
 use crate::writer::Writer;
-use crate::{DataError, FORMAT_VERSION};
+use crate::{DataError, Options, FORMAT_VERSION};
 
 /// What a step of `prepare` is doing, for a progress bar.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +73,36 @@ pub struct Prepared {
     pub kind: Kind,
     pub samples: u64,
     pub tokens: u64,
+    /// What preparing conversations and texts counted (None: the input had none).
+    pub chat: Option<ChatStats>,
+}
+
+impl Prepared {
+    /// The outcome of the file `m` maps.
+    fn of(m: &Mapped, key: String, reused: bool, key_from_stamp: bool, kind: Kind) -> Prepared {
+        let chat = ChatStats::from_meta(|k| m.meta(k).map(str::to_string));
+        let (path, samples, tokens) = (m.path().to_path_buf(), m.len(), m.tokens());
+        Prepared {
+            path,
+            key,
+            reused,
+            key_from_stamp,
+            kind,
+            samples,
+            tokens,
+            chat,
+        }
+    }
+}
+
+/// What of `options` goes into the key beyond `max_len`: the tokenizer, template and chat
+/// options, and what becomes of too-long samples (None without a tokenizer, so the keys of
+/// pre-tokenized data stay what they were).
+fn chat_part(options: &Options) -> Option<String> {
+    options
+        .chat
+        .as_ref()
+        .map(|c| format!("{} {:?}", c.key(), options.too_long))
 }
 
 /// The cache directory for runs whose directory is `run_dir`: `data-cache` beside it, so runs
@@ -79,13 +112,14 @@ pub fn default_cache_dir(run_dir: &Path) -> PathBuf {
     parent.unwrap_or_else(|| Path::new(".")).join("data-cache")
 }
 
-/// The content key of `input` (of kind `kind`) under `max_len`.
+/// The content key of `input` (of kind `kind`) under `options`.
 pub fn content_key(
     input: &Path,
     kind: &Kind,
-    max_len: u32,
+    options: &Options,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<String, DataError> {
+    let max_len = options.max_len;
     let files = kind.files(input);
     let total: u64 = files
         .iter()
@@ -95,6 +129,10 @@ pub fn content_key(
     h.write(b"hspipe dataset ");
     h.write(FORMAT_VERSION.as_bytes());
     h.write(&max_len.to_le_bytes());
+    if let Some(c) = chat_part(options) {
+        h.write(b"chat ");
+        h.write(c.as_bytes());
+    }
     let mut buf = vec![0u8; 1 << 20];
     let mut done = 0u64;
     for f in &files {
@@ -158,9 +196,7 @@ fn open_cached(path: &Path, key: &str) -> Result<Mapped, DataError> {
     }
 }
 
-/// Prepares `input` for runs: the prepared file in `cache_dir` named by the input's content
-/// key, converted now if it is not there yet (or written to `out` instead, always converted).
-/// An input that is itself a prepared file is used as it is.
+/// [`prepare_with`] for pre-tokenized data (no tokenizer).
 pub fn prepare(
     input: &Path,
     max_len: u32,
@@ -168,6 +204,20 @@ pub fn prepare(
     out: Option<&Path>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Prepared, DataError> {
+    prepare_with(input, &Options::new(max_len), cache_dir, out, progress)
+}
+
+/// Prepares `input` for runs: the prepared file in `cache_dir` named by the input's content
+/// key, converted now if it is not there yet (or written to `out` instead, always converted).
+/// An input that is itself a prepared file is used as it is.
+pub fn prepare_with(
+    input: &Path,
+    options: &Options,
+    cache_dir: &Path,
+    out: Option<&Path>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Prepared, DataError> {
+    let max_len = options.max_len;
     let kind = convert::detect(input)?;
     if kind == (Kind::ArrowFile { prepared: true }) && out.is_none() {
         let m = Mapped::open(input)?;
@@ -183,17 +233,11 @@ pub fn prepare(
                 path: input.to_path_buf(),
             });
         }
-        return Ok(Prepared {
-            path: input.to_path_buf(),
-            key: m.meta("hspipe.key").unwrap_or("").to_string(),
-            reused: true,
-            key_from_stamp: false,
-            kind,
-            samples: m.len(),
-            tokens: m.tokens(),
-        });
+        let key = m.meta("hspipe.key").unwrap_or("").to_string();
+        return Ok(Prepared::of(&m, key, true, false, kind));
     }
-    let stamp = Stamp::of(input, &kind, max_len);
+    let chat = chat_part(options).unwrap_or_default();
+    let stamp = Stamp::of(input, &kind, max_len, &chat);
     let stamp_path = stamp.as_ref().map(|s| s.path(cache_dir));
     let remembered = stamp_path.as_ref().and_then(|p| Stamp::read(p));
     // The stamp to remember once the data is prepared (never for input that fails).
@@ -202,7 +246,7 @@ pub fn prepare(
         (Some(now), Some(was)) if was.same_input(now) => (was.key, true),
         _ => {
             let started = SystemTime::now();
-            let key = content_key(input, &kind, max_len, progress)?;
+            let key = content_key(input, &kind, options, progress)?;
             if let (Some(mut st), Some(p)) = (stamp, stamp_path) {
                 if st.settled_before(started) {
                     st.key = key.clone();
@@ -224,15 +268,7 @@ pub fn prepare(
     if out.is_none() && target.exists() {
         let m = open_cached(&target, &key)?;
         remember(to_stamp);
-        return Ok(Prepared {
-            path: target,
-            key,
-            reused: true,
-            key_from_stamp,
-            kind,
-            samples: m.len(),
-            tokens: m.tokens(),
-        });
+        return Ok(Prepared::of(&m, key, true, key_from_stamp, kind));
     }
     let dir = target
         .parent()
@@ -247,7 +283,7 @@ pub fn prepare(
     // Written whole or not at all (`atomic_file`: temporary file, sync, rename, sync
     // of the directory); a failure leaves no temporary file behind.
     let result = atomic_file::replace_with(&target, |tmp| {
-        write_prepared(input, &kind, max_len, &key, tmp, progress).map_err(Failed::Data)
+        write_prepared(input, &kind, options, &key, tmp, progress).map_err(Failed::Data)
     });
     if let Err(e) = result {
         if created_dir {
@@ -260,15 +296,7 @@ pub fn prepare(
     }
     let m = open_cached(&target, &key)?;
     remember(to_stamp);
-    Ok(Prepared {
-        path: target,
-        key,
-        reused: false,
-        key_from_stamp,
-        kind,
-        samples: m.len(),
-        tokens: m.tokens(),
-    })
+    Ok(Prepared::of(&m, key, false, key_from_stamp, kind))
 }
 
 /// Why writing the prepared file failed: converting the input, or the file system.
@@ -286,7 +314,7 @@ impl From<std::io::Error> for Failed {
 fn write_prepared(
     input: &Path,
     kind: &Kind,
-    max_len: u32,
+    options: &Options,
     key: &str,
     tmp: &Path,
     progress: &mut dyn FnMut(Progress),
@@ -299,8 +327,13 @@ fn write_prepared(
         ("hspipe.dataset".to_string(), FORMAT_VERSION.to_string()),
         ("hspipe.key".to_string(), key.to_string()),
         ("hspipe.source".to_string(), input.display().to_string()),
-        ("hspipe.max_len".to_string(), max_len.to_string()),
+        ("hspipe.max_len".to_string(), options.max_len.to_string()),
     ];
+    let maker = Maker {
+        max_len: options.max_len,
+        too_long: options.too_long,
+        chat: options.chat.clone(),
+    };
     let f = File::create(tmp).map_err(werr)?;
     let mut w = Writer::new(BufWriter::with_capacity(1 << 20, f), meta).map_err(werr)?;
     let (unit, mut total) = match kind {
@@ -314,10 +347,10 @@ fn write_prepared(
         ),
     };
     let total_cell = std::cell::Cell::new(0u64);
-    convert::convert(
+    let stats = convert::convert(
         input,
         kind,
-        max_len,
+        &maker,
         &mut w,
         &mut |done| {
             if total_cell.get() != 0 {
@@ -336,12 +369,24 @@ fn write_prepared(
         DataError::Write { source, .. } => werr(source),
         e => e,
     })?;
+    if w.samples == 0 && stats.conversations + stats.texts > 0 {
+        let why = stats.nothing_left(options.max_len);
+        return Err(DataError::Format {
+            path: input.to_path_buf(),
+            why,
+        });
+    }
     if w.samples == 0 {
         return Err(DataError::Empty {
             path: input.to_path_buf(),
         });
     }
-    let buf = w.finish().map_err(werr)?;
+    let footer = if stats.conversations + stats.texts > 0 {
+        stats.to_meta()
+    } else {
+        Vec::new()
+    };
+    let buf = w.finish(footer).map_err(werr)?;
     // Flushed here; the caller syncs and renames it.
     buf.into_inner().map_err(|e| werr(e.into_error()))?;
     Ok(())
@@ -363,13 +408,16 @@ struct FileStamp {
 struct Stamp {
     format: String,
     max_len: u32,
+    /// The tokenizer, template and options' part of the key (empty without a tokenizer).
+    #[serde(default)]
+    chat: String,
     files: Vec<FileStamp>,
     key: String,
 }
 
 impl Stamp {
     /// The input's stamp now (None if a file cannot be looked at: then it is hashed).
-    fn of(input: &Path, kind: &Kind, max_len: u32) -> Option<Stamp> {
+    fn of(input: &Path, kind: &Kind, max_len: u32, chat: &str) -> Option<Stamp> {
         let files = kind
             .files(input)
             .into_iter()
@@ -389,6 +437,7 @@ impl Stamp {
         Some(Stamp {
             format: FORMAT_VERSION.to_string(),
             max_len,
+            chat: chat.to_string(),
             files,
             key: String::new(),
         })
@@ -402,6 +451,7 @@ impl Stamp {
             h.write(&[0]);
         }
         h.write(&self.max_len.to_le_bytes());
+        h.write(self.chat.as_bytes());
         cache_dir
             .join("stamps")
             .join(format!("{:032x}.json", h.finish_128()))
@@ -414,6 +464,7 @@ impl Stamp {
     fn same_input(&self, now: &Stamp) -> bool {
         self.format == now.format
             && self.max_len == now.max_len
+            && self.chat == now.chat
             && self.files == now.files
             && self.key.len() == 32
     }

@@ -26,8 +26,9 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
 use serde::Deserialize;
 
-use crate::arrow_io::{self, type_name, IpcError, IpcFile, IpcStream};
+use crate::arrow_io::{self, is_chat, type_name, IpcError, IpcFile, IpcStream};
 use crate::map::{buffer_of, map_read_only};
+use crate::records::{record_of, ChatStats, Maker, Pipeline, Stop};
 use crate::writer::Writer;
 use crate::{check_sample, DataError};
 
@@ -195,24 +196,56 @@ fn hf_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
 /// Reports progress: units done (bytes or rows, as the caller set up).
 pub type Advance<'a> = &'a mut dyn FnMut(u64);
 
-/// Converts `path` (of kind `kind`) into `w`, checking every row against `max_len`.
+/// Converts `path` (of kind `kind`) into `w`, each record made into a sample by `maker`;
+/// returns what conversations and texts counted.
 pub fn convert<W: Write>(
     path: &Path,
     kind: &Kind,
-    max_len: u32,
+    maker: &Maker,
     w: &mut Writer<W>,
     advance: Advance<'_>,
     total_rows: &mut dyn FnMut(u64),
+) -> Result<ChatStats, DataError> {
+    let mut p = Pipeline::new(maker, w);
+    let mut err_path = path.to_path_buf();
+    convert_into(path, kind, &mut p, advance, total_rows, &mut err_path)?;
+    p.flush().map_err(|s| stopped(&err_path, kind, s))?;
+    Ok(p.stats)
+}
+
+/// The error of a stopped pipeline: a JSONL line, or a row of an Arrow table.
+fn stopped(path: &Path, kind: &Kind, s: Stop) -> DataError {
+    match s {
+        Stop::Write(e) => write_err(e),
+        Stop::Record((place, why)) if *kind == Kind::Jsonl => DataError::Line {
+            path: path.to_path_buf(),
+            line: place,
+            why,
+        },
+        Stop::Record((row, why)) => DataError::Row {
+            path: path.to_path_buf(),
+            row,
+            why,
+        },
+    }
+}
+
+fn convert_into<W: Write>(
+    path: &Path,
+    kind: &Kind,
+    w: &mut Pipeline<'_, W>,
+    advance: Advance<'_>,
+    total_rows: &mut dyn FnMut(u64),
+    err_path: &mut PathBuf,
 ) -> Result<(), DataError> {
     match kind {
-        Kind::Jsonl => jsonl(path, max_len, w, advance),
+        Kind::Jsonl => jsonl(path, w, advance),
         Kind::ArrowStream => {
             let f = File::open(path).map_err(read_err(path))?;
             let mut rows = 0;
             stream(
                 path,
                 BufReader::with_capacity(1 << 20, f),
-                max_len,
                 w,
                 &mut rows,
                 &mut |read| advance(read),
@@ -222,12 +255,14 @@ pub fn convert<W: Write>(
             let mut rows = 0;
             let mut before = 0;
             for file in files {
+                // Rows still pending when a shard ends are named by its file.
+                w.flush().map_err(|s| stopped(err_path, kind, s))?;
+                *err_path = file.clone();
                 let f = File::open(file).map_err(read_err(file))?;
                 let size = f.metadata().map(|m| m.len()).unwrap_or(0);
                 stream(
                     file,
                     BufReader::with_capacity(1 << 20, f),
-                    max_len,
                     w,
                     &mut rows,
                     &mut |read| advance(before + read),
@@ -236,33 +271,24 @@ pub fn convert<W: Write>(
             }
             Ok(())
         }
-        Kind::ArrowFile { .. } => arrow_file(path, max_len, w, advance),
-        Kind::Parquet => parquet(path, max_len, w, advance, total_rows),
+        Kind::ArrowFile { .. } => arrow_file(path, w, advance),
+        Kind::Parquet => parquet(path, w, advance, total_rows),
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonSample {
-    input_ids: Vec<u32>,
-    #[serde(default)]
-    loss_mask: Option<Vec<u8>>,
-}
-
 /// One JSON object per line: `{"input_ids": [...], "loss_mask": [...]}` (the mask is
-/// optional: all ones). Blank lines are skipped.
+/// optional: all ones), or a conversation or text (see `records`). Blank lines are skipped;
+/// lines are parsed and made into samples a chunk at a time, in parallel.
 fn jsonl<W: Write>(
     path: &Path,
-    max_len: u32,
-    w: &mut Writer<W>,
+    w: &mut Pipeline<'_, W>,
     advance: Advance<'_>,
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
     let mut r = BufReader::with_capacity(1 << 20, f);
-    let mut line = String::new();
     let (mut n, mut read) = (0u64, 0u64);
     loop {
-        line.clear();
+        let mut line = String::new();
         let got = r.read_line(&mut line).map_err(read_err(path))?;
         if got == 0 {
             break;
@@ -275,16 +301,8 @@ fn jsonl<W: Write>(
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |why: String| DataError::Line {
-            path: path.to_path_buf(),
-            line: n,
-            why,
-        };
-        let s: JsonSample =
-            serde_json::from_str(&line).map_err(|e| bad(format!("not a sample: {e}")))?;
-        check_sample(s.input_ids.len(), s.loss_mask.as_deref(), max_len).map_err(bad)?;
-        w.push(&s.input_ids, s.loss_mask.as_deref())
-            .map_err(write_err)?;
+        w.push_line(n, line)
+            .map_err(|s| stopped(path, &Kind::Jsonl, s))?;
     }
     advance(read);
     Ok(())
@@ -403,10 +421,54 @@ fn check_list(f: &Field, what: &str) -> Result<(), String> {
 
 /// Checks that `schema` has our columns, of usable types.
 fn check_schema(path: &Path, schema: &Schema) -> Result<(), DataError> {
-    let (ids, mask) = arrow_io::our_columns(schema).map_err(|e| format_err(path, e))?;
-    check_list(schema.field(ids), "token ids").map_err(|e| format_err(path, e))?;
+    let mask = schema.index_of("loss_mask").ok();
+    if !is_chat(schema) {
+        let (ids, _) = arrow_io::our_columns(schema).map_err(|e| format_err(path, e))?;
+        check_list(schema.field(ids), "token ids").map_err(|e| format_err(path, e))?;
+    }
     if let Some(m) = mask {
         check_list(schema.field(m), "0/1 flags").map_err(|e| format_err(path, e))?;
+    }
+    Ok(())
+}
+
+/// The rows of a batch of conversations or texts, into the pipeline.
+fn chat_rows<W: Write>(
+    path: &Path,
+    batch: &RecordBatch,
+    first: u64,
+    p: &mut Pipeline<'_, W>,
+) -> Result<(), DataError> {
+    let col = |name| batch.column_by_name(name);
+    let (m, c, t) = (col("messages"), col("conversations"), col("text"));
+    let lm = col("loss_mask")
+        .map(|c| Lists::of(c, "loss_mask"))
+        .transpose()
+        .map_err(|e| format_err(path, e))?;
+    for row in 0..batch.num_rows() {
+        let cell = |a: Option<&ArrayRef>, name: &str| {
+            a.map(|a| crate::cells::json_of(a.as_ref(), row).map_err(|e| format!("{name} {e}")))
+                .transpose()
+        };
+        let r = (|| {
+            let mask = match &lm {
+                Some(l) if !l.is_null(row) => {
+                    let mut v = Vec::new();
+                    l.push(row, &mut v, |x| Ok(u8::try_from(x).unwrap_or(u8::MAX)))?;
+                    Some(v)
+                }
+                _ => None,
+            };
+            record_of(
+                cell(m, "messages")?,
+                cell(c, "conversations")?,
+                cell(t, "text")?,
+                mask,
+            )
+        })();
+        let bytes = r.as_ref().map_or(0, crate::records::Record::text_bytes);
+        p.push(first + row as u64, r, bytes)
+            .map_err(|s| stopped(path, &Kind::Parquet, s))?;
     }
     Ok(())
 }
@@ -420,12 +482,16 @@ fn rows<W: Write>(
     path: &Path,
     batch: &RecordBatch,
     first: u64,
-    max_len: u32,
-    w: &mut Writer<W>,
+    p: &mut Pipeline<'_, W>,
     ids: &mut Vec<u32>,
     mask: &mut Vec<u8>,
 ) -> Result<(), DataError> {
     check_schema(path, &batch.schema())?;
+    if is_chat(&batch.schema()) {
+        return chat_rows(path, batch, first, p);
+    }
+    let max_len = p.maker().max_len;
+    let w = p.writer().map_err(|s| stopped(path, &Kind::Parquet, s))?;
     let col = |name| batch.column_by_name(name);
     let Some(ic) = col("input_ids") else {
         return Err(format_err(path, "no input_ids column"));
@@ -484,15 +550,14 @@ fn ipc_err(path: &Path) -> impl Fn(IpcError) -> DataError + '_ {
 fn stream<R: Read, W: Write>(
     path: &Path,
     r: R,
-    max_len: u32,
-    w: &mut Writer<W>,
+    w: &mut Pipeline<'_, W>,
     row: &mut u64,
     advance: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
     let mut s = IpcStream::new(r);
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     while let Some(batch) = s.next_batch().map_err(ipc_err(path))? {
-        rows(path, &batch, *row, max_len, w, &mut ids, &mut mask)?;
+        rows(path, &batch, *row, w, &mut ids, &mut mask)?;
         *row += batch.num_rows() as u64;
         advance(s.read);
     }
@@ -503,8 +568,7 @@ fn stream<R: Read, W: Write>(
 /// mapped, and read through the same checked decoder as a prepared file.
 fn arrow_file<W: Write>(
     path: &Path,
-    max_len: u32,
-    w: &mut Writer<W>,
+    w: &mut Pipeline<'_, W>,
     advance: Advance<'_>,
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
@@ -518,7 +582,7 @@ fn arrow_file<W: Write>(
     let mut row = 0u64;
     for k in 0..file.batches() {
         let batch = file.batch(&decoder, &buffer, k).map_err(ipc_err(path))?;
-        rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
+        rows(path, &batch, row, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
         advance(file.batch_end(k));
     }
@@ -546,8 +610,7 @@ fn parquet_why(e: impl std::fmt::Display) -> String {
 /// Converts a Parquet file, `PARQUET_BATCH_ROWS` rows at a time (of our columns only).
 fn parquet<W: Write>(
     path: &Path,
-    max_len: u32,
-    w: &mut Writer<W>,
+    w: &mut Pipeline<'_, W>,
     advance: Advance<'_>,
     total_rows: &mut dyn FnMut(u64),
 ) -> Result<(), DataError> {
@@ -559,9 +622,9 @@ fn parquet<W: Write>(
     let b = ParquetRecordBatchReaderBuilder::try_new(f).map_err(|e| err(parquet_why(e)))?;
     let schema = b.schema().clone();
     check_schema(path, &schema)?;
-    let (ids, mask) = arrow_io::our_columns(&schema).map_err(|e| format_err(path, e))?;
     total_rows(u64::try_from(b.metadata().file_metadata().num_rows()).unwrap_or(0));
-    let only_ours = ProjectionMask::roots(b.parquet_schema(), std::iter::once(ids).chain(mask));
+    let wanted = arrow_io::projection(&schema).map_err(|e| format_err(path, e))?;
+    let only_ours = ProjectionMask::roots(b.parquet_schema(), wanted);
     let reader = b
         .with_projection(only_ours)
         .with_batch_size(PARQUET_BATCH_ROWS)
@@ -571,7 +634,7 @@ fn parquet<W: Write>(
     let mut row = 0u64;
     for batch in reader {
         let batch = batch.map_err(|e| err(parquet_why(e)))?;
-        rows(path, &batch, row, max_len, w, &mut ids, &mut mask)?;
+        rows(path, &batch, row, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
         advance(row);
     }

@@ -15,6 +15,9 @@
 //! `hspipe.dataset` (format version), `hspipe.key` (the input's content key) and
 //! `hspipe.source`. pyarrow, arrow-rs and DuckDB read it as they read any Arrow file.
 //!
+//! Records may also hold conversations or text ([`chat`]): the target's tokenizer and chat
+//! template make them into ids and a mask of the assistant's tokens, in parallel.
+//!
 //! Every row of every format is checked as the JSONL loader always did (empty, longer than
 //! `max_len`, a mask of another length or with entries other than 0/1, ids that are not
 //! integers or out of range for `u32`), naming the file and line (JSONL) or row (Arrow,
@@ -22,19 +25,26 @@
 
 mod arrow_io;
 mod cache;
+mod cells;
+pub mod chat;
 mod convert;
 pub mod language;
 mod map;
 mod mapped;
+mod records;
 mod samples;
 mod writer;
 
 use std::path::PathBuf;
 
-pub use cache::{content_key, default_cache_dir, prepare, Prepared, Progress, Stage, Unit};
+pub use cache::{
+    content_key, default_cache_dir, prepare, prepare_with, Prepared, Progress, Stage, Unit,
+};
+pub use chat::{Chat, ChatError, ChatOptions};
 pub use convert::{detect, Kind};
 pub use language::Language;
 pub use mapped::{Mapped, Sample};
+pub use records::ChatStats;
 pub use samples::{mix, Dataset, Synthetic, SYNTHETIC_VOCAB};
 pub use writer::Writer;
 
@@ -85,6 +95,34 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+/// What becomes of a sample hspipe tokenized (a conversation or a text) that is longer than
+/// `data.max_len`: dropped (the default) or cut to it; both are counted. Pre-tokenized samples
+/// longer than that stay an error: whoever tokenized them chose their length for this run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TooLong {
+    #[default]
+    Drop,
+    Truncate,
+}
+
+/// How [`prepare_with`] makes samples.
+#[derive(Clone, Default)]
+pub struct Options {
+    pub max_len: u32,
+    pub too_long: TooLong,
+    /// The target's tokenizer and template, for conversations and texts.
+    pub chat: Option<std::sync::Arc<Chat>>,
+}
+
+impl Options {
+    pub fn new(max_len: u32) -> Options {
+        Options {
+            max_len,
+            ..Options::default()
+        }
+    }
 }
 
 /// Checks one sample as the JSONL loader always did; `Err` says why it is refused.

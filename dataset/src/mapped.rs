@@ -116,6 +116,7 @@ impl Mapped {
         })?);
         let ipc = IpcFile::open(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
         let schema = ipc.schema.clone();
+        let footer_meta = ipc.footer_meta.clone();
         let want = |name: &str, item: DataType| -> Result<(), DataError> {
             let Ok(f) = schema.field_with_name(name) else {
                 return Ok(());
@@ -189,7 +190,13 @@ impl Mapped {
         Ok(Mapped {
             map,
             path: path.to_path_buf(),
-            meta: schema.metadata().clone().into(),
+            // The schema's metadata, then the footer's (what is known only at the end).
+            meta: schema
+                .metadata()
+                .clone()
+                .into_iter()
+                .chain(footer_meta)
+                .collect(),
             batches,
             starts,
             tokens,
@@ -214,7 +221,8 @@ impl Mapped {
         self.tokens
     }
 
-    /// A value of the schema's metadata (`hspipe.key`, `hspipe.source`, ...).
+    /// A value of the schema's or the footer's metadata (`hspipe.key`, `hspipe.source`,
+    /// `hspipe.chat.*`).
     pub fn meta(&self, key: &str) -> Option<&str> {
         self.meta.get(key).map(String::as_str)
     }

@@ -65,7 +65,7 @@ fn write(path: &Path, data: &[Owned], batch_tokens: usize) {
     for (ids, mask) in data {
         w.push(ids, mask.as_deref()).unwrap();
     }
-    w.finish().unwrap();
+    w.finish(Vec::new()).unwrap();
 }
 
 /// Where the stream of an Arrow file starts: after the 6-byte magic, padded with zeros to the
@@ -417,7 +417,12 @@ fn a_damaged_arrow_stream_or_file_input_is_an_error_not_a_panic() {
     let convert = |bytes: &[u8], kind: &Kind| {
         let q = d.file("input", bytes);
         let mut w = Writer::new(std::io::sink(), Vec::new()).unwrap();
-        crate::convert::convert(&q, kind, 512, &mut w, &mut |_| {}, &mut |_| {})
+        let maker = crate::records::Maker {
+            max_len: 512,
+            too_long: crate::TooLong::Drop,
+            chat: None,
+        };
+        crate::convert::convert(&q, kind, &maker, &mut w, &mut |_| {}, &mut |_| {})
     };
     assert!(convert(&stream, &Kind::ArrowStream).is_ok());
     assert!(convert(&file, &Kind::ArrowFile { prepared: false }).is_ok());
@@ -464,6 +469,12 @@ fn the_content_key_is_the_reference_xxh3_128() {
         .map(|i| format!("{{\"input_ids\":[{i},{}]}}\n", i * 7 % 1000))
         .collect();
     let input = dir.file("keyed.jsonl", body.as_bytes());
-    let key = crate::cache::content_key(&input, &Kind::Jsonl, 4096, &mut |_| {}).unwrap();
+    let key = crate::cache::content_key(
+        &input,
+        &Kind::Jsonl,
+        &crate::Options::new(4096),
+        &mut |_| {},
+    )
+    .unwrap();
     assert_eq!(key, "a879f63fefaa4e4b95bf0376da3690e9");
 }

@@ -221,9 +221,13 @@ impl<W: Write> Writer<W> {
         self.w.write(&batch).map_err(io_err)
     }
 
-    /// Writes the last batch, the end-of-stream marker and the footer; returns the writer.
-    pub fn finish(mut self) -> std::io::Result<W> {
+    /// Writes the last batch, the end-of-stream marker and the footer (with `footer_meta` as
+    /// its custom metadata: what is only known at the end); returns the writer.
+    pub fn finish(mut self, footer_meta: Vec<(String, String)>) -> std::io::Result<W> {
         self.flush()?;
+        for (k, v) in footer_meta {
+            self.w.write_metadata(k, v);
+        }
         self.w.finish().map_err(io_err)?;
         self.w.into_inner().map_err(io_err)
     }

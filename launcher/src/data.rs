@@ -20,7 +20,10 @@ use serde::{Deserialize, Serialize};
 /// The input is JSONL (one {"input_ids": [...], "loss_mask": [...]} per line, mask optional),
 /// Parquet or an Arrow IPC file or stream with input_ids (and optionally loss_mask) list
 /// columns, or an HF `datasets` save_to_disk directory. Parquet may be uncompressed or Snappy or
-/// ZSTD compressed; no format needs Python.
+/// ZSTD compressed; no format needs Python. Records may hold conversations instead
+/// ({"messages": [{"role": "user", "content": "..."}, ...]}, or ShareGPT's "conversations"
+/// with from/value) or "text": the target's tokenizer and chat template (--model DIR, or
+/// data.tokenizer) make their ids, and the loss mask covers the assistant's tokens.
 ///
 /// The prepared file goes to the cache (DIR/<content key>.arrow), where a launcher whose run
 /// directory is beside DIR finds it without converting again; or, with -o, to a file of your
@@ -29,6 +32,7 @@ use serde::{Deserialize, Serialize};
 /// Examples:
 ///   launcher prepare train.jsonl                       into runs/data-cache/
 ///   launcher prepare hf_dataset/train -o train.arrow   a file to copy to another machine
+///   launcher prepare chats.jsonl --model Qwen3-8B      conversations, the target's template
 ///   launcher --targets 0-4 --drafters 5-7 --data train.arrow
 #[derive(Parser, Debug)]
 #[command(name = "launcher prepare", verbatim_doc_comment)]
@@ -44,6 +48,10 @@ pub struct PrepareArgs {
     /// Write the prepared file here instead of the cache.
     #[arg(short, long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// The target's model directory: its tokenizer.json and chat template prepare records
+    /// holding messages, conversations or text (as data.tokenizer does).
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
 }
 
 /// `launcher prepare`: exit code 0, or an error.
@@ -56,33 +64,117 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
         .data_cache
         .clone()
         .unwrap_or_else(|| PathBuf::from("runs").join("data-cache"));
-    let (p, line) = prepare_dataset(&args.input, cfg.data.max_len, &cache, args.out.as_deref())?;
+    let mut cfg = cfg;
+    if let Some(m) = &args.model {
+        cfg.data.tokenizer = Some(m.clone());
+    }
+    let options = options(&cfg, cfg.data.max_len)?;
+    let (p, line) = prepare_dataset(&args.input, &options, &cache, args.out.as_deref())?;
     println!("{line}");
     println!("{}", p.path.display());
     Ok(0)
 }
 
+/// True when `dir` has a tokenizer and a chat template (where HF puts them).
+fn has_chat_template(dir: &Path) -> bool {
+    let in_config = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v.get("chat_template").is_some());
+    dir.join("tokenizer.json").is_file() && (dir.join("chat_template.jinja").is_file() || in_config)
+}
+
+/// How records become samples under `cfg`: with the tokenizer of `data.tokenizer` (which must
+/// load), else of the model, when it has a chat template.
+pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Options> {
+    let dir = match (&cfg.data.tokenizer, &cfg.model.path) {
+        (Some(d), _) => Some(d.clone()),
+        (None, Some(m)) if has_chat_template(m) => Some(m.clone()),
+        _ => None,
+    };
+    let chat = match dir {
+        Some(d) => {
+            let o = dataset::ChatOptions {
+                enable_thinking: cfg.data.enable_thinking,
+                train_only_last_turn: cfg.data.train_only_last_turn,
+                system_prompt: cfg.data.system_prompt.clone(),
+            };
+            let c = dataset::Chat::load(&d, o).with_context(|| {
+                format!("loading the tokenizer and chat template of {}", d.display())
+            })?;
+            Some(std::sync::Arc::new(c))
+        }
+        None => None,
+    };
+    Ok(dataset::Options {
+        max_len,
+        too_long: match cfg.data.too_long {
+            proto::TooLong::Drop => dataset::TooLong::Drop,
+            proto::TooLong::Truncate => dataset::TooLong::Truncate,
+        },
+        chat,
+    })
+}
+
+/// What preparing conversations and texts counted, for the data line.
+fn chat_part(s: &dataset::ChatStats, max_len: u32) -> String {
+    let mut out = format!(
+        "; {} conversations ({} assistant turns trained)",
+        s.conversations, s.turns
+    );
+    if s.texts > 0 {
+        out.push_str(&format!(" and {} texts", s.texts));
+    }
+    out.push_str(&format!(
+        ", {} of their {} tokens trained",
+        s.trained_tokens, s.tokens
+    ));
+    if s.truncated > 0 {
+        out.push_str(&format!(
+            ", {} truncated to data.max_len {max_len}",
+            s.truncated
+        ));
+    }
+    if s.dropped_too_long > 0 {
+        out.push_str(&format!(
+            ", {} dropped: longer than data.max_len {max_len}",
+            s.dropped_too_long
+        ));
+    }
+    if s.dropped_untrained > 0 {
+        out.push_str(&format!(
+            ", {} dropped: no assistant token to train",
+            s.dropped_untrained
+        ));
+    }
+    out
+}
+
 /// Prepares `input` (or finds it prepared); returns the outcome and a line for the user.
 pub fn prepare_dataset(
     input: &Path,
-    max_len: u32,
+    options: &dataset::Options,
     cache: &Path,
     out: Option<&Path>,
 ) -> anyhow::Result<(dataset::Prepared, String)> {
     let started = Instant::now();
     let mut show = Show::new(input);
-    let p = dataset::prepare(input, max_len, cache, out, &mut |pr| show.update(pr))
+    let p = dataset::prepare_with(input, options, cache, out, &mut |pr| show.update(pr))
         .context("preparing the dataset");
     show.done();
     let mut p = p?;
     p.path =
         std::path::absolute(&p.path).with_context(|| format!("resolving {}", p.path.display()))?;
     let what = format!(
-        "{} ({}, {} samples, {:.1}M tokens)",
+        "{} ({}, {} samples, {:.1}M tokens{})",
         input.display(),
         p.kind.name(),
         p.samples,
-        p.tokens as f64 / 1e6
+        p.tokens as f64 / 1e6,
+        p.chat
+            .as_ref()
+            .map(|s| chat_part(s, options.max_len))
+            .unwrap_or_default()
     );
     let secs = started.elapsed().as_secs_f64();
     let line = if p.reused && p.kind == (dataset::Kind::ArrowFile { prepared: true }) {

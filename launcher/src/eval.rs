@@ -89,7 +89,11 @@ fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
         ));
     };
     let cache = PathBuf::from("runs").join("data-cache");
-    let (p, line) = crate::data::prepare_dataset(input, u32::MAX, &cache, None)?;
+    // Conversations are prepared through the target's own template, as for training.
+    let mut cfg = proto::PipelineConfig::default();
+    cfg.model.path = Some(a.model.clone());
+    let options = crate::data::options(&cfg, u32::MAX)?;
+    let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None)?;
     println!("{line}");
     let data = dataset::Dataset::mapped(&p.path)?;
     let mut out = Vec::new();

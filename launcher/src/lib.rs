@@ -185,7 +185,8 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             .data_cache
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
-        let (p, line) = data::prepare_dataset(&input, cfg.data.max_len, &cache, None)?;
+        let options = data::options(&cfg, cfg.data.max_len)?;
+        let (p, line) = data::prepare_dataset(&input, &options, &cache, None)?;
         if args.resume.is_some() {
             data::check_same(&run_dir, &p)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;

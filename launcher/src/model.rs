@@ -299,7 +299,8 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     if let Some(input) = &a.data {
         let cache = PathBuf::from("runs").join("data-cache");
-        let (p, line) = crate::data::prepare_dataset(input, cfg.data.max_len, &cache, None)?;
+        let options = crate::data::options(&cfg, cfg.data.max_len)?;
+        let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None)?;
         println!("{line}");
         cfg.data.prepared = Some(p.path);
     }

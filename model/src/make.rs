@@ -118,6 +118,9 @@ pub const SPECIAL_TOKENS: &[&str] = &[
     "</think>",
 ];
 
+/// The made model's chat template (ChatML with Qwen3's thinking blocks).
+pub const CHAT_TEMPLATE: &str = include_str!("chat_template.jinja");
+
 /// Writes the model `spec` describes into `dir` (created if missing; files in it replaced).
 pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
     make_model_reporting(dir, spec, &mut |_, _| {})
@@ -172,6 +175,8 @@ pub fn make_model_reporting(
         "model_max_length": 32768,
     });
     write("tokenizer_config.json", pretty(&tc).as_bytes())?;
+    // Where transformers 5 writes it; conversations are prepared through it.
+    write("chat_template.jinja", CHAT_TEMPLATE.as_bytes())?;
     Ok(())
 }
 

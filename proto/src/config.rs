@@ -135,7 +135,8 @@ pub const MAX_EPOCHS: u32 = 1000;
 pub struct DataConfig {
     /// Training data: a JSONL file with `input_ids` (and optionally `loss_mask`) per line, a
     /// Parquet file, an HF `datasets` `save_to_disk` directory, or a prepared Arrow file; none
-    /// means the built-in synthetic dataset.
+    /// means the built-in synthetic dataset. Records may hold `messages`, `conversations` or
+    /// `text` instead (see `tokenizer`).
     pub path: Option<PathBuf>,
     /// The prepared (memory-mapped) file of `path` that every worker maps. The launcher sets
     /// it once it has prepared `path`; a user leaves it out.
@@ -157,6 +158,31 @@ pub struct DataConfig {
     /// Passes over the data: every sample is trained once per epoch, each epoch in its own
     /// order drawn from `seed` (the plan lays the epochs end to end).
     pub epochs: u32,
+    /// The model directory whose `tokenizer.json` and chat template prepare records holding
+    /// `messages`, `conversations` or `text`; None: the model's (`--model`), if it has a
+    /// chat template.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// Passed to the chat template as `enable_thinking` (Qwen3's); None: not passed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_thinking: Option<bool>,
+    /// Train on each conversation's last assistant turn only (the mask of the others is 0).
+    pub train_only_last_turn: bool,
+    /// A system message put first into conversations that have none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// A conversation or text longer than `max_len` tokens: "drop" it or "truncate" it (both
+    /// counted). Pre-tokenized samples longer than that are an error.
+    pub too_long: TooLong,
+}
+
+/// What becomes of a conversation or text longer than `data.max_len` tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TooLong {
+    #[default]
+    Drop,
+    Truncate,
 }
 
 impl Default for DataConfig {
@@ -171,6 +197,11 @@ impl Default for DataConfig {
             max_len: 4096,
             seed: 1,
             epochs: 1,
+            tokenizer: None,
+            enable_thinking: None,
+            train_only_last_turn: false,
+            system_prompt: None,
+            too_long: TooLong::Drop,
         }
     }
 }

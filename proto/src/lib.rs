@@ -16,7 +16,7 @@ pub use batch::{
     batch_len, BatchError, BatchHeader, BatchSpec, BatchView, BatchWriter, Dtype, Section,
     SectionsMut, ALIGN, BATCH_VERSION,
 };
-pub use config::{ConfigError, PipelineConfig};
+pub use config::{ConfigError, PipelineConfig, TooLong};
 pub use ledger::LedgerLine;
 pub use run_dir::{GpuLists, RunDir, RunDirError, RUN_DIR_RING_FILE};
 /// A worker's name (`target-3`): the `[faults.*]` keys, file names and messages use it.

@@ -1,6 +1,7 @@
 //! All integration tests of the `tests` crate build into this one binary, one module per area.
 
 mod chaos;
+mod chat;
 mod data;
 mod gpu;
 mod launcher;

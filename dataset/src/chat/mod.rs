@@ -1,0 +1,284 @@
+//! Conversations into training samples: the target's own tokenizer (`tokenizer.json`, HF's
+//! `tokenizers`) and chat template (`chat_template.jinja`, else `tokenizer_config.json`'s
+//! `chat_template`, rendered by minijinja) make the `input_ids`, and the loss mask covers
+//! exactly the assistant's tokens.
+//!
+//! Invariants:
+//! - ids and mask equal transformers' `apply_chat_template(messages, tokenize=True,
+//!   return_dict=True, return_assistant_tokens_mask=True)` on the same files: the rendered text
+//!   is tokenized once, without added special tokens, and a character span becomes the tokens
+//!   from the one holding its first character to the one holding its last, read from the
+//!   tokenizer's character offsets (never by tokenizing prefixes again), quirks included (a
+//!   span whose start no token holds stops the spans; one whose end token is the first runs to
+//!   the end).
+//! - The spans are the template's `{% generation %}` blocks where it has them, else what lies
+//!   between the opening and end markers of each assistant turn (see `template::Markers`), the
+//!   end marker included: its content and its end-of-turn token, not its role header.
+//! - [`Chat::key`] hashes everything that changes ids or masks: the tokenizer file, the
+//!   special tokens, the template and every option.
+//!
+//! We keep the template engine's glue (the generation tag, the markers) ourselves because no
+//! crate renders HF templates with transformers' assistant spans; the rest is minijinja's and
+//! tokenizers'.
+
+mod template;
+
+use std::path::{Path, PathBuf};
+
+use minijinja::value::Value;
+use serde_json::Value as Json;
+use tokenizers::Tokenizer;
+use twox_hash::XxHash3_128;
+
+pub use template::{Markers, Message};
+use template::{Template, CLOSE, OPEN};
+
+/// What the user chose about conversations (`[data]` in the pipeline config).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatOptions {
+    /// Passed to the template as `enable_thinking` when set (Qwen3's templates read it).
+    pub enable_thinking: Option<bool>,
+    /// Train on the last assistant turn of each conversation only.
+    pub train_only_last_turn: bool,
+    /// Put first as a `system` message into conversations that have none.
+    pub system_prompt: Option<String>,
+}
+
+/// A tokenizer directory that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {why}")]
+    Bad { path: PathBuf, why: String },
+}
+
+/// Where a conversation's trained spans come from.
+enum Spans {
+    Generation,
+    Markers(Markers),
+}
+
+/// The target's tokenizer and template, ready to prepare records on many threads.
+pub struct Chat {
+    tokenizer: Tokenizer,
+    template: Template,
+    spans: Spans,
+    options: ChatOptions,
+    key: String,
+    dir: PathBuf,
+}
+
+/// One record made into a sample.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u8>,
+    /// Assistant turns trained (spans in the mask).
+    pub turns: u32,
+}
+
+/// A special token of `tokenizer_config.json`: a string, or an added-token object.
+fn token_text(v: &Json) -> Option<String> {
+    match v {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// The special tokens transformers passes to templates.
+const SPECIAL: &[&str] = &[
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+impl Chat {
+    /// Loads the tokenizer and template of the model directory `dir`.
+    pub fn load(dir: &Path, options: ChatOptions) -> Result<Chat, ChatError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read(&path).map_err(|source| ChatError::Read { path, source })
+        };
+        let bad = |name: &str, why: String| ChatError::Bad {
+            path: dir.join(name),
+            why,
+        };
+        let tok_bytes = read("tokenizer.json")?;
+        let tokenizer = Tokenizer::from_bytes(&tok_bytes)
+            .map_err(|e| bad("tokenizer.json", format!("not a tokenizers file: {e}")))?;
+        let config: Json = match std::fs::read(dir.join("tokenizer_config.json")) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| bad("tokenizer_config.json", format!("not JSON: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Json::Null,
+            Err(source) => {
+                return Err(ChatError::Read {
+                    path: dir.join("tokenizer_config.json"),
+                    source,
+                })
+            }
+        };
+        let source = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match config.get("chat_template") {
+                    Some(Json::String(s)) => s.clone(),
+                    Some(Json::Array(named)) => named
+                        .iter()
+                        .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                        .and_then(|t| t.get("template")?.as_str())
+                        .map(str::to_string)
+                        .ok_or_else(|| {
+                            bad("tokenizer_config.json", "chat_template has no template named default".into())
+                        })?,
+                    _ => {
+                        return Err(ChatError::Bad {
+                            path: dir.to_path_buf(),
+                            why: "no chat template: neither chat_template.jinja nor a chat_template in tokenizer_config.json".into(),
+                        })
+                    }
+                }
+            }
+            Err(source) => {
+                return Err(ChatError::Read {
+                    path: dir.join("chat_template.jinja"),
+                    source,
+                })
+            }
+        };
+        let mut globals: Vec<(String, Value)> = Vec::new();
+        let mut h = XxHash3_128::with_seed(7);
+        h.write(b"hspipe chat 1");
+        let field = |h: &mut XxHash3_128, b: &[u8]| {
+            h.write(&(b.len() as u64).to_le_bytes());
+            h.write(b);
+        };
+        field(&mut h, &tok_bytes);
+        field(&mut h, source.as_bytes());
+        for name in SPECIAL {
+            if let Some(t) = config.get(*name).and_then(token_text) {
+                field(&mut h, name.as_bytes());
+                field(&mut h, t.as_bytes());
+                globals.push((name.to_string(), t.into()));
+            }
+        }
+        if let Some(t) = options.enable_thinking {
+            globals.push(("enable_thinking".into(), t.into()));
+        }
+        field(&mut h, format!("{:?}", options.enable_thinking).as_bytes());
+        field(&mut h, &[u8::from(options.train_only_last_turn)]);
+        field(&mut h, format!("{:?}", options.system_prompt).as_bytes());
+        let template = Template::new(&source, globals).map_err(|e| ChatError::Bad {
+            path: dir.to_path_buf(),
+            why: e,
+        })?;
+        let spans = if template.has_generation {
+            Spans::Generation
+        } else {
+            Spans::Markers(Markers::probe(&template).map_err(|why| ChatError::Bad {
+                path: dir.to_path_buf(),
+                why,
+            })?)
+        };
+        Ok(Chat {
+            tokenizer,
+            template,
+            spans,
+            options,
+            key: format!("{:032x}", h.finish_128()),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The hash of everything that changes ids or masks.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The model directory the tokenizer came from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The markers a template without `{% generation %}` is read by (None: it has the tag).
+    pub fn markers(&self) -> Option<&Markers> {
+        match &self.spans {
+            Spans::Generation => None,
+            Spans::Markers(m) => Some(m),
+        }
+    }
+
+    /// Tokenizes `text` as it is (no special tokens added): a `text` record.
+    pub fn text(&self, text: &str) -> Result<Vec<u32>, String> {
+        let enc = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| format!("the tokenizer failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders and tokenizes a conversation; the mask covers its assistant spans.
+    pub fn conversation(&self, messages: &[Message]) -> Result<Encoded, String> {
+        if messages.is_empty() {
+            return Err("the conversation is empty".into());
+        }
+        for (i, m) in messages.iter().enumerate() {
+            let reserved = |s: &str| s.contains([OPEN, CLOSE]);
+            if reserved(&m.content) || m.reasoning_content.as_deref().is_some_and(reserved) {
+                return Err(format!(
+                    "message {i} holds U+FDD0 or U+FDD1, which hspipe reserves to find the assistant's text"
+                ));
+            }
+        }
+        let with_system;
+        let messages = match &self.options.system_prompt {
+            Some(p) if messages[0].role != "system" => {
+                with_system = std::iter::once(Message::new("system", p))
+                    .chain(messages.iter().cloned())
+                    .collect::<Vec<_>>();
+                &with_system[..]
+            }
+            _ => messages,
+        };
+        let r = self.template.render(messages, false)?;
+        let mut spans = match &self.spans {
+            Spans::Generation => r.spans,
+            Spans::Markers(m) => m.spans(&r.text),
+        };
+        if self.options.train_only_last_turn && spans.len() > 1 {
+            spans.drain(..spans.len() - 1);
+        }
+        let enc = self
+            .tokenizer
+            .encode_char_offsets(r.text.as_str(), false)
+            .map_err(|e| format!("the tokenizer failed: {e}"))?;
+        let ids = enc.get_ids().to_vec();
+        let mut mask = vec![0u8; ids.len()];
+        let mut turns = 0;
+        let offsets = enc.get_offsets();
+        let token_of = |c: usize| offsets.iter().position(|&(s, e)| c >= s && c < e);
+        for (s, e) in spans {
+            // transformers' `char_to_token` on the span's first and last characters, as it
+            // uses them (`end_token + 1 if end_token else len`).
+            let Some(first) = token_of(s) else { break };
+            let last = e.checked_sub(1).and_then(token_of);
+            let stop = match last {
+                Some(t) if t > 0 => t + 1,
+                _ => ids.len(),
+            };
+            if first < stop {
+                mask[first..stop].fill(1);
+                turns += 1;
+            }
+        }
+        Ok(Encoded { ids, mask, turns })
+    }
+}

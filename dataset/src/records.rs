@@ -1,0 +1,439 @@
+//! Records that are not token ids yet (`messages`, `conversations`, `text`), and the one
+//! pipeline every input goes through: records are gathered in bounded chunks, made into samples
+//! in parallel (rayon, all cores) and written in input order, so the prepared file is the same
+//! whatever the number of threads and memory holds one chunk.
+//!
+//! Which field a record is read from: the first present (and not null) of `input_ids` (with
+//! `loss_mask`), `messages`, `conversations`, `text` (with `loss_mask`); the others are
+//! ignored. A message is `{role, content}` or ShareGPT's `{from, value}` (`human` is `user`,
+//! `gpt` is `assistant`); roles are `system`, `user`, `assistant` and `tool`, content a
+//! string (a list of parts, as multimodal datasets have, is refused), `reasoning_content`
+//! (or `thinking`, `reasoning`) optional.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use serde::Deserialize;
+use serde_json::{Map, Value as Json};
+
+use crate::chat::{Chat, Message};
+use crate::writer::Writer;
+use crate::{check_sample, TooLong};
+
+/// Records per chunk made in parallel (and at most `CHUNK_BYTES` of input text).
+const CHUNK_RECORDS: usize = 4096;
+const CHUNK_BYTES: usize = 32 << 20;
+
+/// What a record holds.
+#[derive(Debug)]
+pub enum Record {
+    Ids {
+        ids: Vec<u32>,
+        mask: Option<Vec<u8>>,
+    },
+    Chat(Vec<Message>),
+    Text {
+        text: String,
+        mask: Option<Vec<u8>>,
+    },
+}
+
+impl Record {
+    /// The bytes of text it holds (a chunk's bound on memory).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Record::Ids { ids, .. } => ids.len() * 4,
+            Record::Chat(m) => m
+                .iter()
+                .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
+                .sum(),
+            Record::Text { text, .. } => text.len(),
+        }
+    }
+}
+
+/// A JSONL line, typed: the fields we read (others are ignored).
+#[derive(Deserialize)]
+struct Line {
+    #[serde(default)]
+    input_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    loss_mask: Option<Vec<u8>>,
+    #[serde(default)]
+    messages: Option<Json>,
+    #[serde(default)]
+    conversations: Option<Json>,
+    #[serde(default)]
+    text: Option<Json>,
+}
+
+/// Parses one JSONL line into its record.
+pub fn parse_line(line: &str) -> Result<Record, String> {
+    let l: Line = serde_json::from_str(line).map_err(|e| format!("not a sample: {e}"))?;
+    if let Some(ids) = l.input_ids {
+        return Ok(Record::Ids {
+            ids,
+            mask: l.loss_mask,
+        });
+    }
+    record_of(l.messages, l.conversations, l.text, l.loss_mask)
+}
+
+/// The record of a row whose `input_ids` is absent, from its other fields (JSON values).
+pub fn record_of(
+    messages: Option<Json>,
+    conversations: Option<Json>,
+    text: Option<Json>,
+    mask: Option<Vec<u8>>,
+) -> Result<Record, String> {
+    let present = |v: Option<Json>| v.filter(|v| !v.is_null());
+    if let Some((field, v)) = present(messages)
+        .map(|v| ("messages", v))
+        .or_else(|| present(conversations).map(|v| ("conversations", v)))
+    {
+        return conversation(field, v).map(Record::Chat);
+    }
+    match present(text) {
+        Some(Json::String(text)) => Ok(Record::Text { text, mask }),
+        Some(v) => Err(format!("text is {}, not a string", kind(&v))),
+        None => Err("not a sample: it has none of input_ids, messages, conversations, text".into()),
+    }
+}
+
+fn kind(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "a list",
+        Json::Object(_) => "an object",
+    }
+}
+
+/// A role as the template knows it, from either spelling.
+fn role(r: &str) -> Option<&'static str> {
+    Some(match r {
+        "system" => "system",
+        "user" | "human" => "user",
+        "assistant" | "gpt" => "assistant",
+        "tool" => "tool",
+        _ => return None,
+    })
+}
+
+fn conversation(field: &str, v: Json) -> Result<Vec<Message>, String> {
+    let Json::Array(items) = v else {
+        return Err(format!("{field} is {}, not a list of messages", kind(&v)));
+    };
+    if items.is_empty() {
+        return Err(format!("{field} is an empty conversation"));
+    }
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| message(m).map_err(|why| format!("{field}[{i}]: {why}")))
+        .collect()
+}
+
+fn message(m: Json) -> Result<Message, String> {
+    let Json::Object(mut m) = m else {
+        return Err(format!("{}, not a message object", kind(&m)));
+    };
+    let take = |m: &mut Map<String, Json>, a: &str, b: &str| {
+        m.remove(a)
+            .filter(|v| !v.is_null())
+            .or_else(|| m.remove(b).filter(|v| !v.is_null()))
+    };
+    let r = match take(&mut m, "role", "from") {
+        Some(Json::String(r)) => r,
+        Some(v) => return Err(format!("role is {}, not a string", kind(&v))),
+        None => return Err("no role (nor ShareGPT's from)".into()),
+    };
+    let Some(role) = role(&r) else {
+        return Err(format!(
+            "unknown role {r:?} (known: system, user, assistant, tool; ShareGPT's human, gpt)"
+        ));
+    };
+    let content = match take(&mut m, "content", "value") {
+        Some(Json::String(c)) => c,
+        Some(Json::Array(_)) => {
+            return Err("content is a list of parts (multimodal), not a string: only text conversations are prepared".into())
+        }
+        Some(v) => return Err(format!("content is {}, not a string", kind(&v))),
+        None => return Err("no content (nor ShareGPT's value)".into()),
+    };
+    let reasoning = ["reasoning_content", "thinking", "reasoning"]
+        .iter()
+        .find_map(|k| m.remove(*k).filter(|v| !v.is_null()));
+    let reasoning_content = match reasoning {
+        Some(Json::String(s)) => Some(s),
+        Some(v) => return Err(format!("reasoning_content is {}, not a string", kind(&v))),
+        None => None,
+    };
+    Ok(Message {
+        role: role.to_string(),
+        content,
+        reasoning_content,
+    })
+}
+
+/// What preparing conversations and texts counted (the launcher's line).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChatStats {
+    pub conversations: u64,
+    pub texts: u64,
+    /// Assistant turns trained.
+    pub turns: u64,
+    /// Tokens with mask 1 in the samples written from conversations and texts.
+    pub trained_tokens: u64,
+    pub tokens: u64,
+    /// Samples longer than `max_len`: cut to it, or dropped.
+    pub truncated: u64,
+    pub dropped_too_long: u64,
+    /// Samples with no trained token (after truncation), dropped.
+    pub dropped_untrained: u64,
+}
+
+impl ChatStats {
+    /// The footer metadata they are kept in (`hspipe.chat.*`).
+    pub fn to_meta(self) -> Vec<(String, String)> {
+        let v = [
+            ("conversations", self.conversations),
+            ("texts", self.texts),
+            ("turns", self.turns),
+            ("trained_tokens", self.trained_tokens),
+            ("tokens", self.tokens),
+            ("truncated", self.truncated),
+            ("dropped_too_long", self.dropped_too_long),
+            ("dropped_untrained", self.dropped_untrained),
+        ];
+        v.iter()
+            .map(|(k, n)| (format!("hspipe.chat.{k}"), n.to_string()))
+            .collect()
+    }
+
+    /// Why a preparation that kept no sample failed.
+    pub fn nothing_left(&self, max_len: u32) -> String {
+        format!(
+            "no sample is left of its {} conversations and {} texts: {} longer than data.max_len {max_len} (data.too_long = \"truncate\" keeps them), {} with no assistant token to train",
+            self.conversations, self.texts, self.dropped_too_long, self.dropped_untrained
+        )
+    }
+
+    /// Read back from a prepared file's metadata; None when it holds no conversations or texts.
+    pub fn from_meta(get: impl Fn(&str) -> Option<String>) -> Option<ChatStats> {
+        let n = |k: &str| -> Option<u64> { get(&format!("hspipe.chat.{k}"))?.parse().ok() };
+        Some(ChatStats {
+            conversations: n("conversations")?,
+            texts: n("texts")?,
+            turns: n("turns")?,
+            trained_tokens: n("trained_tokens")?,
+            tokens: n("tokens")?,
+            truncated: n("truncated")?,
+            dropped_too_long: n("dropped_too_long")?,
+            dropped_untrained: n("dropped_untrained")?,
+        })
+    }
+}
+
+/// How records become samples: the checks of pre-tokenized ones, and the tokenizer for the rest.
+pub struct Maker {
+    pub max_len: u32,
+    pub too_long: TooLong,
+    pub chat: Option<Arc<Chat>>,
+}
+
+/// A record made into a sample, or why not.
+enum Made {
+    Sample(Vec<u32>, Option<Vec<u8>>),
+    /// From a conversation or text: counted.
+    Tokenized(Vec<u32>, Vec<u8>, Tokenized),
+}
+
+#[derive(Clone, Copy)]
+struct Tokenized {
+    conversation: bool,
+    turns: u32,
+}
+
+impl Maker {
+    fn chat(&self) -> Result<&Chat, String> {
+        self.chat.as_deref().ok_or_else(|| {
+            "it holds a conversation or text, and no tokenizer is given: name the target's model directory with --model DIR or data.tokenizer = \"DIR\"".to_string()
+        })
+    }
+
+    fn make(&self, r: Record) -> Result<Made, String> {
+        match r {
+            Record::Ids { ids, mask } => {
+                check_sample(ids.len(), mask.as_deref(), self.max_len)?;
+                Ok(Made::Sample(ids, mask))
+            }
+            Record::Chat(messages) => {
+                let e = self.chat()?.conversation(&messages)?;
+                Ok(Made::Tokenized(
+                    e.ids,
+                    e.mask,
+                    Tokenized {
+                        conversation: true,
+                        turns: e.turns,
+                    },
+                ))
+            }
+            Record::Text { text, mask } => {
+                let ids = self.chat()?.text(&text)?;
+                let mask = match mask {
+                    Some(m) => {
+                        check_sample(ids.len(), Some(&m), u32::MAX)
+                            .map_err(|e| format!("{e} (the text's tokens, with this tokenizer)"))?;
+                        m
+                    }
+                    None => vec![1; ids.len()],
+                };
+                Ok(Made::Tokenized(
+                    ids,
+                    mask,
+                    Tokenized {
+                        conversation: false,
+                        turns: 0,
+                    },
+                ))
+            }
+        }
+    }
+}
+
+/// Gathers records with their place (line or row) and writes them in order, a chunk at a time.
+pub struct Pipeline<'a, W: Write> {
+    maker: &'a Maker,
+    w: &'a mut Writer<W>,
+    pending: Vec<(u64, Pending)>,
+    pending_bytes: usize,
+    pub stats: ChatStats,
+}
+
+/// A record waiting for its chunk: a JSONL line is parsed in parallel too.
+enum Pending {
+    Line(String),
+    Parsed(Result<Record, String>),
+}
+
+/// A record that could not be made into a sample: its place and why.
+pub type Refused = (u64, String);
+
+/// Why a chunk stopped: a refused record, or the writer's error.
+pub enum Stop {
+    Record(Refused),
+    Write(std::io::Error),
+}
+
+impl<'a, W: Write> Pipeline<'a, W> {
+    pub fn new(maker: &'a Maker, w: &'a mut Writer<W>) -> Self {
+        Pipeline {
+            maker,
+            w,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            stats: ChatStats::default(),
+        }
+    }
+
+    /// Adds the record at `place` (its size in input bytes, for the chunk's bound).
+    pub fn push(
+        &mut self,
+        place: u64,
+        r: Result<Record, String>,
+        bytes: usize,
+    ) -> Result<(), Stop> {
+        self.pending.push((place, Pending::Parsed(r)));
+        self.pending_bytes += bytes;
+        if self.pending.len() >= CHUNK_RECORDS || self.pending_bytes >= CHUNK_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Adds a JSONL line, parsed with the rest of its chunk in parallel.
+    pub fn push_line(&mut self, place: u64, line: String) -> Result<(), Stop> {
+        let bytes = line.len();
+        self.pending.push((place, Pending::Line(line)));
+        self.pending_bytes += bytes;
+        if self.pending.len() >= CHUNK_RECORDS || self.pending_bytes >= CHUNK_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// The writer, for rows that need no making (everything pending written first).
+    pub fn writer(&mut self) -> Result<&mut Writer<W>, Stop> {
+        self.flush()?;
+        Ok(self.w)
+    }
+
+    pub fn maker(&self) -> &Maker {
+        self.maker
+    }
+
+    /// Makes and writes what is pending.
+    pub fn flush(&mut self) -> Result<(), Stop> {
+        let maker = self.maker;
+        let made: Vec<(u64, Result<Made, String>)> = std::mem::take(&mut self.pending)
+            .into_par_iter()
+            .map(|(place, p)| {
+                let r = match p {
+                    Pending::Line(l) => parse_line(&l),
+                    Pending::Parsed(r) => r,
+                };
+                (place, r.and_then(|r| maker.make(r)))
+            })
+            .collect();
+        self.pending_bytes = 0;
+        for (place, m) in made {
+            match m.map_err(|why| Stop::Record((place, why)))? {
+                Made::Sample(ids, mask) => self.w.push(&ids, mask.as_deref()),
+                Made::Tokenized(ids, mask, t) => self.tokenized(ids, mask, t),
+            }
+            .map_err(Stop::Write)?;
+        }
+        Ok(())
+    }
+
+    fn tokenized(
+        &mut self,
+        mut ids: Vec<u32>,
+        mut mask: Vec<u8>,
+        t: Tokenized,
+    ) -> std::io::Result<()> {
+        let s = &mut self.stats;
+        if t.conversation {
+            s.conversations += 1;
+        } else {
+            s.texts += 1;
+        }
+        let max = self.maker.max_len as usize;
+        if ids.len() > max {
+            match self.maker.too_long {
+                TooLong::Drop => {
+                    s.dropped_too_long += 1;
+                    return Ok(());
+                }
+                TooLong::Truncate => {
+                    s.truncated += 1;
+                    ids.truncate(max);
+                    mask.truncate(max);
+                }
+            }
+        }
+        let trained = mask.iter().map(|&b| u64::from(b)).sum::<u64>();
+        if trained == 0 {
+            s.dropped_untrained += 1;
+            return Ok(());
+        }
+        s.turns += u64::from(t.turns);
+        s.trained_tokens += trained;
+        s.tokens += ids.len() as u64;
+        self.w.push(&ids, Some(&mask))
+    }
+}

@@ -1,0 +1,221 @@
+"""The oracle of the conversation tests (tests/tests/chat.rs): a small byte-level BPE tokenizer
+trained here with `tokenizers`, model directories with the test templates (tests/py/chat/), a
+varied record set, and what transformers' apply_chat_template(..., tokenize=True,
+return_dict=True, return_assistant_tokens_mask=True) makes of each record. No torch.
+
+  chat_oracle.py make OUT_DIR    writes OUT_DIR/{qwen,qwen-markers,llama,llama-markers}/,
+                                 OUT_DIR/records.jsonl and OUT_DIR/expected.json
+  chat_oracle.py containers OUT_DIR   the records (as `messages`) as Parquet, an HF datasets
+                                 directory, an Arrow IPC file and stream; a bad Parquet file
+  chat_oracle.py bench MODEL_DIR RECORDS.jsonl   times transformers on every record (the
+                                 benchmark's Python side); prints conversations/s
+
+Directories named *-markers hold the same template without its {% generation %} tags (hspipe
+then finds the assistant turns by their markers); the expected masks come from the tagged one.
+"""
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+]
+
+CORPUS = [
+    "Hello there, how are you today?", "I am fine, thank you. And you?",
+    "The capital of France is Paris.", "What is two plus two? It is four.",
+    "Ça va très bien, merci beaucoup!", "日本語のテキストと中文的句子。", "Emoji 🙂 🎉 are text too.",
+    "You are a helpful assistant.", "Think step by step before you answer.",
+    "The weather is sunny with a light breeze.", "Tools return results as JSON objects.",
+]
+
+RECORDS = [
+    {"messages": [{"role": "user", "content": "Hello there"},
+                  {"role": "assistant", "content": "Hi! How can I help?"}]},
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "Paris."},
+                  {"role": "user", "content": "And of Japan?"},
+                  {"role": "assistant", "content": "Tokyo."}], "id": 2},
+    {"messages": [{"role": "user", "content": "Say nothing."},
+                  {"role": "assistant", "content": ""}]},
+    {"messages": [{"role": "user", "content": "Ça va? 日本語のテキスト 🙂"},
+                  {"role": "assistant", "content": "Très bien — merci! 🎉 中文"}]},
+    {"messages": [{"role": "user", "content": "What is 2+2?"},
+                  {"role": "assistant", "content": "<think>\nAdd two and two.\n</think>\n\nIt is 4."}]},
+    {"messages": [{"role": "user", "content": "Capital of Italy?"},
+                  {"role": "assistant", "content": "Rome.", "reasoning_content": "Italy's capital is Rome."}]},
+    {"messages": [{"role": "user", "content": "First question"},
+                  {"role": "assistant", "content": "<think>old thoughts</think>First answer"},
+                  {"role": "user", "content": "Second question"},
+                  {"role": "assistant", "content": "<think>new thoughts</think>Second answer"}]},
+    {"conversations": [{"from": "system", "value": "Answer briefly."},
+                       {"from": "human", "value": "Is the weather sunny?"},
+                       {"from": "gpt", "value": "Yes, with a light breeze."},
+                       {"from": "human", "value": "Thanks"},
+                       {"from": "gpt", "value": "You are welcome."}]},
+    {"messages": [{"role": "user", "content": "What does the tool say?"},
+                  {"role": "assistant", "content": "Let me call it."},
+                  {"role": "tool", "content": "{\"temp\": 21}"},
+                  {"role": "assistant", "content": "It is 21 degrees."}]},
+    {"messages": [{"role": "user", "content": "  spaced out  \n"},
+                  {"role": "assistant", "content": "\n  trimmed or not  \n"}]},
+    {"messages": [{"role": "system", "content": "No answer follows."},
+                  {"role": "user", "content": "Anyone there?"}]},
+]
+
+# name -> (template file, tokenizer_config special tokens)
+MODELS = {
+    "qwen": ("qwen.jinja", {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "llama": ("llama.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+}
+
+# Option sets, as the Rust side names them: (name, enable_thinking, train_only_last_turn, system_prompt).
+OPTIONS = {
+    "qwen": [("default", None, False, None), ("thinking-off", False, False, None),
+             ("thinking-on", True, False, None), ("last-turn", None, True, None),
+             ("system", None, False, "You are terse.")],
+    "llama": [("default", None, False, None), ("last-turn", None, True, None),
+              ("system", None, False, "You are terse.")],
+}
+
+
+def tokenizer_json():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, min_frequency=1, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = CORPUS * 20 + [json.dumps(r, ensure_ascii=False) for r in RECORDS]
+    tok.train_from_iterator(corpus, trainer)
+    return tok.to_str()
+
+
+def strip_generation(template):
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
+
+
+def messages_of(record):
+    """The messages transformers gets: roles mapped from ShareGPT, as hspipe maps them."""
+    if "messages" in record:
+        return record["messages"]
+    names = {"human": "user", "gpt": "assistant", "system": "system"}
+    return [{"role": names[m["from"]], "content": m["value"]} for m in record["conversations"]]
+
+
+def last_run(mask):
+    """The mask with only its last run of ones kept (train_only_last_turn)."""
+    out = [0] * len(mask)
+    i = len(mask) - 1
+    while i >= 0 and mask[i] == 0:
+        i -= 1
+    while i >= 0 and mask[i] == 1:
+        out[i] = 1
+        i -= 1
+    return out
+
+
+def write_model(out, name, template, specials, tok_json, in_config):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write(tok_json)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 32768, **specials}
+    if in_config:
+        config["chat_template"] = template
+    else:
+        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+            f.write(template)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def make(out):
+    from transformers import AutoTokenizer
+
+    tok_json = tokenizer_json()
+    expected = {}
+    for name, (file, specials) in MODELS.items():
+        template = open(os.path.join(HERE, "chat", file)).read()
+        write_model(os.path.join(out, name), name, template, specials, tok_json, False)
+        # The markers copy keeps its template in tokenizer_config.json (the other place HF puts it).
+        write_model(os.path.join(out, name + "-markers"), name, strip_generation(template),
+                    specials, tok_json, name == "llama")
+        tok = AutoTokenizer.from_pretrained(os.path.join(out, name))
+        for opt, thinking, last, system in OPTIONS[name]:
+            got = []
+            for r in RECORDS:
+                msgs = messages_of(r)
+                if system is not None and msgs[0]["role"] != "system":
+                    msgs = [{"role": "system", "content": system}] + msgs
+                kw = {} if thinking is None else {"enable_thinking": thinking}
+                o = tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **kw)
+                mask = list(o["assistant_masks"])
+                if last:
+                    mask = last_run(mask)
+                if any(mask):
+                    got.append({"input_ids": list(o["input_ids"]), "loss_mask": mask})
+            expected[f"{name}/{opt}"] = got
+        text = "Plain text, trained whole: 日本語 🙂"
+        expected[f"{name}/text"] = [{"input_ids": tok(text, add_special_tokens=False)["input_ids"],
+                                     "text": text}]
+    with open(os.path.join(out, "records.jsonl"), "w") as f:
+        for r in RECORDS:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(os.path.join(out, "expected.json"), "w") as f:
+        json.dump(expected, f)
+
+
+def containers(out):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[dict(m) for m in messages_of(r)] for r in RECORDS]
+    t = pa.table({"id": pa.array(range(len(rows))), "messages": rows})
+    pq.write_table(t, os.path.join(out, "chats.parquet"))
+    with pa.OSFile(os.path.join(out, "chats.arrow"), "wb") as f:
+        with pa.ipc.new_file(f, t.schema) as w:
+            w.write_table(t)
+    with pa.OSFile(os.path.join(out, "chats.arrows"), "wb") as f:
+        with pa.ipc.new_stream(f, t.schema) as w:
+            w.write_table(t)
+    datasets.Dataset(t).save_to_disk(os.path.join(out, "chats_hf"), num_shards=2)
+    bad = rows[:2] + [[{"role": "robot", "content": "beep"}]] + rows[2:]
+    pq.write_table(pa.table({"messages": bad}), os.path.join(out, "bad_role.parquet"))
+
+
+def bench(model, records):
+    import time
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(l) for l in open(records) if l.strip()]
+    t = time.perf_counter()
+    n = 0
+    for r in rows:
+        tok.apply_chat_template(messages_of(r), tokenize=True, return_dict=True,
+                                return_assistant_tokens_mask=True)
+        n += 1
+    dt = time.perf_counter() - t
+    print(json.dumps({"conversations": n, "seconds": dt, "per_s": n / dt}))
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "make":
+        make(sys.argv[2])
+    elif cmd == "containers":
+        containers(sys.argv[2])
+    elif cmd == "bench":
+        bench(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(f"unknown command {cmd}")
