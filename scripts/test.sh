@@ -39,8 +39,12 @@ export HSPIPE_PYTHON="$PWD/$venv/bin/python"
 # not build for another crate's tests: build them first.
 echo "== cargo build --workspace --bins"
 cargo build --workspace --bins
-# The Python workers' tests (tests/tests/python.rs) run the hspipe package from this venv.
+# The hspipe Python package (python/), built into this venv and tested with pytest: its workers
+# run through the launcher and shm-ring-stat just built. (Its torch tests, test_torch.py, need
+# torch, which CI does not install: scripts/py/torch-check.sh runs them.)
 scripts/py/build-wheel.sh "$venv/bin/python"
+echo "== pytest python/tests/test_workers.py"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/test_workers.py
 echo "== cargo test --workspace"
 cargo test --workspace
 

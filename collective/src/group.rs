@@ -266,6 +266,36 @@ impl<M: Memory> Protocol<M> {
         out: &mut [f32],
         stop: &dyn Fn() -> bool,
     ) -> Result<Reduced, GroupError> {
+        self.round(rank, data, batch, out, stop, None)
+    }
+
+    /// A round that commits only with the members of epoch `epoch`: if the membership is or
+    /// becomes another before the commit, it returns [`GroupError::EpochChanged`] instead of
+    /// contributing again, and no commit holds this contribution (a commit in a later epoch
+    /// needs an arrival tagged with it). For ranks that exchange their gradients elsewhere
+    /// (torch.distributed among that epoch's members) and agree here on the step and its
+    /// batches: a commit means every member of `epoch` finished that exchange.
+    pub(crate) fn commit_within(
+        &self,
+        rank: u32,
+        epoch: u16,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError> {
+        self.round(rank, data, batch, out, stop, Some(epoch))
+    }
+
+    fn round(
+        &self,
+        rank: u32,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+        within: Option<u16>,
+    ) -> Result<Reduced, GroupError> {
         self.check_rank(rank)?;
         let len = self.mem.buf(rank, 0).len();
         if data.len() != len || out.len() != len {
@@ -282,6 +312,12 @@ impl<M: Memory> Protocol<M> {
                 return Err(GroupError::NotMember {
                     rank,
                     epoch: w.epoch,
+                });
+            }
+            if let Some(expected) = within.filter(|&e| e != w.epoch) {
+                return Err(GroupError::EpochChanged {
+                    expected,
+                    now: w.epoch,
                 });
             }
             self.contribute(rank, w, data, batch);
@@ -301,6 +337,8 @@ impl<M: Memory> Protocol<M> {
                     });
                 }
                 if now.epoch != w.epoch {
+                    // A round within one epoch ends here (the check at the top of the loop
+                    // returns EpochChanged); any other is contributed again.
                     retries += 1;
                     continue 'round;
                 }

@@ -42,6 +42,10 @@ pub enum GroupError {
     Size { want: usize, got: usize },
     #[error("rank {rank} is not a member of the group (epoch {epoch}): it was removed")]
     NotMember { rank: u32, epoch: u16 },
+    #[error(
+        "the group's membership changed (epoch {expected} -> {now}) before the round committed"
+    )]
+    EpochChanged { expected: u16, now: u16 },
     #[error("stopped while waiting for the group")]
     Stopped,
     #[error("group segment {name:?}: {why}")]
@@ -59,6 +63,18 @@ pub trait Collective {
     /// ([`NO_BATCH`] if none). Contributes again by itself when the membership changes first.
     fn all_reduce(
         &self,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError>;
+    /// Like [`Collective::all_reduce`], but commits only with the members of membership epoch
+    /// `epoch`: if the membership changes first, returns [`GroupError::EpochChanged`] and no
+    /// commit holds this contribution. For ranks whose real data go through another collective
+    /// (a torch.distributed group of that epoch's members) and who commit the step here.
+    fn commit_within(
+        &self,
+        epoch: u16,
         data: &[f32],
         batch: u64,
         out: &mut [f32],
@@ -150,6 +166,17 @@ impl Collective for ShmGroup {
         stop: &dyn Fn() -> bool,
     ) -> Result<Reduced, GroupError> {
         self.proto.all_reduce(self.rank, data, batch, out, stop)
+    }
+    fn commit_within(
+        &self,
+        epoch: u16,
+        data: &[f32],
+        batch: u64,
+        out: &mut [f32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Reduced, GroupError> {
+        self.proto
+            .commit_within(self.rank, epoch, data, batch, out, stop)
     }
     fn join(
         &self,

@@ -11,6 +11,7 @@
 //! and the third (a sum or a state read without the stores it needs).
 
 use crate::group::{HeapMem, Membership, Memory, Protocol};
+use crate::GroupError;
 
 #[cfg(loom)]
 use loom::{sync::Arc, thread};
@@ -76,6 +77,48 @@ fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
             None => assert_eq!((sum, members), (1.0, 0b01), "applied without rank 1"),
         }
         assert_eq!(g.membership().step, 1, "exactly one step applied");
+    });
+}
+
+/// The torch.distributed path: both ranks exchanged their gradients among epoch 1's members
+/// elsewhere and commit the step within epoch 1; rank 1 dies after arriving and the launcher
+/// removes it. Either the step committed with both (the launcher retires rank 1's batch, and
+/// the exchanged sum, which holds rank 1's gradient, is the update), or rank 0 is told the
+/// epoch changed and nothing committed (rank 1's batch goes back; rank 0 exchanges again among
+/// the survivors). Never a commit without rank 1 while rank 0 holds a sum with it: fails if
+/// `commit_within` contributes again after the epoch change, as `all_reduce` does.
+#[test]
+fn a_commit_within_an_epoch_never_commits_without_a_member_of_that_epoch() {
+    model(|| {
+        let g = group(2, 0b11, 0);
+        let g1 = g.clone();
+        let dead = thread::spawn(move || {
+            let mut out = [0.0];
+            let _ = g1.commit_within(1, 1, &[0.0], 11, &mut out, &|| true);
+        });
+        let g0 = g.clone();
+        let survivor = thread::spawn(move || {
+            let mut out = [0.0];
+            g0.commit_within(0, 1, &[0.0], 10, &mut out, &|| false)
+        });
+        dead.join().unwrap();
+        let removed = g.remove(1).unwrap();
+        match (survivor.join().unwrap(), removed.committed_batch) {
+            (Ok(r), Some(11)) => {
+                assert_eq!((r.membership.members, r.step), (0b11, 1));
+                assert_eq!(g.membership().step, 1);
+            }
+            (
+                Err(GroupError::EpochChanged {
+                    expected: 1,
+                    now: 2,
+                }),
+                None,
+            ) => {
+                assert_eq!(g.membership().step, 0, "nothing committed");
+            }
+            other => panic!("split outcome: {other:?}"),
+        }
     });
 }
 
@@ -150,7 +193,6 @@ fn a_joiner_that_died_asking_is_never_admitted_after_its_removal() {
 mod plain {
     use super::*;
     use crate::group::NO_BATCH;
-    use crate::GroupError;
 
     /// Three ranks, many steps, different data: every rank gets the same bits every step, and
     /// those bits are the rank-order sum (not "whatever arrived first").
@@ -227,6 +269,19 @@ mod plain {
             g.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false),
             Err(GroupError::NotMember { rank: 0, .. })
         ));
+        // A commit within an epoch that is over: refused at once, nothing contributed.
+        let epoch = g.membership().epoch;
+        assert_eq!(
+            g.commit_within(1, epoch - 1, &[1.0], 1, &mut out, &|| false),
+            Err(GroupError::EpochChanged {
+                expected: epoch - 1,
+                now: epoch
+            })
+        );
+        assert_eq!(
+            g.mem.rank(1).arrived.load(shmem::sync::Ordering::Acquire),
+            0
+        );
         // Every rank gone: a joiner admits itself, with no state handed over.
         g.remove(1).unwrap();
         let mut state = [0u32];

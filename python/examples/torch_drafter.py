@@ -1,6 +1,9 @@
-"""The numpy drafter's model in PyTorch on the CPU, one rank of the drafter group: the batch's
-states come in through torch.from_dlpack (bf16 as bf16, no copy), the gradient from autograd,
-the group's sum through w.all_reduce on the gradient's CPU buffer.
+"""The numpy drafter's model in PyTorch, one rank of the drafter group, with its gradient
+exchange on torch.distributed (hspipe.dist.TorchGroup: NCCL on GPUs, gloo here on the CPU):
+the batch's states come in through torch.from_dlpack (bf16 as bf16, no copy), the gradient
+from autograd, the group's sum from the process group of the current membership epoch, and the
+step's commit from hspipe's group, so a killed rank's batch is redelivered, never lost or
+trained twice.
 
 Not run by CI (no torch there): scripts/py/torch-check.sh runs it with a Python that has torch.
 """
@@ -10,6 +13,7 @@ import sys
 import torch
 
 import hspipe
+import hspipe.dist
 
 
 def run(w):
@@ -22,11 +26,13 @@ def run(w):
         with torch.no_grad():
             scale.copy_(state[:hidden])
             shift.copy_(state[hidden:])
+    tg = hspipe.dist.TorchGroup(w, backend="gloo")
     lr = 4.0
     while True:
         w.admit(torch.cat([scale, shift]).detach().numpy())
         batch = None if w.ended else w.take()
-        grad = torch.zeros(2 * hidden + 2)
+        grad = torch.zeros(2 * hidden)
+        loss_sum, tokens = 0.0, 0.0
         if batch is not None:
             with w.phase("compute"):
                 states = torch.from_dlpack(batch.hidden_states).float()   # [T, L, H], bf16 in
@@ -35,25 +41,25 @@ def run(w):
                 err = (x * scale + shift - y) * m
                 loss = (err * err).sum()
                 gs, gb = torch.autograd.grad(loss, [scale, shift])
-                grad[:hidden], grad[hidden : 2 * hidden] = gs, gb
-                grad[2 * hidden] = loss.detach()
-                grad[2 * hidden + 1] = m.sum() * hidden
+                grad[:hidden], grad[hidden:] = gs, gb
+                loss_sum, tokens = float(loss), float(m.sum()) * hidden
                 del states, x, y, m, err
-        r = w.all_reduce(grad.numpy(), batch=batch, ended=w.ended)
+        r = tg.all_reduce(grad, batch=batch, ended=w.ended, stats=[loss_sum, tokens])
         s = torch.from_dlpack(r.sum)
-        n = float(s[2 * hidden + 1])
+        n = float(s[1])
         if n > 0:
             with torch.no_grad():
-                scale -= lr * s[:hidden] / n
-                shift -= lr * s[hidden : 2 * hidden] / n
+                scale -= lr * grad[:hidden] / n
+                shift -= lr * grad[hidden:] / n
             if r.leader:
-                w.progress(r.step, float(s[2 * hidden]) / n, tokens=int(n))
-                print(f"step {r.step} loss {float(s[2 * hidden]) / n:.6f}")
+                w.progress(r.step, float(s[0]) / n, tokens=int(n))
+                print(f"step {r.step} loss {float(s[0]) / n:.6f} epoch {r.epoch}", flush=True)
         digest = hashlib.sha256(torch.cat([scale, shift]).detach().numpy().tobytes()).hexdigest()[:16]
         if batch is not None:
             batch.release(step=r.step, digest=digest)
         if r.everyone_ended:
             break
+    tg.close()
 
 
 def main():

@@ -17,6 +17,14 @@ pyo3::create_exception!(
     "An hspipe operation failed: the ring, the group, a ledger, or a batch's content."
 );
 
+pyo3::create_exception!(
+    hspipe,
+    GroupChanged,
+    HspipeError,
+    "The drafter group's membership changed (a rank died or joined) before a round within one \
+     epoch committed: nothing was committed; exchange again among the new members."
+);
+
 /// An hspipe error as a Python exception, with its whole chain of causes.
 pub fn err(e: impl std::fmt::Display) -> PyErr {
     HspipeError::new_err(e.to_string())

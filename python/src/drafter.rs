@@ -205,17 +205,22 @@ impl Drafter {
     /// is the batch this rank computed `data` from (None if it has none this step; the launcher
     /// then knows, should this rank die, whether that batch is in an applied update); `ended`
     /// that this rank saw the ring's end. Blocks with the interpreter lock released.
-    #[pyo3(signature = (data, batch=None, ended=false))]
+    ///
+    /// With `epoch` (a membership epoch), the round commits only with that epoch's members: if
+    /// the membership changes first it raises `hspipe.GroupChanged` and nothing is committed.
+    /// `hspipe.dist.TorchGroup` commits this way after its torch.distributed exchange.
+    #[pyo3(signature = (data, batch=None, ended=false, epoch=None))]
     fn all_reduce(
         &self,
         py: Python<'_>,
         data: &Bound<'_, PyAny>,
         batch: Option<PyRef<'_, Batch>>,
         ended: bool,
+        epoch: Option<u16>,
     ) -> PyResult<crate::group::Reduced> {
         self.d.core.check_open()?;
         let batch = batch.map(|b| b.batch_id());
-        crate::group::all_reduce(&self.d.core, &self.d.group, py, data, batch, ended)
+        crate::group::all_reduce(&self.d.core, &self.d.group, py, data, batch, ended, epoch)
     }
 
     /// A restarted rank joins the group: waits to be admitted by the leader and returns

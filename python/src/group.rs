@@ -7,14 +7,17 @@
 //! saw the ring's end: every rank then knows when every member has. A round contributed again
 //! after a membership change is the collective's business, invisible here; the launcher
 //! redelivers a dead rank's batch unless its update was applied.
+//!
+//! A round with `epoch` commits only with that epoch's members ([`Collective::commit_within`]):
+//! the commit of ranks whose gradients went through torch.distributed (`hspipe.dist`).
 
 use std::cell::{Cell, RefCell};
 
-use collective::{Collective, Membership, NO_BATCH};
+use collective::{Collective, GroupError, Membership, NO_BATCH};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::common::{err, Core};
+use crate::common::{err, Core, GroupChanged};
 use crate::view::{self, Elem, View};
 
 pub struct Group {
@@ -100,6 +103,7 @@ pub fn all_reduce(
     data: &Bound<'_, PyAny>,
     batch: Option<u64>,
     ended: bool,
+    epoch: Option<u16>,
 ) -> PyResult<Reduced> {
     let buf = PyBuffer::<f32>::get(data)?;
     let n = buf.item_count();
@@ -118,13 +122,20 @@ pub fn all_reduce(
     core.reg.enter(shm_ring::Phase::Sync);
     let red = crate::detach::released(py, || {
         let stop = Group::stop_on_signal(core, &raised);
-        g.c.all_reduce(&mine, batch.unwrap_or(NO_BATCH), &mut sum, &stop)
+        let batch = batch.unwrap_or(NO_BATCH);
+        match epoch {
+            None => g.c.all_reduce(&mine, batch, &mut sum, &stop),
+            Some(e) => g.c.commit_within(e, &mine, batch, &mut sum, &stop),
+        }
     });
     core.reg.enter(shm_ring::Phase::Other);
     if let Some(e) = raised.into_inner() {
         return Err(e);
     }
-    let red = red.map_err(err)?;
+    let red = red.map_err(|e| match e {
+        GroupError::EpochChanged { .. } => GroupChanged::new_err(e.to_string()),
+        e => err(e),
+    })?;
     g.last_step.set(Some(u64::from(red.step)));
     let bytes: Vec<u8> = sum[..n].iter().flat_map(|x| x.to_le_bytes()).collect();
     let everyone_ended = sum[g.buf_len - 1] as u32 == red.membership.len();

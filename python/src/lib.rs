@@ -28,7 +28,7 @@ mod group;
 mod target;
 mod view;
 
-use common::{err, Core, HspipeError, Registered};
+use common::{err, Core, GroupChanged, HspipeError, Registered};
 
 /// One worker per process: its ring handles are kept for the process's life.
 static CONNECTED: AtomicBool = AtomicBool::new(false);
@@ -112,10 +112,13 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
     }
 }
 
+/// The native half of the package (`hspipe._hspipe`); `hspipe/__init__.py` re-exports it, and
+/// `hspipe/dist.py` (torch.distributed) is Python on top of it.
 #[pymodule]
-fn hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
     m.add("HspipeError", m.py().get_type::<HspipeError>())?;
+    m.add("GroupChanged", m.py().get_type::<GroupChanged>())?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::Claim>()?;
     m.add_class::<target::Slot>()?;

@@ -1,5 +1,5 @@
 """The numpy example target, slowed to the config's [target] tokens_per_s (as hspipe's mock
-target is), so a test can act mid-run: tests/tests/python.rs."""
+target is), so a test can act mid-run: test_workers.py."""
 import os
 import sys
 import time

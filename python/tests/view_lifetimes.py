@@ -1,4 +1,4 @@
-"""The view-lifetime cases, run as a worker by tests/tests/python.rs (as a target, or as the
+"""The view-lifetime cases, run as a worker by test_workers.py (as a target, or as the
 only drafter): each case that holds appends its name to <run-dir>/view-cases.txt; then the
 worker goes on as the numpy example does, so the run completes.
 """

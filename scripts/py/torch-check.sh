@@ -1,28 +1,16 @@
 #!/usr/bin/env bash
-# The torch check of the hspipe package (not in CI, which has no torch): three torch drafters
-# on the CPU (python/examples/torch_drafter.py, torch.from_dlpack) train from our mock targets
-# through the launcher; prints the run's summary line and the leader's first and last losses.
-# Usage: scripts/py/torch-check.sh PYTHON   (a Python 3.11+ with torch, numpy and maturin)
+# The torch check of the hspipe package (not in CI, which has no torch): pytest on
+# python/tests/test_torch.py with a Python that has torch: hspipe.dist.TorchGroup (gloo on the
+# CPU) with ranks inside an exchange when a rank leaves or dies, torch drafters
+# (python/examples/torch_drafter.py, torch.from_dlpack) training as one group through the
+# launcher, and one of them SIGKILLed and rejoining a new process group. Then the package's
+# other tests (test_workers.py) with the same Python.
+# Usage: scripts/py/torch-check.sh PYTHON   (a Python 3.11+ with torch, numpy, maturin, pytest)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-py=${1:?usage: scripts/py/torch-check.sh PYTHON (with torch, numpy and maturin)}
-"$py" -c "import torch, numpy" || { echo "error: $py has no torch or numpy" >&2; exit 1; }
-cargo build -p launcher
+py=${1:?usage: scripts/py/torch-check.sh PYTHON (with torch, numpy, maturin and pytest)}
+"$py" -c "import torch, numpy, pytest" || { echo "error: $py lacks torch, numpy or pytest" >&2; exit 1; }
+cargo build -p launcher -p ring-stat
 scripts/py/build-wheel.sh "$py"
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-cat >"$dir/torch.toml" <<TOML
-[model]
-layers = 2
-hidden = 16
-[data]
-synthetic_samples = 400
-max_len = 512
-[target]
-token_budget = 2048
-[drafter]
-params = 64
-command = ["$py", "$PWD/python/examples/torch_drafter.py"]
-TOML
-target/debug/launcher --targets 0-4 --drafters 5-7 --config "$dir/torch.toml" --run-dir "$dir/run" --monitor 5 | tail -3
-grep '^step' "$dir/run/logs/drafter-0.log" | sed -n '1p;$p'
+"$py" -c "import torch; print('torch', torch.__version__)"
+"$py" -m pytest -q -p no:cacheprovider python/tests/test_torch.py python/tests/test_workers.py

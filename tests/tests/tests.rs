@@ -6,7 +6,6 @@ mod data;
 mod gpu;
 mod launcher;
 mod model;
-mod python;
 mod ring_processes;
 mod screen;
 mod support;

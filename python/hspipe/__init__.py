@@ -1,0 +1,22 @@
+"""hspipe's Python workers: a user's own target or drafter (numpy, PyTorch) runs as an hspipe
+worker, zero-copy on the ring, supervised like hspipe's own.
+
+``hspipe.connect()`` returns this process's worker (a ``Target`` or a ``Drafter``); the README's
+"Python workers" section documents the whole API with an example of each kind.
+``hspipe.dist.TorchGroup`` (import it where torch is installed) runs the drafter group's
+gradient exchange on torch.distributed (NCCL on GPUs, gloo on the CPU).
+"""
+
+from ._hspipe import (  # noqa: F401  (the package's API)
+    Batch,
+    Claim,
+    Drafter,
+    GroupChanged,
+    HspipeError,
+    PhaseScope,
+    Reduced,
+    Slot,
+    Target,
+    View,
+    connect,
+)

@@ -1,0 +1,129 @@
+"""Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
+target feeding our drafters, numpy drafters training as one group from our targets, a killed
+Python worker restarted alone, the view-lifetime cases, and bad worker commands.
+
+Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
+"""
+
+import signal
+
+from conftest import (
+    PYTHON,
+    config_text,
+    every_sample_once,
+    kill_one_of,
+    losses,
+    no_segment_of,
+    one_model,
+    script,
+    slower_targets,
+)
+
+NUMPY_TARGET = [PYTHON, script("examples/numpy_target.py")]
+NUMPY_DRAFTER = [PYTHON, script("examples/numpy_drafter.py")]
+
+
+def test_a_numpy_target_feeds_our_drafters_which_verify_every_batch(run):
+    code, out = run.launch(config_text(target=NUMPY_TARGET)).finish()
+    assert code == 0, out
+    no_segment_of(run.proc.pid)
+    every_sample_once(run)
+    # Our mock drafters check every hidden state and greedy token against the mock target's
+    # function: a wrong byte from Python would be a refused batch (and a degraded run).
+    s = run.summary()
+    assert "refused" not in str(s["notes"]), s
+    # The Python targets' `with w.phase("compute")` reached the ring's telemetry.
+    for w in s["workers"]:
+        if w["role"] == "target" and w["items"] > 0:
+            assert w["busy_frac"] > 0, w
+    one_model(run.ledgers())
+
+
+def test_numpy_drafters_learn_from_our_targets_as_one_group(run):
+    code, out = run.launch(config_text(drafter=NUMPY_DRAFTER)).finish()
+    assert code == 0, out
+    every_sample_once(run)
+    lines = run.ledgers()
+    steps = one_model(lines)
+    assert steps < len(lines), f"ranks shared steps: {steps} steps, {len(lines)} batches"
+    # The leader (drafter-0) logs the group's loss: it falls.
+    ls = losses(run.log("drafter-0"))
+    assert len(ls) >= 6, ls
+    first, last = sum(ls[:3]) / 3, sum(ls[-3:]) / 3
+    assert last < first * 0.8, (first, last)
+    # The leader's progress reached the launcher: the summary has the group's last loss.
+    assert run.summary()["drafter"]["loss"] < first
+
+
+def test_a_sigkilled_python_drafter_is_restarted_alone_and_rejoins_the_group(run):
+    run.launch(config_text(slow=True, drafter=NUMPY_DRAFTER, faults=slower_targets()))
+    kill_one_of(run, "drafter-1", signal.SIGKILL)
+
+
+def test_ctrl_c_gets_through_a_python_drafters_blocking_calls(run):
+    # Ctrl-C reaches a drafter blocked in the ring or the group (the interpreter lock is
+    # released in slices of 100 ms): KeyboardInterrupt ends it; it is restarted like a crash.
+    run.launch(config_text(slow=True, drafter=NUMPY_DRAFTER, faults=slower_targets()))
+    log = kill_one_of(run, "drafter-2", signal.SIGINT)
+    assert "KeyboardInterrupt" in log, log
+
+
+def test_a_sigkilled_python_target_is_restarted_alone_and_its_batches_redone(run):
+    run.launch(config_text(slow=True, target=[PYTHON, script("tests/slow_target.py")]))
+    kill_one_of(run, "target-2", signal.SIGKILL)
+
+
+def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
+    views = [PYTHON, script("tests/view_lifetimes.py")]
+    cfg = config_text(target=views, drafter=views)
+    code, out = run.launch(cfg, "--targets", "0", "--drafters", "1", "--max-restarts", "0").finish()
+    assert code == 0, out
+    cases = (run.run_dir / "view-cases.txt").read_text().splitlines()
+    for case in [
+        "bf16 via dlpack",
+        "commit with live views names them",
+        "read-only sections",
+        "commit waits for views to go",
+        "no view after commit",
+        "a dropped slot is kept while viewed",
+        "and given back after",
+        "drafter views are read-only",
+        "release with live views names them",
+        "no view after release",
+    ]:
+        assert case in cases, f"case {case!r} did not hold: {cases}"
+    assert run.summary()["ok"] is True
+
+
+def bad_drafter_command(run, argv, log_says):
+    """A drafter command that fails is restarted up to the limit, then given up; every drafter
+    runs it, so the run ends degraded (exit 3) with nothing left behind."""
+    code, out = run.launch(config_text(drafter=argv), "--max-restarts", "1").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    s = run.summary()
+    assert s["ok"] is False
+    assert "drafter-1 gave up after 1 restart(s)" in str(s["notes"]), s["notes"]
+    log = run.log("drafter-1")
+    assert log_says in log, log
+    assert log.count("--- launcher: starting") == 2, log
+
+
+def test_a_missing_worker_script_is_restarted_to_the_limit_then_given_up(run):
+    bad_drafter_command(run, [PYTHON, "/nonexistent/worker.py"], "No such file")
+
+
+def test_a_worker_that_exits_at_once_is_restarted_to_the_limit_then_given_up(run):
+    bad_drafter_command(run, [PYTHON, "-c", "import sys; sys.exit(5)"], "starting")
+
+
+def test_a_worker_that_claims_another_name_is_refused_in_the_handshake(run):
+    lie = "import os, hspipe; os.environ['HSPIPE_WORKER'] = 'target-7'; hspipe.connect()"
+    bad_drafter_command(run, [PYTHON, "-c", lie], "expected drafter-1 speaking protocol")
+
+
+def test_a_worker_program_that_does_not_exist_is_an_error_before_the_run(run):
+    code, out = run.launch(config_text(drafter=["no-such-program-hspipe"])).finish()
+    no_segment_of(run.proc.pid)
+    assert code == 1, out
+    assert '[drafter] command: no program "no-such-program-hspipe" on PATH' in out, out
