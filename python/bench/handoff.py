@@ -1,9 +1,11 @@
 """The hand-off cost seen from Python (BENCHMARKS.md, "Python workers"): run as both workers
 of a 1x1 run by scripts/py/bench-handoff.sh. The target publishes 64 MiB batches (their
-contents do not matter: nothing trains); the drafter waits for the ring to fill, then times,
-per batch, take (with its checksum, as our drafters verify) + release alone, or take + views
-of every section (numpy.from_dlpack and numpy.asarray, a first and last byte read) + release,
-alternately. Writes one JSON line to <run-dir>/handoff.json."""
+contents do not matter: nothing trains). The drafter lets the ring fill, drains it (each slot
+touched for the first time by this process: "cold"), lets it fill again and drains it again
+(the same slots, their pages mapped already: "warm", as in a long run), timing each batch:
+take (with its checksum, as our drafters verify) + release alone, or take + views of every
+section (numpy.from_dlpack and numpy.asarray, a first and last byte read) + release,
+alternately. Writes <run-dir>/handoff.json; bench-handoff.rs is the Rust drafter's twin."""
 import json
 import os
 import sys
@@ -23,10 +25,16 @@ def target(w):
 
 
 def drafter(w):
-    time.sleep(float(os.environ.get("HANDOFF_FILL_S", "4")))   # let the ring fill
-    bare, viewed, nbytes = [], [], 0
+    fill = float(os.environ.get("HANDOFF_FILL_S", "4"))
+    slots = w.config["ring"]["slots"]
+    time.sleep(fill)                     # let the ring fill
+    times = {"cold": ([], []), "warm": ([], [])}
+    nbytes = 0
     i = 0
     while True:
+        if i == slots:
+            time.sleep(fill)             # and fill again, into the slots drained once
+        bare, viewed = times["cold" if i < slots else "warm"]
         t0 = time.perf_counter()
         b = w.take()
         if b is None:
@@ -44,7 +52,10 @@ def drafter(w):
         b.release()
         (viewed if i % 2 else bare).append(time.perf_counter() - t0)
         i += 1
-    out = {"batch_bytes": nbytes, "take_release_s": bare, "take_view_release_s": viewed}
+    out = {"batch_bytes": nbytes}
+    for phase, (bare, viewed) in times.items():
+        out[f"{phase}_take_release_s"] = bare
+        out[f"{phase}_take_view_release_s"] = viewed
     with open(os.path.join(w.run_dir, "handoff.json"), "w") as f:
         json.dump(out, f)
 

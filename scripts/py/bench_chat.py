@@ -8,6 +8,11 @@ on the same tokenizer, template and data, run in turn (BENCHMARKS.md, "Conversat
   bench_chat.py python DIR [BATCH]         transformers on every record, BATCH conversations a
                                            call; prints {"conversations", "seconds", "per_s"}
   bench_chat.py compare DIR LAUNCHER ROUNDS  both in turn, ROUNDS times; medians and the ratio
+  bench_chat.py encode DIR ROUNDS BIN...   the tokenizer alone: every conversation rendered
+                                           (tokenize=False) into DIR/texts.json, then in turn
+                                           Python's tokenizers on one thread, its encode_batch
+                                           (all cores, what transformers calls), and each
+                                           bench-tokenize BIN (ours, one thread)
 """
 import glob
 import json
@@ -129,6 +134,47 @@ def compare(out, launcher, rounds):
           f"preparing against apply_chat_template alone {med(ours_in) / med(py_in):.1f}x")
 
 
+def encode(out, rounds, bins):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "model"))
+    texts = [tok.apply_chat_template(json.loads(l)["messages"], tokenize=False)
+             for l in open(os.path.join(out, "chats.jsonl"))]
+    path = os.path.join(out, "texts.json")
+    with open(path, "w") as f:
+        json.dump(texts, f)
+    tokenizer = os.path.join(out, "model", "tokenizer.json")
+    sides = {"python tokenizers, one thread": [sys.executable, __file__, "encode-python", path,
+                                               tokenizer, "one"],
+             "python tokenizers, encode_batch": [sys.executable, __file__, "encode-python", path,
+                                                 tokenizer, "batch"]}
+    for b in bins:
+        sides[f"ours, one thread ({b})"] = [b, tokenizer, path]
+    got = {k: [] for k in sides}
+    for r in range(rounds):
+        for k, cmd in sides.items():
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false" if cmd[-1] == "one" else "true")
+            o = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                          env=env).stdout)
+            got[k].append(o["seconds"])
+    print(f"{len(texts)} rendered conversations, {o['tokens']} tokens, {rounds} rounds in turn:")
+    for k, xs in got.items():
+        print(f"  {k}: median {statistics.median(xs):.2f} s (runs {', '.join(f'{x:.2f}' for x in xs)})")
+
+
+def encode_python(path, tokenizer, how):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    texts = json.load(open(path))
+    t = time.perf_counter()
+    if how == "one":
+        n = sum(len(tok.encode(x, add_special_tokens=False).ids) for x in texts)
+    else:
+        n = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    print(json.dumps({"seconds": time.perf_counter() - t, "tokens": n}))
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
@@ -137,3 +183,9 @@ if __name__ == "__main__":
         python_side(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1000)
     elif cmd == "compare":
         compare(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif cmd == "encode":
+        encode(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    elif cmd == "encode-python":
+        encode_python(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        sys.exit(f"bench_chat.py: unknown command {cmd!r} (make, python, compare, encode)")
