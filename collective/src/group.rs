@@ -13,7 +13,8 @@
 //!
 //! Because both go through the same word, a round is either committed before the membership
 //! changed (every rank, and the launcher, sees the commit) or not at all (every rank sees the new
-//! epoch first and contributes again, tagged with it). There is no third outcome, so survivors
+//! epoch first and contributes again, tagged with it; a round within one epoch, `commit_within`,
+//! returns `EpochChanged` instead). There is no third outcome, so survivors
 //! never disagree about which updates were applied, and the launcher knows exactly whether a
 //! dead rank's batch went into an applied update ([`Removed::committed_batch`]).
 //!

@@ -20,10 +20,11 @@ new members.
 A rank that dies inside a collective does not hang the rest: every exchange is started
 asynchronously and watched every 10 ms; when hspipe's membership moves on (the launcher
 removes a dead rank once its process is gone; the leader admits a joiner between steps), the
-ranks stop waiting for it, abort the stale group (``Backend.abort()``: ``ncclCommAbort`` on
-GPUs, whose kernels would otherwise spin) and go on in a new group of the new epoch. A stale
-exchange is left, not waited for (on gloo it ends only when the missing rank lets its group
-go, or dies; destroying its group would wait for it too, so it is kept until then). A gloo
+ranks stop waiting for it and go on in a new group of the new epoch. On GPUs the stale group
+is aborted (``ncclCommAbort``: its kernels would otherwise spin). On gloo a stale exchange is
+left, not waited for: gloo's abort does nothing (measured with torch 2.15), and destroying a
+group waits for its pending work, so such a group is kept until that work ends, which it does
+once the missing rank lets its own group of that epoch go (at its next step) or dies. A gloo
 exchange with a dead peer fails by itself ("connection closed by peer"): the rank then waits
 for the launcher's removal. An exchange that fails while the membership stays the same for
 ``timeout`` seconds ends this worker with an error: the launcher restarts it, which is itself
@@ -31,7 +32,9 @@ a membership change, and the rest go on.
 
 Store and rendezvous: one ``FileStore`` per epoch under ``<run-dir>/torch-dist/<ring>/``
 (the ring's name is new for every launch, so a resumed run never meets an old epoch's keys).
-A process group is made on a thread so the wait for slow members is watched too.
+A process group is made, and connected (NCCL connects lazily: a one-element all-reduce does
+it), on a thread, so the wait for slow members is watched too. Tested with torch 2.15 (gloo on
+the CPU); the NCCL path has not run yet (no GPU where it was written).
 
 Cost: the exchange runs on a copy of the gradient (a failed exchange leaves partial sums in
 its buffer): one extra gradient-sized buffer and two device copies per step; an abandoned
@@ -78,8 +81,9 @@ class TorchGroup:
         self._stale = []
         self.device = torch.device("cpu")
         if backend == "nccl":
-            gpu = w.gpu if w.gpu is not None else 0
-            self.device = torch.device("cuda", gpu)
+            # The launcher sets CUDA_VISIBLE_DEVICES to the worker's GPU (w.gpu), so it is
+            # device 0 here.
+            self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
         # Exchanges begun again after a membership change (the monitor's "retries").
         self.retries = 0
@@ -105,6 +109,7 @@ class TorchGroup:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError("TorchGroup.all_reduce: tensor must be a torch.Tensor")
         data = np.asarray(list(stats), dtype=np.float32)
+        self._prune()
         with self._w.phase("sync"):
             while True:
                 epoch, _, members = self._w.membership
@@ -124,11 +129,9 @@ class TorchGroup:
                 return r
 
     def close(self):
-        """Shuts the current process group down (also done at interpreter exit)."""
-        if self._pg is not None:
-            self._pg.shutdown()
-            self._pg = None
-        self._stale = [(pg, w) for pg, w in self._stale if w is not None and not w.is_completed()]
+        """Lets the current process group go (call it when the rank is done)."""
+        self._pg = None
+        self._prune()
 
     # --- the process group of one epoch ---
 
@@ -149,8 +152,15 @@ class TorchGroup:
             try:
                 t = datetime.timedelta(seconds=self.timeout)
                 if self.backend == "nccl":
-                    made["pg"] = dist.ProcessGroupNCCL(store, rank, size, t)
+                    pg = dist.ProcessGroupNCCL(store, rank, size, t)
+                    # NCCL connects lazily, in the first collective: make that happen here,
+                    # where the wait is watched, not in the first exchange.
+                    one = torch.zeros(1, device=self.device)
+                    pg.allreduce([one]).wait()
+                    torch.cuda.current_stream(self.device).synchronize()
+                    made["pg"] = pg
                 else:
+                    # Gloo connects every pair in its constructor.
                     made["pg"] = dist.ProcessGroupGloo(store, rank, size, t)
             except Exception as e:  # noqa: BLE001  (raised in this thread below)
                 made["error"] = e
@@ -176,16 +186,22 @@ class TorchGroup:
         return self._pg
 
     def _drop(self, work=None):
-        """Retires the current group after a membership change, aborting it (NCCL: its kernels
-        end; gloo: its connections close once every rank has moved on). It is kept, not
-        destroyed: destroying a group waits for its pending `work`, which may need a rank that
-        never comes. Kept groups whose work is over are let go here."""
-        self._stale = [(pg, w) for pg, w in self._stale if w is not None and not w.is_completed()]
+        """Retires the current group after a membership change. NCCL's is aborted (its kernels
+        would spin); gloo's abort does nothing (torch 2.15), its pending work ends when the
+        missing rank lets its own group go or dies. A group with pending `work` is kept, not
+        destroyed (destroying it waits for that work); one without is let go at once, which
+        closes its connections and so ends the other ranks' stale work on it."""
         if self._pg is not None:
-            self._pg.abort()
+            if self.backend == "nccl":
+                self._pg.abort()
             self._stale.append((self._pg, work))
             self._pg = None
             self._epoch = None
+        self._prune()
+
+    def _prune(self):
+        """Lets go of the kept groups whose work is over."""
+        self._stale = [(pg, w) for pg, w in self._stale if w is not None and not w.is_completed()]
 
     # --- one exchange ---
 
@@ -193,8 +209,12 @@ class TorchGroup:
         """True if ``buf`` now holds the sum over epoch ``epoch``'s members; False if the
         membership moved on (the group is aborted). Raises if it failed with the membership
         unchanged for ``timeout`` seconds."""
-        work = pg.allreduce([buf])
-        while not work.is_completed():
+        try:
+            work = pg.allreduce([buf])
+        except Exception as e:  # noqa: BLE001  (a broken group: as a failed exchange)
+            work = None
+            failure = e
+        while work is not None and not work.is_completed():
             if self._w.membership[0] != epoch:
                 # Not waited for: gloo's pending work ends only when the missing rank goes.
                 # It sums into `buf`, a copy this step lets go of.
@@ -202,13 +222,14 @@ class TorchGroup:
                 return False
             self._w.heartbeat()
             time.sleep(_POLL_S)
-        if _settle(work) is None:
-            return True
+        if work is not None:
+            failure = _settle(work)
+            if failure is None:
+                return True
         # Failed (a peer's connection closed): the launcher is about to remove the dead rank.
         self._wait(
             lambda: self._w.membership[0] != epoch,
-            f"the exchange of epoch {epoch} failed ({work.exception()}) and the membership "
-            "has not changed",
+            f"the exchange of epoch {epoch} failed ({failure}) and the membership has not changed",
         )
         self._drop()
         return False

@@ -119,7 +119,8 @@ pub fn all_reduce(
     mine[g.buf_len - 1] = if ended { 1.0 } else { 0.0 };
     let mut sum = vec![0f32; g.buf_len];
     let raised = RefCell::new(None);
-    core.reg.enter(shm_ring::Phase::Sync);
+    // Back to the caller's phase after (TorchGroup's `with w.phase("sync")` spans retries).
+    let before = core.reg.enter(shm_ring::Phase::Sync);
     let red = crate::detach::released(py, || {
         let stop = Group::stop_on_signal(core, &raised);
         let batch = batch.unwrap_or(NO_BATCH);
@@ -128,7 +129,7 @@ pub fn all_reduce(
             Some(e) => g.c.commit_within(e, &mine, batch, &mut sum, &stop),
         }
     });
-    core.reg.enter(shm_ring::Phase::Other);
+    core.reg.enter(before.unwrap_or(shm_ring::Phase::Other));
     if let Some(e) = raised.into_inner() {
         return Err(e);
     }
