@@ -3,11 +3,14 @@
 //! [`CudaEvent`], [`CudaSlice`], [`PinnedHostSlice`]); this crate adds what cudarc does not do
 //! for hspipe:
 //!
-//! - **No panic without a driver.** cudarc is built with `dynamic-loading`, so nothing is linked
-//!   and every build compiles this crate without a CUDA toolkit. But cudarc panics at the first
-//!   call into a library it cannot load, so [`Driver::load`] checks first that the library is
-//!   there and exports what the load path calls, and returns [`CudaError::NoDriver`] (or
-//!   [`CudaError::Symbol`]) instead. Nothing in cudarc is called before a `Driver` exists.
+//! - **No panic without a driver.** cudarc loads its libraries at run time
+//!   (`fallback-dynamic-loading`), so nothing is linked and every build compiles this crate
+//!   without a CUDA toolkit. But cudarc panics at the first call into a library it cannot load,
+//!   so [`Driver::load`] checks first that the library is there and exports what the load path
+//!   calls, and returns [`CudaError::NoDriver`] (or [`CudaError::Symbol`]) instead. Nothing in
+//!   cudarc is called before a `Driver` exists. The CUDA build is the exception: candle links
+//!   the libraries (cudarc's `dynamic-linking` wins over the fallback), and `linked` says so
+//!   (`present.rs`): the loader resolved them before `main`.
 //! - **A driver new enough for the bindings.** cudarc is built for CUDA 13.0 (`cuda-13000`) and
 //!   so calls 13.0's entry points (`cuEventElapsedTime_v2`, for one); an older driver lacks
 //!   them and cudarc would panic at the first such call, so `Driver::load` refuses a driver for
@@ -45,6 +48,7 @@ pub use cudarc::driver::{
 };
 
 pub mod nccl;
+mod present;
 pub mod probe;
 
 /// The CUDA version cudarc's bindings are built for (the `cuda-13000` feature), which the
@@ -153,19 +157,6 @@ fn refuse_retired(var: &'static str, value: Option<OsString>) -> Result<()> {
     }
 }
 
-/// Why cudarc would find no `lib{name}`: the names it asks the loader for.
-fn not_found(name: &str) -> String {
-    let tried = cudarc::get_lib_name_candidates(name);
-    let (first, last) = (tried.first(), tried.last());
-    format!(
-        "the dynamic loader finds none of the {} names cudarc tries for lib{name} ({} .. {}); a \
-         library outside the loader's path is found through LD_LIBRARY_PATH",
-        tried.len(),
-        first.map_or("", String::as_str),
-        last.map_or("", String::as_str),
-    )
-}
-
 /// Reads a CUDA version number (1000 × major + 10 × minor) as (major, minor), refusing a
 /// driver older than the bindings.
 fn check_version(v: i32) -> Result<(u32, u32)> {
@@ -206,27 +197,7 @@ impl Driver {
     /// process's environment).
     fn load_with(retired: Option<OsString>) -> Result<Driver> {
         refuse_retired(LIBCUDA_ENV, retired)?;
-        // SAFETY: opening a library runs its initialisers; the driver's set up only its own
-        // state. The library is closed again; cudarc opens it for good below.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(CudaError::NoDriver {
-                why: not_found("cuda"),
-            });
-        }
-        // SAFETY: cudarc opens the library it just found (its `culib` tries the same names in
-        // the same order as `is_culib_present`), so this does not reach cudarc's panic. The
-        // symbols are only looked up, never called through these pointers.
-        let lib = unsafe { sys::culib() };
-        for symbol in LOAD_PATH {
-            // SAFETY: as above; the type is a plain pointer, nothing is called.
-            if let Err(e) = unsafe { lib.get::<*const std::ffi::c_void>(symbol) } {
-                return Err(CudaError::Symbol {
-                    library: "libcuda",
-                    symbol,
-                    why: e.to_string(),
-                });
-            }
-        }
+        present::check(present::Lib::Driver, &LOAD_PATH)?;
         let mut v = 0;
         // SAFETY: writes one int through a valid pointer; allowed before cuInit.
         unsafe { sys::cuDriverGetVersion(&mut v) }

@@ -63,26 +63,7 @@ impl Nccl {
 
     pub(crate) fn load_with(retired: Option<OsString>) -> Result<Nccl> {
         refuse_retired(LIBNCCL_ENV, retired)?;
-        // SAFETY: opening a library runs its initialisers; NCCL's set up only its own state.
-        // The library is closed again; cudarc opens it for good below.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(CudaError::NoNccl {
-                why: crate::not_found("nccl"),
-            });
-        }
-        // SAFETY: cudarc opens the library it just found (the same names in the same order),
-        // so this does not reach cudarc's panic; the symbols are looked up, not called.
-        let lib = unsafe { sys::culib() };
-        for symbol in ENTRY_POINTS {
-            // SAFETY: as above; the type is a plain pointer, nothing is called.
-            if let Err(e) = unsafe { lib.get::<*const c_void>(symbol) } {
-                return Err(CudaError::Symbol {
-                    library: "libnccl",
-                    symbol,
-                    why: e.to_string(),
-                });
-            }
-        }
+        crate::present::check(crate::present::Lib::Nccl, &ENTRY_POINTS)?;
         let v = result::get_nccl_version().map_err(|e| nccl_error("ncclGetVersion", e))?;
         let v = v.max(0) as u32;
         Ok(Nccl {

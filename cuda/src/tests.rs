@@ -9,8 +9,7 @@ use super::*;
 /// what decides is cudarc's own presence check, so the two never disagree.
 #[test]
 fn loading_the_driver_never_panics_and_says_why_there_is_none() {
-    // SAFETY: opening a library runs its initialisers; the driver's set up only its own state.
-    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    let present = present::cudarc_finds(present::Lib::Driver);
     match Driver::load_with(None) {
         Ok(d) => {
             assert!(present, "a driver loaded where cudarc finds none");
@@ -31,8 +30,7 @@ fn loading_the_driver_never_panics_and_says_why_there_is_none() {
 /// The same for NCCL, which a group needs only once it spans GPUs.
 #[test]
 fn loading_nccl_never_panics_and_says_why_there_is_none() {
-    // SAFETY: as above, for NCCL.
-    let present = unsafe { cudarc::nccl::sys::is_culib_present() };
+    let present = present::cudarc_finds(present::Lib::Nccl);
     match nccl::Nccl::load_with(None) {
         Ok(n) => assert!(
             present,

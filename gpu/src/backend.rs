@@ -14,14 +14,15 @@ pub enum BackendKind {
     /// A real target (an HF model directory, --model) on candle, on the CPU, and a DFlash
     /// drafter trained on its states.
     Candle,
-    /// NVIDIA GPUs, on the `cuda` crate (cudarc's driver API and NCCL); not built yet.
+    /// The candle backend's models on the worker's GPU (candle's CUDA device; the target in
+    /// bf16): the build with `--features cuda` (scripts/build-cuda.sh).
     Cuda,
 }
 
 /// What builds one backend's models.
 pub trait Maker {
-    /// False for a backend that is named but not built yet: asking for it is an error before a
-    /// worker takes any work.
+    /// False for a backend this build lacks (`cuda` without `--features cuda`): asking for it
+    /// is an error before a worker takes any work.
     fn built(&self) -> bool;
     /// Completes `cfg` with what the backend's model fixes (a real model's hidden size and
     /// captured layers), before the ring is sized. The launcher calls it once; workers get the
@@ -45,33 +46,6 @@ pub trait Maker {
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError>;
 }
 
-/// A backend that is named but not built yet: every model it is asked for is
-/// [`GpuError::Unavailable`].
-struct Unbuilt(BackendKind);
-
-impl Maker for Unbuilt {
-    fn built(&self) -> bool {
-        false
-    }
-    fn target(
-        &self,
-        _: &PipelineConfig,
-        _: WorkerName,
-    ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
-        Err(GpuError::Unavailable(self.0))
-    }
-    fn drafter(
-        &self,
-        _: &PipelineConfig,
-        _: Option<WorkerName>,
-    ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
-        Err(GpuError::Unavailable(self.0))
-    }
-    fn drafter_sizes(&self, _: &PipelineConfig) -> Result<(usize, usize), GpuError> {
-        Err(GpuError::Unavailable(self.0))
-    }
-}
-
 impl BackendKind {
     /// Every backend.
     pub fn all() -> &'static [BackendKind] {
@@ -82,8 +56,8 @@ impl BackendKind {
     pub fn maker(self) -> Box<dyn Maker> {
         match self {
             BackendKind::Mock => Box::new(mock::Mock),
-            BackendKind::Candle => Box::new(candle::Candle),
-            BackendKind::Cuda => Box::new(Unbuilt(self)),
+            BackendKind::Candle => Box::new(candle::Candle::CPU),
+            BackendKind::Cuda => Box::new(candle::Candle::GPU),
         }
     }
 }
@@ -131,6 +105,8 @@ mod tests {
         assert_eq!(BackendKind::Mock.to_string(), "mock");
         let e = "rocm".parse::<BackendKind>().unwrap_err().to_string();
         assert!(e.contains("\"rocm\"") && e.contains("cuda"), "{e}");
-        assert!(BackendKind::Mock.maker().built() && !BackendKind::Cuda.maker().built());
+        assert!(BackendKind::Mock.maker().built() && BackendKind::Candle.maker().built());
+        // The cuda backend is built exactly in the build with candle's CUDA device.
+        assert_eq!(BackendKind::Cuda.maker().built(), cfg!(feature = "cuda"));
     }
 }

@@ -1,5 +1,8 @@
-//! The candle backend: a real target (an HF model directory run by `model::Decoder`) on the CPU;
-//! the same code takes a GPU once candle's CUDA device is built in (the CUDA issue).
+//! The candle backends: a real target (an HF model directory run by `model::Decoder`) and a
+//! DFlash drafter, on the CPU (`candle`, f32) or on the worker's GPU through candle's CUDA device
+//! (`cuda`, the target in bf16; the build with `--features cuda`). One code path: a
+//! [`Placement`] says where and in what the models compute, and is all the two backends differ
+//! by.
 //!
 //! The target writes the captured layers `[tokens x layers x hidden]` in the slot's dtype and
 //! the greedy next tokens into the slot. The drafter is a DFlash drafter (`dflash.rs`) trained
@@ -14,7 +17,67 @@ use proto::{Dtype, PipelineConfig, WorkerName};
 use crate::mock::{self, Sim};
 use crate::{DrafterBackend, GpuError, Maker, TargetBackend, TargetOut};
 
-pub struct Candle;
+pub struct Candle {
+    /// On the worker's GPU (the `cuda` backend, [`Placement::gpu`]), else on the CPU.
+    gpu: bool,
+}
+
+impl Candle {
+    /// The `candle` backend.
+    pub const CPU: Candle = Candle { gpu: false };
+    /// The `cuda` backend.
+    pub const GPU: Candle = Candle { gpu: true };
+
+    /// Where the models go, found in the worker that computes (never in the launcher).
+    fn place(&self) -> Result<Placement, GpuError> {
+        if self.gpu {
+            Placement::gpu()
+        } else {
+            Ok(Placement::cpu())
+        }
+    }
+}
+
+/// Where a backend's models compute, and the target's compute dtype. The drafter trains in f32
+/// wherever it is (its masters and moments are f32; bf16 weights would be its own design).
+#[derive(Clone, Debug)]
+pub struct Placement {
+    pub device: Device,
+    pub target_dtype: DType,
+}
+
+impl Placement {
+    /// The CPU in f32: the `candle` backend, and every test.
+    pub fn cpu() -> Placement {
+        Placement {
+            device: Device::Cpu,
+            target_dtype: DType::F32,
+        }
+    }
+
+    /// The worker's GPU in bf16: device 0, the one GPU the launcher's `CUDA_VISIBLE_DEVICES`
+    /// leaves a worker. A build without candle's CUDA device says so (candle's "not compiled
+    /// with cuda support" would not say how to get one).
+    pub fn gpu() -> Result<Placement, GpuError> {
+        if !candle_core::utils::cuda_is_available() {
+            return Err(GpuError::Config(
+                "this build has no CUDA device: build with scripts/build-cuda.sh (the launcher's `cuda` feature), or use --backend candle".into(),
+            ));
+        }
+        Ok(Placement {
+            device: Device::new_cuda(0)?,
+            target_dtype: DType::BF16,
+        })
+    }
+
+    /// Where `kind`'s models go: [`Placement::gpu`] for `cuda`, else the CPU.
+    pub fn of(kind: crate::BackendKind) -> Result<Placement, GpuError> {
+        match kind {
+            crate::BackendKind::Cuda => Candle::GPU.place(),
+            _ => Candle::CPU.place(),
+        }
+    }
+}
 
 /// The model directory the config names, or the error that says how to name one.
 pub(crate) fn model_dir(cfg: &PipelineConfig) -> Result<&Path, GpuError> {
@@ -39,31 +102,37 @@ pub fn layer_ids(cfg: &PipelineConfig, arch: &ArchConfig) -> Result<Vec<usize>, 
     Ok(ids)
 }
 
+/// What settles a real model's run, the same on every device.
+fn settle_model(cfg: &mut PipelineConfig) -> Result<(), GpuError> {
+    let dir = model_dir(cfg)?;
+    let arch = ArchConfig::load(dir)?;
+    let ids = layer_ids(cfg, &arch)?;
+    cfg.model.hidden = arch.hidden_size as u32;
+    cfg.model.layers = ids.len() as u32;
+    cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
+    let vocab = arch.vocab_size as u32;
+    match cfg.data.synthetic_vocab {
+        Some(v) if v > vocab => {
+            return Err(GpuError::Config(format!(
+                "data.synthetic_vocab = {v} is more than the model's vocabulary of {vocab}"
+            )))
+        }
+        Some(_) => {}
+        None => cfg.data.synthetic_vocab = Some(vocab),
+    }
+    // A real model's synthetic data is text it can be trained on: the built-in language.
+    cfg.data.synthetic_language.get_or_insert(true);
+    Ok(())
+}
+
 impl Maker for Candle {
+    /// The CPU always; the GPU when this build has candle's CUDA device (`--features cuda`).
     fn built(&self) -> bool {
-        true
+        !self.gpu || candle_core::utils::cuda_is_available()
     }
 
     fn settle(&self, cfg: &mut PipelineConfig) -> Result<(), GpuError> {
-        let dir = model_dir(cfg)?;
-        let arch = ArchConfig::load(dir)?;
-        let ids = layer_ids(cfg, &arch)?;
-        cfg.model.hidden = arch.hidden_size as u32;
-        cfg.model.layers = ids.len() as u32;
-        cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
-        let vocab = arch.vocab_size as u32;
-        match cfg.data.synthetic_vocab {
-            Some(v) if v > vocab => {
-                return Err(GpuError::Config(format!(
-                    "data.synthetic_vocab = {v} is more than the model's vocabulary of {vocab}"
-                )))
-            }
-            Some(_) => {}
-            None => cfg.data.synthetic_vocab = Some(vocab),
-        }
-        // A real model's synthetic data is text it can be trained on: the built-in language.
-        cfg.data.synthetic_language.get_or_insert(true);
-        Ok(())
+        settle_model(cfg)
     }
 
     fn target(
@@ -71,7 +140,7 @@ impl Maker for Candle {
         cfg: &PipelineConfig,
         name: WorkerName,
     ) -> Result<Box<dyn TargetBackend + Send>, GpuError> {
-        Ok(Box::new(CandleTarget::new(cfg, name)?))
+        Ok(Box::new(CandleTarget::new(cfg, name, &self.place()?)?))
     }
 
     fn drafter(
@@ -79,7 +148,13 @@ impl Maker for Candle {
         cfg: &PipelineConfig,
         name: Option<WorkerName>,
     ) -> Result<Box<dyn DrafterBackend + Send>, GpuError> {
-        Ok(Box::new(crate::dflash::DflashDrafter::new(cfg, name)?))
+        // A drafter made outside a worker (the launcher reading a checkpoint) stays on the CPU:
+        // the launcher holds no GPU.
+        let place = match name {
+            Some(_) => self.place()?,
+            None => Placement::cpu(),
+        };
+        Ok(Box::new(crate::dflash::DflashDrafter::new(cfg, name, &place)?))
     }
 
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
@@ -98,11 +173,15 @@ pub struct CandleTarget {
 
 impl CandleTarget {
     /// Worker `name`'s target under `cfg`, loaded once from the model directory.
-    pub fn new(cfg: &PipelineConfig, name: WorkerName) -> Result<CandleTarget, GpuError> {
+    pub fn new(
+        cfg: &PipelineConfig,
+        name: WorkerName,
+        place: &Placement,
+    ) -> Result<CandleTarget, GpuError> {
         let faults = cfg.faults_for(name);
         mock::start(&faults);
         let dir = model_dir(cfg)?;
-        let t = CandleTarget::load(dir, cfg)?;
+        let t = CandleTarget::load_at(dir, cfg, place)?;
         Ok(CandleTarget {
             sim: Sim::new(f64::INFINITY, faults),
             ..t
@@ -112,7 +191,16 @@ impl CandleTarget {
     /// Loads the model in `dir` for the layers and dtype `cfg` names (the launcher's `capture`
     /// uses this without a worker), checking that its states fit the ring's slots.
     pub fn load(dir: &Path, cfg: &PipelineConfig) -> Result<CandleTarget, GpuError> {
-        let decoder = Decoder::load(dir, &Device::Cpu, DType::F32)?;
+        CandleTarget::load_at(dir, cfg, &Placement::cpu())
+    }
+
+    /// [`CandleTarget::load`] at `place`.
+    pub fn load_at(
+        dir: &Path,
+        cfg: &PipelineConfig,
+        place: &Placement,
+    ) -> Result<CandleTarget, GpuError> {
+        let decoder = Decoder::load(dir, &place.device, place.target_dtype)?;
         let arch = decoder.config();
         let layers = layer_ids(cfg, arch)?;
         if arch.hidden_size != cfg.model.hidden as usize
@@ -127,6 +215,25 @@ impl CandleTarget {
                 cfg.model.layers
             )));
         }
+        Ok(CandleTarget {
+            decoder,
+            layers,
+            dtype: cfg.model.dtype,
+            sim: Sim::new(f64::INFINITY, Default::default()),
+        })
+    }
+
+    /// A target of `dir`'s shape (its `config.json` alone) with weights made up at `place`
+    /// (`model::Weights::random`): for measuring speed at sizes no test downloads.
+    pub fn random(
+        dir: &Path,
+        cfg: &PipelineConfig,
+        place: &Placement,
+    ) -> Result<CandleTarget, GpuError> {
+        let arch = ArchConfig::load(dir)?;
+        let w = model::weights::Weights::random(&place.device, place.target_dtype);
+        let decoder = Decoder::from_weights(arch, &w)?;
+        let layers = layer_ids(cfg, decoder.config())?;
         Ok(CandleTarget {
             decoder,
             layers,
@@ -165,8 +272,12 @@ impl CandleTarget {
             },
         )?;
         let l = self.layers.len();
-        for (li, x) in got.layers.iter().enumerate() {
-            write_layer(x, self.dtype, li, l, h, out.hidden_states)?;
+        if self.decoder.device().is_cpu() {
+            for (li, x) in got.layers.iter().enumerate() {
+                write_layer(x, self.dtype, li, l, h, out.hidden_states)?;
+            }
+        } else {
+            write_stacked(&got.layers, self.dtype, out.hidden_states)?;
         }
         match got.tokens {
             Some(tk) => {
@@ -191,6 +302,50 @@ impl TargetBackend for CandleTarget {
         self.sim.finish_item(seq_lens, std::time::Instant::now());
         Ok(())
     }
+}
+
+/// Writes the captured layers (each `[tokens, hidden]`) into `out` as `[tokens x layers x
+/// hidden]` elements of `dtype`, laid out and converted on the layers' device, then copied to
+/// the host once (on a GPU, one device-to-host copy instead of one per layer and a scatter on
+/// the CPU).
+fn write_stacked(layers: &[Tensor], dtype: Dtype, out: &mut [u8]) -> Result<(), GpuError> {
+    fn put<const N: usize>(vals: impl Iterator<Item = [u8; N]>, out: &mut [u8]) {
+        for (dst, v) in out.chunks_exact_mut(N).zip(vals) {
+            dst.copy_from_slice(&v);
+        }
+    }
+    let flat = Tensor::stack(layers, 1)?.flatten_all()?;
+    let want = flat.elem_count() * dtype.size();
+    if out.len() != want {
+        return Err(GpuError::BufferSize {
+            got: out.len(),
+            want,
+        });
+    }
+    match dtype {
+        Dtype::F32 => put(
+            flat.to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_le_bytes),
+            out,
+        ),
+        Dtype::Bf16 => put(
+            flat.to_dtype(DType::BF16)?
+                .to_vec1::<half::bf16>()?
+                .into_iter()
+                .map(half::bf16::to_le_bytes),
+            out,
+        ),
+        Dtype::F16 => put(
+            flat.to_dtype(DType::F16)?
+                .to_vec1::<half::f16>()?
+                .into_iter()
+                .map(half::f16::to_le_bytes),
+            out,
+        ),
+    }
+    Ok(())
 }
 
 /// Writes layer `li` of `l` (`x`, `[tokens, hidden]`) into `out`, `[tokens x l x hidden]`
@@ -250,4 +405,124 @@ fn write_layer(
         ),
     }
     Ok(())
+}
+
+/// A tiny target for the tests (4 layers, vocabulary 300, 2 captured) and a config settled
+/// for it.
+#[cfg(test)]
+pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
+    let m = dir.join("tiny");
+    let spec = model::make::MakeSpec {
+        layers: 4,
+        vocab: 300,
+        ..Default::default()
+    };
+    model::make::make_model(&m, &spec).unwrap();
+    let mut cfg = PipelineConfig::default();
+    cfg.model.path = Some(m.clone());
+    cfg.model.layers = 2;
+    (m, cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GPU's layout (`write_stacked`: stacked and converted on the device, copied once)
+    /// writes the same bytes as the CPU's per-layer scatter, in every dtype.
+    #[test]
+    fn the_stacked_write_lays_out_the_layers_as_the_scatter_does() {
+        let (t, h) = (5, 3);
+        let layers: Vec<Tensor> = (0..3)
+            .map(|li| {
+                let v: Vec<f32> = (0..t * h).map(|i| (li * 100 + i) as f32 * 0.37).collect();
+                Tensor::from_vec(v, (t, h), &Device::Cpu).unwrap()
+            })
+            .collect();
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let n = t * layers.len() * h * dtype.size();
+            let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
+            for (li, x) in layers.iter().enumerate() {
+                write_layer(x, dtype, li, layers.len(), h, &mut want).unwrap();
+            }
+            write_stacked(&layers, dtype, &mut got).unwrap();
+            assert_eq!(got, want, "{dtype:?}");
+            assert!(write_stacked(&layers, dtype, &mut got[1..]).is_err());
+        }
+    }
+
+    /// The GPU's target computes in bf16; the same code runs in bf16 on the CPU, so its numbers
+    /// are checked here against the f32 forward (the oracle-checked one) on the same weights.
+    /// Tolerance: every captured state within 5% of its layer's largest magnitude (bf16 keeps 8
+    /// bits of mantissa, 0.4% per rounding, over four layers of sums), and the greedy tokens the
+    /// same at 90% of positions at least (a near tie in a random model may flip).
+    #[test]
+    fn the_bf16_target_writes_the_f32_targets_states_within_bf16_tolerance() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, mut cfg) = tiny_target(dir.path());
+        cfg.model.dtype = Dtype::F32;
+        Candle::CPU.settle(&mut cfg).unwrap();
+        let seq_lens = [12u32, 9];
+        let ids: Vec<u32> = (0..21).map(|i| (i * 31 + 7) % 290 + 5).collect();
+        let run = |dtype: DType| {
+            let place = Placement {
+                device: Device::Cpu,
+                target_dtype: dtype,
+            };
+            let t = CandleTarget::load_at(&m, &cfg, &place).unwrap();
+            let h = t.decoder().config().hidden_size;
+            let mut states = vec![0u8; ids.len() * 2 * h * 4];
+            let mut tokens = vec![0u8; ids.len() * 4];
+            let out = TargetOut {
+                hidden_states: &mut states,
+                target_tokens: &mut tokens,
+            };
+            t.run(&ids, &seq_lens, out, true).unwrap();
+            let f = |b: &[u8]| -> Vec<f32> {
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            let u = |b: &[u8]| -> Vec<u32> {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            (f(&states), u(&tokens), h)
+        };
+        let (want, want_tokens, h) = run(DType::F32);
+        let (got, got_tokens, _) = run(DType::BF16);
+        assert_eq!(got.len(), want.len());
+        assert_ne!(got, want, "the bf16 forward computed in f32");
+        for layer in 0..2 {
+            let of = |v: &[f32]| -> Vec<f32> {
+                v.chunks_exact(h)
+                    .skip(layer)
+                    .step_by(2)
+                    .flatten()
+                    .copied()
+                    .collect()
+            };
+            let (w, g) = (of(&want), of(&got));
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = w
+                .iter()
+                .zip(&g)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                scale > 0.0 && worst <= 0.05 * scale,
+                "layer {layer}: off by {worst} at scale {scale}"
+            );
+        }
+        let same = want_tokens
+            .iter()
+            .zip(&got_tokens)
+            .filter(|(a, b)| a == b)
+            .count();
+        assert!(
+            same * 10 >= want_tokens.len() * 9,
+            "{same} of {} greedy tokens agree",
+            want_tokens.len()
+        );
+    }
 }

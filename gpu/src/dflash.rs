@@ -13,6 +13,7 @@ use model::ArchConfig;
 use proto::config::DflashLabel;
 use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
 
+use crate::candle::Placement;
 use crate::mock::{self, Sim};
 use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
 
@@ -65,6 +66,8 @@ pub struct DflashDrafter {
 struct Evaluation {
     every: u64,
     model: std::path::PathBuf,
+    /// Where the drafter is, and the target's dtype there (a GPU's target runs in bf16).
+    place: Placement,
     target: Option<model::Decoder>,
     prompts: Vec<Vec<u32>>,
     new_tokens: usize,
@@ -72,11 +75,15 @@ struct Evaluation {
 
 impl DflashDrafter {
     /// Worker `name`'s drafter under `cfg` (no faults for `None`), at step 0.
-    pub fn new(cfg: &PipelineConfig, name: Option<WorkerName>) -> Result<DflashDrafter, GpuError> {
+    pub fn new(
+        cfg: &PipelineConfig,
+        name: Option<WorkerName>,
+        place: &Placement,
+    ) -> Result<DflashDrafter, GpuError> {
         let faults = name.map(|n| cfg.faults_for(n)).unwrap_or_default();
         mock::start(&faults);
         let dc = drafter_config(cfg)?;
-        let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &Device::Cpu)?;
+        let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &place.device)?;
         let f = &cfg.dflash;
         let model = Dflash::new(dc, frozen, f.seed)?;
         let masters = model.params.flat()?;
@@ -122,6 +129,7 @@ impl DflashDrafter {
                     0
                 },
                 model: crate::candle::model_dir(cfg)?.to_path_buf(),
+                place: place.clone(),
                 target: None,
                 prompts: dataset::language::held_out(
                     cfg.data.synthetic_vocab.unwrap_or(0).max(6),
@@ -147,8 +155,8 @@ impl DflashDrafter {
     }
 }
 
-/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]`.
-fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
+/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]` on `device`.
+fn context(batch: &BatchView<'_>, device: &Device) -> Result<Tensor, GpuError> {
     let spec = &batch.header().spec;
     let (l, h) = (spec.layers as usize, spec.hidden as usize);
     let t = spec.tokens() as usize;
@@ -167,7 +175,7 @@ fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
     };
-    Ok(Tensor::from_vec(vals, (t, l * h), &Device::Cpu)?)
+    Ok(Tensor::from_vec(vals, (t, l * h), device)?)
 }
 
 impl DrafterBackend for DflashDrafter {
@@ -211,7 +219,7 @@ impl DrafterBackend for DflashDrafter {
             &greedy,
             &spec.seq_lens,
         );
-        let ctx = context(batch)?;
+        let ctx = context(batch, self.model.device())?;
         out.gradient_mut().fill(0.0);
         // The blocks in parts, so a batch of long sequences and many anchors never holds more
         // than one part's attention graph at once.
@@ -329,8 +337,8 @@ impl DrafterBackend for DflashDrafter {
         if e.target.is_none() {
             e.target = Some(model::Decoder::load(
                 &e.model,
-                &Device::Cpu,
-                candle_core::DType::F32,
+                &e.place.device,
+                e.place.target_dtype,
             )?);
         }
         let target = e.target.as_ref().expect("loaded above");
@@ -353,20 +361,11 @@ mod tests {
 
     /// A tiny target, a config for it, and one batch of its real states.
     fn setup(dir: &Path) -> (PipelineConfig, Vec<u8>) {
-        let m = dir.join("tiny");
-        let spec = model::make::MakeSpec {
-            layers: 4,
-            vocab: 300,
-            ..Default::default()
-        };
-        model::make::make_model(&m, &spec).unwrap();
-        let mut cfg = PipelineConfig::default();
-        cfg.model.path = Some(m.clone());
-        cfg.model.layers = 2;
+        let (m, mut cfg) = crate::candle::tiny_target(dir);
         cfg.dflash.block_size = 4;
         cfg.dflash.num_anchors = 4;
         cfg.dflash.layers = Some(1);
-        crate::candle::Candle.settle(&mut cfg).unwrap();
+        crate::candle::Candle::CPU.settle(&mut cfg).unwrap();
         let target = CandleTarget::load(&m, &cfg).unwrap();
         let seq_lens = vec![12, 9];
         let ids: Vec<u32> = (0..21).map(|i| (i * 31 + 7) % 290 + 5).collect();
@@ -406,8 +405,8 @@ mod tests {
         let (cfg, buf) = setup(dir.path());
         let view = BatchView::parse(&buf).unwrap();
         let (mut a, mut b) = (
-            DflashDrafter::new(&cfg, None).unwrap(),
-            DflashDrafter::new(&cfg, None).unwrap(),
+            DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap(),
+            DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap(),
         );
         assert_eq!(a.digest(), b.digest(), "one seed, one start");
         let n = a.grad_len();
@@ -426,12 +425,12 @@ mod tests {
             assert_eq!(a.digest(), b.digest());
             assert!(st.tau.is_some_and(|t| t >= 1.0) && st.lr.is_some() && st.loss > 0.0);
         }
-        let mut c = DflashDrafter::new(&cfg, None).unwrap();
+        let mut c = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
         c.import_state(&a.export_state()).unwrap();
         assert_eq!((c.digest(), c.step(), c.opt.step), (a.digest(), 3, 3));
         let path = dir.path().join("ckpt.safetensors");
         a.save(&path).unwrap();
-        let mut d = DflashDrafter::new(&cfg, None).unwrap();
+        let mut d = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
         d.load(&path).unwrap();
         assert_eq!(d.export_state(), a.export_state());
         // The next step is the same on the restored ranks as on the original.
@@ -442,7 +441,7 @@ mod tests {
         assert_eq!(g, h);
         let mut other = cfg.clone();
         other.dflash.layers = Some(2);
-        let err = DflashDrafter::new(&other, None)
+        let err = DflashDrafter::new(&other, None, &Placement::cpu())
             .unwrap()
             .load(&path)
             .unwrap_err()

@@ -5,9 +5,8 @@
 //!   picks, driver or not, until the cuda backend is built; what every test runs on.
 //! - [`candle`]: a real HF target (`model::Decoder`) on candle, on the CPU, writing the
 //!   captured layers and greedy tokens; the drafter is DFlash ([`dflash`]).
-//! - `cuda` (later): a model on the `cuda` crate (cudarc's driver API, loaded at run time
-//!   behind a presence check, so it never panics where no driver exists), once a model library
-//!   can be built here (issue #12).
+//! - `cuda`: the same models on the worker's GPU (candle's CUDA device, the target in bf16),
+//!   in the build with `--features cuda`; other builds name it and refuse it before any work.
 //!
 //! The seam: [`target`], [`drafter`] and [`drafter_sizes`] build a backend from the config and
 //! the launcher's choice ([`BackendKind`], sent by name in the handshake). The workers hold
@@ -60,8 +59,6 @@ pub enum GpuError {
     Checkpoint { path: String, why: String },
     #[error("shape: {0}")]
     Shape(String),
-    #[error("the {0} backend is not built yet; use --backend mock")]
-    Unavailable(BackendKind),
     #[error("{0}")]
     Config(String),
     #[error(transparent)]

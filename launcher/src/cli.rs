@@ -106,9 +106,10 @@ pub struct Args {
     /// Allow a GPU in both lists (for machines with a single GPU).
     #[arg(long)]
     pub share_gpus: bool,
-    /// Compute backend. auto: candle when a model is given (--model or [model] path), else
-    /// mock; it says whether an NVIDIA driver was found (the cuda backend is not built yet).
-    /// candle: the real target on the CPU and a DFlash drafter trained on it.
+    /// Compute backend. auto: with a model (--model or [model] path), cuda when an NVIDIA
+    /// driver is found and this launcher is the CUDA build, else candle; without one, mock. It
+    /// says what it found. candle: the real target on the CPU and a DFlash drafter trained on
+    /// it. cuda: the same on each worker's GPU, the target in bf16 (scripts/build-cuda.sh).
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
     /// The target model: an HF model directory (config.json with model_type qwen3, qwen2 or

@@ -61,33 +61,45 @@ fn choose_backend_with(
     model: bool,
     probe: impl FnOnce() -> Result<String, String>,
 ) -> anyhow::Result<(BackendKind, String)> {
+    choose_backend_in(b, model, probe, BackendKind::Cuda.maker().built())
+}
+
+/// `choose_backend_with` for a build with (`cuda_built`) or without candle's CUDA device.
+fn choose_backend_in(
+    b: Backend,
+    model: bool,
+    probe: impl FnOnce() -> Result<String, String>,
+    cuda_built: bool,
+) -> anyhow::Result<(BackendKind, String)> {
     let mock = |why: &str| Ok((BackendKind::Mock, format!("mock ({why})")));
     let candle = |why: &str| Ok((BackendKind::Candle, format!("candle on the CPU ({why})")));
+    let unbuilt = "this launcher is built without CUDA (scripts/build-cuda.sh builds one)";
     match b {
         Backend::Kind(BackendKind::Mock) if model => bail!(
             "--backend mock makes up its hidden states and would ignore the model; use --backend candle (or auto) to run it"
         ),
         Backend::Kind(BackendKind::Mock) => mock("requested"),
-        Backend::Kind(BackendKind::Candle) if !model => bail!(
-            "--backend candle runs a real model: name its HF directory with --model DIR (`launcher make-model DIR` makes a tiny one)"
+        Backend::Kind(k @ (BackendKind::Candle | BackendKind::Cuda)) if !model => bail!(
+            "--backend {k} runs a real model: name its HF directory with --model DIR (`launcher make-model DIR` makes a tiny one)"
         ),
         Backend::Kind(BackendKind::Candle) => candle("requested"),
-        Backend::Auto => {
-            let found = match probe() {
-                Err(why) => why,
-                Ok(found) => format!("found an {found}, but the cuda backend is not built yet"),
-            };
-            if model {
-                candle(&format!("a model is given; {found}"))
-            } else {
-                mock(&found)
-            }
-        }
-        // A device backend: the driver must be there, and the backend built.
-        Backend::Kind(k) => match probe() {
-            Err(why) => bail!("--backend {k}: {why}; use --backend mock"),
-            Ok(found) if !k.maker().built() => bail!(
-                "--backend {k}: found an {found}, but the {k} backend is not built yet; use --backend mock"
+        Backend::Auto => match (probe(), model) {
+            (Ok(found), true) if cuda_built => Ok((
+                BackendKind::Cuda,
+                format!("cuda (a model is given; found an {found})"),
+            )),
+            (Ok(found), true) => candle(&format!("a model is given; found an {found}, but {unbuilt}")),
+            (Ok(found), false) => mock(&format!(
+                "found an {found}; no model is given (--model DIR runs one on the GPUs)"
+            )),
+            (Err(why), true) => candle(&format!("a model is given; {why}")),
+            (Err(why), false) => mock(&why),
+        },
+        // The GPU backend: the driver must be there, and the build must have CUDA.
+        Backend::Kind(k @ BackendKind::Cuda) => match probe() {
+            Err(why) => bail!("--backend {k}: {why}; use --backend candle to run the model on the CPU"),
+            Ok(found) if !cuda_built => bail!(
+                "--backend {k}: found an {found}, but {unbuilt}; or use --backend candle"
             ),
             Ok(found) => Ok((k, format!("{k} ({found})"))),
         },
@@ -279,32 +291,59 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
 mod backend_tests {
     use super::*;
 
-    /// `auto` says what it found and uses the mock; `cuda` is a clear error either way; the
-    /// words name the library that was missing.
+    /// `auto` says what it found; with a model it takes the GPU exactly when there is a driver
+    /// and the build has CUDA, else candle on the CPU, saying why; `cuda` is a clear error
+    /// without either; the words name the library that was missing.
     #[test]
     fn auto_says_what_it_found_and_cuda_is_a_clear_error() {
         let none = || Err("no CUDA driver: cannot load /x/libcuda.so.1 (not found)".to_string());
         let gpu = || Ok("NVIDIA driver for CUDA 13.0 with 8 GPUs".to_string());
-        let (k, why) = choose_backend_with(Backend::Auto, false, none).unwrap();
-        assert_eq!(k, BackendKind::Mock);
-        assert!(why.contains("/x/libcuda.so.1"), "{why}");
-        let (k, why) = choose_backend_with(Backend::Auto, false, gpu).unwrap();
-        assert_eq!(k, BackendKind::Mock);
+        for built in [false, true] {
+            let (k, why) = choose_backend_in(Backend::Auto, false, none, built).unwrap();
+            assert_eq!(k, BackendKind::Mock);
+            assert!(why.contains("/x/libcuda.so.1"), "{why}");
+            let (k, why) = choose_backend_in(Backend::Auto, false, gpu, built).unwrap();
+            assert_eq!(k, BackendKind::Mock);
+            assert!(
+                why.contains("CUDA 13.0 with 8 GPUs") && why.contains("--model"),
+                "{why}"
+            );
+            let (k, why) = choose_backend_in(Backend::Auto, true, none, built).unwrap();
+            assert_eq!(k, BackendKind::Candle);
+            assert!(why.contains("/x/libcuda.so.1"), "{why}");
+            let e = choose_backend_in(Backend::Kind(BackendKind::Cuda), true, none, built)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("/x/libcuda.so.1") && e.contains("--backend candle"),
+                "{e}"
+            );
+            let e = choose_backend_in(Backend::Kind(BackendKind::Cuda), false, gpu, built)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--model DIR"), "{e}");
+        }
+        let (k, why) = choose_backend_in(Backend::Auto, true, gpu, false).unwrap();
+        assert_eq!(k, BackendKind::Candle);
         assert!(
-            why.contains("CUDA 13.0 with 8 GPUs") && why.contains("not built"),
+            why.contains("8 GPUs") && why.contains("build-cuda.sh"),
             "{why}"
         );
-        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), false, none)
+        let (k, why) = choose_backend_in(Backend::Auto, true, gpu, true).unwrap();
+        assert_eq!(
+            (k, why.contains("8 GPUs")),
+            (BackendKind::Cuda, true),
+            "{why}"
+        );
+        let e = choose_backend_in(Backend::Kind(BackendKind::Cuda), true, gpu, false)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("/x/libcuda.so.1") && e.contains("--backend mock"),
+            e.contains("built without CUDA") && e.contains("build-cuda.sh"),
             "{e}"
         );
-        let e = choose_backend_with(Backend::Kind(BackendKind::Cuda), false, gpu)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("not built yet"), "{e}");
+        let (k, _) = choose_backend_in(Backend::Kind(BackendKind::Cuda), true, gpu, true).unwrap();
+        assert_eq!(k, BackendKind::Cuda);
         assert_eq!(
             choose_backend_with(Backend::Kind(BackendKind::Mock), false, gpu)
                 .unwrap()

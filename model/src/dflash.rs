@@ -450,7 +450,8 @@ impl Dflash {
         })
     }
 
-    fn device(&self) -> &Device {
+    /// The device the drafter computes on (its frozen embedding's).
+    pub fn device(&self) -> &Device {
         self.frozen.embed.device()
     }
 

@@ -27,6 +27,8 @@ pub struct Weights {
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
+    /// Made up instead of read (`Weights::random`): the speed benchmarks' large shapes.
+    random: bool,
 }
 
 impl Weights {
@@ -124,16 +126,43 @@ impl Weights {
             index,
             device: device.clone(),
             dtype,
+            random: false,
         })
+    }
+
+    /// Weights of any shape asked for, made on `device` (nothing read): normal with standard
+    /// deviation 0.02 (HF's initializer range), ones for the norms. For measuring speed at a
+    /// real model's size without a checkpoint (a Qwen3-8B shape on a GPU machine that cannot
+    /// download one); seed the device (`Device::set_seed`) for repeatable values.
+    pub fn random(device: &Device, dtype: DType) -> Weights {
+        Weights {
+            dir: PathBuf::from("<random>"),
+            files: Vec::new(),
+            index: HashMap::new(),
+            device: device.clone(),
+            dtype,
+            random: true,
+        }
     }
 
     /// Whether the files hold tensor `name`.
     pub fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.random || self.index.contains_key(name)
     }
 
     /// Tensor `name`, which must have shape `shape`, in the compute dtype on the device.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        if self.random {
+            let made = if name.ends_with("norm.weight") {
+                Tensor::ones(shape, self.dtype, &self.device)
+            } else {
+                Tensor::randn(0f32, 0.02, shape, &self.device).and_then(|t| t.to_dtype(self.dtype))
+            };
+            return made.map_err(|e| ModelError::Weights {
+                file: self.dir.clone(),
+                why: format!("making tensor {name} {shape:?}: {e}"),
+            });
+        }
         let Some(&i) = self.index.get(name) else {
             return Err(ModelError::Missing {
                 dir: self.dir.clone(),

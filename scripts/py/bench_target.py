@@ -9,18 +9,27 @@ position (argmax of the LM head). Prints each round and the medians and ratios o
 
     .venv-bench/bin/python scripts/py/bench_target.py --model /tmp/mid --threads 2 --rounds 5
 
+On a GPU (`--device cuda`, the GPU machine's python3 and the CUDA build's bench-target): both
+compute in bf16 and both copy the captured states and greedy tokens to the host, so the work
+is the same as the worker's. `--random` makes both models' weights on the device from the
+directory's config.json alone (`scripts/shapes/qwen3-8b`: nothing downloaded):
+
+    python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
+        --bin target/cuda/release/bench-target --shapes 2048x4 --rounds 3
+
 torch comes from PyPI into a benchmark venv (`scripts/bench-target.sh` makes it); CI never
 needs it.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def layer_ids(n_layers, n_draft=5):
@@ -38,10 +47,25 @@ def torch_rate(model, ids, reps, capture):
             states = torch.stack([out.hidden_states[i + 1] for i in capture], dim=2)
             states = states.to(torch.bfloat16).contiguous()
             greedy = out.logits.argmax(-1)
+            if ids.is_cuda:
+                # What the worker does with them: into host memory (this also waits for the GPU).
+                states, greedy = states.cpu(), greedy.cpu()
             _ = (states.sum(), greedy.sum())
             if rep > 0:
                 times.append(time.perf_counter() - t0)
     return ids.numel() / statistics.median(times)
+
+
+def load(a, impl):
+    if not a.random:
+        dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+        m = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation=impl)
+        return m.to(a.device).eval()
+    cfg = AutoConfig.from_pretrained(a.model)
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=impl)
+    return m.eval()
 
 
 def main():
@@ -52,22 +76,24 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shapes", default="512x8,1024x4,2048x2", help="seq_len x batch, comma-separated")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--random", action="store_true", help="weights made on the device from config.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    models = {
-        impl: AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation=impl).eval()
-        for impl in ("eager", "sdpa")
-    }
+    models = {impl: load(a, impl) for impl in ("eager", "sdpa")}
     capture = layer_ids(models["eager"].config.num_hidden_layers)
     vocab = models["eager"].config.vocab_size
     env = {"RAYON_NUM_THREADS": str(a.threads), "PATH": "/usr/bin:/bin"}
+    if "LD_LIBRARY_PATH" in os.environ:  # the CUDA build's libraries (scripts/cuda-env.sh)
+        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+    extra = (["--device", a.device] if a.device != "cpu" else []) + (["--random"] if a.random else [])
     for shape in a.shapes.split(","):
         seq, batch = (int(x) for x in shape.split("x"))
-        ids = torch.arange(seq * batch).mul(7919).remainder(vocab).reshape(batch, seq)
+        ids = torch.arange(seq * batch).mul(7919).remainder(vocab).reshape(batch, seq).to(a.device)
         rates = {"hspipe": [], "eager": [], "sdpa": []}
         for r in range(a.rounds):
             out = subprocess.run(
-                [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)],
+                [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)] + extra,
                 check=True, capture_output=True, text=True, env=env,
             ).stdout
             rates["hspipe"].append(json.loads(out)["tokens_per_s"])
@@ -77,7 +103,7 @@ def main():
         med = {k: statistics.median(v) for k, v in rates.items()}
         ratio = {k: statistics.median(h / t for h, t in zip(rates["hspipe"], rates[k])) for k in ("eager", "sdpa")}
         print(json.dumps({
-            "shape": shape, "threads": a.threads,
+            "shape": shape, "threads": a.threads, "device": a.device,
             "tokens_per_s_median": {k: round(v, 1) for k, v in med.items()},
             "hspipe_over_eager": round(ratio["eager"], 3),
             "hspipe_over_sdpa": round(ratio["sdpa"], 3),

@@ -90,3 +90,45 @@ fn gpu_check_help_says_how_the_libraries_are_found() {
     assert!(help.contains("LD_LIBRARY_PATH"), "{help}");
     assert!(help.contains("HSPIPE_LIBCUDA"), "{help}");
 }
+
+/// The device check's end-to-end step, run on the CPU as CI can (the candle backend; the GPU
+/// machine runs it with `--backend cuda`): the tiny model is made, one target and one drafter
+/// share one "GPU", and `e2e_check.py` finds every batch trained once and the loss falling. A
+/// broken step (a flag the launcher no longer takes, a summary field renamed, a loss that
+/// does not fall on the step's config) fails here before it wastes a GPU machine's minutes.
+#[test]
+fn gpu_check_e2e_step_trains_the_tiny_model_once_per_batch_and_the_loss_falls() {
+    let _shared = crate::support::stale_segments_shared();
+    let dir = crate::support::TestDir::new("gpu-check-e2e");
+    let launcher = workspace_bin("launcher");
+    let bins = std::path::Path::new(&launcher).parent().unwrap();
+    let script = repo_root().join("scripts/gpu-check.sh");
+    let out = crate::support::spawn(
+        "/usr/bin/env",
+        &[
+            "GPU_CHECK_STEPS=e2e",
+            "GPU_CHECK_BACKEND=candle",
+            &format!("HSPIPE_BIN={}", bins.display()),
+            &format!("GPU_CHECK_OUT={}", dir.path("out").display()),
+            script.to_str().unwrap(),
+        ],
+    )
+    .watchdog(std::time::Duration::from_secs(600))
+    .finish();
+    assert!(out.contains("e2e: ok"), "{out}");
+    assert!(out.contains("gpu-check: every step passed (e2e)"), "{out}");
+    let figures: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("out").join("e2e.json")).unwrap())
+            .unwrap();
+    assert_eq!(figures["ok"], true, "{figures}");
+    assert!(
+        figures["backend"].as_str().unwrap().starts_with("candle"),
+        "{figures}"
+    );
+    assert_eq!(figures["batches_trained"], figures["batches_total"]);
+    let (first, last) = (
+        figures["loss_first_fifth"].as_f64().unwrap(),
+        figures["loss_last_fifth"].as_f64().unwrap(),
+    );
+    assert!(last < first, "loss {first} -> {last}");
+}

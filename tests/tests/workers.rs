@@ -284,7 +284,8 @@ fn bad_inputs_give_clear_errors() {
         "hspipe-nope",
     );
 
-    // A backend that is not built: a clear error from either worker before it takes work.
+    // A backend this build lacks (the default build has no CUDA device): a clear error from
+    // either worker before it takes work, saying how to get it.
     for bin in [TARGET, DRAFTER] {
         let out = run_bin(
             bin,
@@ -299,7 +300,7 @@ fn bad_inputs_give_clear_errors() {
                 "cuda",
             ],
         );
-        assert_error(&out, "the cuda backend is not built yet");
+        assert_error(&out, "scripts/build-cuda.sh");
     }
 
     // A config field that does not exist.

@@ -5,6 +5,10 @@
 //! `RAYON_NUM_THREADS`. `scripts/py/bench_target.py` runs this beside PyTorch.
 //!
 //!   bench-target --model mid --seq-len 1024 --batch 4 --reps 3
+//!
+//! On a GPU (the CUDA build, `--device cuda`) the target computes in bf16, as the cuda backend's
+//! does. `--random DIR` takes only DIR's `config.json` and makes the weights on the device (a
+//! Qwen3-8B shape, `scripts/shapes/qwen3-8b`, on a machine that cannot download one).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -16,9 +20,15 @@ use proto::PipelineConfig;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// The HF model directory.
+    /// The HF model directory (with --random, only its config.json is read).
     #[arg(long)]
     model: PathBuf,
+    /// Weights made up on the device (normal, std 0.02; norms ones) instead of read.
+    #[arg(long)]
+    random: bool,
+    /// Where the target computes: cpu (f32) or cuda (bf16, the CUDA build).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     /// Tokens of each sequence.
     #[arg(long)]
     seq_len: u32,
@@ -37,8 +47,17 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let mut cfg = PipelineConfig::default();
     cfg.model.path = Some(a.model.clone());
-    gpu::settle(gpu::BackendKind::Candle, &mut cfg)?;
-    let target = CandleTarget::load(&a.model, &cfg).context("loading the model")?;
+    let kind = match a.device.as_str() {
+        "cuda" => gpu::BackendKind::Cuda,
+        _ => gpu::BackendKind::Candle,
+    };
+    gpu::settle(kind, &mut cfg)?;
+    let place = gpu::candle::Placement::of(kind)?;
+    let target = if a.random {
+        CandleTarget::random(&a.model, &cfg, &place).context("making the model")?
+    } else {
+        CandleTarget::load_at(&a.model, &cfg, &place).context("loading the model")?
+    };
     let vocab = target.decoder().config().vocab_size as u64;
     let t = (a.seq_len * a.batch) as usize;
     let ids: Vec<u32> = (0..t as u64)
@@ -63,7 +82,8 @@ fn main() -> anyhow::Result<()> {
     secs.sort_by(f64::total_cmp);
     let median = secs[secs.len() / 2];
     println!(
-        "{{\"impl\": \"hspipe-candle\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
+        "{{\"impl\": \"hspipe-candle-{}\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
+        a.device,
         a.seq_len,
         a.batch,
         t as f64 / median
