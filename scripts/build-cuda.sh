@@ -11,13 +11,15 @@
 # target/cuda/release when the binaries are not there.
 #
 # Build time: nvcc 13.0 and CUDA's headers from PyPI (scripts/cuda-toolkit.sh, ~45 MB, cached in
-# target/cuda-13.0). The kernels are compiled for the H200's architecture (CUDA_COMPUTE_CAP=90,
-# sm_90; set it for another GPU), and candle's PTX is made by CUDA 13.0, which the GPU
-# machines' driver (580, CUDA 13.0) loads.
+# target/cuda-13.0). The kernels are compiled for the H200's architecture (CUDA_COMPUTE_CAP=90;
+# candle's build makes it sm_90a, so the binary runs on Hopper GPUs only: set it for another
+# GPU), and candle's PTX is made by CUDA 13.0, which the GPU machines' driver (580) loads.
 #
-# Run time, on the GPU machine (no Rust there): the binaries need libcuda.so.1 (the driver),
-# libcudart.so.13, libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13 and
-# libnccl.so.2. PyTorch's CUDA 13 wheels install every one but the driver's under
+# Run time, on the GPU machine (no Rust there): the launcher and bench-target need libcuda.so.1
+# (the driver), libcudart.so.13, libcublas.so.13 and libcurand.so.10; gpu-check needs
+# libcuda.so.1, libcudart.so.13 and libnccl.so.2 (the linker keeps only the libraries a binary
+# calls; cuBLASLt and NVRTC are linked by candle but not kept). Without the driver none of them
+# starts. PyTorch's CUDA 13 wheels install every one but the driver's under
 # site-packages/nvidia/*/lib; `source scripts/cuda-env.sh` puts those directories on
 # LD_LIBRARY_PATH (and says which library is missing, if one is). `ldd` on a binary lists them.
 set -euo pipefail

@@ -56,10 +56,16 @@ ln -sf libcudart.so.13 "$home/lib/libcudart.so"
 
 # The stubs: one shared library per linked library, every `pub unsafe fn` of cudarc's bindings
 # for it as an empty function (never called: never loaded).
-cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -1)
-if [ -z "$cudarc" ]; then
-    cargo fetch -q
-    cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* | sort -V | tail -1)
+# The cudarc the lock file names (cargo fetches it if needed), not the newest one on disk.
+cudarc=$(cargo metadata --format-version 1 --locked 2>/dev/null | python3 -c '
+import json, os, sys
+for p in json.load(sys.stdin)["packages"]:
+    if p["name"] == "cudarc":
+        print(os.path.dirname(p["manifest_path"]))
+        break')
+if [ ! -f "$cudarc/src/driver/sys/mod.rs" ]; then
+    echo "error: could not find cudarc's sources through cargo metadata (got \"$cudarc\")" >&2
+    exit 1
 fi
 stubs=$home/lib/stubs
 mkdir -p "$stubs"

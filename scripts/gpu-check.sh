@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The device check, one command for a machine with an NVIDIA GPU and driver, in under 8 minutes
 # on one GPU:
-#   scripts/gpu-check.sh [gpu-check flags, e.g. --device 1 --slot-mib 512]
+#   scripts/gpu-check.sh [gpu-check flags, e.g. --device 1 --slot-mib 512: the data step's;
+#                         --json is set here. The e2e and speed steps use GPU 0, so pick another
+#                         with CUDA_VISIBLE_DEVICES]
 # Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU
-# (nothing checked). Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
+# (nothing checked), 64 a usage error of gpu-check's flags. Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
 # target/gpu-check/).
 #
 # Steps (GPU_CHECK_STEPS, default "data e2e speed"):
@@ -13,7 +15,8 @@
 #          the target's write-back loop, NCCL one-rank.
 #   e2e    the tiny real model end to end: `launcher make-model` (2 layers), then 1 target and 1
 #          drafter sharing GPU 0 (`--share-gpus --backend cuda`); every batch trained once, the
-#          loss falls, each worker's phase shares printed (scripts/py/e2e_check.py).
+#          loss falls, each worker's items, tokens and busy share printed
+#          (scripts/py/e2e_check.py).
 #   speed  a random-initialised Qwen3-8B-shaped target in bf16 (scripts/shapes/qwen3-8b,
 #          weights made on the device): our forward + capture tokens/s beside HF transformers'
 #          forward with output_hidden_states, same GPU, interleaved (scripts/py/bench_target.py;
@@ -34,20 +37,33 @@ bins=${HSPIPE_BIN:-target/cuda/release}
 out=${GPU_CHECK_OUT:-target/gpu-check}
 mkdir -p "$out"
 failed=()
+# A wedged run must not outlast a GPU machine's command limit: the launcher gets 5 minutes (it
+# stops its workers and removes its ring on the SIGTERM).
+limit=""
+command -v timeout >/dev/null && limit="timeout 300"
 step() { echo; echo "=== $1 ($(date +%T))"; }
 
 if [ "$backend" = cuda ]; then
+    # shellcheck source=scripts/cuda-env.sh
+    source scripts/cuda-env.sh
+    # The CUDA build links the driver: without it no binary of it starts.
+    if [ -z "${GPU_CHECK_BIN:-}" ] && [[ " $HSPIPE_CUDA_MISSING " == *" libcuda.so.1 "* ]]; then
+        echo "gpu-check: no NVIDIA driver (libcuda.so.1 is not on the loader's path): nothing to check on this machine" >&2
+        exit 2
+    fi
     bundle=target/cuda/carry/hspipe-cuda.tar.xz
-    if [ ! -x "$bins/launcher" ] && [ -z "${GPU_CHECK_BIN:-}" ]; then
+    if [ -z "${GPU_CHECK_BIN:-}" ] &&
+        { [ ! -x "$bins/launcher" ] || { [ -f "$bundle" ] && [ "$bundle" -nt "$bins/launcher" ]; }; }; then
         if [ -f "$bundle" ]; then
+            # A newer bundle replaces binaries left by an earlier call (tar keeps the files' own
+            # older times, so touch them).
             echo "== unpacking $bundle into $bins"
-            mkdir -p "$bins" && tar -C "$bins" -xJf "$bundle"
+            mkdir -p "$bins" && tar -C "$bins" -xJf "$bundle" &&
+                touch "$bins/launcher" "$bins/gpu-check" "$bins/bench-target"
         elif command -v cargo >/dev/null; then
             scripts/build-cuda.sh
         fi
     fi
-    # shellcheck source=scripts/cuda-env.sh
-    source scripts/cuda-env.sh || exit 2
 fi
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
@@ -60,8 +76,14 @@ for s in $steps; do
         bin=${GPU_CHECK_BIN:-$bins/gpu-check}
         rc=0
         "$bin" --json "$out/gpu-check.json" "$@" || rc=$?
-        # No driver or device: nothing else can be checked either.
+        # No driver or device: nothing else can be checked either. 127: the loader could not
+        # start it (a library of the CUDA build missing; cuda-env said which).
         [ $rc -eq 2 ] && exit 2
+        [ $rc -eq 64 ] && exit 64
+        if [ $rc -eq 127 ]; then
+            echo "gpu-check: $bin could not start (a run-time library is missing): nothing checked" >&2
+            exit 2
+        fi
         [ $rc -eq 0 ] || failed+=("data (gpu-check exit $rc)")
         ;;
     e2e)
@@ -70,7 +92,7 @@ for s in $steps; do
         rc=0
         {
             "$bins/launcher" make-model "$work/tiny" --layers 2 --seed 3 &&
-                "$bins/launcher" --targets 0 --drafters 0 --share-gpus --backend "$backend" \
+                $limit "$bins/launcher" --targets 0 --drafters 0 --share-gpus --backend "$backend" \
                     --model "$work/tiny" --config scripts/gpu-check-e2e.toml \
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
@@ -83,7 +105,7 @@ for s in $steps; do
         rc=0
         python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
             --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 \
-            | tee "$out/speed.jsonl" || rc=$?
+            | tee "$out/speed.log" || rc=$?
         [ $rc -eq 0 ] || failed+=("speed (exit $rc)")
         echo "not measured yet: one DFlash drafter step (5 layers, block 16, 512 anchors) against the same step in torch (no torch version of the step is written)"
         ;;

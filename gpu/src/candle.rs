@@ -38,6 +38,9 @@ impl Candle {
     }
 }
 
+/// Elements of one block of attention scores or LM-head logits on a GPU.
+const GPU_BLOCK: usize = 1 << 28;
+
 /// Where a backend's models compute, and the target's compute dtype. The drafter trains in f32
 /// wherever it is (its masters and moments are f32; bf16 weights would be its own design).
 #[derive(Clone, Debug)]
@@ -68,6 +71,17 @@ impl Placement {
             device: Device::new_cuda(0)?,
             target_dtype: DType::BF16,
         })
+    }
+
+    /// On a GPU, blocks of attention scores and LM-head logits of 256M elements (1 GiB in f32)
+    /// instead of the CPU's cache-sized ones: an 8B model's 1.2 GB head would otherwise be read
+    /// again by each of ~75 chunks of a 8k-token batch, and attention be thousands of small
+    /// kernels.
+    fn size_blocks(&self, decoder: &mut Decoder) {
+        if !self.device.is_cpu() {
+            decoder.set_score_block(GPU_BLOCK);
+            decoder.set_logit_chunk(GPU_BLOCK);
+        }
     }
 
     /// Where `kind`'s models go: [`Placement::gpu`] for `cuda`, else the CPU.
@@ -154,7 +168,9 @@ impl Maker for Candle {
             Some(_) => self.place()?,
             None => Placement::cpu(),
         };
-        Ok(Box::new(crate::dflash::DflashDrafter::new(cfg, name, &place)?))
+        Ok(Box::new(crate::dflash::DflashDrafter::new(
+            cfg, name, &place,
+        )?))
     }
 
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
@@ -200,7 +216,8 @@ impl CandleTarget {
         cfg: &PipelineConfig,
         place: &Placement,
     ) -> Result<CandleTarget, GpuError> {
-        let decoder = Decoder::load(dir, &place.device, place.target_dtype)?;
+        let mut decoder = Decoder::load(dir, &place.device, place.target_dtype)?;
+        place.size_blocks(&mut decoder);
         let arch = decoder.config();
         let layers = layer_ids(cfg, arch)?;
         if arch.hidden_size != cfg.model.hidden as usize
@@ -232,7 +249,8 @@ impl CandleTarget {
     ) -> Result<CandleTarget, GpuError> {
         let arch = ArchConfig::load(dir)?;
         let w = model::weights::Weights::random(&place.device, place.target_dtype);
-        let decoder = Decoder::from_weights(arch, &w)?;
+        let mut decoder = Decoder::from_weights(arch, &w)?;
+        place.size_blocks(&mut decoder);
         let layers = layer_ids(cfg, decoder.config())?;
         Ok(CandleTarget {
             decoder,
@@ -309,11 +327,10 @@ impl TargetBackend for CandleTarget {
 /// the host once (on a GPU, one device-to-host copy instead of one per layer and a scatter on
 /// the CPU).
 fn write_stacked(layers: &[Tensor], dtype: Dtype, out: &mut [u8]) -> Result<(), GpuError> {
-    fn put<const N: usize>(vals: impl Iterator<Item = [u8; N]>, out: &mut [u8]) {
-        for (dst, v) in out.chunks_exact_mut(N).zip(vals) {
-            dst.copy_from_slice(&v);
-        }
-    }
+    // The slot's elements are little-endian, as this machine's are (x86-64, aarch64): one
+    // memcpy of the host copy's bytes, not a loop over hundreds of millions of elements.
+    const _: () = assert!(cfg!(target_endian = "little"));
+    use zerocopy::IntoBytes;
     let flat = Tensor::stack(layers, 1)?.flatten_all()?;
     let want = flat.elem_count() * dtype.size();
     if out.len() != want {
@@ -323,26 +340,16 @@ fn write_stacked(layers: &[Tensor], dtype: Dtype, out: &mut [u8]) -> Result<(), 
         });
     }
     match dtype {
-        Dtype::F32 => put(
-            flat.to_dtype(DType::F32)?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(f32::to_le_bytes),
-            out,
-        ),
-        Dtype::Bf16 => put(
+        Dtype::F32 => out.copy_from_slice(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.as_bytes()),
+        Dtype::Bf16 => out.copy_from_slice(
             flat.to_dtype(DType::BF16)?
                 .to_vec1::<half::bf16>()?
-                .into_iter()
-                .map(half::bf16::to_le_bytes),
-            out,
+                .as_bytes(),
         ),
-        Dtype::F16 => put(
+        Dtype::F16 => out.copy_from_slice(
             flat.to_dtype(DType::F16)?
                 .to_vec1::<half::f16>()?
-                .into_iter()
-                .map(half::f16::to_le_bytes),
-            out,
+                .as_bytes(),
         ),
     }
     Ok(())

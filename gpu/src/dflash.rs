@@ -397,6 +397,26 @@ mod tests {
 
     use crate::Maker;
 
+    /// The leader's evaluation runs its target where the drafter is, in the target's dtype
+    /// there (bf16 on a GPU); the states it gives the drafter are f32 whatever the target
+    /// computes in (a bf16 target's states into the drafter's f32 weights was a dtype error,
+    /// logged and so never reported on a GPU).
+    #[test]
+    fn the_evaluation_decodes_with_a_bf16_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cfg, _) = setup(dir.path());
+        cfg.dflash.eval_every = 1;
+        cfg.dflash.eval_prompts = 2;
+        cfg.dflash.eval_new_tokens = 6;
+        let place = Placement {
+            device: Device::Cpu,
+            target_dtype: candle_core::DType::BF16,
+        };
+        let mut d = DflashDrafter::new(&cfg, None, &place).unwrap();
+        let tau = d.evaluate().unwrap().expect("an evaluation");
+        assert!((1.0..=cfg.dflash.block_size as f32).contains(&tau), "{tau}");
+    }
+
     /// Two ranks applying one summed buffer stay bitwise equal; the state hand-over and the
     /// checkpoint reproduce a rank exactly; another shape's checkpoint is refused by name.
     #[test]

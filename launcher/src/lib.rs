@@ -36,7 +36,7 @@ pub use crate::spawn::name_process;
 /// 8 GPUs"), or why it has none. Loads the driver through the `cuda` crate (its presence
 /// check comes before cudarc's first call, which would panic where no driver exists; the
 /// launcher creates no context).
-fn probe_driver() -> Result<String, String> {
+fn probe_driver() -> Result<(String, u32), String> {
     let d = cuda::Driver::load().map_err(|e| match e {
         // The reason names what the loader was asked for and where a driver is looked for.
         cuda::CudaError::NoDriver { why } => format!("no NVIDIA driver: {why}"),
@@ -44,14 +44,29 @@ fn probe_driver() -> Result<String, String> {
     })?;
     let (major, minor) = d.version();
     let n = d.device_count().map_err(|e| e.to_string())?;
-    Ok(format!(
-        "NVIDIA driver for CUDA {major}.{minor} with {n} GPUs"
+    Ok((
+        format!("NVIDIA driver for CUDA {major}.{minor} with {n} GPUs"),
+        n,
     ))
 }
 
-/// The backend the workers build, and why, for the run's first line.
-fn choose_backend(b: Backend, model: bool) -> anyhow::Result<(BackendKind, String)> {
-    choose_backend_with(b, model, probe_driver)
+/// A probe's finding, refused when the machine has fewer GPUs than the lists name (`need`: the
+/// highest listed GPU + 1): workers on GPUs that do not exist would each fail.
+fn enough_gpus(found: Result<(String, u32), String>, need: u32) -> Result<String, String> {
+    let (words, n) = found?;
+    if n < need {
+        return Err(format!(
+            "found an {words}, but the GPU lists name GPU {}",
+            need - 1
+        ));
+    }
+    Ok(words)
+}
+
+/// The backend the workers build, and why, for the run's first line. `need`: the highest GPU
+/// the lists name, + 1.
+fn choose_backend(b: Backend, model: bool, need: u32) -> anyhow::Result<(BackendKind, String)> {
+    choose_backend_with(b, model, || enough_gpus(probe_driver(), need))
 }
 
 /// `probe` runs only for `auto` and `cuda`: with `--backend mock` the launcher never loads or
@@ -171,7 +186,13 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     if let Some(m) = &args.model {
         cfg.model.path = Some(m.clone());
     }
-    let backend = choose_backend(args.backend, cfg.model.path.is_some())?;
+    let need = gpus
+        .targets
+        .iter()
+        .chain(&gpus.drafters)
+        .max()
+        .map_or(0, |g| g + 1);
+    let backend = choose_backend(args.backend, cfg.model.path.is_some(), need)?;
     // The model fixes the hidden size and captured layers the ring is sized for.
     gpu::settle(backend.0, &mut cfg).context("loading the model's config")?;
     cfg.validate().context("checking the config")?;
@@ -352,6 +373,24 @@ mod backend_tests {
         );
     }
 
+    /// A machine with fewer GPUs than the lists name is no machine for the cuda backend: auto
+    /// keeps to the CPU saying why, and `--backend cuda` refuses (the probe's words either way).
+    #[test]
+    fn too_few_gpus_for_the_lists_is_said_and_auto_stays_on_the_cpu() {
+        let two = || Ok(("NVIDIA driver for CUDA 13.0 with 2 GPUs".to_string(), 2));
+        assert_eq!(enough_gpus(two(), 2).unwrap(), two().unwrap().0);
+        let e = enough_gpus(two(), 6).unwrap_err();
+        assert!(e.contains("with 2 GPUs") && e.contains("name GPU 5"), "{e}");
+        let short = || enough_gpus(two(), 6);
+        let (k, why) = choose_backend_in(Backend::Auto, true, short, true).unwrap();
+        assert_eq!(k, BackendKind::Candle);
+        assert!(why.contains("name GPU 5"), "{why}");
+        let e = choose_backend_in(Backend::Kind(BackendKind::Cuda), true, short, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("name GPU 5"), "{e}");
+    }
+
     /// A model makes auto take candle; candle without a model, or the mock with one, is a
     /// clear error before anything starts.
     #[test]
@@ -381,13 +420,10 @@ mod backend_tests {
     #[test]
     fn probing_the_driver_names_the_missing_library_or_the_drivers_version() {
         match (probe_driver(), cuda::Driver::load()) {
-            (Ok(found), Ok(d)) => {
+            (Ok((found, n)), Ok(d)) => {
                 let (major, minor) = d.version();
-                let want = format!("NVIDIA driver for CUDA {major}.{minor} with ");
-                assert!(
-                    found.starts_with(&want) && found.ends_with(" GPUs"),
-                    "{found}"
-                );
+                let want = format!("NVIDIA driver for CUDA {major}.{minor} with {n} GPUs");
+                assert_eq!(found, want);
             }
             (Err(why), Err(cuda::CudaError::NoDriver { .. })) => assert!(
                 why.starts_with("no NVIDIA driver: ")
@@ -397,7 +433,9 @@ mod backend_tests {
             ),
             // A driver that is there but refused (too old, not a driver): the refusal's words.
             (Err(why), Err(e)) => assert_eq!(why, e.to_string()),
-            (Ok(found), Err(e)) => panic!("the probe found {found:?} where no driver loads: {e}"),
+            (Ok((found, _)), Err(e)) => {
+                panic!("the probe found {found:?} where no driver loads: {e}")
+            }
             // The driver loads but cannot count its devices: the error says which call failed.
             (Err(why), Ok(_)) => assert!(why.contains("cuDeviceGetCount"), "{why}"),
         }

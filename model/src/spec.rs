@@ -7,7 +7,7 @@
 //! to keep equal to the first. The output is, by construction, the target's greedy decoding;
 //! [`greedy`] computes that directly so a caller can check it token for token.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::dflash::{Dflash, SeqBlocks};
 use crate::{Decoder, ModelError, Need, Result};
@@ -38,8 +38,9 @@ fn target_pass(
             tokens: true,
         },
     )?;
+    // The drafter conditions on f32 states, whatever the target computes in (bf16 on a GPU).
     let ctx = (!layers.is_empty())
-        .then(|| Tensor::cat(&out.layers, 1))
+        .then(|| Tensor::cat(&out.layers, 1).and_then(|c| c.to_dtype(DType::F32)))
         .transpose()?;
     let tokens = out
         .tokens

@@ -84,8 +84,11 @@ def main():
     capture = layer_ids(models["eager"].config.num_hidden_layers)
     vocab = models["eager"].config.vocab_size
     env = {"RAYON_NUM_THREADS": str(a.threads), "PATH": "/usr/bin:/bin"}
-    if "LD_LIBRARY_PATH" in os.environ:  # the CUDA build's libraries (scripts/cuda-env.sh)
-        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+    # The CUDA build's libraries (scripts/cuda-env.sh), the same GPU as torch's, and HOME for
+    # the driver's PTX cache.
+    for k in ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME"):
+        if k in os.environ:
+            env[k] = os.environ[k]
     extra = (["--device", a.device] if a.device != "cpu" else []) + (["--random"] if a.random else [])
     for shape in a.shapes.split(","):
         seq, batch = (int(x) for x in shape.split("x"))

@@ -132,3 +132,32 @@ fn gpu_check_e2e_step_trains_the_tiny_model_once_per_batch_and_the_loss_falls() 
     );
     assert!(last < first, "loss {first} -> {last}");
 }
+
+/// The CUDA build links the driver, so on a machine without one none of its binaries can
+/// start: the script says so and exits 2 ("nothing checked") before it builds, unpacks or runs
+/// anything, rather than failing the data step with the loader's exit 127.
+#[test]
+fn gpu_check_of_the_cuda_build_without_a_driver_exits_2_before_building_anything() {
+    if cuda::Driver::load().is_ok() {
+        // A machine with a driver goes on to the checks themselves; nothing to see here.
+        return;
+    }
+    let dir = crate::support::TestDir::new("gpu-check-nodriver");
+    let bins = dir.path("bin");
+    let script = repo_root().join("scripts/gpu-check.sh");
+    let out = Command::new(&script)
+        .env_remove("GPU_CHECK_BIN")
+        .env_remove("GPU_CHECK_BACKEND")
+        .env("HSPIPE_BIN", &bins)
+        .env("GPU_CHECK_OUT", dir.path("out"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(
+        err.contains("no NVIDIA driver") && err.contains("libcuda.so.1"),
+        "{err}"
+    );
+    assert!(err.contains("cuda-env: not found"), "{err}");
+    assert!(!bins.exists(), "it unpacked or built binaries");
+}

@@ -7,8 +7,8 @@
 //!   bench-target --model mid --seq-len 1024 --batch 4 --reps 3
 //!
 //! On a GPU (the CUDA build, `--device cuda`) the target computes in bf16, as the cuda backend's
-//! does. `--random DIR` takes only DIR's `config.json` and makes the weights on the device (a
-//! Qwen3-8B shape, `scripts/shapes/qwen3-8b`, on a machine that cannot download one).
+//! does. With `--random`, only `--model`'s `config.json` is read and the weights are made on the
+//! device (a Qwen3-8B shape, `scripts/shapes/qwen3-8b`, on a machine that cannot download one).
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -26,7 +26,7 @@
 //! refused when set.
 //!
 //! Exit status: 0 every check passed; 1 a check failed (named); 2 no CUDA driver or device
-//! (nothing was checked). `--json PATH` writes every figure.
+//! (nothing was checked); 64 a usage error. `--json PATH` writes every figure.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ use shm_ring::{CommitMeta, Ring, RingParams, TakePolicy};
                   through the dynamic loader: put a directory outside its path on \
                   LD_LIBRARY_PATH. HSPIPE_LIBCUDA and HSPIPE_LIBNCCL no longer name a library \
                   and are refused when set.\n\nExit status: 0 every check passed, 1 a check \
-                  failed, 2 no CUDA driver or GPU (nothing checked)."
+                  failed, 2 no CUDA driver or GPU (nothing checked), 64 a usage error."
 )]
 struct Args {
     /// GPU ordinal (after CUDA_VISIBLE_DEVICES).
@@ -74,8 +74,19 @@ struct Args {
 
 const MIB: usize = 1 << 20;
 
+/// A usage error's exit status: not clap's 2, which here means "no driver or GPU".
+const USAGE: u8 = 64;
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        // --help and --version print and succeed.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(USAGE);
+        }
+    };
     let driver = match Driver::load() {
         Ok(d) => d,
         Err(e) => {
