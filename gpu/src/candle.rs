@@ -4,6 +4,9 @@
 //! [`Placement`] says where and in what the models compute, and is all the two backends differ
 //! by.
 //!
+//! Length: past 500 lines with its tests: the two backends' maker, the placement, the target
+//! and the two layouts it writes, and the bf16-against-f32 check, which needs all of them.
+//!
 //! The target writes the captured layers `[tokens x layers x hidden]` in the slot's dtype and
 //! the greedy next tokens into the slot. The drafter is a DFlash drafter (`dflash.rs`) trained
 //! on them; the batches' checksums are what it verifies, the states being real.

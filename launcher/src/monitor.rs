@@ -110,6 +110,8 @@ pub struct WorkerTick {
     pub waiting: f64,
     /// By phase name (`wait_full`, ...).
     pub phases: BTreeMap<Phase, f64>,
+    /// The longest stretch out of `compute` (its GPU idle) in the period, seconds (to the ms).
+    pub largest_gap_s: f64,
 }
 
 /// A line the launcher printed, and when (seconds since the run started).
@@ -149,6 +151,7 @@ impl WorkerTick {
                 .filter(|(_, v)| share(**v) > 0.0)
                 .map(|(k, v)| (k, share(*v)))
                 .collect(),
+            largest_gap_s: (w.largest_gap_s * 1000.0).round() / 1000.0,
         }
     }
 }

@@ -4,7 +4,8 @@
 //! exist, `summary.json` and the drafters' ledgers. It draws, over the run's time: the ring's
 //! READY batches and slots in use against its capacity, tokens/s trained, one band per worker
 //! with its time by phase (compute at the bottom: the band's green height is its busy share),
-//! and the drafter's loss and acceptance length once the metrics carry them. Deaths, restarts,
+//! the drafter's loss and acceptance length once the metrics carry them, and the drafters'
+//! longest idle gap per tick (a stretch out of compute: the GPU idle). Deaths, restarts,
 //! hangs and stops are marked at the time the launcher reported them; a resumed run
 //! (`--resume` appends to `metrics.jsonl`, its clock starting at 0 again) goes on where the
 //! earlier session ended, the take-over marked.
@@ -361,11 +362,21 @@ impl Bins {
     }
 }
 
+/// The longest idle gap of any drafter in a tick (`None` for a tick with no drafter record).
+fn drafter_gap(t: &Tick) -> Option<f64> {
+    (t.workers.iter())
+        .filter(|w| w.name.starts_with("drafter"))
+        .map(|w| w.largest_gap_s)
+        .reduce(f64::max)
+}
+
 /// Which panels the picture has, and their heights.
 struct Plan {
     workers: Vec<(String, Option<u32>)>,
     loss: bool,
     acceptance: bool,
+    /// The drafters' longest idle gaps (metrics.jsonl has them from layout 5 on).
+    gaps: bool,
     width: u32,
     height: u32,
     ring_h: u32,
@@ -389,9 +400,13 @@ impl Plan {
         }
         let loss = run.ticks.iter().any(|t| t.drafter_loss.is_some());
         let acceptance = run.ticks.iter().any(|t| t.acceptance_length.is_some());
+        let gaps = run
+            .ticks
+            .iter()
+            .any(|t| drafter_gap(t).is_some_and(|g| g > 0.0));
         // Without per-worker records (an older metrics.jsonl) one band shows both sides' busy share.
         let bands = workers.len().max(1) as u32;
-        let extras = u32::from(loss) + u32::from(acceptance);
+        let extras = u32::from(loss) + u32::from(acceptance) + u32::from(gaps);
         let fixed = TITLE_H + LEGEND_H + AXIS_H;
         let natural = RING_H + RATE_H + bands * WORKER_H + extras * EXTRA_H;
         let height = height.unwrap_or(fixed + natural);
@@ -408,6 +423,7 @@ impl Plan {
             workers,
             loss,
             acceptance,
+            gaps,
             width,
             height,
             ring_h: px(RING_H),
@@ -605,6 +621,11 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             (plan.acceptance, "acceptance length (tau)", &|t: &Tick| {
                 t.acceptance_length
             }),
+            (
+                plan.gaps,
+                "longest idle gap of the drafters, seconds (out of compute: the GPU idle)",
+                &drafter_gap,
+            ),
         ] {
             if on {
                 let (area, bottom) = areas.next().expect("an extra panel");
@@ -649,7 +670,7 @@ fn split_panels<'b>(rest: Area<'b>, plan: &Plan) -> (Vec<Area<'b>>, Area<'b>) {
     panels.extend(std::iter::repeat_n(plan.worker_h, bands));
     panels.extend(std::iter::repeat_n(
         plan.extra_h,
-        usize::from(plan.loss) + usize::from(plan.acceptance),
+        usize::from(plan.loss) + usize::from(plan.acceptance) + usize::from(plan.gaps),
     ));
     let last = panels.len() - 1;
     let mut areas = Vec::new();

@@ -74,6 +74,9 @@ const SILENT_MIN_S: f64 = 5.0;
 /// Share of the window a drafter group's ranks spend in `sync` above which the verdict says
 /// what they wait for.
 const SYNC_STALL: f64 = 0.10;
+/// Share of the window the drafters (the bottleneck) are not computing above which the verdict
+/// says where their GPUs' time goes instead.
+const IDLE_NOTE: f64 = 0.10;
 /// Ring events (publishes + releases) a window holds at least, unless history is shorter.
 pub const WINDOW_EVENTS: u64 = 48;
 /// A window never reaches further back than this.
@@ -105,6 +108,10 @@ pub struct WorkerRates {
     pub waiting: f64,
     /// Share of the interval in each phase.
     pub phases: PhaseMap<f64>,
+    /// The longest stretch out of `compute` (its GPU idle) that ended in the interval, or is
+    /// still going on at its end, in seconds; 0 if none. Gaps are kept per second, so one that
+    /// ended in the second the interval starts in counts too.
+    pub largest_gap_s: f64,
 }
 
 impl WorkerRates {
@@ -193,7 +200,18 @@ fn name_text<S: Serializer>(w: &Option<WorkerName>, s: S) -> Result<S::Ok, S::Er
     }
 }
 
-fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
+/// The longest idle gap of `b` that ended between the seconds of `from_ns` and `to_ns`, or the
+/// one in progress, in seconds.
+fn largest_gap(b: &WorkerSnapshot, from_ns: u64, to_ns: u64) -> f64 {
+    let (first, last) = (from_ns / 1_000_000_000, to_ns / 1_000_000_000);
+    let ended = (b.idle_gaps.iter())
+        .filter(|(second, _)| (first..=last).contains(second))
+        .map(|&(_, ns)| ns);
+    ended.chain(b.idle_now_ns).max().unwrap_or(0) as f64 / 1e9
+}
+
+fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, span: (u64, u64)) -> WorkerRates {
+    let dt_ns = (span.1.saturating_sub(span.0)).max(1) as f64;
     let phases = PhaseMap::from_fn(|p: Phase| {
         let d = b.phase_ns[p].saturating_sub(a.phase_ns[p]) as f64;
         (d / dt_ns).clamp(0.0, 1.0)
@@ -217,6 +235,7 @@ fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, dt_ns: f64) -> WorkerRates {
         busy: phases[Phase::Compute],
         waiting,
         phases,
+        largest_gap_s: largest_gap(b, span.0, span.1),
     }
 }
 
@@ -254,7 +273,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
             .workers
             .iter()
             .zip(&b.workers)
-            .map(|(x, y)| rates(x, y, dt_ns))
+            .map(|(x, y)| rates(x, y, (a.taken_at_ns, b.taken_at_ns)))
             .collect(),
     }
 }

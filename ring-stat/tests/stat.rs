@@ -228,6 +228,75 @@ fn a_slow_target_behind_slow_drafters_is_listed_not_blamed() {
     assert!(v.stragglers[0].starts_with("target 1 is slow: "), "{v:?}");
 }
 
+/// The question the design started from: the drafters are the bottleneck (the ring full, the
+/// targets waiting), yet their GPUs sit idle part of the time. The verdict says how much and
+/// where the time goes, largest first; busy drafters (95% computing, the full-ring test above)
+/// get no such note.
+#[test]
+fn drafters_that_are_the_bottleneck_but_idle_are_told_where_the_time_goes() {
+    let r = ring("idle", 1, 1, 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for _ in 0..4 {
+        publish(&p);
+    }
+    let a = r.snapshot();
+    p.add_phase(Phase::WaitFull, ms(900));
+    c.add_phase(Phase::Compute, ms(600));
+    c.add_phase(Phase::Sync, ms(250));
+    c.add_phase(Phase::CopyIn, ms(70));
+    // Its gaps between computes (measured elsewhere, as a device's timeline would): the
+    // longest is what the line names.
+    c.add_gap(ms(120));
+    c.add_gap(ms(330));
+    c.add_gap(ms(45));
+    c.take().unwrap().unwrap().release().unwrap();
+    publish(&p);
+    let (v, iv) = judge(&r, &a, &[r.slot_counts(); 10]);
+    assert_eq!(iv.workers[1].largest_gap_s, 0.33, "{iv:?}");
+    assert_eq!(
+        iv.workers[0].largest_gap_s, 0.0,
+        "the target never computed"
+    );
+    assert_eq!(v.bottleneck, Bottleneck::Drafters, "{v:?}");
+    assert!(
+        v.line
+            .starts_with("drafters are the bottleneck: ring full 100% of the time"),
+        "{}",
+        v.line
+    );
+    assert!(
+        v.line.contains(
+            "; drafter GPUs idle 40% (longest gap 330ms): 25% in the all-reduce (sync), 7% copying batches in (copy_in)"
+        ),
+        "{}",
+        v.line
+    );
+}
+
+/// The ring keeps each worker's idle gaps by itself, from its phase switches: leaving
+/// `compute` starts one (in progress in a snapshot), other phases continue it, coming back ends
+/// it (kept for its second); before the first compute there is none.
+#[test]
+fn leaving_compute_opens_an_idle_gap_and_coming_back_closes_it() {
+    let r = ring("gaps", 1, 1, 2);
+    let c = r.consumer(0).unwrap();
+    let gap = || {
+        let s = r.snapshot();
+        let w = s.worker(WorkerName::consumer(0)).unwrap();
+        (w.idle_now_ns.is_some(), w.idle_gaps.len())
+    };
+    c.enter(Phase::Sync);
+    assert_eq!(gap(), (false, 0), "a gap before the first compute");
+    c.enter(Phase::Compute);
+    assert_eq!(gap(), (false, 0));
+    c.enter(Phase::Sync);
+    assert_eq!(gap(), (true, 0), "leaving compute opens a gap");
+    c.enter(Phase::CopyIn);
+    assert_eq!(gap(), (true, 0), "another phase continues it");
+    c.enter(Phase::Compute);
+    assert_eq!(gap(), (false, 1), "computing again closes and keeps it");
+}
+
 /// Independent drafters (no group, no `sync`): a slow one takes fewer batches, the others take
 /// more; the ring absorbs it, and the verdict says so and that it costs only its share.
 #[test]

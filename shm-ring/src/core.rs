@@ -182,8 +182,30 @@ impl<'a> RingRef<'a> {
         if let Some(p) = prev {
             sync::tally(&w.phase_ns[p as usize], now.saturating_sub(since));
         }
+        // Idle gaps: leaving compute starts one, coming back ends it. Only the worker writes
+        // these, and readers only report them (telemetry: Relaxed).
+        let (was, is) = (prev == Some(Phase::Compute), phase == Some(Phase::Compute));
+        if was && !is {
+            w.gap_since.store(now, Ordering::Relaxed);
+        } else if is && !was {
+            let start = w.gap_since.swap(0, Ordering::Relaxed);
+            if start != 0 {
+                keep_gap(w, now, now.saturating_sub(start));
+            }
+        }
         prev
     }
+
+    /// Records an idle gap of `len` ending now for worker `id` (the tests' way to put gaps of
+    /// known length in a ring).
+    #[cfg(not(loom))]
+    pub(crate) fn record_gap(&self, id: u32, len: Duration) {
+        keep_gap(self.worker(id), sync::now_ns(), len.as_nanos() as u64);
+    }
+
+    /// Telemetry only: loom models skip it.
+    #[cfg(loom)]
+    pub(crate) fn record_gap(&self, _id: u32, _len: Duration) {}
 
     /// Telemetry only: loom models skip it.
     #[cfg(loom)]
@@ -627,4 +649,18 @@ fn sleep_for(deadline: Option<Instant>) -> Option<Duration> {
             }
         }
     }
+}
+
+/// Keeps `len`, an idle gap that ended at `end_ns`, if it is the longest of its second.
+#[cfg(not(loom))]
+fn keep_gap(w: &WorkerRecord, end_ns: u64, len: u64) {
+    let second = end_ns / 1_000_000_000;
+    let slot = &w.gaps[(second % GAP_SECONDS as u64) as usize];
+    let old = GapWord(slot.load(Ordering::Relaxed));
+    let len = if old.second() == second & 0xFFFF_FFFF {
+        len.max(old.gap_ns())
+    } else {
+        len
+    };
+    slot.store(GapWord::new(second, len).0, Ordering::Relaxed);
 }

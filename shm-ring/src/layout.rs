@@ -151,6 +151,35 @@ pub(crate) struct WorkerRecord {
     /// reader can count a long phase that has not ended yet.
     pub phase_cur: AtomicU32,
     pub phase_since: AtomicU64,
+    /// When the worker last left `compute` (CLOCK_MONOTONIC ns); 0 while it computes and before
+    /// its first compute. From then until it computes again its GPU has nothing to do: an idle
+    /// gap.
+    pub gap_since: AtomicU64,
+    /// The longest idle gap that ended in each of the last [`GAP_SECONDS`] seconds, one
+    /// [`GapWord`] per second in slot `second % GAP_SECONDS`. Written by the worker alone.
+    pub gaps: [AtomicU64; GAP_SECONDS],
+}
+
+/// Seconds of idle-gap history a worker keeps (the verdict's window is usually a few seconds
+/// and at most 60: a longer one sees the gaps of its last 32 seconds and the gap in progress).
+pub const GAP_SECONDS: usize = 32;
+
+/// One second's longest idle gap: `second << 32 | microseconds` (a gap over 71 minutes is
+/// clamped; the hang check has spoken long before). The second is CLOCK_MONOTONIC's.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct GapWord(pub u64);
+
+impl GapWord {
+    pub(crate) fn new(second: u64, gap_ns: u64) -> GapWord {
+        let us = (gap_ns / 1000).min(u64::from(u32::MAX));
+        GapWord((second & 0xFFFF_FFFF) << 32 | us)
+    }
+    pub(crate) fn second(self) -> u64 {
+        self.0 >> 32
+    }
+    pub(crate) fn gap_ns(self) -> u64 {
+        (self.0 & 0xFFFF_FFFF) * 1000
+    }
 }
 
 /// Worker states, as stored in `WorkerRecord::state`.

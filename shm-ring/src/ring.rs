@@ -391,6 +391,11 @@ macro_rules! worker_methods {
         pub fn add_phase(&self, phase: Phase, d: Duration) {
             self.w.add_phase(phase, d)
         }
+        /// Records an idle gap of `d` ending now (for gaps measured elsewhere: a device's own
+        /// timeline). `enter` records the gaps between `compute` phases by itself.
+        pub fn add_gap(&self, d: Duration) {
+            self.w.core().record_gap(self.w.id, d)
+        }
         /// Starts counting this worker's time in `phase` (until the next `enter`); returns
         /// the phase it leaves. The ring switches to the wait phases by itself while a
         /// `reserve` or `take` blocks, and back afterwards.

@@ -6,8 +6,8 @@
 use serde::Serialize;
 
 use crate::layout::{
-    peek, peek32, Word, WorkWord, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE, W_DEAD,
-    W_DONE, W_RETIRED, W_VACANT,
+    peek, peek32, GapWord, Word, WorkWord, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE,
+    W_DEAD, W_DONE, W_RETIRED, W_VACANT,
 };
 use crate::params::RingParams;
 use crate::phase::{Phase, PhaseMap};
@@ -88,6 +88,14 @@ pub struct WorkerSnapshot {
     pub bytes: u64,
     /// Cumulative nanoseconds by phase (a map by phase name in JSON).
     pub phase_ns: PhaseMap<u64>,
+    /// The idle gap in progress (out of `compute` since its last compute, while alive), in
+    /// nanoseconds; null when computing or before the first compute.
+    pub idle_now_ns: Option<u64>,
+    /// The longest idle gap that ended in each of the last 32 seconds, as (CLOCK_MONOTONIC
+    /// second, nanoseconds), oldest first; the analysis turns them into each interval's
+    /// longest gap (not in JSON: `interval` has the figure).
+    #[serde(skip)]
+    pub idle_gaps: Vec<(u64, u64)>,
 }
 
 impl WorkerSnapshot {
@@ -227,6 +235,20 @@ impl Ring {
                     phase_ns: PhaseMap::from_fn(|ph: Phase| {
                         peek(&w.phase_ns[ph as usize]) + running(ph)
                     }),
+                    idle_now_ns: {
+                        let start = peek(&w.gap_since);
+                        let computing = cur == Some(Phase::Compute as usize);
+                        (alive && !computing && start != 0).then(|| now.saturating_sub(start))
+                    },
+                    idle_gaps: {
+                        let mut g: Vec<(u64, u64)> = (w.gaps.iter())
+                            .map(|g| GapWord(peek(g)))
+                            .filter(|g| g.0 != 0)
+                            .map(|g| (g.second(), g.gap_ns()))
+                            .collect();
+                        g.sort_unstable();
+                        g
+                    },
                 }
             })
             .collect();

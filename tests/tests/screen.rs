@@ -277,8 +277,10 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
     // Dies after 2 batches, is restarted once, dies again and is given up: a death and a
     // restart early in the run, and no restart racing the end of the run.
     let cfg = config(&run.dir, false, "[faults.drafter-1]\ncrash_after = 2\n");
+    // Ticks every 50 ms: the run lasts half a second on a quiet machine, and the picture of a
+    // killed launcher below needs a metrics file long enough to cut in half.
     let (status, err) = run
-        .launch(&cfg, &["--max-restarts", "1"])
+        .launch(&cfg, &["--max-restarts", "1", "--monitor", "0.05"])
         .wait_status_keep();
     assert!(matches!(status.code(), Some(0 | 3)), "{status}: {err}");
     let dir = run.run_dir();
@@ -305,6 +307,7 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
         "capacity 24",
         "tokens/s",
         "(exit code ",
+        "longest idle gap of the drafters",
     ] {
         assert!(svg.contains(want), "the picture lacks {want:?}");
     }

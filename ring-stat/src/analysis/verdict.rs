@@ -7,8 +7,9 @@
 //!    starting, idle); when none does, [`sides`] says which side limits the pipeline. A new
 //!    state is a new function in that list, at the place its precedence says (see the module
 //!    doc of `analysis` for why the order is what it is).
-//! 2. [`NOTES`], in order: what is added to any call (what a drafter group waits for in
-//!    `sync`, the worker to blame when the rule named none).
+//! 2. [`NOTES`], in order: what is added to any call (where the drafters' GPUs spend the time
+//!    they do not compute when the drafters are the bottleneck, what a drafter group waits for
+//!    in `sync`, the worker to blame when the rule named none).
 //! 3. The stragglers and the warnings, listed whatever the call.
 
 use super::pace::{main_phase, silent_worker, Slow};
@@ -70,7 +71,7 @@ const RULES: [Rule; 8] = [
 ];
 
 /// What is added to a call, in order, whichever rule made it.
-const NOTES: [fn(&Window, &mut Call); 2] = [sync_wait, blame_slowest];
+const NOTES: [fn(&Window, &mut Call); 3] = [drafters_idle, sync_wait, blame_slowest];
 
 /// The ring is closed and empty: the run is over.
 fn finished(w: &Window) -> Option<Call> {
@@ -285,6 +286,70 @@ fn sides(w: &Window) -> Call {
         )
     };
     Call::new(bottleneck, line)
+}
+
+/// The drafters are the bottleneck, yet their GPUs do not compute all the time: say where the
+/// rest goes (the live drafters' mean share of each other phase, largest first, those of 1% or
+/// more, at most three), and the longest stretch any of them was out of compute: "drafter GPUs
+/// idle 31% (longest gap 420ms): 24% in the all-reduce (sync), 7% copying batches in". The time
+/// a GPU could compute but does not is what more GPUs cannot buy back; one long gap and many
+/// short ones call for different fixes.
+fn drafters_idle(w: &Window, call: &mut Call) {
+    if call.bottleneck != Bottleneck::Drafters {
+        return;
+    }
+    let Some(compute) = mean(w.live(Role::Consumer).map(|r| r.phases[Phase::Compute])) else {
+        return;
+    };
+    let idle = 1.0 - compute.min(1.0);
+    if idle < IDLE_NOTE {
+        return;
+    }
+    let mut parts: Vec<(f64, Phase)> = Phase::ALL
+        .iter()
+        .filter(|&&p| p != Phase::Compute)
+        .filter_map(|&p| Some((mean(w.live(Role::Consumer).map(|r| r.phases[p]))?, p)))
+        .filter(|&(share, _)| share >= 0.01)
+        .collect();
+    parts.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let words: Vec<String> = parts
+        .iter()
+        .take(3)
+        .map(|&(share, p)| format!("{} {}", pct(share), idle_words(p)))
+        .collect();
+    call.line
+        .push_str(&format!("; drafter GPUs idle {}", pct(idle)));
+    let gap = (w.live(Role::Consumer).map(|r| r.largest_gap_s)).fold(0.0, f64::max);
+    if gap > 0.0 {
+        call.line
+            .push_str(&format!(" (longest gap {})", duration(gap)));
+    }
+    if !words.is_empty() {
+        call.line.push_str(&format!(": {}", words.join(", ")));
+    }
+}
+
+/// Seconds for people: `250ms` under a second, `1.5s` from there.
+fn duration(secs: f64) -> String {
+    if secs < 1.0 {
+        format!("{:.0}ms", secs * 1e3)
+    } else {
+        format!("{secs:.1}s")
+    }
+}
+
+/// What a drafter does in a phase that is not computing, for the idle note.
+fn idle_words(p: Phase) -> &'static str {
+    match p {
+        Phase::Sync => "in the all-reduce (sync)",
+        Phase::CopyIn => "copying batches in (copy_in)",
+        Phase::WaitEmpty => "waiting for batches (wait_empty)",
+        Phase::Checkpoint => "checkpointing (checkpoint)",
+        Phase::Load => "loading (load)",
+        Phase::WaitFull => "waiting for a free slot (wait_full)",
+        Phase::Compute => "computing",
+        Phase::Other => "elsewhere (other)",
+    }
 }
 
 /// A synchronous group waits for its slowest rank at every step: say for whom, unless the ranks
