@@ -297,6 +297,40 @@ fn leaving_compute_opens_an_idle_gap_and_coming_back_closes_it() {
     assert_eq!(gap(), (false, 1), "computing again closes and keeps it");
 }
 
+/// A worker that dies out of compute leaves its gap open in the record; the next incarnation
+/// starts with none (its predecessor's death, restart and load are not one long idle gap of
+/// its own), and so does a worker that left and registered again.
+#[test]
+fn a_new_incarnation_starts_without_its_predecessors_open_gap() {
+    let r = ring("gapsrestart", 1, 1, 2);
+    let idle_now = || {
+        r.snapshot()
+            .worker(WorkerName::consumer(0))
+            .unwrap()
+            .idle_now_ns
+    };
+    let c = r.consumer(0).unwrap();
+    c.enter(Phase::Compute);
+    c.enter(Phase::Sync);
+    assert!(idle_now().is_some());
+    // A crash in sync: the handles are gone without a word, and the supervisor recovers.
+    std::mem::forget(c);
+    // SAFETY: the only handle of consumer 0 was forgotten above and is never used again.
+    unsafe { r.recover_unchecked(WorkerName::consumer(0)) }.unwrap();
+    let c = r.consumer(0).unwrap();
+    assert_eq!(
+        idle_now(),
+        None,
+        "the restarted worker inherited the dead one's gap"
+    );
+    // Leaving cleanly out of compute, then registering again: no gap either.
+    c.enter(Phase::Compute);
+    c.enter(Phase::Sync);
+    drop(c);
+    let _c = r.consumer(0).unwrap();
+    assert_eq!(idle_now(), None, "a worker that left kept its gap open");
+}
+
 /// Independent drafters (no group, no `sync`): a slow one takes fewer batches, the others take
 /// more; the ring absorbs it, and the verdict says so and that it costs only its share.
 #[test]

@@ -185,7 +185,10 @@ impl<'a> RingRef<'a> {
         // Idle gaps: leaving compute starts one, coming back ends it. Only the worker writes
         // these, and readers only report them (telemetry: Relaxed).
         let (was, is) = (prev == Some(Phase::Compute), phase == Some(Phase::Compute));
-        if was && !is {
+        if phase.is_none() {
+            // The clock stops (the worker leaves): no gap stays open.
+            w.gap_since.store(0, Ordering::Relaxed);
+        } else if was && !is {
             w.gap_since.store(now, Ordering::Relaxed);
         } else if is && !was {
             let start = w.gap_since.swap(0, Ordering::Relaxed);

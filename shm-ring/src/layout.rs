@@ -151,8 +151,8 @@ pub(crate) struct WorkerRecord {
     /// reader can count a long phase that has not ended yet.
     pub phase_cur: AtomicU32,
     pub phase_since: AtomicU64,
-    /// When the worker last left `compute` (CLOCK_MONOTONIC ns); 0 while it computes and before
-    /// its first compute. From then until it computes again its GPU has nothing to do: an idle
+    /// When the worker last left `compute` (CLOCK_MONOTONIC ns); 0 while it computes, before
+    /// its first compute, and once it left or was recovered (each incarnation starts at 0). From then until it computes again its GPU has nothing to do: an idle
     /// gap.
     pub gap_since: AtomicU64,
     /// The longest idle gap that ended in each of the last [`GAP_SECONDS`] seconds, one

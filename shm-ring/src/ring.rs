@@ -180,6 +180,11 @@ impl Ring {
             .store(sys::process_start_ticks(me.pid()).unwrap_or(0), r);
         rec.registered_ns.store(sys::monotonic_ns(), r);
         core.heartbeat(id);
+        // A new incarnation's clocks start now: the phase and idle gap a predecessor died in
+        // (never recovered, or recovered and left) are not this one's (its death, restart and
+        // load would count as compute time or as one long idle gap).
+        rec.phase_cur.store(0, r);
+        rec.gap_since.store(0, r);
         core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,

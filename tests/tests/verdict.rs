@@ -447,6 +447,7 @@ fn a_slow_drafter_fills_the_ring_and_is_named() {
 }
 
 /// The group with one slow rank (drafter 2, 3x) and a full ring: drafters are the bottleneck,
+/// their GPUs idle while the fast ranks wait (the idle note),
 /// the line says the other ranks wait in sync for drafter 2 with its pace against the group's,
 /// the straggler line says what it costs, and the ranks that wait are never named.
 #[test]
@@ -478,6 +479,15 @@ fn the_group_names_its_slow_rank_not_the_ranks_that_wait_for_it() {
                 .unwrap_or_else(|| panic!("no pace in {}", o.v.line));
         assert!(
             (2.0..=4.5).contains(&ratio),
+            "{}\n{}",
+            o.v.line,
+            seen.trace()
+        );
+        // The fast ranks idle while they wait for it: the idle note says so, and leaves the
+        // wait in sync to the clause that names whom they wait for.
+        assert!(
+            o.v.line.contains("; drafter GPUs idle ")
+                && !o.v.line.contains("in the all-reduce (sync)"),
             "{}\n{}",
             o.v.line,
             seen.trace()

@@ -290,8 +290,9 @@ fn sides(w: &Window) -> Call {
 
 /// The drafters are the bottleneck, yet their GPUs do not compute all the time: say where the
 /// rest goes (the live drafters' mean share of each other phase, largest first, those of 1% or
-/// more, at most three), and the longest stretch any of them was out of compute: "drafter GPUs
-/// idle 31% (longest gap 420ms): 24% in the all-reduce (sync), 7% copying batches in". The time
+/// more, at most three; `sync` left to [`sync_wait`] when it speaks), and the longest stretch
+/// any of them was out of compute: "drafter GPUs idle 31% (longest gap 420ms): 24% in the
+/// all-reduce (sync), 7% copying batches in". The time
 /// a GPU could compute but does not is what more GPUs cannot buy back; one long gap and many
 /// short ones call for different fixes.
 fn drafters_idle(w: &Window, call: &mut Call) {
@@ -308,6 +309,9 @@ fn drafters_idle(w: &Window, call: &mut Call) {
     let mut parts: Vec<(f64, Phase)> = Phase::ALL
         .iter()
         .filter(|&&p| p != Phase::Compute)
+        // The group's wait in sync gets its own clause, with the figure of the ranks that
+        // wait (not this mean over every rank, the slow one included).
+        .filter(|&&p| p != Phase::Sync || !sync_said(w, call))
         .filter_map(|&p| Some((mean(w.live(Role::Consumer).map(|r| r.phases[p]))?, p)))
         .filter(|&(share, _)| share >= 0.01)
         .collect();
@@ -352,17 +356,21 @@ fn idle_words(p: Phase) -> &'static str {
     }
 }
 
-/// A synchronous group waits for its slowest rank at every step: say for whom, unless the ranks
-/// wait for one that waits for data (the targets' fault, said by the call itself), the run is
-/// starting, or a rank is hung (the stall says it).
-fn sync_wait(w: &Window, call: &mut Call) {
-    let says = w.group
+/// Whether [`sync_wait`] adds its clause to `call`.
+fn sync_said(w: &Window, call: &Call) -> bool {
+    w.group
         && w.sync >= SYNC_STALL
         && !matches!(
             call.bottleneck,
             Bottleneck::Targets | Bottleneck::Starting | Bottleneck::Stalled
-        );
-    if !says {
+        )
+}
+
+/// A synchronous group waits for its slowest rank at every step: say for whom, unless the ranks
+/// wait for one that waits for data (the targets' fault, said by the call itself), the run is
+/// starting, or a rank is hung (the stall says it).
+fn sync_wait(w: &Window, call: &mut Call) {
+    if !sync_said(w, call) {
         return;
     }
     let note = match w.slow_rank() {

@@ -134,6 +134,7 @@ impl RingRef<'_> {
         let w = self.worker(id);
         // A dead worker's clock stops: readers must not count time past its death.
         w.phase_cur.store(0, Ordering::Relaxed);
+        w.gap_since.store(0, Ordering::Relaxed);
         let _ = w
             .state
             .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
