@@ -5,8 +5,8 @@
 #                         --json is set here. The e2e and speed steps use GPU 0, so pick another
 #                         with CUDA_VISIBLE_DEVICES]
 # Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU
-# (nothing checked), 64 a usage error of gpu-check's flags. Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
-# target/gpu-check/).
+# (nothing checked), 64 a usage error of gpu-check's flags. Figures go to stdout and, as JSON,
+# to $GPU_CHECK_OUT (default target/gpu-check/).
 #
 # Steps (GPU_CHECK_STEPS, default "data e2e speed"):
 #   data   `gpu-check`: the ring's arena registered as pinned memory, copy bandwidth from the
@@ -24,8 +24,8 @@
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
-# machine without Rust: build elsewhere and carry target/cuda/carry), else built if cargo is. GPU_CHECK_BIN names gpu-check alone (the tests'
-# way to run the data step on the CPU build). The CUDA build's libraries are found by
+# machine without Rust: build elsewhere and carry target/cuda/carry), else built if cargo is.
+# GPU_CHECK_BIN names gpu-check alone (the tests' way to run the data step on the CPU build). The CUDA build's libraries are found by
 # scripts/cuda-env.sh (PyTorch's nvidia-* packages and the driver). The e2e step runs on the CPU
 # with GPU_CHECK_BACKEND=candle (CI does, to keep it working).
 set -euo pipefail

@@ -119,29 +119,6 @@ pub fn layer_ids(cfg: &PipelineConfig, arch: &ArchConfig) -> Result<Vec<usize>, 
     Ok(ids)
 }
 
-/// What settles a real model's run, the same on every device.
-fn settle_model(cfg: &mut PipelineConfig) -> Result<(), GpuError> {
-    let dir = model_dir(cfg)?;
-    let arch = ArchConfig::load(dir)?;
-    let ids = layer_ids(cfg, &arch)?;
-    cfg.model.hidden = arch.hidden_size as u32;
-    cfg.model.layers = ids.len() as u32;
-    cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
-    let vocab = arch.vocab_size as u32;
-    match cfg.data.synthetic_vocab {
-        Some(v) if v > vocab => {
-            return Err(GpuError::Config(format!(
-                "data.synthetic_vocab = {v} is more than the model's vocabulary of {vocab}"
-            )))
-        }
-        Some(_) => {}
-        None => cfg.data.synthetic_vocab = Some(vocab),
-    }
-    // A real model's synthetic data is text it can be trained on: the built-in language.
-    cfg.data.synthetic_language.get_or_insert(true);
-    Ok(())
-}
-
 impl Maker for Candle {
     /// The CPU always; the GPU when this build has candle's CUDA device (`--features cuda`).
     fn built(&self) -> bool {
@@ -149,7 +126,25 @@ impl Maker for Candle {
     }
 
     fn settle(&self, cfg: &mut PipelineConfig) -> Result<(), GpuError> {
-        settle_model(cfg)
+        let dir = model_dir(cfg)?;
+        let arch = ArchConfig::load(dir)?;
+        let ids = layer_ids(cfg, &arch)?;
+        cfg.model.hidden = arch.hidden_size as u32;
+        cfg.model.layers = ids.len() as u32;
+        cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
+        let vocab = arch.vocab_size as u32;
+        match cfg.data.synthetic_vocab {
+            Some(v) if v > vocab => {
+                return Err(GpuError::Config(format!(
+                    "data.synthetic_vocab = {v} is more than the model's vocabulary of {vocab}"
+                )))
+            }
+            Some(_) => {}
+            None => cfg.data.synthetic_vocab = Some(vocab),
+        }
+        // A real model's synthetic data is text it can be trained on: the built-in language.
+        cfg.data.synthetic_language.get_or_insert(true);
+        Ok(())
     }
 
     fn target(
@@ -219,7 +214,30 @@ impl CandleTarget {
         cfg: &PipelineConfig,
         place: &Placement,
     ) -> Result<CandleTarget, GpuError> {
-        let mut decoder = Decoder::load(dir, &place.device, place.target_dtype)?;
+        let decoder = Decoder::load(dir, &place.device, place.target_dtype)?;
+        CandleTarget::with_decoder(dir, decoder, cfg, place)
+    }
+
+    /// A target of `dir`'s shape (its `config.json` alone) with weights made up at `place`
+    /// (`model::Weights::random`): for measuring speed at sizes no test downloads.
+    pub fn random(
+        dir: &Path,
+        cfg: &PipelineConfig,
+        place: &Placement,
+    ) -> Result<CandleTarget, GpuError> {
+        let w = model::weights::Weights::random(&place.device, place.target_dtype);
+        let decoder = Decoder::from_weights(ArchConfig::load(dir)?, &w)?;
+        CandleTarget::with_decoder(dir, decoder, cfg, place)
+    }
+
+    /// The target around `decoder` (of the model in `dir`), its blocks sized for `place`,
+    /// checked against the ring's slots.
+    fn with_decoder(
+        dir: &Path,
+        mut decoder: Decoder,
+        cfg: &PipelineConfig,
+        place: &Placement,
+    ) -> Result<CandleTarget, GpuError> {
         place.size_blocks(&mut decoder);
         let arch = decoder.config();
         let layers = layer_ids(cfg, arch)?;
@@ -235,26 +253,6 @@ impl CandleTarget {
                 cfg.model.layers
             )));
         }
-        Ok(CandleTarget {
-            decoder,
-            layers,
-            dtype: cfg.model.dtype,
-            sim: Sim::new(f64::INFINITY, Default::default()),
-        })
-    }
-
-    /// A target of `dir`'s shape (its `config.json` alone) with weights made up at `place`
-    /// (`model::Weights::random`): for measuring speed at sizes no test downloads.
-    pub fn random(
-        dir: &Path,
-        cfg: &PipelineConfig,
-        place: &Placement,
-    ) -> Result<CandleTarget, GpuError> {
-        let arch = ArchConfig::load(dir)?;
-        let w = model::weights::Weights::random(&place.device, place.target_dtype);
-        let mut decoder = Decoder::from_weights(arch, &w)?;
-        place.size_blocks(&mut decoder);
-        let layers = layer_ids(cfg, decoder.config())?;
         Ok(CandleTarget {
             decoder,
             layers,
