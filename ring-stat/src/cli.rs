@@ -272,8 +272,8 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
 
     write!(
         out,
-        "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9} {:>5} {:>5} |",
-        "role", "idx", "gpu", "pid", "alive", "restarts", "items", "tok/s", "busy", "wait"
+        "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9} {:>5} {:>5} {:>5} |",
+        "role", "idx", "gpu", "pid", "alive", "restarts", "items", "tok/s", "busy", "wait", "gap"
     )?;
     for ph in Phase::ALL {
         write!(out, " {:>10}", ph.name())?;
@@ -282,7 +282,7 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
     for w in &iv.workers {
         write!(
             out,
-            "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9.0} {:>4.0}% {:>4.0}% |",
+            "{:<8} {:>3} {:>4} {:>8} {:>5} {:>8} {:>7} {:>9.0} {:>4.0}% {:>4.0}% {:>5} |",
             w.role,
             w.index,
             w.gpu.map(|g| g.to_string()).unwrap_or("-".into()),
@@ -292,7 +292,8 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
             w.items,
             w.tokens_per_s,
             w.busy * 100.0,
-            w.waiting * 100.0
+            w.waiting * 100.0,
+            crate::screen::short_duration(w.largest_gap_s)
         )?;
         for ph in Phase::ALL {
             write!(out, " {:>9.0}%", w.phases[ph] * 100.0)?;

@@ -101,6 +101,19 @@ fn phase_title(p: Phase) -> &'static str {
     }
 }
 
+/// A gap in five columns at most: `-` for none, `330ms`, `4.2s`, `37s`.
+pub fn short_duration(secs: f64) -> String {
+    if secs <= 0.0 {
+        "-".into()
+    } else if secs < 0.9995 {
+        format!("{:.0}ms", secs * 1e3)
+    } else if secs < 9.95 {
+        format!("{secs:.1}s")
+    } else {
+        format!("{:.0}s", secs.min(99_999.0))
+    }
+}
+
 /// 185, 18.5k, 1.85M.
 pub fn human_rate(x: f64) -> String {
     if x >= 999_500.0 {
@@ -291,8 +304,9 @@ struct Columns {
 }
 
 impl Columns {
-    /// Name 9, gpu 3, state 4, restarts 3, items 6, tok/s 6, busy bar + 4, wait 4, spaces.
-    const BASE: usize = 9 + 1 + 3 + 1 + 4 + 1 + 3 + 1 + 6 + 1 + 6 + 1 + 4 + 1 + 4 + 1;
+    /// Name 9, gpu 3, state 4, restarts 3, items 6, tok/s 6, busy bar + 4, wait 4, gap 5,
+    /// spaces.
+    const BASE: usize = 9 + 1 + 3 + 1 + 4 + 1 + 3 + 1 + 6 + 1 + 6 + 1 + 4 + 1 + 4 + 1 + 5 + 1;
     const PID: usize = 8;
     const PHASE_COL: usize = 6;
 
@@ -328,13 +342,14 @@ impl Columns {
             s.push_str(&format!("{:>7} ", "pid"));
         }
         s.push_str(&format!(
-            "{:<4} {:>3} {:>6} {:>6} {:<bw$} {:>4} ",
+            "{:<4} {:>3} {:>6} {:>6} {:<bw$} {:>4} {:>5} ",
             "run",
             "rst",
             "items",
             "tok/s",
             "busy",
             "wait",
+            "gap",
             bw = self.busy_cells + 5
         ));
         if self.phase_columns {
@@ -377,9 +392,10 @@ impl Columns {
             Style::new().fg(Color::Green).bg(Color::DarkGray),
         ));
         spans.push(Span::raw(format!(
-            " {:>4} {:>4} ",
+            " {:>4} {:>4} {:>5} ",
             pct(w.busy),
-            pct(w.waiting)
+            pct(w.waiting),
+            short_duration(w.largest_gap_s)
         )));
         if self.phase_columns {
             for p in Phase::ALL {

@@ -57,6 +57,8 @@ fn five_by_three() -> (Ring, Report) {
         c.add_phase(Phase::Compute, Duration::from_millis(900));
         c.add_phase(Phase::Checkpoint, Duration::from_millis(60));
     }
+    // Drafter 1's GPU sat idle once for 330 ms (the gap column).
+    cs[1].add_gap(Duration::from_millis(330));
     cs[0].take().unwrap().unwrap().release().unwrap();
     // Left registered and alive (a dropped handle would be done), but drafter 2 crashed.
     std::mem::forget(ps);
@@ -144,9 +146,13 @@ fn at_120x40_each_phase_has_its_column_and_the_pid_shows() {
     let s = render(&rep, &trends(), 120, 40);
     check(&s, 120, 40);
     let head = s.iter().find(|l| l.starts_with("worker")).unwrap();
-    for col in ["pid", "wfull", "comp", "ckpt", "other"] {
+    for col in ["pid", "gap", "wfull", "comp", "ckpt", "other"] {
         assert!(head.contains(col), "{head}");
     }
+    // Each worker's longest idle gap of the interval: drafter 1's, none for the others.
+    let row = |n: &str| s.iter().find(|l| l.starts_with(n)).unwrap().clone();
+    assert!(row("drafter-1").contains(" 330ms "), "{}", row("drafter-1"));
+    assert!(!row("drafter-0").contains("ms "), "{}", row("drafter-0"));
     assert!(!has(&s, "phases: "), "no legend needed with columns");
     // Wider still: the stacked bar comes back beside the columns.
     let s = render(&rep, &trends(), 180, 40);
