@@ -55,22 +55,7 @@ layers = 1
 eval_every = 0
 TOML
 # The drafters' mean share of each phase over a run's ticks.
-phases() {
-    python3 - "$1" <<'PY'
-import json, sys
-acc, n = {}, 0
-for line in open(sys.argv[1] + "/metrics.jsonl"):
-    t = json.loads(line)
-    ds = [w for w in t.get("workers", []) if w["name"].startswith("drafter") and w.get("state") == "alive"]
-    if not ds:
-        continue
-    n += 1
-    for w in ds:
-        for p, v in w.get("phases", {}).items():
-            acc[p] = acc.get(p, 0.0) + v / len(ds)
-print(json.dumps({p: round(v / max(n, 1), 4) for p, v in sorted(acc.items())}))
-PY
-}
+phases() { python3 scripts/py/phases.py "$1"; }
 for m in tiny mid; do
     model=$tiny; [ $m = mid ] && model=$mid
     for r in $(seq "$rounds"); do

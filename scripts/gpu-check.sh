@@ -16,11 +16,15 @@
 #   e2e    the tiny real model end to end: `launcher make-model` (2 layers), then 1 target and 1
 #          drafter sharing GPU 0 (`--share-gpus --backend cuda`); every batch trained once, the
 #          loss falls, each worker's items, tokens and busy share printed
-#          (scripts/py/e2e_check.py).
+#          (scripts/py/e2e_check.py). On cuda the group's gradient goes through NCCL (one rank:
+#          `[drafter] collective = "nccl"`), the path two or more GPUs take.
 #   speed  a random-initialised Qwen3-8B-shaped target in bf16 (scripts/shapes/qwen3-8b,
 #          weights made on the device): our forward + capture tokens/s beside HF transformers'
 #          forward with output_hidden_states, same GPU, interleaved (scripts/py/bench_target.py;
-#          the goal is at least 0.9x: reported, not a failure).
+#          the goal is at least 0.9x: reported, not a failure); then one DFlash drafter step
+#          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
+#          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
+#          interleaved, 3 rounds each.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -59,7 +63,7 @@ if [ "$backend" = cuda ]; then
             # older times, so touch them).
             echo "== unpacking $bundle into $bins"
             mkdir -p "$bins" && tar -C "$bins" -xJf "$bundle" &&
-                touch "$bins/launcher" "$bins/gpu-check" "$bins/bench-target"
+                touch "$bins/launcher" "$bins/gpu-check" "$bins/bench-target" "$bins/bench-dflash-step"
         elif command -v cargo >/dev/null; then
             scripts/build-cuda.sh
         fi
@@ -89,11 +93,16 @@ for s in $steps; do
     e2e)
         step "the tiny real model end to end on $backend (1 target + 1 drafter, one GPU)"
         work=$(mktemp -d)
+        config=scripts/gpu-check-e2e.toml
+        if [ "$backend" = cuda ]; then
+            config=$work/e2e.toml
+            sed '/^\[drafter\]/a collective = "nccl"' scripts/gpu-check-e2e.toml >"$config"
+        fi
         rc=0
         {
             "$bins/launcher" make-model "$work/tiny" --layers 2 --seed 3 &&
                 $limit "$bins/launcher" --targets 0 --drafters 0 --share-gpus --backend "$backend" \
-                    --model "$work/tiny" --config scripts/gpu-check-e2e.toml \
+                    --model "$work/tiny" --config "$config" \
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
         } || rc=$?
@@ -107,7 +116,16 @@ for s in $steps; do
             --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 \
             | tee "$out/speed.log" || rc=$?
         [ $rc -eq 0 ] || failed+=("speed (exit $rc)")
-        echo "not measured yet: one DFlash drafter step (5 layers, block 16, 512 anchors) against the same step in torch (no torch version of the step is written)"
+        step "one DFlash drafter step against the same step in torch (Qwen3-8B shape, f32)"
+        rc=0
+        shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
+            --anchors 512 --tokens 4096 --steps 3)
+        for r in 1 2 3; do
+            { echo "ours $("$bins/bench-dflash-step" "${shape[@]}")" &&
+                echo "torch $(python3 scripts/py/dflash_step.py bench "${shape[@]}")"; } |
+                tee -a "$out/dflash-step.log" || rc=$?
+        done
+        [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
         ;;
     *)
         echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed)" >&2

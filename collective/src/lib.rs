@@ -28,6 +28,8 @@ mod group;
 mod model;
 #[cfg(not(loom))]
 mod segment;
+#[cfg(not(loom))]
+pub mod split;
 
 pub use group::{Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
 #[cfg(not(loom))]
@@ -50,6 +52,8 @@ pub enum GroupError {
     Stopped,
     #[error("group segment {name:?}: {why}")]
     Segment { name: String, why: String },
+    #[error("the gradient exchange failed: {0}")]
+    Transport(String),
 }
 
 /// The group operations a drafter rank and the launcher need, whatever the transport.

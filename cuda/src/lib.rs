@@ -48,6 +48,7 @@ pub use cudarc::driver::{
 };
 
 pub mod nccl;
+pub mod nccl_group;
 mod present;
 pub mod probe;
 

@@ -11,9 +11,8 @@
 //!
 //! A dropped [`Comm`] is aborted, not destroyed: `ncclCommDestroy` waits for peers that may be
 //! dead, `ncclCommAbort` does not. A membership change aborts the communicator and makes a new
-//! one at the new epoch. Not here yet: the non-blocking communicator config that lets a rank
-//! give up on a peer dead inside `ncclCommInitRank` or a collective (a dead peer is today seen
-//! through the launcher's membership change, which aborts).
+//! one at the new epoch; how a rank gives up on a peer dead inside `ncclCommInitRank` or a
+//! collective is `nccl_group`'s.
 
 use std::ffi::{c_void, CStr, OsString};
 use std::sync::Arc;
@@ -113,6 +112,12 @@ pub struct Comm {
     ctx: Arc<CudaContext>,
     raw: sys::ncclComm_t,
 }
+
+// SAFETY: an NCCL communicator is not tied to the thread that made it (NCCL's docs: calls on
+// one communicator must not run concurrently, which `Comm` not being `Sync` ensures; the
+// context is bound to the calling thread before every call). The connect thread makes it and
+// hands it to the rank's thread.
+unsafe impl Send for Comm {}
 
 impl Comm {
     /// Queues the sum over the ranks of `count` floats of `send` into `recv` on `stream`.

@@ -3,7 +3,12 @@
 //! Each group step: take at most one batch from the ring, verify it, compute the gradient of its
 //! summed loss, all-reduce with the other ranks (the `collective` crate), apply the identical
 //! update, append one ledger line (step and weights digest), and only then release the slot: a
-//! batch is held until the update that used it is applied. A rank with no batch (the ring is
+//! batch is held until the update that used it is applied.
+//!
+//! Prefetch: before a step computes, the rank takes the next step's batch (if one is READY; the
+//! ring lets a drafter hold two) and verifies it on a copy thread ([`gpu::prefetch`] with the
+//! [`gpu::in_place`] engine), so the checksum of batch `s+1` runs under step `s`'s compute
+//! instead of in front of it. A batch prefetched and not trained goes back to the ring. A rank with no batch (the ring is
 //! closed and nothing is READY) contributes zeros and still takes part, so nobody waits for a
 //! rank that left. The group stops at the first step in which every member saw the ring's end.
 //! The leader (lowest live rank) writes the one group checkpoint every N steps and at the end.
@@ -17,20 +22,25 @@
 
 use std::cell::Cell;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use collective::split::{Board, SplitGroup};
 use collective::{Collective, Membership, Reduced, NO_BATCH};
+use cuda::nccl_group::NcclTransport;
 use gpu::{BackendKind, DrafterBackend, StepBuffer, StepStats};
-use proto::config::Faults;
+use proto::config::CollectiveKind;
 use proto::control::{FinalReport, ToLauncher};
 use proto::ledger::{Ledger, LedgerLine};
-use proto::BatchView;
-use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role, Take};
+use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role};
 use worker_runtime::{setup, Setup, WorkerArgs};
 
+mod faults;
+mod intake;
 mod save;
+mod taken;
+use faults::InjectedFaults;
+use intake::{intake, Intake};
 use save::{checkpoint, export};
 
 /// Train one drafter on batches from the ring.
@@ -62,19 +72,54 @@ pub fn group_params(
     initial_step: u32,
 ) -> Result<collective::GroupParams, gpu::GpuError> {
     let (grad, state) = gpu::drafter_sizes(backend, cfg)?;
+    // On NCCL the gradient goes between the GPUs; the segment's rounds carry the rest.
+    let buf_len = match cfg.drafter.collective {
+        CollectiveKind::Nccl => StepBuffer::tail_len(),
+        CollectiveKind::Auto | CollectiveKind::Shm => StepBuffer::len_for(grad),
+    };
     Ok(collective::GroupParams {
         ranks: drafters,
-        buf_len: StepBuffer::len_for(grad) as u64,
+        buf_len: buf_len as u64,
         state_len: state as u64,
         initial_step,
     })
 }
 
 /// A batch this rank computed its gradient on, held until the step's update is applied.
+/// Dropped without [`Rank::record`] (an error between the take and the ledger line: the worker
+/// is exiting), its slot is left READING for the launcher's recovery, which retires the batch if
+/// the group applied its update and redelivers it otherwise; released here, it would count as
+/// consumed with no ledger line: lost.
 struct Held<'c> {
-    slot: ReadSlot<'c>,
+    slot: Option<ReadSlot<'c>>,
     sample_ids: Vec<u64>,
     tokens: u64,
+}
+
+impl<'c> Held<'c> {
+    fn new(slot: ReadSlot<'c>, sample_ids: Vec<u64>, tokens: u64) -> Self {
+        Held {
+            slot: Some(slot),
+            sample_ids,
+            tokens,
+        }
+    }
+
+    fn slot(&self) -> &ReadSlot<'c> {
+        self.slot.as_ref().expect("held until recorded")
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            tracing::warn!(
+                batch = slot.meta().batch_id,
+                "leaving a batch in training to the launcher's recovery"
+            );
+            std::mem::forget(slot);
+        }
+    }
 }
 
 /// What a rank brings to a step.
@@ -88,51 +133,6 @@ enum Next<'c> {
     End,
 }
 
-/// Kills injected into the group protocol: three places that only a drafter group has, so they
-/// fire for any backend. They fire in the first incarnation only (the join fault once, by a
-/// marker file), so the restarted rank gets through.
-struct InjectedFaults {
-    faults: Faults,
-    first: bool,
-    /// The step the reduction in progress would commit as.
-    reducing: Cell<u64>,
-    /// Present once the join fault fired.
-    join_marker: PathBuf,
-}
-
-impl InjectedFaults {
-    fn die(what: &str) -> ! {
-        tracing::error!("injected crash {what}");
-        std::process::abort();
-    }
-
-    /// While waiting in the reduction (`crash_in_sync_at`).
-    fn in_sync(&self) {
-        if self.first && (self.faults.crash_in_sync_at).is_some_and(|n| self.reducing.get() >= n) {
-            Self::die("inside the reduction");
-        }
-    }
-
-    /// While waiting to rejoin the group (`crash_in_join`).
-    fn in_join(&self) {
-        if self.faults.crash_in_join && !self.join_marker.exists() {
-            let _ = std::fs::write(&self.join_marker, b"");
-            Self::die("while rejoining the group");
-        }
-    }
-
-    /// Once the group applied `step` with this rank's batch, before its ledger line
-    /// (`crash_after_commit_at`).
-    fn after_commit(&self, step: u32, holding: bool) {
-        if self.first
-            && holding
-            && (self.faults.crash_after_commit_at).is_some_and(|k| u64::from(step) >= k)
-        {
-            Self::die("after the group applied this rank's batch, before its ledger line");
-        }
-    }
-}
-
 /// One rank of the group: what it holds for the whole run.
 struct Rank<'c, 'r> {
     s: &'c Setup,
@@ -144,9 +144,14 @@ struct Rank<'c, 'r> {
     ckpt: PathBuf,
     faults: InjectedFaults,
     report: FinalReport,
-    /// The bucket of this step, drawn by the leader during the last one (None: the first step,
-    /// a step after the leader died, or `coherent` off).
-    prefer: Option<u32>,
+    /// Taken batches: this step's (computing) and the next one's (being verified).
+    intake: Intake<'c>,
+    /// Whether the ring lets this rank hold the next step's batch while it trains one.
+    prefetching: bool,
+    /// The buckets of this step and of the next, drawn by the leader in earlier steps' reductions
+    /// (the next one's, when prefetching: its batch is taken during this step); None for the
+    /// first steps, a step after the leader died, or `coherent` off.
+    prefer: [Option<u32>; 2],
 }
 
 /// Runs the worker; returns the process exit code.
@@ -158,9 +163,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
     let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
-    let group_name = proto::group_segment(&s.ring);
-    let group = collective::attach(&group_name, s.index)
-        .with_context(|| format!("attaching to the drafter group {group_name}"))?;
+    let group = attach_group(&s, backend.grad_len())?;
     let consumer = ring
         .consumer(s.index)
         .with_context(|| format!("registering as consumer {}", s.index))?;
@@ -180,13 +183,37 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             join_marker: (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name)),
         },
         report: FinalReport::default(),
-        prefer: None,
+        intake: intake(),
+        prefetching: ring.params().held_per_consumer >= 2,
+        prefer: [None, None],
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
     rank.train()?;
     rank.drained();
     Ok(0)
+}
+
+/// This rank's handle on the group: the shared-memory group, with the gradient on NCCL when the
+/// run's `[drafter] collective` is (the launcher settled `auto`).
+fn attach_group(s: &Setup, grad_len: usize) -> anyhow::Result<Box<dyn Collective>> {
+    let name = proto::group_segment(&s.ring);
+    let shm = collective::ShmGroup::attach(&name, s.index)
+        .with_context(|| format!("attaching to the drafter group {name}"))?;
+    if s.config.drafter.collective != CollectiveKind::Nccl {
+        return Ok(Box::new(shm));
+    }
+    let nccl = cuda::nccl::Nccl::load().context("[drafter] collective = \"nccl\"")?;
+    // The worker's GPU is device 0 (CUDA_VISIBLE_DEVICES); its primary context, candle's too.
+    let ctx = cuda::Driver::load()?.open(0)?;
+    let board = Board::new(&s.run_dir.path().join("nccl").join(&s.ring))?;
+    let transport = NcclTransport::new(nccl, ctx, board);
+    tracing::info!(version = ?nccl.version(), "the group's gradients go through NCCL");
+    Ok(Box::new(SplitGroup::new(
+        Box::new(shm),
+        grad_len,
+        transport,
+    )))
 }
 
 impl<'c, 'r> Rank<'c, 'r> {
@@ -287,7 +314,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             Next::Nothing | Next::End => None,
         };
         self.draw_next_bucket(mine);
-        let batch = held.as_ref().map_or(NO_BATCH, |h| h.slot.meta().batch_id);
+        let batch = held.as_ref().map_or(NO_BATCH, |h| h.slot().meta().batch_id);
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
         self.consumer.enter(Phase::Compute);
@@ -310,7 +337,14 @@ impl<'c, 'r> Rank<'c, 'r> {
             }
         }
         self.progress(&red, &stats);
-        self.prefer = sum.bucket(self.ring.params().buckets);
+        // The draw is for the next batch taken in every rank's step order: the next step's, or,
+        // when the next step's was prefetched already, the one after.
+        let drawn = sum.bucket(self.ring.params().buckets);
+        self.prefer = if self.prefetching {
+            [self.prefer[1], drawn]
+        } else {
+            [drawn, drawn]
+        };
         self.checkpoint_if_due(&red, everyone_ended)?;
         Ok(everyone_ended)
     }
@@ -334,56 +368,6 @@ impl<'c, 'r> Rank<'c, 'r> {
             self.consumer.enter(Phase::Other);
         }
         Ok(())
-    }
-
-    /// Takes the batch for this step, from the preferred bucket if it has one READY (waits while
-    /// the targets may still publish, gives up at once once the ring is closed), verifies it and
-    /// computes its gradient into `mine`, parsing its header once. A batch that fails its
-    /// checksum is refused and another taken; one whose content the backend refuses leaves this
-    /// rank without a batch for the step.
-    fn take_and_compute(&mut self, mine: &mut StepBuffer) -> anyhow::Result<Next<'c>> {
-        let consumer = self.consumer;
-        loop {
-            // Closed: nothing more will be published, so a short look is enough; the batches
-            // still held by other ranks are theirs.
-            let closed = self.ring.is_closed();
-            let timeout = Duration::from_millis(if closed { 1 } else { 200 });
-            let slot = match consumer.take_timeout_preferring(self.prefer, timeout)? {
-                Take::Item(slot) => slot,
-                Take::End => return Ok(Next::End),
-                Take::TimedOut if closed => return Ok(Next::Nothing),
-                Take::TimedOut => continue,
-            };
-            // The mock's copy-in is parsing and checksumming the batch in place.
-            consumer.enter(Phase::CopyIn);
-            let view = BatchView::parse(slot.payload()).and_then(|v| v.verify().map(|()| v));
-            consumer.enter(Phase::Other);
-            let view = match view {
-                Ok(view) => view,
-                Err(e) => {
-                    self.refuse(slot, &e)?;
-                    continue;
-                }
-            };
-            consumer.enter(Phase::Compute);
-            let got = self.backend.gradient(&view, mine);
-            consumer.enter(Phase::Other);
-            let spec = &view.header().spec;
-            let (sample_ids, tokens) = (spec.sample_ids.clone(), spec.tokens());
-            return match got {
-                Ok(()) => Ok(Next::Batch(Held {
-                    slot,
-                    sample_ids,
-                    tokens,
-                })),
-                Err(e) => {
-                    // Content the checksum did not catch: refuse it, train nothing from it.
-                    self.refuse(slot, &e)?;
-                    mine.clear();
-                    Ok(Next::Nothing)
-                }
-            };
-        }
     }
 
     /// Releases a corrupt batch unused, and counts it.
@@ -429,11 +413,11 @@ impl<'c, 'r> Rank<'c, 'r> {
 
     /// Writes the batch's ledger line (one `write`), then releases its slot: a batch whose slot
     /// was released has its line in the file.
-    fn record(&mut self, held: Held<'c>, step: u32) -> anyhow::Result<()> {
-        let meta = *held.slot.meta();
+    fn record(&mut self, mut held: Held<'c>, step: u32) -> anyhow::Result<()> {
+        let meta = *held.slot().meta();
         let line = LedgerLine {
             batch_id: meta.batch_id,
-            sample_ids: held.sample_ids,
+            sample_ids: std::mem::take(&mut held.sample_ids),
             tokens: held.tokens,
             delivery: meta.delivery,
             ticket: meta.ticket,
@@ -442,7 +426,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             epoch: self.consumer.epoch(),
         };
         self.ledger.append(&line)?;
-        held.slot.release()?;
+        held.slot.take().expect("held until recorded").release()?;
         self.report.items += 1;
         self.report.tokens += line.tokens;
         Ok(())

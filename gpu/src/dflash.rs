@@ -19,7 +19,7 @@ use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
 
 /// Attention scores of one part of a batch's blocks (see `DraftBatch::split`): 16M f32 elements,
 /// 64 MiB per layer and copy.
-const SCORES_PER_PART: usize = 1 << 24;
+pub const SCORES_PER_PART: usize = 1 << 24;
 
 /// Steps assumed for the schedule when the launcher set none (a drafter built outside a run).
 const DEFAULT_TOTAL_STEPS: u64 = 1000;

@@ -22,6 +22,7 @@ pub mod candle;
 mod copy_thread;
 pub mod cuda_copy;
 pub mod dflash;
+pub mod in_place;
 pub mod mock;
 pub mod prefetch;
 mod state;

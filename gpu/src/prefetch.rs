@@ -32,7 +32,8 @@ use crate::{GpuError, BUFFERS};
 ///
 /// # Safety
 /// The address of the bytes (`AsRef`/`AsMut`) must not change while the value lives, however
-/// often it is moved.
+/// often it is moved, and nothing may write them through a shared reference (`&Self`): an
+/// engine reads them on another thread while the caller may hold `&Self`.
 pub unsafe trait StableBytes {}
 // SAFETY: a borrow's bytes are the borrowed value's, which a move of the borrow leaves alone.
 unsafe impl StableBytes for &[u8] {}
@@ -163,6 +164,11 @@ impl<H, E: CopyEngine<H>> Prefetch<H, E> {
 
     pub fn engine(&self) -> &E {
         &self.engine
+    }
+
+    /// The batch in buffer `buf`, if one is held there.
+    pub fn held(&self, buf: usize) -> Option<&H> {
+        self.bufs.get(buf)?.as_ref().map(|(h, _)| h)
     }
 }
 

@@ -30,6 +30,12 @@ impl StepBuffer {
         grad_len + EXTRA
     }
 
+    /// Words after the gradient (what a group whose gradient goes through NCCL commits in its
+    /// shared-memory rounds).
+    pub fn tail_len() -> usize {
+        EXTRA
+    }
+
     /// A zeroed buffer for a gradient of `grad_len` ([`crate::DrafterBackend::grad_len`]).
     pub fn new(grad_len: usize) -> StepBuffer {
         StepBuffer {

@@ -173,6 +173,12 @@ pub fn spawn(
             cmd
         }
     };
+    // NCCL connects a communicator's peers inside init, not in its first collective, so a
+    // drafter can give up on a dead peer while waiting (cuda/src/nccl_group.rs); a user's own
+    // setting wins.
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        cmd.env("NCCL_RUNTIME_CONNECT", "0");
+    }
     cmd.env("CUDA_VISIBLE_DEVICES", gpu.to_string())
         .env("RAYON_NUM_THREADS", welcome.threads.to_string())
         .stdin(Stdio::null())

@@ -247,6 +247,14 @@ pub struct DrafterConfig {
     /// to what is READY) and every rank prefers it, so a step waits less for its longest batch.
     /// Off: each rank takes under the ring's policy on its own.
     pub coherent: bool,
+    /// Each drafter takes the next step's batch while it trains one and verifies it meanwhile
+    /// (the ring lets a drafter hold two: the ring needs one more slot per drafter). Off: one
+    /// batch at a time, its checksum in front of its step.
+    pub prefetch: bool,
+    /// How the group sums its gradients: `shm` (shared memory, on the host), `nccl` (NCCL
+    /// between the drafters' GPUs; the cuda backend), or `auto` (NCCL for two or more cuda
+    /// drafters when NCCL loads, else shm). The launcher writes down what `auto` became.
+    pub collective: CollectiveKind,
     /// The run's group steps, for a learning-rate schedule: set by the launcher from the plan
     /// (batches / drafters) when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -264,10 +272,24 @@ impl Default for DrafterConfig {
             checkpoint_every: 50,
             params: 1_048_576,
             coherent: true,
+            prefetch: true,
+            collective: CollectiveKind::Auto,
             total_steps: None,
             command: None,
         }
     }
+}
+
+/// How the drafter group sums its gradients (`[drafter] collective`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    /// Chosen by the launcher: NCCL for two or more drafters on the cuda backend, else shm.
+    Auto,
+    /// The shared-memory group, summing on the host.
+    Shm,
+    /// NCCL between the drafters' GPUs; the step commits in the shared-memory group.
+    Nccl,
 }
 
 /// What a DFlash block position learns: the target's greedy token (what the target would
@@ -553,7 +575,10 @@ impl PipelineConfig {
             buckets: r.buckets,
             producers,
             consumers,
-            held_per_consumer: 1,
+            // Our drafter workers prefetch; a `[drafter] command` takes its own way.
+            held_per_consumer: 1 + u32::from(
+                self.drafter.prefetch && self.drafter.command.is_none(),
+            ),
             policy: match r.policy {
                 PolicyName::Fifo => TakePolicy::Fifo,
                 PolicyName::Bucketed => TakePolicy::Bucketed {

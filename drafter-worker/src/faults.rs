@@ -1,0 +1,52 @@
+//! Kills injected into the group protocol (`[faults.drafter-N]`'s `crash_in_sync_at`,
+//! `crash_in_join`, `crash_after_commit_at`).
+
+use std::cell::Cell;
+use std::path::PathBuf;
+
+use proto::config::Faults;
+
+/// Kills injected into the group protocol: three places that only a drafter group has, so they
+/// fire for any backend. They fire in the first incarnation only (the join fault once, by a
+/// marker file), so the restarted rank gets through.
+pub(crate) struct InjectedFaults {
+    pub(crate) faults: Faults,
+    pub(crate) first: bool,
+    /// The step the reduction in progress would commit as.
+    pub(crate) reducing: Cell<u64>,
+    /// Present once the join fault fired.
+    pub(crate) join_marker: PathBuf,
+}
+
+impl InjectedFaults {
+    fn die(what: &str) -> ! {
+        tracing::error!("injected crash {what}");
+        std::process::abort();
+    }
+
+    /// While waiting in the reduction (`crash_in_sync_at`).
+    pub(crate) fn in_sync(&self) {
+        if self.first && (self.faults.crash_in_sync_at).is_some_and(|n| self.reducing.get() >= n) {
+            Self::die("inside the reduction");
+        }
+    }
+
+    /// While waiting to rejoin the group (`crash_in_join`).
+    pub(crate) fn in_join(&self) {
+        if self.faults.crash_in_join && !self.join_marker.exists() {
+            let _ = std::fs::write(&self.join_marker, b"");
+            Self::die("while rejoining the group");
+        }
+    }
+
+    /// Once the group applied `step` with this rank's batch, before its ledger line
+    /// (`crash_after_commit_at`).
+    pub(crate) fn after_commit(&self, step: u32, holding: bool) {
+        if self.first
+            && holding
+            && (self.faults.crash_after_commit_at).is_some_and(|k| u64::from(step) >= k)
+        {
+            Self::die("after the group applied this rank's batch, before its ledger line");
+        }
+    }
+}

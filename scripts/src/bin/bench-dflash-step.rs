@@ -1,0 +1,243 @@
+//! One DFlash drafter step alone, for the comparison with the same step written in torch
+//! (`scripts/py/dflash_step.py`), two ways:
+//!
+//! - `--dump DIR`: a tiny drafter (the project's tiny Qwen3 target, made in `DIR/target`), one
+//!   batch, and what our step computes from it: the loss, the acceptance and every parameter's
+//!   gradient, with the weights, frozen tensors, context and blocks, into `DIR/step.safetensors`
+//!   and `DIR/step.json`. `dflash_step.py oracle DIR` recomputes them with torch.
+//! - timing: a drafter of `--shape`'s target (its `config.json` only; weights, frozen tensors
+//!   and context made up on the device), one sequence of `--tokens` with `--anchors` blocks of
+//!   `--block`: each step is the worker's (the gradient over the batch's parts, then AdamW on the
+//!   host masters and the weights set from them). Prints the median of each part as JSON.
+//!
+//! ```text
+//! bench-dflash-step --dump /tmp/step
+//! bench-dflash-step --shape scripts/shapes/qwen3-8b --device cuda --layers 5 --block 16 \
+//!     --anchors 512 --tokens 4096 --steps 5
+//! ```
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::make::{make_model, MakeSpec};
+use model::train::{AdamW, AdamWConfig};
+use model::ArchConfig;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Write one tiny step's inputs and results here (for `dflash_step.py oracle`).
+    #[arg(long, conflicts_with = "shape")]
+    dump: Option<PathBuf>,
+    /// A target's HF directory (only its config.json is read) to time a drafter of.
+    #[arg(long, required_unless_present = "dump")]
+    shape: Option<PathBuf>,
+    /// Where the step computes: cpu, or cuda (the CUDA build).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// Drafter decoder layers.
+    #[arg(long, default_value_t = 5)]
+    layers: usize,
+    /// The target's captured layers (the context), chosen by SpecForge's rule.
+    #[arg(long, default_value_t = 5)]
+    captured: usize,
+    #[arg(long, default_value_t = 16)]
+    block: usize,
+    #[arg(long, default_value_t = 512)]
+    anchors: usize,
+    /// Tokens of the one sequence.
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Timed steps (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    match &a.dump {
+        Some(dir) => dump(dir),
+        None => time(&a),
+    }
+}
+
+/// Token ids of a made-up sequence, below `vocab`.
+fn ids(t: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    (0..t as u64)
+        .map(|i| (dataset::mix(i ^ salt) % vocab as u64) as u32)
+        .collect()
+}
+
+fn dump(dir: &Path) -> anyhow::Result<()> {
+    let target = dir.join("target");
+    let spec = MakeSpec {
+        layers: 4,
+        vocab: 300,
+        ..MakeSpec::default()
+    };
+    make_model(&target, &spec).context("making the tiny target")?;
+    let arch = ArchConfig::load(&target)?;
+    let mask = mask_token_id(&target, arch.vocab_size, None)?;
+    let cfg = DflashConfig::for_target(&arch, vec![1, 2], Some(2), 4, mask);
+    let frozen = Frozen::load(&target, &Device::Cpu)?;
+    let d = Dflash::new(cfg, frozen, 3)?;
+    let lens = [24u32, 17];
+    let t = lens.iter().sum::<u32>() as usize;
+    let tok = ids(t, 290, 1);
+    let greedy = ids(t, 290, 2);
+    let mut loss_mask = vec![1u8; t];
+    loss_mask[3] = 0;
+    let sampling = Sampling {
+        num_anchors: 6,
+        gamma: 7.0,
+        label: Label::Target,
+        seed: 1,
+    };
+    let batch = DraftBatch::new(&d.cfg, &sampling, 9, &tok, &loss_mask, &greedy, &lens);
+    let width = d.cfg.target_layer_ids.len() * d.cfg.hidden;
+    let feats: Vec<f32> = (0..t * width)
+        .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+        .collect();
+    let ctx = Tensor::from_vec(feats, (t, width), &Device::Cpu)?;
+    let mut grad = vec![0.0f32; d.params.flat()?.len()];
+    let sums = d.loss_and_grads(&ctx, &batch, &mut grad)?;
+
+    let mut out: HashMap<String, Tensor> = HashMap::new();
+    let mut at = 0;
+    for ((name, t), shape) in d.params.tensors().zip(d.params.shapes()) {
+        out.insert(name.to_string(), t.clone());
+        let n: usize = shape.iter().product();
+        let g = Tensor::from_slice(&grad[at..at + n], shape.as_slice(), &Device::Cpu)?;
+        out.insert(format!("grad.{name}"), g);
+        at += n;
+    }
+    out.insert("frozen.embed".into(), d.frozen.embed.clone());
+    out.insert("frozen.lm_head".into(), d.frozen.lm_head.clone());
+    out.insert("ctx".into(), ctx);
+    candle_core::safetensors::save(&out, dir.join("step.safetensors"))?;
+    let seqs: Vec<_> = (batch.seqs.iter())
+        .map(|s| serde_json::json!({"ctx_start": s.ctx_start, "ctx_len": s.ctx_len, "anchors": s.anchors}))
+        .collect();
+    let json = serde_json::json!({
+        "config": d.cfg.to_json("float32"),
+        "seqs": seqs,
+        "block_ids": batch.block_ids,
+        "labels": batch.labels,
+        "weights": batch.weights,
+        "loss": sums.loss,
+        "weight": sums.weight,
+        "accepted": sums.accepted,
+        "blocks": sums.blocks,
+    });
+    std::fs::write(dir.join("step.json"), serde_json::to_string_pretty(&json)?)?;
+    println!(
+        "wrote {} (loss {:.6}, {} blocks)",
+        dir.display(),
+        sums.loss,
+        sums.blocks
+    );
+    Ok(())
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn time(a: &Args) -> anyhow::Result<()> {
+    let shape = a
+        .shape
+        .as_ref()
+        .expect("clap requires --shape without --dump");
+    let kind = match a.device.as_str() {
+        "cuda" => gpu::BackendKind::Cuda,
+        _ => gpu::BackendKind::Candle,
+    };
+    let dev = gpu::candle::Placement::of(kind)?.device;
+    let arch = ArchConfig::load(shape)?;
+    let ids_l = model::capture::default_layer_ids(arch.num_hidden_layers, a.captured)?;
+    let cfg = DflashConfig::for_target(
+        &arch,
+        ids_l,
+        Some(a.layers),
+        a.block,
+        arch.vocab_size as u32 - 1,
+    );
+    let (v, h) = (cfg.vocab, cfg.hidden);
+    let frozen = Frozen {
+        embed: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
+        lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
+    };
+    let mut d = Dflash::new(cfg, frozen, 3)?;
+    let width = d.cfg.target_layer_ids.len() * h;
+    let ctx = Tensor::randn(0f32, 1.0, (a.tokens, width), &dev)?;
+    let sampling = Sampling {
+        num_anchors: a.anchors,
+        gamma: 7.0,
+        label: Label::Target,
+        seed: 1,
+    };
+    let tok = ids(a.tokens, v, 1);
+    let greedy = ids(a.tokens, v, 2);
+    let mask = vec![1u8; a.tokens];
+    let lens = [a.tokens as u32];
+    let batch = DraftBatch::new(&d.cfg, &sampling, 0, &tok, &mask, &greedy, &lens);
+    let mut masters = d.params.flat()?;
+    let mut opt = AdamW::new(
+        AdamWConfig {
+            lr: 6e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            warmup_steps: 0,
+            total_steps: 1000,
+            min_lr_ratio: 0.1,
+            clip: 1.0,
+        },
+        masters.len(),
+    );
+    let mut grad = vec![0.0f32; masters.len()];
+    let (mut grads, mut updates, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    let mut loss = 0.0;
+    for step in 0..=a.steps {
+        let t0 = Instant::now();
+        grad.fill(0.0);
+        let mut weight = 0.0;
+        for part in batch.split(&d.cfg, gpu::dflash::SCORES_PER_PART) {
+            let s = d.loss_and_grads(&ctx, &part, &mut grad)?;
+            (loss, weight) = (s.loss, weight + s.weight);
+        }
+        let t1 = Instant::now();
+        opt.update(&mut masters, &grad, 1.0 / weight.max(1.0) as f32);
+        d.params.set_flat(&masters)?;
+        // The next step reads the weights just set: the device has them once this returns.
+        dev.synchronize()?;
+        let t2 = Instant::now();
+        if step > 0 {
+            grads.push((t1 - t0).as_secs_f64());
+            updates.push((t2 - t1).as_secs_f64());
+            total.push((t2 - t0).as_secs_f64());
+        }
+    }
+    let json = serde_json::json!({
+        "device": a.device,
+        "params": masters.len(),
+        "tokens": a.tokens,
+        "anchors": batch.blocks(),
+        "block": a.block,
+        "layers": a.layers,
+        "captured": d.cfg.target_layer_ids,
+        "dtype": format!("{:?}", DType::F32),
+        "step_s": median(total),
+        "gradient_s": median(grads),
+        "update_s": median(updates),
+        "last_loss": loss,
+    });
+    println!("{json}");
+    Ok(())
+}
