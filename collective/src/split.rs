@@ -138,6 +138,9 @@ pub struct SplitGroup<T: Transport> {
     commit: Box<dyn Collective + Send>,
     grad_len: usize,
     transport: Mutex<(T, Option<Current<T::Comm>>)>,
+    /// The failure that ended a round: every later round fails with it (a retry would connect
+    /// alone within the epoch, and wait for ever).
+    failed: Mutex<Option<String>>,
 }
 
 impl<T: Transport> SplitGroup<T> {
@@ -148,6 +151,7 @@ impl<T: Transport> SplitGroup<T> {
             commit,
             grad_len,
             transport: Mutex::new((transport, None)),
+            failed: Mutex::new(None),
         }
     }
 
@@ -166,6 +170,14 @@ impl<T: Transport> SplitGroup<T> {
                 want: data.len().max(self.grad_len),
                 got: out.len(),
             });
+        }
+        let failed = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(e) = failed {
+            return Err(GroupError::Transport(e));
         }
         let rank = self.commit.rank();
         let (grad, rest) = data.split_at(self.grad_len);
@@ -189,7 +201,10 @@ impl<T: Transport> SplitGroup<T> {
                 Ok(()) => {}
                 Err(TransportError::Abandoned) if stop() => return Err(GroupError::Stopped),
                 Err(TransportError::Abandoned) => continue,
-                Err(TransportError::Failed(e)) => return Err(GroupError::Transport(e)),
+                Err(TransportError::Failed(e)) => {
+                    *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                    return Err(GroupError::Transport(e));
+                }
             }
             match self
                 .commit

@@ -391,24 +391,27 @@ fn a_rank_whose_exchange_fails_errs_at_once_and_the_others_go_on() {
     assert_eq!(f.launcher.membership().step, 2);
 }
 
-/// A single rank's failed exchange is an error naming the failure, not a retry loop; a stop
-/// request ends a wait (for a member that never comes) as Stopped; a buffer of the wrong size
-/// is named.
+/// A single rank's failed exchange is an error naming the failure, not a retry loop, and the
+/// group stays failed (a retry would connect alone within the epoch); a stop request ends a
+/// wait (for a member that never comes) as Stopped; a buffer of the wrong size is named.
 #[test]
 fn a_failed_exchange_is_an_error_and_a_stop_is_stopped() {
     let f = fixture("failing", 1);
-    f.world.st.lock().unwrap().failing.insert(0, 1);
     let g = f.rank(0);
     let mut out = vec![0.0; GRAD + REST];
+    // A buffer of the wrong size is named, not a panic.
+    let e = (g.all_reduce(&[0.0; 3], NO_BATCH, &mut [0.0; 3], &|| false)).unwrap_err();
+    assert!(matches!(e, GroupError::Size { .. }), "{e}");
+    f.world.st.lock().unwrap().failing.insert(0, 1);
     let e = (g.all_reduce(&words(0, 1), NO_BATCH, &mut out, &|| false)).unwrap_err();
     assert!(
         matches!(&e, GroupError::Transport(m) if m.contains("illegal memory access")),
         "{e}"
     );
     assert_eq!(f.launcher.membership().step, 0, "nothing committed");
-    // A buffer of the wrong size is named, not a panic.
-    let e = (g.all_reduce(&[0.0; 3], NO_BATCH, &mut [0.0; 3], &|| false)).unwrap_err();
-    assert!(matches!(e, GroupError::Size { .. }), "{e}");
+    f.world.st.lock().unwrap().failing.clear();
+    let again = (g.all_reduce(&words(0, 1), NO_BATCH, &mut out, &|| false)).unwrap_err();
+    assert_eq!(again, e, "failed for good");
     // Rank 1 of two never comes: rank 0 waits to connect until its stop says so.
     let f = fixture("stopped", 2);
     let g = f.rank(0);

@@ -12,6 +12,10 @@
 //!   with `ncclCommGetAsyncError` and `give_up` asked between polls; on giving up the
 //!   communicator is aborted (`ncclCommAbort` stops its kernels, which would otherwise spin
 //!   waiting for the dead peer).
+//! - A peer's failure seen by NCCL first (`ncclRemoteError`, from init or in the background) is
+//!   not this rank's: it waits, up to [`PEER_GRACE`], for the launcher to remove the dead peer
+//!   (then the exchange is abandoned and the group goes on without it); only past that, or for
+//!   an error of its own, does the rank fail.
 //!
 //! The gradient is on the host (the drafter backends hand a host [`collective::Collective`]
 //! buffer), so an exchange copies it to the device, all-reduces there and copies the sum back:
@@ -25,10 +29,38 @@ use collective::split::{Board, Exchange, Transport, TransportError, POLL};
 use zerocopy::IntoBytes;
 
 use crate::nccl::{Comm, Nccl, UniqueId};
-use crate::{CudaContext, CudaSlice, CudaStream, Named};
-
+use crate::{CudaContext, CudaError, CudaSlice, CudaStream, Named};
 /// How often an exchange in flight looks at its completion event.
 const SPIN: Duration = Duration::from_micros(100);
+
+/// NCCL's `ncclRemoteError`: a peer failed (its process died, or its network did).
+const REMOTE_ERROR: i32 = 6;
+
+/// How long a rank whose peer failed waits for the launcher to remove that peer (it notices a
+/// dead worker within its supervision tick) before failing itself.
+pub const PEER_GRACE: Duration = Duration::from_secs(30);
+
+/// What NCCL's error `e` means for this rank: a peer's failure waits for the membership to move
+/// on (`give_up`), then the exchange is abandoned; anything else, or a peer's failure the
+/// launcher never acts on, fails this rank.
+fn settle(e: CudaError, give_up: &dyn Fn() -> bool) -> TransportError {
+    if matches!(
+        e,
+        CudaError::Nccl {
+            code: REMOTE_ERROR,
+            ..
+        }
+    ) {
+        let since = Instant::now();
+        while since.elapsed() < PEER_GRACE {
+            if give_up() {
+                return TransportError::Abandoned;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+    failed(e)
+}
 
 /// Communicators of one GPU's drafter rank, an epoch at a time.
 pub struct NcclTransport {
@@ -90,7 +122,7 @@ impl Transport for NcclTransport {
             match rx.recv_timeout(POLL) {
                 Ok(made) => {
                     return Ok(NcclExchange {
-                        comm: made.map_err(failed)?,
+                        comm: made.map_err(|e| settle(e, give_up))?,
                         stream,
                         bufs: None,
                     })
@@ -142,7 +174,7 @@ impl Exchange for NcclExchange {
             .map_err(failed)?;
         (self.comm)
             .all_reduce_sum_f32(send, recv, data.len(), s)
-            .map_err(failed)?;
+            .map_err(|e| settle(e, give_up))?;
         let done = s
             .record_event(None)
             .named("cuEventRecord")
@@ -154,7 +186,7 @@ impl Exchange for NcclExchange {
             .map_err(failed)?
         {
             if asked.elapsed() >= POLL {
-                self.comm.async_error().map_err(failed)?;
+                self.comm.async_error().map_err(|e| settle(e, give_up))?;
                 if give_up() {
                     return Err(TransportError::Abandoned);
                 }

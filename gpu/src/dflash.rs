@@ -17,9 +17,21 @@ use crate::candle::Placement;
 use crate::mock::{self, Sim};
 use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
 
-/// Attention scores of one part of a batch's blocks (see `DraftBatch::split`): 16M f32 elements,
-/// 64 MiB per layer and copy.
-pub const SCORES_PER_PART: usize = 1 << 24;
+/// Attention scores of one part of a batch's blocks (see `DraftBatch::split`) on the CPU: 16M
+/// f32 elements, 64 MiB per layer and copy.
+const SCORES_PER_PART_CPU: usize = 1 << 24;
+/// On a GPU: 256M elements, 1 GiB per layer and copy. Each part projects its sequences' context
+/// again, so fewer parts is less repeated work; a GPU's memory affords them.
+const SCORES_PER_PART_GPU: usize = 1 << 28;
+
+/// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`).
+pub fn scores_per_part(device: &Device) -> usize {
+    if device.is_cpu() {
+        SCORES_PER_PART_CPU
+    } else {
+        SCORES_PER_PART_GPU
+    }
+}
 
 /// Steps assumed for the schedule when the launcher set none (a drafter built outside a run).
 const DEFAULT_TOTAL_STEPS: u64 = 1000;
@@ -224,7 +236,7 @@ impl DrafterBackend for DflashDrafter {
         // The blocks in parts, so a batch of long sequences and many anchors never holds more
         // than one part's attention graph at once.
         let mut sums = model::dflash::LossSums::default();
-        for part in db.split(c, SCORES_PER_PART) {
+        for part in db.split(c, scores_per_part(self.model.device())) {
             let s = self.model.loss_and_grads(&ctx, &part, out.gradient_mut())?;
             sums.loss += s.loss;
             sums.weight += s.weight;

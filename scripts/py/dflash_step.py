@@ -230,11 +230,10 @@ def oracle(dirname):
 
 
 def captured_ids(target_layers, n):
-    """SpecForge's rule (ours is model/src/capture.rs): n layers spread from 1 to L-3."""
+    """SpecForge's rule (ours is model/src/capture.rs): round(1 + i * (L - 4) / (n - 1))."""
     if n == 1:
         return [target_layers // 2]
-    start, end = 1, target_layers - 3
-    return [start + round(i * (end - start) / (n - 1)) for i in range(n)]
+    return [round(1 + i * (target_layers - 4) / (n - 1)) for i in range(n)]
 
 
 def bench(a):

@@ -555,7 +555,8 @@ fn a_drafter_holds_the_next_batch_while_it_trains_one() {
 }
 
 /// A drafter that fails with an error in the middle of a step (here: removed from the group
-/// while alive, as a launcher that took it for hung would; its next reduction is refused)
+/// while alive, standing in for any error between its take and its ledger line; its next
+/// reduction is refused)
 /// exits non-zero without releasing the batch it was training: the recovery redelivers it
 /// (the group never applied it) and the prefetched one went back already, so a restarted
 /// drafter trains every sample exactly once. Released on the error path, that batch would be
