@@ -134,7 +134,7 @@ fn targets_done(w: &Window) -> Option<Call> {
         Call::new(
             Bottleneck::Draining,
             format!(
-                "draining: the targets are done ({}/{}); the drafters are training the last {} batch(es) ({} ready, {} in training)",
+                "draining: the targets are done ({}/{}); the drafters are training the last {} batch(es) ({} ready, {} held by drafters)",
                 b.producers_done, b.producers_expected, w.left, b.slots.ready, b.slots.reading
             ),
         )
@@ -152,7 +152,7 @@ fn plan_handed_out(w: &Window) -> Option<Call> {
         Call::new(
             Bottleneck::Draining,
             format!(
-                "draining: every planned batch is handed out ({} of {} published, {} claimed; targets done {}/{}); the drafters are training the last {} batch(es) ({} ready, {} in training)",
+                "draining: every planned batch is handed out ({} of {} published, {} claimed; targets done {}/{}); the drafters are training the last {} batch(es) ({} ready, {} held by drafters)",
                 b.work.done, b.work.total, b.work.claimed, b.producers_done, b.producers_expected, w.left, b.slots.ready, b.slots.reading
             ),
         )
