@@ -53,6 +53,26 @@ pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
     ))
 }
 
+/// The loss sums of `batch` with its gradient added into `grad`, the blocks in parts (see
+/// [`scores_per_part`]), so a batch of long sequences and many anchors never holds more than
+/// one part's attention graph at once: the worker's gradient, and the step benchmark's.
+pub fn loss_and_grads_in_parts(
+    model: &Dflash,
+    ctx: &Tensor,
+    batch: &DraftBatch,
+    grad: &mut [f32],
+) -> Result<model::dflash::LossSums, GpuError> {
+    let mut sums = model::dflash::LossSums::default();
+    for part in batch.split(&model.cfg, scores_per_part(model.device())) {
+        let s = model.loss_and_grads(ctx, &part, grad)?;
+        sums.loss += s.loss;
+        sums.weight += s.weight;
+        sums.accepted += s.accepted;
+        sums.blocks += s.blocks;
+    }
+    Ok(sums)
+}
+
 /// `(grad_len, state_len)` of [`DflashDrafter`] for `cfg`.
 pub fn sizes(cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
     let n = drafter_config(cfg)?.param_len();
@@ -233,16 +253,7 @@ impl DrafterBackend for DflashDrafter {
         );
         let ctx = context(batch, self.model.device())?;
         out.gradient_mut().fill(0.0);
-        // The blocks in parts, so a batch of long sequences and many anchors never holds more
-        // than one part's attention graph at once.
-        let mut sums = model::dflash::LossSums::default();
-        for part in db.split(c, scores_per_part(self.model.device())) {
-            let s = self.model.loss_and_grads(&ctx, &part, out.gradient_mut())?;
-            sums.loss += s.loss;
-            sums.weight += s.weight;
-            sums.accepted += s.accepted;
-            sums.blocks += s.blocks;
-        }
+        let sums = loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())?;
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);

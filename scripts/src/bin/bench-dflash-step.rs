@@ -205,16 +205,15 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let (mut grads, mut updates, mut total) = (Vec::new(), Vec::new(), Vec::new());
     let mut loss = 0.0;
     // The parts the worker cuts the batch into; each projects the sequence's context again.
-    let parts = batch.split(&d.cfg, gpu::dflash::scores_per_part(&dev));
+    let parts = batch
+        .split(&d.cfg, gpu::dflash::scores_per_part(&dev))
+        .len();
     for step in 0..=a.steps {
         let t0 = Instant::now();
         grad.fill(0.0);
-        let mut weight = 0.0;
-        loss = 0.0;
-        for part in &parts {
-            let s = d.loss_and_grads(&ctx, part, &mut grad)?;
-            (loss, weight) = (loss + s.loss, weight + s.weight);
-        }
+        let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, &mut grad)?;
+        let weight = s.weight;
+        loss = s.loss;
         let t1 = Instant::now();
         opt.update(&mut masters, &grad, 1.0 / weight.max(1.0) as f32);
         d.params.set_flat(&masters)?;
@@ -232,7 +231,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "params": masters.len(),
         "tokens": a.tokens,
         "anchors": batch.blocks(),
-        "parts": parts.len(),
+        "parts": parts,
         "block": a.block,
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
