@@ -273,30 +273,32 @@ fn bounds(what: &'static str, capacity: usize, offset: usize, len: usize) -> Res
 
 /// Copies between host memory and device buffers, queued on a stream. The device side is
 /// bounds-checked (cudarc's own copies assert, which would panic) and goes through cudarc's
-/// event tracking, so the buffer's other streams stay ordered with the copy.
+/// event tracking, so the buffer's other streams stay ordered with the copy. Offsets and lengths
+/// are in bytes, whatever the buffer's element type (a batch's states are bytes on the host and
+/// bf16 or f32 elements in a model's tensor).
 pub trait HostCopy {
-    /// Queues a copy of `len` host bytes at `src` into `dst` at `offset`.
+    /// Queues a copy of `len` host bytes at `src` into `dst` at byte `offset`.
     ///
     /// # Safety
     /// `src..src+len` must stay mapped and unwritten until the stream has passed this copy (a
     /// synchronize of the stream, or an event recorded after it that has completed).
-    unsafe fn copy_h2d(
+    unsafe fn copy_h2d<T>(
         &self,
-        dst: &mut CudaSlice<u8>,
+        dst: &mut CudaSlice<T>,
         offset: usize,
         src: *const u8,
         len: usize,
     ) -> Result<()>;
 
-    /// Queues a copy of `len` bytes of `src` at `offset` into host memory at `dst`.
+    /// Queues a copy of `len` bytes of `src` at byte `offset` into host memory at `dst`.
     ///
     /// # Safety
     /// `dst..dst+len` must stay mapped, and be neither read nor written by the host, until the
     /// stream has passed this copy.
-    unsafe fn copy_d2h(
+    unsafe fn copy_d2h<T>(
         &self,
         dst: *mut u8,
-        src: &CudaSlice<u8>,
+        src: &CudaSlice<T>,
         offset: usize,
         len: usize,
     ) -> Result<()>;
@@ -309,14 +311,14 @@ pub trait HostCopy {
 }
 
 impl HostCopy for CudaStream {
-    unsafe fn copy_h2d(
+    unsafe fn copy_h2d<T>(
         &self,
-        dst: &mut CudaSlice<u8>,
+        dst: &mut CudaSlice<T>,
         offset: usize,
         src: *const u8,
         len: usize,
     ) -> Result<()> {
-        bounds("host-to-device copy", dst.len(), offset, len)?;
+        bounds("host-to-device copy", dst.num_bytes(), offset, len)?;
         self.context().bind_to_thread().named("cuCtxSetCurrent")?;
         // The guard records the buffer's write event once the copy is queued (at the end of
         // this function), after making the stream wait for the buffer's earlier uses.
@@ -331,14 +333,14 @@ impl HostCopy for CudaStream {
         .named("cuMemcpyHtoDAsync")
     }
 
-    unsafe fn copy_d2h(
+    unsafe fn copy_d2h<T>(
         &self,
         dst: *mut u8,
-        src: &CudaSlice<u8>,
+        src: &CudaSlice<T>,
         offset: usize,
         len: usize,
     ) -> Result<()> {
-        bounds("device-to-host copy", src.len(), offset, len)?;
+        bounds("device-to-host copy", src.num_bytes(), offset, len)?;
         self.context().bind_to_thread().named("cuCtxSetCurrent")?;
         // As in `copy_h2d`: the guard records the buffer's read event after the copy.
         let (base, _read) = src.device_ptr(self);

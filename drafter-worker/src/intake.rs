@@ -1,38 +1,47 @@
 //! The rank's intake: this step's batch and the next one's, taken from the ring and verified on
-//! the copy thread ([`gpu::prefetch`] with the [`gpu::in_place`] engine), so the checksum of
-//! batch `s+1` runs under step `s`'s compute.
+//! the copy thread ([`gpu::prefetch`] with the [`gpu::in_place`] engine), then staged there by
+//! the backend's [`gpu::Stager`] (on a GPU: copied to the device on the drafter's copy stream),
+//! so the checksum and the copy of batch `s+1` run under step `s`'s compute.
 
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use gpu::in_place::InPlace;
 use gpu::prefetch::{Prefetch, PushError};
-use gpu::StepBuffer;
+use gpu::{GpuError, Staged, Stager, StepBuffer};
 use proto::{BatchError, BatchView};
 use shm_ring::{Phase, ReadSlot, Take};
 
 use crate::taken::Taken;
 use crate::{Held, Next, Rank};
 
-/// Batches taken for this step and the next, each verified on the copy thread.
-pub(crate) type Intake<'c> = Prefetch<Taken<'c>, InPlace<Result<(), BatchError>>>;
+/// What the copy thread made of a batch: verified, then staged if the backend stages (its
+/// error is the step's: the batch is refused as content the backend cannot take).
+type Prepared = Result<Option<Result<Staged, GpuError>>, BatchError>;
 
-/// An empty intake.
-pub(crate) fn intake<'c>() -> Intake<'c> {
+/// Batches taken for this step and the next, each verified and staged on the copy thread.
+pub(crate) type Intake<'c> = Prefetch<Taken<'c>, InPlace<Prepared>>;
+
+/// An empty intake, staging with `stager` (the backend's).
+pub(crate) fn intake<'c>(stager: Option<Stager>) -> Intake<'c> {
     // SAFETY: the intake lives in its `Rank`, which is dropped normally (never leaked) before
     // the consumer and the ring its slots borrow; a held slot's payload is written by nobody
     // (it is READING, this consumer's).
-    unsafe { Prefetch::in_place(verify) }
+    unsafe { Prefetch::in_place(move |payload| prepare(payload, stager.as_ref())) }
 }
 
-/// The copy-in of a batch: its header parsed and its checksum verified, in its slot.
-fn verify(payload: &[u8]) -> Result<(), BatchError> {
-    BatchView::parse(payload)?.verify()
+/// The copy-in of a batch: its header parsed and its checksum verified, in its slot, then
+/// staged.
+fn prepare(payload: &[u8], stager: Option<&Stager>) -> Prepared {
+    let view = BatchView::parse(payload)?;
+    view.verify()?;
+    Ok(stager.map(|stage| stage(&view)))
 }
 
-/// This step's batch as the intake has it: verified, in prefetch buffer `usize`.
+/// This step's batch as the intake has it: verified, in prefetch buffer `usize`, with what the
+/// backend staged of it.
 pub(crate) enum Got {
-    Batch(usize),
+    Batch(usize, Option<Result<Staged, GpuError>>),
     Nothing,
     End,
 }
@@ -45,8 +54,8 @@ impl<'c> Rank<'c, '_> {
     /// prefetched. A batch whose content the backend refuses leaves this rank without a batch
     /// for the step.
     pub(crate) fn take_and_compute(&mut self, mine: &mut StepBuffer) -> anyhow::Result<Next<'c>> {
-        let buf = match self.verified()? {
-            Got::Batch(buf) => buf,
+        let (buf, staged) = match self.verified()? {
+            Got::Batch(buf, staged) => (buf, staged),
             Got::Nothing => return Ok(Next::Nothing),
             Got::End => return Ok(Next::End),
         };
@@ -55,7 +64,11 @@ impl<'c> Rank<'c, '_> {
         // Parsed again on this thread (the header only; its checksum was verified).
         let view = BatchView::parse(taken.as_ref())?;
         self.consumer.enter(Phase::Compute);
-        let got = self.backend.gradient(&view, mine);
+        let got = match staged {
+            None => self.backend.gradient(&view, mine),
+            Some(Ok(staged)) => self.backend.gradient_staged(&view, staged, mine),
+            Some(Err(e)) => Err(e),
+        };
         self.consumer.enter(Phase::Other);
         let spec = &view.header().spec;
         let (sample_ids, tokens) = (spec.sample_ids.clone(), spec.tokens());
@@ -93,7 +106,7 @@ impl<'c> Rank<'c, '_> {
             consumer.enter(Phase::Other);
             let buf = buf?.expect("a batch is held and none is stepping");
             match self.intake.engine().result(buf) {
-                Some(Ok(())) => return Ok(Got::Batch(buf)),
+                Some(Ok(staged)) => return Ok(Got::Batch(buf, staged)),
                 bad => {
                     let slot = self.intake.end_step(buf)?.into_slot();
                     let why = match bad {

@@ -163,11 +163,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
     let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
+    let _pinned = gpu::pin_arena(s.backend, &ring);
     let group = attach_group(&s, backend.grad_len())?;
     let consumer = ring
         .consumer(s.index)
         .with_context(|| format!("registering as consumer {}", s.index))?;
     consumer.set_gpu(s.gpu);
+    let stager = backend.stager();
     let mut rank = Rank {
         s: &s,
         ring: &ring,
@@ -183,7 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             join_marker: (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name)),
         },
         report: FinalReport::default(),
-        intake: intake(),
+        intake: intake(stager),
         prefetching: ring.params().held_per_consumer >= 2,
         prefer: [None, None],
     };

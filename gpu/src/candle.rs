@@ -17,8 +17,9 @@ use candle_core::{DType, Device, Tensor};
 use model::{ArchConfig, Decoder, Need};
 use proto::{Dtype, PipelineConfig, WorkerName};
 
+use crate::candle_cuda::CopyOut;
 use crate::mock::{self, Sim};
-use crate::{DrafterBackend, GpuError, Maker, TargetBackend, TargetOut};
+use crate::{DrafterBackend, GpuError, Maker, RawOut, TargetBackend, TargetOut};
 
 pub struct Candle {
     /// On the worker's GPU (the `cuda` backend, [`Placement::gpu`]), else on the CPU.
@@ -183,6 +184,9 @@ pub struct CandleTarget {
     dtype: Dtype,
     /// The faults injected into this worker (crash or hang after N batches); no simulated time.
     sim: Sim,
+    /// On a GPU: the copy-out beside candle's stream, and the batches submitted and not yet
+    /// completed. Dropping the target waits for the copies.
+    gpu: Option<CopyOut>,
 }
 
 impl CandleTarget {
@@ -195,11 +199,12 @@ impl CandleTarget {
         let faults = cfg.faults_for(name);
         mock::start(&faults);
         let dir = model_dir(cfg)?;
-        let t = CandleTarget::load_at(dir, cfg, place)?;
-        Ok(CandleTarget {
-            sim: Sim::new(f64::INFINITY, faults),
-            ..t
-        })
+        let mut t = CandleTarget::load_at(dir, cfg, place)?;
+        t.sim = Sim::new(f64::INFINITY, faults);
+        if !place.device.is_cpu() {
+            t.gpu = Some(CopyOut::new(&place.device)?);
+        }
+        Ok(t)
     }
 
     /// Loads the model in `dir` for the layers and dtype `cfg` names (the launcher's `capture`
@@ -258,6 +263,7 @@ impl CandleTarget {
             layers,
             dtype: cfg.model.dtype,
             sim: Sim::new(f64::INFINITY, Default::default()),
+            gpu: None,
         })
     }
 
@@ -267,6 +273,22 @@ impl CandleTarget {
 
     pub fn layers(&self) -> &[usize] {
         &self.layers
+    }
+
+    /// The forward of a batch up to what a slot holds: the captured layers, and the greedy
+    /// tokens if `tokens` (else it stops after the last captured layer).
+    fn captured(
+        &self,
+        input_ids: &[u32],
+        seq_lens: &[u32],
+        tokens: bool,
+    ) -> Result<model::Output, GpuError> {
+        let need = Need {
+            layers: &self.layers,
+            final_hidden: false,
+            tokens,
+        };
+        Ok(self.decoder.forward(input_ids, seq_lens, &need)?)
     }
 
     /// The captured layers and greedy tokens of one batch, as the slot's bytes: `hidden`
@@ -281,15 +303,7 @@ impl CandleTarget {
     ) -> Result<(), GpuError> {
         let h = self.decoder.config().hidden_size;
         out.check(input_ids.len(), self.layers.len(), h, self.dtype.size())?;
-        let got = self.decoder.forward(
-            input_ids,
-            seq_lens,
-            &Need {
-                layers: &self.layers,
-                final_hidden: false,
-                tokens,
-            },
-        )?;
+        let got = self.captured(input_ids, seq_lens, tokens)?;
         let l = self.layers.len();
         if self.decoder.device().is_cpu() {
             for (li, x) in got.layers.iter().enumerate() {
@@ -298,7 +312,7 @@ impl CandleTarget {
         } else {
             write_stacked(&got.layers, self.dtype, out.hidden_states)?;
         }
-        match got.tokens {
+        match got.token_ids()? {
             Some(tk) => {
                 for (dst, id) in out.target_tokens.chunks_exact_mut(4).zip(tk) {
                     dst.copy_from_slice(&id.to_le_bytes());
@@ -321,6 +335,65 @@ impl TargetBackend for CandleTarget {
         self.sim.finish_item(seq_lens, std::time::Instant::now());
         Ok(())
     }
+
+    /// Two on a GPU: the forward of a batch runs while the last one's results are copied out.
+    fn depth(&self) -> usize {
+        if self.gpu.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn submit(
+        &mut self,
+        input_ids: &[u32],
+        seq_lens: &[u32],
+        mut out: RawOut,
+    ) -> Result<(), GpuError> {
+        if self.gpu.is_none() {
+            return self.forward(input_ids, seq_lens, out.get());
+        }
+        let h = self.decoder.config().hidden_size;
+        let (l, t) = (self.layers.len(), input_ids.len());
+        out.get().check(t, l, h, self.dtype.size())?;
+        let got = self.captured(input_ids, seq_lens, true)?;
+        let states = stacked(&got.layers, self.dtype)?;
+        let tokens = got
+            .tokens
+            .ok_or_else(|| GpuError::Shape("the forward gave no greedy tokens".into()))?;
+        let gpu = self.gpu.as_mut().expect("checked above");
+        gpu.start(states, tokens, &out)?;
+        self.sim.finish_item(seq_lens, std::time::Instant::now());
+        Ok(())
+    }
+
+    fn complete(&mut self) -> Result<(), GpuError> {
+        match &mut self.gpu {
+            Some(g) => g.complete(),
+            None => Ok(()),
+        }
+    }
+
+    fn quiesce(&mut self) {
+        if let Some(g) = &mut self.gpu {
+            g.quiesce();
+        }
+    }
+}
+
+/// The captured layers (each `[tokens, hidden]`) as one contiguous `[tokens x layers x
+/// hidden]` tensor of `dtype`, laid out and converted where they are.
+fn stacked(layers: &[Tensor], dtype: Dtype) -> Result<Tensor, GpuError> {
+    let dt = match dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+    };
+    Ok(Tensor::stack(layers, 1)?
+        .flatten_all()?
+        .to_dtype(dt)?
+        .contiguous()?)
 }
 
 /// Writes the captured layers (each `[tokens, hidden]`) into `out` as `[tokens x layers x
@@ -332,7 +405,7 @@ fn write_stacked(layers: &[Tensor], dtype: Dtype, out: &mut [u8]) -> Result<(), 
     // memcpy of the host copy's bytes, not a loop over hundreds of millions of elements.
     const _: () = assert!(cfg!(target_endian = "little"));
     use zerocopy::IntoBytes;
-    let flat = Tensor::stack(layers, 1)?.flatten_all()?;
+    let flat = stacked(layers, dtype)?;
     let want = flat.elem_count() * dtype.size();
     if out.len() != want {
         return Err(GpuError::BufferSize {
@@ -341,17 +414,9 @@ fn write_stacked(layers: &[Tensor], dtype: Dtype, out: &mut [u8]) -> Result<(), 
         });
     }
     match dtype {
-        Dtype::F32 => out.copy_from_slice(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.as_bytes()),
-        Dtype::Bf16 => out.copy_from_slice(
-            flat.to_dtype(DType::BF16)?
-                .to_vec1::<half::bf16>()?
-                .as_bytes(),
-        ),
-        Dtype::F16 => out.copy_from_slice(
-            flat.to_dtype(DType::F16)?
-                .to_vec1::<half::f16>()?
-                .as_bytes(),
-        ),
+        Dtype::F32 => out.copy_from_slice(flat.to_vec1::<f32>()?.as_bytes()),
+        Dtype::Bf16 => out.copy_from_slice(flat.to_vec1::<half::bf16>()?.as_bytes()),
+        Dtype::F16 => out.copy_from_slice(flat.to_vec1::<half::f16>()?.as_bytes()),
     }
     Ok(())
 }

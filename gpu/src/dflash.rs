@@ -3,10 +3,14 @@
 //! labels; the gradient of the batch's summed weighted loss, the weight sum and the blocks'
 //! acceptance go into the step buffer; the update divides by the whole group's weight sum and
 //! applies AdamW to f32 masters, the same bits on every rank.
+//!
+//! Length: past 500 lines with its tests: the rank's step (context staged or made, shape checks,
+//! the parts), its update, state and checkpoint, export and evaluation are one drafter.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
 use model::train::{AdamW, AdamWConfig};
 use model::ArchConfig;
@@ -15,7 +19,7 @@ use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
 
 use crate::candle::Placement;
 use crate::mock::{self, Sim};
-use crate::{state, DrafterBackend, GpuError, StepBuffer, StepStats};
+use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepStats};
 
 /// Attention scores of one part of a batch's blocks (see `DraftBatch::split`) on the CPU: 16M
 /// f32 elements, 64 MiB per layer and copy.
@@ -92,6 +96,8 @@ pub struct DflashDrafter {
     sim: Sim,
     /// What the leader's evaluations need: the target (loaded at the first), the prompts.
     eval: Evaluation,
+    /// On a GPU, the stream the stager's copies run on, beside candle's compute stream.
+    copy: Option<Arc<cuda::CudaStream>>,
 }
 
 /// The leader's periodic speculative decoding on held-out prompts.
@@ -119,6 +125,14 @@ impl DflashDrafter {
         let f = &cfg.dflash;
         let model = Dflash::new(dc, frozen, f.seed)?;
         let masters = model.params.flat()?;
+        let copy = match &place.device {
+            Device::Cpu => None,
+            d => {
+                let compute = crate::candle_cuda::stream(d)?;
+                let s = compute.context().new_stream();
+                Some(s.map_err(|e| cuda::CudaError::call("cuStreamCreate", e))?)
+            }
+        };
         let total = cfg
             .drafter
             .total_steps
@@ -170,6 +184,7 @@ impl DflashDrafter {
                 ),
                 new_tokens: f.eval_new_tokens as usize,
             },
+            copy,
         })
     }
 
@@ -187,11 +202,9 @@ impl DflashDrafter {
     }
 }
 
-/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]` on `device`.
-fn context(batch: &BatchView<'_>, device: &Device) -> Result<Tensor, GpuError> {
+/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]` on the CPU.
+fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
     let spec = &batch.header().spec;
-    let (l, h) = (spec.layers as usize, spec.hidden as usize);
-    let t = spec.tokens() as usize;
     let b = batch.hidden_states();
     let vals: Vec<f32> = match spec.dtype {
         Dtype::F32 => b
@@ -207,15 +220,46 @@ fn context(batch: &BatchView<'_>, device: &Device) -> Result<Tensor, GpuError> {
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
     };
-    Ok(Tensor::from_vec(vals, (t, l * h), device)?)
+    Ok(Tensor::from_vec(vals, context_shape(batch), &Device::Cpu)?)
 }
 
-impl DrafterBackend for DflashDrafter {
-    fn grad_len(&self) -> usize {
-        self.masters.len()
-    }
+/// `[tokens, layers * hidden]`: the shape of a batch's context.
+fn context_shape(batch: &BatchView<'_>) -> (usize, usize) {
+    let spec = &batch.header().spec;
+    let t = spec.tokens() as usize;
+    (t, spec.layers as usize * spec.hidden as usize)
+}
 
-    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError> {
+/// A batch's context on `device`: made f32 on the CPU, or on a GPU copied as it is (the slot's
+/// dtype) on `copy`, converted to f32 by the step on candle's stream. The stager's work.
+fn stage(
+    batch: &BatchView<'_>,
+    device: &Device,
+    copy: Option<&Arc<cuda::CudaStream>>,
+) -> Result<Tensor, GpuError> {
+    match (device, copy) {
+        (Device::Cpu, _) | (_, None) => Ok(context(batch)?.to_device(device)?),
+        (d, Some(copy)) => {
+            let dtype = match batch.header().spec.dtype {
+                Dtype::F32 => DType::F32,
+                Dtype::Bf16 => DType::BF16,
+                Dtype::F16 => DType::F16,
+            };
+            let shape = context_shape(batch).into();
+            crate::candle_cuda::upload(copy, batch.hidden_states(), dtype, shape, d)
+        }
+    }
+}
+
+impl DflashDrafter {
+    /// The step on `batch` with its context `ctx` (any float dtype, `[tokens, layers *
+    /// hidden]`, on the drafter's device).
+    fn gradient_with(
+        &mut self,
+        batch: &BatchView<'_>,
+        ctx: Option<Tensor>,
+        out: &mut StepBuffer,
+    ) -> Result<(), GpuError> {
         let started = std::time::Instant::now();
         let spec = &batch.header().spec;
         let c = &self.model.cfg;
@@ -251,7 +295,20 @@ impl DrafterBackend for DflashDrafter {
             &greedy,
             &spec.seq_lens,
         );
-        let ctx = context(batch, self.model.device())?;
+        let ctx = match ctx {
+            Some(ctx) => {
+                if ctx.dims() != [context_shape(batch).0, context_shape(batch).1] {
+                    return Err(GpuError::Shape(format!(
+                        "batch {}: a staged context of shape {:?}, the batch's is {:?}",
+                        spec.batch_id,
+                        ctx.dims(),
+                        context_shape(batch)
+                    )));
+                }
+                ctx.to_dtype(DType::F32)?
+            }
+            None => stage(batch, self.model.device(), self.copy.as_ref())?.to_dtype(DType::F32)?,
+        };
         out.gradient_mut().fill(0.0);
         let sums = loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())?;
         out.set_loss(sums.loss as f32);
@@ -259,6 +316,37 @@ impl DrafterBackend for DflashDrafter {
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);
         self.sim.finish_item(&spec.seq_lens, started);
         Ok(())
+    }
+}
+
+impl DrafterBackend for DflashDrafter {
+    fn grad_len(&self) -> usize {
+        self.masters.len()
+    }
+
+    fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError> {
+        self.gradient_with(batch, None, out)
+    }
+
+    /// The batch's context made on the copy thread: on a GPU copied there on the drafter's copy
+    /// stream, on the CPU converted to f32 there, under the step before.
+    fn stager(&self) -> Option<Stager> {
+        let (device, copy) = (self.model.device().clone(), self.copy.clone());
+        Some(Arc::new(move |batch: &BatchView<'_>| {
+            Ok(Staged::new(stage(batch, &device, copy.as_ref())?))
+        }))
+    }
+
+    fn gradient_staged(
+        &mut self,
+        batch: &BatchView<'_>,
+        staged: Staged,
+        out: &mut StepBuffer,
+    ) -> Result<(), GpuError> {
+        let ctx = staged
+            .into_inner::<Tensor>()
+            .ok_or_else(|| GpuError::Shape("the staged batch is not a context tensor".into()))?;
+        self.gradient_with(batch, Some(ctx), out)
     }
 
     fn apply(&mut self, summed: &StepBuffer) -> StepStats {
@@ -438,6 +526,33 @@ mod tests {
         let mut d = DflashDrafter::new(&cfg, None, &place).unwrap();
         let tau = d.evaluate().unwrap().expect("an evaluation");
         assert!((1.0..=cfg.dflash.block_size as f32).contains(&tau), "{tau}");
+    }
+
+    /// A batch staged on another thread (the intake's copy thread, here a scoped one) gives
+    /// the step the same gradient, bit for bit, as the step making its context itself; a staged
+    /// context of another batch's shape is refused by name, not trained on.
+    #[test]
+    fn a_staged_batch_trains_as_the_batch_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, buf) = setup(dir.path());
+        let view = BatchView::parse(&buf).unwrap();
+        let mut d = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
+        let stager = d.stager().expect("the DFlash drafter stages its batches");
+        let staged = std::thread::scope(|s| s.spawn(|| stager(&view)).join().unwrap()).unwrap();
+        let n = d.grad_len();
+        let (mut plain, mut from_staged) = (StepBuffer::new(n), StepBuffer::new(n));
+        d.gradient(&view, &mut plain).unwrap();
+        d.gradient_staged(&view, staged, &mut from_staged).unwrap();
+        assert!(plain.loss_tokens() > 0.0);
+        assert_eq!(plain.words(), from_staged.words());
+        let wrong = Staged::new(Tensor::zeros((3, 128), DType::F32, &Device::Cpu).unwrap());
+        let e = d
+            .gradient_staged(&view, wrong, &mut from_staged)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("staged context of shape [3, 128]"),
+            "{e}"
+        );
     }
 
     /// Two ranks applying one summed buffer stay bitwise equal; the state hand-over and the

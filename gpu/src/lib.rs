@@ -19,18 +19,23 @@ use proto::BatchView;
 
 pub mod backend;
 pub mod candle;
+pub mod candle_cuda;
 mod copy_thread;
 pub mod cuda_copy;
 pub mod dflash;
 pub mod in_place;
 pub mod mock;
+mod pinned;
 pub mod prefetch;
+mod raw_out;
 mod state;
 pub mod step;
 pub mod timeline;
 pub mod writeback;
 
 pub use backend::{BackendKind, Maker, UnknownBackend};
+pub use pinned::{pin_arena, PinnedArena};
+pub use raw_out::RawOut;
 pub use step::StepBuffer;
 
 /// What can go wrong in a backend, naming the file or value at fault.
@@ -107,6 +112,12 @@ impl TargetOut<'_> {
 
 /// A frozen target model: token ids in, hidden states of the captured layers and the greedy
 /// next tokens out.
+///
+/// Two ways to run a batch: [`TargetBackend::forward`], which returns with the results written;
+/// and [`TargetBackend::submit`] then [`TargetBackend::complete`], which lets a GPU's forward of
+/// the next batch run while this one's results are still being copied into its ring slot (the
+/// worker keeps up to [`TargetBackend::depth`] batches submitted). A backend that computes on the
+/// host keeps the defaults: `submit` is `forward`, depth 1.
 pub trait TargetBackend {
     /// Runs the forward pass over the concatenated sequences (no attention across them) and
     /// writes `tokens × layers × hidden` hidden states and one greedy token per position into
@@ -117,6 +128,34 @@ pub trait TargetBackend {
         seq_lens: &[u32],
         out: TargetOut<'_>,
     ) -> Result<(), GpuError>;
+
+    /// How many batches may be submitted and not yet completed (at least 1).
+    fn depth(&self) -> usize {
+        1
+    }
+
+    /// Issues the forward of a batch whose results go into `out`, and their copy there; may
+    /// return before they are written. They are once [`TargetBackend::complete`] has returned
+    /// for this batch (batches complete in the order submitted). On an error nothing is in
+    /// flight into `out`. (Whoever made `out` promised its memory stays valid and untouched
+    /// until then: [`RawOut::new`].)
+    fn submit(
+        &mut self,
+        input_ids: &[u32],
+        seq_lens: &[u32],
+        mut out: RawOut,
+    ) -> Result<(), GpuError> {
+        self.forward(input_ids, seq_lens, out.get())
+    }
+
+    /// Waits until the oldest submitted batch's results are in its slot.
+    fn complete(&mut self) -> Result<(), GpuError> {
+        Ok(())
+    }
+
+    /// Waits for every copy in flight and forgets the batches submitted (their slots may be
+    /// given back, unwritten or half written): before dropping them on an error or a stop.
+    fn quiesce(&mut self) {}
 }
 
 /// Counters a drafter reports after a step (proto's: the leader sends them to the launcher).
@@ -132,6 +171,24 @@ pub trait DrafterBackend {
     /// sum and loss tokens into their parts (all overwritten), after verifying the batch's
     /// content. `out` is a buffer for `grad_len()`.
     fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError>;
+    /// The part of a step's work on its batch that can run on another thread before the step:
+    /// the copy of the batch to the drafter's device. The intake runs it on its copy thread,
+    /// under the step before, and hands the result to [`DrafterBackend::gradient_staged`].
+    /// `None` (the default): `gradient` does it all.
+    fn stager(&self) -> Option<Stager> {
+        None
+    }
+    /// [`DrafterBackend::gradient`] on a batch that [`DrafterBackend::stager`]'s function
+    /// prepared as `staged`.
+    fn gradient_staged(
+        &mut self,
+        batch: &BatchView<'_>,
+        staged: Staged,
+        out: &mut StepBuffer,
+    ) -> Result<(), GpuError> {
+        let _ = staged;
+        self.gradient(batch, out)
+    }
     /// Applies one optimizer update from the group's summed buffer (normalised here by the
     /// step's total loss tokens). Deterministic: the same input gives the same bits on every
     /// rank.
@@ -177,6 +234,26 @@ pub trait DrafterBackend {
 }
 
 pub use proto::config::Faults;
+
+/// What a drafter's [`Stager`] made of a batch, for its step (the DFlash drafter's: the
+/// batch's context, on the drafter's device).
+pub struct Staged(Box<dyn std::any::Any + Send>);
+
+impl Staged {
+    pub fn new<T: std::any::Any + Send>(value: T) -> Staged {
+        Staged(Box::new(value))
+    }
+
+    /// The value, if it is a `T`.
+    pub fn into_inner<T: std::any::Any>(self) -> Option<T> {
+        self.0.downcast().ok().map(|b| *b)
+    }
+}
+
+/// A drafter's preparation of a batch before its step ([`DrafterBackend::stager`]): called on
+/// the intake's copy thread while the drafter steps on another batch, so it touches nothing the
+/// step uses but its device.
+pub type Stager = std::sync::Arc<dyn Fn(&BatchView<'_>) -> Result<Staged, GpuError> + Send + Sync>;
 
 /// Buffers on the device for the double-buffered copies (`prefetch`'s copy-in, `writeback`'s
 /// copy-out): one computing, one being copied. Here, beside the modules, so the CPU copy thread

@@ -38,7 +38,20 @@ pub struct Output {
     /// One `[tokens, hidden]` tensor per layer asked for, in order.
     pub layers: Vec<Tensor>,
     pub final_hidden: Option<Tensor>,
-    pub tokens: Option<Vec<u32>>,
+    /// u32 `[tokens]` on the model's device: left there, so a GPU's caller can copy it out
+    /// asynchronously with the states ([`Output::token_ids`] copies it to the host now).
+    pub tokens: Option<Tensor>,
+}
+
+impl Output {
+    /// The greedy tokens on the host (none if not asked for).
+    pub fn token_ids(&self) -> Result<Option<Vec<u32>>> {
+        Ok(self
+            .tokens
+            .as_ref()
+            .map(|t| t.to_vec1::<u32>())
+            .transpose()?)
+    }
 }
 
 /// A projection stored for the forward: the weight transposed to `[in, out]` and contiguous
@@ -410,19 +423,20 @@ impl Decoder {
         attention::blocked(q, k, v, plan, nh, nkv, c.head_dim, scale)
     }
 
-    /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows.
-    fn greedy(&self, last: &Tensor) -> Result<Vec<u32>> {
+    /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows: u32
+    /// `[T]` on the device, nothing waited for.
+    fn greedy(&self, last: &Tensor) -> Result<Tensor> {
         let t = last.dim(0)?;
         let rows = (self.logit_chunk / self.cfg.vocab_size).max(1);
         let head = self.lm_head.t()?;
-        let mut tokens = Vec::with_capacity(t);
+        let mut chunks = Vec::with_capacity(t.div_ceil(rows));
         let mut start = 0;
         while start < t {
             let n = rows.min(t - start);
             let logits = last.narrow(0, start, n)?.matmul(&head)?;
-            tokens.extend(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+            chunks.push(logits.argmax(D::Minus1)?);
             start += n;
         }
-        Ok(tokens)
+        Ok(Tensor::cat(&chunks, 0)?)
     }
 }

@@ -208,7 +208,7 @@ pub fn evaluate(dir: &Path, samples: usize) -> Result<LanguageFit> {
     for i in 0..samples as u64 {
         let text = lang.sample(EVAL_STREAM ^ i, 64);
         let out = d.forward(&text, &[text.len() as u32], &none)?;
-        let greedy = out.tokens.unwrap_or_default();
+        let greedy = out.token_ids()?.unwrap_or_default();
         for p in 2..text.len() - 1 {
             hit += usize::from(greedy[p] == text[p + 1]);
             chain += usize::from(greedy[p] == lang.likeliest(text[p - 1], text[p]));
@@ -218,7 +218,7 @@ pub fn evaluate(dir: &Path, samples: usize) -> Result<LanguageFit> {
         let mut ids = text[..16].to_vec();
         for _ in 0..32 {
             let out = d.forward(&ids, &[ids.len() as u32], &none)?;
-            let next = *out.tokens.unwrap_or_default().last().unwrap_or(&0);
+            let next = *out.token_ids()?.unwrap_or_default().last().unwrap_or(&0);
             repeats += usize::from(Some(&next) == ids.last());
             steps += 1;
             ids.push(next);

@@ -43,7 +43,7 @@ fn target_pass(
         .then(|| Tensor::cat(&out.layers, 1).and_then(|c| c.to_dtype(DType::F32)))
         .transpose()?;
     let tokens = out
-        .tokens
+        .token_ids()?
         .ok_or_else(|| ModelError::Input("the target produced no tokens".into()))?;
     Ok((ctx, tokens))
 }

@@ -315,7 +315,7 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
             seed: 0,
         };
         let mask = vec![1u8; text.len()];
-        let greedy = out.tokens.unwrap();
+        let greedy = out.token_ids().unwrap().unwrap();
         let b = DraftBatch::new(
             &cfg,
             &sampling,

@@ -378,9 +378,12 @@ fn greedy_tokens_are_the_argmax_of_the_head_in_any_chunking_and_sequences_do_not
         .matmul(&m.lm_head().t().unwrap())
         .unwrap();
     let want: Vec<u32> = logits.argmax(D::Minus1).unwrap().to_vec1().unwrap();
-    assert_eq!(out.tokens.as_deref(), Some(&want[..]));
+    assert_eq!(out.token_ids().unwrap().as_deref(), Some(&want[..]));
     m.set_logit_chunk(3 * s.vocab);
-    assert_eq!(m.forward(&ids, &lens, &need).unwrap().tokens, Some(want));
+    assert_eq!(
+        m.forward(&ids, &lens, &need).unwrap().token_ids().unwrap(),
+        Some(want)
+    );
     // The second sequence run alone gives its rows of the batch: no attention across.
     let alone = final_hidden(&m, &ids[7..], &lens[1..]);
     let batched = out.final_hidden.unwrap().narrow(0, 7, 12).unwrap();

@@ -9,7 +9,6 @@
 //! Length: just past 500 lines: one test per defect, each a short replay, sharing the by-hand
 //! half-operations at the top; later issues' defects (#29) are added here the same way.
 
-use std::sync::mpsc;
 use std::time::Duration;
 
 use crate::core::{Claim, WorkClaim};
@@ -43,12 +42,7 @@ fn reserve_by_hand(r: &HeapRing, id: u32, idx: usize) -> Claim {
 
 /// Runs `f` on a thread; fails the test if it does not return within 20 s (a spin or a hang).
 fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(20))
-        .unwrap_or_else(|_| panic!("{what} did not return in 20 s: it spins or hangs"))
+    testkit::watchdog(what, Duration::from_secs(20), f)
 }
 
 /// Defect 1a. Producer 0 takes item 0 from the cursor and is preempted before its CAS; producer

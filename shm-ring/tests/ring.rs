@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
-use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
@@ -18,14 +17,7 @@ use testkit::{batch_id, fill, thread_cpu, verify};
 
 /// Runs `f` on a thread and fails the test, naming `what`, if it does not return in 60 s.
 fn watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(v) => v,
-        Err(_) => panic!("{what} hung for 60 s"),
-    }
+    testkit::watchdog(what, Duration::from_secs(60), f)
 }
 
 fn shm_exists(name: &str) -> bool {

@@ -1,6 +1,7 @@
 //! The target worker: claims planned batches through the ring (faster targets claim more),
-//! gathers the next batch while the current one computes, runs the target forward straight into
-//! the ring slot, marks the work item done and publishes. Calls `finish()` once every batch is
+//! gathers the next batch while the current one computes, runs the target forward into the ring
+//! slot (on a GPU, the forward of the next batch runs while the results of this one are copied
+//! into its slot: `pipeline.rs`), marks the work item done and publishes. Calls `finish()` once every batch is
 //! published (waiting meanwhile for batches other targets hold, which come back if they die), so
 //! the last target to finish closes the ring.
 
@@ -11,12 +12,15 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use proto::control::{FinalReport, ToLauncher};
 use proto::stop::EXIT_STOPPED;
-use proto::{batch_len, BatchSpec, BatchWriter};
-use shm_ring::{CommitMeta, Phase, Ring, Role, WorkClaim};
+use proto::{batch_len, BatchSpec};
+use shm_ring::{Phase, Ring, Role, WorkClaim};
 use worker_runtime::{setup, WorkerArgs};
 
 use dataset::Dataset;
 use proto::plan::{plan, PlannedBatch};
+
+mod pipeline;
+pub use pipeline::Pipeline;
 
 /// Run one target model: claim planned batches from the ring's work table, compute hidden
 /// states into ring slots, publish.
@@ -102,6 +106,98 @@ pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::Dat
     Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
 }
 
+/// The target's main loop: takes the batches the prefetch thread gathered from `rx`, reserves a
+/// slot for each, submits it to the pipeline and commits as the backend's depth allows, until
+/// `rx` ends; returns whether it stopped on request (the claims it gave back unpublished).
+/// Nothing submitted is left uncommitted: a held batch is committed before any wait (see
+/// `pipeline.rs`).
+pub fn produce(
+    rx: &mpsc::Receiver<Gathered>,
+    pipe: &mut Pipeline<'_, '_>,
+    stopping: &dyn Fn() -> bool,
+    report: &mut FinalReport,
+) -> anyhow::Result<bool> {
+    let producer = pipe.producer();
+    let mut stopped = false;
+    loop {
+        let next = if pipe.in_flight() == 0 {
+            // Waiting for the prefetch thread's next batch counts as loading.
+            producer.enter(Phase::Load);
+            let got = rx.recv();
+            producer.enter(Phase::Other);
+            match got {
+                Ok(next) => next,
+                Err(_) => break,
+            }
+        } else {
+            match rx.try_recv() {
+                Ok(next) => next,
+                // Not gathered yet: commit before waiting (the prefetch thread may be
+                // waiting for the batch held here to settle).
+                Err(mpsc::TryRecvError::Empty) => {
+                    commit(pipe, report)?;
+                    continue;
+                }
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        };
+        if stopping() {
+            // Stopping: give back what was claimed but not published.
+            producer.unclaim_work(next.item)?;
+            stopped = true;
+            continue;
+        }
+        let len = batch_len(&next.spec)? as usize;
+        // A slot at once if one is free; otherwise commit what is held (the drafters may
+        // need it to free one), then wait, keeping an eye on stop requests: with every
+        // drafter gone the ring stays full, and a stop must still get through.
+        let mut slot = None;
+        if pipe.in_flight() > 0 {
+            slot = producer.reserve_timeout(len, Duration::ZERO)?;
+            if slot.is_none() {
+                while pipe.in_flight() > 0 {
+                    commit(pipe, report)?;
+                }
+            }
+        }
+        while slot.is_none() {
+            slot = producer.reserve_timeout(len, Duration::from_millis(200))?;
+            if slot.is_none() && stopping() {
+                break;
+            }
+        }
+        let Some(slot) = slot else {
+            producer.unclaim_work(next.item)?;
+            stopped = true;
+            continue;
+        };
+        let Gathered {
+            item,
+            spec,
+            input_ids,
+            loss_mask,
+            bucket,
+        } = next;
+        pipe.submit(slot, spec, &input_ids, &loss_mask, item, bucket)?;
+        while !pipe.has_room() {
+            commit(pipe, report)?;
+        }
+    }
+    while pipe.in_flight() > 0 {
+        commit(pipe, report)?;
+    }
+    Ok(stopped)
+}
+
+/// Commits the pipeline's oldest batch into the report.
+fn commit(pipe: &mut Pipeline<'_, '_>, report: &mut FinalReport) -> anyhow::Result<()> {
+    if let Some(c) = pipe.commit_oldest()? {
+        report.items += 1;
+        report.tokens += c.tokens;
+    }
+    Ok(())
+}
+
 /// Runs the worker; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut s = setup(&args.common, Role::Producer)?;
@@ -133,6 +229,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             plan.len()
         );
     }
+    let _pinned = gpu::pin_arena(s.backend, &ring);
     let producer = ring
         .producer(s.index)
         .with_context(|| format!("registering as producer {}", s.index))?;
@@ -168,57 +265,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 }
             }
         });
-        loop {
-            // Waiting for the prefetch thread's next batch counts as loading.
-            producer.enter(Phase::Load);
-            let Ok(next) = rx.recv() else { break };
-            producer.enter(Phase::Other);
-            if s.stop.stopping() {
-                // Stopping: give back what was claimed but not published.
-                producer.unclaim_work(next.item)?;
-                stopped = true;
-                continue;
-            }
-            let len = batch_len(&next.spec)? as usize;
-            // Wait for a free slot, but keep an eye on stop requests: with every drafter gone
-            // the ring stays full, and a stop must still get through.
-            let slot = loop {
-                if let Some(slot) = producer.reserve_timeout(len, Duration::from_millis(200))? {
-                    break Some(slot);
-                }
-                if s.stop.stopping() {
-                    break None;
-                }
-            };
-            let Some(mut slot) = slot else {
-                producer.unclaim_work(next.item)?;
-                stopped = true;
-                continue;
-            };
-            let mut w = BatchWriter::new(slot.payload_mut(), &next.spec)?;
-            let sections = w.sections_mut();
-            for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(&next.input_ids) {
-                dst.copy_from_slice(&id.to_le_bytes());
-            }
-            sections.loss_mask.copy_from_slice(&next.loss_mask);
-            producer.enter(Phase::Compute);
-            let out = gpu::TargetOut {
-                hidden_states: sections.hidden_states,
-                target_tokens: sections.target_tokens,
-            };
-            backend.forward(&next.input_ids, &next.spec.seq_lens, out)?;
-            producer.enter(Phase::Other);
-            w.finish();
-            slot.complete_work(next.item)?;
-            let tokens = next.spec.tokens();
-            slot.commit(CommitMeta {
-                bucket: next.bucket,
-                tokens,
-                batch_id: next.item,
-            })?;
-            report.items += 1;
-            report.tokens += tokens;
-        }
+        let mut pipe = Pipeline::new(producer, &mut *backend);
+        stopped = produce(&rx, &mut pipe, &|| s.stop.stopping(), &mut report)?;
         Ok(())
     })?;
     stopped |= s.stop.stopping();

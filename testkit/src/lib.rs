@@ -53,6 +53,21 @@ pub fn payload_len(batch_id: u64, max_len: usize) -> usize {
     1 + h % max_len
 }
 
+/// Runs `f` on a thread and fails the test, naming `what`, if it does not return within
+/// `limit` (a spin or a hang): a hang caught without a timing assertion on the work itself.
+pub fn watchdog<T: Send + 'static>(
+    what: &str,
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} did not return in {limit:?}: it spins or hangs"))
+}
+
 /// CPU time this thread has used.
 pub fn thread_cpu() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);

@@ -168,7 +168,12 @@ fn a_real_target_worker_writes_the_models_layers_and_greedy_tokens_into_the_ring
             spec.batch_id
         );
         let greedy: Vec<u32> = b.target_tokens().collect();
-        assert_eq!(Some(greedy), out.tokens, "batch {}", spec.batch_id);
+        assert_eq!(
+            Some(greedy),
+            out.token_ids().unwrap(),
+            "batch {}",
+            spec.batch_id
+        );
         tokens_checked += input.len();
         seen += 1;
         slot.release().unwrap();
@@ -280,7 +285,7 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    assert_eq!(Some(greedy), want.tokens);
+    assert_eq!(Some(greedy), want.token_ids().unwrap());
 
     // Without the tokens the forward stops early: the same states, tokens left zero.
     let out2 = dir.path("caps-no-tokens");

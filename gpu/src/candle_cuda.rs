@@ -1,0 +1,271 @@
+//! The one place `gpu` reaches into candle's CUDA device: its compute stream, host bytes copied
+//! on our copy stream into a new tensor, and a tensor's device memory copied out on it; and the
+//! GPU target's write-back ([`CopyOut`]) built on them.
+//!
+//! candle's CUDA types exist only in the build with `--features cuda` (its kernels need nvcc at
+//! build time), so this module holds the crate's one `cfg`: without it each function says the
+//! build has no CUDA device. It is kept to these three calls; the streams, events and copies
+//! around them are cudarc's and the `cuda` crate's, compiled and linted in every build.
+//! `scripts/build-cuda.sh` type-checks and builds the other branch.
+//!
+//! Ordering: a tensor's kernels run on candle's stream; our copies run on a copy stream of the
+//! same context. cudarc's event tracking orders a buffer's uses across streams (each use waits
+//! for its last write), and the callers also order the two streams with events of their own,
+//! so the copy is correct whichever of the two is in effect.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use cuda::{CudaEvent, CudaStream, Named};
+
+use crate::{GpuError, RawOut};
+
+/// candle's stream on `device`: every kernel of its tensors runs on it, in order.
+pub fn stream(device: &Device) -> Result<Arc<CudaStream>, GpuError> {
+    imp::stream(device)
+}
+
+/// `src`, host bytes of little-endian `dtype` elements, copied on `copy` into a new tensor of
+/// `shape` on `device`; returns once the copy is complete (so `src` is free again). Run on a
+/// copy thread, it moves a batch to the GPU while candle's stream computes.
+pub fn upload(
+    copy: &Arc<CudaStream>,
+    src: &[u8],
+    dtype: DType,
+    shape: Shape,
+    device: &Device,
+) -> Result<Tensor, GpuError> {
+    let want = shape.elem_count() * dtype.size_in_bytes();
+    if src.len() != want {
+        return Err(GpuError::BufferSize {
+            got: src.len(),
+            want,
+        });
+    }
+    imp::upload(copy, src, dtype, shape, device)
+}
+
+/// Queues a copy of contiguous tensor `t`'s `len` bytes into host memory at `dst` on `copy`
+/// (after whatever last wrote `t`: see the module).
+///
+/// # Safety
+/// `dst..dst+len` must stay mapped, and be neither read nor written by the host, until `copy`
+/// has passed this copy; `t` must be kept alive until then too (its memory could otherwise be
+/// given to another tensor while the copy reads it).
+unsafe fn copy_out(
+    copy: &CudaStream,
+    t: &Tensor,
+    dst: *mut u8,
+    len: usize,
+) -> Result<(), GpuError> {
+    let want = t.elem_count() * t.dtype().size_in_bytes();
+    if len != want {
+        return Err(GpuError::BufferSize { got: len, want });
+    }
+    // SAFETY: the caller's promise, passed on.
+    unsafe { imp::copy_out(copy, t, dst, len) }
+}
+
+/// A GPU target's write-back: each batch's results (the stacked states in the slot's dtype and
+/// the greedy tokens, tensors of candle's) are copied into its ring slot on `copy`, after an
+/// event that the forward on `compute` is done, so the next batch's forward runs while the copy
+/// is in flight; the tensors are kept until the copy's event (their memory must not be given to
+/// another tensor meanwhile). The gpu::writeback engines copy out of fixed device buffers, which
+/// here would cost a device-to-device copy per batch: candle makes its own output tensors.
+pub(crate) struct CopyOut {
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    in_flight: VecDeque<(CudaEvent, [Tensor; 2])>,
+}
+
+impl CopyOut {
+    pub(crate) fn new(device: &Device) -> Result<CopyOut, GpuError> {
+        let compute = stream(device)?;
+        let copy = (compute.context().new_stream()).named("cuStreamCreate")?;
+        Ok(CopyOut {
+            compute,
+            copy,
+            in_flight: VecDeque::new(),
+        })
+    }
+
+    /// Queues the copies of `states` and `tokens` into `out` after the work queued so far on
+    /// candle's stream. On an error nothing is in flight into `out`.
+    pub(crate) fn start(
+        &mut self,
+        states: Tensor,
+        tokens: Tensor,
+        out: &RawOut,
+    ) -> Result<(), GpuError> {
+        let ctx = self.copy.context();
+        let forward_done = ctx.new_event(None).named("cuEventCreate")?;
+        let copied = ctx.new_event(None).named("cuEventCreate")?;
+        forward_done.record(&self.compute).named("cuEventRecord")?;
+        self.copy.wait(&forward_done).named("cuStreamWaitEvent")?;
+        let ((hp, hl), (tp, tl)) = (out.hidden_states(), out.target_tokens());
+        // `out`'s memory stays valid and untouched until this batch completes or the target
+        // quiesces (`RawOut::new`'s promise), and both wait for the copy stream; the tensors are
+        // kept in `in_flight` as long.
+        let queue = |t: &Tensor, (p, l): (*mut u8, usize)| {
+            // SAFETY: as said above, for either section.
+            unsafe { copy_out(&self.copy, t, p, l) }
+        };
+        let queued = queue(&states, (hp, hl))
+            .and_then(|()| queue(&tokens, (tp, tl)))
+            .and_then(|()| Ok(copied.record(&self.copy).named("cuEventRecord")?));
+        if let Err(e) = queued {
+            // Back to the caller with the error, but not while a copy writes into its slot.
+            let _ = self.copy.synchronize();
+            return Err(e);
+        }
+        self.in_flight.push_back((copied, [states, tokens]));
+        Ok(())
+    }
+
+    pub(crate) fn complete(&mut self) -> Result<(), GpuError> {
+        if let Some((copied, _tensors)) = self.in_flight.front() {
+            copied.synchronize().named("cuEventSynchronize")?;
+            self.in_flight.pop_front();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn quiesce(&mut self) {
+        let _ = self.copy.synchronize();
+        self.in_flight.clear();
+    }
+}
+
+impl Drop for CopyOut {
+    fn drop(&mut self) {
+        self.quiesce();
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
+    use candle_core::op::BackpropOp;
+    use candle_core::{DType, Device, Shape, Storage, Tensor};
+    use cuda::cudarc::driver::DeviceRepr;
+    use cuda::{CudaStream, HostCopy, Named};
+
+    use crate::GpuError;
+
+    pub fn stream(device: &Device) -> Result<Arc<CudaStream>, GpuError> {
+        Ok(device.as_cuda_device()?.cuda_stream())
+    }
+
+    fn typed<T: CudaDType + DeviceRepr>(
+        copy: &Arc<CudaStream>,
+        src: &[u8],
+        dev: &CudaDevice,
+    ) -> Result<CudaStorage, GpuError> {
+        let n = src.len() / std::mem::size_of::<T>();
+        // SAFETY: the buffer's elements are unset until the copy below fills every byte of it
+        // (`upload` checked that `src` is exactly `n` elements), and nothing reads it before.
+        let mut s = unsafe { copy.alloc::<T>(n) }.named("allocating a batch on the device")?;
+        // SAFETY: `src` is borrowed until the synchronize below has returned.
+        unsafe { copy.copy_h2d(&mut s, 0, src.as_ptr(), src.len())? };
+        copy.synchronize().named("cuStreamSynchronize")?;
+        Ok(CudaStorage::wrap_cuda_slice(s, dev.clone()))
+    }
+
+    pub fn upload(
+        copy: &Arc<CudaStream>,
+        src: &[u8],
+        dtype: DType,
+        shape: Shape,
+        device: &Device,
+    ) -> Result<Tensor, GpuError> {
+        let dev = device.as_cuda_device()?;
+        let storage = match dtype {
+            DType::BF16 => typed::<half::bf16>(copy, src, dev)?,
+            DType::F16 => typed::<half::f16>(copy, src, dev)?,
+            DType::F32 => typed::<f32>(copy, src, dev)?,
+            DType::U32 => typed::<u32>(copy, src, dev)?,
+            other => return Err(GpuError::Shape(format!("no upload of {other:?} elements"))),
+        };
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
+    pub unsafe fn copy_out(
+        copy: &CudaStream,
+        t: &Tensor,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        let (storage, layout) = t.storage_and_layout();
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            return Err(GpuError::Shape(
+                "copy-out of a non-contiguous tensor".into(),
+            ));
+        };
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(GpuError::Shape("copy-out of a tensor not on a GPU".into()));
+        };
+        let at = start * t.dtype().size_in_bytes();
+        // SAFETY: the caller keeps `dst` and `t` as `copy_out` requires, whatever the dtype.
+        unsafe {
+            match t.dtype() {
+                DType::BF16 => copy.copy_d2h(dst, cs.as_cuda_slice::<half::bf16>()?, at, len)?,
+                DType::F16 => copy.copy_d2h(dst, cs.as_cuda_slice::<half::f16>()?, at, len)?,
+                DType::F32 => copy.copy_d2h(dst, cs.as_cuda_slice::<f32>()?, at, len)?,
+                DType::U32 => copy.copy_d2h(dst, cs.as_cuda_slice::<u32>()?, at, len)?,
+                other => {
+                    return Err(GpuError::Shape(format!(
+                        "no copy-out of {other:?} elements"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device, Shape, Tensor};
+    use cuda::CudaStream;
+
+    use crate::GpuError;
+
+    fn none() -> GpuError {
+        GpuError::Config(
+            "this build has no CUDA device: build with scripts/build-cuda.sh (the launcher's `cuda` feature)".into(),
+        )
+    }
+
+    pub fn stream(_: &Device) -> Result<Arc<CudaStream>, GpuError> {
+        Err(none())
+    }
+
+    pub fn upload(
+        _: &Arc<CudaStream>,
+        _: &[u8],
+        _: DType,
+        _: Shape,
+        _: &Device,
+    ) -> Result<Tensor, GpuError> {
+        Err(none())
+    }
+
+    pub unsafe fn copy_out(
+        _: &CudaStream,
+        _: &Tensor,
+        _: *mut u8,
+        _: usize,
+    ) -> Result<(), GpuError> {
+        Err(none())
+    }
+}
