@@ -59,6 +59,13 @@ impl<'c> Rank<'c, '_> {
             Got::Nothing => return Ok(Next::Nothing),
             Got::End => return Ok(Next::End),
         };
+        if let Some(Err(e)) = &staged {
+            if e.is_device_failure() {
+                // The device failed, not the batch (out of memory, a lost context): this rank
+                // fails, and its batches go back to the ring untrained as the intake drops.
+                bail!("staging a batch on the device: {e}");
+            }
+        }
         self.prefetch()?;
         let taken = self.intake.held(buf).expect("a batch is stepping in buf");
         // Parsed again on this thread (the header only; its checksum was verified).

@@ -187,6 +187,8 @@ pub struct CandleTarget {
     /// On a GPU: the copy-out beside candle's stream, and the batches submitted and not yet
     /// completed. Dropping the target waits for the copies.
     gpu: Option<CopyOut>,
+    /// The sequence lengths of the batches submitted and not yet completed (on a GPU).
+    submitted: std::collections::VecDeque<Vec<u32>>,
 }
 
 impl CandleTarget {
@@ -264,6 +266,7 @@ impl CandleTarget {
             dtype: cfg.model.dtype,
             sim: Sim::new(f64::INFINITY, Default::default()),
             gpu: None,
+            submitted: Default::default(),
         })
     }
 
@@ -345,18 +348,19 @@ impl TargetBackend for CandleTarget {
         }
     }
 
-    fn submit(
-        &mut self,
-        input_ids: &[u32],
-        seq_lens: &[u32],
-        mut out: RawOut,
-    ) -> Result<(), GpuError> {
+    fn submit(&mut self, input_ids: &[u32], seq_lens: &[u32], out: RawOut) -> Result<(), GpuError> {
         if self.gpu.is_none() {
-            return self.forward(input_ids, seq_lens, out.get());
+            return crate::raw_out::forward_now(self, input_ids, seq_lens, out);
         }
         let h = self.decoder.config().hidden_size;
         let (l, t) = (self.layers.len(), input_ids.len());
-        out.get().check(t, l, h, self.dtype.size())?;
+        let want = (t * l * h * self.dtype.size(), t * 4);
+        let got = (out.hidden_states().1, out.target_tokens().1);
+        if got != want {
+            return Err(GpuError::Shape(format!(
+                "a slot's sections of {got:?} bytes for a batch of {want:?} (hidden states, tokens)"
+            )));
+        }
         let got = self.captured(input_ids, seq_lens, true)?;
         let states = stacked(&got.layers, self.dtype)?;
         let tokens = got
@@ -364,21 +368,26 @@ impl TargetBackend for CandleTarget {
             .ok_or_else(|| GpuError::Shape("the forward gave no greedy tokens".into()))?;
         let gpu = self.gpu.as_mut().expect("checked above");
         gpu.start(states, tokens, &out)?;
-        self.sim.finish_item(seq_lens, std::time::Instant::now());
+        self.submitted.push_back(seq_lens.to_vec());
         Ok(())
     }
 
     fn complete(&mut self) -> Result<(), GpuError> {
-        match &mut self.gpu {
-            Some(g) => g.complete(),
-            None => Ok(()),
+        if let Some(g) = &mut self.gpu {
+            g.complete()?;
         }
+        // Counted done (the faults' count) once its results are in its slot, as on the host.
+        if let Some(lens) = self.submitted.pop_front() {
+            self.sim.finish_item(&lens, std::time::Instant::now());
+        }
+        Ok(())
     }
 
     fn quiesce(&mut self) {
         if let Some(g) = &mut self.gpu {
             g.quiesce();
         }
+        self.submitted.clear();
     }
 }
 

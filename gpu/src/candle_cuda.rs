@@ -9,9 +9,12 @@
 //! `scripts/build-cuda.sh` type-checks and builds the other branch.
 //!
 //! Ordering: a tensor's kernels run on candle's stream; our copies run on a copy stream of the
-//! same context. cudarc's event tracking orders a buffer's uses across streams (each use waits
-//! for its last write), and the callers also order the two streams with events of their own,
-//! so the copy is correct whichever of the two is in effect.
+//! same context. cudarc's event tracking does not order them for candle's tensors: candle
+//! passes its outputs to kernels as raw pointers (no write event), and several of its ops
+//! record their reads on the slice's own stream. So the callers order the streams themselves:
+//! the target's copy-out waits for an event recorded on candle's stream after the forward, and
+//! the drafter keeps an uploaded tensor (allocated on the copy stream, freed there) alive until
+//! candle's stream has passed every use of it (the step's gradient is on the host).
 
 use std::collections::VecDeque;
 use std::sync::Arc;

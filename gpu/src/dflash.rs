@@ -295,7 +295,12 @@ impl DflashDrafter {
             &greedy,
             &spec.seq_lens,
         );
-        let ctx = match ctx {
+        // The context as it came (staged: on the copy stream's memory, in the slot's dtype) is
+        // kept until the gradient has reached the host below: candle's cast reads it on
+        // candle's stream without recording that use, and dropped earlier it would be freed on
+        // the copy stream, which is not ordered with candle's, while the cast may still be
+        // queued.
+        let raw = match ctx {
             Some(ctx) => {
                 if ctx.dims() != [context_shape(batch).0, context_shape(batch).1] {
                     return Err(GpuError::Shape(format!(
@@ -305,15 +310,18 @@ impl DflashDrafter {
                         context_shape(batch)
                     )));
                 }
-                ctx.to_dtype(DType::F32)?
+                ctx
             }
-            None => stage(batch, self.model.device(), self.copy.as_ref())?.to_dtype(DType::F32)?,
+            None => stage(batch, self.model.device(), self.copy.as_ref())?,
         };
+        let ctx = raw.to_dtype(DType::F32)?;
         out.gradient_mut().fill(0.0);
         let sums = loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())?;
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);
+        // The gradient is on the host: candle's stream has passed every use of `raw`.
+        drop(raw);
         self.sim.finish_item(&spec.seq_lens, started);
         Ok(())
     }

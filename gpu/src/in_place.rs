@@ -1,8 +1,7 @@
-//! The copy-in of a device that computes on host memory (the CPU backends, and for now the
-//! cuda backend, whose models copy a batch to the device inside their step): nothing is moved,
-//! the batch is prepared where it lies (the drafter's: parsed and checksummed in its ring
-//! slot), on the copy thread, so that preparing batch `s+1` overlaps step `s` as a copy stream's
-//! copy does. [`Prefetch::in_place`] builds the double buffer around it; the result of
+//! The copy-in that prepares a batch where it lies, on a copy thread, with the caller's
+//! function: the drafter's intake parses and checksums it in its ring slot and has the backend
+//! stage it (on the CPU, its context made; on a GPU, uploaded on the drafter's copy stream), so
+//! that preparing batch `s+1` overlaps step `s`. [`Prefetch::in_place`] builds the double buffer around it; the result of
 //! preparing a batch is [`InPlace::result`], once the step on it has begun.
 
 use std::sync::{Mutex, PoisonError};

@@ -75,6 +75,14 @@ pub enum GpuError {
     Cuda(#[from] cuda::CudaError),
 }
 
+impl GpuError {
+    /// Whether the device failed (a CUDA or candle error: out of memory, a lost context), not
+    /// the input: a rank goes on after refusing a bad batch, not after this.
+    pub fn is_device_failure(&self) -> bool {
+        matches!(self, GpuError::Cuda(_) | GpuError::Candle(_))
+    }
+}
+
 /// Where a target writes a batch's results: two sections of its ring slot.
 pub struct TargetOut<'a> {
     /// `tokens × layers × hidden` elements of the batch's dtype.
@@ -139,13 +147,8 @@ pub trait TargetBackend {
     /// for this batch (batches complete in the order submitted). On an error nothing is in
     /// flight into `out`. (Whoever made `out` promised its memory stays valid and untouched
     /// until then: [`RawOut::new`].)
-    fn submit(
-        &mut self,
-        input_ids: &[u32],
-        seq_lens: &[u32],
-        mut out: RawOut,
-    ) -> Result<(), GpuError> {
-        self.forward(input_ids, seq_lens, out.get())
+    fn submit(&mut self, input_ids: &[u32], seq_lens: &[u32], out: RawOut) -> Result<(), GpuError> {
+        raw_out::forward_now(self, input_ids, seq_lens, out)
     }
 
     /// Waits until the oldest submitted batch's results are in its slot.
@@ -292,4 +295,19 @@ pub fn drafter_sizes(
     cfg: &proto::PipelineConfig,
 ) -> Result<(usize, usize), GpuError> {
     kind.maker().drafter_sizes(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device's failure ends a drafter rank (its batches go back to the ring); a bad batch's
+    /// is refused and the rank goes on: the intake tells them apart by this.
+    #[test]
+    fn device_failures_are_told_from_bad_input() {
+        let oom = candle_core::Error::Msg("CUDA_ERROR_OUT_OF_MEMORY".into());
+        assert!(GpuError::Candle(oom).is_device_failure());
+        assert!(!GpuError::Shape("3 layers, want 2".into()).is_device_failure());
+        assert!(!GpuError::BufferSize { got: 1, want: 2 }.is_device_failure());
+    }
 }

@@ -2,7 +2,7 @@
 //! outlives the call that starts it ([`crate::TargetBackend::submit`]). The promise that the
 //! memory stays valid is made once, where a `RawOut` is made.
 
-use crate::TargetOut;
+use crate::{GpuError, TargetBackend, TargetOut};
 
 /// A batch's two output sections as addresses; see the module.
 pub struct RawOut {
@@ -11,8 +11,9 @@ pub struct RawOut {
 }
 
 // SAFETY: a `RawOut` is two addresses whose validity `RawOut::new`'s caller promised until the
-// batch completes; which thread holds them changes nothing of that, and the memory is reached
-// only through `get` (`&mut self`) or by a copy the backend queues, never by two at once.
+// batch completes; which thread holds them changes nothing of that. The memory is reached only
+// through `get`, an `unsafe fn` whose caller promises no copy is in flight into it, or by a copy
+// the backend queues.
 unsafe impl Send for RawOut {}
 
 impl RawOut {
@@ -39,11 +40,15 @@ impl RawOut {
         self.target_tokens
     }
 
-    /// The sections as slices, to write them on the host (no copy may be in flight into them:
-    /// the backend's own business).
-    pub fn get(&mut self) -> TargetOut<'_> {
-        // SAFETY: valid and otherwise untouched while the batch is in flight (`new`'s promise);
-        // each range came from a `&mut [u8]`, and `&mut self` makes this the only view.
+    /// The sections as slices, to write them on the host.
+    ///
+    /// # Safety
+    /// The batch has not completed (so the memory is still its own: `new`'s promise), and no
+    /// copy is in flight into the sections.
+    pub unsafe fn get(&mut self) -> TargetOut<'_> {
+        // SAFETY: valid and otherwise untouched while the batch is in flight (`new`'s promise),
+        // nothing copies into it now (the caller's); each range came from a `&mut [u8]`, and
+        // `&mut self` makes this the only view.
         unsafe {
             TargetOut {
                 hidden_states: std::slice::from_raw_parts_mut(
@@ -57,4 +62,17 @@ impl RawOut {
             }
         }
     }
+}
+
+/// `backend`'s synchronous forward into `out`, which nothing copies into yet: the default
+/// [`TargetBackend::submit`], and the host's path of a backend that also runs on a GPU.
+pub(crate) fn forward_now<B: TargetBackend + ?Sized>(
+    backend: &mut B,
+    input_ids: &[u32],
+    seq_lens: &[u32],
+    mut out: RawOut,
+) -> Result<(), GpuError> {
+    // SAFETY: `out` was just submitted (not completed), and this backend queues no copy into it:
+    // the forward writes it here and returns.
+    backend.forward(input_ids, seq_lens, unsafe { out.get() })
 }

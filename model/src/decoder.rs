@@ -437,6 +437,9 @@ impl Decoder {
             chunks.push(logits.argmax(D::Minus1)?);
             start += n;
         }
+        if chunks.is_empty() {
+            return Ok(Tensor::zeros(0, DType::U32, last.device())?);
+        }
         Ok(Tensor::cat(&chunks, 0)?)
     }
 }

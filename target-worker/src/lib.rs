@@ -246,7 +246,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 
     std::thread::scope(|scope| -> anyhow::Result<()> {
         // Prefetch: claim and gather the next batch while the current one computes. The
-        // channel holds one batch, so at most two claims are outstanding.
+        // channel holds one batch, so at most the backend's depth + 2 claims are outstanding
+        // (submitted, in the channel, being gathered).
         let (tx, rx) = mpsc::sync_channel::<Gathered>(1);
         let (producer, plan, data, stop) = (&producer, &plan, &data, &s.stop);
         scope.spawn(move || {
