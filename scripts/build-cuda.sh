@@ -16,7 +16,8 @@
 # GPU), and candle's PTX is made by CUDA 13.0, which the GPU machines' driver (580) loads.
 #
 # Run time, on the GPU machine (no Rust there): the launcher, bench-target and bench-dflash-step need libcuda.so.1
-# (the driver), libcudart.so.13, libcublas.so.13 and libcurand.so.10; gpu-check needs
+# (the driver), libcudart.so.13, libcublas.so.13 and libcurand.so.10, the launcher also
+# libnccl.so.2 (its drafters' NCCL group); gpu-check needs
 # libcuda.so.1, libcudart.so.13 and libnccl.so.2 (the linker keeps only the libraries a binary
 # calls; cuBLASLt and NVRTC are linked by candle but not kept). Without the driver none of them
 # starts. PyTorch's CUDA 13 wheels install every one but the driver's under
