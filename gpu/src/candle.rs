@@ -394,15 +394,19 @@ impl TargetBackend for CandleTarget {
 /// The captured layers (each `[tokens, hidden]`) as one contiguous `[tokens x layers x
 /// hidden]` tensor of `dtype`, laid out and converted where they are.
 fn stacked(layers: &[Tensor], dtype: Dtype) -> Result<Tensor, GpuError> {
-    let dt = match dtype {
+    Ok(Tensor::stack(layers, 1)?
+        .flatten_all()?
+        .to_dtype(candle_dtype(dtype))?
+        .contiguous()?)
+}
+
+/// candle's name for a slot's element type.
+pub(crate) fn candle_dtype(dtype: Dtype) -> DType {
+    match dtype {
         Dtype::F32 => DType::F32,
         Dtype::Bf16 => DType::BF16,
         Dtype::F16 => DType::F16,
-    };
-    Ok(Tensor::stack(layers, 1)?
-        .flatten_all()?
-        .to_dtype(dt)?
-        .contiguous()?)
+    }
 }
 
 /// Writes the captured layers (each `[tokens, hidden]`) into `out` as `[tokens x layers x

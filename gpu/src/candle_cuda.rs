@@ -29,6 +29,13 @@ pub fn stream(device: &Device) -> Result<Arc<CudaStream>, GpuError> {
     imp::stream(device)
 }
 
+/// A new stream in the context of candle's on `device`: where a worker's copies run, beside
+/// candle's compute.
+pub fn copy_stream(device: &Device) -> Result<Arc<CudaStream>, GpuError> {
+    let compute = stream(device)?;
+    Ok((compute.context().new_stream()).named("cuStreamCreate")?)
+}
+
 /// `src`, host bytes of little-endian `dtype` elements, copied on `copy` into a new tensor of
 /// `shape` on `device`; returns once the copy is complete (so `src` is free again). Run on a
 /// copy thread, it moves a batch to the GPU while candle's stream computes.
@@ -84,11 +91,9 @@ pub(crate) struct CopyOut {
 
 impl CopyOut {
     pub(crate) fn new(device: &Device) -> Result<CopyOut, GpuError> {
-        let compute = stream(device)?;
-        let copy = (compute.context().new_stream()).named("cuStreamCreate")?;
         Ok(CopyOut {
-            compute,
-            copy,
+            compute: stream(device)?,
+            copy: copy_stream(device)?,
             in_flight: VecDeque::new(),
         })
     }

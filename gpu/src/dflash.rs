@@ -127,11 +127,7 @@ impl DflashDrafter {
         let masters = model.params.flat()?;
         let copy = match &place.device {
             Device::Cpu => None,
-            d => {
-                let compute = crate::candle_cuda::stream(d)?;
-                let s = compute.context().new_stream();
-                Some(s.map_err(|e| cuda::CudaError::call("cuStreamCreate", e))?)
-            }
+            d => Some(crate::candle_cuda::copy_stream(d)?),
         };
         let total = cfg
             .drafter
@@ -240,11 +236,7 @@ fn stage(
     match (device, copy) {
         (Device::Cpu, _) | (_, None) => Ok(context(batch)?.to_device(device)?),
         (d, Some(copy)) => {
-            let dtype = match batch.header().spec.dtype {
-                Dtype::F32 => DType::F32,
-                Dtype::Bf16 => DType::BF16,
-                Dtype::F16 => DType::F16,
-            };
+            let dtype = crate::candle::candle_dtype(batch.header().spec.dtype);
             let shape = context_shape(batch).into();
             crate::candle_cuda::upload(copy, batch.hidden_states(), dtype, shape, d)
         }
