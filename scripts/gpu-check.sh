@@ -17,7 +17,9 @@
 #          drafter sharing GPU 0 (`--share-gpus --backend cuda`); every batch trained once, the
 #          loss falls, each worker's items, tokens and busy share printed
 #          (scripts/py/e2e_check.py). On cuda the group's gradient goes through NCCL (one rank:
-#          `[drafter] collective = "nccl"`), the path two or more GPUs take.
+#          `[drafter] collective = "nccl"`), the path two or more GPUs take, and each worker's
+#          device time from CUDA events (per phase, busy share, largest gap: the line "the
+#          device's time" its log ends with) is printed, and required.
 #   speed  a random-initialised Qwen3-8B-shaped target in bf16 (scripts/shapes/qwen3-8b,
 #          weights made on the device): our forward + capture tokens/s beside HF transformers'
 #          forward with output_hidden_states, same GPU, interleaved (scripts/py/bench_target.py;
@@ -106,6 +108,15 @@ for s in $steps; do
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
         } || rc=$?
+        # Each GPU worker logs what its device did (CUDA events) as it ends: per-phase device
+        # time, busy share, largest gap. A GPU run without them has lost its device timing.
+        if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
+            { grep -h "the device's time" "$work/run"/logs/*.log || true; } | tee "$out/device-time.log"
+            [ "$(grep -c . "$out/device-time.log")" -ge 2 ] || {
+                echo "error: the workers logged no device time (want the target's and the drafter's)" >&2
+                rc=1
+            }
+        fi
         [ $rc -eq 0 ] || failed+=("e2e (exit $rc; run directory $work/run)")
         [ $rc -eq 0 ] && rm -rf "$work"
         ;;

@@ -22,13 +22,14 @@
 
 use std::cell::Cell;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use collective::split::{Board, SplitGroup};
 use collective::{Collective, Membership, Reduced, NO_BATCH};
 use cuda::nccl_group::NcclTransport;
-use gpu::{BackendKind, DrafterBackend, StepBuffer, StepStats};
+use gpu::{BackendKind, DeviceClock, DrafterBackend, StepBuffer, StepStats};
 use proto::config::CollectiveKind;
 use proto::control::{FinalReport, ToLauncher};
 use proto::ledger::{Ledger, LedgerLine};
@@ -152,6 +153,8 @@ struct Rank<'c, 'r> {
     /// (the next one's, when prefetching: its batch is taken during this step); None for the
     /// first steps, a step after the leader died, or `coherent` off.
     prefer: [Option<u32>; 2],
+    /// The device's timeline of a backend that times its work there: drained after each step.
+    clock: Option<Arc<dyn DeviceClock>>,
 }
 
 /// Runs the worker; returns the process exit code.
@@ -170,6 +173,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         .with_context(|| format!("registering as consumer {}", s.index))?;
     consumer.set_gpu(s.gpu);
     let stager = backend.stager();
+    let clock = backend.device_clock();
+    if clock.is_some() {
+        consumer.set_device_timed();
+    }
     let mut rank = Rank {
         s: &s,
         ring: &ring,
@@ -188,6 +195,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         intake: intake(stager),
         prefetching: ring.params().held_per_consumer >= 2,
         prefer: [None, None],
+        clock,
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
@@ -322,6 +330,8 @@ impl<'c, 'r> Rank<'c, 'r> {
         self.consumer.enter(Phase::Compute);
         let mut stats = self.backend.apply(sum);
         self.consumer.enter(Phase::Other);
+        gpu::device_time::drain(self.clock.as_deref(), |s| self.consumer.record_device(s))
+            .context("reading the device's timeline")?;
         if let Some(h) = held {
             self.record(h, red.step)?;
         }
@@ -468,6 +478,10 @@ impl<'c, 'r> Rank<'c, 'r> {
 
     /// The ring ended, so the drafter's part is complete even if a stop was requested.
     fn drained(mut self) {
+        if let Some(c) = &self.clock {
+            let _ = gpu::device_time::drain(Some(&**c), |s| self.consumer.record_device(s));
+            tracing::info!(device = %c.totals(), "the device's time");
+        }
         self.report.complete = true;
         tracing::info!(
             items = self.report.items,

@@ -361,13 +361,14 @@ impl TargetBackend for CandleTarget {
                 "a slot's sections of {got:?} bytes for a batch of {want:?} (hidden states, tokens)"
             )));
         }
+        let began = (self.gpu.as_ref().expect("checked above")).begin()?;
         let got = self.captured(input_ids, seq_lens, true)?;
         let states = stacked(&got.layers, self.dtype)?;
         let tokens = got
             .tokens
             .ok_or_else(|| GpuError::Shape("the forward gave no greedy tokens".into()))?;
         let gpu = self.gpu.as_mut().expect("checked above");
-        gpu.start(states, tokens, &out)?;
+        gpu.start(began, states, tokens, &out)?;
         self.submitted.push_back(seq_lens.to_vec());
         Ok(())
     }
@@ -388,6 +389,12 @@ impl TargetBackend for CandleTarget {
             g.quiesce();
         }
         self.submitted.clear();
+    }
+
+    /// On a GPU: each batch's forward on candle's stream and its copy into the slot.
+    fn device_clock(&self) -> Option<std::sync::Arc<dyn crate::DeviceClock>> {
+        let t = self.gpu.as_ref()?.timeline();
+        Some(t)
     }
 }
 

@@ -17,11 +17,12 @@
 //! candle's stream has passed every use of it (the step's gradient is on the host).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor};
 use cuda::{CudaEvent, CudaStream, Named};
 
+use crate::device_time::{self, CudaTimeline, StreamId, Timeline};
 use crate::{GpuError, RawOut};
 
 /// candle's stream on `device`: every kernel of its tensors runs on it, in order.
@@ -83,34 +84,56 @@ unsafe fn copy_out(
 /// is in flight; the tensors are kept until the copy's event (their memory must not be given to
 /// another tensor meanwhile). The gpu::writeback engines copy out of fixed device buffers, which
 /// here would cost a device-to-device copy per batch: candle makes its own output tensors.
+///
+/// Each batch's forward and copy are timed on the device (`device_time`): the forward from a
+/// mark before it is queued ([`CopyOut::begin`]) to the event the copy waits for, the copy
+/// from a mark after that wait to the copy's event.
 pub(crate) struct CopyOut {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     in_flight: VecDeque<(CudaEvent, [Tensor; 2])>,
+    timeline: CudaTimeline,
+    /// The timeline's streams: candle's, the copy stream.
+    on: [StreamId; 2],
 }
 
 impl CopyOut {
     pub(crate) fn new(device: &Device) -> Result<CopyOut, GpuError> {
+        let (compute, copy) = (stream(device)?, copy_stream(device)?);
+        let mut t = Timeline::new();
+        let on = [t.add_cuda(&compute)?, t.add_cuda(&copy)?];
         Ok(CopyOut {
-            compute: stream(device)?,
-            copy: copy_stream(device)?,
+            compute,
+            copy,
             in_flight: VecDeque::new(),
+            timeline: Arc::new(Mutex::new(t)),
+            on,
         })
     }
 
+    /// The device's timeline of the forwards and copies.
+    pub(crate) fn timeline(&self) -> CudaTimeline {
+        self.timeline.clone()
+    }
+
+    /// A mark on candle's stream before a forward is queued: pass it to [`CopyOut::start`].
+    pub(crate) fn begin(&self) -> Result<CudaEvent, GpuError> {
+        device_time::mark(&self.compute)
+    }
+
     /// Queues the copies of `states` and `tokens` into `out` after the work queued so far on
-    /// candle's stream. On an error nothing is in flight into `out`.
+    /// candle's stream, the forward that made them having been queued after `began`. On an
+    /// error nothing is in flight into `out`.
     pub(crate) fn start(
         &mut self,
+        began: CudaEvent,
         states: Tensor,
         tokens: Tensor,
         out: &RawOut,
     ) -> Result<(), GpuError> {
-        let ctx = self.copy.context();
-        let forward_done = ctx.new_event(None).named("cuEventCreate")?;
-        let copied = ctx.new_event(None).named("cuEventCreate")?;
-        forward_done.record(&self.compute).named("cuEventRecord")?;
+        let forward_done = device_time::mark(&self.compute)?;
         self.copy.wait(&forward_done).named("cuStreamWaitEvent")?;
+        let copy_began = device_time::mark(&self.copy)?;
         let ((hp, hl), (tp, tl)) = (out.hidden_states(), out.target_tokens());
         // `out`'s memory stays valid and untouched until this batch completes or the target
         // quiesces (`RawOut::new`'s promise), and both wait for the copy stream; the tensors are
@@ -121,13 +144,30 @@ impl CopyOut {
         };
         let queued = queue(&states, (hp, hl))
             .and_then(|()| queue(&tokens, (tp, tl)))
-            .and_then(|()| Ok(copied.record(&self.copy).named("cuEventRecord")?));
-        if let Err(e) = queued {
-            // Back to the caller with the error, but not while a copy writes into its slot.
-            let _ = self.copy.synchronize();
-            return Err(e);
-        }
+            .and_then(|()| {
+                Ok((
+                    device_time::mark(&self.copy)?,
+                    device_time::mark(&self.copy)?,
+                ))
+            });
+        // The second mark is the one `complete` waits for, so the timed one has passed then.
+        let (copy_timed, copied) = match queued {
+            Ok(marks) => marks,
+            Err(e) => {
+                // Back to the caller with the error, but not while a copy writes into its slot.
+                let _ = self.copy.synchronize();
+                return Err(e);
+            }
+        };
         self.in_flight.push_back((copied, [states, tokens]));
+        let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
+        t.push(self.on[0], device_time::FORWARD, began, forward_done);
+        t.push(
+            self.on[1],
+            device_time::DEVICE_TO_HOST,
+            copy_began,
+            copy_timed,
+        );
         Ok(())
     }
 

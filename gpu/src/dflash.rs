@@ -8,7 +8,7 @@
 //! the parts), its update, state and checkpoint, export and evaluation are one drafter.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
@@ -16,8 +16,10 @@ use model::train::{AdamW, AdamWConfig};
 use model::ArchConfig;
 use proto::config::DflashLabel;
 use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
+use shm_ring::Phase;
 
 use crate::candle::Placement;
+use crate::device_time::{self, CudaTimeline, StreamId, Timeline, Work};
 use crate::mock::{self, Sim};
 use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepStats};
 
@@ -96,9 +98,61 @@ pub struct DflashDrafter {
     sim: Sim,
     /// What the leader's evaluations need: the target (loaded at the first), the prompts.
     eval: Evaluation,
-    /// On a GPU, the stream the stager's copies run on, beside candle's compute stream.
-    copy: Option<Arc<cuda::CudaStream>>,
+    /// On a GPU: the stager's copy stream, and the device's timeline.
+    gpu: Option<OnGpu>,
 }
+
+/// A GPU drafter's streams (candle's, and the copy stream the stager's copies run on beside
+/// it) and the device's timeline of its work on both: each step's forward and backward, the
+/// weights' upload after each update, each batch's copy in.
+#[derive(Clone)]
+struct OnGpu {
+    streams: [Arc<cuda::CudaStream>; 2],
+    timeline: CudaTimeline,
+    on: [StreamId; 2],
+}
+
+const COMPUTE: usize = 0;
+const COPY: usize = 1;
+
+impl OnGpu {
+    fn new(device: &Device) -> Result<OnGpu, GpuError> {
+        let streams = [
+            crate::candle_cuda::stream(device)?,
+            crate::candle_cuda::copy_stream(device)?,
+        ];
+        let mut t = Timeline::new();
+        let on = [t.add_cuda(&streams[COMPUTE])?, t.add_cuda(&streams[COPY])?];
+        Ok(OnGpu {
+            streams,
+            timeline: Arc::new(Mutex::new(t)),
+            on,
+        })
+    }
+
+    /// `f`, which queues `work` on stream `s` (COMPUTE or COPY), timed there.
+    fn timed<T>(
+        &self,
+        s: usize,
+        work: Work,
+        f: impl FnOnce() -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
+        device_time::timed(&self.timeline, self.on[s], &self.streams[s], work, f)
+    }
+}
+
+/// A step's forward and backward: one span, since the step runs them part by part.
+const STEP: Work = Work {
+    name: "forward+backward",
+    phase: Phase::Compute,
+    busy: true,
+};
+/// The weights set from the masters after an update, on candle's stream.
+const WEIGHTS: Work = Work {
+    name: "weights host-to-device",
+    phase: Phase::CopyIn,
+    busy: false,
+};
 
 /// The leader's periodic speculative decoding on held-out prompts.
 struct Evaluation {
@@ -125,9 +179,9 @@ impl DflashDrafter {
         let f = &cfg.dflash;
         let model = Dflash::new(dc, frozen, f.seed)?;
         let masters = model.params.flat()?;
-        let copy = match &place.device {
+        let gpu = match &place.device {
             Device::Cpu => None,
-            d => Some(crate::candle_cuda::copy_stream(d)?),
+            d => Some(OnGpu::new(d)?),
         };
         let total = cfg
             .drafter
@@ -180,7 +234,7 @@ impl DflashDrafter {
                 ),
                 new_tokens: f.eval_new_tokens as usize,
             },
-            copy,
+            gpu,
         })
     }
 
@@ -227,18 +281,17 @@ fn context_shape(batch: &BatchView<'_>) -> (usize, usize) {
 }
 
 /// A batch's context on `device`: made f32 on the CPU, or on a GPU copied as it is (the slot's
-/// dtype) on `copy`, converted to f32 by the step on candle's stream. The stager's work.
-fn stage(
-    batch: &BatchView<'_>,
-    device: &Device,
-    copy: Option<&Arc<cuda::CudaStream>>,
-) -> Result<Tensor, GpuError> {
-    match (device, copy) {
+/// dtype) on the copy stream, converted to f32 by the step on candle's stream. The stager's
+/// work.
+fn stage(batch: &BatchView<'_>, device: &Device, gpu: Option<&OnGpu>) -> Result<Tensor, GpuError> {
+    match (device, gpu) {
         (Device::Cpu, _) | (_, None) => Ok(context(batch)?.to_device(device)?),
-        (d, Some(copy)) => {
+        (d, Some(g)) => {
             let dtype = crate::candle::candle_dtype(batch.header().spec.dtype);
             let shape = context_shape(batch).into();
-            crate::candle_cuda::upload(copy, batch.hidden_states(), dtype, shape, d)
+            g.timed(COPY, device_time::HOST_TO_DEVICE, || {
+                crate::candle_cuda::upload(&g.streams[COPY], batch.hidden_states(), dtype, shape, d)
+            })
         }
     }
 }
@@ -304,11 +357,17 @@ impl DflashDrafter {
                 }
                 ctx
             }
-            None => stage(batch, self.model.device(), self.copy.as_ref())?,
+            None => stage(batch, self.model.device(), self.gpu.as_ref())?,
         };
-        let ctx = raw.to_dtype(DType::F32)?;
         out.gradient_mut().fill(0.0);
-        let sums = loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())?;
+        let mut step = || -> Result<_, GpuError> {
+            let ctx = raw.to_dtype(DType::F32)?;
+            loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())
+        };
+        let sums = match &self.gpu {
+            Some(g) => g.timed(COMPUTE, STEP, step)?,
+            None => step()?,
+        };
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);
@@ -331,10 +390,17 @@ impl DrafterBackend for DflashDrafter {
     /// The batch's context made on the copy thread: on a GPU copied there on the drafter's copy
     /// stream, on the CPU converted to f32 there, under the step before.
     fn stager(&self) -> Option<Stager> {
-        let (device, copy) = (self.model.device().clone(), self.copy.clone());
+        let (device, gpu) = (self.model.device().clone(), self.gpu.clone());
         Some(Arc::new(move |batch: &BatchView<'_>| {
-            Ok(Staged::new(stage(batch, &device, copy.as_ref())?))
+            Ok(Staged::new(stage(batch, &device, gpu.as_ref())?))
         }))
+    }
+
+    /// On a GPU: each step's forward and backward and the weights' upload on candle's stream,
+    /// each batch's copy in on the copy stream.
+    fn device_clock(&self) -> Option<Arc<dyn crate::DeviceClock>> {
+        let t = self.gpu.as_ref()?.timeline.clone();
+        Some(t)
     }
 
     fn gradient_staged(
@@ -358,8 +424,14 @@ impl DrafterBackend for DflashDrafter {
                 .opt
                 .update(&mut self.masters, summed.gradient(), 1.0 / weight);
             lr = Some(u.lr as f32);
-            // The masters are finite f32s of the model's own length: setting them cannot fail.
-            if let Err(e) = self.model.params.set_flat(&self.masters) {
+            // The masters are finite f32s of the model's own length: setting them fails only
+            // with the device.
+            let mut set = || Ok(self.model.params.set_flat(&self.masters)?);
+            let set = match &self.gpu {
+                Some(g) => g.timed(COMPUTE, WEIGHTS, set),
+                None => set(),
+            };
+            if let Err(e) = set {
                 tracing::error!(error = %e, "setting the drafter's weights");
             }
         }

@@ -14,6 +14,7 @@
 //! `backend.rs`, the one place a backend is chosen.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use proto::BatchView;
 
@@ -22,6 +23,7 @@ pub mod candle;
 pub mod candle_cuda;
 mod copy_thread;
 pub mod cuda_copy;
+pub mod device_time;
 pub mod dflash;
 pub mod in_place;
 pub mod mock;
@@ -34,6 +36,7 @@ pub mod timeline;
 pub mod writeback;
 
 pub use backend::{BackendKind, Maker, UnknownBackend};
+pub use device_time::DeviceClock;
 pub use pinned::{pin_arena, PinnedArena};
 pub use raw_out::RawOut;
 pub use step::StepBuffer;
@@ -159,6 +162,13 @@ pub trait TargetBackend {
     /// Waits for every copy in flight and forgets the batches submitted (their slots may be
     /// given back, unwritten or half written): before dropping them on an error or a stop.
     fn quiesce(&mut self) {}
+
+    /// The device's own timeline of this backend's work (CUDA events), on a GPU: the worker
+    /// moves its resolved spans into the ring as it goes. `None` (the default): the host's
+    /// clock times the work (the ring's phases).
+    fn device_clock(&self) -> Option<Arc<dyn DeviceClock>> {
+        None
+    }
 }
 
 /// Counters a drafter reports after a step (proto's: the leader sends them to the launcher).
@@ -233,6 +243,10 @@ pub trait DrafterBackend {
     /// drafter that drafts no blocks.
     fn evaluate(&mut self) -> Result<Option<f32>, GpuError> {
         Ok(None)
+    }
+    /// As [`TargetBackend::device_clock`].
+    fn device_clock(&self) -> Option<Arc<dyn DeviceClock>> {
+        None
     }
 }
 

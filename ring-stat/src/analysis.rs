@@ -5,7 +5,9 @@
 //! use it, so they say the same thing.
 //!
 //! Definitions (all fractions of the interval's wall time, per worker):
-//! - *busy*: time in `compute` (the GPU doing model work);
+//! - *busy*: time in `compute` (the GPU doing model work); for a worker that times its device
+//!   (CUDA events), the time its device's compute stream ran work, and its idle gaps are the
+//!   device's too (`WorkerRates::device`);
 //! - *waiting*: time blocked on the ring (`wait_full` for targets, `wait_empty` for drafters);
 //! - everything else (`load`, `copy_in`, `sync`, `checkpoint`, `other`) is *overhead*;
 //! - *working*: every phase but the waits on the ring and `sync` (which waits for the other
@@ -106,8 +108,11 @@ pub struct WorkerRates {
     pub tokens_per_s: f64,
     pub busy: f64,
     pub waiting: f64,
-    /// Share of the interval in each phase.
+    /// Share of the interval in each phase (the host's clock).
     pub phases: PhaseMap<f64>,
+    /// For a worker that times its device (a GPU's events), what the device did; then `busy`
+    /// and `largest_gap_s` are the device's. Null for a host-timed worker.
+    pub device: Option<DeviceRates>,
     /// The longest stretch out of `compute` (its GPU idle) that ended in the interval, or is
     /// still going on at its end, in seconds; 0 if none. Gaps are kept per second, so one that
     /// ended in the second the interval starts in counts too.
@@ -121,6 +126,19 @@ impl WorkerRates {
             index: self.index,
         }
     }
+}
+
+/// A device-timed worker's device over the interval, as shares of its wall time.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct DeviceRates {
+    /// Its compute stream running work (kernel time over wall time).
+    pub busy: f64,
+    /// Device time by phase (copies overlap compute, so these may sum past 1).
+    pub phases: PhaseMap<f64>,
+    /// Its compute stream idle between two computations, by what the worker's host thread was
+    /// doing meanwhile: `sync` is waiting for the group's all-reduce, `copy_in` for a copy,
+    /// `wait_empty` for data.
+    pub idle: PhaseMap<f64>,
 }
 
 /// The ring over the interval.
@@ -221,6 +239,18 @@ fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, span: (u64, u64)) -> WorkerRate
         Role::Consumer => phases[Phase::WaitEmpty],
     };
     let secs = dt_ns / 1e9;
+    let share = |a: u64, b: u64| (b.saturating_sub(a) as f64 / dt_ns).clamp(0.0, 1.0);
+    // Both ends must have the device's figures: a worker that began timing its device within
+    // the interval has counters that started mid-interval.
+    let device = a
+        .device
+        .as_ref()
+        .zip(b.device.as_ref())
+        .map(|(x, y)| DeviceRates {
+            busy: share(x.busy_ns, y.busy_ns),
+            phases: PhaseMap::from_fn(|p: Phase| share(x.phase_ns[p], y.phase_ns[p])),
+            idle: PhaseMap::from_fn(|p: Phase| share(x.idle_ns[p], y.idle_ns[p])),
+        });
     WorkerRates {
         role: b.role,
         index: b.index,
@@ -232,9 +262,10 @@ fn rates(a: &WorkerSnapshot, b: &WorkerSnapshot, span: (u64, u64)) -> WorkerRate
         items: b.items,
         items_per_s: b.items.saturating_sub(a.items) as f64 / secs,
         tokens_per_s: b.tokens.saturating_sub(a.tokens) as f64 / secs,
-        busy: phases[Phase::Compute],
+        busy: device.as_ref().map_or(phases[Phase::Compute], |d| d.busy),
         waiting,
         phases,
+        device,
         largest_gap_s: largest_gap(b, span.0, span.1),
     }
 }

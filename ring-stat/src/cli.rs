@@ -299,6 +299,69 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
             write!(out, " {:>9.0}%", w.phases[ph] * 100.0)?;
         }
         writeln!(out)?;
+        if let Some(d) = &w.device {
+            writeln!(out, "{}", device_line(d))?;
+        }
     }
     Ok(())
+}
+
+/// A device-timed worker's device, under its row: "  device: busy 62%; time compute 62%,
+/// copy_in 12%; idle 38% while sync 24%, copy_in 7%, other 7%".
+fn device_line(d: &crate::analysis::DeviceRates) -> String {
+    let list = |m: &shm_ring::PhaseMap<f64>| {
+        let v: Vec<String> = (Phase::ALL.iter())
+            .filter(|&&p| m[p] >= 0.005)
+            .map(|&p| format!("{} {}", p.name(), crate::numbers::pct(m[p])))
+            .collect();
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    let idle: f64 = d.idle.values().sum();
+    format!(
+        "  device: busy {}; time {}; idle {} while {}",
+        crate::numbers::pct(d.busy),
+        list(&d.phases),
+        crate::numbers::pct(idle),
+        list(&d.idle)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_ring::PhaseMap;
+
+    use super::*;
+    use crate::analysis::DeviceRates;
+
+    #[test]
+    fn a_device_line_says_what_the_device_did_and_why_it_sat_idle() {
+        let mut d = DeviceRates {
+            busy: 0.62,
+            phases: PhaseMap::default(),
+            idle: PhaseMap::default(),
+        };
+        d.phases[Phase::Compute] = 0.62;
+        d.phases[Phase::CopyIn] = 0.12;
+        d.idle[Phase::Sync] = 0.24;
+        d.idle[Phase::CopyIn] = 0.07;
+        d.idle[Phase::Other] = 0.07;
+        assert_eq!(
+            device_line(&d),
+            "  device: busy 62%; time copy_in 12%, compute 62%; idle 38% while copy_in 7%, sync 24%, other 7%"
+        );
+        // Nothing idle.
+        let d = DeviceRates {
+            busy: 1.0,
+            phases: PhaseMap::default(),
+            idle: PhaseMap::default(),
+        };
+        assert_eq!(
+            device_line(&d),
+            "  device: busy 100%; time -; idle 0% while -"
+        );
+    }
 }

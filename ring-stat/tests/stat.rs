@@ -273,6 +273,51 @@ fn drafters_that_are_the_bottleneck_but_idle_are_told_where_the_time_goes() {
     );
 }
 
+/// On a GPU the host's clock says little: it queues work and waits for results, so it is "in
+/// compute" most of the time whatever the device does. A drafter that times its device (CUDA
+/// events) is judged by the device: idle when its compute stream is, the time split by what the
+/// host was doing meanwhile, and its gaps are the device's.
+#[test]
+fn a_device_timed_drafter_is_judged_by_its_devices_timeline() {
+    let r = ring("devidle", 1, 1, 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for _ in 0..4 {
+        publish(&p);
+    }
+    c.set_device_timed();
+    c.enter(Phase::Compute);
+    // The host copies the next batch in while the device sits idle (the phase switch is
+    // logged before the window starts, so the whole gap below falls in it).
+    c.enter(Phase::CopyIn);
+    let a = r.snapshot();
+    p.add_phase(Phase::WaitFull, ms(900));
+    c.add_phase(Phase::Compute, ms(950));
+    let t = a.taken_at_ns;
+    let busy = |from: u64, to: u64| shm_ring::DeviceSpan {
+        phase: Phase::Compute,
+        start_ns: t + from * 1_000_000,
+        end_ns: t + to * 1_000_000,
+        busy: true,
+    };
+    c.record_device(busy(0, 500));
+    c.record_device(busy(900, 1000));
+    c.take().unwrap().unwrap().release().unwrap();
+    publish(&p);
+    let (v, iv) = judge(&r, &a, &[r.slot_counts(); 10]);
+    let d = iv.workers[1].device.as_ref().expect("device figures");
+    assert_eq!((iv.workers[1].busy, d.busy), (0.6, 0.6), "{iv:?}");
+    assert_eq!(d.idle[Phase::CopyIn], 0.4, "{d:?}");
+    assert_eq!(iv.workers[1].largest_gap_s, 0.4, "{iv:?}");
+    assert_eq!(v.bottleneck, Bottleneck::Drafters, "{v:?}");
+    assert!(
+        v.line.contains(
+            "; drafter GPUs idle 40% (longest gap 400ms): 40% copying batches in (copy_in)"
+        ),
+        "{}",
+        v.line
+    );
+}
+
 /// The ring keeps each worker's idle gaps by itself, from its phase switches: leaving
 /// `compute` starts one (in progress in a snapshot), other phases continue it, coming back ends
 /// it (kept for its second); before the first compute there is none.

@@ -182,10 +182,14 @@ impl<'a> RingRef<'a> {
         if let Some(p) = prev {
             sync::tally(&w.phase_ns[p as usize], now.saturating_sub(since));
         }
+        crate::device::log_switch(w, now, phase);
         // Idle gaps: leaving compute starts one, coming back ends it. Only the worker writes
-        // these, and readers only report them (telemetry: Relaxed).
+        // these, and readers only report them (telemetry: Relaxed). A worker that times its
+        // device has the device's gaps instead (`device.rs`).
         let (was, is) = (prev == Some(Phase::Compute), phase == Some(Phase::Compute));
-        if phase.is_none() {
+        if w.device_timed.load(Ordering::Relaxed) != 0 {
+            w.gap_since.store(0, Ordering::Relaxed);
+        } else if phase.is_none() {
             // The clock stops (the worker leaves): no gap stays open.
             w.gap_since.store(0, Ordering::Relaxed);
         } else if was && !is {
@@ -656,7 +660,7 @@ fn sleep_for(deadline: Option<Instant>) -> Option<Duration> {
 
 /// Keeps `len`, an idle gap that ended at `end_ns`, if it is the longest of its second.
 #[cfg(not(loom))]
-fn keep_gap(w: &WorkerRecord, end_ns: u64, len: u64) {
+pub(crate) fn keep_gap(w: &WorkerRecord, end_ns: u64, len: u64) {
     let second = end_ns / 1_000_000_000;
     let slot = &w.gaps[(second % GAP_SECONDS as u64) as usize];
     let old = GapWord(slot.load(Ordering::Relaxed));

@@ -158,7 +158,26 @@ pub(crate) struct WorkerRecord {
     /// The longest idle gap that ended in each of the last [`GAP_SECONDS`] seconds, one
     /// [`GapWord`] per second in slot `second % GAP_SECONDS`. Written by the worker alone.
     pub gaps: [AtomicU64; GAP_SECONDS],
+    /// 1 once the worker times its device itself (`device.rs`): its gaps are then the device's.
+    /// Kept across incarnations (one worker id runs one backend).
+    pub device_timed: AtomicU32,
+    /// Device time by phase, busy time, and idle time by the host's phase (`DeviceTimes`).
+    pub device_ns: [AtomicU64; PHASES],
+    pub device_busy_ns: AtomicU64,
+    pub device_idle_ns: [AtomicU64; PHASES],
+    /// Where the device's last busy span ended (CLOCK_MONOTONIC ns); 0 before this incarnation's
+    /// first, so the time before it is no gap.
+    pub device_busy_until: AtomicU64,
+    /// The worker's last [`PHASE_LOG`] phase switches, `time << 4 | (phase + 1)` (0 for a stopped
+    /// clock) in slot `n % PHASE_LOG` for the `n`-th, `phase_log_next` being the next `n`; what a
+    /// device gap is attributed by. Written by the worker alone.
+    pub phase_log: [AtomicU64; PHASE_LOG],
+    pub phase_log_next: AtomicU64,
 }
+
+/// Phase switches a worker's log keeps: a step makes about eight, and a device's spans are
+/// resolved within a step or two of their end.
+pub const PHASE_LOG: usize = 32;
 
 /// Seconds of idle-gap history a worker keeps (the verdict's window is usually a few seconds
 /// and at most 60: a longer one sees the gaps of its last 32 seconds and the gap in progress).

@@ -32,6 +32,7 @@
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
 
 mod core;
+mod device;
 mod error;
 mod layout;
 mod params;
@@ -58,11 +59,14 @@ mod crash_tests;
 mod crash_search;
 
 pub use crate::core::{CommitMeta, ItemMeta, Recovered, WorkClaim};
+pub use crate::device::{DeviceSpan, DeviceTimes};
 pub use crate::error::RingError;
 pub use crate::layout::PHASES;
 pub use crate::params::{
     BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS, MAX_WORKERS,
 };
+/// The ring's clock (CLOCK_MONOTONIC, ns): heartbeats, phases, gaps and [`DeviceSpan`]s.
+pub use shmem::monotonic_ns;
 
 pub use crate::phase::{Phase, PhaseMap};
 #[cfg(not(loom))]

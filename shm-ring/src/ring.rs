@@ -185,6 +185,7 @@ impl Ring {
         // load would count as compute time or as one long idle gap).
         rec.phase_cur.store(0, r);
         rec.gap_since.store(0, r);
+        rec.device_busy_until.store(0, r);
         core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,
@@ -400,6 +401,16 @@ macro_rules! worker_methods {
         /// timeline). `enter` records the gaps between `compute` phases by itself.
         pub fn add_gap(&self, d: Duration) {
             self.w.core().record_gap(self.w.id, d)
+        }
+        /// Says this worker times its device with its own timeline (CUDA events): from now on
+        /// its busy time and idle gaps are the device's, put in with
+        /// [`record_device`](Self::record_device), and `enter` no longer opens and closes gaps.
+        pub fn set_device_timed(&self) {
+            self.w.core().set_device_timed(self.w.id)
+        }
+        /// Adds a span of this worker's device work, resolved from its events.
+        pub fn record_device(&self, span: crate::DeviceSpan) {
+            self.w.core().record_device(self.w.id, span)
         }
         /// Starts counting this worker's time in `phase` (until the next `enter`); returns
         /// the phase it leaves. The ring switches to the wait phases by itself while a

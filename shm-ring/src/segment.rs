@@ -28,8 +28,9 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// words, the creator's pid namespace and boot. 3: no checksum in the slot record (the batch
 /// carries its own, which drafters verify; nothing read the ring's copy). 4: the control block's
 /// `work_seq` and `work_waiters`, on which producers wait for claimed work to come back. 5: each
-/// worker's idle gaps (`gap_since`, `gaps`).
-pub const LAYOUT_VERSION: u32 = 5;
+/// worker's idle gaps (`gap_since`, `gaps`). 6: each worker's device timeline (`device_*`) and
+/// phase log.
+pub const LAYOUT_VERSION: u32 = 6;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+use crate::device::DeviceTimes;
 use crate::layout::{
     peek, peek32, GapWord, Word, WorkWord, FREE, READING, READY, ROLE_PRODUCER, WRITING, W_ALIVE,
     W_DEAD, W_DONE, W_RETIRED, W_VACANT,
@@ -96,6 +97,9 @@ pub struct WorkerSnapshot {
     /// longest gap (not in JSON: `interval` has the figure).
     #[serde(skip)]
     pub idle_gaps: Vec<(u64, u64)>,
+    /// What its device's own timeline says (CUDA events), for a worker that times its device;
+    /// then `busy_ns` and the idle gaps are the device's. Null for a host-timed worker.
+    pub device: Option<DeviceTimes>,
 }
 
 impl WorkerSnapshot {
@@ -106,9 +110,13 @@ impl WorkerSnapshot {
         }
     }
 
-    /// Nanoseconds busy: in `compute`, the GPU doing model work.
+    /// Nanoseconds busy: the device's compute stream running work, for a worker that times its
+    /// device; else the host in `compute`.
     pub fn busy_ns(&self) -> u64 {
-        self.phase_ns[Phase::Compute]
+        match &self.device {
+            Some(d) => d.busy_ns,
+            None => self.phase_ns[Phase::Compute],
+        }
     }
 }
 
@@ -249,6 +257,7 @@ impl Ring {
                         g.sort_unstable();
                         g
                     },
+                    device: crate::device::times(w),
                 }
             })
             .collect();

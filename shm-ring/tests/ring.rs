@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use crate::common::{fifo, unique};
 use shm_ring::{
-    BucketPick, CommitMeta, ConfigError, Phase, Ring, RingError, RingParams, Take, TakePolicy,
-    WorkerName, WorkerState,
+    BucketPick, CommitMeta, ConfigError, DeviceSpan, Phase, Ring, RingError, RingParams, Take,
+    TakePolicy, WorkerName, WorkerState,
 };
 use testkit::{batch_id, fill, thread_cpu, verify};
 
@@ -932,4 +932,62 @@ fn a_requeued_item_is_taken_again_whole_with_its_delivery_counted() {
         a.take_timeout(Duration::from_millis(1)).unwrap(),
         Take::TimedOut
     ));
+}
+
+#[test]
+fn a_device_timed_worker_reports_its_devices_busy_time_and_why_it_sat_idle() {
+    let name = unique("device");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let c = ring.consumer(0).unwrap();
+    let now = shmem::monotonic_ns;
+    c.set_device_timed();
+    let span = |phase, start_ns, end_ns, busy| DeviceSpan {
+        phase,
+        start_ns,
+        end_ns,
+        busy,
+    };
+    // The first step computes on the device until `b`, after the host moved on to the
+    // all-reduce (the switch to `sync` is logged before `b`); the next starts at `c`, before the
+    // host leaves `sync` (logged after `c`). So the device's gap [b, c] lies wholly in `sync`.
+    c.enter(Phase::Compute);
+    let a = now();
+    c.enter(Phase::Sync);
+    let b = now();
+    thread::sleep(Duration::from_millis(2));
+    let c_ = now();
+    c.enter(Phase::Other);
+    c.record_device(span(Phase::Compute, a - 1_000_000, b, true));
+    // A copy on another stream: device time, not busy.
+    c.record_device(span(Phase::CopyIn, a, b, false));
+    c.record_device(span(Phase::Compute, c_, c_ + 3_000_000, true));
+    // Overlapping the last busy span: its overlap counts once.
+    c.record_device(span(Phase::Compute, c_ + 2_000_000, c_ + 4_000_000, true));
+
+    let s = ring.snapshot();
+    let w = s.worker(WorkerName::consumer(0)).unwrap();
+    let d = w
+        .device
+        .as_ref()
+        .expect("a device-timed worker reports its device");
+    let first = b - (a - 1_000_000);
+    assert_eq!(d.busy_ns, first + 4_000_000);
+    assert_eq!(w.busy_ns(), d.busy_ns, "busy is the device's");
+    assert_eq!(d.phase_ns[Phase::Compute], first + 3_000_000 + 2_000_000);
+    assert_eq!(d.phase_ns[Phase::CopyIn], b - a);
+    assert_eq!(d.idle_ns[Phase::Sync], c_ - b, "{d:?}");
+    assert_eq!(d.idle_ns.values().sum::<u64>(), c_ - b);
+    // The device's gap is the worker's gap of that second (kept in microseconds); the host's
+    // own stretch out of `compute` is not a gap, and none is in progress.
+    assert_eq!(
+        w.idle_gaps,
+        vec![(c_ / 1_000_000_000, (c_ - b) / 1000 * 1000)]
+    );
+    assert_eq!(w.idle_now_ns, None);
+
+    // A host-timed worker has no device figures.
+    let p = ring.producer(0).unwrap();
+    p.enter(Phase::Compute);
+    let s = ring.snapshot();
+    assert!(s.worker(WorkerName::producer(0)).unwrap().device.is_none());
 }

@@ -10,9 +10,10 @@
 //! need that batch to free a slot).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use anyhow::Context;
-use gpu::{RawOut, TargetBackend, TargetOut};
+use gpu::{DeviceClock, RawOut, TargetBackend, TargetOut};
 use proto::{BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Producer, WriteSlot};
 
@@ -29,6 +30,9 @@ pub struct Pipeline<'r, 'b> {
     producer: &'r Producer<'r>,
     backend: &'b mut (dyn TargetBackend + Send),
     in_flight: VecDeque<Submitted<'r>>,
+    /// The device's timeline, for a backend that times its work on the device: its spans go
+    /// into the ring after each commit.
+    clock: Option<Arc<dyn DeviceClock>>,
 }
 
 /// What a committed batch adds to the target's report.
@@ -38,11 +42,22 @@ pub struct Committed {
 
 impl<'r, 'b> Pipeline<'r, 'b> {
     pub fn new(producer: &'r Producer<'r>, backend: &'b mut (dyn TargetBackend + Send)) -> Self {
+        let clock = backend.device_clock();
+        if clock.is_some() {
+            producer.set_device_timed();
+        }
         Pipeline {
             producer,
             backend,
             in_flight: VecDeque::new(),
+            clock,
         }
+    }
+
+    /// Moves the device's resolved spans into the ring.
+    fn device_spans(&self) -> anyhow::Result<()> {
+        gpu::device_time::drain(self.clock.as_deref(), |s| self.producer.record_device(s))
+            .context("reading the device's timeline")
     }
 
     /// The producer the batches are written by.
@@ -127,6 +142,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             tokens,
             batch_id: item,
         })?;
+        self.device_spans()?;
         Ok(Some(Committed { tokens }))
     }
 }
@@ -136,6 +152,10 @@ impl Drop for Pipeline<'_, '_> {
         // No copy may write a slot once it is given back (the slots drop after this body).
         if !self.in_flight.is_empty() {
             self.backend.quiesce();
+        }
+        if let Some(c) = &self.clock {
+            let _ = self.device_spans();
+            tracing::info!(device = %c.totals(), "the device's time");
         }
     }
 }
@@ -169,6 +189,22 @@ mod tests {
         depth: usize,
         log: Arc<Mutex<Vec<Event>>>,
         submitted: VecDeque<(u8, RawOut)>,
+        /// A device's timeline, if the backend times its device: batch `n`'s forward resolves
+        /// at its completion as busy from `n x 10 ms` to 4 ms later (after the clock's start).
+        clock: Option<(Arc<Spans>, u64)>,
+    }
+
+    /// A device timeline the test writes: what `poll` returns next.
+    #[derive(Default)]
+    struct Spans(Mutex<Vec<shm_ring::DeviceSpan>>);
+
+    impl DeviceClock for Spans {
+        fn poll(&self) -> Result<Vec<shm_ring::DeviceSpan>, GpuError> {
+            Ok(std::mem::take(&mut *self.0.lock().unwrap()))
+        }
+        fn totals(&self) -> gpu::device_time::Totals {
+            Default::default()
+        }
     }
 
     impl Late {
@@ -179,6 +215,7 @@ mod tests {
                 depth,
                 log: log.clone(),
                 submitted: VecDeque::new(),
+                clock: None,
             };
             (late, log)
         }
@@ -207,12 +244,26 @@ mod tests {
             o.hidden_states.fill(n);
             o.target_tokens.fill(n);
             self.log.lock().unwrap().push(Event::Complete(n));
+            if let Some((spans, t0)) = &self.clock {
+                let start_ns = t0 + u64::from(n) * 10_000_000;
+                spans.0.lock().unwrap().push(shm_ring::DeviceSpan {
+                    phase: Phase::Compute,
+                    start_ns,
+                    end_ns: start_ns + 4_000_000,
+                    busy: true,
+                });
+            }
             Ok(())
         }
 
         fn quiesce(&mut self) {
             self.submitted.clear();
             self.log.lock().unwrap().push(Event::Quiesce);
+        }
+
+        fn device_clock(&self) -> Option<Arc<dyn DeviceClock>> {
+            let c: Arc<dyn DeviceClock> = self.clock.as_ref()?.0.clone();
+            Some(c)
         }
     }
 
@@ -253,22 +304,7 @@ mod tests {
         let ring = ring(items);
         let producer = ring.producer(0).unwrap();
         let (mut backend, log) = Late::new(depth);
-        {
-            let mut pipe = Pipeline::new(&producer, &mut backend);
-            for _ in 0..items {
-                let item = producer.claim_work().unwrap();
-                let spec = spec(item);
-                let slot = producer
-                    .reserve(proto::batch_len(&spec).unwrap() as usize)
-                    .unwrap();
-                let ids = [item as u32; 3];
-                pipe.submit(slot, spec, &ids, &[1; 3], item, 0).unwrap();
-                while !pipe.has_room() {
-                    pipe.commit_oldest().unwrap();
-                }
-            }
-            while pipe.commit_oldest().unwrap().is_some() {}
-        }
+        feed(&producer, &mut backend, items);
         assert!(producer.finish(), "the last producer closes the ring");
         let consumer = ring.consumer(0).unwrap();
         let mut got = Vec::new();
@@ -280,6 +316,50 @@ mod tests {
         }
         let log = log.lock().unwrap().clone();
         (log, got)
+    }
+
+    /// Submits `items` batches through a pipeline over `backend` as the worker does (submit,
+    /// then commit while full, then drain).
+    fn feed(producer: &Producer<'_>, backend: &mut Late, items: u64) {
+        let mut pipe = Pipeline::new(producer, backend);
+        for _ in 0..items {
+            let item = producer.claim_work().unwrap();
+            let spec = spec(item);
+            let slot = producer
+                .reserve(proto::batch_len(&spec).unwrap() as usize)
+                .unwrap();
+            let ids = [item as u32; 3];
+            pipe.submit(slot, spec, &ids, &[1; 3], item, 0).unwrap();
+            while !pipe.has_room() {
+                pipe.commit_oldest().unwrap();
+            }
+        }
+        while pipe.commit_oldest().unwrap().is_some() {}
+    }
+
+    /// A backend that times its device: the pipeline says so to the ring, and moves the spans
+    /// the device resolved into it as batches commit, so the worker's busy time and idle gaps
+    /// are the device's.
+    #[test]
+    fn a_device_timed_backends_spans_reach_the_ring() {
+        let timed = ring(3);
+        let producer = timed.producer(0).unwrap();
+        let (mut backend, _) = Late::new(2);
+        backend.clock = Some((Arc::default(), shm_ring::monotonic_ns()));
+        feed(&producer, &mut backend, 3);
+        let s = timed.snapshot();
+        let w = s.worker(shm_ring::WorkerName::producer(0)).unwrap();
+        let d = w.device.as_ref().expect("the worker is device-timed");
+        assert_eq!((d.busy_ns, w.busy_ns()), (12_000_000, 12_000_000));
+        // Between the three forwards, two idle gaps of 6 ms (kept in microseconds).
+        assert_eq!(d.idle_ns.values().sum::<u64>(), 12_000_000);
+        let longest = w.idle_gaps.iter().map(|g| g.1).max();
+        assert_eq!(longest, Some(6_000_000));
+        // A host-timed backend is not.
+        let host = ring(1);
+        let producer = host.producer(0).unwrap();
+        feed(&producer, &mut Late::new(1).0, 1);
+        assert!(host.snapshot().workers[0].device.is_none());
     }
 
     /// On a GPU's depth of two, batch i+1's forward is issued before batch i is waited for and

@@ -292,27 +292,36 @@ fn sides(w: &Window) -> Call {
 /// rest goes (the live drafters' mean share of each other phase, largest first, those of 1% or
 /// more, at most three; `sync` left to [`sync_wait`] when it speaks), and the longest stretch
 /// any of them was out of compute: "drafter GPUs idle 31% (longest gap 420ms): 24% in the
-/// all-reduce (sync), 7% copying batches in". The time
+/// all-reduce (sync), 7% copying batches in". For drafters timed with CUDA events the idle share
+/// is their devices' and the parts are the device's idle time by what the host did meanwhile.
+/// The time
 /// a GPU could compute but does not is what more GPUs cannot buy back; one long gap and many
 /// short ones call for different fixes.
 fn drafters_idle(w: &Window, call: &mut Call) {
     if call.bottleneck != Bottleneck::Drafters {
         return;
     }
-    let Some(compute) = mean(w.live(Role::Consumer).map(|r| r.phases[Phase::Compute])) else {
+    let Some(compute) = mean(w.live(Role::Consumer).map(|r| r.busy)) else {
         return;
     };
     let idle = 1.0 - compute.min(1.0);
     if idle < IDLE_NOTE {
         return;
     }
+    // Where the idle time goes: a device-timed drafter's device idle time by what its host was
+    // doing meanwhile (its host in `compute` too: launching work, or the host's part of the
+    // step), else the host's own phases out of `compute`.
+    let share = |r: &WorkerRates, p: Phase| match &r.device {
+        Some(d) => d.idle[p],
+        None if p == Phase::Compute => 0.0,
+        None => r.phases[p],
+    };
     let mut parts: Vec<(f64, Phase)> = Phase::ALL
         .iter()
-        .filter(|&&p| p != Phase::Compute)
         // The group's wait in sync gets its own clause, with the figure of the ranks that
         // wait (not this mean over every rank, the slow one included).
         .filter(|&&p| p != Phase::Sync || !sync_said(w, call))
-        .filter_map(|&p| Some((mean(w.live(Role::Consumer).map(|r| r.phases[p]))?, p)))
+        .filter_map(|&p| Some((mean(w.live(Role::Consumer).map(|r| share(r, p)))?, p)))
         .filter(|&(share, _)| share >= 0.01)
         .collect();
     parts.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -351,7 +360,7 @@ fn idle_words(p: Phase) -> &'static str {
         Phase::Checkpoint => "checkpointing (checkpoint)",
         Phase::Load => "loading (load)",
         Phase::WaitFull => "waiting for a free slot (wait_full)",
-        Phase::Compute => "computing",
+        Phase::Compute => "with the host launching work (compute)",
         Phase::Other => "elsewhere (other)",
     }
 }

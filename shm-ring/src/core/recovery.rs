@@ -135,6 +135,7 @@ impl RingRef<'_> {
         // A dead worker's clock stops: readers must not count time past its death.
         w.phase_cur.store(0, Ordering::Relaxed);
         w.gap_since.store(0, Ordering::Relaxed);
+        w.device_busy_until.store(0, Ordering::Relaxed);
         let _ = w
             .state
             .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
