@@ -19,6 +19,9 @@
 //! Ledger lines are written (one `write` each, no user-space buffer) before the slot is
 //! released, so a crash never loses the line of a batch whose slot was freed; every rank syncs
 //! its ledger at each checkpoint step.
+//!
+//! Length: just past 500 lines: the rank's step, its group duties, ledger and checkpoints are
+//! one loop.
 
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -175,7 +178,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let stager = backend.stager();
     let clock = backend.device_clock();
     if clock.is_some() {
-        consumer.set_device_timed();
+        consumer.set_device_timed(true);
     }
     let mut rank = Rank {
         s: &s,
@@ -328,13 +331,12 @@ impl<'c, 'r> Rank<'c, 'r> {
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
         self.consumer.enter(Phase::Compute);
-        let mut stats = self.backend.apply(sum);
+        let mut stats = (self.backend.apply(sum)).context("applying the group's update")?;
         self.consumer.enter(Phase::Other);
-        gpu::device_time::drain(self.clock.as_deref(), |s| self.consumer.record_device(s))
-            .context("reading the device's timeline")?;
         if let Some(h) = held {
             self.record(h, red.step)?;
         }
+        self.device_spans();
         let everyone_ended = sum.ended_ranks() == red.membership.len();
         if self.is_leader(&red.membership) && (self.backend.eval_due(stats.step) || everyone_ended)
         {
@@ -368,7 +370,8 @@ impl<'c, 'r> Rank<'c, 'r> {
         let leader = self.is_leader(&m);
         if leader && self.group.joiners_waiting() {
             self.consumer.enter(Phase::Sync);
-            let admitted = (self.group).admit_joiners(m.step, &self.backend.export_state())?;
+            let state = (self.backend.export_state()).context("exporting the group's state")?;
+            let admitted = (self.group).admit_joiners(m.step, &state)?;
             if admitted != 0 {
                 tracing::info!(ranks = admitted, step = m.step, "admitted to the group");
             }
@@ -476,10 +479,20 @@ impl<'c, 'r> Rank<'c, 'r> {
         Ok(())
     }
 
+    /// Moves the device's resolved spans into the ring.
+    fn device_spans(&mut self) {
+        let c = self.consumer;
+        gpu::device_time::drain_or_stop(
+            &mut self.clock,
+            |s| c.record_device(s),
+            || c.set_device_timed(false),
+        );
+    }
+
     /// The ring ended, so the drafter's part is complete even if a stop was requested.
     fn drained(mut self) {
+        self.device_spans();
         if let Some(c) = &self.clock {
-            let _ = gpu::device_time::drain(Some(&**c), |s| self.consumer.record_device(s));
             tracing::info!(device = %c.totals(), "the device's time");
         }
         self.report.complete = true;

@@ -175,6 +175,13 @@ impl CopyOut {
         if let Some((copied, _tensors)) = self.in_flight.front() {
             copied.synchronize().named("cuEventSynchronize")?;
             self.in_flight.pop_front();
+            // Each stream's clock re-measured every 30 s: a wait for the next batch's work
+            // queued on it then, once (telemetry: never the batch's failure).
+            for (s, stream) in [(self.on[0], &self.compute), (self.on[1], &self.copy)] {
+                if let Err(e) = device_time::reanchor_due(&self.timeline, s, stream) {
+                    tracing::warn!(error = %e, "re-anchoring the device's timeline");
+                }
+            }
         }
         Ok(())
     }

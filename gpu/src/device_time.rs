@@ -10,13 +10,21 @@
 //! host's `CLOCK_MONOTONIC` is known (the first one waited for once, when the stream is added).
 //! A span's times are its events' offsets from its stream's anchor, so both are later on the
 //! same stream and the offsets positive. An `f32` of milliseconds loses precision as the offset
-//! grows (a quarter of a millisecond after an hour), so once the anchor is older than
-//! [`REANCHOR_MS`] a resolved span's end becomes the stream's anchor: offsets stay under about a
-//! minute (microseconds of rounding), and rounding adds up only once per re-anchoring.
+//! grows (a quarter of a millisecond after an hour), and the GPU's timer drifts from the host's
+//! clock (which NTP slews): tens of parts per million, a tenth of a second an hour. So a backend
+//! re-anchors a stream by measurement at a point where its work is done anyway ([`reanchor_due`]:
+//! a mark waited for, its host time read, at most every [`REANCHOR_MS`]; it takes its place in
+//! the stream's order, after the spans before it). A stream never re-anchored so (a copy
+//! stream) takes a resolved span's end as its anchor once the anchor is older than
+//! [`REANCHOR_MS`]: offsets stay under about a minute (microseconds of rounding), though drift
+//! then adds up.
 //!
 //! What the spans cannot see: gaps between the kernels inside one span (a forward whose host
 //! launches kernels slower than the GPU runs them counts as busy throughout), and kernels of
 //! other processes sharing the GPU.
+//!
+//! Length: past 500 lines with its tests: the timeline, its anchors and its CUDA helpers are
+//! one clock; the tests drive it with a mark of their own.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -109,9 +117,14 @@ struct Anchor<M> {
 
 struct Pending<M> {
     stream: StreamId,
-    work: Work,
-    start: M,
-    end: M,
+    what: What<M>,
+}
+
+enum What<M> {
+    /// A span of `work`.
+    Span { work: Work, start: M, end: M },
+    /// A new anchor: `mark` passed at host time `ns`.
+    Anchor { mark: M, ns: u64 },
 }
 
 /// The spans recorded on a backend's streams, waiting for their events to pass.
@@ -210,12 +223,24 @@ impl<M: Mark> Timeline<M> {
 
     /// Adds a span of `work` on `stream` between marks `start` and `end` recorded on it.
     pub fn push(&mut self, stream: StreamId, work: Work, start: M, end: M) {
-        self.pending.push_back(Pending {
-            stream,
-            work,
-            start,
-            end,
+        let what = What::Span { work, start, end };
+        self.pending.push_back(Pending { stream, what });
+    }
+
+    /// Makes `mark`, recorded on `stream` and passed at host time `ns` (waited for), the
+    /// stream's anchor once the spans pushed before it are resolved.
+    pub fn reanchor(&mut self, stream: StreamId, mark: M, ns: u64) {
+        let what = What::Anchor { mark, ns };
+        self.pending.push_back(Pending { stream, what });
+    }
+
+    /// The host time of `stream`'s newest anchor, taken or pushed.
+    fn anchored_ns(&self, stream: StreamId) -> u64 {
+        let pushed = self.pending.iter().rev().find_map(|p| match &p.what {
+            What::Anchor { ns, .. } if p.stream == stream => Some(*ns),
+            _ => None,
         });
+        pushed.unwrap_or(self.anchors[stream.0].ns)
     }
 
     /// Spans not resolved yet.
@@ -224,7 +249,9 @@ impl<M: Mark> Timeline<M> {
     }
 
     /// The spans whose end has passed, resolved, in the order they were pushed (so each
-    /// stream's in the order they ran); the others stay. Never blocks.
+    /// stream's in the order they ran); the others stay. Never blocks. On an error the spans
+    /// not resolved yet stay pending (the ones this call resolved before it are dropped with
+    /// it: a worker stops timing its device on one, see [`drain_or_stop`]).
     pub fn poll(&mut self) -> Result<Vec<DeviceSpan>, GpuError> {
         let mut out = Vec::new();
         let mut kept = VecDeque::with_capacity(self.pending.len());
@@ -233,31 +260,54 @@ impl<M: Mark> Timeline<M> {
         let mut blocked = vec![false; self.anchors.len()];
         while let Some(p) = self.pending.pop_front() {
             let s = p.stream.0;
-            if blocked[s] || !p.end.passed()? {
-                blocked[s] = true;
-                kept.push_back(p);
-                continue;
-            }
             let a = &self.anchors[s];
             let at = |m: &M| -> Result<(f64, u64), GpuError> {
                 let ms = m.ms_after(&a.mark)?.max(0.0);
                 Ok((ms, a.ns + (ms * 1e6).round() as u64))
             };
-            let (_, start_ns) = at(&p.start)?;
-            let (end_ms, end_ns) = at(&p.end)?;
-            let end_ns = end_ns.max(start_ns);
-            self.totals.add(p.work, start_ns, end_ns);
-            out.push(DeviceSpan {
-                phase: p.work.phase,
-                start_ns,
-                end_ns,
-                busy: p.work.busy,
-            });
-            if end_ms > REANCHOR_MS {
-                self.anchors[s] = Anchor {
-                    mark: p.end,
-                    ns: end_ns,
-                };
+            // `None`: not passed yet. An error leaves this entry and the rest pending, in
+            // order: nothing is lost.
+            let resolved = match (blocked[s], &p.what) {
+                (true, _) => Ok(None),
+                (false, What::Anchor { mark, .. }) => mark.passed().map(|ok| ok.then_some(None)),
+                (false, What::Span { start, end, .. }) => end.passed().and_then(|ok| match ok {
+                    true => Ok(Some(Some((at(start)?, at(end)?)))),
+                    false => Ok(None),
+                }),
+            };
+            let times = match resolved {
+                Ok(Some(times)) => times,
+                Ok(None) => {
+                    blocked[s] = true;
+                    kept.push_back(p);
+                    continue;
+                }
+                Err(e) => {
+                    kept.push_back(p);
+                    kept.append(&mut self.pending);
+                    self.pending = kept;
+                    return Err(e);
+                }
+            };
+            match (p.what, times) {
+                (What::Anchor { mark, ns }, _) => self.anchors[s] = Anchor { mark, ns },
+                (What::Span { work, end, .. }, Some(((_, start_ns), (end_ms, end_ns)))) => {
+                    let end_ns = end_ns.max(start_ns);
+                    self.totals.add(work, start_ns, end_ns);
+                    out.push(DeviceSpan {
+                        phase: work.phase,
+                        start_ns,
+                        end_ns,
+                        busy: work.busy,
+                    });
+                    if end_ms > REANCHOR_MS {
+                        self.anchors[s] = Anchor {
+                            mark: end,
+                            ns: end_ns,
+                        };
+                    }
+                }
+                (What::Span { .. }, None) => unreachable!("a span resolves with its times"),
             }
         }
         self.pending = kept;
@@ -296,6 +346,22 @@ pub fn drain(clock: Option<&dyn DeviceClock>, record: impl Fn(DeviceSpan)) -> Re
     Ok(())
 }
 
+/// [`drain`] for a worker, which goes on without its device's time if the timeline fails
+/// (telemetry never fails a worker, nor comes between its work and its record of it): the
+/// error is logged, `stop` is called (the worker's ring record is host-timed again) and the
+/// clock dropped.
+pub fn drain_or_stop(
+    clock: &mut Option<Arc<dyn DeviceClock>>,
+    record: impl Fn(DeviceSpan),
+    stop: impl FnOnce(),
+) {
+    if let Err(e) = drain(clock.as_deref(), record) {
+        tracing::warn!(error = %e, "reading the device's timeline failed: timing the host from now");
+        stop();
+        *clock = None;
+    }
+}
+
 /// A CUDA backend's timeline, shared.
 pub type CudaTimeline = Arc<Mutex<Timeline<CudaEvent>>>;
 
@@ -313,6 +379,27 @@ pub fn timed<T>(
     let end = mark(stream)?;
     (timeline.lock().unwrap_or_else(|e| e.into_inner())).push(id, work, start, end);
     Ok(out)
+}
+
+/// Re-anchors stream `id` of `timeline` by measurement if its newest anchor is
+/// [`REANCHOR_MS`] old: a mark recorded on `stream` and waited for, with the host's time once
+/// it passed. Call it where the stream's work is done anyway (the wait is then at once), or
+/// accept one wait for the work queued on it every [`REANCHOR_MS`].
+pub fn reanchor_due(
+    timeline: &CudaTimeline,
+    id: StreamId,
+    stream: &CudaStream,
+) -> Result<(), GpuError> {
+    let now = shm_ring::monotonic_ns();
+    let since = (timeline.lock().unwrap_or_else(|e| e.into_inner())).anchored_ns(id);
+    if (now.saturating_sub(since) as f64) < REANCHOR_MS * 1e6 {
+        return Ok(());
+    }
+    let m = mark(stream)?;
+    m.synchronize().named("cuEventSynchronize")?;
+    let ns = shm_ring::monotonic_ns();
+    (timeline.lock().unwrap_or_else(|e| e.into_inner())).reanchor(id, m, ns);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -449,5 +536,60 @@ mod tests {
             "{}",
             t.totals()
         );
+    }
+
+    /// A GPU timer that runs 1% slow against the host's clock: from the first anchor alone a
+    /// span 60 s on is placed 0.6 s early; a measured anchor takes its place after the spans
+    /// pushed before it (resolved from the old anchor, even when they pass later), and the
+    /// spans after it are placed from it; an error reading a mark loses nothing.
+    #[test]
+    fn a_measured_anchor_corrects_drift_in_the_streams_order() {
+        let host = |device_us: u64| device_us * 1010; // ns
+        let mut t = Timeline::new();
+        let s = t.add_stream(Fake::passed_at(0), host(0));
+        let before = (Fake::passed_at(58_000_000), Fake::default());
+        t.push(s, FORWARD, before.0.clone(), before.1.clone());
+        t.reanchor(s, Fake::passed_at(59_000_000), host(59_000_000));
+        t.push(
+            s,
+            BACKWARD,
+            Fake::passed_at(60_000_000),
+            Fake::passed_at(60_500_000),
+        );
+        assert_eq!(
+            t.poll().unwrap(),
+            [],
+            "everything waits behind the open span"
+        );
+        before.1.at(58_500_000);
+        let got = t.poll().unwrap();
+        // The span before the new anchor: from the old one (drifted, as it must be).
+        assert_eq!((got[0].start_ns, got[0].end_ns), (58_000 * MS, 58_500 * MS));
+        // The span after it: from the measured anchor, 1 s and 1.5 s of device time on.
+        assert_eq!(
+            (got[1].start_ns, got[1].end_ns),
+            (host(59_000_000) + 1_000 * MS, host(59_000_000) + 1_500 * MS)
+        );
+        assert_eq!(t.pending(), 0);
+    }
+
+    /// A mark whose state cannot be read: the span and every one after it stay pending.
+    #[test]
+    fn an_error_reading_a_mark_leaves_the_spans_pending() {
+        struct Broken;
+        impl Mark for Broken {
+            fn passed(&self) -> Result<bool, GpuError> {
+                Err(GpuError::Shape("the device is gone".into()))
+            }
+            fn ms_after(&self, _: &Self) -> Result<f64, GpuError> {
+                unreachable!("never passed")
+            }
+        }
+        let mut t = Timeline::new();
+        let s = t.add_stream(Broken, 0);
+        t.push(s, FORWARD, Broken, Broken);
+        t.push(s, BACKWARD, Broken, Broken);
+        assert!(t.poll().is_err());
+        assert_eq!(t.pending(), 2);
     }
 }

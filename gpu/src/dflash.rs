@@ -2,7 +2,8 @@
 //! group. A batch's captured layers are its context, its greedy tokens (or data tokens) its
 //! labels; the gradient of the batch's summed weighted loss, the weight sum and the blocks'
 //! acceptance go into the step buffer; the update divides by the whole group's weight sum and
-//! applies AdamW to f32 masters, the same bits on every rank.
+//! applies AdamW where the weights are (`model::train::DeviceAdamW`: on a GPU nothing the size
+//! of the model is computed on the host), the same bits on every rank.
 //!
 //! Length: past 500 lines with its tests: the rank's step (context staged or made, shape checks,
 //! the parts), its update, state and checkpoint, export and evaluation are one drafter.
@@ -12,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
-use model::train::{AdamW, AdamWConfig};
+use model::train::{AdamWConfig, DeviceAdamW};
 use model::ArchConfig;
 use proto::config::DflashLabel;
 use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
@@ -61,21 +62,53 @@ pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
 
 /// The loss sums of `batch` with its gradient added into `grad`, the blocks in parts (see
 /// [`scores_per_part`]), so a batch of long sequences and many anchors never holds more than
-/// one part's attention graph at once: the worker's gradient, and the step benchmark's.
+/// one part's attention graph at once: the worker's gradient, and the step benchmark's. The
+/// parts' gradients are summed on the device and copied to the host once.
 pub fn loss_and_grads_in_parts(
     model: &Dflash,
     ctx: &Tensor,
     batch: &DraftBatch,
     grad: &mut [f32],
 ) -> Result<model::dflash::LossSums, GpuError> {
+    parts_timed(model, ctx, batch, grad, None)
+}
+
+/// [`loss_and_grads_in_parts`], on a GPU each part's forward and its loss and backward timed
+/// on candle's stream, and the gradient's copy to the host.
+fn parts_timed(
+    model: &Dflash,
+    ctx: &Tensor,
+    batch: &DraftBatch,
+    grad: &mut [f32],
+    gpu: Option<&OnGpu>,
+) -> Result<model::dflash::LossSums, GpuError> {
+    fn on<T>(
+        gpu: Option<&OnGpu>,
+        work: Work,
+        f: impl FnOnce() -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
+        match gpu {
+            Some(g) => g.timed(COMPUTE, work, f),
+            None => f(),
+        }
+    }
     let mut sums = model::dflash::LossSums::default();
+    let mut acc = model.params.grads();
     for part in batch.split(&model.cfg, scores_per_part(model.device())) {
-        let s = model.loss_and_grads(ctx, &part, grad)?;
+        let s = match on(gpu, device_time::FORWARD, || {
+            Ok(model.forward_batch(ctx, &part)?)
+        })? {
+            Some(h) => on(gpu, LOSS_BACKWARD, || {
+                Ok(model.loss_and_backward(h, &part, &mut acc)?)
+            })?,
+            None => model.loss_and_backward_none(&part),
+        };
         sums.loss += s.loss;
         sums.weight += s.weight;
         sums.accepted += s.accepted;
         sums.blocks += s.blocks;
     }
+    on(gpu, GRADIENT_OUT, || Ok(acc.add_to(&model.params, grad)?))?;
     Ok(sums)
 }
 
@@ -87,10 +120,12 @@ pub fn sizes(cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
 
 /// A DFlash drafter rank.
 pub struct DflashDrafter {
+    /// The weights are the model's own f32 parameters, on its device.
     model: Dflash,
-    opt: AdamW,
-    /// The f32 masters of the weights (the model's parameters are set from them).
-    masters: Vec<f32>,
+    opt: DeviceAdamW,
+    /// The weights' digest, made after each change of them (the ledger line of every batch
+    /// carries it).
+    digest: u64,
     sampling: Sampling,
     /// Group steps applied (a step whose group had no weighted position moves no weight).
     step: u64,
@@ -103,8 +138,8 @@ pub struct DflashDrafter {
 }
 
 /// A GPU drafter's streams (candle's, and the copy stream the stager's copies run on beside
-/// it) and the device's timeline of its work on both: each step's forward and backward, the
-/// weights' upload after each update, each batch's copy in.
+/// it) and the device's timeline of its work on both: each step's forward and backward, each
+/// update, the weights' copy out for their digest, each batch's copy in.
 #[derive(Clone)]
 struct OnGpu {
     streams: [Arc<cuda::CudaStream>; 2],
@@ -141,16 +176,28 @@ impl OnGpu {
     }
 }
 
-/// A step's forward and backward: one span, since the step runs them part by part.
-const STEP: Work = Work {
-    name: "forward+backward",
+/// A part's loss (the LM head over its weighted positions, in chunks) and its backward.
+const LOSS_BACKWARD: Work = Work {
+    name: "loss+backward",
     phase: Phase::Compute,
     busy: true,
 };
-/// The weights set from the masters after an update, on candle's stream.
-const WEIGHTS: Work = Work {
-    name: "weights host-to-device",
+/// The step's gradient copied to the host for the group's reduction, on candle's stream.
+const GRADIENT_OUT: Work = Work {
+    name: "gradient device-to-host",
     phase: Phase::CopyIn,
+    busy: false,
+};
+/// An update: the summed gradient uploaded, then AdamW, on candle's stream.
+const OPTIMIZER: Work = Work {
+    name: "optimizer",
+    phase: Phase::Compute,
+    busy: true,
+};
+/// The weights copied to the host for their digest, on candle's stream.
+const DIGEST: Work = Work {
+    name: "weights device-to-host (digest)",
+    phase: Phase::Compute,
     busy: false,
 };
 
@@ -178,7 +225,6 @@ impl DflashDrafter {
         let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &place.device)?;
         let f = &cfg.dflash;
         let model = Dflash::new(dc, frozen, f.seed)?;
-        let masters = model.params.flat()?;
         let gpu = match &place.device {
             Device::Cpu => None,
             d => Some(OnGpu::new(d)?),
@@ -188,7 +234,7 @@ impl DflashDrafter {
             .total_steps
             .unwrap_or(DEFAULT_TOTAL_STEPS)
             .max(1);
-        let opt = AdamW::new(
+        let opt = DeviceAdamW::new(
             AdamWConfig {
                 lr: f.lr,
                 beta1: 0.9,
@@ -200,12 +246,12 @@ impl DflashDrafter {
                 min_lr_ratio: 0.1,
                 clip: f.clip,
             },
-            masters.len(),
-        );
-        Ok(DflashDrafter {
+            &model.params,
+        )?;
+        let mut d = DflashDrafter {
             model,
             opt,
-            masters,
+            digest: 0,
             sampling: Sampling {
                 num_anchors: f.num_anchors as usize,
                 gamma: f.gamma,
@@ -235,7 +281,9 @@ impl DflashDrafter {
                 new_tokens: f.eval_new_tokens as usize,
             },
             gpu,
-        })
+        };
+        d.digest = d.weights_digest()?;
+        Ok(d)
     }
 
     pub fn model(&self) -> &Dflash {
@@ -246,9 +294,30 @@ impl DflashDrafter {
     fn set_state(&mut self, tables: Vec<Vec<f32>>, counters: &[u64]) -> Result<(), GpuError> {
         let [w, m, v]: [Vec<f32>; 3] = tables.try_into().expect("three tables");
         self.model.params.set_flat(&w)?;
-        (self.masters, self.opt.m, self.opt.v) = (w, m, v);
+        self.opt.set_moments(&self.model.params, &m, &v)?;
         (self.step, self.opt.step) = (counters[0], counters[1]);
+        self.digest = mock::digest(&w);
         Ok(())
+    }
+
+    /// The digest of the weights as they are now (on a GPU, copied to the host for it).
+    fn weights_digest(&self) -> Result<u64, GpuError> {
+        let flat = || Ok(self.model.params.flat()?);
+        let w = match &self.gpu {
+            Some(g) => g.timed(COMPUTE, DIGEST, flat)?,
+            None => flat()?,
+        };
+        Ok(mock::digest(&w))
+    }
+
+    /// Weights, moments, then the counters (step, optimizer step): the state a checkpoint and a
+    /// joining rank take (on a GPU, copied to the host).
+    fn state(&self) -> Result<([Vec<f32>; 3], [u64; 2]), GpuError> {
+        let (m, v) = self.opt.moments()?;
+        Ok((
+            [self.model.params.flat()?, m, v],
+            [self.step, self.opt.step],
+        ))
     }
 }
 
@@ -317,10 +386,10 @@ impl DflashDrafter {
                 c.hidden
             )));
         }
-        if out.gradient().len() != self.masters.len() {
+        if out.gradient().len() != self.grad_len() {
             return Err(GpuError::BufferSize {
                 got: out.gradient().len(),
-                want: self.masters.len(),
+                want: self.grad_len(),
             });
         }
         let ids: Vec<u32> = batch.input_ids().collect();
@@ -360,14 +429,26 @@ impl DflashDrafter {
             None => stage(batch, self.model.device(), self.gpu.as_ref())?,
         };
         out.gradient_mut().fill(0.0);
-        let mut step = || -> Result<_, GpuError> {
-            let ctx = raw.to_dtype(DType::F32)?;
-            loss_and_grads_in_parts(&self.model, &ctx, &db, out.gradient_mut())
+        let cast = || Ok(raw.to_dtype(DType::F32)?);
+        let ctx = match &self.gpu {
+            Some(g) => g.timed(COMPUTE, device_time::FORWARD, cast)?,
+            None => cast()?,
         };
-        let sums = match &self.gpu {
-            Some(g) => g.timed(COMPUTE, STEP, step)?,
-            None => step()?,
-        };
+        let sums = parts_timed(
+            &self.model,
+            &ctx,
+            &db,
+            out.gradient_mut(),
+            self.gpu.as_ref(),
+        )?;
+        if let Some(g) = &self.gpu {
+            // The gradient's copy to the host waited for candle's stream: its clock is
+            // re-measured here for free (every 30 s).
+            let (on, stream) = (g.on[COMPUTE], &g.streams[COMPUTE]);
+            if let Err(e) = device_time::reanchor_due(&g.timeline, on, stream) {
+                tracing::warn!(error = %e, "re-anchoring the device's timeline");
+            }
+        }
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);
@@ -380,7 +461,7 @@ impl DflashDrafter {
 
 impl DrafterBackend for DflashDrafter {
     fn grad_len(&self) -> usize {
-        self.masters.len()
+        self.model.params.len()
     }
 
     fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError> {
@@ -415,28 +496,23 @@ impl DrafterBackend for DflashDrafter {
         self.gradient_with(batch, Some(ctx), out)
     }
 
-    fn apply(&mut self, summed: &StepBuffer) -> StepStats {
+    fn apply(&mut self, summed: &StepBuffer) -> Result<StepStats, GpuError> {
         self.step += 1;
         let weight = summed.loss_tokens();
         let mut lr = None;
         if weight > 0.0 {
-            let u = self
-                .opt
-                .update(&mut self.masters, summed.gradient(), 1.0 / weight);
-            lr = Some(u.lr as f32);
-            // The masters are finite f32s of the model's own length: setting them fails only
-            // with the device.
-            let mut set = || Ok(self.model.params.set_flat(&self.masters)?);
-            let set = match &self.gpu {
-                Some(g) => g.timed(COMPUTE, WEIGHTS, set),
-                None => set(),
+            let params = &self.model.params;
+            let opt = &mut self.opt;
+            let mut update = || Ok(opt.update(params, summed.gradient(), 1.0 / weight)?);
+            let u = match &self.gpu {
+                Some(g) => g.timed(COMPUTE, OPTIMIZER, update)?,
+                None => update()?,
             };
-            if let Err(e) = set {
-                tracing::error!(error = %e, "setting the drafter's weights");
-            }
+            lr = Some(u.lr as f32);
+            self.digest = self.weights_digest()?;
         }
         let blocks = summed.blocks();
-        StepStats {
+        Ok(StepStats {
             step: self.step,
             tokens: blocks as u64,
             loss: if weight > 0.0 {
@@ -447,7 +523,7 @@ impl DrafterBackend for DflashDrafter {
             tau: (blocks > 0.0).then(|| 1.0 + summed.accepted() / blocks),
             lr,
             eval_tau: None,
-        }
+        })
     }
 
     fn step(&self) -> u64 {
@@ -455,20 +531,21 @@ impl DrafterBackend for DflashDrafter {
     }
 
     fn digest(&self) -> u64 {
-        mock::digest(&self.masters)
+        self.digest
     }
 
     fn save(&self, path: &Path) -> Result<(), GpuError> {
-        let n = vec![self.masters.len()];
+        let ([w, m, v], counters) = self.state()?;
+        let n = vec![w.len()];
         state::save(
             path,
             &state::State {
                 tables: vec![
-                    ("weights", n.clone(), &self.masters),
-                    ("adam.m", n.clone(), &self.opt.m),
-                    ("adam.v", n, &self.opt.v),
+                    ("weights", n.clone(), &w),
+                    ("adam.m", n.clone(), &m),
+                    ("adam.v", n, &v),
                 ],
-                counters: vec![self.step, self.opt.step],
+                counters: counters.to_vec(),
             },
         )
     }
@@ -477,7 +554,7 @@ impl DrafterBackend for DflashDrafter {
         let (t, c) = state::load(
             path,
             &["weights", "adam.m", "adam.v"],
-            &[self.masters.len()],
+            &[self.grad_len()],
             2,
             "another DFlash shape, or another backend's checkpoint?",
         )?;
@@ -485,18 +562,16 @@ impl DrafterBackend for DflashDrafter {
     }
 
     fn state_len(&self) -> usize {
-        3 * self.masters.len() + 4
+        3 * self.grad_len() + 4
     }
 
-    fn export_state(&self) -> Vec<u32> {
-        state::words(
-            &[&self.masters, &self.opt.m, &self.opt.v],
-            &[self.step, self.opt.step],
-        )
+    fn export_state(&self) -> Result<Vec<u32>, GpuError> {
+        let ([w, m, v], counters) = self.state()?;
+        Ok(state::words(&[&w, &m, &v], &counters))
     }
 
     fn import_state(&mut self, words: &[u32]) -> Result<(), GpuError> {
-        let (t, c) = state::from_words(words, self.masters.len(), 3, 2)?;
+        let (t, c) = state::from_words(words, self.grad_len(), 3, 2)?;
         self.set_state(t, &c)
     }
 
@@ -650,19 +725,19 @@ mod tests {
             for (s, (x, y)) in (sum.words_mut().iter_mut()).zip(ga.words().iter().zip(gb.words())) {
                 *s = x + y;
             }
-            let st = a.apply(&sum);
-            b.apply(&sum);
+            let st = a.apply(&sum).unwrap();
+            b.apply(&sum).unwrap();
             assert_eq!(a.digest(), b.digest());
             assert!(st.tau.is_some_and(|t| t >= 1.0) && st.lr.is_some() && st.loss > 0.0);
         }
         let mut c = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
-        c.import_state(&a.export_state()).unwrap();
+        c.import_state(&a.export_state().unwrap()).unwrap();
         assert_eq!((c.digest(), c.step(), c.opt.step), (a.digest(), 3, 3));
         let path = dir.path().join("ckpt.safetensors");
         a.save(&path).unwrap();
         let mut d = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
         d.load(&path).unwrap();
-        assert_eq!(d.export_state(), a.export_state());
+        assert_eq!(d.export_state().unwrap(), a.export_state().unwrap());
         // The next step is the same on the restored ranks as on the original.
         let mut g = StepBuffer::new(n);
         a.gradient(&view, &mut g).unwrap();

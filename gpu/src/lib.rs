@@ -204,13 +204,13 @@ pub trait DrafterBackend {
     }
     /// Applies one optimizer update from the group's summed buffer (normalised here by the
     /// step's total loss tokens). Deterministic: the same input gives the same bits on every
-    /// rank.
-    fn apply(&mut self, summed: &StepBuffer) -> StepStats;
+    /// rank. Fails only with the device.
+    fn apply(&mut self, summed: &StepBuffer) -> Result<StepStats, GpuError>;
     /// One step trained alone: `gradient`, then `apply` of this rank's own buffer.
     fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError> {
         let mut b = StepBuffer::new(self.grad_len());
         self.gradient(batch, &mut b)?;
-        Ok(self.apply(&b))
+        self.apply(&b)
     }
     /// Steps applied so far (restored from a checkpoint, then counting on).
     fn step(&self) -> u64;
@@ -222,8 +222,9 @@ pub trait DrafterBackend {
     fn load(&mut self, path: &Path) -> Result<(), GpuError>;
     /// Length of `export_state`'s words.
     fn state_len(&self) -> usize;
-    /// Weights, optimizer state and step as words, for a rank joining the group.
-    fn export_state(&self) -> Vec<u32>;
+    /// Weights, optimizer state and step as words, for a rank joining the group (copied from
+    /// the device: fails only with it).
+    fn export_state(&self) -> Result<Vec<u32>, GpuError>;
     /// Takes the state a live rank exported.
     fn import_state(&mut self, state: &[u32]) -> Result<(), GpuError>;
     /// Writes the drafter as an inference engine loads it into `dir` (the caller makes it

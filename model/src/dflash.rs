@@ -31,7 +31,7 @@ use serde_json::json;
 
 use crate::config::ArchConfig;
 use crate::rope::Rope;
-use crate::train::{self, linear, rms_norm, Init, Params};
+use crate::train::{self, linear, rms_norm, Grads, Init, Params};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 
@@ -640,15 +640,44 @@ impl Dflash {
         batch: &DraftBatch,
         grad: &mut [f32],
     ) -> Result<LossSums> {
-        let mut sums = LossSums {
+        let mut acc = self.params.grads();
+        let sums = match self.forward_batch(ctx_in, batch)? {
+            Some(h) => self.loss_and_backward(h, batch, &mut acc)?,
+            None => self.loss_and_backward_none(batch),
+        };
+        acc.add_to(&self.params, grad)?;
+        Ok(sums)
+    }
+
+    /// The last states of `batch`'s block positions ([`Dflash::forward`]), the graph to its
+    /// parameters kept for [`Dflash::loss_and_backward`]; `None` for a batch without blocks.
+    pub fn forward_batch(&self, ctx_in: &Tensor, batch: &DraftBatch) -> Result<Option<Tensor>> {
+        if batch.seqs.is_empty() {
+            return Ok(None);
+        }
+        self.forward(ctx_in, &batch.block_ids, &batch.seqs)
+            .map(Some)
+    }
+
+    /// What [`Dflash::loss_and_backward`] says of a batch without blocks.
+    pub fn loss_and_backward_none(&self, batch: &DraftBatch) -> LossSums {
+        LossSums {
             blocks: batch.blocks() as u64,
             ..LossSums::default()
-        };
-        if batch.seqs.is_empty() {
-            return Ok(sums);
         }
+    }
+
+    /// The weighted cross-entropy of `batch` summed from its last states `h` (made by
+    /// [`Dflash::forward_batch`]), the gradient of that sum added into `acc` on the device, and
+    /// the blocks' acceptance.
+    pub fn loss_and_backward(
+        &self,
+        h: Tensor,
+        batch: &DraftBatch,
+        acc: &mut Grads,
+    ) -> Result<LossSums> {
+        let mut sums = self.loss_and_backward_none(batch);
         let dev = self.device();
-        let h = self.forward(ctx_in, &batch.block_ids, &batch.seqs)?;
         // The head and loss run on a copy cut from the graph, one chunk at a time.
         let cut = Var::from_tensor(&h.detach())?;
         let rows: Vec<u32> = (0..batch.weights.len() as u32)
@@ -691,7 +720,7 @@ impl Dflash {
         }
         let surrogate = (h * grad_h.detach())?.sum_all()?;
         let grads = surrogate.backward()?;
-        self.params.add_grads(&grads, grad)?;
+        self.params.accumulate(&grads, acc)?;
         Ok(sums)
     }
 

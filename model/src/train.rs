@@ -1,11 +1,15 @@
 //! What training needs on candle: differentiable forms of the ops the inference path takes fused,
-//! named f32 parameters flattened for the drafter group's all-reduce, and AdamW with f32 masters,
-//! warm-up then cosine decay, and global-norm clipping.
+//! named f32 parameters flattened for the drafter group's all-reduce, and AdamW (on host f32
+//! masters, or on the parameters' device) with warm-up then cosine decay, and global-norm
+//! clipping.
 //!
 //! candle's fused `candle_nn::ops::rms_norm`, `softmax_last_dim` and `rotary_emb::rope*` have no
 //! backward: gradients stop at them silently and a loss still falls. Everything trained here is
 //! built from ops that have one (`sqr`, `mean`, `exp`, `narrow`, `cat`, `matmul`, ...); a test
 //! checks every parameter gets a gradient.
+//!
+//! Length: past 500 lines with its tests: the parameters and both AdamWs (host and device, one
+//! the other's oracle) share their layout and coefficients.
 
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var, D};
 use rand::{RngExt, SeedableRng};
@@ -199,6 +203,26 @@ impl Params {
         Ok(())
     }
 
+    /// A gradient of these parameters summed where they are (nothing yet).
+    pub fn grads(&self) -> Grads {
+        Grads(vec![None; self.vars.len()])
+    }
+
+    /// Adds the gradients in `grads` to `acc` on the parameters' device; a parameter without
+    /// one adds nothing.
+    pub fn accumulate(&self, grads: &GradStore, acc: &mut Grads) -> Result<()> {
+        for (v, sum) in self.vars.iter().zip(&mut acc.0) {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?;
+                *sum = Some(match sum.take() {
+                    Some(s) => (s + g)?,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Adds the gradients in `grads` to `out` (the layout of [`Params::flat`]); a parameter
     /// without one adds nothing.
     pub fn add_grads(&self, grads: &GradStore, out: &mut [f32]) -> Result<()> {
@@ -208,6 +232,38 @@ impl Params {
             if let Some(g) = grads.get(v.as_tensor()) {
                 let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 for (o, x) in out[at..at + n].iter_mut().zip(g) {
+                    *o += x;
+                }
+            }
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// A gradient summed on the parameters' device over a step's parts (see
+/// [`Params::accumulate`]), copied to the host once, by [`Grads::add_to`].
+#[derive(Clone, Debug)]
+pub struct Grads(Vec<Option<Tensor>>);
+
+impl Grads {
+    /// Adds the sum to `out` (the layout of [`Params::flat`] for `params`).
+    pub fn add_to(&self, params: &Params, out: &mut [f32]) -> Result<()> {
+        if out.len() != params.len() || self.0.len() != params.vars.len() {
+            return Err(ModelError::Input(format!(
+                "a gradient buffer of {} for {} weights",
+                out.len(),
+                params.len()
+            )));
+        }
+        let mut at = 0;
+        for (g, shape) in self.0.iter().zip(&params.shapes) {
+            let n: usize = shape.iter().product();
+            if let Some(g) = g {
+                for (o, x) in out[at..at + n]
+                    .iter_mut()
+                    .zip(g.flatten_all()?.to_vec1::<f32>()?)
+                {
                     *o += x;
                 }
             }
@@ -256,6 +312,45 @@ impl AdamWConfig {
     }
 }
 
+/// One update's coefficients, the host's and the device's AdamW alike.
+struct Step {
+    /// The gradient's factor for clipping to the global norm.
+    clip: f32,
+    lr: f64,
+    b1: f32,
+    b2: f32,
+    /// Bias corrections.
+    c1: f32,
+    c2: f32,
+    lrf: f32,
+    eps: f32,
+    wd: f32,
+}
+
+impl AdamWConfig {
+    /// The coefficients of update `step` (1-based) for a gradient of global norm `norm`.
+    fn step(&self, step: u64, norm: f64) -> Step {
+        let lr = self.lr_at(step);
+        let t = step as i32;
+        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
+        Step {
+            clip: if self.clip > 0.0 && norm > self.clip {
+                (self.clip / norm) as f32
+            } else {
+                1.0
+            },
+            lr,
+            b1,
+            b2,
+            c1: 1.0 - b1.powi(t),
+            c2: 1.0 - b2.powi(t),
+            lrf: lr as f32,
+            eps: self.eps as f32,
+            wd: self.weight_decay as f32,
+        }
+    }
+}
+
 /// AdamW over flat f32 masters: moments in f32 whatever the weights' dtype, decoupled weight
 /// decay, bias correction. Pure f32 arithmetic in a fixed order: the same gradient gives the same
 /// bits on every rank.
@@ -291,16 +386,17 @@ impl AdamW {
         self.step += 1;
         let c = self.cfg;
         let norm = (g.iter().map(|&x| f64::from(x * scale).powi(2)).sum::<f64>()).sqrt();
-        let clip = if c.clip > 0.0 && norm > c.clip {
-            (c.clip / norm) as f32
-        } else {
-            1.0
-        };
-        let lr = c.lr_at(self.step);
-        let t = self.step as i32;
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
-        let (lrf, eps, wd) = (lr as f32, c.eps as f32, c.weight_decay as f32);
+        let Step {
+            clip,
+            lr,
+            b1,
+            b2,
+            c1,
+            c2,
+            lrf,
+            eps,
+            wd,
+        } = c.step(self.step, norm);
         for (((w, m), v), g) in w.iter_mut().zip(&mut self.m).zip(&mut self.v).zip(g) {
             let g = g * scale * clip;
             *m = b1 * *m + (1.0 - b1) * g;
@@ -311,6 +407,138 @@ impl AdamW {
             lr,
             grad_norm: norm,
         }
+    }
+}
+
+/// AdamW on the parameters' own device: the moments are tensors beside the weights, the
+/// group's summed gradient is uploaded once per update (from the host, where the group reduced
+/// it), and the weights are set in place, so nothing the size of the model crosses to the host
+/// or is computed there. The same kernels on the same inputs give the same bits on every rank.
+/// Against [`AdamW`] on the host it differs by rounding only: the element-wise ops are grouped
+/// as candle's scalar ops allow, the norm is summed per parameter, and a GPU fuses
+/// multiply-adds. (candle_nn's AdamW keeps its moments private: no checkpoint, no hand-over to a
+/// joining rank.)
+pub struct DeviceAdamW {
+    pub cfg: AdamWConfig,
+    pub step: u64,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl DeviceAdamW {
+    /// Zero moments for `params`, on their device.
+    pub fn new(cfg: AdamWConfig, params: &Params) -> Result<DeviceAdamW> {
+        let zeros = || -> Result<Vec<Tensor>> {
+            (params.vars.iter())
+                .map(|v| Ok(v.as_tensor().zeros_like()?))
+                .collect()
+        };
+        Ok(DeviceAdamW {
+            cfg,
+            step: 0,
+            m: zeros()?,
+            v: zeros()?,
+        })
+    }
+
+    /// One update of `params` from the flat gradient `g` (the layout of [`Params::flat`]) times
+    /// `scale` (the loss normaliser), clipped to the global norm.
+    pub fn update(&mut self, params: &Params, g: &[f32], scale: f32) -> Result<Update> {
+        if g.len() != params.len() || self.m.len() != params.vars.len() {
+            return Err(ModelError::Input(format!(
+                "a gradient of {} for {} weights in {} tensors (the optimizer has {})",
+                g.len(),
+                params.len(),
+                params.vars.len(),
+                self.m.len()
+            )));
+        }
+        self.step += 1;
+        let c = self.cfg;
+        let mut grads = Vec::with_capacity(params.vars.len());
+        let mut sq = 0f64;
+        let mut at = 0;
+        for (v, shape) in params.vars.iter().zip(&params.shapes) {
+            let n: usize = shape.iter().product();
+            let t = Tensor::from_slice(&g[at..at + n], shape.as_slice(), v.device())?;
+            sq += t
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+            grads.push(t);
+            at += n;
+        }
+        let norm = sq.sqrt() * f64::from(scale.abs());
+        let Step {
+            clip,
+            lr,
+            b1,
+            b2,
+            c1,
+            c2,
+            lrf,
+            eps,
+            wd,
+        } = c.step(self.step, norm);
+        let k = f64::from(scale * clip);
+        let f = f64::from;
+        for (((var, m), v), g) in (params.vars.iter())
+            .zip(&mut self.m)
+            .zip(&mut self.v)
+            .zip(grads)
+        {
+            let g = g.affine(k, 0.0)?;
+            *m = (m.affine(f(b1), 0.0)? + g.affine(f(1.0 - b1), 0.0)?)?;
+            *v = (v.affine(f(b2), 0.0)? + (g.affine(f(1.0 - b2), 0.0)? * &g)?)?;
+            let step =
+                (m.affine(f(1.0 / c1), 0.0)? / (v.affine(f(1.0 / c2), 0.0)?.sqrt()? + f(eps))?)?;
+            let w = var.as_tensor();
+            let next = (w.affine(f(1.0 - lrf * wd), 0.0)? - step.affine(f(lrf), 0.0)?)?;
+            var.set(&next)?;
+        }
+        Ok(Update {
+            lr,
+            grad_norm: norm,
+        })
+    }
+
+    /// The moments `(m, v)`, flattened as [`Params::flat`] (copied to the host).
+    pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let flat = |ts: &[Tensor]| -> Result<Vec<f32>> {
+            let mut out = Vec::new();
+            for t in ts {
+                out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(out)
+        };
+        Ok((flat(&self.m)?, flat(&self.v)?))
+    }
+
+    /// Sets the moments from flat `m` and `v` (the layout of [`Params::flat`] for `params`).
+    pub fn set_moments(&mut self, params: &Params, m: &[f32], v: &[f32]) -> Result<()> {
+        for (name, flat) in [("m", m), ("v", v)] {
+            if flat.len() != params.len() {
+                return Err(ModelError::Input(format!(
+                    "{} AdamW moments ({name}) given, the model has {} weights",
+                    flat.len(),
+                    params.len()
+                )));
+            }
+        }
+        let tensors = |flat: &[f32]| -> Result<Vec<Tensor>> {
+            let mut at = 0;
+            (params.vars.iter().zip(&params.shapes))
+                .map(|(var, shape)| {
+                    let n: usize = shape.iter().product();
+                    let t = Tensor::from_slice(&flat[at..at + n], shape.as_slice(), var.device());
+                    at += n;
+                    Ok(t?)
+                })
+                .collect()
+        };
+        (self.m, self.v) = (tensors(m)?, tensors(v)?);
+        Ok(())
     }
 }
 
@@ -384,6 +612,61 @@ mod tests {
         let x4 = x.reshape((1, 1, 3, 8)).unwrap();
         let want = candle_nn::rotary_emb::rope(&x4, &cos, &sin).unwrap();
         assert!(diff(&want, &rope(&x4, &cos, &sin).unwrap()) < 1e-5);
+    }
+
+    /// The oracle for the device's AdamW is the host's on the same weights and gradients:
+    /// after five updates (one clipped, with weight decay and a warm-up) every weight and moment
+    /// is within 1e-6 of the host's relative to the tensor's largest (rounding of a different
+    /// grouping of the same f32 ops); the moments round-trip through the host exactly.
+    #[test]
+    fn adamw_on_the_device_agrees_with_the_hosts() {
+        let specs = vec![
+            ("a".to_string(), vec![3, 5], Init::Normal(0.5)),
+            ("b".to_string(), vec![7], Init::Ones),
+        ];
+        let c = AdamWConfig {
+            weight_decay: 0.1,
+            warmup_steps: 2,
+            ..cfg()
+        };
+        let params = Params::new(&specs, 3, &Device::Cpu).unwrap();
+        let mut w = params.flat().unwrap();
+        let (mut host, mut dev) = (
+            AdamW::new(c, w.len()),
+            DeviceAdamW::new(c, &params).unwrap(),
+        );
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
+        for step in 0..5 {
+            // Step 2's gradient is large: clipped on both.
+            let size = if step == 2 { 40.0 } else { 0.3 };
+            let g: Vec<f32> = (0..w.len()).map(|_| normal(&mut rng) * size).collect();
+            let a = host.update(&mut w, &g, 0.5);
+            let b = dev.update(&params, &g, 0.5).unwrap();
+            assert_eq!(a.lr, b.lr);
+            assert!(
+                (a.grad_norm - b.grad_norm).abs() <= 1e-6 * a.grad_norm,
+                "{a:?} {b:?}"
+            );
+        }
+        assert!(host.m.iter().any(|&m| m.abs() > 1e-3), "the moments moved");
+        let close = |want: &[f32], got: &[f32], what: &str| {
+            let scale = want.iter().fold(0f32, |s, x| s.max(x.abs()));
+            for (i, (x, y)) in want.iter().zip(got).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-6 * scale,
+                    "{what}[{i}]: {x} against {y}"
+                );
+            }
+        };
+        close(&w, &params.flat().unwrap(), "weights");
+        let (m, v) = dev.moments().unwrap();
+        close(&host.m, &m, "m");
+        close(&host.v, &v, "v");
+        let mut again = DeviceAdamW::new(c, &params).unwrap();
+        again.set_moments(&params, &m, &v).unwrap();
+        assert_eq!(again.moments().unwrap(), (m, v));
+        assert!(again.set_moments(&params, &w[..3], &w).is_err());
+        assert!(dev.update(&params, &w[..3], 1.0).is_err());
     }
 
     #[test]

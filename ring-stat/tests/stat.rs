@@ -284,7 +284,7 @@ fn a_device_timed_drafter_is_judged_by_its_devices_timeline() {
     for _ in 0..4 {
         publish(&p);
     }
-    c.set_device_timed();
+    c.set_device_timed(true);
     c.enter(Phase::Compute);
     // The host copies the next batch in while the device sits idle (the phase switch is
     // logged before the window starts, so the whole gap below falls in it).

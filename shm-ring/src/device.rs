@@ -49,7 +49,7 @@ pub struct DeviceTimes {
 pub(crate) fn log_switch(w: &WorkerRecord, now: u64, phase: Option<Phase>) {
     let n = w.phase_log_next.load(Ordering::Relaxed);
     let code = phase.map_or(0, |p| p as u64 + 1);
-    w.phase_log[n as usize % PHASE_LOG].store(now << 4 | code, Ordering::Relaxed);
+    w.phase_log.0[n as usize % PHASE_LOG].store(now << 4 | code, Ordering::Relaxed);
     w.phase_log_next.store(n + 1, Ordering::Relaxed);
 }
 
@@ -57,7 +57,7 @@ pub(crate) fn log_switch(w: &WorkerRecord, now: u64, phase: Option<Phase>) {
 fn read_log(w: &WorkerRecord) -> Vec<(u64, Option<Phase>)> {
     let n = w.phase_log_next.load(Ordering::Relaxed) as usize;
     (n.saturating_sub(PHASE_LOG)..n)
-        .map(|i| w.phase_log[i % PHASE_LOG].load(Ordering::Relaxed))
+        .map(|i| w.phase_log.0[i % PHASE_LOG].load(Ordering::Relaxed))
         .map(|e| {
             let code = (e & 0xF) as usize;
             (
@@ -69,10 +69,10 @@ fn read_log(w: &WorkerRecord) -> Vec<(u64, Option<Phase>)> {
 }
 
 impl RingRef<'_> {
-    /// Marks worker `id` as timing its own device (see the module).
-    pub(crate) fn set_device_timed(&self, id: u32) {
+    /// Marks worker `id` as timing its own device (see the module), or no longer.
+    pub(crate) fn set_device_timed(&self, id: u32, on: bool) {
         let w = self.worker(id);
-        w.device_timed.store(1, Ordering::Relaxed);
+        w.device_timed.store(u32::from(on), Ordering::Relaxed);
         w.gap_since.store(0, Ordering::Relaxed);
     }
 

@@ -159,7 +159,8 @@ pub(crate) struct WorkerRecord {
     /// [`GapWord`] per second in slot `second % GAP_SECONDS`. Written by the worker alone.
     pub gaps: [AtomicU64; GAP_SECONDS],
     /// 1 once the worker times its device itself (`device.rs`): its gaps are then the device's.
-    /// Kept across incarnations (one worker id runs one backend).
+    /// Cleared at registration (a restart may run another backend) and when a worker's timeline
+    /// fails.
     pub device_timed: AtomicU32,
     /// Device time by phase, busy time, and idle time by the host's phase (`DeviceTimes`).
     pub device_ns: [AtomicU64; PHASES],
@@ -171,13 +172,27 @@ pub(crate) struct WorkerRecord {
     /// The worker's last [`PHASE_LOG`] phase switches, `time << 4 | (phase + 1)` (0 for a stopped
     /// clock) in slot `n % PHASE_LOG` for the `n`-th, `phase_log_next` being the next `n`; what a
     /// device gap is attributed by. Written by the worker alone.
-    pub phase_log: [AtomicU64; PHASE_LOG],
+    pub phase_log: PhaseLog,
     pub phase_log_next: AtomicU64,
 }
 
 /// Phase switches a worker's log keeps: a step makes about eight, and a device's spans are
-/// resolved within a step or two of their end.
-pub const PHASE_LOG: usize = 32;
+/// resolved within a step or two of their end; but a drafter waiting for batches switches about
+/// ten times a second (each timed-out take: `wait_empty` and back), and a long wait's gap is the
+/// one the verdict must attribute: 256 cover about 25 s of it (2 KiB a worker).
+pub const PHASE_LOG: usize = 256;
+
+/// A worker's phase log (see [`WorkerRecord::phase_log`]): the array alone, in a type of its
+/// own for the tests' `Default` (std derives it for arrays of at most 32).
+#[repr(transparent)]
+pub(crate) struct PhaseLog(pub [AtomicU64; PHASE_LOG]);
+
+#[cfg(any(test, loom))]
+impl Default for PhaseLog {
+    fn default() -> PhaseLog {
+        PhaseLog(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
 
 /// Seconds of idle-gap history a worker keeps (the verdict's window is usually a few seconds
 /// and at most 60: a longer one sees the gaps of its last 32 seconds and the gap in progress).

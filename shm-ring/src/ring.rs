@@ -186,6 +186,7 @@ impl Ring {
         rec.phase_cur.store(0, r);
         rec.gap_since.store(0, r);
         rec.device_busy_until.store(0, r);
+        rec.device_timed.store(0, r);
         core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,
@@ -405,8 +406,9 @@ macro_rules! worker_methods {
         /// Says this worker times its device with its own timeline (CUDA events): from now on
         /// its busy time and idle gaps are the device's, put in with
         /// [`record_device`](Self::record_device), and `enter` no longer opens and closes gaps.
-        pub fn set_device_timed(&self) {
-            self.w.core().set_device_timed(self.w.id)
+        /// `false` (the timeline failed): host-timed again from now.
+        pub fn set_device_timed(&self, on: bool) {
+            self.w.core().set_device_timed(self.w.id, on)
         }
         /// Adds a span of this worker's device work, resolved from its events.
         pub fn record_device(&self, span: crate::DeviceSpan) {

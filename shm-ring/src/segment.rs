@@ -30,7 +30,7 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// `work_seq` and `work_waiters`, on which producers wait for claimed work to come back. 5: each
 /// worker's idle gaps (`gap_since`, `gaps`). 6: each worker's device timeline (`device_*`) and
 /// phase log.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

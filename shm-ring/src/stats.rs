@@ -244,7 +244,14 @@ impl Ring {
                         peek(&w.phase_ns[ph as usize]) + running(ph)
                     }),
                     idle_now_ns: {
-                        let start = peek(&w.gap_since);
+                        // A device-timed worker's gap in progress is its device's since its
+                        // last busy span, counted only while the host is out of compute (in
+                        // compute, work may be queued whose spans are not resolved yet).
+                        let start = if peek32(&w.device_timed) != 0 {
+                            peek(&w.device_busy_until)
+                        } else {
+                            peek(&w.gap_since)
+                        };
                         let computing = cur == Some(Phase::Compute as usize);
                         (alive && !computing && start != 0).then(|| now.saturating_sub(start))
                     },

@@ -44,7 +44,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
     pub fn new(producer: &'r Producer<'r>, backend: &'b mut (dyn TargetBackend + Send)) -> Self {
         let clock = backend.device_clock();
         if clock.is_some() {
-            producer.set_device_timed();
+            producer.set_device_timed(true);
         }
         Pipeline {
             producer,
@@ -55,9 +55,13 @@ impl<'r, 'b> Pipeline<'r, 'b> {
     }
 
     /// Moves the device's resolved spans into the ring.
-    fn device_spans(&self) -> anyhow::Result<()> {
-        gpu::device_time::drain(self.clock.as_deref(), |s| self.producer.record_device(s))
-            .context("reading the device's timeline")
+    fn device_spans(&mut self) {
+        let p = self.producer;
+        gpu::device_time::drain_or_stop(
+            &mut self.clock,
+            |s| p.record_device(s),
+            || p.set_device_timed(false),
+        );
     }
 
     /// The producer the batches are written by.
@@ -142,7 +146,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             tokens,
             batch_id: item,
         })?;
-        self.device_spans()?;
+        self.device_spans();
         Ok(Some(Committed { tokens }))
     }
 }
@@ -153,8 +157,8 @@ impl Drop for Pipeline<'_, '_> {
         if !self.in_flight.is_empty() {
             self.backend.quiesce();
         }
+        self.device_spans();
         if let Some(c) = &self.clock {
-            let _ = self.device_spans();
             tracing::info!(device = %c.totals(), "the device's time");
         }
     }

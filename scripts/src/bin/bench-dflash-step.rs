@@ -7,8 +7,9 @@
 //!   and `DIR/step.json`. `dflash_step.py oracle DIR` recomputes them with torch.
 //! - timing: a drafter of `--shape`'s target (its `config.json` only; weights, frozen tensors
 //!   and context made up on the device), one sequence of `--tokens` with `--anchors` blocks of
-//!   `--block`: each step is the worker's (the gradient over the batch's parts, then AdamW on the
-//!   host masters and the weights set from them). Prints the median of each part as JSON.
+//!   `--block`: each step is the worker's (the gradient over the batch's parts, then AdamW where
+//!   the weights are, then the weights' digest for the ledger). Prints the median of each part
+//!   as JSON.
 //!
 //! ```text
 //! bench-dflash-step --dump /tmp/step
@@ -25,7 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
 use model::make::{make_model, MakeSpec};
-use model::train::{AdamW, AdamWConfig};
+use model::train::{AdamWConfig, DeviceAdamW};
 use model::ArchConfig;
 
 #[derive(Parser, Debug)]
@@ -172,7 +173,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         embed: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
-    let mut d = Dflash::new(cfg, frozen, 3)?;
+    let d = Dflash::new(cfg, frozen, 3)?;
     let width = d.cfg.target_layer_ids.len() * h;
     let ctx = Tensor::randn(0f32, 1.0, (a.tokens, width), &dev)?;
     let sampling = Sampling {
@@ -186,8 +187,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let mask = vec![1u8; a.tokens];
     let lens = [a.tokens as u32];
     let batch = DraftBatch::new(&d.cfg, &sampling, 0, &tok, &mask, &greedy, &lens);
-    let mut masters = d.params.flat()?;
-    let mut opt = AdamW::new(
+    let mut opt = DeviceAdamW::new(
         AdamWConfig {
             lr: 6e-4,
             beta1: 0.9,
@@ -199,10 +199,12 @@ fn time(a: &Args) -> anyhow::Result<()> {
             min_lr_ratio: 0.1,
             clip: 1.0,
         },
-        masters.len(),
-    );
-    let mut grad = vec![0.0f32; masters.len()];
-    let (mut grads, mut updates, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        &d.params,
+    )?;
+    let mut grad = vec![0.0f32; d.params.len()];
+    let (mut grads, mut updates, mut digests, mut total) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut digest = 0;
     let mut loss = 0.0;
     // The parts the worker cuts the batch into; each projects the sequence's context again.
     let parts = batch
@@ -215,20 +217,22 @@ fn time(a: &Args) -> anyhow::Result<()> {
         let weight = s.weight;
         loss = s.loss;
         let t1 = Instant::now();
-        opt.update(&mut masters, &grad, 1.0 / weight.max(1.0) as f32);
-        d.params.set_flat(&masters)?;
-        // The next step reads the weights just set: the device has them once this returns.
+        opt.update(&d.params, &grad, 1.0 / weight.max(1.0) as f32)?;
         dev.synchronize()?;
         let t2 = Instant::now();
+        // The worker's digest for the ledger: the weights copied to the host and hashed.
+        digest ^= gpu::mock::digest(&d.params.flat()?);
+        let t3 = Instant::now();
         if step > 0 {
             grads.push((t1 - t0).as_secs_f64());
             updates.push((t2 - t1).as_secs_f64());
-            total.push((t2 - t0).as_secs_f64());
+            digests.push((t3 - t2).as_secs_f64());
+            total.push((t3 - t0).as_secs_f64());
         }
     }
     let json = serde_json::json!({
         "device": a.device,
-        "params": masters.len(),
+        "params": d.params.len(),
         "tokens": a.tokens,
         "anchors": batch.blocks(),
         "parts": parts,
@@ -239,6 +243,8 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "step_s": median(total),
         "gradient_s": median(grads),
         "update_s": median(updates),
+        "digest_s": median(digests),
+        "digests": format!("{digest:016x}"),
         "last_loss": loss,
     });
     println!("{json}");

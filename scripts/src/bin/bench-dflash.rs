@@ -104,7 +104,7 @@ fn main() -> anyhow::Result<()> {
         sum.clear();
         drafter.gradient(&view, &mut sum)?;
         let t5 = Instant::now();
-        drafter.apply(&sum);
+        drafter.apply(&sum)?;
         let t6 = Instant::now();
         if i == 0 {
             continue; // warm-up
