@@ -233,9 +233,9 @@ impl MockDrafter {
 }
 
 /// XXH3-64 over the bits of `xs` (in this machine's byte order): equal digests mean (all but
-/// surely) equal weights. A DFlash drafter's weights are hashed once per step, so the hash is
-/// one that runs at memory speed (the byte-at-a-time FNV-1a before it took about a second per
-/// GB).
+/// surely) equal weights. A DFlash drafter's weights are hashed once per step (every ledger
+/// line carries the digest), so the hash is a word-parallel one rather than a byte-at-a-time
+/// FNV-1a.
 pub fn digest(xs: &[f32]) -> u64 {
     twox_hash::XxHash3_64::oneshot(zerocopy::IntoBytes::as_bytes(xs))
 }
