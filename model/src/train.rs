@@ -386,25 +386,15 @@ impl AdamW {
         self.step += 1;
         let c = self.cfg;
         let norm = (g.iter().map(|&x| f64::from(x * scale).powi(2)).sum::<f64>()).sqrt();
-        let Step {
-            clip,
-            lr,
-            b1,
-            b2,
-            c1,
-            c2,
-            lrf,
-            eps,
-            wd,
-        } = c.step(self.step, norm);
+        let st = c.step(self.step, norm);
         for (((w, m), v), g) in w.iter_mut().zip(&mut self.m).zip(&mut self.v).zip(g) {
-            let g = g * scale * clip;
-            *m = b1 * *m + (1.0 - b1) * g;
-            *v = b2 * *v + (1.0 - b2) * g * g;
-            *w -= lrf * ((*m / c1) / ((*v / c2).sqrt() + eps) + wd * *w);
+            let g = g * scale * st.clip;
+            *m = st.b1 * *m + (1.0 - st.b1) * g;
+            *v = st.b2 * *v + (1.0 - st.b2) * g * g;
+            *w -= st.lrf * ((*m / st.c1) / ((*v / st.c2).sqrt() + st.eps) + st.wd * *w);
         }
         Update {
-            lr,
+            lr: st.lr,
             grad_norm: norm,
         }
     }
@@ -470,18 +460,8 @@ impl DeviceAdamW {
             at += n;
         }
         let norm = sq.sqrt() * f64::from(scale.abs());
-        let Step {
-            clip,
-            lr,
-            b1,
-            b2,
-            c1,
-            c2,
-            lrf,
-            eps,
-            wd,
-        } = c.step(self.step, norm);
-        let k = f64::from(scale * clip);
+        let st = c.step(self.step, norm);
+        let k = f64::from(scale * st.clip);
         let f = f64::from;
         for (((var, m), v), g) in (params.vars.iter())
             .zip(&mut self.m)
@@ -489,16 +469,16 @@ impl DeviceAdamW {
             .zip(grads)
         {
             let g = g.affine(k, 0.0)?;
-            *m = (m.affine(f(b1), 0.0)? + g.affine(f(1.0 - b1), 0.0)?)?;
-            *v = (v.affine(f(b2), 0.0)? + (g.affine(f(1.0 - b2), 0.0)? * &g)?)?;
-            let step =
-                (m.affine(f(1.0 / c1), 0.0)? / (v.affine(f(1.0 / c2), 0.0)?.sqrt()? + f(eps))?)?;
+            *m = (m.affine(f(st.b1), 0.0)? + g.affine(f(1.0 - st.b1), 0.0)?)?;
+            *v = (v.affine(f(st.b2), 0.0)? + (g.affine(f(1.0 - st.b2), 0.0)? * &g)?)?;
+            let step = (m.affine(f(1.0 / st.c1), 0.0)?
+                / (v.affine(f(1.0 / st.c2), 0.0)?.sqrt()? + f(st.eps))?)?;
             let w = var.as_tensor();
-            let next = (w.affine(f(1.0 - lrf * wd), 0.0)? - step.affine(f(lrf), 0.0)?)?;
+            let next = (w.affine(f(1.0 - st.lrf * st.wd), 0.0)? - step.affine(f(st.lrf), 0.0)?)?;
             var.set(&next)?;
         }
         Ok(Update {
-            lr,
+            lr: st.lr,
             grad_norm: norm,
         })
     }
