@@ -385,17 +385,31 @@ impl AdamW {
     pub fn update(&mut self, w: &mut [f32], g: &[f32], scale: f32) -> Update {
         self.step += 1;
         let c = self.cfg;
-        let norm = (g.iter().map(|&x| f64::from(x * scale).powi(2)).sum::<f64>()).sqrt();
+        let norm = host_norm(g, scale);
         let st = c.step(self.step, norm);
-        for (((w, m), v), g) in w.iter_mut().zip(&mut self.m).zip(&mut self.v).zip(g) {
+        st.apply(w, &mut self.m, &mut self.v, g, scale);
+        Update {
+            lr: st.lr,
+            grad_norm: norm,
+        }
+    }
+}
+
+/// The global norm of `g` times `scale`, summed in order in f64 (the host's form).
+fn host_norm(g: &[f32], scale: f32) -> f64 {
+    (g.iter().map(|&x| f64::from(x * scale).powi(2)).sum::<f64>()).sqrt()
+}
+
+impl Step {
+    /// The update of weights `w` with moments `m`, `v` from gradient `g` times `scale`, an
+    /// element at a time in one pass.
+    fn apply(&self, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], scale: f32) {
+        let st = self;
+        for (((w, m), v), g) in w.iter_mut().zip(m).zip(v).zip(g) {
             let g = g * scale * st.clip;
             *m = st.b1 * *m + (1.0 - st.b1) * g;
             *v = st.b2 * *v + (1.0 - st.b2) * g * g;
             *w -= st.lrf * ((*m / st.c1) / ((*v / st.c2).sqrt() + st.eps) + st.wd * *w);
-        }
-        Update {
-            lr: st.lr,
-            grad_norm: norm,
         }
     }
 }
@@ -407,17 +421,43 @@ impl AdamW {
 /// Against [`AdamW`] on the host it differs by rounding only: the element-wise ops are grouped
 /// as candle's scalar ops allow, the norm is summed per parameter, and a GPU fuses
 /// multiply-adds. (candle_nn's AdamW keeps its moments private: no checkpoint, no hand-over to a
-/// joining rank.)
+/// joining rank.) On the CPU the device is the host: there the moments are flat host vectors
+/// and each tensor is updated by [`AdamW`]'s own loop, bit for bit the host's form (one pass,
+/// no temporaries: candle's element-wise ops made a dozen passes, each allocating).
 pub struct DeviceAdamW {
     pub cfg: AdamWConfig,
     pub step: u64,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    moments: Moments,
+}
+
+/// Where [`DeviceAdamW`] keeps its moments.
+enum Moments {
+    /// Tensors beside the weights, one per parameter (a GPU's form).
+    Tensors { m: Vec<Tensor>, v: Vec<Tensor> },
+    /// Flat on the host, the layout of [`Params::flat`] (the CPU's form).
+    Host { m: Vec<f32>, v: Vec<f32> },
 }
 
 impl DeviceAdamW {
-    /// Zero moments for `params`, on their device.
+    /// Zero moments for `params`: on the host for CPU parameters, else tensors on their device.
     pub fn new(cfg: AdamWConfig, params: &Params) -> Result<DeviceAdamW> {
+        if params.vars.iter().all(|v| v.device().is_cpu()) {
+            let n = params.len();
+            return Ok(DeviceAdamW {
+                cfg,
+                step: 0,
+                moments: Moments::Host {
+                    m: vec![0.0; n],
+                    v: vec![0.0; n],
+                },
+            });
+        }
+        DeviceAdamW::with_tensors(cfg, params)
+    }
+
+    /// Zero moments as tensors beside `params` on any device (what a GPU's update runs; on the
+    /// CPU, for its test and the step benchmark's figure side by side).
+    pub fn with_tensors(cfg: AdamWConfig, params: &Params) -> Result<DeviceAdamW> {
         let zeros = || -> Result<Vec<Tensor>> {
             (params.vars.iter())
                 .map(|v| Ok(v.as_tensor().zeros_like()?))
@@ -426,61 +466,51 @@ impl DeviceAdamW {
         Ok(DeviceAdamW {
             cfg,
             step: 0,
-            m: zeros()?,
-            v: zeros()?,
+            moments: Moments::Tensors {
+                m: zeros()?,
+                v: zeros()?,
+            },
         })
     }
 
     /// One update of `params` from the flat gradient `g` (the layout of [`Params::flat`]) times
     /// `scale` (the loss normaliser), clipped to the global norm.
     pub fn update(&mut self, params: &Params, g: &[f32], scale: f32) -> Result<Update> {
-        if g.len() != params.len() || self.m.len() != params.vars.len() {
+        let (have, want) = match &self.moments {
+            Moments::Tensors { m, .. } => (m.len(), params.vars.len()),
+            Moments::Host { m, .. } => (m.len(), params.len()),
+        };
+        if g.len() != params.len() || have != want {
             return Err(ModelError::Input(format!(
-                "a gradient of {} for {} weights in {} tensors (the optimizer has {})",
+                "a gradient of {} for {} weights in {} tensors (the optimizer has {have} moments \
+                 for {want})",
                 g.len(),
                 params.len(),
                 params.vars.len(),
-                self.m.len()
             )));
         }
         self.step += 1;
-        let c = self.cfg;
-        let mut grads = Vec::with_capacity(params.vars.len());
-        let mut sq = 0f64;
-        let mut at = 0;
-        for (v, shape) in params.vars.iter().zip(&params.shapes) {
-            let n: usize = shape.iter().product();
-            let t = Tensor::from_slice(&g[at..at + n], shape.as_slice(), v.device())?;
-            sq += t
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
-            grads.push(t);
-            at += n;
+        let (c, step) = (self.cfg, self.step);
+        match &mut self.moments {
+            Moments::Tensors { m, v } => tensors_update(&c, step, params, m, v, g, scale),
+            Moments::Host { m, v } => {
+                let norm = host_norm(g, scale);
+                let st = c.step(step, norm);
+                let mut at = 0;
+                for var in &params.vars {
+                    let n = var.elem_count();
+                    let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+                    let r = at..at + n;
+                    st.apply(&mut w, &mut m[r.clone()], &mut v[r.clone()], &g[r], scale);
+                    var.set(&Tensor::from_vec(w, var.shape(), var.device())?)?;
+                    at += n;
+                }
+                Ok(Update {
+                    lr: st.lr,
+                    grad_norm: norm,
+                })
+            }
         }
-        let norm = sq.sqrt() * f64::from(scale.abs());
-        let st = c.step(self.step, norm);
-        let k = f64::from(scale * st.clip);
-        let f = f64::from;
-        for (((var, m), v), g) in (params.vars.iter())
-            .zip(&mut self.m)
-            .zip(&mut self.v)
-            .zip(grads)
-        {
-            let g = g.affine(k, 0.0)?;
-            *m = (m.affine(f(st.b1), 0.0)? + g.affine(f(1.0 - st.b1), 0.0)?)?;
-            *v = (v.affine(f(st.b2), 0.0)? + (g.affine(f(1.0 - st.b2), 0.0)? * &g)?)?;
-            let step = (m.affine(f(1.0 / st.c1), 0.0)?
-                / (v.affine(f(1.0 / st.c2), 0.0)?.sqrt()? + f(st.eps))?)?;
-            let w = var.as_tensor();
-            let next = (w.affine(f(1.0 - st.lrf * st.wd), 0.0)? - step.affine(f(st.lrf), 0.0)?)?;
-            var.set(&next)?;
-        }
-        Ok(Update {
-            lr: st.lr,
-            grad_norm: norm,
-        })
     }
 
     /// The moments `(m, v)`, flattened as [`Params::flat`] (copied to the host).
@@ -492,7 +522,10 @@ impl DeviceAdamW {
             }
             Ok(out)
         };
-        Ok((flat(&self.m)?, flat(&self.v)?))
+        match &self.moments {
+            Moments::Tensors { m, v } => Ok((flat(m)?, flat(v)?)),
+            Moments::Host { m, v } => Ok((m.clone(), v.clone())),
+        }
     }
 
     /// Sets the moments from flat `m` and `v` (the layout of [`Params::flat`] for `params`).
@@ -517,9 +550,63 @@ impl DeviceAdamW {
                 })
                 .collect()
         };
-        (self.m, self.v) = (tensors(m)?, tensors(v)?);
+        self.moments = match self.moments {
+            Moments::Tensors { .. } => Moments::Tensors {
+                m: tensors(m)?,
+                v: tensors(v)?,
+            },
+            Moments::Host { .. } => Moments::Host {
+                m: m.to_vec(),
+                v: v.to_vec(),
+            },
+        };
         Ok(())
     }
+}
+
+/// [`DeviceAdamW::update`] with moments beside the weights: each tensor's gradient uploaded,
+/// the norm summed per tensor in f64 on the device, the update in candle's element-wise ops.
+fn tensors_update(
+    c: &AdamWConfig,
+    step: u64,
+    params: &Params,
+    m: &mut [Tensor],
+    v: &mut [Tensor],
+    g: &[f32],
+    scale: f32,
+) -> Result<Update> {
+    let mut grads = Vec::with_capacity(params.vars.len());
+    let mut sq = 0f64;
+    let mut at = 0;
+    for (var, shape) in params.vars.iter().zip(&params.shapes) {
+        let n: usize = shape.iter().product();
+        let t = Tensor::from_slice(&g[at..at + n], shape.as_slice(), var.device())?;
+        sq += t
+            .to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        grads.push(t);
+        at += n;
+    }
+    let norm = sq.sqrt() * f64::from(scale.abs());
+    let st = c.step(step, norm);
+    let k = f64::from(scale * st.clip);
+    let f = f64::from;
+    for (((var, m), v), g) in params.vars.iter().zip(m).zip(v).zip(grads) {
+        let g = g.affine(k, 0.0)?;
+        *m = (m.affine(f(st.b1), 0.0)? + g.affine(f(1.0 - st.b1), 0.0)?)?;
+        *v = (v.affine(f(st.b2), 0.0)? + (g.affine(f(1.0 - st.b2), 0.0)? * &g)?)?;
+        let step = (m.affine(f(1.0 / st.c1), 0.0)?
+            / (v.affine(f(1.0 / st.c2), 0.0)?.sqrt()? + f(st.eps))?)?;
+        let w = var.as_tensor();
+        let next = (w.affine(f(1.0 - st.lrf * st.wd), 0.0)? - step.affine(f(st.lrf), 0.0)?)?;
+        var.set(&next)?;
+    }
+    Ok(Update {
+        lr: st.lr,
+        grad_norm: norm,
+    })
 }
 
 #[cfg(test)]
@@ -613,7 +700,7 @@ mod tests {
         let mut w = params.flat().unwrap();
         let (mut host, mut dev) = (
             AdamW::new(c, w.len()),
-            DeviceAdamW::new(c, &params).unwrap(),
+            DeviceAdamW::with_tensors(c, &params).unwrap(),
         );
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
         for step in 0..5 {
@@ -642,11 +729,45 @@ mod tests {
         let (m, v) = dev.moments().unwrap();
         close(&host.m, &m, "m");
         close(&host.v, &v, "v");
-        let mut again = DeviceAdamW::new(c, &params).unwrap();
+        let mut again = DeviceAdamW::with_tensors(c, &params).unwrap();
         again.set_moments(&params, &m, &v).unwrap();
         assert_eq!(again.moments().unwrap(), (m, v));
         assert!(again.set_moments(&params, &w[..3], &w).is_err());
         assert!(dev.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    #[test]
+    fn adamw_on_the_cpu_is_the_hosts_bit_for_bit() {
+        let specs = vec![
+            ("a".to_string(), vec![4, 3], Init::Normal(0.5)),
+            ("b".to_string(), vec![5], Init::Ones),
+        ];
+        let c = AdamWConfig {
+            weight_decay: 0.1,
+            ..cfg()
+        };
+        let params = Params::new(&specs, 4, &Device::Cpu).unwrap();
+        let mut w = params.flat().unwrap();
+        let (mut host, mut cpu) = (
+            AdamW::new(c, w.len()),
+            DeviceAdamW::new(c, &params).unwrap(),
+        );
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+        for step in 0..4 {
+            let size = if step == 1 { 40.0 } else { 0.3 };
+            let g: Vec<f32> = (0..w.len()).map(|_| normal(&mut rng) * size).collect();
+            assert_eq!(
+                host.update(&mut w, &g, 0.5),
+                cpu.update(&params, &g, 0.5).unwrap()
+            );
+        }
+        assert_eq!(params.flat().unwrap(), w);
+        assert_eq!(cpu.moments().unwrap(), (host.m.clone(), host.v.clone()));
+        // A checkpoint's moments set back, and a gradient of the wrong size refused.
+        let mut again = DeviceAdamW::new(c, &params).unwrap();
+        again.set_moments(&params, &host.m, &host.v).unwrap();
+        assert_eq!(again.moments().unwrap(), (host.m.clone(), host.v));
+        assert!(cpu.update(&params, &w[..3], 1.0).is_err());
     }
 
     #[test]

@@ -187,20 +187,38 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let mask = vec![1u8; a.tokens];
     let lens = [a.tokens as u32];
     let batch = DraftBatch::new(&d.cfg, &sampling, 0, &tok, &mask, &greedy, &lens);
-    let mut opt = DeviceAdamW::new(
-        AdamWConfig {
-            lr: 6e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            warmup_steps: 0,
-            total_steps: 1000,
-            min_lr_ratio: 0.1,
-            clip: 1.0,
-        },
-        &d.params,
-    )?;
+    let adamw = AdamWConfig {
+        lr: 6e-4,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        warmup_steps: 0,
+        total_steps: 1000,
+        min_lr_ratio: 0.1,
+        clip: 1.0,
+    };
+    let mut opt = DeviceAdamW::new(adamw, &d.params)?;
+    // On the CPU, the GPU's form of the update (moments as tensors, candle's element-wise ops)
+    // timed beside the host loop the CPU uses, on a copy of the weights.
+    let mut shadow = match dev {
+        Device::Cpu => {
+            let values = (d.params.names().iter().cloned())
+                .zip(d.params.shapes().iter().cloned())
+                .zip(
+                    d.params
+                        .tensors()
+                        .map(|(_, t)| t.flatten_all()?.to_vec1::<f32>()),
+                )
+                .map(|((n, s), w)| Ok((n, s, w?)))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let p = model::train::Params::from_values(values, &dev)?;
+            let o = DeviceAdamW::with_tensors(adamw, &p)?;
+            Some((p, o))
+        }
+        _ => None,
+    };
+    let mut tensor_updates = Vec::new();
     let mut grad = vec![0.0f32; d.params.len()];
     let (mut grads, mut updates, mut digests, mut total) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -223,6 +241,12 @@ fn time(a: &Args) -> anyhow::Result<()> {
         // The worker's digest for the ledger: the weights copied to the host and hashed.
         digest ^= gpu::mock::digest(&d.params.flat()?);
         let t3 = Instant::now();
+        if let Some((p, o)) = &mut shadow {
+            o.update(p, &grad, 1.0 / weight.max(1.0) as f32)?;
+            if step > 0 {
+                tensor_updates.push(t3.elapsed().as_secs_f64());
+            }
+        }
         if step > 0 {
             grads.push((t1 - t0).as_secs_f64());
             updates.push((t2 - t1).as_secs_f64());
@@ -243,6 +267,8 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "step_s": median(total),
         "gradient_s": median(grads),
         "update_s": median(updates),
+        // The GPU's form of the update on this CPU (null on a GPU, where it is update_s).
+        "update_tensors_s": shadow.is_some().then(|| median(tensor_updates)),
         "digest_s": median(digests),
         "digests": format!("{digest:016x}"),
         "last_loss": loss,
