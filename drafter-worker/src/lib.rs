@@ -342,8 +342,11 @@ impl<'c, 'r> Rank<'c, 'r> {
         {
             // Telemetry: an evaluation that fails is said, never fatal. It beats before and
             // after (the launcher's hang timeout is for longer than any evaluation here).
+            // The decoding is model work on the device: compute, as the step's.
             self.consumer.heartbeat();
+            self.consumer.enter(Phase::Compute);
             let eval = self.backend.evaluate();
+            self.consumer.enter(Phase::Other);
             self.consumer.heartbeat();
             match eval {
                 Ok(tau) => stats.eval_tau = tau,

@@ -194,6 +194,13 @@ const OPTIMIZER: Work = Work {
     phase: Phase::Compute,
     busy: true,
 };
+/// The leader's speculative decoding of held-out prompts (target and drafter), on candle's
+/// stream; one span, so the host's waits between its decoding steps count as busy.
+const EVALUATION: Work = Work {
+    name: "evaluation",
+    phase: Phase::Compute,
+    busy: true,
+};
 /// The weights copied to the host for their digest, on candle's stream.
 const DIGEST: Work = Work {
     name: "weights device-to-host (digest)",
@@ -600,13 +607,22 @@ impl DrafterBackend for DflashDrafter {
             )?);
         }
         let target = e.target.as_ref().expect("loaded above");
-        let (mut tokens, mut forwards) = (0usize, 0usize);
-        for p in &e.prompts {
-            let g = model::spec::speculative(target, &self.model, p, e.new_tokens)?;
-            tokens += g.accept_lengths.iter().sum::<usize>();
-            forwards += g.accept_lengths.len();
-        }
-        Ok(Some(tokens as f32 / forwards.max(1) as f32))
+        let decode = || {
+            let (mut tokens, mut forwards) = (0usize, 0usize);
+            for p in &e.prompts {
+                let g = model::spec::speculative(target, &self.model, p, e.new_tokens)?;
+                tokens += g.accept_lengths.iter().sum::<usize>();
+                forwards += g.accept_lengths.len();
+            }
+            Ok(tokens as f32 / forwards.max(1) as f32)
+        };
+        // Timed as one span of compute: left out, the leader's device would look idle for the
+        // whole evaluation, and the verdict would blame the host's phase meanwhile.
+        let tau = match &self.gpu {
+            Some(g) => g.timed(COMPUTE, EVALUATION, decode)?,
+            None => decode()?,
+        };
+        Ok(Some(tau))
     }
 }
 

@@ -13,7 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::core::RingRef;
-use crate::layout::{peek, peek32, WorkerRecord, PHASE_LOG};
+use crate::layout::{peek, peek32, WorkerRecord, PHASES, PHASE_LOG};
 use crate::phase::{Phase, PhaseMap};
 use crate::sync::{tally, Ordering};
 
@@ -43,6 +43,9 @@ pub struct DeviceTimes {
     /// host thread was in meanwhile (the time its phase log no longer covers counts as `other`).
     pub idle_ns: PhaseMap<u64>,
 }
+
+// A log entry keeps `phase + 1` in its low four bits (0 is a stopped clock).
+const _: () = assert!(PHASES < 16, "a phase log entry has four bits for the phase");
 
 /// Appends a phase switch to worker `w`'s log (only the worker itself switches its clock).
 #[cfg(not(loom))]
@@ -125,6 +128,11 @@ pub(crate) fn split(log: &[(u64, Option<Phase>)], from: u64, to: u64) -> PhaseMa
         if at >= to {
             break;
         }
+        // A log read while its writer wrapped round it holds a newer switch among older ones:
+        // the switches behind it in time are skipped, so the split still sums to the stretch.
+        if at < t {
+            continue;
+        }
         out[cur.unwrap_or(Phase::Other)] += at - t;
         (t, cur) = (at, p);
     }
@@ -165,5 +173,20 @@ mod tests {
         assert_eq!(s[Phase::Other], 50 + 20);
         assert_eq!(s[Phase::WaitEmpty], 30);
         assert_eq!(split(&[], 5, 5).values().sum::<u64>(), 0);
+    }
+
+    #[test]
+    fn a_log_read_while_its_writer_wrapped_still_splits_the_whole_stretch() {
+        // The slot of the oldest switch was overwritten by a newer one (at 170) between the
+        // reader's count and its read: the switches behind it in time are skipped.
+        let log = [
+            (100, Some(Phase::Compute)),
+            (170, Some(Phase::Sync)),
+            (140, Some(Phase::WaitEmpty)),
+            (160, Some(Phase::Compute)),
+        ];
+        let s = split(&log, 120, 200);
+        assert_eq!(s.values().sum::<u64>(), 80);
+        assert_eq!((s[Phase::Compute], s[Phase::Sync]), (50, 30));
     }
 }
