@@ -422,8 +422,9 @@ impl Step {
 /// as candle's scalar ops allow, the norm is summed per parameter, and a GPU fuses
 /// multiply-adds. (candle_nn's AdamW keeps its moments private: no checkpoint, no hand-over to a
 /// joining rank.) On the CPU the device is the host: there the moments are flat host vectors
-/// and each tensor is updated by [`AdamW`]'s own loop, bit for bit the host's form (one pass,
-/// no temporaries: candle's element-wise ops made a dozen passes, each allocating).
+/// and each tensor is updated by [`AdamW`]'s own loop, bit for bit the host's form (one pass
+/// over each tensor, copied out and set back; candle's element-wise ops made a dozen passes,
+/// each allocating).
 pub struct DeviceAdamW {
     pub cfg: AdamWConfig,
     pub step: u64,
@@ -763,10 +764,19 @@ mod tests {
         }
         assert_eq!(params.flat().unwrap(), w);
         assert_eq!(cpu.moments().unwrap(), (host.m.clone(), host.v.clone()));
-        // A checkpoint's moments set back, and a gradient of the wrong size refused.
-        let mut again = DeviceAdamW::new(c, &params).unwrap();
-        again.set_moments(&params, &host.m, &host.v).unwrap();
-        assert_eq!(again.moments().unwrap(), (host.m.clone(), host.v));
+        // Resumed from a checkpoint's weights, moments and step, the next update is the same.
+        let mut resumed = Params::new(&specs, 99, &Device::Cpu).unwrap();
+        resumed.set_flat(&w).unwrap();
+        let mut again = DeviceAdamW::new(c, &resumed).unwrap();
+        again.set_moments(&resumed, &host.m, &host.v).unwrap();
+        again.step = cpu.step;
+        let g: Vec<f32> = (0..w.len()).map(|_| normal(&mut rng) * 0.3).collect();
+        assert_eq!(
+            cpu.update(&params, &g, 0.5).unwrap(),
+            again.update(&resumed, &g, 0.5).unwrap()
+        );
+        assert_eq!(resumed.flat().unwrap(), params.flat().unwrap());
+        assert_eq!(again.moments().unwrap(), cpu.moments().unwrap());
         assert!(cpu.update(&params, &w[..3], 1.0).is_err());
     }
 

@@ -116,6 +116,12 @@ pub(crate) fn times(w: &WorkerRecord) -> Option<DeviceTimes> {
 /// order, `None` for a stopped clock. Time before the log's first switch, or under a stopped
 /// clock, counts as `other`.
 pub(crate) fn split(log: &[(u64, Option<Phase>)], from: u64, to: u64) -> PhaseMap<u64> {
+    // The worker writes its log and reads it on its own thread, but the supervisor also stops
+    // the clock of a hung worker that is still alive: a read racing that write round the ring
+    // would find a newer switch among older ones. Put in time order, each part still goes to
+    // its phase and the split sums to the stretch.
+    let mut log = log.to_vec();
+    log.sort_by_key(|&(at, _)| at);
     let mut out = PhaseMap::default();
     let mut t = from;
     // The phase at `from`: the last switch at or before it.
@@ -127,11 +133,6 @@ pub(crate) fn split(log: &[(u64, Option<Phase>)], from: u64, to: u64) -> PhaseMa
     for &(at, p) in log.iter().filter(|(at, _)| *at > from) {
         if at >= to {
             break;
-        }
-        // A log read while its writer wrapped round it holds a newer switch among older ones:
-        // the switches behind it in time are skipped, so the split still sums to the stretch.
-        if at < t {
-            continue;
         }
         out[cur.unwrap_or(Phase::Other)] += at - t;
         (t, cur) = (at, p);
@@ -178,7 +179,7 @@ mod tests {
     #[test]
     fn a_log_read_while_its_writer_wrapped_still_splits_the_whole_stretch() {
         // The slot of the oldest switch was overwritten by a newer one (at 170) between the
-        // reader's count and its read: the switches behind it in time are skipped.
+        // reader's count and its read: in time order, each part still goes to its phase.
         let log = [
             (100, Some(Phase::Compute)),
             (170, Some(Phase::Sync)),
@@ -187,6 +188,9 @@ mod tests {
         ];
         let s = split(&log, 120, 200);
         assert_eq!(s.values().sum::<u64>(), 80);
-        assert_eq!((s[Phase::Compute], s[Phase::Sync]), (50, 30));
+        assert_eq!(
+            (s[Phase::Compute], s[Phase::WaitEmpty], s[Phase::Sync]),
+            (30, 20, 30)
+        );
     }
 }
