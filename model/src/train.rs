@@ -242,11 +242,33 @@ impl Params {
 }
 
 /// A gradient summed on the parameters' device over a step's parts (see
-/// [`Params::accumulate`]), copied to the host once, by [`Grads::add_to`].
+/// [`Params::accumulate`]), copied to the host once by [`Grads::add_to`], or kept there as one
+/// flat tensor by [`Grads::flat`].
 #[derive(Clone, Debug)]
 pub struct Grads(Vec<Option<Tensor>>);
 
 impl Grads {
+    /// The sum as one flat f32 tensor on the parameters' device (the layout of
+    /// [`Params::flat`]; zeros for a parameter without a gradient): what a device-resident
+    /// exchange reduces and [`DeviceAdamW::update_flat`] takes. One device-to-device copy of
+    /// the gradient, no host copy.
+    pub fn flat(&self, params: &Params) -> Result<Tensor> {
+        if self.0.len() != params.vars.len() {
+            return Err(ModelError::Input(format!(
+                "a gradient of {} tensors for {} parameters",
+                self.0.len(),
+                params.vars.len()
+            )));
+        }
+        let parts = (self.0.iter().zip(&params.vars))
+            .map(|(g, var)| match g {
+                Some(g) => Ok(g.flatten_all()?),
+                None => Ok(var.as_tensor().flatten_all()?.zeros_like()?),
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
     /// Adds the sum to `out` (the layout of [`Params::flat`] for `params`).
     pub fn add_to(&self, params: &Params, out: &mut [f32]) -> Result<()> {
         if out.len() != params.len() || self.0.len() != params.vars.len() {
@@ -477,6 +499,24 @@ impl DeviceAdamW {
     /// One update of `params` from the flat gradient `g` (the layout of [`Params::flat`]) times
     /// `scale` (the loss normaliser), clipped to the global norm.
     pub fn update(&mut self, params: &Params, g: &[f32], scale: f32) -> Result<Update> {
+        self.update_from(params, Gradient::Host(g), scale)
+    }
+
+    /// [`DeviceAdamW::update`] from a flat f32 gradient tensor on the parameters' device (see
+    /// [`Grads::flat`]): on a GPU nothing of it comes to the host; the same bits as `update`
+    /// given its values.
+    pub fn update_flat(&mut self, params: &Params, g: &Tensor, scale: f32) -> Result<Update> {
+        if g.dtype() != DType::F32 || g.rank() != 1 {
+            return Err(ModelError::Input(format!(
+                "a flat f32 gradient tensor, given {:?} of shape {:?}",
+                g.dtype(),
+                g.dims()
+            )));
+        }
+        self.update_from(params, Gradient::Flat(g), scale)
+    }
+
+    fn update_from(&mut self, params: &Params, g: Gradient<'_>, scale: f32) -> Result<Update> {
         let (have, want) = match &self.moments {
             Moments::Tensors { m, .. } => (m.len(), params.vars.len()),
             Moments::Host { m, .. } => (m.len(), params.len()),
@@ -495,6 +535,15 @@ impl DeviceAdamW {
         match &mut self.moments {
             Moments::Tensors { m, v } => tensors_update(&c, step, params, m, v, g, scale),
             Moments::Host { m, v } => {
+                // The CPU's form: a flat tensor there is host memory already.
+                let flat;
+                let g = match g {
+                    Gradient::Host(g) => g,
+                    Gradient::Flat(t) => {
+                        flat = t.to_vec1::<f32>()?;
+                        &flat
+                    }
+                };
                 let norm = host_norm(g, scale);
                 let st = c.step(step, norm);
                 let mut at = 0;
@@ -567,13 +616,38 @@ impl DeviceAdamW {
 
 /// [`DeviceAdamW::update`] with moments beside the weights: each tensor's gradient uploaded,
 /// the norm summed per tensor in f64 on the device, the update in candle's element-wise ops.
+/// An update's gradient: flat on the host, or a flat tensor on the parameters' device.
+#[derive(Clone, Copy)]
+enum Gradient<'a> {
+    Host(&'a [f32]),
+    Flat(&'a Tensor),
+}
+
+impl Gradient<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Gradient::Host(g) => g.len(),
+            Gradient::Flat(t) => t.elem_count(),
+        }
+    }
+
+    /// Elements `at..at + n` as a tensor of `shape` on `device` (a view of a flat tensor).
+    fn part(&self, at: usize, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        Ok(match self {
+            Gradient::Host(g) => Tensor::from_slice(&g[at..at + n], shape, device)?,
+            Gradient::Flat(t) => t.narrow(0, at, n)?.reshape(shape)?,
+        })
+    }
+}
+
 fn tensors_update(
     c: &AdamWConfig,
     step: u64,
     params: &Params,
     m: &mut [Tensor],
     v: &mut [Tensor],
-    g: &[f32],
+    g: Gradient<'_>,
     scale: f32,
 ) -> Result<Update> {
     let mut grads = Vec::with_capacity(params.vars.len());
@@ -581,7 +655,7 @@ fn tensors_update(
     let mut at = 0;
     for (var, shape) in params.vars.iter().zip(&params.shapes) {
         let n: usize = shape.iter().product();
-        let t = Tensor::from_slice(&g[at..at + n], shape.as_slice(), var.device())?;
+        let t = g.part(at, shape, var.device())?;
         sq += t
             .to_dtype(DType::F64)?
             .sqr()?
@@ -735,6 +809,64 @@ mod tests {
         assert_eq!(again.moments().unwrap(), (m, v));
         assert!(again.set_moments(&params, &w[..3], &w).is_err());
         assert!(dev.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// A gradient kept on the device (one flat tensor, what the NCCL exchange reduces in
+    /// place of a host buffer) updates the weights and moments as the same values from the
+    /// host do, bit for bit, in either form of the moments; and the flat tensor holds what the
+    /// host copy holds, zeros for a parameter the loss does not reach.
+    #[test]
+    fn a_flat_gradient_tensor_updates_as_its_host_values_do() {
+        let specs = vec![
+            ("a".to_string(), vec![2, 3], Init::Normal(0.5)),
+            ("b".to_string(), vec![4], Init::Ones),
+        ];
+        let params = Params::new(&specs, 6, &Device::Cpu).unwrap();
+        let x = Tensor::new(&[[1f32, -2.0, 3.0], [0.5, 0.25, -1.0]], &Device::Cpu).unwrap();
+        let loss = (params.get("a") * &x)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let mut acc = params.grads();
+        params
+            .accumulate(&loss.backward().unwrap(), &mut acc)
+            .unwrap();
+        let flat = acc.flat(&params).unwrap();
+        let mut host = vec![0f32; params.len()];
+        acc.add_to(&params, &mut host).unwrap();
+        assert_eq!(flat.to_vec1::<f32>().unwrap(), host);
+        assert!(host[..6].iter().all(|&g| g != 0.0) && host[6..] == [0.0; 4]);
+
+        let c = AdamWConfig {
+            weight_decay: 0.1,
+            ..cfg()
+        };
+        type Make = fn(AdamWConfig, &Params) -> Result<DeviceAdamW>;
+        for make in [DeviceAdamW::new as Make, DeviceAdamW::with_tensors] {
+            let (by_host, by_tensor) = (
+                Params::new(&specs, 6, &Device::Cpu).unwrap(),
+                Params::new(&specs, 6, &Device::Cpu).unwrap(),
+            );
+            let (mut a, mut b) = (make(c, &by_host).unwrap(), make(c, &by_tensor).unwrap());
+            let mut rng = Xoshiro256PlusPlus::seed_from_u64(8);
+            for step in 0..3 {
+                let size = if step == 1 { 40.0 } else { 0.3 };
+                let g: Vec<f32> = (0..host.len()).map(|_| normal(&mut rng) * size).collect();
+                let t = Tensor::from_slice(&g, g.len(), &Device::Cpu).unwrap();
+                assert_eq!(
+                    a.update(&by_host, &g, 0.5).unwrap(),
+                    b.update_flat(&by_tensor, &t, 0.5).unwrap()
+                );
+            }
+            assert_eq!(by_host.flat().unwrap(), by_tensor.flat().unwrap());
+            assert_eq!(a.moments().unwrap(), b.moments().unwrap());
+            let short = Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
+            assert!(b.update_flat(&by_tensor, &short, 1.0).is_err());
+            let wide = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
+            assert!(b.update_flat(&by_tensor, &wide, 1.0).is_err());
+        }
     }
 
     #[test]
