@@ -120,17 +120,18 @@ pub struct Comm {
 unsafe impl Send for Comm {}
 
 impl Comm {
-    /// Queues the sum over the ranks of `count` floats of `send` into `recv` on `stream`.
-    pub fn all_reduce_sum_f32(
+    /// Queues the sum over the ranks of `count` floats of `send` into `recv` on `stream`
+    /// (buffers of any element type: the f32 words are their bytes).
+    pub fn all_reduce_sum_f32<T>(
         &self,
-        send: &CudaSlice<u8>,
-        recv: &mut CudaSlice<u8>,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
         count: usize,
         stream: &CudaStream,
     ) -> Result<()> {
         let bytes = count.saturating_mul(4);
-        bounds("all-reduce input", send.len(), 0, bytes)?;
-        bounds("all-reduce output", recv.len(), 0, bytes)?;
+        bounds("all-reduce input", send.num_bytes(), 0, bytes)?;
+        bounds("all-reduce output", recv.num_bytes(), 0, bytes)?;
         if **stream.context() != *self.ctx {
             return Err(CudaError::Mismatch(
                 "an all-reduce was queued on a stream of another device than its communicator's"

@@ -17,16 +17,19 @@
 //!   (then the exchange is abandoned and the group goes on without it); only past that, or for
 //!   an error of its own, does the rank fail.
 //!
-//! The gradient is on the host (the drafter backends hand a host [`collective::Collective`]
-//! buffer), so an exchange copies it to the device, all-reduces there and copies the sum back:
-//! two copies per step that a device-resident gradient will save. Not yet run on a GPU.
+//! Where the gradient is: a backend that keeps it on the device ([`OnDevice`]: the DFlash
+//! drafter on a GPU) has the exchange reduce it there, from the rank's buffer into a sum its
+//! update reads, and the round's host words carry none of it: no copy to or from the host. A
+//! host gradient (the words of the round) is copied to the device, all-reduced there and copied
+//! back. Not yet run on a GPU.
 
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use collective::split::{Board, Exchange, Transport, TransportError, POLL};
-use zerocopy::IntoBytes;
+/// What an [`OnDevice`] exchange fails with (the group's transport error).
+pub use collective::split::TransportError;
+use collective::split::{Board, Exchange, Transport, POLL};
 
 use crate::nccl::{Comm, Nccl, UniqueId};
 use crate::{CudaContext, CudaError, CudaSlice, CudaStream, Named};
@@ -62,18 +65,69 @@ fn settle(e: CudaError, give_up: &dyn Fn() -> bool) -> TransportError {
     failed(e)
 }
 
+/// A rank's gradient kept on its device between its step and its update, where the exchange
+/// reads it and leaves the group's sum. Implemented where the model's tensors are (the `gpu`
+/// crate), so this crate needs no tensor library.
+pub trait OnDevice: Send + Sync {
+    /// Calls `exchange` with the rank's gradient and a buffer of as many f32 for the sum, both
+    /// ready for work queued on `stream` (made to wait for the step that wrote the gradient),
+    /// and keeps the sum for the update once `exchange` returned Ok (the sum complete by then).
+    /// On an error the rank's gradient is kept for another try, and neither buffer is freed
+    /// before the next exchange: the failed one's kernels may run until its communicator is
+    /// aborted, after the error returns.
+    fn exchange(
+        &self,
+        stream: &CudaStream,
+        exchange: &mut Reduce<'_>,
+    ) -> Result<(), TransportError>;
+}
+
+/// An exchange of a device gradient: from the rank's buffer into the sum's.
+pub type Reduce<'a> =
+    dyn FnMut(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), TransportError> + 'a;
+
+/// Where an exchange's gradient is.
+#[derive(Clone)]
+enum Gradient {
+    /// The round's words, on the host.
+    Host,
+    /// On the device, the round's words carrying none of it.
+    Device(Arc<dyn OnDevice>),
+}
+
 /// Communicators of one GPU's drafter rank, an epoch at a time.
 pub struct NcclTransport {
     nccl: Nccl,
     ctx: Arc<CudaContext>,
     board: Board,
+    gradient: Gradient,
 }
 
 impl NcclTransport {
     /// Communicators on `ctx`'s device, each exchanging on a stream of its own (so nothing an
-    /// aborted one left queued delays the next); ids of each epoch through `board`.
+    /// aborted one left queued delays the next); ids of each epoch through `board`. The
+    /// gradient is the round's words, on the host.
     pub fn new(nccl: Nccl, ctx: Arc<CudaContext>, board: Board) -> Self {
-        NcclTransport { nccl, ctx, board }
+        NcclTransport {
+            nccl,
+            ctx,
+            board,
+            gradient: Gradient::Host,
+        }
+    }
+
+    /// Like [`NcclTransport::new`], the gradient kept on the device by `grad`: the round's words
+    /// (the group's `grad_len`) must be none of it.
+    pub fn on_device(
+        nccl: Nccl,
+        ctx: Arc<CudaContext>,
+        board: Board,
+        grad: Arc<dyn OnDevice>,
+    ) -> Self {
+        NcclTransport {
+            gradient: Gradient::Device(grad),
+            ..NcclTransport::new(nccl, ctx, board)
+        }
     }
 }
 
@@ -124,6 +178,7 @@ impl Transport for NcclTransport {
                     return Ok(NcclExchange {
                         comm: made.map_err(|e| settle(e, give_up))?,
                         stream,
+                        gradient: self.gradient.clone(),
                         bufs: None,
                     })
                 }
@@ -139,43 +194,29 @@ impl Transport for NcclTransport {
     }
 }
 
-/// One epoch's communicator, with device buffers for the exchange.
+/// One epoch's communicator, with device buffers for the exchange of a host gradient.
 pub struct NcclExchange {
     comm: Comm,
     stream: Arc<CudaStream>,
-    /// Send and receive buffers, made for the first exchange's size.
-    bufs: Option<(CudaSlice<u8>, CudaSlice<u8>)>,
+    gradient: Gradient,
+    /// Send and receive buffers of a host gradient, made for the first exchange's size.
+    bufs: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
-impl Exchange for NcclExchange {
-    fn all_reduce(
-        &mut self,
-        data: &[f32],
-        out: &mut [f32],
+impl NcclExchange {
+    /// Sums `count` floats of `send` over the ranks into `recv` and waits for it, asking NCCL
+    /// for a background error and `give_up` between polls of its completion.
+    fn reduce(
+        comm: &Comm,
+        stream: &CudaStream,
+        send: &CudaSlice<f32>,
+        recv: &mut CudaSlice<f32>,
+        count: usize,
         give_up: &dyn Fn() -> bool,
     ) -> Result<(), TransportError> {
-        let bytes = data.as_bytes();
-        if self
-            .bufs
-            .as_ref()
-            .is_none_or(|(s, _)| s.len() != bytes.len())
-        {
-            let alloc = || {
-                self.stream
-                    .alloc_zeros::<u8>(bytes.len())
-                    .named("cuMemAlloc")
-            };
-            self.bufs = Some((alloc().map_err(failed)?, alloc().map_err(failed)?));
-        }
-        let (send, recv) = self.bufs.as_mut().expect("made above");
-        let s = &self.stream;
-        s.memcpy_htod(bytes, send)
-            .named("cuMemcpyHtoDAsync")
-            .map_err(failed)?;
-        (self.comm)
-            .all_reduce_sum_f32(send, recv, data.len(), s)
+        comm.all_reduce_sum_f32(send, recv, count, stream)
             .map_err(|e| settle(e, give_up))?;
-        let done = s
+        let done = stream
             .record_event(None)
             .named("cuEventRecord")
             .map_err(failed)?;
@@ -186,7 +227,7 @@ impl Exchange for NcclExchange {
             .map_err(failed)?
         {
             if asked.elapsed() >= POLL {
-                self.comm.async_error().map_err(|e| settle(e, give_up))?;
+                comm.async_error().map_err(|e| settle(e, give_up))?;
                 if give_up() {
                     return Err(TransportError::Abandoned);
                 }
@@ -194,7 +235,44 @@ impl Exchange for NcclExchange {
             }
             std::thread::sleep(SPIN);
         }
-        s.memcpy_dtoh(recv, out.as_mut_bytes())
+        Ok(())
+    }
+}
+
+impl Exchange for NcclExchange {
+    fn all_reduce(
+        &mut self,
+        data: &[f32],
+        out: &mut [f32],
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<(), TransportError> {
+        let (comm, s) = (&self.comm, &self.stream);
+        if let Gradient::Device(grad) = &self.gradient {
+            if !data.is_empty() {
+                return Err(failed(format!(
+                    "{} gradient words on the host for an exchange whose gradient is on the \
+                     device",
+                    data.len()
+                )));
+            }
+            return grad.exchange(s, &mut |mine, sum| {
+                Self::reduce(comm, s, mine, sum, mine.len(), give_up)
+            });
+        }
+        if self
+            .bufs
+            .as_ref()
+            .is_none_or(|(b, _)| b.len() != data.len())
+        {
+            let alloc = || s.alloc_zeros::<f32>(data.len()).named("cuMemAlloc");
+            self.bufs = Some((alloc().map_err(failed)?, alloc().map_err(failed)?));
+        }
+        let (send, recv) = self.bufs.as_mut().expect("made above");
+        s.memcpy_htod(data, send)
+            .named("cuMemcpyHtoDAsync")
+            .map_err(failed)?;
+        Self::reduce(comm, s, send, recv, data.len(), give_up)?;
+        s.memcpy_dtoh(recv, out)
             .named("cuMemcpyDtoHAsync")
             .map_err(failed)?;
         s.synchronize().named("cuStreamSynchronize").map_err(failed)

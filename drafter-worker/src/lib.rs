@@ -158,6 +158,9 @@ struct Rank<'c, 'r> {
     prefer: [Option<u32>; 2],
     /// The device's timeline of a backend that times its work there: drained after each step.
     clock: Option<Arc<dyn DeviceClock>>,
+    /// The gradient's words in a step buffer: the backend's gradient, or none when it stays on
+    /// the device for NCCL.
+    grad_words: usize,
 }
 
 /// Runs the worker; returns the process exit code.
@@ -166,11 +169,11 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     for dir in [s.run_dir.ledger_dir(), s.run_dir.checkpoints_dir()] {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
+    let mut backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
     let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let _pinned = gpu::pin_arena(s.backend, &ring);
-    let group = attach_group(&s, backend.grad_len())?;
+    let (group, grad_words) = attach_group(&s, backend.as_mut())?;
     let consumer = ring
         .consumer(s.index)
         .with_context(|| format!("registering as consumer {}", s.index))?;
@@ -199,6 +202,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         prefetching: ring.params().held_per_consumer >= 2,
         prefer: [None, None],
         clock,
+        grad_words,
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
@@ -208,25 +212,41 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 /// This rank's handle on the group: the shared-memory group, with the gradient on NCCL when the
-/// run's `[drafter] collective` is (the launcher settled `auto`).
-fn attach_group(s: &Setup, grad_len: usize) -> anyhow::Result<Box<dyn Collective>> {
+/// run's `[drafter] collective` is (the launcher settled `auto`), kept on the device when the
+/// backend can; and the gradient's words in a step buffer.
+fn attach_group(
+    s: &Setup,
+    backend: &mut (dyn DrafterBackend + Send),
+) -> anyhow::Result<(Box<dyn Collective>, usize)> {
     let name = proto::group_segment(&s.ring);
     let shm = collective::ShmGroup::attach(&name, s.index)
         .with_context(|| format!("attaching to the drafter group {name}"))?;
     if s.config.drafter.collective != CollectiveKind::Nccl {
-        return Ok(Box::new(shm));
+        return Ok((Box::new(shm), backend.grad_len()));
     }
     let nccl = cuda::nccl::Nccl::load().context("[drafter] collective = \"nccl\"")?;
     // The worker's GPU is device 0 (CUDA_VISIBLE_DEVICES); its primary context, candle's too.
     let ctx = cuda::Driver::load()?.open(0)?;
     let board = Board::new(&s.run_dir.path().join("nccl").join(&s.ring))?;
-    let transport = NcclTransport::new(nccl, ctx, board);
-    tracing::info!(version = ?nccl.version(), "the group's gradients go through NCCL");
-    Ok(Box::new(SplitGroup::new(
-        Box::new(shm),
-        grad_len,
-        transport,
-    )))
+    let on_device = (backend.gradient_on_device()).context("keeping the gradient on the GPU")?;
+    let words = if on_device.is_some() {
+        0
+    } else {
+        backend.grad_len()
+    };
+    let transport = match on_device {
+        Some(grad) => NcclTransport::on_device(nccl, ctx, board, grad),
+        None => NcclTransport::new(nccl, ctx, board),
+    };
+    tracing::info!(
+        version = ?nccl.version(),
+        on_device = words == 0,
+        "the group's gradients go through NCCL"
+    );
+    Ok((
+        Box::new(SplitGroup::new(Box::new(shm), words, transport)),
+        words,
+    ))
 }
 
 impl<'c, 'r> Rank<'c, 'r> {
@@ -309,7 +329,7 @@ impl<'c, 'r> Rank<'c, 'r> {
 
     /// Group steps until the first one in which every member saw the ring's end.
     fn train(&mut self) -> anyhow::Result<()> {
-        let n = self.backend.grad_len();
+        let n = self.grad_words;
         let (mut mine, mut sum) = (StepBuffer::new(n), StepBuffer::new(n));
         while !self.step(&mut mine, &mut sum)? {}
         Ok(())

@@ -1,10 +1,12 @@
 //! The one place `gpu` reaches into candle's CUDA device: its compute stream, host bytes copied
-//! on our copy stream into a new tensor, and a tensor's device memory copied out on it; and the
-//! GPU target's write-back ([`CopyOut`]) built on them.
+//! on our copy stream into a new tensor, a tensor's device memory copied out on it, a flat f32
+//! tensor's buffer lent out and a buffer taken as a tensor; the GPU target's write-back
+//! ([`CopyOut`]) and the NCCL exchange's way to a gradient kept on the device
+//! ([`CandleGradient`]) built on them.
 //!
 //! candle's CUDA types exist only in the build with `--features cuda` (its kernels need nvcc at
 //! build time), so this module holds the crate's one `cfg`: without it each function says the
-//! build has no CUDA device. It is kept to these three calls; the streams, events and copies
+//! build has no CUDA device. It is kept to these five calls; the streams, events and copies
 //! around them are cudarc's and the `cuda` crate's, compiled and linted in every build.
 //! `scripts/build-cuda.sh` type-checks and builds the other branch.
 //!
@@ -20,6 +22,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor};
+use cuda::nccl_group::TransportError;
 use cuda::{CudaEvent, CudaStream, Named};
 
 use crate::device_time::{self, CudaTimeline, StreamId, Timeline};
@@ -198,6 +201,89 @@ impl Drop for CopyOut {
     }
 }
 
+/// A rank's gradient kept on its device between the step and the update (see
+/// [`crate::DrafterBackend::gradient_on_device`]): the step leaves the rank's own in `mine` (a
+/// flat f32 tensor; none for a step without a batch: the rank contributes zeros), the exchange
+/// leaves the group's sum in `sum`, the update takes it.
+#[derive(Default)]
+pub(crate) struct DeviceGradient {
+    pub(crate) mine: Option<Tensor>,
+    pub(crate) sum: Option<Tensor>,
+}
+
+pub(crate) type SharedGradient = Arc<Mutex<DeviceGradient>>;
+
+/// The NCCL exchange's way to a [`DeviceGradient`] of candle's tensors on a GPU.
+///
+/// Ordering: the rank's gradient is written on candle's stream, and the sum's buffer is
+/// allocated there too (so it is freed there, after the update that reads it, when its tensor
+/// drops); the exchange's stream waits for an event recorded on candle's stream after both. The
+/// update reads the sum after the host saw the exchange complete.
+pub(crate) struct CandleGradient {
+    shared: SharedGradient,
+    compute: Arc<CudaStream>,
+    device: Device,
+    len: usize,
+    /// The sum's buffer of an exchange that failed: its communicator is aborted only after the
+    /// error returns, and until then its kernels may still write here, so the buffer is freed at
+    /// the next exchange, not before.
+    abandoned: Mutex<Option<cuda::CudaSlice<f32>>>,
+}
+
+impl CandleGradient {
+    /// The exchange's way to `shared`, a gradient of `len` f32 on GPU `device`.
+    pub(crate) fn new(
+        shared: SharedGradient,
+        device: &Device,
+        len: usize,
+    ) -> Result<CandleGradient, GpuError> {
+        Ok(CandleGradient {
+            shared,
+            compute: stream(device)?,
+            device: device.clone(),
+            len,
+            abandoned: Mutex::new(None),
+        })
+    }
+}
+
+impl cuda::nccl_group::OnDevice for CandleGradient {
+    fn exchange(
+        &self,
+        stream: &CudaStream,
+        reduce: &mut cuda::nccl_group::Reduce<'_>,
+    ) -> Result<(), TransportError> {
+        let failed = |e: GpuError| TransportError::Failed(e.to_string());
+        let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        g.sum = None;
+        // A step without a batch adds zeros, kept like a gradient until the update (an aborted
+        // exchange's kernels may still read them).
+        if g.mine.is_none() {
+            let zeros = Tensor::zeros(self.len, DType::F32, &self.device);
+            g.mine = Some(zeros.map_err(|e| failed(e.into()))?);
+        }
+        let mine = g.mine.as_ref().expect("set above");
+        let mut sum = (self.compute.alloc_zeros::<f32>(self.len))
+            .named("cuMemAlloc")
+            .map_err(|e| failed(e.into()))?;
+        let ready = device_time::mark(&self.compute).map_err(failed)?;
+        stream
+            .wait(&ready)
+            .named("cuStreamWaitEvent")
+            .map_err(|e| failed(e.into()))?;
+        let reduced = imp::with_slice(mine, |mine| reduce(mine, &mut sum)).map_err(failed)?;
+        let mut abandoned = self.abandoned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = reduced {
+            *abandoned = Some(sum);
+            return Err(e);
+        }
+        // Any earlier failed exchange's communicator was aborted before this one was made.
+        *abandoned = None;
+        g.sum = Some(imp::tensor_of(sum, &self.device).map_err(failed)?);
+        Ok(())
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod imp {
     use std::sync::Arc;
@@ -206,7 +292,7 @@ mod imp {
     use candle_core::op::BackpropOp;
     use candle_core::{DType, Device, Shape, Storage, Tensor};
     use cuda::cudarc::driver::DeviceRepr;
-    use cuda::{CudaStream, HostCopy, Named};
+    use cuda::{CudaSlice, CudaStream, HostCopy, Named};
 
     use crate::GpuError;
 
@@ -252,6 +338,31 @@ mod imp {
         ))
     }
 
+    pub fn with_slice<R>(t: &Tensor, f: impl FnOnce(&CudaSlice<f32>) -> R) -> Result<R, GpuError> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(GpuError::Shape("a gradient not on a GPU".into()));
+        };
+        let s = cs.as_cuda_slice::<f32>()?;
+        if layout.contiguous_offsets() != Some((0, t.elem_count())) || s.len() != t.elem_count() {
+            return Err(GpuError::Shape(
+                "a gradient tensor that is not the whole of its buffer".into(),
+            ));
+        }
+        Ok(f(s))
+    }
+
+    pub fn tensor_of(s: CudaSlice<f32>, device: &Device) -> Result<Tensor, GpuError> {
+        let n = s.len();
+        let storage = CudaStorage::wrap_cuda_slice(s, device.as_cuda_device()?.clone());
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            n,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
     pub unsafe fn copy_out(
         copy: &CudaStream,
         t: &Tensor,
@@ -291,7 +402,7 @@ mod imp {
     use std::sync::Arc;
 
     use candle_core::{DType, Device, Shape, Tensor};
-    use cuda::CudaStream;
+    use cuda::{CudaSlice, CudaStream};
 
     use crate::GpuError;
 
@@ -321,6 +432,14 @@ mod imp {
         _: *mut u8,
         _: usize,
     ) -> Result<(), GpuError> {
+        Err(none())
+    }
+
+    pub fn with_slice<R>(_: &Tensor, _: impl FnOnce(&CudaSlice<f32>) -> R) -> Result<R, GpuError> {
+        Err(none())
+    }
+
+    pub fn tensor_of(_: CudaSlice<f32>, _: &Device) -> Result<Tensor, GpuError> {
         Err(none())
     }
 }

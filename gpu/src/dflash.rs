@@ -20,6 +20,7 @@ use proto::{BatchView, Dtype, PipelineConfig, WorkerName};
 use shm_ring::Phase;
 
 use crate::candle::Placement;
+use crate::candle_cuda::{CandleGradient, SharedGradient};
 use crate::device_time::{self, CudaTimeline, StreamId, Timeline, Work};
 use crate::mock::{self, Sim};
 use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepStats};
@@ -70,35 +71,50 @@ pub fn loss_and_grads_in_parts(
     batch: &DraftBatch,
     grad: &mut [f32],
 ) -> Result<model::dflash::LossSums, GpuError> {
-    parts_timed(model, ctx, batch, grad, None)
+    let (sums, acc) = parts_timed(model, ctx, batch, None)?;
+    acc.add_to(&model.params, grad)?;
+    Ok(sums)
 }
 
-/// [`loss_and_grads_in_parts`], on a GPU each part's forward and its loss and backward timed
-/// on candle's stream, and the gradient's copy to the host.
+/// [`loss_and_grads_in_parts`] with the gradient left on the model's device as one flat f32
+/// tensor (`Grads::flat`): what a GPU rank on NCCL computes (the exchange reduces it there).
+pub fn loss_and_flat_grads_in_parts(
+    model: &Dflash,
+    ctx: &Tensor,
+    batch: &DraftBatch,
+) -> Result<(model::dflash::LossSums, Tensor), GpuError> {
+    let (sums, acc) = parts_timed(model, ctx, batch, None)?;
+    Ok((sums, acc.flat(&model.params)?))
+}
+
+/// `f`, which queues `work` on candle's stream, timed there on a GPU.
+fn on_compute<T>(
+    gpu: Option<&OnGpu>,
+    work: Work,
+    f: impl FnOnce() -> Result<T, GpuError>,
+) -> Result<T, GpuError> {
+    match gpu {
+        Some(g) => g.timed(COMPUTE, work, f),
+        None => f(),
+    }
+}
+
+/// The loss sums of `batch` and its gradient summed on the device over the parts (see
+/// [`loss_and_grads_in_parts`]), on a GPU each part's forward and its loss and backward timed
+/// on candle's stream.
 fn parts_timed(
     model: &Dflash,
     ctx: &Tensor,
     batch: &DraftBatch,
-    grad: &mut [f32],
     gpu: Option<&OnGpu>,
-) -> Result<model::dflash::LossSums, GpuError> {
-    fn on<T>(
-        gpu: Option<&OnGpu>,
-        work: Work,
-        f: impl FnOnce() -> Result<T, GpuError>,
-    ) -> Result<T, GpuError> {
-        match gpu {
-            Some(g) => g.timed(COMPUTE, work, f),
-            None => f(),
-        }
-    }
+) -> Result<(model::dflash::LossSums, model::train::Grads), GpuError> {
     let mut sums = model::dflash::LossSums::default();
     let mut acc = model.params.grads();
     for part in batch.split(&model.cfg, scores_per_part(model.device())) {
-        let s = match on(gpu, device_time::FORWARD, || {
+        let s = match on_compute(gpu, device_time::FORWARD, || {
             Ok(model.forward_batch(ctx, &part)?)
         })? {
-            Some(h) => on(gpu, LOSS_BACKWARD, || {
+            Some(h) => on_compute(gpu, LOSS_BACKWARD, || {
                 Ok(model.loss_and_backward(h, &part, &mut acc)?)
             })?,
             None => model.loss_and_backward_none(&part),
@@ -108,8 +124,7 @@ fn parts_timed(
         sums.accepted += s.accepted;
         sums.blocks += s.blocks;
     }
-    on(gpu, GRADIENT_OUT, || Ok(acc.add_to(&model.params, grad)?))?;
-    Ok(sums)
+    Ok((sums, acc))
 }
 
 /// `(grad_len, state_len)` of [`DflashDrafter`] for `cfg`.
@@ -135,6 +150,12 @@ pub struct DflashDrafter {
     eval: Evaluation,
     /// On a GPU: the stager's copy stream, and the device's timeline.
     gpu: Option<OnGpu>,
+    /// Where the gradient waits between the step and the update when it stays on the device
+    /// (see [`DrafterBackend::gradient_on_device`]); None: in the step buffer.
+    on_device: Option<SharedGradient>,
+    /// A staged context that candle's stream may still read (see `gradient_with`), dropped
+    /// once the update's digest has waited for that stream.
+    in_use: Option<Tensor>,
 }
 
 /// A GPU drafter's streams (candle's, and the copy stream the stager's copies run on beside
@@ -187,6 +208,13 @@ const GRADIENT_OUT: Work = Work {
     name: "gradient device-to-host",
     phase: Phase::CopyIn,
     busy: false,
+};
+/// The step's gradient gathered into one flat buffer on the device for the group's exchange
+/// there, on candle's stream.
+const GRADIENT_FLAT: Work = Work {
+    name: "gradient gathered on the device",
+    phase: Phase::Compute,
+    busy: true,
 };
 /// An update: the summed gradient uploaded, then AdamW, on candle's stream.
 const OPTIMIZER: Work = Work {
@@ -288,9 +316,25 @@ impl DflashDrafter {
                 new_tokens: f.eval_new_tokens as usize,
             },
             gpu,
+            on_device: None,
+            in_use: None,
         };
         d.digest = d.weights_digest()?;
         Ok(d)
+    }
+
+    /// From now on the gradient stays on the drafter's device between the step and the update
+    /// (on the CPU, host tensors: how a test plays the exchange); returns where it waits.
+    pub(crate) fn keep_gradient_on_device(&mut self) -> SharedGradient {
+        self.on_device.get_or_insert_with(Default::default).clone()
+    }
+
+    /// The words of a step buffer's gradient: none when it stays on the device.
+    fn host_grad_len(&self) -> usize {
+        match self.on_device {
+            Some(_) => 0,
+            None => self.grad_len(),
+        }
     }
 
     pub fn model(&self) -> &Dflash {
@@ -393,10 +437,10 @@ impl DflashDrafter {
                 c.hidden
             )));
         }
-        if out.gradient().len() != self.grad_len() {
+        if out.gradient().len() != self.host_grad_len() {
             return Err(GpuError::BufferSize {
                 got: out.gradient().len(),
-                want: self.grad_len(),
+                want: self.host_grad_len(),
             });
         }
         let ids: Vec<u32> = batch.input_ids().collect();
@@ -417,10 +461,10 @@ impl DflashDrafter {
             &spec.seq_lens,
         );
         // The context as it came (staged: on the copy stream's memory, in the slot's dtype) is
-        // kept until the gradient has reached the host below: candle's cast reads it on
-        // candle's stream without recording that use, and dropped earlier it would be freed on
-        // the copy stream, which is not ordered with candle's, while the cast may still be
-        // queued.
+        // kept until candle's stream has passed the cast that reads it (the gradient on the
+        // host below, or the update's digest): the cast does not record that use, and dropped
+        // earlier it would be freed on the copy stream, which is not ordered with candle's,
+        // while the cast may still be queued.
         let raw = match ctx {
             Some(ctx) => {
                 if ctx.dims() != [context_shape(batch).0, context_shape(batch).1] {
@@ -441,14 +485,19 @@ impl DflashDrafter {
             Some(g) => g.timed(COMPUTE, device_time::FORWARD, cast)?,
             None => cast()?,
         };
-        let sums = parts_timed(
-            &self.model,
-            &ctx,
-            &db,
-            out.gradient_mut(),
-            self.gpu.as_ref(),
-        )?;
-        if let Some(g) = &self.gpu {
+        let (sums, acc) = parts_timed(&self.model, &ctx, &db, self.gpu.as_ref())?;
+        let (params, gpu) = (&self.model.params, self.gpu.as_ref());
+        match &self.on_device {
+            None => on_compute(gpu, GRADIENT_OUT, || {
+                Ok(acc.add_to(params, out.gradient_mut())?)
+            })?,
+            Some(shared) => {
+                let flat = on_compute(gpu, GRADIENT_FLAT, || Ok(acc.flat(params)?))?;
+                let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+                (g.mine, g.sum) = (Some(flat), None);
+            }
+        }
+        if let (Some(g), None) = (&self.gpu, &self.on_device) {
             // The gradient's copy to the host waited for candle's stream: its clock is
             // re-measured here for free (every 30 s).
             let (on, stream) = (g.on[COMPUTE], &g.streams[COMPUTE]);
@@ -459,8 +508,11 @@ impl DflashDrafter {
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
         out.set_blocks(sums.accepted as f32, sums.blocks as f32);
-        // The gradient is on the host: candle's stream has passed every use of `raw`.
-        drop(raw);
+        match self.on_device {
+            // The gradient is on the host: candle's stream has passed every use of `raw`.
+            None => drop(raw),
+            Some(_) => self.in_use = Some(raw),
+        }
         self.sim.finish_item(&spec.seq_lens, started);
         Ok(())
     }
@@ -503,20 +555,55 @@ impl DrafterBackend for DflashDrafter {
         self.gradient_with(batch, Some(ctx), out)
     }
 
+    /// The gradient stays on the GPU for the NCCL exchange; on the CPU there is no NCCL.
+    fn gradient_on_device(&mut self) -> Result<Option<Arc<dyn crate::OnDevice>>, GpuError> {
+        if self.gpu.is_none() {
+            return Ok(None);
+        }
+        let shared = self.keep_gradient_on_device();
+        let len = self.grad_len();
+        let bridge = CandleGradient::new(shared, self.model.device(), len)?;
+        Ok(Some(Arc::new(bridge)))
+    }
+
     fn apply(&mut self, summed: &StepBuffer) -> Result<StepStats, GpuError> {
         self.step += 1;
         let weight = summed.loss_tokens();
+        // On the device: the exchange's sum, and the rank's own gradient spent (a step without
+        // a batch contributes zeros).
+        let on_device = match &self.on_device {
+            Some(shared) => {
+                let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+                g.mine = None;
+                Some(g.sum.take())
+            }
+            None => None,
+        };
         let mut lr = None;
         if weight > 0.0 {
             let params = &self.model.params;
             let opt = &mut self.opt;
-            let mut update = || Ok(opt.update(params, summed.gradient(), 1.0 / weight)?);
-            let u = match &self.gpu {
-                Some(g) => g.timed(COMPUTE, OPTIMIZER, update)?,
-                None => update()?,
+            let scale = 1.0 / weight;
+            let mut update = || match &on_device {
+                None => Ok(opt.update(params, summed.gradient(), scale)?),
+                Some(Some(sum)) => Ok(opt.update_flat(params, sum, scale)?),
+                Some(None) => Err(GpuError::Shape(
+                    "the group's exchange left no sum of the gradient on the device".into(),
+                )),
             };
+            let u = on_compute(self.gpu.as_ref(), OPTIMIZER, &mut update)?;
             lr = Some(u.lr as f32);
             self.digest = self.weights_digest()?;
+        }
+        // The digest (or the exchange's completion, with no update) has waited for candle's
+        // stream: its clock is re-measured here for free (every 30 s) when the gradient stays on
+        // the device (else at the gradient's copy to the host).
+        self.in_use = None;
+        if let (Some(g), Some(_)) = (&self.gpu, &self.on_device) {
+            let (on, stream) = (g.on[COMPUTE], &g.streams[COMPUTE]);
+            if let Err(e) = device_time::reanchor_due(&g.timeline, on, stream) {
+                tracing::warn!(error = %e, "re-anchoring the device's timeline");
+            }
         }
         let blocks = summed.blocks();
         Ok(StepStats {
@@ -716,6 +803,76 @@ mod tests {
             e.to_string().contains("staged context of shape [3, 128]"),
             "{e}"
         );
+    }
+
+    /// A gradient kept on the device (what the NCCL exchange reduces there, played here by the
+    /// test on CPU tensors) trains as the host's: the rank's gradient is the host copy's
+    /// values, and ranks updated from the device sum have the weights, bit for bit, of ranks
+    /// updated from the host sum, also in a step where one rank had no batch (its gradient spent
+    /// by the update before, so it adds nothing). A host-sized buffer, or an update with no sum
+    /// left by the exchange, is an error naming it.
+    #[test]
+    fn a_gradient_kept_on_the_device_trains_as_the_hosts_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, buf) = setup(dir.path());
+        let view = BatchView::parse(&buf).unwrap();
+        let rank = || DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
+        let (mut a, mut b, mut c, mut d) = (rank(), rank(), rank(), rank());
+        let (gc, gd) = (c.keep_gradient_on_device(), d.keep_gradient_on_device());
+        let n = a.grad_len();
+        let e = c.gradient(&view, &mut StepBuffer::new(n)).unwrap_err();
+        assert!(matches!(e, GpuError::BufferSize { want: 0, .. }), "{e}");
+        let mine = |g: &SharedGradient| g.lock().unwrap().mine.clone();
+        for step in 0..3 {
+            // In step 1 the second rank of each pair has no batch.
+            let second = step != 1;
+            let (mut ga, mut gb) = (StepBuffer::new(n), StepBuffer::new(n));
+            let (mut tc, mut td) = (StepBuffer::new(0), StepBuffer::new(0));
+            a.gradient(&view, &mut ga).unwrap();
+            c.gradient(&view, &mut tc).unwrap();
+            if second {
+                b.gradient(&view, &mut gb).unwrap();
+                d.gradient(&view, &mut td).unwrap();
+            } else {
+                assert!(mine(&gd).is_none(), "the last update spent the gradient");
+            }
+            let flat = mine(&gc).expect("the step left its gradient");
+            assert_eq!(flat.to_vec1::<f32>().unwrap(), ga.gradient());
+            assert_eq!(
+                tc.words(),
+                &ga.words()[n..],
+                "the words besides the gradient"
+            );
+            let mut host = StepBuffer::new(n);
+            for (s, (x, y)) in (host.words_mut().iter_mut()).zip(ga.words().iter().zip(gb.words()))
+            {
+                *s = x + y;
+            }
+            let zeros = || flat.zeros_like().unwrap();
+            let sum = (&flat + mine(&gd).unwrap_or_else(zeros)).unwrap();
+            let mut tail = StepBuffer::new(0);
+            for (s, (x, y)) in (tail.words_mut().iter_mut()).zip(tc.words().iter().zip(td.words()))
+            {
+                *s = x + y;
+            }
+            for (r, g) in [(&mut c, &gc), (&mut d, &gd)] {
+                g.lock().unwrap().sum = Some(sum.clone());
+                r.apply(&tail).unwrap();
+            }
+            a.apply(&host).unwrap();
+            b.apply(&host).unwrap();
+            assert_eq!(a.digest(), b.digest());
+            assert_eq!(
+                (c.digest(), d.digest()),
+                (a.digest(), a.digest()),
+                "step {step}"
+            );
+        }
+        c.gradient(&view, &mut StepBuffer::new(0)).unwrap();
+        let mut tail = StepBuffer::new(0);
+        tail.set_loss_tokens(1.0);
+        let e = c.apply(&tail).unwrap_err();
+        assert!(e.to_string().contains("left no sum"), "{e}");
     }
 
     /// Two ranks applying one summed buffer stay bitwise equal; the state hand-over and the

@@ -36,6 +36,7 @@ pub mod timeline;
 pub mod writeback;
 
 pub use backend::{BackendKind, Maker, UnknownBackend};
+pub use cuda::nccl_group::OnDevice;
 pub use device_time::DeviceClock;
 pub use pinned::{pin_arena, PinnedArena};
 pub use raw_out::RawOut;
@@ -201,6 +202,14 @@ pub trait DrafterBackend {
     ) -> Result<(), GpuError> {
         let _ = staged;
         self.gradient(batch, out)
+    }
+    /// From now on, keeps the gradient on the device for an exchange that reduces it there (the
+    /// NCCL group): the step buffers' gradient words are then none (`StepBuffer::new(0)`), the
+    /// step leaves the rank's gradient on the device, the exchange the group's sum, and `apply`
+    /// takes that sum. Returns how the exchange reaches the gradient; `None` (the default):
+    /// this backend's gradient stays in the step buffer, on the host.
+    fn gradient_on_device(&mut self) -> Result<Option<Arc<dyn OnDevice>>, GpuError> {
+        Ok(None)
     }
     /// Applies one optimizer update from the group's summed buffer (normalised here by the
     /// step's total loss tokens). Deterministic: the same input gives the same bits on every

@@ -8,8 +8,9 @@
 //! - timing: a drafter of `--shape`'s target (its `config.json` only; weights, frozen tensors
 //!   and context made up on the device), one sequence of `--tokens` with `--anchors` blocks of
 //!   `--block`: each step is the worker's (the gradient over the batch's parts, then AdamW where
-//!   the weights are, then the weights' digest for the ledger). Prints the median of each part
-//!   as JSON.
+//!   the weights are, then the weights' digest for the ledger; on a GPU the gradient stays
+//!   there, as with the NCCL group, on the CPU it is copied into the host's step buffer:
+//!   `gradient_on`). Prints the median of each part as JSON.
 //!
 //! ```text
 //! bench-dflash-step --dump /tmp/step
@@ -228,14 +229,28 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let parts = batch
         .split(&d.cfg, gpu::dflash::scores_per_part(&dev))
         .len();
+    // What the worker runs: on a GPU the gradient stays there (the NCCL group reduces it on
+    // the device), on the CPU it is the step buffer's.
+    let on_device = !dev.is_cpu();
     for step in 0..=a.steps {
         let t0 = Instant::now();
         grad.fill(0.0);
-        let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, &mut grad)?;
+        let (s, flat) = if on_device {
+            let (s, flat) = gpu::dflash::loss_and_flat_grads_in_parts(&d, &ctx, &batch)?;
+            (s, Some(flat))
+        } else {
+            let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, &mut grad)?;
+            (s, None)
+        };
         let weight = s.weight;
         loss = s.loss;
+        dev.synchronize()?;
         let t1 = Instant::now();
-        opt.update(&d.params, &grad, 1.0 / weight.max(1.0) as f32)?;
+        let scale = 1.0 / weight.max(1.0) as f32;
+        match &flat {
+            Some(g) => opt.update_flat(&d.params, g, scale)?,
+            None => opt.update(&d.params, &grad, scale)?,
+        };
         dev.synchronize()?;
         let t2 = Instant::now();
         // The worker's digest for the ledger: the weights copied to the host and hashed.
@@ -264,6 +279,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
         "dtype": format!("{:?}", DType::F32),
+        "gradient_on": if on_device { "device" } else { "host" },
         "step_s": median(total),
         "gradient_s": median(grads),
         "update_s": median(updates),
