@@ -184,6 +184,22 @@ impl Params {
         Ok(out)
     }
 
+    /// Each row's sum in f64, in order (a row: the last dimension; a vector is one row): a
+    /// fingerprint of the weights made where they are, of which one f64 a row comes to the
+    /// host, not four bytes a weight. Deterministic (the same kernels on the same bits), and a
+    /// one-ulp change of a weight changes its row's sum unless the row's partial sums are more
+    /// than 2^29 times that weight's magnitude (an f32's 24 bits inside an f64's 53).
+    pub fn row_sums(&self) -> Result<Vec<f64>> {
+        let rows = (self.vars.iter())
+            .map(|v| {
+                let t = v.as_tensor();
+                let last = t.dims().last().copied().unwrap_or(1);
+                Ok(t.to_dtype(DType::F64)?.reshape(((), last))?.sum(1)?)
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        Ok(Tensor::cat(&rows, 0)?.to_vec1::<f64>()?)
+    }
+
     /// Sets the weights from `flat` (the layout of [`Params::flat`]).
     pub fn set_flat(&mut self, flat: &[f32]) -> Result<()> {
         if flat.len() != self.len() {
@@ -809,6 +825,38 @@ mod tests {
         assert_eq!(again.moments().unwrap(), (m, v));
         assert!(again.set_moments(&params, &w[..3], &w).is_err());
         assert!(dev.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// Row sums tell weights one ulp apart wherever the ulp is (a matrix's first, middle and
+    /// last weight, a norm vector's), and equal weights give equal sums.
+    #[test]
+    fn row_sums_tell_weights_one_ulp_apart() {
+        let specs = vec![
+            ("a".to_string(), vec![8, 16], Init::Normal(0.02)),
+            ("b".to_string(), vec![5], Init::Ones),
+        ];
+        let p = Params::new(&specs, 2, &Device::Cpu).unwrap();
+        let base = p.row_sums().unwrap();
+        assert_eq!(base.len(), 8 + 1);
+        assert_eq!(
+            Params::new(&specs, 2, &Device::Cpu)
+                .unwrap()
+                .row_sums()
+                .unwrap(),
+            base
+        );
+        let w = p.flat().unwrap();
+        for at in [0, 67, 127, 128, 132] {
+            let mut changed = w.clone();
+            changed[at] = f32::from_bits(changed[at].to_bits() + 1);
+            let mut q = Params::new(&specs, 2, &Device::Cpu).unwrap();
+            q.set_flat(&changed).unwrap();
+            let sums = q.row_sums().unwrap();
+            let row = if at < 128 { at / 16 } else { 8 };
+            for (r, (x, y)) in base.iter().zip(&sums).enumerate() {
+                assert_eq!(x == y, r != row, "weight {at}, row {r}: {x} against {y}");
+            }
+        }
     }
 
     /// A gradient kept on the device (one flat tensor, what the NCCL exchange reduces in

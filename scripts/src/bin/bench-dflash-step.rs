@@ -253,8 +253,13 @@ fn time(a: &Args) -> anyhow::Result<()> {
         };
         dev.synchronize()?;
         let t2 = Instant::now();
-        // The worker's digest for the ledger: the weights copied to the host and hashed.
-        digest ^= gpu::mock::digest(&d.params.flat()?);
+        // The worker's digest for the ledger: on a GPU of the row sums made there, on the CPU
+        // of the weights copied to the host.
+        digest ^= if on_device {
+            gpu::dflash::row_digest(&d.params)?
+        } else {
+            gpu::mock::digest(&d.params.flat()?)
+        };
         let t3 = Instant::now();
         if let Some((p, o)) = &mut shadow {
             o.update(p, &grad, 1.0 / weight.max(1.0) as f32)?;
