@@ -133,7 +133,9 @@ struct Current<C> {
 }
 
 /// A group whose first `grad_len` words go through `T` and the rest through `commit` (see the
-/// module). `commit`'s rounds are of the remaining words.
+/// module). `commit`'s rounds are of the remaining words. With `grad_len` 0 the transport still
+/// exchanges in every round, a redone one included: its gradient is elsewhere (on the device,
+/// `cuda::nccl_group::OnDevice`), and each exchange is what leaves the rank its sum.
 pub struct SplitGroup<T: Transport> {
     commit: Box<dyn Collective + Send>,
     grad_len: usize,

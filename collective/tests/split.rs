@@ -204,13 +204,18 @@ fn fixture(tag: &str, ranks: u32) -> Fixture {
 
 impl Fixture {
     fn rank(&self, r: u32) -> SplitGroup<Local> {
+        self.rank_with(r, GRAD)
+    }
+
+    /// Rank `r` whose rounds have `grad` words through the transport.
+    fn rank_with(&self, r: u32, grad: usize) -> SplitGroup<Local> {
         let commit = ShmGroup::attach(&self.name, r).unwrap();
         let t = Local {
             world: self.world.clone(),
             board: Board::new(self.board.path()).unwrap(),
             group_rank: r,
         };
-        SplitGroup::new(Box::new(commit), GRAD, t)
+        SplitGroup::new(Box::new(commit), grad, t)
     }
 }
 
@@ -325,6 +330,51 @@ fn ranks_waiting_in_an_exchange_for_a_dead_rank_go_on_without_it() {
     assert_eq!(s.aborts, 2, "each survivor aborted its communicator");
     assert_eq!(s.aborted.len(), 1, "the first one");
     assert_eq!(s.made, 3 + 2, "and made one at the new epoch");
+}
+
+/// A gradient kept on the device (NCCL's exchange reduces it there; no round words of it): the
+/// transport is still called in every round, a redone one included, so every rank's exchange
+/// leaves it a sum. Rank 1 dies before step 2; rank 0, waiting in step 2's exchange, redoes the
+/// step alone on a new communicator, and that redo exchanges too.
+#[test]
+fn a_gradient_off_the_round_is_exchanged_in_every_round_and_every_redo() {
+    let f = fixture("resident", 2);
+    let (tx, rx) = mpsc::channel();
+    let (g0, g1) = (f.rank_with(0, 0), f.rank_with(1, 0));
+    let round = |g: SplitGroup<Local>, steps: u32, tx: mpsc::Sender<Outcome>| {
+        std::thread::spawn(move || {
+            for step in 1..=steps {
+                let mut out = vec![0.0; REST];
+                let got = g.all_reduce(&[1.0, step as f32], 0, &mut out, &|| false);
+                let _ = tx.send((g.rank(), step, got.map(|red| (red, out))));
+            }
+        })
+    };
+    let (h0, h1) = (round(g0, 2, tx.clone()), round(g1, 1, tx));
+    for _ in 0..2 {
+        let (_, step, got) = next(&rx);
+        assert_eq!((step, got.unwrap().1), (1, vec![2.0, 2.0]));
+    }
+    h1.join().unwrap();
+    f.world.wait_until("rank 0 in step 2's exchange", |s| {
+        s.arrived.iter().any(|(&(_, seq), _)| seq == 2)
+    });
+    f.launcher.remove(1).unwrap();
+    let (r, step, got) = next(&rx);
+    let (red, out) = got.unwrap();
+    assert_eq!(
+        (r, step, red.membership.members, out),
+        (0, 2, 0b01, vec![1.0, 2.0])
+    );
+    h0.join().unwrap();
+    let s = f.world.st.lock().unwrap();
+    let began: u32 = s.arrived.values().sum();
+    assert_eq!(
+        began,
+        2 + 1 + 1,
+        "both in step 1, rank 0 in step 2 and in its redo"
+    );
+    assert_eq!(s.made, 2 + 1, "the redo on a communicator of the new epoch");
 }
 
 /// A member that never connects (dead before its first exchange): the others wait in the

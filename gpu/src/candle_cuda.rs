@@ -16,7 +16,8 @@
 //! record their reads on the slice's own stream. So the callers order the streams themselves:
 //! the target's copy-out waits for an event recorded on candle's stream after the forward, and
 //! the drafter keeps an uploaded tensor (allocated on the copy stream, freed there) alive until
-//! candle's stream has passed every use of it (the step's gradient is on the host).
+//! candle's stream has passed every use of it (the step's gradient copied to the host, or, with
+//! the gradient kept on the device, the update's digest).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -263,7 +264,9 @@ impl cuda::nccl_group::OnDevice for CandleGradient {
             g.mine = Some(zeros.map_err(|e| failed(e.into()))?);
         }
         let mine = g.mine.as_ref().expect("set above");
-        let mut sum = (self.compute.alloc_zeros::<f32>(self.len))
+        // SAFETY: the buffer is read only once an exchange returned Ok, which wrote all of it
+        // (NCCL's sum of `len` floats); a failed exchange's is stashed unread.
+        let mut sum = unsafe { self.compute.alloc::<f32>(self.len) }
             .named("cuMemAlloc")
             .map_err(|e| failed(e.into()))?;
         let ready = device_time::mark(&self.compute).map_err(failed)?;

@@ -881,6 +881,8 @@ mod tests {
                 "step {step}"
             );
         }
+        // A sum left from before the step is not the step's: the step clears it.
+        gc.lock().unwrap().sum = Some(Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap());
         c.gradient(&view, &mut StepBuffer::new(0)).unwrap();
         let mut tail = StepBuffer::new(0);
         tail.set_loss_tokens(1.0);

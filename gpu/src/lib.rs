@@ -183,7 +183,8 @@ pub trait DrafterBackend {
     fn grad_len(&self) -> usize;
     /// Computes the gradient of the summed loss on `batch` into `out`'s gradient, and the loss
     /// sum and loss tokens into their parts (all overwritten), after verifying the batch's
-    /// content. `out` is a buffer for `grad_len()`.
+    /// content. `out` is a buffer for `grad_len()` (for none, once the gradient stays on the
+    /// device: [`DrafterBackend::gradient_on_device`]).
     fn gradient(&mut self, batch: &BatchView<'_>, out: &mut StepBuffer) -> Result<(), GpuError>;
     /// The part of a step's work on its batch that can run on another thread before the step:
     /// the copy of the batch to the drafter's device. The intake runs it on its copy thread,
@@ -215,7 +216,8 @@ pub trait DrafterBackend {
     /// step's total loss tokens). Deterministic: the same input gives the same bits on every
     /// rank. Fails only with the device.
     fn apply(&mut self, summed: &StepBuffer) -> Result<StepStats, GpuError>;
-    /// One step trained alone: `gradient`, then `apply` of this rank's own buffer.
+    /// One step trained alone: `gradient`, then `apply` of this rank's own buffer (a backend
+    /// whose gradient is on the host: after `gradient_on_device`, the sum is the exchange's).
     fn train_step(&mut self, batch: &BatchView<'_>) -> Result<StepStats, GpuError> {
         let mut b = StepBuffer::new(self.grad_len());
         self.gradient(batch, &mut b)?;

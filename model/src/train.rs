@@ -630,8 +630,6 @@ impl DeviceAdamW {
     }
 }
 
-/// [`DeviceAdamW::update`] with moments beside the weights: each tensor's gradient uploaded,
-/// the norm summed per tensor in f64 on the device, the update in candle's element-wise ops.
 /// An update's gradient: flat on the host, or a flat tensor on the parameters' device.
 #[derive(Clone, Copy)]
 enum Gradient<'a> {
@@ -657,6 +655,9 @@ impl Gradient<'_> {
     }
 }
 
+/// [`DeviceAdamW::update`] with moments beside the weights: each tensor's gradient uploaded (or
+/// a view of the flat tensor on the device), the norm summed per tensor in f64 on the device,
+/// the update in candle's element-wise ops.
 fn tensors_update(
     c: &AdamWConfig,
     step: u64,

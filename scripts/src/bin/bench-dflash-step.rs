@@ -220,7 +220,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         _ => None,
     };
     let mut tensor_updates = Vec::new();
-    let mut grad = vec![0.0f32; d.params.len()];
+    // What the worker runs: on a GPU the gradient stays there (the NCCL group reduces it on
+    // the device), on the CPU it is the step buffer's, a host vector.
+    let on_device = !dev.is_cpu();
+    let mut grad = vec![0.0f32; if on_device { 0 } else { d.params.len() }];
     let (mut grads, mut updates, mut digests, mut total) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0;
@@ -229,9 +232,6 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let parts = batch
         .split(&d.cfg, gpu::dflash::scores_per_part(&dev))
         .len();
-    // What the worker runs: on a GPU the gradient stays there (the NCCL group reduces it on
-    // the device), on the CPU it is the step buffer's.
-    let on_device = !dev.is_cpu();
     for step in 0..=a.steps {
         let t0 = Instant::now();
         grad.fill(0.0);
