@@ -199,6 +199,15 @@ impl OnGpu {
         })
     }
 
+    /// Re-measures candle's stream's clock if due (every 30 s): call it where the host has just
+    /// waited for that stream, so the wait is free. Telemetry: an error is logged.
+    fn reanchor_compute(&self) {
+        let (on, stream) = (self.on[COMPUTE], &self.streams[COMPUTE]);
+        if let Err(e) = device_time::reanchor_due(&self.timeline, on, stream) {
+            tracing::warn!(error = %e, "re-anchoring the device's timeline");
+        }
+    }
+
     /// `f`, which queues `work` on stream `s` (COMPUTE or COPY), timed there.
     fn timed<T>(
         &self,
@@ -229,7 +238,8 @@ const GRADIENT_FLAT: Work = Work {
     phase: Phase::Compute,
     busy: true,
 };
-/// An update: the summed gradient uploaded, then AdamW, on candle's stream.
+/// An update: the summed gradient uploaded (unless the exchange left it on the device), then
+/// AdamW, on candle's stream.
 const OPTIMIZER: Work = Work {
     name: "optimizer",
     phase: Phase::Compute,
@@ -513,10 +523,7 @@ impl DflashDrafter {
         if let (Some(g), None) = (&self.gpu, &self.on_device) {
             // The gradient's copy to the host waited for candle's stream: its clock is
             // re-measured here for free (every 30 s).
-            let (on, stream) = (g.on[COMPUTE], &g.streams[COMPUTE]);
-            if let Err(e) = device_time::reanchor_due(&g.timeline, on, stream) {
-                tracing::warn!(error = %e, "re-anchoring the device's timeline");
-            }
+            g.reanchor_compute();
         }
         out.set_loss(sums.loss as f32);
         out.set_loss_tokens(sums.weight as f32);
@@ -613,10 +620,7 @@ impl DrafterBackend for DflashDrafter {
         // the device (else at the gradient's copy to the host).
         self.in_use = None;
         if let (Some(g), Some(_)) = (&self.gpu, &self.on_device) {
-            let (on, stream) = (g.on[COMPUTE], &g.streams[COMPUTE]);
-            if let Err(e) = device_time::reanchor_due(&g.timeline, on, stream) {
-                tracing::warn!(error = %e, "re-anchoring the device's timeline");
-            }
+            g.reanchor_compute();
         }
         let blocks = summed.blocks();
         Ok(StepStats {
