@@ -26,7 +26,8 @@
 #          the goal is at least 0.9x: reported, not a failure); then one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
-#          interleaved, 3 rounds each.
+#          interleaved, 3 rounds each; round 1 of ours also times its gradient with the
+#          context projected again in each part (gradient_per_part_s), the schedule before.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -132,7 +133,10 @@ for s in $steps; do
         shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
             --anchors 512 --tokens 4096 --steps 3)
         for r in 1 2 3; do
-            { echo "ours $("$bins/bench-dflash-step" "${shape[@]}")" &&
+            # Round 1 also times the old schedule, the context projected again in each part.
+            per=()
+            [ "$r" = 1 ] && per=(--per-part)
+            { echo "ours $("$bins/bench-dflash-step" "${shape[@]}" "${per[@]}")" &&
                 echo "torch $(python3 scripts/py/dflash_step.py bench "${shape[@]}")"; } |
                 tee -a "$out/dflash-step.log" || rc=$?
         done

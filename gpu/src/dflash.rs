@@ -12,7 +12,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
-use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::dflash::{
+    mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Pass, Sampling,
+};
 use model::train::{AdamWConfig, DeviceAdamW};
 use model::ArchConfig;
 use proto::config::DflashLabel;
@@ -28,8 +30,8 @@ use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepSta
 /// Attention scores of one part of a batch's blocks (see `DraftBatch::split`) on the CPU: 16M
 /// f32 elements, 64 MiB per layer and copy.
 const SCORES_PER_PART_CPU: usize = 1 << 24;
-/// On a GPU: 256M elements, 1 GiB per layer and copy. Each part projects its sequences' context
-/// again, so fewer parts is less repeated work; a GPU's memory affords them.
+/// On a GPU: 256M elements, 1 GiB per layer and copy: fewer parts, fewer passes over the weights
+/// (a sequence's context is projected once however many parts hold its blocks).
 const SCORES_PER_PART_GPU: usize = 1 << 28;
 
 /// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`).
@@ -63,8 +65,9 @@ pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
 
 /// The loss sums of `batch` with its gradient added into `grad`, the blocks in parts (see
 /// [`scores_per_part`]), so a batch of long sequences and many anchors never holds more than
-/// one part's attention graph at once: the worker's gradient, and the step benchmark's. The
-/// parts' gradients are summed on the device and copied to the host once.
+/// one part's attention graph at once (`Dflash::loss_and_grads_parts`: each sequence's context
+/// projected once): the worker's gradient, and the step benchmark's. The parts' gradients are
+/// summed on the device and copied to the host once.
 pub fn loss_and_grads_in_parts(
     model: &Dflash,
     ctx: &Tensor,
@@ -121,22 +124,15 @@ fn parts_timed(
     batch: &DraftBatch,
     gpu: Option<&OnGpu>,
 ) -> Result<(model::dflash::LossSums, model::train::Grads), GpuError> {
-    let mut sums = model::dflash::LossSums::default();
     let mut acc = model.params.grads();
-    for part in batch.split(&model.cfg, scores_per_part(model.device())) {
-        let s = match on_compute(gpu, device_time::FORWARD, || {
-            Ok(model.forward_batch(ctx, &part)?)
-        })? {
-            Some(h) => on_compute(gpu, LOSS_BACKWARD, || {
-                Ok(model.loss_and_backward(h, &part, &mut acc)?)
-            })?,
-            None => model.loss_and_backward_none(&part),
+    let parts = batch.split(&model.cfg, scores_per_part(model.device()));
+    let sums = model.loss_and_grads_parts(ctx, &parts, &mut acc, |pass, f| {
+        let work = match pass {
+            Pass::Forward => device_time::FORWARD,
+            Pass::LossBackward => LOSS_BACKWARD,
         };
-        sums.loss += s.loss;
-        sums.weight += s.weight;
-        sums.accepted += s.accepted;
-        sums.blocks += s.blocks;
-    }
+        on_compute(gpu, work, || Ok(f()?))
+    })?;
     Ok((sums, acc))
 }
 

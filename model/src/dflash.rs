@@ -13,17 +13,23 @@
 //! The loss ([`Dflash::loss_and_grads`]) runs the head over the weighted positions in chunks, so
 //! no `positions x vocab` tensor exists at a real vocabulary: the forward's last state is cut
 //! from the graph, each chunk's loss backpropagates to it alone, and the summed state gradient
-//! then goes back through the layers once.
+//! then goes back through the layers once. A batch too big for one backward graph runs in
+//! parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks span parts has its context
+//! (fc, hidden norm, each layer's context keys and values) projected once and cut from the graph
+//! the same way: each part adds its gradient of the cut, and the sum goes back through the
+//! projection after the sequence's last part.
 //!
 //! The trained parameters are named as the exported `model.safetensors` names them
 //! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes
 //! them as they are.
 //!
-//! Length: about 700 lines: the config and its export, the forward, the batch's anchors and
-//! labels, the chunked loss and their tests are one model.
+//! Length: about 1000 lines: the config and its export, the forward, the batch's anchors and
+//! labels, the chunked loss and the parts' shared context are one model.
 
+use std::collections::HashMap;
 use std::path::Path;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -425,6 +431,98 @@ pub struct LossSums {
     pub blocks: u64,
 }
 
+/// A pass of one part of a batch, as [`Dflash::loss_and_grads_parts`] hands it to its caller's
+/// clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The part's forward (the context of its sequences not projected yet projected first).
+    Forward,
+    /// Its loss and backward, then the backward through the context of the sequences whose
+    /// last part it is.
+    LossBackward,
+}
+
+/// The context keys and values of one or more sequences for every layer, made by
+/// [`Dflash::projected`].
+struct Projected {
+    /// `(ctx_start, first row here)` of each of its sequences.
+    starts: Vec<(usize, usize)>,
+    /// Layer `l`'s keys at `2l` and values at `2l + 1`, `[kv heads, rows, head_dim]`, as the
+    /// layers read them: the projection itself, or (cut) variables holding its values.
+    kv: Vec<Tensor>,
+    /// Cut: the projection, in the graph to the parameters; empty when not cut.
+    graph: Vec<Tensor>,
+    /// Cut: the parts' gradients of `kv`, summed so far.
+    grad: Vec<Option<Tensor>>,
+}
+
+impl Projected {
+    fn holds(&self, ctx_start: usize) -> bool {
+        self.starts.iter().any(|&(s, _)| s == ctx_start)
+    }
+}
+
+/// The projected context of a batch's sequences while its parts run (see
+/// [`Dflash::loss_and_grads_parts`]).
+struct Context<'a> {
+    /// The batch's context features, `[tokens, layers * hidden]`.
+    input: &'a Tensor,
+    /// How many parts not yet finished hold blocks of each sequence (by `ctx_start`).
+    left: HashMap<usize, usize>,
+    /// The projections parts still read.
+    live: Vec<Projected>,
+}
+
+impl<'a> Context<'a> {
+    fn new(input: &'a Tensor, parts: &[DraftBatch]) -> Context<'a> {
+        let mut left = HashMap::new();
+        for s in parts.iter().flat_map(|p| &p.seqs) {
+            *left.entry(s.ctx_start).or_insert(0) += 1;
+        }
+        Context {
+            input,
+            left,
+            live: Vec::new(),
+        }
+    }
+
+    /// Whether the sequence at `ctx_start` has blocks in more than one part not yet finished.
+    fn spans(&self, ctx_start: usize) -> bool {
+        self.left.get(&ctx_start).is_some_and(|&n| n > 1)
+    }
+
+    /// The projection holding sequence `s`, and its first row there.
+    fn rows_of(&self, s: &SeqBlocks) -> Result<(&Projected, usize)> {
+        (self.live.iter())
+            .find_map(|p| {
+                (p.starts.iter())
+                    .find(|&&(start, _)| start == s.ctx_start)
+                    .map(|&(_, at)| (p, at))
+            })
+            .ok_or_else(|| {
+                ModelError::Input(format!(
+                    "the context of the sequence at row {} was not projected",
+                    s.ctx_start
+                ))
+            })
+    }
+
+    /// Adds to each cut projection the gradient of its values in `grads` (one part's backward).
+    fn gather(&mut self, grads: &GradStore) -> Result<()> {
+        for p in &mut self.live {
+            for (t, sum) in p.kv.iter().zip(&mut p.grad) {
+                if let Some(g) = grads.get(t) {
+                    *sum = Some(match sum.take() {
+                        Some(s) => (s + g)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Rows of LM-head logits computed at once: `rows x vocab` f32 stays under 16 MiB.
 const LOGIT_ELEMENTS: usize = 1 << 22;
 
@@ -464,49 +562,27 @@ impl Dflash {
         block_ids: &[u32],
         seqs: &[SeqBlocks],
     ) -> Result<Tensor> {
-        // Only the context rows of these sequences are projected (a part of a batch has
-        // few of its sequences), their starts rebased onto the rows kept.
-        let kept: usize = seqs.iter().map(|s| s.ctx_len).sum();
-        let compact: Tensor;
-        let rebased: Vec<SeqBlocks>;
-        let (ctx_in, seqs) = if kept < ctx_in.dim(0)? {
-            let rows: Vec<Tensor> = (seqs.iter())
-                .map(|s| ctx_in.narrow(0, s.ctx_start, s.ctx_len))
-                .collect::<candle_core::Result<_>>()?;
-            compact = Tensor::cat(&rows, 0)?;
-            let mut at = 0;
-            rebased = (seqs.iter())
-                .map(|s| {
-                    let r = SeqBlocks {
-                        ctx_start: at,
-                        ..s.clone()
-                    };
-                    at += s.ctx_len;
-                    r
-                })
-                .collect();
-            (&compact, rebased.as_slice())
-        } else {
-            (ctx_in, seqs)
-        };
+        self.forward_in(&mut Context::new(ctx_in, &[]), block_ids, seqs)
+    }
+
+    /// [`Dflash::forward`] with the context of `seqs` taken from `ctx`, the sequences it has not
+    /// projected yet projected into it first.
+    fn forward_in(
+        &self,
+        ctx: &mut Context<'_>,
+        block_ids: &[u32],
+        seqs: &[SeqBlocks],
+    ) -> Result<Tensor> {
+        self.project(ctx, seqs)?;
         let c = &self.cfg;
-        let p = &self.params;
         let dev = self.device();
         let b = c.block_size;
-        let ctx = rms_norm(
-            &linear(ctx_in, p.get("fc.weight"))?,
-            p.get("hidden_norm.weight"),
-            c.rms_norm_eps,
-        )?;
         let ids = Tensor::from_slice(block_ids, block_ids.len(), dev)?;
         let mut x = self.frozen.embed.index_select(&ids, 0)?;
         let mut bpos = Vec::with_capacity(block_ids.len());
-        let mut cpos = Vec::with_capacity(ctx_in.dim(0)?);
         let mut masks = Vec::with_capacity(seqs.len());
+        let mut kv = Vec::with_capacity(seqs.len());
         for s in seqs {
-            // Context rows not in any sequence with blocks keep position 0: no block sees them.
-            cpos.resize(s.ctx_start, 0);
-            cpos.extend(0..s.ctx_len as u32);
             let mut mask = Vec::with_capacity(s.anchors.len() * s.ctx_len);
             for &a in &s.anchors {
                 bpos.extend(a..a + b as u32);
@@ -523,14 +599,112 @@ impl Dflash {
                 (s.anchors.len(), 1, s.ctx_len),
                 dev,
             )?);
+            kv.push(ctx.rows_of(s)?);
         }
-        cpos.resize(ctx_in.dim(0)?, 0);
         let (bcos, bsin) = self.rope.tables(&bpos, dev)?;
-        let (ccos, csin) = self.rope.tables(&cpos, dev)?;
         for l in 0..c.layers {
-            x = self.layer(l, &x, &ctx, (&bcos, &bsin), (&ccos, &csin), seqs, &masks)?;
+            x = self.layer(l, &x, (&bcos, &bsin), seqs, &kv, &masks)?;
         }
-        rms_norm(&x, p.get("norm.weight"), c.rms_norm_eps)
+        rms_norm(&x, self.params.get("norm.weight"), c.rms_norm_eps)
+    }
+
+    /// Projects into `ctx` the context of the sequences of `seqs` it does not hold: those whose
+    /// blocks are all in this part together, in the graph to the parameters (as one batch's
+    /// context), and each one with blocks in later parts too alone, cut from the graph.
+    fn project(&self, ctx: &mut Context<'_>, seqs: &[SeqBlocks]) -> Result<()> {
+        let new: Vec<&SeqBlocks> = (seqs.iter())
+            .filter(|s| !ctx.live.iter().any(|p| p.holds(s.ctx_start)))
+            .collect();
+        let (cut, whole): (Vec<&SeqBlocks>, Vec<&SeqBlocks>) =
+            new.into_iter().partition(|s| ctx.spans(s.ctx_start));
+        if !whole.is_empty() {
+            let p = self.projected(ctx.input, &whole, false)?;
+            ctx.live.push(p);
+        }
+        for s in cut {
+            let p = self.projected(ctx.input, &[s], true)?;
+            ctx.live.push(p);
+        }
+        Ok(())
+    }
+
+    /// The context keys and values of `seqs` (their rows of `ctx_in` side by side): `fc`, the
+    /// hidden norm and each layer's k and v projections, k normed and rotated at the context's
+    /// positions.
+    fn projected(&self, ctx_in: &Tensor, seqs: &[&SeqBlocks], cut: bool) -> Result<Projected> {
+        let c = &self.cfg;
+        let p = &self.params;
+        let dev = self.device();
+        let (nkv, d, eps) = (c.kv_heads, c.head_dim, c.rms_norm_eps);
+        // Sequences next to each other in the batch are one view of its rows, not a copy.
+        let next_to = (seqs.windows(2)).all(|w| w[0].ctx_start + w[0].ctx_len == w[1].ctx_start);
+        let rows = match seqs {
+            [first, ..] if next_to => {
+                let total = seqs.iter().map(|s| s.ctx_len).sum();
+                ctx_in.narrow(0, first.ctx_start, total)?
+            }
+            _ => {
+                let rows: Vec<Tensor> = (seqs.iter())
+                    .map(|s| ctx_in.narrow(0, s.ctx_start, s.ctx_len))
+                    .collect::<candle_core::Result<_>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+        };
+        let ctx = rms_norm(
+            &linear(&rows, p.get("fc.weight"))?,
+            p.get("hidden_norm.weight"),
+            eps,
+        )?;
+        let mut at = 0;
+        let mut starts = Vec::with_capacity(seqs.len());
+        let mut pos = Vec::with_capacity(ctx.dim(0)?);
+        for s in seqs {
+            starts.push((s.ctx_start, at));
+            pos.extend(0..s.ctx_len as u32);
+            at += s.ctx_len;
+        }
+        let (cos, sin) = self.rope.tables(&pos, dev)?;
+        let mut graph = Vec::with_capacity(2 * c.layers);
+        for l in 0..c.layers {
+            let w = |n: &str| p.get(&format!("layers.{l}.self_attn.{n}.weight"));
+            let qk = train::QkNorm {
+                weight: w("k_norm"),
+                eps,
+                cos: &cos,
+                sin: &sin,
+            };
+            graph.push(train::heads(
+                &linear(&ctx, w("k_proj"))?,
+                &[at],
+                nkv,
+                d,
+                Some(qk),
+            )?);
+            graph.push(train::heads(
+                &linear(&ctx, w("v_proj"))?,
+                &[at],
+                nkv,
+                d,
+                None,
+            )?);
+        }
+        if !cut {
+            return Ok(Projected {
+                starts,
+                kv: graph,
+                graph: Vec::new(),
+                grad: Vec::new(),
+            });
+        }
+        let kv = (graph.iter())
+            .map(|t| Ok(Var::from_tensor(&t.detach())?.as_tensor().clone()))
+            .collect::<Result<Vec<Tensor>>>()?;
+        Ok(Projected {
+            starts,
+            grad: vec![None; kv.len()],
+            kv,
+            graph,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -538,10 +712,9 @@ impl Dflash {
         &self,
         l: usize,
         x: &Tensor,
-        ctx: &Tensor,
         (bcos, bsin): (&Tensor, &Tensor),
-        (ccos, csin): (&Tensor, &Tensor),
         seqs: &[SeqBlocks],
+        kv: &[(&Projected, usize)],
         masks: &[Tensor],
     ) -> Result<Tensor> {
         let c = &self.cfg;
@@ -551,27 +724,25 @@ impl Dflash {
         let eps = c.rms_norm_eps;
         let hn = rms_norm(x, w("input_layernorm.weight"), eps)?;
         // [rows, heads * d] -> [heads, rows, d]; q and k normed per head and rotated at the
-        // blocks' positions (b) or the context's (c).
-        let qk = |weight, cos, sin| {
+        // blocks' positions.
+        let qk = |weight| {
             Some(train::QkNorm {
                 weight,
                 eps,
-                cos,
-                sin,
+                cos: bcos,
+                sin: bsin,
             })
         };
         let (qn, kn) = (w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"));
         let proj = |x: &Tensor, n: &str| linear(x, w(&format!("self_attn.{n}_proj.weight")));
-        let (rb, rc) = (x.dim(0)?, ctx.dim(0)?);
-        let q = train::heads(&proj(&hn, "q")?, &[rb], nh, d, qk(qn, bcos, bsin))?;
-        let kb = train::heads(&proj(&hn, "k")?, &[rb], nkv, d, qk(kn, bcos, bsin))?;
+        let rb = x.dim(0)?;
+        let q = train::heads(&proj(&hn, "q")?, &[rb], nh, d, qk(qn))?;
+        let kb = train::heads(&proj(&hn, "k")?, &[rb], nkv, d, qk(kn))?;
         let vb = train::heads(&proj(&hn, "v")?, &[rb], nkv, d, None)?;
-        let kc = train::heads(&proj(ctx, "k")?, &[rc], nkv, d, qk(kn, ccos, csin))?;
-        let vc = train::heads(&proj(ctx, "v")?, &[rc], nkv, d, None)?;
         let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(seqs.len());
         let mut b0 = 0;
-        for (s, mask) in seqs.iter().zip(masks) {
+        for ((s, mask), &(p, at)) in seqs.iter().zip(masks).zip(kv) {
             let (n, len) = (s.anchors.len(), s.ctx_len);
             let m = n * b;
             // Queries grouped by the kv head they read: [kv, n, g * B, d].
@@ -581,8 +752,8 @@ impl Dflash {
                 .permute((0, 2, 1, 3, 4))?
                 .contiguous()?
                 .reshape((nkv, n, g * b, d))?;
-            let kcs = kc.narrow(1, s.ctx_start, len)?;
-            let vcs = vc.narrow(1, s.ctx_start, len)?;
+            let kcs = p.kv[2 * l].narrow(1, at, len)?;
+            let vcs = p.kv[2 * l + 1].narrow(1, at, len)?;
             let kbs = kb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
             let vbs = vb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
             let s_ctx = (qs.reshape((nkv, n * g * b, d))?.matmul(&kcs.t()?)? * scale)?
@@ -641,42 +812,63 @@ impl Dflash {
         grad: &mut [f32],
     ) -> Result<LossSums> {
         let mut acc = self.params.grads();
-        let sums = match self.forward_batch(ctx_in, batch)? {
-            Some(h) => self.loss_and_backward(h, batch, &mut acc)?,
-            None => self.loss_and_backward_none(batch),
-        };
+        let parts = std::slice::from_ref(batch);
+        let sums = self.loss_and_grads_parts(ctx_in, parts, &mut acc, |_, pass| pass())?;
         acc.add_to(&self.params, grad)?;
         Ok(sums)
     }
 
-    /// The last states of `batch`'s block positions ([`Dflash::forward`]), the graph to its
-    /// parameters kept for [`Dflash::loss_and_backward`]; `None` for a batch without blocks.
-    pub fn forward_batch(&self, ctx_in: &Tensor, batch: &DraftBatch) -> Result<Option<Tensor>> {
-        if batch.seqs.is_empty() {
-            return Ok(None);
+    /// The loss sums of one batch cut into `parts` (by [`DraftBatch::split`], in its order)
+    /// with the gradient summed into `acc` on the device: one part's attention graph held at a
+    /// time, and each sequence's context projected once however many parts hold its blocks (a
+    /// sequence in several parts has its projection cut from the graph; each part's backward
+    /// adds its gradient of the cut, and the sum goes back through the projection once, after
+    /// the sequence's last part). `timed` runs each pass of each part (a caller's clock around
+    /// it: the worker times them on the GPU's stream).
+    pub fn loss_and_grads_parts<E: From<ModelError>>(
+        &self,
+        ctx_in: &Tensor,
+        parts: &[DraftBatch],
+        acc: &mut Grads,
+        mut timed: impl FnMut(Pass, &mut dyn FnMut() -> Result<()>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<LossSums, E> {
+        let mut ctx = Context::new(ctx_in, parts);
+        let mut sums = LossSums::default();
+        for part in parts {
+            sums.blocks += part.blocks() as u64;
+            if part.seqs.is_empty() {
+                continue;
+            }
+            let mut h = None;
+            timed(Pass::Forward, &mut || {
+                h = Some(self.forward_in(&mut ctx, &part.block_ids, &part.seqs)?);
+                Ok(())
+            })?;
+            timed(Pass::LossBackward, &mut || {
+                let h = h.take().ok_or_else(|| {
+                    ModelError::Input("a part's loss was timed before its forward".into())
+                })?;
+                let s = self.loss_and_backward(h, part, acc, &mut ctx)?;
+                sums.loss += s.loss;
+                sums.weight += s.weight;
+                sums.accepted += s.accepted;
+                self.context_backward(&mut ctx, part, acc)
+            })?;
         }
-        self.forward(ctx_in, &batch.block_ids, &batch.seqs)
-            .map(Some)
-    }
-
-    /// What [`Dflash::loss_and_backward`] says of a batch without blocks.
-    pub fn loss_and_backward_none(&self, batch: &DraftBatch) -> LossSums {
-        LossSums {
-            blocks: batch.blocks() as u64,
-            ..LossSums::default()
-        }
+        Ok(sums)
     }
 
     /// The weighted cross-entropy of `batch` summed from its last states `h` (made by
-    /// [`Dflash::forward_batch`]), the gradient of that sum added into `acc` on the device, and
-    /// the blocks' acceptance.
-    pub fn loss_and_backward(
+    /// [`Dflash::forward_in`]), the gradient of that sum added into `acc` on the device and
+    /// into `ctx`'s cut projections, and the blocks' acceptance (`blocks` left 0).
+    fn loss_and_backward(
         &self,
         h: Tensor,
         batch: &DraftBatch,
         acc: &mut Grads,
+        ctx: &mut Context<'_>,
     ) -> Result<LossSums> {
-        let mut sums = self.loss_and_backward_none(batch);
+        let mut sums = LossSums::default();
         let dev = self.device();
         // The head and loss run on a copy cut from the graph, one chunk at a time.
         let cut = Var::from_tensor(&h.detach())?;
@@ -721,7 +913,47 @@ impl Dflash {
         let surrogate = (h * grad_h.detach())?.sum_all()?;
         let grads = surrogate.backward()?;
         self.params.accumulate(&grads, acc)?;
+        ctx.gather(&grads)?;
         Ok(sums)
+    }
+
+    /// After `part`'s backward: the summed gradient of each cut projection whose sequences have
+    /// no blocks in a later part goes back through the projection (adding into `acc`), and
+    /// the projections of those sequences are dropped.
+    fn context_backward(
+        &self,
+        ctx: &mut Context<'_>,
+        part: &DraftBatch,
+        acc: &mut Grads,
+    ) -> Result<()> {
+        for s in &part.seqs {
+            if let Some(n) = ctx.left.get_mut(&s.ctx_start) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        let (done, live): (Vec<Projected>, Vec<Projected>) =
+            std::mem::take(&mut ctx.live).into_iter().partition(|p| {
+                p.starts
+                    .iter()
+                    .all(|(s, _)| ctx.left.get(s).is_none_or(|&n| n == 0))
+            });
+        ctx.live = live;
+        let mut surrogate: Option<Tensor> = None;
+        for p in done {
+            for (t, g) in p.graph.iter().zip(&p.grad) {
+                if let Some(g) = g {
+                    let term = (t * g.detach())?.sum_all()?;
+                    surrogate = Some(match surrogate {
+                        Some(s) => (s + term)?,
+                        None => term,
+                    });
+                }
+            }
+        }
+        if let Some(s) = surrogate {
+            self.params.accumulate(&s.backward()?, acc)?;
+        }
+        Ok(())
     }
 
     /// Writes the drafter as an inference engine loads it: `config.json` and `model.safetensors`

@@ -17,6 +17,10 @@ struct Setup {
 const SEQ: [u32; 2] = [24, 17];
 
 fn setup(num_anchors: usize) -> Setup {
+    setup_seqs(num_anchors, &SEQ)
+}
+
+fn setup_seqs(num_anchors: usize, seq: &[u32]) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let spec = MakeSpec {
         layers: 4,
@@ -29,7 +33,7 @@ fn setup(num_anchors: usize) -> Setup {
     let cfg = DflashConfig::for_target(&arch, vec![1, 2], None, 4, mask);
     let frozen = Frozen::load(dir.path(), &Device::Cpu).unwrap();
     let drafter = Dflash::new(cfg, frozen, 3).unwrap();
-    let t: u32 = SEQ.iter().sum();
+    let t: u32 = seq.iter().sum();
     let ids: Vec<u32> = (0..t).map(|i| (i * 37 + 11) % 290 + 5).collect();
     let greedy: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 290 + 5).collect();
     let mut mask = vec![1u8; t as usize];
@@ -40,7 +44,7 @@ fn setup(num_anchors: usize) -> Setup {
         label: Label::Target,
         seed: 1,
     };
-    let batch = DraftBatch::new(&drafter.cfg, &sampling, 9, &ids, &mask, &greedy, &SEQ);
+    let batch = DraftBatch::new(&drafter.cfg, &sampling, 9, &ids, &mask, &greedy, seq);
     // Context features: a fixed pattern, so every run checks the same numbers.
     let n = t as usize * 2 * 64;
     let feats: Vec<f32> = (0..n)
@@ -406,4 +410,58 @@ fn a_batch_in_parts_trains_as_the_whole() {
     }
     // A budget below one block still makes parts of one block.
     assert_eq!(s.batch.split(&d.cfg, 1).len(), s.batch.blocks());
+}
+
+/// The parts of one batch run together, each sequence's context projected once (cut from the
+/// graph where its blocks span parts), have the whole batch's loss, gradient and acceptance (up
+/// to the order of f32 sums), at every budget: parts of one block, parts holding the tail of
+/// one sequence, whole sequences and the head of the next, and one part.
+#[test]
+fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
+    let s = setup_seqs(6, &[24, 9, 17, 5, 20]);
+    let d = &s.drafter;
+    let n = d.params.len();
+    let mut whole = vec![0f32; n];
+    let w = d.loss_and_grads(&s.ctx, &s.batch, &mut whole).unwrap();
+    let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
+    let (mut spanned, mut mixed) = (false, false);
+    for budget in [1, 2 * per, 5 * per, 9 * per, usize::MAX] {
+        let parts = s.batch.split(&d.cfg, budget);
+        let holding = |start: usize| {
+            (parts.iter())
+                .filter(|p| p.seqs.iter().any(|q| q.ctx_start == start))
+                .count()
+        };
+        spanned |= s.batch.seqs.iter().any(|q| holding(q.ctx_start) > 1);
+        mixed |= parts.iter().any(|p| {
+            let spans = |q: &model::dflash::SeqBlocks| holding(q.ctx_start) > 1;
+            p.seqs.iter().any(spans) && !p.seqs.iter().all(spans)
+        });
+        let mut acc = d.params.grads();
+        let r = (d.loss_and_grads_parts(&s.ctx, &parts, &mut acc, |_, f| f()))
+            .unwrap_or_else(|e| panic!("{} parts: {e}", parts.len()));
+        let mut together = vec![0f32; n];
+        acc.add_to(&d.params, &mut together).unwrap();
+        let what = format!("{} parts", parts.len());
+        assert!(
+            (r.loss - w.loss).abs() < 1e-3 * w.loss,
+            "{what}: {r:?} {w:?}"
+        );
+        assert!(
+            (r.weight - w.weight).abs() < 1e-6 * w.weight,
+            "{what}: {r:?} {w:?}"
+        );
+        assert_eq!((r.accepted, r.blocks), (w.accepted, w.blocks), "{what}");
+        for (i, (a, b)) in whole.iter().zip(&together).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * scale,
+                "{what}: weight {i}: {a} vs {b}"
+            );
+        }
+    }
+    assert!(
+        spanned && mixed,
+        "the budgets cover spanning sequences beside whole ones"
+    );
 }

@@ -54,6 +54,11 @@ struct Args {
     /// Tokens of the one sequence.
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
+    /// Also time each step's gradient with every part run alone, its sequence's context projected
+    /// again in each (the schedule before a context spanning parts was projected once),
+    /// interleaved with the worker's step by step: `gradient_per_part_s`.
+    #[arg(long)]
+    per_part: bool,
     /// Timed steps (after one warm-up).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -228,11 +233,35 @@ fn time(a: &Args) -> anyhow::Result<()> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0;
     let mut loss = 0.0;
-    // The parts the worker cuts the batch into; each projects the sequence's context again.
-    let parts = batch
-        .split(&d.cfg, gpu::dflash::scores_per_part(&dev))
-        .len();
+    // The parts the worker cuts the batch into; the sequence's context is projected once.
+    let parts = batch.split(&d.cfg, gpu::dflash::scores_per_part(&dev));
+    let mut per_part = Vec::new();
+    // The gradient with every part run alone (`--per-part`), timed into `per_part`.
+    let alone = |grad: &mut Vec<f32>, per_part: &mut Vec<f64>, step: usize| -> anyhow::Result<()> {
+        let t = Instant::now();
+        let mut acc = d.params.grads();
+        for p in &parts {
+            let one = std::slice::from_ref(p);
+            d.loss_and_grads_parts::<model::ModelError>(&ctx, one, &mut acc, |_, f| f())?;
+        }
+        // Then where the worker's gradient goes: kept on the device, or into the host's.
+        if on_device {
+            acc.flat(&d.params)?;
+        } else {
+            grad.fill(0.0);
+            acc.add_to(&d.params, grad)?;
+        }
+        dev.synchronize()?;
+        if step > 0 {
+            per_part.push(t.elapsed().as_secs_f64());
+        }
+        Ok(())
+    };
     for step in 0..=a.steps {
+        // The two schedules take turns going first, so neither gains from the order.
+        if a.per_part && step % 2 == 1 {
+            alone(&mut grad, &mut per_part, step)?;
+        }
         let t0 = Instant::now();
         grad.fill(0.0);
         let (s, flat) = if on_device {
@@ -267,6 +296,9 @@ fn time(a: &Args) -> anyhow::Result<()> {
                 tensor_updates.push(t3.elapsed().as_secs_f64());
             }
         }
+        if a.per_part && step % 2 == 0 {
+            alone(&mut grad, &mut per_part, step)?;
+        }
         if step > 0 {
             grads.push((t1 - t0).as_secs_f64());
             updates.push((t2 - t1).as_secs_f64());
@@ -279,7 +311,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "params": d.params.len(),
         "tokens": a.tokens,
         "anchors": batch.blocks(),
-        "parts": parts,
+        "parts": parts.len(),
         "block": a.block,
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
@@ -287,6 +319,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "gradient_on": if on_device { "device" } else { "host" },
         "step_s": median(total),
         "gradient_s": median(grads),
+        "gradient_per_part_s": a.per_part.then(|| median(per_part)),
         "update_s": median(updates),
         // The GPU's form of the update on this CPU (null on a GPU, where it is update_s).
         "update_tensors_s": shadow.is_some().then(|| median(tensor_updates)),
