@@ -6,6 +6,8 @@
 //! shared by `target-worker` and `drafter-worker` (their standalone binaries and the launcher's
 //! hidden subcommands alike).
 
+pub mod malloc;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -128,6 +130,13 @@ pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
         index: args.index,
     };
     init_logging(&name.to_string());
+    match malloc::keep_freed_memory() {
+        malloc::Malloc::Kept => tracing::debug!("glibc's malloc keeps freed memory for reuse"),
+        malloc::Malloc::UserSet(k) => {
+            tracing::info!("malloc left as {k} in the environment sets it")
+        }
+        malloc::Malloc::Unchanged => tracing::debug!("malloc unchanged (not glibc)"),
+    }
     let stop = StopFlags::default();
     install_signal_handlers(&stop).map_err(SetupError::Signal)?;
     let setup = connect_or_read(args, role, name, stop)?;

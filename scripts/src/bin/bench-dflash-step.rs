@@ -59,6 +59,10 @@ struct Args {
     /// interleaved with the worker's step by step: `gradient_per_part_s`.
     #[arg(long)]
     per_part: bool,
+    /// Leave glibc's malloc at its defaults; without it the step runs as a worker's does, freed
+    /// memory kept for reuse (`worker_runtime::malloc`).
+    #[arg(long)]
+    glibc_malloc: bool,
     /// Timed steps (after one warm-up).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -66,6 +70,11 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    let malloc = match a.glibc_malloc {
+        true => worker_runtime::malloc::Malloc::Unchanged,
+        false => worker_runtime::malloc::keep_freed_memory(),
+    };
+    eprintln!("malloc: {malloc:?}");
     match &a.dump {
         Some(dir) => dump(dir),
         None => time(&a),

@@ -36,6 +36,8 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    // Memory as the worker keeps it (freed blocks reused, not faulted in again).
+    worker_runtime::malloc::keep_freed_memory();
     let mut cfg = match &a.config {
         Some(p) => PipelineConfig::load(p)?,
         None => PipelineConfig::default(),

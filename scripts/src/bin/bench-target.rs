@@ -45,6 +45,8 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    // Memory as the target worker keeps it (freed blocks reused, not faulted in again).
+    worker_runtime::malloc::keep_freed_memory();
     let mut cfg = PipelineConfig::default();
     cfg.model.path = Some(a.model.clone());
     let kind = match a.device.as_str() {
