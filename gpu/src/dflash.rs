@@ -63,18 +63,29 @@ pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
     ))
 }
 
+/// How the parts of a batch (see [`scores_per_part`]) share their sequences' context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// The worker's: the parts run together, each sequence's context projected once
+    /// (`Dflash::loss_and_grads_parts`).
+    Together,
+    /// Each part run alone, projecting the context of its own sequences again: the step
+    /// benchmark's comparison (`--per-part`).
+    Alone,
+}
+
 /// The loss sums of `batch` with its gradient added into `grad`, the blocks in parts (see
 /// [`scores_per_part`]), so a batch of long sequences and many anchors never holds more than
-/// one part's attention graph at once (`Dflash::loss_and_grads_parts`: each sequence's context
-/// projected once): the worker's gradient, and the step benchmark's. The parts' gradients are
-/// summed on the device and copied to the host once.
+/// one part's attention graph at once: the worker's gradient (`Schedule::Together`), and the
+/// step benchmark's. The parts' gradients are summed on the device and copied to the host once.
 pub fn loss_and_grads_in_parts(
     model: &Dflash,
     ctx: &Tensor,
     batch: &DraftBatch,
     grad: &mut [f32],
+    schedule: Schedule,
 ) -> Result<model::dflash::LossSums, GpuError> {
-    let (sums, acc) = parts_timed(model, ctx, batch, None)?;
+    let (sums, acc) = parts_timed(model, ctx, batch, None, schedule)?;
     acc.add_to(&model.params, grad)?;
     Ok(sums)
 }
@@ -85,8 +96,9 @@ pub fn loss_and_flat_grads_in_parts(
     model: &Dflash,
     ctx: &Tensor,
     batch: &DraftBatch,
+    schedule: Schedule,
 ) -> Result<(model::dflash::LossSums, Tensor), GpuError> {
-    let (sums, acc) = parts_timed(model, ctx, batch, None)?;
+    let (sums, acc) = parts_timed(model, ctx, batch, None, schedule)?;
     Ok((sums, acc.flat(&model.params)?))
 }
 
@@ -123,16 +135,29 @@ fn parts_timed(
     ctx: &Tensor,
     batch: &DraftBatch,
     gpu: Option<&OnGpu>,
+    schedule: Schedule,
 ) -> Result<(model::dflash::LossSums, model::train::Grads), GpuError> {
     let mut acc = model.params.grads();
     let parts = batch.split(&model.cfg, scores_per_part(model.device()));
-    let sums = model.loss_and_grads_parts(ctx, &parts, &mut acc, |pass, f| {
-        let work = match pass {
-            Pass::Forward => device_time::FORWARD,
-            Pass::LossBackward => LOSS_BACKWARD,
-        };
-        on_compute(gpu, work, || Ok(f()?))
-    })?;
+    let mut run = |parts: &[DraftBatch]| {
+        model.loss_and_grads_parts(ctx, parts, &mut acc, |pass, f| {
+            let work = match pass {
+                Pass::Forward => device_time::FORWARD,
+                Pass::LossBackward => LOSS_BACKWARD,
+            };
+            on_compute(gpu, work, || Ok(f()?))
+        })
+    };
+    let sums = match schedule {
+        Schedule::Together => run(&parts)?,
+        Schedule::Alone => {
+            let mut sums = model::dflash::LossSums::default();
+            for p in &parts {
+                sums += run(std::slice::from_ref(p))?;
+            }
+            sums
+        }
+    };
     Ok((sums, acc))
 }
 
@@ -504,7 +529,13 @@ impl DflashDrafter {
             Some(g) => g.timed(COMPUTE, device_time::FORWARD, cast)?,
             None => cast()?,
         };
-        let (sums, acc) = parts_timed(&self.model, &ctx, &db, self.gpu.as_ref())?;
+        let (sums, acc) = parts_timed(
+            &self.model,
+            &ctx,
+            &db,
+            self.gpu.as_ref(),
+            Schedule::Together,
+        )?;
         let (params, gpu) = (&self.model.params, self.gpu.as_ref());
         match &self.on_device {
             None => on_compute(gpu, GRADIENT_OUT, || {

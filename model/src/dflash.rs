@@ -28,6 +28,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -431,6 +432,15 @@ pub struct LossSums {
     pub blocks: u64,
 }
 
+impl std::ops::AddAssign for LossSums {
+    fn add_assign(&mut self, o: LossSums) {
+        self.loss += o.loss;
+        self.weight += o.weight;
+        self.accepted += o.accepted;
+        self.blocks += o.blocks;
+    }
+}
+
 /// A pass of one part of a batch, as [`Dflash::loss_and_grads_parts`] hands it to its caller's
 /// clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -512,10 +522,7 @@ impl<'a> Context<'a> {
         for p in &mut self.live {
             for (t, sum) in p.kv.iter().zip(&mut p.grad) {
                 if let Some(g) = grads.get(t) {
-                    *sum = Some(match sum.take() {
-                        Some(s) => (s + g)?,
-                        None => g.clone(),
-                    });
+                    train::add_into(sum, g.clone())?;
                 }
             }
         }
@@ -532,6 +539,8 @@ pub struct Dflash {
     pub params: Params,
     pub frozen: Frozen,
     rope: Rope,
+    /// Context rows projected since the drafter was made (see [`Dflash::context_rows_projected`]).
+    projected_rows: AtomicU64,
 }
 
 impl Dflash {
@@ -545,7 +554,16 @@ impl Dflash {
             params,
             frozen,
             rope,
+            projected_rows: AtomicU64::new(0),
         })
+    }
+
+    /// The rows of context (one a token of a sequence) whose projection (fc, hidden norm, each
+    /// layer's context keys and values) the drafter has made since it was made: a batch run in
+    /// parts by [`Dflash::loss_and_grads_parts`] adds its context's rows once, however many parts
+    /// hold each sequence's blocks.
+    pub fn context_rows_projected(&self) -> u64 {
+        self.projected_rows.load(Ordering::Relaxed)
     }
 
     /// The device the drafter computes on (its frozen embedding's).
@@ -650,6 +668,8 @@ impl Dflash {
                 Tensor::cat(&rows, 0)?
             }
         };
+        // Relaxed: a count for tests and benchmarks; no other memory is published with it.
+        (self.projected_rows).fetch_add(rows.dim(0)? as u64, Ordering::Relaxed);
         let ctx = rms_norm(
             &linear(&rows, p.get("fc.weight"))?,
             p.get("hidden_norm.weight"),
@@ -818,7 +838,7 @@ impl Dflash {
         Ok(sums)
     }
 
-    /// The loss sums of one batch cut into `parts` (by [`DraftBatch::split`], in its order)
+    /// The loss sums of one batch cut into `parts` (by [`DraftBatch::split`], in any order)
     /// with the gradient summed into `acc` on the device: one part's attention graph held at a
     /// time, and each sequence's context projected once however many parts hold its blocks (a
     /// sequence in several parts has its projection cut from the graph; each part's backward
@@ -848,12 +868,19 @@ impl Dflash {
                 let h = h.take().ok_or_else(|| {
                     ModelError::Input("a part's loss was timed before its forward".into())
                 })?;
-                let s = self.loss_and_backward(h, part, acc, &mut ctx)?;
-                sums.loss += s.loss;
-                sums.weight += s.weight;
-                sums.accepted += s.accepted;
+                sums += self.loss_and_backward(h, part, acc, &mut ctx)?;
                 self.context_backward(&mut ctx, part, acc)
             })?;
+        }
+        // Only a clock that skipped a part's loss and backward leaves a projection here; its
+        // gradient would be lost without a word.
+        if !ctx.live.is_empty() {
+            let n = ctx.live.len();
+            let why = format!(
+                "{n} context projections were left without their backward: `timed` did not run \
+                 a part's loss and backward pass"
+            );
+            return Err(ModelError::Input(why).into());
         }
         Ok(sums)
     }
@@ -942,11 +969,7 @@ impl Dflash {
         for p in done {
             for (t, g) in p.graph.iter().zip(&p.grad) {
                 if let Some(g) = g {
-                    let term = (t * g.detach())?.sum_all()?;
-                    surrogate = Some(match surrogate {
-                        Some(s) => (s + term)?,
-                        None => term,
-                    });
+                    train::add_into(&mut surrogate, (t * g.detach())?.sum_all()?)?;
                 }
             }
         }

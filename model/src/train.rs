@@ -104,6 +104,16 @@ pub struct Params {
     vars: Vec<Var>,
 }
 
+/// `sum += t`, a sum not yet begun taking `t` as it is (gradients summed over chunks or parts,
+/// which a parameter may have none of).
+pub fn add_into(sum: &mut Option<Tensor>, t: Tensor) -> Result<()> {
+    *sum = Some(match sum.take() {
+        Some(s) => (s + t)?,
+        None => t,
+    });
+    Ok(())
+}
+
 impl Params {
     /// Parameters `specs` (name, shape, init), drawn from one stream seeded by `seed`, in
     /// order: the same seed gives the same bits on every rank.
@@ -229,11 +239,7 @@ impl Params {
     pub fn accumulate(&self, grads: &GradStore, acc: &mut Grads) -> Result<()> {
         for (v, sum) in self.vars.iter().zip(&mut acc.0) {
             if let Some(g) = grads.get(v.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                *sum = Some(match sum.take() {
-                    Some(s) => (s + g)?,
-                    None => g,
-                });
+                add_into(sum, g.to_dtype(DType::F32)?)?;
             }
         }
         Ok(())

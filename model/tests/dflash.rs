@@ -412,10 +412,11 @@ fn a_batch_in_parts_trains_as_the_whole() {
     assert_eq!(s.batch.split(&d.cfg, 1).len(), s.batch.blocks());
 }
 
-/// The parts of one batch run together, each sequence's context projected once (cut from the
-/// graph where its blocks span parts), have the whole batch's loss, gradient and acceptance (up
-/// to the order of f32 sums), at every budget: parts of one block, parts holding the tail of
-/// one sequence, whole sequences and the head of the next, and one part.
+/// The parts of one batch run together, in their order or reversed, project each sequence's
+/// context once (cut from the graph where its blocks span parts) and have the whole batch's loss,
+/// gradient and acceptance (up to the order of f32 sums), at every budget: parts of one block,
+/// parts holding the tail of one sequence, whole sequences and the head of the next, and one
+/// part.
 #[test]
 fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     let s = setup_seqs(6, &[24, 9, 17, 5, 20]);
@@ -424,10 +425,11 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     let mut whole = vec![0f32; n];
     let w = d.loss_and_grads(&s.ctx, &s.batch, &mut whole).unwrap();
     let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let rows: u64 = s.batch.seqs.iter().map(|q| q.ctx_len as u64).sum();
     let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
     let (mut spanned, mut mixed) = (false, false);
     for budget in [1, 2 * per, 5 * per, 9 * per, usize::MAX] {
-        let parts = s.batch.split(&d.cfg, budget);
+        let mut parts = s.batch.split(&d.cfg, budget);
         let holding = |start: usize| {
             (parts.iter())
                 .filter(|p| p.seqs.iter().any(|q| q.ctx_start == start))
@@ -438,30 +440,62 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
             let spans = |q: &model::dflash::SeqBlocks| holding(q.ctx_start) > 1;
             p.seqs.iter().any(spans) && !p.seqs.iter().all(spans)
         });
-        let mut acc = d.params.grads();
-        let r = (d.loss_and_grads_parts(&s.ctx, &parts, &mut acc, |_, f| f()))
-            .unwrap_or_else(|e| panic!("{} parts: {e}", parts.len()));
-        let mut together = vec![0f32; n];
-        acc.add_to(&d.params, &mut together).unwrap();
-        let what = format!("{} parts", parts.len());
-        assert!(
-            (r.loss - w.loss).abs() < 1e-3 * w.loss,
-            "{what}: {r:?} {w:?}"
-        );
-        assert!(
-            (r.weight - w.weight).abs() < 1e-6 * w.weight,
-            "{what}: {r:?} {w:?}"
-        );
-        assert_eq!((r.accepted, r.blocks), (w.accepted, w.blocks), "{what}");
-        for (i, (a, b)) in whole.iter().zip(&together).enumerate() {
+        for reversed in [false, true] {
+            if reversed {
+                parts.reverse();
+            }
+            let what = format!("{} parts, reversed {reversed}", parts.len());
+            let mut acc = d.params.grads();
+            let before = d.context_rows_projected();
+            let r = (d.loss_and_grads_parts(&s.ctx, &parts, &mut acc, |_, f| f()))
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let projected = d.context_rows_projected() - before;
+            assert_eq!(projected, rows, "{what}: context rows projected");
+            let mut together = vec![0f32; n];
+            acc.add_to(&d.params, &mut together).unwrap();
             assert!(
-                (a - b).abs() <= 1e-4 * scale,
-                "{what}: weight {i}: {a} vs {b}"
+                (r.loss - w.loss).abs() < 1e-3 * w.loss,
+                "{what}: {r:?} {w:?}"
             );
+            assert!(
+                (r.weight - w.weight).abs() < 1e-6 * w.weight,
+                "{what}: {r:?} {w:?}"
+            );
+            assert_eq!((r.accepted, r.blocks), (w.accepted, w.blocks), "{what}");
+            for (i, (a, b)) in whole.iter().zip(&together).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * scale,
+                    "{what}: weight {i}: {a} vs {b}"
+                );
+            }
         }
     }
     assert!(
         spanned && mixed,
         "the budgets cover spanning sequences beside whole ones"
     );
+}
+
+/// A clock that skips a part's loss and backward gets an error naming it, not a gradient with
+/// that part's share (and its sequences' context) silently missing.
+#[test]
+fn a_part_whose_backward_was_not_run_is_an_error() {
+    let s = setup_seqs(6, &[24, 9, 17]);
+    let d = &s.drafter;
+    let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
+    let parts = s.batch.split(&d.cfg, 2 * per);
+    assert!(parts.len() > 2, "{} parts", parts.len());
+    let mut acc = d.params.grads();
+    let mut seen = 0;
+    let err = d
+        .loss_and_grads_parts(&s.ctx, &parts, &mut acc, |pass, f| {
+            seen += 1;
+            // The second part's loss and backward is never run.
+            match (pass, seen) {
+                (model::dflash::Pass::LossBackward, 4) => Ok(()),
+                _ => f(),
+            }
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("without their backward"), "{err}");
 }

@@ -71,7 +71,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let malloc = match a.glibc_malloc {
-        true => worker_runtime::malloc::Malloc::Unchanged,
+        true => worker_runtime::malloc::Malloc::UserSet("--glibc-malloc"),
         false => worker_runtime::malloc::keep_freed_memory(),
     };
     eprintln!("malloc: {malloc:?}");
@@ -244,23 +244,24 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let mut loss = 0.0;
     // The parts the worker cuts the batch into; the sequence's context is projected once.
     let parts = batch.split(&d.cfg, gpu::dflash::scores_per_part(&dev));
+    // One schedule's gradient, to where the worker's goes, the device done with it.
+    let gradient = |grad: &mut Vec<f32>, schedule| -> anyhow::Result<_> {
+        grad.fill(0.0);
+        let out = if on_device {
+            let (s, flat) = gpu::dflash::loss_and_flat_grads_in_parts(&d, &ctx, &batch, schedule)?;
+            (s, Some(flat))
+        } else {
+            let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, grad, schedule)?;
+            (s, None)
+        };
+        dev.synchronize()?;
+        Ok(out)
+    };
     let mut per_part = Vec::new();
     // The gradient with every part run alone (`--per-part`), timed into `per_part`.
-    let alone = |grad: &mut Vec<f32>, per_part: &mut Vec<f64>, step: usize| -> anyhow::Result<()> {
+    let mut alone = |grad: &mut Vec<f32>, step: usize| -> anyhow::Result<()> {
         let t = Instant::now();
-        let mut acc = d.params.grads();
-        for p in &parts {
-            let one = std::slice::from_ref(p);
-            d.loss_and_grads_parts::<model::ModelError>(&ctx, one, &mut acc, |_, f| f())?;
-        }
-        // Then where the worker's gradient goes: kept on the device, or into the host's.
-        if on_device {
-            acc.flat(&d.params)?;
-        } else {
-            grad.fill(0.0);
-            acc.add_to(&d.params, grad)?;
-        }
-        dev.synchronize()?;
+        gradient(grad, gpu::dflash::Schedule::Alone)?;
         if step > 0 {
             per_part.push(t.elapsed().as_secs_f64());
         }
@@ -269,20 +270,12 @@ fn time(a: &Args) -> anyhow::Result<()> {
     for step in 0..=a.steps {
         // The two schedules take turns going first, so neither gains from the order.
         if a.per_part && step % 2 == 1 {
-            alone(&mut grad, &mut per_part, step)?;
+            alone(&mut grad, step)?;
         }
         let t0 = Instant::now();
-        grad.fill(0.0);
-        let (s, flat) = if on_device {
-            let (s, flat) = gpu::dflash::loss_and_flat_grads_in_parts(&d, &ctx, &batch)?;
-            (s, Some(flat))
-        } else {
-            let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, &mut grad)?;
-            (s, None)
-        };
+        let (s, flat) = gradient(&mut grad, gpu::dflash::Schedule::Together)?;
         let weight = s.weight;
         loss = s.loss;
-        dev.synchronize()?;
         let t1 = Instant::now();
         let scale = 1.0 / weight.max(1.0) as f32;
         match &flat {
@@ -306,7 +299,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
             }
         }
         if a.per_part && step % 2 == 0 {
-            alone(&mut grad, &mut per_part, step)?;
+            alone(&mut grad, step)?;
         }
         if step > 0 {
             grads.push((t1 - t0).as_secs_f64());
