@@ -170,6 +170,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let mut backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
+    worker_runtime::model_loaded();
     let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let _pinned = gpu::pin_arena(s.backend, &ring);

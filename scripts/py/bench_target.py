@@ -78,6 +78,8 @@ def main():
     p.add_argument("--shapes", default="512x8,1024x4,2048x2", help="seq_len x batch, comma-separated")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--random", action="store_true", help="weights made on the device from config.json")
+    p.add_argument("--glibc-too", action="store_true",
+                   help="also run hspipe with glibc's malloc defaults each round (bench-target --glibc-malloc)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     models = {impl: load(a, impl) for impl in ("eager", "sdpa")}
@@ -93,13 +95,16 @@ def main():
     for shape in a.shapes.split(","):
         seq, batch = (int(x) for x in shape.split("x"))
         ids = torch.arange(seq * batch).mul(7919).remainder(vocab).reshape(batch, seq).to(a.device)
-        rates = {"hspipe": [], "eager": [], "sdpa": []}
+        ours = {"hspipe": []} | ({"hspipe-glibc": ["--glibc-malloc"]} if a.glibc_too else {})
+        rates = {k: [] for k in ours} | {"eager": [], "sdpa": []}
         for r in range(a.rounds):
-            out = subprocess.run(
-                [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)] + extra,
-                check=True, capture_output=True, text=True, env=env,
-            ).stdout
-            rates["hspipe"].append(json.loads(out)["tokens_per_s"])
+            for side, flags in ours.items():
+                out = subprocess.run(
+                    [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)]
+                    + extra + flags,
+                    check=True, capture_output=True, text=True, env=env,
+                ).stdout
+                rates[side].append(json.loads(out)["tokens_per_s"])
             for impl, m in models.items():
                 rates[impl].append(torch_rate(m, ids, a.reps, capture))
             print(f"  {shape} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()), flush=True)
@@ -110,7 +115,9 @@ def main():
             "tokens_per_s_median": {k: round(v, 1) for k, v in med.items()},
             "hspipe_over_eager": round(ratio["eager"], 3),
             "hspipe_over_sdpa": round(ratio["sdpa"], 3),
-        }), flush=True)
+        } | ({"hspipe_over_glibc": round(statistics.median(
+            h / g for h, g in zip(rates["hspipe"], rates["hspipe-glibc"])), 3)} if a.glibc_too else {})),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let cfg = &s.config;
     // The model first: a backend that cannot start fails before this worker takes any work.
     let mut backend = gpu::target(s.backend, cfg, s.name)?;
+    worker_runtime::model_loaded();
     let data = load_dataset(cfg).context("loading the dataset")?;
     let plan = plan(data.lengths(), cfg);
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;

@@ -122,6 +122,18 @@ pub fn init_logging(name: &str) {
     tracing::info!(worker = name, pid = std::process::id(), "starting");
 }
 
+/// After the worker's model is loaded: gives what the load freed back to the kernel (see
+/// [`malloc::give_back_freed`]), and logs how much.
+pub fn model_loaded() {
+    if let Some(g) = malloc::give_back_freed() {
+        tracing::info!(
+            "model loaded; {} MiB freed while loading given back, {} MiB resident",
+            g.bytes() >> 20,
+            g.resident_after >> 20
+        );
+    }
+}
+
 /// Handshakes with the launcher (if `--control`) or reads the standalone flags, loads and
 /// validates the config, and installs the stop handlers.
 pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
@@ -135,7 +147,10 @@ pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
         malloc::Malloc::UserSet(k) => {
             tracing::info!("malloc left as {k} in the environment sets it")
         }
-        malloc::Malloc::Unchanged => tracing::debug!("malloc unchanged (not glibc)"),
+        malloc::Malloc::Refused(setting) => {
+            tracing::warn!("glibc's malloc refused {setting}: freed memory may not be kept")
+        }
+        malloc::Malloc::NotGlibc => tracing::debug!("malloc unchanged (not glibc)"),
     }
     let stop = StopFlags::default();
     install_signal_handlers(&stop).map_err(SetupError::Signal)?;

@@ -21,12 +21,15 @@ pub enum Malloc {
     Kept,
     /// This environment variable sets glibc's malloc already; it is left as the user set it.
     UserSet(&'static str),
-    /// Not glibc, or glibc refused a setting: the allocator is as it was.
-    Unchanged,
+    /// glibc refused this setting; the ones before it took.
+    Refused(&'static str),
+    /// Not glibc: the allocator is as it was.
+    NotGlibc,
 }
 
-/// The environment variables through which a user tunes glibc's malloc themselves.
-const USER_KNOBS: [&str; 6] = [
+/// The environment variables through which a user tunes glibc's malloc themselves
+/// (`GLIBC_TUNABLES` only where it names a `glibc.malloc.` tunable).
+pub const USER_KNOBS: [&str; 6] = [
     "GLIBC_TUNABLES",
     "MALLOC_ARENA_MAX",
     "MALLOC_MMAP_MAX_",
@@ -35,43 +38,98 @@ const USER_KNOBS: [&str; 6] = [
     "MALLOC_TOP_PAD_",
 ];
 
-/// The first of the user's malloc knobs that `var` says is set.
-fn user_knob(var: impl Fn(&str) -> bool) -> Option<&'static str> {
-    USER_KNOBS.into_iter().find(|k| var(k))
+/// The first of the user's malloc knobs set in `var` (an environment lookup).
+fn user_knob(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<&'static str> {
+    USER_KNOBS.into_iter().find(|&k| match var(k) {
+        None => false,
+        // Other tunables (a container's `glibc.cpu.` or `glibc.pthread.` ones) leave malloc be.
+        Some(v) if k == "GLIBC_TUNABLES" => v.to_string_lossy().contains("glibc.malloc."),
+        Some(_) => true,
+    })
 }
 
 /// Makes glibc's malloc keep freed memory for reuse (see the module doc), unless the user's
 /// environment tunes it. Call it first thing in the process, before any other thread
 /// allocates (a thread that already has an arena of its own keeps it).
 pub fn keep_freed_memory() -> Malloc {
-    if let Some(k) = user_knob(|k| std::env::var_os(k).is_some()) {
+    if let Some(k) = user_knob(|k| std::env::var_os(k)) {
         return Malloc::UserSet(k);
     }
     set()
 }
 
+/// The process's resident memory before and after [`give_back_freed`], in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GivenBack {
+    pub resident_before: u64,
+    pub resident_after: u64,
+}
+
+impl GivenBack {
+    /// The bytes the kernel took back (0 if the process grew meanwhile: another thread).
+    pub fn bytes(&self) -> u64 {
+        self.resident_before.saturating_sub(self.resident_after)
+    }
+}
+
+/// Gives the heap's free memory back to the kernel once (`malloc_trim(0)`): what a model's load
+/// freed (a checkpoint's host copies, dtype conversions) would otherwise stay resident for the
+/// worker's whole life, since kept memory is never trimmed by itself. Call it after the load;
+/// the first step then faults its own memory in once. `None` where the resident size cannot be
+/// read or the allocator is not glibc.
+pub fn give_back_freed() -> Option<GivenBack> {
+    let resident_before = resident()?;
+    trim()?;
+    Some(GivenBack {
+        resident_before,
+        resident_after: resident()?,
+    })
+}
+
+/// The process's resident memory in bytes (`/proc/self/statm`'s second field, in pages).
+fn resident() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim() -> Option<()> {
+    // SAFETY: malloc_trim returns free heap pages to the kernel under the allocator's lock; no
+    // block in use is touched.
+    unsafe { libc::malloc_trim(0) };
+    Some(())
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() -> Option<()> {
+    None
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn set() -> Malloc {
-    // SAFETY: mallopt only changes the allocator's parameters, under its own lock; it reads and
-    // writes no memory of ours. The values are the ones mallopt(3) documents: one arena, 0
-    // disables mmap for large requests, -1 disables trimming.
-    let ok = [
-        (libc::M_ARENA_MAX, 1),
-        (libc::M_MMAP_MAX, 0),
-        (libc::M_TRIM_THRESHOLD, -1),
-    ]
-    .into_iter()
-    .all(|(param, value)| unsafe { libc::mallopt(param, value) } == 1);
-    if ok {
-        Malloc::Kept
-    } else {
-        Malloc::Unchanged
+    // The values are the ones mallopt(3) documents: one arena, 0 disables mmap for large
+    // requests, -1 disables trimming.
+    let settings = [
+        ("M_ARENA_MAX", libc::M_ARENA_MAX, 1),
+        ("M_MMAP_MAX", libc::M_MMAP_MAX, 0),
+        ("M_TRIM_THRESHOLD", libc::M_TRIM_THRESHOLD, -1),
+    ];
+    for (name, param, value) in settings {
+        // SAFETY: mallopt only changes the allocator's parameters, under its own lock; it reads
+        // and writes no memory of ours.
+        if unsafe { libc::mallopt(param, value) } != 1 {
+            return Malloc::Refused(name);
+        }
     }
+    Malloc::Kept
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn set() -> Malloc {
-    Malloc::Unchanged
+    Malloc::NotGlibc
 }
 
 #[cfg(test)]
@@ -80,12 +138,18 @@ mod tests {
 
     #[test]
     fn a_knob_the_user_set_is_named_and_none_is_none() {
+        let only = |name: &'static str, value: &'static str| {
+            move |k: &str| (k == name).then(|| value.into())
+        };
+        let knob = |name| user_knob(only(name, "1"));
+        assert_eq!(knob("MALLOC_TRIM_THRESHOLD_"), Some("MALLOC_TRIM_THRESHOLD_"));
+        assert_eq!(knob("MALLOC_ARENA_MAX_"), None);
+        assert_eq!(user_knob(|_| None), None);
+        let tunables = |v| user_knob(only("GLIBC_TUNABLES", v));
         assert_eq!(
-            user_knob(|k| k == "MALLOC_TRIM_THRESHOLD_"),
-            Some("MALLOC_TRIM_THRESHOLD_")
+            tunables("glibc.cpu.hwcaps=-AVX512F:glibc.malloc.arena_max=4"),
+            Some("GLIBC_TUNABLES")
         );
-        assert_eq!(user_knob(|k| k == "GLIBC_TUNABLES"), Some("GLIBC_TUNABLES"));
-        assert_eq!(user_knob(|k| k == "MALLOC_ARENA_MAX_"), None);
-        assert_eq!(user_knob(|_| false), None);
+        assert_eq!(tunables("glibc.pthread.rseq=0"), None, "not malloc's");
     }
 }

@@ -41,12 +41,18 @@ struct Args {
     /// Skip the greedy tokens (the forward stops after the last captured layer).
     #[arg(long)]
     no_tokens: bool,
+    /// Leave glibc's malloc at its defaults; without it the target runs as the worker's does,
+    /// freed memory kept for reuse (`worker_runtime::malloc`).
+    #[arg(long)]
+    glibc_malloc: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     // Memory as the target worker keeps it (freed blocks reused, not faulted in again).
-    worker_runtime::malloc::keep_freed_memory();
+    if !a.glibc_malloc {
+        worker_runtime::malloc::keep_freed_memory();
+    }
     let mut cfg = PipelineConfig::default();
     cfg.model.path = Some(a.model.clone());
     let kind = match a.device.as_str() {
@@ -60,6 +66,14 @@ fn main() -> anyhow::Result<()> {
     } else {
         CandleTarget::load_at(&a.model, &cfg, &place).context("loading the model")?
     };
+    // As the worker does after its load (`worker_runtime::model_loaded`).
+    if let Some(g) = worker_runtime::malloc::give_back_freed() {
+        eprintln!(
+            "loaded: {} MiB freed while loading given back, {} MiB resident",
+            g.bytes() >> 20,
+            g.resident_after >> 20
+        );
+    }
     let vocab = target.decoder().config().vocab_size as u64;
     let t = (a.seq_len * a.batch) as usize;
     let ids: Vec<u32> = (0..t as u64)
