@@ -406,7 +406,8 @@ macro_rules! worker_methods {
         /// Says this worker times its device with its own timeline (CUDA events): from now on
         /// its busy time and idle gaps are the device's, put in with
         /// [`record_device`](Self::record_device), and `enter` no longer opens and closes gaps.
-        /// `false` (the timeline failed): host-timed again from now.
+        /// `false` (the timeline failed): host-timed again from now. The idle gap kept for the
+        /// second of a switch is the longer of that second's gaps of either kind.
         pub fn set_device_timed(&self, on: bool) {
             self.w.core().set_device_timed(self.w.id, on)
         }
