@@ -125,12 +125,16 @@ pub fn init_logging(name: &str) {
 /// After the worker's model is loaded: gives what the load freed back to the kernel (see
 /// [`malloc::give_back_freed`]), and logs how much.
 pub fn model_loaded() {
-    if let Some(g) = malloc::give_back_freed() {
+    let Some(g) = malloc::give_back_freed() else {
+        return;
+    };
+    let (freed, resident) = (g.bytes() >> 20, g.resident_after >> 20);
+    if freed > 0 {
         tracing::info!(
-            "model loaded; {} MiB freed while loading given back, {} MiB resident",
-            g.bytes() >> 20,
-            g.resident_after >> 20
+            "model loaded; {freed} MiB freed while loading given back, {resident} MiB resident"
         );
+    } else {
+        tracing::debug!("model loaded; {resident} MiB resident");
     }
 }
 

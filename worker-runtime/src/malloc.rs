@@ -137,12 +137,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_knob_the_user_set_is_named_and_none_is_none() {
+    fn a_malloc_knob_the_user_set_is_named_and_other_tunables_are_not() {
         let only = |name: &'static str, value: &'static str| {
             move |k: &str| (k == name).then(|| value.into())
         };
         let knob = |name| user_knob(only(name, "1"));
-        assert_eq!(knob("MALLOC_TRIM_THRESHOLD_"), Some("MALLOC_TRIM_THRESHOLD_"));
+        assert_eq!(
+            knob("MALLOC_TRIM_THRESHOLD_"),
+            Some("MALLOC_TRIM_THRESHOLD_")
+        );
         assert_eq!(knob("MALLOC_ARENA_MAX_"), None);
         assert_eq!(user_knob(|_| None), None);
         let tunables = |v| user_knob(only("GLIBC_TUNABLES", v));
