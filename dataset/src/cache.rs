@@ -146,12 +146,12 @@ pub fn content_key(
         }
         let mut file = File::open(f).map_err(|e| DataError::Read {
             path: f.clone(),
-            source: e,
+            cause: e,
         })?;
         loop {
             let n = file.read(&mut buf).map_err(|e| DataError::Read {
                 path: f.clone(),
-                source: e,
+                cause: e,
             })?;
             if n == 0 {
                 break;
@@ -277,7 +277,7 @@ pub fn prepare_with(
     let created_dir = !dir.exists();
     let write_err = |e: std::io::Error| DataError::Write {
         path: target.clone(),
-        source: e,
+        cause: e,
     };
     std::fs::create_dir_all(dir).map_err(write_err)?;
     // Written whole or not at all (`atomic_file`: temporary file, sync, rename, sync
@@ -321,7 +321,7 @@ fn write_prepared(
 ) -> Result<(), DataError> {
     let werr = |e: std::io::Error| DataError::Write {
         path: tmp.to_path_buf(),
-        source: e,
+        cause: e,
     };
     let meta = vec![
         ("hspipe.dataset".to_string(), FORMAT_VERSION.to_string()),
@@ -366,7 +366,7 @@ fn write_prepared(
         &mut |n| total_cell.set(n),
     )
     .map_err(|e| match e {
-        DataError::Write { source, .. } => werr(source),
+        DataError::Write { cause: source, .. } => werr(source),
         e => e,
     })?;
     if w.samples == 0 && stats.conversations + stats.texts > 0 {

@@ -73,7 +73,7 @@ impl Kind {
 fn read_err(path: &Path) -> impl Fn(std::io::Error) -> DataError + '_ {
     move |e| DataError::Read {
         path: path.to_path_buf(),
-        source: e,
+        cause: e,
     }
 }
 
@@ -311,7 +311,7 @@ fn jsonl<W: Write>(
 fn write_err(e: std::io::Error) -> DataError {
     DataError::Write {
         path: PathBuf::from("(the prepared file)"),
-        source: e,
+        cause: e,
     }
 }
 
@@ -540,7 +540,7 @@ fn ipc_err(path: &Path) -> impl Fn(IpcError) -> DataError + '_ {
     move |e| match e {
         IpcError::Io(e) => DataError::Read {
             path: path.to_path_buf(),
-            source: e,
+            cause: e,
         },
         e => format_err(path, e),
     }

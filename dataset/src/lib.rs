@@ -59,10 +59,10 @@ pub const FORMAT_VERSION: &str = "1";
 /// A dataset that cannot be used, naming the file and the line or row at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("reading dataset {path}: {source}")]
+    #[error("reading dataset {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("dataset {path} has no samples")]
     Empty { path: PathBuf },
@@ -90,10 +90,10 @@ pub enum DataError {
     /// A prepared (cached) file that cannot be used.
     #[error("prepared data {path} is not usable: {why}")]
     Prepared { path: PathBuf, why: String },
-    #[error("writing prepared data {path}: {source}")]
+    #[error("writing prepared data {path}: {cause}")]
     Write {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 

@@ -108,11 +108,11 @@ impl Mapped {
         };
         let file = File::open(path).map_err(|e| DataError::Read {
             path: path.to_path_buf(),
-            source: e,
+            cause: e,
         })?;
         let map = Arc::new(map_read_only(&file).map_err(|e| DataError::Read {
             path: path.to_path_buf(),
-            source: e,
+            cause: e,
         })?);
         let ipc = IpcFile::open(&map).map_err(|e| bad(format!("not an Arrow IPC file: {e}")))?;
         let schema = ipc.schema.clone();

@@ -132,7 +132,7 @@ impl ArchConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         ArchConfig::parse(&text, &path)
     }

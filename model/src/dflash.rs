@@ -984,7 +984,10 @@ impl Dflash {
     pub fn export(&self, dir: &Path) -> Result<()> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
-            move |source| ModelError::Io { path, source }
+            move |source| ModelError::Io {
+                path,
+                cause: source,
+            }
         };
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let mut named = Vec::new();
@@ -1003,7 +1006,7 @@ impl Dflash {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         let cfg = DflashConfig::from_json(&text, &path)?;
         let mut d = Dflash::new(cfg, frozen, 0)?;

@@ -37,10 +37,10 @@ use std::path::PathBuf;
 /// What can go wrong loading or running a model, naming the file, field or tensor at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path}: {why}")]
     Config { path: PathBuf, why: String },

@@ -135,11 +135,14 @@ pub fn make_model_reporting(
     check(spec)?;
     std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
         path: dir.to_path_buf(),
-        source,
+        cause: source,
     })?;
     let write = |name: &str, bytes: &[u8]| -> Result<()> {
         let path = dir.join(name);
-        std::fs::write(&path, bytes).map_err(|source| ModelError::Io { path, source })
+        std::fs::write(&path, bytes).map_err(|source| ModelError::Io {
+            path,
+            cause: source,
+        })
     };
     let mut tensors = tensors(spec);
     if let Some(ts) = &spec.train {

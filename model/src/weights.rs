@@ -41,7 +41,7 @@ impl Weights {
         {
             let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
                 path: index_path.clone(),
-                source,
+                cause: source,
             })?;
             #[derive(serde::Deserialize)]
             struct Index {
@@ -72,10 +72,7 @@ impl Weights {
         } else if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "no such model directory",
-                ),
+                cause: std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
             });
         } else {
             return Err(ModelError::Weights {

@@ -359,15 +359,15 @@ impl Default for DflashConfig {
 /// A config that cannot be loaded or used, naming the file, field or value at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading config {path}: {source}")]
+    #[error("reading config {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("config {path}: {source}")]
+    #[error("config {path}: {cause}")]
     Parse {
         path: PathBuf,
-        source: Box<toml::de::Error>,
+        cause: Box<toml::de::Error>,
     },
     #[error("config field {field}: {why}")]
     Invalid { field: &'static str, why: String },
@@ -387,7 +387,7 @@ impl PipelineConfig {
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let mut cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
-            source: Box::new(e),
+            cause: Box::new(e),
         })?;
         // Layers named: their number is the captured layers'.
         if let Some(ids) = &cfg.model.target_layer_ids {
@@ -400,7 +400,7 @@ impl PipelineConfig {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.to_path_buf(),
-            source: e,
+            cause: e,
         })?;
         Self::from_toml(&text, path)
     }

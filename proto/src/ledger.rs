@@ -45,14 +45,14 @@ pub struct LedgerLine {
 /// What can go wrong with a ledger, naming the file or the batch.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {cause}")]
     Io {
         what: &'static str,
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("reading retired batch {batch_id}: {source}")]
-    Batch { batch_id: u64, source: BatchError },
+    #[error("reading retired batch {batch_id}: {cause}")]
+    Batch { batch_id: u64, cause: BatchError },
     #[error("encoding a ledger line: {0}")]
     Encode(#[from] serde_json::Error),
 }
@@ -61,7 +61,7 @@ fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> 
     move |source| LedgerError::Io {
         what,
         path: path.to_path_buf(),
-        source,
+        cause: source,
     }
 }
 
@@ -249,7 +249,7 @@ pub fn record_retired(
     }
     let view = BatchView::parse(payload).map_err(|source| LedgerError::Batch {
         batch_id: meta.batch_id,
-        source,
+        cause: source,
     })?;
     let spec = &view.header().spec;
     let line = LedgerLine {

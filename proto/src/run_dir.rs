@@ -28,11 +28,11 @@ pub struct GpuLists {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunDirError {
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {cause}")]
     Io {
         what: &'static str,
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(
         "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir"
@@ -46,7 +46,7 @@ fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> 
     move |source| RunDirError::Io {
         what,
         path: path.to_path_buf(),
-        source,
+        cause: source,
     }
 }
 

@@ -35,11 +35,11 @@ pub enum RingError {
     },
     #[error("ring {name:?} is corrupt or truncated: {what}")]
     Corrupt { name: String, what: String },
-    #[error("{op} ring {name:?}: {source}")]
+    #[error("{op} ring {name:?}: {cause}")]
     Io {
         op: &'static str,
         name: String,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("payload of {len} bytes does not fit a slot of {slot_size} bytes")]
     PayloadTooLarge { len: u64, slot_size: u64 },

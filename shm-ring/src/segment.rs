@@ -227,7 +227,7 @@ fn io_err(op: &'static str, name: &str, e: io::Error) -> RingError {
         _ => RingError::Io {
             op,
             name: name.to_string(),
-            source: e,
+            cause: e,
         },
     }
 }

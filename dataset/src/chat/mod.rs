@@ -47,10 +47,10 @@ pub struct ChatOptions {
 /// A tokenizer directory that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path}: {why}")]
     Bad { path: PathBuf, why: String },
@@ -106,7 +106,10 @@ impl Chat {
     pub fn load(dir: &Path, options: ChatOptions) -> Result<Chat, ChatError> {
         let read = |name: &str| {
             let path = dir.join(name);
-            std::fs::read(&path).map_err(|source| ChatError::Read { path, source })
+            std::fs::read(&path).map_err(|source| ChatError::Read {
+                path,
+                cause: source,
+            })
         };
         let bad = |name: &str, why: String| ChatError::Bad {
             path: dir.join(name),
@@ -122,7 +125,7 @@ impl Chat {
             Err(source) => {
                 return Err(ChatError::Read {
                     path: dir.join("tokenizer_config.json"),
-                    source,
+                    cause: source,
                 })
             }
         };
@@ -150,7 +153,7 @@ impl Chat {
             Err(source) => {
                 return Err(ChatError::Read {
                     path: dir.join("chat_template.jinja"),
-                    source,
+                    cause: source,
                 })
             }
         };
