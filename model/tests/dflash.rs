@@ -476,8 +476,7 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     );
 }
 
-/// A clock that skips a part's loss and backward gets an error naming it, not a gradient with
-/// that part's share (and its sequences' context) silently missing.
+/// A clock that skips a part's backward gets an error, not a gradient silently missing its share.
 #[test]
 fn a_part_whose_backward_was_not_run_is_an_error() {
     let s = setup_seqs(6, &[24, 9, 17]);
