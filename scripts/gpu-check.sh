@@ -132,15 +132,18 @@ for s in $steps; do
         rc=0
         shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
             --anchors 512 --tokens 4096 --steps 3)
-        for r in 1 2 3; do
-            { echo "ours $("$bins/bench-dflash-step" "${shape[@]}")" &&
-                echo "torch $(python3 scripts/py/dflash_step.py bench "${shape[@]}")"; } |
-                tee -a "$out/dflash-step.log" || rc=$?
+        # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd).
+        for _ in 1 2 3; do
+            ours=$("$bins/bench-dflash-step" "${shape[@]}") || { rc=$?; break; }
+            torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
+            printf 'ours %s\ntorch %s\n' "$ours" "$torch" | tee -a "$out/dflash-step.log"
         done
         # Then, in a run of its own (so the rounds above time our step alone), the old
         # schedule beside ours: the context projected again in each part.
-        echo "ours-per-part $("$bins/bench-dflash-step" "${shape[@]}" --per-part)" |
-            tee -a "$out/dflash-step.log" || rc=$?
+        if [ $rc -eq 0 ]; then
+            per=$("$bins/bench-dflash-step" "${shape[@]}" --per-part) || rc=$?
+            echo "ours-per-part $per" | tee -a "$out/dflash-step.log"
+        fi
         [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
         ;;
     *)
