@@ -521,8 +521,8 @@ impl<'a> Context<'a> {
     fn gather(&mut self, grads: &GradStore) -> Result<()> {
         for p in &mut self.live {
             for (t, sum) in p.kv.iter().zip(&mut p.grad) {
-                if let Some(g) = grads.get(t) {
-                    train::add_into(sum, g.clone())?;
+                if let Some(g) = train::grad_of(grads, t) {
+                    train::add_into(sum, g)?;
                 }
             }
         }
@@ -919,7 +919,7 @@ impl Dflash {
             sums.loss += f64::from(loss.to_scalar::<f32>()?);
             sums.weight += f64::from(wt.sum_all()?.to_scalar::<f32>()?);
             let g = loss.backward()?;
-            if let Some(gc) = g.get(cut.as_tensor()) {
+            if let Some(gc) = train::grad_of(&g, cut.as_tensor()) {
                 grad_h = (grad_h + gc)?;
             }
             let am = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;

@@ -104,6 +104,19 @@ pub struct Params {
     vars: Vec<Var>,
 }
 
+/// The gradient of `t` in `grads`, cut from the graph. candle's gradients are tensors like any
+/// other, and candle detaches only those it passes on inside the backward: the gradient of a
+/// leaf (a `Var`) that an op read directly is made from that op's other operand, so a leaf
+/// multiplied by a forward tensor (`probs.matmul(&values)`) gets a gradient that keeps the
+/// whole forward graph behind that tensor alive. A gradient kept past its backward (summed over
+/// chunks, parts or steps) is taken through here. The DFlash drafter's cut context values are
+/// such leaves: kept as they came, each part's graph lived until the sequence's last part, and
+/// a 5-layer Qwen3-8B-shaped drafter at 512 blocks of 16 in 4096 tokens ran an H200 out of
+/// memory (140 GB) at every part size tried.
+pub fn grad_of(grads: &GradStore, t: &Tensor) -> Option<Tensor> {
+    grads.get(t).map(Tensor::detach)
+}
+
 /// `sum += t`, a sum not yet begun taking `t` as it is (gradients summed over chunks or parts,
 /// which a parameter may have none of).
 pub fn add_into(sum: &mut Option<Tensor>, t: Tensor) -> Result<()> {
@@ -238,7 +251,7 @@ impl Params {
     /// one adds nothing.
     pub fn accumulate(&self, grads: &GradStore, acc: &mut Grads) -> Result<()> {
         for (v, sum) in self.vars.iter().zip(&mut acc.0) {
-            if let Some(g) = grads.get(v.as_tensor()) {
+            if let Some(g) = grad_of(grads, v.as_tensor()) {
                 add_into(sum, g.to_dtype(DType::F32)?)?;
             }
         }
@@ -870,6 +883,50 @@ mod tests {
     /// place of a host buffer) updates the weights and moments as the same values from the
     /// host do, bit for bit, in either form of the moments; and the flat tensor holds what the
     /// host copy holds, zeros for a parameter the loss does not reach.
+    /// A gradient summed past its backward holds no forward graph: a leaf read directly by a
+    /// matmul with a forward tensor (as the DFlash drafter's attention reads its cut context
+    /// values) gets from candle a gradient that keeps that tensor, and so the graph, alive; the
+    /// one `grad_of` and `accumulate` keep is cut from it, and sums the same values.
+    #[test]
+    fn a_summed_gradient_holds_no_forward_graph() {
+        let specs = vec![
+            ("a".to_string(), vec![3, 2], Init::Normal(0.5)),
+            ("b".to_string(), vec![3, 2], Init::Normal(0.5)),
+        ];
+        let params = Params::new(&specs, 7, &Device::Cpu).unwrap();
+        let x = Tensor::new(&[[1f32, -2.0], [0.5, 0.25]], &Device::Cpu).unwrap();
+        let y = linear(&x, params.get("a"))
+            .unwrap()
+            .exp()
+            .unwrap()
+            .matmul(params.get("b"))
+            .unwrap();
+        let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let raw = grads.get(params.get("b")).unwrap();
+        assert!(
+            raw.track_op(),
+            "candle's gradient of b keeps the graph (the premise)"
+        );
+        assert!(!grad_of(&grads, params.get("b")).unwrap().track_op());
+        let mut acc = params.grads();
+        params.accumulate(&grads, &mut acc).unwrap();
+        params.accumulate(&grads, &mut acc).unwrap();
+        for g in acc.0.iter() {
+            assert!(
+                !g.as_ref().unwrap().track_op(),
+                "a summed gradient holds a graph"
+            );
+        }
+        let twice = (raw * 2.0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let b = acc.0[1].as_ref().unwrap().flatten_all().unwrap();
+        assert_eq!(b.to_vec1::<f32>().unwrap(), twice);
+    }
+
     #[test]
     fn a_flat_gradient_tensor_updates_as_its_host_values_do() {
         let specs = vec![
