@@ -30,16 +30,33 @@ use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepSta
 /// Attention scores of one part of a batch's blocks (see `DraftBatch::split`) on the CPU: 16M
 /// f32 elements, 64 MiB per layer and copy.
 const SCORES_PER_PART_CPU: usize = 1 << 24;
-/// On a GPU: 256M elements, 1 GiB per layer and copy: fewer parts, fewer passes over the weights
-/// (a sequence's context is projected once however many parts hold its blocks).
-const SCORES_PER_PART_GPU: usize = 1 << 28;
+/// On a GPU: 64M elements, 256 MiB per layer and copy. Measured on an H200 at the device check's
+/// shape (a 5-layer Qwen3-8B-shaped drafter, 512 blocks of 16 in 4096 tokens: 17 parts), the
+/// device's memory in use peaked at 35 GB in a part's forward and fell back to 24 GB after each
+/// part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer passes over the
+/// weights but have not been measured since a part's graph stopped outliving its backward
+/// (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of memory.
+const SCORES_PER_PART_GPU: usize = 1 << 26;
 
-/// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`).
+/// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`):
+/// `HSPIPE_DFLASH_SCORES_PER_PART` when set (a positive count; a GPU with less memory, or a
+/// measurement of the part size), else the device kind's default.
 pub fn scores_per_part(device: &Device) -> usize {
-    if device.is_cpu() {
-        SCORES_PER_PART_CPU
-    } else {
-        SCORES_PER_PART_GPU
+    static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = SET.get_or_init(|| {
+        let v = std::env::var("HSPIPE_DFLASH_SCORES_PER_PART").ok()?;
+        match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                tracing::warn!(value = %v, "HSPIPE_DFLASH_SCORES_PER_PART is not a positive count; ignored");
+                None
+            }
+        }
+    });
+    match (set, device.is_cpu()) {
+        (Some(n), _) => *n,
+        (None, true) => SCORES_PER_PART_CPU,
+        (None, false) => SCORES_PER_PART_GPU,
     }
 }
 

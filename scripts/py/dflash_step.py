@@ -327,6 +327,9 @@ def bench(a):
                 "step_s": statistics.median(times),
                 "gradient_s": statistics.median(grads),
                 "last_loss": last,
+                # torch's own peak (its caching allocator's live tensors), beside ours as the
+                # driver sees it (bench-dflash-step --trace-memory).
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             }
         )
     )

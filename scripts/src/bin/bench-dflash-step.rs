@@ -63,6 +63,11 @@ struct Args {
     /// memory kept for reuse (`worker_runtime::malloc`).
     #[arg(long)]
     glibc_malloc: bool,
+    /// Before the timed steps, run one gradient part by part and print the memory in use after
+    /// each part's forward and its loss and backward (on a GPU the device's, from the driver,
+    /// after a synchronize; on the CPU the process's resident size): where a step's memory goes.
+    #[arg(long)]
+    trace_memory: bool,
     /// Timed steps (after one warm-up).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -159,6 +164,56 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Memory in use, in MiB: the device's (total less free, as the driver reports it, after
+/// `dev` has finished its work) or, on the CPU, this process's resident size.
+fn memory_in_use(dev: &Device) -> anyhow::Result<f64> {
+    dev.synchronize()?;
+    let bytes = match dev {
+        Device::Cpu => {
+            let statm = std::fs::read_to_string("/proc/self/statm")?;
+            let pages: u64 = (statm.split_whitespace().nth(1))
+                .and_then(|p| p.parse().ok())
+                .context("/proc/self/statm has no resident size")?;
+            pages * 4096
+        }
+        _ => {
+            let (free, total) = cuda::cudarc::driver::result::mem_get_info()?;
+            (total - free) as u64
+        }
+    };
+    Ok(bytes as f64 / (1 << 20) as f64)
+}
+
+/// One gradient of `parts` (the worker's schedule), the memory in use printed to stderr after
+/// each pass of each part.
+fn trace_memory(
+    d: &Dflash,
+    ctx: &Tensor,
+    parts: &[DraftBatch],
+    dev: &Device,
+) -> anyhow::Result<()> {
+    eprintln!(
+        "memory in use before the gradient: {:.0} MiB",
+        memory_in_use(dev)?
+    );
+    let mut acc = d.params.grads();
+    let mut i = 0;
+    d.loss_and_grads_parts(ctx, parts, &mut acc, |pass, f| -> anyhow::Result<()> {
+        f()?;
+        let mib = memory_in_use(dev)?;
+        eprintln!("part {i} of {}, after {pass:?}: {mib:.0} MiB", parts.len());
+        if pass == model::dflash::Pass::LossBackward {
+            i += 1;
+        }
+        Ok(())
+    })?;
+    eprintln!(
+        "memory in use after the gradient: {:.0} MiB",
+        memory_in_use(dev)?
+    );
+    Ok(())
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs.get(xs.len() / 2).copied().unwrap_or(0.0)
@@ -188,7 +243,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         embed: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
-    let d = Dflash::new(cfg, frozen, 3)?;
+    let d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
     let width = d.cfg.target_layer_ids.len() * h;
     let ctx = Tensor::randn(0f32, 1.0, (a.tokens, width), &dev)?;
     let sampling = Sampling {
@@ -213,7 +268,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         min_lr_ratio: 0.1,
         clip: 1.0,
     };
-    let mut opt = DeviceAdamW::new(adamw, &d.params)?;
+    let mut opt = DeviceAdamW::new(adamw, &d.params).context("making AdamW's moments")?;
     // On the CPU, the GPU's form of the update (moments as tensors, candle's element-wise ops)
     // timed beside the host loop the CPU uses, on a copy of the weights.
     let mut shadow = match dev {
@@ -244,19 +299,29 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let mut loss = 0.0;
     // The parts the worker cuts the batch into; the sequence's context is projected once.
     let parts = batch.split(&d.cfg, gpu::dflash::scores_per_part(&dev));
+    eprintln!(
+        "{} parts of at most {} attention scores",
+        parts.len(),
+        gpu::dflash::scores_per_part(&dev)
+    );
     // One schedule's gradient, to where the worker's goes, the device done with it.
     let gradient = |grad: &mut Vec<f32>, schedule| -> anyhow::Result<_> {
         grad.fill(0.0);
         let out = if on_device {
-            let (s, flat) = gpu::dflash::loss_and_flat_grads_in_parts(&d, &ctx, &batch, schedule)?;
+            let (s, flat) = gpu::dflash::loss_and_flat_grads_in_parts(&d, &ctx, &batch, schedule)
+                .with_context(|| format!("the gradient ({schedule:?})"))?;
             (s, Some(flat))
         } else {
-            let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, grad, schedule)?;
+            let s = gpu::dflash::loss_and_grads_in_parts(&d, &ctx, &batch, grad, schedule)
+                .with_context(|| format!("the gradient ({schedule:?})"))?;
             (s, None)
         };
         dev.synchronize()?;
         Ok(out)
     };
+    if a.trace_memory {
+        trace_memory(&d, &ctx, &parts, &dev)?;
+    }
     let mut per_part = Vec::new();
     // The gradient with every part run alone (`--per-part`), timed into `per_part`.
     let mut alone = |grad: &mut Vec<f32>, step: usize| -> anyhow::Result<()> {
@@ -279,9 +344,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         let t1 = Instant::now();
         let scale = 1.0 / weight.max(1.0) as f32;
         match &flat {
-            Some(g) => opt.update_flat(&d.params, g, scale)?,
-            None => opt.update(&d.params, &grad, scale)?,
-        };
+            Some(g) => opt.update_flat(&d.params, g, scale),
+            None => opt.update(&d.params, &grad, scale),
+        }
+        .context("the update")?;
         dev.synchronize()?;
         let t2 = Instant::now();
         // The worker's digest for the ledger: on a GPU of the row sums made there, on the CPU
