@@ -8,7 +8,7 @@
 # (nothing checked), 64 a usage error of gpu-check's flags. Figures go to stdout and, as JSON,
 # to $GPU_CHECK_OUT (default target/gpu-check/).
 #
-# Steps (GPU_CHECK_STEPS, default "data e2e speed"):
+# Steps (GPU_CHECK_STEPS, default "data e2e speed dflash"):
 #   data   `gpu-check`: the ring's arena registered as pinned memory, copy bandwidth from the
 #          ring against pageable and driver-pinned memory, batches intact on the device, copies
 #          overlapping compute, the GPU's busy share in the drafter's double-buffered loop and
@@ -23,10 +23,11 @@
 #   speed  a random-initialised Qwen3-8B-shaped target in bf16 (scripts/shapes/qwen3-8b,
 #          weights made on the device): our forward + capture tokens/s beside HF transformers'
 #          forward with output_hidden_states, same GPU, interleaved (scripts/py/bench_target.py;
-#          the goal is at least 0.9x: reported, not a failure); then one DFlash drafter step
+#          the goal is at least 0.9x: reported, not a failure).
+#   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
-#          interleaved, 3 rounds each; then one more run of ours also times its gradient with
+#          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); then one more run of ours also times its gradient with
 #          the context projected again in each part (gradient_per_part_s), the schedule before.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
@@ -38,16 +39,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-steps=${GPU_CHECK_STEPS:-data e2e speed}
+steps=${GPU_CHECK_STEPS:-data e2e speed dflash}
 backend=${GPU_CHECK_BACKEND:-cuda}
 bins=${HSPIPE_BIN:-target/cuda/release}
 out=${GPU_CHECK_OUT:-target/gpu-check}
 mkdir -p "$out"
 failed=()
-# A wedged run must not outlast a GPU machine's command limit: the launcher gets 5 minutes (it
-# stops its workers and removes its ring on the SIGTERM).
+# A wedged run must not outlast a GPU machine's command limit: the launcher gets 5 minutes
+# (GPU_CHECK_E2E_TIMEOUT seconds; it stops its workers and removes its ring on the SIGTERM).
 limit=""
-command -v timeout >/dev/null && limit="timeout 300"
+command -v timeout >/dev/null && limit="timeout ${GPU_CHECK_E2E_TIMEOUT:-300}"
 step() { echo; echo "=== $1 ($(date +%T))"; }
 
 if [ "$backend" = cuda ]; then
@@ -118,8 +119,15 @@ for s in $steps; do
                 rc=1
             }
         fi
-        [ $rc -eq 0 ] || failed+=("e2e (exit $rc; run directory $work/run)")
-        [ $rc -eq 0 ] && rm -rf "$work"
+        if [ $rc -ne 0 ]; then
+            # The run's logs and report travel with the figures (a GPU machine is given back
+            # with its disk): $out/e2e-run.tar.gz.
+            [ -d "$work/run" ] && tar -C "$work" -czf "$out/e2e-run.tar.gz" \
+                --exclude='run/checkpoints' --exclude='*.safetensors' run || true
+            failed+=("e2e (exit $rc; run directory $work/run, its logs in $out/e2e-run.tar.gz)")
+        else
+            rm -rf "$work"
+        fi
         ;;
     speed)
         step "target speed against PyTorch: Qwen3-8B shape, bf16, random weights on the GPU"
@@ -128,12 +136,14 @@ for s in $steps; do
             --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 \
             | tee "$out/speed.log" || rc=$?
         [ $rc -eq 0 ] || failed+=("speed (exit $rc)")
+        ;;
+    dflash)
         step "one DFlash drafter step against the same step in torch (Qwen3-8B shape, f32)"
         rc=0
         shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
             --anchors 512 --tokens 4096 --steps 3)
         # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd).
-        for _ in 1 2 3; do
+        for _ in $(seq "${GPU_CHECK_DFLASH_ROUNDS:-3}"); do
             ours=$("$bins/bench-dflash-step" "${shape[@]}") || { rc=$?; break; }
             torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
             printf 'ours %s\ntorch %s\n' "$ours" "$torch" | tee -a "$out/dflash-step.log"
@@ -147,7 +157,7 @@ for s in $steps; do
         [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
         ;;
     *)
-        echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed)" >&2
+        echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed, dflash)" >&2
         exit 1
         ;;
     esac
