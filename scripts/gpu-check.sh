@@ -2,11 +2,11 @@
 # The device check, one command for a machine with an NVIDIA GPU and driver, in under 8 minutes
 # on one GPU:
 #   scripts/gpu-check.sh [gpu-check flags, e.g. --device 1 --slot-mib 512: the data step's;
-#                         --json is set here. The e2e and speed steps use GPU 0, so pick another
+#                         --json is set here. The other steps use GPU 0, so pick another
 #                         with CUDA_VISIBLE_DEVICES]
 # Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU
-# (nothing checked), 64 a usage error of gpu-check's flags. Figures go to stdout and, as JSON,
-# to $GPU_CHECK_OUT (default target/gpu-check/).
+# (nothing checked), 64 a usage error (gpu-check's flags, GPU_CHECK_DFLASH_ROUNDS). Figures go
+# to stdout and, as JSON, to $GPU_CHECK_OUT (default target/gpu-check/).
 #
 # Steps (GPU_CHECK_STEPS, default "data e2e speed dflash"):
 #   data   `gpu-check`: the ring's arena registered as pinned memory, copy bandwidth from the
@@ -27,8 +27,9 @@
 #   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
-#          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); then one more run of ours also times its gradient with
-#          the context projected again in each part (gradient_per_part_s), the schedule before.
+#          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); then one more run of ours also
+#          times its gradient with the context projected again in each part
+#          (gradient_per_part_s), the schedule before.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -40,6 +41,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 steps=${GPU_CHECK_STEPS:-data e2e speed dflash}
+rounds=${GPU_CHECK_DFLASH_ROUNDS:-3}
+if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: GPU_CHECK_DFLASH_ROUNDS must be a positive count, not '$rounds'" >&2
+    exit 64
+fi
 backend=${GPU_CHECK_BACKEND:-cuda}
 bins=${HSPIPE_BIN:-target/cuda/release}
 out=${GPU_CHECK_OUT:-target/gpu-check}
@@ -96,6 +102,7 @@ for s in $steps; do
         ;;
     e2e)
         step "the tiny real model end to end on $backend (1 target + 1 drafter, one GPU)"
+        rm -f "$out/e2e-run.tar.gz"
         work=$(mktemp -d)
         config=scripts/gpu-check-e2e.toml
         if [ "$backend" = cuda ]; then
@@ -122,9 +129,12 @@ for s in $steps; do
         if [ $rc -ne 0 ]; then
             # The run's logs and report travel with the figures (a GPU machine is given back
             # with its disk): $out/e2e-run.tar.gz.
-            [ -d "$work/run" ] && tar -C "$work" -czf "$out/e2e-run.tar.gz" \
-                --exclude='run/checkpoints' --exclude='*.safetensors' run || true
-            failed+=("e2e (exit $rc; run directory $work/run, its logs in $out/e2e-run.tar.gz)")
+            where="run directory $work/run"
+            if [ -d "$work/run" ] && tar -C "$work" -czf "$out/e2e-run.tar.gz" \
+                --exclude='run/checkpoints' --exclude='*.safetensors' run; then
+                where="$where, its logs in $out/e2e-run.tar.gz"
+            fi
+            failed+=("e2e (exit $rc; $where)")
         else
             rm -rf "$work"
         fi
@@ -143,7 +153,7 @@ for s in $steps; do
         shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
             --anchors 512 --tokens 4096 --steps 3)
         # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd).
-        for _ in $(seq "${GPU_CHECK_DFLASH_ROUNDS:-3}"); do
+        for _ in $(seq "$rounds"); do
             ours=$("$bins/bench-dflash-step" "${shape[@]}") || { rc=$?; break; }
             torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
             printf 'ours %s\ntorch %s\n' "$ours" "$torch" | tee -a "$out/dflash-step.log"

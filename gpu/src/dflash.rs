@@ -32,23 +32,32 @@ use crate::{state, DrafterBackend, GpuError, Staged, Stager, StepBuffer, StepSta
 const SCORES_PER_PART_CPU: usize = 1 << 24;
 /// On a GPU: 64M elements, 256 MiB per layer and copy. Measured on an H200 at the device check's
 /// shape (a 5-layer Qwen3-8B-shaped drafter, 512 blocks of 16 in 4096 tokens: 17 parts), the
-/// device's memory in use peaked at 35 GB in a part's forward and fell back to 24 GB after each
-/// part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer passes over the
+/// device's memory in use peaked at 34.7 GiB in a part's forward and fell back to 23-24.3 GiB
+/// after each part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer passes over the
 /// weights but have not been measured since a part's graph stopped outliving its backward
 /// (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of memory.
 const SCORES_PER_PART_GPU: usize = 1 << 26;
 
 /// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`):
 /// `HSPIPE_DFLASH_SCORES_PER_PART` when set (a positive count; a GPU with less memory, or a
-/// measurement of the part size), else the device kind's default.
+/// measurement of the part size; read once per process, and for the CPU too), else the device
+/// kind's default.
 pub fn scores_per_part(device: &Device) -> usize {
     static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let set = SET.get_or_init(|| {
         let v = std::env::var("HSPIPE_DFLASH_SCORES_PER_PART").ok()?;
         match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Some(n),
+            Ok(n) if n > 0 => {
+                tracing::info!(
+                    scores = n,
+                    "DFlash parts from HSPIPE_DFLASH_SCORES_PER_PART"
+                );
+                Some(n)
+            }
             _ => {
-                tracing::warn!(value = %v, "HSPIPE_DFLASH_SCORES_PER_PART is not a positive count; ignored");
+                let why = "HSPIPE_DFLASH_SCORES_PER_PART is not a positive count; ignored";
+                tracing::warn!(value = %v, "{why}");
+                eprintln!("warning: {why} ({v:?})");
                 None
             }
         }

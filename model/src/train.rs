@@ -112,7 +112,7 @@ pub struct Params {
 /// chunks, parts or steps) is taken through here. The DFlash drafter's cut context values are
 /// such leaves: kept as they came, each part's graph lived until the sequence's last part, and
 /// a 5-layer Qwen3-8B-shaped drafter at 512 blocks of 16 in 4096 tokens ran an H200 out of
-/// memory (140 GB) at every part size tried.
+/// memory (139 GiB) at every part size tried.
 pub fn grad_of(grads: &GradStore, t: &Tensor) -> Option<Tensor> {
     grads.get(t).map(Tensor::detach)
 }
@@ -879,10 +879,6 @@ mod tests {
         }
     }
 
-    /// A gradient kept on the device (one flat tensor, what the NCCL exchange reduces in
-    /// place of a host buffer) updates the weights and moments as the same values from the
-    /// host do, bit for bit, in either form of the moments; and the flat tensor holds what the
-    /// host copy holds, zeros for a parameter the loss does not reach.
     /// A gradient summed past its backward holds no forward graph: a leaf read directly by a
     /// matmul with a forward tensor (as the DFlash drafter's attention reads its cut context
     /// values) gets from candle a gradient that keeps that tensor, and so the graph, alive; the
@@ -927,6 +923,10 @@ mod tests {
         assert_eq!(b.to_vec1::<f32>().unwrap(), twice);
     }
 
+    /// A gradient kept on the device (one flat tensor, what the NCCL exchange reduces in
+    /// place of a host buffer) updates the weights and moments as the same values from the
+    /// host do, bit for bit, in either form of the moments; and the flat tensor holds what the
+    /// host copy holds, zeros for a parameter the loss does not reach.
     #[test]
     fn a_flat_gradient_tensor_updates_as_its_host_values_do() {
         let specs = vec![

@@ -161,3 +161,17 @@ fn gpu_check_of_the_cuda_build_without_a_driver_exits_2_before_building_anything
     assert!(err.contains("cuda-env: not found"), "{err}");
     assert!(!bins.exists(), "it unpacked or built binaries");
 }
+
+/// A round count that is not a positive number is a usage error before any step runs, not a
+/// DFlash step that times nothing and passes.
+#[test]
+fn gpu_check_refuses_a_round_count_that_is_not_a_positive_number() {
+    for bad in ["0", "x", "-1"] {
+        let out = gpu_check(&[("GPU_CHECK_DFLASH_ROUNDS", bad)], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{bad}: stderr: {err}");
+        assert!(err.contains("GPU_CHECK_DFLASH_ROUNDS"), "{bad}: {err}");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(!said.contains("=== "), "{bad}: a step ran: {said}");
+    }
+}

@@ -65,7 +65,8 @@ struct Args {
     glibc_malloc: bool,
     /// Before the timed steps, run one gradient part by part and print the memory in use after
     /// each part's forward and its loss and backward (on a GPU the device's, from the driver,
-    /// after a synchronize; on the CPU the process's resident size): where a step's memory goes.
+    /// after a synchronize; on the CPU the process's resident size, a high-water mark while
+    /// freed memory is kept, as here without --glibc-malloc): where a step's memory goes.
     #[arg(long)]
     trace_memory: bool,
     /// Timed steps (after one warm-up).
@@ -170,11 +171,12 @@ fn memory_in_use(dev: &Device) -> anyhow::Result<f64> {
     dev.synchronize()?;
     let bytes = match dev {
         Device::Cpu => {
-            let statm = std::fs::read_to_string("/proc/self/statm")?;
-            let pages: u64 = (statm.split_whitespace().nth(1))
-                .and_then(|p| p.parse().ok())
-                .context("/proc/self/statm has no resident size")?;
-            pages * 4096
+            let status = std::fs::read_to_string("/proc/self/status")?;
+            let kib: u64 = (status.lines())
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .context("/proc/self/status has no VmRSS")?;
+            kib * 1024
         }
         _ => {
             let (free, total) = cuda::cudarc::driver::result::mem_get_info()?;
