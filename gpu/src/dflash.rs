@@ -33,9 +33,10 @@ const SCORES_PER_PART_CPU: usize = 1 << 24;
 /// On a GPU: 64M elements, 256 MiB per layer and copy. Measured on an H200 at the device check's
 /// shape (a 5-layer Qwen3-8B-shaped drafter, 512 blocks of 16 in 4096 tokens: 17 parts), the
 /// device's memory in use peaked at 34.7 GiB in a part's forward and fell back to 23-24.3 GiB
-/// after each part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer passes over the
-/// weights but have not been measured since a part's graph stopped outliving its backward
-/// (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of memory.
+/// after each part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer
+/// passes over the weights but have not been measured since a part's graph stopped outliving
+/// its backward (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of
+/// memory.
 const SCORES_PER_PART_GPU: usize = 1 << 26;
 
 /// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`):
