@@ -969,7 +969,8 @@ impl Dflash {
         for p in done {
             for (t, g) in p.graph.iter().zip(&p.grad) {
                 if let Some(g) = g {
-                    train::add_into(&mut surrogate, (t * g.detach())?.sum_all()?)?;
+                    // `g` is detached (gathered through `train::grad_of`): a constant here.
+                    train::add_into(&mut surrogate, (t * g)?.sum_all()?)?;
                 }
             }
         }

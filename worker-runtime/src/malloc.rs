@@ -87,7 +87,7 @@ pub fn give_back_freed() -> Option<GivenBack> {
 }
 
 /// The process's resident memory in bytes (`/proc/self/statm`'s second field, in pages).
-fn resident() -> Option<u64> {
+pub fn resident() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: sysconf only reads a system constant.

@@ -170,14 +170,7 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
 fn memory_in_use(dev: &Device) -> anyhow::Result<f64> {
     dev.synchronize()?;
     let bytes = match dev {
-        Device::Cpu => {
-            let status = std::fs::read_to_string("/proc/self/status")?;
-            let kib: u64 = (status.lines())
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-                .context("/proc/self/status has no VmRSS")?;
-            kib * 1024
-        }
+        Device::Cpu => worker_runtime::malloc::resident().context("no resident size in /proc")?,
         _ => {
             let (free, total) = cuda::cudarc::driver::result::mem_get_info()?;
             (total - free) as u64
@@ -300,12 +293,9 @@ fn time(a: &Args) -> anyhow::Result<()> {
     let mut digest = 0;
     let mut loss = 0.0;
     // The parts the worker cuts the batch into; the sequence's context is projected once.
-    let parts = batch.split(&d.cfg, gpu::dflash::scores_per_part(&dev));
-    eprintln!(
-        "{} parts of at most {} attention scores",
-        parts.len(),
-        gpu::dflash::scores_per_part(&dev)
-    );
+    let budget = gpu::dflash::scores_per_part(&dev);
+    let parts = batch.split(&d.cfg, budget);
+    eprintln!("{} parts of at most {budget} attention scores", parts.len());
     // One schedule's gradient, to where the worker's goes, the device done with it.
     let gradient = |grad: &mut Vec<f32>, schedule| -> anyhow::Result<_> {
         grad.fill(0.0);
