@@ -22,7 +22,8 @@
 //!   that; so these are `unsafe fn`s: only the caller can promise the host range stays mapped
 //!   and untouched until the stream passes the copy (a ring slot held until its step's event
 //!   completes). The synchronous forms are safe.
-//! - The device check's kernels ([`probe`]) and the one communicator NCCL call the group needs
+//! - The target's fused causal attention ([`attention`]: one kernel per layer, the scores kept
+//!   on chip) and the device check's kernels ([`probe`]) and the one communicator NCCL call the group needs
 //!   ([`nccl`]: cudarc's own `Comm` panics if its abort fails on drop and cannot report
 //!   asynchronous errors).
 //!
@@ -47,6 +48,7 @@ pub use cudarc::driver::{
     PinnedHostSlice,
 };
 
+pub mod attention;
 pub mod nccl;
 pub mod nccl_group;
 mod present;
@@ -126,6 +128,48 @@ impl CudaError {
             name: error_name(e),
         }
     }
+}
+
+/// Whether `ptx` holds no NUL byte. cudarc turns PTX text into a C string with an `unwrap`, so
+/// a NUL byte in a shipped file would panic there; each module asserts this at compile time.
+const fn has_no_nul(ptx: &str) -> bool {
+    let b = ptx.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == 0 {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Loads the PTX module `file` (`ptx`, its text) on `ctx`, and its `kernels` from it in order.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    file: &'static str,
+    ptx: &'static str,
+    kernels: &[&'static str],
+) -> Result<Vec<cudarc::driver::CudaFunction>> {
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+        .map_err(|e| CudaError::Call {
+            call: "cuModuleLoadData",
+            code: e.0 as i32,
+            name: format!("{} ({file})", error_name(e)),
+        })?;
+    kernels
+        .iter()
+        .map(|&kernel| {
+            module
+                .load_function(kernel)
+                .map_err(|e| CudaError::NoKernel {
+                    kernel,
+                    code: e.0 as i32,
+                    name: error_name(e),
+                })
+        })
+        .collect()
 }
 
 /// The driver's name of an error ("CUDA_ERROR_INVALID_VALUE").

@@ -7,58 +7,38 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
 
 use crate::{bounds, CudaContext, CudaError, CudaSlice, CudaStream, Named, Result};
 
 /// `nvcc -ptx -arch=compute_75 probe.cu` (regenerate after editing probe.cu).
 const PTX: &str = include_str!("probe.ptx");
 
-// cudarc turns PTX text into a C string with an `unwrap`; a NUL byte in the file would panic
-// there, so it fails the build here instead.
-const _: () = {
-    let b = PTX.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        assert!(b[i] != 0, "probe.ptx holds a NUL byte");
-        i += 1;
-    }
-};
+const _: () = assert!(crate::has_no_nul(PTX), "probe.ptx holds a NUL byte");
+
+/// The probe's kernels, in the order [`Probe`] keeps them.
+const KERNELS: [&str; 3] = ["spin", "byte_sum", "stamp"];
+const SPIN: usize = 0;
+const BYTE_SUM: usize = 1;
+const STAMP: usize = 2;
 
 /// The probe module, loaded on one device.
 pub struct Probe {
     ctx: Arc<CudaContext>,
-    spin: CudaFunction,
-    byte_sum: CudaFunction,
-    stamp: CudaFunction,
+    kernels: Vec<CudaFunction>,
 }
 
 impl Probe {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Probe> {
-        let module = ctx
-            .load_module(Ptx::from_src(PTX))
-            .named("cuModuleLoadData (probe.ptx)")?;
-        let function = |kernel: &'static str| {
-            module
-                .load_function(kernel)
-                .map_err(|e| CudaError::NoKernel {
-                    kernel,
-                    code: e.0 as i32,
-                    name: crate::error_name(e),
-                })
-        };
         Ok(Probe {
             ctx: ctx.clone(),
-            spin: function("spin")?,
-            byte_sum: function("byte_sum")?,
-            stamp: function("stamp")?,
+            kernels: crate::load_kernels(ctx, "probe.ptx", PTX, &KERNELS)?,
         })
     }
 
     /// Queues one thread that spins for `cycles` SM clock cycles.
     pub fn spin(&self, stream: &CudaStream, cycles: u64) -> Result<()> {
         self.same_device(stream)?;
-        let mut launch = stream.launch_builder(&self.spin);
+        let mut launch = stream.launch_builder(&self.kernels[SPIN]);
         launch.arg(&cycles);
         // SAFETY: `spin(unsigned long long)` takes one u64, passed by reference to a local that
         // outlives the call (the driver copies parameters when the launch is queued).
@@ -79,7 +59,7 @@ impl Probe {
         bounds("byte_sum input", data.len(), 0, len)?;
         bounds("byte_sum output", out.num_bytes(), 0, 8)?;
         let n = len as u64;
-        let mut launch = stream.launch_builder(&self.byte_sum);
+        let mut launch = stream.launch_builder(&self.kernels[BYTE_SUM]);
         launch.arg(data).arg(&n).arg(out);
         // SAFETY: `byte_sum(const uchar*, ull n, ull* out)` reads `n` bytes of `data` and adds
         // into one u64 of `out`, both bounds-checked above; the arguments match its parameters
@@ -92,7 +72,7 @@ impl Probe {
     pub fn stamp(&self, stream: &CudaStream, buf: &mut CudaSlice<u8>, v: u64) -> Result<()> {
         self.same_device(stream)?;
         bounds("stamp", buf.len(), 0, 8)?;
-        let mut launch = stream.launch_builder(&self.stamp);
+        let mut launch = stream.launch_builder(&self.kernels[STAMP]);
         launch.arg(buf).arg(&v);
         // SAFETY: `stamp(ull* p, ull v)` writes 8 bytes at `p`, which `buf` holds (checked
         // above); device allocations are aligned for any variable, as the u64 store needs.
