@@ -14,7 +14,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use model::{ArchConfig, Decoder, Need};
+use model::{ArchConfig, Decoder, GpuAttentionUse, Need};
 use proto::{Dtype, PipelineConfig, WorkerName};
 
 use crate::candle_cuda::CopyOut;
@@ -80,12 +80,14 @@ impl Placement {
     /// On a GPU, blocks of attention scores and LM-head logits of 256M elements (1 GiB in f32)
     /// instead of the CPU's cache-sized ones: an 8B model's 1.2 GB head would otherwise be read
     /// again by each of ~75 chunks of a 8k-token batch, and attention be thousands of small
-    /// kernels.
-    fn size_blocks(&self, decoder: &mut Decoder) {
+    /// kernels. And attention as one kernel per layer ([`gpu_attention`]).
+    fn size_blocks(&self, decoder: &mut Decoder) -> Result<(), GpuError> {
         if !self.device.is_cpu() {
             decoder.set_score_block(GPU_BLOCK);
             decoder.set_logit_chunk(GPU_BLOCK);
+            gpu_attention(decoder, std::env::var(ATTENTION_ENV).ok().as_deref())?;
         }
+        Ok(())
     }
 
     /// Where `kind`'s models go: [`Placement::gpu`] for `cuda`, else the CPU.
@@ -95,6 +97,40 @@ impl Placement {
             _ => Candle::CPU.place(),
         }
     }
+}
+
+/// How a target on a GPU attends: `fused` (the default: one kernel per layer, the scores kept on
+/// chip, `cuda::attention`) or `blocked` (candle's matrix products over blocks of scores, the
+/// CPU's way; for comparing the two).
+pub const ATTENTION_ENV: &str = "HSPIPE_TARGET_ATTENTION";
+
+/// Sets `decoder`'s attention on a GPU from `choice` ([`ATTENTION_ENV`]'s value): the fused
+/// kernel unless `blocked` is asked for. A kernel that cannot serve there (heads it is not
+/// built for, a GPU or driver that cannot load it, a self-check that did not pass) leaves the
+/// matrix products, with a warning that says why; a value that is neither is an error, and so
+/// is a driver failure during the kernel's self-check (the device is then suspect).
+pub fn gpu_attention(decoder: &mut Decoder, choice: Option<&str>) -> Result<(), GpuError> {
+    match choice {
+        None | Some("fused") => {}
+        Some("blocked") => {
+            tracing::info!("attention: candle's matrix products over blocks of scores ({ATTENTION_ENV}=blocked)");
+            return Ok(());
+        }
+        Some(other) => {
+            return Err(GpuError::Config(format!(
+                "{ATTENTION_ENV} is {other:?}: it takes fused (the default) or blocked"
+            )))
+        }
+    }
+    match decoder.use_gpu_attention()? {
+        GpuAttentionUse::Fused { self_check_error } => tracing::info!(
+            "attention: one fused kernel per layer (its self-check is within {self_check_error:.4} of f64)"
+        ),
+        GpuAttentionUse::Refused(why) => tracing::warn!(
+            "attention: candle's matrix products over blocks of scores, since the fused kernel cannot serve: {why}"
+        ),
+    }
+    Ok(())
 }
 
 /// The model directory the config names, or the error that says how to name one.
@@ -245,7 +281,7 @@ impl CandleTarget {
         cfg: &PipelineConfig,
         place: &Placement,
     ) -> Result<CandleTarget, GpuError> {
-        place.size_blocks(&mut decoder);
+        place.size_blocks(&mut decoder)?;
         let arch = decoder.config();
         let layers = layer_ids(cfg, arch)?;
         if arch.hidden_size != cfg.model.hidden as usize
@@ -272,6 +308,11 @@ impl CandleTarget {
 
     pub fn decoder(&self) -> &Decoder {
         &self.decoder
+    }
+
+    /// The decoder, to change how it computes (bench-target compares its two attentions).
+    pub fn decoder_mut(&mut self) -> &mut Decoder {
+        &mut self.decoder
     }
 
     pub fn layers(&self) -> &[usize] {
@@ -520,6 +561,30 @@ pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// HSPIPE_TARGET_ATTENTION takes fused or blocked, and anything else is an error naming it;
+    /// a decoder the kernel cannot serve (here, one on the CPU) keeps the matrix products
+    /// rather than failing the worker.
+    #[test]
+    fn the_attention_choice_is_fused_or_blocked_and_falls_back_when_the_kernel_cannot_serve() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, _) = tiny_target(dir.path());
+        let mut d = Decoder::load(&m, &Device::Cpu, DType::F32).unwrap();
+        let e = gpu_attention(&mut d, Some("flash")).expect_err("an unknown choice");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(ATTENTION_ENV) && msg.contains("\"flash\""),
+            "{msg}"
+        );
+        for choice in [None, Some("fused"), Some("blocked")] {
+            gpu_attention(&mut d, choice).unwrap();
+            assert!(!d.uses_gpu_attention(), "{choice:?}");
+        }
+        let GpuAttentionUse::Refused(why) = d.use_gpu_attention().unwrap() else {
+            panic!("the kernel served a decoder on the CPU");
+        };
+        assert!(why.contains("CUDA device") && why.contains("F32"), "{why}");
+    }
 
     /// The GPU's layout (`write_stacked`: stacked and converted on the device, copied once)
     /// writes the same bytes as the CPU's per-layer scatter, in every dtype.

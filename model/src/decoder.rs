@@ -13,14 +13,17 @@
 //! `softmax_last_dim`) have no backward pass, so nothing trained may call this forward.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::attention::{self, Plan};
 use crate::config::ArchConfig;
+use crate::fused::{GpuAttention, GpuAttentionUse, Launch};
 use crate::rope::Rope;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
+use cuda::attention::Heads;
 
 /// What a forward must produce.
 #[derive(Clone, Debug, Default)]
@@ -52,6 +55,12 @@ impl Output {
             .map(|t| t.to_vec1::<u32>())
             .transpose()?)
     }
+}
+
+/// How one forward attends: the blocked matrix products' plan, or the GPU kernel's launch.
+enum Attend {
+    Blocked(Plan),
+    Fused(Launch),
 }
 
 /// A projection stored for the forward: the weight transposed to `[in, out]` and contiguous
@@ -123,6 +132,8 @@ pub struct Decoder {
     device: Device,
     dtype: DType,
     fused_attention: bool,
+    /// The GPU's attention kernel, loaded and checked ([`Decoder::use_gpu_attention`]).
+    gpu_attention: Option<Arc<GpuAttention>>,
     score_block: usize,
     logit_chunk: usize,
 }
@@ -219,6 +230,7 @@ impl Decoder {
             device: w.device().clone(),
             dtype: w.dtype(),
             fused_attention: false,
+            gpu_attention: None,
             score_block: SCORE_BLOCK,
             logit_chunk: LOGIT_CHUNK,
         })
@@ -246,6 +258,48 @@ impl Decoder {
     /// tests compare the two).
     pub fn set_fused_attention(&mut self, on: bool) {
         self.fused_attention = on;
+    }
+
+    /// Attention as one kernel per layer on the GPU (`cuda::attention`) instead of the blocked
+    /// matrix products, for a bf16 model on a CUDA device: loads the kernel and runs its
+    /// self-check there. [`GpuAttentionUse::Refused`] says why the kernel cannot serve (the CPU,
+    /// another dtype, heads it is not built for, a GPU or driver that cannot load it, a check
+    /// that did not pass); the decoder then keeps the matrix products. An error is the driver's
+    /// during the check: the device is suspect.
+    pub fn use_gpu_attention(&mut self) -> Result<GpuAttentionUse> {
+        if !self.device.is_cuda() || self.dtype != DType::BF16 {
+            return Ok(GpuAttentionUse::Refused(format!(
+                "the fused attention kernel takes a bf16 model on a CUDA device, not {:?} on {:?}",
+                self.dtype,
+                self.device.location()
+            )));
+        }
+        let c = &self.cfg;
+        let heads = Heads {
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        Ok(match GpuAttention::load(&self.device, heads, scale)? {
+            Ok((gpu, error)) => {
+                self.gpu_attention = Some(Arc::new(gpu));
+                GpuAttentionUse::Fused {
+                    self_check_error: error,
+                }
+            }
+            Err(why) => GpuAttentionUse::Refused(why),
+        })
+    }
+
+    /// Back to the blocked matrix products after [`Decoder::use_gpu_attention`].
+    pub fn stop_gpu_attention(&mut self) {
+        self.gpu_attention = None;
+    }
+
+    /// Whether attention runs as the GPU kernel ([`Decoder::use_gpu_attention`]).
+    pub fn uses_gpu_attention(&self) -> bool {
+        self.gpu_attention.is_some()
     }
 
     /// Elements of one block of attention scores (default 8M); the tests make it small to
@@ -298,18 +352,21 @@ impl Decoder {
         let (cos, sin) = self.rope.tables(&positions, &self.device)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let lens = Tensor::new(seq_lens, &self.device)?;
-        let plan = Plan::new(
-            seq_lens,
-            self.cfg.num_attention_heads,
-            self.score_block,
-            &self.device,
-            self.dtype,
-        )?;
+        let attend = match &self.gpu_attention {
+            Some(gpu) => Attend::Fused(Launch::new(gpu, seq_lens, &self.device)?),
+            None => Attend::Blocked(Plan::new(
+                seq_lens,
+                self.cfg.num_attention_heads,
+                self.score_block,
+                &self.device,
+                self.dtype,
+            )?),
+        };
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
         for (li, layer) in self.layers.iter().enumerate().take(run) {
-            x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &plan)?;
+            x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &attend)?;
             for (slot, _) in need.layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 layers[slot] = Some(x.clone());
             }
@@ -352,7 +409,7 @@ impl Decoder {
         sin: &Tensor,
         lens: &Tensor,
         seq_lens: &[u32],
-        plan: &Plan,
+        attend: &Attend,
     ) -> Result<Tensor> {
         let c = &self.cfg;
         let t = x.dim(0)?;
@@ -376,7 +433,7 @@ impl Decoder {
         let k =
             candle_nn::rotary_emb::rope_thd(&k.reshape((1, t, nkv, hd))?.contiguous()?, cos, sin)?
                 .reshape((t, nkv, hd))?;
-        let a = self.attend(&q, &k, &v, lens, seq_lens, plan)?;
+        let a = self.attend(&q, &k, &v, lens, seq_lens, attend)?;
         let x = (x + l.o.forward(&a.reshape((t, nh * hd))?)?)?;
         let h = self.rms(&x, &l.ln2)?;
         let gu = l.gate_up.forward(&h)?;
@@ -386,8 +443,9 @@ impl Decoder {
     }
 
     /// Causal attention within each sequence: `q` `[T, heads, d]`, `k`/`v` `[T, kv_heads, d]`:
-    /// the blocked matrix products of `attention.rs`, or candle's fused CPU flash kernel when
-    /// asked for ([`Decoder::set_fused_attention`]).
+    /// the GPU kernel when loaded ([`Decoder::use_gpu_attention`]), else the blocked matrix
+    /// products of `attention.rs`, or candle's fused CPU flash kernel when asked for
+    /// ([`Decoder::set_fused_attention`]).
     fn attend(
         &self,
         q: &Tensor,
@@ -395,8 +453,12 @@ impl Decoder {
         v: &Tensor,
         lens: &Tensor,
         seq_lens: &[u32],
-        plan: &Plan,
+        attend: &Attend,
     ) -> Result<Tensor> {
+        let plan = match attend {
+            Attend::Fused(launch) => return launch.attend(q, k, v),
+            Attend::Blocked(plan) => plan,
+        };
         let scale = 1.0 / (self.cfg.head_dim as f64).sqrt();
         if self.fused_attention
             && self.device.is_cpu()

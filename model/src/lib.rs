@@ -22,6 +22,7 @@ pub mod capture;
 pub mod config;
 pub mod decoder;
 pub mod dflash;
+mod fused;
 pub mod make;
 pub mod pretrain;
 mod rope;
@@ -31,6 +32,7 @@ pub mod weights;
 
 pub use config::{ArchConfig, Family, RopeScaling};
 pub use decoder::{Decoder, Need, Output};
+pub use fused::GpuAttentionUse;
 
 use std::path::PathBuf;
 

@@ -17,6 +17,10 @@ directory's config.json alone (`scripts/shapes/qwen3-8b`: nothing downloaded):
     python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
         --bin target/cuda/release/bench-target --shapes 2048x4 --rounds 3
 
+On a GPU our attention is the fused kernel (one per layer, `cuda::attention`); `--blocked-too`
+also times ours with candle's blocked matrix products (HSPIPE_TARGET_ATTENTION=blocked) in each
+round, so the kernel's gain is measured side by side too.
+
 torch comes from PyPI into a benchmark venv (`scripts/bench-target.sh` makes it); CI never
 needs it.
 """
@@ -78,6 +82,8 @@ def main():
     p.add_argument("--shapes", default="512x8,1024x4,2048x2", help="seq_len x batch, comma-separated")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--random", action="store_true", help="weights made on the device from config.json")
+    p.add_argument("--blocked-too", action="store_true",
+                   help="also run hspipe with its blocked attention each round (HSPIPE_TARGET_ATTENTION=blocked)")
     p.add_argument("--glibc-too", action="store_true",
                    help="also run hspipe with glibc's malloc defaults each round (bench-target --glibc-malloc)")
     a = p.parse_args()
@@ -88,34 +94,43 @@ def main():
     env = {"RAYON_NUM_THREADS": str(a.threads), "PATH": "/usr/bin:/bin"}
     # The CUDA build's libraries (scripts/cuda-env.sh), the same GPU as torch's, and HOME for
     # the driver's PTX cache.
-    for k in ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME"):
+    for k in ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME", "HSPIPE_TARGET_ATTENTION"):
         if k in os.environ:
             env[k] = os.environ[k]
     extra = (["--device", a.device] if a.device != "cpu" else []) + (["--random"] if a.random else [])
     for shape in a.shapes.split(","):
         seq, batch = (int(x) for x in shape.split("x"))
         ids = torch.arange(seq * batch).mul(7919).remainder(vocab).reshape(batch, seq).to(a.device)
-        ours = {"hspipe": []} | ({"hspipe-glibc": ["--glibc-malloc"]} if a.glibc_too else {})
+        ours = {"hspipe": ([], {})}
+        if a.blocked_too:
+            ours["hspipe-blocked"] = ([], {"HSPIPE_TARGET_ATTENTION": "blocked"})
+        if a.glibc_too:
+            ours["hspipe-glibc"] = (["--glibc-malloc"], {})
         rates = {k: [] for k in ours} | {"eager": [], "sdpa": []}
+        attention = {}
         for r in range(a.rounds):
-            for side, flags in ours.items():
+            for side, (flags, more_env) in ours.items():
                 out = subprocess.run(
                     [a.bin, "--model", a.model, "--seq-len", str(seq), "--batch", str(batch), "--reps", str(a.reps)]
                     + extra + flags,
-                    check=True, capture_output=True, text=True, env=env,
+                    check=True, capture_output=True, text=True, env=env | more_env,
                 ).stdout
-                rates[side].append(json.loads(out)["tokens_per_s"])
+                line = json.loads(out)
+                rates[side].append(line["tokens_per_s"])
+                attention[side] = line.get("attention", "blocked")
             for impl, m in models.items():
                 rates[impl].append(torch_rate(m, ids, a.reps, capture))
             print(f"  {shape} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()), flush=True)
         med = {k: statistics.median(v) for k, v in rates.items()}
         ratio = {k: statistics.median(h / t for h, t in zip(rates["hspipe"], rates[k])) for k in ("eager", "sdpa")}
         print(json.dumps({
-            "shape": shape, "threads": a.threads, "device": a.device,
+            "shape": shape, "threads": a.threads, "device": a.device, "attention": attention,
             "tokens_per_s_median": {k: round(v, 1) for k, v in med.items()},
             "hspipe_over_eager": round(ratio["eager"], 3),
             "hspipe_over_sdpa": round(ratio["sdpa"], 3),
-        } | ({"hspipe_over_glibc": round(statistics.median(
+        } | ({"hspipe_over_blocked": round(statistics.median(
+            h / b for h, b in zip(rates["hspipe"], rates["hspipe-blocked"])), 3)} if a.blocked_too else {})
+          | ({"hspipe_over_glibc": round(statistics.median(
             h / g for h, g in zip(rates["hspipe"], rates["hspipe-glibc"])), 3)} if a.glibc_too else {})),
               flush=True)
 

@@ -9,6 +9,9 @@
 //! On a GPU (the CUDA build, `--device cuda`) the target computes in bf16, as the cuda backend's
 //! does. With `--random`, only `--model`'s `config.json` is read and the weights are made on the
 //! device (a Qwen3-8B shape, `scripts/shapes/qwen3-8b`, on a machine that cannot download one).
+//! Its attention is the fused kernel unless `HSPIPE_TARGET_ATTENTION=blocked`; the JSON says
+//! which ran. `--compare-attention` then also runs one forward with the blocked matrix products
+//! and compares what the two captured (the fused kernel's check on a whole model).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -45,6 +48,13 @@ struct Args {
     /// freed memory kept for reuse (`worker_runtime::malloc`).
     #[arg(long)]
     glibc_malloc: bool,
+    /// After the timing, one forward with the fused attention and one with the blocked matrix
+    /// products on the same tokens, cut into sequences of 1, 65, 100 and the rest (the kernel's
+    /// masked edges): each captured layer's largest difference over its largest
+    /// magnitude, and the share of greedy tokens that agree. Fails when a layer differs by more
+    /// than 5% or fewer than 90% of the tokens agree (the bf16 target's tolerance against f32).
+    #[arg(long)]
+    compare_attention: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -61,7 +71,7 @@ fn main() -> anyhow::Result<()> {
     };
     gpu::settle(kind, &mut cfg)?;
     let place = gpu::candle::Placement::of(kind)?;
-    let target = if a.random {
+    let mut target = if a.random {
         CandleTarget::random(&a.model, &cfg, &place).context("making the model")?
     } else {
         CandleTarget::load_at(&a.model, &cfg, &place).context("loading the model")?
@@ -97,12 +107,88 @@ fn main() -> anyhow::Result<()> {
     }
     secs.sort_by(f64::total_cmp);
     let median = secs[secs.len() / 2];
+    let fused = target.decoder().uses_gpu_attention();
     println!(
-        "{{\"impl\": \"hspipe-candle-{}\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
+        "{{\"impl\": \"hspipe-candle-{}\", \"attention\": \"{}\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
         a.device,
+        if fused { "fused" } else { "blocked" },
         a.seq_len,
         a.batch,
         t as f64 / median
     );
+    if a.compare_attention {
+        anyhow::ensure!(fused, "--compare-attention: the fused attention is not in use here (a CUDA device with a bf16 model, HSPIPE_TARGET_ATTENTION unset)");
+        // The same tokens cut into sequences of uneven lengths: one token, one past a 64-query
+        // block, a partial block, and the rest (the kernel's masked edges).
+        let uneven: Vec<u32> = match t as u32 {
+            t if t > 166 => vec![1, 65, 100, t - 166],
+            _ => lens.clone(),
+        };
+        let mut run = |target: &CandleTarget| -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+            let out = gpu::TargetOut {
+                hidden_states: &mut hidden,
+                target_tokens: &mut tokens,
+            };
+            target.run(&ids, &uneven, out, true)?;
+            Ok((hidden.clone(), tokens.clone()))
+        };
+        let (fused_hidden, fused_tokens) = run(&target)?;
+        target.decoder_mut().stop_gpu_attention();
+        let (blocked_hidden, blocked_tokens) = run(&target)?;
+        let values = |b: &[u8]| -> Vec<f32> {
+            match cfg.model.dtype {
+                proto::Dtype::F32 => b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                proto::Dtype::Bf16 => b
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                proto::Dtype::F16 => b
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+            }
+        };
+        let (f, b) = (values(&fused_hidden), values(&blocked_hidden));
+        // [tokens, layers, hidden]: each captured layer's largest difference over its largest
+        // magnitude.
+        let mut layers = Vec::with_capacity(l);
+        for li in 0..l {
+            let (mut diff, mut size) = (0f32, 0f32);
+            for ti in 0..t {
+                let at = (ti * l + li) * h;
+                for (x, y) in f[at..at + h].iter().zip(&b[at..at + h]) {
+                    // f32::max drops a NaN: a NaN written by either side is an infinite
+                    // difference.
+                    let d = (x - y).abs();
+                    diff = if d.is_nan() {
+                        f32::INFINITY
+                    } else {
+                        diff.max(d)
+                    };
+                    size = size.max(y.abs());
+                }
+            }
+            layers.push(if size > 0.0 { diff / size } else { diff });
+        }
+        let agree = fused_tokens
+            .chunks_exact(4)
+            .zip(blocked_tokens.chunks_exact(4))
+            .filter(|(x, y)| x == y)
+            .count() as f64
+            / t as f64;
+        let worst = layers.iter().copied().fold(0f32, f32::max);
+        let lens_shown = format!("{uneven:?}");
+        println!(
+            "{{\"compare\": \"fused against blocked attention\", \"seq_lens\": {lens_shown}, \"layer_difference\": {layers:?}, \"tokens_agree\": {agree:.4}}}"
+        );
+        anyhow::ensure!(
+            worst.is_finite() && worst <= 0.05 && agree >= 0.9,
+            "the fused attention's forward differs from the blocked one's: a captured layer by {worst} of its magnitude (at most 0.05), {:.1}% of greedy tokens agree (at least 90%)",
+            agree * 100.0
+        );
+    }
     Ok(())
 }
