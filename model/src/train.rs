@@ -127,22 +127,50 @@ pub fn add_into(sum: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     Ok(())
 }
 
+/// Values per parallel draw in [`Params::new`]: a jump costs about 76 µs on this project's
+/// machines, 1.4% of the 5.5 ms the chunk's draws take.
+pub const DRAW_CHUNK: usize = 1 << 18;
+
 impl Params {
     /// Parameters `specs` (name, shape, init), drawn from one stream seeded by `seed`, in
     /// order: the same seed gives the same bits on every rank.
+    ///
+    /// The draws are made in parallel, in chunks of [`DRAW_CHUNK`] values, each from the stream
+    /// jumped ahead to its first value (every value takes two of the generator's 64-bit
+    /// outputs, and xoshiro jumps any distance in a few hundred steps): the same bits as one
+    /// thread drawing them in order, on any number of threads, in a fraction of the time (a
+    /// 1B-weight drafter took half a minute to start on one thread).
     pub fn new(specs: &[(String, Vec<usize>, Init)], seed: u64, device: &Device) -> Result<Params> {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        let values = specs
+        use rayon::prelude::*;
+        let start = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let mut values: Vec<(String, Vec<usize>, Vec<f32>)> = specs
             .iter()
             .map(|(name, shape, init)| {
                 let n: usize = shape.iter().product();
-                let data: Vec<f32> = match *init {
-                    Init::Ones => vec![1.0; n],
-                    Init::Normal(std) => (0..n).map(|_| normal(&mut rng) * std).collect(),
-                };
-                (name.clone(), shape.clone(), data)
+                let fill = if matches!(init, Init::Ones) { 1.0 } else { 0.0 };
+                (name.clone(), shape.clone(), vec![fill; n])
             })
             .collect();
+        // Each chunk of a normal tensor, with its std and the index of its first value in the
+        // stream (which runs through the normal tensors in order).
+        let mut chunks = Vec::new();
+        let mut first = 0u64;
+        for ((_, _, data), (_, _, init)) in values.iter_mut().zip(specs) {
+            if let Init::Normal(std) = *init {
+                let n = data.len() as u64;
+                for (i, chunk) in data.chunks_mut(DRAW_CHUNK).enumerate() {
+                    chunks.push((chunk, std, first + (i * DRAW_CHUNK) as u64));
+                }
+                first += n;
+            }
+        }
+        chunks.into_par_iter().for_each(|(chunk, std, at)| {
+            let mut rng = start.clone();
+            rng.jump_ce(2 * at, 0);
+            for x in chunk {
+                *x = normal(&mut rng) * std;
+            }
+        });
         Params::from_values(values, device)
     }
 
@@ -1022,6 +1050,43 @@ mod tests {
         assert_eq!(resumed.flat().unwrap(), params.flat().unwrap());
         assert_eq!(again.moments().unwrap(), cpu.moments().unwrap());
         assert!(cpu.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// The parallel draws are the stream one thread draws in order: tensors that start and end
+    /// inside chunks, with ones between them, and 3 threads drawing.
+    #[test]
+    fn parameters_drawn_in_parallel_are_the_bits_one_thread_draws_in_order() {
+        let specs = vec![
+            (
+                "a".to_string(),
+                vec![3, DRAW_CHUNK / 2 + 17],
+                Init::Normal(0.5),
+            ),
+            ("b".to_string(), vec![7], Init::Ones),
+            ("c".to_string(), vec![DRAW_CHUNK + 1], Init::Normal(0.02)),
+            ("d".to_string(), vec![5], Init::Normal(1.0)),
+        ];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(11);
+        let mut want = Vec::new();
+        for (_, shape, init) in &specs {
+            let n: usize = shape.iter().product();
+            match *init {
+                Init::Ones => want.extend(std::iter::repeat_n(1.0f32, n)),
+                Init::Normal(std) => want.extend((0..n).map(|_| normal(&mut rng) * std)),
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let got = pool.install(|| Params::new(&specs, 11, &Device::Cpu).unwrap());
+        let got = got.flat().unwrap();
+        assert_eq!(got.len(), want.len());
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "a parallel draw differs from the sequential stream");
     }
 
     #[test]

@@ -238,7 +238,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         embed: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
+    let made = Instant::now();
     let d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
+    // Its weights drawn (Params::new, in parallel), as a drafter worker's start and restart.
+    let init_s = made.elapsed().as_secs_f64();
     let width = d.cfg.target_layer_ids.len() * h;
     let ctx = Tensor::randn(0f32, 1.0, (a.tokens, width), &dev)?;
     let sampling = Sampling {
@@ -376,6 +379,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
         "dtype": format!("{:?}", DType::F32),
+        "init_s": init_s,
         "gradient_on": if on_device { "device" } else { "host" },
         "step_s": median(total),
         "gradient_s": median(grads),
