@@ -23,7 +23,6 @@ use crate::fused::{GpuAttention, GpuAttentionUse, Launch};
 use crate::rope::Rope;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use cuda::attention::Heads;
 
 /// What a forward must produce.
 #[derive(Clone, Debug, Default)]
@@ -267,29 +266,9 @@ impl Decoder {
     /// that did not pass); the decoder then keeps the matrix products. An error is the driver's
     /// during the check: the device is suspect.
     pub fn use_gpu_attention(&mut self) -> Result<GpuAttentionUse> {
-        if !self.device.is_cuda() || self.dtype != DType::BF16 {
-            return Ok(GpuAttentionUse::Refused(format!(
-                "the fused attention kernel takes a bf16 model on a CUDA device, not {:?} on {:?}",
-                self.dtype,
-                self.device.location()
-            )));
-        }
-        let c = &self.cfg;
-        let heads = Heads {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-        };
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        Ok(match GpuAttention::load(&self.device, heads, scale)? {
-            Ok((gpu, error)) => {
-                self.gpu_attention = Some(Arc::new(gpu));
-                GpuAttentionUse::Fused {
-                    self_check_error: error,
-                }
-            }
-            Err(why) => GpuAttentionUse::Refused(why),
-        })
+        let (gpu, used) = GpuAttention::settle(&self.device, self.dtype, &self.cfg)?;
+        self.gpu_attention = gpu.map(Arc::new);
+        Ok(used)
     }
 
     /// Back to the blocked matrix products after [`Decoder::use_gpu_attention`].

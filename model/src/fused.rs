@@ -11,9 +11,10 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use cuda::attention::{Causal, Heads};
 
+use crate::config::ArchConfig;
 use crate::{ModelError, Result};
 
 /// What [`crate::decoder::Decoder::use_gpu_attention`] settled.
@@ -37,11 +38,43 @@ pub(crate) struct GpuAttention {
 }
 
 impl GpuAttention {
+    /// The kernel for a decoder of `cfg` computing in `dtype` on `device`, when it can serve
+    /// one (a bf16 model on a CUDA device, heads it is built for, a self-check that passed),
+    /// with what was settled ([`crate::decoder::Decoder::use_gpu_attention`]).
+    pub(crate) fn settle(
+        device: &Device,
+        dtype: DType,
+        cfg: &ArchConfig,
+    ) -> Result<(Option<GpuAttention>, GpuAttentionUse)> {
+        if !device.is_cuda() || dtype != DType::BF16 {
+            let why = format!(
+                "the fused attention kernel takes a bf16 model on a CUDA device, not {dtype:?} on {:?}",
+                device.location()
+            );
+            return Ok((None, GpuAttentionUse::Refused(why)));
+        }
+        let heads = Heads {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        };
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        Ok(match GpuAttention::load(device, heads, scale)? {
+            Ok((gpu, error)) => (
+                Some(gpu),
+                GpuAttentionUse::Fused {
+                    self_check_error: error,
+                },
+            ),
+            Err(why) => (None, GpuAttentionUse::Refused(why)),
+        })
+    }
+
     /// Loads the kernel on `device` and runs its self-check for `heads`: the kernel with its
     /// check's largest error against f64, or why it cannot serve. An error is the driver's
     /// during the check: the device is then suspect (a fault ends a CUDA context), and the
     /// worker should stop rather than go on without the kernel.
-    pub(crate) fn load(
+    fn load(
         device: &Device,
         heads: Heads,
         scale: f32,
