@@ -127,8 +127,8 @@ pub fn add_into(sum: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Values per parallel draw in [`Params::new`]: a jump costs about 76 µs on this project's
-/// machines, 1.4% of the 5.5 ms the chunk's draws take.
+/// Values per parallel draw in [`Params::new`]: enough that a chunk's jump (a few hundred of the
+/// generator's steps over its whole state) is small beside its 2^19 draws.
 pub const DRAW_CHUNK: usize = 1 << 18;
 
 impl Params {
