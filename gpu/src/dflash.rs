@@ -443,11 +443,9 @@ impl DflashDrafter {
     }
 }
 
-/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]` on the CPU.
-fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
-    let spec = &batch.header().spec;
-    let b = batch.hidden_states();
-    let vals: Vec<f32> = match spec.dtype {
+/// Little-endian `dtype` elements (a batch's hidden states) as f32.
+pub fn values_f32(dtype: Dtype, b: &[u8]) -> Vec<f32> {
+    match dtype {
         Dtype::F32 => b
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -460,7 +458,12 @@ fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-    };
+    }
+}
+
+/// A batch's `[tokens x layers x hidden]` states as f32 `[tokens, layers * hidden]` on the CPU.
+fn context(batch: &BatchView<'_>) -> Result<Tensor, GpuError> {
+    let vals = values_f32(batch.header().spec.dtype, batch.hidden_states());
     Ok(Tensor::from_vec(vals, context_shape(batch), &Device::Cpu)?)
 }
 

@@ -39,70 +39,55 @@ pub(crate) struct GpuAttention {
 
 impl GpuAttention {
     /// The kernel for a decoder of `cfg` computing in `dtype` on `device`, when it can serve
-    /// one (a bf16 model on a CUDA device, heads it is built for, a self-check that passed),
-    /// with what was settled ([`crate::decoder::Decoder::use_gpu_attention`]).
+    /// one (a bf16 model on a CUDA device, heads it is built for, a module the driver loads, a
+    /// self-check that passed), with what was settled
+    /// ([`crate::decoder::Decoder::use_gpu_attention`]). An error is the driver's during the
+    /// check: the device is then suspect (a fault ends a CUDA context), and the worker should
+    /// stop rather than go on without the kernel.
     pub(crate) fn settle(
         device: &Device,
         dtype: DType,
         cfg: &ArchConfig,
     ) -> Result<(Option<GpuAttention>, GpuAttentionUse)> {
+        let refused = |why: String| Ok((None, GpuAttentionUse::Refused(why)));
         if !device.is_cuda() || dtype != DType::BF16 {
-            let why = format!(
+            return refused(format!(
                 "the fused attention kernel takes a bf16 model on a CUDA device, not {dtype:?} on {:?}",
                 device.location()
-            );
-            return Ok((None, GpuAttentionUse::Refused(why)));
+            ));
         }
         let heads = Heads {
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        Ok(match GpuAttention::load(device, heads, scale)? {
-            Ok((gpu, error)) => (
-                Some(gpu),
-                GpuAttentionUse::Fused {
-                    self_check_error: error,
-                },
-            ),
-            Err(why) => (None, GpuAttentionUse::Refused(why)),
-        })
-    }
-
-    /// Loads the kernel on `device` and runs its self-check for `heads`: the kernel with its
-    /// check's largest error against f64, or why it cannot serve. An error is the driver's
-    /// during the check: the device is then suspect (a fault ends a CUDA context), and the
-    /// worker should stop rather than go on without the kernel.
-    fn load(
-        device: &Device,
-        heads: Heads,
-        scale: f32,
-    ) -> Result<std::result::Result<(GpuAttention, f64), String>> {
         if !heads.supported() {
-            return Ok(Err(format!(
+            return refused(format!(
                 "the fused attention kernel is built for head dims {:?} with query heads a \
                  positive multiple of the kv heads; this model has head dim {}, {} heads over {}",
                 cuda::attention::HEAD_DIMS,
                 heads.head_dim,
                 heads.heads,
                 heads.kv_heads
-            )));
+            ));
         }
         let causal = match imp::load(device) {
             Ok(c) => c,
-            Err(why) => return Ok(Err(why)),
+            Err(why) => return refused(why),
         };
         let check = imp::self_check(device, &causal, heads.head_dim)?;
         if !check.passed() {
-            return Ok(Err(check.to_string()));
+            return refused(check.to_string());
         }
         let gpu = GpuAttention {
             causal,
             heads,
-            scale,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
         };
-        Ok(Ok((gpu, check.worst)))
+        let used = GpuAttentionUse::Fused {
+            self_check_error: check.worst,
+        };
+        Ok((Some(gpu), used))
     }
 }
 

@@ -135,22 +135,7 @@ fn main() -> anyhow::Result<()> {
         let (fused_hidden, fused_tokens) = run(&target)?;
         target.decoder_mut().stop_gpu_attention();
         let (blocked_hidden, blocked_tokens) = run(&target)?;
-        let values = |b: &[u8]| -> Vec<f32> {
-            match cfg.model.dtype {
-                proto::Dtype::F32 => b
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                proto::Dtype::Bf16 => b
-                    .chunks_exact(2)
-                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                proto::Dtype::F16 => b
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-            }
-        };
+        let values = |b: &[u8]| gpu::dflash::values_f32(cfg.model.dtype, b);
         let (f, b) = (values(&fused_hidden), values(&blocked_hidden));
         // [tokens, layers, hidden]: each captured layer's largest difference over its largest
         // magnitude.
