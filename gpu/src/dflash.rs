@@ -170,7 +170,8 @@ fn parts_timed(
         model.loss_and_grads_parts(ctx, parts, &mut acc, |pass, f| {
             let work = match pass {
                 Pass::Forward => device_time::FORWARD,
-                Pass::LossBackward => LOSS_BACKWARD,
+                Pass::Loss => LOSS,
+                Pass::Backward => device_time::BACKWARD,
             };
             on_compute(gpu, work, || Ok(f()?))
         })
@@ -267,9 +268,10 @@ impl OnGpu {
     }
 }
 
-/// A part's loss (the LM head over its weighted positions, in chunks) and its backward.
-const LOSS_BACKWARD: Work = Work {
-    name: "loss+backward",
+/// A part's loss: the frozen LM head over its weighted positions, in chunks, and the loss's
+/// gradient at the last states (the backward through the drafter is `BACKWARD`).
+const LOSS: Work = Work {
+    name: "loss",
     phase: Phase::Compute,
     busy: true,
 };

@@ -447,9 +447,12 @@ impl std::ops::AddAssign for LossSums {
 pub enum Pass {
     /// The part's forward (the context of its sequences not projected yet projected first).
     Forward,
-    /// Its loss and backward, then the backward through the context of the sequences whose
+    /// Its loss: the frozen LM head over its last states, the weighted cross-entropy, the
+    /// acceptance, and the loss's gradient at the last states.
+    Loss,
+    /// Its backward from there, then the backward through the context of the sequences whose
     /// last part it is.
-    LossBackward,
+    Backward,
 }
 
 /// The context keys and values of one or more sequences for every layer, made by
@@ -530,8 +533,17 @@ impl<'a> Context<'a> {
     }
 }
 
-/// Rows of LM-head logits computed at once: `rows x vocab` f32 stays under 16 MiB.
-const LOGIT_ELEMENTS: usize = 1 << 22;
+/// LM-head logits computed at once (`rows x vocab` f32) on `dev`: 16 MiB on the CPU, cache-sized;
+/// 512 MiB on a GPU, so a part's rows (about 450 of the Qwen3-8B shape's 151,936-wide head) are
+/// one matrix product. A GPU at the CPU's size ran 27 rows at a time there: each chunk read the
+/// whole 2.5 GB head for a skinny product, and waited on the host three times, some 290 chunks
+/// a step. The peak is a few times the chunk (the logits, their exponentials, their gradient).
+fn logit_elements(dev: &Device) -> usize {
+    match dev.is_cpu() {
+        true => 1 << 22,
+        false => 1 << 27,
+    }
+}
 
 /// The drafter: its config, trained parameters, the target's frozen tensors, its rope.
 pub struct Dflash {
@@ -813,7 +825,7 @@ impl Dflash {
         seqs: &[SeqBlocks],
     ) -> Result<Vec<u32>> {
         let h = self.forward(ctx_in, block_ids, seqs)?;
-        let rows = (LOGIT_ELEMENTS / self.cfg.vocab).max(1);
+        let rows = (logit_elements(self.device()) / self.cfg.vocab).max(1);
         let mut out = Vec::with_capacity(block_ids.len());
         for start in (0..h.dim(0)?).step_by(rows) {
             let n = rows.min(h.dim(0)? - start);
@@ -864,37 +876,37 @@ impl Dflash {
                 h = Some(self.forward_in(&mut ctx, &part.block_ids, &part.seqs)?);
                 Ok(())
             })?;
-            timed(Pass::LossBackward, &mut || {
+            let mut at_h = None;
+            timed(Pass::Loss, &mut || {
                 let h = h.take().ok_or_else(|| {
                     ModelError::Input("a part's loss was timed before its forward".into())
                 })?;
-                sums += self.loss_and_backward(h, part, acc, &mut ctx)?;
+                let (s, grad_h) = self.loss(&h, part)?;
+                sums += s;
+                at_h = Some((h, grad_h));
+                Ok(())
+            })?;
+            timed(Pass::Backward, &mut || {
+                let (h, grad_h) = at_h.take().ok_or_else(|| {
+                    ModelError::Input("a part's backward was timed before its loss".into())
+                })?;
+                self.backward(&h, &grad_h, acc, &mut ctx)?;
                 self.context_backward(&mut ctx, part, acc)
             })?;
-        }
-        // Only a clock that skipped a part's loss and backward leaves a projection here; its
-        // gradient would be lost without a word.
-        if !ctx.live.is_empty() {
-            let n = ctx.live.len();
-            let why = format!(
-                "{n} context projections were left without their backward: `timed` did not run \
-                 a part's loss and backward pass"
-            );
-            return Err(ModelError::Input(why).into());
+            // A clock that skipped a pass would lose the part's loss or gradient without a word.
+            if h.is_some() || at_h.is_some() {
+                let why = "a part was left without its loss or its backward: `timed` did not run \
+                           every pass it was handed";
+                return Err(ModelError::Input(why.into()).into());
+            }
         }
         Ok(sums)
     }
 
     /// The weighted cross-entropy of `batch` summed from its last states `h` (made by
-    /// [`Dflash::forward_in`]), the gradient of that sum added into `acc` on the device and
-    /// into `ctx`'s cut projections, and the blocks' acceptance (`blocks` left 0).
-    fn loss_and_backward(
-        &self,
-        h: Tensor,
-        batch: &DraftBatch,
-        acc: &mut Grads,
-        ctx: &mut Context<'_>,
-    ) -> Result<LossSums> {
+    /// [`Dflash::forward_in`]), the blocks' acceptance (`blocks` left 0), and the loss's
+    /// gradient at `h` (what [`Dflash::backward`] takes).
+    fn loss(&self, h: &Tensor, batch: &DraftBatch) -> Result<(LossSums, Tensor)> {
         let mut sums = LossSums::default();
         let dev = self.device();
         // The head and loss run on a copy cut from the graph, one chunk at a time.
@@ -904,7 +916,7 @@ impl Dflash {
             .collect();
         let mut predicted = vec![u32::MAX; batch.weights.len()];
         let mut grad_h = Tensor::zeros(h.shape(), DType::F32, dev)?;
-        let per = (LOGIT_ELEMENTS / self.cfg.vocab).max(1);
+        let per = (logit_elements(dev) / self.cfg.vocab).max(1);
         for chunk in rows.chunks(per) {
             let idx = Tensor::from_slice(chunk, chunk.len(), dev)?;
             let labels: Vec<u32> = chunk.iter().map(|&i| batch.labels[i as usize]).collect();
@@ -937,11 +949,23 @@ impl Dflash {
                 .count();
             sums.accepted += accepted as u64;
         }
-        let surrogate = (h * grad_h.detach())?.sum_all()?;
+        Ok((sums, grad_h))
+    }
+
+    /// The backward of a part from `grad_h`, its loss's gradient at its last states `h`: the
+    /// parameters' gradient added into `acc` on the device, and the cut projections' into
+    /// `ctx`.
+    fn backward(
+        &self,
+        h: &Tensor,
+        grad_h: &Tensor,
+        acc: &mut Grads,
+        ctx: &mut Context<'_>,
+    ) -> Result<()> {
+        let surrogate = train::sum_all(&(h * grad_h.detach())?)?;
         let grads = surrogate.backward()?;
         self.params.accumulate(&grads, acc)?;
-        ctx.gather(&grads)?;
-        Ok(sums)
+        ctx.gather(&grads)
     }
 
     /// After `part`'s backward: the summed gradient of each cut projection whose sequences have
@@ -970,7 +994,7 @@ impl Dflash {
             for (t, g) in p.graph.iter().zip(&p.grad) {
                 if let Some(g) = g {
                     // `g` is detached (gathered through `train::grad_of`): a constant here.
-                    train::add_into(&mut surrogate, (t * g)?.sum_all()?)?;
+                    train::add_into(&mut surrogate, train::sum_all(&(t * g)?)?)?;
                 }
             }
         }

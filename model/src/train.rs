@@ -38,6 +38,40 @@ pub fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
     Ok(s.broadcast_add(&m)?)
 }
 
+/// The sum of every element of `t`, a scalar, with the same gradient as `t.sum_all()` but
+/// spread over the device. candle's CUDA reduction gives each output value one thread block, so
+/// `sum_all` of a tensor of millions of elements runs on one of a GPU's SMs (an H200 has 132);
+/// the DFlash step's AdamW, whose norm summed a billion weights so, took 0.88 s there against
+/// torch's 13 ms (BENCHMARKS, "The GPU path on an H200"). Here the dimensions are
+/// split in two where the outer count is nearest the square root of the total
+/// ([`sum_split`]), the inner part summed first (a block per outer row), then the outer.
+pub fn sum_all(t: &Tensor) -> Result<Tensor> {
+    let (outer, inner) = sum_split(t.dims());
+    if outer <= 1 || inner <= 1 {
+        return Ok(t.sum_all()?);
+    }
+    Ok(t.reshape((outer, inner))?.sum(1)?.sum_all()?)
+}
+
+/// `(outer, inner)`: the products of `dims` before and from the split point whose outer
+/// product is nearest (by ratio) the square root of the whole, so each of the two reductions
+/// [`sum_all`] makes is a fair share of the work: `outer` blocks of `inner` elements each, then
+/// one block of `outer`.
+pub fn sum_split(dims: &[usize]) -> (usize, usize) {
+    let n: usize = dims.iter().product();
+    let root = (n as f64).sqrt().max(1.0);
+    let mut best = (1, n);
+    let mut outer = 1usize;
+    for &d in dims {
+        outer *= d;
+        let off = |o: usize| (o.max(1) as f64 / root).ln().abs();
+        if off(outer) < off(best.0) {
+            best = (outer, n / outer.max(1));
+        }
+    }
+    best
+}
+
 /// Rotary embedding in HF's rotate-half form: `x [.., n, d]` by `cos`, `sin` `[n, d/2]`.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
@@ -703,8 +737,8 @@ impl Gradient<'_> {
 }
 
 /// [`DeviceAdamW::update`] with moments beside the weights: each tensor's gradient uploaded (or
-/// a view of the flat tensor on the device), the norm summed per tensor in f64 on the device,
-/// the update in candle's element-wise ops.
+/// a view of the flat tensor on the device), the norm summed per tensor in f64 on the device
+/// ([`sum_all`]) and the tensors' sums added there, the update in candle's element-wise ops.
 fn tensors_update(
     c: &AdamWConfig,
     step: u64,
@@ -715,19 +749,20 @@ fn tensors_update(
     scale: f32,
 ) -> Result<Update> {
     let mut grads = Vec::with_capacity(params.vars.len());
-    let mut sq = 0f64;
+    let mut squares = Vec::with_capacity(params.vars.len());
     let mut at = 0;
     for (var, shape) in params.vars.iter().zip(&params.shapes) {
         let n: usize = shape.iter().product();
         let t = g.part(at, shape, var.device())?;
-        sq += t
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        squares.push(sum_all(&t.to_dtype(DType::F64)?.sqr()?)?.reshape(1)?);
         grads.push(t);
         at += n;
     }
+    // One value comes to the host, not one a tensor.
+    let sq = match squares.is_empty() {
+        true => 0.0,
+        false => Tensor::cat(&squares, 0)?.sum_all()?.to_scalar::<f64>()?,
+    };
     let norm = sq.sqrt() * f64::from(scale.abs());
     let st = c.step(step, norm);
     let k = f64::from(scale * st.clip);
@@ -873,6 +908,71 @@ mod tests {
         assert_eq!(again.moments().unwrap(), (m, v));
         assert!(again.set_moments(&params, &w[..3], &w).is_err());
         assert!(dev.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// `sum_all` is candle's `sum_all` in value (within f32 rounding of another grouping) and in
+    /// gradient, for every rank and for a transposed view; and it splits the DFlash step's
+    /// tensors so both of its reductions have work for many thread blocks (candle's one
+    /// `sum_all` block per tensor is what it replaces).
+    #[test]
+    fn a_spread_sum_is_candles_sum_with_many_blocks() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(4);
+        for dims in [
+            vec![],
+            vec![7],
+            vec![3, 5],
+            vec![6, 40, 16],
+            vec![2, 3, 4, 5],
+        ] {
+            let n: usize = dims.iter().product();
+            let values: Vec<f32> = (0..n).map(|_| normal(&mut rng)).collect();
+            let var = Var::from_vec(values, dims.as_slice(), &Device::Cpu).unwrap();
+            let x = var.as_tensor();
+            let views = [
+                x.clone(),
+                if dims.len() >= 2 {
+                    x.t().unwrap()
+                } else {
+                    x.clone()
+                },
+            ];
+            for t in views {
+                let want = t.sum_all().unwrap().to_scalar::<f32>().unwrap();
+                let s = sum_all(&(&t * 3.0).unwrap()).unwrap();
+                let got = s.to_scalar::<f32>().unwrap() / 3.0;
+                let size: f32 = t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+                assert!(
+                    (got - want).abs() <= 1e-6 * size,
+                    "{dims:?}: {got} against {want}"
+                );
+                let g = s.backward().unwrap();
+                let g = g
+                    .get(x)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                assert!(g.iter().all(|&v| v == 3.0), "{dims:?}: gradient {g:?}");
+            }
+        }
+        // A weight of fc, of the MLP, a context's keys per kv head, a part's last states.
+        for (dims, want) in [
+            (vec![4096, 20480], (4096, 20480)),
+            (vec![12288, 4096], (12288, 4096)),
+            (vec![8, 4096, 128], (32768, 128)),
+            (vec![480, 4096], (480, 4096)),
+        ] {
+            let (outer, inner) = sum_split(&dims);
+            assert_eq!((outer, inner), want, "{dims:?}");
+            assert!(outer >= 256 && inner >= 128, "{dims:?}: {outer} x {inner}");
+        }
+        assert_eq!(sum_split(&[]), (1, 1));
+        assert_eq!(
+            sum_split(&[1 << 20]),
+            (1, 1 << 20),
+            "no split of one dimension"
+        );
     }
 
     /// Row sums tell weights one ulp apart wherever the ulp is (a matrix's first, middle and

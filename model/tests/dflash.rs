@@ -1,6 +1,9 @@
 //! The DFlash drafter: gradients reach every trained parameter and are the loss's derivative,
 //! the attention mask keeps each block to its own context, the export reads back bit for bit,
 //! and it learns.
+//!
+//! Length: past 500 lines: one test a behaviour, the parts' schedule (cutting, the shared
+//! context, a clock's passes) among them, on the setups they share.
 
 use candle_core::{Device, Tensor};
 use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
@@ -476,25 +479,32 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     );
 }
 
-/// A clock that skips a part's backward gets an error, not a gradient silently missing its share.
+/// A clock that skips a part's loss or backward gets an error, not a loss or gradient silently
+/// missing its share.
 #[test]
-fn a_part_whose_backward_was_not_run_is_an_error() {
+fn a_part_whose_loss_or_backward_was_not_run_is_an_error() {
     let s = setup_seqs(6, &[24, 9, 17]);
     let d = &s.drafter;
     let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
     let parts = s.batch.split(&d.cfg, 2 * per);
     assert!(parts.len() > 2, "{} parts", parts.len());
-    let mut acc = d.params.grads();
-    let mut seen = 0;
-    let err = d
-        .loss_and_grads_parts(&s.ctx, &parts, &mut acc, |pass, f| {
+    // The second part's passes are the 4th, 5th and 6th the clock is handed.
+    use model::dflash::Pass::{Backward, Loss};
+    for (skip, says) in [
+        ((Loss, 5), "backward was timed before its loss"),
+        ((Backward, 6), "without its loss or its backward"),
+    ] {
+        let (mut acc, mut seen) = (d.params.grads(), 0);
+        let err = (d.loss_and_grads_parts(&s.ctx, &parts, &mut acc, |pass, f| {
             seen += 1;
-            // The second part's loss and backward is never run.
-            match (pass, seen) {
-                (model::dflash::Pass::LossBackward, 4) => Ok(()),
-                _ => f(),
+            if (pass, seen) == skip {
+                Ok(())
+            } else {
+                f()
             }
-        })
-        .unwrap_err();
-    assert!(err.to_string().contains("without their backward"), "{err}");
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(says), "{skip:?}: {err}");
+    }
 }

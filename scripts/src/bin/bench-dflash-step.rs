@@ -63,12 +63,15 @@ struct Args {
     /// memory kept for reuse (`worker_runtime::malloc`).
     #[arg(long)]
     glibc_malloc: bool,
-    /// Before the timed steps, run one gradient part by part and print the memory in use after
-    /// each part's forward and its loss and backward (on a GPU the device's, from the driver,
-    /// after a synchronize; on the CPU the process's resident size, a high-water mark while
-    /// freed memory is kept, as here without --glibc-malloc): where a step's memory goes.
-    #[arg(long)]
-    trace_memory: bool,
+    /// Before the timed steps, run one gradient pass by pass, the device synchronized after
+    /// each, and print the time each pass of each part took and the memory in use after it (on
+    /// a GPU the device's, from the driver; on the CPU the process's resident size, a
+    /// high-water mark while freed memory is kept, as here without --glibc-malloc): where a
+    /// step's time and memory go. The JSON's `traced` sums the times by pass (a little more
+    /// than the gradient's: each synchronize idles the device while the host queues the next
+    /// pass).
+    #[arg(long, alias = "trace-memory")]
+    trace: bool,
     /// Timed steps (after one warm-up).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -179,25 +182,42 @@ fn memory_in_use(dev: &Device) -> anyhow::Result<f64> {
     Ok(bytes as f64 / (1 << 20) as f64)
 }
 
-/// One gradient of `parts` (the worker's schedule), the memory in use printed to stderr after
-/// each pass of each part.
-fn trace_memory(
+/// One gradient of `parts` (the worker's schedule), the time of each pass of each part and the
+/// memory in use after it printed to stderr; the times summed by pass, and the most memory
+/// seen, as JSON.
+fn trace(
     d: &Dflash,
     ctx: &Tensor,
     parts: &[DraftBatch],
     dev: &Device,
-) -> anyhow::Result<()> {
-    eprintln!(
-        "memory in use before the gradient: {:.0} MiB",
-        memory_in_use(dev)?
-    );
+) -> anyhow::Result<serde_json::Value> {
+    use model::dflash::Pass;
+    let before = memory_in_use(dev)?;
+    eprintln!("memory in use before the gradient: {before:.0} MiB");
     let mut acc = d.params.grads();
-    let mut i = 0;
+    let (mut i, mut peak) = (0, before);
+    let mut by_pass = [
+        (Pass::Forward, 0.0),
+        (Pass::Loss, 0.0),
+        (Pass::Backward, 0.0),
+    ];
     d.loss_and_grads_parts(ctx, parts, &mut acc, |pass, f| -> anyhow::Result<()> {
+        let t = Instant::now();
         f()?;
         let mib = memory_in_use(dev)?;
-        eprintln!("part {i} of {}, after {pass:?}: {mib:.0} MiB", parts.len());
-        if pass == model::dflash::Pass::LossBackward {
+        let s = t.elapsed().as_secs_f64();
+        peak = peak.max(mib);
+        for (p, sum) in &mut by_pass {
+            if *p == pass {
+                *sum += s;
+            }
+        }
+        eprintln!(
+            "part {i} of {}, {pass:?}: {:.1} ms, then {mib:.0} MiB in use",
+            parts.len(),
+            s * 1e3
+        );
+        if pass == Pass::Backward {
             i += 1;
         }
         Ok(())
@@ -206,7 +226,12 @@ fn trace_memory(
         "memory in use after the gradient: {:.0} MiB",
         memory_in_use(dev)?
     );
-    Ok(())
+    Ok(serde_json::json!({
+        "forward_s": by_pass[0].1,
+        "loss_s": by_pass[1].1,
+        "backward_s": by_pass[2].1,
+        "peak_mib": peak,
+    }))
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -314,9 +339,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         dev.synchronize()?;
         Ok(out)
     };
-    if a.trace_memory {
-        trace_memory(&d, &ctx, &parts, &dev)?;
-    }
+    let traced = match a.trace {
+        true => Some(trace(&d, &ctx, &parts, &dev)?),
+        false => None,
+    };
     let mut per_part = Vec::new();
     // The gradient with every part run alone (`--per-part`), timed into `per_part`.
     let mut alone = |grad: &mut Vec<f32>, step: usize| -> anyhow::Result<()> {
@@ -388,6 +414,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         // The GPU's form of the update on this CPU (null on a GPU, where it is update_s).
         "update_tensors_s": shadow.is_some().then(|| median(tensor_updates)),
         "digest_s": median(digests),
+        "traced": traced,
         "digests": format!("{digest:016x}"),
         "last_loss": loss,
     });
