@@ -22,6 +22,8 @@
 //!   that; so these are `unsafe fn`s: only the caller can promise the host range stays mapped
 //!   and untouched until the stream passes the copy (a ring slot held until its step's event
 //!   completes). The synchronous forms are safe.
+//! - What the device's memory pool does with freed memory ([`pool`]: keep it, where the
+//!   driver's default hands it back at every synchronize).
 //! - The target's fused causal attention ([`attention`]: one kernel per layer, the scores kept
 //!   on chip) and the device check's kernels ([`probe`]) and the one communicator NCCL call the group needs
 //!   ([`nccl`]: cudarc's own `Comm` panics if its abort fails on drop and cannot report
@@ -51,6 +53,7 @@ pub use cudarc::driver::{
 pub mod attention;
 pub mod nccl;
 pub mod nccl_group;
+pub mod pool;
 mod present;
 pub mod probe;
 

@@ -71,8 +71,23 @@ impl Placement {
                 "this build has no CUDA device: build with scripts/build-cuda.sh (the launcher's `cuda` feature), or use --backend candle".into(),
             ));
         }
+        let freed = freed_memory(std::env::var(FREED_MEMORY_ENV).ok().as_deref())?;
+        let device = Device::new_cuda(0)?;
+        let ctx = crate::candle_cuda::stream(&device)?.context().clone();
+        match cuda::pool::set_freed_memory(&ctx, freed)? {
+            true => tracing::info!(
+                "device memory: freed memory {} ({FREED_MEMORY_ENV})",
+                match freed {
+                    cuda::pool::FreedMemory::Keep => "kept for reuse",
+                    cuda::pool::FreedMemory::Release => "handed back at each synchronize",
+                }
+            ),
+            false => tracing::info!(
+                "device memory: this GPU has no memory pools; candle allocates and frees directly"
+            ),
+        }
         Ok(Placement {
-            device: Device::new_cuda(0)?,
+            device,
             target_dtype: DType::BF16,
         })
     }
@@ -96,6 +111,24 @@ impl Placement {
             crate::BackendKind::Cuda => Candle::GPU.place(),
             _ => Candle::CPU.place(),
         }
+    }
+}
+
+/// What a GPU's memory pool, where candle's tensors live, does with memory freed into it
+/// (`cuda::pool`): `keep` (the default: kept for the next allocation, as PyTorch's caching
+/// allocator does) or `release` (the driver's default: handed back at each synchronize, which a
+/// step does dozens of times; for a GPU shared with other programs, and to compare the two).
+pub const FREED_MEMORY_ENV: &str = "HSPIPE_CUDA_FREED_MEMORY";
+
+/// [`FREED_MEMORY_ENV`]'s value read: unset is `keep`; a value neither `keep` nor `release` is
+/// an error naming it.
+pub fn freed_memory(choice: Option<&str>) -> Result<cuda::pool::FreedMemory, GpuError> {
+    match choice {
+        None | Some("keep") => Ok(cuda::pool::FreedMemory::Keep),
+        Some("release") => Ok(cuda::pool::FreedMemory::Release),
+        Some(other) => Err(GpuError::Config(format!(
+            "{FREED_MEMORY_ENV} is {other:?}: it takes keep (the default) or release"
+        ))),
     }
 }
 
@@ -584,6 +617,25 @@ mod tests {
             panic!("the kernel served a decoder on the CPU");
         };
         assert!(why.contains("CUDA device") && why.contains("F32"), "{why}");
+    }
+
+    /// HSPIPE_CUDA_FREED_MEMORY: unset is keep, keep and release are themselves, anything else
+    /// is an error naming the variable and the value.
+    #[test]
+    fn the_freed_memory_choice_is_keep_or_release() {
+        use cuda::pool::FreedMemory::{Keep, Release};
+        for (choice, want) in [
+            (None, Keep),
+            (Some("keep"), Keep),
+            (Some("release"), Release),
+        ] {
+            assert_eq!(freed_memory(choice).unwrap(), want, "{choice:?}");
+        }
+        let msg = freed_memory(Some("Keep")).unwrap_err().to_string();
+        assert!(
+            msg.contains(FREED_MEMORY_ENV) && msg.contains("\"Keep\""),
+            "{msg}"
+        );
     }
 
     /// The GPU's layout (`write_stacked`: stacked and converted on the device, copied once)
