@@ -32,9 +32,11 @@
 #   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
-#          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); then one more run of ours also
-#          times its gradient with the context projected again in each part
-#          (gradient_per_part_s), the schedule before.
+#          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); ours in the first round also
+#          traces one gradient pass by pass (`--trace`: each part's forward, loss and backward
+#          timed, the memory after each; summed in its JSON's `traced`), where its time goes,
+#          and runs once more with HSPIPE_CUDA_FREED_MEMORY=release (`ours-released`): the
+#          device's pool handing freed memory back at each synchronize, the driver's default.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -164,18 +166,24 @@ for s in $steps; do
         rc=0
         shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
             --anchors 512 --tokens 4096 --steps 3)
-        # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd).
+        # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd). The
+        # trace runs before the timed steps, so it changes none of their figures. In the first
+        # round only, ours again with the device's memory pool handing freed memory back at
+        # each synchronize (the driver's default; hspipe keeps it): what keeping it gains.
+        first=1
         for _ in $(seq "$rounds"); do
-            ours=$("$bins/bench-dflash-step" "${shape[@]}") || { rc=$?; break; }
+            ours=$("$bins/bench-dflash-step" "${shape[@]}" ${first:+--trace} \
+                2> >(tee -a "$out/dflash-ours.log" >&2)) || { rc=$?; break; }
+            echo "ours $ours" | tee -a "$out/dflash-step.log"
+            if [ -n "$first" ]; then
+                released=$(HSPIPE_CUDA_FREED_MEMORY=release "$bins/bench-dflash-step" \
+                    "${shape[@]}" 2>>"$out/dflash-ours.log") || { rc=$?; break; }
+                echo "ours-released $released" | tee -a "$out/dflash-step.log"
+            fi
+            first=
             torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
-            printf 'ours %s\ntorch %s\n' "$ours" "$torch" | tee -a "$out/dflash-step.log"
+            echo "torch $torch" | tee -a "$out/dflash-step.log"
         done
-        # Then, in a run of its own (so the rounds above time our step alone), the old
-        # schedule beside ours: the context projected again in each part.
-        if [ $rc -eq 0 ]; then
-            per=$("$bins/bench-dflash-step" "${shape[@]}" --per-part) || rc=$?
-            echo "ours-per-part $per" | tee -a "$out/dflash-step.log"
-        fi
         [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
         ;;
     *)

@@ -175,3 +175,97 @@ fn gpu_check_refuses_a_round_count_that_is_not_a_positive_number() {
         assert!(!said.contains("=== "), "{bad}: a step ran: {said}");
     }
 }
+
+/// The DFlash step's plumbing, with stand-ins for both sides (the step itself needs a GPU and a
+/// Qwen3-8B shape): each round runs ours then torch's with the step's flags, ours traces its
+/// gradient and runs again with freed device memory released in the first round only, every
+/// line reaches `dflash-step.log`, and a side that fails fails the step with its exit status.
+#[test]
+fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a_failing_side() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = crate::support::TestDir::new("gpu-check-dflash");
+    let bins = dir.path("bin");
+    std::fs::create_dir_all(&bins).unwrap();
+    let calls = dir.path("calls");
+    let stand_in = |name: &str, says: &str| {
+        let path = bins.join(name);
+        let body = format!(
+            "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}\" >> {}\n\
+             echo progress >&2\n\
+             [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
+            calls.display()
+        );
+        std::fs::write(&path, body).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    stand_in("bench-dflash-step", r#"{"side":"ours"}"#);
+    // torch's side is `python3 scripts/py/dflash_step.py bench ...`: python3 found on PATH.
+    stand_in("python3", r#"{"side":"torch"}"#);
+    let run = |fail: &str| {
+        let _ = std::fs::remove_file(&calls);
+        let out_dir = dir.path(&format!("out-{fail}"));
+        let out = Command::new(repo_root().join("scripts/gpu-check.sh"))
+            .env("GPU_CHECK_STEPS", "dflash")
+            .env("GPU_CHECK_BACKEND", "candle")
+            .env("GPU_CHECK_DFLASH_ROUNDS", "3")
+            .env("HSPIPE_BIN", &bins)
+            .env("GPU_CHECK_OUT", &out_dir)
+            .env("FAIL_SIDE", fail)
+            .env(
+                "PATH",
+                format!("{}:{}", bins.display(), std::env::var("PATH").unwrap()),
+            )
+            .output()
+            .unwrap();
+        let calls = std::fs::read_to_string(&calls).unwrap_or_default();
+        (out, calls, out_dir)
+    };
+
+    let (out, calls, out_dir) = run("");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    let lines: Vec<&str> = calls.lines().collect();
+    // Round one: ours traced, ours with freed memory released, torch's; then ours and torch's.
+    let want = [
+        ("bench-dflash-step ", true, false),
+        ("bench-dflash-step ", false, true),
+        ("python3 scripts/py/dflash_step.py bench ", false, false),
+        ("bench-dflash-step ", false, false),
+        ("python3 scripts/py/dflash_step.py bench ", false, false),
+        ("bench-dflash-step ", false, false),
+        ("python3 scripts/py/dflash_step.py bench ", false, false),
+    ];
+    assert_eq!(lines.len(), want.len(), "{calls}");
+    for (i, (line, (side, traced, released))) in lines.iter().zip(want).enumerate() {
+        assert!(line.starts_with(side), "call {i}: {line}");
+        assert!(
+            line.contains("--device cuda --layers 5"),
+            "call {i}: {line}"
+        );
+        assert_eq!(line.contains("--trace"), traced, "call {i}: {line}");
+        assert_eq!(line.ends_with(" release"), released, "call {i}: {line}");
+    }
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
+    assert_eq!(
+        log.matches(r#"ours-released {"side":"ours"}"#).count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
+    let ours_err = std::fs::read_to_string(out_dir.join("dflash-ours.log")).unwrap();
+    assert_eq!(ours_err.matches("progress").count(), 4, "{ours_err}");
+
+    for side in ["bench-dflash-step", "python3"] {
+        let (out, calls, _) = run(side);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        assert!(err.contains("dflash step (exit 3)"), "{side}: {err}");
+        let want = if side == "python3" { 3 } else { 1 };
+        assert_eq!(
+            calls.lines().count(),
+            want,
+            "{side} failing stops the rounds: {calls}"
+        );
+    }
+}
