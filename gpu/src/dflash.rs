@@ -33,7 +33,8 @@ const SCORES_PER_PART_CPU: usize = 1 << 24;
 /// On a GPU: 64M elements, 256 MiB per layer and copy. Measured on an H200 at the device check's
 /// shape (a 5-layer Qwen3-8B-shaped drafter, 512 blocks of 16 in 4096 tokens: 17 parts), the
 /// device's memory in use peaked at 34.7 GiB in a part's forward and fell back to 23-24.3 GiB
-/// after each part's backward (`bench-dflash-step --trace-memory`). Larger parts mean fewer
+/// after each part's backward (`bench-dflash-step --trace-memory`, now `--trace`; the driver's count then, when freed
+/// memory went back to it at each synchronize). Larger parts mean fewer
 /// passes over the weights but have not been measured since a part's graph stopped outliving
 /// its backward (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of
 /// memory.

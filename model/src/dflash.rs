@@ -886,19 +886,31 @@ impl Dflash {
                 at_h = Some((h, grad_h));
                 Ok(())
             })?;
+            let mut done = false;
             timed(Pass::Backward, &mut || {
                 let (h, grad_h) = at_h.take().ok_or_else(|| {
                     ModelError::Input("a part's backward was timed before its loss".into())
                 })?;
                 self.backward(&h, &grad_h, acc, &mut ctx)?;
-                self.context_backward(&mut ctx, part, acc)
+                self.context_backward(&mut ctx, part, acc)?;
+                done = true;
+                Ok(())
             })?;
-            // A clock that skipped a pass would lose the part's loss or gradient without a word.
-            if h.is_some() || at_h.is_some() {
+            // A clock that skipped a pass (or all three) would lose the part's loss or gradient
+            // without a word. The backward finishes only after the loss, the loss only after
+            // the forward.
+            if !done {
                 let why = "a part was left without its loss or its backward: `timed` did not run \
                            every pass it was handed";
                 return Err(ModelError::Input(why.into()).into());
             }
+        }
+        // Every part ran its backward, so every sequence's projection went back too; one left
+        // here would be a context gradient lost.
+        if !ctx.live.is_empty() {
+            let n = ctx.live.len();
+            let why = format!("{n} context projections were left without their backward");
+            return Err(ModelError::Input(why).into());
         }
         Ok(sums)
     }

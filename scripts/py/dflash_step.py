@@ -327,8 +327,8 @@ def bench(a):
                 "step_s": statistics.median(times),
                 "gradient_s": statistics.median(grads),
                 "last_loss": last,
-                # torch's own peak (its caching allocator's live tensors), beside ours as the
-                # driver sees it (bench-dflash-step --trace-memory).
+                # torch's own peak (its caching allocator's live tensors), beside ours
+                # (bench-dflash-step --trace: `pool_peak_mib`, the same measure).
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             }
         )

@@ -63,13 +63,14 @@ struct Args {
     /// memory kept for reuse (`worker_runtime::malloc`).
     #[arg(long)]
     glibc_malloc: bool,
-    /// Before the timed steps, run one gradient pass by pass, the device synchronized after
-    /// each, and print the time each pass of each part took and the memory in use after it (on
-    /// a GPU the device's, from the driver; on the CPU the process's resident size, a
-    /// high-water mark while freed memory is kept, as here without --glibc-malloc): where a
-    /// step's time and memory go. The JSON's `traced` sums the times by pass (a little more
-    /// than the gradient's: each synchronize idles the device while the host queues the next
-    /// pass).
+    /// After the warm-up step, run one gradient pass by pass, the device synchronized after
+    /// each, and print the time each pass of each part took and the memory after it (on a GPU
+    /// the driver's count of the device's memory in use, which includes freed memory the pool
+    /// keeps, and the pool's allocations: alive then, and the most alive during the pass; on the
+    /// CPU the process's resident size, a high-water mark while freed memory is kept, as here
+    /// without --glibc-malloc): where a step's time and memory go. The JSON's `traced` sums
+    /// the times by pass (a little more than a gradient's: each synchronize idles the device
+    /// while the host queues the next pass) and gives the peaks.
     #[arg(long, alias = "trace-memory")]
     trace: bool,
     /// Timed steps (after one warm-up).
@@ -168,23 +169,31 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Memory in use, in MiB: the device's (total less free, as the driver reports it, after
-/// `dev` has finished its work) or, on the CPU, this process's resident size.
-fn memory_in_use(dev: &Device) -> anyhow::Result<f64> {
+const MIB: f64 = (1 << 20) as f64;
+
+/// Memory, in MiB, once `dev` has finished its work: on a GPU `(driver, pool)`, the device's in
+/// use as the driver counts it (total less free: the context, and the pool's reservation, which
+/// holds freed memory unless HSPIPE_CUDA_FREED_MEMORY=release) and the pool's, allocations alive
+/// now and the most alive since the last call (None on a GPU without pools); on the CPU this
+/// process's resident size, and no pool.
+fn memory(dev: &Device) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     dev.synchronize()?;
-    let bytes = match dev {
-        Device::Cpu => worker_runtime::malloc::resident().context("no resident size in /proc")?,
-        _ => {
-            let (free, total) = cuda::cudarc::driver::result::mem_get_info()?;
-            (total - free) as u64
-        }
-    };
-    Ok(bytes as f64 / (1 << 20) as f64)
+    if dev.is_cpu() {
+        let rss = worker_runtime::malloc::resident().context("no resident size in /proc")?;
+        return Ok((rss as f64 / MIB, None));
+    }
+    let (free, total) = cuda::cudarc::driver::result::mem_get_info()?;
+    let ctx = gpu::candle_cuda::stream(dev)?.context().clone();
+    let pool = cuda::pool::usage(&ctx)?;
+    cuda::pool::reset_used_high(&ctx)?;
+    let pool = pool.map(|u| (u.used as f64 / MIB, u.used_high as f64 / MIB));
+    Ok(((total - free) as f64 / MIB, pool))
 }
 
-/// One gradient of `parts` (the worker's schedule), the time of each pass of each part and the
-/// memory in use after it printed to stderr; the times summed by pass, and the most memory
-/// seen, as JSON.
+/// One gradient of `parts` (the worker's schedule), each pass of each part timed (the device
+/// synchronized after it) and the memory after it printed to stderr; as JSON the times summed by
+/// pass and the most memory seen (`peak_mib` the driver's count, `pool_peak_mib` the most the
+/// pool's allocations held at once, inside a pass included).
 fn trace(
     d: &Dflash,
     ctx: &Tensor,
@@ -192,10 +201,10 @@ fn trace(
     dev: &Device,
 ) -> anyhow::Result<serde_json::Value> {
     use model::dflash::Pass;
-    let before = memory_in_use(dev)?;
-    eprintln!("memory in use before the gradient: {before:.0} MiB");
+    let (before, _) = memory(dev)?;
+    eprintln!("memory before the gradient: {before:.0} MiB in use");
     let mut acc = d.params.grads();
-    let (mut i, mut peak) = (0, before);
+    let (mut i, mut peak, mut pool_peak) = (0, before, None::<f64>);
     let mut by_pass = [
         (Pass::Forward, 0.0),
         (Pass::Loss, 0.0),
@@ -204,7 +213,7 @@ fn trace(
     d.loss_and_grads_parts(ctx, parts, &mut acc, |pass, f| -> anyhow::Result<()> {
         let t = Instant::now();
         f()?;
-        let mib = memory_in_use(dev)?;
+        let (mib, pool) = memory(dev)?;
         let s = t.elapsed().as_secs_f64();
         peak = peak.max(mib);
         for (p, sum) in &mut by_pass {
@@ -212,8 +221,15 @@ fn trace(
                 *sum += s;
             }
         }
+        let pool = match pool {
+            Some((now, high)) => {
+                pool_peak = Some(pool_peak.unwrap_or(0.0).max(high));
+                format!("; allocated {now:.0} MiB, at most {high:.0} in the pass")
+            }
+            None => String::new(),
+        };
         eprintln!(
-            "part {i} of {}, {pass:?}: {:.1} ms, then {mib:.0} MiB in use",
+            "part {i} of {}, {pass:?}: {:.1} ms, then {mib:.0} MiB in use{pool}",
             parts.len(),
             s * 1e3
         );
@@ -223,14 +239,15 @@ fn trace(
         Ok(())
     })?;
     eprintln!(
-        "memory in use after the gradient: {:.0} MiB",
-        memory_in_use(dev)?
+        "memory after the gradient: {:.0} MiB in use",
+        memory(dev)?.0
     );
     Ok(serde_json::json!({
         "forward_s": by_pass[0].1,
         "loss_s": by_pass[1].1,
         "backward_s": by_pass[2].1,
         "peak_mib": peak,
+        "pool_peak_mib": pool_peak,
     }))
 }
 
@@ -339,10 +356,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         dev.synchronize()?;
         Ok(out)
     };
-    let traced = match a.trace {
-        true => Some(trace(&d, &ctx, &parts, &dev)?),
-        false => None,
-    };
+    let mut traced = None;
     let mut per_part = Vec::new();
     // The gradient with every part run alone (`--per-part`), timed into `per_part`.
     let mut alone = |grad: &mut Vec<f32>, step: usize| -> anyhow::Result<()> {
@@ -354,6 +368,11 @@ fn time(a: &Args) -> anyhow::Result<()> {
         Ok(())
     };
     for step in 0..=a.steps {
+        // Traced once warm (step 0 loaded the kernels and grew the pool), before the timed
+        // steps, whose figures it leaves alone.
+        if a.trace && step == 1 {
+            traced = Some(trace(&d, &ctx, &parts, &dev)?);
+        }
         // The two schedules take turns going first, so neither gains from the order.
         if a.per_part && step % 2 == 1 {
             alone(&mut grad, step)?;
