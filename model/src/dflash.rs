@@ -788,18 +788,22 @@ impl Dflash {
             let vcs = p.kv[2 * l + 1].narrow(1, at, len)?;
             let kbs = kb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
             let vbs = vb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
-            let s_ctx = (qs.reshape((nkv, n * g * b, d))?.matmul(&kcs.t()?)? * scale)?
+            // The scale goes on the queries (len / d times fewer values than the scores), and
+            // a row's softmax spans its context scores and its block scores as two pieces (one
+            // max, one sum): no concatenated copy of the scores, no narrowed copies back. Each
+            // op on the scores is a pass over them, and another four in candle's backward
+            // (its gradient store starts each from zeros and adds).
+            let qs = (qs * scale)?;
+            let s_ctx = (qs.reshape((nkv, n * g * b, d))?.matmul(&kcs.t()?)?)
                 .reshape((nkv, n, g * b, len))?
                 .broadcast_add(mask)?;
-            let s_blk = (qs.matmul(&kbs.transpose(2, 3)?)? * scale)?;
-            let pr = train::softmax(&Tensor::cat(&[&s_ctx, &s_blk], 3)?)?;
-            let o_ctx = pr
-                .narrow(3, 0, len)?
-                .contiguous()?
+            let s_blk = qs.matmul(&kbs.transpose(2, 3)?)?;
+            let (p_ctx, p_blk) = train::softmax_pair(&s_ctx, &s_blk)?;
+            let o_ctx = p_ctx
                 .reshape((nkv, n * g * b, len))?
                 .matmul(&vcs)?
                 .reshape((nkv, n, g * b, d))?;
-            let o_blk = pr.narrow(3, len, b)?.contiguous()?.matmul(&vbs)?;
+            let o_blk = p_blk.matmul(&vbs)?;
             let o = (o_ctx + o_blk)?
                 .reshape((nkv, n, g, b, d))?
                 .permute((1, 3, 0, 2, 4))?

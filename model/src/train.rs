@@ -31,6 +31,20 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
+/// Softmax over the last dimension of `a` and `b` side by side, as if concatenated there (their
+/// other dimensions equal), each one's share returned in its own shape: one max and one sum a
+/// row over both, and no concatenated copy (the max subtracted is a constant, as in
+/// [`softmax`]).
+pub fn softmax_pair(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+    let m = (a.max_keepdim(D::Minus1)?)
+        .maximum(&b.max_keepdim(D::Minus1)?)?
+        .detach();
+    let ea = a.broadcast_sub(&m)?.exp()?;
+    let eb = b.broadcast_sub(&m)?.exp()?;
+    let sum = (ea.sum_keepdim(D::Minus1)? + eb.sum_keepdim(D::Minus1)?)?;
+    Ok((ea.broadcast_div(&sum)?, eb.broadcast_div(&sum)?))
+}
+
 /// `log(sum(exp(x)))` over the last dimension, kept as `[.., 1]`.
 pub fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
     let m = x.max_keepdim(D::Minus1)?.detach();
@@ -909,6 +923,44 @@ mod tests {
         assert_eq!(again.moments().unwrap(), (m, v));
         assert!(again.set_moments(&params, &w[..3], &w).is_err());
         assert!(dev.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// A softmax over two pieces is the softmax of their concatenation, in value and in
+    /// gradient (to f32 rounding), a row whose first piece is masked out to -inf included.
+    #[test]
+    fn a_softmax_of_a_pair_is_the_softmax_of_its_concatenation() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(8);
+        let mut draw = |dims: &[usize]| {
+            let n: usize = dims.iter().product();
+            let v: Vec<f32> = (0..n).map(|_| 3.0 * normal(&mut rng)).collect();
+            Var::from_vec(v, dims, &Device::Cpu).unwrap()
+        };
+        let (a, b, w) = (draw(&[2, 3, 5]), draw(&[2, 3, 4]), draw(&[2, 3, 9]));
+        // Row (0, 1) of `a` masked out entirely, as an anchor at a sequence's start is.
+        let mut mask = vec![0f32; 2 * 3 * 5];
+        mask[5..10].fill(f32::NEG_INFINITY);
+        let mask = Tensor::from_vec(mask, (2, 3, 5), &Device::Cpu).unwrap();
+        let am = (a.as_tensor() + &mask).unwrap();
+        let (pa, pb) = softmax_pair(&am, b.as_tensor()).unwrap();
+        let got = Tensor::cat(&[&pa, &pb], 2).unwrap();
+        let want = softmax(&Tensor::cat(&[&am, b.as_tensor()], 2).unwrap()).unwrap();
+        let diff = |x: &Tensor, y: &Tensor| -> f32 {
+            let d = (x - y).unwrap().abs().unwrap().flatten_all().unwrap();
+            d.max(0).unwrap().to_scalar().unwrap()
+        };
+        assert!(diff(&got, &want) < 1e-6, "{}", diff(&got, &want));
+        let masked = pa.narrow(0, 0, 1).unwrap().narrow(1, 1, 1).unwrap();
+        assert_eq!(masked.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        // A weighted sum's gradient reaches both pieces alike.
+        let loss = |p: &Tensor| (p * w.as_tensor()).unwrap().sum_all().unwrap();
+        let (g1, g2) = (
+            loss(&got).backward().unwrap(),
+            loss(&want).backward().unwrap(),
+        );
+        for v in [&a, &b] {
+            let (x, y) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+            assert!(diff(x, y) < 1e-6, "gradient {}", diff(x, y));
+        }
     }
 
     /// `sum_all` is candle's `sum_all` in value (within f32 rounding of another grouping) and in
