@@ -54,6 +54,23 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 b16 matrices from shared memory (ldmatrix .x4): lanes 8j..8j+7 give the addresses of
+// matrix j's rows (16 bytes each), and lane 4 * g + t receives in r[j] matrix j's row g, columns
+// 2t and 2t + 1 (the lower in the low half): an mma fragment's layout. `_t` (.trans) gives row
+// 2t and 2t + 1 of column g instead: the fragment of the transposed matrix.
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const uint16_t* p) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const uint16_t* p) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 // Two floats as bf16 (rounded to nearest even), `lo` in the low half (the lower column).
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -63,7 +80,7 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
 }  // namespace
 #endif
 // Without nvcc, the includer (attention_host.cpp, cuda's CPU test of this file) defines
-// mma_bf16, pack, the shuffle, the barrier and the thread indices.
+// mma_bf16, ldsm_x4, ldsm_x4_t, pack, the shuffle, the barrier and the thread indices.
 
 namespace {
 
@@ -72,7 +89,11 @@ __device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) {
     return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
-template <int D>
+// LDSM: the K and V fragments come from shared memory by ldmatrix, four registers an
+// instruction (V's transposed on the way); without it, by 4-byte loads for K and 2-byte ones for
+// V, four instructions and two packs for each product's V fragment. Both are built: the loader
+// prefers LDSM and keeps the other where LDSM's self-check does not pass.
+template <int D, bool LDSM>
 __device__ __forceinline__ void causal(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                                        const uint16_t* __restrict__ v, uint16_t* __restrict__ out,
                                        const uint32_t* __restrict__ starts, int heads, int kv_heads,
@@ -150,12 +171,32 @@ __device__ __forceinline__ void causal(const uint16_t* __restrict__ q, const uin
 #pragma unroll
         for (int n = 0; n < KEYS / 8; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const uint16_t* kp = &ks[(n * 8 + g) * S + 2 * t];
+        }
+        if constexpr (LDSM) {
+            // Two key blocks at once: matrices (keys n, dims kk lo), (n, kk hi), (n + 1, kk lo),
+            // (n + 1, kk hi), lane 8j + i giving key row i of matrix j.
+            const int row = (lane / 16) * 8 + lane % 8;
+            const int col = ((lane / 8) % 2) * 8;
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kp + kk * 16);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kp + kk * 16 + 8);
-                mma_bf16(s[n], qa[kk], b0, b1);
+            for (int n = 0; n < KEYS / 8; n += 2) {
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    uint32_t b[4];
+                    ldsm_x4(b, &ks[(n * 8 + row) * S + kk * 16 + col]);
+                    mma_bf16(s[n], qa[kk], b[0], b[1]);
+                    mma_bf16(s[n + 1], qa[kk], b[2], b[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < KEYS / 8; ++n) {
+                const uint16_t* kp = &ks[(n * 8 + g) * S + 2 * t];
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kp + kk * 16);
+                    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kp + kk * 16 + 8);
+                    mma_bf16(s[n], qa[kk], b0, b1);
+                }
             }
         }
         // Scaled to log2 units; in the last tile, keys after a row's query, or past the
@@ -219,13 +260,26 @@ __device__ __forceinline__ void causal(const uint16_t* __restrict__ q, const uin
                 pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                 pack(s[2 * kk + 1][2], s[2 * kk + 1][3]),
             };
-            const uint16_t* vp = &vs[(kk * 16 + 2 * t) * S + g];
+            if constexpr (LDSM) {
+                // Two dim blocks at once, transposed: matrices (keys kk lo, dims i),
+                // (kk hi, i), (kk lo, i + 1), (kk hi, i + 1), lane 8j + i' giving key row i'.
+                const uint16_t* vp = &vs[(kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S + (lane / 16) * 8];
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
-                const uint16_t* c = vp + i * 8;
-                const uint32_t b0 = pair(c[0], c[S]);
-                const uint32_t b1 = pair(c[8 * S], c[9 * S]);
-                mma_bf16(o[i], pa, b0, b1);
+                for (int i = 0; i < D / 8; i += 2) {
+                    uint32_t b[4];
+                    ldsm_x4_t(b, vp + i * 8);
+                    mma_bf16(o[i], pa, b[0], b[1]);
+                    mma_bf16(o[i + 1], pa, b[2], b[3]);
+                }
+            } else {
+                const uint16_t* vp = &vs[(kk * 16 + 2 * t) * S + g];
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) {
+                    const uint16_t* c = vp + i * 8;
+                    const uint32_t b0 = pair(c[0], c[S]);
+                    const uint32_t b1 = pair(c[8 * S], c[9 * S]);
+                    mma_bf16(o[i], pa, b0, b1);
+                }
             }
         }
     }
@@ -254,17 +308,24 @@ __device__ __forceinline__ void causal(const uint16_t* __restrict__ q, const uin
 
 }  // namespace
 
-// One kernel per head dim. Launch: grid (heads, sequences, ceil(longest / 64)), 128 threads,
-// no dynamic shared memory; `starts` holds sequences + 1 offsets into the token rows;
-// `scale_log2` is the softmax scale times log2(e).
-#define CAUSAL_KERNEL(D)                                                                              \
+// Two kernels per head dim, `causal_bf16_d{D}` (plain loads) and `causal_bf16_ldsm_d{D}`, the
+// latter held to BLOCKS blocks an SM (65536 registers: at most 168 a thread for 3, 128 for 4;
+// left free, ptxas gave it 171 at d = 128, which fits only two). Launch: grid (heads,
+// sequences, ceil(longest / 64)), 128 threads, no dynamic shared memory; `starts` holds
+// sequences + 1 offsets into the token rows; `scale_log2` is the softmax scale times log2(e).
+#define CAUSAL_KERNEL(D, BLOCKS)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) causal_bf16_d##D(                          \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,                      \
         const uint32_t* starts, int heads, int kv_heads, float scale_log2) {                          \
-        causal<D>(q, k, v, out, starts, heads, kv_heads, scale_log2);                                 \
+        causal<D, false>(q, k, v, out, starts, heads, kv_heads, scale_log2);                          \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) causal_bf16_ldsm_d##D(             \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,                      \
+        const uint32_t* starts, int heads, int kv_heads, float scale_log2) {                          \
+        causal<D, true>(q, k, v, out, starts, heads, kv_heads, scale_log2);                           \
     }
 
-CAUSAL_KERNEL(16)
-CAUSAL_KERNEL(32)
-CAUSAL_KERNEL(64)
-CAUSAL_KERNEL(128)
+CAUSAL_KERNEL(16, 4)
+CAUSAL_KERNEL(32, 4)
+CAUSAL_KERNEL(64, 4)
+CAUSAL_KERNEL(128, 3)

@@ -19,15 +19,40 @@ pub const PTX: &str = include_str!("attention.ptx");
 
 const _: () = assert!(crate::has_no_nul(PTX), "attention.ptx holds a NUL byte");
 
-/// The head dimensions the kernel is built for, each its own entry point in [`KERNELS`].
+/// The head dimensions the kernel is built for, each its own entry point (see [`Loads`]).
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
-/// The entry point of each of [`HEAD_DIMS`], in order.
-const KERNELS: [&str; 4] = [
-    "causal_bf16_d16",
-    "causal_bf16_d32",
-    "causal_bf16_d64",
-    "causal_bf16_d128",
-];
+
+/// How a kernel reads its key and value fragments from shared memory; each of [`HEAD_DIMS`] has
+/// an entry point of each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loads {
+    /// `ldmatrix`, four registers an instruction, the values' transposed on the way
+    /// (`causal_bf16_ldsm_d{D}`): the one to prefer.
+    Ldmatrix,
+    /// 4-byte loads for keys, 2-byte loads paired for values (`causal_bf16_d{D}`): what a
+    /// GPU on which [`Loads::Ldmatrix`]'s self-check does not pass keeps.
+    Plain,
+}
+
+impl Loads {
+    /// The entry point of each of [`HEAD_DIMS`], in order.
+    fn kernels(self) -> [&'static str; 4] {
+        match self {
+            Loads::Ldmatrix => [
+                "causal_bf16_ldsm_d16",
+                "causal_bf16_ldsm_d32",
+                "causal_bf16_ldsm_d64",
+                "causal_bf16_ldsm_d128",
+            ],
+            Loads::Plain => [
+                "causal_bf16_d16",
+                "causal_bf16_d32",
+                "causal_bf16_d64",
+                "causal_bf16_d128",
+            ],
+        }
+    }
+}
 
 /// Queries per block and keys per tile, as in attention.cu.
 const ROWS: usize = 64;
@@ -126,18 +151,25 @@ fn plan(heads: Heads, lens: [usize; 5], seqs: usize, longest: usize, scale: f32)
     })
 }
 
-/// The kernels, loaded on one device.
+/// The kernels of one [`Loads`], loaded on one device.
 pub struct Causal {
     ctx: Arc<CudaContext>,
     kernels: Vec<CudaFunction>,
+    loads: Loads,
 }
 
 impl Causal {
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Causal> {
+    pub fn load(ctx: &Arc<CudaContext>, loads: Loads) -> Result<Causal> {
         Ok(Causal {
             ctx: ctx.clone(),
-            kernels: crate::load_kernels(ctx, "attention.ptx", PTX, &KERNELS)?,
+            kernels: crate::load_kernels(ctx, "attention.ptx", PTX, &loads.kernels())?,
+            loads,
         })
+    }
+
+    /// Which kernels these are.
+    pub fn loads(&self) -> Loads {
+        self.loads
     }
 
     /// Queues `out = softmax(q kᵀ · scale, causal) v` on `stream` for `seqs` sequences packed
@@ -191,8 +223,9 @@ impl Causal {
             .arg(&nh)
             .arg(&nkv)
             .arg(&p.scale_log2);
-        // SAFETY: `causal_bf16_d{D}(const u16* q, const u16* k, const u16* v, u16* out,
-        // const u32* starts, int heads, int kv_heads, float scale_log2)`: the arguments match in
+        // SAFETY: `causal_bf16_d{D}` and `causal_bf16_ldsm_d{D}` take (const u16* q,
+        // const u16* k, const u16* v, u16* out, const u32* starts, int heads, int kv_heads,
+        // float scale_log2): the arguments match in
         // order and type (bf16 is two bytes, as the kernel's u16). `plan` checked every buffer's
         // length against the heads, this kernel's head dim and the sequence count; the rows the
         // kernel touches are below `starts[seqs]`, the token count, and k and v start 16-byte
@@ -210,6 +243,7 @@ pub const SELF_CHECK_TOLERANCE: f64 = 0.02;
 /// NaN).
 #[derive(Clone, Copy, Debug)]
 pub struct SelfCheck {
+    pub loads: Loads,
     pub head_dim: usize,
     pub worst: f64,
 }
@@ -223,10 +257,14 @@ impl SelfCheck {
 
 impl std::fmt::Display for SelfCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let loads = match self.loads {
+            Loads::Ldmatrix => "ldmatrix",
+            Loads::Plain => "plain",
+        };
         write!(
             f,
-            "the fused attention kernel (head dim {}) is within {:.4} of attention in f64 \
-             (tolerance {SELF_CHECK_TOLERANCE})",
+            "the fused attention kernel ({loads} loads, head dim {}) is within {:.4} of attention \
+             in f64 (tolerance {SELF_CHECK_TOLERANCE})",
             self.head_dim, self.worst
         )
     }
@@ -297,7 +335,11 @@ impl Causal {
                     a.max(e)
                 }
             });
-        Ok(SelfCheck { head_dim, worst })
+        Ok(SelfCheck {
+            loads: self.loads,
+            head_dim,
+            worst,
+        })
     }
 }
 
@@ -374,9 +416,11 @@ mod tests {
     }
 
     #[test]
-    fn each_head_dim_has_its_entry_point() {
-        for (d, k) in HEAD_DIMS.iter().zip(KERNELS) {
-            assert_eq!(k, format!("causal_bf16_d{d}"));
+    fn each_head_dim_has_its_entry_point_of_each_kind() {
+        for (loads, kind) in [(Loads::Plain, ""), (Loads::Ldmatrix, "ldsm_")] {
+            for (d, k) in HEAD_DIMS.iter().zip(loads.kernels()) {
+                assert_eq!(k, format!("causal_bf16_{kind}d{d}"));
+            }
         }
     }
 

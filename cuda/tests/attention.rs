@@ -13,7 +13,8 @@ const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
 
 /// The kernel computes causal attention per sequence and head: within 0.02 of f64 on bf16
 /// inputs (sequences of 1 to 150 tokens, head dims 16 to 128, grouped-query heads), every output
-/// written, and a token's keys and values reach no row before it nor any other sequence.
+/// written, and a token's keys and values reach no row before it nor any other sequence; its
+/// ldmatrix form gives the plain form's bits.
 #[test]
 fn the_attention_kernel_computes_causal_attention_when_run_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
@@ -55,16 +56,16 @@ fn the_attention_kernel_computes_causal_attention_when_run_on_the_cpu() {
         "the kernel failed on the CPU:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // All four head dims were checked, both ways.
+    // All four head dims were checked, both kernels of each, every way.
     for d in cuda::attention::HEAD_DIMS {
-        assert!(
-            stdout.contains(&format!("d={d}: largest error")),
-            "{stdout}"
-        );
-        assert!(
-            stdout.contains(&format!("d={d}: token 5 of sequence 1")),
-            "{stdout}"
-        );
+        for kind in ["plain", "ldsm"] {
+            for line in ["largest error", "token 5 of sequence 1"] {
+                let want = format!("d={d} {kind}: {line}");
+                assert!(stdout.contains(&want), "no {want:?} in {stdout}");
+            }
+        }
+        let same = format!("d={d} ldsm: 0 outputs differ from plain's");
+        assert!(stdout.contains(&same), "no {same:?} in {stdout}");
     }
 }
 
@@ -84,7 +85,9 @@ fn the_shipped_ptx_is_made_from_the_kernel_source() {
         "attention.ptx is stale: regenerate it as attention.cu's header says"
     );
     for d in cuda::attention::HEAD_DIMS {
-        let entry = format!(".visible .entry causal_bf16_d{d}(");
-        assert!(cuda::attention::PTX.contains(&entry), "no {entry}");
+        for kind in ["", "ldsm_"] {
+            let entry = format!(".visible .entry causal_bf16_{kind}d{d}(");
+            assert!(cuda::attention::PTX.contains(&entry), "no {entry}");
+        }
     }
 }

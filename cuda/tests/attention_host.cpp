@@ -5,18 +5,21 @@
 // device primitives are stood in for here:
 //   mma_bf16   mma.sync.m16n8k16 (bf16 in, f32 accumulate) from the fragment layout the PTX ISA
 //              gives (the kernel's header comment), summed in f32;
+//   ldsm_x4    ldmatrix .x4 (and .trans) from the fragment layout the PTX ISA gives;
 //   shuffles   __shfl_xor_sync through a per-thread exchange;
 //   pack       f32 pairs to bf16, rounded to nearest even.
 // A barrier reached by some threads of a block while others have returned is reported: on a GPU
 // it hangs or is undefined.
 //
 // Checks (exit 0 when all hold; cuda/tests/attention.rs runs this):
-//   1. Against attention in f64 on the same bf16 inputs: sequences of 1, 17, 64, 65 and 150
-//      tokens in one batch (a partial tile, one exact tile, one token past it, several tiles),
+//   1. Each kernel against attention in f64 on the same bf16 inputs: sequences of 1, 17, 64,
+//      65 and 150 tokens in one batch (a partial tile, one exact tile, one token past it, several tiles),
 //      4 query heads on 2 kv heads, head dims 16, 32, 64 and 128; every output written, none
 //      NaN, and within 0.02 of the reference (bf16 keeps 8 bits: the probabilities and the
 //      output are rounded to it, about 0.004 relative each).
-//   2. Causal and per sequence, exactly: one token's keys and values made large leaves every
+//   2. Both kernels of a head dim (fragments loaded by ldmatrix, or by plain loads) give the
+//      same bits.
+//   3. Causal and per sequence, exactly: one token's keys and values made large leaves every
 //      row before it in its sequence and every row of the other sequences bit for bit the same,
 //      and changes the token's own row.
 //
@@ -44,7 +47,7 @@ struct Dim {
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -156,6 +159,27 @@ static void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) 
     std::memcpy(c, d, sizeof d);
 }
 
+static const uint16_t* ldsm_rows[fiber::N];
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16 for the calling thread's warp: each lane posts
+// its row address, then takes its four registers from the warp's rows (PTX ISA, "ldmatrix":
+// lanes 8j..8j+7 address matrix j's rows; lane 4 g + t receives row g, elements 2t and 2t + 1,
+// the lower in the low half, or with .trans column g, rows 2t and 2t + 1).
+static void ldsm(uint32_t r[4], const uint16_t* p, bool trans) {
+    const int me = fiber::cur;
+    ldsm_rows[me] = p;
+    fiber::sync();
+    const int warp = me / 32 * 32, g = (me % 32) / 4, t = me % 4;
+    auto M = [&](int j, int row, int col) { return (uint32_t)ldsm_rows[warp + 8 * j + row][col]; };
+    uint32_t out[4];
+    for (int j = 0; j < 4; ++j) {
+        out[j] = trans ? M(j, 2 * t, g) | M(j, 2 * t + 1, g) << 16 : M(j, g, 2 * t) | M(j, g, 2 * t + 1) << 16;
+    }
+    fiber::sync();  // every lane has read the rows before any posts new ones
+    std::memcpy(r, out, sizeof out);
+}
+static void ldsm_x4(uint32_t r[4], const uint16_t* p) { ldsm(r, p, false); }
+static void ldsm_x4_t(uint32_t r[4], const uint16_t* p) { ldsm(r, p, true); }
+
 #include "attention.cu"
 
 using Kernel = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, const uint32_t*, int, int,
@@ -224,8 +248,14 @@ int main() {
     const std::vector<int> lens = {1, 17, 64, 65, 150};
     const struct {
         int d;
+        const char* name;
         Kernel kernel;
-    } dims[] = {{16, causal_bf16_d16}, {32, causal_bf16_d32}, {64, causal_bf16_d64}, {128, causal_bf16_d128}};
+    } dims[] = {
+        {16, "plain", causal_bf16_d16},      {32, "plain", causal_bf16_d32},
+        {64, "plain", causal_bf16_d64},      {128, "plain", causal_bf16_d128},
+        {16, "ldsm", causal_bf16_ldsm_d16},  {32, "ldsm", causal_bf16_ldsm_d32},
+        {64, "ldsm", causal_bf16_ldsm_d64},  {128, "ldsm", causal_bf16_ldsm_d128},
+    };
     int failures = 0;
     for (const auto& dim : dims) {
         Case c{dim.d, dim.kernel, {0}, 4, 2, 0, {}, {}, {}};
@@ -252,9 +282,19 @@ int main() {
             worst = std::max(worst, err);
             bad += !(err <= 0.02);
         }
-        std::printf("d=%d: largest error %.5f against f64 over %zu outputs, %zu over 0.02\n", dim.d, worst,
-                    got.size(), bad);
+        std::printf("d=%d %s: largest error %.5f against f64 over %zu outputs, %zu over 0.02\n", dim.d, dim.name,
+                    worst, got.size(), bad);
         failures += bad != 0;
+        // The two ways of loading fragments give the same fragments: the same bits out.
+        static std::vector<uint16_t> plain_out[129];
+        if (std::strcmp(dim.name, "plain") == 0) {
+            plain_out[dim.d] = got;
+        } else {
+            size_t differ = 0;
+            for (size_t i = 0; i < got.size(); ++i) differ += got[i] != plain_out[dim.d][i];
+            std::printf("d=%d %s: %zu outputs differ from plain's\n", dim.d, dim.name, differ);
+            failures += differ != 0 || plain_out[dim.d].size() != got.size();
+        }
 
         // Token 100 of the 150-token sequence (the last), then token 5 of the 17-token one.
         for (const auto [seq, pos] : {std::pair{4, 100}, std::pair{1, 5}}) {
@@ -276,9 +316,9 @@ int main() {
                     if (tok == at && moved[i] == got[i]) ++same_row;
                 }
             }
-            std::printf("d=%d: token %d of sequence %d made large: %zu outputs it must not reach changed; "
+            std::printf("d=%d %s: token %d of sequence %d made large: %zu outputs it must not reach changed; "
                         "%zu of its own row unchanged\n",
-                        dim.d, pos, seq, wrong, same_row);
+                        dim.d, dim.name, pos, seq, wrong, same_row);
             failures += wrong != 0 || same_row == (size_t)c.heads * c.d;
         }
     }

@@ -156,9 +156,18 @@ pub fn gpu_attention(decoder: &mut Decoder, choice: Option<&str>) -> Result<(), 
         }
     }
     match decoder.use_gpu_attention()? {
-        GpuAttentionUse::Fused { self_check_error } => tracing::info!(
-            "attention: one fused kernel per layer (its self-check is within {self_check_error:.4} of f64)"
-        ),
+        GpuAttentionUse::Fused {
+            loads,
+            self_check_error,
+            ldmatrix_refused,
+        } => {
+            tracing::info!(
+                "attention: one fused kernel per layer, {loads:?} loads (its self-check is within {self_check_error:.4} of f64)"
+            );
+            if let Some(why) = ldmatrix_refused {
+                tracing::warn!("attention: the kernel's ldmatrix form was passed over: {why}");
+            }
+        }
         GpuAttentionUse::Refused(why) => tracing::warn!(
             "attention: candle's matrix products over blocks of scores, since the fused kernel cannot serve: {why}"
         ),

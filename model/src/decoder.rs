@@ -281,6 +281,11 @@ impl Decoder {
         self.gpu_attention.is_some()
     }
 
+    /// Which form of the GPU kernel runs the attention, if it does.
+    pub fn gpu_attention_loads(&self) -> Option<cuda::attention::Loads> {
+        self.gpu_attention.as_ref().map(|g| g.loads())
+    }
+
     /// Elements of one block of attention scores (default 8M); the tests make it small to
     /// check that blocking changes nothing.
     pub fn set_score_block(&mut self, elements: usize) {

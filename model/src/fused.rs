@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
-use cuda::attention::{Causal, Heads};
+use cuda::attention::{Causal, Heads, Loads};
 
 use crate::config::ArchConfig;
 use crate::{ModelError, Result};
@@ -20,8 +20,13 @@ use crate::{ModelError, Result};
 /// What [`crate::decoder::Decoder::use_gpu_attention`] settled.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GpuAttentionUse {
-    /// The kernel runs the attention; its self-check's largest error against f64.
-    Fused { self_check_error: f64 },
+    /// The kernel runs the attention: which form, its self-check's largest error against f64,
+    /// and why the ldmatrix form was passed over when the plain one runs.
+    Fused {
+        loads: Loads,
+        self_check_error: f64,
+        ldmatrix_refused: Option<String>,
+    },
     /// The kernel cannot serve this decoder (the CPU, another dtype, heads it is not built for,
     /// a driver or GPU that cannot load it, a self-check that did not pass): why. The decoder
     /// keeps the blocked matrix products.
@@ -38,6 +43,11 @@ pub(crate) struct GpuAttention {
 }
 
 impl GpuAttention {
+    /// Which form of the kernel this is.
+    pub(crate) fn loads(&self) -> Loads {
+        self.causal.loads()
+    }
+
     /// The kernel for a decoder of `cfg` computing in `dtype` on `device`, when it can serve
     /// one (a bf16 model on a CUDA device, heads it is built for, a module the driver loads, a
     /// self-check that passed), with what was settled
@@ -71,23 +81,39 @@ impl GpuAttention {
                 heads.kv_heads
             ));
         }
-        let causal = match imp::load(device) {
-            Ok(c) => c,
-            Err(why) => return refused(why),
-        };
-        let check = imp::self_check(device, &causal, heads.head_dim)?;
-        if !check.passed() {
-            return refused(check.to_string());
+        // The ldmatrix form first; the plain one where that cannot load or does not pass.
+        let mut ldmatrix_refused = None;
+        for loads in [Loads::Ldmatrix, Loads::Plain] {
+            let causal = match imp::load(device, loads) {
+                Ok(c) => c,
+                Err(why) => {
+                    ldmatrix_refused.get_or_insert(why);
+                    continue;
+                }
+            };
+            let check = imp::self_check(device, &causal, heads.head_dim)?;
+            if !check.passed() {
+                ldmatrix_refused.get_or_insert(check.to_string());
+                continue;
+            }
+            let gpu = GpuAttention {
+                causal,
+                heads,
+                scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            };
+            let used = GpuAttentionUse::Fused {
+                loads,
+                self_check_error: check.worst,
+                ldmatrix_refused: (loads == Loads::Plain)
+                    .then_some(ldmatrix_refused)
+                    .flatten(),
+            };
+            return Ok((Some(gpu), used));
         }
-        let gpu = GpuAttention {
-            causal,
-            heads,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-        };
-        let used = GpuAttentionUse::Fused {
-            self_check_error: check.worst,
-        };
-        Ok((Some(gpu), used))
+        refused(format!(
+            "neither form of the fused attention kernel serves: {}",
+            ldmatrix_refused.unwrap_or_default()
+        ))
     }
 }
 
@@ -185,7 +211,7 @@ impl CustomOp3 for Launch {
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::{CudaStorage, Device, Layout, Shape, Storage};
-    use cuda::attention::{Causal, SelfCheck};
+    use cuda::attention::{Causal, Loads, SelfCheck};
     use cuda::cudarc::driver::CudaView;
     use half::bf16;
 
@@ -194,9 +220,9 @@ mod imp {
 
     /// The module loaded on `device`'s context, or why not (a driver or GPU that cannot take
     /// its PTX: nothing ran, so nothing is broken).
-    pub(super) fn load(device: &Device) -> std::result::Result<Causal, String> {
+    pub(super) fn load(device: &Device, loads: Loads) -> std::result::Result<Causal, String> {
         let dev = device.as_cuda_device().map_err(|e| e.to_string())?;
-        Causal::load(dev.cuda_stream().context()).map_err(|e| e.to_string())
+        Causal::load(dev.cuda_stream().context(), loads).map_err(|e| e.to_string())
     }
 
     pub(super) fn self_check(
@@ -268,12 +294,12 @@ mod imp {
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use candle_core::{CudaStorage, Device, Layout, Shape};
-    use cuda::attention::{Causal, SelfCheck};
+    use cuda::attention::{Causal, Loads, SelfCheck};
 
     use super::Launch;
     use crate::{ModelError, Result};
 
-    pub(super) fn load(_: &Device) -> std::result::Result<Causal, String> {
+    pub(super) fn load(_: &Device, _: Loads) -> std::result::Result<Causal, String> {
         Err("this build has no CUDA device (scripts/build-cuda.sh makes one)".into())
     }
 

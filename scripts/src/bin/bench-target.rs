@@ -111,7 +111,11 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{{\"impl\": \"hspipe-candle-{}\", \"attention\": \"{}\", \"seq_len\": {}, \"batch\": {}, \"tokens_per_s\": {:.1}, \"median_s\": {median:.4}}}",
         a.device,
-        if fused { "fused" } else { "blocked" },
+        match target.decoder().gpu_attention_loads() {
+            Some(cuda::attention::Loads::Ldmatrix) => "fused-ldmatrix",
+            Some(cuda::attention::Loads::Plain) => "fused-plain",
+            None => "blocked",
+        },
         a.seq_len,
         a.batch,
         t as f64 / median
