@@ -27,7 +27,8 @@
 #          target in bf16 (scripts/shapes/qwen3-8b, weights made on the device): our forward +
 #          capture tokens/s, with the fused attention and with the blocked one, beside HF
 #          transformers' forward with output_hidden_states, same GPU, interleaved
-#          (scripts/py/bench_target.py --blocked-too; the goal is at least 0.9x: reported, not
+#          (scripts/py/bench_target.py --blocked-too --plain-too: ours with the kernel's
+#          ldmatrix form, with its plain form and blocked; the goal is at least 0.9x: reported, not
 #          a failure).
 #   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
@@ -157,7 +158,7 @@ for s in $steps; do
         # Timed even when the comparison failed: the blocked side and torch's are still figures.
         rc=0
         python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
-            --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 --blocked-too \
+            --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 --blocked-too --plain-too \
             | tee "$out/speed.log" || rc=$?
         [ $rc -eq 0 ] || failed+=("speed (exit $rc)")
         ;;

@@ -133,29 +133,32 @@ pub fn freed_memory(choice: Option<&str>) -> Result<cuda::pool::FreedMemory, Gpu
 }
 
 /// How a target on a GPU attends: `fused` (the default: one kernel per layer, the scores kept on
-/// chip, `cuda::attention`) or `blocked` (candle's matrix products over blocks of scores, the
-/// CPU's way; for comparing the two).
+/// chip, `cuda::attention`, its ldmatrix form or else its plain one), `plain` (the kernel's plain
+/// form only) or `blocked` (candle's matrix products over blocks of scores, the CPU's way); the
+/// last two for comparing.
 pub const ATTENTION_ENV: &str = "HSPIPE_TARGET_ATTENTION";
 
 /// Sets `decoder`'s attention on a GPU from `choice` ([`ATTENTION_ENV`]'s value): the fused
 /// kernel unless `blocked` is asked for. A kernel that cannot serve there (heads it is not
 /// built for, a GPU or driver that cannot load it, a self-check that did not pass) leaves the
-/// matrix products, with a warning that says why; a value that is neither is an error, and so
-/// is a driver failure during the kernel's self-check (the device is then suspect).
+/// matrix products, with a warning that says why; any other value is an error, and so is a
+/// driver failure during the kernel's self-check (the device is then suspect).
 pub fn gpu_attention(decoder: &mut Decoder, choice: Option<&str>) -> Result<(), GpuError> {
-    match choice {
-        None | Some("fused") => {}
+    use cuda::attention::Loads;
+    let forms: &[Loads] = match choice {
+        None | Some("fused") => &[Loads::Ldmatrix, Loads::Plain],
+        Some("plain") => &[Loads::Plain],
         Some("blocked") => {
             tracing::info!("attention: candle's matrix products over blocks of scores ({ATTENTION_ENV}=blocked)");
             return Ok(());
         }
         Some(other) => {
             return Err(GpuError::Config(format!(
-                "{ATTENTION_ENV} is {other:?}: it takes fused (the default) or blocked"
+                "{ATTENTION_ENV} is {other:?}: it takes fused (the default), plain or blocked"
             )))
         }
-    }
-    match decoder.use_gpu_attention()? {
+    };
+    match decoder.use_gpu_attention_in(forms)? {
         GpuAttentionUse::Fused {
             loads,
             self_check_error,
@@ -604,11 +607,11 @@ pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
 mod tests {
     use super::*;
 
-    /// HSPIPE_TARGET_ATTENTION takes fused or blocked, and anything else is an error naming it;
+    /// HSPIPE_TARGET_ATTENTION takes fused, plain or blocked, and anything else is an error naming it;
     /// a decoder the kernel cannot serve (here, one on the CPU) keeps the matrix products
     /// rather than failing the worker.
     #[test]
-    fn the_attention_choice_is_fused_or_blocked_and_falls_back_when_the_kernel_cannot_serve() {
+    fn the_attention_choice_is_fused_plain_or_blocked_and_falls_back_when_it_cannot_serve() {
         let dir = tempfile::tempdir().unwrap();
         let (m, _) = tiny_target(dir.path());
         let mut d = Decoder::load(&m, &Device::Cpu, DType::F32).unwrap();
@@ -618,7 +621,7 @@ mod tests {
             msg.contains(ATTENTION_ENV) && msg.contains("\"flash\""),
             "{msg}"
         );
-        for choice in [None, Some("fused"), Some("blocked")] {
+        for choice in [None, Some("fused"), Some("plain"), Some("blocked")] {
             gpu_attention(&mut d, choice).unwrap();
             assert!(!d.uses_gpu_attention(), "{choice:?}");
         }

@@ -23,6 +23,7 @@ use crate::fused::{GpuAttention, GpuAttentionUse, Launch};
 use crate::rope::Rope;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
+use cuda::attention::Loads;
 
 /// What a forward must produce.
 #[derive(Clone, Debug, Default)]
@@ -265,8 +266,15 @@ impl Decoder {
     /// another dtype, heads it is not built for, a GPU or driver that cannot load it, a check
     /// that did not pass); the decoder then keeps the matrix products. An error is the driver's
     /// during the check: the device is suspect.
+    /// The kernel's ldmatrix form is tried first, then its plain one.
     pub fn use_gpu_attention(&mut self) -> Result<GpuAttentionUse> {
-        let (gpu, used) = GpuAttention::settle(&self.device, self.dtype, &self.cfg)?;
+        self.use_gpu_attention_in(&[Loads::Ldmatrix, Loads::Plain])
+    }
+
+    /// [`Decoder::use_gpu_attention`] with only `forms` of the kernel tried, in order (to
+    /// compare them).
+    pub fn use_gpu_attention_in(&mut self, forms: &[Loads]) -> Result<GpuAttentionUse> {
+        let (gpu, used) = GpuAttention::settle(&self.device, self.dtype, &self.cfg, forms)?;
         self.gpu_attention = gpu.map(Arc::new);
         Ok(used)
     }
@@ -282,7 +290,7 @@ impl Decoder {
     }
 
     /// Which form of the GPU kernel runs the attention, if it does.
-    pub fn gpu_attention_loads(&self) -> Option<cuda::attention::Loads> {
+    pub fn gpu_attention_loads(&self) -> Option<Loads> {
         self.gpu_attention.as_ref().map(|g| g.loads())
     }
 

@@ -54,10 +54,12 @@ impl GpuAttention {
     /// ([`crate::decoder::Decoder::use_gpu_attention`]). An error is the driver's during the
     /// check: the device is then suspect (a fault ends a CUDA context), and the worker should
     /// stop rather than go on without the kernel.
+    /// `forms`: the kernel's forms to try, in order of preference.
     pub(crate) fn settle(
         device: &Device,
         dtype: DType,
         cfg: &ArchConfig,
+        forms: &[Loads],
     ) -> Result<(Option<GpuAttention>, GpuAttentionUse)> {
         let refused = |why: String| Ok((None, GpuAttentionUse::Refused(why)));
         if !device.is_cuda() || dtype != DType::BF16 {
@@ -81,9 +83,9 @@ impl GpuAttention {
                 heads.kv_heads
             ));
         }
-        // The ldmatrix form first; the plain one where that cannot load or does not pass.
+        // The first form that loads and passes (the caller's order: ldmatrix first, then plain).
         let mut ldmatrix_refused = None;
-        for loads in [Loads::Ldmatrix, Loads::Plain] {
+        for &loads in forms {
             let causal = match imp::load(device, loads) {
                 Ok(c) => c,
                 Err(why) => {
@@ -95,6 +97,10 @@ impl GpuAttention {
             if !check.passed() {
                 ldmatrix_refused.get_or_insert(check.to_string());
                 continue;
+            }
+            // What passed over the ldmatrix form is reported only when it was tried.
+            if !forms.contains(&Loads::Ldmatrix) {
+                ldmatrix_refused = None;
             }
             let gpu = GpuAttention {
                 causal,
@@ -111,8 +117,8 @@ impl GpuAttention {
             return Ok((Some(gpu), used));
         }
         refused(format!(
-            "neither form of the fused attention kernel serves: {}",
-            ldmatrix_refused.unwrap_or_default()
+            "no form of the fused attention kernel asked for ({forms:?}) serves: {}",
+            ldmatrix_refused.unwrap_or_else(|| "none was asked for".into())
         ))
     }
 }

@@ -19,7 +19,8 @@ directory's config.json alone (`scripts/shapes/qwen3-8b`: nothing downloaded):
 
 On a GPU our attention is the fused kernel (one per layer, `cuda::attention`); `--blocked-too`
 also times ours with candle's blocked matrix products (HSPIPE_TARGET_ATTENTION=blocked) in each
-round, so the kernel's gain is measured side by side too.
+round, so the kernel's gain is measured side by side too, and `--plain-too` with the kernel's
+plain form (HSPIPE_TARGET_ATTENTION=plain), the ldmatrix form's gain.
 
 torch comes from PyPI into a benchmark venv (`scripts/bench-target.sh` makes it); CI never
 needs it.
@@ -84,6 +85,8 @@ def main():
     p.add_argument("--random", action="store_true", help="weights made on the device from config.json")
     p.add_argument("--blocked-too", action="store_true",
                    help="also run hspipe with its blocked attention each round (HSPIPE_TARGET_ATTENTION=blocked)")
+    p.add_argument("--plain-too", action="store_true",
+                   help="also run hspipe with its attention kernel's plain form each round (HSPIPE_TARGET_ATTENTION=plain)")
     p.add_argument("--glibc-too", action="store_true",
                    help="also run hspipe with glibc's malloc defaults each round (bench-target --glibc-malloc)")
     a = p.parse_args()
@@ -104,6 +107,8 @@ def main():
         ours = {"hspipe": ([], {})}
         if a.blocked_too:
             ours["hspipe-blocked"] = ([], {"HSPIPE_TARGET_ATTENTION": "blocked"})
+        if a.plain_too:
+            ours["hspipe-plain"] = ([], {"HSPIPE_TARGET_ATTENTION": "plain"})
         if a.glibc_too:
             ours["hspipe-glibc"] = (["--glibc-malloc"], {})
         rates = {k: [] for k in ours} | {"eager": [], "sdpa": []}
@@ -130,6 +135,8 @@ def main():
             "hspipe_over_sdpa": round(ratio["sdpa"], 3),
         } | ({"hspipe_over_blocked": round(statistics.median(
             h / b for h, b in zip(rates["hspipe"], rates["hspipe-blocked"])), 3)} if a.blocked_too else {})
+          | ({"hspipe_over_plain": round(statistics.median(
+            h / p for h, p in zip(rates["hspipe"], rates["hspipe-plain"])), 3)} if a.plain_too else {})
           | ({"hspipe_over_glibc": round(statistics.median(
             h / g for h, g in zip(rates["hspipe"], rates["hspipe-glibc"])), 3)} if a.glibc_too else {})),
               flush=True)
