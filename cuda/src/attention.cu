@@ -309,23 +309,23 @@ __device__ __forceinline__ void causal(const uint16_t* __restrict__ q, const uin
 }  // namespace
 
 // Two kernels per head dim, `causal_bf16_d{D}` (plain loads) and `causal_bf16_ldsm_d{D}`, the
-// latter held to BLOCKS blocks an SM (65536 registers: at most 168 a thread for 3, 128 for 4;
-// left free, ptxas gave it 171 at d = 128, which fits only two). Launch: grid (heads,
+// latter at d = 128 held to three blocks an SM (65536 registers: at most 168 a thread; left
+// free, ptxas gave it 171, which fits only two). Launch: grid (heads,
 // sequences, ceil(longest / 64)), 128 threads, no dynamic shared memory; `starts` holds
 // sequences + 1 offsets into the token rows; `scale_log2` is the softmax scale times log2(e).
-#define CAUSAL_KERNEL(D, BLOCKS)                                                                      \
+#define CAUSAL_KERNEL(D, BOUNDS)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) causal_bf16_d##D(                          \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,                      \
         const uint32_t* starts, int heads, int kv_heads, float scale_log2) {                          \
         causal<D, false>(q, k, v, out, starts, heads, kv_heads, scale_log2);                          \
     }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) causal_bf16_ldsm_d##D(             \
+    extern "C" __global__ void __launch_bounds__ BOUNDS causal_bf16_ldsm_d##D(                       \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,                      \
         const uint32_t* starts, int heads, int kv_heads, float scale_log2) {                          \
         causal<D, true>(q, k, v, out, starts, heads, kv_heads, scale_log2);                           \
     }
 
-CAUSAL_KERNEL(16, 4)
-CAUSAL_KERNEL(32, 4)
-CAUSAL_KERNEL(64, 4)
-CAUSAL_KERNEL(128, 3)
+CAUSAL_KERNEL(16, (THREADS))
+CAUSAL_KERNEL(32, (THREADS))
+CAUSAL_KERNEL(64, (THREADS))
+CAUSAL_KERNEL(128, (THREADS, 3))

@@ -166,6 +166,10 @@ static const uint16_t* ldsm_rows[fiber::N];
 // the lower in the low half, or with .trans column g, rows 2t and 2t + 1).
 static void ldsm(uint32_t r[4], const uint16_t* p, bool trans) {
     const int me = fiber::cur;
+    if ((uintptr_t)p % 16 != 0) {
+        std::fprintf(stderr, "FAIL: ldmatrix row address %p is not 16-byte aligned (a GPU faults)\n", (const void*)p);
+        std::exit(1);
+    }
     ldsm_rows[me] = p;
     fiber::sync();
     const int warp = me / 32 * 32, g = (me % 32) / 4, t = me % 4;

@@ -162,13 +162,13 @@ pub fn gpu_attention(decoder: &mut Decoder, choice: Option<&str>) -> Result<(), 
         GpuAttentionUse::Fused {
             loads,
             self_check_error,
-            ldmatrix_refused,
+            passed_over,
         } => {
             tracing::info!(
                 "attention: one fused kernel per layer, {loads:?} loads (its self-check is within {self_check_error:.4} of f64)"
             );
-            if let Some(why) = ldmatrix_refused {
-                tracing::warn!("attention: the kernel's ldmatrix form was passed over: {why}");
+            if let Some(why) = passed_over {
+                tracing::warn!("attention: a preferred form of the kernel was passed over: {why}");
             }
         }
         GpuAttentionUse::Refused(why) => tracing::warn!(

@@ -21,11 +21,12 @@ use crate::{ModelError, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub enum GpuAttentionUse {
     /// The kernel runs the attention: which form, its self-check's largest error against f64,
-    /// and why the ldmatrix form was passed over when the plain one runs.
+    /// and why the forms tried before it (the ldmatrix form, when the plain one runs) did not
+    /// serve.
     Fused {
         loads: Loads,
         self_check_error: f64,
-        ldmatrix_refused: Option<String>,
+        passed_over: Option<String>,
     },
     /// The kernel cannot serve this decoder (the CPU, another dtype, heads it is not built for,
     /// a driver or GPU that cannot load it, a self-check that did not pass): why. The decoder
@@ -83,24 +84,21 @@ impl GpuAttention {
                 heads.kv_heads
             ));
         }
-        // The first form that loads and passes (the caller's order: ldmatrix first, then plain).
-        let mut ldmatrix_refused = None;
+        // The first form that loads and passes (the caller's order: ldmatrix first, then plain),
+        // with why each one before it did not.
+        let mut passed_over = Vec::new();
         for &loads in forms {
             let causal = match imp::load(device, loads) {
                 Ok(c) => c,
                 Err(why) => {
-                    ldmatrix_refused.get_or_insert(why);
+                    passed_over.push(format!("{loads:?}: {why}"));
                     continue;
                 }
             };
             let check = imp::self_check(device, &causal, heads.head_dim)?;
             if !check.passed() {
-                ldmatrix_refused.get_or_insert(check.to_string());
+                passed_over.push(format!("{loads:?}: {check}"));
                 continue;
-            }
-            // What passed over the ldmatrix form is reported only when it was tried.
-            if !forms.contains(&Loads::Ldmatrix) {
-                ldmatrix_refused = None;
             }
             let gpu = GpuAttention {
                 causal,
@@ -110,15 +108,13 @@ impl GpuAttention {
             let used = GpuAttentionUse::Fused {
                 loads,
                 self_check_error: check.worst,
-                ldmatrix_refused: (loads == Loads::Plain)
-                    .then_some(ldmatrix_refused)
-                    .flatten(),
+                passed_over: (!passed_over.is_empty()).then(|| passed_over.join("; ")),
             };
             return Ok((Some(gpu), used));
         }
         refused(format!(
             "no form of the fused attention kernel asked for ({forms:?}) serves: {}",
-            ldmatrix_refused.unwrap_or_else(|| "none was asked for".into())
+            passed_over.join("; ")
         ))
     }
 }
