@@ -35,6 +35,9 @@ pub enum Loads {
 }
 
 impl Loads {
+    /// The forms to try, preferred first: what a GPU target runs unless told otherwise.
+    pub const PREFERENCE: [Loads; 2] = [Loads::Ldmatrix, Loads::Plain];
+
     /// The entry point of each of [`HEAD_DIMS`], in order.
     fn kernels(self) -> [&'static str; 4] {
         match self {

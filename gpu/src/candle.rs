@@ -146,7 +146,7 @@ pub const ATTENTION_ENV: &str = "HSPIPE_TARGET_ATTENTION";
 pub fn gpu_attention(decoder: &mut Decoder, choice: Option<&str>) -> Result<(), GpuError> {
     use cuda::attention::Loads;
     let forms: &[Loads] = match choice {
-        None | Some("fused") => &[Loads::Ldmatrix, Loads::Plain],
+        None | Some("fused") => &Loads::PREFERENCE,
         Some("plain") => &[Loads::Plain],
         Some("blocked") => {
             tracing::info!("attention: candle's matrix products over blocks of scores ({ATTENTION_ENV}=blocked)");

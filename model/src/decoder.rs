@@ -268,7 +268,7 @@ impl Decoder {
     /// during the check: the device is suspect.
     /// The kernel's ldmatrix form is tried first, then its plain one.
     pub fn use_gpu_attention(&mut self) -> Result<GpuAttentionUse> {
-        self.use_gpu_attention_in(&[Loads::Ldmatrix, Loads::Plain])
+        self.use_gpu_attention_in(&Loads::PREFERENCE)
     }
 
     /// [`Decoder::use_gpu_attention`] with only `forms` of the kernel tried, in order (to
