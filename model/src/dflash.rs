@@ -13,7 +13,9 @@
 //! The loss ([`Dflash::loss_and_grads`]) runs the head over the weighted positions in chunks, so
 //! no `positions x vocab` tensor exists at a real vocabulary: the forward's last state is cut
 //! from the graph, each chunk's loss backpropagates to it alone, and the summed state gradient
-//! then goes back through the layers once. A batch too big for one backward graph runs in
+//! then goes back through the layers once. The attention's core has its backward written by
+//! hand too (`draft_attention`): candle's autograd of the same ops cost about twice the passes
+//! over the scores and held four times their memory. A batch too big for one backward graph runs in
 //! parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks span parts has its context
 //! (fc, hidden norm, each layer's context keys and values) projected once and cut from the graph
 //! the same way: each part adds its gradient of the cut, and the sum goes back through the
@@ -37,6 +39,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use serde_json::json;
 
 use crate::config::ArchConfig;
+use crate::draft_attention;
 use crate::rope::Rope;
 use crate::train::{self, linear, rms_norm, Grads, Init, Params};
 use crate::weights::Weights;
@@ -788,23 +791,10 @@ impl Dflash {
             let vcs = p.kv[2 * l + 1].narrow(1, at, len)?;
             let kbs = kb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
             let vbs = vb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
-            // The scale goes on the queries (len / d times fewer values than the scores), and
-            // a row's softmax spans its context scores and its block scores as two pieces (one
-            // max, one sum): no concatenated copy of the scores, no narrowed copies back. Each
-            // op on the scores is a pass over them, and another four in candle's backward
-            // (its gradient store starts each from zeros and adds).
-            let qs = (qs * scale)?;
-            let s_ctx = (qs.reshape((nkv, n * g * b, d))?.matmul(&kcs.t()?)?)
-                .reshape((nkv, n, g * b, len))?
-                .broadcast_add(mask)?;
-            let s_blk = qs.matmul(&kbs.transpose(2, 3)?)?;
-            let (p_ctx, p_blk) = train::softmax_pair(&s_ctx, &s_blk)?;
-            let o_ctx = p_ctx
-                .reshape((nkv, n * g * b, len))?
-                .matmul(&vcs)?
-                .reshape((nkv, n, g * b, d))?;
-            let o_blk = p_blk.matmul(&vbs)?;
-            let o = (o_ctx + o_blk)?
+            // The scale goes on the queries (len / d times fewer values than the scores); the
+            // core's backward is written by hand (`draft_attention`).
+            let o = draft_attention::attend(&(qs * scale)?, (&kcs, &vcs), mask, (&kbs, &vbs))?;
+            let o = o
                 .reshape((nkv, n, g, b, d))?
                 .permute((1, 3, 0, 2, 4))?
                 .contiguous()?

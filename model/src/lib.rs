@@ -22,6 +22,7 @@ pub mod capture;
 pub mod config;
 pub mod decoder;
 pub mod dflash;
+mod draft_attention;
 mod fused;
 pub mod make;
 pub mod pretrain;

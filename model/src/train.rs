@@ -414,6 +414,13 @@ pub(crate) fn normal(rng: &mut impl RngExt) -> f32 {
     ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
 }
 
+/// The largest absolute value of `t` (tests' measure of how far two tensors are apart).
+#[cfg(test)]
+pub(crate) fn max_abs(t: &Tensor) -> f32 {
+    let t = t.abs().unwrap().flatten_all().unwrap();
+    t.max(0).unwrap().to_scalar().unwrap()
+}
+
 /// AdamW's settings and the schedule.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
@@ -843,18 +850,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, 8, &dev).unwrap();
         let want = candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap();
         let got = rms_norm(&x, &w, 1e-6).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| -> f32 {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap()
-        };
+        let diff = |a: &Tensor, b: &Tensor| max_abs(&(a - b).unwrap());
         assert!(diff(&want, &got) < 1e-5);
         let want = candle_nn::ops::softmax_last_dim(&x).unwrap();
         assert!(diff(&want, &softmax(&x).unwrap()) < 1e-6);
@@ -944,10 +940,7 @@ mod tests {
         let (pa, pb) = softmax_pair(&am, b.as_tensor()).unwrap();
         let got = Tensor::cat(&[&pa, &pb], 2).unwrap();
         let want = softmax(&Tensor::cat(&[&am, b.as_tensor()], 2).unwrap()).unwrap();
-        let diff = |x: &Tensor, y: &Tensor| -> f32 {
-            let d = (x - y).unwrap().abs().unwrap().flatten_all().unwrap();
-            d.max(0).unwrap().to_scalar().unwrap()
-        };
+        let diff = |x: &Tensor, y: &Tensor| max_abs(&(x - y).unwrap());
         assert!(diff(&got, &want) < 1e-6, "{}", diff(&got, &want));
         let masked = pa.narrow(0, 0, 1).unwrap().narrow(1, 1, 1).unwrap();
         assert_eq!(masked.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);

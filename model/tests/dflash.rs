@@ -301,8 +301,11 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
         )
     };
     let mut d = fresh().unwrap();
-    let prompts = dataset::language::held_out(1024, 12, 16);
-    // The target's own text: its greedy continuations of 8 prompts, with its states.
+    let prompts = dataset::language::held_out(1024, 40, 16);
+    // The target's own text: its greedy continuations of 32 prompts, with its states; the other
+    // 8 are held out. Trained on 8 for 200 steps, the drafter's mean acceptance swung between
+    // 1.14 and 1.69 with the learning rate moved 5-10% or a gradient's rounding changed; on 32
+    // for 600 steps it stayed within 1.68-1.93 (9 such trainings), the untrained one's 1.00.
     let layers = [0usize, 1];
     let need = Need {
         layers: &layers,
@@ -310,7 +313,7 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
         tokens: true,
     };
     let mut batches = Vec::new();
-    for p in &prompts[..8] {
+    for p in &prompts[..32] {
         let mut text = p.clone();
         text.extend(spec::greedy(&target, p, 48).unwrap());
         let out = target.forward(&text, &[text.len() as u32], &need).unwrap();
@@ -337,20 +340,20 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
     let n = d.params.len();
     let mut opt = AdamW::new(
         AdamWConfig {
-            lr: 2e-2,
+            lr: 1e-2,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
             warmup_steps: 10,
-            total_steps: 200,
+            total_steps: 600,
             min_lr_ratio: 0.1,
             clip: 1.0,
         },
         n,
     );
     let mut w = d.params.flat().unwrap();
-    for step in 0..200 {
+    for step in 0..600 {
         let (ctx, b) = &batches[step % batches.len()];
         let mut g = vec![0f32; n];
         let s = d.loss_and_grads(ctx, b, &mut g).unwrap();
@@ -360,7 +363,7 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
     let untrained = fresh().unwrap();
     let mean = |drafter: &Dflash| {
         let (mut tokens, mut forwards) = (0, 0);
-        for p in &prompts[8..] {
+        for p in &prompts[32..] {
             let g = spec::speculative(&target, drafter, p, 24).unwrap();
             assert_eq!(g.tokens, spec::greedy(&target, p, 24).unwrap());
             tokens += g.accept_lengths.iter().sum::<usize>();
