@@ -11,8 +11,8 @@ use crate::{CudaContext, Named, Result};
 /// (`cuMemAllocAsync`: cudarc's way when the device has pools), does with memory freed into it:
 /// keep it for the next allocation (`Keep`, what PyTorch's caching allocator does) or hand it
 /// back to the driver at the next stream, event or context synchronize (`Release`, the
-/// driver's default: a release threshold of 0). A DFlash step synchronizes about fifty times
-/// (three values read a part) and allocates gigabytes between, so `Release` maps them afresh after
+/// driver's default: a release threshold of 0). A DFlash step synchronizes about thirty-five
+/// times (two values read a part) and allocates gigabytes between, so `Release` maps them afresh after
 /// each; `Release` suits a GPU shared with other programs, which get the memory back sooner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FreedMemory {

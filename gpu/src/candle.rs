@@ -117,7 +117,7 @@ impl Placement {
 /// What a GPU's memory pool, where candle's tensors live, does with memory freed into it
 /// (`cuda::pool`): `keep` (the default: kept for the next allocation, as PyTorch's caching
 /// allocator does) or `release` (the driver's default: handed back at each synchronize, which a
-/// DFlash step does about fifty times; for a GPU shared with other programs, and to compare the two).
+/// DFlash step does about thirty-five times; for a GPU shared with other programs, and to compare the two).
 pub const FREED_MEMORY_ENV: &str = "HSPIPE_CUDA_FREED_MEMORY";
 
 /// [`FREED_MEMORY_ENV`]'s value read: unset is `keep`; a value neither `keep` nor `release` is

@@ -52,6 +52,45 @@ pub fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
     Ok(s.broadcast_add(&m)?)
 }
 
+/// A frozen LM head's weighted cross-entropy over some rows, with its gradient at the rows.
+pub struct HeadLoss {
+    /// `sum(weight * (logsumexp(logits) - logits[label]))`, a scalar.
+    pub loss: Tensor,
+    /// The loss's gradient at the rows, `[rows, hidden]`.
+    pub grad: Tensor,
+    /// Each row's greedy token, `[rows]`.
+    pub argmax: Tensor,
+}
+
+/// The weighted cross-entropy of rows `h` (`[rows, hidden]`) through the frozen head `w`
+/// (`[vocab, hidden]`) against `labels` (`[rows]`, u32) weighted by `weights` (`[rows]`), and its
+/// gradient at `h` written by hand, not by candle's backward:
+/// `weight * (softmax(logits) - onehot(label)) · w` is `((e · w) * weight / sum(e)) -
+/// weight * w[label]` with `e = exp(logits - max)`, so the one-hot and the probabilities are
+/// never made. The logits see five passes (the max, the shift, the exponential, its sum, the
+/// greedy pick) and the product back to the rows; candle's backward of the same ops made some
+/// twenty, a scatter into a vocabulary-wide tensor of zeros among them.
+pub fn head_loss(h: &Tensor, w: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<HeadLoss> {
+    let (h, w) = (h.detach(), w.detach());
+    let logits = h.matmul(&w.t()?)?;
+    let m = logits.max_keepdim(D::Minus1)?;
+    let e = logits.broadcast_sub(&m)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let labels_col = labels.unsqueeze(1)?;
+    // logsumexp - logits[label] = log(sum) - (logits[label] - max), one value a row.
+    let picked = logits.gather(&labels_col, 1)?.broadcast_sub(&m)?;
+    let nll = (sum.log()? - picked)?.squeeze(1)?;
+    let loss = (nll * weights)?.sum_all()?;
+    let wt = weights.unsqueeze(1)?;
+    let grad = (e.matmul(&w)?.broadcast_mul(&(&wt / &sum)?)?
+        - w.index_select(labels, 0)?.broadcast_mul(&wt)?)?;
+    Ok(HeadLoss {
+        loss,
+        grad,
+        argmax: logits.argmax(D::Minus1)?,
+    })
+}
+
 /// The sum of every element of `t`, a scalar, with the same gradient as `t.sum_all()` but
 /// spread over the device. candle's CUDA reduction gives each output value one thread block, so
 /// `sum_all` of a tensor of millions of elements runs on one of a GPU's SMs (an H200 has 132);
@@ -954,6 +993,56 @@ mod tests {
             let (x, y) = (g1.get(v).unwrap(), g2.get(v).unwrap());
             assert!(diff(x, y) < 1e-6, "gradient {}", diff(x, y));
         }
+    }
+
+    /// The head's loss and its hand-written gradient are those of candle's ops on the same
+    /// expression (the logits, logsumexp less the label's logit, weighted and summed) through
+    /// candle's backward, within f32 rounding: a zero weight, a repeated label and rows far
+    /// apart in scale included; the greedy tokens are the logits' argmax.
+    #[test]
+    fn the_heads_loss_and_gradient_are_candles_chain_rule() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(21);
+        let (rows, hidden, vocab) = (5, 6, 11);
+        let mut draw = |n: usize, scale: f32| -> Vec<f32> {
+            (0..n).map(|_| scale * normal(&mut rng)).collect()
+        };
+        let mut hv = draw(rows * hidden, 1.0);
+        hv[..hidden].iter_mut().for_each(|x| *x *= 20.0);
+        let h = Var::from_vec(hv, (rows, hidden), &Device::Cpu).unwrap();
+        let w = Tensor::from_vec(draw(vocab * hidden, 1.0), (vocab, hidden), &Device::Cpu).unwrap();
+        let labels = Tensor::from_vec(vec![3u32, 0, 10, 3, 7], rows, &Device::Cpu).unwrap();
+        let weights =
+            Tensor::from_vec(vec![1.0f32, 0.5, 0.0, 2.0, 1.0], rows, &Device::Cpu).unwrap();
+
+        let got = head_loss(h.as_tensor(), &w, &labels, &weights).unwrap();
+        let logits = h.as_tensor().matmul(&w.t().unwrap()).unwrap();
+        let picked = logits.gather(&labels.unsqueeze(1).unwrap(), 1).unwrap();
+        let nll = (log_sum_exp(&logits).unwrap() - picked)
+            .unwrap()
+            .squeeze(1)
+            .unwrap();
+        let want = (nll * &weights).unwrap().sum_all().unwrap();
+        let g = want.backward().unwrap();
+        let want_grad = g.get(h.as_tensor()).unwrap();
+
+        let (a, b) = (
+            got.loss.to_scalar::<f32>().unwrap(),
+            want.to_scalar::<f32>().unwrap(),
+        );
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} against {b}");
+        let worst = |x: &Tensor, y: &Tensor| max_abs(&(x - y).unwrap()) / max_abs(y);
+        assert!(
+            worst(&got.grad, want_grad) < 1e-5,
+            "gradient {}",
+            worst(&got.grad, want_grad)
+        );
+        // The zero-weight row gets no gradient.
+        let row2 = got.grad.get(2).unwrap().abs().unwrap().sum_all().unwrap();
+        assert_eq!(row2.to_scalar::<f32>().unwrap(), 0.0);
+        assert_eq!(
+            got.argmax.to_vec1::<u32>().unwrap(),
+            logits.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap()
+        );
     }
 
     /// `sum_all` is candle's `sum_all` in value (within f32 rounding of another grouping) and in
