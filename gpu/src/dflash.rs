@@ -9,7 +9,7 @@
 //! the parts), its update, state and checkpoint, export and evaluation are one drafter.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor};
 use model::dflash::{
@@ -47,29 +47,50 @@ const SCORES_PER_PART_GPU: usize = 1 << 26;
 /// measurement of the part size; read once per process, and for the CPU too), else the device
 /// kind's default.
 pub fn scores_per_part(device: &Device) -> usize {
-    static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let set = SET.get_or_init(|| {
-        let v = std::env::var("HSPIPE_DFLASH_SCORES_PER_PART").ok()?;
-        match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => {
-                tracing::info!(
-                    scores = n,
-                    "DFlash parts from HSPIPE_DFLASH_SCORES_PER_PART"
-                );
-                Some(n)
-            }
-            _ => {
-                let why = "HSPIPE_DFLASH_SCORES_PER_PART is not a positive count; ignored";
-                tracing::warn!(value = %v, "{why}");
-                eprintln!("warning: {why} ({v:?})");
-                None
-            }
-        }
-    });
+    static SET: OnceLock<Option<usize>> = OnceLock::new();
+    let set =
+        SET.get_or_init(|| env_count(SCORES_PER_PART_ENV, std::env::var(SCORES_PER_PART_ENV).ok()));
     match (set, device.is_cpu()) {
         (Some(n), _) => *n,
         (None, true) => SCORES_PER_PART_CPU,
         (None, false) => SCORES_PER_PART_GPU,
+    }
+}
+
+/// Sets [`scores_per_part`].
+pub const SCORES_PER_PART_ENV: &str = "HSPIPE_DFLASH_SCORES_PER_PART";
+/// Sets [`logits_per_chunk`].
+pub const LOGITS_PER_CHUNK_ENV: &str = "HSPIPE_DFLASH_LOGITS_PER_CHUNK";
+
+/// The LM-head logits the DFlash loss computes at once (`Dflash::set_logits_per_chunk`):
+/// `HSPIPE_DFLASH_LOGITS_PER_CHUNK` when set (a positive count, read once per process; a GPU
+/// with less memory: the loss's peak is a few times it in f32), else `None`, the model's
+/// default for its device (2^27 on a GPU, 512 MiB).
+pub fn logits_per_chunk() -> Option<usize> {
+    static SET: OnceLock<Option<usize>> = OnceLock::new();
+    *SET.get_or_init(|| {
+        env_count(
+            LOGITS_PER_CHUNK_ENV,
+            std::env::var(LOGITS_PER_CHUNK_ENV).ok(),
+        )
+    })
+}
+
+/// Environment variable `name`'s `value` as a positive count, logged when used; anything else
+/// is ignored with a warning on stderr and in the log.
+fn env_count(name: &str, value: Option<String>) -> Option<usize> {
+    let v = value?;
+    match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => {
+            tracing::info!(count = n, "DFlash setting from {name}");
+            Some(n)
+        }
+        _ => {
+            let why = format!("{name} is not a positive count; ignored");
+            tracing::warn!(value = %v, "{why}");
+            eprintln!("warning: {why} ({v:?})");
+            None
+        }
     }
 }
 
@@ -335,7 +356,10 @@ impl DflashDrafter {
         let dc = drafter_config(cfg)?;
         let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &place.device)?;
         let f = &cfg.dflash;
-        let model = Dflash::new(dc, frozen, f.seed)?;
+        let mut model = Dflash::new(dc, frozen, f.seed)?;
+        if let Some(n) = logits_per_chunk() {
+            model.set_logits_per_chunk(n);
+        }
         let gpu = match &place.device {
             Device::Cpu => None,
             d => Some(OnGpu::new(d)?),
@@ -798,6 +822,19 @@ mod tests {
     use crate::candle::CandleTarget;
     use crate::TargetOut;
     use proto::{BatchSpec, BatchWriter};
+
+    /// The DFlash size settings take a positive count, spaces around it allowed; zero, a
+    /// negative or a word is ignored (the default stays), as is an unset variable.
+    #[test]
+    fn a_size_setting_is_a_positive_count_or_ignored() {
+        let count = |v: Option<&str>| env_count(LOGITS_PER_CHUNK_ENV, v.map(String::from));
+        assert_eq!(count(Some("4096")), Some(4096));
+        assert_eq!(count(Some(" 12\n")), Some(12));
+        for bad in ["0", "-3", "1e6", "lots", ""] {
+            assert_eq!(count(Some(bad)), None, "{bad:?}");
+        }
+        assert_eq!(count(None), None);
+    }
 
     /// A tiny target, a config for it, and one batch of its real states.
     fn setup(dir: &Path) -> (PipelineConfig, Vec<u8>) {

@@ -540,7 +540,8 @@ impl<'a> Context<'a> {
 /// 512 MiB on a GPU, so a part's rows (about 450 of the Qwen3-8B shape's 151,936-wide head) are
 /// one matrix product. A GPU at the CPU's size ran 27 rows at a time there: each chunk read the
 /// whole 2.5 GB head for a skinny product, and waited on the host three times, some 290 chunks
-/// a step. The peak is a few times the chunk (the logits, their exponentials, their gradient).
+/// a step. The peak is a few times the chunk (the logits, their exponentials, their shift). A
+/// drafter takes another size by [`Dflash::set_logits_per_chunk`].
 fn logit_elements(dev: &Device) -> usize {
     match dev.is_cpu() {
         true => 1 << 22,
@@ -556,6 +557,8 @@ pub struct Dflash {
     rope: Rope,
     /// Context rows projected since the drafter was made (see [`Dflash::context_rows_projected`]).
     projected_rows: AtomicU64,
+    /// LM-head logits computed at once (`rows x vocab`), at least one row's.
+    logits_per_chunk: usize,
 }
 
 impl Dflash {
@@ -565,12 +568,25 @@ impl Dflash {
         let params = Params::new(&cfg.param_specs(), seed, &dev)?;
         let rope = Rope::plain(cfg.head_dim, cfg.rope_theta);
         Ok(Dflash {
+            logits_per_chunk: logit_elements(&dev),
             cfg,
             params,
             frozen,
             rope,
             projected_rows: AtomicU64::new(0),
         })
+    }
+
+    /// Compute at most `n` LM-head logits at once (whole rows of the vocabulary, one row at
+    /// least) in the loss and in [`Dflash::predict`]: the loss's peak memory is a few times
+    /// `n` f32 values. The default is the device kind's (2^22 on the CPU, 2^27 on a GPU).
+    pub fn set_logits_per_chunk(&mut self, n: usize) {
+        self.logits_per_chunk = n;
+    }
+
+    /// Rows of the head computed at once.
+    fn head_rows(&self) -> usize {
+        (self.logits_per_chunk / self.cfg.vocab).max(1)
     }
 
     /// The rows of context (one a token of a sequence) whose projection (fc, hidden norm, each
@@ -819,7 +835,7 @@ impl Dflash {
         seqs: &[SeqBlocks],
     ) -> Result<Vec<u32>> {
         let h = self.forward(ctx_in, block_ids, seqs)?;
-        let rows = (logit_elements(self.device()) / self.cfg.vocab).max(1);
+        let rows = self.head_rows();
         let mut out = Vec::with_capacity(block_ids.len());
         for start in (0..h.dim(0)?).step_by(rows) {
             let n = rows.min(h.dim(0)? - start);
@@ -921,7 +937,7 @@ impl Dflash {
             .collect();
         let mut predicted = vec![u32::MAX; batch.weights.len()];
         let mut grad_h = Tensor::zeros(h.shape(), DType::F32, dev)?;
-        let per = (logit_elements(dev) / self.cfg.vocab).max(1);
+        let per = self.head_rows();
         for chunk in rows.chunks(per) {
             let idx = Tensor::from_slice(chunk, chunk.len(), dev)?;
             let labels: Vec<u32> = chunk.iter().map(|&i| batch.labels[i as usize]).collect();

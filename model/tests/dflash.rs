@@ -418,6 +418,43 @@ fn a_batch_in_parts_trains_as_the_whole() {
     assert_eq!(s.batch.split(&d.cfg, 1).len(), s.batch.blocks());
 }
 
+/// The LM head's chunk size (`set_logits_per_chunk`: one row at a time, a few rows, every row
+/// at once) changes the loss, the gradient and the acceptance by f32 rounding at most, and the
+/// greedy predictions not at all.
+#[test]
+fn the_heads_chunk_size_changes_nothing_but_rounding() {
+    let mut s = setup(6);
+    let n = s.drafter.params.len();
+    let vocab = s.drafter.cfg.vocab;
+    let mut runs = Vec::new();
+    for per in [1, vocab, 3 * vocab + 1, 1 << 30] {
+        s.drafter.set_logits_per_chunk(per);
+        let mut g = vec![0f32; n];
+        let r = s.drafter.loss_and_grads(&s.ctx, &s.batch, &mut g).unwrap();
+        let ids: Vec<u32> = (0..s.batch.blocks() * s.drafter.cfg.block_size)
+            .map(|i| (i as u32 * 13) % 290 + 5)
+            .collect();
+        let seqs = &s.batch.seqs;
+        let predicted = s.drafter.predict(&s.ctx, &ids, seqs).unwrap();
+        runs.push((r, g, predicted));
+    }
+    let (first, g0, p0) = &runs[0];
+    let scale = g0.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (r, g, p) in &runs[1..] {
+        assert!(
+            (r.loss - first.loss).abs() < 1e-5 * first.loss,
+            "{} vs {}",
+            r.loss,
+            first.loss
+        );
+        assert_eq!((r.weight, r.accepted), (first.weight, first.accepted));
+        for (a, b) in g.iter().zip(g0) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+        }
+        assert_eq!(p, p0);
+    }
+}
+
 /// The parts of one batch run together, in their order or reversed, project each sequence's
 /// context once (cut from the graph where its blocks span parts) and have the whole batch's loss,
 /// gradient and acceptance (up to the order of f32 sums), at every budget: parts of one block,

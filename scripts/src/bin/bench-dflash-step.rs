@@ -281,7 +281,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
     let made = Instant::now();
-    let d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
+    let mut d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
+    if let Some(n) = gpu::dflash::logits_per_chunk() {
+        d.set_logits_per_chunk(n);
+    }
     // Its weights drawn (Params::new, in parallel), as a drafter worker's start and restart.
     let init_s = made.elapsed().as_secs_f64();
     let width = d.cfg.target_layer_ids.len() * h;
