@@ -14,12 +14,13 @@
 //! no `positions x vocab` tensor exists at a real vocabulary: each chunk's gradient at the
 //! forward's last state is written by hand ([`train::head_loss`]), and the summed state gradient
 //! then goes back through the layers once. The attention's core has its backward written by
-//! hand too (`draft_attention`); with both, the gradient on the CPU takes 0.69x the time of
-//! candle's autograd over the same ops, in half the memory (BENCHMARKS). A batch too big for
-//! one backward graph runs in parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks
-//! span parts has its context (fc, hidden norm, each layer's context keys and values) projected
-//! once and cut from the graph: each part adds its gradient of the cut, and the sum goes back
-//! through the projection after the sequence's last part.
+//! hand too (`draft_attention`); with both, the gradient on the CPU took 0.69x the time of
+//! candle's autograd over the same ops, in half the memory, at a shape whose scores dominate
+//! (0.86x at one whose scores matter less; BENCHMARKS). A batch too big for one backward graph
+//! runs in parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks span parts has its
+//! context (fc, hidden norm, each layer's context keys and values) projected once and cut from
+//! the graph: each part adds its gradient of the cut, and the sum goes back through the
+//! projection after the sequence's last part.
 //!
 //! The trained parameters are named as the exported `model.safetensors` names them
 //! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes

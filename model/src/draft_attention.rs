@@ -13,12 +13,16 @@
 //! `dP = dO·Vᵀ`, `dS = P ⊙ (dP − rowsum(dO ⊙ O))`, `dQ = dS·K`, `dK = dSᵀ·Q`, `dV = Pᵀ·dO`,
 //! with `O` the whole output (both pieces: the softmax spans them). Two passes over the scores
 //! (the shift, the product with `P`) besides the four matrix products. The graph holds the
-//! probabilities, not the four score-sized tensors candle's ops keep.
+//! probabilities, where candle's ops kept five score-sized tensors for the context (the
+//! product, the masked scores, the shifted ones, their exponentials, the probabilities) and four
+//! for the block.
 //!
 //! candle keeps its graph's ops private (`Tensor::op`), so a backward of our own over the whole
 //! graph is not possible from outside it; a custom op is the public way in.
 
-use candle_core::backend::BackendStorage;
+use std::sync::Mutex;
+
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 
 use crate::train::softmax_pair;
@@ -63,14 +67,14 @@ pub fn attend(
         q: q_ctx,
         p: p_ctx,
         whole: whole.reshape((nkv, n * rows, d))?,
-        out: o_ctx.reshape((nkv, n, rows, d))?,
+        out: Mutex::new(Some(o_ctx.reshape((nkv, n, rows, d))?)),
         q_shape: shape.clone(),
     };
     let blk = Piece {
         q: qd,
         p: p_blk,
         whole: whole.clone(),
-        out: o_blk,
+        out: Mutex::new(Some(o_blk)),
         q_shape: shape,
     };
     Ok((q.apply_op3(kc, vc, ctx)? + q.apply_op3(kb, vb, blk)?)?)
@@ -83,30 +87,40 @@ struct Piece {
     q: Tensor,
     p: Tensor,
     whole: Tensor,
-    out: Tensor,
+    /// The piece's output, until the forward hands it to the node (the graph keeps the node).
+    out: Mutex<Option<Tensor>>,
     q_shape: Shape,
 }
 
 impl Piece {
-    /// A copy of `out`'s storage: a custom op hands back storage it owns. `out` is a fresh
-    /// product (contiguous, from its buffer's start, the buffer's whole length), which the
-    /// storages' `try_clone` assumes.
-    fn out_storage(&self) -> candle_core::Result<Storage> {
-        let fresh = self.out.is_contiguous() && self.out.layout().start_offset() == 0;
-        let out = if fresh {
-            self.out.clone()
-        } else {
-            self.out.copy()?
-        };
+    /// The output's values in storage of their own, laid out contiguously (a custom op hands
+    /// back storage it owns), and its shape; the piece lets go of the output.
+    fn take_out(&self) -> candle_core::Result<(Storage, Shape)> {
+        let out = (self.out.lock().unwrap_or_else(|e| e.into_inner()).take()).ok_or_else(|| {
+            candle_core::Error::Msg("an attention piece ran forward twice".into())
+        })?;
         let (storage, layout) = out.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.try_clone(layout)?)),
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.try_clone(layout)?)),
-            Storage::Metal(_) => Err(candle_core::Error::Msg(
-                "the DFlash attention runs on the CPU or CUDA".into(),
-            )),
-        }
+        let own = match &*storage {
+            Storage::Cpu(s) => Storage::Cpu(copied(s, layout)?),
+            Storage::Cuda(s) => Storage::Cuda(copied(s, layout)?),
+            Storage::Metal(_) => {
+                let why = "the DFlash attention runs on the CPU or CUDA";
+                return Err(candle_core::Error::Msg(why.into()));
+            }
+        };
+        Ok((own, out.shape().clone()))
     }
+}
+
+/// `layout`'s elements of `s`, in a buffer of exactly their count.
+fn copied<S>(s: &S, layout: &Layout) -> candle_core::Result<S>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let mut dst = s.device().zeros_impl(layout.shape(), s.dtype())?;
+    s.copy_strided_src(&mut dst, 0, layout)?;
+    Ok(dst)
 }
 
 impl CustomOp3 for Piece {
@@ -123,8 +137,8 @@ impl CustomOp3 for Piece {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match self.out_storage()? {
-            Storage::Cpu(s) => Ok((s, self.out.shape().clone())),
+        match self.take_out()? {
+            (Storage::Cpu(s), shape) => Ok((s, shape)),
             _ => Err(candle_core::Error::Msg(
                 "a CPU op's output is not on the CPU".into(),
             )),
@@ -140,8 +154,8 @@ impl CustomOp3 for Piece {
         _: &CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match self.out_storage()? {
-            Storage::Cuda(s) => Ok((s, self.out.shape().clone())),
+        match self.take_out()? {
+            (Storage::Cuda(s), shape) => Ok((s, shape)),
             _ => Err(candle_core::Error::Msg(
                 "a CUDA op's output is not on CUDA".into(),
             )),
@@ -162,7 +176,8 @@ impl CustomOp3 for Piece {
         // rowsum(dO ⊙ O): the softmax's shift, one value a query row.
         let shift = (&d_o * &self.whole)?.sum_keepdim(candle_core::D::Minus1)?;
         let d_p = d_o.matmul(&v.detach().t()?)?;
-        let d_s = (d_p.broadcast_sub(&shift)? * &self.p)?;
+        let d_p = d_p.broadcast_sub(&shift)?; // the product's buffer freed here
+        let d_s = (d_p * &self.p)?;
         let d_q = match tracked[0] {
             true => Some(d_s.matmul(&k)?.reshape(&self.q_shape)?),
             false => None,
@@ -220,6 +235,27 @@ mod tests {
         p.matmul(&Tensor::cat(&[&vc, vb], 2).unwrap()).unwrap()
     }
 
+    /// A piece's output handed to its node is its values alone, in order, whatever its
+    /// layout: a transposed view, and a narrowed one from the middle of a larger buffer.
+    #[test]
+    fn an_output_is_copied_as_its_values_alone() {
+        let t = Tensor::arange(0f32, 24.0, &Device::Cpu).unwrap();
+        let t = t.reshape((2, 3, 4)).unwrap();
+        for view in [
+            t.transpose(1, 2).unwrap(),
+            t.narrow(1, 1, 2).unwrap(),
+            t.clone(),
+        ] {
+            let (storage, layout) = view.storage_and_layout();
+            let Storage::Cpu(s) = &*storage else {
+                panic!("not on the CPU")
+            };
+            let got = copied(s, layout).unwrap();
+            let want: Vec<f32> = view.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got.as_slice::<f32>().unwrap(), &want[..]);
+        }
+    }
+
     /// How far `x` is from `y`, relative to `y`'s largest value.
     fn worst(x: &Tensor, y: &Tensor) -> f32 {
         max_abs(&(x - y).unwrap()) / max_abs(y).max(1e-30)
@@ -240,7 +276,9 @@ mod tests {
         // 2 kv heads of 2 query heads each, 3 anchors, blocks of 3, head dim 4, 5 context rows.
         let (nkv, n, rows, d, len, b) = (2, 3, 6, 4, 5, 3);
         let q = draw(&[nkv, n, rows, d]);
-        let (kc, vc) = (draw(&[nkv, len, d]), draw(&[nkv, len, d]));
+        // The context as the drafter reads it: a sequence's rows narrowed out of the rows of
+        // several (an offset, and each head's rows further apart than `len`).
+        let (kc_all, vc_all) = (draw(&[nkv, len + 3, d]), draw(&[nkv, len + 3, d]));
         let (kb, vb) = (draw(&[nkv, n, b, d]), draw(&[nkv, n, b, d]));
         let w = draw(&[nkv, n, rows, d]);
         // Anchor 0 sees no context, anchor 1 two rows, anchor 2 four.
@@ -250,7 +288,9 @@ mod tests {
         }
         let mask = Tensor::from_vec(mask, (n, 1, len), &Device::Cpu).unwrap();
         let t = |v: &Var| v.as_tensor().clone();
-        let (q, kc, vc, kb, vb, w) = (t(&q), t(&kc), t(&vc), t(&kb), t(&vb), t(&w));
+        let (q, kb, vb, w) = (t(&q), t(&kb), t(&vb), t(&w));
+        let kc = kc_all.as_tensor().narrow(1, 2, len).unwrap();
+        let vc = vc_all.as_tensor().narrow(1, 2, len).unwrap();
 
         let got = attend(&q, (&kc, &vc), &mask, (&kb, &vb)).unwrap();
         let want = textbook(&q, &kc, &vc, &mask, &kb, &vb);
@@ -260,13 +300,15 @@ mod tests {
             loss(&got).backward().unwrap(),
             loss(&want).backward().unwrap(),
         );
-        for (name, v) in [
+        let (kc_all, vc_all) = (kc_all.as_tensor(), vc_all.as_tensor());
+        let inputs = [
             ("q", &q),
-            ("kc", &kc),
-            ("vc", &vc),
+            ("kc", kc_all),
+            ("vc", vc_all),
             ("kb", &kb),
             ("vb", &vb),
-        ] {
+        ];
+        for (name, v) in inputs {
             let (x, y) = (g_got.get(v).unwrap(), g_want.get(v).unwrap());
             assert!(worst(x, y) < 1e-5, "gradient of {name}: {}", worst(x, y));
         }
@@ -275,13 +317,15 @@ mod tests {
         let (kc0, vc0) = (kc.detach(), vc.detach());
         let got = attend(&q, (&kc0, &vc0), &mask, (&kb, &vb)).unwrap();
         let g = loss(&got).backward().unwrap();
-        assert!(g.get(&kc0).is_none() && g.get(&vc0).is_none());
-        let (x, y) = (g.get(&q).unwrap(), g_want.get(&q).unwrap());
-        assert!(
-            worst(x, y) < 1e-5,
-            "gradient of q, context frozen: {}",
-            worst(x, y)
-        );
+        assert!(g.get(kc_all).is_none() && g.get(vc_all).is_none());
+        for (name, v) in [("q", &q), ("kb", &kb), ("vb", &vb)] {
+            let (x, y) = (g.get(v).unwrap(), g_want.get(v).unwrap());
+            assert!(
+                worst(x, y) < 1e-5,
+                "{name}, context frozen: {}",
+                worst(x, y)
+            );
+        }
 
         // Nothing tracked: the value alone, equal to the tracked one.
         let d = |x: &Tensor| x.detach();
