@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor};
 use model::dflash::{
-    mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Pass, Sampling,
+    mask_token_id, AttentionBackward, Dflash, DflashConfig, DraftBatch, Frozen, Label, Pass,
+    Sampling,
 };
 use model::train::{AdamWConfig, DeviceAdamW};
 use model::ArchConfig;
@@ -74,6 +75,23 @@ pub fn logits_per_chunk() -> Option<usize> {
             std::env::var(LOGITS_PER_CHUNK_ENV).ok(),
         )
     })
+}
+
+/// Sets how the DFlash attention's core is differentiated ([`attention_backward`]).
+pub const ATTENTION_BACKWARD_ENV: &str = "HSPIPE_DFLASH_ATTENTION";
+
+/// [`ATTENTION_BACKWARD_ENV`]'s value read: unset or `by-hand` is the hand-written backward,
+/// `autograd` candle's autograd of the same ops (to compare the two, or to step around the
+/// hand-written one's custom op on a device where it fails); anything else is an error naming
+/// it.
+pub fn attention_backward(choice: Option<&str>) -> Result<AttentionBackward, GpuError> {
+    match choice {
+        None | Some("by-hand") => Ok(AttentionBackward::ByHand),
+        Some("autograd") => Ok(AttentionBackward::Autograd),
+        Some(other) => Err(GpuError::Config(format!(
+            "{ATTENTION_BACKWARD_ENV} is {other:?}: it takes by-hand (the default) or autograd"
+        ))),
+    }
 }
 
 /// Environment variable `name`'s `value` as a positive count, logged when used; anything else
@@ -360,6 +378,13 @@ impl DflashDrafter {
         if let Some(n) = logits_per_chunk() {
             model.set_logits_per_chunk(n);
         }
+        let how = attention_backward(std::env::var(ATTENTION_BACKWARD_ENV).ok().as_deref())?;
+        if how != AttentionBackward::ByHand {
+            tracing::info!(
+                "DFlash attention differentiated by candle's autograd ({ATTENTION_BACKWARD_ENV})"
+            );
+        }
+        model.set_attention_backward(how);
         let gpu = match &place.device {
             Device::Cpu => None,
             d => Some(OnGpu::new(d)?),
@@ -834,6 +859,28 @@ mod tests {
             assert_eq!(count(Some(bad)), None, "{bad:?}");
         }
         assert_eq!(count(None), None);
+    }
+
+    /// The attention's backward is by hand unless `autograd` is asked for; any other value is
+    /// an error naming it and the two it takes.
+    #[test]
+    fn the_attention_backward_is_by_hand_or_candles_autograd() {
+        assert_eq!(attention_backward(None).unwrap(), AttentionBackward::ByHand);
+        assert_eq!(
+            attention_backward(Some("by-hand")).unwrap(),
+            AttentionBackward::ByHand
+        );
+        assert_eq!(
+            attention_backward(Some("autograd")).unwrap(),
+            AttentionBackward::Autograd
+        );
+        let e = attention_backward(Some("Autograd"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"Autograd\"") && e.contains("by-hand") && e.contains("autograd"),
+            "{e}"
+        );
     }
 
     /// A tiny target, a config for it, and one batch of its real states.

@@ -41,6 +41,7 @@ use serde_json::json;
 
 use crate::config::ArchConfig;
 use crate::draft_attention;
+pub use crate::draft_attention::Backward as AttentionBackward;
 use crate::rope::Rope;
 use crate::train::{self, linear, rms_norm, Grads, Init, Params};
 use crate::weights::Weights;
@@ -560,6 +561,8 @@ pub struct Dflash {
     projected_rows: AtomicU64,
     /// LM-head logits computed at once (`rows x vocab`), at least one row's.
     logits_per_chunk: usize,
+    /// How the attention's core is differentiated.
+    attention: AttentionBackward,
 }
 
 impl Dflash {
@@ -570,6 +573,7 @@ impl Dflash {
         let rope = Rope::plain(cfg.head_dim, cfg.rope_theta);
         Ok(Dflash {
             logits_per_chunk: logit_elements(&dev),
+            attention: AttentionBackward::default(),
             cfg,
             params,
             frozen,
@@ -583,6 +587,12 @@ impl Dflash {
     /// `n` f32 values. The default is the device kind's (2^22 on the CPU, 2^27 on a GPU).
     pub fn set_logits_per_chunk(&mut self, n: usize) {
         self.logits_per_chunk = n;
+    }
+
+    /// Differentiate the attention's core by hand (the default) or by candle's autograd of
+    /// the same ops (to compare them, or to step around the hand-written one's custom op).
+    pub fn set_attention_backward(&mut self, how: AttentionBackward) {
+        self.attention = how;
     }
 
     /// Rows of the head computed at once.
@@ -810,7 +820,11 @@ impl Dflash {
             let vbs = vb.narrow(1, b0, m)?.reshape((nkv, n, b, d))?;
             // The scale goes on the queries (len / d times fewer values than the scores); the
             // core's backward is written by hand (`draft_attention`).
-            let o = draft_attention::attend(&(qs * scale)?, (&kcs, &vcs), mask, (&kbs, &vbs))?;
+            let attend = match self.attention {
+                AttentionBackward::ByHand => draft_attention::attend,
+                AttentionBackward::Autograd => draft_attention::attend_autograd,
+            };
+            let o = attend(&(qs * scale)?, (&kcs, &vcs), mask, (&kbs, &vbs))?;
             let o = o
                 .reshape((nkv, n, g, b, d))?
                 .permute((1, 3, 0, 2, 4))?

@@ -28,6 +28,17 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp3, Layout, Shape, Storage, Te
 use crate::train::softmax_pair;
 use crate::Result;
 
+/// How the attention's core is differentiated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backward {
+    /// [`attend`]: the backward written by hand (the default).
+    #[default]
+    ByHand,
+    /// [`attend_autograd`]: candle's autograd of the same ops, the way before the hand-written
+    /// one (to compare the two, or to step around the custom op on a device where it fails).
+    Autograd,
+}
+
 /// `softmax([q·kcᵀ + mask, q·kbᵀ]) · [vc; vb]` for every anchor's block, `[nkv, n, g·B, d]`.
 ///
 /// - `q`: `[nkv, n, g·B, d]`, already scaled (each kv head's `g` query heads side by side);
@@ -44,40 +55,76 @@ pub fn attend(
     (kb, vb): (&Tensor, &Tensor),
 ) -> Result<Tensor> {
     let (nkv, n, rows, d) = q.dims4()?;
-    let len = kc.dim(1)?;
     let qd = q.detach();
     let (kcd, vcd, kbd, vbd) = (kc.detach(), vc.detach(), kb.detach(), vb.detach());
-    // The context's scores as one product per kv head: the anchors' queries stacked.
-    let q_ctx = qd.reshape((nkv, n * rows, d))?;
-    let s_ctx = (q_ctx.matmul(&kcd.t()?)?)
-        .reshape((nkv, n, rows, len))?
-        .broadcast_add(mask)?;
-    let s_blk = qd.matmul(&kbd.t()?)?;
-    let (p_ctx, p_blk) = softmax_pair(&s_ctx, &s_blk)?;
-    drop((s_ctx, s_blk));
-    let p_ctx = p_ctx.reshape((nkv, n * rows, len))?;
-    let o_ctx = p_ctx.matmul(&vcd)?;
-    let o_blk = p_blk.matmul(&vbd)?;
-    let whole = (o_ctx.reshape((nkv, n, rows, d))? + &o_blk)?;
+    let f = forward(&qd, (&kcd, &vcd), mask, (&kbd, &vbd))?;
+    let whole = (&f.o_ctx + &f.o_blk)?;
     if ![q, kc, vc, kb, vb].iter().any(|t| t.track_op()) {
         return Ok(whole);
     }
     let shape = q.shape().clone();
     let ctx = Piece {
-        q: q_ctx,
-        p: p_ctx,
+        q: qd.reshape((nkv, n * rows, d))?,
+        p: f.p_ctx,
         whole: whole.reshape((nkv, n * rows, d))?,
-        out: Mutex::new(Some(o_ctx.reshape((nkv, n, rows, d))?)),
+        out: Mutex::new(Some(f.o_ctx)),
         q_shape: shape.clone(),
     };
     let blk = Piece {
         q: qd,
-        p: p_blk,
+        p: f.p_blk,
         whole: whole.clone(),
-        out: Mutex::new(Some(o_blk)),
+        out: Mutex::new(Some(f.o_blk)),
         q_shape: shape,
     };
     Ok((q.apply_op3(kc, vc, ctx)? + q.apply_op3(kb, vb, blk)?)?)
+}
+
+/// [`attend`] as candle ops, differentiated by candle's backward: the same forward, tracked.
+pub fn attend_autograd(
+    q: &Tensor,
+    kv_ctx: (&Tensor, &Tensor),
+    mask: &Tensor,
+    kv_blk: (&Tensor, &Tensor),
+) -> Result<Tensor> {
+    let f = forward(q, kv_ctx, mask, kv_blk)?;
+    Ok((f.o_ctx + f.o_blk)?)
+}
+
+/// The attention's forward: each piece's probabilities (the context's with its anchors'
+/// queries stacked, `[nkv, n·g·B, len]`; the block's `[nkv, n, g·B, B]`) and output share
+/// (`[nkv, n, g·B, d]` each).
+struct Forward {
+    p_ctx: Tensor,
+    p_blk: Tensor,
+    o_ctx: Tensor,
+    o_blk: Tensor,
+}
+
+fn forward(
+    q: &Tensor,
+    (kc, vc): (&Tensor, &Tensor),
+    mask: &Tensor,
+    (kb, vb): (&Tensor, &Tensor),
+) -> Result<Forward> {
+    let (nkv, n, rows, d) = q.dims4()?;
+    let len = kc.dim(1)?;
+    // The context's scores as one product per kv head: the anchors' queries stacked.
+    let s_ctx = (q.reshape((nkv, n * rows, d))?.matmul(&kc.t()?)?)
+        .reshape((nkv, n, rows, len))?
+        .broadcast_add(mask)?;
+    let s_blk = q.matmul(&kb.t()?)?;
+    let (p_ctx, p_blk) = softmax_pair(&s_ctx, &s_blk)?;
+    drop((s_ctx, s_blk));
+    let p_ctx = p_ctx.reshape((nkv, n * rows, len))?;
+    let o_ctx = p_ctx.matmul(vc)?.reshape((nkv, n, rows, d))?;
+    let o_blk = p_blk.matmul(vb)?;
+    Ok(Forward {
+        p_ctx,
+        p_blk,
+        o_ctx,
+        o_blk,
+    })
 }
 
 /// One piece of keys and values: the node whose forward is `out` and whose backward is the
@@ -292,14 +339,9 @@ mod tests {
         let kc = kc_all.as_tensor().narrow(1, 2, len).unwrap();
         let vc = vc_all.as_tensor().narrow(1, 2, len).unwrap();
 
-        let got = attend(&q, (&kc, &vc), &mask, (&kb, &vb)).unwrap();
         let want = textbook(&q, &kc, &vc, &mask, &kb, &vb);
-        assert!(worst(&got, &want) < 1e-5, "value {}", worst(&got, &want));
         let loss = |o: &Tensor| (o * &w).unwrap().sum_all().unwrap();
-        let (g_got, g_want) = (
-            loss(&got).backward().unwrap(),
-            loss(&want).backward().unwrap(),
-        );
+        let g_want = loss(&want).backward().unwrap();
         let (kc_all, vc_all) = (kc_all.as_tensor(), vc_all.as_tensor());
         let inputs = [
             ("q", &q),
@@ -308,9 +350,15 @@ mod tests {
             ("kb", &kb),
             ("vb", &vb),
         ];
-        for (name, v) in inputs {
-            let (x, y) = (g_got.get(v).unwrap(), g_want.get(v).unwrap());
-            assert!(worst(x, y) < 1e-5, "gradient of {name}: {}", worst(x, y));
+        // Both ways of differentiating it: by hand, and candle's autograd of `attend`'s ops.
+        for f in [attend, attend_autograd] {
+            let got = f(&q, (&kc, &vc), &mask, (&kb, &vb)).unwrap();
+            assert!(worst(&got, &want) < 1e-5, "value {}", worst(&got, &want));
+            let g_got = loss(&got).backward().unwrap();
+            for (name, v) in inputs {
+                let (x, y) = (g_got.get(v).unwrap(), g_want.get(v).unwrap());
+                assert!(worst(x, y) < 1e-5, "gradient of {name}: {}", worst(x, y));
+            }
         }
 
         // The context frozen: no gradient for it, the others' unchanged.

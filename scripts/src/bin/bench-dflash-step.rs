@@ -25,7 +25,9 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::dflash::{
+    mask_token_id, AttentionBackward, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling,
+};
 use model::make::{make_model, MakeSpec};
 use model::train::{AdamWConfig, DeviceAdamW};
 use model::ArchConfig;
@@ -91,6 +93,19 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// A drafter (seed 3) with the settings a drafter worker reads from the environment: the LM
+/// head's chunk, and how the attention is differentiated (returned too, for the JSON).
+fn drafter(cfg: DflashConfig, frozen: Frozen) -> anyhow::Result<(Dflash, AttentionBackward)> {
+    let mut d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
+    if let Some(n) = gpu::dflash::logits_per_chunk() {
+        d.set_logits_per_chunk(n);
+    }
+    let env = gpu::dflash::ATTENTION_BACKWARD_ENV;
+    let attention = gpu::dflash::attention_backward(std::env::var(env).ok().as_deref())?;
+    d.set_attention_backward(attention);
+    Ok((d, attention))
+}
+
 /// Token ids of a made-up sequence, below `vocab`.
 fn ids(t: usize, vocab: usize, salt: u64) -> Vec<u32> {
     (0..t as u64)
@@ -110,7 +125,7 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
     let mask = mask_token_id(&target, arch.vocab_size, None)?;
     let cfg = DflashConfig::for_target(&arch, vec![1, 2], Some(2), 4, mask);
     let frozen = Frozen::load(&target, &Device::Cpu)?;
-    let d = Dflash::new(cfg, frozen, 3)?;
+    let (d, _) = drafter(cfg, frozen)?;
     let lens = [24u32, 17];
     let t = lens.iter().sum::<u32>() as usize;
     let tok = ids(t, 290, 1);
@@ -281,10 +296,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
     let made = Instant::now();
-    let mut d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
-    if let Some(n) = gpu::dflash::logits_per_chunk() {
-        d.set_logits_per_chunk(n);
-    }
+    let (d, attention) = drafter(cfg, frozen)?;
     // Its weights drawn (Params::new, in parallel), as a drafter worker's start and restart.
     let init_s = made.elapsed().as_secs_f64();
     let width = d.cfg.target_layer_ids.len() * h;
@@ -429,6 +441,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "dtype": format!("{:?}", DType::F32),
         "init_s": init_s,
         "gradient_on": if on_device { "device" } else { "host" },
+        "attention": match attention {
+            AttentionBackward::ByHand => "by-hand",
+            AttentionBackward::Autograd => "autograd",
+        },
         "step_s": median(total),
         "gradient_s": median(grads),
         "gradient_per_part_s": a.per_part.then(|| median(per_part)),
