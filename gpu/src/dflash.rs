@@ -94,6 +94,23 @@ pub fn attention_backward(choice: Option<&str>) -> Result<AttentionBackward, Gpu
     }
 }
 
+/// Gives `model` the settings the environment asks for: the LM head's chunk
+/// ([`logits_per_chunk`]) and how its attention is differentiated ([`attention_backward`],
+/// returned). A drafter worker and `bench-dflash-step` both start their drafters so.
+pub fn settings_from_env(model: &mut Dflash) -> Result<AttentionBackward, GpuError> {
+    if let Some(n) = logits_per_chunk() {
+        model.set_logits_per_chunk(n);
+    }
+    let how = attention_backward(std::env::var(ATTENTION_BACKWARD_ENV).ok().as_deref())?;
+    if how != AttentionBackward::ByHand {
+        tracing::info!(
+            "DFlash attention differentiated by candle's autograd ({ATTENTION_BACKWARD_ENV})"
+        );
+    }
+    model.set_attention_backward(how);
+    Ok(how)
+}
+
 /// Environment variable `name`'s `value` as a positive count, logged when used; anything else
 /// is ignored with a warning on stderr and in the log.
 fn env_count(name: &str, value: Option<String>) -> Option<usize> {
@@ -375,16 +392,7 @@ impl DflashDrafter {
         let frozen = Frozen::load(crate::candle::model_dir(cfg)?, &place.device)?;
         let f = &cfg.dflash;
         let mut model = Dflash::new(dc, frozen, f.seed)?;
-        if let Some(n) = logits_per_chunk() {
-            model.set_logits_per_chunk(n);
-        }
-        let how = attention_backward(std::env::var(ATTENTION_BACKWARD_ENV).ok().as_deref())?;
-        if how != AttentionBackward::ByHand {
-            tracing::info!(
-                "DFlash attention differentiated by candle's autograd ({ATTENTION_BACKWARD_ENV})"
-            );
-        }
-        model.set_attention_backward(how);
+        settings_from_env(&mut model)?;
         let gpu = match &place.device {
             Device::Cpu => None,
             d => Some(OnGpu::new(d)?),

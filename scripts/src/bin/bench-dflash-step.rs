@@ -97,12 +97,7 @@ fn main() -> anyhow::Result<()> {
 /// head's chunk, and how the attention is differentiated (returned too, for the JSON).
 fn drafter(cfg: DflashConfig, frozen: Frozen) -> anyhow::Result<(Dflash, AttentionBackward)> {
     let mut d = Dflash::new(cfg, frozen, 3).context("making the drafter")?;
-    if let Some(n) = gpu::dflash::logits_per_chunk() {
-        d.set_logits_per_chunk(n);
-    }
-    let env = gpu::dflash::ATTENTION_BACKWARD_ENV;
-    let attention = gpu::dflash::attention_backward(std::env::var(env).ok().as_deref())?;
-    d.set_attention_backward(attention);
+    let attention = gpu::dflash::settings_from_env(&mut d)?;
     Ok((d, attention))
 }
 
