@@ -16,7 +16,10 @@
 //! then goes back through the layers once. The attention's core has its backward written by
 //! hand too (`draft_attention`); with both, the gradient on the CPU took 0.69x the time of
 //! candle's autograd over the same ops, in half the memory, at a shape whose scores dominate
-//! (0.86x at one whose scores matter less; BENCHMARKS). A batch too big for one backward graph
+//! (0.86x at one whose scores matter less; BENCHMARKS). A sequence's anchors are attended in
+//! groups by position (16 at most), each group reading the context only up to its last anchor:
+//! scores masked to nothing are mostly not made (about half of them, anchors spread over a
+//! sequence). A batch too big for one backward graph
 //! runs in parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks span parts has its
 //! context (fc, hidden norm, each layer's context keys and values) projected once and cut from
 //! the graph: each part adds its gradient of the cut, and the sum goes back through the
@@ -26,7 +29,7 @@
 //! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes
 //! them as they are.
 //!
-//! Length: about 1000 lines: the config and its export, the forward, the batch's anchors and
+//! Length: about 1100 lines: the config and its export, the forward, the batch's anchors and
 //! labels, the chunked loss and the parts' shared context are one model.
 
 use std::collections::HashMap;
@@ -266,8 +269,26 @@ pub struct SeqBlocks {
     pub anchors: Vec<u32>,
 }
 
+impl SeqBlocks {
+    /// The context rows its blocks read: those before its last anchor (a block at `a` sees
+    /// rows `0..a`), one at least, so that no product is empty (a block at 0 sees that one
+    /// masked). Attention past them would be scores masked to nothing: a part of anchors early
+    /// in a sequence computes only what they see.
+    pub fn visible(&self) -> usize {
+        let last = self.anchors.iter().max().map_or(0, |&a| a as usize);
+        last.max(1).min(self.ctx_len)
+    }
+
+    /// The attention scores its blocks make together, per layer: `heads x B` query rows a
+    /// block, each over the rows seen and the block.
+    pub fn scores(&self, cfg: &DflashConfig) -> usize {
+        let b = cfg.block_size;
+        self.anchors.len() * cfg.heads * b * (self.visible() + b)
+    }
+}
+
 /// A batch made ready for the drafter: blocks, labels and weights per block position.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct DraftBatch {
     pub seqs: Vec<SeqBlocks>,
     /// `blocks x block_size` token ids: `[token[a], MASK, ...]` per block.
@@ -316,12 +337,7 @@ impl DraftBatch {
             s.seed ^ batch_id.wrapping_mul(0x9e37_79b9_7f4a_7c15),
         );
         let b = cfg.block_size;
-        let mut out = DraftBatch {
-            seqs: Vec::new(),
-            block_ids: Vec::new(),
-            labels: Vec::new(),
-            weights: Vec::new(),
-        };
+        let mut out = DraftBatch::default();
         let mut start = 0usize;
         for &len in seq_lens {
             let len = len as usize;
@@ -374,34 +390,32 @@ impl DraftBatch {
         self.seqs.iter().map(|s| s.anchors.len()).sum()
     }
 
-    /// The batch cut into parts whose attention scores (`heads x B x (context + B)` per block)
-    /// stay under `max_scores` elements each (one block at least), in block order: their
-    /// gradients summed are the batch's, and a part's graph is all a backward pass holds.
+    /// The batch cut into parts whose attention scores stay under `max_scores` elements a
+    /// layer each (one block at least), in block order: their gradients summed are the batch's,
+    /// and a part's graph is all a backward pass holds. A part's scores are bounded as if each
+    /// of its sequences were one group ([`SeqBlocks::scores`]; the drafter's groups by position
+    /// make at most that): the context up to its last anchor there, so parts early in a sequence hold
+    /// more blocks than late ones.
     pub fn split(&self, cfg: &DflashConfig, max_scores: usize) -> Vec<DraftBatch> {
         let b = cfg.block_size;
+        // [`SeqBlocks::scores`] of `blocks` that see `visible` rows.
+        let per = |blocks: usize, visible: usize| blocks * cfg.heads * b * (visible + b);
         let mut parts: Vec<DraftBatch> = Vec::new();
-        let mut cur = DraftBatch {
-            seqs: Vec::new(),
-            block_ids: Vec::new(),
-            labels: Vec::new(),
-            weights: Vec::new(),
-        };
-        let mut used = 0usize;
+        let mut cur = DraftBatch::default();
+        // The current part's scores of its sequences before the last, and of the last: its
+        // blocks there and the rows they see.
+        let mut before = 0usize;
         let mut blk = 0usize;
         for s in &self.seqs {
-            let per = cfg.heads * b * (s.ctx_len + b);
+            let (mut n, mut visible) = (0usize, 0usize);
             for &a in &s.anchors {
-                if used > 0 && used + per > max_scores {
-                    parts.push(std::mem::replace(
-                        &mut cur,
-                        DraftBatch {
-                            seqs: Vec::new(),
-                            block_ids: Vec::new(),
-                            labels: Vec::new(),
-                            weights: Vec::new(),
-                        },
-                    ));
-                    used = 0;
+                let sees = (a as usize).max(1).min(s.ctx_len);
+                let wider = visible.max(sees);
+                if before + n > 0 && before + per(n + 1, wider) > max_scores {
+                    parts.push(std::mem::take(&mut cur));
+                    (before, n, visible) = (0, 0, sees);
+                } else {
+                    visible = wider;
                 }
                 match cur.seqs.last_mut() {
                     Some(last) if last.ctx_start == s.ctx_start => last.anchors.push(a),
@@ -415,9 +429,10 @@ impl DraftBatch {
                 cur.block_ids.extend_from_slice(&self.block_ids[r.clone()]);
                 cur.labels.extend_from_slice(&self.labels[r.clone()]);
                 cur.weights.extend_from_slice(&self.weights[r]);
-                used += per;
+                n += 1;
                 blk += 1;
             }
+            before += per(n, visible);
         }
         if !cur.seqs.is_empty() {
             parts.push(cur);
@@ -551,6 +566,30 @@ fn logit_elements(dev: &Device) -> usize {
     }
 }
 
+/// The most anchors of one sequence attended together, by default. A group's attention reads the context
+/// up to its last anchor, masked beyond each of its other anchors: the whole sequence at once
+/// computes about twice the scores its blocks see (anchors spread over the sequence), groups in
+/// position order of `n` anchors about `(1 + 1/groups)` times. 16 anchors are `16 x B` query
+/// rows a query head, products large enough to keep a GPU's units busy.
+const ANCHORS_PER_GROUP: usize = 16;
+
+/// `seqs` with each sequence's anchors cut, in their order, into groups of about equal size
+/// and at most `most` anchors, one entry a group: the blocks' order is kept, and each
+/// group's attention reads the context only up to its own last anchor
+/// ([`SeqBlocks::visible`]).
+fn by_position(seqs: &[SeqBlocks], most: usize) -> Vec<SeqBlocks> {
+    let mut out = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let groups = s.anchors.len().div_ceil(most.max(1)).max(1);
+        let per = s.anchors.len().div_ceil(groups).max(1);
+        out.extend(s.anchors.chunks(per).map(|anchors| SeqBlocks {
+            anchors: anchors.to_vec(),
+            ..*s
+        }));
+    }
+    out
+}
+
 /// The drafter: its config, trained parameters, the target's frozen tensors, its rope.
 pub struct Dflash {
     pub cfg: DflashConfig,
@@ -559,6 +598,10 @@ pub struct Dflash {
     rope: Rope,
     /// Context rows projected since the drafter was made (see [`Dflash::context_rows_projected`]).
     projected_rows: AtomicU64,
+    /// Attention scores made since the drafter was made (see [`Dflash::scores_made`]).
+    scores: AtomicU64,
+    /// See [`Dflash::set_anchors_per_group`].
+    anchors_per_group: usize,
     /// LM-head logits computed at once (`rows x vocab`), at least one row's.
     logits_per_chunk: usize,
     /// How the attention's core is differentiated.
@@ -579,6 +622,8 @@ impl Dflash {
             frozen,
             rope,
             projected_rows: AtomicU64::new(0),
+            scores: AtomicU64::new(0),
+            anchors_per_group: ANCHORS_PER_GROUP,
         })
     }
 
@@ -587,6 +632,13 @@ impl Dflash {
     /// `n` f32 values. The default is the device kind's (2^22 on the CPU, 2^27 on a GPU).
     pub fn set_logits_per_chunk(&mut self, n: usize) {
         self.logits_per_chunk = n;
+    }
+
+    /// Attend at most `n` anchors of a sequence together (one at least; 16 by default), in
+    /// groups by position, each reading the context up to its last anchor: fewer masked scores
+    /// for more, smaller products. The result changes by rounding only.
+    pub fn set_anchors_per_group(&mut self, n: usize) {
+        self.anchors_per_group = n.max(1);
     }
 
     /// Differentiate the attention's core by hand (the default) or by candle's autograd of
@@ -606,6 +658,12 @@ impl Dflash {
     /// hold each sequence's blocks.
     pub fn context_rows_projected(&self) -> u64 {
         self.projected_rows.load(Ordering::Relaxed)
+    }
+
+    /// Attention scores made by the forwards since the drafter was made, a layer's count
+    /// ([`SeqBlocks::scores`] of each group of anchors attended together).
+    pub fn scores_made(&self) -> u64 {
+        self.scores.load(Ordering::Relaxed)
     }
 
     /// The device the drafter computes on (its frozen embedding's).
@@ -634,6 +692,10 @@ impl Dflash {
         seqs: &[SeqBlocks],
     ) -> Result<Tensor> {
         self.project(ctx, seqs)?;
+        let seqs = &by_position(seqs, self.anchors_per_group);
+        let made: usize = seqs.iter().map(|s| s.scores(&self.cfg)).sum();
+        // Relaxed: a count for tests and benchmarks, as `projected_rows`.
+        self.scores.fetch_add(made as u64, Ordering::Relaxed);
         let c = &self.cfg;
         let dev = self.device();
         let b = c.block_size;
@@ -643,10 +705,11 @@ impl Dflash {
         let mut masks = Vec::with_capacity(seqs.len());
         let mut kv = Vec::with_capacity(seqs.len());
         for s in seqs {
-            let mut mask = Vec::with_capacity(s.anchors.len() * s.ctx_len);
+            let len = s.visible();
+            let mut mask = Vec::with_capacity(s.anchors.len() * len);
             for &a in &s.anchors {
                 bpos.extend(a..a + b as u32);
-                mask.extend((0..s.ctx_len).map(|j| {
+                mask.extend((0..len).map(|j| {
                     if j < a as usize {
                         0.0
                     } else {
@@ -654,11 +717,7 @@ impl Dflash {
                     }
                 }));
             }
-            masks.push(Tensor::from_vec(
-                mask,
-                (s.anchors.len(), 1, s.ctx_len),
-                dev,
-            )?);
+            masks.push(Tensor::from_vec(mask, (s.anchors.len(), 1, len), dev)?);
             kv.push(ctx.rows_of(s)?);
         }
         let (bcos, bsin) = self.rope.tables(&bpos, dev)?;
@@ -805,7 +864,8 @@ impl Dflash {
         let mut outs = Vec::with_capacity(seqs.len());
         let mut b0 = 0;
         for ((s, mask), &(p, at)) in seqs.iter().zip(masks).zip(kv) {
-            let (n, len) = (s.anchors.len(), s.ctx_len);
+            // Only the rows its blocks see (`SeqBlocks::visible`), as its mask was made.
+            let (n, len) = (s.anchors.len(), s.visible());
             let m = n * b;
             // Queries grouped by the kv head they read: [kv, n, g * B, d].
             let qs = q

@@ -6,7 +6,9 @@
 //! context, a clock's passes) among them, on the setups they share.
 
 use candle_core::{Device, Tensor};
-use model::dflash::{mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling};
+use model::dflash::{
+    mask_token_id, Dflash, DflashConfig, DraftBatch, Frozen, Label, Sampling, SeqBlocks,
+};
 use model::make::{make_model, MakeSpec};
 use model::ArchConfig;
 
@@ -379,7 +381,8 @@ fn a_trained_drafter_beats_an_untrained_one_in_speculative_decoding() {
 }
 
 /// A batch cut into parts has the same loss, gradient and acceptance as whole (up to the order
-/// of f32 sums), and every part holds at most the budget (one block at least).
+/// of f32 sums), and every part holds at most the budget (one block at least), counting for
+/// each sequence the context up to its last anchor in the part, and as many blocks as fit.
 #[test]
 fn a_batch_in_parts_trains_as_the_whole() {
     let s = setup(6);
@@ -387,24 +390,31 @@ fn a_batch_in_parts_trains_as_the_whole() {
     let n = d.params.len();
     let mut whole = vec![0f32; n];
     let w = d.loss_and_grads(&s.ctx, &s.batch, &mut whole).unwrap();
-    let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
-    let parts = s.batch.split(&d.cfg, 3 * per);
-    assert!(parts.len() >= 4, "{} parts", parts.len());
+    let budget = 3 * d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
+    let parts = s.batch.split(&d.cfg, budget);
+    assert!(parts.len() >= 3, "{} parts", parts.len());
     assert_eq!(
         parts.iter().map(|p| p.blocks()).sum::<usize>(),
         s.batch.blocks()
     );
+    let bound = |p: &DraftBatch| p.seqs.iter().map(|q| q.scores(&d.cfg)).sum::<usize>();
     let mut split = vec![0f32; n];
     let (mut loss, mut weight, mut accepted) = (0.0, 0.0, 0);
-    let scores = |p: &DraftBatch| -> usize {
-        (p.seqs.iter())
-            .map(|q| {
-                q.anchors.len() * d.cfg.heads * d.cfg.block_size * (q.ctx_len + d.cfg.block_size)
-            })
-            .sum()
-    };
-    for p in &parts {
-        assert!(scores(p) <= 3 * per, "{} scores", scores(p));
+    for (i, p) in parts.iter().enumerate() {
+        assert!(bound(p) <= budget, "{} scores", bound(p));
+        // As many blocks as fit: with the next part's first block, this one would not.
+        if let Some(next) = parts.get(i + 1) {
+            let (first, a) = (&next.seqs[0], next.seqs[0].anchors[0]);
+            let mut more = p.clone();
+            match more.seqs.last_mut() {
+                Some(last) if last.ctx_start == first.ctx_start => last.anchors.push(a),
+                _ => more.seqs.push(SeqBlocks {
+                    anchors: vec![a],
+                    ..first.clone()
+                }),
+            }
+            assert!(bound(&more) > budget, "part {i} could take another block");
+        }
         let r = d.loss_and_grads(&s.ctx, p, &mut split).unwrap();
         (loss, weight, accepted) = (loss + r.loss, weight + r.weight, accepted + r.accepted);
     }
@@ -418,9 +428,54 @@ fn a_batch_in_parts_trains_as_the_whole() {
     assert_eq!(s.batch.split(&d.cfg, 1).len(), s.batch.blocks());
 }
 
-/// The LM head's chunk size (`set_logits_per_chunk`: one row at a time, two, three, every row
-/// at once) changes the loss, the gradient and the acceptance by f32 rounding at most, and the
-/// greedy predictions not at all.
+/// A sequence's anchors attended in groups by position train as one group (the loss, the
+/// gradient and the acceptance change by rounding only), and make fewer scores the smaller the
+/// groups: alone, a block's queries score exactly the context before its anchor and its block.
+#[test]
+fn anchors_attended_in_groups_by_position_skip_masked_scores_and_train_the_same() {
+    let mut s = setup_seqs(40, &[64, 20]);
+    let n = s.drafter.params.len();
+    let (heads, b) = (s.drafter.cfg.heads, s.drafter.cfg.block_size);
+    let run = |d: &Dflash| {
+        let before = d.scores_made();
+        let mut g = vec![0f32; n];
+        let r = d.loss_and_grads(&s.ctx, &s.batch, &mut g).unwrap();
+        (r, g, d.scores_made() - before)
+    };
+    s.drafter.set_anchors_per_group(usize::MAX);
+    let (one, g_one, mut made_before) = run(&s.drafter);
+    assert!(
+        s.batch.seqs[0].anchors.len() > 16,
+        "groups need more anchors"
+    );
+    let scale = g_one.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for per in [16, 5, 1] {
+        s.drafter.set_anchors_per_group(per);
+        let (r, g, made) = run(&s.drafter);
+        assert!(
+            made < made_before,
+            "{per} a group: {made} scores, {made_before} before"
+        );
+        made_before = made;
+        assert!(
+            (r.loss - one.loss).abs() < 1e-4 * one.loss,
+            "{per}: {r:?} vs {one:?}"
+        );
+        assert_eq!(
+            (r.weight, r.accepted, r.blocks),
+            (one.weight, one.accepted, one.blocks)
+        );
+        for (x, y) in g.iter().zip(&g_one) {
+            assert!((x - y).abs() <= 1e-4 * scale, "{per} a group: {x} vs {y}");
+        }
+    }
+    let alone: usize = (s.batch.seqs.iter())
+        .flat_map(|q| &q.anchors)
+        .map(|&a| heads * b * ((a as usize).max(1) + b))
+        .sum();
+    assert_eq!(made_before, alone as u64);
+}
+
 #[test]
 fn the_heads_chunk_size_changes_nothing_but_rounding() {
     let mut s = setup(6);

@@ -121,14 +121,16 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
     let cfg = DflashConfig::for_target(&arch, vec![1, 2], Some(2), 4, mask);
     let frozen = Frozen::load(&target, &Device::Cpu)?;
     let (d, _) = drafter(cfg, frozen)?;
-    let lens = [24u32, 17];
+    // The first sequence has more anchors than the drafter attends together, so its blocks run
+    // in two groups by position.
+    let lens = [48u32, 17];
     let t = lens.iter().sum::<u32>() as usize;
     let tok = ids(t, 290, 1);
     let greedy = ids(t, 290, 2);
     let mut loss_mask = vec![1u8; t];
     loss_mask[3] = 0;
     let sampling = Sampling {
-        num_anchors: 6,
+        num_anchors: 24,
         gamma: 7.0,
         label: Label::Target,
         seed: 1,
@@ -347,6 +349,8 @@ fn time(a: &Args) -> anyhow::Result<()> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0;
     let mut loss = 0.0;
+    // A layer's attention scores in one gradient (the drafter's count).
+    let mut scores = 0;
     // The parts the worker cuts the batch into; the sequence's context is projected once.
     let budget = gpu::dflash::scores_per_part(&dev);
     let parts = batch.split(&d.cfg, budget);
@@ -388,7 +392,9 @@ fn time(a: &Args) -> anyhow::Result<()> {
             alone(&mut grad, step)?;
         }
         let t0 = Instant::now();
+        let made = d.scores_made();
         let (s, flat) = gradient(&mut grad, gpu::dflash::Schedule::Together)?;
+        scores = d.scores_made() - made;
         let weight = s.weight;
         loss = s.loss;
         let t1 = Instant::now();
@@ -430,6 +436,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "tokens": a.tokens,
         "anchors": batch.blocks(),
         "parts": parts.len(),
+        // A layer's attention scores a step, and what they would be with every block over the
+        // whole context (as torch's step makes them, masked).
+        "scores": scores,
+        "scores_whole_context": batch.blocks() * d.cfg.heads * a.block * (a.tokens + a.block),
         "block": a.block,
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
