@@ -38,6 +38,9 @@
 #          timed, the memory after each; summed in its JSON's `traced`), where its time goes,
 #          and runs once more with HSPIPE_CUDA_FREED_MEMORY=release (`ours-released`): the
 #          device's pool handing freed memory back at each synchronize, the driver's default.
+#   dflash-tf32 (not run unless named, about a minute) the same step once each side with f32
+#          products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; torch's --tf32): what the
+#          setting gains, to dflash-tf32.log.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -49,6 +52,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 steps=${GPU_CHECK_STEPS:-data e2e speed dflash}
+# The DFlash step's shape, the same for both sides and both dflash steps.
+shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
+    --anchors 512 --tokens 4096 --steps 3)
 rounds=${GPU_CHECK_DFLASH_ROUNDS:-3}
 if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then
     echo "error: GPU_CHECK_DFLASH_ROUNDS must be a positive count, not '$rounds'" >&2
@@ -165,8 +171,6 @@ for s in $steps; do
     dflash)
         step "one DFlash drafter step against the same step in torch (Qwen3-8B shape, f32)"
         rc=0
-        shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
-            --anchors 512 --tokens 4096 --steps 3)
         # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd). The
         # trace runs before the timed steps, so it changes none of their figures. In the first
         # round only, ours again with the device's memory pool handing freed memory back at
@@ -187,8 +191,20 @@ for s in $steps; do
         done
         [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
         ;;
+    dflash-tf32)
+        step "the DFlash step with f32 products on TF32 tensor cores, both sides"
+        rc=0
+        ours=$(HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
+            2>>"$out/dflash-ours.log") || rc=$?
+        [ $rc -eq 0 ] && echo "ours-tf32 $ours" | tee -a "$out/dflash-tf32.log"
+        if [ $rc -eq 0 ]; then
+            torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}" --tf32) || rc=$?
+            [ $rc -eq 0 ] && echo "torch-tf32 $torch" | tee -a "$out/dflash-tf32.log"
+        fi
+        [ $rc -eq 0 ] || failed+=("dflash-tf32 step (exit $rc)")
+        ;;
     *)
-        echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed, dflash)" >&2
+        echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed, dflash, dflash-tf32)" >&2
         exit 1
         ;;
     esac

@@ -72,7 +72,17 @@ impl Placement {
             ));
         }
         let freed = freed_memory(std::env::var(FREED_MEMORY_ENV).ok().as_deref())?;
+        let tf32 = tf32(std::env::var(TF32_ENV).ok().as_deref())?;
         let device = Device::new_cuda(0)?;
+        // Process-wide in candle (cuBLAS's compute type for every f32 product): the drafter's;
+        // the target computes in bf16.
+        candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
+        if tf32 {
+            tracing::info!(
+                "f32 matrix products on TF32 tensor cores ({TF32_ENV}=on): inputs rounded to 10 \
+                 mantissa bits, sums in f32"
+            );
+        }
         let ctx = crate::candle_cuda::stream(&device)?.context().clone();
         match cuda::pool::set_freed_memory(&ctx, freed)? {
             true => tracing::info!(
@@ -128,6 +138,26 @@ pub fn freed_memory(choice: Option<&str>) -> Result<cuda::pool::FreedMemory, Gpu
         Some("release") => Ok(cuda::pool::FreedMemory::Release),
         Some(other) => Err(GpuError::Config(format!(
             "{FREED_MEMORY_ENV} is {other:?}: it takes keep (the default) or release"
+        ))),
+    }
+}
+
+/// Whether a GPU's f32 matrix products may run on its TF32 tensor cores (cuBLAS's
+/// `CUBLAS_COMPUTE_32F_FAST_TF32`, set through candle): `off` (the default, as PyTorch's
+/// `allow_tf32`: f32 products in f32) or `on` (each product's inputs rounded to TF32's 10-bit
+/// mantissa, the sums kept in f32; several times the speed of an H200's f32 units for the
+/// drafter's products, at the rounding of a half-precision input). A training setting, not a
+/// default: it changes the drafter's numerics.
+pub const TF32_ENV: &str = "HSPIPE_CUDA_TF32";
+
+/// [`TF32_ENV`]'s value read: unset or `off` is false, `on` true; anything else is an error
+/// naming it.
+pub fn tf32(choice: Option<&str>) -> Result<bool, GpuError> {
+    match choice {
+        None | Some("off") => Ok(false),
+        Some("on") => Ok(true),
+        Some(other) => Err(GpuError::Config(format!(
+            "{TF32_ENV} is {other:?}: it takes off (the default) or on"
         ))),
     }
 }
@@ -648,6 +678,22 @@ mod tests {
             msg.contains(FREED_MEMORY_ENV) && msg.contains("\"Keep\""),
             "{msg}"
         );
+    }
+
+    /// HSPIPE_CUDA_TF32: unset is off, off and on are themselves, anything else (a `1`, a
+    /// capital) is an error naming the variable and the value.
+    #[test]
+    fn the_tf32_choice_is_off_or_on() {
+        for (choice, want) in [(None, false), (Some("off"), false), (Some("on"), true)] {
+            assert_eq!(tf32(choice).unwrap(), want, "{choice:?}");
+        }
+        for bad in ["1", "On", ""] {
+            let msg = tf32(Some(bad)).unwrap_err().to_string();
+            assert!(
+                msg.contains(TF32_ENV) && msg.contains(&format!("{bad:?}")),
+                "{msg}"
+            );
+        }
     }
 
     /// The GPU's layout (`write_stacked`: stacked and converted on the device, copied once)

@@ -249,6 +249,8 @@ def captured_ids(target_layers, n):
 
 def bench(a):
     dev = torch.device(a.device)
+    # Ours: HSPIPE_CUDA_TF32=on. Off by default on both sides.
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
     arch = json.load(open(os.path.join(a.shape, "config.json")))
     h, v = arch["hidden_size"], arch["vocab_size"]
     nh, nkv = arch["num_attention_heads"], arch["num_key_value_heads"]
@@ -337,6 +339,7 @@ def bench(a):
                 "captured": ids,
                 "step_s": statistics.median(times),
                 "gradient_s": statistics.median(grads),
+                "tf32": a.tf32 and dev.type == "cuda",
                 "last_loss": last,
                 # torch's own peak (its caching allocator's live tensors), beside ours
                 # (bench-dflash-step --trace: `pool_peak_mib`, the same measure).
@@ -360,6 +363,11 @@ def main():
     b.add_argument("--anchors", type=int, default=512)
     b.add_argument("--tokens", type=int, default=4096)
     b.add_argument("--steps", type=int, default=5)
+    b.add_argument(
+        "--tf32",
+        action="store_true",
+        help="f32 matrix products on TF32 tensor cores (torch's allow_tf32; ours: HSPIPE_CUDA_TF32=on)",
+    )
     a = ap.parse_args()
     if a.cmd == "oracle":
         oracle(a.dir)

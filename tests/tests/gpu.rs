@@ -180,6 +180,7 @@ fn gpu_check_refuses_a_round_count_that_is_not_a_positive_number() {
 /// Qwen3-8B shape): each round runs ours then torch's with the step's flags, ours traces its
 /// gradient and runs again with freed device memory released in the first round only, every
 /// line reaches `dflash-step.log`, and a side that fails fails the step with its exit status.
+/// The `dflash-tf32` step runs each side once with TF32 asked for.
 #[test]
 fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a_failing_side() {
     use std::os::unix::fs::PermissionsExt;
@@ -190,7 +191,7 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
     let stand_in = |name: &str, says: &str| {
         let path = bins.join(name);
         let body = format!(
-            "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}\" >> {}\n\
+            "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}${{HSPIPE_CUDA_TF32:+ tf32=$HSPIPE_CUDA_TF32}}\" >> {}\n\
              echo progress >&2\n\
              [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
             calls.display()
@@ -201,11 +202,11 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
     stand_in("bench-dflash-step", r#"{"side":"ours"}"#);
     // torch's side is `python3 scripts/py/dflash_step.py bench ...`: python3 found on PATH.
     stand_in("python3", r#"{"side":"torch"}"#);
-    let run = |fail: &str| {
+    let run_steps = |steps: &str, fail: &str| {
         let _ = std::fs::remove_file(&calls);
-        let out_dir = dir.path(&format!("out-{fail}"));
+        let out_dir = dir.path(&format!("out-{steps}-{fail}"));
         let out = Command::new(repo_root().join("scripts/gpu-check.sh"))
-            .env("GPU_CHECK_STEPS", "dflash")
+            .env("GPU_CHECK_STEPS", steps)
             .env("GPU_CHECK_BACKEND", "candle")
             .env("GPU_CHECK_DFLASH_ROUNDS", "3")
             .env("HSPIPE_BIN", &bins)
@@ -220,6 +221,7 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
         let calls = std::fs::read_to_string(&calls).unwrap_or_default();
         (out, calls, out_dir)
     };
+    let run = |fail: &str| run_steps("dflash", fail);
 
     let (out, calls, out_dir) = run("");
     let err = String::from_utf8_lossy(&out.stderr);
@@ -267,5 +269,32 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
             want,
             "{side} failing stops the rounds: {calls}"
         );
+    }
+
+    // The TF32 step, named alone: each side once, ours with HSPIPE_CUDA_TF32=on, torch's with
+    // --tf32, both lines in dflash-tf32.log; a failing side fails it.
+    let (out, calls, out_dir) = run_steps("dflash-tf32", "");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), 2, "{calls}");
+    assert!(
+        lines[0].starts_with("bench-dflash-step --shape") && lines[0].ends_with(" tf32=on"),
+        "{calls}"
+    );
+    assert!(
+        lines[1].starts_with("python3 scripts/py/dflash_step.py bench")
+            && lines[1].contains(" --tf32")
+            && !lines[1].contains("tf32=on"),
+        "{calls}"
+    );
+    let log = std::fs::read_to_string(out_dir.join("dflash-tf32.log")).unwrap();
+    assert!(log.contains(r#"ours-tf32 {"side":"ours"}"#), "{log}");
+    assert!(log.contains(r#"torch-tf32 {"side":"torch"}"#), "{log}");
+    for side in ["bench-dflash-step", "python3"] {
+        let (out, _, _) = run_steps("dflash-tf32", side);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        assert!(err.contains("dflash-tf32 step (exit 3)"), "{side}: {err}");
     }
 }

@@ -446,6 +446,8 @@ fn time(a: &Args) -> anyhow::Result<()> {
         "dtype": format!("{:?}", DType::F32),
         "init_s": init_s,
         "gradient_on": if on_device { "device" } else { "host" },
+        // The f32 products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; a GPU's only).
+        "tf32": on_device && candle_core::cuda::gemm_reduced_precision_f32(),
         "attention": match attention {
             AttentionBackward::ByHand => "by-hand",
             AttentionBackward::Autograd => "autograd",
