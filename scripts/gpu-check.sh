@@ -37,7 +37,9 @@
 #          traces one gradient pass by pass (`--trace`: each part's forward, loss and backward
 #          timed, the memory after each; summed in its JSON's `traced`), where its time goes,
 #          and runs once more with HSPIPE_CUDA_FREED_MEMORY=release (`ours-released`): the
-#          device's pool handing freed memory back at each synchronize, the driver's default.
+#          device's pool handing freed memory back at each synchronize, the driver's default;
+#          and once with parts of 2^28 scores (`ours-parts-2^28`, four times the default; its
+#          failure, say out of memory, is logged and does not fail the step).
 #   dflash-tf32 (not run unless named, about a minute) the same step once each side with f32
 #          products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; torch's --tf32): what the
 #          setting gains, to dflash-tf32.log.
@@ -184,6 +186,19 @@ for s in $steps; do
                 released=$(HSPIPE_CUDA_FREED_MEMORY=release "$bins/bench-dflash-step" \
                     "${shape[@]}" 2>>"$out/dflash-ours.log") || { rc=$?; break; }
                 echo "ours-released $released" | tee -a "$out/dflash-step.log"
+                # Parts of 2^28 scores, four times the default, which was set before the
+                # attention's graph shrank and its anchors were grouped: whether fewer, larger
+                # parts are faster, and whether they fit. Out of memory here is a finding, not
+                # the step's failure: logged, and the rounds go on.
+                big_rc=0
+                big=$(HSPIPE_DFLASH_SCORES_PER_PART=268435456 "$bins/bench-dflash-step" \
+                    "${shape[@]}" 2>>"$out/dflash-ours.log") || big_rc=$?
+                if [ $big_rc -eq 0 ]; then
+                    echo "ours-parts-2^28 $big" | tee -a "$out/dflash-step.log"
+                else
+                    echo "ours-parts-2^28 failed (exit $big_rc; not the step's failure): see dflash-ours.log" \
+                        | tee -a "$out/dflash-step.log"
+                fi
             fi
             first=
             torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }

@@ -178,7 +178,8 @@ fn gpu_check_refuses_a_round_count_that_is_not_a_positive_number() {
 
 /// The DFlash step's plumbing, with stand-ins for both sides (the step itself needs a GPU and a
 /// Qwen3-8B shape): each round runs ours then torch's with the step's flags, ours traces its
-/// gradient and runs again with freed device memory released in the first round only, every
+/// gradient and runs again with freed device memory released and in parts of 2^28 (whose
+/// failure is logged, not the step's) in the first round only, every
 /// line reaches `dflash-step.log`, and a side that fails fails the step with its exit status.
 /// The `dflash-tf32` step runs each side once with TF32 asked for.
 #[test]
@@ -191,8 +192,9 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
     let stand_in = |name: &str, says: &str| {
         let path = bins.join(name);
         let body = format!(
-            "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}${{HSPIPE_CUDA_TF32:+ tf32=$HSPIPE_CUDA_TF32}}\" >> {}\n\
+            "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}${{HSPIPE_CUDA_TF32:+ tf32=$HSPIPE_CUDA_TF32}}${{HSPIPE_DFLASH_SCORES_PER_PART:+ parts=$HSPIPE_DFLASH_SCORES_PER_PART}}\" >> {}\n\
              echo progress >&2\n\
+             [ -n \"${{FAIL_PARTS:-}}\" ] && [ -n \"${{HSPIPE_DFLASH_SCORES_PER_PART:-}}\" ] && exit 4\n\
              [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
             calls.display()
         );
@@ -202,9 +204,9 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
     stand_in("bench-dflash-step", r#"{"side":"ours"}"#);
     // torch's side is `python3 scripts/py/dflash_step.py bench ...`: python3 found on PATH.
     stand_in("python3", r#"{"side":"torch"}"#);
-    let run_steps = |steps: &str, fail: &str| {
+    let run_with = |steps: &str, fail: &str, fail_parts: &str| {
         let _ = std::fs::remove_file(&calls);
-        let out_dir = dir.path(&format!("out-{steps}-{fail}"));
+        let out_dir = dir.path(&format!("out-{steps}-{fail}-{fail_parts}"));
         let out = Command::new(repo_root().join("scripts/gpu-check.sh"))
             .env("GPU_CHECK_STEPS", steps)
             .env("GPU_CHECK_BACKEND", "candle")
@@ -212,6 +214,7 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
             .env("HSPIPE_BIN", &bins)
             .env("GPU_CHECK_OUT", &out_dir)
             .env("FAIL_SIDE", fail)
+            .env("FAIL_PARTS", fail_parts)
             .env(
                 "PATH",
                 format!("{}:{}", bins.display(), std::env::var("PATH").unwrap()),
@@ -221,31 +224,44 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
         let calls = std::fs::read_to_string(&calls).unwrap_or_default();
         (out, calls, out_dir)
     };
+    let run_steps = |steps: &str, fail: &str| run_with(steps, fail, "");
     let run = |fail: &str| run_steps("dflash", fail);
 
     let (out, calls, out_dir) = run("");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "stderr: {err}");
     let lines: Vec<&str> = calls.lines().collect();
-    // Round one: ours traced, ours with freed memory released, torch's; then ours and torch's.
+    // Round one: ours traced, ours with freed memory released, ours in parts of 2^28,
+    // torch's; then ours and torch's.
+    let (ours, torch) = (
+        "bench-dflash-step ",
+        "python3 scripts/py/dflash_step.py bench ",
+    );
+    // What a call's environment added, the stand-in's last word: freed memory released, the
+    // part size, or nothing.
     let want = [
-        ("bench-dflash-step ", true, false),
-        ("bench-dflash-step ", false, true),
-        ("python3 scripts/py/dflash_step.py bench ", false, false),
-        ("bench-dflash-step ", false, false),
-        ("python3 scripts/py/dflash_step.py bench ", false, false),
-        ("bench-dflash-step ", false, false),
-        ("python3 scripts/py/dflash_step.py bench ", false, false),
+        (ours, true, ""),
+        (ours, false, "release"),
+        (ours, false, "parts=268435456"),
+        (torch, false, ""),
+        (ours, false, ""),
+        (torch, false, ""),
+        (ours, false, ""),
+        (torch, false, ""),
     ];
     assert_eq!(lines.len(), want.len(), "{calls}");
-    for (i, (line, (side, traced, released))) in lines.iter().zip(want).enumerate() {
+    for (i, (line, (side, traced, env))) in lines.iter().zip(want).enumerate() {
         assert!(line.starts_with(side), "call {i}: {line}");
         assert!(
             line.contains("--device cuda --layers 5"),
             "call {i}: {line}"
         );
         assert_eq!(line.contains("--trace"), traced, "call {i}: {line}");
-        assert_eq!(line.ends_with(" release"), released, "call {i}: {line}");
+        assert_eq!(
+            line.rsplit_once(' ').map(|(_, e)| e),
+            Some(env),
+            "call {i}: {line}"
+        );
     }
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
     assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
@@ -255,15 +271,29 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
         "{log}"
     );
     assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
+    assert_eq!(
+        log.matches(r#"ours-parts-2^28 {"side":"ours"}"#).count(),
+        1,
+        "{log}"
+    );
     let ours_err = std::fs::read_to_string(out_dir.join("dflash-ours.log")).unwrap();
-    assert_eq!(ours_err.matches("progress").count(), 4, "{ours_err}");
+    assert_eq!(ours_err.matches("progress").count(), 5, "{ours_err}");
+
+    // The run in parts of 2^28 out of memory: said in the log, and the step passes.
+    let (out, calls, out_dir) = run_with("dflash", "", "yes");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    assert_eq!(calls.lines().count(), want.len(), "{calls}");
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert!(log.contains("ours-parts-2^28 failed (exit 4"), "{log}");
+    assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
 
     for side in ["bench-dflash-step", "python3"] {
         let (out, calls, _) = run(side);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
         assert!(err.contains("dflash step (exit 3)"), "{side}: {err}");
-        let want = if side == "python3" { 3 } else { 1 };
+        let want = if side == "python3" { 4 } else { 1 };
         assert_eq!(
             calls.lines().count(),
             want,
