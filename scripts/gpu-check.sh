@@ -41,8 +41,9 @@
 #          and once with parts of 2^28 scores (`ours-parts-2^28`, four times the default; its
 #          failure, say out of memory, is logged and does not fail the step).
 #   dflash-tf32 (not run unless named, about a minute) the same step once each side with f32
-#          products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; torch's --tf32): what the
-#          setting gains, to dflash-tf32.log.
+#          products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; torch's --tf32), to
+#          dflash-tf32.log; named after dflash (GPU_CHECK_STEPS="dflash dflash-tf32"), the
+#          same run has the f32 figures beside it.
 #
 # Binaries: $HSPIPE_BIN (default target/cuda/release, what scripts/build-cuda.sh makes). When
 # they are missing: unpacked from target/cuda/carry/hspipe-cuda.tar.xz if it is there (a GPU
@@ -177,6 +178,9 @@ for s in $steps; do
         # trace runs before the timed steps, so it changes none of their figures. In the first
         # round only, ours again with the device's memory pool handing freed memory back at
         # each synchronize (the driver's default; hspipe keeps it): what keeping it gains.
+        # Ours at its defaults against torch's (the part size and TF32 this step names where it
+        # wants them, not a caller's environment).
+        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32
         first=1
         for _ in $(seq "$rounds"); do
             ours=$("$bins/bench-dflash-step" "${shape[@]}" ${first:+--trace} \
@@ -209,6 +213,7 @@ for s in $steps; do
     dflash-tf32)
         step "the DFlash step with f32 products on TF32 tensor cores, both sides"
         rc=0
+        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32
         ours=$(HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
             2>>"$out/dflash-ours.log") || rc=$?
         [ $rc -eq 0 ] && echo "ours-tf32 $ours" | tee -a "$out/dflash-tf32.log"

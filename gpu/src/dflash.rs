@@ -40,7 +40,10 @@ const SCORES_PER_PART_CPU: usize = 1 << 24;
 /// its backward (`model::train::grad_of`): before that, 2^26, 2^27 and 2^28 all ran out of
 /// memory. Since then the attention's backward is written by hand (`model::draft_attention`),
 /// its graph holding the probabilities alone: on the CPU a part's peak fell by half; on a GPU,
-/// not yet measured.
+/// not yet measured. And a part is now bounded by the context its blocks see (up to their last
+/// anchor), so at that shape the batch is 10 parts, the first about 130 blocks where it was 31:
+/// the attention's share of a part's memory is smaller, the rest (the layers' activations)
+/// grows with its blocks. Also unmeasured on a GPU; the device check runs parts of 2^28 once.
 const SCORES_PER_PART_GPU: usize = 1 << 26;
 
 /// The attention scores a part of a batch may hold on `device` (see `DraftBatch::split`):

@@ -576,7 +576,8 @@ const ANCHORS_PER_GROUP: usize = 16;
 /// `seqs` with each sequence's anchors cut, in their order, into groups of about equal size
 /// and at most `most` anchors, one entry a group: the blocks' order is kept, and each
 /// group's attention reads the context only up to its own last anchor
-/// ([`SeqBlocks::visible`]).
+/// ([`SeqBlocks::visible`]). `DraftBatch::new` sorts a sequence's anchors, so a group is a
+/// range of positions; unsorted ones would train the same, saving less.
 fn by_position(seqs: &[SeqBlocks], most: usize) -> Vec<SeqBlocks> {
     let mut out = Vec::with_capacity(seqs.len());
     for s in seqs {

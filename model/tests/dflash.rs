@@ -514,10 +514,26 @@ fn the_heads_chunk_size_changes_nothing_but_rounding() {
 /// context once (cut from the graph where its blocks span parts) and have the whole batch's loss,
 /// gradient and acceptance (up to the order of f32 sums), at every budget: parts of one block,
 /// parts holding the tail of one sequence, whole sequences and the head of the next, and one
-/// part.
+/// part; and with a sequence of more anchors than are attended together, whose groups by
+/// position read a context cut from the graph in a part that shares it with others.
 #[test]
 fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
-    let s = setup_seqs(6, &[24, 9, 17, 5, 20]);
+    let (spanned, mixed, _) = parts_run_together(setup_seqs(6, &[24, 9, 17, 5, 20]));
+    assert!(
+        spanned && mixed,
+        "the budgets cover spanning sequences beside whole ones"
+    );
+    let (spanned, _, grouped) = parts_run_together(setup_seqs(40, &[64, 9, 20]));
+    assert!(
+        spanned && grouped,
+        "a part holds more than 16 blocks of a sequence spanning parts"
+    );
+}
+
+/// [`parts_run_together_project_each_context_once_and_train_as_the_whole`] for one batch:
+/// whether some budget made a sequence span parts, a part of spanning and whole sequences, and
+/// a part with more than 16 blocks (two groups by position) of a spanning sequence.
+fn parts_run_together(s: Setup) -> (bool, bool, bool) {
     let d = &s.drafter;
     let n = d.params.len();
     let mut whole = vec![0f32; n];
@@ -525,19 +541,18 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
     let rows: u64 = s.batch.seqs.iter().map(|q| q.ctx_len as u64).sum();
     let per = d.cfg.heads * d.cfg.block_size * (24 + d.cfg.block_size);
-    let (mut spanned, mut mixed) = (false, false);
-    for budget in [1, 2 * per, 5 * per, 9 * per, usize::MAX] {
+    let (mut spanned, mut mixed, mut grouped) = (false, false, false);
+    for budget in [1, 2 * per, 5 * per, 9 * per, 40 * per, usize::MAX] {
         let mut parts = s.batch.split(&d.cfg, budget);
         let holding = |start: usize| {
             (parts.iter())
                 .filter(|p| p.seqs.iter().any(|q| q.ctx_start == start))
                 .count()
         };
-        spanned |= s.batch.seqs.iter().any(|q| holding(q.ctx_start) > 1);
-        mixed |= parts.iter().any(|p| {
-            let spans = |q: &model::dflash::SeqBlocks| holding(q.ctx_start) > 1;
-            p.seqs.iter().any(spans) && !p.seqs.iter().all(spans)
-        });
+        let spans = |q: &SeqBlocks| holding(q.ctx_start) > 1;
+        spanned |= s.batch.seqs.iter().any(spans);
+        mixed |= (parts.iter()).any(|p| p.seqs.iter().any(spans) && !p.seqs.iter().all(spans));
+        grouped |= (parts.iter().flat_map(|p| &p.seqs)).any(|q| spans(q) && q.anchors.len() > 16);
         for reversed in [false, true] {
             if reversed {
                 parts.reverse();
@@ -568,10 +583,7 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
             }
         }
     }
-    assert!(
-        spanned && mixed,
-        "the budgets cover spanning sequences beside whole ones"
-    );
+    (spanned, mixed, grouped)
 }
 
 /// A clock that skips a part's loss or backward gets an error, not a loss or gradient silently

@@ -215,6 +215,9 @@ fn gpu_check_dflash_step_traces_and_releases_in_the_first_round_and_fails_with_a
             .env("GPU_CHECK_OUT", &out_dir)
             .env("FAIL_SIDE", fail)
             .env("FAIL_PARTS", fail_parts)
+            // A caller's settings: the steps run ours at its defaults whatever they say.
+            .env("HSPIPE_DFLASH_SCORES_PER_PART", "123")
+            .env("HSPIPE_CUDA_TF32", "on")
             .env(
                 "PATH",
                 format!("{}:{}", bins.display(), std::env::var("PATH").unwrap()),
