@@ -642,6 +642,11 @@ impl Dflash {
         self.anchors_per_group = n.max(1);
     }
 
+    /// See [`Dflash::set_anchors_per_group`].
+    pub fn anchors_per_group(&self) -> usize {
+        self.anchors_per_group
+    }
+
     /// Differentiate the attention's core by hand (the default) or by candle's autograd of
     /// the same ops (to compare them, or to step around the hand-written one's custom op).
     pub fn set_attention_backward(&mut self, how: AttentionBackward) {

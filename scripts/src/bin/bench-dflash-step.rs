@@ -56,6 +56,10 @@ struct Args {
     /// Tokens of the one sequence.
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
+    /// Attend at most this many anchors together, in groups by position (the drafter's
+    /// default: 16); `--anchors` or more attends the part's anchors in one group.
+    #[arg(long)]
+    anchors_per_group: Option<usize>,
     /// Also time each step's gradient with every part run alone, its sequence's context projected
     /// again in each (the schedule before a context spanning parts was projected once),
     /// interleaved with the worker's step by step: `gradient_per_part_s`.
@@ -293,7 +297,10 @@ fn time(a: &Args) -> anyhow::Result<()> {
         lm_head: (Tensor::randn(0f32, 0.02, (v, h), &dev)?),
     };
     let made = Instant::now();
-    let (d, attention) = drafter(cfg, frozen)?;
+    let (mut d, attention) = drafter(cfg, frozen)?;
+    if let Some(n) = a.anchors_per_group {
+        d.set_anchors_per_group(n);
+    }
     // Its weights drawn (Params::new, in parallel), as a drafter worker's start and restart.
     let init_s = made.elapsed().as_secs_f64();
     let width = d.cfg.target_layer_ids.len() * h;
@@ -440,6 +447,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         // whole context (as torch's step makes them, masked).
         "scores": scores,
         "scores_whole_context": batch.blocks() * d.cfg.heads * a.block * (a.tokens + a.block),
+        "anchors_per_group": d.anchors_per_group(),
         "block": a.block,
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
