@@ -235,4 +235,4 @@ if [ ${#failed[@]} -gt 0 ]; then
     printf 'gpu-check: FAILED: %s\n' "${failed[@]}" >&2
     exit 1
 fi
-echo "gpu-check: every step passed ($steps); figures in $out"
+echo "gpu-check: every step passed ($steps); figures in $out (medians and ratios: python3 scripts/py/gpu_check_summary.py $out)"
