@@ -17,9 +17,9 @@
 //! hand too (`draft_attention`); with both, the gradient on the CPU took 0.69x the time of
 //! candle's autograd over the same ops, in half the memory, at a shape whose scores dominate
 //! (0.86x at one whose scores matter less; BENCHMARKS). A sequence's anchors are attended in
-//! groups by position (16 at most), each group reading the context only up to its last anchor:
-//! scores masked to nothing are mostly not made (about half of them, anchors spread over a
-//! sequence). A batch too big for one backward graph
+//! groups by position (each spanning fewer than 512 positions), each group reading the context
+//! only up to its last anchor: scores masked to nothing are mostly not made (about half of
+//! them, anchors spread over a long sequence). A batch too big for one backward graph
 //! runs in parts ([`Dflash::loss_and_grads_parts`]); a sequence whose blocks span parts has its
 //! context (fc, hidden norm, each layer's context keys and values) projected once and cut from
 //! the graph: each part adds its gradient of the cut, and the sum goes back through the
@@ -566,27 +566,36 @@ fn logit_elements(dev: &Device) -> usize {
     }
 }
 
-/// The most anchors of one sequence attended together, by default. A group's attention reads the context
-/// up to its last anchor, masked beyond each of its other anchors: the whole sequence at once
-/// computes about twice the scores its blocks see (anchors spread over the sequence), groups in
-/// position order of `n` anchors about `(1 + 1/groups)` times. 16 anchors are `16 x B` query
-/// rows a query head, products large enough to keep a GPU's units busy.
-const ANCHORS_PER_GROUP: usize = 16;
+/// The most context positions a group of one sequence's anchors spans (first anchor to last),
+/// by default. A group's attention reads the context up to its last anchor, masked beyond each
+/// of its other anchors, so an anchor's wasted scores are fewer than the span, where one group
+/// for a whole sequence wastes about half of them. Cut by span rather than by count, a group
+/// costs one more set of kernels only where it saves a span's worth of scores for each of its
+/// anchors: a sequence shorter than the span stays one group (a batch of short conversations
+/// is not cut into hundreds of tiny products), and a part of a long sequence that spans less
+/// (`DraftBatch::split` cuts the batch by position already) is one.
+const CONTEXT_PER_GROUP: usize = 512;
 
-/// `seqs` with each sequence's anchors cut, in their order, into groups of about equal size
-/// and at most `most` anchors, one entry a group: the blocks' order is kept, and each
-/// group's attention reads the context only up to its own last anchor
+/// `seqs` with each sequence's anchors cut, in their order, into groups each spanning fewer
+/// than `span` positions from its first anchor to its last, one entry a group: the blocks'
+/// order is kept, and each group's attention reads the context only up to its own last anchor
 /// ([`SeqBlocks::visible`]). `DraftBatch::new` sorts a sequence's anchors, so a group is a
 /// range of positions; unsorted ones would train the same, saving less.
-fn by_position(seqs: &[SeqBlocks], most: usize) -> Vec<SeqBlocks> {
+fn by_position(seqs: &[SeqBlocks], span: usize) -> Vec<SeqBlocks> {
     let mut out = Vec::with_capacity(seqs.len());
     for s in seqs {
-        let groups = s.anchors.len().div_ceil(most.max(1)).max(1);
-        let per = s.anchors.len().div_ceil(groups).max(1);
-        out.extend(s.anchors.chunks(per).map(|anchors| SeqBlocks {
-            anchors: anchors.to_vec(),
-            ..*s
-        }));
+        let mut first = 0;
+        for i in 1..=s.anchors.len() {
+            let cut =
+                (s.anchors.get(i)).is_none_or(|&a| a.abs_diff(s.anchors[first]) as usize >= span);
+            if cut {
+                out.push(SeqBlocks {
+                    anchors: s.anchors[first..i].to_vec(),
+                    ..*s
+                });
+                first = i;
+            }
+        }
     }
     out
 }
@@ -601,8 +610,8 @@ pub struct Dflash {
     projected_rows: AtomicU64,
     /// Attention scores made since the drafter was made (see [`Dflash::scores_made`]).
     scores: AtomicU64,
-    /// See [`Dflash::set_anchors_per_group`].
-    anchors_per_group: usize,
+    /// See [`Dflash::set_context_per_group`].
+    context_per_group: usize,
     /// LM-head logits computed at once (`rows x vocab`), at least one row's.
     logits_per_chunk: usize,
     /// How the attention's core is differentiated.
@@ -624,7 +633,7 @@ impl Dflash {
             rope,
             projected_rows: AtomicU64::new(0),
             scores: AtomicU64::new(0),
-            anchors_per_group: ANCHORS_PER_GROUP,
+            context_per_group: CONTEXT_PER_GROUP,
         })
     }
 
@@ -635,16 +644,17 @@ impl Dflash {
         self.logits_per_chunk = n;
     }
 
-    /// Attend at most `n` anchors of a sequence together (one at least; 16 by default), in
-    /// groups by position, each reading the context up to its last anchor: fewer masked scores
-    /// for more, smaller products. The result changes by rounding only.
-    pub fn set_anchors_per_group(&mut self, n: usize) {
-        self.anchors_per_group = n.max(1);
+    /// Attend a sequence's anchors in groups by position, each spanning fewer than `n` positions
+    /// from its first anchor to its last (one at least: each anchor alone; 512 by default) and
+    /// reading the context up to its last anchor: fewer masked scores for more, smaller
+    /// products. The result changes by rounding only.
+    pub fn set_context_per_group(&mut self, n: usize) {
+        self.context_per_group = n.max(1);
     }
 
-    /// See [`Dflash::set_anchors_per_group`].
-    pub fn anchors_per_group(&self) -> usize {
-        self.anchors_per_group
+    /// See [`Dflash::set_context_per_group`].
+    pub fn context_per_group(&self) -> usize {
+        self.context_per_group
     }
 
     /// Differentiate the attention's core by hand (the default) or by candle's autograd of
@@ -698,7 +708,7 @@ impl Dflash {
         seqs: &[SeqBlocks],
     ) -> Result<Tensor> {
         self.project(ctx, seqs)?;
-        let seqs = &by_position(seqs, self.anchors_per_group);
+        let seqs = &by_position(seqs, self.context_per_group);
         let made: usize = seqs.iter().map(|s| s.scores(&self.cfg)).sum();
         // Relaxed: a count for tests and benchmarks, as `projected_rows`.
         self.scores.fetch_add(made as u64, Ordering::Relaxed);

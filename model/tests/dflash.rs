@@ -429,8 +429,9 @@ fn a_batch_in_parts_trains_as_the_whole() {
 }
 
 /// A sequence's anchors attended in groups by position train as one group (the loss, the
-/// gradient and the acceptance change by rounding only), and make fewer scores the smaller the
+/// gradient and the acceptance change by rounding only), and make fewer scores the narrower the
 /// groups: alone, a block's queries score exactly the context before its anchor and its block.
+/// A sequence shorter than the default span is one group.
 #[test]
 fn anchors_attended_in_groups_by_position_skip_masked_scores_and_train_the_same() {
     let mut s = setup_seqs(40, &[64, 20]);
@@ -442,31 +443,33 @@ fn anchors_attended_in_groups_by_position_skip_masked_scores_and_train_the_same(
         let r = d.loss_and_grads(&s.ctx, &s.batch, &mut g).unwrap();
         (r, g, d.scores_made() - before)
     };
-    s.drafter.set_anchors_per_group(usize::MAX);
+    let whole = (s.batch.seqs.iter())
+        .map(|q| q.scores(&s.drafter.cfg) as u64)
+        .sum::<u64>();
+    // The default span (512) is longer than these sequences: one group each.
     let (one, g_one, mut made_before) = run(&s.drafter);
-    assert!(
-        s.batch.seqs[0].anchors.len() > 16,
-        "groups need more anchors"
-    );
+    assert_eq!(made_before, whole);
+    s.drafter.set_context_per_group(usize::MAX);
+    assert_eq!(run(&s.drafter).2, whole);
     let scale = g_one.iter().fold(0f32, |m, x| m.max(x.abs()));
-    for per in [16, 5, 1] {
-        s.drafter.set_anchors_per_group(per);
+    for span in [32, 8, 1] {
+        s.drafter.set_context_per_group(span);
         let (r, g, made) = run(&s.drafter);
         assert!(
             made < made_before,
-            "{per} a group: {made} scores, {made_before} before"
+            "groups spanning {span}: {made} scores, {made_before} before"
         );
         made_before = made;
         assert!(
             (r.loss - one.loss).abs() < 1e-4 * one.loss,
-            "{per}: {r:?} vs {one:?}"
+            "{span}: {r:?} vs {one:?}"
         );
         assert_eq!(
             (r.weight, r.accepted, r.blocks),
             (one.weight, one.accepted, one.blocks)
         );
         for (x, y) in g.iter().zip(&g_one) {
-            assert!((x - y).abs() <= 1e-4 * scale, "{per} a group: {x} vs {y}");
+            assert!((x - y).abs() <= 1e-4 * scale, "spanning {span}: {x} vs {y}");
         }
     }
     let alone: usize = (s.batch.seqs.iter())
@@ -514,8 +517,8 @@ fn the_heads_chunk_size_changes_nothing_but_rounding() {
 /// context once (cut from the graph where its blocks span parts) and have the whole batch's loss,
 /// gradient and acceptance (up to the order of f32 sums), at every budget: parts of one block,
 /// parts holding the tail of one sequence, whole sequences and the head of the next, and one
-/// part; and with a sequence of more anchors than are attended together, whose groups by
-/// position read a context cut from the graph in a part that shares it with others.
+/// part; and with groups by position narrow enough to cut a part's anchors of a sequence,
+/// reading a context cut from the graph in a part that shares it with others.
 #[test]
 fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
     let (spanned, mixed, _) = parts_run_together(setup_seqs(6, &[24, 9, 17, 5, 20]));
@@ -523,16 +526,19 @@ fn parts_run_together_project_each_context_once_and_train_as_the_whole() {
         spanned && mixed,
         "the budgets cover spanning sequences beside whole ones"
     );
-    let (spanned, _, grouped) = parts_run_together(setup_seqs(40, &[64, 9, 20]));
+    let mut s = setup_seqs(40, &[64, 9, 20]);
+    s.drafter.set_context_per_group(16);
+    let (spanned, _, grouped) = parts_run_together(s);
     assert!(
         spanned && grouped,
-        "a part holds more than 16 blocks of a sequence spanning parts"
+        "a part holds anchors 16 positions apart or more of a sequence spanning parts"
     );
 }
 
 /// [`parts_run_together_project_each_context_once_and_train_as_the_whole`] for one batch:
 /// whether some budget made a sequence span parts, a part of spanning and whole sequences, and
-/// a part with more than 16 blocks (two groups by position) of a spanning sequence.
+/// a part whose anchors of a spanning sequence lie 16 positions apart or more (two groups by
+/// position, with the drafter's groups set to span 16).
 fn parts_run_together(s: Setup) -> (bool, bool, bool) {
     let d = &s.drafter;
     let n = d.params.len();
@@ -552,7 +558,8 @@ fn parts_run_together(s: Setup) -> (bool, bool, bool) {
         let spans = |q: &SeqBlocks| holding(q.ctx_start) > 1;
         spanned |= s.batch.seqs.iter().any(spans);
         mixed |= (parts.iter()).any(|p| p.seqs.iter().any(spans) && !p.seqs.iter().all(spans));
-        grouped |= (parts.iter().flat_map(|p| &p.seqs)).any(|q| spans(q) && q.anchors.len() > 16);
+        grouped |= (parts.iter().flat_map(|p| &p.seqs))
+            .any(|q| spans(q) && q.anchors[q.anchors.len() - 1] - q.anchors[0] >= 16);
         for reversed in [false, true] {
             if reversed {
                 parts.reverse();

@@ -30,8 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-# The most anchors of a sequence attended together, as ours (model/src/dflash.rs).
-ANCHORS_PER_GROUP = 16
+# The most positions a group of a sequence's anchors spans, as ours (`CONTEXT_PER_GROUP` in
+# model/src/dflash.rs).
+CONTEXT_PER_GROUP = 512
 
 
 def rms_norm(x, w, eps):
@@ -59,8 +60,9 @@ def rope(x, cos, sin):
 class Drafter:
     """Parameters by their export names; the target's frozen embed and lm_head."""
 
-    def __init__(self, cfg, params, embed, lm_head, plain=False):
+    def __init__(self, cfg, params, embed, lm_head, plain=False, span=CONTEXT_PER_GROUP):
         self.c = cfg
+        self.span = span
         self.p = params
         self.embed = embed
         self.lm_head = lm_head
@@ -136,14 +138,17 @@ class Drafter:
             x = x + torch.cat(outs) @ w("self_attn.o_proj.weight").T
             return self.mlp(l, x)
         for s, start, mask in zip(seqs, starts, masks):
-            # The anchors in groups by position, each reading the context only up to its last
-            # anchor (what ours does: `ANCHORS_PER_GROUP` in model/src/dflash.rs), so that both
-            # sides make the same scores.
-            anchors = s["anchors"]
-            groups = max(1, -(-len(anchors) // ANCHORS_PER_GROUP))
-            per = max(1, -(-len(anchors) // groups))
-            for g0 in range(0, len(anchors), per):
-                group = anchors[g0 : g0 + per]
+            # The anchors in groups by position, each spanning fewer than `span` positions and
+            # reading the context only up to its last anchor (what ours does: `by_position` in
+            # model/src/dflash.rs), so that both sides make the same scores.
+            anchors, first = s["anchors"], 0
+            cuts = []
+            for i in range(1, len(anchors) + 1):
+                if i == len(anchors) or abs(anchors[i] - anchors[first]) >= self.span:
+                    cuts.append((first, i))
+                    first = i
+            for g0, g1 in cuts:
+                group = anchors[g0:g1]
                 n, length = len(group), min(max(max(group), 1), s["ctx_len"])
                 m = n * b
                 qs = (
@@ -206,7 +211,8 @@ def oracle(dirname):
     loss, weight, accepted = d.loss(t["ctx"].double(), block_ids, meta["seqs"], labels, weights)
     loss.backward()
     # The batched form (the one `bench` times) gives the same loss.
-    batched = Drafter(cfg, params, d.embed, d.lm_head).loss(t["ctx"].double(), block_ids, meta["seqs"], labels, weights)[0]
+    span = meta.get("context_per_group", CONTEXT_PER_GROUP)
+    batched = Drafter(cfg, params, d.embed, d.lm_head, span=span).loss(t["ctx"].double(), block_ids, meta["seqs"], labels, weights)[0]
     report = {
         "loss_ours": meta["loss"],
         "loss_torch": float(loss.detach()),

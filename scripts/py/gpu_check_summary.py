@@ -64,7 +64,7 @@ def dflash(path):
     out["speed_ours_over_torch_of_medians"] = ratio(out["torch_step_s_median"], out["ours_step_s_median"])
     if ours:
         first = ours[0]
-        for key in ("parts", "scores", "scores_whole_context", "anchors_per_group", "attention", "tf32", "init_s"):
+        for key in ("parts", "scores", "scores_whole_context", "context_per_group", "attention", "tf32", "init_s"):
             if key in first:
                 out[key] = first[key]
         if isinstance(first.get("traced"), dict):

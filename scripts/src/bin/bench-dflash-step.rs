@@ -56,10 +56,10 @@ struct Args {
     /// Tokens of the one sequence.
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
-    /// Attend at most this many anchors together, in groups by position (the drafter's
-    /// default: 16); `--anchors` or more attends the part's anchors in one group.
+    /// Attend the anchors in groups by position each spanning fewer than this many positions
+    /// (the drafter's default: 512); `--tokens` or more attends a part's anchors in one group.
     #[arg(long)]
-    anchors_per_group: Option<usize>,
+    context_per_group: Option<usize>,
     /// Also time each step's gradient with every part run alone, its sequence's context projected
     /// again in each (the schedule before a context spanning parts was projected once),
     /// interleaved with the worker's step by step: `gradient_per_part_s`.
@@ -124,9 +124,11 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
     let mask = mask_token_id(&target, arch.vocab_size, None)?;
     let cfg = DflashConfig::for_target(&arch, vec![1, 2], Some(2), 4, mask);
     let frozen = Frozen::load(&target, &Device::Cpu)?;
-    let (d, _) = drafter(cfg, frozen)?;
-    // The first sequence has more anchors than the drafter attends together, so its blocks run
-    // in two groups by position.
+    let (mut d, _) = drafter(cfg, frozen)?;
+    // Groups by position spanning 16 here, where the default (512) is longer than the tiny
+    // sequences: the first sequence's blocks run in three groups, the second's in one (torch's
+    // batched form groups the same way, from `context_per_group` in step.json).
+    d.set_context_per_group(16);
     let lens = [48u32, 17];
     let t = lens.iter().sum::<u32>() as usize;
     let tok = ids(t, 290, 1);
@@ -166,6 +168,7 @@ fn dump(dir: &Path) -> anyhow::Result<()> {
         .collect();
     let json = serde_json::json!({
         "config": d.cfg.to_json("float32"),
+        "context_per_group": d.context_per_group(),
         "seqs": seqs,
         "block_ids": batch.block_ids,
         "labels": batch.labels,
@@ -298,8 +301,8 @@ fn time(a: &Args) -> anyhow::Result<()> {
     };
     let made = Instant::now();
     let (mut d, attention) = drafter(cfg, frozen)?;
-    if let Some(n) = a.anchors_per_group {
-        d.set_anchors_per_group(n);
+    if let Some(n) = a.context_per_group {
+        d.set_context_per_group(n);
     }
     // Its weights drawn (Params::new, in parallel), as a drafter worker's start and restart.
     let init_s = made.elapsed().as_secs_f64();
@@ -447,7 +450,7 @@ fn time(a: &Args) -> anyhow::Result<()> {
         // whole context (as torch's step makes them, masked).
         "scores": scores,
         "scores_whole_context": batch.blocks() * d.cfg.heads * a.block * (a.tokens + a.block),
-        "anchors_per_group": d.anchors_per_group(),
+        "context_per_group": d.context_per_group(),
         "block": a.block,
         "layers": a.layers,
         "captured": d.cfg.target_layer_ids,
