@@ -569,11 +569,11 @@ fn logit_elements(dev: &Device) -> usize {
 /// The most context positions a group of one sequence's anchors spans (first anchor to last),
 /// by default. A group's attention reads the context up to its last anchor, masked beyond each
 /// of its other anchors, so an anchor's wasted scores are fewer than the span, where one group
-/// for a whole sequence wastes about half of them. Cut by span rather than by count, a group
-/// costs one more set of kernels only where it saves a span's worth of scores for each of its
-/// anchors: a sequence shorter than the span stays one group (a batch of short conversations
-/// is not cut into hundreds of tiny products), and a part of a long sequence that spans less
-/// (`DraftBatch::split` cuts the batch by position already) is one.
+/// for a whole sequence wastes about half of them. Cut by span rather than by count, a new group
+/// (one more set of kernels on a GPU) starts only at an anchor 512 or more positions past the
+/// group's first: a sequence shorter than the span stays one group (a batch of short
+/// conversations is not cut into hundreds of tiny products), and so does a part of a long
+/// sequence that spans less (`DraftBatch::split` cuts the batch by position already).
 const CONTEXT_PER_GROUP: usize = 512;
 
 /// `seqs` with each sequence's anchors cut, in their order, into groups each spanning fewer

@@ -139,8 +139,10 @@ class Drafter:
             return self.mlp(l, x)
         for s, start, mask in zip(seqs, starts, masks):
             # The anchors in groups by position, each spanning fewer than `span` positions and
-            # reading the context only up to its last anchor (what ours does: `by_position` in
-            # model/src/dflash.rs), so that both sides make the same scores.
+            # reading the context only up to its last anchor, by ours' rule (`by_position` in
+            # model/src/dflash.rs). Ours applies it within each part of the batch, so a part's
+            # boundary also starts a group there: in `bench` the two make close, not equal,
+            # counts of scores; in `oracle` (one part) the same groups.
             anchors, first = s["anchors"], 0
             cuts = []
             for i in range(1, len(anchors) + 1):
