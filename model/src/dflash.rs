@@ -275,16 +275,29 @@ impl SeqBlocks {
     /// masked). Attention past them would be scores masked to nothing: a part of anchors early
     /// in a sequence computes only what they see.
     pub fn visible(&self) -> usize {
-        let last = self.anchors.iter().max().map_or(0, |&a| a as usize);
-        last.max(1).min(self.ctx_len)
+        rows_seen(
+            self.anchors.iter().max().copied().unwrap_or(0),
+            self.ctx_len,
+        )
     }
 
     /// The attention scores its blocks make together, per layer: `heads x B` query rows a
     /// block, each over the rows seen and the block.
     pub fn scores(&self, cfg: &DflashConfig) -> usize {
-        let b = cfg.block_size;
-        self.anchors.len() * cfg.heads * b * (self.visible() + b)
+        scores_of(cfg, self.anchors.len(), self.visible())
     }
+}
+
+/// The context rows a block at anchor `a` reads, of a sequence of `ctx_len` (see
+/// [`SeqBlocks::visible`]).
+fn rows_seen(a: u32, ctx_len: usize) -> usize {
+    (a as usize).max(1).min(ctx_len)
+}
+
+/// [`SeqBlocks::scores`] of `blocks` blocks that see `visible` rows.
+fn scores_of(cfg: &DflashConfig, blocks: usize, visible: usize) -> usize {
+    let b = cfg.block_size;
+    blocks * cfg.heads * b * (visible + b)
 }
 
 /// A batch made ready for the drafter: blocks, labels and weights per block position.
@@ -398,8 +411,7 @@ impl DraftBatch {
     /// more blocks than late ones.
     pub fn split(&self, cfg: &DflashConfig, max_scores: usize) -> Vec<DraftBatch> {
         let b = cfg.block_size;
-        // [`SeqBlocks::scores`] of `blocks` that see `visible` rows.
-        let per = |blocks: usize, visible: usize| blocks * cfg.heads * b * (visible + b);
+        let per = |blocks, visible| scores_of(cfg, blocks, visible);
         let mut parts: Vec<DraftBatch> = Vec::new();
         let mut cur = DraftBatch::default();
         // The current part's scores of its sequences before the last, and of the last: its
@@ -409,7 +421,7 @@ impl DraftBatch {
         for s in &self.seqs {
             let (mut n, mut visible) = (0usize, 0usize);
             for &a in &s.anchors {
-                let sees = (a as usize).max(1).min(s.ctx_len);
+                let sees = rows_seen(a, s.ctx_len);
                 let wider = visible.max(sees);
                 if before + n > 0 && before + per(n + 1, wider) > max_scores {
                     parts.push(std::mem::take(&mut cur));
