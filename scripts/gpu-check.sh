@@ -5,8 +5,16 @@
 #                         --json is set here. The other steps use GPU 0, so pick another
 #                         with CUDA_VISIBLE_DEVICES]
 # Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU
-# (nothing checked), 64 a usage error (gpu-check's flags, GPU_CHECK_DFLASH_ROUNDS). Figures go
-# to stdout and, as JSON, to $GPU_CHECK_OUT (default target/gpu-check/).
+# (nothing checked), 64 a usage error (gpu-check's flags, GPU_CHECK_DFLASH_ROUNDS,
+# GPU_CHECK_BUDGET). Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
+# target/gpu-check/).
+#
+# Time: the check keeps to GPU_CHECK_BUDGET seconds (default 450), counted from its start, so a
+# GPU machine's scarce time is never overrun by a slow or wedged run. A run still going when
+# the budget is spent is stopped (SIGTERM, SIGKILL 20 s later), and a step run out of time
+# fails, saying so; a run that only adds figures (the DFlash step's rounds after the first, its
+# extra runs of ours) is skipped, with a `skipped` line in its log, when the time its kind last
+# took would pass the budget. The check itself then still passes, on fewer figures.
 #
 # Steps (GPU_CHECK_STEPS, default "data e2e speed dflash"):
 #   data   `gpu-check`: the ring's arena registered as pinned memory, copy bandwidth from the
@@ -36,10 +44,14 @@
 #          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); ours in the first round also
 #          traces one gradient pass by pass (`--trace`: each part's forward, loss and backward
 #          timed, the memory after each; summed in its JSON's `traced`), where its time goes,
-#          and runs once more with HSPIPE_CUDA_FREED_MEMORY=release (`ours-released`): the
-#          device's pool handing freed memory back at each synchronize, the driver's default;
-#          and once with parts of 2^28 scores (`ours-parts-2^28`, four times the default; its
-#          failure, say out of memory, is logged and does not fail the step).
+#          and, after torch's, runs once more with HSPIPE_CUDA_FREED_MEMORY=release
+#          (`ours-released`): the device's pool handing freed memory back at each synchronize,
+#          the driver's default; and once with parts of 2^28 scores (`ours-parts-2^28`, four
+#          times the default). These two are figures, not checks: a failure (say, out of
+#          memory) is logged and does not fail the step. If ours fails in the first round
+#          with its attention's hand-written backward (a custom op new to the GPU), the step
+#          fails, and ours runs again, and in every later run, with candle's autograd
+#          (HSPIPE_DFLASH_ATTENTION=autograd), so the machine's time still brings figures back.
 #   dflash-tf32 (not run unless named, about a minute) the same step once each side with f32
 #          products on TF32 tensor cores (HSPIPE_CUDA_TF32=on; torch's --tf32), to
 #          dflash-tf32.log; named after dflash (GPU_CHECK_STEPS="dflash dflash-tf32"), the
@@ -63,16 +75,47 @@ if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then
     echo "error: GPU_CHECK_DFLASH_ROUNDS must be a positive count, not '$rounds'" >&2
     exit 64
 fi
+budget=${GPU_CHECK_BUDGET:-450}
+if ! [[ $budget =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: GPU_CHECK_BUDGET must be a positive count of seconds, not '$budget'" >&2
+    exit 64
+fi
 backend=${GPU_CHECK_BACKEND:-cuda}
 bins=${HSPIPE_BIN:-target/cuda/release}
 out=${GPU_CHECK_OUT:-target/gpu-check}
 mkdir -p "$out"
 failed=()
-# A wedged run must not outlast a GPU machine's command limit: the launcher gets 5 minutes
-# (GPU_CHECK_E2E_TIMEOUT seconds; it stops its workers and removes its ring on the SIGTERM).
-limit=""
-command -v timeout >/dev/null && limit="timeout ${GPU_CHECK_E2E_TIMEOUT:-300}"
-step() { echo; echo "=== $1 ($(date +%T))"; }
+step() { echo; echo "=== $1 ($(date +%T), ${SECONDS} s of ${budget})"; }
+# `within CAP CMD...`: CMD, stopped after CAP seconds or when the budget is spent, whichever is
+# first (SIGTERM to CMD and what it started: the launcher stops its workers and removes its
+# ring; SIGKILL 20 s later). Exit status 124 when it was stopped, or not started because the
+# budget was already spent.
+within() {
+    local cap=$1 left=$((budget - SECONDS))
+    shift
+    [ "$cap" -lt "$left" ] && left=$cap
+    if [ "$left" -le 0 ]; then
+        echo "gpu-check: the budget of ${budget} s is spent: not run: $*" >&2
+        return 124
+    fi
+    if command -v timeout >/dev/null; then
+        timeout -k 20 "$left" "$@"
+    else
+        "$@"
+    fi
+}
+in_budget() { within "$budget" "$@"; }
+# Whether a run of about $1 seconds (what its kind last took) ends within the budget.
+fits() { [ $((SECONDS + $1)) -le "$budget" ]; }
+# A step's failure, saying when it was the budget that stopped it.
+# (124: timeout's SIGTERM, or never started; 137: its SIGKILL 20 s after).
+why() {
+    if [ "$1" -eq 124 ] || { [ "$1" -eq 137 ] && [ "$SECONDS" -ge "$budget" ]; }; then
+        echo "out of time: the budget of ${budget} s"
+    else
+        echo "exit $1"
+    fi
+}
 
 if [ "$backend" = cuda ]; then
     # shellcheck source=scripts/cuda-env.sh
@@ -106,7 +149,7 @@ for s in $steps; do
         step "data path: gpu-check $*"
         bin=${GPU_CHECK_BIN:-$bins/gpu-check}
         rc=0
-        "$bin" --json "$out/gpu-check.json" "$@" || rc=$?
+        in_budget "$bin" --json "$out/gpu-check.json" "$@" || rc=$?
         # No driver or device: nothing else can be checked either. 127: the loader could not
         # start it (a library of the CUDA build missing; cuda-env said which).
         [ $rc -eq 2 ] && exit 2
@@ -115,7 +158,7 @@ for s in $steps; do
             echo "gpu-check: $bin could not start (a run-time library is missing): nothing checked" >&2
             exit 2
         fi
-        [ $rc -eq 0 ] || failed+=("data (gpu-check exit $rc)")
+        [ $rc -eq 0 ] || failed+=("data (gpu-check $(why $rc))")
         ;;
     e2e)
         step "the tiny real model end to end on $backend (1 target + 1 drafter, one GPU)"
@@ -127,10 +170,12 @@ for s in $steps; do
             sed '/^\[drafter\]/a collective = "nccl"' scripts/gpu-check-e2e.toml >"$config"
         fi
         rc=0
+        # The launcher gets GPU_CHECK_E2E_TIMEOUT seconds (300) at most: a wedged run must not
+        # take the other steps' time.
         {
-            "$bins/launcher" make-model "$work/tiny" --layers 2 --seed 3 &&
-                $limit "$bins/launcher" --targets 0 --drafters 0 --share-gpus --backend "$backend" \
-                    --model "$work/tiny" --config "$config" \
+            in_budget "$bins/launcher" make-model "$work/tiny" --layers 2 --seed 3 &&
+                within "${GPU_CHECK_E2E_TIMEOUT:-300}" "$bins/launcher" --targets 0 --drafters 0 \
+                    --share-gpus --backend "$backend" --model "$work/tiny" --config "$config" \
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
         } || rc=$?
@@ -151,7 +196,9 @@ for s in $steps; do
                 --exclude='run/checkpoints' --exclude='*.safetensors' run; then
                 where="$where, its logs in $out/e2e-run.tar.gz"
             fi
-            failed+=("e2e (exit $rc; $where)")
+            said=$(why $rc)
+            [ $rc -eq 124 ] && said="$said, or the launcher's ${GPU_CHECK_E2E_TIMEOUT:-300} s"
+            failed+=("e2e ($said; $where)")
         else
             rm -rf "$work"
         fi
@@ -161,67 +208,96 @@ for s in $steps; do
         # Ours is the fused attention here, whatever the caller's environment says.
         unset HSPIPE_TARGET_ATTENTION
         rc=0
-        "$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l \
+        in_budget "$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l \
             --seq-len 2048 --batch 2 --reps 1 --compare-attention | tee "$out/attention.log" || rc=$?
-        [ $rc -eq 0 ] || failed+=("fused attention against blocked (exit $rc)")
+        [ $rc -eq 0 ] || failed+=("fused attention against blocked ($(why $rc))")
         # Timed even when the comparison failed: the blocked side and torch's are still figures.
         rc=0
-        python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
+        in_budget python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
             --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 --blocked-too --plain-too \
             | tee "$out/speed.log" || rc=$?
-        [ $rc -eq 0 ] || failed+=("speed (exit $rc)")
+        [ $rc -eq 0 ] || failed+=("speed ($(why $rc))")
         ;;
     dflash)
         step "one DFlash drafter step against the same step in torch (Qwen3-8B shape, f32)"
+        log=$out/dflash-step.log
         rc=0
-        # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd). The
-        # trace runs before the timed steps, so it changes none of their figures. In the first
-        # round only, ours again with the device's memory pool handing freed memory back at
-        # each synchronize (the driver's default; hspipe keeps it): what keeping it gains.
-        # Ours at its defaults against torch's (the part size and TF32 this step names where it
-        # wants them, not a caller's environment).
-        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32
-        first=1
-        for _ in $(seq "$rounds"); do
-            ours=$("$bins/bench-dflash-step" "${shape[@]}" ${first:+--trace} \
-                2> >(tee -a "$out/dflash-ours.log" >&2)) || { rc=$?; break; }
-            echo "ours $ours" | tee -a "$out/dflash-step.log"
+        # Ours at its defaults against torch's (the part size, TF32 and attention this step
+        # names where it wants them, not a caller's environment).
+        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32 HSPIPE_DFLASH_ATTENTION
+        # Ours's environment: none, or candle's autograd for the attention once the
+        # hand-written backward failed (its custom op has not run on a GPU before).
+        attention=()
+        ours_s=0 torch_s=0
+        # `extra LABEL VAR=VALUE`: ours once more with one setting, in the first round, after
+        # torch's (the round's pair stays side by side). A figure, not a check: its failure
+        # (say, out of memory) is logged and the step goes on.
+        extra() {
+            if ! fits "$ours_s"; then
+                echo "skipped $1 (it takes about ${ours_s} s; ${SECONDS} of the budget's ${budget} s spent)" | tee -a "$log"
+                return
+            fi
+            local v x=0
+            v=$(in_budget env "${attention[@]}" "$2" "$bins/bench-dflash-step" "${shape[@]}" \
+                2>>"$out/dflash-ours.log") || x=$?
+            if [ $x -eq 0 ]; then
+                echo "$1 $v" | tee -a "$log"
+            else
+                echo "$1 failed ($(why $x); not the step's failure): see dflash-ours.log" | tee -a "$log"
+            fi
+        }
+        for round in $(seq "$rounds"); do
+            if [ "$round" -gt 1 ] && ! fits $((ours_s + torch_s)); then
+                echo "skipped rounds $round-$rounds (a round takes about $((ours_s + torch_s)) s; ${SECONDS} of the budget's ${budget} s spent)" | tee -a "$log"
+                break
+            fi
+            # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd). The
+            # first round's trace runs before the timed steps, so it changes none of their
+            # figures.
+            first=$([ "$round" -eq 1 ] && echo 1 || true)
+            t=$SECONDS x=0
+            ours=$(in_budget env "${attention[@]}" "$bins/bench-dflash-step" "${shape[@]}" \
+                ${first:+--trace} 2> >(tee -a "$out/dflash-ours.log" >&2)) || x=$?
+            if [ $x -ne 0 ] && [ $x -ne 124 ] && [ -n "$first" ]; then
+                # The figures still come back from this run of the machine, and the step fails.
+                echo "ours failed ($(why $x)): see dflash-ours.log; ours again with HSPIPE_DFLASH_ATTENTION=autograd" | tee -a "$log"
+                failed+=("dflash step: ours with the attention's hand-written backward ($(why $x)); its figures are autograd's")
+                attention=(HSPIPE_DFLASH_ATTENTION=autograd)
+                t=$SECONDS x=0
+                ours=$(in_budget env "${attention[@]}" "$bins/bench-dflash-step" "${shape[@]}" \
+                    --trace 2> >(tee -a "$out/dflash-ours.log" >&2)) || x=$?
+            fi
+            [ $x -eq 0 ] || { rc=$x; break; }
+            ours_s=$((SECONDS - t))
+            echo "ours $ours" | tee -a "$log"
+            t=$SECONDS
+            torch=$(in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
+            torch_s=$((SECONDS - t))
+            echo "torch $torch" | tee -a "$log"
             if [ -n "$first" ]; then
-                released=$(HSPIPE_CUDA_FREED_MEMORY=release "$bins/bench-dflash-step" \
-                    "${shape[@]}" 2>>"$out/dflash-ours.log") || { rc=$?; break; }
-                echo "ours-released $released" | tee -a "$out/dflash-step.log"
+                # The device's memory pool handing freed memory back at each synchronize (the
+                # driver's default; hspipe keeps it): what keeping it gains.
+                extra ours-released HSPIPE_CUDA_FREED_MEMORY=release
                 # Parts of 2^28 scores, four times the default, which was set before the
                 # attention's graph shrank and its anchors were grouped: whether fewer, larger
-                # parts are faster, and whether they fit. Out of memory here is a finding, not
-                # the step's failure: logged, and the rounds go on.
-                big_rc=0
-                big=$(HSPIPE_DFLASH_SCORES_PER_PART=268435456 "$bins/bench-dflash-step" \
-                    "${shape[@]}" 2>>"$out/dflash-ours.log") || big_rc=$?
-                if [ $big_rc -eq 0 ]; then
-                    echo "ours-parts-2^28 $big" | tee -a "$out/dflash-step.log"
-                else
-                    echo "ours-parts-2^28 failed (exit $big_rc; not the step's failure): see dflash-ours.log" \
-                        | tee -a "$out/dflash-step.log"
-                fi
+                # parts are faster, and whether they fit.
+                extra ours-parts-2^28 HSPIPE_DFLASH_SCORES_PER_PART=268435456
             fi
-            first=
-            torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
-            echo "torch $torch" | tee -a "$out/dflash-step.log"
         done
-        [ $rc -eq 0 ] || failed+=("dflash step (exit $rc)")
+        [ $rc -eq 0 ] || failed+=("dflash step ($(why $rc))")
         ;;
     dflash-tf32)
         step "the DFlash step with f32 products on TF32 tensor cores, both sides"
         rc=0
-        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32
-        ours=$(HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
+        unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32 HSPIPE_DFLASH_ATTENTION
+        ours=$(in_budget env HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
             2>>"$out/dflash-ours.log") || rc=$?
         [ $rc -eq 0 ] && echo "ours-tf32 $ours" | tee -a "$out/dflash-tf32.log"
         if [ $rc -eq 0 ]; then
-            torch=$(python3 scripts/py/dflash_step.py bench "${shape[@]}" --tf32) || rc=$?
+            torch=$(in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}" --tf32) || rc=$?
             [ $rc -eq 0 ] && echo "torch-tf32 $torch" | tee -a "$out/dflash-tf32.log"
         fi
-        [ $rc -eq 0 ] || failed+=("dflash-tf32 step (exit $rc)")
+        [ $rc -eq 0 ] || failed+=("dflash-tf32 step ($(why $rc))")
         ;;
     *)
         echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed, dflash, dflash-tf32)" >&2

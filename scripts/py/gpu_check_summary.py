@@ -5,7 +5,8 @@ round's ratio beside the ratio of the medians).
     python3 scripts/py/gpu_check_summary.py DIR
 
 DIR is the run's $GPU_CHECK_OUT (the files a device call brings back). Reads, where present:
-dflash-step.log (the `dflash` step: ours, ours-released, ours-parts-2^28 and torch lines),
+dflash-step.log (the `dflash` step: ours, ours-released, ours-parts-2^28 and torch lines, and
+what the check's time budget skipped),
 dflash-tf32.log (the `dflash-tf32` step) and speed.log (the `speed` step's JSON lines). Prints
 one JSON object, and exits 1 if DIR has none of them. Standard library only.
 """
@@ -41,17 +42,21 @@ def ratio(a, b):
 
 def dflash(path):
     """Ours against torch, round by round (a round is an `ours` line and the `torch` after it)."""
-    ours, torch, extra = [], [], {}
+    ours, torch, extra, skipped = [], [], {}, []
     for label, v in lines_of(path):
         if label == "ours" and isinstance(v, dict):
             ours.append(v)
         elif label == "torch" and isinstance(v, dict):
             torch.append(v)
+        elif label == "skipped":
+            skipped.append(v)
         else:
             extra[label] = v
     rounds = list(zip(ours, torch))
     out = {
         "rounds": len(rounds),
+        # Runs the check's time budget left out (`skipped rounds 2-3 (...)`), as it said.
+        "skipped": skipped,
         "ours_step_s": [o["step_s"] for o in ours],
         "torch_step_s": [t["step_s"] for t in torch],
     }

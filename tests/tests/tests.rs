@@ -4,6 +4,7 @@ mod chaos;
 mod chat;
 mod data;
 mod gpu;
+mod gpu_dflash;
 mod launcher;
 mod model;
 mod ring_processes;

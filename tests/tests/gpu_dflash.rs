@@ -1,0 +1,382 @@
+//! The device check's DFlash steps and its summary, on the CPU with stand-ins for both sides
+//! (the steps themselves need a GPU and a Qwen3-8B shape): the runs each step makes, in order
+//! and with what environment, what a failing side does, the check's time budget, and
+//! `gpu_check_summary.py` on a run's logs.
+
+use std::process::Command;
+
+use crate::gpu::repo_root;
+
+const OURS: &str = "bench-dflash-step ";
+const TORCH: &str = "python3 scripts/py/dflash_step.py bench ";
+
+/// The `dflash` step's calls at its defaults, as `(side, traced, env)`: round one's ours
+/// (traced) and torch's, then ours with freed memory released and in parts of 2^28, then two
+/// more rounds. `env` is what the call's environment added, the stand-in's last word.
+const ROUNDS: [(&str, bool, &str); 8] = [
+    (OURS, true, ""),
+    (TORCH, false, ""),
+    (OURS, false, "release"),
+    (OURS, false, "parts=268435456"),
+    (OURS, false, ""),
+    (TORCH, false, ""),
+    (OURS, false, ""),
+    (TORCH, false, ""),
+];
+
+/// The stand-ins' `calls` are `want`, one line each: the side, the step's shape, traced or not,
+/// and what the environment added.
+fn check_calls(calls: &str, want: &[(&str, bool, &str)]) {
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), want.len(), "{calls}");
+    for (i, (line, &(side, traced, env))) in lines.iter().zip(want).enumerate() {
+        assert!(line.starts_with(side), "call {i}: {line}");
+        assert!(
+            line.contains("--device cuda --layers 5"),
+            "call {i}: {line}"
+        );
+        assert_eq!(line.contains("--trace"), traced, "call {i}: {line}");
+        assert_eq!(
+            line.rsplit_once(' ').map(|(_, e)| e),
+            Some(env),
+            "call {i}: {line}"
+        );
+    }
+}
+
+/// Each round runs ours then torch's with the step's flags; in the first round only, ours
+/// traces its gradient and, after torch's, runs again with freed device memory released and in
+/// parts of 2^28 (whose failure is logged, not the step's); every line reaches
+/// `dflash-step.log`. A caller's environment does not move ours off its defaults.
+#[test]
+fn gpu_check_dflash_step_traces_and_runs_its_extras_in_the_first_round() {
+    let dir = crate::support::TestDir::new("gpu-check-dflash");
+    let d = DflashStandIns::new(&dir);
+
+    let (out, calls, out_dir) = d.run("dflash", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    check_calls(&calls, &ROUNDS);
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
+    assert_eq!(
+        log.matches(r#"ours-released {"side":"ours"}"#).count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
+    assert_eq!(
+        log.matches(r#"ours-parts-2^28 {"side":"ours"}"#).count(),
+        1,
+        "{log}"
+    );
+    assert!(!log.contains("skipped"), "{log}");
+    let ours_err = std::fs::read_to_string(out_dir.join("dflash-ours.log")).unwrap();
+    assert_eq!(ours_err.matches("progress").count(), 5, "{ours_err}");
+}
+
+/// A side that fails fails the step with its exit status and stops the rounds; an extra run
+/// that fails (parts of 2^28 out of memory) is logged and the step passes. Ours failing with
+/// its hand-written attention backward fails the step but runs on with candle's autograd, so
+/// the machine's time still brings figures back.
+#[test]
+fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() {
+    let dir = crate::support::TestDir::new("gpu-check-dflash");
+    let d = DflashStandIns::new(&dir);
+
+    // The run in parts of 2^28 out of memory: said in the log, and the step passes.
+    let (out, calls, out_dir) = d.run("dflash", &[("FAIL_PARTS", "yes")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    assert_eq!(calls.lines().count(), ROUNDS.len(), "{calls}");
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert!(log.contains("ours-parts-2^28 failed (exit 4"), "{log}");
+    assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
+
+    // A side that fails stops the rounds; ours is tried once more with autograd first.
+    for (side, want_calls) in [("bench-dflash-step", 2), ("python3", 2)] {
+        let (out, calls, _) = d.run("dflash", &[("FAIL_SIDE", side)]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        assert!(err.contains("dflash step (exit 3)"), "{side}: {err}");
+        assert_eq!(
+            calls.lines().count(),
+            want_calls,
+            "{side} failing stops the rounds: {calls}"
+        );
+    }
+
+    // The hand-written backward fails where candle's autograd does not: the step fails, naming
+    // it, and every run of ours after it, the extras too, is autograd's.
+    let (out, calls, out_dir) = d.run("dflash", &[("FAIL_HAND", "yes")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("hand-written backward (exit 5); its figures are autograd's"),
+        "{err}"
+    );
+    assert!(!err.contains("dflash step (exit"), "{err}");
+    let auto = "attention=autograd";
+    check_calls(
+        &calls,
+        &[
+            (OURS, true, ""),
+            (OURS, true, auto),
+            (TORCH, false, ""),
+            (OURS, false, auto),
+            (OURS, false, auto),
+            (OURS, false, auto),
+            (TORCH, false, ""),
+            (OURS, false, auto),
+            (TORCH, false, ""),
+        ],
+    );
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert!(log.contains("ours failed (exit 5)"), "{log}");
+    assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
+}
+
+/// The check's time budget: the runs that only add figures are skipped when they would pass
+/// it, said in the log, and the step passes on fewer; a run still going when it is spent is
+/// stopped and the step fails, saying so.
+#[test]
+fn gpu_check_dflash_step_keeps_to_the_checks_time_budget() {
+    let dir = crate::support::TestDir::new("gpu-check-dflash");
+    let d = DflashStandIns::new(&dir);
+
+    // Ours takes 8 s of a 15 s budget: the round's pair runs, the extras and the later rounds
+    // (each about 8 s more) are skipped, said in the log, and the step passes on one round.
+    let slow = [("SLEEP_OURS", "8"), ("GPU_CHECK_BUDGET", "15")];
+    let (out, calls, out_dir) = d.run("dflash", &slow);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    check_calls(&calls, &ROUNDS[..2]);
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    for what in ["ours-released", "ours-parts-2^28", "rounds 2-3"] {
+        assert!(log.contains(&format!("skipped {what} (")), "{log}");
+    }
+    // A budget of 2 s: ours is stopped, not waited for, and the step fails saying why (no
+    // second try with autograd: it was the time, not the backward).
+    let (out, calls, _) = d.run("dflash", &[("SLEEP_OURS", "30"), ("GPU_CHECK_BUDGET", "2")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("dflash step (out of time: the budget of 2 s)"),
+        "{err}"
+    );
+    assert_eq!(calls.lines().count(), 1, "{calls}");
+}
+
+/// The `dflash-tf32` step, named alone: each side once, ours with HSPIPE_CUDA_TF32=on, torch's
+/// with --tf32, both lines in dflash-tf32.log; a failing side fails it.
+#[test]
+fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
+    let dir = crate::support::TestDir::new("gpu-check-dflash");
+    let d = DflashStandIns::new(&dir);
+
+    let (out, calls, out_dir) = d.run("dflash-tf32", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), 2, "{calls}");
+    assert!(
+        lines[0].starts_with("bench-dflash-step --shape") && lines[0].ends_with(" tf32=on"),
+        "{calls}"
+    );
+    assert!(
+        lines[1].starts_with("python3 scripts/py/dflash_step.py bench")
+            && lines[1].contains(" --tf32")
+            && !lines[1].contains("tf32=on"),
+        "{calls}"
+    );
+    let log = std::fs::read_to_string(out_dir.join("dflash-tf32.log")).unwrap();
+    assert!(log.contains(r#"ours-tf32 {"side":"ours"}"#), "{log}");
+    assert!(log.contains(r#"torch-tf32 {"side":"torch"}"#), "{log}");
+    for side in ["bench-dflash-step", "python3"] {
+        let (out, _, _) = d.run("dflash-tf32", &[("FAIL_SIDE", side)]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        assert!(err.contains("dflash-tf32 step (exit 3)"), "{side}: {err}");
+    }
+}
+
+/// Stand-ins for both sides of the DFlash steps, `bench-dflash-step` and `python3`: each
+/// appends its arguments and what its environment set to `calls`, says `progress` on stderr
+/// and its side as JSON on stdout. `FAIL_SIDE=NAME` makes NAME exit 3, `FAIL_PARTS` ours exit 4
+/// when given a part size, `FAIL_HAND` ours exit 5 unless its attention is autograd's, and
+/// `SLEEP_OURS=S` ours take S seconds.
+struct DflashStandIns {
+    bins: std::path::PathBuf,
+    calls: std::path::PathBuf,
+    root: std::path::PathBuf,
+}
+
+impl DflashStandIns {
+    fn new(dir: &crate::support::TestDir) -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let bins = dir.path("bin");
+        std::fs::create_dir_all(&bins).unwrap();
+        let calls = dir.path("calls");
+        for (name, says) in [
+            ("bench-dflash-step", r#"{"side":"ours"}"#),
+            // torch's side is `python3 scripts/py/dflash_step.py bench ...`: found on PATH.
+            ("python3", r#"{"side":"torch"}"#),
+        ] {
+            let path = bins.join(name);
+            let body = format!(
+                "#!/bin/sh\necho \"{name} $* ${{HSPIPE_CUDA_FREED_MEMORY:-}}${{HSPIPE_CUDA_TF32:+ tf32=$HSPIPE_CUDA_TF32}}${{HSPIPE_DFLASH_SCORES_PER_PART:+ parts=$HSPIPE_DFLASH_SCORES_PER_PART}}${{HSPIPE_DFLASH_ATTENTION:+ attention=$HSPIPE_DFLASH_ATTENTION}}\" >> {}\n\
+                 echo progress >&2\n\
+                 [ -n \"${{FAIL_PARTS:-}}\" ] && [ -n \"${{HSPIPE_DFLASH_SCORES_PER_PART:-}}\" ] && exit 4\n\
+                 [ {name} = bench-dflash-step ] && [ -n \"${{FAIL_HAND:-}}\" ] && [ -z \"${{HSPIPE_DFLASH_ATTENTION:-}}\" ] && exit 5\n\
+                 [ {name} = bench-dflash-step ] && [ -n \"${{SLEEP_OURS:-}}\" ] && sleep \"$SLEEP_OURS\"\n\
+                 [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
+                calls.display()
+            );
+            std::fs::write(&path, body).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        DflashStandIns {
+            bins,
+            calls,
+            root: dir.to_path_buf(),
+        }
+    }
+
+    /// `gpu-check.sh` with `GPU_CHECK_STEPS=steps` and `envs`: its output, the stand-ins'
+    /// calls, and its output directory.
+    fn run(
+        &self,
+        steps: &str,
+        envs: &[(&str, &str)],
+    ) -> (std::process::Output, String, std::path::PathBuf) {
+        let _ = std::fs::remove_file(&self.calls);
+        let tag: String = (envs.iter())
+            .map(|(k, v)| format!("-{k}={v}"))
+            .collect::<String>()
+            .replace(['/', ' '], "_");
+        let out_dir = self.root.join(format!("out-{steps}{tag}"));
+        let mut cmd = Command::new(repo_root().join("scripts/gpu-check.sh"));
+        cmd.env("GPU_CHECK_STEPS", steps)
+            .env("GPU_CHECK_BACKEND", "candle")
+            .env("GPU_CHECK_DFLASH_ROUNDS", "3")
+            .env("HSPIPE_BIN", &self.bins)
+            .env("GPU_CHECK_OUT", &out_dir)
+            // A caller's settings: the steps run ours at its defaults whatever they say.
+            .env("HSPIPE_DFLASH_SCORES_PER_PART", "123")
+            .env("HSPIPE_CUDA_TF32", "on")
+            .env("HSPIPE_DFLASH_ATTENTION", "autograd")
+            .env_remove("GPU_CHECK_BUDGET")
+            .env(
+                "PATH",
+                format!("{}:{}", self.bins.display(), std::env::var("PATH").unwrap()),
+            );
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        let calls = std::fs::read_to_string(&self.calls).unwrap_or_default();
+        (out, calls, out_dir)
+    }
+}
+
+/// `gpu_check_summary.py DIR` on a run's output.
+fn summary(dir: &std::path::Path) -> (Option<i32>, serde_json::Value, String) {
+    let out = Command::new("python3")
+        .arg(repo_root().join("scripts/py/gpu_check_summary.py"))
+        .arg(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.code(), json, err)
+}
+
+/// The summary of a device check's figures: on the 2026-12-04 H200 run's log it gives the
+/// 0.23x BENCHMARKS.md quotes; on three rounds with the first round's extra runs (one failed),
+/// a round the budget skipped, and the TF32 step, the medians, both kinds of ratio, each extra
+/// run against round one's, what was skipped, and TF32 against each side's f32 median; a
+/// directory with nothing to read is exit 1.
+#[test]
+fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
+    let dir = crate::support::TestDir::new("gpu-check-summary");
+    let h200 = dir.path("h200");
+    std::fs::create_dir_all(&h200).unwrap();
+    std::fs::copy(
+        repo_root().join("docs/gpu-check/2026-12-04/run4-dflash-step.log"),
+        h200.join("dflash-step.log"),
+    )
+    .unwrap();
+    let (code, s, err) = summary(&h200);
+    assert_eq!(code, Some(0), "{err}");
+    let speed = s["dflash"]["speed_ours_over_torch_of_medians"]
+        .as_f64()
+        .unwrap();
+    assert!((speed - 0.2304).abs() < 1e-4, "{s}");
+    assert_eq!(s["dflash"]["parts"], 17, "{s}");
+
+    let run = dir.path("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let ours = |step: f64, extra: &str| {
+        format!(
+            r#"{{"step_s":{step},"gradient_s":{},"update_s":0.1,"parts":10{extra}}}"#,
+            step - 0.2
+        )
+    };
+    let torch = |step: f64| format!(r#"{{"step_s":{step},"gradient_s":{step},"peak_gib":60}}"#);
+    let log = [
+        format!("ours {}", ours(4.0, r#","traced":{"forward_s":1.0}"#)),
+        format!("torch {}", torch(2.0)),
+        format!("ours-released {}", ours(5.0, "")),
+        "ours-parts-2^28 failed (exit 1; not the step's failure): see dflash-ours.log".to_string(),
+        format!("ours {}", ours(3.0, "")),
+        format!("torch {}", torch(3.0)),
+        format!("ours {}", ours(6.0, "")),
+        format!("torch {}", torch(2.4)),
+        "skipped rounds 4-4 (a round takes about 9 s; 446 of the budget's 450 s spent)".to_string(),
+    ];
+    std::fs::write(run.join("dflash-step.log"), log.join("\n") + "\n").unwrap();
+    let tf32 = [
+        format!("ours-tf32 {}", ours(2.0, "")),
+        format!("torch-tf32 {}", torch(1.2)),
+    ];
+    std::fs::write(run.join("dflash-tf32.log"), tf32.join("\n") + "\n").unwrap();
+    let (code, s, err) = summary(&run);
+    assert_eq!(code, Some(0), "{err}");
+    let d = &s["dflash"];
+    let close = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-9;
+    assert_eq!(d["rounds"], 3, "{s}");
+    assert!(close(&d["ours_step_s_median"], 4.0), "{s}");
+    assert!(close(&d["torch_step_s_median"], 2.4), "{s}");
+    // Rounds' ratios 0.5, 1.0, 0.4: their median 0.5; the medians' ratio 2.4 / 4.0 = 0.6.
+    assert!(
+        close(&d["speed_ours_over_torch_median_of_rounds"], 0.5),
+        "{s}"
+    );
+    assert!(close(&d["speed_ours_over_torch_of_medians"], 0.6), "{s}");
+    assert!(close(&d["ours-released"]["over_ours_round_1"], 1.25), "{s}");
+    assert!(
+        d["ours-parts-2^28"]["failed"]
+            .as_str()
+            .unwrap()
+            .contains("exit 1"),
+        "{s}"
+    );
+    assert!(close(&d["traced"]["forward_s"], 1.0), "{s}");
+    assert_eq!(d["skipped"].as_array().map(Vec::len), Some(1), "{s}");
+    assert!(
+        d["skipped"][0].as_str().unwrap().starts_with("rounds 4-4"),
+        "{s}"
+    );
+    assert!(
+        close(&s["dflash_tf32"]["ours-tf32"]["over_f32_median"], 0.5),
+        "{s}"
+    );
+    assert!(
+        close(&s["dflash_tf32"]["torch-tf32"]["over_f32_median"], 0.5),
+        "{s}"
+    );
+
+    let (code, _, err) = summary(&dir.path("nothing-here"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no dflash-step.log"), "{err}");
+}
