@@ -78,7 +78,7 @@ fn gpu_check_dflash_step_traces_and_runs_its_extras_in_the_first_round() {
 /// A side that fails fails the step with its exit status and stops the rounds; an extra run
 /// that fails (parts of 2^28 out of memory) is logged and the step passes. Ours failing with
 /// its hand-written attention backward fails the step but runs on with candle's autograd, so
-/// the machine's time still brings figures back.
+/// the machine's time still brings figures back; so does ours failing only when it traces.
 #[test]
 fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() {
     let dir = crate::support::TestDir::new("gpu-check-dflash");
@@ -93,8 +93,9 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
     assert!(log.contains("ours-parts-2^28 failed (exit 4"), "{log}");
     assert_eq!(log.matches(r#"torch {"side":"torch"}"#).count(), 3, "{log}");
 
-    // A side that fails stops the rounds; ours is tried once more with autograd first.
-    for (side, want_calls) in [("bench-dflash-step", 2), ("python3", 2)] {
+    // A side that fails stops the rounds; ours is tried again without the trace and with
+    // autograd first.
+    for (side, want_calls) in [("bench-dflash-step", 3), ("python3", 2)] {
         let (out, calls, _) = d.run("dflash", &[("FAIL_SIDE", side)]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
@@ -121,7 +122,8 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
         &calls,
         &[
             (OURS, true, ""),
-            (OURS, true, auto),
+            (OURS, false, ""),
+            (OURS, false, auto),
             (TORCH, false, ""),
             (OURS, false, auto),
             (OURS, false, auto),
@@ -132,8 +134,22 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
         ],
     );
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
-    assert!(log.contains("ours failed (exit 5)"), "{log}");
+    assert_eq!(log.matches("ours failed (exit 5)").count(), 2, "{log}");
     assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
+
+    // Only the trace fails: the step fails, naming it, and goes on untraced with the
+    // hand-written backward.
+    let (out, calls, _) = d.run("dflash", &[("FAIL_TRACE", "yes")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("ours with --trace (exit 6); its figures are untraced"),
+        "{err}"
+    );
+    assert!(!err.contains("autograd"), "{err}");
+    let mut untraced = vec![(OURS, true, ""), (OURS, false, "")];
+    untraced.extend_from_slice(&ROUNDS[1..]);
+    check_calls(&calls, &untraced);
 }
 
 /// The check's time budget: the runs that only add figures are skipped when they would pass
@@ -203,7 +219,8 @@ fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
 /// Stand-ins for both sides of the DFlash steps, `bench-dflash-step` and `python3`: each
 /// appends its arguments and what its environment set to `calls`, says `progress` on stderr
 /// and its side as JSON on stdout. `FAIL_SIDE=NAME` makes NAME exit 3, `FAIL_PARTS` ours exit 4
-/// when given a part size, `FAIL_HAND` ours exit 5 unless its attention is autograd's, and
+/// when given a part size, `FAIL_HAND` ours exit 5 unless its attention is autograd's,
+/// `FAIL_TRACE` ours exit 6 when it traces, and
 /// `SLEEP_OURS=S` ours take S seconds.
 struct DflashStandIns {
     bins: std::path::PathBuf,
@@ -228,6 +245,7 @@ impl DflashStandIns {
                  echo progress >&2\n\
                  [ -n \"${{FAIL_PARTS:-}}\" ] && [ -n \"${{HSPIPE_DFLASH_SCORES_PER_PART:-}}\" ] && exit 4\n\
                  [ {name} = bench-dflash-step ] && [ -n \"${{FAIL_HAND:-}}\" ] && [ -z \"${{HSPIPE_DFLASH_ATTENTION:-}}\" ] && exit 5\n\
+                 [ {name} = bench-dflash-step ] && [ -n \"${{FAIL_TRACE:-}}\" ] && case \"$*\" in *--trace*) exit 6;; esac\n\
                  [ {name} = bench-dflash-step ] && [ -n \"${{SLEEP_OURS:-}}\" ] && sleep \"$SLEEP_OURS\"\n\
                  [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
                 calls.display()
