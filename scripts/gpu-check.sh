@@ -37,7 +37,8 @@
 #          transformers' forward with output_hidden_states, same GPU, interleaved
 #          (scripts/py/bench_target.py --blocked-too --plain-too: ours with the kernel's
 #          ldmatrix form, with its plain form and blocked; the goal is at least 0.9x: reported, not
-#          a failure).
+#          a failure). A side of ours that fails is dropped from the rounds, not the others:
+#          named in the JSON's `failed`, the step failed.
 #   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),

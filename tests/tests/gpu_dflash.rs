@@ -1,7 +1,6 @@
-//! The device check's DFlash steps and its summary, on the CPU with stand-ins for both sides
-//! (the steps themselves need a GPU and a Qwen3-8B shape): the runs each step makes, in order
-//! and with what environment, what a failing side does, the check's time budget, and
-//! `gpu_check_summary.py` on a run's logs.
+//! The device check's DFlash steps on the CPU, with stand-ins for both sides (the steps
+//! themselves need a GPU and a Qwen3-8B shape): the runs they make, in order and with what
+//! environment, what a failing side does, and the check's time budget.
 
 use std::process::Command;
 
@@ -295,106 +294,4 @@ impl DflashStandIns {
         let calls = std::fs::read_to_string(&self.calls).unwrap_or_default();
         (out, calls, out_dir)
     }
-}
-
-/// `gpu_check_summary.py DIR` on a run's output.
-fn summary(dir: &std::path::Path) -> (Option<i32>, serde_json::Value, String) {
-    let out = Command::new("python3")
-        .arg(repo_root().join("scripts/py/gpu_check_summary.py"))
-        .arg(dir)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-    (out.status.code(), json, err)
-}
-
-/// The summary of a device check's figures: on the 2026-12-04 H200 run's log it gives the
-/// 0.23x BENCHMARKS.md quotes; on three rounds with the first round's extra runs (one failed),
-/// a round the budget skipped, and the TF32 step, the medians, both kinds of ratio, each extra
-/// run against round one's, what was skipped, and TF32 against each side's f32 median; a
-/// directory with nothing to read is exit 1.
-#[test]
-fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
-    let dir = crate::support::TestDir::new("gpu-check-summary");
-    let h200 = dir.path("h200");
-    std::fs::create_dir_all(&h200).unwrap();
-    std::fs::copy(
-        repo_root().join("docs/gpu-check/2026-12-04/run4-dflash-step.log"),
-        h200.join("dflash-step.log"),
-    )
-    .unwrap();
-    let (code, s, err) = summary(&h200);
-    assert_eq!(code, Some(0), "{err}");
-    let speed = s["dflash"]["speed_ours_over_torch_of_medians"]
-        .as_f64()
-        .unwrap();
-    assert!((speed - 0.2304).abs() < 1e-4, "{s}");
-    assert_eq!(s["dflash"]["parts"], 17, "{s}");
-
-    let run = dir.path("run");
-    std::fs::create_dir_all(&run).unwrap();
-    let ours = |step: f64, extra: &str| {
-        format!(
-            r#"{{"step_s":{step},"gradient_s":{},"update_s":0.1,"parts":10{extra}}}"#,
-            step - 0.2
-        )
-    };
-    let torch = |step: f64| format!(r#"{{"step_s":{step},"gradient_s":{step},"peak_gib":60}}"#);
-    let log = [
-        format!("ours {}", ours(4.0, r#","traced":{"forward_s":1.0}"#)),
-        format!("torch {}", torch(2.0)),
-        format!("ours-released {}", ours(5.0, "")),
-        "ours-parts-2^28 failed (exit 1; not the step's failure): see dflash-ours.log".to_string(),
-        format!("ours {}", ours(3.0, "")),
-        format!("torch {}", torch(3.0)),
-        format!("ours {}", ours(6.0, "")),
-        format!("torch {}", torch(2.4)),
-        "skipped rounds 4-4 (a round takes about 9 s; 446 of the budget's 450 s spent)".to_string(),
-    ];
-    std::fs::write(run.join("dflash-step.log"), log.join("\n") + "\n").unwrap();
-    let tf32 = [
-        format!("ours-tf32 {}", ours(2.0, "")),
-        format!("torch-tf32 {}", torch(1.2)),
-    ];
-    std::fs::write(run.join("dflash-tf32.log"), tf32.join("\n") + "\n").unwrap();
-    let (code, s, err) = summary(&run);
-    assert_eq!(code, Some(0), "{err}");
-    let d = &s["dflash"];
-    let close = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-9;
-    assert_eq!(d["rounds"], 3, "{s}");
-    assert!(close(&d["ours_step_s_median"], 4.0), "{s}");
-    assert!(close(&d["torch_step_s_median"], 2.4), "{s}");
-    // Rounds' ratios 0.5, 1.0, 0.4: their median 0.5; the medians' ratio 2.4 / 4.0 = 0.6.
-    assert!(
-        close(&d["speed_ours_over_torch_median_of_rounds"], 0.5),
-        "{s}"
-    );
-    assert!(close(&d["speed_ours_over_torch_of_medians"], 0.6), "{s}");
-    assert!(close(&d["ours-released"]["over_ours_round_1"], 1.25), "{s}");
-    assert!(
-        d["ours-parts-2^28"]["failed"]
-            .as_str()
-            .unwrap()
-            .contains("exit 1"),
-        "{s}"
-    );
-    assert!(close(&d["traced"]["forward_s"], 1.0), "{s}");
-    assert_eq!(d["skipped"].as_array().map(Vec::len), Some(1), "{s}");
-    assert!(
-        d["skipped"][0].as_str().unwrap().starts_with("rounds 4-4"),
-        "{s}"
-    );
-    assert!(
-        close(&s["dflash_tf32"]["ours-tf32"]["over_f32_median"], 0.5),
-        "{s}"
-    );
-    assert!(
-        close(&s["dflash_tf32"]["torch-tf32"]["over_f32_median"], 0.5),
-        "{s}"
-    );
-
-    let (code, _, err) = summary(&dir.path("nothing-here"));
-    assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("no dflash-step.log"), "{err}");
 }

@@ -5,6 +5,7 @@ mod chat;
 mod data;
 mod gpu;
 mod gpu_dflash;
+mod gpu_py;
 mod launcher;
 mod model;
 mod ring_processes;
