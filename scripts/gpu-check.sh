@@ -44,7 +44,8 @@
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
 #          interleaved, 3 rounds each (GPU_CHECK_DFLASH_ROUNDS); ours in the first round also
 #          traces one gradient pass by pass (`--trace`: each part's forward, loss and backward
-#          timed, the memory after each; summed in its JSON's `traced`), where its time goes,
+#          timed, the memory after each, each pass's device time kernel by kernel from CUPTI;
+#          summed in its JSON's `traced`), where its time goes,
 #          and, after torch's, runs once more with HSPIPE_CUDA_FREED_MEMORY=release
 #          (`ours-released`): the device's pool handing freed memory back at each synchronize,
 #          the driver's default; and once with parts of 2^28 scores (`ours-parts-2^28`, four

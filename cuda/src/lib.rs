@@ -24,6 +24,8 @@
 //!   completes). The synchronous forms are safe.
 //! - What the device's memory pool does with freed memory ([`pool`]: keep it, where the
 //!   driver's default hands it back at every synchronize).
+//! - Device time by kernel ([`cupti`]: CUPTI's activity records, libcupti loaded only when a
+//!   profile is asked for).
 //! - The target's fused causal attention ([`attention`]: one kernel per layer, the scores kept
 //!   on chip) and the device check's kernels ([`probe`]) and the one communicator NCCL call the group needs
 //!   ([`nccl`]: cudarc's own `Comm` panics if its abort fails on drop and cannot report
@@ -51,6 +53,7 @@ pub use cudarc::driver::{
 };
 
 pub mod attention;
+pub mod cupti;
 pub mod nccl;
 pub mod nccl_group;
 pub mod pool;
@@ -112,6 +115,10 @@ pub enum CudaError {
     Mismatch(String),
     #[error("no NCCL: {why}")]
     NoNccl { why: String },
+    #[error("no kernel profile: {why}")]
+    NoCupti { why: String },
+    #[error("{call} failed: CUPTI's error {code}")]
+    Cupti { call: &'static str, code: i32 },
     #[error("{call} failed: {name} ({code})")]
     Nccl {
         call: &'static str,

@@ -17,6 +17,10 @@ import statistics
 import sys
 
 
+# How many of each traced pass's longest kernels the summary keeps.
+KERNELS = 8
+
+
 def lines_of(path):
     """`(label, value)` of each `label {json}` line; a label whose run failed keeps its text."""
     out = []
@@ -74,6 +78,13 @@ def dflash(path):
                 out[key] = first[key]
         if isinstance(first.get("traced"), dict):
             out["traced"] = {k: v for k, v in first["traced"].items() if not isinstance(v, (list, dict))}
+            # The trace's device time kernel by kernel, each pass's longest (CUPTI, on a GPU).
+            kernels = first["traced"].get("kernels")
+            if isinstance(kernels, dict):
+                out["kernels"] = {
+                    p: {**{k: v for k, v in t.items() if k != "longest"}, "longest": t.get("longest", [])[:KERNELS]}
+                    for p, t in kernels.items() if isinstance(t, dict)
+                }
     if torch:
         out["torch_peak_gib"] = torch[0].get("peak_gib")
         out["torch_version"] = torch[0].get("torch")

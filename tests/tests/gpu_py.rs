@@ -50,7 +50,19 @@ fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
     };
     let torch = |step: f64| format!(r#"{{"step_s":{step},"gradient_s":{step},"peak_gib":60}}"#);
     let log = [
-        format!("ours {}", ours(4.0, r#","traced":{"forward_s":1.0}"#)),
+        format!(
+            "ours {}",
+            ours(
+                4.0,
+                &format!(
+                    r#","traced":{{"forward_s":1.0,"kernels":{{"backward":{{"device_s":2.5,"launches":40,"kernels":12,"longest":[{}]}}}}}}"#,
+                    (0..10)
+                        .map(|i| format!(r#"{{"name":"k{i}","launches":4,"s":0.{}}}"#, 9 - i))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            )
+        ),
         format!("torch {}", torch(2.0)),
         format!("ours-released {}", ours(5.0, "")),
         "ours-parts-2^28 failed (exit 1; not the step's failure): see dflash-ours.log".to_string(),
@@ -88,6 +100,12 @@ fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
         "{s}"
     );
     assert!(close(&d["traced"]["forward_s"], 1.0), "{s}");
+    // The trace's kernels: each pass's totals, and its eight longest of the ten listed.
+    let back = &d["kernels"]["backward"];
+    assert!(close(&back["device_s"], 2.5), "{s}");
+    assert_eq!(back["launches"], 40, "{s}");
+    assert_eq!(back["longest"].as_array().map(Vec::len), Some(8), "{s}");
+    assert_eq!(back["longest"][0]["name"], "k0", "{s}");
     assert_eq!(d["skipped"].as_array().map(Vec::len), Some(1), "{s}");
     assert!(
         d["skipped"][0].as_str().unwrap().starts_with("rounds 4-4"),
