@@ -31,7 +31,8 @@
 #   speed  first the fused attention kernel on a whole model: an 8-layer Qwen3-8B shape's captured
 #          states and greedy tokens with it against candle's blocked matrix products, on the
 #          same batch (bench-target --compare-attention; a layer more than 5% off, or under 90%
-#          of the tokens agreeing, fails the step). Then a random-initialised Qwen3-8B-shaped
+#          of the tokens agreeing, fails the step), each forward's device time kernel by kernel
+#          (--kernels: CUPTI) in attention.log. Then a random-initialised Qwen3-8B-shaped
 #          target in bf16 (scripts/shapes/qwen3-8b, weights made on the device): our forward +
 #          capture tokens/s, with the fused attention and with the blocked one, beside HF
 #          transformers' forward with output_hidden_states, same GPU, interleaved
@@ -212,7 +213,7 @@ for s in $steps; do
         unset HSPIPE_TARGET_ATTENTION
         rc=0
         in_budget "$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l \
-            --seq-len 2048 --batch 2 --reps 1 --compare-attention | tee "$out/attention.log" || rc=$?
+            --seq-len 2048 --batch 2 --reps 1 --compare-attention --kernels 2>&1 | tee "$out/attention.log" || rc=$?
         [ $rc -eq 0 ] || failed+=("fused attention against blocked ($(why $rc))")
         # Timed even when the comparison failed: the blocked side and torch's are still figures.
         rc=0

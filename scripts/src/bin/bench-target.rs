@@ -55,6 +55,36 @@ struct Args {
     /// than 5% or fewer than 90% of the tokens agree (the bf16 target's tolerance against f32).
     #[arg(long)]
     compare_attention: bool,
+    /// On a GPU, the device time of one more forward kernel by kernel (CUPTI; libcupti from
+    /// PyTorch's CUDA wheels), printed to stderr; with --compare-attention, of the fused and
+    /// the blocked forwards too: where a forward's time goes.
+    #[arg(long)]
+    kernels: bool,
+}
+
+/// `f`'s device time by kernel, printed as `what`'s (with `--kernels` on a GPU; nothing else).
+/// A profile that cannot start is said, and `f` runs anyway.
+fn profiled<T>(a: &Args, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    if !a.kernels || a.device == "cpu" {
+        return f();
+    }
+    let profiler = match cuda::cupti::Profiler::start() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{what}: no kernel times: {e}");
+            return f();
+        }
+    };
+    let out = f()?;
+    // `f` read its results back to the host: its kernels have run.
+    match profiler.finish() {
+        Ok(times) => {
+            let sums = times.into_iter().map(|k| (k.name, (k.launches, k.nanos)));
+            scripts::kernel_table(what, sums.collect());
+        }
+        Err(e) => eprintln!("{what}: no kernel times: {e}"),
+    }
+    Ok(out)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -105,6 +135,16 @@ fn main() -> anyhow::Result<()> {
             secs.push(started.elapsed().as_secs_f64());
         }
     }
+    // (With --compare-attention, its two forwards are the ones profiled.)
+    if a.kernels && !a.compare_attention {
+        profiled(&a, "one forward", || {
+            let out = gpu::TargetOut {
+                hidden_states: &mut hidden,
+                target_tokens: &mut tokens,
+            };
+            Ok(target.run(&ids, &lens, out, !a.no_tokens)?)
+        })?;
+    }
     secs.sort_by(f64::total_cmp);
     let median = secs[secs.len() / 2];
     let fused = target.decoder().uses_gpu_attention();
@@ -136,9 +176,11 @@ fn main() -> anyhow::Result<()> {
             target.run(&ids, &uneven, out, true)?;
             Ok((hidden.clone(), tokens.clone()))
         };
-        let (fused_hidden, fused_tokens) = run(&target)?;
+        let (fused_hidden, fused_tokens) =
+            profiled(&a, "the forward, fused attention", || run(&target))?;
         target.decoder_mut().stop_gpu_attention();
-        let (blocked_hidden, blocked_tokens) = run(&target)?;
+        let (blocked_hidden, blocked_tokens) =
+            profiled(&a, "the forward, blocked attention", || run(&target))?;
         let values = |b: &[u8]| gpu::dflash::values_f32(cfg.model.dtype, b);
         let (f, b) = (values(&fused_hidden), values(&blocked_hidden));
         // [tokens, layers, hidden]: each captured layer's largest difference over its largest
