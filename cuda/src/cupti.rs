@@ -155,9 +155,14 @@ pub struct Profiler {
 
 impl Profiler {
     /// Starts recording every kernel, copy and memset the process's contexts run. Fails without
-    /// libcupti ([`CudaError::NoCupti`]), while another profiler runs, or when CUPTI refuses
-    /// (another CUPTI client, such as a profiler the process runs under).
+    /// a driver ([`CudaError::NoDriver`]: nothing of CUPTI's is touched), without libcupti
+    /// ([`CudaError::NoCupti`]), while another profiler runs, or when CUPTI refuses (another
+    /// CUPTI client, such as a profiler the process runs under).
     pub fn start() -> Result<Profiler> {
+        // The driver first: libcupti 13.2 without one recurses in its own error path until the
+        // stack overflows (seen on a machine with PyTorch's wheels and no GPU), where this is
+        // `CudaError::NoDriver`.
+        crate::Driver::load()?;
         let api = api()?;
         if RUNNING.swap(true, Ordering::AcqRel) {
             return Err(CudaError::Mismatch(
@@ -447,18 +452,29 @@ mod tests {
         assert_eq!(names, ["c", "a", "b"]);
     }
 
-    /// A machine without libcupti (this one) gets an error naming it and what to do, not a
-    /// panic, and can ask again.
+    /// A machine without libcupti gets an error naming it and what to do, not a panic, and can
+    /// ask again.
     #[test]
     fn without_libcupti_a_profile_is_an_error_that_says_where_it_comes_from() {
         if api().is_ok() {
             return; // a machine with CUPTI: nothing to show here
         }
         for _ in 0..2 {
-            let e = Profiler::start().err().expect("no libcupti here");
-            let said = e.to_string();
+            let said = api().err().expect("no libcupti here").to_string();
             assert!(said.contains("libcupti.so.13"), "{said}");
             assert!(said.contains("LD_LIBRARY_PATH"), "{said}");
         }
+    }
+
+    /// Without a driver a profile is refused before CUPTI is touched (libcupti 13.2 without
+    /// one overflows the stack), and the error says it is the driver.
+    #[test]
+    fn without_a_driver_a_profile_is_refused_before_cupti_is_called() {
+        if crate::Driver::load().is_ok() {
+            return; // a machine with a driver: nothing to show here
+        }
+        let e = Profiler::start().err().expect("no driver here");
+        assert!(matches!(e, CudaError::NoDriver { .. }), "{e}");
+        assert!(!RUNNING.load(Ordering::Acquire));
     }
 }
