@@ -32,8 +32,9 @@ pub mod exit {
 /// Targets turn training text into hidden states; drafters learn from them; batches move
 /// through a shared-memory ring. A crashed worker is restarted alone; Ctrl-C (or SIGTERM, or
 /// SIGHUP from a closed terminal, or SIGQUIT) stops targets, lets drafters drain and
-/// checkpoint, then exits (a second signal kills at once). At start, rings left by dead
-/// launchers of the same user are removed, with a line saying which run stopped.
+/// checkpoint, then exits (a second signal kills at once; `timeout`'s SIGTERM, sent twice, is
+/// one). At start, rings left by dead launchers of the same user are removed, with a line
+/// saying which run stopped.
 ///
 /// Examples:
 ///   launcher --targets 0-4 --drafters 5-7                  mock GPUs, built-in synthetic data

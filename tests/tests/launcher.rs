@@ -463,12 +463,24 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
     kill_one_mid_run(Backend::Mock, "lkt", WorkerName::producer(2));
 }
 
+/// How `ordered_stop` signals.
+#[derive(PartialEq)]
+enum Sent {
+    Once,
+    /// Once, the launcher's stdout and stderr pipes whose reader has gone before the signal (a
+    /// closed terminal, a dropped SSH session).
+    OutputGone,
+    /// Twice by the same process, the second after the launcher acted on the first: what
+    /// coreutils' `timeout` does (to the launcher, then to its process group).
+    TwiceByOneSender,
+}
+
 /// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
 /// drafters drain and checkpoint, the summary is written, no segment and no worker is left, exit
-/// 130. With `output_gone`, the launcher's stdout and stderr are pipes whose reader has gone
-/// before the signal (a closed terminal, a dropped SSH session): the stop must still complete,
-/// and `launcher.log` must still hold all of it.
-fn ordered_stop(tag: &str, sig: Signal, output_gone: bool) {
+/// 130. With output gone, the stop must still complete, and `launcher.log` must still hold all
+/// of it; sent twice by one process, it is still one stop, not the kill of a second signal.
+fn ordered_stop(tag: &str, sig: Signal, sent: Sent) {
+    let output_gone = sent == Sent::OutputGone;
     let run = Run::new(tag);
     let cfg = config(&run.dir, true, "");
     let mut launcher = if output_gone {
@@ -488,6 +500,11 @@ fn ordered_stop(tag: &str, sig: Signal, output_gone: bool) {
     });
     let pids: Vec<u32> = s.workers.iter().map(|w| w.pid).collect();
     kill(pid, sig);
+    if sent == Sent::TwiceByOneSender {
+        // Acted on before the copy is sent: two signals at once may merge into one.
+        launcher.line_starting("stopping:");
+        kill(pid, sig);
+    }
     let status = launcher.wait_status();
     assert_eq!(
         status.code(),
@@ -527,28 +544,35 @@ fn signal_name(sig: Signal) -> &'static str {
 
 #[test]
 fn sigint_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lint", Signal::INT, false);
+    ordered_stop("lint", Signal::INT, Sent::Once);
 }
 
 /// What a closed terminal or a dropped SSH session sends.
 #[test]
 fn sighup_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lhup", Signal::HUP, false);
+    ordered_stop("lhup", Signal::HUP, Sent::Once);
 }
 
 #[test]
 fn sigquit_drains_checkpoints_and_leaves_nothing_behind() {
-    ordered_stop("lquit", Signal::QUIT, false);
+    ordered_stop("lquit", Signal::QUIT, Sent::Once);
+}
+
+/// What a run under coreutils' `timeout` gets when its time is up: SIGTERM from `timeout` to
+/// the launcher and again to its process group.
+#[test]
+fn sigterm_twice_from_one_sender_is_one_ordered_stop_not_a_kill() {
+    ordered_stop("ltwice", Signal::TERM, Sent::TwiceByOneSender);
 }
 
 #[test]
 fn sighup_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lhupgone", Signal::HUP, true);
+    ordered_stop("lhupgone", Signal::HUP, Sent::OutputGone);
 }
 
 #[test]
 fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
-    ordered_stop("lquitgone", Signal::QUIT, true);
+    ordered_stop("lquitgone", Signal::QUIT, Sent::OutputGone);
 }
 
 #[test]
