@@ -74,48 +74,111 @@ steps=${GPU_CHECK_STEPS:-data e2e speed dflash}
 # The DFlash step's shape, the same for both sides and both dflash steps.
 shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
     --anchors 512 --tokens 4096 --steps 3)
-rounds=${GPU_CHECK_DFLASH_ROUNDS:-3}
-if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: GPU_CHECK_DFLASH_ROUNDS must be a positive count, not '$rounds'" >&2
-    exit 64
-fi
-budget=${GPU_CHECK_BUDGET:-450}
-if ! [[ $budget =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: GPU_CHECK_BUDGET must be a positive count of seconds, not '$budget'" >&2
-    exit 64
-fi
+# `count NAME DEFAULT WHAT`: the positive whole number $NAME says, else DEFAULT; anything else
+# is a usage error.
+count() {
+    local v=${!1:-$2}
+    if ! [[ $v =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: $1 must be $3, not '$v'" >&2
+        exit 64
+    fi
+    echo "$v"
+}
+rounds=$(count GPU_CHECK_DFLASH_ROUNDS 3 "a positive count") || exit 64
+budget=$(count GPU_CHECK_BUDGET 450 "a positive count of seconds") || exit 64
+e2e_cap=$(count GPU_CHECK_E2E_TIMEOUT 300 "a positive count of seconds") || exit 64
 backend=${GPU_CHECK_BACKEND:-cuda}
 bins=${HSPIPE_BIN:-target/cuda/release}
 out=${GPU_CHECK_OUT:-target/gpu-check}
 mkdir -p "$out"
 failed=()
 step() { echo; echo "=== $1 ($(date +%T), ${SECONDS} s of ${budget})"; }
+has_timeout=$(command -v timeout || true)
+[ -n "$has_timeout" ] ||
+    echo "gpu-check: no coreutils timeout here: the budget of ${budget} s is not kept (runs are not stopped)" >&2
+
+# Ctrl-C and SIGTERM (a runner stopping the check): the run in progress is sent SIGTERM, which
+# `timeout` passes to it and to what it started (the launcher stops its workers in order and
+# removes its ring), and the check exits once it has ended: 130 or 143. The runs are started in
+# the background and waited for (`within`) because bash runs a trap only once a foreground
+# command has ended, and `timeout` puts its run in a process group of its own, which a
+# terminal's Ctrl-C does not reach.
+running='' stopped_by=''
+on_signal() {
+    stopped_by=$2
+    if [ -n "$running" ]; then
+        echo "gpu-check: $1: stopping the run in progress" >&2
+        kill -TERM "$running" 2>/dev/null || true
+    else
+        echo "gpu-check: $1: stopped" >&2
+        exit "$2"
+    fi
+}
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGTERM 143' TERM
 # `within CAP CMD...`: CMD, stopped after CAP seconds or when the budget is spent, whichever is
 # first (SIGTERM to CMD and what it started: the launcher stops its workers and removes its
-# ring; SIGKILL 20 s later). Exit status 124 when it was stopped, or not started because the
-# budget was already spent.
+# ring; SIGKILL 20 s later). Exit status CMD's, 124 when it was stopped (137 when it had to be
+# killed), or 124 when not started because the budget was already spent. Called in the check's
+# own shell (never in `$(...)` or a pipeline, where the traps above do not reach): output goes
+# to a file (`got`) or a tee (`tee_to`).
 within() {
-    local cap=$1 left=$((budget - SECONDS))
+    local cap=$1 left=$((budget - SECONDS)) rc=0
     shift
     [ "$cap" -lt "$left" ] && left=$cap
     if [ "$left" -le 0 ]; then
         echo "gpu-check: the budget of ${budget} s is spent: not run: $*" >&2
         return 124
     fi
-    if command -v timeout >/dev/null; then
-        timeout -k 20 "$left" "$@"
+    if [ -n "$has_timeout" ]; then
+        timeout -k 20 "$left" "$@" &
     else
-        "$@"
+        "$@" &
     fi
+    running=$!
+    # A trapped signal ends `wait` early (its status then above 128): wait on until the run ends.
+    while :; do
+        rc=0
+        wait "$running" || rc=$?
+        kill -0 "$running" 2>/dev/null || break
+    done
+    running=''
+    if [ -n "$stopped_by" ]; then
+        echo "gpu-check: stopped; figures so far in $out" >&2
+        exit "$stopped_by"
+    fi
+    return "$rc"
 }
 in_budget() { within "$budget" "$@"; }
-# Whether a run of about $1 seconds (what its kind last took) ends within the budget.
-fits() { [ $((SECONDS + $1)) -le "$budget" ]; }
-# A step's failure, saying when it was the budget that stopped it.
-# (124: timeout's SIGTERM, or never started; 137: its SIGKILL 20 s after).
+# `got VAR CMD...`: CMD's stdout into VAR; its exit status.
+got() {
+    local var=$1 file rc=0
+    shift
+    file=$(mktemp)
+    "$@" >"$file" || rc=$?
+    printf -v "$var" '%s' "$(<"$file")"
+    rm -f "$file"
+    return "$rc"
+}
+# `tee_to FILE`: a tee for `> >(tee_to FILE)` that outlives Ctrl-C (it ends with its input), so a
+# run being stopped can still write.
+tee_to() {
+    trap '' INT TERM
+    exec tee "$@"
+}
+# Whether a run of about $1 seconds (what its kind last took) ends within the budget, with
+# `reserve` seconds left over.
+reserve=0
+fits() { [ $((SECONDS + $1 + reserve)) -le "$budget" ]; }
+# Whether exit status $1 means the budget stopped the run (124: timeout's SIGTERM, or never
+# started; 137: its SIGKILL 20 s later, once the budget is spent).
+out_of_time() { [ "$1" -eq 124 ] || { [ "$1" -eq 137 ] && [ "$SECONDS" -ge "$budget" ]; }; }
+# A run's failure, saying when it was the budget that stopped it.
 why() {
-    if [ "$1" -eq 124 ] || { [ "$1" -eq 137 ] && [ "$SECONDS" -ge "$budget" ]; }; then
+    if out_of_time "$1"; then
         echo "out of time: the budget of ${budget} s"
+    elif [ "$1" -eq 137 ]; then
+        echo "killed: SIGKILL, 20 s after its time ran out, or out of memory"
     else
         echo "exit $1"
     fi
@@ -146,6 +209,10 @@ fi
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 fi
+# The DFlash steps' ours: candle's autograd for its attention once the hand-written backward
+# failed in the dflash step (its custom op has not run on a GPU before), in every later run of
+# ours, the dflash-tf32 step's too.
+attention=()
 
 for s in $steps; do
     case $s in
@@ -178,7 +245,7 @@ for s in $steps; do
         # take the other steps' time.
         {
             in_budget "$bins/launcher" make-model "$work/tiny" --layers 2 --seed 3 &&
-                within "${GPU_CHECK_E2E_TIMEOUT:-300}" "$bins/launcher" --targets 0 --drafters 0 \
+                within "$e2e_cap" "$bins/launcher" --targets 0 --drafters 0 \
                     --share-gpus --backend "$backend" --model "$work/tiny" --config "$config" \
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
@@ -201,7 +268,10 @@ for s in $steps; do
                 where="$where, its logs in $out/e2e-run.tar.gz"
             fi
             said=$(why $rc)
-            [ $rc -eq 124 ] && said="$said, or the launcher's ${GPU_CHECK_E2E_TIMEOUT:-300} s"
+            # Stopped before the budget was spent: it was the launcher's own cap.
+            if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ "$SECONDS" -lt "$budget" ]; then
+                said="out of time: the launcher's ${e2e_cap} s (GPU_CHECK_E2E_TIMEOUT)"
+            fi
             failed+=("e2e ($said; $where)")
         else
             rm -rf "$work"
@@ -211,15 +281,27 @@ for s in $steps; do
         step "target speed against PyTorch: Qwen3-8B shape, bf16, random weights on the GPU"
         # Ours is the fused attention here, whatever the caller's environment says.
         unset HSPIPE_TARGET_ATTENTION
-        rc=0
-        in_budget "$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l \
-            --seq-len 2048 --batch 2 --reps 1 --compare-attention --kernels 2>&1 | tee "$out/attention.log" || rc=$?
+        compare=("$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l
+            --seq-len 2048 --batch 2 --reps 1 --compare-attention)
+        rc=0 t=$SECONDS
+        in_budget "${compare[@]}" > >(tee_to "$out/attention.log") 2>&1 || rc=$?
         [ $rc -eq 0 ] || failed+=("fused attention against blocked ($(why $rc))")
+        # The same forwards profiled kernel by kernel, in a run of their own: a figure, not a
+        # check (CUPTI new to the machine must not cost the comparison's verdict).
+        if ! fits $((SECONDS - t)); then
+            echo "skipped the attention's kernel profile (${SECONDS} of the budget's ${budget} s spent)" |
+                tee "$out/attention-kernels.log"
+        else
+            x=0
+            in_budget "${compare[@]}" --kernels > >(tee_to "$out/attention-kernels.log") 2>&1 || x=$?
+            [ $x -eq 0 ] || echo "the kernel profile failed ($(why $x); not the step's failure)" |
+                tee -a "$out/attention-kernels.log"
+        fi
         # Timed even when the comparison failed: the blocked side and torch's are still figures.
         rc=0
         in_budget python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
             --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 --blocked-too --plain-too \
-            | tee "$out/speed.log" || rc=$?
+            > >(tee_to "$out/speed.log") || rc=$?
         [ $rc -eq 0 ] || failed+=("speed ($(why $rc))")
         ;;
     dflash)
@@ -229,9 +311,6 @@ for s in $steps; do
         # Ours at its defaults against torch's (the part size, TF32 and attention this step
         # names where it wants them, not a caller's environment).
         unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32 HSPIPE_DFLASH_ATTENTION
-        # Ours's environment: none, or candle's autograd for the attention once the
-        # hand-written backward failed (its custom op has not run on a GPU before).
-        attention=()
         ours_s=0 torch_s=0
         # `extra LABEL VAR=VALUE`: ours once more with one setting, in the first round, after
         # torch's (the round's pair stays side by side). A figure, not a check: its failure
@@ -242,55 +321,62 @@ for s in $steps; do
                 return
             fi
             local v x=0
-            v=$(in_budget env "${attention[@]}" "$2" "$bins/bench-dflash-step" "${shape[@]}" \
-                2>>"$out/dflash-ours.log") || x=$?
+            got v in_budget env "${attention[@]}" "$2" "$bins/bench-dflash-step" "${shape[@]}" \
+                2>>"$out/dflash-ours.log" || x=$?
             if [ $x -eq 0 ]; then
                 echo "$1 $v" | tee -a "$log"
             else
                 echo "$1 failed ($(why $x); not the step's failure): see dflash-ours.log" | tee -a "$log"
             fi
         }
-        # `ours_step [--trace]`: one run of ours, with `attention`'s environment.
+        # `ours_step [--trace]`: one run of ours, with `attention`'s environment, into `ours`.
         ours_step() {
-            in_budget env "${attention[@]}" "$bins/bench-dflash-step" "${shape[@]}" "$@" \
-                2> >(tee -a "$out/dflash-ours.log" >&2)
+            got ours in_budget env "${attention[@]}" "$bins/bench-dflash-step" "${shape[@]}" "$@" \
+                2> >(tee_to -a "$out/dflash-ours.log" >&2)
         }
         for round in $(seq "$rounds"); do
             if [ "$round" -gt 1 ] && ! fits $((ours_s + torch_s)); then
                 echo "skipped rounds $round-$rounds (a round takes about $((ours_s + torch_s)) s; ${SECONDS} of the budget's ${budget} s spent)" | tee -a "$log"
                 break
             fi
-            # Each side's status is checked (an `echo "$(cmd)"` would hide a failing cmd). The
-            # first round's trace runs before the timed steps, so it changes none of their
-            # figures.
+            # Each side's status is checked. The first round's trace runs before the timed
+            # steps, in the same process: CUPTI records nothing after the trace, but stays
+            # loaded (the summary gives round one's step against the later rounds').
             first=$([ "$round" -eq 1 ] && echo 1 || true)
             t=$SECONDS x=0
-            ours=$(ours_step ${first:+--trace}) || x=$?
-            if [ $x -ne 0 ] && [ $x -ne 124 ] && [ -n "$first" ]; then
+            ours_step ${first:+--trace} || x=$?
+            if [ $x -ne 0 ] && ! out_of_time $x && [ -n "$first" ]; then
                 # One lent machine's run should still bring figures back: ours again without
                 # the trace, then with candle's autograd for the attention (the hand-written
                 # backward is a custom op none of whose GPU runs has been checked). The step
                 # fails all the same, naming what failed.
                 echo "ours failed ($(why $x)): see dflash-ours.log; ours again without --trace" | tee -a "$log"
                 traced=$x t=$SECONDS x=0
-                ours=$(ours_step) || x=$?
+                ours_step || x=$?
                 if [ $x -eq 0 ]; then
                     failed+=("dflash step: ours with --trace ($(why $traced)); its figures are untraced")
-                elif [ $x -ne 124 ]; then
+                elif ! out_of_time $x; then
                     echo "ours failed ($(why $x)): ours again with HSPIPE_DFLASH_ATTENTION=autograd" | tee -a "$log"
-                    failed+=("dflash step: ours with the attention's hand-written backward ($(why $x)); its figures are autograd's")
+                    hand=$x t=$SECONDS x=0
                     attention=(HSPIPE_DFLASH_ATTENTION=autograd)
-                    t=$SECONDS x=0
-                    ours=$(ours_step) || x=$?
+                    ours_step || x=$?
+                    if [ $x -eq 0 ]; then
+                        failed+=("dflash step: ours with the attention's hand-written backward ($(why $hand)); its figures are autograd's")
+                    fi
                 fi
             fi
             [ $x -eq 0 ] || { rc=$x; break; }
             ours_s=$((SECONDS - t))
             echo "ours $ours" | tee -a "$log"
             t=$SECONDS
-            torch=$(in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}") || { rc=$?; break; }
+            got torch in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}" || { rc=$?; break; }
             torch_s=$((SECONDS - t))
             echo "torch $torch" | tee -a "$log"
+            # A dflash-tf32 step named after this one runs each side once: its time is kept
+            # from the runs that only add figures.
+            if [[ " $steps " == *" dflash "*"dflash-tf32 "* ]]; then
+                reserve=$((ours_s + torch_s))
+            fi
             if [ -n "$first" ]; then
                 # The device's memory pool handing freed memory back at each synchronize (the
                 # driver's default; hspipe keeps it): what keeping it gains.
@@ -301,17 +387,18 @@ for s in $steps; do
                 extra ours-parts-2^28 HSPIPE_DFLASH_SCORES_PER_PART=268435456
             fi
         done
+        reserve=0
         [ $rc -eq 0 ] || failed+=("dflash step ($(why $rc))")
         ;;
     dflash-tf32)
         step "the DFlash step with f32 products on TF32 tensor cores, both sides"
         rc=0
         unset HSPIPE_DFLASH_SCORES_PER_PART HSPIPE_CUDA_TF32 HSPIPE_DFLASH_ATTENTION
-        ours=$(in_budget env HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
-            2>>"$out/dflash-ours.log") || rc=$?
+        got ours in_budget env "${attention[@]}" HSPIPE_CUDA_TF32=on "$bins/bench-dflash-step" "${shape[@]}" \
+            2>>"$out/dflash-ours.log" || rc=$?
         [ $rc -eq 0 ] && echo "ours-tf32 $ours" | tee -a "$out/dflash-tf32.log"
         if [ $rc -eq 0 ]; then
-            torch=$(in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}" --tf32) || rc=$?
+            got torch in_budget python3 scripts/py/dflash_step.py bench "${shape[@]}" --tf32 || rc=$?
             [ $rc -eq 0 ] && echo "torch-tf32 $torch" | tee -a "$out/dflash-tf32.log"
         fi
         [ $rc -eq 0 ] || failed+=("dflash-tf32 step ($(why $rc))")

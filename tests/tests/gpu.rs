@@ -163,11 +163,15 @@ fn gpu_check_of_the_cuda_build_without_a_driver_exits_2_before_building_anything
     assert!(!bins.exists(), "it unpacked or built binaries");
 }
 
-/// A round count or a time budget that is not a positive number is a usage error before any
+/// A round count or a time limit that is not a positive number is a usage error before any
 /// step runs, not a DFlash step that times nothing and passes, or a check with no time limit.
 #[test]
-fn gpu_check_refuses_a_round_count_or_budget_that_is_not_a_positive_number() {
-    for var in ["GPU_CHECK_DFLASH_ROUNDS", "GPU_CHECK_BUDGET"] {
+fn gpu_check_refuses_a_round_count_or_time_limit_that_is_not_a_positive_number() {
+    for var in [
+        "GPU_CHECK_DFLASH_ROUNDS",
+        "GPU_CHECK_BUDGET",
+        "GPU_CHECK_E2E_TIMEOUT",
+    ] {
         for bad in ["0", "x", "-1", "1.5"] {
             let out = gpu_check(&[(var, bad)], &[]);
             let err = String::from_utf8_lossy(&out.stderr);

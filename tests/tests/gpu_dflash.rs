@@ -1,6 +1,6 @@
-//! The device check's DFlash steps on the CPU, with stand-ins for both sides (the steps
-//! themselves need a GPU and a Qwen3-8B shape): the runs they make, in order and with what
-//! environment, what a failing side does, and the check's time budget.
+//! The device check's DFlash and speed steps on the CPU, with stand-ins for both sides (the
+//! steps themselves need a GPU and a Qwen3-8B shape): the runs they make, in order and with what
+//! environment, what a failing side does, the check's time budget, and Ctrl-C.
 
 use std::process::Command;
 
@@ -107,8 +107,8 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
     }
 
     // The hand-written backward fails where candle's autograd does not: the step fails, naming
-    // it, and every run of ours after it, the extras too, is autograd's.
-    let (out, calls, out_dir) = d.run("dflash", &[("FAIL_HAND", "yes")]);
+    // it, and every run of ours after it, the extras and a dflash-tf32 step's too, is autograd's.
+    let (out, calls, out_dir) = d.run("dflash dflash-tf32", &[("FAIL_HAND", "yes")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {err}");
     assert!(
@@ -130,11 +130,32 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
             (TORCH, false, ""),
             (OURS, false, auto),
             (TORCH, false, ""),
+            (OURS, false, auto),
+            (TORCH, false, ""),
         ],
+    );
+    assert!(
+        calls
+            .lines()
+            .nth(10)
+            .unwrap()
+            .ends_with(" tf32=on attention=autograd"),
+        "{calls}"
     );
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
     assert_eq!(log.matches("ours failed (exit 5)").count(), 2, "{log}");
     assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
+
+    // Autograd's fails too: the step fails with its status, claiming no figures of autograd's.
+    let (out, calls, _) = d.run(
+        "dflash",
+        &[("FAIL_HAND", "yes"), ("FAIL_SIDE", "bench-dflash-step")],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(err.contains("dflash step (exit 3)"), "{err}");
+    assert!(!err.contains("autograd's"), "{err}");
+    assert_eq!(calls.lines().count(), 3, "{calls}");
 
     // Only the trace fails: the step fails, naming it, and goes on untraced with the
     // hand-written backward.
@@ -170,6 +191,17 @@ fn gpu_check_dflash_step_keeps_to_the_checks_time_budget() {
     for what in ["ours-released", "ours-parts-2^28", "rounds 2-3"] {
         assert!(log.contains(&format!("skipped {what} (")), "{log}");
     }
+    // With dflash-tf32 named after it, its time (a run of each side, about 5 s) is kept: ours
+    // takes 5 s of 14, and the extras, which would leave the TF32 run too little, are skipped.
+    let slow = [("SLEEP_OURS", "5"), ("GPU_CHECK_BUDGET", "14")];
+    let (out, calls, out_dir) = d.run("dflash dflash-tf32", &slow);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    let tf32 = [(OURS, false, "tf32=on"), (TORCH, false, "")];
+    check_calls(&calls, &[ROUNDS[0], ROUNDS[1], tf32[0], tf32[1]]);
+    let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
+    assert!(log.contains("skipped ours-released ("), "{log}");
+
     // A budget of 2 s: ours is stopped, not waited for, and the step fails saying why (no
     // second try with autograd: it was the time, not the backward).
     let (out, calls, _) = d.run("dflash", &[("SLEEP_OURS", "30"), ("GPU_CHECK_BUDGET", "2")]);
@@ -215,15 +247,115 @@ fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
     }
 }
 
-/// Stand-ins for both sides of the DFlash steps, `bench-dflash-step` and `python3`: each
-/// appends its arguments and what its environment set to `calls`, says `progress` on stderr
-/// and its side as JSON on stdout. `FAIL_SIDE=NAME` makes NAME exit 3, `FAIL_PARTS` ours exit 4
-/// when given a part size, `FAIL_HAND` ours exit 5 unless its attention is autograd's,
-/// `FAIL_TRACE` ours exit 6 when it traces, and
-/// `SLEEP_OURS=S` ours take S seconds.
+/// The speed step: the attention comparison (a check), the same again with `--kernels` in a
+/// run of its own (a figure: its failure is logged, the step passes), then `bench_target.py`;
+/// the comparison failing fails the step, and the other runs still run.
+#[test]
+fn gpu_check_speed_step_profiles_kernels_in_a_run_of_its_own() {
+    let dir = crate::support::TestDir::new("gpu-check-speed");
+    let d = DflashStandIns::new(&dir);
+
+    let (out, calls, out_dir) = d.run("speed", &[("FAIL_KERNELS", "yes")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), 3, "{calls}");
+    assert!(
+        lines[0].contains("--compare-attention") && !lines[0].contains("--kernels"),
+        "{calls}"
+    );
+    assert!(
+        lines[1].contains("--compare-attention --kernels"),
+        "{calls}"
+    );
+    assert!(
+        lines[2].starts_with("python3 scripts/py/bench_target.py"),
+        "{calls}"
+    );
+    let log = |name| std::fs::read_to_string(out_dir.join(name)).unwrap();
+    assert!(log("attention.log").contains(r#"{"side":"target"}"#));
+    let kernels = log("attention-kernels.log");
+    assert!(
+        kernels.contains("the kernel profile failed (exit 7; not the step's failure)"),
+        "{kernels}"
+    );
+    assert!(log("speed.log").contains(r#"{"side":"torch"}"#));
+
+    let (out, calls, _) = d.run("speed", &[("FAIL_SIDE", "bench-target")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("fused attention against blocked (exit 3)"),
+        "{err}"
+    );
+    assert_eq!(calls.lines().count(), 3, "{calls}");
+}
+
+/// Ctrl-C (SIGINT to the check's process group, as a terminal sends it) while a run is in
+/// progress: the run, in the process group `timeout` gives it, is stopped too, and the check
+/// exits 130 at once, not when the run would have ended.
+#[test]
+fn ctrl_c_stops_the_run_in_progress_and_the_check_exits_130() {
+    use std::os::unix::process::CommandExt;
+    use wait_timeout::ChildExt;
+    let dir = crate::support::TestDir::new("gpu-check-ctrl-c");
+    let d = DflashStandIns::new(&dir);
+    let (mut cmd, _) = d.command("dflash", &[("SLEEP_OURS", "600")]);
+    let err_path = dir.path("stderr");
+    cmd.process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err_path).unwrap());
+    let mut check = cmd.spawn().unwrap();
+    let watchdog = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let sleep = loop {
+        let pids = std::fs::read_to_string(&d.sleeps).unwrap_or_default();
+        if let Some(pid) = pids.lines().next() {
+            break pid.trim().parse::<i32>().unwrap();
+        }
+        assert!(std::time::Instant::now() < watchdog, "ours never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let group = rustix::process::Pid::from_raw(check.id() as i32).unwrap();
+    rustix::process::kill_process_group(group, rustix::process::Signal::INT).unwrap();
+    let status = match check
+        .wait_timeout(std::time::Duration::from_secs(120))
+        .unwrap()
+    {
+        Some(status) => status,
+        None => {
+            // The check, and the run in the process group `timeout` gave it.
+            let _ = check.kill();
+            let sleep = rustix::process::Pid::from_raw(sleep).unwrap();
+            let _ = rustix::process::kill_process(sleep, rustix::process::Signal::KILL);
+            panic!("the check went on after Ctrl-C");
+        }
+    };
+    let err = std::fs::read_to_string(&err_path).unwrap();
+    assert_eq!(status.code(), Some(130), "stderr: {err}");
+    assert!(
+        err.contains("SIGINT: stopping the run in progress"),
+        "{err}"
+    );
+    // The stand-in's sleep went with the run (a zombie only until its new parent reaps it).
+    let stat = std::fs::read_to_string(format!("/proc/{sleep}/stat")).unwrap_or_default();
+    let state = stat.rsplit_once(") ").map(|(_, s)| &s[..1]);
+    assert!(
+        matches!(state, None | Some("Z")),
+        "sleep {sleep} still runs: {stat}"
+    );
+}
+
+/// Stand-ins for both sides of the DFlash and speed steps, `bench-dflash-step`,
+/// `bench-target` and `python3`: each appends its arguments and what its environment set to
+/// `calls`, says `progress` on stderr and its side as JSON on stdout. `FAIL_SIDE=NAME` makes
+/// NAME exit 3, `FAIL_PARTS` ours exit 4 when given a part size, `FAIL_HAND` ours exit 5 unless
+/// its attention is autograd's, `FAIL_TRACE` ours exit 6 when it traces, `FAIL_KERNELS`
+/// bench-target exit 7 when it profiles, and `SLEEP_OURS=S` ours take S seconds (a `sleep`
+/// whose pid goes to `sleeps`).
 struct DflashStandIns {
     bins: std::path::PathBuf,
     calls: std::path::PathBuf,
+    sleeps: std::path::PathBuf,
     root: std::path::PathBuf,
 }
 
@@ -233,8 +365,10 @@ impl DflashStandIns {
         let bins = dir.path("bin");
         std::fs::create_dir_all(&bins).unwrap();
         let calls = dir.path("calls");
+        let sleeps = dir.path("sleeps");
         for (name, says) in [
             ("bench-dflash-step", r#"{"side":"ours"}"#),
+            ("bench-target", r#"{"side":"target"}"#),
             // torch's side is `python3 scripts/py/dflash_step.py bench ...`: found on PATH.
             ("python3", r#"{"side":"torch"}"#),
         ] {
@@ -245,9 +379,11 @@ impl DflashStandIns {
                  [ -n \"${{FAIL_PARTS:-}}\" ] && [ -n \"${{HSPIPE_DFLASH_SCORES_PER_PART:-}}\" ] && exit 4\n\
                  [ {name} = bench-dflash-step ] && [ -n \"${{FAIL_HAND:-}}\" ] && [ -z \"${{HSPIPE_DFLASH_ATTENTION:-}}\" ] && exit 5\n\
                  [ {name} = bench-dflash-step ] && [ -n \"${{FAIL_TRACE:-}}\" ] && case \"$*\" in *--trace*) exit 6;; esac\n\
-                 [ {name} = bench-dflash-step ] && [ -n \"${{SLEEP_OURS:-}}\" ] && sleep \"$SLEEP_OURS\"\n\
+                 [ {name} = bench-target ] && [ -n \"${{FAIL_KERNELS:-}}\" ] && case \"$*\" in *--kernels*) exit 7;; esac\n\
+                 [ {name} = bench-dflash-step ] && [ -n \"${{SLEEP_OURS:-}}\" ] && {{ sleep \"$SLEEP_OURS\" & echo $! >> {sleeps}; wait $!; }}\n\
                  [ -n \"${{FAIL_SIDE:-}}\" ] && [ \"$FAIL_SIDE\" = {name} ] && exit 3\necho '{says}'\n",
-                calls.display()
+                calls.display(),
+                sleeps = sleeps.display()
             );
             std::fs::write(&path, body).unwrap();
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -255,6 +391,7 @@ impl DflashStandIns {
         DflashStandIns {
             bins,
             calls,
+            sleeps,
             root: dir.to_path_buf(),
         }
     }
@@ -266,7 +403,16 @@ impl DflashStandIns {
         steps: &str,
         envs: &[(&str, &str)],
     ) -> (std::process::Output, String, std::path::PathBuf) {
+        let (mut cmd, out_dir) = self.command(steps, envs);
+        let out = cmd.output().unwrap();
+        let calls = std::fs::read_to_string(&self.calls).unwrap_or_default();
+        (out, calls, out_dir)
+    }
+
+    /// The command `run` runs, and its output directory.
+    fn command(&self, steps: &str, envs: &[(&str, &str)]) -> (Command, std::path::PathBuf) {
         let _ = std::fs::remove_file(&self.calls);
+        let _ = std::fs::remove_file(&self.sleeps);
         let tag: String = (envs.iter())
             .map(|(k, v)| format!("-{k}={v}"))
             .collect::<String>()
@@ -290,8 +436,6 @@ impl DflashStandIns {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        let out = cmd.output().unwrap();
-        let calls = std::fs::read_to_string(&self.calls).unwrap_or_default();
-        (out, calls, out_dir)
+        (cmd, out_dir)
     }
 }
