@@ -4,17 +4,22 @@
 #   scripts/gpu-check.sh [gpu-check flags, e.g. --device 1 --slot-mib 512: the data step's;
 #                         --json is set here. The other steps use GPU 0, so pick another
 #                         with CUDA_VISIBLE_DEVICES]
-# Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU
-# (nothing checked), 64 a usage error (gpu-check's flags, GPU_CHECK_DFLASH_ROUNDS,
-# GPU_CHECK_BUDGET). Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
+# Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU, or
+# no coreutils timeout (nothing checked), 64 a usage error (gpu-check's flags,
+# GPU_CHECK_DFLASH_ROUNDS, GPU_CHECK_BUDGET, GPU_CHECK_E2E_TIMEOUT), 130 and 143 stopped by
+# SIGINT and SIGTERM. Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
 # target/gpu-check/).
 #
 # Time: the check keeps to GPU_CHECK_BUDGET seconds (default 450), counted from its start, so a
 # GPU machine's scarce time is never overrun by a slow or wedged run. A run still going when
-# the budget is spent is stopped (SIGTERM, SIGKILL 20 s later), and a step run out of time
-# fails, saying so; a run that only adds figures (the DFlash step's rounds after the first, its
-# extra runs of ours) is skipped, with a `skipped` line in its log, when the time its kind last
-# took would pass the budget. The check itself then still passes, on fewer figures.
+# the budget is spent is stopped (SIGTERM, SIGKILL 20 s later: coreutils' `timeout`), and a
+# step run out of time fails, saying so; a run that only adds figures (the DFlash step's rounds
+# after the first and its extra runs of ours, the attention's kernel profile, run after every
+# step) is skipped, with a `skipped` line in its log, when the time its kind last took would
+# pass the budget, less what a dflash-tf32 step named after dflash needs (one run of each
+# side). The check itself then still passes, on fewer figures. Ctrl-C or SIGTERM stops the run
+# in progress in order (SIGTERM to it: the launcher stops its workers and removes its ring) and
+# the check exits 130 or 143.
 #
 # Steps (GPU_CHECK_STEPS, default "data e2e speed dflash"):
 #   data   `gpu-check`: the ring's arena registered as pinned memory, copy bandwidth from the
@@ -31,15 +36,17 @@
 #   speed  first the fused attention kernel on a whole model: an 8-layer Qwen3-8B shape's captured
 #          states and greedy tokens with it against candle's blocked matrix products, on the
 #          same batch (bench-target --compare-attention; a layer more than 5% off, or under 90%
-#          of the tokens agreeing, fails the step), each forward's device time kernel by kernel
-#          (--kernels: CUPTI) in attention.log. Then a random-initialised Qwen3-8B-shaped
+#          of the tokens agreeing, fails the step), in attention.log. Then a random-initialised Qwen3-8B-shaped
 #          target in bf16 (scripts/shapes/qwen3-8b, weights made on the device): our forward +
 #          capture tokens/s, with the fused attention and with the blocked one, beside HF
 #          transformers' forward with output_hidden_states, same GPU, interleaved
 #          (scripts/py/bench_target.py --blocked-too --plain-too: ours with the kernel's
 #          ldmatrix form, with its plain form and blocked; the goal is at least 0.9x: reported, not
 #          a failure). A side of ours that fails is dropped from the rounds, not the others:
-#          named in the JSON's `failed`, the step failed.
+#          named in the JSON's `failed`, the step failed. After every step, if the budget has
+#          room, the attention comparison once more with each forward's device time kernel by
+#          kernel (--kernels: CUPTI), in attention-kernels.log: a figure, not a check (a
+#          failure is logged), in a run of its own so CUPTI cannot cost the comparison.
 #   dflash one DFlash drafter step
 #          (5 layers on 5 captured layers, block 16, 512 anchors in a 4096-token sequence: forward,
 #          loss, backward, AdamW) beside the same step in torch (scripts/py/dflash_step.py bench),
@@ -93,9 +100,10 @@ out=${GPU_CHECK_OUT:-target/gpu-check}
 mkdir -p "$out"
 failed=()
 step() { echo; echo "=== $1 ($(date +%T), ${SECONDS} s of ${budget})"; }
-has_timeout=$(command -v timeout || true)
-[ -n "$has_timeout" ] ||
-    echo "gpu-check: no coreutils timeout here: the budget of ${budget} s is not kept (runs are not stopped)" >&2
+if ! command -v timeout >/dev/null; then
+    echo "gpu-check: needs coreutils' timeout (to keep to the budget, and to stop a run with what it started): nothing checked" >&2
+    exit 2
+fi
 
 # Ctrl-C and SIGTERM (a runner stopping the check): the run in progress is sent SIGTERM, which
 # `timeout` passes to it and to what it started (the launcher stops its workers in order and
@@ -103,25 +111,34 @@ has_timeout=$(command -v timeout || true)
 # the background and waited for (`within`) because bash runs a trap only once a foreground
 # command has ended, and `timeout` puts its run in a process group of its own, which a
 # terminal's Ctrl-C does not reach.
-running='' stopped_by=''
+# Its messages go to the check's own stderr (saved here), not a run's log. A second Ctrl-C sends
+# SIGTERM again (the launcher takes a second signal more than 2 s after the first as the kill).
+exec {stderr}>&2
+running='' starting='' stopped_by='' work=''
 on_signal() {
     stopped_by=$2
     if [ -n "$running" ]; then
-        echo "gpu-check: $1: stopping the run in progress" >&2
+        echo "gpu-check: $1: stopping the run in progress" >&"$stderr"
         kill -TERM "$running" 2>/dev/null || true
-    else
-        echo "gpu-check: $1: stopped" >&2
+    elif [ -z "$starting" ]; then
+        echo "gpu-check: $1: stopped" >&"$stderr"
         exit "$2"
     fi
 }
 trap 'on_signal SIGINT 130' INT
 trap 'on_signal SIGTERM 143' TERM
+# A signal ignored when bash started cannot be trapped (a check started with `&` from a script).
+[ -n "$(trap -p INT)" ] ||
+    echo "gpu-check: SIGINT is ignored here (started in the background?): Ctrl-C cannot stop the check; SIGTERM can" >&2
+# `got`'s file, removed however the check ends.
+got_file=$(mktemp)
+trap 'rm -f "$got_file"' EXIT
 # `within CAP CMD...`: CMD, stopped after CAP seconds or when the budget is spent, whichever is
 # first (SIGTERM to CMD and what it started: the launcher stops its workers and removes its
 # ring; SIGKILL 20 s later). Exit status CMD's, 124 when it was stopped (137 when it had to be
 # killed), or 124 when not started because the budget was already spent. Called in the check's
 # own shell (never in `$(...)` or a pipeline, where the traps above do not reach): output goes
-# to a file (`got`) or a tee (`tee_to`).
+# to a file (`got`) or a tee (`teed`).
 within() {
     local cap=$1 left=$((budget - SECONDS)) rc=0
     shift
@@ -130,12 +147,11 @@ within() {
         echo "gpu-check: the budget of ${budget} s is spent: not run: $*" >&2
         return 124
     fi
-    if [ -n "$has_timeout" ]; then
-        timeout -k 20 "$left" "$@" &
-    else
-        "$@" &
-    fi
-    running=$!
+    # A signal between the start and `running` is held for it (`starting`), then passed on.
+    starting=1
+    timeout -k 20 "$left" "$@" &
+    running=$! starting=''
+    [ -z "$stopped_by" ] || kill -TERM "$running" 2>/dev/null || true
     # A trapped signal ends `wait` early (its status then above 128): wait on until the run ends.
     while :; do
         rc=0
@@ -144,7 +160,7 @@ within() {
     done
     running=''
     if [ -n "$stopped_by" ]; then
-        echo "gpu-check: stopped; figures so far in $out" >&2
+        echo "gpu-check: stopped; figures so far in $out${work:+, the e2e run in $work}" >&"$stderr"
         exit "$stopped_by"
     fi
     return "$rc"
@@ -152,16 +168,26 @@ within() {
 in_budget() { within "$budget" "$@"; }
 # `got VAR CMD...`: CMD's stdout into VAR; its exit status.
 got() {
-    local var=$1 file rc=0
+    local var=$1 rc=0
     shift
-    file=$(mktemp)
-    "$@" >"$file" || rc=$?
-    printf -v "$var" '%s' "$(<"$file")"
-    rm -f "$file"
+    "$@" >"$got_file" || rc=$?
+    printf -v "$var" '%s' "$(<"$got_file")"
     return "$rc"
 }
-# `tee_to FILE`: a tee for `> >(tee_to FILE)` that outlives Ctrl-C (it ends with its input), so a
+# `teed FILE CMD...`: CMD in the budget, its stdout and stderr shown and written to FILE, whole
+# when it returns (the tee waited for). The tee outlives Ctrl-C (it ends with its input), so a
 # run being stopped can still write.
+teed() {
+    local file=$1 fd tee rc=0
+    shift
+    exec {fd}> >(tee_to "$file")
+    tee=$!
+    in_budget "$@" >&"$fd" 2>&1 || rc=$?
+    exec {fd}>&-
+    wait "$tee" 2>/dev/null || true
+    return "$rc"
+}
+# `tee_to [-a] FILE`: tee, ignoring Ctrl-C and SIGTERM (it ends with its input).
 tee_to() {
     trap '' INT TERM
     exec tee "$@"
@@ -234,7 +260,7 @@ for s in $steps; do
     e2e)
         step "the tiny real model end to end on $backend (1 target + 1 drafter, one GPU)"
         rm -f "$out/e2e-run.tar.gz"
-        work=$(mktemp -d)
+        work=$(mktemp -d) t=$SECONDS
         config=scripts/gpu-check-e2e.toml
         if [ "$backend" = cuda ]; then
             config=$work/e2e.toml
@@ -268,14 +294,16 @@ for s in $steps; do
                 where="$where, its logs in $out/e2e-run.tar.gz"
             fi
             said=$(why $rc)
-            # Stopped before the budget was spent: it was the launcher's own cap.
-            if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ "$SECONDS" -lt "$budget" ]; then
+            # Stopped before the budget was spent, and after the launcher's own cap: the cap.
+            if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ "$SECONDS" -lt "$budget" ] &&
+                [ $((SECONDS - t)) -ge "$e2e_cap" ]; then
                 said="out of time: the launcher's ${e2e_cap} s (GPU_CHECK_E2E_TIMEOUT)"
             fi
             failed+=("e2e ($said; $where)")
         else
             rm -rf "$work"
         fi
+        work=''
         ;;
     speed)
         step "target speed against PyTorch: Qwen3-8B shape, bf16, random weights on the GPU"
@@ -284,24 +312,14 @@ for s in $steps; do
         compare=("$bins/bench-target" --device cuda --random --model scripts/shapes/qwen3-8b-8l
             --seq-len 2048 --batch 2 --reps 1 --compare-attention)
         rc=0 t=$SECONDS
-        in_budget "${compare[@]}" > >(tee_to "$out/attention.log") 2>&1 || rc=$?
+        teed "$out/attention.log" "${compare[@]}" || rc=$?
+        compare_s=$((SECONDS - t))
         [ $rc -eq 0 ] || failed+=("fused attention against blocked ($(why $rc))")
-        # The same forwards profiled kernel by kernel, in a run of their own: a figure, not a
-        # check (CUPTI new to the machine must not cost the comparison's verdict).
-        if ! fits $((SECONDS - t)); then
-            echo "skipped the attention's kernel profile (${SECONDS} of the budget's ${budget} s spent)" |
-                tee "$out/attention-kernels.log"
-        else
-            x=0
-            in_budget "${compare[@]}" --kernels > >(tee_to "$out/attention-kernels.log") 2>&1 || x=$?
-            [ $x -eq 0 ] || echo "the kernel profile failed ($(why $x); not the step's failure)" |
-                tee -a "$out/attention-kernels.log"
-        fi
         # Timed even when the comparison failed: the blocked side and torch's are still figures.
         rc=0
-        in_budget python3 scripts/py/bench_target.py --device cuda --random --model scripts/shapes/qwen3-8b \
-            --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 --reps 3 --blocked-too --plain-too \
-            > >(tee_to "$out/speed.log") || rc=$?
+        teed "$out/speed.log" python3 scripts/py/bench_target.py --device cuda --random \
+            --model scripts/shapes/qwen3-8b --bin "$bins/bench-target" --shapes 2048x4 --rounds 3 \
+            --reps 3 --blocked-too --plain-too || rc=$?
         [ $rc -eq 0 ] || failed+=("speed ($(why $rc))")
         ;;
     dflash)
@@ -409,6 +427,22 @@ for s in $steps; do
         ;;
     esac
 done
+
+# The attention comparison's forwards profiled kernel by kernel, in a run of their own after
+# every step: a figure, not a check (CUPTI, new to the machine, must cost neither the
+# comparison's verdict nor a step's time).
+if [ -n "${compare_s:-}" ]; then
+    step "the attention comparison's forwards, kernel by kernel (a figure)"
+    if ! fits "$compare_s"; then
+        echo "skipped the attention's kernel profile (it takes about ${compare_s} s; ${SECONDS} of the budget's ${budget} s spent)" |
+            tee "$out/attention-kernels.log"
+    else
+        x=0
+        teed "$out/attention-kernels.log" "${compare[@]}" --kernels || x=$?
+        [ $x -eq 0 ] || echo "the kernel profile failed ($(why $x); not the check's failure)" |
+            tee -a "$out/attention-kernels.log"
+    fi
+fi
 
 echo
 if [ ${#failed[@]} -gt 0 ]; then

@@ -18,9 +18,10 @@ use proto::stop::STOP_SIGNALS;
 use signal_hook::iterator::exfiltrator::WithOrigin;
 use signal_hook::iterator::SignalsInfo;
 
-/// How long a repeat from the same sender is taken as the same request (coreutils' `timeout`
-/// sends its two copies microseconds apart; a person escalating presses a key again, which the
-/// kernel sends, or runs another `kill`, another process).
+/// How long a repeat from the same sender is taken as the same request. coreutils' `timeout`
+/// sends its two copies microseconds apart. A person escalating with Ctrl-C again (sent by the
+/// kernel: no sender) or `kill -9` is never held back; a shell's builtin `kill`, sent twice
+/// within this from the same shell, is one request.
 pub const REPEAT: Duration = Duration::from_secs(2);
 
 /// Stop signals received so far, as requests ([`Requests`]).

@@ -89,17 +89,22 @@ def dflash(path):
         out["torch_peak_gib"] = torch[0].get("peak_gib")
         out["torch_version"] = torch[0].get("torch")
     # Round one's ours traced its gradient before its timed steps, in the same process (CUPTI
-    # loaded, recording nothing): its step against the later rounds' median shows what that cost.
-    if len(ours) > 1:
-        out["ours_round_1_over_later_rounds"] = ratio(ours[0]["step_s"], median([o["step_s"] for o in ours[1:]]))
-    # The first round's extra runs of ours (untraced processes), each against ours' median.
+    # loaded, recording nothing): its step against the untraced rounds' median shows what that
+    # cost, and the extra runs of ours (untraced processes) are set against the untraced
+    # rounds, or against round one, said, when it is the only round.
+    traced = [o for o in ours if isinstance(o.get("traced"), dict)]
+    untraced = [o["step_s"] for o in ours if not isinstance(o.get("traced"), dict)]
+    if traced and untraced:
+        out["ours_traced_over_untraced"] = ratio(traced[0]["step_s"], median(untraced))
+    base, against = (median(untraced), "untraced rounds' median") if untraced else (out["ours_step_s_median"], "round one, traced")
     for label, v in extra.items():
         if isinstance(v, dict):
             out[label] = {
                 "step_s": v.get("step_s"),
                 "gradient_s": v.get("gradient_s"),
                 "parts": v.get("parts"),
-                "over_ours_median": ratio(v.get("step_s"), out["ours_step_s_median"]),
+                "over_ours": ratio(v.get("step_s"), base),
+                "ours": against,
             }
         else:
             out[label] = {"failed": v}

@@ -247,9 +247,10 @@ fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
     }
 }
 
-/// The speed step: the attention comparison (a check), the same again with `--kernels` in a
-/// run of its own (a figure: its failure is logged, the step passes), then `bench_target.py`;
-/// the comparison failing fails the step, and the other runs still run.
+/// The speed step: the attention comparison (a check), then `bench_target.py`; after every
+/// step, the comparison again with `--kernels` in a run of its own (a figure: its failure is
+/// logged, the check passes, and every line reaches its log). The comparison failing fails the
+/// step, and the other runs still run.
 #[test]
 fn gpu_check_speed_step_profiles_kernels_in_a_run_of_its_own() {
     let dir = crate::support::TestDir::new("gpu-check-speed");
@@ -265,18 +266,18 @@ fn gpu_check_speed_step_profiles_kernels_in_a_run_of_its_own() {
         "{calls}"
     );
     assert!(
-        lines[1].contains("--compare-attention --kernels"),
+        lines[1].starts_with("python3 scripts/py/bench_target.py"),
         "{calls}"
     );
     assert!(
-        lines[2].starts_with("python3 scripts/py/bench_target.py"),
+        lines[2].contains("--compare-attention --kernels"),
         "{calls}"
     );
     let log = |name| std::fs::read_to_string(out_dir.join(name)).unwrap();
     assert!(log("attention.log").contains(r#"{"side":"target"}"#));
     let kernels = log("attention-kernels.log");
     assert!(
-        kernels.contains("the kernel profile failed (exit 7; not the step's failure)"),
+        kernels.contains("the kernel profile failed (exit 7; not the check's failure)"),
         "{kernels}"
     );
     assert!(log("speed.log").contains(r#"{"side":"torch"}"#));

@@ -20,7 +20,7 @@ fn summary(dir: &std::path::Path) -> (Option<i32>, serde_json::Value, String) {
 /// The summary of a device check's figures: on the 2026-12-04 H200 run's log it gives the
 /// 0.23x BENCHMARKS.md quotes; on three rounds with the first round's extra runs (one failed),
 /// a round the budget skipped, and the TF32 step, the medians, both kinds of ratio, each extra
-/// run against ours' median, round one (traced) against the others, what was skipped, and
+/// run against the untraced rounds, round one (traced) against them, what was skipped, and
 /// TF32 against each side's f32 median; a directory with nothing to read is exit 1.
 #[test]
 fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
@@ -91,13 +91,11 @@ fn gpu_check_summary_takes_medians_and_side_by_side_ratios_of_a_runs_logs() {
         "{s}"
     );
     assert!(close(&d["speed_ours_over_torch_of_medians"], 0.6), "{s}");
-    // Against ours' median (4.0), not round one's traced process; round one against the later
-    // rounds' median (4.5).
-    assert!(close(&d["ours-released"]["over_ours_median"], 1.25), "{s}");
-    assert!(
-        close(&d["ours_round_1_over_later_rounds"], 4.0 / 4.5),
-        "{s}"
-    );
+    // Against the untraced rounds' median (4.5), not round one's traced process; round one
+    // against them.
+    assert!(close(&d["ours-released"]["over_ours"], 5.0 / 4.5), "{s}");
+    assert_eq!(d["ours-released"]["ours"], "untraced rounds' median", "{s}");
+    assert!(close(&d["ours_traced_over_untraced"], 4.0 / 4.5), "{s}");
     assert!(
         d["ours-parts-2^28"]["failed"]
             .as_str()
