@@ -5,7 +5,7 @@
 #                         --json is set here. The other steps use GPU 0, so pick another
 #                         with CUDA_VISIBLE_DEVICES]
 # Exit status: 0 every step passed, 1 a step failed (named at the end), 2 no driver or GPU, or
-# no coreutils timeout (nothing checked), 64 a usage error (gpu-check's flags,
+# no coreutils timeout (nothing checked), 64 a usage error (gpu-check's flags, GPU_CHECK_STEPS,
 # GPU_CHECK_DFLASH_ROUNDS, GPU_CHECK_BUDGET, GPU_CHECK_E2E_TIMEOUT), 130 and 143 stopped by
 # SIGINT and SIGTERM. Figures go to stdout and, as JSON, to $GPU_CHECK_OUT (default
 # target/gpu-check/).
@@ -78,6 +78,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 steps=${GPU_CHECK_STEPS:-data e2e speed dflash}
+for s in $steps; do
+    case $s in
+    data | e2e | speed | dflash | dflash-tf32) ;;
+    *)
+        echo "error: unknown step '$s' in GPU_CHECK_STEPS (data, e2e, speed, dflash, dflash-tf32)" >&2
+        exit 64
+        ;;
+    esac
+done
 # The DFlash step's shape, the same for both sides and both dflash steps.
 shape=(--shape scripts/shapes/qwen3-8b --device cuda --layers 5 --captured 5 --block 16
     --anchors 512 --tokens 4096 --steps 3)
@@ -128,7 +137,7 @@ on_signal() {
 trap 'on_signal SIGINT 130' INT
 trap 'on_signal SIGTERM 143' TERM
 # A signal ignored when bash started cannot be trapped (a check started with `&` from a script).
-[ -n "$(trap -p INT)" ] ||
+[[ $(trap -p INT) == *on_signal* ]] ||
     echo "gpu-check: SIGINT is ignored here (started in the background?): Ctrl-C cannot stop the check; SIGTERM can" >&2
 # `got`'s file, removed however the check ends.
 got_file=$(mktemp)
@@ -420,10 +429,6 @@ for s in $steps; do
             [ $rc -eq 0 ] && echo "torch-tf32 $torch" | tee -a "$out/dflash-tf32.log"
         fi
         [ $rc -eq 0 ] || failed+=("dflash-tf32 step ($(why $rc))")
-        ;;
-    *)
-        echo "error: unknown step $s in GPU_CHECK_STEPS (data, e2e, speed, dflash, dflash-tf32)" >&2
-        exit 1
         ;;
     esac
 done

@@ -163,8 +163,9 @@ fn gpu_check_of_the_cuda_build_without_a_driver_exits_2_before_building_anything
     assert!(!bins.exists(), "it unpacked or built binaries");
 }
 
-/// A round count or a time limit that is not a positive number is a usage error before any
-/// step runs, not a DFlash step that times nothing and passes, or a check with no time limit.
+/// A round count or a time limit that is not a positive number, or a step it does not know, is a
+/// usage error before any step runs, not a DFlash step that times nothing and passes, a check
+/// with no time limit, or a step's time spent before the misspelling is found.
 #[test]
 fn gpu_check_refuses_a_round_count_or_time_limit_that_is_not_a_positive_number() {
     for var in [
@@ -181,4 +182,10 @@ fn gpu_check_refuses_a_round_count_or_time_limit_that_is_not_a_positive_number()
             assert!(!said.contains("=== "), "{var}={bad}: a step ran: {said}");
         }
     }
+    // A step misspelt after a good one: refused before the good one runs.
+    let out = gpu_check(&[("GPU_CHECK_STEPS", "e2e dflsh")], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "stderr: {err}");
+    assert!(err.contains("unknown step 'dflsh'"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("=== "));
 }
