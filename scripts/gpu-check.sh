@@ -121,7 +121,7 @@ fi
 # command has ended, and `timeout` puts its run in a process group of its own, which a
 # terminal's Ctrl-C does not reach.
 # Its messages go to the check's own stderr (saved here), not a run's log. A second Ctrl-C sends
-# SIGTERM again (the launcher takes a second signal more than 2 s after the first as the kill).
+# SIGTERM again (the launcher takes a second signal more than 1 s after the first as the kill).
 exec {stderr}>&2
 running='' starting='' stopped_by='' work=''
 on_signal() {

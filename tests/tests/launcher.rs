@@ -236,6 +236,15 @@ pub(crate) fn one_model(lines: &[LedgerLine]) -> usize {
 fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
     let run = Run::new(tag);
     let setup = b.setup(&run.dir, true, &format!("[faults.drafter-1]\n{fault}\n"));
+    // The rejoin needs work left when it comes: a second restart waits 200 + 400 ms of backoff
+    // and two starts, and on a fast machine the other ranks had trained all 400 samples of the
+    // candle run by then (the third incarnation attached at the end, to an empty group).
+    let samples = 400 * (restarts + 1).min(3);
+    edit_config(
+        &setup.0,
+        "synthetic_samples = 400",
+        &format!("synthetic_samples = {samples}"),
+    );
     let launcher = run.launch_on(&setup);
     let pid = launcher.child.id();
     let out = launcher.finish();
@@ -244,11 +253,11 @@ fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
     let s = run.summary();
     assert_eq!(s["ok"], true, "{s}");
     assert_eq!(s["duplicated"], 0, "{s}");
-    assert_eq!(s["samples_trained"], 400, "{s}");
+    assert_eq!(s["samples_trained"], samples, "{s}");
     assert_eq!(s["workers"][6]["restarts"], restarts, "{s}");
     let lines = run.ledgers();
     let counts = sample_counts(&lines);
-    assert_eq!(counts.len(), 400, "every sample trained");
+    assert_eq!(counts.len() as u64, samples, "every sample trained");
     assert!(counts.values().all(|&c| c == 1), "a sample trained twice");
     one_model(&lines);
     rejoined_into_one_model(&lines, restarts + 1);

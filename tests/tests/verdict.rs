@@ -10,7 +10,8 @@
 //! handed out, a worker's heartbeat), never by the clock, and the sides' speeds differ by a
 //! factor of 3 or more (the balanced run excepted, where they match), so the verdict does not
 //! depend on the machine's speed. Once a scenario has been seen long enough, the run is stopped
-//! hard (two SIGINTs), which removes its ring like any ending.
+//! hard (SIGINT, then SIGTERM: a second request, whoever sends it), which removes its ring like
+//! any ending.
 
 use rustix::process::Signal;
 use std::path::PathBuf;
@@ -248,7 +249,9 @@ fn scenario(tag: &str, mock: &Mock, extra: &[&str], enough: impl Fn(&[Obs]) -> b
             // ring shows from here on is the stop, not the scenario.
             kill(launcher.child.id(), Signal::INT);
             std::thread::sleep(Duration::from_millis(300));
-            kill(launcher.child.id(), Signal::INT);
+            // Another signal: the same one again from this process within a second would be
+            // the same request (as `timeout`'s copy is), not the kill.
+            kill(launcher.child.id(), Signal::TERM);
             break;
         }
         assert!(
