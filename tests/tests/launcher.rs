@@ -236,9 +236,10 @@ pub(crate) fn one_model(lines: &[LedgerLine]) -> usize {
 fn group_kill(b: Backend, tag: &str, fault: &str, restarts: u64) -> String {
     let run = Run::new(tag);
     let setup = b.setup(&run.dir, true, &format!("[faults.drafter-1]\n{fault}\n"));
-    // The rejoin needs work left when it comes: a second restart waits 200 + 400 ms of backoff
-    // and two starts, and on a fast machine the other ranks had trained all 400 samples of the
-    // candle run by then (the third incarnation attached at the end, to an empty group).
+    // The rejoin needs work left when it comes: each restart waits its backoff (200 ms, then
+    // 400) and a start, and on a fast machine the other ranks had trained all 400 samples of
+    // the candle run before a second restart attached (to an empty group, at the end). So 400
+    // samples per incarnation.
     let samples = 400 * (restarts + 1).min(3);
     edit_config(
         &setup.0,
