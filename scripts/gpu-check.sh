@@ -36,9 +36,10 @@
 #   speed  first the fused attention kernel on a whole model: an 8-layer Qwen3-8B shape's captured
 #          states and greedy tokens with it against candle's blocked matrix products, on the
 #          same batch (bench-target --compare-attention; a layer more than 5% off, or under 90%
-#          of the tokens agreeing, fails the step), in attention.log. Then a random-initialised Qwen3-8B-shaped
-#          target in bf16 (scripts/shapes/qwen3-8b, weights made on the device): our forward +
-#          capture tokens/s, with the fused attention and with the blocked one, beside HF
+#          of the tokens agreeing, fails the step), in attention.log. Then a random-initialised
+#          Qwen3-8B-shaped target in bf16 (scripts/shapes/qwen3-8b, weights made on the
+#          device): our forward + capture tokens/s, with the fused attention and with the
+#          blocked one, beside HF
 #          transformers' forward with output_hidden_states, same GPU, interleaved
 #          (scripts/py/bench_target.py --blocked-too --plain-too: ours with the kernel's
 #          ldmatrix form, with its plain form and blocked; the goal is at least 0.9x: reported, not
@@ -368,7 +369,7 @@ for s in $steps; do
             fi
             # Each side's status is checked. The first round's trace runs before the timed
             # steps, in the same process: CUPTI records nothing after the trace, but stays
-            # loaded (the summary gives round one's step against the later rounds').
+            # loaded (the summary gives the traced round's step against the untraced rounds').
             first=$([ "$round" -eq 1 ] && echo 1 || true)
             t=$SECONDS x=0
             ours_step ${first:+--trace} || x=$?

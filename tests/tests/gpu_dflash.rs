@@ -53,8 +53,7 @@ fn gpu_check_dflash_step_traces_and_runs_its_extras_in_the_first_round() {
     let d = DflashStandIns::new(&dir);
 
     let (out, calls, out_dir) = d.run("dflash", &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     check_calls(&calls, &ROUNDS);
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
     assert_eq!(log.matches(r#"ours {"side":"ours"}"#).count(), 3, "{log}");
@@ -85,8 +84,7 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
 
     // The run in parts of 2^28 out of memory: said in the log, and the step passes.
     let (out, calls, out_dir) = d.run("dflash", &[("FAIL_PARTS", "yes")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     assert_eq!(calls.lines().count(), ROUNDS.len(), "{calls}");
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
     assert!(log.contains("ours-parts-2^28 failed (exit 4"), "{log}");
@@ -96,8 +94,7 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
     // autograd first.
     for (side, want_calls) in [("bench-dflash-step", 3), ("python3", 2)] {
         let (out, calls, _) = d.run("dflash", &[("FAIL_SIDE", side)]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        let err = exited(&out, 1);
         assert!(err.contains("dflash step (exit 3)"), "{side}: {err}");
         assert_eq!(
             calls.lines().count(),
@@ -109,8 +106,7 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
     // The hand-written backward fails where candle's autograd does not: the step fails, naming
     // it, and every run of ours after it, the extras and a dflash-tf32 step's too, is autograd's.
     let (out, calls, out_dir) = d.run("dflash dflash-tf32", &[("FAIL_HAND", "yes")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    let err = exited(&out, 1);
     assert!(
         err.contains("hand-written backward (exit 5); its figures are autograd's"),
         "{err}"
@@ -151,8 +147,7 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
         "dflash",
         &[("FAIL_HAND", "yes"), ("FAIL_SIDE", "bench-dflash-step")],
     );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    let err = exited(&out, 1);
     assert!(err.contains("dflash step (exit 3)"), "{err}");
     assert!(!err.contains("autograd's"), "{err}");
     assert_eq!(calls.lines().count(), 3, "{calls}");
@@ -160,8 +155,7 @@ fn gpu_check_dflash_step_fails_with_a_failing_side_and_falls_back_to_autograd() 
     // Only the trace fails: the step fails, naming it, and goes on untraced with the
     // hand-written backward.
     let (out, calls, _) = d.run("dflash", &[("FAIL_TRACE", "yes")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    let err = exited(&out, 1);
     assert!(
         err.contains("ours with --trace (exit 6); its figures are untraced"),
         "{err}"
@@ -184,8 +178,7 @@ fn gpu_check_dflash_step_keeps_to_the_checks_time_budget() {
     // (each about 8 s more) are skipped, said in the log, and the step passes on one round.
     let slow = [("SLEEP_OURS", "8"), ("GPU_CHECK_BUDGET", "15")];
     let (out, calls, out_dir) = d.run("dflash", &slow);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     check_calls(&calls, &ROUNDS[..2]);
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
     for what in ["ours-released", "ours-parts-2^28", "rounds 2-3"] {
@@ -195,8 +188,7 @@ fn gpu_check_dflash_step_keeps_to_the_checks_time_budget() {
     // takes 5 s of 14, and the extras, which would leave the TF32 run too little, are skipped.
     let slow = [("SLEEP_OURS", "5"), ("GPU_CHECK_BUDGET", "14")];
     let (out, calls, out_dir) = d.run("dflash dflash-tf32", &slow);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     let tf32 = [(OURS, false, "tf32=on"), (TORCH, false, "")];
     check_calls(&calls, &[ROUNDS[0], ROUNDS[1], tf32[0], tf32[1]]);
     let log = std::fs::read_to_string(out_dir.join("dflash-step.log")).unwrap();
@@ -205,8 +197,7 @@ fn gpu_check_dflash_step_keeps_to_the_checks_time_budget() {
     // A budget of 2 s: ours is stopped, not waited for, and the step fails saying why (no
     // second try with autograd: it was the time, not the backward).
     let (out, calls, _) = d.run("dflash", &[("SLEEP_OURS", "30"), ("GPU_CHECK_BUDGET", "2")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    let err = exited(&out, 1);
     assert!(
         err.contains("dflash step (out of time: the budget of 2 s)"),
         "{err}"
@@ -222,8 +213,7 @@ fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
     let d = DflashStandIns::new(&dir);
 
     let (out, calls, out_dir) = d.run("dflash-tf32", &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     let lines: Vec<&str> = calls.lines().collect();
     assert_eq!(lines.len(), 2, "{calls}");
     assert!(
@@ -241,8 +231,7 @@ fn gpu_check_dflash_tf32_step_runs_each_side_once_with_tf32() {
     assert!(log.contains(r#"torch-tf32 {"side":"torch"}"#), "{log}");
     for side in ["bench-dflash-step", "python3"] {
         let (out, _, _) = d.run("dflash-tf32", &[("FAIL_SIDE", side)]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{side}: stderr: {err}");
+        let err = exited(&out, 1);
         assert!(err.contains("dflash-tf32 step (exit 3)"), "{side}: {err}");
     }
 }
@@ -257,8 +246,7 @@ fn gpu_check_speed_step_profiles_kernels_in_a_run_of_its_own() {
     let d = DflashStandIns::new(&dir);
 
     let (out, calls, out_dir) = d.run("speed", &[("FAIL_KERNELS", "yes")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    exited(&out, 0);
     let lines: Vec<&str> = calls.lines().collect();
     assert_eq!(lines.len(), 3, "{calls}");
     assert!(
@@ -283,8 +271,7 @@ fn gpu_check_speed_step_profiles_kernels_in_a_run_of_its_own() {
     assert!(log("speed.log").contains(r#"{"side":"torch"}"#));
 
     let (out, calls, _) = d.run("speed", &[("FAIL_SIDE", "bench-target")]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    let err = exited(&out, 1);
     assert!(
         err.contains("fused attention against blocked (exit 3)"),
         "{err}"
@@ -344,6 +331,13 @@ fn ctrl_c_stops_the_run_in_progress_and_the_check_exits_130() {
         matches!(state, None | Some("Z")),
         "sleep {sleep} still runs: {stat}"
     );
+}
+
+/// `out`'s stderr, once its exit status is `code` (else the failure shows the stderr).
+fn exited(out: &std::process::Output, code: i32) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "stderr: {err}");
+    err
 }
 
 /// Stand-ins for both sides of the DFlash and speed steps, `bench-dflash-step`,
