@@ -25,5 +25,8 @@ for mb in 60 600; do
         ${BASELINE_LAUNCHER:+--baseline "$BASELINE_LAUNCHER"}
     rm -f "/tmp/hspipe-bench-$mb.jsonl"
 done
+echo "## the synthetic data made when read"
+./target/release/bench-data synthetic --samples 400000 --runs 3 \
+    ${BASELINE_LAUNCHER:+--baseline "$BASELINE_LAUNCHER"}
 echo "## the DFlash drafter on the CPU"; scripts/bench-dflash.sh 3
 echo "## conversations against transformers"; scripts/bench-chat.sh 5000 5

@@ -7,6 +7,7 @@
 //! the map, so the arrays are slices of it (alignment required, so nothing is copied); a
 //! sample is then a slice of the map.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -53,12 +54,12 @@ struct Batch {
     mask: Option<List<u8>>,
 }
 
-/// A sample borrowed from the map.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A sample: borrowed from the map, or made on request (the synthetic dataset's).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sample<'a> {
-    pub input_ids: &'a [u32],
+    pub input_ids: Cow<'a, [u32]>,
     /// None: learn from every token.
-    pub loss_mask: Option<&'a [u8]>,
+    pub loss_mask: Option<Cow<'a, [u8]>>,
 }
 
 /// A prepared dataset file, mapped.
@@ -260,8 +261,8 @@ impl Mapped {
             .filter(|m| !m.is_null(row))
             .map(|m| &m.values[m.range(row)]);
         Some(Sample {
-            input_ids,
-            loss_mask,
+            input_ids: Cow::Borrowed(input_ids),
+            loss_mask: loss_mask.map(Cow::Borrowed),
         })
     }
 }

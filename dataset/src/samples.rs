@@ -3,10 +3,13 @@
 //! (`proto::plan`, a contract every process computes identically).
 //!
 //! A mapped dataset costs a process its lengths (4 bytes a sample) and the pages of the samples
-//! it gathers; the file's pages are shared by every process that maps it.
+//! it gathers; the file's pages are shared by every process that maps it. The synthetic one
+//! costs its lengths alone: a sample is made when it is read.
 
+use std::borrow::Cow;
 use std::path::Path;
 
+use crate::language::Language;
 use crate::{DataError, Mapped};
 
 /// SplitMix64's finaliser, a 64-bit hash: the synthetic data's lengths and tokens (and the batch
@@ -34,16 +37,50 @@ pub struct Synthetic {
     pub language: bool,
 }
 
-/// One synthetic training sample.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Sample {
-    pub input_ids: Vec<u32>,
-    /// 1 where the drafter learns from the token.
-    pub loss_mask: Vec<u8>,
+/// The synthetic samples, made on request: a sample is a pure function of its id, so a
+/// process holds only the lengths (4 bytes a sample, as a mapped dataset does), not the
+/// tokens. Made up front, `--synthetic 400000` (32-4,096 tokens a sample) was 1.7 GB in the
+/// launcher and in every target worker, and each took seconds at every start (BENCHMARKS,
+/// "The synthetic data made when read").
+struct Made {
+    shape: Synthetic,
+    language: Option<Language>,
+}
+
+impl Made {
+    /// Sample `id`'s length: log-uniform over `min_len..=max_len`.
+    fn len(&self, id: u64) -> u32 {
+        let s = &self.shape;
+        let (lo, hi) = (
+            f64::from(s.min_len.max(1)).ln(),
+            f64::from(s.max_len.max(1)).ln(),
+        );
+        let u = (mix(s.seed ^ mix(id)) >> 11) as f64 / (1u64 << 53) as f64;
+        ((lo + u * (hi - lo)).exp().round() as u32).clamp(s.min_len, s.max_len)
+    }
+
+    /// Sample `id` of length `len`: its ids, and its mask (the first fifth is the prompt).
+    fn sample(&self, id: u64, len: u32) -> crate::Sample<'static> {
+        let seed = self.shape.seed;
+        let vocab = u64::from(self.shape.vocab.max(1));
+        let input_ids = match &self.language {
+            // The seed picks samples of the one language.
+            Some(l) => l.sample(mix(seed) ^ id, len),
+            None => (0..len)
+                .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
+                .collect(),
+        };
+        let prompt = len / 5;
+        let loss_mask = (0..len).map(|pos| u8::from(pos >= prompt)).collect();
+        crate::Sample {
+            input_ids: Cow::Owned(input_ids),
+            loss_mask: Some(Cow::Owned(loss_mask)),
+        }
+    }
 }
 
 enum Samples {
-    Synthetic(Vec<Sample>),
+    Synthetic(Made),
     Mapped(Mapped),
 }
 
@@ -87,46 +124,26 @@ impl Dataset {
 
     /// `n` seeded samples with lengths spread log-uniformly over `min_len..=max_len` (many
     /// short, few long, as chat data is), token ids below 32,000, and the first fifth of each
-    /// sample masked out as its prompt.
+    /// sample masked out as its prompt. Only the lengths are computed here; each sample is
+    /// made when [`sample`](Dataset::sample) reads it, the same each time.
     pub fn synthetic(s: &Synthetic) -> Dataset {
-        let (n, min_len, max_len, seed) = (s.samples, s.min_len, s.max_len, s.seed);
-        let vocab = u64::from(s.vocab.max(1));
-        let language = s
-            .language
-            .then(|| crate::language::Language::new(0, s.vocab, crate::language::SEED));
-        let (lo, hi) = (
-            f64::from(min_len.max(1)).ln(),
-            f64::from(max_len.max(1)).ln(),
-        );
-        let samples: Vec<Sample> = (0..n)
-            .map(|id| {
-                let u = (mix(seed ^ mix(id)) >> 11) as f64 / (1u64 << 53) as f64;
-                let len = ((lo + u * (hi - lo)).exp().round() as u32).clamp(min_len, max_len);
-                let input_ids = match &language {
-                    // The seed picks samples of the one language.
-                    Some(l) => l.sample(mix(seed) ^ id, len),
-                    None => (0..len)
-                        .map(|pos| (mix(seed ^ (id << 20) ^ u64::from(pos)) % vocab) as u32)
-                        .collect(),
-                };
-                let prompt = len / 5;
-                let loss_mask = (0..len).map(|pos| u8::from(pos >= prompt)).collect();
-                Sample {
-                    input_ids,
-                    loss_mask,
-                }
-            })
-            .collect();
+        let (n, seed) = (s.samples, s.seed);
+        let made = Made {
+            shape: *s,
+            language: s
+                .language
+                .then(|| Language::new(0, s.vocab, crate::language::SEED)),
+        };
         Dataset {
-            lengths: samples.iter().map(|s| s.input_ids.len() as u32).collect(),
-            samples: Samples::Synthetic(samples),
-            source: match language {
+            lengths: (0..n).map(|id| made.len(id)).collect(),
+            source: match &made.language {
                 Some(l) => format!(
                     "synthetic language ({n} samples, seed {seed}, {:.2} bits/token)",
                     l.entropy_bits()
                 ),
                 None => format!("synthetic ({n} samples, seed {seed})"),
             },
+            samples: Samples::Synthetic(made),
         }
     }
 
@@ -154,10 +171,10 @@ impl Dataset {
     /// Sample `id`: its ids and its mask (None: learn from every token). None past the end.
     pub fn sample(&self, id: u64) -> Option<crate::Sample<'_>> {
         match &self.samples {
-            Samples::Synthetic(v) => v.get(id as usize).map(|s| crate::Sample {
-                input_ids: &s.input_ids,
-                loss_mask: Some(&s.loss_mask),
-            }),
+            Samples::Synthetic(made) => {
+                let len = *self.lengths.get(usize::try_from(id).ok()?)?;
+                Some(made.sample(id, len))
+            }
             Samples::Mapped(m) => m.sample(id),
         }
     }

@@ -64,9 +64,9 @@ pub fn gather(
         let Some(sample) = data.sample(id) else {
             continue;
         };
-        input_ids.extend_from_slice(sample.input_ids);
+        input_ids.extend_from_slice(&sample.input_ids);
         match sample.loss_mask {
-            Some(m) => loss_mask.extend_from_slice(m),
+            Some(m) => loss_mask.extend_from_slice(&m),
             None => loss_mask.resize(input_ids.len(), 1),
         }
         seq_lens.push(sample.input_ids.len() as u32);

@@ -112,7 +112,7 @@ fn read_all(m: &dataset::Mapped) -> Vec<Owned> {
     (0..m.len())
         .map(|i| {
             let s = m.sample(i).unwrap();
-            (s.input_ids.to_vec(), s.loss_mask.map(<[u8]>::to_vec))
+            (s.input_ids.to_vec(), s.loss_mask.map(|m| m.into_owned()))
         })
         .collect()
 }

@@ -8,16 +8,23 @@
 //! bench-data gen --mb 600 --out /tmp/d600.jsonl
 //! bench-data run --data /tmp/d600.jsonl --runs 3 --baseline /tmp/hspipe-base/target/release/launcher
 //! bench-data run --data /tmp/d60.jsonl --runs 3 --baseline OLD/launcher --baseline-prepares
+//! bench-data synthetic --samples 400000 --runs 3 --baseline OLD/launcher
 //! ```
 //!
 //! With `--baseline-prepares` the baseline is an earlier build of the prepared-data path (e.g.
 //! before a change to the data crate): both prepare the same input in turn, and both launch on
 //! their own prepared data, side by side.
 //!
+//! `synthetic` launches on the built-in synthetic data alone (no file: the launcher and every
+//! target make it), ours and a baseline in turn.
+//!
 //! Lengths: log-normal, median 512 tokens, sigma 1.0, clamped to 16..=4096 (mean about 790:
 //! many short chats, a long tail of long documents); ids uniform below 151,936 (Qwen's
 //! vocabulary); one sample in four has a loss_mask (its first fifth 0). About 7.7 bytes of
 //! JSONL per token, so 600 MB is about 78M tokens in 99k samples.
+//!
+//! Length: past 500 lines: the generator, the launches' memory sampling and both harnesses
+//! share one table of launches.
 
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
@@ -75,6 +82,22 @@ enum Cmd {
         #[arg(long)]
         baseline_prepares: bool,
         /// Scratch directory (cache, run directories); emptied first.
+        #[arg(long, default_value = "/tmp/hspipe-bench-data")]
+        work: PathBuf,
+    },
+    /// Measures launching on SAMPLES samples of the built-in synthetic data.
+    Synthetic {
+        #[arg(long, default_value_t = 400_000)]
+        samples: u64,
+        /// This tree's launcher.
+        #[arg(long, default_value = "target/release/launcher")]
+        launcher: PathBuf,
+        /// A launcher to compare with, launched in turn with ours.
+        #[arg(long)]
+        baseline: Option<PathBuf>,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Scratch directory (run directories); emptied first.
         #[arg(long, default_value = "/tmp/hspipe-bench-data")]
         work: PathBuf,
     },
@@ -254,12 +277,14 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
                 first = Some(t);
             }
         }
-        // Two seconds of training after the first batch, then stop hard (two signals).
+        // Two seconds of training after the first batch, then stop hard: two signals, of two
+        // kinds (the launcher counts a repeat of one signal by one sender within 1 s as one).
         if let Some(f) = first {
             if t > f + 2.0 && signalled < 2 {
+                let sig = [rustix::process::Signal::TERM, rustix::process::Signal::INT][signalled];
                 // The child is ours and not reaped, so its pid still names it.
                 if let Some(pid) = rustix::process::Pid::from_raw(lpid as i32) {
-                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+                    let _ = rustix::process::kill_process(pid, sig);
                 }
                 signalled += 1;
                 std::thread::sleep(Duration::from_millis(50));
@@ -401,7 +426,7 @@ fn run(
     // For scale: the same launch on the built-in synthetic data (no file at all), so the mock
     // pipeline's own time to a first batch (simulated compute, min_ready) shows apart.
     modes.push((
-        "built-in synthetic data, 2000 samples (generated in each process)",
+        "built-in synthetic data, 2000 samples (made in each process)",
         launcher.to_path_buf(),
         vec!["--synthetic".into(), "2000".into()],
     ));
@@ -431,36 +456,88 @@ fn run(
             if exe != launcher && r >= baseline_runs {
                 continue;
             }
-            let run_dir = work.join(format!("run-{k}-{r}"));
             // A baseline that prepares runs the same topology as ours (its memory does not grow
             // with the data).
             let before = exe != launcher && !baseline_prepares;
             let (t, d) = if before { (bt, bd) } else { ("0-4", "5-7") };
-            let mut args: Vec<String> = [
-                "--targets",
-                t,
-                "--drafters",
-                d,
-                "--monitor",
-                "5",
-                "--run-dir",
-            ]
-            .map(String::from)
-            .to_vec();
-            args.push(s(&run_dir));
-            args.extend(extra.iter().cloned());
-            let l = launch(exe, &args, &run_dir).with_context(|| format!("{name}, run {r}"))?;
+            let run_dir = work.join(format!("run-{k}-{r}"));
+            let l = launch_on(exe, t, d, extra, &run_dir)
+                .with_context(|| format!("{name}, run {r}"))?;
             results[k].push(l);
-            let _ = std::fs::remove_dir_all(&run_dir);
         }
     }
-    println!("| launch | first batch published (s) | first batch trained (s) | launcher peak / private (MiB) | largest target peak / private / files / ring (MiB) | largest drafter peak / private (MiB) | all processes: sum of peaks / private (MiB) |");
-    println!("|---|---|---|---|---|---|---|");
-    for (k, (name, _, _)) in modes.iter().enumerate() {
-        summarise(name, &results[k]);
-    }
+    table(&modes, &results);
     let _ = std::fs::remove_dir_all(work);
     Ok(())
+}
+
+/// Launches on the synthetic data: `samples` samples, `launcher` and `baseline` in turn.
+fn synthetic(
+    samples: u64,
+    launcher: &Path,
+    baseline: Option<&Path>,
+    runs: usize,
+    work: &Path,
+) -> anyhow::Result<()> {
+    let _ = std::fs::remove_dir_all(work);
+    std::fs::create_dir_all(work)?;
+    let extra = vec!["--synthetic".to_string(), samples.to_string()];
+    let mut modes = vec![(
+        format!("built-in synthetic data, {samples} samples"),
+        launcher.to_path_buf(),
+        extra.clone(),
+    )];
+    if let Some(b) = baseline {
+        modes.push((format!("baseline: {}", modes[0].0), b.to_path_buf(), extra));
+    }
+    let mut results: Vec<Vec<Launch>> = modes.iter().map(|_| Vec::new()).collect();
+    for r in 0..runs {
+        for (k, (name, exe, extra)) in modes.iter().enumerate() {
+            let run_dir = work.join(format!("run-{k}-{r}"));
+            let l = launch_on(exe, "0-4", "5-7", extra, &run_dir)
+                .with_context(|| format!("{name}, run {r}"))?;
+            results[k].push(l);
+        }
+    }
+    table(&modes, &results);
+    let _ = std::fs::remove_dir_all(work);
+    Ok(())
+}
+
+/// One launch on targets `t` and drafters `d` with the `extra` arguments, its run directory
+/// removed after.
+fn launch_on(
+    exe: &Path,
+    t: &str,
+    d: &str,
+    extra: &[String],
+    run_dir: &Path,
+) -> anyhow::Result<Launch> {
+    let mut args: Vec<String> = [
+        "--targets",
+        t,
+        "--drafters",
+        d,
+        "--monitor",
+        "5",
+        "--run-dir",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.push(run_dir.to_string_lossy().into_owned());
+    args.extend(extra.iter().cloned());
+    let l = launch(exe, &args, run_dir);
+    let _ = std::fs::remove_dir_all(run_dir);
+    l
+}
+
+/// The launches' table: a row of medians for each mode.
+fn table<S: AsRef<str>>(modes: &[(S, PathBuf, Vec<String>)], results: &[Vec<Launch>]) {
+    println!("| launch | first batch published (s) | first batch trained (s) | launcher peak / private (MiB) | largest target peak / private / files / ring (MiB) | largest drafter peak / private (MiB) | all processes: sum of peaks / private (MiB) |");
+    println!("|---|---|---|---|---|---|---|");
+    for ((name, _, _), r) in modes.iter().zip(results) {
+        summarise(name.as_ref(), r);
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -487,5 +564,12 @@ fn main() -> anyhow::Result<()> {
             baseline_prepares,
             &work,
         ),
+        Cmd::Synthetic {
+            samples,
+            launcher,
+            baseline,
+            runs,
+            work,
+        } => synthetic(samples, &launcher, baseline.as_deref(), runs, &work),
     }
 }

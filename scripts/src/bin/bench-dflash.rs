@@ -85,7 +85,7 @@ fn main() -> anyhow::Result<()> {
             c.copy_from_slice(&id.to_le_bytes());
         }
         let mask: Vec<u8> = (samples.iter())
-            .flat_map(|s| match s.loss_mask {
+            .flat_map(|s| match &s.loss_mask {
                 Some(m) => m.to_vec(),
                 None => vec![1; s.input_ids.len()],
             })
