@@ -143,7 +143,9 @@ pub struct Args {
     /// Run directory (default: runs/<run id>). Must not hold an earlier run.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Restarts allowed per worker before it is given up.
+    /// Restarts in a row allowed per worker before it is given up: restarts with no batch
+    /// published (a target) or trained (a drafter) between them, a crash loop. A worker that
+    /// finished a batch since its last restart starts counting again.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed

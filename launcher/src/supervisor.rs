@@ -46,7 +46,7 @@ enum Life {
     Done,
     /// Exited after a stop request.
     Stopped,
-    /// Crashed past its restart limit.
+    /// Crashed again with its restarts in a row at the limit.
     GaveUp,
 }
 
@@ -57,7 +57,13 @@ struct Worker {
     child: Option<Child>,
     pid: u32,
     spawns: u32,
+    /// Restarts in all.
     restarts: u32,
+    /// Restarts since it last finished an item (a batch published or trained): a crash loop
+    /// counts up to `--max-restarts`, a crash after work starts again at 0.
+    in_a_row: u32,
+    /// Its items (the ring's count, over every incarnation) when this incarnation started.
+    items_before: u64,
     life: Life,
     control: Option<control::Sender<ToWorker>>,
     report: Option<FinalReport>,
@@ -72,6 +78,8 @@ impl Worker {
             pid: 0,
             spawns: 0,
             restarts: 0,
+            in_a_row: 0,
+            items_before: 0,
             life: Life::Backoff(Instant::now()),
             control: None,
             report: None,
@@ -92,9 +100,10 @@ impl Worker {
     }
 }
 
-/// The wait before restart number `restarts + 1`: 200 ms doubling, at most 5 s.
-fn backoff(restarts: u32) -> Duration {
-    Duration::from_millis(200 * (1u64 << restarts.min(5))).min(Duration::from_secs(5))
+/// The wait before a worker's restart number `in_a_row + 1` in a row: 200 ms doubling, at most
+/// 5 s.
+fn backoff(in_a_row: u32) -> Duration {
+    Duration::from_millis(200 * (1u64 << in_a_row.min(5))).min(Duration::from_secs(5))
 }
 
 pub(crate) struct Supervisor<'a> {
@@ -278,10 +287,22 @@ impl<'a> Supervisor<'a> {
         Ok(())
     }
 
-    /// Worker `i` died: recover what it held, then schedule its restart or give it up.
+    /// Worker `i` died: recover what it held, then schedule its restart or give it up. Only
+    /// restarts in a row count against `--max-restarts`: an incarnation that finished an item
+    /// (the ring's count of them grew) ends the row, so a run of a week keeps a GPU through a
+    /// few crashes far apart, and a crash loop still ends at the limit.
     fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
         let r = self.recover(i)?;
+        let items = self
+            .ring
+            .snapshot()
+            .worker(self.workers[i].name())
+            .map_or(0, |rec| rec.items);
         let w = &mut self.workers[i];
+        if items > w.items_before {
+            w.in_a_row = 0;
+        }
+        w.items_before = items;
         self.mon.say(&format!(
             "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
             w.name(),
@@ -291,8 +312,9 @@ impl<'a> Supervisor<'a> {
             r.work_returned
         ));
         let stop_target = self.stopping && w.name.role == Role::Producer;
-        if w.restarts < self.args.max_restarts && !stop_target {
-            w.life = Life::Backoff(Instant::now() + backoff(w.restarts));
+        if w.in_a_row < self.args.max_restarts && !stop_target {
+            w.life = Life::Backoff(Instant::now() + backoff(w.in_a_row));
+            w.in_a_row += 1;
             w.restarts += 1;
             return Ok(());
         }
@@ -301,8 +323,9 @@ impl<'a> Supervisor<'a> {
         } else {
             w.life = Life::GaveUp;
             let note = format!(
-                "{} gave up after {} restart(s); log: {}",
+                "{} gave up after {} restart(s) in a row with no item finished ({} in all); log: {}",
                 w.name(),
+                w.in_a_row,
                 w.restarts,
                 self.run_dir.log(w.name()).display()
             );
@@ -380,9 +403,10 @@ impl<'a> Supervisor<'a> {
             .with_context(|| format!("starting {}", w.name()))?;
             if w.spawns > 0 {
                 self.mon.say(&format!(
-                    "{} restarted (restart {} of at most {}), pid {}",
+                    "{} restarted (restart {}; {} in a row of at most {}), pid {}",
                     w.name(),
                     w.restarts,
+                    w.in_a_row,
                     self.args.max_restarts,
                     child.id()
                 ));

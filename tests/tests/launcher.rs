@@ -611,6 +611,34 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     );
 }
 
+/// A target that crashes in its second batch, each incarnation, is restarted every time under
+/// `--max-restarts 1`: each incarnation finished a batch, so no two restarts are in a row, and
+/// the run completes with every sample trained once. When the limit counted every restart of
+/// the run, target-1 was given up at its second crash and the run ended degraded (exit 3); a
+/// week-long run lost a GPU to a few crashes days apart so.
+#[test]
+fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
+    let run = Run::new("lapart");
+    // Slow targets and 2000 samples (about 175 batches, seconds): target-1's second incarnation
+    // finds work left however late it starts.
+    let cfg = config(&run.dir, true, "[faults.target-1]\ncrash_after = 2\n");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 2000");
+    let launcher = run.launch(&cfg, &["--max-restarts", "1"]);
+    let (status, err) = launcher.wait_status_keep();
+    assert_eq!(status.code(), Some(0), "complete, not degraded\n{err}");
+    let s = run.summary();
+    let restarts = s["workers"][1]["restarts"].as_u64().unwrap();
+    assert!(
+        restarts >= 2,
+        "target-1 restarted {restarts} time(s): past the limit of 1 is what this tests\n{err}"
+    );
+    let notes = s["notes"].to_string();
+    assert!(!notes.contains("gave up"), "{notes}");
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 2000, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "each once");
+}
+
 /// Issue #29, item 1, end to end: target-1 is slow and crashes with its batches still held
 /// (its first in WRITING, the next prefetched) long after the other targets ran out of fresh
 /// work; with `--max-restarts 0` it is given up at once and retired. The other targets, waiting
