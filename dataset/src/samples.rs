@@ -39,7 +39,7 @@ pub struct Synthetic {
 
 /// The synthetic samples, made on request: a sample is a pure function of its id, so a
 /// process holds only the lengths (4 bytes a sample, as a mapped dataset does), not the
-/// tokens. Made up front, `--synthetic 400000` (32-4,096 tokens a sample) was 1.7 GB in the
+/// tokens. Made up front, `--synthetic 400000` (32-4,096 tokens a sample) was 1.6 GB in the
 /// launcher and in every target worker, and each took seconds at every start (BENCHMARKS,
 /// "The synthetic data made when read").
 struct Made {

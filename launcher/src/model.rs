@@ -330,7 +330,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     let mut tokens_done = 0u64;
     for id in 0..data.len() as u64 {
         let Some(s) = data.sample(id) else { continue };
-        let ids = s.input_ids.to_vec();
+        let ids = s.input_ids.into_owned();
         let t = ids.len();
         let mut hidden = vec![0u8; t * l * h * es];
         let mut greedy = vec![0u8; t * 4];

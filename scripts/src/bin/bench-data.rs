@@ -246,8 +246,13 @@ fn launch(launcher: &Path, args: &[String], run_dir: &Path) -> anyhow::Result<La
         }
         for pid in pids {
             if let Some((name, _, m)) = status_of(pid) {
-                // The name seen last: a child is named after the launcher until it execs.
+                // The name seen last: a child is named after the launcher until it execs, and
+                // until then its pages are the launcher's, shared copy-on-write but counted as
+                // its own: what was seen under another name is dropped.
                 let e = procs.entry(pid).or_insert((String::new(), Mem::default()));
+                if e.0 != name {
+                    e.1 = Mem::default();
+                }
                 e.0 = name;
                 e.1.hwm = e.1.hwm.max(m.hwm);
                 e.1.anon = e.1.anon.max(m.anon);
