@@ -258,7 +258,7 @@ impl MarkKind {
 }
 
 /// The marks in the launcher's messages (see `lib.rs`: "drafter-1 (pid 7) died: ...",
-/// "drafter-1 restarted (restart 1 of at most 3), pid 9", "drafter-1 gave up after ...",
+/// "drafter-1 restarted (restart 4; 1 in a row of at most 3), pid 9", "drafter-1 gave up after ...",
 /// "drafter-1 (pid 7) sent no heartbeat ...: killing it as hung", "stopping: SIGINT ...",
 /// "no drafter left: stopping the targets").
 pub fn marks(ticks: &[Tick]) -> Vec<Mark> {

@@ -125,6 +125,50 @@ pub fn threads_per_worker(configured: u32, workers: usize) -> usize {
     (cores / workers.max(1)).max(1)
 }
 
+/// The line a worker's log starts each incarnation with (then its number and GPU).
+const STARTING: &str = "--- launcher: starting";
+
+/// What a worker's last incarnation said as it died, from the end of its log: its last error
+/// line (anyhow's `error: ...`, a tracing `ERROR` line, a Rust panic with its message, a Python
+/// exception's last line), cut to 300 characters. None if it said nothing of the kind (killed
+/// by a signal, say) or the log cannot be read.
+pub fn last_error(log: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const TAIL: u64 = 64 << 10;
+    let mut f = std::fs::File::open(log).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).ok()?;
+    let mut bytes = Vec::new();
+    f.read_to_end(&mut bytes).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
+    let this = text.rsplit(STARTING).next()?;
+    let lines: Vec<&str> = this.lines().collect();
+    let mut said = None;
+    for (i, l) in lines.iter().enumerate() {
+        let next = || lines.get(i + 1).map_or("", |n| n.trim());
+        if l.starts_with("error:") {
+            said = Some(l.trim().to_string());
+        } else if let Some(at) = l.find(" ERROR ") {
+            said = Some(l[at + " ERROR ".len()..].trim().to_string());
+        } else if l.starts_with("thread '") && l.contains(" panicked at ") {
+            said = Some(format!("{} {}", l.trim(), next()));
+        } else if l.starts_with("Traceback (most recent call last)") {
+            // The exception is the first line after the frames, which are indented.
+            let rest = lines[i + 1..].iter();
+            if let Some(e) = rest
+                .map(|x| x.trim_end())
+                .find(|x| !x.is_empty() && !x.starts_with(' '))
+            {
+                said = Some(e.to_string());
+            }
+        }
+    }
+    said.map(|s| match s.char_indices().nth(300) {
+        Some((cut, _)) => format!("{}...", &s[..cut]),
+        None => s,
+    })
+}
+
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
 /// forwards its messages as `Event`s.
 pub fn spawn(
@@ -143,7 +187,7 @@ pub fn spawn(
         .with_context(|| format!("opening log {}", log.display()))?;
     writeln!(
         logf,
-        "--- launcher: starting (incarnation {}) on GPU {gpu}",
+        "{STARTING} (incarnation {}) on GPU {gpu}",
         key.spawn + 1
     )?;
     let sub = subcommand(key.name.role);
@@ -273,6 +317,64 @@ fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, even
 
 #[cfg(test)]
 mod tests {
+    use super::{last_error, STARTING};
+
+    /// `log` written to a file, and what [`last_error`] finds in it.
+    fn said(log: &str) -> Option<String> {
+        let dir = std::env::temp_dir().join(format!("hspipe-last-error-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = dir.join(format!("{n}.log"));
+        std::fs::write(&p, log).unwrap();
+        let out = last_error(&p);
+        std::fs::remove_file(&p).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_dead_workers_reason_is_its_last_incarnations_last_error() {
+        let anyhow = format!(
+            "{STARTING} (incarnation 1) on GPU 2\n2026-12-06T00:35:54Z  INFO attached\n\
+             error: writing the checkpoint c.safetensors: No space left on device (os error 28)\n"
+        );
+        assert_eq!(
+            said(&anyhow).as_deref(),
+            Some("error: writing the checkpoint c.safetensors: No space left on device (os error 28)")
+        );
+        // The next incarnation said nothing yet (killed by a signal): not the earlier's reason.
+        let again = format!("{anyhow}{STARTING} (incarnation 2) on GPU 2\nINFO attached\n");
+        assert_eq!(said(&again), None);
+        let traced =
+            format!("{STARTING} (incarnation 1) on GPU 0\n2026Z ERROR injected crash at start\n");
+        assert_eq!(said(&traced).as_deref(), Some("injected crash at start"));
+        let panic = format!(
+            "{STARTING} (incarnation 1) on GPU 0\nthread 'main' panicked at src/lib.rs:3:5:\n\
+             index out of bounds\nnote: run with `RUST_BACKTRACE=1`\n"
+        );
+        assert_eq!(
+            said(&panic).as_deref(),
+            Some("thread 'main' panicked at src/lib.rs:3:5: index out of bounds")
+        );
+        let python = format!(
+            "{STARTING} (incarnation 1) on GPU 0\nTraceback (most recent call last):\n  \
+             File \"w.py\", line 3, in <module>\n    step()\nRuntimeError: CUDA out of memory\n"
+        );
+        assert_eq!(
+            said(&python).as_deref(),
+            Some("RuntimeError: CUDA out of memory")
+        );
+        let long = format!(
+            "{STARTING} (incarnation 1) on GPU 0\nerror: {}\n",
+            "x".repeat(400)
+        );
+        assert_eq!(
+            said(&long).unwrap().chars().count(),
+            303,
+            "cut to 300 and ..."
+        );
+    }
+
     #[test]
     fn threads_are_the_configured_number_or_the_cores_shared_out() {
         assert_eq!(super::threads_per_worker(3, 8), 3);

@@ -298,13 +298,16 @@ impl<'a> Supervisor<'a> {
             .snapshot()
             .worker(self.workers[i].name())
             .map_or(0, |rec| rec.items);
+        let said = spawn::last_error(&self.run_dir.log(self.workers[i].name()))
+            .map_or(String::new(), |e| format!(", saying {e:?}"));
         let w = &mut self.workers[i];
-        if items > w.items_before {
+        // A batch published or trained, or one whose update the group applied before it died.
+        if items > w.items_before || r.retired > 0 {
             w.in_a_row = 0;
         }
         w.items_before = items;
         self.mon.say(&format!(
-            "{} (pid {}) died: {status}; recovered {} held batch(es), {} slot(s), {} work item(s)",
+            "{} (pid {}) died: {status}{said}; recovered {} held batch(es), {} slot(s), {} work item(s)",
             w.name(),
             w.pid,
             r.requeued,
@@ -323,7 +326,7 @@ impl<'a> Supervisor<'a> {
         } else {
             w.life = Life::GaveUp;
             let note = format!(
-                "{} gave up after {} restart(s) in a row with no item finished ({} in all); log: {}",
+                "{} gave up after {} restart(s) in a row ({} in all); log: {}",
                 w.name(),
                 w.in_a_row,
                 w.restarts,

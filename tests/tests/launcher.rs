@@ -601,8 +601,15 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     assert_eq!(s["workers"][6]["restarts"], 2);
     let notes = s["notes"].to_string();
     assert!(
-        notes.contains("drafter-1 gave up after 2 restart(s)"),
+        notes.contains("drafter-1 gave up after 2 restart(s) in a row"),
         "{notes}"
+    );
+    // Why it died is said where the death is, not only in its log.
+    let log = run.launcher_log();
+    assert!(
+        log.contains(r#"drafter-1 (pid "#)
+            && log.contains(r#", saying "injected crash at start"; recovered"#),
+        "{log}"
     );
     assert_eq!(
         sample_counts(&run.ledgers()).len(),

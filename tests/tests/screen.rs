@@ -274,9 +274,10 @@ fn svg_size(svg: &str) -> (u32, u32) {
 #[test]
 fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clearly() {
     let run = Run::new("report");
-    // Dies after 2 batches, is restarted once, dies again and is given up: a death and a
-    // restart early in the run, and no restart racing the end of the run.
-    let cfg = config(&run.dir, false, "[faults.drafter-1]\ncrash_after = 2\n");
+    // Dies in its first batch, is restarted once, dies again (no batch finished between: a
+    // crash loop) and is given up: a death and a restart early in the run, and no restart
+    // racing the end of the run.
+    let cfg = config(&run.dir, false, "[faults.drafter-1]\ncrash_after = 1\n");
     // Ticks every 50 ms: the run lasts half a second on a quiet machine, and the picture of a
     // killed launcher below needs a metrics file long enough to cut in half.
     let (status, err) = run

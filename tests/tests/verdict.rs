@@ -567,9 +567,9 @@ fn start_up_under_min_ready_is_starting() {
     seen.every_line(&sel, |l| l.contains("wait until 8 batches are READY"));
 }
 
-/// A drafter that crashes after every 6 batches and is restarted (twice, then given up): the
-/// drafters stay the bottleneck on every interval, no worker is blamed for the restart, and
-/// while drafter 1 is down a warning says so.
+/// A drafter that crashes in every 6th batch and is restarted each time (each incarnation
+/// trained batches, so no restart is in a row): the drafters stay the bottleneck on every
+/// interval, no worker is blamed for the restart, and while drafter 1 is down a warning says so.
 #[test]
 fn a_crashed_drafter_restarting_keeps_the_verdict() {
     let mock = Mock {
@@ -592,9 +592,9 @@ fn a_crashed_drafter_restarting_keeps_the_verdict() {
     seen.warned_while_down(Role::Consumer, 1, "drafter 1 ");
 }
 
-/// A target that crashes after every 5 batches in a target-bound run (restarted twice, then
-/// retired): the targets stay the bottleneck, the crashing one is not called slow, and while it
-/// is down a warning names it.
+/// A target that crashes in every 5th batch in a target-bound run (restarted each time: each
+/// incarnation published batches): the targets stay the bottleneck, the crashing one is not
+/// called slow, and while it is down a warning names it.
 #[test]
 fn a_crashed_target_keeps_the_verdict() {
     let mock = Mock {
