@@ -290,7 +290,10 @@ impl<'a> Supervisor<'a> {
     /// Worker `i` died: recover what it held, then schedule its restart or give it up. Only
     /// restarts in a row count against `--max-restarts`: an incarnation that finished an item
     /// (the ring's count of them grew) ends the row, so a run of a week keeps a GPU through a
-    /// few crashes far apart, and a crash loop still ends at the limit.
+    /// few crashes far apart, and a crash loop still ends at the limit. The price: a fault that
+    /// recurs after some work (a full disk at every checkpoint) is restarted for as long as the
+    /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
+    /// says why each time ([`spawn::last_error`]).
     fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
         let r = self.recover(i)?;
         let items = self
