@@ -128,10 +128,15 @@ pub fn threads_per_worker(configured: u32, workers: usize) -> usize {
 /// The line a worker's log starts each incarnation with (then its number and GPU).
 const STARTING: &str = "--- launcher: starting";
 
+/// How far from the end of a dead worker's log its reason is looked for, in lines: a crash's
+/// message ends the log (a panic's note, or a Python traceback's exception, after it).
+const LAST_LINES: usize = 8;
+
 /// What a worker's last incarnation said as it died, from the end of its log: its last error
-/// line (anyhow's `error: ...`, a tracing `ERROR` line, a Rust panic with its message, a Python
-/// exception's last line), cut to 300 characters. None if it said nothing of the kind (killed
-/// by a signal, say) or the log cannot be read.
+/// line among its last [`LAST_LINES`] (anyhow's `error: ...`, a tracing `ERROR` line, a Rust
+/// panic with its message, a Python exception's last line), cut to 300 characters. None if it
+/// said nothing of the kind there (killed by a signal, say; an error it logged long before is
+/// not the reason) or the log cannot be read.
 pub fn last_error(log: &Path) -> Option<String> {
     use std::io::{Read, Seek, SeekFrom};
     const TAIL: u64 = 64 << 10;
@@ -142,10 +147,14 @@ pub fn last_error(log: &Path) -> Option<String> {
     f.read_to_end(&mut bytes).ok()?;
     let text = String::from_utf8_lossy(&bytes);
     let this = text.rsplit(STARTING).next()?;
-    let lines: Vec<&str> = this.lines().collect();
+    let lines: Vec<&str> = this.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last = lines.len().saturating_sub(LAST_LINES);
     let mut said = None;
     for (i, l) in lines.iter().enumerate() {
         let next = || lines.get(i + 1).map_or("", |n| n.trim());
+        if i < last && !l.starts_with("Traceback (most recent call last)") {
+            continue;
+        }
         if l.starts_with("error:") {
             said = Some(l.trim().to_string());
         } else if let Some(at) = l.find(" ERROR ") {
@@ -154,12 +163,9 @@ pub fn last_error(log: &Path) -> Option<String> {
             said = Some(format!("{} {}", l.trim(), next()));
         } else if l.starts_with("Traceback (most recent call last)") {
             // The exception is the first line after the frames, which are indented.
-            let rest = lines[i + 1..].iter();
-            if let Some(e) = rest
-                .map(|x| x.trim_end())
-                .find(|x| !x.is_empty() && !x.starts_with(' '))
-            {
-                said = Some(e.to_string());
+            let e = (i + 1..lines.len()).find(|&j| !lines[j].starts_with(' '));
+            if let Some(j) = e.filter(|&j| j >= last) {
+                said = Some(lines[j].trim_end().to_string());
             }
         }
     }
@@ -329,6 +335,7 @@ mod tests {
         std::fs::write(&p, log).unwrap();
         let out = last_error(&p);
         std::fs::remove_file(&p).unwrap();
+        let _ = std::fs::remove_dir(&dir);
         out
     }
 
@@ -364,6 +371,12 @@ mod tests {
             said(&python).as_deref(),
             Some("RuntimeError: CUDA out of memory")
         );
+        // An error logged long before a death by a signal is not its reason.
+        let stale = format!(
+            "{STARTING} (incarnation 1) on GPU 0\nZ ERROR a batch was refused\n{}",
+            "Z  INFO step\n".repeat(8)
+        );
+        assert_eq!(said(&stale), None);
         let long = format!(
             "{STARTING} (incarnation 1) on GPU 0\nerror: {}\n",
             "x".repeat(400)
