@@ -265,18 +265,20 @@ pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
     let mut out = Vec::new();
     for e in ticks.iter().flat_map(|t| &t.events) {
         let first = e.text.split_whitespace().next().unwrap_or("");
+        // A death's line may quote the worker (", saying ..."): only the launcher's words count.
+        let text = e.text.split(", saying ").next().unwrap_or("");
         let worker = first
             .parse::<WorkerName>()
             .is_ok()
             .then(|| first.to_string());
         let kind = if worker.is_some() {
-            if e.text.contains("killing it as hung") {
+            if text.contains("killing it as hung") {
                 MarkKind::Hung
-            } else if e.text.contains(") died") {
+            } else if text.contains(") died") {
                 MarkKind::Died
-            } else if e.text.starts_with(&format!("{first} restarted")) {
+            } else if text.starts_with(&format!("{first} restarted")) {
                 MarkKind::Restarted
-            } else if e.text.starts_with(&format!("{first} gave up")) {
+            } else if text.starts_with(&format!("{first} gave up")) {
                 MarkKind::GaveUp
             } else {
                 continue;
@@ -1008,4 +1010,29 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
         }
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{marks, MarkKind};
+    use crate::monitor::{EventTick, Tick};
+
+    #[test]
+    fn a_death_is_marked_by_the_launchers_words_not_by_what_it_quotes() {
+        let said = |text: &str| Tick {
+            events: vec![EventTick {
+                t_s: 1.0,
+                text: text.into(),
+            }],
+            ..Tick::default()
+        };
+        let ticks = [
+            said(
+                r#"drafter-1 (pid 7) died: exit status: 1, saying "error: killing it as hung, then restarted""#,
+            ),
+            said("drafter-1 (pid 8) sent no heartbeat for 601s: killing it as hung"),
+        ];
+        let kinds: Vec<MarkKind> = marks(&ticks).iter().map(|m| m.kind).collect();
+        assert_eq!(kinds, [MarkKind::Died, MarkKind::Hung]);
+    }
 }

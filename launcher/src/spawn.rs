@@ -129,14 +129,16 @@ pub fn threads_per_worker(configured: u32, workers: usize) -> usize {
 const STARTING: &str = "--- launcher: starting";
 
 /// How far from the end of a dead worker's log its reason is looked for, in lines: a crash's
-/// message ends the log (a panic's note, or a Python traceback's exception, after it).
+/// message ends the log (a panic's note, or a Python traceback's exception, after it; a panic's
+/// backtrace may follow too, and is passed over).
 const LAST_LINES: usize = 8;
 
 /// What a worker's last incarnation said as it died, from the end of its log: its last error
 /// line among its last [`LAST_LINES`] (anyhow's `error: ...`, a tracing `ERROR` line, a Rust
 /// panic with its message, a Python exception's last line), cut to 300 characters. None if it
-/// said nothing of the kind there (killed by a signal, say; an error it logged long before is
-/// not the reason) or the log cannot be read.
+/// said nothing of the kind there (an error it logged long before is not the reason) or the log
+/// cannot be read. The caller does not ask for a worker killed by SIGKILL, which had no chance
+/// to say anything.
 pub fn last_error(log: &Path) -> Option<String> {
     use std::io::{Read, Seek, SeekFrom};
     const TAIL: u64 = 64 << 10;
@@ -144,22 +146,27 @@ pub fn last_error(log: &Path) -> Option<String> {
     let len = f.metadata().ok()?.len();
     f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).ok()?;
     let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes).ok()?;
+    // At most the tail: a process the worker left behind may still append to its log.
+    f.take(TAIL).read_to_end(&mut bytes).ok()?;
     let text = String::from_utf8_lossy(&bytes);
     let this = text.rsplit(STARTING).next()?;
     let lines: Vec<&str> = this.lines().filter(|l| !l.trim().is_empty()).collect();
     let last = lines.len().saturating_sub(LAST_LINES);
+    // A panic's backtrace (RUST_BACKTRACE) and its note may follow it to the end of the log.
+    let trace = |l: &str| {
+        let t = l.trim_start();
+        l.starts_with("stack backtrace:")
+            || l.starts_with("note: ")
+            || t.starts_with("at ")
+            || t.split_once(':')
+                .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
     let mut said = None;
     for (i, l) in lines.iter().enumerate() {
         let next = || lines.get(i + 1).map_or("", |n| n.trim());
-        if i < last && !l.starts_with("Traceback (most recent call last)") {
-            continue;
-        }
-        if l.starts_with("error:") {
-            said = Some(l.trim().to_string());
-        } else if let Some(at) = l.find(" ERROR ") {
-            said = Some(l[at + " ERROR ".len()..].trim().to_string());
-        } else if l.starts_with("thread '") && l.contains(" panicked at ") {
+        let panic = l.starts_with("thread '") && l.contains(" panicked at ");
+        let after = (i + 2).min(lines.len());
+        if panic && (i >= last || lines[after..].iter().all(|l| trace(l))) {
             said = Some(format!("{} {}", l.trim(), next()));
         } else if l.starts_with("Traceback (most recent call last)") {
             // The exception is the first line after the frames, which are indented.
@@ -167,6 +174,13 @@ pub fn last_error(log: &Path) -> Option<String> {
             if let Some(j) = e.filter(|&j| j >= last) {
                 said = Some(lines[j].trim_end().to_string());
             }
+        } else if i < last {
+            continue;
+        } else if l.starts_with("error:") {
+            said = Some(l.trim().to_string());
+        } else if let Some(at) = l.find(" ERROR ").filter(|&at| !l[..at].contains(' ')) {
+            // A tracing line: its timestamp, then the level.
+            said = Some(l[at + " ERROR ".len()..].trim().to_string());
         }
     }
     said.map(|s| match s.char_indices().nth(300) {
@@ -327,16 +341,9 @@ mod tests {
 
     /// `log` written to a file, and what [`last_error`] finds in it.
     fn said(log: &str) -> Option<String> {
-        let dir = std::env::temp_dir().join(format!("hspipe-last-error-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = dir.join(format!("{n}.log"));
-        std::fs::write(&p, log).unwrap();
-        let out = last_error(&p);
-        std::fs::remove_file(&p).unwrap();
-        let _ = std::fs::remove_dir(&dir);
-        out
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), log).unwrap();
+        last_error(f.path())
     }
 
     #[test]
@@ -356,13 +363,28 @@ mod tests {
             format!("{STARTING} (incarnation 1) on GPU 0\n2026Z ERROR injected crash at start\n");
         assert_eq!(said(&traced).as_deref(), Some("injected crash at start"));
         let panic = format!(
-            "{STARTING} (incarnation 1) on GPU 0\nthread 'main' panicked at src/lib.rs:3:5:\n\
+            "{STARTING} (incarnation 1) on GPU 0\nthread 'main' (4242) panicked at src/lib.rs:3:5:\n\
              index out of bounds\nnote: run with `RUST_BACKTRACE=1`\n"
         );
         assert_eq!(
             said(&panic).as_deref(),
-            Some("thread 'main' panicked at src/lib.rs:3:5: index out of bounds")
+            Some("thread 'main' (4242) panicked at src/lib.rs:3:5: index out of bounds")
         );
+        // With RUST_BACKTRACE set, the frames after it are passed over.
+        let frames =
+            "   0: __rustc::rust_begin_unwind\n             at /rustc/x/panicking.rs:689:5\n"
+                .repeat(10);
+        let traced_panic = format!(
+            "{STARTING} (incarnation 1) on GPU 0\nthread 'main' (7) panicked at src/a.rs:1:2:\n\
+             bad shape\nstack backtrace:\n{frames}note: Some details are omitted\n"
+        );
+        assert_eq!(
+            said(&traced_panic).as_deref(),
+            Some("thread 'main' (7) panicked at src/a.rs:1:2: bad shape")
+        );
+        // " ERROR " inside an INFO line's message is not a tracing ERROR.
+        let info = format!("{STARTING} (incarnation 1) on GPU 0\nZ  INFO saw \"x ERROR y\" here\n");
+        assert_eq!(said(&info), None);
         let python = format!(
             "{STARTING} (incarnation 1) on GPU 0\nTraceback (most recent call last):\n  \
              File \"w.py\", line 3, in <module>\n    step()\nRuntimeError: CUDA out of memory\n"
@@ -379,13 +401,11 @@ mod tests {
         assert_eq!(said(&stale), None);
         let long = format!(
             "{STARTING} (incarnation 1) on GPU 0\nerror: {}\n",
-            "x".repeat(400)
+            "é".repeat(400)
         );
-        assert_eq!(
-            said(&long).unwrap().chars().count(),
-            303,
-            "cut to 300 and ..."
-        );
+        let cut = said(&long).unwrap();
+        assert_eq!(cut.chars().count(), 303, "cut to 300 characters and ...");
+        assert!(cut.ends_with("é..."), "{cut}");
     }
 
     #[test]

@@ -301,7 +301,13 @@ impl<'a> Supervisor<'a> {
             .snapshot()
             .worker(self.workers[i].name())
             .map_or(0, |rec| rec.items);
-        let said = spawn::last_error(&self.run_dir.log(self.workers[i].name()))
+        // SIGKILL (the OOM killer, ours for a hang, a person's) leaves no last word: what the
+        // log ends with was said before, about something else.
+        let killed = std::os::unix::process::ExitStatusExt::signal(&status)
+            == Some(rustix::process::Signal::KILL.as_raw());
+        let said = (!killed)
+            .then(|| spawn::last_error(&self.run_dir.log(self.workers[i].name())))
+            .flatten()
             .map_or(String::new(), |e| format!(", saying {e:?}"));
         let w = &mut self.workers[i];
         // A batch published or trained, or one whose update the group applied before it died.
