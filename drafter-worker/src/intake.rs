@@ -71,11 +71,15 @@ impl<'c> Rank<'c, '_> {
         // Parsed again on this thread (the header only; its checksum was verified).
         let view = BatchView::parse(taken.as_ref())?;
         self.consumer.enter(Phase::Compute);
+        // A death from here to the gradient's end is held against this batch by the launcher
+        // (`--set-aside-after`): the batch, not the rank, may be what kills.
+        self.consumer.set_in_hand(Some(view.header().spec.batch_id));
         let got = match staged {
             None => self.backend.gradient(&view, mine),
             Some(Ok(staged)) => self.backend.gradient_staged(&view, staged, mine),
             Some(Err(e)) => Err(e),
         };
+        self.consumer.set_in_hand(None);
         self.consumer.enter(Phase::Other);
         let spec = &view.header().spec;
         let (sample_ids, tokens) = (spec.sample_ids.clone(), spec.tokens());

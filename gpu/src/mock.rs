@@ -268,6 +268,10 @@ impl DrafterBackend for MockDrafter {
                 spec.hidden, self.hidden
             )));
         }
+        if let Some(n) = (self.sim.faults.crash_on_sample).filter(|n| spec.sample_ids.contains(n)) {
+            tracing::error!(batch = spec.batch_id, "injected crash on sample {n}");
+            std::process::abort();
+        }
         grad.fill(0.0);
         let ids: Vec<u32> = batch.input_ids().collect();
         let mask = batch.loss_mask();

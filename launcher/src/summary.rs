@@ -95,6 +95,9 @@ pub struct Summary {
     pub batches_trained: u64,
     /// From the ring's counter: telemetry, not judged.
     pub redelivered: u64,
+    /// Batches set aside untrained after killing the drafters that took them
+    /// (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
+    pub batches_set_aside: u64,
     pub tokens_trained: u64,
     /// Ledger lines that could not be read (a drafter killed mid-line).
     pub torn_ledger_lines: u64,
@@ -178,6 +181,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         batches_published: snap.counters.published,
         batches_trained: batches,
         redelivered: snap.counters.redelivered,
+        batches_set_aside: snap.counters.set_aside,
         tokens_trained: tokens,
         torn_ledger_lines: torn,
         wall_s,

@@ -33,6 +33,7 @@ use crate::signals::StopSignals;
 use crate::spawn::{self, Event, Key, Welcome};
 use crate::{reclaim, summary};
 
+mod settle;
 mod start;
 
 /// Where a worker is in its life, as the supervisor sees it (not to be confused with
@@ -64,6 +65,8 @@ struct Worker {
     in_a_row: u32,
     /// Its items (the ring's count, over every incarnation) when this incarnation started.
     items_before: u64,
+    /// This incarnation was killed for a hang (its death is its own, not a SIGKILL from outside).
+    hung: bool,
     life: Life,
     control: Option<control::Sender<ToWorker>>,
     report: Option<FinalReport>,
@@ -80,6 +83,7 @@ impl Worker {
             restarts: 0,
             in_a_row: 0,
             items_before: 0,
+            hung: false,
             life: Life::Backoff(Instant::now()),
             control: None,
             report: None,
@@ -130,6 +134,8 @@ pub(crate) struct Supervisor<'a> {
     mon: Monitor,
     /// Lines for the summary: why the run is degraded.
     notes: Vec<String>,
+    /// The deaths held against each batch a drafter had in hand (`--set-aside-after`).
+    strikes: settle::Strikes,
     /// A stop was asked for (a signal, or no drafter left): targets stop, drafters drain.
     stopping: bool,
     /// A second signal killed every worker.
@@ -240,6 +246,7 @@ impl<'a> Supervisor<'a> {
                     silent as f64 / 1e9
                 ));
                 if let Some(c) = &mut w.child {
+                    w.hung = true;
                     let _ = c.kill();
                 }
             }
@@ -293,14 +300,12 @@ impl<'a> Supervisor<'a> {
     /// few crashes far apart, and a crash loop still ends at the limit. The price: a fault that
     /// recurs after some work (a full disk at every checkpoint) is restarted for as long as the
     /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
-    /// says why each time ([`spawn::last_error`]).
+    /// says why each time ([`spawn::last_error`]). A drafter's death with a batch in hand is
+    /// held against that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`).
     fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
-        let r = self.recover(i)?;
-        let items = self
-            .ring
-            .snapshot()
-            .worker(self.workers[i].name())
-            .map_or(0, |rec| rec.items);
+        let snap = self.ring.snapshot();
+        let rec = snap.worker(self.workers[i].name()).cloned();
+        let items = rec.as_ref().map_or(0, |rec| rec.items);
         // SIGKILL (the OOM killer, ours for a hang, a person's) leaves no last word: what the
         // log ends with was said before, about something else.
         let killed = std::os::unix::process::ExitStatusExt::signal(&status)
@@ -310,19 +315,35 @@ impl<'a> Supervisor<'a> {
             .flatten()
             .map_or(String::new(), |e| format!(", saying {e:?}"));
         let w = &mut self.workers[i];
+        let death = format!("{} (pid {}) died: {status}{said}", w.name(), w.pid);
+        // The batch it was computing on, if its death is held against that batch.
+        let counts = w.name.role == Role::Consumer && settle::Strikes::counts(status, w.hung);
+        let struck = (rec.and_then(|r| r.in_hand))
+            .filter(|_| counts)
+            .map(|batch| settle::Struck {
+                batch,
+                line: death.clone(),
+                drafter: w.name.index,
+                after_work: items > w.items_before,
+                trained: snap.counters.released,
+            });
+        w.hung = false;
+        let (r, settled) = self.recover(i, struck)?;
+        let w = &mut self.workers[i];
         // A batch published or trained, or one whose update the group applied before it died.
         if items > w.items_before || r.retired > 0 {
             w.in_a_row = 0;
         }
         w.items_before = items;
+        let in_hand = settled.in_hand.map_or(String::new(), |h| format!("; {h}"));
         self.mon.say(&format!(
-            "{} (pid {}) died: {status}{said}; recovered {} held batch(es), {} slot(s), {} work item(s)",
-            w.name(),
-            w.pid,
-            r.requeued,
-            r.freed,
-            r.work_returned
+            "{death}{in_hand}; recovered {} held batch(es), {} slot(s), {} work item(s)",
+            r.requeued, r.freed, r.work_returned
         ));
+        for line in settled.lines {
+            self.mon.say(&line);
+        }
+        let w = &mut self.workers[i];
         let stop_target = self.stopping && w.name.role == Role::Producer;
         if w.in_a_row < self.args.max_restarts && !stop_target {
             w.life = Life::Backoff(Instant::now() + backoff(w.in_a_row));
@@ -349,46 +370,6 @@ impl<'a> Supervisor<'a> {
             self.ring.retire(w.name.index)?;
         }
         Ok(())
-    }
-
-    /// Restores the ring's invariants after worker `i` died. A drafter leaves the group first:
-    /// survivors blocked in the reduction go on without it, and we learn whether its batch is
-    /// in an applied update; if it still holds that batch, it is retired, not redelivered.
-    fn recover(&mut self, i: usize) -> anyhow::Result<shm_ring::Recovered> {
-        let w = &self.workers[i];
-        let committed = if w.name.role == Role::Consumer {
-            let gone = self.group.remove(w.name.index)?;
-            gone.committed_batch.map(|b| (b, gone.membership.step))
-        } else {
-            None
-        };
-        let Some((batch, step)) = committed else {
-            return Ok(self.ring.recover(w.name())?);
-        };
-        let mut wrote = Ok(false);
-        let r = self
-            .ring
-            .recover_retiring(w.name(), batch, |meta, payload| {
-                wrote = proto::ledger::record_retired(
-                    &self.run_dir,
-                    w.name.index,
-                    meta,
-                    payload,
-                    u64::from(step),
-                );
-            })?;
-        if r.retired > 0 {
-            let how = match wrote {
-                Ok(true) => "its ledger line written for it".to_string(),
-                Ok(false) => "its ledger line was already written".into(),
-                Err(e) => format!("its ledger line could not be written: {e:#}"),
-            };
-            self.mon.say(&format!(
-                "{} died holding batch {batch}, whose update the group applied at step {step}: retired, not redelivered ({how})",
-                w.name()
-            ));
-        }
-        Ok(r)
     }
 
     /// Step 5: starts every worker whose backoff is over (the first start is due at once).

@@ -32,8 +32,8 @@ pub struct PipelineConfig {
 }
 
 /// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
-/// `hang_after`, `slow`, `crash_at_start`: crash or hang after N items, run slower by a factor,
-/// crash at start-up); the drafter worker injects the three in the group protocol
+/// `hang_after`, `slow`, `crash_at_start`, `crash_on_sample`: crash or hang after N items, run
+/// slower by a factor, crash at start-up, crash on a batch holding a sample); the drafter worker injects the three in the group protocol
 /// (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`) for any backend. Counted per
 /// process: a restarted worker starts counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -53,6 +53,9 @@ pub struct Faults {
     pub crash_after_commit_at: Option<u64>,
     /// Drafters: crash while waiting to rejoin the group, once.
     pub crash_in_join: bool,
+    /// Mock drafters: crash computing any batch that holds sample N, in every incarnation (a
+    /// batch that kills whoever trains it).
+    pub crash_on_sample: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

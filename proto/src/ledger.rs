@@ -1,7 +1,8 @@
 //! The drafters' ledgers, the record of what was trained: one contract between the drafter that
 //! writes its ledger, the launcher that writes a line for a rank that died (a retired batch),
 //! rewrites the ledgers on resume and accounts for them in `summary.json`, `launcher report`
-//! and the tests. Every reading and writing of a ledger is here.
+//! and the tests. Every reading and writing of a ledger is here, and of its counterpart, the
+//! record of batches set aside untrained (`RunDir::set_aside`, [`record_set_aside`]).
 //!
 //! A ledger (`RunDir::ledger`) is one JSON [`LedgerLine`] per trained batch. Each line is
 //! written with one `write` before the batch's slot is released, so a crash never loses the line
@@ -51,7 +52,7 @@ pub enum LedgerError {
         path: PathBuf,
         cause: std::io::Error,
     },
-    #[error("reading retired batch {batch_id}: {cause}")]
+    #[error("reading settled batch {batch_id}: {cause}")]
     Batch { batch_id: u64, cause: BatchError },
     #[error("encoding a ledger line: {0}")]
     Encode(#[from] serde_json::Error),
@@ -247,15 +248,11 @@ pub fn record_retired(
     if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
         return Ok(false);
     }
-    let view = BatchView::parse(payload).map_err(|source| LedgerError::Batch {
-        batch_id: meta.batch_id,
-        cause: source,
-    })?;
-    let spec = &view.header().spec;
+    let (sample_ids, tokens) = samples_of(meta, payload)?;
     let line = LedgerLine {
         batch_id: meta.batch_id,
-        sample_ids: spec.sample_ids.clone(),
-        tokens: spec.tokens(),
+        sample_ids,
+        tokens,
         delivery: meta.delivery,
         ticket: meta.ticket,
         step,
@@ -264,6 +261,73 @@ pub fn record_retired(
     };
     Ledger::open(&run_dir.ledger(index))?.append(&line)?;
     Ok(true)
+}
+
+/// The sample ids and tokens of the batch a dead drafter's slot holds (`payload`, its `meta`).
+fn samples_of(meta: &shm_ring::ItemMeta, payload: &[u8]) -> Result<(Vec<u64>, u64), LedgerError> {
+    let view = BatchView::parse(payload).map_err(|cause| LedgerError::Batch {
+        batch_id: meta.batch_id,
+        cause,
+    })?;
+    let spec = &view.header().spec;
+    Ok((spec.sample_ids.clone(), spec.tokens()))
+}
+
+/// A batch the launcher set aside (`RunDir::set_aside`, one JSON line each): it was in hand
+/// at every death it names, so it is not delivered again and its samples stay untrained in this
+/// run (`--resume` tries them again).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetAsideLine {
+    pub batch_id: u64,
+    pub sample_ids: Vec<u64>,
+    pub tokens: u64,
+    /// The ring's publish ticket of the batch.
+    pub ticket: u64,
+    /// The deaths held against it, as the launcher said them (`drafter-1 (pid 7) died: signal:
+    /// 6 (SIGABRT), saying "..."`).
+    pub deaths: Vec<String>,
+}
+
+/// For the launcher: appends the line of a batch it set aside, read from its slot (`payload`)
+/// before the slot is freed; returns the line.
+pub fn record_set_aside(
+    run_dir: &RunDir,
+    meta: &shm_ring::ItemMeta,
+    payload: &[u8],
+    deaths: &[String],
+) -> Result<SetAsideLine, LedgerError> {
+    let (sample_ids, tokens) = samples_of(meta, payload)?;
+    let line = SetAsideLine {
+        batch_id: meta.batch_id,
+        sample_ids,
+        tokens,
+        ticket: meta.ticket,
+        deaths: deaths.to_vec(),
+    };
+    let path = run_dir.set_aside();
+    let mut text = serde_json::to_string(&line)?;
+    text.push('\n');
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(io("appending to", &path))?;
+    Ok(line)
+}
+
+/// The batches set aside in the run so far (none if the file is missing); a line that does not
+/// parse is skipped.
+pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError> {
+    let path = run_dir.set_aside();
+    match std::fs::read_to_string(&path) {
+        Ok(t) => Ok(t
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io("reading", &path)(e)),
+    }
 }
 
 #[cfg(test)]

@@ -183,6 +183,12 @@ impl RunDir {
         (self.ledger_dir()).join(format!("{}.jsonl", WorkerName::consumer(index)))
     }
 
+    /// The batches set aside (`--set-aside-after`), one JSON line each: never trained, named
+    /// with their samples and the deaths held against them.
+    pub fn set_aside(&self) -> PathBuf {
+        self.0.join("set-aside.jsonl")
+    }
+
     pub fn checkpoints_dir(&self) -> PathBuf {
         self.0.join("checkpoints")
     }

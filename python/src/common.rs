@@ -41,7 +41,14 @@ impl Registered {
     pub fn enter(self, phase: Phase) -> Option<Phase> {
         match self {
             Registered::Producer(p) => p.enter(phase),
-            Registered::Consumer(c) => c.enter(phase),
+            Registered::Consumer(c) => {
+                // The group's reduction is not the batch's doing: a death in it (a timeout, a
+                // lost peer) is not held against the batch in hand (see `drafter.rs`).
+                if phase == Phase::Sync {
+                    c.set_in_hand(None);
+                }
+                c.enter(phase)
+            }
         }
     }
     pub fn heartbeat(self) {

@@ -7,6 +7,13 @@
 //! KeyboardInterrupt between `take()` and its caller) goes back to the ring untrained, READY for
 //! redelivery as if this rank had died holding it (`ReadSlot::requeue`), once its views are let
 //! go: never while one lives.
+//!
+//! The batch in hand (`Consumer::set_in_hand`, which the launcher holds a death against, to set
+//! a batch that kills every drafter aside) is the last one taken, from `take()` until the rank
+//! enters the `sync` phase (the group's reduction: `all_reduce` and `TorchGroup.all_reduce`
+//! enter it) or releases it: Python's loop has no compute boundary the ring could see. A batch
+//! dropped unreleased stays in hand until then: an exception raised on it that ends the
+//! process is a death with it in hand.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -34,6 +41,8 @@ pub struct DrafterCore {
     ended: Cell<bool>,
     /// The step the next release records when no group step named one: releases so far.
     releases: Cell<u64>,
+    /// The batch this rank said it has in hand (the last taken, until released).
+    in_hand: Cell<Option<u64>>,
     pub group: Group,
 }
 
@@ -55,8 +64,23 @@ impl DrafterCore {
             report: RefCell::default(),
             ended: Cell::new(false),
             releases: Cell::new(0),
+            in_hand: Cell::new(None),
             group,
         })
+    }
+
+    /// Says `batch` is in hand now (the last one taken).
+    fn hold(&self, batch: u64) {
+        self.in_hand.set(Some(batch));
+        self.consumer.set_in_hand(Some(batch));
+    }
+
+    /// `batch` was released; if it was the one in hand, none is now.
+    fn let_go(&self, batch: u64) {
+        if self.in_hand.get() == Some(batch) {
+            self.in_hand.set(None);
+            self.consumer.set_in_hand(None);
+        }
     }
 
     /// Gives back the dropped batches whose views are all gone (READY again, for redelivery).
@@ -160,6 +184,7 @@ impl Drafter {
             consumer.enter(Phase::Other);
             match header {
                 Ok(header) => {
+                    d.hold(slot.meta().batch_id);
                     let base = slot.payload().as_ptr() as usize;
                     return Ok(Some(Batch {
                         d: Rc::clone(d),
@@ -422,6 +447,7 @@ impl Batch {
             .release()
             .map_err(err)?;
         d.releases.set(releases);
+        d.let_go(meta.batch_id);
         let mut r = d.report.borrow_mut();
         r.items += 1;
         r.tokens += line.tokens;

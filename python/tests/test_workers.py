@@ -1,10 +1,12 @@
 """Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
 target feeding our drafters, numpy drafters training as one group from our targets, a killed
-Python worker restarted alone, the view-lifetime cases, and bad worker commands.
+Python worker restarted alone, a poison batch set aside, the view-lifetime cases, and bad
+worker commands.
 
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
 
+import json
 import signal
 
 from conftest import (
@@ -15,6 +17,7 @@ from conftest import (
     losses,
     no_segment_of,
     one_model,
+    sample_counts,
     script,
     slower_targets,
 )
@@ -93,6 +96,28 @@ def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
     ]:
         assert case in cases, f"case {case!r} did not hold: {cases}"
     assert run.summary()["ok"] is True
+
+
+def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
+    # Each rank raises when it takes the batch holding sample 137: an exception on a batch in
+    # hand (from take() to release()) is a death held against it; the third sets it aside.
+    poison = [PYTHON, script("tests/poison_drafter.py")]
+    code, out = run.launch(config_text(drafter=poison)).finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    s = run.summary()
+    assert "gave up" not in str(s["notes"]), s["notes"]
+    assert s["batches_set_aside"] == 1, s
+    lines = (run.run_dir / "set-aside.jsonl").read_text().splitlines()
+    assert len(lines) == 1, lines
+    aside = json.loads(lines[0])
+    assert 137 in aside["sample_ids"], aside
+    assert all("poisoned by sample 137" in d for d in aside["deaths"]), aside
+    # Each death was held against it: three, not more.
+    assert sum(w["restarts"] for w in s["workers"] if w["role"] == "drafter") == 3, out
+    counts = sample_counts(run.ledgers())
+    assert set(counts) == set(range(400)) - set(aside["sample_ids"]), sorted(counts)
+    assert all(c == 1 for c in counts.values()), counts
 
 
 def bad_drafter_command(run, argv, log_says):

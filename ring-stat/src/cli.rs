@@ -249,7 +249,7 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
     let c = &s.counters;
     writeln!(
         out,
-        "over {:.1}s: published {:.1}/s  trained {:.1}/s  {:.0} tok/s  ring full {:.0}% empty {:.0}%   totals: published {} taken {} released {} redelivered {}",
+        "over {:.1}s: published {:.1}/s  trained {:.1}/s  {:.0} tok/s  ring full {:.0}% empty {:.0}%   totals: published {} taken {} released {} redelivered {} set aside {}",
         iv.seconds,
         iv.published_per_s,
         iv.released_per_s,
@@ -259,7 +259,8 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
         c.published,
         c.taken,
         c.released,
-        c.redelivered
+        c.redelivered,
+        c.set_aside
     )?;
     writeln!(out, "verdict: {}", v.line)?;
     for st in &v.stragglers {

@@ -602,8 +602,8 @@ impl Widget for &View<'_> {
                             pct(iv.empty_frac)
                         ),
                         format!(
-                            "| totals: published {} taken {} released {} redelivered {}",
-                            k.published, k.taken, k.released, k.redelivered
+                            "| totals: published {} taken {} released {} redelivered {} set aside {}",
+                            k.published, k.taken, k.released, k.redelivered, k.set_aside
                         ),
                     ],
                     width + 2,

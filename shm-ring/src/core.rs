@@ -77,8 +77,8 @@ mod work;
 use crate::error::RingError;
 use crate::phase::Phase;
 use crate::sync::{self, AtomicU64, Ordering};
-pub use recovery::Recovered;
 pub(crate) use recovery::Retire;
+pub use recovery::{Recovered, Settle};
 pub(crate) use take::{choose_bucket, TakeState};
 pub use work::WorkClaim;
 

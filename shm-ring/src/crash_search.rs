@@ -1,7 +1,7 @@
 //! A seeded random search for crash bugs in the ring: producers and consumers played as state
 //! machines over one heap ring, one operation at a time in an order drawn from the seed, with
 //! workers killed between operations and in the middle of them, and the supervisor's part
-//! (recover, recover retiring a batch, restart under the next epoch, give up and retire) played
+//! (recover, recover settling a batch, restart under the next epoch, give up and retire) played
 //! at random moments after each kill.
 //!
 //! The loom models (`model.rs`) explore every interleaving of a few fixed scripts; the
@@ -13,8 +13,8 @@
 //! - every planned item is committed exactly once (one DONE mark, one publish ticket), except
 //!   items the current contract may strand when a producer is given up (see
 //!   [`STRICT_GIVE_UP`]);
-//! - every committed item is trained (released, or retired by a recovery that knows its update
-//!   applied) exactly once, and taken once plus once per redelivery, where a redelivery is only
+//! - every committed item is settled exactly once: trained (released, or retired by a recovery
+//!   that knows its update applied) or set aside by a recovery (and counted as such), and taken once plus once per redelivery, where a redelivery is only
 //!   ever of an item a killed consumer held;
 //! - the ring closes exactly when every expected producer has finished or been retired, and a
 //!   consumer sees end-of-stream only then, with nothing READY;
@@ -29,7 +29,7 @@
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-use crate::core::{Claim, CommitMeta, Retire, TakeState, TryTake};
+use crate::core::{Claim, CommitMeta, Retire, Settle, TakeState, TryTake};
 use crate::layout::{Word, WorkWord, FREE, READING, READY, WRITING};
 use crate::model::{HeapRing, SUPERVISOR};
 use crate::params::{BucketPick, TakePolicy};
@@ -113,10 +113,12 @@ struct Sim {
     take: Vec<TakeState>,
     items: usize,
     kills_left: u32,
-    /// Per item: commits, trainings (release or retire), takes, and requeues of a killed
-    /// consumer's hold.
+    /// Per item: commits, settlements (release, retire or set-aside), takes, and requeues of a
+    /// killed consumer's hold.
     committed: Vec<u32>,
     trained: Vec<u32>,
+    /// Items set aside by a recovery (also counted in `trained`, as settled).
+    set_aside: u64,
     taken: Vec<u32>,
     requeued: Vec<u32>,
     tickets: Vec<u64>,
@@ -195,6 +197,7 @@ impl Sim {
             kills_left,
             committed: vec![0; items],
             trained: vec![0; items],
+            set_aside: 0,
             taken: vec![0; items],
             requeued: vec![0; items],
             tickets: Vec::new(),
@@ -659,8 +662,10 @@ impl Sim {
         }
     }
 
-    /// The supervisor's part for a killed consumer: recover (perhaps retiring one batch it held,
-    /// as the drafter group does for a batch in an applied update), then restart or give up.
+    /// The supervisor's part for a killed consumer: recover (perhaps settling one batch it held:
+    /// retiring it, as the drafter group does for a batch in an applied update, or setting it
+    /// aside, as the launcher does for a batch in hand at several deaths), then restart or give
+    /// up.
     /// The last consumer standing is always restarted, or nobody would drain the ring.
     fn supervise_consumer(&mut self, k: usize) {
         let id = self.p() + k as u32;
@@ -670,10 +675,16 @@ impl Sim {
         if !recovered && self.coin(0.6) {
             let retire = (!held.is_empty() && self.coin(0.5))
                 .then(|| held[self.rng.random_range(0..held.len())]);
+            let how = if retire.is_some() && self.coin(0.5) {
+                Settle::SetAside
+            } else {
+                Settle::Retire
+            };
             let mut seen = Vec::new();
-            let mut before = |_: usize, m: crate::core::ItemMeta| seen.push(m.batch_id);
-            let mut r = retire.map(|batch_id| Retire {
-                batch_id,
+            let mut before = |_: usize, m: crate::core::ItemMeta, _| seen.push(m.batch_id);
+            let settle: Vec<(u64, Settle)> = retire.map(|b| (b, how)).into_iter().collect();
+            let mut r = retire.map(|_| Retire {
+                batches: &settle,
                 before: &mut before,
             });
             let out = self
@@ -682,15 +693,16 @@ impl Sim {
                 .recover(id, SUPERVISOR, |_| false, r.as_mut())
                 .unwrap_or_else(|l| self.fail(&format!("recover C{k}: lease {l:?}")));
             self.log.push(format!(
-                "supervisor recovers C{k} retiring {retire:?}: {out:?}"
+                "supervisor recovers C{k} settling {retire:?} ({how:?}): {out:?}"
             ));
             self.check(seen == retire.into_iter().collect::<Vec<_>>(), || {
                 format!("retiring {retire:?} showed {seen:?}")
             });
             if let Some(b) = retire {
                 self.trained[b as usize] += 1;
+                self.set_aside += u64::from(how == Settle::SetAside);
                 self.check(self.trained[b as usize] == 1, || {
-                    format!("item {b} trained twice (retired)")
+                    format!("item {b} settled twice ({how:?})")
                 });
             }
             let requeue: Vec<u64> = held
@@ -790,6 +802,13 @@ impl Sim {
                 )
             });
         }
+        let set_aside = self.ring.r().ctl.set_aside.load(Ordering::Relaxed);
+        self.check(set_aside == self.set_aside, || {
+            format!(
+                "the ring counted {set_aside} set aside, recoveries set {} aside",
+                self.set_aside
+            )
+        });
         STRANDED.with(|s| s.set(s.get() + stranded));
     }
 }

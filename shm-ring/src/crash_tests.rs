@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use crate::core::{Claim, WorkClaim};
+use crate::core::{Claim, Recovered, WorkClaim};
 use crate::error::RingError;
 use crate::layout::{Lease, Word, WorkWord, READY, WRITING};
 use crate::model::{process, HeapRing, SUPERVISOR};
@@ -297,12 +297,9 @@ fn a_zombie_or_a_recycled_pid_does_not_block_an_id_but_a_live_process_does() {
     drop(ring.producer(0).unwrap());
 }
 
-/// The drafter group's case: a consumer holding two batches dies after the update that used the
-/// first was applied (a committed group step) but before it released it. Recovery retiring that
-/// batch frees its slot as consumed (it must not be trained twice) after showing it to the
-/// caller, and still redelivers the other one.
-#[test]
-fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
+/// Consumer 2 (registered) takes both items of a two-item ring: the ring, and each item with
+/// its claim.
+fn two_taken() -> (HeapRing, [(u64, Claim); 2]) {
     let r = ring(3, 2);
     r.register(2, 0);
     for item in 0..2 {
@@ -310,34 +307,109 @@ fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
         r.deliver(0, 1, item);
     }
     let mut st = crate::core::TakeState::new(1, 2);
-    let (a, _, _) = r.consume(2, &mut st).unwrap();
-    let (b, _, _) = r.consume(2, &mut st).unwrap();
+    let (a, _, ca) = r.consume(2, &mut st).unwrap();
+    let (b, _, cb) = r.consume(2, &mut st).unwrap();
+    (r, [(a, ca), (b, cb)])
+}
+
+/// A consumer holding two batches dies; recovery settles the first (`how`) and redelivers the
+/// other. `given_back`: the consumer put the first back READY before it died (a Python rank's
+/// batch dropped on an exception). Returns the settled batch, what the caller was shown, and
+/// the recovery's counts.
+fn settle_one_of_two(
+    how: crate::core::Settle,
+    given_back: bool,
+) -> (u64, Vec<(usize, u64)>, Recovered) {
+    let (r, [(a, claim), (b, _)]) = two_taken();
+    if given_back {
+        r.r().requeue(claim).unwrap();
+        assert_eq!(r.ready_batches(), [a]);
+    }
     let mut seen = Vec::new();
-    let mut before = |idx: usize, meta: crate::core::ItemMeta| seen.push((idx, meta.batch_id));
+    let mut before = |idx: usize, meta: crate::core::ItemMeta, _| seen.push((idx, meta.batch_id));
     let mut retire = crate::core::Retire {
-        batch_id: a,
+        batches: &[(a, how)],
         before: &mut before,
     };
     let out = r
         .r()
         .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
         .unwrap();
-    assert_eq!((out.retired, out.requeued), (1, 1));
-    assert_eq!(seen.len(), 1);
-    assert_eq!(
-        seen[0].1, a,
-        "the caller saw the retired batch before its slot was freed"
-    );
     // Only the other batch comes back, once more delivered.
     assert_eq!(
         r.ready_batches(),
         [b],
-        "the retired batch is not delivered again"
+        "the settled batch is not delivered again"
     );
     r.register(2, 1);
     let mut st = crate::core::TakeState::new(1, 2);
     let (again, delivery, _) = r.consume(2, &mut st).unwrap();
     assert_eq!((again, delivery), (b, 1));
+    let released = r.r().ctl.released.load(Ordering::Relaxed);
+    let set_aside = r.r().ctl.set_aside.load(Ordering::Relaxed);
+    match how {
+        crate::core::Settle::Retire => assert_eq!((released, set_aside), (1, 0)),
+        crate::core::Settle::SetAside => assert_eq!((released, set_aside), (0, 1)),
+    }
+    (a, seen, out)
+}
+
+/// The drafter group's case: a consumer holding two batches dies after the update that used the
+/// first was applied (a committed group step) but before it released it. Recovery retiring that
+/// batch frees its slot as consumed (it must not be trained twice) after showing it to the
+/// caller, and still redelivers the other one.
+#[test]
+fn recovery_retires_a_batch_whose_update_was_applied_and_redelivers_the_rest() {
+    let (a, seen, out) = settle_one_of_two(crate::core::Settle::Retire, false);
+    assert_eq!((out.retired, out.set_aside, out.requeued), (1, 0, 1));
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].1, a,
+        "the caller saw the retired batch before its slot was freed"
+    );
+}
+
+/// A batch that killed the consumers that took it: recovery setting it aside frees its slot
+/// unconsumed (counted apart from the released ones, so "trained" stays true), shows it to the
+/// caller first, and redelivers the other batch the dead consumer held.
+#[test]
+fn recovery_sets_a_batch_aside_uncounted_as_trained_and_redelivers_the_rest() {
+    let (a, seen, out) = settle_one_of_two(crate::core::Settle::SetAside, false);
+    assert_eq!((out.retired, out.set_aside, out.requeued), (0, 1, 1));
+    assert_eq!(seen.iter().map(|s| s.1).collect::<Vec<_>>(), [a]);
+}
+
+/// Two batches settled by one recovery, each its own way (a Python rank holding the batch of an
+/// applied update and the next one, which it died on): one released, one set aside, none back.
+#[test]
+fn one_recovery_settles_two_batches_each_its_own_way() {
+    use crate::core::Settle;
+    let (r, [(a, _), (b, _)]) = two_taken();
+    let mut seen = Vec::new();
+    let mut before = |_: usize, meta: crate::core::ItemMeta, how| seen.push((meta.batch_id, how));
+    let mut retire = crate::core::Retire {
+        batches: &[(a, Settle::Retire), (b, Settle::SetAside)],
+        before: &mut before,
+    };
+    let out = (r.r())
+        .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
+        .unwrap();
+    assert_eq!((out.retired, out.set_aside, out.requeued), (1, 1, 0));
+    seen.sort_by_key(|s| s.0);
+    assert_eq!(seen, [(a, Settle::Retire), (b, Settle::SetAside)]);
+    assert!(r.ready_batches().is_empty());
+}
+
+/// A batch to settle that its consumer gave back (READY) before it died is taken back and
+/// settled all the same: not trained twice after an applied update, not delivered again once
+/// set aside. Before, recovery looked only at the dead consumer's READING slots.
+#[test]
+fn recovery_settles_a_batch_its_consumer_gave_back_before_it_died() {
+    for how in [crate::core::Settle::Retire, crate::core::Settle::SetAside] {
+        let (a, seen, out) = settle_one_of_two(how, true);
+        assert_eq!(out.retired + out.set_aside, 1, "{how:?}: {out:?}");
+        assert_eq!(seen.iter().map(|s| s.1).collect::<Vec<_>>(), [a], "{how:?}");
+    }
 }
 
 /// What a producer's claim loop does next: publish an item, wait (items are still held by

@@ -99,6 +99,9 @@ pub(crate) struct Control {
     pub work_seq: Padded<AtomicU32>,
     /// Producers about to sleep or asleep on `work_seq`.
     pub work_waiters: Padded<AtomicU32>,
+    /// Items a supervisor set aside: freed unconsumed, neither released nor delivered again
+    /// (see `Retire`).
+    pub set_aside: Padded<AtomicU64>,
 }
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the
@@ -174,6 +177,10 @@ pub(crate) struct WorkerRecord {
     /// device gap is attributed by. Written by the worker alone.
     pub phase_log: PhaseLog,
     pub phase_log_next: AtomicU64,
+    /// The batch (id + 1; 0: none) this consumer is computing on, said by the consumer itself
+    /// (`Consumer::set_in_hand`). Read by its supervisor once the process is dead, to hold the
+    /// death against that batch; cleared at registration and by recovery.
+    pub in_hand: AtomicU64,
 }
 
 /// Phase switches a worker's log keeps: a step makes about eight, and a device's spans are

@@ -58,7 +58,7 @@ mod crash_tests;
 #[cfg(all(test, not(loom)))]
 mod crash_search;
 
-pub use crate::core::{CommitMeta, ItemMeta, Recovered, WorkClaim};
+pub use crate::core::{CommitMeta, ItemMeta, Recovered, Settle, WorkClaim};
 pub use crate::device::{DeviceSpan, DeviceTimes};
 pub use crate::error::RingError;
 pub use crate::layout::PHASES;

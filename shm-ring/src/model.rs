@@ -421,6 +421,60 @@ fn a_requeued_item_is_taken_once_by_another_consumer_with_its_delivery_counted()
     });
 }
 
+/// A consumer gives its item back (`requeue`: a Python rank's batch dropped on an exception) and
+/// dies; the supervisor sets the item aside, taking it back from READY, while another consumer
+/// takes: the item goes to exactly one of them (trained once, or set aside once, never both
+/// nor neither), and the payload the supervisor reads is the published one.
+#[test]
+fn a_given_back_item_is_either_taken_or_set_aside_never_both() {
+    run_model(|| {
+        // Producer 0, consumers 1 (A) and 2 (B).
+        let ring = Arc::new(HeapRing::new(1, 1, 2, TakePolicy::Fifo));
+        ring.produce(0, 50);
+        ring.r().finish(0);
+        let b = {
+            let ring = ring.clone();
+            thread::spawn(move || {
+                let mut st = TakeState::new(7, 2);
+                let mut got = Vec::new();
+                while let Some((v, _, claim)) = ring.consume(2, &mut st) {
+                    got.push(v);
+                    ring.r().release(2, claim).unwrap();
+                }
+                got
+            })
+        };
+        let mut st = TakeState::new(8, 1);
+        let mut set_aside = 0;
+        if let Some((50, 0, claim)) = ring.consume(1, &mut st) {
+            ring.r().requeue(claim).unwrap();
+            // A dies; the supervisor settles its batch.
+            let mut seen = Vec::new();
+            let mut before = |idx: usize, _: crate::core::ItemMeta, _| {
+                // SAFETY: the slot is READING by A, whose lease recovery holds.
+                seen.push(ring.payload[idx].with(|p| unsafe { *p }));
+            };
+            let mut settle = crate::core::Retire {
+                batches: &[(50, crate::core::Settle::SetAside)],
+                before: &mut before,
+            };
+            let out = (ring.r())
+                .recover(1, SUPERVISOR, |_| false, Some(&mut settle))
+                .unwrap();
+            set_aside = out.set_aside;
+            assert_eq!(seen.len() as u32, set_aside);
+            assert!(seen.iter().all(|&v| v == 50), "{seen:?}");
+        }
+        let got = b.join().unwrap();
+        let taken = got.iter().filter(|&&v| v == 50).count() as u32;
+        assert_eq!(
+            taken + set_aside,
+            1,
+            "B took {got:?}, set aside {set_aside}"
+        );
+    });
+}
+
 /// The work table with a producer killed at each step (or aborting after `complete_work`) while
 /// another producer claims and publishes, the supervisor recovering the victim as soon as it is
 /// gone and restarting it: every item is published exactly once and ends DONE.

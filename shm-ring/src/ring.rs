@@ -8,7 +8,7 @@ use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
 use crate::core::{
-    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, TakeState, Taken,
+    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, Settle, TakeState, Taken,
     WorkClaim,
 };
 use crate::error::RingError;
@@ -187,6 +187,7 @@ impl Ring {
         rec.gap_since.store(0, r);
         rec.device_busy_until.store(0, r);
         rec.device_timed.store(0, r);
+        rec.in_hand.store(0, r);
         core.enter(id, Some(Phase::Other));
         Ok(Worker {
             ring: self,
@@ -242,19 +243,23 @@ impl Ring {
         self.recover_with(id, |_| false)
     }
 
-    /// [`Ring::recover`] for a consumer that may hold a batch whose training is known to be
-    /// applied (a drafter group committed the update that used it before the consumer died):
-    /// that slot is freed as a release would free it, not delivered again, after `on_retired`
-    /// has read its meta and payload (e.g. to write the ledger line the dead consumer could
-    /// not). Everything else is recovered as by [`Ring::recover`].
-    pub fn recover_retiring(
+    /// [`Ring::recover`] for a consumer that may hold batches its supervisor settles instead of
+    /// delivering them again, each as `settle` says: [`Settle::Retire`] for one whose training
+    /// is known to be applied (a drafter group committed the update that used it before the
+    /// consumer died), counted as released; [`Settle::SetAside`] for one that must not be
+    /// delivered again (it killed the consumers that took it), counted as set aside. Each such
+    /// slot is freed after `on_settled` has read how, its meta and payload (e.g. to write the
+    /// line the dead consumer could not); one the consumer gave back (READY) is taken back for
+    /// it first. A batch it does not hold (released, or taken by another) is not settled.
+    /// Everything else is recovered as by [`Ring::recover`].
+    pub fn recover_settling(
         &self,
         wid: WorkerName,
-        batch_id: u64,
-        mut on_retired: impl FnMut(&ItemMeta, &[u8]),
+        settle: &[(u64, Settle)],
+        mut on_settled: impl FnMut(Settle, &ItemMeta, &[u8]),
     ) -> Result<Recovered, RingError> {
         let seg = self.segment();
-        let mut before = |idx: usize, meta: ItemMeta| {
+        let mut before = |idx: usize, meta: ItemMeta, how: Settle| {
             let ptr = seg.payload_ptr(idx);
             let len = (meta.len as usize).min(seg.params().slot_size as usize);
             // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
@@ -262,10 +267,10 @@ impl Ring {
             // slot, which happens after this call returns; `len` is capped at the slot
             // size, inside the mapping, which outlives this call.
             let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-            on_retired(&meta, payload);
+            on_settled(how, &meta, payload);
         };
         let mut retire = Retire {
-            batch_id,
+            batches: settle,
             before: &mut before,
         };
         self.recover_inner(wid, holder_alive, Some(&mut retire))
@@ -590,6 +595,19 @@ pub struct Consumer<'r> {
 
 impl<'r> Consumer<'r> {
     worker_methods!();
+
+    /// Says which batch this consumer is computing on now, `None` between computations. Its
+    /// supervisor reads it after the process died, to hold the death against that batch (a
+    /// batch in hand at several deaths can be set aside: [`Ring::recover_settling`]); a hint,
+    /// never used while the consumer runs.
+    pub fn set_in_hand(&self, batch_id: Option<u64>) {
+        let word = batch_id.map_or(0, |b| b.wrapping_add(1));
+        self.w
+            .core()
+            .worker(self.w.id)
+            .in_hand
+            .store(word, Ordering::Relaxed);
+    }
 
     /// Takes the next item under the ring's policy, sleeping while there is none. `None` means
     /// end of stream: the ring is closed and every item has been taken and settled.

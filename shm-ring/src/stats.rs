@@ -40,6 +40,8 @@ pub struct RingCounters {
     pub redelivered: u64,
     /// Slots given back unpublished (aborted writes, dead producers' writes).
     pub aborted: u64,
+    /// Items a supervisor set aside: never trained, never delivered again.
+    pub set_aside: u64,
 }
 
 /// Work items by state (all zero when the ring has no work table).
@@ -100,6 +102,9 @@ pub struct WorkerSnapshot {
     /// What its device's own timeline says (CUDA events), for a worker that times its device;
     /// then `busy_ns` and the idle gaps are the device's. Null for a host-timed worker.
     pub device: Option<DeviceTimes>,
+    /// The batch this consumer said it is computing on ([`crate::Consumer::set_in_hand`]); for a
+    /// dead one not yet recovered, the batch it died computing on.
+    pub in_hand: Option<u64>,
 }
 
 impl WorkerSnapshot {
@@ -265,6 +270,7 @@ impl Ring {
                         g
                     },
                     device: crate::device::times(w),
+                    in_hand: peek(&w.in_hand).checked_sub(1),
                 }
             })
             .collect();
@@ -299,6 +305,7 @@ impl Ring {
                 released: peek(&ctl.released),
                 redelivered: peek(&ctl.redelivered),
                 aborted: peek(&ctl.aborted),
+                set_aside: peek(&ctl.set_aside),
             },
             workers,
             work,

@@ -646,6 +646,127 @@ fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
     assert!(counts.values().all(|&c| c == 1), "each once");
 }
 
+/// A poison batch: every drafter that computes on the batch holding sample 137 crashes (every
+/// incarnation). With the default `--set-aside-after 3`, the third death with it in hand sets it
+/// aside: the run ends degraded (exit 3) with no drafter given up, every other sample trained
+/// once, the batch's samples never, and `set-aside.jsonl` naming the batch, its samples and the
+/// three deaths with what each drafter said. Before, the batch was delivered again after every
+/// death until the drafters were given up in a row and the run stopped.
+#[test]
+fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes_on() {
+    let run = Run::new("poison");
+    let faults: String = (0..3)
+        .map(|d| format!("[faults.drafter-{d}]\ncrash_on_sample = 137\n"))
+        .collect();
+    let cfg = config(&run.dir, false, &faults);
+    let launcher = run.launch(&cfg, &[]);
+    let (status, err) = launcher.wait_status_keep();
+    assert_eq!(status.code(), Some(3), "degraded: samples untrained\n{err}");
+    let s = run.summary();
+    let notes = s["notes"].to_string();
+    assert!(!notes.contains("gave up"), "{notes}");
+    let aside = proto::ledger::read_set_aside(&RunDir::new(run.run_dir())).unwrap();
+    assert_eq!(aside.len(), 1, "one batch set aside: {aside:?}\n{err}");
+    let line = &aside[0];
+    assert!(line.sample_ids.contains(&137), "{line:?}");
+    assert_eq!(line.deaths.len(), 3, "{line:?}");
+    assert!(
+        (line.deaths.iter()).all(|d| d.contains("injected crash on sample 137")),
+        "each death says why: {line:?}"
+    );
+    assert!(
+        notes.contains(&format!("batch {} set aside", line.batch_id)),
+        "{notes}"
+    );
+    assert_eq!(s["batches_set_aside"], 1);
+    // Every death was held against it: three deaths, not more (a death whose rank's previous
+    // batch was in an applied update once went uncounted).
+    let restarts: u64 = (5..8)
+        .map(|w| s["workers"][w]["restarts"].as_u64().unwrap())
+        .sum();
+    let log = run.launcher_log();
+    assert_eq!(restarts, 3, "{log}");
+    assert!(
+        log.contains("in hand (death 2 held against it; 3 set it aside)"),
+        "{log}"
+    );
+    let counts = sample_counts(&run.ledgers());
+    assert!(counts.values().all(|&c| c == 1), "each trained sample once");
+    for id in 0..400 {
+        let aside = line.sample_ids.contains(&id);
+        assert_eq!(
+            counts.contains_key(&id),
+            !aside,
+            "sample {id} (set aside: {aside})"
+        );
+    }
+}
+
+/// A run of one target and one drafter with `fault`, taking the oldest batch first (FIFO): the
+/// batches come in plan order, and one given back comes back first. Its exit and launcher.log.
+fn one_drafter_fifo(run: &Run, fault: &str) -> (std::process::ExitStatus, String) {
+    let cfg = config(&run.dir, false, &format!("[faults.drafter-0]\n{fault}\n"));
+    edit_config(&cfg, "min_ready = 4", "min_ready = 4\npolicy = \"fifo\"");
+    let (run_dir, cfg) = (run.run_dir(), cfg.to_str().unwrap().to_string());
+    let args = [
+        "--targets",
+        "0",
+        "--drafters",
+        "1",
+        "--config",
+        &cfg,
+        "--run-dir",
+    ];
+    let mut args: Vec<&str> = args.to_vec();
+    args.push(run_dir.to_str().unwrap());
+    let (status, _) = spawn(&workspace_bin("launcher"), &args).wait_status_keep();
+    (status, run.launcher_log())
+}
+
+/// The poison batch with one target and one drafter taking the oldest batch first (FIFO), so
+/// the order is fixed: the drafter trains batches 0 to 12, dies on batch 13 (which holds sample
+/// 137) with step 12's update applied, then dies on it again twice as its restarts take it
+/// first. All three deaths are held against it (the first one once was not: the group's applied
+/// batch, 12, long released, took its place), and though nothing is trained between them, a
+/// lone drafter that trained before the first is evidence against the batch: batch 13 is set
+/// aside at the third death and the drafter, never given up, trains the rest.
+#[test]
+fn a_poison_batch_met_after_work_by_one_drafter_is_set_aside_at_its_third_death() {
+    let run = Run::new("poison1");
+    let (status, log) = one_drafter_fifo(&run, "crash_on_sample = 137");
+    assert_eq!(status.code(), Some(3), "{log}");
+    let aside = proto::ledger::read_set_aside(&RunDir::new(run.run_dir())).unwrap();
+    assert_eq!(aside.len(), 1, "{log}");
+    assert!(aside[0].sample_ids.contains(&137), "{aside:?}");
+    let s = run.summary();
+    assert_eq!(s["workers"][1]["restarts"], 3, "{log}");
+    assert!(!s["notes"].to_string().contains("gave up"), "{log}");
+    let trained = sample_counts(&run.ledgers());
+    assert_eq!(trained.len() + aside[0].sample_ids.len(), 400, "{log}");
+}
+
+/// The other side of the rule: one drafter that dies in its first batch whatever the batch (a
+/// bad GPU, a bug on every batch). With FIFO the batch it died on comes back to it each time,
+/// but with nothing trained between the deaths they are no evidence against it (a crash
+/// loop): the drafter is given up at `--max-restarts`, and no innocent batch is set aside.
+#[test]
+fn one_drafter_in_a_crash_loop_is_given_up_and_sets_no_batch_aside() {
+    let run = Run::new("poisonloop");
+    let (status, log) = one_drafter_fifo(&run, "crash_after = 1");
+    assert_eq!(status.code(), Some(3), "{log}");
+    assert!(
+        log.contains("drafter-0 gave up after 3 restart(s)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("no other batch was trained since the first: the drafters may be at fault"),
+        "{log}"
+    );
+    let aside = proto::ledger::read_set_aside(&RunDir::new(run.run_dir())).unwrap();
+    assert!(aside.is_empty(), "{aside:?}");
+    assert_eq!(run.summary()["batches_set_aside"], 0);
+}
+
 /// Issue #29, item 1, end to end: target-1 is slow and crashes with its batches still held
 /// (its first in WRITING, the next prefetched) long after the other targets ran out of fresh
 /// work; with `--max-restarts 0` it is given up at once and retired. The other targets, waiting
@@ -1027,6 +1148,10 @@ fn a_hung_drafter_is_killed_and_restarted() {
             "1",
             "--max-restarts",
             "20",
+            // Each incarnation hangs in its third batch, killed with it in hand: one batch
+            // third in three incarnations would be set aside (its own test is above).
+            "--set-aside-after",
+            "0",
             "--config",
             cfg.to_str().unwrap(),
             "--run-dir",

@@ -136,6 +136,7 @@ impl<'a> Supervisor<'a> {
             events_tx,
             mon,
             notes: Vec::new(),
+            strikes: super::settle::Strikes::new(args.set_aside_after),
             stopping: false,
             killed: false,
             last_hang_check: Instant::now(),

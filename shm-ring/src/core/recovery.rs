@@ -13,7 +13,10 @@
 //!   interrupted recover finds it already undone, or claimed by someone else, and the CAS
 //!   fails harmlessly), then `work_item` is cleared, then the slot is freed;
 //! - a READING slot goes back to READY with delivery + 1 (a delivery interrupted between the two
-//!   may be counted twice; it is telemetry);
+//!   may be counted twice; it is telemetry), unless the supervisor settles it (`Retire`): it is
+//!   then freed, counted as released (its update was applied) or as set aside (it killed the
+//!   consumers that took it); a batch to settle that the owner gave back (READY) is taken back
+//!   for it first;
 //! - every item CLAIMED by the id, whatever its epoch, goes back FREE.
 
 use super::*;
@@ -29,15 +32,37 @@ pub struct Recovered {
     /// FREE for any producer.
     pub work_returned: u64,
     /// Items the dead consumer was reading whose training is known to be applied (see
-    /// `Ring::recover_retiring`), now FREE as if released.
+    /// `Ring::recover_settling`), now FREE as if released.
     pub retired: u32,
+    /// Items the dead consumer was reading that the supervisor set aside
+    /// (`Ring::recover_settling` with `Settle::SetAside`), now FREE, neither released nor
+    /// delivered again.
+    pub set_aside: u32,
 }
 
-/// A batch a dead consumer holds that must count as trained, not be delivered again, and what
-/// to do with it before its slot is freed (the slot index and its meta).
+/// How a supervisor settles one batch a dead consumer holds, instead of delivering it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// Its training is applied (the group committed the update that used it): freed as a
+    /// release would free it, counted as released.
+    Retire,
+    /// It is not to be delivered again (it killed the consumers that took it): freed unconsumed
+    /// and counted as set aside.
+    SetAside,
+}
+
+/// Batches a dead consumer holds that must not be delivered again, how each is settled, and
+/// what to do with each before its slot is freed (the slot index, its meta, how).
 pub(crate) struct Retire<'f> {
-    pub batch_id: u64,
-    pub before: &'f mut dyn FnMut(usize, ItemMeta),
+    pub batches: &'f [(u64, Settle)],
+    pub before: &'f mut dyn FnMut(usize, ItemMeta, Settle),
+}
+
+impl Retire<'_> {
+    /// How batch `batch_id` is settled, if it is one of these.
+    fn how(&self, batch_id: u64) -> Option<Settle> {
+        (self.batches.iter()).find_map(|&(b, how)| (b == batch_id).then_some(how))
+    }
 }
 
 impl RingRef<'_> {
@@ -136,11 +161,35 @@ impl RingRef<'_> {
         w.phase_cur.store(0, Ordering::Relaxed);
         w.gap_since.store(0, Ordering::Relaxed);
         w.device_busy_until.store(0, Ordering::Relaxed);
+        w.in_hand.store(0, Ordering::Relaxed);
         let _ = w
             .state
             .compare_exchange(W_ALIVE, W_DEAD, Ordering::Relaxed, Ordering::Relaxed);
         self.give_back_lease(id, me);
         Ok(out)
+    }
+
+    /// A batch to be settled that its owner gave back before it died (a Python rank's batch
+    /// dropped on an exception is requeued at once) is READY, not READING: taken back here for
+    /// `id`, by the CAS a take makes, so that the cleanup settles it instead of another
+    /// consumer training it. The caller holds `id`'s lease, so it acts as `id`; a consumer that
+    /// takes the batch first wins the CAS, and the batch is then its.
+    fn take_back(&self, id: u32, batch_id: u64) {
+        for s in self.slots {
+            let cur = Word(s.state.load(Ordering::Acquire));
+            // A stale `batch_id` (the slot moved on after the load above) fails the CAS: its
+            // generation changed.
+            if cur.state() == READY && s.batch_id.load(Ordering::Relaxed) == batch_id {
+                // SYNC: Acquire, as the take's CAS in `try_take`: pairs with the Release CAS
+                // that published the batch, so its meta and payload are seen.
+                let _ = s.state.compare_exchange(
+                    cur.0,
+                    cur.next(READING, id).0,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                );
+            }
+        }
     }
 
     /// Returns what earlier incarnations of worker `id` held: WRITING slots become FREE (the
@@ -149,10 +198,14 @@ impl RingRef<'_> {
     /// `id`'s lease, so no incarnation of `id` runs. Idempotent: see "Registration and
     /// recovery" in the module doc for why an interrupted run is completed by the next.
     ///
-    /// With `retire`, a READING slot holding `retire.batch_id` is instead freed as a release
-    /// would free it (its batch counts as consumed), after `retire.before` has seen it.
+    /// With `retire`, a READING slot holding one of `retire.batches` is instead freed, after
+    /// `retire.before` has seen it, and counted as its `Settle` says: released (its batch counts
+    /// as consumed) or set aside.
     pub(crate) fn cleanup(&self, id: u32, mut retire: Option<&mut Retire<'_>>) -> Recovered {
         let mut out = Recovered::default();
+        for &(batch_id, _) in retire.as_ref().map_or(&[][..], |r| r.batches) {
+            self.take_back(id, batch_id);
+        }
         for (idx, s) in self.slots.iter().enumerate() {
             let cur = Word(s.state.load(Ordering::Acquire));
             if cur.owner() != id {
@@ -165,6 +218,8 @@ impl RingRef<'_> {
                     .compare_exchange(cur.0, new.0, Ordering::Release, Ordering::Relaxed)
                     .is_ok()
             };
+            // How this slot's batch is settled, if it is one to settle (READING slots only).
+            let settle = (retire.as_ref()).and_then(|r| r.how(self.item_meta(idx).batch_id));
             match cur.state() {
                 WRITING => {
                     // The batch in this slot was never published: the item it completes, if
@@ -177,20 +232,25 @@ impl RingRef<'_> {
                         out.freed += 1;
                     }
                 }
-                READING
-                    if retire
-                        .as_ref()
-                        .is_some_and(|r| self.item_meta(idx).batch_id == r.batch_id) =>
-                {
-                    // Its update is applied: consumed, like a release. The dead owner cannot
-                    // move the slot, so `before` reads a payload nobody else touches.
+                READING if settle.is_some() => {
+                    // Settled, not delivered again. The dead owner cannot move the slot, so
+                    // `before` reads a payload nobody else touches.
+                    let how = settle.unwrap_or(Settle::Retire);
                     if let Some(r) = retire.as_mut() {
-                        (r.before)(idx, self.item_meta(idx));
+                        (r.before)(idx, self.item_meta(idx), how);
                     }
                     s.work_item.store(0, Ordering::Relaxed);
                     if cas(cur.next(FREE, 0)) {
-                        out.retired += 1;
-                        sync::tally(&self.ctl.released, 1);
+                        match how {
+                            Settle::Retire => {
+                                out.retired += 1;
+                                sync::tally(&self.ctl.released, 1);
+                            }
+                            Settle::SetAside => {
+                                out.set_aside += 1;
+                                sync::tally(&self.ctl.set_aside, 1);
+                            }
+                        }
                     }
                 }
                 READING => {
@@ -218,14 +278,15 @@ impl RingRef<'_> {
         }
         sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
         sync::tally(&self.ctl.aborted, u64::from(out.freed));
-        if out.freed > 0 || out.retired > 0 {
+        let settled = out.retired + out.set_aside;
+        if out.freed > 0 || settled > 0 {
             crate::sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
         if out.work_returned > 0 {
             // Producers waiting for held work claim what came back (see `work.rs`).
             crate::sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
         }
-        if out.requeued > 0 || out.retired > 0 || self.closed() {
+        if out.requeued > 0 || settled > 0 || self.closed() {
             crate::sync::bump(&self.ctl.ready_seq, &self.ctl.ready_waiters);
         }
         out
