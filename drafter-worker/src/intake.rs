@@ -82,12 +82,23 @@ impl<'c> Rank<'c, '_> {
         self.consumer.set_in_hand(None);
         self.consumer.enter(Phase::Other);
         let spec = &view.header().spec;
-        let (sample_ids, tokens) = (spec.sample_ids.clone(), spec.tokens());
+        let (batch_id, sample_ids, tokens) =
+            (spec.batch_id, spec.sample_ids.clone(), spec.tokens());
         let slot = self.intake.end_step(buf)?.into_slot();
         match got {
             Ok(()) => Ok(Next::Batch(Held::new(slot, sample_ids, tokens))),
+            Err(e) if e.is_device_failure() => {
+                // The device failed on this batch (out of memory, a lost context): the rank
+                // fails with the batch in hand, left READING for the launcher, which delivers it
+                // again and sets it aside if it keeps killing drafters. Refused, it would be
+                // lost to a fault that may be this GPU's alone.
+                self.consumer.set_in_hand(Some(batch_id));
+                drop(Held::new(slot, sample_ids, tokens));
+                bail!("computing the gradient of batch {batch_id}: {e}");
+            }
             Err(e) => {
-                // Content the checksum did not catch: refuse it, train nothing from it.
+                // Content the checksum did not catch (or a batch the backend cannot take):
+                // refuse it, train nothing from it.
                 self.refuse(slot, &e)?;
                 mine.clear();
                 Ok(Next::Nothing)

@@ -80,10 +80,14 @@ pub enum GpuError {
 }
 
 impl GpuError {
-    /// Whether the device failed (a CUDA or candle error: out of memory, a lost context), not
-    /// the input: a rank goes on after refusing a bad batch, not after this.
+    /// Whether the device failed (a CUDA or candle error, also from the model's code: out of
+    /// memory, a lost context), not the input: a rank goes on after refusing a bad batch, not
+    /// after this.
     pub fn is_device_failure(&self) -> bool {
-        matches!(self, GpuError::Cuda(_) | GpuError::Candle(_))
+        matches!(
+            self,
+            GpuError::Cuda(_) | GpuError::Candle(_) | GpuError::Model(model::ModelError::Candle(_))
+        )
     }
 }
 
@@ -333,6 +337,8 @@ mod tests {
     fn device_failures_are_told_from_bad_input() {
         let oom = candle_core::Error::Msg("CUDA_ERROR_OUT_OF_MEMORY".into());
         assert!(GpuError::Candle(oom).is_device_failure());
+        let in_model = candle_core::Error::Msg("CUDA_ERROR_OUT_OF_MEMORY".into());
+        assert!(GpuError::Model(model::ModelError::Candle(in_model)).is_device_failure());
         assert!(!GpuError::Shape("3 layers, want 2".into()).is_device_failure());
         assert!(!GpuError::BufferSize { got: 1, want: 2 }.is_device_failure());
     }

@@ -272,6 +272,10 @@ impl DrafterBackend for MockDrafter {
             tracing::error!(batch = spec.batch_id, "injected crash on sample {n}");
             std::process::abort();
         }
+        if let Some(n) = (self.sim.faults.fail_on_sample).filter(|n| spec.sample_ids.contains(n)) {
+            let oom = format!("injected device failure (out of memory) on sample {n}");
+            return Err(GpuError::Candle(candle_core::Error::Msg(oom)));
+        }
         grad.fill(0.0);
         let ids: Vec<u32> = batch.input_ids().collect();
         let mask = batch.loss_mask();

@@ -32,8 +32,9 @@ pub struct PipelineConfig {
 }
 
 /// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
-/// `hang_after`, `slow`, `crash_at_start`, `crash_on_sample`: crash or hang after N items, run
-/// slower by a factor, crash at start-up, crash on a batch holding a sample); the drafter worker injects the three in the group protocol
+/// `hang_after`, `slow`, `crash_at_start`, `crash_on_sample`, `fail_on_sample`: crash or hang
+/// after N items, run slower by a factor, crash at start-up, crash or fail as the device on a
+/// batch holding a sample); the drafter worker injects the three in the group protocol
 /// (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`) for any backend. Counted per
 /// process: a restarted worker starts counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -56,6 +57,9 @@ pub struct Faults {
     /// Mock drafters: crash computing any batch that holds sample N, in every incarnation (a
     /// batch that kills whoever trains it).
     pub crash_on_sample: Option<u64>,
+    /// Mock drafters: fail as a device fails (out of memory) computing any batch that holds
+    /// sample N, in every incarnation.
+    pub fail_on_sample: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

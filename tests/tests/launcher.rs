@@ -646,17 +646,16 @@ fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
     assert!(counts.values().all(|&c| c == 1), "each once");
 }
 
-/// A poison batch: every drafter that computes on the batch holding sample 137 crashes (every
-/// incarnation). With the default `--set-aside-after 3`, the third death with it in hand sets it
+/// A poison batch: every drafter that computes on the batch holding sample 137 dies (every
+/// incarnation) of `fault` (`[faults.drafter-N]`'s `fault = 137`), each death's line quoting
+/// `says`. With the default `--set-aside-after 3`, the third death with it in hand sets it
 /// aside: the run ends degraded (exit 3) with no drafter given up, every other sample trained
 /// once, the batch's samples never, and `set-aside.jsonl` naming the batch, its samples and the
-/// three deaths with what each drafter said. Before, the batch was delivered again after every
-/// death until the drafters were given up in a row and the run stopped.
-#[test]
-fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes_on() {
-    let run = Run::new("poison");
+/// three deaths with what each drafter said.
+fn poison_batch(tag: &str, fault: &str, says: &str) {
+    let run = Run::new(tag);
     let faults: String = (0..3)
-        .map(|d| format!("[faults.drafter-{d}]\ncrash_on_sample = 137\n"))
+        .map(|d| format!("[faults.drafter-{d}]\n{fault} = 137\n"))
         .collect();
     let cfg = config(&run.dir, false, &faults);
     let launcher = run.launch(&cfg, &[]);
@@ -671,7 +670,7 @@ fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes
     assert!(line.sample_ids.contains(&137), "{line:?}");
     assert_eq!(line.deaths.len(), 3, "{line:?}");
     assert!(
-        (line.deaths.iter()).all(|d| d.contains("injected crash on sample 137")),
+        (line.deaths.iter()).all(|d| d.contains(says)),
         "each death says why: {line:?}"
     );
     assert!(
@@ -700,6 +699,25 @@ fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes
             "sample {id} (set aside: {aside})"
         );
     }
+}
+
+/// A batch whose training aborts every drafter. Before, it was delivered again after every
+/// death until the drafters were given up in a row and the run stopped.
+#[test]
+fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes_on() {
+    poison_batch("poison", "crash_on_sample", "injected crash on sample 137");
+}
+
+/// A batch on which every drafter's device fails (as CUDA's out of memory): the rank fails with
+/// the batch in hand, which is set aside at the third such death. Before, the first drafter
+/// refused it as corrupt and its samples were lost at once, even to a fault of one GPU alone.
+#[test]
+fn a_batch_the_device_fails_on_is_delivered_again_then_set_aside() {
+    poison_batch(
+        "poisondev",
+        "fail_on_sample",
+        "injected device failure (out of memory) on sample 137",
+    );
 }
 
 /// A run of one target and one drafter with `fault`, taking the oldest batch first (FIFO): the
