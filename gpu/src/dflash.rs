@@ -590,6 +590,15 @@ impl DflashDrafter {
             )));
         }
         let greedy: Vec<u32> = batch.target_tokens().collect();
+        // The greedy tokens are the labels: one outside the vocabulary would fail the loss's
+        // lookup as a candle error, which reads as the device failing (the rank would die for
+        // the batch's content).
+        if let Some(&bad) = greedy.iter().find(|&&i| i as usize >= c.vocab) {
+            return Err(GpuError::Shape(format!(
+                "batch {}: greedy token {bad} is outside the target's vocabulary of {}",
+                spec.batch_id, c.vocab
+            )));
+        }
         let db = DraftBatch::new(
             c,
             &self.sampling,
@@ -896,6 +905,12 @@ mod tests {
 
     /// A tiny target, a config for it, and one batch of its real states.
     fn setup(dir: &Path) -> (PipelineConfig, Vec<u8>) {
+        setup_edited(dir, |_| {})
+    }
+
+    /// [`setup`], with the batch's greedy tokens (little-endian u32s) edited by `edit` after the
+    /// target wrote them.
+    fn setup_edited(dir: &Path, edit: impl FnOnce(&mut [u8])) -> (PipelineConfig, Vec<u8>) {
         let (m, mut cfg) = crate::candle::tiny_target(dir);
         cfg.dflash.block_size = 4;
         cfg.dflash.num_anchors = 4;
@@ -925,12 +940,29 @@ mod tests {
             target_tokens: s.target_tokens,
         };
         target.run(&ids, &seq_lens, out, true).unwrap();
+        edit(w.sections_mut().target_tokens);
         let len = w.finish().0;
         buf.truncate(len);
         (cfg, buf)
     }
 
     use crate::Maker;
+
+    /// A greedy token outside the vocabulary (a foreign or buggy producer's) is the batch's
+    /// fault: refused by name as bad content, not a candle error that reads as the device
+    /// failing (which would kill the rank and count against the batch).
+    #[test]
+    fn a_greedy_token_outside_the_vocabulary_is_bad_content_not_a_device_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, buf) = setup_edited(dir.path(), |t| {
+            t[4..8].copy_from_slice(&1_000_000u32.to_le_bytes())
+        });
+        let view = BatchView::parse(&buf).unwrap();
+        let mut d = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
+        let e = (d.gradient(&view, &mut StepBuffer::new(d.grad_len()))).unwrap_err();
+        assert!(!e.is_device_failure(), "{e}");
+        assert!(e.to_string().contains("greedy token 1000000"), "{e}");
+    }
 
     /// The leader's evaluation runs its target where the drafter is, in the target's dtype
     /// there (bf16 on a GPU); the states it gives the drafter are f32 whatever the target
