@@ -77,7 +77,7 @@ mod work;
 use crate::error::RingError;
 use crate::phase::Phase;
 use crate::sync::{self, AtomicU64, Ordering};
-pub(crate) use recovery::Retire;
+pub(crate) use recovery::Settling;
 pub use recovery::{Recovered, Settle};
 pub(crate) use take::{choose_bucket, TakeState};
 pub use work::WorkClaim;

@@ -29,7 +29,7 @@
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-use crate::core::{Claim, CommitMeta, Retire, Settle, TakeState, TryTake};
+use crate::core::{Claim, CommitMeta, Settle, Settling, TakeState, TryTake};
 use crate::layout::{Word, WorkWord, FREE, READING, READY, WRITING};
 use crate::model::{HeapRing, SUPERVISOR};
 use crate::params::{BucketPick, TakePolicy};
@@ -683,7 +683,7 @@ impl Sim {
             let mut seen = Vec::new();
             let mut before = |_: usize, m: crate::core::ItemMeta, _| seen.push(m.batch_id);
             let settle: Vec<(u64, Settle)> = retire.map(|b| (b, how)).into_iter().collect();
-            let mut r = retire.map(|_| Retire {
+            let mut r = retire.map(|_| Settling {
                 batches: &settle,
                 before: &mut before,
             });

@@ -327,7 +327,7 @@ fn settle_one_of_two(
     }
     let mut seen = Vec::new();
     let mut before = |idx: usize, meta: crate::core::ItemMeta, _| seen.push((idx, meta.batch_id));
-    let mut retire = crate::core::Retire {
+    let mut retire = crate::core::Settling {
         batches: &[(a, how)],
         before: &mut before,
     };
@@ -387,7 +387,7 @@ fn one_recovery_settles_two_batches_each_its_own_way() {
     let (r, [(a, _), (b, _)]) = two_taken();
     let mut seen = Vec::new();
     let mut before = |_: usize, meta: crate::core::ItemMeta, how| seen.push((meta.batch_id, how));
-    let mut retire = crate::core::Retire {
+    let mut retire = crate::core::Settling {
         batches: &[(a, Settle::Retire), (b, Settle::SetAside)],
         before: &mut before,
     };

@@ -100,7 +100,7 @@ pub(crate) struct Control {
     /// Producers about to sleep or asleep on `work_seq`.
     pub work_waiters: Padded<AtomicU32>,
     /// Items a supervisor set aside: freed unconsumed, neither released nor delivered again
-    /// (see `Retire`).
+    /// (see `Settling`).
     pub set_aside: Padded<AtomicU64>,
 }
 

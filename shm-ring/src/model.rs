@@ -454,7 +454,7 @@ fn a_given_back_item_is_either_taken_or_set_aside_never_both() {
                 // SAFETY: the slot is READING by A, whose lease recovery holds.
                 seen.push(ring.payload[idx].with(|p| unsafe { *p }));
             };
-            let mut settle = crate::core::Retire {
+            let mut settle = crate::core::Settling {
                 batches: &[(50, crate::core::Settle::SetAside)],
                 before: &mut before,
             };

@@ -8,8 +8,8 @@ use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
 use crate::core::{
-    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, Retire, RingRef, Settle, TakeState, Taken,
-    WorkClaim,
+    Claim, CommitMeta, CoreParams, ItemMeta, Recovered, RingRef, Settle, Settling, TakeState,
+    Taken, WorkClaim,
 };
 use crate::error::RingError;
 use crate::layout::{Lease, LEASE_START_MASK};
@@ -269,11 +269,11 @@ impl Ring {
             let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
             on_settled(how, &meta, payload);
         };
-        let mut retire = Retire {
+        let mut settling = Settling {
             batches: settle,
             before: &mut before,
         };
-        self.recover_inner(wid, holder_alive, Some(&mut retire))
+        self.recover_inner(wid, holder_alive, Some(&mut settling))
     }
 
     /// For the creator of a resumed run, before any producer starts: counts work `items` as
@@ -301,13 +301,13 @@ impl Ring {
         &self,
         wid: WorkerName,
         holder_alive: impl Fn(Lease) -> bool,
-        retire: Option<&mut Retire<'_>>,
+        settling: Option<&mut Settling<'_>>,
     ) -> Result<Recovered, RingError> {
         self.writable()?;
         let id = self.id_of(wid)?;
         let me = my_lease()?;
         self.core_ref()
-            .recover(id, me, holder_alive, retire)
+            .recover(id, me, holder_alive, settling)
             .map_err(|holder| RingError::WorkerAlive {
                 id: wid,
                 pid: holder.pid(),

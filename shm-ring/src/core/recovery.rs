@@ -13,7 +13,7 @@
 //!   interrupted recover finds it already undone, or claimed by someone else, and the CAS
 //!   fails harmlessly), then `work_item` is cleared, then the slot is freed;
 //! - a READING slot goes back to READY with delivery + 1 (a delivery interrupted between the two
-//!   may be counted twice; it is telemetry), unless the supervisor settles it (`Retire`): it is
+//!   may be counted twice; it is telemetry), unless the supervisor settles it (`Settling`): it is
 //!   then freed, counted as released (its update was applied) or as set aside (it killed the
 //!   consumers that took it); a batch to settle that the owner gave back (READY) is taken back
 //!   for it first;
@@ -53,12 +53,12 @@ pub enum Settle {
 
 /// Batches a dead consumer holds that must not be delivered again, how each is settled, and
 /// what to do with each before its slot is freed (the slot index, its meta, how).
-pub(crate) struct Retire<'f> {
+pub(crate) struct Settling<'f> {
     pub batches: &'f [(u64, Settle)],
     pub before: &'f mut dyn FnMut(usize, ItemMeta, Settle),
 }
 
-impl Retire<'_> {
+impl Settling<'_> {
     /// How batch `batch_id` is settled, if it is one of these.
     fn how(&self, batch_id: u64) -> Option<Settle> {
         (self.batches.iter()).find_map(|&(b, how)| (b == batch_id).then_some(how))
@@ -152,10 +152,10 @@ impl RingRef<'_> {
         id: u32,
         me: Lease,
         holder_alive: impl Fn(Lease) -> bool,
-        retire: Option<&mut Retire<'_>>,
+        settling: Option<&mut Settling<'_>>,
     ) -> Result<Recovered, Lease> {
         self.take_lease(id, me, holder_alive)?;
-        let out = self.cleanup(id, retire);
+        let out = self.cleanup(id, settling);
         let w = self.worker(id);
         // A dead worker's clock stops: readers must not count time past its death.
         w.phase_cur.store(0, Ordering::Relaxed);
@@ -198,12 +198,12 @@ impl RingRef<'_> {
     /// `id`'s lease, so no incarnation of `id` runs. Idempotent: see "Registration and
     /// recovery" in the module doc for why an interrupted run is completed by the next.
     ///
-    /// With `retire`, a READING slot holding one of `retire.batches` is instead freed, after
-    /// `retire.before` has seen it, and counted as its `Settle` says: released (its batch counts
+    /// With `settling`, a READING slot holding one of `settling.batches` is instead freed, after
+    /// `settling.before` has seen it, and counted as its `Settle` says: released (its batch counts
     /// as consumed) or set aside.
-    pub(crate) fn cleanup(&self, id: u32, mut retire: Option<&mut Retire<'_>>) -> Recovered {
+    pub(crate) fn cleanup(&self, id: u32, mut settling: Option<&mut Settling<'_>>) -> Recovered {
         let mut out = Recovered::default();
-        for &(batch_id, _) in retire.as_ref().map_or(&[][..], |r| r.batches) {
+        for &(batch_id, _) in settling.as_ref().map_or(&[][..], |r| r.batches) {
             self.take_back(id, batch_id);
         }
         for (idx, s) in self.slots.iter().enumerate() {
@@ -219,7 +219,7 @@ impl RingRef<'_> {
                     .is_ok()
             };
             // How this slot's batch is settled, if it is one to settle (READING slots only).
-            let settle = (retire.as_ref()).and_then(|r| r.how(self.item_meta(idx).batch_id));
+            let settle = (settling.as_ref()).and_then(|r| r.how(self.item_meta(idx).batch_id));
             match cur.state() {
                 WRITING => {
                     // The batch in this slot was never published: the item it completes, if
@@ -236,7 +236,7 @@ impl RingRef<'_> {
                     // Settled, not delivered again. The dead owner cannot move the slot, so
                     // `before` reads a payload nobody else touches.
                     let how = settle.unwrap_or(Settle::Retire);
-                    if let Some(r) = retire.as_mut() {
+                    if let Some(r) = settling.as_mut() {
                         (r.before)(idx, self.item_meta(idx), how);
                     }
                     s.work_item.store(0, Ordering::Relaxed);
