@@ -305,10 +305,11 @@ macro_rules! worker_methods {
                 _value: Option<pyo3::Bound<'_, pyo3::PyAny>>,
                 _tb: Option<pyo3::Bound<'_, pyo3::PyAny>>,
             ) -> pyo3::PyResult<bool> {
-                // Leaving on an exception still tells the launcher what was done; the
-                // exception goes on (and the process exits non-zero: a crash, restarted).
+                // Leaving on an exception still tells the launcher what was done, but does
+                // not finish a target (its restart has work to do); the exception goes on (and
+                // the process exits non-zero: a crash, restarted).
                 if !self.core().closed.get() {
-                    let r = self.close_inner(py, None);
+                    let r = self.close_inner(py, None, ty.is_some());
                     if ty.is_none() {
                         r?;
                     }

@@ -116,7 +116,8 @@ impl Drafter {
         &self.d.core
     }
 
-    fn close_inner(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+    /// `close()`, or leaving `with` (`_failing`: on an exception; a rank has nothing to finish).
+    fn close_inner(&self, py: Python<'_>, wait: Option<f64>, _failing: bool) -> PyResult<i32> {
         let d = &self.d;
         d.core.check_open()?;
         d.core.wait_deferred(py, wait, || {
@@ -290,7 +291,7 @@ impl Drafter {
     /// exit code for the process (`sys.exit(w.close())`).
     #[pyo3(signature = (wait=None))]
     fn close(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
-        self.close_inner(py, wait)
+        self.close_inner(py, wait, false)
     }
 }
 

@@ -107,7 +107,10 @@ impl Target {
         &self.t.core
     }
 
-    fn close_inner(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+    /// `close()`, or leaving `with` (`failing`: on an exception, when the process is about to
+    /// die: the target is not finished then, so its restart claims work again, and the supervisor
+    /// retires it if it gives it up).
+    fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
         let t = &self.t;
         t.core.check_open()?;
         t.core.wait_deferred(py, wait, || {
@@ -120,8 +123,10 @@ impl Target {
             t.stopped.set(true);
         }
         t.stopped
-            .set(t.stopped.get() || t.core.setup.stop.stopping());
-        t.producer.finish_shared();
+            .set(t.stopped.get() || t.core.setup.stop.stopping() || failing);
+        if !failing {
+            t.producer.finish_shared();
+        }
         let mut report = t.report.borrow().clone();
         report.complete = !t.stopped.get();
         t.core.report(report);
@@ -185,7 +190,7 @@ impl Target {
     /// exit with (0 when its part is done, 3 when stopped first): `sys.exit(w.close())`.
     #[pyo3(signature = (wait=None))]
     fn close(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
-        self.close_inner(py, wait)
+        self.close_inner(py, wait, false)
     }
 
     /// Batches dropped without commit() while views of them lived: held (never reused) until the

@@ -120,6 +120,20 @@ def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
     assert all(c == 1 for c in counts.values()), counts
 
 
+def test_a_python_target_that_raises_is_restarted_and_claims_work_again(run):
+    # The only target raises once, in its forward of its second batch. Before, leaving `with`
+    # on the exception finished the target for good: its restart claimed nothing, the ring
+    # closed and the run ended with most of its data untrained.
+    raising = [PYTHON, script("tests/raise_once_target.py")]
+    text = config_text(target=raising)
+    code, out = run.launch(text, "--targets", "0", "--drafters", "1").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 0, out
+    assert "raised once" in run.log("target-0"), out
+    assert run.summary()["workers"][0]["restarts"] == 1, out
+    every_sample_once(run)
+
+
 def bad_drafter_command(run, argv, log_says):
     """A drafter command that fails is restarted up to the limit, then given up; every drafter
     runs it, so the run ends degraded (exit 3) with nothing left behind."""
