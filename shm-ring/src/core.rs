@@ -80,6 +80,7 @@ use crate::sync::{self, AtomicU64, Ordering};
 pub(crate) use recovery::Settling;
 pub use recovery::{Recovered, Settle};
 pub(crate) use take::{choose_bucket, TakeState};
+use work::Undone;
 pub use work::WorkClaim;
 
 /// The longest a waiter sleeps before it looks again (bounded so that waiters notice stop
@@ -224,6 +225,13 @@ impl<'a> RingRef<'a> {
         sync::record(&self.worker(id).heartbeat_ns, sync::now_ns());
     }
 
+    /// Worker `id`'s batch in hand (`set_in_hand`), stored + 1 (0: none); Relaxed: only read
+    /// once the worker is dead, ordered by its exit.
+    pub(crate) fn set_in_hand(&self, id: u32, batch: Option<u64>) {
+        let word = batch.map_or(0, |b| b.wrapping_add(1));
+        self.worker(id).in_hand.store(word, Ordering::Relaxed);
+    }
+
     // ---- producer side -------------------------------------------------------------------
 
     /// One attempt to claim a FREE slot for producer `id`.
@@ -354,7 +362,7 @@ impl<'a> RingRef<'a> {
             // Reclaimed by recovery: not ours to touch any more.
             return;
         }
-        let returned = self.unmark_work(claim);
+        let returned = self.unmark_work(claim, &[]).is_some();
         // SYNC: Release pairs with the Acquire CAS in `try_reserve`, and with the Acquire load
         // of the slot word in `work_left` (which then sees the unmark above).
         if s.state

@@ -686,6 +686,7 @@ impl Sim {
             let mut r = retire.map(|_| Settling {
                 batches: &settle,
                 before: &mut before,
+                work: &[],
             });
             let out = self
                 .ring

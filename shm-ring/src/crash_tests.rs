@@ -330,6 +330,7 @@ fn settle_one_of_two(
     let mut retire = crate::core::Settling {
         batches: &[(a, how)],
         before: &mut before,
+        work: &[],
     };
     let out = r
         .r()
@@ -390,6 +391,7 @@ fn one_recovery_settles_two_batches_each_its_own_way() {
     let mut retire = crate::core::Settling {
         batches: &[(a, Settle::Retire), (b, Settle::SetAside)],
         before: &mut before,
+        work: &[],
     };
     let out = (r.r())
         .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
@@ -586,4 +588,53 @@ fn a_producer_killed_inside_finish_does_not_leave_the_ring_open() {
     );
     assert!(r.r().closed());
     assert!(!r.r().retire(1), "the ring is closed once");
+}
+
+/// Recovers dead producer `id` as the supervisor does when it sets work item `item` aside (it
+/// killed the producers that computed it).
+fn recover_setting_aside(r: &HeapRing, id: u32, item: u64) -> Recovered {
+    let mut settle = crate::core::Settling {
+        batches: &[],
+        before: &mut |_, _, _| {},
+        work: &[item],
+    };
+    (r.r())
+        .recover(id, SUPERVISOR, |_| false, Some(&mut settle))
+        .unwrap()
+}
+
+/// A poison work item: producer 1 dies computing item 1 (holding its claim, with the item
+/// marked done in its slot, or after giving it back on an error), with item 2 claimed beside
+/// it. Recovery sets item 1 aside and returns item 2: producer 0 publishes item 2, never item
+/// 1, and finishes with item 1 counted as settled; the ring closes. Before, recovery returned
+/// item 1 FREE and the next producer to claim it died on it in turn.
+#[test]
+fn a_work_item_set_aside_in_recovery_is_never_claimed_again_and_counts_as_settled() {
+    for how in ["claimed", "marked", "given back"] {
+        let r = ring(2, 3);
+        assert_eq!(r.r().claim_work(0, 1), Some(0));
+        assert_eq!(r.r().claim_work(1, 1), Some(1));
+        assert_eq!(r.r().claim_work(1, 1), Some(2));
+        match how {
+            "marked" => {
+                let c = r.write(1, 1);
+                r.r().complete_work(1, 1, c, 1).unwrap();
+            }
+            "given back" => r.r().unclaim_work(1, 1, 1).unwrap(),
+            _ => {}
+        }
+        r.deliver(0, 1, 0);
+        let out = recover_setting_aside(&r, 1, 1);
+        assert_eq!((out.work_set_aside, out.work_returned), (1, 1), "{how}");
+        assert_eq!(r.r().ctl.set_aside.load(Ordering::Relaxed), 1, "{how}");
+        assert_eq!(
+            recover_setting_aside(&r, 1, 1),
+            Recovered::default(),
+            "{how}: a recovery run again changes nothing"
+        );
+        assert!(claim_loop(&r, 0, 1), "{how}: nothing is held any more");
+        r.r().retire(1);
+        assert!(r.r().closed(), "{how}");
+        assert_eq!(r.ready_batches(), vec![0, 2], "{how}");
+    }
 }

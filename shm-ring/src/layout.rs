@@ -177,8 +177,8 @@ pub(crate) struct WorkerRecord {
     /// device gap is attributed by. Written by the worker alone.
     pub phase_log: PhaseLog,
     pub phase_log_next: AtomicU64,
-    /// The batch (id + 1; 0: none) this consumer is computing on, said by the consumer itself
-    /// (`Consumer::set_in_hand`). Read by its supervisor once the process is dead, to hold the
+    /// The batch (id + 1; 0: none) this worker is computing on (a producer's: its work item), said
+    /// by the worker itself (`set_in_hand`). Read by its supervisor once the process is dead, to hold the
     /// death against that batch; cleared at registration and by recovery.
     pub in_hand: AtomicU64,
 }
@@ -238,12 +238,15 @@ pub(crate) const W_RETIRED: u32 = 4;
 /// - DONE: `a` = the slot that carries the item's batch, `b` = that slot's generation while it
 ///   was WRITING. Recovery undoes a DONE only when it names exactly the WRITING slot it is
 ///   freeing, so an old or stale `work_item` can never bring a published batch back.
+/// - SET_ASIDE (3, no fields): a supervisor set the item aside (it killed the producers that
+///   computed it): settled for good, never claimed, published or undone.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct WorkWord(pub u64);
 
 pub(crate) const WORK_FREE: u64 = 0;
 const WORK_CLAIMED: u64 = 1;
 const WORK_DONE: u64 = 2;
+pub(crate) const WORK_SET_ASIDE: u64 = 3;
 const WORK_KIND_MASK: u64 = 0b11;
 const WORK_A_SHIFT: u32 = 2;
 const WORK_B_SHIFT: u32 = 12;
@@ -282,6 +285,9 @@ impl WorkWord {
     }
     pub(crate) fn is_done(self) -> bool {
         self.0 & WORK_KIND_MASK == WORK_DONE
+    }
+    pub(crate) fn is_set_aside(self) -> bool {
+        self.0 == WORK_SET_ASIDE
     }
     /// The slot named by a DONE word (for `done_before`, slot 0 with a generation no WRITING
     /// period has).

@@ -457,6 +457,7 @@ fn a_given_back_item_is_either_taken_or_set_aside_never_both() {
             let mut settle = crate::core::Settling {
                 batches: &[(50, crate::core::Settle::SetAside)],
                 before: &mut before,
+                work: &[],
             };
             let out = (ring.r())
                 .recover(1, SUPERVISOR, |_| false, Some(&mut settle))
@@ -649,6 +650,76 @@ fn a_waiting_producer_publishes_an_item_given_back_by_a_retired_one() {
             assert_eq!(ring.ready_batches(), vec![0], "{script:?}");
             assert!(ring.all_work_done(), "{script:?}");
             assert!(ring.r().closed(), "{script:?}");
+        });
+    }
+}
+
+/// A work item that kills the producers that compute it is set aside by the supervisor when it
+/// recovers the dead one, while the other producer waits for that item to settle or come back.
+/// Producer 1 dies holding it (claimed, or marked done in its slot) or after giving it back
+/// (then producer 0 may claim it first, and the setting aside must not win too). Either way
+/// the item is published at most once and set aside only if it was not, producer 0 finishes
+/// (the set-aside item counts as settled, and its wake is not lost: loom's futex has no
+/// timeout) and the ring closes.
+#[test]
+fn a_waiting_producer_finishes_once_the_item_another_died_on_is_set_aside() {
+    /// Where producer 1 dies: holding its claim, with the item marked done in its slot, or
+    /// after giving it back (a Python target's claim dropped on an exception).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Death {
+        Claimed,
+        Marked,
+        GaveBack,
+    }
+    for death in [Death::Claimed, Death::Marked, Death::GaveBack] {
+        run_model(move || {
+            let ring = Arc::new(HeapRing::with_work(1, 2, 1, TakePolicy::Fifo, 1));
+            let e0 = ring.register(0, 0);
+            let e1 = ring.register(1, 0);
+            // Producer 1 holds the item first, so the model is about its death.
+            assert_eq!(ring.r().claim_work(1, e1), Some(0));
+            let victim = {
+                let ring = ring.clone();
+                thread::spawn(move || match death {
+                    Death::Claimed => {}
+                    Death::Marked => {
+                        let c = ring.write(1, 0);
+                        ring.r().complete_work(1, e1, c, 0).unwrap();
+                    }
+                    Death::GaveBack => ring.r().unclaim_work(1, e1, 0).unwrap(),
+                })
+            };
+            let live = {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    assert!(ring.produce_work_waiting(0, e0, Script::Normal));
+                    ring.r().finish(0);
+                })
+            };
+            victim.join().unwrap();
+            let mut settle = crate::core::Settling {
+                batches: &[],
+                before: &mut |_, _, _| {},
+                work: &[0],
+            };
+            let out = (ring.r())
+                .recover(1, SUPERVISOR, |_| false, Some(&mut settle))
+                .unwrap();
+            ring.r().retire(1);
+            live.join().unwrap();
+            let published = ring.ready_batches();
+            assert_eq!(
+                (published.len() as u64, out.work_set_aside),
+                if published.is_empty() { (0, 1) } else { (1, 0) },
+                "{death:?}: published or set aside, exactly one"
+            );
+            if death != Death::GaveBack {
+                assert_eq!(
+                    out.work_set_aside, 1,
+                    "{death:?}: nobody else could hold it"
+                );
+            }
+            assert!(ring.r().closed(), "{death:?}");
         });
     }
 }

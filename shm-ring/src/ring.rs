@@ -272,6 +272,27 @@ impl Ring {
         let mut settling = Settling {
             batches: settle,
             before: &mut before,
+            work: &[],
+        };
+        self.recover_inner(wid, holder_alive, Some(&mut settling))
+    }
+
+    /// [`Ring::recover`] for a producer that died computing work `items` its supervisor sets
+    /// aside (they killed the producers that computed them): each item the dead producer holds
+    /// (CLAIMED, or DONE in a batch it was still writing), or that is FREE (given back before
+    /// it died), is set aside instead of going back FREE: settled for good, never claimed or
+    /// published, counted in the ring's `set_aside` ([`Recovered::work_set_aside`]). An item
+    /// another producer holds, or whose batch is published, is left as it is. Everything else
+    /// is recovered as by [`Ring::recover`].
+    pub fn recover_setting_aside_work(
+        &self,
+        wid: WorkerName,
+        items: &[u64],
+    ) -> Result<Recovered, RingError> {
+        let mut settling = Settling {
+            batches: &[],
+            before: &mut |_, _, _| {},
+            work: items,
         };
         self.recover_inner(wid, holder_alive, Some(&mut settling))
     }
@@ -425,6 +446,14 @@ macro_rules! worker_methods {
         /// `reserve` or `take` blocks, and back afterwards.
         pub fn enter(&self, phase: Phase) -> Option<Phase> {
             self.w.core().enter(self.w.id, Some(phase))
+        }
+        /// Says which batch this worker is computing on now (a consumer: the batch's id; a
+        /// producer: its work item), `None` between computations. Its supervisor reads it
+        /// after the process died, to hold the death against that batch (one in hand at
+        /// several deaths can be set aside: [`Ring::recover_settling`],
+        /// [`Ring::recover_setting_aside_work`]); a hint, never used while the worker runs.
+        pub fn set_in_hand(&self, batch: Option<u64>) {
+            self.w.core().set_in_hand(self.w.id, batch)
         }
         /// Marks this worker alive now (ring operations do this too).
         pub fn heartbeat(&self) {
@@ -595,19 +624,6 @@ pub struct Consumer<'r> {
 
 impl<'r> Consumer<'r> {
     worker_methods!();
-
-    /// Says which batch this consumer is computing on now, `None` between computations. Its
-    /// supervisor reads it after the process died, to hold the death against that batch (a
-    /// batch in hand at several deaths can be set aside: [`Ring::recover_settling`]); a hint,
-    /// never used while the consumer runs.
-    pub fn set_in_hand(&self, batch_id: Option<u64>) {
-        let word = batch_id.map_or(0, |b| b.wrapping_add(1));
-        self.w
-            .core()
-            .worker(self.w.id)
-            .in_hand
-            .store(word, Ordering::Relaxed);
-    }
 
     /// Takes the next item under the ring's policy, sleeping while there is none. `None` means
     /// end of stream: the ring is closed and every item has been taken and settled.

@@ -40,7 +40,8 @@ pub struct RingCounters {
     pub redelivered: u64,
     /// Slots given back unpublished (aborted writes, dead producers' writes).
     pub aborted: u64,
-    /// Items a supervisor set aside: never trained, never delivered again.
+    /// Batches a supervisor set aside: never trained, never delivered again (published ones a
+    /// consumer died on, and work items a producer died computing, never published).
     pub set_aside: u64,
 }
 
@@ -50,6 +51,8 @@ pub struct WorkCounts {
     pub total: u64,
     pub done: u64,
     pub claimed: u64,
+    /// Set aside by a supervisor (they killed the producers that computed them): never published.
+    pub set_aside: u64,
 }
 
 /// A worker record's state.
@@ -102,8 +105,9 @@ pub struct WorkerSnapshot {
     /// What its device's own timeline says (CUDA events), for a worker that times its device;
     /// then `busy_ns` and the idle gaps are the device's. Null for a host-timed worker.
     pub device: Option<DeviceTimes>,
-    /// The batch this consumer said it is computing on ([`crate::Consumer::set_in_hand`]); for a
-    /// dead one not yet recovered, the batch it died computing on.
+    /// The batch this worker said it is computing on ([`crate::Consumer::set_in_hand`],
+    /// [`crate::Producer::set_in_hand`]: a producer's work item); for a dead one not yet
+    /// recovered, the batch it died computing on.
     pub in_hand: Option<u64>,
 }
 
@@ -283,6 +287,8 @@ impl Ring {
             let w = WorkWord(peek(w));
             if w.is_done() {
                 work.done += 1;
+            } else if w.is_set_aside() {
+                work.set_aside += 1;
             } else if !w.is_free() {
                 work.claimed += 1;
             }

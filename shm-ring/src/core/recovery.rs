@@ -17,7 +17,10 @@
 //!   then freed, counted as released (its update was applied) or as set aside (it killed the
 //!   consumers that took it); a batch to settle that the owner gave back (READY) is taken back
 //!   for it first;
-//! - every item CLAIMED by the id, whatever its epoch, goes back FREE.
+//! - every item CLAIMED by the id, whatever its epoch, goes back FREE;
+//! - a work item the supervisor sets aside (`Settling::work`: it killed the producers that
+//!   computed it) goes to SET_ASIDE wherever the two steps above would make it FREE, and from
+//!   FREE too (its producer gave it back before dying) by a claim's CAS.
 
 use super::*;
 
@@ -38,6 +41,9 @@ pub struct Recovered {
     /// (`Ring::recover_settling` with `Settle::SetAside`), now FREE, neither released nor
     /// delivered again.
     pub set_aside: u32,
+    /// Work items the supervisor set aside (`Ring::recover_setting_aside_work`): settled for
+    /// good, never claimed or published.
+    pub work_set_aside: u64,
 }
 
 /// How a supervisor settles one batch a dead consumer holds, instead of delivering it again.
@@ -52,10 +58,12 @@ pub enum Settle {
 }
 
 /// Batches a dead consumer holds that must not be delivered again, how each is settled, and
-/// what to do with each before its slot is freed (the slot index, its meta, how).
+/// what to do with each before its slot is freed (the slot index, its meta, how); work items a
+/// dead producer computed that are set aside instead of returned.
 pub(crate) struct Settling<'f> {
     pub batches: &'f [(u64, Settle)],
     pub before: &'f mut dyn FnMut(usize, ItemMeta, Settle),
+    pub work: &'f [u64],
 }
 
 impl Settling<'_> {
@@ -200,12 +208,14 @@ impl RingRef<'_> {
     ///
     /// With `settling`, a READING slot holding one of `settling.batches` is instead freed, after
     /// `settling.before` has seen it, and counted as its `Settle` says: released (its batch counts
-    /// as consumed) or set aside.
+    /// as consumed) or set aside; a work item of `settling.work` that would go back FREE, or is
+    /// FREE, is set aside instead (counted as set aside too).
     pub(crate) fn cleanup(&self, id: u32, mut settling: Option<&mut Settling<'_>>) -> Recovered {
         let mut out = Recovered::default();
         for &(batch_id, _) in settling.as_ref().map_or(&[][..], |r| r.batches) {
             self.take_back(id, batch_id);
         }
+        let aside: Vec<u64> = settling.as_ref().map_or(Vec::new(), |r| r.work.to_vec());
         for (idx, s) in self.slots.iter().enumerate() {
             let cur = Word(s.state.load(Ordering::Acquire));
             if cur.owner() != id {
@@ -225,8 +235,10 @@ impl RingRef<'_> {
                     // The batch in this slot was never published: the item it completes, if
                     // marked DONE in this very WRITING period, is not done. Unmark first, free
                     // the slot last, so a recovery cut short in between still sees the slot.
-                    if self.unmark_work(Claim { idx, word: cur }) {
-                        out.work_returned += 1;
+                    match self.unmark_work(Claim { idx, word: cur }, &aside) {
+                        Some(Undone::Returned) => out.work_returned += 1,
+                        Some(Undone::SetAside) => out.work_set_aside += 1,
+                        None => {}
                     }
                     if cas(cur.next(FREE, 0)) {
                         out.freed += 1;
@@ -266,24 +278,35 @@ impl RingRef<'_> {
                 _ => {}
             }
         }
-        // Items still claimed by any incarnation of the id go back for another producer.
-        for w in self.work {
+        // Items still claimed by any incarnation of the id go back for another producer; one to
+        // set aside is, from there or from FREE (given back before the death: the CAS a claim
+        // makes decides between a live producer's claim and the setting aside).
+        for (i, w) in self.work.iter().enumerate() {
             let v = WorkWord(w.load(Ordering::Relaxed));
-            if v.claimer() == Some(id)
-                && w.compare_exchange(v.0, WORK_FREE, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
+            let set_aside = aside.contains(&(i as u64));
+            if v.claimer() != Some(id) && !(set_aside && v.is_free()) {
+                continue;
+            }
+            let new = if set_aside { WORK_SET_ASIDE } else { WORK_FREE };
+            if w.compare_exchange(v.0, new, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
             {
-                out.work_returned += 1;
+                match set_aside {
+                    true => out.work_set_aside += 1,
+                    false => out.work_returned += 1,
+                }
             }
         }
+        sync::tally(&self.ctl.set_aside, out.work_set_aside);
         sync::tally(&self.ctl.redelivered, u64::from(out.requeued));
         sync::tally(&self.ctl.aborted, u64::from(out.freed));
         let settled = out.retired + out.set_aside;
         if out.freed > 0 || settled > 0 {
             crate::sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         }
-        if out.work_returned > 0 {
-            // Producers waiting for held work claim what came back (see `work.rs`).
+        if out.work_returned > 0 || out.work_set_aside > 0 {
+            // Producers waiting for held work claim what came back, or see it settled (see
+            // `work.rs`).
             crate::sync::bump(&self.ctl.work_seq, &self.ctl.work_waiters);
         }
         if out.requeued > 0 || settled > 0 || self.closed() {

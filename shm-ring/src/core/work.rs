@@ -24,6 +24,11 @@
 //!   recovery (likewise, if the producer died before its commit). One item per slot.
 //! - Every CAS of a slot to FREE (release, abort, recovery) is preceded by clearing `work_item`,
 //!   so a FREE slot carries no item and a new writer never inherits one.
+//! - A supervisor may set an item aside instead of returning it (`Ring::recover_setting_aside_work`:
+//!   it killed the producers that computed it): recovery of its dead holder moves it from
+//!   CLAIMED or DONE-in-WRITING to SET_ASIDE where it would have moved it to FREE, or from FREE
+//!   (given back before the death) by the CAS a claim makes, so a live producer's claim and the
+//!   setting aside never both win. SET_ASIDE is settled for good: never claimed, never undone.
 //!
 //! An item is *held* while it is CLAIMED, or DONE(s, g) with slot s still WRITING@g: it may
 //! still come back FREE (its holder unclaims, aborts or dies). It is *settled* once DONE and its
@@ -274,26 +279,35 @@ impl<'a> RingRef<'a> {
     }
 
     /// Undoes the DONE mark of the item that WRITING slot `claim` carries, if the mark is this
-    /// WRITING period's, and clears the link. The item goes back FREE. Returns true if an item
-    /// went back. Called by the slot's writer (abort) or by recovery once the writer is gone.
-    pub(super) fn unmark_work(&self, claim: Claim) -> bool {
+    /// WRITING period's, and clears the link. The item goes back FREE, or is set aside if it is
+    /// one of `aside` (a supervisor's recovery: see `Settling::work`). Returns what became of
+    /// the item, if its mark was undone. Called by the slot's writer (abort) or by recovery once
+    /// the writer is gone.
+    pub(super) fn unmark_work(&self, claim: Claim, aside: &[u64]) -> Option<Undone> {
         let s = &self.slots[claim.idx];
         let item = s.work_item.load(Ordering::Relaxed);
-        let undone = item
-            .checked_sub(1)
-            .and_then(|i| self.work.get(i as usize))
-            .is_some_and(|w| {
-                w.compare_exchange(
-                    WorkWord::done(claim.idx, claim.word.generation()).0,
-                    WORK_FREE,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            });
+        let undone = item.checked_sub(1).and_then(|i| {
+            let w = self.work.get(i as usize)?;
+            let (new, how) = match aside.contains(&i) {
+                true => (WORK_SET_ASIDE, Undone::SetAside),
+                false => (WORK_FREE, Undone::Returned),
+            };
+            let done = WorkWord::done(claim.idx, claim.word.generation()).0;
+            (w.compare_exchange(done, new, Ordering::Relaxed, Ordering::Relaxed)).ok()?;
+            Some(how)
+        });
         s.work_item.store(0, Ordering::Relaxed);
         undone
     }
+}
+
+/// What undoing a work item's DONE mark made of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Undone {
+    /// FREE again, for any producer.
+    Returned,
+    /// Set aside by a supervisor: settled for good.
+    SetAside,
 }
 
 /// Outcome of a claim that waits for returned work ([`crate::Producer::claim_work_timeout`]).
