@@ -5,6 +5,7 @@
 //! published (waiting meanwhile for batches other targets hold, which come back if they die), so
 //! the last target to finish closes the ring.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -189,6 +190,45 @@ pub fn produce(
     Ok(stopped)
 }
 
+/// Runs the target's loop ([`produce`]) on `pipe` with a prefetch thread that claims the next
+/// batch and gathers it (`gather`) while the current one computes; returns whether it stopped
+/// on request. The channel holds one batch, so at most the backend's depth + 2 claims are
+/// outstanding (submitted, in the channel, being gathered). Nothing FREE does not mean done: an
+/// item another target holds comes back if it dies (and nobody may restart it), so the prefetch
+/// thread waits for held items to settle, claiming what comes back, and looks at stop requests
+/// between waits. It ends when the loop does, whichever way: an error in the loop while it
+/// waited for held items (at the end of the data) once left it waiting for ever, and the worker
+/// never exited.
+pub fn prefetching(
+    pipe: &mut Pipeline<'_, '_>,
+    gather: &(dyn Fn(u64) -> Gathered + Sync),
+    stopping: &(dyn Fn() -> bool + Sync),
+    report: &mut FinalReport,
+) -> anyhow::Result<bool> {
+    let producer = pipe.producer();
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::sync_channel::<Gathered>(1);
+        let done = &done;
+        scope.spawn(move || {
+            // Relaxed: the flag carries no data, only "stop asking".
+            while !stopping() && !done.load(Ordering::Relaxed) {
+                let item = match producer.claim_work_timeout(Duration::from_millis(200)) {
+                    WorkClaim::Item(item) => item,
+                    WorkClaim::Pending => continue,
+                    WorkClaim::Settled => break,
+                };
+                if tx.send(gather(item)).is_err() {
+                    break;
+                }
+            }
+        });
+        let r = produce(&rx, pipe, stopping, report);
+        done.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
 /// Commits the pipeline's oldest batch into the report.
 fn commit(pipe: &mut Pipeline<'_, '_>, report: &mut FinalReport) -> anyhow::Result<()> {
     if let Some(c) = pipe.commit_oldest()? {
@@ -243,34 +283,11 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         "attached"
     );
     let mut report = FinalReport::default();
-    let mut stopped = false;
 
-    std::thread::scope(|scope| -> anyhow::Result<()> {
-        // Prefetch: claim and gather the next batch while the current one computes. The
-        // channel holds one batch, so at most the backend's depth + 2 claims are outstanding
-        // (submitted, in the channel, being gathered).
-        let (tx, rx) = mpsc::sync_channel::<Gathered>(1);
-        let (producer, plan, data, stop) = (&producer, &plan, &data, &s.stop);
-        scope.spawn(move || {
-            // Nothing FREE does not mean done: an item another target holds comes back if it
-            // dies (and nobody may restart it), so wait for held items to settle, claiming what
-            // comes back, and look at stop requests between waits.
-            while !stop.stopping() {
-                let item = match producer.claim_work_timeout(Duration::from_millis(200)) {
-                    WorkClaim::Item(item) => item,
-                    WorkClaim::Pending => continue,
-                    WorkClaim::Settled => break,
-                };
-                let next = gather(item, &plan[item as usize], data, cfg, s.index);
-                if tx.send(next).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut pipe = Pipeline::new(producer, &mut *backend);
-        stopped = produce(&rx, &mut pipe, &|| s.stop.stopping(), &mut report)?;
-        Ok(())
-    })?;
+    let mut pipe = Pipeline::new(&producer, &mut *backend);
+    let gather = |item: u64| gather(item, &plan[item as usize], &data, cfg, s.index);
+    let mut stopped = prefetching(&mut pipe, &gather, &|| s.stop.stopping(), &mut report)?;
+    drop(pipe);
     stopped |= s.stop.stopping();
     // Count toward the close in either case: a stopping run still drains.
     producer.finish();

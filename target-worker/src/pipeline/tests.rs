@@ -1,0 +1,317 @@
+//! The pipeline's tests: a backend whose results land only at `complete` (as a copy stream's
+//! would), driven as the worker drives it.
+use std::sync::{Arc, Mutex};
+
+use std::time::Duration;
+
+use gpu::GpuError;
+use proto::control::FinalReport;
+use proto::{BatchView, Dtype};
+use shm_ring::{Ring, RingParams, TakePolicy};
+
+use super::*;
+use crate::Gathered;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Event {
+    Submit(u8),
+    Complete(u8),
+    Quiesce,
+}
+
+/// A backend of depth `depth` whose results land in the slot only when `complete` is
+/// called, as a copy stream's would: the batch's number in every hidden-state byte and
+/// token. Logs every call.
+struct Late {
+    depth: usize,
+    log: Arc<Mutex<Vec<Event>>>,
+    submitted: VecDeque<(u8, RawOut)>,
+    /// A device's timeline, if the backend times its device: batch `n`'s forward resolves
+    /// at its completion as busy from `n x 10 ms` to 4 ms later (after the clock's start).
+    clock: Option<(Arc<Spans>, u64)>,
+    /// Fails issuing batch `n`'s forward (as an out-of-memory at its own allocation).
+    fail_submit: Option<u8>,
+}
+
+/// A device timeline the test writes: what `poll` returns next.
+#[derive(Default)]
+struct Spans(Mutex<Vec<shm_ring::DeviceSpan>>);
+
+impl DeviceClock for Spans {
+    fn poll(&self) -> Result<Vec<shm_ring::DeviceSpan>, GpuError> {
+        Ok(std::mem::take(&mut *self.0.lock().unwrap()))
+    }
+    fn totals(&self) -> gpu::device_time::Totals {
+        Default::default()
+    }
+}
+
+impl Late {
+    /// A backend of `depth`, and its log.
+    fn new(depth: usize) -> (Late, Arc<Mutex<Vec<Event>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let late = Late {
+            depth,
+            log: log.clone(),
+            submitted: VecDeque::new(),
+            clock: None,
+            fail_submit: None,
+        };
+        (late, log)
+    }
+}
+
+impl TargetBackend for Late {
+    fn forward(&mut self, _: &[u32], _: &[u32], _: TargetOut<'_>) -> Result<(), GpuError> {
+        unreachable!("the pipeline submits")
+    }
+
+    fn depth(&self) -> usize {
+        self.depth
+    }
+
+    fn submit(&mut self, ids: &[u32], _: &[u32], out: RawOut) -> Result<(), GpuError> {
+        let n = ids[0] as u8;
+        if self.fail_submit == Some(n) {
+            return Err(GpuError::Shape(format!(
+                "injected: no memory for batch {n}"
+            )));
+        }
+        self.log.lock().unwrap().push(Event::Submit(n));
+        self.submitted.push_back((n, out));
+        Ok(())
+    }
+
+    fn complete(&mut self) -> Result<(), GpuError> {
+        let (n, mut out) = self.submitted.pop_front().expect("a batch in flight");
+        // SAFETY: the batch completes only now, and this backend queues no copy into it.
+        let o = unsafe { out.get() };
+        o.hidden_states.fill(n);
+        o.target_tokens.fill(n);
+        self.log.lock().unwrap().push(Event::Complete(n));
+        if let Some((spans, t0)) = &self.clock {
+            let start_ns = t0 + u64::from(n) * 10_000_000;
+            spans.0.lock().unwrap().push(shm_ring::DeviceSpan {
+                phase: Phase::Compute,
+                start_ns,
+                end_ns: start_ns + 4_000_000,
+                busy: true,
+            });
+        }
+        Ok(())
+    }
+
+    fn quiesce(&mut self) {
+        self.submitted.clear();
+        self.log.lock().unwrap().push(Event::Quiesce);
+    }
+
+    fn device_clock(&self) -> Option<Arc<dyn DeviceClock>> {
+        let c: Arc<dyn DeviceClock> = self.clock.as_ref()?.0.clone();
+        Some(c)
+    }
+}
+
+fn ring(items: u64) -> Ring {
+    Ring::create(
+        &testkit::unique("pipeline"),
+        &RingParams {
+            slots: 4,
+            slot_size: 4096,
+            buckets: 1,
+            producers: 1,
+            consumers: 1,
+            held_per_consumer: 1,
+            policy: TakePolicy::Fifo,
+            seed: 1,
+            work_items: items,
+        },
+    )
+    .unwrap()
+}
+
+fn spec(n: u64) -> BatchSpec {
+    BatchSpec {
+        batch_id: n,
+        producer: 0,
+        sample_ids: vec![n],
+        seq_lens: vec![3],
+        dtype: Dtype::Bf16,
+        layers: 1,
+        hidden: 8,
+    }
+}
+
+/// Runs `items` batches through a pipeline over a backend of `depth` as the worker does
+/// (submit, then commit while full, then drain); returns the backend's log and the batches
+/// as a drafter takes them.
+fn run(depth: usize, items: u64) -> (Vec<Event>, Vec<(u64, u8)>) {
+    let ring = ring(items);
+    let producer = ring.producer(0).unwrap();
+    let (mut backend, log) = Late::new(depth);
+    feed(&producer, &mut backend, items);
+    assert!(producer.finish(), "the last producer closes the ring");
+    let consumer = ring.consumer(0).unwrap();
+    let mut got = Vec::new();
+    while let Some(r) = consumer.take().unwrap() {
+        let v = BatchView::parse(r.payload()).unwrap();
+        v.verify().expect("checksummed after the results landed");
+        got.push((v.header().spec.batch_id, v.hidden_states()[0]));
+        r.release().unwrap();
+    }
+    let log = log.lock().unwrap().clone();
+    (log, got)
+}
+
+/// Submits `items` batches through a pipeline over `backend` as the worker does (submit,
+/// then commit while full, then drain).
+fn feed(producer: &Producer<'_>, backend: &mut Late, items: u64) {
+    let mut pipe = Pipeline::new(producer, backend);
+    for _ in 0..items {
+        let item = producer.claim_work().unwrap();
+        let spec = spec(item);
+        let slot = producer
+            .reserve(proto::batch_len(&spec).unwrap() as usize)
+            .unwrap();
+        let ids = [item as u32; 3];
+        pipe.submit(slot, spec, &ids, &[1; 3], item, 0).unwrap();
+        while !pipe.has_room() {
+            pipe.commit_oldest().unwrap();
+        }
+    }
+    while pipe.commit_oldest().unwrap().is_some() {}
+}
+
+/// A backend that times its device: the pipeline says so to the ring, and moves the spans
+/// the device resolved into it as batches commit, so the worker's busy time and idle gaps
+/// are the device's.
+#[test]
+fn a_device_timed_backends_spans_reach_the_ring() {
+    let timed = ring(3);
+    let producer = timed.producer(0).unwrap();
+    let (mut backend, _) = Late::new(2);
+    backend.clock = Some((Arc::default(), shm_ring::monotonic_ns()));
+    feed(&producer, &mut backend, 3);
+    let s = timed.snapshot();
+    let w = s.worker(shm_ring::WorkerName::producer(0)).unwrap();
+    let d = w.device.as_ref().expect("the worker is device-timed");
+    assert_eq!((d.busy_ns, w.busy_ns()), (12_000_000, 12_000_000));
+    // Between the three forwards, two idle gaps of 6 ms (kept in microseconds).
+    assert_eq!(d.idle_ns.values().sum::<u64>(), 12_000_000);
+    let longest = w.idle_gaps.iter().map(|g| g.1).max();
+    assert_eq!(longest, Some(6_000_000));
+    // A host-timed backend is not.
+    let host = ring(1);
+    let producer = host.producer(0).unwrap();
+    feed(&producer, &mut Late::new(1).0, 1);
+    assert!(host.snapshot().workers[0].device.is_none());
+}
+
+/// On a GPU's depth of two, batch i+1's forward is issued before batch i is waited for and
+/// committed (by the order of the calls, not by time); every batch is committed once, in
+/// order, checksummed with the results that landed at its completion.
+#[test]
+fn the_next_forward_is_issued_before_a_batch_is_committed() {
+    use Event::*;
+    let (log, got) = run(2, 3);
+    assert_eq!(
+        log,
+        [
+            Submit(0),
+            Submit(1),
+            Complete(0),
+            Submit(2),
+            Complete(1),
+            Complete(2)
+        ]
+    );
+    assert_eq!(got, [(0, 0), (1, 1), (2, 2)]);
+    // On the host's depth of one, each batch is committed before the next forward.
+    let (log, got) = run(1, 2);
+    assert_eq!(log, [Submit(0), Complete(0), Submit(1), Complete(1)]);
+    assert_eq!(got, [(0, 0), (1, 1)]);
+}
+
+/// The worker's loop at a GPU's depth of two, with the prefetch thread's claim loop: at the
+/// end of the data that thread waits for the last batch's item to settle while the loop
+/// holds that batch submitted. The loop commits it before waiting for another gathered
+/// batch; waiting first (the old loop's order) hangs both, which the watchdog catches.
+#[test]
+fn the_loop_commits_a_held_batch_before_waiting_for_the_next() {
+    let got = testkit::watchdog(
+        "the target's loop at depth 2",
+        Duration::from_secs(60),
+        || {
+            let items = 3;
+            let ring = ring(items);
+            let producer = ring.producer(0).unwrap();
+            let (mut backend, log) = Late::new(2);
+            let mut report = FinalReport::default();
+            let mut pipe = Pipeline::new(&producer, &mut backend);
+            let stopped = crate::prefetching(&mut pipe, &gathered, &|| false, &mut report);
+            assert!(!stopped.unwrap());
+            drop(pipe);
+            let log = log.lock().unwrap().clone();
+            (report.items, log)
+        },
+    );
+    assert_eq!(got.0, 3, "every batch committed");
+    assert!(got.1.contains(&Event::Complete(2)));
+}
+
+/// A pipeline dropped with a batch in flight (an error, a stop) quiesces the backend before
+/// the slot is given back, so no copy writes a slot another batch may get; the batch is
+/// never published.
+#[test]
+fn a_pipeline_dropped_in_flight_quiesces_before_its_slots_go() {
+    let ring = ring(1);
+    let producer = ring.producer(0).unwrap();
+    let (mut backend, log) = Late::new(2);
+    {
+        let mut pipe = Pipeline::new(&producer, &mut backend);
+        let item = producer.claim_work().unwrap();
+        let slot = producer
+            .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
+            .unwrap();
+        pipe.submit(slot, spec(item), &[0; 3], &[1; 3], item, 0)
+            .unwrap();
+    }
+    assert_eq!(*log.lock().unwrap(), [Event::Submit(0), Event::Quiesce]);
+    let consumer = ring.consumer(0).unwrap();
+    let nothing = consumer.take_timeout(std::time::Duration::ZERO).unwrap();
+    assert!(
+        matches!(nothing, shm_ring::Take::TimedOut),
+        "nothing was published"
+    );
+}
+
+/// What the prefetch thread gathers for `item` here: three tokens of the item's number.
+fn gathered(item: u64) -> Gathered {
+    Gathered {
+        item,
+        spec: spec(item),
+        input_ids: vec![item as u32; 3],
+        loss_mask: vec![1; 3],
+        bucket: 0,
+    }
+}
+
+/// The loop fails at the last batch (its forward fails) while the prefetch thread, with
+/// nothing left to claim, waits for that batch's item to settle. The prefetch thread ends with
+/// the loop and the error comes back. Before, the thread waited for ever (the item stayed
+/// claimed by its own process), the scope never ended, and the target never exited: the run
+/// hung, since a target waiting for work beats its heartbeat.
+#[test]
+fn the_prefetch_thread_ends_when_the_loop_fails_at_the_last_batch() {
+    let err = testkit::watchdog("a failing target's loop", Duration::from_secs(60), || {
+        let ring = ring(2);
+        let producer = ring.producer(0).unwrap();
+        let (mut backend, _) = Late::new(1);
+        backend.fail_submit = Some(1);
+        let mut report = FinalReport::default();
+        let mut pipe = Pipeline::new(&producer, &mut backend);
+        let r = crate::prefetching(&mut pipe, &gathered, &|| false, &mut report);
+        format!("{:#}", r.expect_err("the forward failed"))
+    });
+    assert!(err.contains("forward of batch 1"), "{err}");
+}
