@@ -148,12 +148,13 @@ pub struct Args {
     /// finished a batch since its last restart starts counting again.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
-    /// Drafter deaths with one batch in hand after which that batch is set aside: never
-    /// delivered again, written to set-aside.jsonl, its samples left untrained (the run ends
-    /// degraded; --resume tries them again). A death counts when the drafter failed by itself
-    /// (an error exit, a panic, a crash) or hung, not for a signal from outside (SIGKILL from
-    /// the OOM killer or a person, a stop signal); deaths all of one drafter with nothing
-    /// trained between are its crash loop (--max-restarts), not the batch's. 0: never.
+    /// Deaths with one batch in hand (a target in its forward, a drafter in its gradient) after
+    /// which that batch is set aside: never computed or delivered again, written to
+    /// set-aside.jsonl, its samples left untrained (the run ends degraded; --resume tries them
+    /// again). A death counts when the worker failed by itself (an error exit, a panic, a
+    /// crash) or hung, not for a signal from outside (SIGKILL from the OOM killer or a person, a
+    /// stop signal); deaths of workers that finish nothing between them are a crash loop
+    /// (--max-restarts), not the batch's. 0: never.
     #[arg(long, default_value_t = 3, value_name = "DEATHS")]
     pub set_aside_after: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed

@@ -43,6 +43,8 @@ pub(crate) struct Settled {
     /// The line saying how the data was prepared.
     pub(crate) data_line: Option<String>,
     pub(crate) batches: u64,
+    /// The plan: batch `i`'s samples (the line of a batch set aside before it was published).
+    pub(crate) planned: Vec<proto::plan::PlannedBatch>,
     /// Which epoch each planned batch is in.
     pub(crate) epochs: Epochs,
     pub(crate) params: shm_ring::RingParams,
@@ -194,6 +196,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         data,
         data_line,
         batches,
+        planned,
         epochs,
         params,
         run_id,

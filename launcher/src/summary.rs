@@ -95,8 +95,8 @@ pub struct Summary {
     pub batches_trained: u64,
     /// From the ring's counter: telemetry, not judged.
     pub redelivered: u64,
-    /// Batches set aside untrained after killing the drafters that took them
-    /// (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
+    /// Batches set aside untrained after killing the targets that computed them or the drafters
+    /// that took them (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
     pub batches_set_aside: u64,
     pub tokens_trained: u64,
     /// Ledger lines that could not be read (a drafter killed mid-line).

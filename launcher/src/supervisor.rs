@@ -134,8 +134,10 @@ pub(crate) struct Supervisor<'a> {
     mon: Monitor,
     /// Lines for the summary: why the run is degraded.
     notes: Vec<String>,
-    /// The deaths held against each batch a drafter had in hand (`--set-aside-after`).
+    /// The deaths held against each batch a worker had in hand (`--set-aside-after`).
     strikes: settle::Strikes,
+    /// The plan: the samples of a batch set aside before it was published.
+    planned: Vec<proto::plan::PlannedBatch>,
     /// A stop was asked for (a signal, or no drafter left): targets stop, drafters drain.
     stopping: bool,
     /// A second signal killed every worker.
@@ -300,8 +302,8 @@ impl<'a> Supervisor<'a> {
     /// few crashes far apart, and a crash loop still ends at the limit. The price: a fault that
     /// recurs after some work (a full disk at every checkpoint) is restarted for as long as the
     /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
-    /// says why each time ([`spawn::last_error`]). A drafter's death with a batch in hand is
-    /// held against that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`).
+    /// says why each time ([`spawn::last_error`]). A death with a batch in hand is held against
+    /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`).
     fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
         let snap = self.ring.snapshot();
         let rec = snap.worker(self.workers[i].name()).cloned();
@@ -317,15 +319,18 @@ impl<'a> Supervisor<'a> {
         let w = &mut self.workers[i];
         let death = format!("{} (pid {}) died: {status}{said}", w.name(), w.pid);
         // The batch it was computing on, if its death is held against that batch.
-        let counts = w.name.role == Role::Consumer && settle::Strikes::counts(status, w.hung);
+        let finished = match w.name.role {
+            Role::Producer => snap.counters.published,
+            Role::Consumer => snap.counters.released,
+        };
         let struck = (rec.and_then(|r| r.in_hand))
-            .filter(|_| counts)
+            .filter(|_| settle::Strikes::counts(status, w.hung))
             .map(|batch| settle::Struck {
                 batch,
                 line: death.clone(),
-                drafter: w.name.index,
+                worker: w.name,
                 after_work: items > w.items_before,
-                trained: snap.counters.released,
+                finished,
             });
         w.hung = false;
         let (r, settled) = self.recover(i, struck)?;

@@ -32,11 +32,13 @@ pub struct PipelineConfig {
 }
 
 /// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
-/// `hang_after`, `slow`, `crash_at_start`, `crash_on_sample`, `fail_on_sample`: crash or hang
-/// after N items, run slower by a factor, crash at start-up, crash or fail as the device on a
-/// batch holding a sample); the drafter worker injects the three in the group protocol
-/// (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`) for any backend. Counted per
-/// process: a restarted worker starts counting again.
+/// `hang_after`, `slow`, `crash_at_start`, and a mock drafter's `crash_on_sample` and
+/// `fail_on_sample`: crash or hang after N items, run slower by a factor, crash at start-up,
+/// crash or fail as the device on a batch holding a sample); the drafter worker injects the
+/// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`)
+/// and our target worker `crash_on_sample` and `fail_on_sample` in its forward, for any
+/// backend (a Python target injects none). Counted per process: a restarted worker starts
+/// counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Faults {
@@ -54,11 +56,11 @@ pub struct Faults {
     pub crash_after_commit_at: Option<u64>,
     /// Drafters: crash while waiting to rejoin the group, once.
     pub crash_in_join: bool,
-    /// Mock drafters: crash computing any batch that holds sample N, in every incarnation (a
-    /// batch that kills whoever trains it).
+    /// Our targets (any backend) and mock drafters: crash computing any batch that holds sample N,
+    /// in every incarnation (a batch that kills whoever computes it).
     pub crash_on_sample: Option<u64>,
-    /// Mock drafters: fail as a device fails (out of memory) computing any batch that holds
-    /// sample N, in every incarnation.
+    /// Our targets (any backend) and mock drafters: fail as a device fails (out of memory)
+    /// computing any batch that holds sample N, in every incarnation.
     pub fail_on_sample: Option<u64>,
 }
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::plan::Epochs;
+use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
 /// One line of a drafter's ledger: a batch it trained on.
@@ -274,46 +274,62 @@ fn samples_of(meta: &shm_ring::ItemMeta, payload: &[u8]) -> Result<(Vec<u64>, u6
 }
 
 /// A batch the launcher set aside (`RunDir::set_aside`, one JSON line each): it was in hand
-/// at every death it names, so it is not delivered again and its samples stay untrained in this
-/// run (`--resume` tries them again).
+/// at every death it names, so it is not delivered (or, a target's, computed) again and its
+/// samples stay untrained in this run (`--resume` tries them again).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SetAsideLine {
     pub batch_id: u64,
     pub sample_ids: Vec<u64>,
     pub tokens: u64,
-    /// The ring's publish ticket of the batch.
-    pub ticket: u64,
+    /// The ring's publish ticket of the batch; null for one set aside before it was published
+    /// (the targets died computing it).
+    pub ticket: Option<u64>,
     /// The deaths held against it, as the launcher said them (`drafter-1 (pid 7) died: signal:
     /// 6 (SIGABRT), saying "..."`).
     pub deaths: Vec<String>,
 }
 
-/// For the launcher: appends the line of a batch it set aside, read from its slot (`payload`)
-/// before the slot is freed; returns the line.
-pub fn record_set_aside(
-    run_dir: &RunDir,
-    meta: &shm_ring::ItemMeta,
-    payload: &[u8],
-    deaths: &[String],
-) -> Result<SetAsideLine, LedgerError> {
-    let (sample_ids, tokens) = samples_of(meta, payload)?;
-    let line = SetAsideLine {
-        batch_id: meta.batch_id,
-        sample_ids,
-        tokens,
-        ticket: meta.ticket,
-        deaths: deaths.to_vec(),
-    };
+impl SetAsideLine {
+    /// The line of a published batch, read from the slot a dead drafter held (`payload`, its
+    /// `meta`) before the slot is freed.
+    pub fn of_slot(
+        meta: &shm_ring::ItemMeta,
+        payload: &[u8],
+        deaths: &[String],
+    ) -> Result<SetAsideLine, LedgerError> {
+        let (sample_ids, tokens) = samples_of(meta, payload)?;
+        Ok(SetAsideLine {
+            batch_id: meta.batch_id,
+            sample_ids,
+            tokens,
+            ticket: Some(meta.ticket),
+            deaths: deaths.to_vec(),
+        })
+    }
+
+    /// The line of planned batch `batch_id` (`planned`), which the targets died computing.
+    pub fn of_plan(batch_id: u64, planned: &PlannedBatch, deaths: &[String]) -> SetAsideLine {
+        SetAsideLine {
+            batch_id,
+            sample_ids: planned.sample_ids.clone(),
+            tokens: planned.tokens,
+            ticket: None,
+            deaths: deaths.to_vec(),
+        }
+    }
+}
+
+/// For the launcher: appends the line of a batch it set aside.
+pub fn record_set_aside(run_dir: &RunDir, line: &SetAsideLine) -> Result<(), LedgerError> {
     let path = run_dir.set_aside();
-    let mut text = serde_json::to_string(&line)?;
+    let mut text = serde_json::to_string(line)?;
     text.push('\n');
     OpenOptions::new()
         .create(true)
         .append(true)
         .open(&path)
         .and_then(|mut f| f.write_all(text.as_bytes()))
-        .map_err(io("appending to", &path))?;
-    Ok(line)
+        .map_err(io("appending to", &path))
 }
 
 /// The batches set aside in the run so far (none if the file is missing); a line that does not

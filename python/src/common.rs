@@ -57,6 +57,49 @@ impl Registered {
             Registered::Consumer(c) => c.heartbeat(),
         }
     }
+    fn set_in_hand(self, batch: Option<u64>) {
+        match self {
+            Registered::Producer(p) => p.set_in_hand(batch),
+            Registered::Consumer(c) => c.set_in_hand(batch),
+        }
+    }
+}
+
+/// The batch a Python worker says it has in hand (`set_in_hand`, which the launcher holds a
+/// death against): the last one taken or claimed, until that one is let go (so letting go of an
+/// older one leaves a newer one's mark). An exception that drops it leaves it said.
+pub struct InHand {
+    reg: Registered,
+    batch: Cell<Option<u64>>,
+}
+
+impl InHand {
+    pub fn new(reg: Registered) -> InHand {
+        InHand {
+            reg,
+            batch: Cell::new(None),
+        }
+    }
+
+    /// `batch` is in hand now.
+    pub fn hold(&self, batch: u64) {
+        self.batch.set(Some(batch));
+        self.reg.set_in_hand(Some(batch));
+    }
+
+    /// None is in hand (whose an error would be is not known).
+    pub fn clear(&self) {
+        self.batch.set(None);
+        self.reg.set_in_hand(None);
+    }
+
+    /// `batch` is done with (released, committed, aborted); if it was the one in hand, none is.
+    pub fn let_go(&self, batch: u64) {
+        if self.batch.get() == Some(batch) {
+            self.batch.set(None);
+            self.reg.set_in_hand(None);
+        }
+    }
 }
 
 /// The connected worker: its Welcome and its ring, both kept for the whole process (slots

@@ -25,7 +25,7 @@ use proto::{BatchHeader, BatchView};
 use pyo3::prelude::*;
 use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
-use crate::common::{close_views, err, worker_methods, Core};
+use crate::common::{close_views, err, worker_methods, Core, InHand, Registered};
 use crate::group::Group;
 use crate::view::{Elem, Exports, Memory, View};
 
@@ -42,7 +42,7 @@ pub struct DrafterCore {
     /// The step the next release records when no group step named one: releases so far.
     releases: Cell<u64>,
     /// The batch this rank said it has in hand (the last taken, until released).
-    in_hand: Cell<Option<u64>>,
+    in_hand: InHand,
     pub group: Group,
 }
 
@@ -64,23 +64,9 @@ impl DrafterCore {
             report: RefCell::default(),
             ended: Cell::new(false),
             releases: Cell::new(0),
-            in_hand: Cell::new(None),
+            in_hand: InHand::new(Registered::Consumer(consumer)),
             group,
         })
-    }
-
-    /// Says `batch` is in hand now (the last one taken).
-    fn hold(&self, batch: u64) {
-        self.in_hand.set(Some(batch));
-        self.consumer.set_in_hand(Some(batch));
-    }
-
-    /// `batch` was released; if it was the one in hand, none is now.
-    fn let_go(&self, batch: u64) {
-        if self.in_hand.get() == Some(batch) {
-            self.in_hand.set(None);
-            self.consumer.set_in_hand(None);
-        }
     }
 
     /// Gives back the dropped batches whose views are all gone (READY again, for redelivery).
@@ -185,7 +171,7 @@ impl Drafter {
             consumer.enter(Phase::Other);
             match header {
                 Ok(header) => {
-                    d.hold(slot.meta().batch_id);
+                    d.in_hand.hold(slot.meta().batch_id);
                     let base = slot.payload().as_ptr() as usize;
                     return Ok(Some(Batch {
                         d: Rc::clone(d),
@@ -448,7 +434,7 @@ impl Batch {
             .release()
             .map_err(err)?;
         d.releases.set(releases);
-        d.let_go(meta.batch_id);
+        d.in_hand.let_go(meta.batch_id);
         let mut r = d.report.borrow_mut();
         r.items += 1;
         r.tokens += line.tokens;

@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use shm_ring::{CommitMeta, Producer, WorkClaim, WriteSlot};
 use target_worker::Gathered;
 
-use crate::common::{close_views, err, worker_methods, Core};
+use crate::common::{close_views, err, worker_methods, Core, InHand, Registered};
 use crate::view::{self, Elem, Exports, Memory, View};
 
 /// The sections of a slot, in `Exports`' order.
@@ -38,6 +38,9 @@ pub struct TargetCore {
     deferred: RefCell<Vec<(WriteSlot<'static>, u64, Arc<Exports>)>>,
     report: RefCell<FinalReport>,
     stopped: Cell<bool>,
+    /// The item in hand: the one claimed (the user computes its forward) while no other is,
+    /// until its batch is committed or aborted (a claim dropped, on an exception, leaves it).
+    in_hand: InHand,
 }
 
 impl TargetCore {
@@ -63,6 +66,7 @@ impl TargetCore {
             deferred: RefCell::default(),
             report: RefCell::default(),
             stopped: Cell::new(false),
+            in_hand: InHand::new(Registered::Producer(producer)),
         })
     }
 
@@ -166,6 +170,12 @@ impl Target {
             Err(e) => return Err(e),
         };
         t.claims.borrow_mut().insert(item);
+        // In hand only while it is the only claim: with two computed at once, whose an error is
+        // cannot be told.
+        match t.claims.borrow().len() {
+            1 => t.in_hand.hold(item),
+            _ => t.in_hand.clear(),
+        }
         let cfg = &t.core.setup.config;
         let g = target_worker::gather(
             item,
@@ -314,6 +324,7 @@ impl Claim {
             t.stopped.set(true);
             self.settled = true;
             t.give_back(self.item);
+            t.in_hand.let_go(self.item);
             return Ok(None);
         };
         self.settled = true;
@@ -454,6 +465,7 @@ impl Slot {
         })
         .map_err(err)?;
         self.t.claims.borrow_mut().remove(&self.item);
+        self.t.in_hand.let_go(self.item);
         let mut r = self.t.report.borrow_mut();
         r.items += 1;
         r.tokens += tokens;
@@ -476,6 +488,7 @@ impl Slot {
         )?;
         drop(self.slot.take());
         self.t.give_back(self.item);
+        self.t.in_hand.let_go(self.item);
         Ok(())
     }
 }

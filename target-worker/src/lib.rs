@@ -284,7 +284,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     );
     let mut report = FinalReport::default();
 
-    let mut pipe = Pipeline::new(&producer, &mut *backend);
+    let mut pipe = Pipeline::new(&producer, &mut *backend).injecting(cfg.faults_for(s.name));
     let gather = |item: u64| gather(item, &plan[item as usize], &data, cfg, s.index);
     let mut stopped = prefetching(&mut pipe, &gather, &|| s.stop.stopping(), &mut report)?;
     drop(pipe);

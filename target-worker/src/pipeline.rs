@@ -8,6 +8,18 @@
 //! depend on: before waiting for the next gathered batch, or for a free slot, it commits what it
 //! holds (the prefetch thread may be waiting for that batch's item to settle; the drafters may
 //! need that batch to free a slot).
+//!
+//! # The batch in hand
+//!
+//! The launcher holds a target's death against the batch it says it has in hand
+//! (`Producer::set_in_hand`), and sets a batch aside that several deaths are held against. So a
+//! batch is said to be in hand only while an error would be its own: while its forward is
+//! issued, and while its results are waited for if it is alone on the device. A device reports
+//! a kernel's fault at a later call, and every call after: with two batches in flight, an error
+//! waiting for the older one may be the newer one's, and an error issuing the newer one may be
+//! the older one's; in that case the older ones are committed first, and only if they are is the
+//! error the newer one's (an out-of-memory at its own allocation). Nothing is held in hand when
+//! it is not known whose the error is.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -33,6 +45,8 @@ pub struct Pipeline<'r, 'b> {
     /// The device's timeline, for a backend that times its work on the device: its spans go
     /// into the ring after each commit.
     clock: Option<Arc<dyn DeviceClock>>,
+    /// Faults injected into the forward, for any backend (`crash_on_sample`, `fail_on_sample`).
+    faults: proto::config::Faults,
 }
 
 /// What a committed batch adds to the target's report.
@@ -51,7 +65,15 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             backend,
             in_flight: VecDeque::new(),
             clock,
+            faults: proto::config::Faults::default(),
         }
+    }
+
+    /// Injects `faults`' `crash_on_sample` and `fail_on_sample` into the forward of any batch
+    /// holding that sample, whatever the backend.
+    pub fn injecting(mut self, faults: proto::config::Faults) -> Self {
+        self.faults = faults;
+        self
     }
 
     /// Moves the device's resolved spans into the ring.
@@ -108,10 +130,21 @@ impl<'r, 'b> Pipeline<'r, 'b> {
                 target_tokens: sections.target_tokens,
             })
         };
+        // The batch in hand while its forward is issued, left set if that fails: the death that
+        // follows is held against it (see "The batch in hand" in the module doc).
+        self.producer.set_in_hand(Some(item));
         self.producer.enter(Phase::Compute);
-        let r = self.backend.submit(input_ids, &spec.seq_lens, out);
+        let r = inject(&self.faults, &spec)
+            .and_then(|()| Ok(self.backend.submit(input_ids, &spec.seq_lens, out)?));
         self.producer.enter(Phase::Other);
-        r.with_context(|| format!("the target's forward of batch {item}"))?;
+        if let Err(e) = r {
+            // With older batches in flight the error may be theirs, reported late: it is this
+            // batch's own only if they all complete (and are published, not lost).
+            let theirs = self.drain().is_err();
+            self.producer.set_in_hand((!theirs).then_some(item));
+            return Err(e.context(format!("the target's forward of batch {item}")));
+        }
+        self.producer.set_in_hand(None);
         self.in_flight.push_back(Submitted {
             slot,
             spec,
@@ -127,11 +160,17 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         if self.in_flight.is_empty() {
             return Ok(None);
         }
-        // Waiting for the device's forward and copy of the batch.
+        // Waiting for the device's forward and copy of the batch, which stays in `in_flight`
+        // until they are done (on an error, `Drop` quiesces the backend before its slot goes).
+        // In hand only if it is alone on the device: otherwise an error may be the next one's.
+        let item = self.in_flight.front().map_or(0, |s| s.item);
+        let alone = self.in_flight.len() == 1;
+        self.producer.set_in_hand(alone.then_some(item));
         self.producer.enter(Phase::Compute);
         let r = self.backend.complete();
         self.producer.enter(Phase::Other);
-        r.context("the target's copy of a batch into its slot")?;
+        r.with_context(|| format!("the target's copy of batch {item} into its slot"))?;
+        self.producer.set_in_hand(None);
         let Submitted {
             mut slot,
             spec,
@@ -149,6 +188,26 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         self.device_spans();
         Ok(Some(Committed { tokens }))
     }
+
+    /// Commits every batch in flight, oldest first.
+    fn drain(&mut self) -> anyhow::Result<()> {
+        while self.commit_oldest()?.is_some() {}
+        Ok(())
+    }
+}
+
+/// The forward's injected faults (`[faults.target-N]`): abort, or fail as a device fails, on a
+/// batch holding the sample named.
+fn inject(faults: &proto::config::Faults, spec: &BatchSpec) -> anyhow::Result<()> {
+    let holds = |n: Option<u64>| n.filter(|n| spec.sample_ids.contains(n));
+    if let Some(n) = holds(faults.crash_on_sample) {
+        tracing::error!(batch = spec.batch_id, "injected crash on sample {n}");
+        std::process::abort();
+    }
+    if let Some(n) = holds(faults.fail_on_sample) {
+        anyhow::bail!("injected device failure (out of memory) on sample {n}");
+    }
+    Ok(())
 }
 
 impl Drop for Pipeline<'_, '_> {

@@ -646,16 +646,21 @@ fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
     assert!(counts.values().all(|&c| c == 1), "each once");
 }
 
-/// A poison batch: every drafter that computes on the batch holding sample 137 dies (every
-/// incarnation) of `fault` (`[faults.drafter-N]`'s `fault = 137`), each death's line quoting
-/// `says`. With the default `--set-aside-after 3`, the third death with it in hand sets it
-/// aside: the run ends degraded (exit 3) with no drafter given up, every other sample trained
-/// once, the batch's samples never, and `set-aside.jsonl` naming the batch, its samples and the
-/// three deaths with what each drafter said.
-fn poison_batch(tag: &str, fault: &str, says: &str) {
+/// A poison batch: every worker of `side` (5 targets or 3 drafters) that computes on the batch
+/// holding sample 137 dies (every incarnation) of `fault` (`[faults.drafter-N]`'s `fault =
+/// 137`), each death's line quoting `says`. With the default `--set-aside-after 3`, the third
+/// death with it in hand sets it aside: the run ends degraded (exit 3) with no worker given
+/// up, every other sample trained once, the batch's samples never, and `set-aside.jsonl`
+/// naming the batch, its samples and the three deaths with what each worker said.
+fn poison_batch(tag: &str, side: Role, fault: &str, says: &str) {
     let run = Run::new(tag);
-    let faults: String = (0..3)
-        .map(|d| format!("[faults.drafter-{d}]\n{fault} = 137\n"))
+    let side_name = side.name();
+    let workers = match side {
+        Role::Producer => 0..5,
+        Role::Consumer => 5..8,
+    };
+    let faults: String = (0..workers.len())
+        .map(|i| format!("[faults.{side_name}-{i}]\n{fault} = 137\n"))
         .collect();
     let cfg = config(&run.dir, false, &faults);
     let launcher = run.launch(&cfg, &[]);
@@ -680,7 +685,7 @@ fn poison_batch(tag: &str, fault: &str, says: &str) {
     assert_eq!(s["batches_set_aside"], 1);
     // Every death was held against it: three deaths, not more (a death whose rank's previous
     // batch was in an applied update once went uncounted).
-    let restarts: u64 = (5..8)
+    let restarts: u64 = workers
         .map(|w| s["workers"][w]["restarts"].as_u64().unwrap())
         .sum();
     let log = run.launcher_log();
@@ -705,7 +710,38 @@ fn poison_batch(tag: &str, fault: &str, says: &str) {
 /// death until the drafters were given up in a row and the run stopped.
 #[test]
 fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes_on() {
-    poison_batch("poison", "crash_on_sample", "injected crash on sample 137");
+    poison_batch(
+        "poison",
+        Role::Consumer,
+        "crash_on_sample",
+        "injected crash on sample 137",
+    );
+}
+
+/// The same on the targets' side: a batch whose forward aborts every target. Before, its work
+/// item went back to the table after each death and killed the next target to claim it, until
+/// every target was given up in a row, the ring closed and the run ended with the item never
+/// published.
+#[test]
+fn a_batch_that_kills_every_target_that_computes_it_is_set_aside_and_the_run_goes_on() {
+    poison_batch(
+        "poisontgt",
+        Role::Producer,
+        "crash_on_sample",
+        "injected crash on sample 137",
+    );
+}
+
+/// A batch on which every target's device fails (as CUDA's out of memory on the longest batch):
+/// the target fails with the batch in hand, which is set aside at the third such death.
+#[test]
+fn a_batch_the_targets_device_fails_on_is_set_aside() {
+    poison_batch(
+        "poisontgtdev",
+        Role::Producer,
+        "fail_on_sample",
+        "injected device failure (out of memory) on sample 137",
+    );
 }
 
 /// A batch on which every drafter's device fails (as CUDA's out of memory): the rank fails with
@@ -715,6 +751,7 @@ fn a_batch_that_kills_every_drafter_that_trains_it_is_set_aside_and_the_run_goes
 fn a_batch_the_device_fails_on_is_delivered_again_then_set_aside() {
     poison_batch(
         "poisondev",
+        Role::Consumer,
         "fail_on_sample",
         "injected device failure (out of memory) on sample 137",
     );

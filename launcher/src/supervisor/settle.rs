@@ -1,51 +1,60 @@
-//! How a dead drafter's batches are settled instead of being delivered again: retired when the
-//! group applied its update before the death (its ledger line written for it), or set aside as
-//! a poison batch.
+//! How a dead worker's batches are settled instead of going back for another try: a drafter's
+//! retired when the group applied its update before the death (its ledger line written for it),
+//! and on either side a poison batch set aside.
 //!
-//! Poison batches: a batch that kills whoever trains it would otherwise be redelivered after
-//! every death until the drafters are given up in a row, ending the run. Each drafter says which
-//! batch it is computing on (`Consumer::set_in_hand`); the supervisor holds a death against that
-//! batch when the death is the drafter's own doing (an error exit; a signal it raised, such as
-//! SIGABRT or SIGSEGV) or a hang it killed, never a signal from outside (SIGKILL from the OOM
-//! killer or a person, a stop signal): those say nothing about the batch. At `--set-aside-after`
-//! deaths the batch is set aside (`Ring::recover_settling`): written to `set-aside.jsonl` with
-//! the deaths, never delivered again, its samples untrained (the run ends degraded; `--resume`
-//! tries them again).
+//! Poison batches: a batch that kills whoever computes it would otherwise go back after every
+//! death (a drafter's to the ring, a target's work item to the work table) and kill the next
+//! worker to take it, until that side's workers are given up in a row and the run ends. Each
+//! worker says which batch it is computing on (`set_in_hand`: a drafter around its gradient, a
+//! target around its forward); the supervisor holds a death against that batch when the death
+//! is the worker's own doing (an error exit; a signal it raised, such as SIGABRT or SIGSEGV) or
+//! a hang it killed, never a signal from outside (SIGKILL from the OOM killer or a person, a stop
+//! signal): those say nothing about the batch. At `--set-aside-after` deaths the batch is set
+//! aside (a drafter's by `Ring::recover_settling`, a target's by
+//! `Ring::recover_setting_aside_work`, so it is never published): written to `set-aside.jsonl`
+//! with the deaths, its samples untrained (the run ends degraded; `--resume` tries them again).
 //!
 //! Two rules keep an innocent batch from being set aside:
-//! - Only the batch in hand is struck, not the ring's delivery count: a drafter holds two
-//!   batches (this step's and the next one's, prefetched), and one waiting beside a poison
-//!   batch is delivered again at each of its deaths too.
-//! - The deaths must show that the batch, not the drafters, is at fault: some other batch was
-//!   trained between the first death held against it and the last (training goes on around
-//!   it), or they are all one drafter's and it had trained before the first (a lone drafter
-//!   that dies on this batch and worked before). Drafters that cannot train at all (a bad GPU,
-//!   a bug on every batch) train nothing between their deaths, and with one drafter, or FIFO,
-//!   the batch they died on comes back to them: that is `--max-restarts`'s crash loop, and sets
+//! - Only the batch in hand is struck, not every batch the worker held: a drafter holds two
+//!   (this step's and the next one's, prefetched), a target up to four (one or two on the
+//!   device, one gathered, one being gathered), and those beside a poison batch go back at each
+//!   of its deaths too.
+//! - The deaths must show that the batch, not the workers, is at fault: that side finished some
+//!   other batch (trained one; published one) between the first death held against it and the
+//!   last; or they are all one worker's, which had finished one since its start before the
+//!   first (a lone drafter that trained, then dies on this batch at each restart); or two
+//!   workers or more died on it having each finished one since its start (targets that meet a
+//!   poison batch last, when nothing else is left to publish). Workers that cannot compute at
+//!   all (a bad GPU, a bug on every batch) finish nothing between their deaths, and the batch
+//!   one died on comes back to it (one drafter, or FIFO; a target claims returned items in
+//!   table order once the fresh ones are out): that is `--max-restarts`'s crash loop, and sets
 //!   nothing aside. A set-aside never ends a worker's restarts in a row either.
 //!
-//! What stays indistinguishable: one drafter whose GPU breaks after it trained, taking the same
-//! batch again at each restart (FIFO), looks like that batch killing it; the batch is set aside
-//! and the drafter given up at its next death, and `--resume` tries the batch again.
+//! What stays indistinguishable: one worker whose GPU breaks after it worked, taking the same
+//! batch again at each restart, looks like that batch killing it (and so do two, if the second
+//! breaks in the same way just as it takes the batch the first died on); the batch is set aside
+//! and the workers given up at their next deaths, and `--resume` tries the batch again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
-use shm_ring::{Recovered, Role, Settle};
+use proto::ledger::SetAsideLine;
+use shm_ring::{Recovered, Role, Settle, WorkerName};
 
 use super::Supervisor;
 
-/// A death held against the batch a drafter had in hand.
+/// A death held against the batch a worker had in hand.
 pub(super) struct Struck {
     pub(super) batch: u64,
     /// The launcher's line for the death.
     pub(super) line: String,
-    pub(super) drafter: u32,
-    /// The dying incarnation had trained a batch: it can train, so the batch is suspect.
+    pub(super) worker: WorkerName,
+    /// The dying incarnation had finished a batch: it can compute, so the batch is suspect.
     pub(super) after_work: bool,
-    /// Batches trained in the run at its death (the ring's count of releases).
-    pub(super) trained: u64,
+    /// Batches its side had finished in the run at its death (the ring's count of publications
+    /// for a target, of releases for a drafter).
+    pub(super) finished: u64,
 }
 
 /// What the deaths held against a batch decide.
@@ -55,15 +64,21 @@ pub(super) enum Verdict {
     Counting,
     /// Enough, and evidence against the batch: set it aside.
     SetAside,
-    /// Enough, but nothing trained around it: the drafters may be at fault.
+    /// Enough, but nothing finished around it: the workers may be at fault.
     NoEvidence,
+    /// Set aside already: a death that came before, recovered after.
+    SetAsideAlready,
 }
 
 /// The deaths held against each batch, and the count that sets one aside.
 pub(super) struct Strikes {
     /// `--set-aside-after`: 0 never sets a batch aside.
     limit: u32,
-    deaths: HashMap<u64, Vec<Struck>>,
+    /// By the side that died on it (a target's work item and a drafter's batch of the same
+    /// number are one planned batch at two stages) and batch.
+    deaths: HashMap<(Role, u64), Vec<Struck>>,
+    /// Set aside, by side: nothing more is held against them.
+    set_aside: HashSet<(Role, u64)>,
 }
 
 impl Strikes {
@@ -71,6 +86,7 @@ impl Strikes {
         Strikes {
             limit,
             deaths: HashMap::new(),
+            set_aside: HashSet::new(),
         }
     }
 
@@ -102,14 +118,24 @@ impl Strikes {
     /// they set it aside: at least the limit, and evidence against the batch (the module's doc)
     /// (call [`Strikes::settled`] once it is set aside).
     pub(super) fn strike(&mut self, death: Struck) -> (usize, Verdict) {
-        let deaths = self.deaths.entry(death.batch).or_default();
+        let key = (death.worker.role, death.batch);
+        if self.set_aside.contains(&key) {
+            return (0, Verdict::SetAsideAlready);
+        }
+        let deaths = self.deaths.entry(key).or_default();
         deaths.push(death);
         let (first, last) = (&deaths[0], &deaths[deaths.len() - 1]);
-        let around = last.trained > first.trained;
-        let lone = first.after_work && deaths.iter().all(|d| d.drafter == first.drafter);
+        let around = last.finished > first.finished;
+        let lone = first.after_work && deaths.iter().all(|d| d.worker == first.worker);
+        let mut worked: Vec<WorkerName> = (deaths.iter())
+            .filter_map(|d| d.after_work.then_some(d.worker))
+            .collect();
+        worked.sort();
+        worked.dedup();
+        let others_too = worked.len() >= 2;
         let verdict = if self.limit == 0 || deaths.len() < self.limit as usize {
             Verdict::Counting
-        } else if around || lone {
+        } else if around || lone || others_too {
             Verdict::SetAside
         } else {
             Verdict::NoEvidence
@@ -117,15 +143,16 @@ impl Strikes {
         (deaths.len(), verdict)
     }
 
-    /// The lines of the deaths held against `batch`.
-    pub(super) fn lines(&self, batch: u64) -> Vec<String> {
-        let deaths = self.deaths.get(&batch).map_or(&[][..], Vec::as_slice);
+    /// The lines of the deaths `role`'s workers died with `batch` in hand.
+    pub(super) fn lines(&self, role: Role, batch: u64) -> Vec<String> {
+        let deaths = (self.deaths.get(&(role, batch))).map_or(&[][..], Vec::as_slice);
         deaths.iter().map(|d| d.line.clone()).collect()
     }
 
-    /// The batch is set aside: nothing more is held against it.
-    pub(super) fn settled(&mut self, batch: u64) {
-        self.deaths.remove(&batch);
+    /// The batch is set aside by `role`'s side: nothing more is held against it there.
+    pub(super) fn settled(&mut self, role: Role, batch: u64) {
+        self.deaths.remove(&(role, batch));
+        self.set_aside.insert((role, batch));
     }
 }
 
@@ -151,12 +178,11 @@ impl Supervisor<'_> {
     ) -> anyhow::Result<(Recovered, Settled)> {
         let w = &self.workers[i];
         let (name, index) = (w.name(), w.name.index);
-        let committed = if w.name.role == Role::Consumer {
-            let gone = self.group.remove(index)?;
-            gone.committed_batch.map(|b| (b, gone.membership.step))
-        } else {
-            None
-        };
+        if w.name.role == Role::Producer {
+            return self.recover_target(name, struck);
+        }
+        let gone = self.group.remove(index)?;
+        let committed = gone.committed_batch.map(|b| (b, gone.membership.step));
         let mut settle = Vec::new();
         if let Some((batch, _)) = committed {
             settle.push((batch, Settle::Retire));
@@ -167,23 +193,12 @@ impl Supervisor<'_> {
         let struck = struck.filter(|s| committed.is_none_or(|(b, _)| b != s.batch));
         let mut setting_aside = None;
         if let Some(s) = struck {
-            let batch = s.batch;
-            let (n, verdict) = self.strikes.strike(s);
-            let limit = self.args.set_aside_after;
-            out.in_hand = match verdict {
-                _ if limit == 0 => None,
-                Verdict::Counting => Some(format!(
-                    "batch {batch} in hand (death {n} held against it; {limit} set it aside)"
-                )),
-                Verdict::NoEvidence => Some(format!(
-                    "batch {batch} in hand (death {n} held against it, but no other batch was trained since the first: the drafters may be at fault, not set aside)"
-                )),
-                Verdict::SetAside => {
-                    settle.push((batch, Settle::SetAside));
-                    setting_aside = Some((batch, n));
-                    None
-                }
-            };
+            let judged;
+            (out.in_hand, judged) = self.judge(s);
+            if let Some((batch, _)) = judged {
+                settle.push((batch, Settle::SetAside));
+            }
+            setting_aside = judged;
         }
         if settle.is_empty() {
             return Ok((self.ring.recover(name)?, out));
@@ -198,12 +213,8 @@ impl Supervisor<'_> {
                 ));
             }
             Settle::SetAside => {
-                let deaths = strikes.lines(meta.batch_id);
-                set_aside = Some((
-                    meta.batch_id,
-                    deaths.len(),
-                    proto::ledger::record_set_aside(run_dir, meta, payload, &deaths),
-                ));
+                let deaths = strikes.lines(Role::Consumer, meta.batch_id);
+                set_aside = Some(SetAsideLine::of_slot(meta, payload, &deaths));
             }
         })?;
         if let (Some(wrote), Some((batch, step))) = (retired, committed) {
@@ -216,30 +227,115 @@ impl Supervisor<'_> {
                 "{name} died holding batch {batch}, whose update the group applied at step {step}: retired, not redelivered ({how})"
             ));
         }
-        if let (Some((batch, n)), None) = (setting_aside, &set_aside) {
-            // Given back and taken by a live drafter before this recovery: that drafter's now.
-            out.in_hand = Some(format!(
-                "batch {batch} in hand (death {n} held against it; not set aside: another drafter has it now)"
-            ));
-        }
-        if let Some((batch, n, wrote)) = set_aside {
-            self.strikes.settled(batch);
-            let what = match wrote {
-                Ok(line) => format!(
-                    "its {} sample(s) left untrained, listed in {}",
-                    line.sample_ids.len(),
-                    self.run_dir.set_aside().display()
-                ),
-                Err(e) => format!("its record could not be written: {e:#}"),
-            };
-            let note = format!(
-                "batch {batch} set aside: in hand at {n} drafter death(s) (--set-aside-after); {what}"
-            );
-            self.notes.push(note.clone());
-            out.lines.push(note);
+        if let Some((batch, n)) = setting_aside {
+            match set_aside {
+                Some(line) => {
+                    let note = self.set_aside(Role::Consumer, batch, n, line.map_err(Into::into));
+                    out.lines.push(note);
+                }
+                // Given back and taken by a live drafter before this recovery: that one's now.
+                None => out.in_hand = Some(not_set_aside(batch, n, "another drafter has it now")),
+            }
         }
         Ok((r, out))
     }
+
+    /// [`Supervisor::recover`] for a target: the work item it had in hand is set aside once
+    /// enough deaths are held against it (never claimed again, so never published); the rest
+    /// of what it held goes back to the work table.
+    fn recover_target(
+        &mut self,
+        name: WorkerName,
+        struck: Option<Struck>,
+    ) -> anyhow::Result<(Recovered, Settled)> {
+        let mut out = Settled::default();
+        let Some(s) = struck else {
+            return Ok((self.ring.recover(name)?, out));
+        };
+        let judged;
+        (out.in_hand, judged) = self.judge(s);
+        let Some((batch, n)) = judged else {
+            return Ok((self.ring.recover(name)?, out));
+        };
+        let r = self.ring.recover_setting_aside_work(name, &[batch])?;
+        if r.work_set_aside == 0 {
+            let why = "another target has it now, or it is published";
+            out.in_hand = Some(not_set_aside(batch, n, why));
+            return Ok((r, out));
+        }
+        let deaths = self.strikes.lines(Role::Producer, batch);
+        let line = (self.planned.get(batch as usize))
+            .map(|p| SetAsideLine::of_plan(batch, p, &deaths))
+            .ok_or_else(|| anyhow::anyhow!("batch {batch} is not in the run's plan"));
+        out.lines
+            .push(self.set_aside(Role::Producer, batch, n, line));
+        Ok((r, out))
+    }
+
+    /// Holds death `s` against the batch in hand: what to say of it on the death's line, and
+    /// the batch and its count of deaths if they now set it aside (see the module's doc).
+    fn judge(&mut self, s: Struck) -> (Option<String>, Option<(u64, usize)>) {
+        let (batch, role) = (s.batch, s.worker.role);
+        let (n, verdict) = self.strikes.strike(s);
+        let limit = self.args.set_aside_after;
+        let (finished, side) = match role {
+            Role::Producer => ("published", "targets"),
+            Role::Consumer => ("trained", "drafters"),
+        };
+        match verdict {
+            _ if limit == 0 => (None, None),
+            Verdict::Counting => (
+                Some(format!(
+                    "batch {batch} in hand (death {n} held against it; {limit} set it aside)"
+                )),
+                None,
+            ),
+            Verdict::NoEvidence => (
+                Some(format!(
+                    "batch {batch} in hand (death {n} held against it, but no other batch was {finished} since the first: the {side} may be at fault, not set aside)"
+                )),
+                None,
+            ),
+            Verdict::SetAside => (None, Some((batch, n))),
+            Verdict::SetAsideAlready => (Some(format!("batch {batch} in hand (set aside already)")), None),
+        }
+    }
+
+    /// `role`'s side set `batch` aside at its `n`-th death: its record (`line`) is appended to
+    /// `set-aside.jsonl` and nothing more is held against it. Returns the note that says so,
+    /// also kept for the summary.
+    fn set_aside(
+        &mut self,
+        role: Role,
+        batch: u64,
+        n: usize,
+        line: anyhow::Result<SetAsideLine>,
+    ) -> String {
+        self.strikes.settled(role, batch);
+        let wrote = line.and_then(|l| {
+            proto::ledger::record_set_aside(&self.run_dir, &l)?;
+            Ok(l)
+        });
+        let what = match wrote {
+            Ok(line) => format!(
+                "its {} sample(s) left untrained, listed in {}",
+                line.sample_ids.len(),
+                self.run_dir.set_aside().display()
+            ),
+            Err(e) => format!("its record could not be written: {e:#}"),
+        };
+        let note = format!(
+            "batch {batch} set aside: in hand at {n} {} death(s) (--set-aside-after); {what}",
+            role.name()
+        );
+        self.notes.push(note.clone());
+        note
+    }
+}
+
+/// The death line's words for a batch the deaths set aside but the recovery could not (`why`).
+fn not_set_aside(batch: u64, n: usize, why: &str) -> String {
+    format!("batch {batch} in hand (death {n} held against it; not set aside: {why})")
 }
 
 #[cfg(test)]
@@ -290,15 +386,15 @@ mod tests {
         );
     }
 
-    /// A death against batch `batch` by `drafter`, after it trained or not, with `trained`
-    /// batches trained in the run.
+    /// A death against batch `batch` by `drafter`, after it trained (since its start) or not,
+    /// with `trained` batches trained in the run.
     fn death(batch: u64, drafter: u32, after_work: bool, trained: u64) -> Struck {
         Struck {
             batch,
             line: format!("drafter-{drafter} died"),
-            drafter,
+            worker: WorkerName::consumer(drafter),
             after_work,
-            trained,
+            finished: trained,
         }
     }
 
@@ -318,19 +414,27 @@ mod tests {
             (3, SetAside),
             "others trained around it"
         );
-        assert_eq!(s.lines(7).len(), 3);
-        s.settled(7);
+        assert_eq!(s.lines(Role::Consumer, 7).len(), 3);
+        s.settled(Role::Consumer, 7);
         assert_eq!(
             s.strike(death(7, 0, false, 20)),
+            (0, SetAsideAlready),
+            "a death before the set-aside, recovered after"
+        );
+        assert_eq!(
+            s.strike(Struck {
+                worker: WorkerName::producer(0),
+                ..death(7, 0, false, 20)
+            }),
             (1, Counting),
-            "settled: counted afresh"
+            "the other side's batch 7 is another"
         );
         let mut never = Strikes::new(0);
         assert!((0..10).all(|i| never.strike(death(1, i % 3, true, i.into())).1 == Counting));
     }
 
     #[test]
-    fn drafters_that_train_nothing_set_nothing_aside_a_lone_drafter_that_trained_does() {
+    fn workers_that_finish_nothing_set_nothing_aside_workers_that_worked_do() {
         use Verdict::*;
         // One drafter dying at its first batch, the same batch each time (FIFO).
         let mut s = Strikes::new(3);
@@ -345,10 +449,32 @@ mod tests {
         {
             assert_eq!(s.strike(death(7, d, d == 0, 5)), n, "drafter {d}");
         }
+        // Drafters that trained earlier and broke (each restart dies at once): the deaths of
+        // their restarts are no evidence, however much they trained before.
+        let mut s = Strikes::new(3);
+        assert_eq!(s.strike(death(7, 0, true, 13)), (1, Counting));
+        assert_eq!(s.strike(death(7, 1, false, 13)), (2, Counting));
+        assert_eq!(s.strike(death(7, 2, false, 13)), (3, NoEvidence));
         // A lone drafter that trained, then dies on it at each restart.
         let mut s = Strikes::new(3);
         assert_eq!(s.strike(death(7, 0, true, 13)), (1, Counting));
         assert_eq!(s.strike(death(7, 0, false, 13)), (2, Counting));
         assert_eq!(s.strike(death(7, 0, false, 13)), (3, SetAside));
+        // Targets that each published dying on the batch in turn when nothing else is left to
+        // publish (the first restarted, dying on it again).
+        let mut s = Strikes::new(3);
+        for (t, worked, n) in [
+            (0, true, (1, Counting)),
+            (1, true, (2, Counting)),
+            (0, false, (3, SetAside)),
+        ] {
+            let d = Struck {
+                worker: WorkerName::producer(t),
+                ..death(7, 0, worked, 30)
+            };
+            assert_eq!(s.strike(d), n, "target {t}");
+        }
+        // The same batch number at the other stage is another batch's count.
+        assert_eq!(s.strike(death(7, 0, true, 30)), (1, Counting));
     }
 }

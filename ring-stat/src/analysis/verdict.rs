@@ -145,7 +145,7 @@ fn targets_done(w: &Window) -> Option<Call> {
 fn plan_handed_out(w: &Window) -> Option<Call> {
     let b = w.b;
     let handed_out = b.work.total > 0
-        && b.work.done + b.work.claimed >= b.work.total
+        && b.work.done + b.work.claimed + b.work.set_aside >= b.work.total
         && b.producers_done > 0
         && b.counters.taken > 0;
     handed_out.then(|| {

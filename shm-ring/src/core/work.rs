@@ -11,6 +11,9 @@
 //!    ▲  ◀── unclaim_work (p, e) ───────┘  ▲                        │     (slot s leaves
 //!    │  ◀── recovery of p ────────────────┘                        │      WRITING@g by its
 //!    └───── abort of slot s, or recovery of p, in WRITING@g ◀──────┘      commit: for good)
+//!
+//!   recovery of p setting the item aside: FREE, CLAIMED(p, _) or DONE(s, g) in WRITING@g by p
+//!   ──▶ SET_ASIDE (settled for good, never published)
 //! ```
 //!
 //! - `claim_work` takes fresh items from a shared cursor, then makes ONE full scan for FREE
@@ -24,17 +27,18 @@
 //!   recovery (likewise, if the producer died before its commit). One item per slot.
 //! - Every CAS of a slot to FREE (release, abort, recovery) is preceded by clearing `work_item`,
 //!   so a FREE slot carries no item and a new writer never inherits one.
-//! - A supervisor may set an item aside instead of returning it (`Ring::recover_setting_aside_work`:
-//!   it killed the producers that computed it): recovery of its dead holder moves it from
-//!   CLAIMED or DONE-in-WRITING to SET_ASIDE where it would have moved it to FREE, or from FREE
-//!   (given back before the death) by the CAS a claim makes, so a live producer's claim and the
-//!   setting aside never both win. SET_ASIDE is settled for good: never claimed, never undone.
+//! - A supervisor may set an item aside instead of returning it
+//!   (`Ring::recover_setting_aside_work`: it killed the producers that computed it): recovery
+//!   of its dead holder moves it from CLAIMED or DONE-in-WRITING to SET_ASIDE where it would
+//!   have moved it to FREE, or from FREE (given back before the death) by the CAS a claim
+//!   makes, so a live producer's claim and the setting aside never both win. SET_ASIDE is
+//!   settled for good: never claimed, never undone.
 //!
 //! An item is *held* while it is CLAIMED, or DONE(s, g) with slot s still WRITING@g: it may
 //! still come back FREE (its holder unclaims, aborts or dies). It is *settled* once DONE and its
 //! slot has left WRITING@g: only a commit moves it so while the mark stands (abort and recovery
 //! undo the mark BEFORE they free the slot), and no later WRITING period has generation g, so a
-//! settled item never comes back.
+//! settled item never comes back. A SET_ASIDE item is settled too, unpublished.
 //!
 //! # Waiting for returned work (`claim_work_until`)
 //!
@@ -43,8 +47,8 @@
 //! it) would strand its items. So a producer finishes only once every item is settled, and
 //! until then sleeps on `work_seq`, claiming whatever comes back. Who bumps `work_seq`: every
 //! move that can end the wait, i.e. an item going back FREE (`unclaim_work`, `abort` that
-//! unmarked an item, recovery that returned one) and a commit of a slot that carries an item
-//! (held → settled); the close bumps it too. CLAIMED → DONE needs no wake: the item stays
+//! unmarked an item, recovery that returned one), a commit of a slot that carries an item (held
+//! → settled) and recovery that set one aside (held → settled); the close bumps it too. CLAIMED → DONE needs no wake: the item stays
 //! held. The items a producer holds itself count as held, so a producer that claims ahead (the
 //! target's prefetch thread) waits for its own commit, which wakes it.
 //!
@@ -61,7 +65,8 @@
 //! producer that has not yet committed or aborted; recovery of that producer makes it FREE. An
 //! item is CLAIMED only by an incarnation that registered with that epoch; recovery frees every
 //! claim of a dead id. Every FREE item is claimed by the next `claim_work` whose scan passes it.
-//! So every item is published exactly once while some producer that has not finished remains.
+//! So every item is published exactly once while some producer that has not finished remains,
+//! but for the items a supervisor sets aside, which are never published.
 //!
 //! # Memory ordering
 //!
@@ -318,8 +323,8 @@ pub enum WorkClaim {
     /// None is FREE, but some are still held (by other producers, or by this one) and may come
     /// back: ask again (after looking at stop requests). Do not finish yet.
     Pending,
-    /// Every item is committed (or the ring closed, or this producer finished): nothing can
-    /// come back; finish.
+    /// Every item is committed or set aside (or the ring closed, or this producer finished):
+    /// nothing can come back; finish.
     Settled,
 }
 

@@ -31,6 +31,8 @@ struct Late {
     clock: Option<(Arc<Spans>, u64)>,
     /// Fails issuing batch `n`'s forward (as an out-of-memory at its own allocation).
     fail_submit: Option<u8>,
+    /// Fails waiting for batch `n` (as a device reports a kernel's fault late).
+    fail_complete: Option<u8>,
 }
 
 /// A device timeline the test writes: what `poll` returns next.
@@ -56,6 +58,7 @@ impl Late {
             submitted: VecDeque::new(),
             clock: None,
             fail_submit: None,
+            fail_complete: None,
         };
         (late, log)
     }
@@ -83,7 +86,13 @@ impl TargetBackend for Late {
     }
 
     fn complete(&mut self) -> Result<(), GpuError> {
-        let (n, mut out) = self.submitted.pop_front().expect("a batch in flight");
+        let n = self.submitted.front().expect("a batch in flight").0;
+        if self.fail_complete == Some(n) {
+            return Err(GpuError::Shape(format!(
+                "injected: a fault waiting for batch {n}"
+            )));
+        }
+        let (n, mut out) = self.submitted.pop_front().expect("checked above");
         // SAFETY: the batch completes only now, and this backend queues no copy into it.
         let o = unsafe { out.get() };
         o.hidden_states.fill(n);
@@ -314,4 +323,65 @@ fn the_prefetch_thread_ends_when_the_loop_fails_at_the_last_batch() {
         format!("{:#}", r.expect_err("the forward failed"))
     });
     assert!(err.contains("forward of batch 1"), "{err}");
+}
+
+/// Runs 3 batches over a backend of `depth` that fails as `fail` says, as the worker does,
+/// until the first error; returns the batch in hand it leaves said in the ring and the batches
+/// published.
+fn after_failing(depth: usize, fail: impl FnOnce(&mut Late)) -> (Option<u64>, Vec<u64>) {
+    let ring = ring(3);
+    let producer = ring.producer(0).unwrap();
+    let (mut backend, _) = Late::new(depth);
+    fail(&mut backend);
+    let mut pipe = Pipeline::new(&producer, &mut backend);
+    let mut run = || -> anyhow::Result<()> {
+        while let Some(item) = producer.claim_work() {
+            let slot = producer.reserve(proto::batch_len(&spec(item))? as usize)?;
+            pipe.submit(slot, spec(item), &[item as u32; 3], &[1; 3], item, 0)?;
+            while !pipe.has_room() {
+                pipe.commit_oldest()?;
+            }
+        }
+        Ok(())
+    };
+    run().expect_err("the backend fails");
+    drop(pipe);
+    let in_hand = (ring.snapshot().worker(shm_ring::WorkerName::producer(0)))
+        .unwrap()
+        .in_hand;
+    let consumer = ring.consumer(0).unwrap();
+    let mut published = Vec::new();
+    while let shm_ring::Take::Item(r) = consumer.take_timeout(Duration::ZERO).unwrap() {
+        published.push(r.meta().batch_id);
+        r.release().unwrap();
+    }
+    (in_hand, published)
+}
+
+/// The launcher holds a target's death against the batch it says it has in hand, so a batch
+/// is said to be in hand only when an error is known to be its own. Issuing batch 1 fails
+/// while batch 0 is in flight: batch 0 completes (published, not lost), so the error is batch
+/// 1's own. If batch 0 fails too, the error may be its, reported late: nothing is in hand.
+/// Waiting for batch 0 fails with batch 1 in flight: whose is not known; alone, it is batch 0's.
+#[test]
+fn a_forward_error_is_held_against_a_batch_only_when_it_is_known_to_be_its_own() {
+    let (in_hand, published) = after_failing(2, |b| b.fail_submit = Some(1));
+    assert_eq!((in_hand, published), (Some(1), vec![0]));
+    let both = |b: &mut Late| {
+        b.fail_submit = Some(1);
+        b.fail_complete = Some(0);
+    };
+    assert_eq!(after_failing(2, both), (None, vec![]));
+    assert_eq!(
+        after_failing(2, |b| b.fail_complete = Some(0)),
+        (None, vec![])
+    );
+    assert_eq!(
+        after_failing(1, |b| b.fail_complete = Some(0)),
+        (Some(0), vec![])
+    );
+    assert_eq!(
+        after_failing(1, |b| b.fail_submit = Some(0)),
+        (Some(0), vec![])
+    );
 }
