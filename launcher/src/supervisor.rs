@@ -285,6 +285,9 @@ impl<'a> Supervisor<'a> {
                 Some(c) if c == proto::stop::EXIT_STOPPED => w.life = Life::Stopped,
                 _ => self.crashed(i, status)?,
             }
+            if self.workers[i].finished() && self.workers[i].name.role == Role::Producer {
+                self.unfinished_target(i, status)?;
+            }
         }
         if drafters_left == 0 && !self.stopping {
             self.stopping = true;
@@ -374,6 +377,21 @@ impl<'a> Supervisor<'a> {
             // Count it as finished so the ring still closes.
             self.ring.retire(w.name.index)?;
         }
+        Ok(())
+    }
+
+    /// A target that exited cleanly (0, or stopped) without counting itself finished in the
+    /// ring (a Python target that never called `close()`) would keep the ring open for ever:
+    /// what it held goes back to the others and it is retired, so the ring still closes.
+    fn unfinished_target(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
+        let name = self.workers[i].name();
+        if (self.ring.snapshot().worker(name)).is_none_or(|r| r.finished) {
+            return Ok(());
+        }
+        let (r, _) = (self.ring.recover(name)?, self.ring.retire(name.index)?);
+        let note = format!("{name} exited ({status}) without finishing (a Python target that never called close()?): its {} work item(s) went back to the other targets, and it is not restarted", r.work_returned);
+        self.mon.say(&note);
+        self.notes.push(note);
         Ok(())
     }
 

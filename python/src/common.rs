@@ -65,6 +65,16 @@ impl Registered {
     }
 }
 
+/// Whether `exception` is a `SystemExit` with code None or 0: the process ends cleanly.
+pub fn clean_exit(exception: Option<&Bound<'_, PyAny>>) -> bool {
+    use pyo3::exceptions::PySystemExit;
+    let Some(e) = exception.filter(|e| e.is_instance_of::<PySystemExit>()) else {
+        return false;
+    };
+    let code = e.getattr("code").ok();
+    code.is_none_or(|c| c.is_none() || c.extract::<i64>().is_ok_and(|c| c == 0))
+}
+
 /// The batch a Python worker says it has in hand (`set_in_hand`, which the launcher holds a
 /// death against): the last one taken or claimed, until that one is let go (so letting go of an
 /// older one leaves a newer one's mark). An exception that drops it leaves it said.
@@ -350,9 +360,11 @@ macro_rules! worker_methods {
             ) -> pyo3::PyResult<bool> {
                 // Leaving on an exception still tells the launcher what was done, but does
                 // not finish a target (its restart has work to do); the exception goes on (and
-                // the process exits non-zero: a crash, restarted).
+                // the process exits non-zero: a crash, restarted). `sys.exit()` or
+                // `sys.exit(0)` is a clean exit, which finishes.
                 if !self.core().closed.get() {
-                    let r = self.close_inner(py, None, ty.is_some());
+                    let failing = ty.is_some() && !$crate::common::clean_exit(_value.as_ref());
+                    let r = self.close_inner(py, None, failing);
                     if ty.is_none() {
                         r?;
                     }

@@ -38,6 +38,8 @@ pub struct TargetCore {
     deferred: RefCell<Vec<(WriteSlot<'static>, u64, Arc<Exports>)>>,
     report: RefCell<FinalReport>,
     stopped: Cell<bool>,
+    /// Left `with` on an exception: nothing is given back any more.
+    dying: Cell<bool>,
     /// The item in hand: the one claimed (the user computes its forward) while no other is,
     /// until its batch is committed or aborted (a claim dropped, on an exception, leaves it).
     in_hand: InHand,
@@ -66,6 +68,7 @@ impl TargetCore {
             deferred: RefCell::default(),
             report: RefCell::default(),
             stopped: Cell::new(false),
+            dying: Cell::new(false),
             in_hand: InHand::new(Registered::Producer(producer)),
         })
     }
@@ -85,9 +88,10 @@ impl TargetCore {
         }
     }
 
-    /// Returns a claimed item to the work table, for any target to claim again.
+    /// Returns a claimed item to the work table, for any target to claim again (not once the
+    /// target is dying: see `close_inner`).
     fn give_back(&self, item: u64) {
-        if self.claims.borrow_mut().remove(&item) {
+        if !self.dying.get() && self.claims.borrow_mut().remove(&item) {
             if let Err(e) = self.producer.unclaim_work(item) {
                 tracing::warn!(item, error = %e, "giving back a claimed batch");
             }
@@ -111,9 +115,8 @@ impl Target {
         &self.t.core
     }
 
-    /// `close()`, or leaving `with` (`failing`: on an exception, when the process is about to
-    /// die: the target is not finished then, so its restart claims work again, and the supervisor
-    /// retires it if it gives it up).
+    /// `close()`, or leaving `with` (`failing`: on an exception, the process about to die: not
+    /// finished, so its restart claims work again; the supervisor retires it if it gives up).
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
         let t = &self.t;
         t.core.check_open()?;
@@ -121,6 +124,9 @@ impl Target {
             t.sweep();
             t.deferred.borrow().len()
         })?;
+        // Dying: what it holds stays claimed until the launcher recovers it, so a batch that
+        // killed it is still its own then (to be set aside), not already another's.
+        t.dying.set(t.dying.get() || failing);
         let held: Vec<u64> = t.claims.borrow().iter().copied().collect();
         for item in held {
             t.give_back(item);
@@ -170,8 +176,7 @@ impl Target {
             Err(e) => return Err(e),
         };
         t.claims.borrow_mut().insert(item);
-        // In hand only while it is the only claim: with two computed at once, whose an error is
-        // cannot be told.
+        // In hand only while it is the only claim: with two at once, whose an error is is unknown.
         match t.claims.borrow().len() {
             1 => t.in_hand.hold(item),
             _ => t.in_hand.clear(),
@@ -319,7 +324,8 @@ impl Claim {
         let producer = t.producer;
         let got = t.core.wait(py, "reserve", timeout, true, |slice| {
             producer.reserve_timeout(len, slice).map_err(err)
-        })?;
+        });
+        let got = got.inspect_err(|_| t.in_hand.let_go(self.item))?; // a full ring: not its doing
         let Some(mut slot) = got else {
             t.stopped.set(true);
             self.settled = true;

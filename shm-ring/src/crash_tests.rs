@@ -603,25 +603,22 @@ fn recover_setting_aside(r: &HeapRing, id: u32, item: u64) -> Recovered {
         .unwrap()
 }
 
-/// A poison work item: producer 1 dies computing item 1 (holding its claim, with the item
-/// marked done in its slot, or after giving it back on an error), with item 2 claimed beside
-/// it. Recovery sets item 1 aside and returns item 2: producer 0 publishes item 2, never item
-/// 1, and finishes with item 1 counted as settled; the ring closes. Before, recovery returned
-/// item 1 FREE and the next producer to claim it died on it in turn.
+/// A poison work item: producer 1 dies computing item 1 (holding its claim, or with the item
+/// marked done in its slot), with item 2 claimed beside it. Recovery sets item 1 aside and
+/// returns item 2: producer 0 publishes item 2, never item 1, and finishes with item 1 counted
+/// as settled; the ring closes. Before, recovery returned item 1 FREE and the next producer to
+/// claim it died on it in turn. An item the dead producer gave back is no longer its: not set
+/// aside (a stale word of what it had in hand cannot set an innocent FREE item aside).
 #[test]
 fn a_work_item_set_aside_in_recovery_is_never_claimed_again_and_counts_as_settled() {
-    for how in ["claimed", "marked", "given back"] {
+    for how in ["claimed", "marked"] {
         let r = ring(2, 3);
         assert_eq!(r.r().claim_work(0, 1), Some(0));
         assert_eq!(r.r().claim_work(1, 1), Some(1));
         assert_eq!(r.r().claim_work(1, 1), Some(2));
-        match how {
-            "marked" => {
-                let c = r.write(1, 1);
-                r.r().complete_work(1, 1, c, 1).unwrap();
-            }
-            "given back" => r.r().unclaim_work(1, 1, 1).unwrap(),
-            _ => {}
+        if how == "marked" {
+            let c = r.write(1, 1);
+            r.r().complete_work(1, 1, c, 1).unwrap();
         }
         r.deliver(0, 1, 0);
         let out = recover_setting_aside(&r, 1, 1);
@@ -637,4 +634,10 @@ fn a_work_item_set_aside_in_recovery_is_never_claimed_again_and_counts_as_settle
         assert!(r.r().closed(), "{how}");
         assert_eq!(r.ready_batches(), vec![0, 2], "{how}");
     }
+    let r = ring(2, 2);
+    assert_eq!(r.r().claim_work(1, 1), Some(0));
+    r.r().unclaim_work(1, 1, 0).unwrap();
+    assert_eq!(recover_setting_aside(&r, 1, 0).work_set_aside, 0);
+    assert!(claim_loop(&r, 0, 1));
+    assert_eq!(r.ready_batches(), vec![0, 1], "published");
 }

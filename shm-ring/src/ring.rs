@@ -279,11 +279,11 @@ impl Ring {
 
     /// [`Ring::recover`] for a producer that died computing work `items` its supervisor sets
     /// aside (they killed the producers that computed them): each item the dead producer holds
-    /// (CLAIMED, or DONE in a batch it was still writing), or that is FREE (given back before
-    /// it died), is set aside instead of going back FREE: settled for good, never claimed or
-    /// published, counted in the ring's `set_aside` ([`Recovered::work_set_aside`]). An item
-    /// another producer holds, or whose batch is published, is left as it is. Everything else
-    /// is recovered as by [`Ring::recover`].
+    /// (CLAIMED, or DONE in a batch it was still writing) is set aside instead of going back
+    /// FREE: settled for good, never claimed or published, counted in the ring's `set_aside`
+    /// ([`Recovered::work_set_aside`]). An item it does not hold (given back, another
+    /// producer's, or published) is left as it is. Everything else is recovered as by
+    /// [`Ring::recover`].
     pub fn recover_setting_aside_work(
         &self,
         wid: WorkerName,

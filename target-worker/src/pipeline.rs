@@ -139,10 +139,19 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         self.producer.enter(Phase::Other);
         if let Err(e) = r {
             // With older batches in flight the error may be theirs, reported late: it is this
-            // batch's own only if they all complete (and are published, not lost).
-            let theirs = self.drain().is_err();
-            self.producer.set_in_hand((!theirs).then_some(item));
-            return Err(e.context(format!("the target's forward of batch {item}")));
+            // batch's own only if they all complete (and are published, not lost). Nothing is in
+            // hand meanwhile (a wait that hangs is not theirs either).
+            let e = e.context(format!("the target's forward of batch {item}"));
+            if self.in_flight.is_empty() {
+                return Err(e);
+            }
+            self.producer.set_in_hand(None);
+            let drained = self.drain();
+            self.producer.set_in_hand(drained.is_ok().then_some(item));
+            return Err(match drained {
+                Ok(()) => e,
+                Err(older) => e.context(format!("after an earlier batch failed: {older:#}")),
+            });
         }
         self.producer.set_in_hand(None);
         self.in_flight.push_back(Submitted {
@@ -157,6 +166,12 @@ impl<'r, 'b> Pipeline<'r, 'b> {
     /// Waits for the oldest batch's results, checksums and commits it; `None` if none is in
     /// flight.
     pub fn commit_oldest(&mut self) -> anyhow::Result<Option<Committed>> {
+        self.commit_front(true)
+    }
+
+    /// [`Pipeline::commit_oldest`], saying the batch is in hand while it is waited for (if
+    /// `say_in_hand` and it is alone on the device).
+    fn commit_front(&mut self, say_in_hand: bool) -> anyhow::Result<Option<Committed>> {
         if self.in_flight.is_empty() {
             return Ok(None);
         }
@@ -164,13 +179,17 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         // until they are done (on an error, `Drop` quiesces the backend before its slot goes).
         // In hand only if it is alone on the device: otherwise an error may be the next one's.
         let item = self.in_flight.front().map_or(0, |s| s.item);
-        let alone = self.in_flight.len() == 1;
-        self.producer.set_in_hand(alone.then_some(item));
+        let in_hand = say_in_hand && self.in_flight.len() == 1;
+        if say_in_hand {
+            self.producer.set_in_hand(in_hand.then_some(item));
+        }
         self.producer.enter(Phase::Compute);
         let r = self.backend.complete();
         self.producer.enter(Phase::Other);
         r.with_context(|| format!("the target's copy of batch {item} into its slot"))?;
-        self.producer.set_in_hand(None);
+        if say_in_hand {
+            self.producer.set_in_hand(None);
+        }
         let Submitted {
             mut slot,
             spec,
@@ -189,9 +208,9 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         Ok(Some(Committed { tokens }))
     }
 
-    /// Commits every batch in flight, oldest first.
+    /// Commits every batch in flight, oldest first, saying nothing of the batch in hand.
     fn drain(&mut self) -> anyhow::Result<()> {
-        while self.commit_oldest()?.is_some() {}
+        while self.commit_front(false)?.is_some() {}
         Ok(())
     }
 }

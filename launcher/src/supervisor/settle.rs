@@ -28,7 +28,8 @@
 //!   all (a bad GPU, a bug on every batch) finish nothing between their deaths, and the batch
 //!   one died on comes back to it (one drafter, or FIFO; a target claims returned items in
 //!   table order once the fresh ones are out): that is `--max-restarts`'s crash loop, and sets
-//!   nothing aside. A set-aside never ends a worker's restarts in a row either.
+//!   nothing aside, even while other workers finish batches around it. A set-aside never ends
+//!   a worker's restarts in a row either.
 //!
 //! What stays indistinguishable: one worker whose GPU breaks after it worked, taking the same
 //! batch again at each restart, looks like that batch killing it (and so do two, if the second
@@ -126,7 +127,11 @@ impl Strikes {
         deaths.push(death);
         let (first, last) = (&deaths[0], &deaths[deaths.len() - 1]);
         let around = last.finished > first.finished;
-        let lone = first.after_work && deaths.iter().all(|d| d.worker == first.worker);
+        let one_worker = deaths.iter().all(|d| d.worker == first.worker);
+        // One worker that finishes nothing since its start, taking the same batch at each
+        // restart, is a crash loop however much the others finish around it.
+        let crash_loop = one_worker && !deaths.iter().any(|d| d.after_work);
+        let lone = first.after_work && one_worker;
         let mut worked: Vec<WorkerName> = (deaths.iter())
             .filter_map(|d| d.after_work.then_some(d.worker))
             .collect();
@@ -135,7 +140,7 @@ impl Strikes {
         let others_too = worked.len() >= 2;
         let verdict = if self.limit == 0 || deaths.len() < self.limit as usize {
             Verdict::Counting
-        } else if around || lone || others_too {
+        } else if !crash_loop && (around || lone || others_too) {
             Verdict::SetAside
         } else {
             Verdict::NoEvidence
@@ -449,6 +454,16 @@ mod tests {
         {
             assert_eq!(s.strike(death(7, d, d == 0, 5)), n, "drafter {d}");
         }
+        // One target whose GPU broke, re-claiming the same returned batch at each restart while
+        // the others publish around it: a crash loop, not the batch's doing.
+        let mut s = Strikes::new(3);
+        let broken = |published| Struck {
+            worker: WorkerName::producer(2),
+            ..death(7, 0, false, published)
+        };
+        assert_eq!(s.strike(broken(0)), (1, Counting));
+        assert_eq!(s.strike(broken(5)), (2, Counting));
+        assert_eq!(s.strike(broken(9)), (3, NoEvidence));
         // Drafters that trained earlier and broke (each restart dies at once): the deaths of
         // their restarts are no evidence, however much they trained before.
         let mut s = Strikes::new(3);

@@ -19,8 +19,8 @@
 //!   for it first;
 //! - every item CLAIMED by the id, whatever its epoch, goes back FREE;
 //! - a work item the supervisor sets aside (`Settling::work`: it killed the producers that
-//!   computed it) goes to SET_ASIDE wherever the two steps above would make it FREE, and from
-//!   FREE too (its producer gave it back before dying) by a claim's CAS.
+//!   computed it) goes to SET_ASIDE wherever the two steps above would make it FREE; one the
+//!   producer gave back before dying is no longer its, and is left as it is.
 
 use super::*;
 
@@ -208,8 +208,8 @@ impl RingRef<'_> {
     ///
     /// With `settling`, a READING slot holding one of `settling.batches` is instead freed, after
     /// `settling.before` has seen it, and counted as its `Settle` says: released (its batch counts
-    /// as consumed) or set aside; a work item of `settling.work` that would go back FREE, or is
-    /// FREE, is set aside instead (counted as set aside too).
+    /// as consumed) or set aside; a work item of `settling.work` that would go back FREE is set
+    /// aside instead (counted as set aside too).
     pub(crate) fn cleanup(&self, id: u32, mut settling: Option<&mut Settling<'_>>) -> Recovered {
         let mut out = Recovered::default();
         for &(batch_id, _) in settling.as_ref().map_or(&[][..], |r| r.batches) {
@@ -278,15 +278,14 @@ impl RingRef<'_> {
                 _ => {}
             }
         }
-        // Items still claimed by any incarnation of the id go back for another producer; one to
-        // set aside is, from there or from FREE (given back before the death: the CAS a claim
-        // makes decides between a live producer's claim and the setting aside).
+        // Items still claimed by any incarnation of the id go back for another producer, or are
+        // set aside. Only the dead producer's own: one it gave back is no longer its to settle.
         for (i, w) in self.work.iter().enumerate() {
             let v = WorkWord(w.load(Ordering::Relaxed));
-            let set_aside = aside.contains(&(i as u64));
-            if v.claimer() != Some(id) && !(set_aside && v.is_free()) {
+            if v.claimer() != Some(id) {
                 continue;
             }
+            let set_aside = aside.contains(&(i as u64));
             let new = if set_aside { WORK_SET_ASIDE } else { WORK_FREE };
             if w.compare_exchange(v.0, new, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()

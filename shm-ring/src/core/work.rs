@@ -12,7 +12,7 @@
 //!    │  ◀── recovery of p ────────────────┘                        │      WRITING@g by its
 //!    └───── abort of slot s, or recovery of p, in WRITING@g ◀──────┘      commit: for good)
 //!
-//!   recovery of p setting the item aside: FREE, CLAIMED(p, _) or DONE(s, g) in WRITING@g by p
+//!   recovery of p setting the item aside: CLAIMED(p, _) or DONE(s, g) in WRITING@g by p
 //!   ──▶ SET_ASIDE (settled for good, never published)
 //! ```
 //!
@@ -30,9 +30,8 @@
 //! - A supervisor may set an item aside instead of returning it
 //!   (`Ring::recover_setting_aside_work`: it killed the producers that computed it): recovery
 //!   of its dead holder moves it from CLAIMED or DONE-in-WRITING to SET_ASIDE where it would
-//!   have moved it to FREE, or from FREE (given back before the death) by the CAS a claim
-//!   makes, so a live producer's claim and the setting aside never both win. SET_ASIDE is
-//!   settled for good: never claimed, never undone.
+//!   have moved it to FREE (one the holder gave back is no longer its, and stays as it is).
+//!   SET_ASIDE is settled for good: never claimed, never undone.
 //!
 //! An item is *held* while it is CLAIMED, or DONE(s, g) with slot s still WRITING@g: it may
 //! still come back FREE (its holder unclaims, aborts or dies). It is *settled* once DONE and its
