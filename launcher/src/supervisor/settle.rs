@@ -264,7 +264,7 @@ impl Supervisor<'_> {
         };
         let r = self.ring.recover_setting_aside_work(name, &[batch])?;
         if r.work_set_aside == 0 {
-            let why = "another target has it now, or it is published";
+            let why = "it no longer held it: given back, another target's, or published";
             out.in_hand = Some(not_set_aside(batch, n, why));
             return Ok((r, out));
         }
