@@ -198,12 +198,10 @@ impl Supervisor<'_> {
         let struck = struck.filter(|s| committed.is_none_or(|(b, _)| b != s.batch));
         let mut setting_aside = None;
         if let Some(s) = struck {
-            let judged;
-            (out.in_hand, judged) = self.judge(s);
-            if let Some((batch, _)) = judged {
-                settle.push((batch, Settle::SetAside));
-            }
-            setting_aside = judged;
+            (out.in_hand, setting_aside) = self.judge(s);
+        }
+        if let Some((batch, _)) = setting_aside {
+            settle.push((batch, Settle::SetAside));
         }
         if settle.is_empty() {
             return Ok((self.ring.recover(name)?, out));
@@ -257,8 +255,8 @@ impl Supervisor<'_> {
         let Some(s) = struck else {
             return Ok((self.ring.recover(name)?, out));
         };
-        let judged;
-        (out.in_hand, judged) = self.judge(s);
+        let (in_hand, judged) = self.judge(s);
+        out.in_hand = in_hand;
         let Some((batch, n)) = judged else {
             return Ok((self.ring.recover(name)?, out));
         };

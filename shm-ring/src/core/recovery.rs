@@ -215,7 +215,7 @@ impl RingRef<'_> {
         for &(batch_id, _) in settling.as_ref().map_or(&[][..], |r| r.batches) {
             self.take_back(id, batch_id);
         }
-        let aside: Vec<u64> = settling.as_ref().map_or(Vec::new(), |r| r.work.to_vec());
+        let aside: &[u64] = settling.as_ref().map_or(&[], |r| r.work);
         for (idx, s) in self.slots.iter().enumerate() {
             let cur = Word(s.state.load(Ordering::Acquire));
             if cur.owner() != id {
@@ -235,7 +235,7 @@ impl RingRef<'_> {
                     // The batch in this slot was never published: the item it completes, if
                     // marked DONE in this very WRITING period, is not done. Unmark first, free
                     // the slot last, so a recovery cut short in between still sees the slot.
-                    match self.unmark_work(Claim { idx, word: cur }, &aside) {
+                    match self.unmark_work(Claim { idx, word: cur }, aside) {
                         Some(Undone::Returned) => out.work_returned += 1,
                         Some(Undone::SetAside) => out.work_set_aside += 1,
                         None => {}
