@@ -6,7 +6,10 @@
 //! the ledger, as for our drafters. A batch dropped without `release()` (an exception, a
 //! KeyboardInterrupt between `take()` and its caller) goes back to the ring untrained, READY for
 //! redelivery as if this rank had died holding it (`ReadSlot::requeue`), once its views are let
-//! go: never while one lives.
+//! go: never while one lives. A batch dropped after a committed group round named it was trained
+//! (every member applied the update): it gets its ledger line (that round's step, no digest, as
+//! the launcher writes for a dead rank's applied batch) and is released, never redelivered, so
+//! no live rank trains it twice.
 //!
 //! The batch in hand (`Consumer::set_in_hand`, which the launcher holds a death against, to set
 //! a batch that kills every drafter aside) is the last one taken, from `take()` until the rank
@@ -25,22 +28,24 @@ use proto::{BatchHeader, BatchView};
 use pyo3::prelude::*;
 use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
-use crate::common::{close_views, err, worker_methods, Core, InHand, Registered};
+use crate::batch::{Batch, SECTIONS};
+use crate::common::{err, worker_methods, Core, InHand, Registered};
 use crate::group::Group;
-use crate::view::{Elem, Exports, Memory, View};
-
-const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
+use crate::view::{Exports, View};
 
 pub struct DrafterCore {
     pub core: Core,
     consumer: &'static Consumer<'static>,
     ledger: RefCell<Ledger>,
-    deferred: RefCell<Vec<(ReadSlot<'static>, Arc<Exports>)>>,
+    /// Batches dropped unreleased, with their views and headers, until the views are gone.
+    deferred: RefCell<Vec<Dropped>>,
+    /// Batches named in a committed group round and not yet released: (batch, the round's step).
+    applied: RefCell<Vec<(u64, u64)>>,
     report: RefCell<FinalReport>,
     /// The ring's end was seen.
     ended: Cell<bool>,
     /// The step the next release records when no group step named one: releases so far.
-    releases: Cell<u64>,
+    pub(crate) releases: Cell<u64>,
     /// The batch this rank said it has in hand (the last taken, until released).
     in_hand: InHand,
     pub group: Group,
@@ -61,6 +66,7 @@ impl DrafterCore {
             consumer,
             ledger: RefCell::new(ledger),
             deferred: RefCell::default(),
+            applied: RefCell::default(),
             report: RefCell::default(),
             ended: Cell::new(false),
             releases: Cell::new(0),
@@ -69,26 +75,110 @@ impl DrafterCore {
         })
     }
 
-    /// Gives back the dropped batches whose views are all gone (READY again, for redelivery).
+    /// A batch dropped without `release()`: kept until its views are gone, then settled.
+    pub(crate) fn dropped(
+        &self,
+        slot: ReadSlot<'static>,
+        exports: Arc<Exports>,
+        header: BatchHeader,
+    ) {
+        (self.deferred.borrow_mut()).push(Dropped {
+            slot,
+            exports,
+            header,
+        });
+        self.sweep();
+    }
+
+    /// Settles the dropped batches whose views are all gone: one a committed round applied is
+    /// released as trained; any other is given back (READY again, for redelivery).
     fn sweep(&self) {
-        let mut deferred = self.deferred.borrow_mut();
         let mut i = 0;
-        while i < deferred.len() {
-            if deferred[i].1.try_close().is_ok() {
-                let (slot, _) = deferred.swap_remove(i);
-                let batch = slot.meta().batch_id;
+        loop {
+            let mut deferred = self.deferred.borrow_mut();
+            let Some(d) = deferred.get(i) else { break };
+            if d.exports.try_close().is_err() {
+                i += 1;
+                continue;
+            }
+            let d = deferred.swap_remove(i);
+            drop(deferred);
+            let batch = d.slot.meta().batch_id;
+            if let Some(step) = self.applied_step(batch) {
+                tracing::warn!(
+                    batch,
+                    step,
+                    "a batch was dropped without release() after the group applied it (step \
+                     {step}): released as trained"
+                );
+                let mut slot = Some(d.slot);
+                if let Err(e) = self.settle_trained(&mut slot, &d.header, step, String::new()) {
+                    // Dropping the slot frees it: trained, never redelivered; a missing line
+                    // only means a resume trains it again.
+                    tracing::error!(batch, error = %e, "no ledger line for a dropped batch");
+                }
+            } else {
                 tracing::warn!(
                     batch,
                     "a batch was dropped without release(): given back to the ring untrained, for redelivery"
                 );
-                if let Err(e) = slot.requeue() {
+                if let Err(e) = d.slot.requeue() {
                     tracing::warn!(batch, error = %e, "giving a dropped batch back");
                 }
-            } else {
-                i += 1;
             }
         }
     }
+
+    /// The step of the committed round that applied `batch`, if one did.
+    fn applied_step(&self, batch: u64) -> Option<u64> {
+        let applied = self.applied.borrow();
+        applied.iter().find(|&&(b, _)| b == batch).map(|&(_, s)| s)
+    }
+
+    /// A trained batch: writes its ledger line, then frees its slot and counts it (a freed
+    /// slot's line is in the ledger). If the line cannot be written the slot stays in `slot`,
+    /// held, and the error is returned.
+    pub(crate) fn settle_trained(
+        &self,
+        slot: &mut Option<ReadSlot<'static>>,
+        header: &BatchHeader,
+        step: u64,
+        digest: String,
+    ) -> Result<(), String> {
+        let meta = *slot.as_ref().ok_or("already released")?.meta();
+        self.consumer.enter(Phase::Checkpoint);
+        let line = LedgerLine {
+            batch_id: meta.batch_id,
+            sample_ids: header.spec.sample_ids.clone(),
+            tokens: header.spec.tokens(),
+            delivery: meta.delivery,
+            ticket: meta.ticket,
+            step,
+            digest,
+            epoch: self.consumer.epoch(),
+        };
+        let wrote = self.ledger.borrow_mut().append(&line);
+        self.consumer.enter(Phase::Other);
+        wrote.map_err(|e| e.to_string())?;
+        let slot = slot.take().expect("checked above");
+        slot.release().map_err(|e| e.to_string())?;
+        self.releases.set(self.releases.get() + 1);
+        self.applied
+            .borrow_mut()
+            .retain(|&(b, _)| b != meta.batch_id);
+        self.in_hand.let_go(meta.batch_id);
+        let mut r = self.report.borrow_mut();
+        r.items += 1;
+        r.tokens += line.tokens;
+        Ok(())
+    }
+}
+
+/// A batch dropped without `release()`, held until its views are gone.
+struct Dropped {
+    slot: ReadSlot<'static>,
+    exports: Arc<Exports>,
+    header: BatchHeader,
 }
 
 /// A drafter worker (what `hspipe.connect()` returns in a drafter process).
@@ -230,9 +320,16 @@ impl Drafter {
         ended: bool,
         epoch: Option<u16>,
     ) -> PyResult<crate::group::Reduced> {
-        self.d.core.check_open()?;
+        let d = &self.d;
+        d.core.check_open()?;
+        // A batch still held: once the round commits, it is trained (see `sweep`).
+        let held = batch.as_ref().is_some_and(|b| b.slot.is_some());
         let batch = batch.map(|b| b.batch_id());
-        crate::group::all_reduce(&self.d.core, &self.d.group, py, data, batch, ended, epoch)
+        let red = crate::group::all_reduce(&d.core, &d.group, py, data, batch, ended, epoch)?;
+        if let (Some(b), true, Some(step)) = (batch, held, d.group.last_step()) {
+            d.applied.borrow_mut().push((b, step));
+        }
+        Ok(red)
     }
 
     /// A restarted rank joins the group: waits to be admitted by the leader and returns
@@ -282,185 +379,3 @@ impl Drafter {
 }
 
 worker_methods!(Drafter);
-
-/// A batch taken from the ring: read-only views of its sections, then `release()` after the
-/// update that used it.
-#[pyclass(unsendable, module = "hspipe")]
-pub struct Batch {
-    d: Rc<DrafterCore>,
-    slot: Option<ReadSlot<'static>>,
-    header: BatchHeader,
-    base: usize,
-    exports: Arc<Exports>,
-}
-
-impl Batch {
-    fn view(&self, section: usize, elem: Elem, shape: Vec<usize>) -> PyResult<View> {
-        if self.slot.is_none() || self.exports.is_closed() {
-            return Err(err(format!(
-                "batch {}: it was released",
-                self.header.spec.batch_id
-            )));
-        }
-        let h = &self.header;
-        let s = [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states][section];
-        let (addr, len) = (self.base + s.offset as usize, s.len as usize);
-        crate::view::check_shape(SECTIONS[section], elem, &shape, len)?;
-        Ok(View::new(
-            Memory::Slot {
-                exports: Arc::clone(&self.exports),
-                section,
-                addr,
-                len,
-            },
-            SECTIONS[section],
-            elem,
-            shape,
-            false,
-        ))
-    }
-
-    fn n_tokens(&self) -> usize {
-        self.header.spec.tokens() as usize
-    }
-
-    pub fn batch_id(&self) -> u64 {
-        self.header.spec.batch_id
-    }
-}
-
-impl Drop for Batch {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            (self.d.deferred.borrow_mut()).push((slot, Arc::clone(&self.exports)));
-            self.d.sweep();
-        }
-    }
-}
-
-#[pymethods]
-impl Batch {
-    #[getter(batch_id)]
-    fn py_batch_id(&self) -> u64 {
-        self.batch_id()
-    }
-    #[getter]
-    fn sample_ids(&self) -> Vec<u64> {
-        self.header.spec.sample_ids.clone()
-    }
-    #[getter]
-    fn seq_lens(&self) -> Vec<u32> {
-        self.header.spec.seq_lens.clone()
-    }
-    #[getter]
-    fn tokens(&self) -> u64 {
-        self.header.spec.tokens()
-    }
-    /// The length bucket the target published it in.
-    #[getter]
-    fn bucket(&self) -> PyResult<u32> {
-        Ok(self.meta()?.bucket)
-    }
-    /// Earlier deliveries of this batch to drafters that died holding it (0 the first time).
-    #[getter]
-    fn delivery(&self) -> PyResult<u32> {
-        Ok(self.meta()?.delivery)
-    }
-    /// The hidden states' element type (`bfloat16`, `float16`, `float32`).
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        Elem::of(self.header.spec.dtype).name()
-    }
-    /// uint32 [T], read-only.
-    #[getter]
-    fn input_ids(&self) -> PyResult<View> {
-        self.view(0, Elem::U32, vec![self.n_tokens()])
-    }
-    /// uint8 [T], read-only.
-    #[getter]
-    fn loss_mask(&self) -> PyResult<View> {
-        self.view(1, Elem::U8, vec![self.n_tokens()])
-    }
-    /// The target's greedy next token after each position, uint32 [T], read-only.
-    #[getter]
-    fn target_tokens(&self) -> PyResult<View> {
-        self.view(2, Elem::U32, vec![self.n_tokens()])
-    }
-    /// [T, L, H] in the batch's dtype, read-only.
-    #[getter]
-    fn hidden_states(&self) -> PyResult<View> {
-        let s = &self.header.spec;
-        let shape = vec![self.n_tokens(), s.layers as usize, s.hidden as usize];
-        self.view(3, Elem::of(s.dtype), shape)
-    }
-
-    /// After the update that used the batch: writes its ledger line (the step of that update,
-    /// by default the last group step or this drafter's count of releases, and the weights'
-    /// digest after it), then frees its slot. Raises, naming them, while views of it are alive
-    /// (or waits up to `wait` seconds for them to go).
-    #[pyo3(signature = (step=None, digest=None, wait=None))]
-    fn release(
-        &mut self,
-        py: Python<'_>,
-        step: Option<u64>,
-        digest: Option<String>,
-        wait: Option<f64>,
-    ) -> PyResult<()> {
-        let what = format!("release batch {}", self.batch_id());
-        let d = Rc::clone(&self.d);
-        let Some(slot) = &self.slot else {
-            return Err(err(format!("{what}: already released")));
-        };
-        let meta = *slot.meta();
-        close_views(&d.core, py, &self.exports, &what, wait)?;
-        d.consumer.enter(Phase::Checkpoint);
-        let releases = d.releases.get() + 1;
-        let line = LedgerLine {
-            batch_id: meta.batch_id,
-            sample_ids: self.header.spec.sample_ids.clone(),
-            tokens: self.header.spec.tokens(),
-            delivery: meta.delivery,
-            ticket: meta.ticket,
-            step: step.or(d.group.last_step()).unwrap_or(releases),
-            digest: digest.or_else(|| d.group.last_digest()).unwrap_or_default(),
-            epoch: d.consumer.epoch(),
-        };
-        let wrote = d.ledger.borrow_mut().append(&line);
-        d.consumer.enter(Phase::Other);
-        wrote.map_err(err)?;
-        self.slot
-            .take()
-            .expect("checked above")
-            .release()
-            .map_err(err)?;
-        d.releases.set(releases);
-        d.in_hand.let_go(meta.batch_id);
-        let mut r = d.report.borrow_mut();
-        r.items += 1;
-        r.tokens += line.tokens;
-        drop(r);
-        Ok(())
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<hspipe.Batch {} of {} tokens{}>",
-            self.batch_id(),
-            self.n_tokens(),
-            if self.slot.is_some() {
-                ""
-            } else {
-                ", released"
-            }
-        )
-    }
-}
-
-impl Batch {
-    fn meta(&self) -> PyResult<&shm_ring::ItemMeta> {
-        match &self.slot {
-            Some(s) => Ok(s.meta()),
-            None => Err(err(format!("batch {}: it was released", self.batch_id()))),
-        }
-    }
-}

@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use shm_ring::{Ring, Role, WorkerName};
 use worker_runtime::StopFlags;
 
+mod batch;
 mod common;
 mod detach;
 mod dlpack;
@@ -123,7 +124,7 @@ fn _hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<target::Claim>()?;
     m.add_class::<target::Slot>()?;
     m.add_class::<drafter::Drafter>()?;
-    m.add_class::<drafter::Batch>()?;
+    m.add_class::<batch::Batch>()?;
     m.add_class::<view::View>()?;
     m.add_class::<group::Reduced>()?;
     m.add_class::<common::PhaseScope>()?;

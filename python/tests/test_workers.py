@@ -1,7 +1,7 @@
 """Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
 target feeding our drafters, numpy drafters training as one group from our targets, a killed
-Python worker restarted alone, a poison batch set aside, the view-lifetime cases, and bad
-worker commands.
+Python worker restarted alone, a poison batch set aside, a batch dropped after its update
+trained once, the view-lifetime cases, and bad worker commands.
 
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
@@ -128,6 +128,33 @@ def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
     poison = [PYTHON, script("tests/poisoned.py")]
     aside = poison_batch(run, "drafter", config_text(drafter=poison))
     assert aside["ticket"] is not None, aside
+
+
+def a_drafter_dropping_an_applied_batch(run, how):
+    """A run whose drafters let go of the batch holding sample 137 after its update was applied
+    (tests/drops_applied.py, `how`); returns the summary once that batch was trained once, at
+    the step that applied it, and every other sample once."""
+    dropping = [PYTHON, script("tests/drops_applied.py"), how]
+    code, out = run.launch(config_text(drafter=dropping)).finish()
+    no_segment_of(run.proc.pid)
+    assert code == 0, out
+    batch, step = map(int, (run.run_dir / "dropped-applied").read_text().split())
+    lines = [l for l in run.ledgers() if l["batch_id"] == batch]
+    # Given back, it was delivered again and trained a second time: a line of delivery 1 at a
+    # later step.
+    assert [(l["step"], l["delivery"]) for l in lines] == [(step, 0)], lines
+    every_sample_once(run)
+    one_model(run.ledgers())
+    return run.summary()
+
+
+def test_a_python_drafter_dropping_an_applied_batch_records_it_trained(run):
+    a_drafter_dropping_an_applied_batch(run, "drop")
+
+
+def test_a_python_drafter_raising_after_an_update_has_its_batch_trained_once(run):
+    s = a_drafter_dropping_an_applied_batch(run, "raise")
+    assert sum(w["restarts"] for w in s["workers"]) == 1, s
 
 
 def test_a_batch_that_kills_every_python_target_is_set_aside(run):
