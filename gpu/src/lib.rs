@@ -150,6 +150,12 @@ pub trait TargetBackend {
         1
     }
 
+    /// The most batches it can keep submitted when asked for more than [`TargetBackend::depth`]
+    /// (`[target] depth`): by default its depth.
+    fn max_depth(&self) -> usize {
+        self.depth()
+    }
+
     /// Issues the forward of a batch whose results go into `out`, and their copy there; may
     /// return before they are written. They are once [`TargetBackend::complete`] has returned
     /// for this batch (batches complete in the order submitted). On an error nothing is in

@@ -137,6 +137,12 @@ impl MockTarget {
 }
 
 impl TargetBackend for MockTarget {
+    /// Any: its forward is done when `submit` returns, so a depth of 2 walks a GPU's pipelined
+    /// path (`[target] depth`) on the CPU.
+    fn max_depth(&self) -> usize {
+        usize::MAX
+    }
+
     fn forward(
         &mut self,
         input_ids: &[u32],

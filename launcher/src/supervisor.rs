@@ -344,10 +344,7 @@ impl<'a> Supervisor<'a> {
         }
         w.items_before = items;
         let in_hand = settled.in_hand.map_or(String::new(), |h| format!("; {h}"));
-        self.mon.say(&format!(
-            "{death}{in_hand}; recovered {} held batch(es), {} slot(s), {} work item(s)",
-            r.requeued, r.freed, r.work_returned
-        ));
+        self.mon.say(&format!("{death}{in_hand}; {r}"));
         for line in settled.lines {
             self.mon.say(&line);
         }

@@ -36,8 +36,8 @@ pub struct PipelineConfig {
 /// `fail_on_sample`: crash or hang after N items, run slower by a factor, crash at start-up,
 /// crash or fail as the device on a batch holding a sample); the drafter worker injects the
 /// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`)
-/// and our target worker `crash_on_sample` and `fail_on_sample` in its forward, for any
-/// backend (a Python target injects none). Counted per process: a restarted worker starts
+/// and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
+/// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
 /// counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -62,6 +62,10 @@ pub struct Faults {
     /// Our targets (any backend) and mock drafters: fail as a device fails (out of memory)
     /// computing any batch that holds sample N, in every incarnation.
     pub fail_on_sample: Option<u64>,
+    /// Our targets (any backend): a kernel's fault on any batch that holds sample N, in every
+    /// incarnation: its forward is issued, and every later call on the device fails (a device
+    /// reports such a fault late, and for good).
+    pub fault_on_sample: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -226,6 +230,12 @@ pub struct TargetConfig {
     /// CPU threads each worker's model computes with; 0: the machine's cores shared out
     /// among the run's workers (at least one each).
     pub threads: u32,
+    /// Batches each target keeps in flight on its device. 0: the backend's own, 2 on a GPU (the
+    /// next batch's forward runs while the last one's results are copied out), 1 on the CPU.
+    /// 1 on a GPU waits for each batch before issuing the next (every device error is then
+    /// known to be that batch's, at the cost of the overlap); the mock backend takes any depth
+    /// (a GPU's path on the CPU); others are capped at what they can hold.
+    pub depth: u32,
     /// A program the launcher runs as each target instead of its own worker, e.g.
     /// `["python", "my_target.py"]`: a user's own model through the `hspipe` Python package.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -238,6 +248,7 @@ impl Default for TargetConfig {
             token_budget: 16384,
             tokens_per_s: 45_000.0,
             threads: 0,
+            depth: 0,
             command: None,
         }
     }

@@ -12,7 +12,7 @@ use shm_ring::ReadSlot;
 
 use crate::common::{close_views, err};
 use crate::drafter::DrafterCore;
-use crate::view::{Elem, Exports, Memory, View};
+use crate::view::{Elem, Exports, View};
 
 pub const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
 
@@ -37,20 +37,8 @@ impl Batch {
         }
         let h = &self.header;
         let s = [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states][section];
-        let (addr, len) = (self.base + s.offset as usize, s.len as usize);
-        crate::view::check_shape(SECTIONS[section], elem, &shape, len)?;
-        Ok(View::new(
-            Memory::Slot {
-                exports: Arc::clone(&self.exports),
-                section,
-                addr,
-                len,
-            },
-            SECTIONS[section],
-            elem,
-            shape,
-            false,
-        ))
+        let at = (self.base + s.offset as usize, s.len as usize);
+        crate::view::of_slot(&self.exports, &SECTIONS, section, at, elem, shape, false)
     }
 
     fn n_tokens(&self) -> usize {

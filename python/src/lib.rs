@@ -26,6 +26,7 @@ mod detach;
 mod dlpack;
 mod drafter;
 mod group;
+mod slot;
 mod target;
 mod view;
 
@@ -122,7 +123,7 @@ fn _hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GroupChanged", m.py().get_type::<GroupChanged>())?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::Claim>()?;
-    m.add_class::<target::Slot>()?;
+    m.add_class::<slot::Slot>()?;
     m.add_class::<drafter::Drafter>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<view::View>()?;

@@ -16,16 +16,17 @@ use std::sync::Arc;
 use dataset::Dataset;
 use proto::control::FinalReport;
 use proto::plan::PlannedBatch;
-use proto::{batch_len, BatchSpec, BatchWriter};
+use proto::{batch_len, BatchWriter};
 use pyo3::prelude::*;
-use shm_ring::{CommitMeta, Producer, WorkClaim, WriteSlot};
+use shm_ring::{Producer, WorkClaim, WriteSlot};
 use target_worker::Gathered;
 
-use crate::common::{close_views, err, worker_methods, Core, InHand, Registered};
-use crate::view::{self, Elem, Exports, Memory, View};
+use crate::common::{err, worker_methods, Core, InHand, Registered};
+use crate::slot::Slot;
+use crate::view::{self, Elem, Exports, View};
 
 /// The sections of a slot, in `Exports`' order.
-const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
+pub const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
 
 pub struct TargetCore {
     pub core: Core,
@@ -86,6 +87,27 @@ impl TargetCore {
                 i += 1;
             }
         }
+    }
+
+    /// A slot dropped uncommitted: kept until its views are gone, then given back.
+    pub(crate) fn dropped(&self, slot: WriteSlot<'static>, item: u64, exports: Arc<Exports>) {
+        self.deferred.borrow_mut().push((slot, item, exports));
+        self.sweep();
+    }
+
+    /// Batch `item` of `tokens` tokens was committed.
+    pub(crate) fn committed(&self, item: u64, tokens: u64) {
+        self.claims.borrow_mut().remove(&item);
+        self.in_hand.let_go(item);
+        let mut r = self.report.borrow_mut();
+        r.items += 1;
+        r.tokens += tokens;
+    }
+
+    /// Batch `item`'s slot was aborted: the item goes back to the work table.
+    pub(crate) fn aborted(&self, item: u64) {
+        self.give_back(item);
+        self.in_hand.let_go(item);
     }
 
     /// Returns a claimed item to the work table, for any target to claim again (not once the
@@ -161,13 +183,14 @@ impl Target {
         let producer = t.producer;
         let got = t.core.wait(py, "claim", timeout, true, |slice| {
             Ok(match producer.claim_work_timeout(slice) {
-                WorkClaim::Item(item) => Some(Some(item)),
+                WorkClaim::Item(item) => Some(Some((item, false))),
+                WorkClaim::Returned(item) => Some(Some((item, true))),
                 WorkClaim::Settled => Some(None),
                 WorkClaim::Pending => None,
             })
         });
-        let item = match got {
-            Ok(Some(Some(item))) => item,
+        let (item, alone) = match got {
+            Ok(Some(Some(got))) => got,
             Ok(Some(None)) => return Ok(None),
             Ok(None) => {
                 t.stopped.set(true);
@@ -189,7 +212,7 @@ impl Target {
             cfg,
             t.core.setup.index,
         );
-        Ok(Some(Claim::new(Rc::clone(t), g)))
+        Ok(Some(Claim::new(Rc::clone(t), Gathered { alone, ..g })))
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -264,6 +287,12 @@ impl Claim {
     #[getter]
     fn batch_id(&self) -> u64 {
         self.item
+    }
+    /// A target died with this batch: compute it alone (commit what you hold first, and
+    /// synchronize the device before the next), so a fault it causes is known to be its own.
+    #[getter]
+    fn returned(&self) -> bool {
+        self.g.alone
     }
     #[getter]
     fn sample_ids(&self) -> PyResult<Vec<u64>> {
@@ -354,147 +383,5 @@ impl Claim {
             exports: Exports::new(&SECTIONS),
             at,
         }))
-    }
-}
-
-/// A reserved ring slot: views of its sections to fill, then `commit()`.
-#[pyclass(unsendable, module = "hspipe")]
-pub struct Slot {
-    t: Rc<TargetCore>,
-    slot: Option<WriteSlot<'static>>,
-    item: u64,
-    spec: BatchSpec,
-    bucket: u32,
-    exports: Arc<Exports>,
-    /// Each section's address and length, in `SECTIONS` order.
-    at: [(usize, usize); 4],
-}
-
-impl Slot {
-    fn view(
-        &self,
-        section: usize,
-        elem: Elem,
-        shape: Vec<usize>,
-        writable: bool,
-    ) -> PyResult<View> {
-        if self.slot.is_none() || self.exports.is_closed() {
-            return Err(err(format!(
-                "batch {}: its slot was committed or aborted",
-                self.item
-            )));
-        }
-        let (addr, len) = self.at[section];
-        view::check_shape(SECTIONS[section], elem, &shape, len)?;
-        Ok(View::new(
-            Memory::Slot {
-                exports: Arc::clone(&self.exports),
-                section,
-                addr,
-                len,
-            },
-            SECTIONS[section],
-            elem,
-            shape,
-            writable,
-        ))
-    }
-
-    fn n_tokens(&self) -> usize {
-        self.spec.tokens() as usize
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            // Not committed: give it back, once nothing views it.
-            self.t
-                .deferred
-                .borrow_mut()
-                .push((slot, self.item, Arc::clone(&self.exports)));
-            self.t.sweep();
-        }
-    }
-}
-
-#[pymethods]
-impl Slot {
-    #[getter]
-    fn batch_id(&self) -> u64 {
-        self.item
-    }
-    /// The token ids, uint32 [T], read-only (already written).
-    #[getter]
-    fn input_ids(&self) -> PyResult<View> {
-        self.view(0, Elem::U32, vec![self.n_tokens()], false)
-    }
-    /// The loss mask, uint8 [T], read-only (already written).
-    #[getter]
-    fn loss_mask(&self) -> PyResult<View> {
-        self.view(1, Elem::U8, vec![self.n_tokens()], false)
-    }
-    /// The target's greedy next token after each position, uint32 [T], to write.
-    #[getter]
-    fn target_tokens(&self) -> PyResult<View> {
-        self.view(2, Elem::U32, vec![self.n_tokens()], true)
-    }
-    /// The captured layers' hidden states, [T, L, H] in the run's dtype (bf16 by default), to
-    /// write.
-    #[getter]
-    fn hidden_states(&self) -> PyResult<View> {
-        let s = &self.spec;
-        let shape = vec![self.n_tokens(), s.layers as usize, s.hidden as usize];
-        self.view(3, Elem::of(s.dtype), shape, true)
-    }
-
-    /// Publishes the batch: checksums it, writes its header, marks its work item done and
-    /// makes it READY. Raises, naming them, while views of it are alive (or waits up to `wait`
-    /// seconds for them to go).
-    #[pyo3(signature = (wait=None))]
-    fn commit(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
-        let what = format!("commit batch {}", self.item);
-        if self.slot.is_none() {
-            return Err(err(format!("{what}: already committed or aborted")));
-        }
-        close_views(&self.t.core, py, &self.exports, &what, wait)?;
-        let mut slot = self.slot.take().expect("checked above");
-        BatchWriter::new(slot.payload_mut(), &self.spec)
-            .map_err(err)?
-            .finish();
-        slot.complete_work(self.item).map_err(err)?;
-        let tokens = self.spec.tokens();
-        slot.commit(CommitMeta {
-            bucket: self.bucket,
-            tokens,
-            batch_id: self.item,
-        })
-        .map_err(err)?;
-        self.t.claims.borrow_mut().remove(&self.item);
-        self.t.in_hand.let_go(self.item);
-        let mut r = self.t.report.borrow_mut();
-        r.items += 1;
-        r.tokens += tokens;
-        drop(r);
-        Ok(())
-    }
-
-    /// Gives the slot back unpublished, and its batch back to the work table.
-    #[pyo3(signature = (wait=None))]
-    fn abort(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
-        if self.slot.is_none() {
-            return Ok(());
-        }
-        close_views(
-            &self.t.core,
-            py,
-            &self.exports,
-            &format!("abort batch {}", self.item),
-            wait,
-        )?;
-        drop(self.slot.take());
-        self.t.give_back(self.item);
-        self.t.in_hand.let_go(self.item);
-        Ok(())
     }
 }

@@ -445,6 +445,28 @@ pub fn owned(name: &'static str, elem: Elem, shape: Vec<usize>, bytes: &[u8]) ->
     )
 }
 
+/// A view of section `section` (named `names[section]`) of a ring slot whose exports are
+/// `exports`: `len` bytes at `addr`, as `shape` of `elem`.
+#[allow(clippy::too_many_arguments)]
+pub fn of_slot(
+    exports: &Arc<Exports>,
+    names: &[&'static str; 4],
+    section: usize,
+    (addr, len): (usize, usize),
+    elem: Elem,
+    shape: Vec<usize>,
+    writable: bool,
+) -> PyResult<View> {
+    check_shape(names[section], elem, &shape, len)?;
+    let memory = Memory::Slot {
+        exports: Arc::clone(exports),
+        section,
+        addr,
+        len,
+    };
+    Ok(View::new(memory, names[section], elem, shape, writable))
+}
+
 /// Raises if `shape` does not hold `len` bytes of `elem` (a bug of ours, never the user's).
 pub fn check_shape(name: &str, elem: Elem, shape: &[usize], len: usize) -> PyResult<()> {
     if shape.iter().product::<usize>() * elem.size() != len {

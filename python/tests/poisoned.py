@@ -25,6 +25,10 @@ class Poisoned:
 
     def _check(self, batch):
         if batch is not None and POISON in batch.sample_ids:
+            if self._w.role == "target":
+                # Whether a target died with it before (`claim.returned`), one line per claim.
+                with open(Path(self._w.run_dir) / "poison-claims", "a") as f:
+                    f.write(f"{batch.returned}\n")
             raise RuntimeError(f"poisoned by sample {POISON}")
         return batch
 

@@ -163,6 +163,9 @@ def test_a_batch_that_kills_every_python_target_is_set_aside(run):
     poison = [PYTHON, script("tests/poisoned.py")]
     aside = poison_batch(run, "target", config_text(target=poison))
     assert aside["ticket"] is None, aside
+    # The first claim was fresh; each later one says a target died with the batch.
+    claims = (run.run_dir / "poison-claims").read_text().split()
+    assert claims == ["False", "True", "True"], claims
 
 
 def test_a_python_target_that_raises_is_restarted_and_claims_work_again(run):

@@ -362,7 +362,7 @@ impl<'a> RingRef<'a> {
             // Reclaimed by recovery: not ours to touch any more.
             return;
         }
-        let returned = self.unmark_work(claim, &[]).is_some();
+        let returned = self.unmark_work(claim, None).is_some();
         // SYNC: Release pairs with the Acquire CAS in `try_reserve`, and with the Acquire load
         // of the slot word in `work_left` (which then sees the unmark above).
         if s.state

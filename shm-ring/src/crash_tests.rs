@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::core::{Claim, Recovered, WorkClaim};
 use crate::error::RingError;
-use crate::layout::{Lease, Word, WorkWord, READY, WRITING};
+use crate::layout::{Lease, Word, WorkWord, READY, WORK_RETURNED, WRITING};
 use crate::model::{process, HeapRing, SUPERVISOR};
 use crate::params::RingParams;
 use crate::params::TakePolicy;
@@ -85,7 +85,7 @@ fn a_producer_killed_in_a_claim_makes_nobody_spin() {
     // Producer 1's claim of the returned item: the CAS, then the kill.
     r.work[0]
         .compare_exchange(
-            0,
+            WORK_RETURNED,
             WorkWord::claimed(1, 1).0,
             Ordering::Relaxed,
             Ordering::Relaxed,
@@ -191,6 +191,38 @@ fn an_aborted_slot_gives_its_item_back() {
     assert_eq!(r.r().claim_work(1, 1), Some(0), "any producer may claim it");
     r.deliver(1, 1, 0);
     assert_eq!(r.ready_batches(), vec![0]);
+}
+
+/// Issue #27 (a kernel's fault, reported late). Recovery returns a dead producer's items
+/// RETURNED, both the one it claimed and the one DONE in its WRITING slot: the next claim of
+/// each says so (`WorkClaim::Returned`: run it alone), and only that claim. Without it a batch
+/// whose fault a GPU reports late is never attributed, and kills target after target. An item
+/// a live producer gave back, or whose slot it aborted, comes back plain.
+#[test]
+fn a_dead_producers_items_come_back_to_be_run_alone() {
+    let r = ring(2, 3);
+    let claim = |id, epoch| {
+        r.r()
+            .claim_work_until(id, epoch, Some(std::time::Instant::now()))
+    };
+    assert_eq!(claim(1, 1), WorkClaim::Item(0));
+    assert_eq!(claim(1, 1), WorkClaim::Item(1));
+    let c = r.write(1, 0);
+    r.r().complete_work(1, 1, c, 1).unwrap();
+    assert_eq!(claim(0, 1), WorkClaim::Item(2));
+    r.r().unclaim_work(0, 1, 2).unwrap();
+    assert_eq!(claim(0, 1), WorkClaim::Item(2), "given back alive: plain");
+    let c = r.write(0, 1);
+    r.r().complete_work(0, 1, c, 2).unwrap();
+    r.r().abort(c);
+    assert_eq!(claim(0, 1), WorkClaim::Item(2), "aborted alive: plain");
+    let out = r.recover(1);
+    assert_eq!((out.work_returned, out.freed), (2, 1));
+    let got = [claim(0, 1), claim(0, 1)];
+    assert_eq!(got, [WorkClaim::Returned(0), WorkClaim::Returned(1)]);
+    // Given back by its live claimer, a returned item is plain again.
+    r.r().unclaim_work(0, 1, 0).unwrap();
+    assert_eq!(claim(0, 1), WorkClaim::Item(0));
 }
 
 /// Defect 4 (claims). A stale incarnation of producer 0, one recovery has already replaced, can
@@ -430,7 +462,7 @@ fn next_work(r: &HeapRing, id: u32, epoch: u64) -> Next {
         .r()
         .claim_work_until(id, epoch, Some(std::time::Instant::now()))
     {
-        WorkClaim::Item(i) => Next::Item(i),
+        WorkClaim::Item(i) | WorkClaim::Returned(i) => Next::Item(i),
         WorkClaim::Pending => Next::Wait,
         WorkClaim::Settled => Next::Finish,
     }

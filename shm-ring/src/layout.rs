@@ -232,7 +232,9 @@ pub(crate) const W_RETIRED: u32 = 4;
 
 /// A work-table word: `kind | a << 2 | b << 12`.
 ///
-/// - FREE (0): nobody holds the item.
+/// - FREE (0): nobody holds the item. RETURNED (FREE with `a` = 1): nobody holds it, and the
+///   last holder died with it (a recovery returned it): whoever claims it next runs it alone,
+///   so that an error it causes, even one a device reports late, is known to be its own.
 /// - CLAIMED: `a` = the producer's worker id, `b` = the registration epoch that claimed it, so a
 ///   stale incarnation of the same id can never complete or give back a claim it lost.
 /// - DONE: `a` = the slot that carries the item's batch, `b` = that slot's generation while it
@@ -244,6 +246,7 @@ pub(crate) const W_RETIRED: u32 = 4;
 pub(crate) struct WorkWord(pub u64);
 
 pub(crate) const WORK_FREE: u64 = 0;
+pub(crate) const WORK_RETURNED: u64 = WORK_FREE | 1 << WORK_A_SHIFT;
 const WORK_CLAIMED: u64 = 1;
 const WORK_DONE: u64 = 2;
 pub(crate) const WORK_SET_ASIDE: u64 = 3;
@@ -280,8 +283,9 @@ impl WorkWord {
     pub(crate) fn done_before() -> Self {
         Self::done(0, WORK_B_MASK)
     }
+    /// FREE, fresh or RETURNED: claimable.
     pub(crate) fn is_free(self) -> bool {
-        self.0 == WORK_FREE
+        self.0 == WORK_FREE || self.0 == WORK_RETURNED
     }
     pub(crate) fn is_done(self) -> bool {
         self.0 & WORK_KIND_MASK == WORK_DONE

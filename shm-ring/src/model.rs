@@ -141,7 +141,7 @@ impl HeapRing {
     pub(crate) fn produce_work_waiting(&self, id: u32, epoch: u64, script: Script) -> bool {
         self.produce_loop(id, epoch, script, || {
             match self.r().claim_work_until(id, epoch, None) {
-                crate::core::WorkClaim::Item(i) => Some(i),
+                crate::core::WorkClaim::Item(i) | crate::core::WorkClaim::Returned(i) => Some(i),
                 crate::core::WorkClaim::Settled => None,
                 crate::core::WorkClaim::Pending => unreachable!("no deadline"),
             }

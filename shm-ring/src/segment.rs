@@ -31,7 +31,7 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// worker's idle gaps (`gap_since`, `gaps`). 6: each worker's device timeline (`device_*`) and
 /// phase log. 8: the control block's `set_aside` and each worker's `in_hand`. 9: SET_ASIDE work
 /// words (an item a supervisor set aside, never claimed again).
-pub const LAYOUT_VERSION: u32 = 9;
+pub const LAYOUT_VERSION: u32 = 10;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

@@ -47,6 +47,8 @@ pub struct Gathered {
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
     pub bucket: u32,
+    /// Its last target died with it (`WorkClaim::Returned`): run it alone.
+    pub alone: bool,
 }
 
 /// Gathers planned batch `item` (`b`) from `data` for `producer`.
@@ -88,6 +90,7 @@ pub fn gather(
         input_ids,
         loss_mask,
         bucket: b.bucket,
+        alone: false,
     }
 }
 
@@ -178,8 +181,9 @@ pub fn produce(
             input_ids,
             loss_mask,
             bucket,
+            alone,
         } = next;
-        pipe.submit(slot, spec, &input_ids, &loss_mask, item, bucket)?;
+        pipe.submit(slot, spec, &input_ids, &loss_mask, item, bucket, alone)?;
         while !pipe.has_room() {
             commit(pipe, report)?;
         }
@@ -213,12 +217,19 @@ pub fn prefetching(
         scope.spawn(move || {
             // Relaxed: the flag carries no data, only "stop asking".
             while !stopping() && !done.load(Ordering::Relaxed) {
-                let item = match producer.claim_work_timeout(Duration::from_millis(200)) {
-                    WorkClaim::Item(item) => item,
+                let (item, alone) = match producer.claim_work_timeout(Duration::from_millis(200)) {
+                    WorkClaim::Item(item) => (item, false),
+                    WorkClaim::Returned(item) => (item, true),
                     WorkClaim::Pending => continue,
                     WorkClaim::Settled => break,
                 };
-                if tx.send(gather(item)).is_err() {
+                if tx
+                    .send(Gathered {
+                        alone,
+                        ..gather(item)
+                    })
+                    .is_err()
+                {
                     break;
                 }
             }
@@ -284,7 +295,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     );
     let mut report = FinalReport::default();
 
-    let mut pipe = Pipeline::new(&producer, &mut *backend).injecting(cfg.faults_for(s.name));
+    let mut pipe = Pipeline::new(&producer, &mut *backend)
+        .with_depth(cfg.target.depth)
+        .injecting(cfg.faults_for(s.name));
     let gather = |item: u64| gather(item, &plan[item as usize], &data, cfg, s.index);
     let mut stopped = prefetching(&mut pipe, &gather, &|| s.stop.stopping(), &mut report)?;
     drop(pipe);

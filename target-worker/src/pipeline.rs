@@ -20,6 +20,12 @@
 //! the older one's; in that case the older ones are committed first, and only if they are is the
 //! error the newer one's (an out-of-memory at its own allocation). Nothing is held in hand when
 //! it is not known whose the error is.
+//!
+//! So a batch whose fault the device reports late (a kernel's) kills its target unattributed.
+//! Its work item comes back RETURNED (`shm_ring::WorkClaim::Returned`), and whoever claims it
+//! next runs it alone: the batches before it are committed first, and it is committed before
+//! the next one is issued, so it is in hand from its forward to its commit and the death it
+//! causes is held against it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -35,6 +41,8 @@ struct Submitted<'r> {
     spec: BatchSpec,
     item: u64,
     bucket: u32,
+    /// Run alone: nothing else is issued until it is committed.
+    alone: bool,
 }
 
 /// The batches in flight of one target; see the module.
@@ -45,8 +53,13 @@ pub struct Pipeline<'r, 'b> {
     /// The device's timeline, for a backend that times its work on the device: its spans go
     /// into the ring after each commit.
     clock: Option<Arc<dyn DeviceClock>>,
-    /// Faults injected into the forward, for any backend (`crash_on_sample`, `fail_on_sample`).
+    /// Batches it keeps in flight: the backend's depth, or `[target] depth` (`with_depth`).
+    depth: usize,
+    /// Faults injected into the forward, for any backend (`crash_on_sample`, `fail_on_sample`,
+    /// `fault_on_sample`).
     faults: proto::config::Faults,
+    /// An injected kernel fault: every call on the device fails from the one after it.
+    faulted: Option<String>,
 }
 
 /// What a committed batch adds to the target's report.
@@ -62,15 +75,26 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         }
         Pipeline {
             producer,
+            depth: backend.depth().max(1),
             backend,
             in_flight: VecDeque::new(),
             clock,
             faults: proto::config::Faults::default(),
+            faulted: None,
         }
     }
 
-    /// Injects `faults`' `crash_on_sample` and `fail_on_sample` into the forward of any batch
-    /// holding that sample, whatever the backend.
+    /// Keeps `depth` batches in flight (`[target] depth`), as far as the backend can hold them;
+    /// 0: the backend's own depth.
+    pub fn with_depth(mut self, depth: u32) -> Self {
+        if depth > 0 {
+            self.depth = (depth as usize).min(self.backend.max_depth()).max(1);
+        }
+        self
+    }
+
+    /// Injects `faults`' `crash_on_sample`, `fail_on_sample` and `fault_on_sample` into the
+    /// forward of any batch holding that sample, whatever the backend.
     pub fn injecting(mut self, faults: proto::config::Faults) -> Self {
         self.faults = faults;
         self
@@ -96,13 +120,17 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         self.in_flight.len()
     }
 
-    /// Whether another batch may be submitted before the oldest is committed.
+    /// Whether another batch may be submitted before the oldest is committed (never while a
+    /// batch run alone is in flight).
     pub fn has_room(&self) -> bool {
-        self.in_flight.len() < self.backend.depth().max(1)
+        self.in_flight.len() < self.depth && !self.in_flight.back().is_some_and(|s| s.alone)
     }
 
     /// Writes the batch's ids and mask into `slot`, issues its forward (whose results may still
     /// be on their way when this returns) and keeps the slot until [`Pipeline::commit_oldest`].
+    /// `alone`: the batches in flight are committed first, and nothing more is issued until
+    /// this one is committed (a batch its last target died with: see the module doc).
+    #[allow(clippy::too_many_arguments)]
     pub fn submit(
         &mut self,
         mut slot: WriteSlot<'r>,
@@ -111,8 +139,16 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         loss_mask: &[u8],
         item: u64,
         bucket: u32,
+        alone: bool,
     ) -> anyhow::Result<()> {
         debug_assert!(self.has_room());
+        if alone {
+            tracing::info!(
+                batch = item,
+                "running batch {item} alone: its last target died with it"
+            );
+            self.drain()?;
+        }
         let mut w = BatchWriter::new(slot.payload_mut(), &spec)?;
         let sections = w.sections_mut();
         for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(input_ids) {
@@ -134,8 +170,10 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         // follows is held against it (see "The batch in hand" in the module doc).
         self.producer.set_in_hand(Some(item));
         self.producer.enter(Phase::Compute);
-        let r = inject(&self.faults, &spec)
-            .and_then(|()| Ok(self.backend.submit(input_ids, &spec.seq_lens, out)?));
+        let r = self.inject(&spec).and_then(|()| {
+            self.backend.submit(input_ids, &spec.seq_lens, out)?;
+            Ok(())
+        });
         self.producer.enter(Phase::Other);
         if let Err(e) = r {
             // With older batches in flight the error may be theirs, reported late: it is this
@@ -159,6 +197,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             spec,
             item,
             bucket,
+            alone,
         });
         Ok(())
     }
@@ -184,7 +223,10 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             self.producer.set_in_hand(in_hand.then_some(item));
         }
         self.producer.enter(Phase::Compute);
-        let r = self.backend.complete();
+        let r = match &self.faulted {
+            Some(f) => Err(anyhow::anyhow!("{f}")),
+            None => self.backend.complete().map_err(anyhow::Error::from),
+        };
         self.producer.enter(Phase::Other);
         r.with_context(|| format!("the target's copy of batch {item} into its slot"))?;
         if say_in_hand {
@@ -195,6 +237,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             spec,
             item,
             bucket,
+            ..
         } = self.in_flight.pop_front().expect("checked above");
         BatchWriter::new(slot.payload_mut(), &spec)?.finish();
         slot.complete_work(item)?;
@@ -215,18 +258,31 @@ impl<'r, 'b> Pipeline<'r, 'b> {
     }
 }
 
-/// The forward's injected faults (`[faults.target-N]`): abort, or fail as a device fails, on a
-/// batch holding the sample named.
-fn inject(faults: &proto::config::Faults, spec: &BatchSpec) -> anyhow::Result<()> {
-    let holds = |n: Option<u64>| n.filter(|n| spec.sample_ids.contains(n));
-    if let Some(n) = holds(faults.crash_on_sample) {
-        tracing::error!(batch = spec.batch_id, "injected crash on sample {n}");
-        std::process::abort();
+impl Pipeline<'_, '_> {
+    /// The forward's injected faults (`[faults.target-N]`), before a batch's forward is issued:
+    /// abort, or fail as a device fails, on a batch holding the sample named; or, for
+    /// `fault_on_sample`, issue it and fail every call on the device from the next one on, as a
+    /// device does after a kernel's fault (reported late, and sticky).
+    fn inject(&mut self, spec: &BatchSpec) -> anyhow::Result<()> {
+        if let Some(f) = &self.faulted {
+            anyhow::bail!("{f}");
+        }
+        let holds = |n: Option<u64>| n.filter(|n| spec.sample_ids.contains(n));
+        if let Some(n) = holds(self.faults.crash_on_sample) {
+            tracing::error!(batch = spec.batch_id, "injected crash on sample {n}");
+            std::process::abort();
+        }
+        if let Some(n) = holds(self.faults.fail_on_sample) {
+            anyhow::bail!("injected device failure (out of memory) on sample {n}");
+        }
+        if let Some(n) = holds(self.faults.fault_on_sample) {
+            self.faulted = Some(format!(
+                "injected kernel fault on sample {n} (batch {}), reported late",
+                spec.batch_id
+            ));
+        }
+        Ok(())
     }
-    if let Some(n) = holds(faults.fail_on_sample) {
-        anyhow::bail!("injected device failure (out of memory) on sample {n}");
-    }
-    Ok(())
 }
 
 impl Drop for Pipeline<'_, '_> {

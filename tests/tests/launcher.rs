@@ -653,6 +653,19 @@ fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
 /// up, every other sample trained once, the batch's samples never, and `set-aside.jsonl`
 /// naming the batch, its samples and the three deaths with what each worker said.
 fn poison_batch(tag: &str, side: Role, fault: &str, says: &str) {
+    poison_batch_with(tag, side, fault, says, "", 3..=3);
+}
+
+/// [`poison_batch`] with `target` in the config's `[target]` section, and as many deaths of the
+/// poisoned side as `deaths` allows (every one said, three of them held against the batch).
+fn poison_batch_with(
+    tag: &str,
+    side: Role,
+    fault: &str,
+    says: &str,
+    target: &str,
+    deaths: std::ops::RangeInclusive<u64>,
+) {
     let run = Run::new(tag);
     let side_name = side.name();
     let workers = match side {
@@ -662,7 +675,7 @@ fn poison_batch(tag: &str, side: Role, fault: &str, says: &str) {
     let faults: String = (0..workers.len())
         .map(|i| format!("[faults.{side_name}-{i}]\n{fault} = 137\n"))
         .collect();
-    let cfg = config(&run.dir, false, &faults);
+    let cfg = config_with(&run.dir, false, target, &faults);
     let launcher = run.launch(&cfg, &[]);
     let (status, err) = launcher.wait_status_keep();
     assert_eq!(status.code(), Some(3), "degraded: samples untrained\n{err}");
@@ -689,7 +702,7 @@ fn poison_batch(tag: &str, side: Role, fault: &str, says: &str) {
         .map(|w| s["workers"][w]["restarts"].as_u64().unwrap())
         .sum();
     let log = run.launcher_log();
-    assert_eq!(restarts, 3, "{log}");
+    assert!(deaths.contains(&restarts), "{restarts} deaths\n{log}");
     assert!(
         log.contains("in hand (death 2 held against it; 3 set it aside)"),
         "{log}"
@@ -741,6 +754,25 @@ fn a_batch_the_targets_device_fails_on_is_set_aside() {
         Role::Producer,
         "fail_on_sample",
         "injected device failure (out of memory) on sample 137",
+    );
+}
+
+/// A batch whose kernel faults on every target's device, at the GPU's depth of two (the mock's
+/// `[target] depth = 2`): the fault shows at the device's next call, often waiting for the
+/// batch before it, so its first death is held against no batch. Its work item comes back
+/// RETURNED and whoever claims it next runs it alone, in hand from its forward to its commit:
+/// three deaths are then held against it and it is set aside, with at most one death more.
+/// Before, no death was ever held against it: it killed target after target until every target
+/// was given up, the ring closed, and the run ended with the data left untrained.
+#[test]
+fn a_batch_whose_kernel_faults_late_on_every_target_is_set_aside() {
+    poison_batch_with(
+        "poisontgtlate",
+        Role::Producer,
+        "fault_on_sample",
+        "injected kernel fault on sample 137",
+        "depth = 2",
+        3..=4,
     );
 }
 

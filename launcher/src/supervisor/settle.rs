@@ -299,7 +299,10 @@ impl Supervisor<'_> {
                 )),
                 None,
             ),
-            Verdict::SetAside => (None, Some((batch, n))),
+            Verdict::SetAside => (
+                Some(format!("batch {batch} in hand (death {n} held against it)")),
+                Some((batch, n)),
+            ),
             Verdict::SetAsideAlready => (Some(format!("batch {batch} in hand (set aside already)")), None),
         }
     }

@@ -32,7 +32,7 @@ pub struct Recovered {
     /// Items the dead worker was reading, now READY again with delivery + 1.
     pub requeued: u32,
     /// Work items the dead producer had claimed (or marked done in an unpublished batch), now
-    /// FREE for any producer.
+    /// RETURNED: FREE for any producer, which runs each alone.
     pub work_returned: u64,
     /// Items the dead consumer was reading whose training is known to be applied (see
     /// `Ring::recover_settling`), now FREE as if released.
@@ -44,6 +44,22 @@ pub struct Recovered {
     /// Work items the supervisor set aside (`Ring::recover_setting_aside_work`): settled for
     /// good, never claimed or published.
     pub work_set_aside: u64,
+}
+
+/// What recovery did, in words: `recovered 1 held batch(es), 0 slot(s), 2 work item(s)`, and
+/// `, 1 set aside` when it set any aside.
+impl std::fmt::Display for Recovered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (r, s, w) = (self.requeued, self.freed, self.work_returned);
+        write!(
+            f,
+            "recovered {r} held batch(es), {s} slot(s), {w} work item(s)"
+        )?;
+        match u64::from(self.set_aside) + self.work_set_aside {
+            0 => Ok(()),
+            n => write!(f, ", {n} set aside"),
+        }
+    }
 }
 
 /// How a supervisor settles one batch a dead consumer holds, instead of delivering it again.
@@ -235,7 +251,7 @@ impl RingRef<'_> {
                     // The batch in this slot was never published: the item it completes, if
                     // marked DONE in this very WRITING period, is not done. Unmark first, free
                     // the slot last, so a recovery cut short in between still sees the slot.
-                    match self.unmark_work(Claim { idx, word: cur }, aside) {
+                    match self.unmark_work(Claim { idx, word: cur }, Some(aside)) {
                         Some(Undone::Returned) => out.work_returned += 1,
                         Some(Undone::SetAside) => out.work_set_aside += 1,
                         None => {}
@@ -286,7 +302,11 @@ impl RingRef<'_> {
                 continue;
             }
             let set_aside = aside.contains(&(i as u64));
-            let new = if set_aside { WORK_SET_ASIDE } else { WORK_FREE };
+            let new = if set_aside {
+                WORK_SET_ASIDE
+            } else {
+                WORK_RETURNED
+            };
             if w.compare_exchange(v.0, new, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
             {

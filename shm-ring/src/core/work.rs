@@ -16,6 +16,12 @@
 //!   ──▶ SET_ASIDE (settled for good, never published)
 //! ```
 //!
+//! FREE has two values: fresh (or given back by its live holder: `unclaim_work`, `abort`) and
+//! RETURNED, which recovery of a dead holder writes. A claim takes either; one of a RETURNED
+//! item says so (`WorkClaim::Returned`), and the claimer runs it alone: on a GPU a kernel's
+//! fault shows at a later call, which with two batches in flight cannot say whose it was, so a
+//! batch that kills its target that way is attributed the next time it is computed.
+//!
 //! - `claim_work` takes fresh items from a shared cursor, then makes ONE full scan for FREE
 //!   items (given back by `unclaim_work`, `abort` or recovery, or fresh ones whose cursor holder
 //!   lost them to such a scan) before it answers None. No count decides anything, so a producer
@@ -93,6 +99,12 @@ impl<'a> RingRef<'a> {
     /// the cursor while they last, then the first FREE item of one full scan. None when that
     /// scan finds none: every item is held or settled (see `claim_work_until` before finishing).
     pub(crate) fn claim_work(&self, id: u32, epoch: u64) -> Option<u64> {
+        self.claim_work_noting(id, epoch).map(|(item, _)| item)
+    }
+
+    /// [`RingRef::claim_work`], saying whether the item was RETURNED (its last holder died with
+    /// it): the claimer runs it alone.
+    pub(crate) fn claim_work_noting(&self, id: u32, epoch: u64) -> Option<(u64, bool)> {
         // A producer that has finished claims nothing: it could not publish the item (reserve
         // refuses it), and one killed inside `finish` is restarted with its flag still set, so
         // returned work must go to a producer that has not finished (found by the crash search).
@@ -101,24 +113,36 @@ impl<'a> RingRef<'a> {
         }
         let total = self.work.len() as u64;
         let mine = WorkWord::claimed(id, epoch).0;
-        // The work table's operations are Relaxed: see "Work items" in the module doc.
-        let claim = |w: &AtomicU64| {
-            w.compare_exchange(WORK_FREE, mine, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+        // The work table's operations are Relaxed: see "Work items" in the module doc. A CAS
+        // from FREE reads the word's latest value; a RETURNED one is claimed by a second CAS
+        // from that value (which fails only if someone else moved it meanwhile).
+        let claim = |w: &AtomicU64| match w.compare_exchange(
+            WORK_FREE,
+            mine,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => Some(false),
+            Err(WORK_RETURNED) => w
+                .compare_exchange(WORK_RETURNED, mine, Ordering::Relaxed, Ordering::Relaxed)
+                .ok()
+                .map(|_| true),
+            Err(_) => None,
         };
         loop {
             let i = self.ctl.work_cursor.fetch_add(1, Ordering::Relaxed);
             if i >= total {
                 break;
             }
-            if claim(&self.work[i as usize]) {
-                return Some(i);
+            if let Some(returned) = claim(&self.work[i as usize]) {
+                return Some((i, returned));
             }
         }
         // Fresh items are handed out. The count of returned items is not kept: a kill between a
         // claim and its count update would skew it. One CAS per item reads each word's latest
         // value, so the scan misses no item that was FREE when it passed.
-        self.work.iter().position(claim).map(|i| i as u64)
+        let mut items = self.work.iter().enumerate();
+        items.find_map(|(i, w)| claim(w).map(|returned| (i as u64, returned)))
     }
 
     /// Claims the next work item for producer `id` (incarnation `epoch`) as `claim_work` does,
@@ -138,8 +162,10 @@ impl<'a> RingRef<'a> {
             if self.closed() || self.worker(id).finished.load(Ordering::Relaxed) != 0 {
                 return WorkClaim::Settled;
             }
-            if let Some(i) = self.claim_work(id, epoch) {
-                return WorkClaim::Item(i);
+            match self.claim_work_noting(id, epoch) {
+                Some((i, false)) => return WorkClaim::Item(i),
+                Some((i, true)) => return WorkClaim::Returned(i),
+                None => {}
             }
             match self.work_left() {
                 WorkLeft::Settled => return WorkClaim::Settled,
@@ -285,16 +311,18 @@ impl<'a> RingRef<'a> {
     /// Undoes the DONE mark of the item that WRITING slot `claim` carries, if the mark is this
     /// WRITING period's, and clears the link. The item goes back FREE, or is set aside if it is
     /// one of `aside` (a supervisor's recovery: see `Settling::work`). Returns what became of
-    /// the item, if its mark was undone. Called by the slot's writer (abort) or by recovery once
-    /// the writer is gone.
-    pub(super) fn unmark_work(&self, claim: Claim, aside: &[u64]) -> Option<Undone> {
+    /// the item, if its mark was undone. Called by the slot's writer (abort: `recovery` None, the
+    /// item goes back FREE) or by recovery once the writer is gone (`recovery` the items to set
+    /// aside; any other goes back RETURNED, to be run alone).
+    pub(super) fn unmark_work(&self, claim: Claim, recovery: Option<&[u64]>) -> Option<Undone> {
         let s = &self.slots[claim.idx];
         let item = s.work_item.load(Ordering::Relaxed);
         let undone = item.checked_sub(1).and_then(|i| {
             let w = self.work.get(i as usize)?;
-            let (new, how) = match aside.contains(&i) {
-                true => (WORK_SET_ASIDE, Undone::SetAside),
-                false => (WORK_FREE, Undone::Returned),
+            let (new, how) = match recovery {
+                None => (WORK_FREE, Undone::Returned),
+                Some(aside) if aside.contains(&i) => (WORK_SET_ASIDE, Undone::SetAside),
+                Some(_) => (WORK_RETURNED, Undone::Returned),
             };
             let done = WorkWord::done(claim.idx, claim.word.generation()).0;
             (w.compare_exchange(done, new, Ordering::Relaxed, Ordering::Relaxed)).ok()?;
@@ -319,6 +347,10 @@ pub(super) enum Undone {
 pub enum WorkClaim {
     /// This producer now holds this item.
     Item(u64),
+    /// This producer now holds this item, which its last holder died with (a recovery returned
+    /// it): compute it alone, nothing else in flight, so that an error it causes, even one a
+    /// device reports late, is known to be its own (the launcher holds deaths against it).
+    Returned(u64),
     /// None is FREE, but some are still held (by other producers, or by this one) and may come
     /// back: ask again (after looking at stop requests). Do not finish yet.
     Pending,

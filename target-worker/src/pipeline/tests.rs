@@ -183,7 +183,8 @@ fn feed(producer: &Producer<'_>, backend: &mut Late, items: u64) {
             .reserve(proto::batch_len(&spec).unwrap() as usize)
             .unwrap();
         let ids = [item as u32; 3];
-        pipe.submit(slot, spec, &ids, &[1; 3], item, 0).unwrap();
+        pipe.submit(slot, spec, &ids, &[1; 3], item, 0, false)
+            .unwrap();
         while !pipe.has_room() {
             pipe.commit_oldest().unwrap();
         }
@@ -282,7 +283,7 @@ fn a_pipeline_dropped_in_flight_quiesces_before_its_slots_go() {
         let slot = producer
             .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
             .unwrap();
-        pipe.submit(slot, spec(item), &[0; 3], &[1; 3], item, 0)
+        pipe.submit(slot, spec(item), &[0; 3], &[1; 3], item, 0, false)
             .unwrap();
     }
     assert_eq!(*log.lock().unwrap(), [Event::Submit(0), Event::Quiesce]);
@@ -302,6 +303,7 @@ fn gathered(item: u64) -> Gathered {
         input_ids: vec![item as u32; 3],
         loss_mask: vec![1; 3],
         bucket: 0,
+        alone: false,
     }
 }
 
@@ -329,15 +331,35 @@ fn the_prefetch_thread_ends_when_the_loop_fails_at_the_last_batch() {
 /// until the first error; returns the batch in hand it leaves said in the ring and the batches
 /// published.
 fn after_failing(depth: usize, fail: impl FnOnce(&mut Late)) -> (Option<u64>, Vec<u64>) {
+    failing(depth, None, Default::default(), fail)
+}
+
+/// [`after_failing`], running batch `alone` alone (a batch its last target died with), with
+/// `faults` injected.
+fn failing(
+    depth: usize,
+    alone: Option<u64>,
+    faults: proto::config::Faults,
+    fail: impl FnOnce(&mut Late),
+) -> (Option<u64>, Vec<u64>) {
     let ring = ring(3);
     let producer = ring.producer(0).unwrap();
     let (mut backend, _) = Late::new(depth);
     fail(&mut backend);
-    let mut pipe = Pipeline::new(&producer, &mut backend);
+    let mut pipe = Pipeline::new(&producer, &mut backend).injecting(faults);
     let mut run = || -> anyhow::Result<()> {
         while let Some(item) = producer.claim_work() {
             let slot = producer.reserve(proto::batch_len(&spec(item))? as usize)?;
-            pipe.submit(slot, spec(item), &[item as u32; 3], &[1; 3], item, 0)?;
+            let ids = [item as u32; 3];
+            pipe.submit(
+                slot,
+                spec(item),
+                &ids,
+                &[1; 3],
+                item,
+                0,
+                alone == Some(item),
+            )?;
             while !pipe.has_room() {
                 pipe.commit_oldest()?;
             }
@@ -384,4 +406,74 @@ fn a_forward_error_is_held_against_a_batch_only_when_it_is_known_to_be_its_own()
         after_failing(1, |b| b.fail_submit = Some(0)),
         (Some(0), vec![])
     );
+}
+
+/// A batch its last target died with is run alone: the batches before it are committed
+/// before its forward is issued, and it is committed before the next one's (by the order of
+/// the backend's calls).
+#[test]
+fn a_batch_run_alone_has_nothing_else_in_flight() {
+    use Event::*;
+    let ring = ring(4);
+    let producer = ring.producer(0).unwrap();
+    let (mut backend, log) = Late::new(2);
+    let mut pipe = Pipeline::new(&producer, &mut backend);
+    while let Some(item) = producer.claim_work() {
+        let slot = producer
+            .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
+            .unwrap();
+        let ids = [item as u32; 3];
+        pipe.submit(slot, spec(item), &ids, &[1; 3], item, 0, item == 2)
+            .unwrap();
+        while !pipe.has_room() {
+            pipe.commit_oldest().unwrap();
+        }
+    }
+    while pipe.commit_oldest().unwrap().is_some() {}
+    drop(pipe);
+    let log = log.lock().unwrap().clone();
+    let want = [
+        Submit(0),
+        Submit(1),
+        Complete(0),
+        Complete(1),
+        Submit(2),
+        Complete(2),
+        Submit(3),
+        Complete(3),
+    ];
+    assert_eq!(log, want);
+}
+
+/// A fault the device reports late (waiting for the batch) is held against no batch while
+/// another is in flight, but against the batch when it runs alone: so a batch whose kernel
+/// faults is attributed the next time, once its item came back RETURNED.
+#[test]
+fn a_late_fault_is_held_against_a_batch_run_alone() {
+    let late = |b: &mut Late| b.fail_complete = Some(1);
+    assert_eq!(failing(2, None, Default::default(), late), (None, vec![0]));
+    assert_eq!(
+        failing(2, Some(1), Default::default(), late),
+        (Some(1), vec![0])
+    );
+}
+
+/// `fault_on_sample`: the batch's forward is issued, and every call on the device fails from
+/// the next one on (a kernel's fault, reported late and for good). At depth 2 the error shows
+/// waiting for the batch before it, which is lost with it, and no batch is held to blame; run
+/// alone, the batch is, and the one before it is published first.
+#[test]
+fn an_injected_kernel_fault_shows_at_the_next_call_and_is_held_against_a_batch_run_alone() {
+    let faults = proto::config::Faults {
+        fault_on_sample: Some(1),
+        ..Default::default()
+    };
+    let none = |_: &mut Late| {};
+    assert_eq!(failing(2, None, faults.clone(), none), (None, vec![]));
+    assert_eq!(
+        failing(2, Some(1), faults.clone(), none),
+        (Some(1), vec![0])
+    );
+    // At depth 1 every batch is alone.
+    assert_eq!(failing(1, None, faults, none), (Some(1), vec![0]));
 }

@@ -1,0 +1,134 @@
+//! A reserved ring slot of a Python target: writable views of its sections, then `commit()`
+//! (or `abort()`). Dropped uncommitted, it is handed to its target (`TargetCore::dropped`),
+//! which keeps it while views of it live, then gives it back with its work item.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use proto::{BatchSpec, BatchWriter};
+use pyo3::prelude::*;
+use shm_ring::{CommitMeta, WriteSlot};
+
+use crate::common::{close_views, err};
+use crate::target::{TargetCore, SECTIONS};
+use crate::view::{self, Elem, Exports, View};
+
+/// A reserved ring slot: views of its sections to fill, then `commit()`.
+#[pyclass(unsendable, module = "hspipe")]
+pub struct Slot {
+    pub(crate) t: Rc<TargetCore>,
+    pub(crate) slot: Option<WriteSlot<'static>>,
+    pub(crate) item: u64,
+    pub(crate) spec: BatchSpec,
+    pub(crate) bucket: u32,
+    pub(crate) exports: Arc<Exports>,
+    /// Each section's address and length, in `SECTIONS` order.
+    pub(crate) at: [(usize, usize); 4],
+}
+
+impl Slot {
+    fn view(
+        &self,
+        section: usize,
+        elem: Elem,
+        shape: Vec<usize>,
+        writable: bool,
+    ) -> PyResult<View> {
+        if self.slot.is_none() || self.exports.is_closed() {
+            return Err(err(format!(
+                "batch {}: its slot was committed or aborted",
+                self.item
+            )));
+        }
+        let at = self.at[section];
+        view::of_slot(&self.exports, &SECTIONS, section, at, elem, shape, writable)
+    }
+
+    fn n_tokens(&self) -> usize {
+        self.spec.tokens() as usize
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // Not committed: give it back, once nothing views it.
+            (self.t).dropped(slot, self.item, Arc::clone(&self.exports));
+        }
+    }
+}
+
+#[pymethods]
+impl Slot {
+    #[getter]
+    fn batch_id(&self) -> u64 {
+        self.item
+    }
+    /// The token ids, uint32 [T], read-only (already written).
+    #[getter]
+    fn input_ids(&self) -> PyResult<View> {
+        self.view(0, Elem::U32, vec![self.n_tokens()], false)
+    }
+    /// The loss mask, uint8 [T], read-only (already written).
+    #[getter]
+    fn loss_mask(&self) -> PyResult<View> {
+        self.view(1, Elem::U8, vec![self.n_tokens()], false)
+    }
+    /// The target's greedy next token after each position, uint32 [T], to write.
+    #[getter]
+    fn target_tokens(&self) -> PyResult<View> {
+        self.view(2, Elem::U32, vec![self.n_tokens()], true)
+    }
+    /// The captured layers' hidden states, [T, L, H] in the run's dtype (bf16 by default), to
+    /// write.
+    #[getter]
+    fn hidden_states(&self) -> PyResult<View> {
+        let s = &self.spec;
+        let shape = vec![self.n_tokens(), s.layers as usize, s.hidden as usize];
+        self.view(3, Elem::of(s.dtype), shape, true)
+    }
+
+    /// Publishes the batch: checksums it, writes its header, marks its work item done and
+    /// makes it READY. Raises, naming them, while views of it are alive (or waits up to `wait`
+    /// seconds for them to go).
+    #[pyo3(signature = (wait=None))]
+    fn commit(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+        let what = format!("commit batch {}", self.item);
+        if self.slot.is_none() {
+            return Err(err(format!("{what}: already committed or aborted")));
+        }
+        close_views(&self.t.core, py, &self.exports, &what, wait)?;
+        let mut slot = self.slot.take().expect("checked above");
+        BatchWriter::new(slot.payload_mut(), &self.spec)
+            .map_err(err)?
+            .finish();
+        slot.complete_work(self.item).map_err(err)?;
+        let tokens = self.spec.tokens();
+        slot.commit(CommitMeta {
+            bucket: self.bucket,
+            tokens,
+            batch_id: self.item,
+        })
+        .map_err(err)?;
+        self.t.committed(self.item, tokens);
+        Ok(())
+    }
+
+    /// Gives the slot back unpublished, and its batch back to the work table.
+    #[pyo3(signature = (wait=None))]
+    fn abort(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+        if self.slot.is_none() {
+            return Ok(());
+        }
+        close_views(
+            &self.t.core,
+            py,
+            &self.exports,
+            &format!("abort batch {}", self.item),
+            wait,
+        )?;
+        drop(self.slot.take());
+        self.t.aborted(self.item);
+        Ok(())
+    }
+}
