@@ -541,6 +541,15 @@ impl<'r> Producer<'r> {
             .claim_work_until(self.w.id, self.w.epoch, Some(Instant::now() + timeout))
     }
 
+    /// [`Producer::claim_work_timeout`] for a thread that claims ahead of the one doing the work
+    /// (our target's prefetch thread): its waits do not beat the heartbeat. The worker is alive
+    /// if its working thread is, which beats for itself; else a forward hung while this thread
+    /// waits for held items would look alive for ever.
+    pub fn claim_work_ahead(&self, timeout: Duration) -> WorkClaim {
+        let deadline = Some(Instant::now() + timeout);
+        (self.w.core()).claim_work_waiting(self.w.id, self.w.epoch, deadline, false)
+    }
+
     /// Gives back a claimed item this producer will not do (e.g. it is stopping early).
     pub fn unclaim_work(&self, item: u64) -> Result<(), RingError> {
         self.w.core().unclaim_work(self.w.id, self.w.epoch, item)

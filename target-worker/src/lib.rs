@@ -125,9 +125,15 @@ pub fn produce(
     let mut stopped = false;
     loop {
         let next = if pipe.in_flight() == 0 {
-            // Waiting for the prefetch thread's next batch counts as loading.
+            // Waiting for the prefetch thread's next batch counts as loading. This thread beats
+            // the heartbeat while it waits: the prefetch thread's claims do not.
             producer.enter(Phase::Load);
-            let got = rx.recv();
+            let got = loop {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => producer.heartbeat(),
+                    got => break got,
+                }
+            };
             producer.enter(Phase::Other);
             match got {
                 Ok(next) => next,
@@ -202,7 +208,8 @@ pub fn produce(
 /// thread waits for held items to settle, claiming what comes back, and looks at stop requests
 /// between waits. It ends when the loop does, whichever way: an error in the loop while it
 /// waited for held items (at the end of the data) once left it waiting for ever, and the worker
-/// never exited.
+/// never exited; a panic too. Its waits do not beat the heartbeat (`claim_work_ahead`): the
+/// loop's thread does, so a forward that hangs is seen as a hang even while this thread waits.
 pub fn prefetching(
     pipe: &mut Pipeline<'_, '_>,
     gather: &(dyn Fn(u64) -> Gathered + Sync),
@@ -217,7 +224,7 @@ pub fn prefetching(
         scope.spawn(move || {
             // Relaxed: the flag carries no data, only "stop asking".
             while !stopping() && !done.load(Ordering::Relaxed) {
-                let (item, alone) = match producer.claim_work_timeout(Duration::from_millis(200)) {
+                let (item, alone) = match producer.claim_work_ahead(Duration::from_millis(200)) {
                     WorkClaim::Item(item) => (item, false),
                     WorkClaim::Returned(item) => (item, true),
                     WorkClaim::Pending => continue,
@@ -234,10 +241,19 @@ pub fn prefetching(
                 }
             }
         });
-        let r = produce(&rx, pipe, stopping, report);
-        done.store(true, Ordering::Relaxed);
-        r
+        // Set however `produce` ends, a panic included (the scope joins the thread first).
+        let _done = Done(done);
+        produce(&rx, pipe, stopping, report)
     })
+}
+
+/// Sets its flag when dropped: the prefetch thread's "stop asking".
+struct Done<'a>(&'a AtomicBool);
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Commits the pipeline's oldest batch into the report.

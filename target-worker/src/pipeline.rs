@@ -14,7 +14,7 @@
 //! The launcher holds a target's death against the batch it says it has in hand
 //! (`Producer::set_in_hand`), and sets a batch aside that several deaths are held against. So a
 //! batch is said to be in hand only while an error would be its own: while its forward is
-//! issued, and while its results are waited for if it is alone on the device. A device reports
+//! issued and while its results are waited for, if it is alone on the device. A device reports
 //! a kernel's fault at a later call, and every call after: with two batches in flight, an error
 //! waiting for the older one may be the newer one's, and an error issuing the newer one may be
 //! the older one's; in that case the older ones are committed first, and only if they are is the
@@ -166,9 +166,12 @@ impl<'r, 'b> Pipeline<'r, 'b> {
                 target_tokens: sections.target_tokens,
             })
         };
-        // The batch in hand while its forward is issued, left set if that fails: the death that
-        // follows is held against it (see "The batch in hand" in the module doc).
-        self.producer.set_in_hand(Some(item));
+        // The batch in hand while its forward is issued alone on the device, left set if that
+        // fails: the death that follows is held against it (see "The batch in hand" in the
+        // module doc). With older batches in flight, a crash or a hang while issuing it may be
+        // theirs (an error is sorted out below).
+        let alone_on_device = self.in_flight.is_empty();
+        self.producer.set_in_hand(alone_on_device.then_some(item));
         self.producer.enter(Phase::Compute);
         let r = self.inject(&spec).and_then(|()| {
             self.backend.submit(input_ids, &spec.seq_lens, out)?;

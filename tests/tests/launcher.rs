@@ -1224,28 +1224,10 @@ fn a_hung_drafter_is_killed_and_restarted() {
         .unwrap()
         .replace("synthetic_samples = 400", "synthetic_samples = 60");
     std::fs::write(&cfg, text).unwrap();
-    let p = spawn(
-        &workspace_bin("launcher"),
-        &[
-            "--targets",
-            "0",
-            "--drafters",
-            "1",
-            "--hang-timeout",
-            "1",
-            "--max-restarts",
-            "20",
-            // Each incarnation hangs in its third batch, killed with it in hand: one batch
-            // third in three incarnations would be set aside (its own test is above).
-            "--set-aside-after",
-            "0",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.run_dir().to_str().unwrap(),
-        ],
-    );
-    let out = p.finish();
+    // Each incarnation hangs in its third batch, killed with it in hand: one batch third in
+    // three incarnations would be set aside (its own test is above).
+    let more = ["--max-restarts", "20", "--set-aside-after", "0"];
+    let out = one_each_hanging(&run, &cfg, &more);
     assert!(
         out.contains("drafter-0") && out.contains("killing it as hung"),
         "{out}"
@@ -1254,6 +1236,37 @@ fn a_hung_drafter_is_killed_and_restarted() {
     assert_eq!(s["ok"], true, "{s}");
     assert!(s["workers"][1]["restarts"].as_u64().unwrap() >= 1);
     assert_eq!(s["samples_trained"], 60);
+}
+
+/// A lone target whose forward of the run's last batch hangs: killed as hung and restarted,
+/// and the run ends with every sample trained. Before, its prefetch thread, waiting for that
+/// very batch's item to settle, beat the heartbeat for it: the hung target looked alive and
+/// the run never ended.
+#[test]
+fn a_target_hung_on_the_last_batch_is_killed_and_restarted() {
+    let run = Run::new("lhangtgt");
+    // 400 samples plan 32 batches: the first incarnation hangs in the last one's forward.
+    let cfg = config(&run.dir, false, "[faults.target-0]\nhang_after = 31\n");
+    let out = one_each_hanging(&run, &cfg, &[]);
+    assert!(
+        out.contains("target-0") && out.contains("killing it as hung"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(s["batches_total"], 32, "{s}");
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["workers"][0]["restarts"], 1, "{s}");
+    assert_eq!(s["samples_trained"], 400);
+}
+
+/// A run of one target and one drafter under `cfg` with `--hang-timeout 1` and `more`; what
+/// the launcher printed.
+fn one_each_hanging(run: &Run, cfg: &Path, more: &[&str]) -> String {
+    let (cfg, run_dir) = (cfg.to_str().unwrap(), run.run_dir());
+    let mut args = vec!["--targets", "0", "--drafters", "1", "--hang-timeout", "1"];
+    args.extend_from_slice(more);
+    args.extend(["--config", cfg, "--run-dir", run_dir.to_str().unwrap()]);
+    spawn(&workspace_bin("launcher"), &args).finish()
 }
 
 /// Ledger lines of the run, skipping a line torn by a kill.

@@ -27,14 +27,16 @@
 //!   poison batch last, when nothing else is left to publish). Workers that cannot compute at
 //!   all (a bad GPU, a bug on every batch) finish nothing between their deaths, and the batch
 //!   one died on comes back to it (one drafter, or FIFO; a target claims returned items in
-//!   table order once the fresh ones are out): that is `--max-restarts`'s crash loop, and sets
-//!   nothing aside, even while other workers finish batches around it. A set-aside never ends
-//!   a worker's restarts in a row either.
+//!   table order once the fresh ones are out): that is one worker's `--max-restarts` crash
+//!   loop, and sets nothing aside, even while other workers finish batches around it. A
+//!   set-aside never ends a worker's restarts in a row either.
 //!
 //! What stays indistinguishable: one worker whose GPU breaks after it worked, taking the same
 //! batch again at each restart, looks like that batch killing it (and so do two, if the second
 //! breaks in the same way just as it takes the batch the first died on); the batch is set aside
-//! and the workers given up at their next deaths, and `--resume` tries the batch again.
+//! and the workers given up at their next deaths, and `--resume` tries the batch again. So does
+//! a batch passed between two workers that cannot compute at all while a third finishes
+//! batches around them: from the deaths alone it is a poison batch killing fresh incarnations.
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;

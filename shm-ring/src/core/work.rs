@@ -149,11 +149,23 @@ impl<'a> RingRef<'a> {
     /// but while none is FREE and some are still held (by anyone, this producer included),
     /// sleeps on `work_seq` and claims what comes back, at most until `deadline`. `Settled` once
     /// every item is settled, or the ring closed or this producer finished: then it may finish.
+    /// Beats the producer's heartbeat at every wake.
     pub(crate) fn claim_work_until(
         &self,
         id: u32,
         epoch: u64,
         deadline: Option<Instant>,
+    ) -> WorkClaim {
+        self.claim_work_waiting(id, epoch, deadline, true)
+    }
+
+    /// [`RingRef::claim_work_until`], beating the heartbeat at every wake if `beat`.
+    pub(crate) fn claim_work_waiting(
+        &self,
+        id: u32,
+        epoch: u64,
+        deadline: Option<Instant>,
+        beat: bool,
     ) -> WorkClaim {
         loop {
             // SYNC: Acquire pairs with the Release increment in `sync::bump(work_seq)` after
@@ -177,8 +189,11 @@ impl<'a> RingRef<'a> {
                 return WorkClaim::Pending;
             };
             sync::sleep(&self.ctl.work_seq, &self.ctl.work_waiters, seq, sleep);
-            // A producer waiting for work is alive: say so at every wake.
-            self.heartbeat(id);
+            // A producer waiting for work is alive: say so at every wake (unless another
+            // thread of it does the work, and says so).
+            if beat {
+                self.heartbeat(id);
+            }
         }
     }
 

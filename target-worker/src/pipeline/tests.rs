@@ -1,6 +1,10 @@
 //! The pipeline's tests: a backend whose results land only at `complete` (as a copy stream's
 //! would), driven as the worker drives it.
-use std::sync::{Arc, Mutex};
+//!
+//! Length: over 500 lines, one test per rule of the pipeline and its loop (overlap, the batch
+//! in hand, batches run alone, the prefetch thread's end and heartbeat), each a short replay
+//! over the one test backend at the top.
+use std::sync::{mpsc, Arc, Mutex};
 
 use std::time::Duration;
 
@@ -33,6 +37,10 @@ struct Late {
     fail_submit: Option<u8>,
     /// Fails waiting for batch `n` (as a device reports a kernel's fault late).
     fail_complete: Option<u8>,
+    /// Panics issuing batch `n` (as a bug in a backend would).
+    panic_submit: Option<u8>,
+    /// Hangs issuing batch `n`: says so on the first channel, then waits on the second.
+    hang_submit: Option<(u8, mpsc::Sender<()>, mpsc::Receiver<()>)>,
 }
 
 /// A device timeline the test writes: what `poll` returns next.
@@ -59,6 +67,8 @@ impl Late {
             clock: None,
             fail_submit: None,
             fail_complete: None,
+            panic_submit: None,
+            hang_submit: None,
         };
         (late, log)
     }
@@ -75,6 +85,15 @@ impl TargetBackend for Late {
 
     fn submit(&mut self, ids: &[u32], _: &[u32], out: RawOut) -> Result<(), GpuError> {
         let n = ids[0] as u8;
+        assert_ne!(
+            self.panic_submit,
+            Some(n),
+            "injected: a panic issuing batch {n}"
+        );
+        if let Some((_, hanging, go_on)) = self.hang_submit.as_ref().filter(|h| h.0 == n) {
+            hanging.send(()).unwrap();
+            go_on.recv().unwrap();
+        }
         if self.fail_submit == Some(n) {
             return Err(GpuError::Shape(format!(
                 "injected: no memory for batch {n}"
@@ -476,4 +495,97 @@ fn an_injected_kernel_fault_shows_at_the_next_call_and_is_held_against_a_batch_r
     );
     // At depth 1 every batch is alone.
     assert_eq!(failing(1, None, faults, none), (Some(1), vec![0]));
+}
+
+/// A panic in the loop at the last batch (a bug in a backend) while the prefetch thread, with
+/// nothing left to claim, waits for that batch's item to settle: the thread ends and the panic
+/// comes back. Before, the thread was told to stop only when the loop returned, so the scope
+/// waited for it for ever and the target never exited.
+#[test]
+fn the_prefetch_thread_ends_when_the_loop_panics_at_the_last_batch() {
+    let panicked = testkit::watchdog("a panicking target's loop", Duration::from_secs(60), || {
+        let ring = ring(2);
+        let producer = ring.producer(0).unwrap();
+        let (mut backend, _) = Late::new(1);
+        backend.panic_submit = Some(1);
+        let mut report = FinalReport::default();
+        let mut pipe = Pipeline::new(&producer, &mut backend);
+        let run = std::panic::AssertUnwindSafe(|| {
+            crate::prefetching(&mut pipe, &gathered, &|| false, &mut report)
+        });
+        std::panic::catch_unwind(run).is_err()
+    });
+    assert!(panicked);
+}
+
+/// A crash or a hang issuing a batch while an older one is in flight may be the older one's
+/// (its kernel's fault, reported late): no batch is said to be in hand. Alone on the device,
+/// the batch is. (Before, the newer batch was in hand: the innocent one was struck.)
+#[test]
+fn a_crash_issuing_a_batch_is_held_against_it_only_when_it_is_alone_on_the_device() {
+    let in_hand_at_panic = |depth: usize, panic_on: u8| {
+        let ring = ring(3);
+        let producer = ring.producer(0).unwrap();
+        let (mut backend, _) = Late::new(depth);
+        backend.panic_submit = Some(panic_on);
+        let mut pipe = Pipeline::new(&producer, &mut backend);
+        let run = std::panic::AssertUnwindSafe(|| {
+            while let Some(item) = producer.claim_work() {
+                let slot = producer
+                    .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
+                    .unwrap();
+                let ids = [item as u32; 3];
+                pipe.submit(slot, spec(item), &ids, &[1; 3], item, 0, false)
+                    .unwrap();
+                while !pipe.has_room() {
+                    pipe.commit_oldest().unwrap();
+                }
+            }
+        });
+        assert!(std::panic::catch_unwind(run).is_err());
+        drop(pipe);
+        let snap = ring.snapshot();
+        snap.worker(shm_ring::WorkerName::producer(0))
+            .unwrap()
+            .in_hand
+    };
+    assert_eq!(in_hand_at_panic(2, 1), None, "batch 0 in flight");
+    assert_eq!(in_hand_at_panic(2, 0), Some(0));
+    assert_eq!(in_hand_at_panic(1, 1), Some(1));
+}
+
+/// A forward that hangs while the prefetch thread waits for held items (the last batches of
+/// the run): nothing beats the worker's heartbeat, so the launcher sees the hang and kills the
+/// target. Before, the prefetch thread's waits beat it every 200 ms: the hung target looked
+/// alive for ever and the run never ended. (The check is a lower bound: with no beat the
+/// heartbeat's age is at least the time waited.)
+#[test]
+fn a_forward_hung_while_the_prefetch_thread_waits_lets_the_heartbeat_age() {
+    let waited = Duration::from_millis(600);
+    let age = testkit::watchdog("a hung forward", Duration::from_secs(60), move || {
+        let ring = ring(2);
+        let producer = ring.producer(0).unwrap();
+        let (mut backend, _) = Late::new(1);
+        let ((hanging, hung), (go_on, wait)) = (mpsc::channel(), mpsc::channel());
+        backend.hang_submit = Some((1, hanging, wait));
+        std::thread::scope(|scope| {
+            let mut pipe = Pipeline::new(&producer, &mut backend);
+            scope.spawn(move || {
+                let mut report = FinalReport::default();
+                crate::prefetching(&mut pipe, &gathered, &|| false, &mut report).unwrap()
+            });
+            hung.recv().unwrap();
+            std::thread::sleep(waited);
+            let snap = ring.snapshot();
+            let w = snap.worker(shm_ring::WorkerName::producer(0)).unwrap();
+            let age = w.heartbeat_age_ns.unwrap();
+            go_on.send(()).unwrap();
+            age
+        })
+    });
+    assert!(
+        age >= waited.as_nanos() as u64,
+        "the heartbeat was beaten {} ms ago, during the hung forward",
+        age / 1_000_000
+    );
 }
