@@ -273,16 +273,15 @@ impl<'a> Supervisor<'a> {
             w.child = None;
             w.control = None;
             match status.code() {
-                Some(0) => {
-                    w.life = Life::Done;
+                Some(c @ (0 | proto::stop::EXIT_STOPPED)) => {
+                    w.life = if c == 0 { Life::Done } else { Life::Stopped };
                     // A drafter that finished has left the group: a rank restarted late must
                     // not wait for it to admit it (it admits itself into an empty group, sees
                     // the ring's end and finishes too).
                     if w.name.role == Role::Consumer {
-                        self.group.remove(w.name.index)?;
+                        self.left_behind(i, status)?;
                     }
                 }
-                Some(c) if c == proto::stop::EXIT_STOPPED => w.life = Life::Stopped,
                 _ => self.crashed(i, status)?,
             }
             if self.workers[i].finished() && self.workers[i].name.role == Role::Producer {

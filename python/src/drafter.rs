@@ -20,7 +20,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::Arc;
 
 use proto::control::{FinalReport, ToLauncher};
 use proto::ledger::{Ledger, LedgerLine};
@@ -30,17 +29,21 @@ use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
 use crate::batch::{Batch, SECTIONS};
 use crate::common::{err, worker_methods, Core, InHand, Registered};
-use crate::group::Group;
+use crate::dropped::Dropped;
+use crate::group::{Group, Round};
 use crate::view::{Exports, View};
 
 pub struct DrafterCore {
     pub core: Core,
     consumer: &'static Consumer<'static>,
     ledger: RefCell<Ledger>,
-    /// Batches dropped unreleased, with their views and headers, until the views are gone.
-    deferred: RefCell<Vec<Dropped>>,
+    /// Batches dropped unreleased, with their views and headers, until settled (`dropped.rs`).
+    pub(crate) deferred: RefCell<Vec<Dropped>>,
     /// Batches named in a committed group round and not yet released: (batch, the round's step).
-    applied: RefCell<Vec<(u64, u64)>>,
+    pub(crate) applied: RefCell<Vec<(u64, u64)>>,
+    /// The batch of a round interrupted after this rank contributed it (a KeyboardInterrupt in
+    /// `all_reduce`), and the step that round commits as, if it ever does: undecided until then.
+    pub(crate) pending: Cell<Option<(u64, u64)>>,
     report: RefCell<FinalReport>,
     /// The ring's end was seen.
     ended: Cell<bool>,
@@ -67,72 +70,13 @@ impl DrafterCore {
             ledger: RefCell::new(ledger),
             deferred: RefCell::default(),
             applied: RefCell::default(),
+            pending: Cell::new(None),
             report: RefCell::default(),
             ended: Cell::new(false),
             releases: Cell::new(0),
             in_hand: InHand::new(Registered::Consumer(consumer)),
             group,
         })
-    }
-
-    /// A batch dropped without `release()`: kept until its views are gone, then settled.
-    pub(crate) fn dropped(
-        &self,
-        slot: ReadSlot<'static>,
-        exports: Arc<Exports>,
-        header: BatchHeader,
-    ) {
-        (self.deferred.borrow_mut()).push(Dropped {
-            slot,
-            exports,
-            header,
-        });
-        self.sweep();
-    }
-
-    /// Settles the dropped batches whose views are all gone: one a committed round applied is
-    /// released as trained; any other is given back (READY again, for redelivery).
-    fn sweep(&self) {
-        let mut i = 0;
-        loop {
-            let mut deferred = self.deferred.borrow_mut();
-            let Some(d) = deferred.get(i) else { break };
-            if d.exports.try_close().is_err() {
-                i += 1;
-                continue;
-            }
-            let d = deferred.swap_remove(i);
-            drop(deferred);
-            let batch = d.slot.meta().batch_id;
-            if let Some(step) = self.applied_step(batch) {
-                tracing::warn!(
-                    batch,
-                    step,
-                    "a batch was dropped without release() after the group applied it (step \
-                     {step}): released as trained"
-                );
-                let mut slot = Some(d.slot);
-                if let Err(e) = self.settle_trained(&mut slot, &d.header, step, String::new()) {
-                    // Dropping the slot frees it: trained, never redelivered; a missing line
-                    // only means a resume trains it again.
-                    tracing::error!(batch, error = %e, "no ledger line for a dropped batch");
-                }
-            } else {
-                tracing::warn!(
-                    batch,
-                    "a batch was dropped without release(): given back to the ring untrained, for redelivery"
-                );
-                if let Err(e) = d.slot.requeue() {
-                    tracing::warn!(batch, error = %e, "giving a dropped batch back");
-                }
-            }
-        }
-    }
-
-    /// The step of the committed round that applied `batch`, if one did.
-    fn applied_step(&self, batch: u64) -> Option<u64> {
-        let applied = self.applied.borrow();
-        applied.iter().find(|&&(b, _)| b == batch).map(|&(_, s)| s)
     }
 
     /// A trained batch: writes its ledger line, then frees its slot and counts it (a freed
@@ -166,19 +110,15 @@ impl DrafterCore {
         self.applied
             .borrow_mut()
             .retain(|&(b, _)| b != meta.batch_id);
+        if self.pending.get().is_some_and(|(b, _)| b == meta.batch_id) {
+            self.pending.set(None);
+        }
         self.in_hand.let_go(meta.batch_id);
         let mut r = self.report.borrow_mut();
         r.items += 1;
         r.tokens += line.tokens;
         Ok(())
     }
-}
-
-/// A batch dropped without `release()`, held until its views are gone.
-struct Dropped {
-    slot: ReadSlot<'static>,
-    exports: Arc<Exports>,
-    header: BatchHeader,
 }
 
 /// A drafter worker (what `hspipe.connect()` returns in a drafter process).
@@ -192,14 +132,18 @@ impl Drafter {
         &self.d.core
     }
 
-    /// `close()`, or leaving `with` (`_failing`: on an exception; a rank has nothing to finish).
-    fn close_inner(&self, py: Python<'_>, wait: Option<f64>, _failing: bool) -> PyResult<i32> {
+    /// `close()`, or leaving `with` (`failing`: on an exception; a rank has nothing to finish,
+    /// and what it keeps is settled when the process goes).
+    fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
         let d = &self.d;
         d.core.check_open()?;
-        d.core.wait_deferred(py, wait, || {
-            d.sweep();
-            d.deferred.borrow().len()
-        })?;
+        // Leaving on an exception, the process dies: what it keeps is settled when it goes.
+        if !failing {
+            d.core.wait_deferred(py, wait, || {
+                d.sweep();
+                d.kept_for_views()
+            })?;
+        }
         d.ledger.borrow().sync().map_err(err)?;
         let mut report = d.report.borrow().clone();
         report.complete = d.ended.get();
@@ -240,7 +184,7 @@ impl Drafter {
                 Ok(
                     match consumer
                         .take_timeout_preferring(prefer, slice)
-                        .map_err(err)?
+                        .map_err(|e| d.refused_take(e))?
                     {
                         Take::Item(slot) => Some(Some(slot)),
                         Take::End => {
@@ -322,22 +266,36 @@ impl Drafter {
     ) -> PyResult<crate::group::Reduced> {
         let d = &self.d;
         d.core.check_open()?;
-        // A batch still held: once the round commits, it is trained (see `sweep`).
+        // An interrupted round's batch is decided before this round replaces its contribution.
+        d.resolve_pending();
+        // A batch still held: once the round commits, it is trained (see `dropped.rs`).
         let held = batch.as_ref().is_some_and(|b| b.slot.is_some());
-        let batch = batch.map(|b| b.batch_id());
-        let red = crate::group::all_reduce(&d.core, &d.group, py, data, batch, ended, epoch)?;
-        if let (Some(b), true, Some(step)) = (batch, held, d.group.last_step()) {
-            d.applied.borrow_mut().push((b, step));
+        let id = batch.map(|b| b.batch_id());
+        let mine = id.filter(|_| held);
+        let target = d.group.step() + 1;
+        match crate::group::all_reduce(&d.core, &d.group, py, data, id, ended, epoch)? {
+            Round::Done(red) => {
+                if let (Some(b), Some(step)) = (mine, d.group.last_step()) {
+                    d.record_applied(b, step);
+                }
+                Ok(red)
+            }
+            Round::Interrupted(e) => {
+                d.pending.set(mine.map(|b| (b, target)));
+                Err(e)
+            }
         }
-        Ok(red)
     }
 
     /// A restarted rank joins the group: waits to be admitted by the leader and returns
     /// `(step, state)`, the leader's live state (uint32 words, as the leader passed them to
     /// `admit`); None for a rank that is a member already (a first incarnation) or if the group
-    /// was empty.
-    fn join(&self, py: Python<'_>) -> PyResult<Option<(u64, View)>> {
-        crate::group::join(&self.d.core, &self.d.group, py)
+    /// was empty (every rank gone): the group then goes on from `step`, that of the state this
+    /// rank loads itself (its last checkpoint; 0 if None), so the steps the ledger records go
+    /// on rising.
+    #[pyo3(signature = (step=None))]
+    fn join(&self, py: Python<'_>, step: Option<u64>) -> PyResult<Option<(u64, View)>> {
+        crate::group::join(&self.d.core, &self.d.group, py, step)
     }
 
     /// The leader, between steps: admits ranks waiting to join, handing them `state` (any

@@ -45,6 +45,11 @@ impl Group {
         self.last_step.get()
     }
 
+    /// The group's last committed step now.
+    pub fn step(&self) -> u64 {
+        u64::from(self.c.membership().step)
+    }
+
     pub fn last_digest(&self) -> Option<String> {
         self.digest.borrow().clone()
     }
@@ -95,6 +100,14 @@ fn members(m: Membership) -> Vec<u32> {
     m.ranks().collect()
 }
 
+/// How a round ended, for `all_reduce`.
+pub enum Round {
+    Done(Reduced),
+    /// A signal's exception (KeyboardInterrupt) raised while this rank waited for the others,
+    /// its contribution published: the round may still commit with it, once they arrive.
+    Interrupted(PyErr),
+}
+
 /// The group methods of a drafter (in `Drafter`'s Python class).
 pub fn all_reduce(
     core: &Core,
@@ -104,7 +117,7 @@ pub fn all_reduce(
     batch: Option<u64>,
     ended: bool,
     epoch: Option<u16>,
-) -> PyResult<Reduced> {
+) -> PyResult<Round> {
     let buf = PyBuffer::<f32>::get(data)?;
     let n = buf.item_count();
     if n + 1 > g.buf_len {
@@ -131,7 +144,8 @@ pub fn all_reduce(
     });
     core.reg.enter(before.unwrap_or(shm_ring::Phase::Other));
     if let Some(e) = raised.into_inner() {
-        return Err(e);
+        // The collective asks to stop only once this rank's contribution is published.
+        return Ok(Round::Interrupted(e));
     }
     let red = red.map_err(|e| match e {
         GroupError::EpochChanged { .. } => GroupChanged::new_err(e.to_string()),
@@ -140,29 +154,40 @@ pub fn all_reduce(
     g.last_step.set(Some(u64::from(red.step)));
     let bytes: Vec<u8> = sum[..n].iter().flat_map(|x| x.to_le_bytes()).collect();
     let everyone_ended = sum[g.buf_len - 1] as u32 == red.membership.len();
-    Ok(Reduced {
+    Ok(Round::Done(Reduced {
         sum: Py::new(py, view::owned("sum", Elem::F32, vec![n], &bytes))?,
         step: u64::from(red.step),
         epoch: red.membership.epoch,
         members: members(red.membership),
         leader: red.membership.leader() == Some(g.c.rank()),
         everyone_ended,
-    })
+    }))
 }
 
 /// A restarted rank: waits to be admitted and returns (step, the leader's state as uint32
 /// words); None if the group was empty (it goes on from this rank's own state). A rank that
 /// is a member already (a first incarnation) returns None at once.
-pub fn join(core: &Core, g: &Group, py: Python<'_>) -> PyResult<Option<(u64, View)>> {
+pub fn join(
+    core: &Core,
+    g: &Group,
+    py: Python<'_>,
+    own_step: Option<u64>,
+) -> PyResult<Option<(u64, View)>> {
     if g.c.membership().contains(g.c.rank()) {
         return Ok(None);
     }
+    // The group's steps are 32-bit.
+    let own_step = u32::try_from(own_step.unwrap_or(0)).map_err(|_| {
+        err(format!(
+            "join: step {own_step:?} is past the group's last (2^32 - 1)"
+        ))
+    })?;
     let mut state = vec![0u32; g.state_len];
     let raised = RefCell::new(None);
     core.reg.enter(shm_ring::Phase::Sync);
     let got = crate::detach::released(py, || {
         let stop = Group::stop_on_signal(core, &raised);
-        g.c.join(&mut state, 0, &stop)
+        g.c.join(&mut state, own_step, &stop)
     });
     core.reg.enter(shm_ring::Phase::Other);
     if let Some(e) = raised.into_inner() {

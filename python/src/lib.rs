@@ -25,6 +25,7 @@ mod common;
 mod detach;
 mod dlpack;
 mod drafter;
+mod dropped;
 mod group;
 mod slot;
 mod target;

@@ -1,7 +1,8 @@
 """The numpy example drafter, letting go of the batch holding sample 137 after the group's
 round applied it, without release(): `drop` goes on training (a forgotten release), `raise`
-raises (an error in the user's code after the update, e.g. in its checkpoint). Only in the
-first incarnation (marked in the run directory); the batch and its round's step go to
+raises (an error in the user's code after the update, e.g. in its checkpoint), `viewed`
+raises too, keeping a view of the batch alive to the end of the process. Only in the first
+incarnation (marked in the run directory); the batch and its round's step go to
 `<run-dir>/dropped-applied`.
 
 The batch was trained: every member applied its update. It must get one ledger line, at that
@@ -11,10 +12,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import numpy as np  # noqa: E402
+
 import hspipe  # noqa: E402
 import numpy_drafter  # noqa: E402
 
 MARKED = 137
+# Views kept to the end of the process (`viewed`).
+KEPT = []
 
 
 class Held:
@@ -31,11 +36,11 @@ class Held:
             self.batch.release(**kwargs)
 
 
-class DropsApplied:
-    def __init__(self, w, how):
+class Holding:
+    """The worker, whose `take()` hands out `Held` batches."""
+
+    def __init__(self, w):
         self._w = w
-        self._how = how
-        self._marker = Path(w.run_dir) / "dropped-applied"
 
     def __getattr__(self, name):
         return getattr(self._w, name)
@@ -44,12 +49,22 @@ class DropsApplied:
         batch = self._w.take(*args, **kwargs)
         return None if batch is None else Held(batch)
 
+
+class DropsApplied(Holding):
+    def __init__(self, w, how):
+        super().__init__(w)
+        self._how = how
+        self._marker = Path(w.run_dir) / "dropped-applied"
+
     def all_reduce(self, data, batch=None, **kwargs):
         real = None if batch is None else batch.batch
         r = self._w.all_reduce(data, batch=real, **kwargs)
         if real is not None and MARKED in real.sample_ids and not self._marker.exists():
             self._marker.write_text(f"{real.batch_id} {r.step}\n")
-            if self._how == "raise":
+            if self._how == "viewed":
+                KEPT.append(np.asarray(real.input_ids))
+                batch.batch = real = None  # dropped unreleased, a view of it alive
+            if self._how != "drop":
                 raise RuntimeError("raised after the update")
             batch.batch = None  # the last reference: the batch is dropped unreleased
         return r

@@ -93,6 +93,7 @@ def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
         "drafter views are read-only",
         "release with live views names them",
         "no view after release",
+        "a dropped batch still viewed: take() says why it cannot",
     ]:
         assert case in cases, f"case {case!r} did not hold: {cases}"
     assert run.summary()["ok"] is True
@@ -120,6 +121,19 @@ def poison_batch(run, role, text):
     assert set(counts) == set(range(400)) - set(aside["sample_ids"]), sorted(counts)
     assert all(c == 1 for c in counts.values()), counts
     return aside
+
+
+def test_a_lone_rank_rejoining_an_empty_group_goes_on_from_its_own_step(run):
+    # It dies after step 5; restarted, it joins the empty group with join(step=5). Before,
+    # the group went back to step 0: the ledger's steps ran 1..5 twice (a resume, which trusts
+    # them, would mistake what was trained).
+    rank = [PYTHON, script("tests/checkpointed_rank.py")]
+    code, out = run.launch(config_text(drafter=rank), "--targets", "0", "--drafters", "1").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 0, out
+    every_sample_once(run)
+    steps = [l["step"] for l in run.ledgers()]
+    assert len(steps) > 5 and steps == list(range(1, len(steps) + 1)), steps
 
 
 def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
@@ -155,6 +169,31 @@ def test_a_python_drafter_dropping_an_applied_batch_records_it_trained(run):
 def test_a_python_drafter_raising_after_an_update_has_its_batch_trained_once(run):
     s = a_drafter_dropping_an_applied_batch(run, "raise")
     assert sum(w["restarts"] for w in s["workers"]) == 1, s
+
+
+def test_a_batch_dropped_while_viewed_is_settled_when_the_drafter_goes(run):
+    # Kept while its view lives, to the end of the process: it used to be freed there as if
+    # released, with no ledger line (its samples never trained, the run degraded).
+    s = a_drafter_dropping_an_applied_batch(run, "viewed")
+    assert sum(w["restarts"] for w in s["workers"]) == 1, s
+
+
+def test_a_batch_whose_round_ctrl_c_interrupted_is_trained_once(run):
+    # Rank 1 is interrupted (SIGINT) waiting in a round it contributed its batch to; rank 0
+    # arrives only then, so the round commits with it. The batch, dropped, stays held while
+    # the round is undecided (it used to go back to the ring at once, for a live rank to train
+    # again), then gets its ledger line at that round's step.
+    interrupted = [PYTHON, script("tests/interrupted_round.py")]
+    code, out = run.launch(config_text(drafter=interrupted)).finish()
+    no_segment_of(run.proc.pid)
+    assert code == 0, out
+    batch, target, kept, gained = map(int, (run.run_dir / "interrupted").read_text().split())
+    assert (kept, gained) == (1, 1), (kept, gained)
+    lines = [l for l in run.ledgers() if l["batch_id"] == batch]
+    assert [(l["step"], l["delivery"]) for l in lines] == [(target, 0)], lines
+    every_sample_once(run)
+    one_model(run.ledgers())
+    assert "KeyboardInterrupt" in run.log("drafter-1")
 
 
 def test_a_batch_that_kills_every_python_target_is_set_aside(run):

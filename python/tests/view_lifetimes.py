@@ -136,6 +136,14 @@ def drafter_cases(w):
     raises(BufferError, lambda: np.from_dlpack(v), "released")
     case(w, "no view after release")
     assert kept.shape[0] == b.tokens
+    b = w.take()
+    y = np.asarray(b.input_ids)
+    del b
+    assert w.deferred == 1, w.deferred
+    raises(hspipe.HspipeError, w.take, "dropped without release()", "views")
+    case(w, "a dropped batch still viewed: take() says why it cannot")
+    del y
+    assert w.deferred == 0, w.deferred
 
 
 def main():

@@ -216,6 +216,12 @@ impl Ring {
         })
     }
 
+    /// Slots worker `id` holds (WRITING or READING) by any of its incarnations: for a
+    /// supervisor, to see whether a worker that exited cleanly left any behind.
+    pub fn held_by(&self, id: WorkerName) -> Result<usize, RingError> {
+        Ok(self.core_ref().held_by(self.id_of(id)?))
+    }
+
     /// For the supervisor, once worker `id`'s process has exited: its WRITING slots become FREE
     /// (with the work items they carried), its READING slots READY again with delivery count +
     /// 1, and the work items it claimed FREE.

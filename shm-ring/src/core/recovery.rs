@@ -216,6 +216,15 @@ impl RingRef<'_> {
         }
     }
 
+    /// Slots WRITING or READING by worker `id` (any incarnation).
+    pub(crate) fn held_by(&self, id: u32) -> usize {
+        let held = |s: &&SlotRecord| {
+            let w = Word(s.state.load(Ordering::Relaxed));
+            (w.state() == WRITING || w.state() == READING) && w.owner() == id
+        };
+        self.slots.iter().filter(held).count()
+    }
+
     /// Returns what earlier incarnations of worker `id` held: WRITING slots become FREE (the
     /// item each carried, if marked DONE in that slot, FREE again), READING slots READY again
     /// with delivery + 1 (at-least-once delivery), CLAIMED work items FREE. The caller holds

@@ -1,0 +1,184 @@
+//! Batches a Python drafter dropped without `release()` (an exception, a forgotten call), and
+//! what becomes of each: it depends on whether the group applied its update.
+//!
+//! - Applied (a committed round named it): it was trained, on every member. It gets its ledger
+//!   line at that round's step (no digest, as the launcher writes for a dead rank's applied
+//!   batch) and is released: never delivered again, so no live rank trains it twice.
+//! - Not applied: it goes back to the ring untrained, READY for redelivery, as if this rank had
+//!   died holding it (`ReadSlot::requeue`).
+//! - Undecided: its round was interrupted after this rank contributed it (a KeyboardInterrupt
+//!   in `all_reduce`). The others may still commit it. It stays held until that is known: the
+//!   round commits (applied), or this rank contributes again first (its contribution is
+//!   replaced: not applied). A process that ends with it undecided leaves it held, for the
+//!   launcher, which knows from the group whether its update was applied.
+//!
+//! A batch is settled only once its views are gone (a slot is never reused while one lives),
+//! at the drafter's next call; when the drafter itself goes (the interpreter finishing) every
+//! batch it still keeps is settled then, views or not: nothing could use them any more.
+
+use std::sync::Arc;
+
+use proto::BatchHeader;
+use pyo3::PyErr;
+use shm_ring::{ReadSlot, RingError};
+
+use crate::common::err;
+use crate::drafter::DrafterCore;
+use crate::view::Exports;
+
+/// A batch dropped without `release()`, kept until it is settled.
+pub struct Dropped {
+    slot: ReadSlot<'static>,
+    exports: Arc<Exports>,
+    header: BatchHeader,
+}
+
+/// Whether the group applied a dropped batch's update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    /// In the update of this step.
+    Applied(u64),
+    NotApplied,
+    /// Its round may still commit.
+    Undecided,
+}
+
+impl DrafterCore {
+    /// A batch dropped without `release()`: kept until its views are gone, then settled.
+    pub(crate) fn dropped(
+        &self,
+        slot: ReadSlot<'static>,
+        exports: Arc<Exports>,
+        header: BatchHeader,
+    ) {
+        (self.deferred.borrow_mut()).push(Dropped {
+            slot,
+            exports,
+            header,
+        });
+        self.sweep();
+    }
+
+    /// Settles the dropped batches whose views are all gone and whose fate is known.
+    pub(crate) fn sweep(&self) {
+        let mut i = 0;
+        loop {
+            let mut deferred = self.deferred.borrow_mut();
+            let Some(d) = deferred.get(i) else { break };
+            let fate = self.fate(d.slot.meta().batch_id);
+            if fate == Fate::Undecided || d.exports.try_close().is_err() {
+                i += 1;
+                continue;
+            }
+            let d = deferred.swap_remove(i);
+            drop(deferred);
+            self.settle(d, fate);
+        }
+    }
+
+    /// Dropped batches kept only while views of them live (not those whose round is
+    /// undecided: this rank cannot settle them).
+    pub(crate) fn kept_for_views(&self) -> usize {
+        let deferred = self.deferred.borrow();
+        let undecided = |d: &&Dropped| self.fate(d.slot.meta().batch_id) == Fate::Undecided;
+        deferred.len() - deferred.iter().filter(undecided).count()
+    }
+
+    /// `take()`'s error `e`, saying why when the batches kept count against the batches a rank
+    /// may hold (one, for a Python rank).
+    pub(crate) fn refused_take(&self, e: RingError) -> PyErr {
+        let kept = self.deferred.borrow().len();
+        if kept == 0 || !matches!(e, RingError::TooManyHeld { .. }) {
+            return err(e);
+        }
+        err(format!(
+            "take(): {e}: {kept} batch(es) dropped without release() are still held until \
+             their views are gone (or, for one whose group round was interrupted, until that \
+             round is decided): let the views go (del the arrays or tensors), or release() a \
+             batch before letting it go"
+        ))
+    }
+
+    /// Batch `batch` was named in a committed round of step `step` (the last one, if named in
+    /// two).
+    pub(crate) fn record_applied(&self, batch: u64, step: u64) {
+        let mut applied = self.applied.borrow_mut();
+        applied.retain(|&(b, _)| b != batch);
+        applied.push((batch, step));
+    }
+
+    /// Before this rank contributes to a round: an interrupted round's batch is applied if that
+    /// round committed, else never (this round replaces its contribution).
+    pub(crate) fn resolve_pending(&self) {
+        if let Some((batch, target)) = self.pending.take() {
+            if self.group.step() >= target {
+                self.record_applied(batch, target);
+            }
+        }
+    }
+
+    fn fate(&self, batch: u64) -> Fate {
+        let applied = self.applied.borrow();
+        if let Some(&(_, step)) = applied.iter().find(|&&(b, _)| b == batch) {
+            return Fate::Applied(step);
+        }
+        match self.pending.get() {
+            // The step cannot pass `target` without this rank's contribution: it is in it.
+            Some((b, target)) if b == batch && self.group.step() >= target => Fate::Applied(target),
+            Some((b, _)) if b == batch => Fate::Undecided,
+            _ => Fate::NotApplied,
+        }
+    }
+
+    fn settle(&self, d: Dropped, fate: Fate) {
+        let batch = d.slot.meta().batch_id;
+        match fate {
+            Fate::Applied(step) => {
+                tracing::warn!(
+                    batch,
+                    step,
+                    "a batch was dropped without release() after the group applied it (step \
+                     {step}): released as trained"
+                );
+                let mut slot = Some(d.slot);
+                if let Err(e) = self.settle_trained(&mut slot, &d.header, step, String::new()) {
+                    // Dropping the slot frees it: trained, never redelivered; a missing line
+                    // only means a resume trains it again.
+                    tracing::error!(batch, error = %e, "no ledger line for a dropped batch");
+                }
+            }
+            Fate::NotApplied => {
+                tracing::warn!(
+                    batch,
+                    "a batch was dropped without release(): given back to the ring untrained, \
+                     for redelivery"
+                );
+                if let Err(e) = d.slot.requeue() {
+                    tracing::warn!(batch, error = %e, "giving a dropped batch back");
+                }
+            }
+            Fate::Undecided => {
+                tracing::warn!(
+                    batch,
+                    "a batch dropped during an interrupted group round is left held: the \
+                     launcher settles it when this process ends"
+                );
+                // Held (READING) until the launcher recovers this worker: not freed here.
+                std::mem::forget(d.slot);
+            }
+        }
+    }
+}
+
+impl Drop for DrafterCore {
+    /// The drafter goes (the interpreter is finishing): every batch it still keeps is settled
+    /// now. Left to the fields' drops, a kept slot would be freed as if released: neither
+    /// trained nor given back, its samples lost.
+    fn drop(&mut self) {
+        let kept = std::mem::take(&mut *self.deferred.borrow_mut());
+        for d in kept {
+            let fate = self.fate(d.slot.meta().batch_id);
+            self.settle(d, fate);
+        }
+    }
+}
