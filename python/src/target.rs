@@ -142,13 +142,18 @@ impl Target {
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
         let t = &self.t;
         t.core.check_open()?;
-        t.core.wait_deferred(py, wait, || {
-            t.sweep();
-            t.deferred.borrow().len()
-        })?;
         // Dying: what it holds stays claimed until the launcher recovers it, so a batch that
-        // killed it is still its own then (to be set aside), not already another's.
-        t.dying.set(t.dying.get() || failing);
+        // killed it is still its own then (to be set aside), not already another's. Marked
+        // first: waiting for views of dropped slots could fail, and claims dropped after would
+        // be given back.
+        if failing {
+            t.dying.set(true);
+        } else {
+            t.core.wait_deferred(py, wait, || {
+                t.sweep();
+                t.deferred.borrow().len()
+            })?;
+        }
         let held: Vec<u64> = t.claims.borrow().iter().copied().collect();
         for item in held {
             t.give_back(item);
