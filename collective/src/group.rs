@@ -224,6 +224,15 @@ impl<M: Memory> Protocol<M> {
         Membership::unpack(self.mem.control().word.load(Ordering::Acquire))
     }
 
+    /// Rank `rank`'s published arrival: (epoch, step) of its last contribution, None if it
+    /// has none (a joiner). A round the rank left (stopped) commits with that contribution
+    /// only while the epoch stands: the step cannot reach it without the rank's arrival.
+    pub(crate) fn arrival(&self, rank: u32) -> Option<(u16, u32)> {
+        self.check_rank(rank).ok()?;
+        let t = self.mem.rank(rank).arrived.load(Ordering::Relaxed);
+        (t != 0).then_some(((t >> 32) as u16, tag_step(t)))
+    }
+
     fn check_rank(&self, rank: u32) -> Result<(), GroupError> {
         if rank >= self.mem.ranks() {
             return Err(GroupError::Rank {

@@ -94,6 +94,10 @@ pub trait Collective {
         own_step: u32,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError>;
+    /// This rank's published arrival: (epoch, step) of its last contribution, None if it has
+    /// none. After a round it left (stopped), that contribution commits only in that epoch:
+    /// the round is applied once the step reaches it, and never once the epoch moves on first.
+    fn arrival(&self) -> Option<(u16, u32)>;
     /// True if some rank asks to join (the leader checks between steps).
     fn joiners_waiting(&self) -> bool;
     /// The leader between steps: admits ranks asking to join, handing them `state` (from
@@ -189,6 +193,9 @@ impl Collective for ShmGroup {
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError> {
         self.proto.join(self.rank, state, own_step, stop)
+    }
+    fn arrival(&self) -> Option<(u16, u32)> {
+        self.proto.arrival(self.rank)
     }
     fn joiners_waiting(&self) -> bool {
         self.proto.joiners_waiting()

@@ -290,6 +290,9 @@ impl<T: Transport> Collective for SplitGroup<T> {
     ) -> Result<(Membership, Option<u64>), GroupError> {
         self.commit.join(state, own_step, stop)
     }
+    fn arrival(&self) -> Option<(u16, u32)> {
+        self.commit.arrival()
+    }
     fn joiners_waiting(&self) -> bool {
         self.commit.joiners_waiting()
     }

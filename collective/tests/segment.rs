@@ -48,6 +48,34 @@ fn ranks_attached_by_name_reduce_and_a_dead_rank_is_removed_with_its_verdict() {
     );
 }
 
+/// A rank that stops waiting in a round (a Ctrl-C) leaves its contribution there: its arrival
+/// says which round, and the others commit it with that contribution while the epoch stands.
+#[test]
+fn a_rank_that_stops_in_a_round_is_committed_with_its_arrival() {
+    let n = name("stopped");
+    let _launcher = ShmGroup::create(&n, &params(2)).unwrap();
+    let (r0, r1) = (
+        ShmGroup::attach(&n, 0).unwrap(),
+        ShmGroup::attach(&n, 1).unwrap(),
+    );
+    assert_eq!(r1.arrival(), None);
+    let (data, mut out) = (vec![1.0; 1000], vec![0.0; 1000]);
+    let e = r1.all_reduce(&data, 7, &mut out, &|| true).unwrap_err();
+    assert_eq!(e, GroupError::Stopped);
+    assert_eq!(
+        r1.arrival(),
+        Some((1, 42)),
+        "its contribution to step 42, epoch 1"
+    );
+    assert_eq!(r1.membership().step, 41, "undecided");
+    let red = r0.all_reduce(&data, 8, &mut out, &|| false).unwrap();
+    assert_eq!(
+        (red.step, out[0]),
+        (42, 2.0),
+        "committed with the stopped rank's data"
+    );
+}
+
 #[test]
 fn a_restarted_rank_joins_with_the_leaders_state() {
     let n = name("join");

@@ -29,7 +29,7 @@ use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
 use crate::batch::{Batch, SECTIONS};
 use crate::common::{err, worker_methods, Core, InHand, Registered};
-use crate::dropped::Dropped;
+use crate::dropped::{Dropped, Pending};
 use crate::group::{Group, Round};
 use crate::view::{Exports, View};
 
@@ -43,7 +43,7 @@ pub struct DrafterCore {
     pub(crate) applied: RefCell<Vec<(u64, u64)>>,
     /// The batch of a round interrupted after this rank contributed it (a KeyboardInterrupt in
     /// `all_reduce`), and the step that round commits as, if it ever does: undecided until then.
-    pub(crate) pending: Cell<Option<(u64, u64)>>,
+    pub(crate) pending: RefCell<Option<Pending>>,
     report: RefCell<FinalReport>,
     /// The ring's end was seen.
     ended: Cell<bool>,
@@ -70,7 +70,7 @@ impl DrafterCore {
             ledger: RefCell::new(ledger),
             deferred: RefCell::default(),
             applied: RefCell::default(),
-            pending: Cell::new(None),
+            pending: RefCell::new(None),
             report: RefCell::default(),
             ended: Cell::new(false),
             releases: Cell::new(0),
@@ -110,8 +110,9 @@ impl DrafterCore {
         self.applied
             .borrow_mut()
             .retain(|&(b, _)| b != meta.batch_id);
-        if self.pending.get().is_some_and(|(b, _)| b == meta.batch_id) {
-            self.pending.set(None);
+        // Settled: a round left with it undecided no longer decides its fate.
+        if let Some(p) = self.pending.borrow_mut().as_mut() {
+            p.batch = p.batch.filter(|&b| b != meta.batch_id);
         }
         self.in_hand.let_go(meta.batch_id);
         let mut r = self.report.borrow_mut();
@@ -266,22 +267,41 @@ impl Drafter {
     ) -> PyResult<crate::group::Reduced> {
         let d = &self.d;
         d.core.check_open()?;
-        // An interrupted round's batch is decided before this round replaces its contribution.
-        d.resolve_pending();
         // A batch still held: once the round commits, it is trained (see `dropped.rs`).
         let held = batch.as_ref().is_some_and(|b| b.slot.is_some());
         let id = batch.map(|b| b.batch_id());
-        let mine = id.filter(|_| held);
-        let target = d.group.step() + 1;
-        match crate::group::all_reduce(&d.core, &d.group, py, data, id, ended, epoch)? {
+        // A round this rank left (interrupted) that the group has not decided: this call
+        // finishes it, with the same contribution (see `dropped.rs`).
+        let resume = d.before_round(id)?;
+        let mine = resume.as_ref().map_or(id.filter(|_| held), |p| p.batch);
+        let sent = resume.as_ref().map_or(id, |p| p.sent);
+        let again = resume.as_ref().map(|p| &p.data[..]);
+        let round =
+            crate::group::all_reduce(&d.core, &d.group, py, data, sent, ended, epoch, again);
+        let round = match round {
+            // Not contributed: a round left before is still this rank's to finish.
+            Err(e) => {
+                *d.pending.borrow_mut() = resume;
+                return Err(e);
+            }
+            Ok(round) => round,
+        };
+        match round {
             Round::Done(red) => {
                 if let (Some(b), Some(step)) = (mine, d.group.last_step()) {
                     d.record_applied(b, step);
                 }
                 Ok(red)
             }
-            Round::Interrupted(e) => {
-                d.pending.set(mine.map(|b| (b, target)));
+            Round::Interrupted(e, data) => {
+                // Whether it commits is up to the others now; its batch is undecided.
+                *d.pending.borrow_mut() = d.group.arrival().map(|(epoch, step)| Pending {
+                    batch: mine,
+                    sent,
+                    step,
+                    epoch,
+                    data,
+                });
                 Err(e)
             }
         }

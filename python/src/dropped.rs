@@ -8,18 +8,21 @@
 //!   died holding it (`ReadSlot::requeue`).
 //! - Undecided: its round was interrupted after this rank contributed it (a KeyboardInterrupt
 //!   in `all_reduce`). The others may still commit it. It stays held until that is known: the
-//!   round commits (applied), or this rank contributes again first (its contribution is
-//!   replaced: not applied). A process that ends with it undecided leaves it held, for the
-//!   launcher, which knows from the group whether its update was applied.
+//!   round commits (applied), or the membership moves on first (not applied: the round is
+//!   contributed again without it). A new `all_reduce` first waits for that, so it never
+//!   replaces a contribution the others may be summing. A process that ends with it undecided
+//!   leaves it held, for the launcher, which knows from the group whether it was applied.
 //!
 //! A batch is settled only once its views are gone (a slot is never reused while one lives),
-//! at the drafter's next call; when the drafter itself goes (the interpreter finishing) every
-//! batch it still keeps is settled then, views or not: nothing could use them any more.
+//! at the drafter's next call. When the drafter itself goes (the interpreter finishing, or the
+//! worker and every batch of it let go) every batch it still keeps is settled then, views or
+//! not: a view kept past its worker may see its slot reused, so keep the worker while you keep
+//! views.
 
 use std::sync::Arc;
 
 use proto::BatchHeader;
-use pyo3::PyErr;
+use pyo3::prelude::*;
 use shm_ring::{ReadSlot, RingError};
 
 use crate::common::err;
@@ -31,6 +34,20 @@ pub struct Dropped {
     slot: ReadSlot<'static>,
     exports: Arc<Exports>,
     header: BatchHeader,
+}
+
+/// A round this rank contributed to and left undecided (interrupted).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pending {
+    /// The batch it holds that the round trains, if it still held it.
+    pub batch: Option<u64>,
+    /// The batch id the contribution named.
+    pub sent: Option<u64>,
+    /// The step the round commits as, and the epoch of the contribution.
+    pub step: u64,
+    pub epoch: u16,
+    /// The contribution: a call that finishes the round must make the same.
+    pub data: Vec<f32>,
 }
 
 /// Whether the group applied a dropped batch's update.
@@ -107,13 +124,53 @@ impl DrafterCore {
         applied.push((batch, step));
     }
 
-    /// Before this rank contributes to a round: an interrupted round's batch is applied if that
-    /// round committed, else never (this round replaces its contribution).
-    pub(crate) fn resolve_pending(&self) {
-        if let Some((batch, target)) = self.pending.take() {
-            if self.group.step() >= target {
-                self.record_applied(batch, target);
+    /// Before this rank contributes to a round (naming batch `sent`): a round it left is taken
+    /// out of `pending`. Still undecided, it is returned: this call finishes it, with the same
+    /// contribution. Committed, its batch is recorded applied, but this rank never got its sum:
+    /// its weights are behind the group's, which is an error. Given up by the group (the
+    /// membership moved on first), it is forgotten.
+    pub(crate) fn before_round(&self, sent: Option<u64>) -> PyResult<Option<Pending>> {
+        let Some(p) = self.pending.borrow_mut().take() else {
+            return Ok(None);
+        };
+        match self.decided(&p) {
+            None if sent.is_none() || sent == p.sent => Ok(Some(p)),
+            None => {
+                let (was, step) = (p.sent, p.step);
+                *self.pending.borrow_mut() = Some(p);
+                Err(err(format!(
+                    "all_reduce: this rank left the round of step {step} (interrupted) with \
+                     batch {was:?}, and it is still open: finish it with that batch and the same \
+                     data, not batch {sent:?}"
+                )))
             }
+            Some(true) => {
+                if let Some(b) = p.batch {
+                    self.record_applied(b, p.step);
+                }
+                Err(err(format!(
+                    "all_reduce: the round of step {} that this rank left (interrupted) was \
+                     committed by the group, and this rank never got its sum: its weights are \
+                     behind the group's. End this process: its restart rejoins with the \
+                     leader's state",
+                    p.step
+                )))
+            }
+            Some(false) => Ok(None),
+        }
+    }
+
+    /// Whether the round `p` was left in is applied: `Some(true)` once the step reached it
+    /// (it cannot without this rank's contribution), `Some(false)` once the epoch moved on
+    /// first (the round is then contributed again, without it), `None` while undecided.
+    fn decided(&self, p: &Pending) -> Option<bool> {
+        let (epoch, step) = self.group.now();
+        if step >= p.step {
+            Some(true)
+        } else if epoch != p.epoch {
+            Some(false)
+        } else {
+            None
         }
     }
 
@@ -122,11 +179,14 @@ impl DrafterCore {
         if let Some(&(_, step)) = applied.iter().find(|&&(b, _)| b == batch) {
             return Fate::Applied(step);
         }
-        match self.pending.get() {
-            // The step cannot pass `target` without this rank's contribution: it is in it.
-            Some((b, target)) if b == batch && self.group.step() >= target => Fate::Applied(target),
-            Some((b, _)) if b == batch => Fate::Undecided,
-            _ => Fate::NotApplied,
+        let pending = self.pending.borrow();
+        match pending.as_ref().filter(|p| p.batch == Some(batch)) {
+            None => Fate::NotApplied,
+            Some(p) => match self.decided(p) {
+                Some(true) => Fate::Applied(p.step),
+                Some(false) => Fate::NotApplied,
+                None => Fate::Undecided,
+            },
         }
     }
 

@@ -45,9 +45,15 @@ impl Group {
         self.last_step.get()
     }
 
-    /// The group's last committed step now.
-    pub fn step(&self) -> u64 {
-        u64::from(self.c.membership().step)
+    /// The group now: (epoch, last committed step).
+    pub fn now(&self) -> (u16, u64) {
+        let m = self.c.membership();
+        (m.epoch, u64::from(m.step))
+    }
+
+    /// This rank's last contribution: (epoch, step it is for).
+    pub fn arrival(&self) -> Option<(u16, u64)> {
+        self.c.arrival().map(|(e, s)| (e, u64::from(s)))
     }
 
     pub fn last_digest(&self) -> Option<String> {
@@ -104,11 +110,14 @@ fn members(m: Membership) -> Vec<u32> {
 pub enum Round {
     Done(Reduced),
     /// A signal's exception (KeyboardInterrupt) raised while this rank waited for the others,
-    /// its contribution published: the round may still commit with it, once they arrive.
-    Interrupted(PyErr),
+    /// its contribution (the round's buffer) published: the round may still commit with it,
+    /// once they arrive.
+    Interrupted(PyErr, Vec<f32>),
 }
 
-/// The group methods of a drafter (in `Drafter`'s Python class).
+/// The group methods of a drafter (in `Drafter`'s Python class). `again`: the contribution
+/// of a round this rank left open, which this call finishes.
+#[allow(clippy::too_many_arguments)]
 pub fn all_reduce(
     core: &Core,
     g: &Group,
@@ -117,6 +126,7 @@ pub fn all_reduce(
     batch: Option<u64>,
     ended: bool,
     epoch: Option<u16>,
+    again: Option<&[f32]>,
 ) -> PyResult<Round> {
     let buf = PyBuffer::<f32>::get(data)?;
     let n = buf.item_count();
@@ -130,6 +140,15 @@ pub fn all_reduce(
     let mut mine = vec![0f32; g.buf_len];
     buf.copy_to_slice(py, &mut mine[..n])?;
     mine[g.buf_len - 1] = if ended { 1.0 } else { 0.0 };
+    // Finishing a round left open: the same bits, or the others could sum a buffer half
+    // rewritten.
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    if again.is_some_and(|a| bits(a) != bits(&mine)) {
+        return Err(err(
+            "all_reduce: this rank left a round (interrupted) that is still open: finish it with \
+             the same data (and ended flag) it contributed then",
+        ));
+    }
     let mut sum = vec![0f32; g.buf_len];
     let raised = RefCell::new(None);
     // Back to the caller's phase after (TorchGroup's `with w.phase("sync")` spans retries).
@@ -145,7 +164,7 @@ pub fn all_reduce(
     core.reg.enter(before.unwrap_or(shm_ring::Phase::Other));
     if let Some(e) = raised.into_inner() {
         // The collective asks to stop only once this rank's contribution is published.
-        return Ok(Round::Interrupted(e));
+        return Ok(Round::Interrupted(e, mine));
     }
     let red = red.map_err(|e| match e {
         GroupError::EpochChanged { .. } => GroupChanged::new_err(e.to_string()),
@@ -177,9 +196,10 @@ pub fn join(
         return Ok(None);
     }
     // The group's steps are 32-bit.
-    let own_step = u32::try_from(own_step.unwrap_or(0)).map_err(|_| {
+    let asked = own_step.unwrap_or(0);
+    let own_step = u32::try_from(asked).map_err(|_| {
         err(format!(
-            "join: step {own_step:?} is past the group's last (2^32 - 1)"
+            "join: step {asked} is past the group's last (2^32 - 1)"
         ))
     })?;
     let mut state = vec![0u32; g.state_len];

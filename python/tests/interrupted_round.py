@@ -1,11 +1,18 @@
 """The numpy example drafter as three ranks, where rank 1 is interrupted (SIGINT, as Ctrl-C)
-while it waits in its third group round, its batch contributed: it drops the batch and ends
-with the KeyboardInterrupt. Rank 0 arrives in that round only once rank 1 was interrupted, so
-the round commits with rank 1's contribution. First incarnation only.
+while it waits in its third group round, its batch contributed. Rank 0 arrives in that round
+only once rank 1 says so (`<run-dir>/interrupted` exists), so the round commits with rank 1's
+contribution. First incarnation only. Then rank 1, as the argument says:
 
-Rank 1 writes to `<run-dir>/interrupted`: the batch, the step its round commits as, how many
-dropped batches the drafter kept right after the drop (the batch is undecided while the round
-may still commit), and how many batches the drafter counted trained once it was decided."""
+- `drop`: drops the batch and ends with the KeyboardInterrupt. It writes to the file: the
+  batch, the step its round commits as, how many dropped batches the drafter kept right after
+  the drop (the batch is undecided while the round may still commit), and how many batches the
+  drafter counted trained once it was decided.
+- `retry`: calls all_reduce again with the same data, which finishes that round (rank 0 is
+  let in while it waits) and trains on as the others do. It writes the batch and the step.
+- `late`: waits until the others committed the round, then calls all_reduce again: an error
+  (its weights are behind the group's), with which it ends. It writes the batch, the step and
+  the error.
+"""
 import os
 import signal
 import sys
@@ -32,8 +39,9 @@ def wait_for(what, pred):
 
 
 class Interrupted(Holding):
-    def __init__(self, w):
+    def __init__(self, w, how):
         super().__init__(w)
+        self._how = how
         self._calls = 0
         self._marker = Path(w.run_dir) / "interrupted"
         self._first = not self._marker.exists()
@@ -52,8 +60,24 @@ class Interrupted(Holding):
         try:
             return self._w.all_reduce(data, batch=real, **kwargs)
         except KeyboardInterrupt:
-            trained = self._w.trained
             batch_id = real.batch_id
+            if self._how == "retry":
+                # Rank 0 is let in once this rank waits in the round again.
+                threading.Timer(0.3, self._marker.write_text, ("",)).start()
+                r = self._w.all_reduce(data, batch=real, **kwargs)
+                self._marker.write_text(f"{batch_id} {target} {r.step}\n")
+                return r
+            if self._how == "late":
+                self._marker.write_text("")  # rank 0 arrives now: the round commits
+                wait_for("committed round", lambda: self._w.membership[1] >= target)
+                try:
+                    self._w.all_reduce(data, batch=real, **kwargs)
+                except hspipe.HspipeError as e:
+                    self._marker.write_text(f"{batch_id} {target} {e}\n")
+                    raise
+                self._marker.write_text(f"{batch_id} {target} no error\n")
+                raise
+            trained = self._w.trained
             batch.batch = real = None  # dropped unreleased
             kept = self._w.deferred
             self._marker.write_text("")  # rank 0 arrives now: the round commits
@@ -65,7 +89,7 @@ class Interrupted(Holding):
 
 def main():
     with hspipe.connect() as w:
-        numpy_drafter.run(Interrupted(w))
+        numpy_drafter.run(Interrupted(w, sys.argv[1]))
         sys.exit(w.close())
 
 

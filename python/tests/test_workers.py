@@ -178,22 +178,44 @@ def test_a_batch_dropped_while_viewed_is_settled_when_the_drafter_goes(run):
     assert sum(w["restarts"] for w in s["workers"]) == 1, s
 
 
-def test_a_batch_whose_round_ctrl_c_interrupted_is_trained_once(run):
-    # Rank 1 is interrupted (SIGINT) waiting in a round it contributed its batch to; rank 0
-    # arrives only then, so the round commits with it. The batch, dropped, stays held while
-    # the round is undecided (it used to go back to the ring at once, for a live rank to train
-    # again), then gets its ledger line at that round's step.
-    interrupted = [PYTHON, script("tests/interrupted_round.py")]
+def interrupted_round(run, how):
+    """A run where rank 1 is interrupted (SIGINT) in a round it contributed its batch to, and
+    rank 0 arrives only then, so the round commits with it (tests/interrupted_round.py,
+    `how`). Checks the batch was trained once, at that round's step, as one model; returns
+    that step, what rank 1 wrote after the batch and the step, and the summary."""
+    interrupted = [PYTHON, script("tests/interrupted_round.py"), how]
     code, out = run.launch(config_text(drafter=interrupted)).finish()
     no_segment_of(run.proc.pid)
     assert code == 0, out
-    batch, target, kept, gained = map(int, (run.run_dir / "interrupted").read_text().split())
-    assert (kept, gained) == (1, 1), (kept, gained)
-    lines = [l for l in run.ledgers() if l["batch_id"] == batch]
-    assert [(l["step"], l["delivery"]) for l in lines] == [(target, 0)], lines
+    batch, target, said = (run.run_dir / "interrupted").read_text().split(" ", 2)
+    lines = [l for l in run.ledgers() if l["batch_id"] == int(batch)]
+    assert [(l["step"], l["delivery"]) for l in lines] == [(int(target), 0)], lines
     every_sample_once(run)
     one_model(run.ledgers())
+    return int(target), said.strip(), run.summary()
+
+
+def test_a_batch_whose_round_ctrl_c_interrupted_is_trained_once(run):
+    # The batch, dropped, stays held while the round is undecided (it used to go back to the
+    # ring at once, for a live rank to train again), then gets its ledger line.
+    _, said, _ = interrupted_round(run, "drop")
+    assert said.split() == ["1", "1"], "kept while undecided, then counted trained"
     assert "KeyboardInterrupt" in run.log("drafter-1")
+
+
+def test_an_all_reduce_after_ctrl_c_finishes_the_round_left_open(run):
+    # Called again with the same data, it finishes that very round, with its sum.
+    target, said, s = interrupted_round(run, "retry")
+    assert sum(w["restarts"] for w in s["workers"]) == 0, s
+    assert said == str(target), f"the call finished the round of step {said}, not {target}"
+
+
+def test_an_all_reduce_after_the_round_left_was_committed_is_an_error(run):
+    # The round committed without this rank getting its sum: going on would train with
+    # weights behind the group's (and, before, apply the batch a second time).
+    _, said, s = interrupted_round(run, "late")
+    assert "weights are behind the group's" in said, said
+    assert sum(w["restarts"] for w in s["workers"]) == 1, s
 
 
 def test_a_batch_that_kills_every_python_target_is_set_aside(run):
