@@ -145,7 +145,7 @@ pub fn produce(
                 // Not gathered yet: commit before waiting (the prefetch thread may be
                 // waiting for the batch held here to settle).
                 Err(mpsc::TryRecvError::Empty) => {
-                    commit(pipe, report)?;
+                    commit(pipe)?;
                     continue;
                 }
                 Err(mpsc::TryRecvError::Disconnected) => break,
@@ -166,7 +166,7 @@ pub fn produce(
             slot = producer.reserve_timeout(len, Duration::ZERO)?;
             if slot.is_none() {
                 while pipe.in_flight() > 0 {
-                    commit(pipe, report)?;
+                    commit(pipe)?;
                 }
             }
         }
@@ -191,12 +191,15 @@ pub fn produce(
         } = next;
         pipe.submit(slot, spec, &input_ids, &loss_mask, item, bucket, alone)?;
         while !pipe.has_room() {
-            commit(pipe, report)?;
+            commit(pipe)?;
         }
     }
     while pipe.in_flight() > 0 {
-        commit(pipe, report)?;
+        commit(pipe)?;
     }
+    // Every batch the pipeline committed (a drain before a batch run alone commits some too).
+    let t = pipe.totals();
+    (report.items, report.tokens) = (t.items, t.tokens);
     Ok(stopped)
 }
 
@@ -256,12 +259,9 @@ impl Drop for Done<'_> {
     }
 }
 
-/// Commits the pipeline's oldest batch into the report.
-fn commit(pipe: &mut Pipeline<'_, '_>, report: &mut FinalReport) -> anyhow::Result<()> {
-    if let Some(c) = pipe.commit_oldest()? {
-        report.items += 1;
-        report.tokens += c.tokens;
-    }
+/// Commits the pipeline's oldest batch.
+fn commit(pipe: &mut Pipeline<'_, '_>) -> anyhow::Result<()> {
+    pipe.commit_oldest()?;
     Ok(())
 }
 

@@ -60,10 +60,20 @@ pub struct Pipeline<'r, 'b> {
     faults: proto::config::Faults,
     /// An injected kernel fault: every call on the device fails from the one after it.
     faulted: Option<String>,
+    /// Every batch committed, whichever call committed it (`commit_oldest`, or a drain
+    /// before a batch run alone).
+    totals: Totals,
 }
 
 /// What a committed batch adds to the target's report.
 pub struct Committed {
+    pub tokens: u64,
+}
+
+/// Batches committed so far, and their tokens: the target's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub items: u64,
     pub tokens: u64,
 }
 
@@ -81,6 +91,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             clock,
             faults: proto::config::Faults::default(),
             faulted: None,
+            totals: Totals::default(),
         }
     }
 
@@ -113,6 +124,11 @@ impl<'r, 'b> Pipeline<'r, 'b> {
     /// The producer the batches are written by.
     pub fn producer(&self) -> &'r Producer<'r> {
         self.producer
+    }
+
+    /// Batches committed so far, and their tokens.
+    pub fn totals(&self) -> Totals {
+        self.totals
     }
 
     /// Batches submitted and not yet committed.
@@ -251,6 +267,8 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             batch_id: item,
         })?;
         self.device_spans();
+        self.totals.items += 1;
+        self.totals.tokens += tokens;
         Ok(Some(Committed { tokens }))
     }
 

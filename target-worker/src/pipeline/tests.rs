@@ -589,3 +589,47 @@ fn a_forward_hung_while_the_prefetch_thread_waits_lets_the_heartbeat_age() {
         age / 1_000_000
     );
 }
+
+/// The report counts every batch committed, also those a drain commits before a batch run
+/// alone. The loop gets batches 2 and 0, then 1 to run alone (its last target died with it):
+/// at depth 2 it commits 2, drains 0, then runs 1. Before, a drain's commits were not
+/// counted: the report said 2 of 3.
+#[test]
+fn the_report_counts_the_batches_a_drain_commits() {
+    let ring = ring(3);
+    let producer = ring.producer(0).unwrap();
+    let (tx, rx) = mpsc::channel();
+    assert_eq!(
+        [
+            producer.claim_work(),
+            producer.claim_work(),
+            producer.claim_work()
+        ],
+        [Some(0), Some(1), Some(2)]
+    );
+    for item in [2, 0, 1] {
+        tx.send(Gathered {
+            alone: item == 1,
+            ..gathered(item)
+        })
+        .unwrap();
+    }
+    drop(tx);
+    let (mut backend, log) = Late::new(2);
+    let mut report = FinalReport::default();
+    let mut pipe = Pipeline::new(&producer, &mut backend);
+    assert!(!crate::produce(&rx, &mut pipe, &|| false, &mut report).unwrap());
+    drop(pipe);
+    use Event::*;
+    let log = log.lock().unwrap().clone();
+    let want = [
+        Submit(2),
+        Submit(0),
+        Complete(2),
+        Complete(0),
+        Submit(1),
+        Complete(1),
+    ];
+    assert_eq!(log, want);
+    assert_eq!(report.items, 3);
+}
