@@ -133,9 +133,13 @@ impl Batch {
         }
         close_views(&d.core, py, &self.exports, &what, wait)?;
         let step = step.or(d.group.last_step()).unwrap_or(d.releases.get() + 1);
-        let digest = digest.or_else(|| d.group.last_digest()).unwrap_or_default();
-        d.settle_trained(&mut self.slot, &self.header, step, digest)
-            .map_err(|e| err(format!("{what}: {e}")))
+        d.settle_trained(
+            &mut self.slot,
+            &self.header,
+            step,
+            digest.unwrap_or_default(),
+        )
+        .map_err(|e| err(format!("{what}: {e}")))
     }
 
     fn __repr__(&self) -> String {

@@ -27,7 +27,6 @@ pub struct Group {
     /// u32 words of the state a joining rank gets.
     state_len: usize,
     last_step: Cell<Option<u64>>,
-    pub digest: RefCell<Option<String>>,
 }
 
 impl Group {
@@ -37,7 +36,6 @@ impl Group {
             buf_len,
             state_len,
             last_step: Cell::new(None),
-            digest: RefCell::new(None),
         }
     }
 
@@ -54,10 +52,6 @@ impl Group {
     /// This rank's last contribution: (epoch, step it is for).
     pub fn arrival(&self) -> Option<(u16, u64)> {
         self.c.arrival().map(|(e, s)| (e, u64::from(s)))
-    }
-
-    pub fn last_digest(&self) -> Option<String> {
-        self.digest.borrow().clone()
     }
 
     /// Asks `check_signals` from inside a wait with the lock released; the first error stops

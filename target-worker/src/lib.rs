@@ -145,7 +145,7 @@ pub fn produce(
                 // Not gathered yet: commit before waiting (the prefetch thread may be
                 // waiting for the batch held here to settle).
                 Err(mpsc::TryRecvError::Empty) => {
-                    commit(pipe)?;
+                    pipe.commit_oldest()?;
                     continue;
                 }
                 Err(mpsc::TryRecvError::Disconnected) => break,
@@ -166,7 +166,7 @@ pub fn produce(
             slot = producer.reserve_timeout(len, Duration::ZERO)?;
             if slot.is_none() {
                 while pipe.in_flight() > 0 {
-                    commit(pipe)?;
+                    pipe.commit_oldest()?;
                 }
             }
         }
@@ -181,21 +181,13 @@ pub fn produce(
             stopped = true;
             continue;
         };
-        let Gathered {
-            item,
-            spec,
-            input_ids,
-            loss_mask,
-            bucket,
-            alone,
-        } = next;
-        pipe.submit(slot, spec, &input_ids, &loss_mask, item, bucket, alone)?;
+        pipe.submit(slot, next)?;
         while !pipe.has_room() {
-            commit(pipe)?;
+            pipe.commit_oldest()?;
         }
     }
     while pipe.in_flight() > 0 {
-        commit(pipe)?;
+        pipe.commit_oldest()?;
     }
     // Every batch the pipeline committed (a drain before a batch run alone commits some too).
     let t = pipe.totals();
@@ -257,12 +249,6 @@ impl Drop for Done<'_> {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
     }
-}
-
-/// Commits the pipeline's oldest batch.
-fn commit(pipe: &mut Pipeline<'_, '_>) -> anyhow::Result<()> {
-    pipe.commit_oldest()?;
-    Ok(())
 }
 
 /// Runs the worker; returns the process exit code.

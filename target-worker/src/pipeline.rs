@@ -35,6 +35,8 @@ use gpu::{DeviceClock, RawOut, TargetBackend, TargetOut};
 use proto::{BatchSpec, BatchWriter};
 use shm_ring::{CommitMeta, Phase, Producer, WriteSlot};
 
+use crate::Gathered;
+
 /// A batch whose forward was submitted and whose slot is not yet committed.
 struct Submitted<'r> {
     slot: WriteSlot<'r>,
@@ -63,11 +65,6 @@ pub struct Pipeline<'r, 'b> {
     /// Every batch committed, whichever call committed it (`commit_oldest`, or a drain
     /// before a batch run alone).
     totals: Totals,
-}
-
-/// What a committed batch adds to the target's report.
-pub struct Committed {
-    pub tokens: u64,
 }
 
 /// Batches committed so far, and their tokens: the target's report.
@@ -144,20 +141,18 @@ impl<'r, 'b> Pipeline<'r, 'b> {
 
     /// Writes the batch's ids and mask into `slot`, issues its forward (whose results may still
     /// be on their way when this returns) and keeps the slot until [`Pipeline::commit_oldest`].
-    /// `alone`: the batches in flight are committed first, and nothing more is issued until
-    /// this one is committed (a batch its last target died with: see the module doc).
-    #[allow(clippy::too_many_arguments)]
-    pub fn submit(
-        &mut self,
-        mut slot: WriteSlot<'r>,
-        spec: BatchSpec,
-        input_ids: &[u32],
-        loss_mask: &[u8],
-        item: u64,
-        bucket: u32,
-        alone: bool,
-    ) -> anyhow::Result<()> {
+    /// A batch run `alone` has the batches in flight committed first, and nothing more is
+    /// issued until it is committed (its last target died with it: see the module doc).
+    pub fn submit(&mut self, mut slot: WriteSlot<'r>, batch: Gathered) -> anyhow::Result<()> {
         debug_assert!(self.has_room());
+        let Gathered {
+            item,
+            spec,
+            input_ids,
+            loss_mask,
+            bucket,
+            alone,
+        } = batch;
         if alone {
             tracing::info!(
                 batch = item,
@@ -167,10 +162,10 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         }
         let mut w = BatchWriter::new(slot.payload_mut(), &spec)?;
         let sections = w.sections_mut();
-        for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(input_ids) {
+        for (dst, id) in sections.input_ids.chunks_exact_mut(4).zip(&input_ids) {
             dst.copy_from_slice(&id.to_le_bytes());
         }
-        sections.loss_mask.copy_from_slice(loss_mask);
+        sections.loss_mask.copy_from_slice(&loss_mask);
         // SAFETY: the slot is kept in `in_flight` until `complete` returned for this batch, and
         // nothing here touches its payload meanwhile; on any way out without that (an error, a
         // stop, a panic) `Drop` quiesces the backend before the slots go. The payload lies in
@@ -190,7 +185,7 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         self.producer.set_in_hand(alone_on_device.then_some(item));
         self.producer.enter(Phase::Compute);
         let r = self.inject(&spec).and_then(|()| {
-            self.backend.submit(input_ids, &spec.seq_lens, out)?;
+            self.backend.submit(&input_ids, &spec.seq_lens, out)?;
             Ok(())
         });
         self.producer.enter(Phase::Other);
@@ -221,17 +216,17 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         Ok(())
     }
 
-    /// Waits for the oldest batch's results, checksums and commits it; `None` if none is in
+    /// Waits for the oldest batch's results, checksums and commits it; false if none is in
     /// flight.
-    pub fn commit_oldest(&mut self) -> anyhow::Result<Option<Committed>> {
+    pub fn commit_oldest(&mut self) -> anyhow::Result<bool> {
         self.commit_front(true)
     }
 
     /// [`Pipeline::commit_oldest`], saying the batch is in hand while it is waited for (if
     /// `say_in_hand` and it is alone on the device).
-    fn commit_front(&mut self, say_in_hand: bool) -> anyhow::Result<Option<Committed>> {
+    fn commit_front(&mut self, say_in_hand: bool) -> anyhow::Result<bool> {
         if self.in_flight.is_empty() {
-            return Ok(None);
+            return Ok(false);
         }
         // Waiting for the device's forward and copy of the batch, which stays in `in_flight`
         // until they are done (on an error, `Drop` quiesces the backend before its slot goes).
@@ -269,12 +264,12 @@ impl<'r, 'b> Pipeline<'r, 'b> {
         self.device_spans();
         self.totals.items += 1;
         self.totals.tokens += tokens;
-        Ok(Some(Committed { tokens }))
+        Ok(true)
     }
 
     /// Commits every batch in flight, oldest first, saying nothing of the batch in hand.
     fn drain(&mut self) -> anyhow::Result<()> {
-        while self.commit_front(false)?.is_some() {}
+        while self.commit_front(false)? {}
         Ok(())
     }
 }

@@ -177,7 +177,7 @@ fn run(depth: usize, items: u64) -> (Vec<Event>, Vec<(u64, u8)>) {
     let ring = ring(items);
     let producer = ring.producer(0).unwrap();
     let (mut backend, log) = Late::new(depth);
-    feed(&producer, &mut backend, items);
+    feed(&producer, &mut backend);
     assert!(producer.finish(), "the last producer closes the ring");
     let consumer = ring.consumer(0).unwrap();
     let mut got = Vec::new();
@@ -191,24 +191,36 @@ fn run(depth: usize, items: u64) -> (Vec<Event>, Vec<(u64, u8)>) {
     (log, got)
 }
 
-/// Submits `items` batches through a pipeline over `backend` as the worker does (submit,
-/// then commit while full, then drain).
-fn feed(producer: &Producer<'_>, backend: &mut Late, items: u64) {
+/// Submits every batch of the ring through a pipeline over `backend` as the worker does
+/// (submit, then commit while full, then drain).
+fn feed(producer: &Producer<'_>, backend: &mut Late) {
     let mut pipe = Pipeline::new(producer, backend);
-    for _ in 0..items {
-        let item = producer.claim_work().unwrap();
-        let spec = spec(item);
-        let slot = producer
-            .reserve(proto::batch_len(&spec).unwrap() as usize)
-            .unwrap();
-        let ids = [item as u32; 3];
-        pipe.submit(slot, spec, &ids, &[1; 3], item, 0, false)
-            .unwrap();
+    drive(producer, &mut pipe, None).unwrap();
+    while pipe.commit_oldest().unwrap() {}
+}
+
+/// Claims and submits every item left as the worker does, committing while the pipeline is
+/// full, item `alone` run alone; leaves the last batches in flight.
+fn drive<'r>(
+    producer: &'r Producer<'r>,
+    pipe: &mut Pipeline<'r, '_>,
+    alone: Option<u64>,
+) -> anyhow::Result<()> {
+    while let Some(item) = producer.claim_work() {
+        let slot = producer.reserve(proto::batch_len(&spec(item))? as usize)?;
+        let alone = alone == Some(item);
+        pipe.submit(
+            slot,
+            Gathered {
+                alone,
+                ..gathered(item)
+            },
+        )?;
         while !pipe.has_room() {
-            pipe.commit_oldest().unwrap();
+            pipe.commit_oldest()?;
         }
     }
-    while pipe.commit_oldest().unwrap().is_some() {}
+    Ok(())
 }
 
 /// A backend that times its device: the pipeline says so to the ring, and moves the spans
@@ -220,7 +232,7 @@ fn a_device_timed_backends_spans_reach_the_ring() {
     let producer = timed.producer(0).unwrap();
     let (mut backend, _) = Late::new(2);
     backend.clock = Some((Arc::default(), shm_ring::monotonic_ns()));
-    feed(&producer, &mut backend, 3);
+    feed(&producer, &mut backend);
     let s = timed.snapshot();
     let w = s.worker(shm_ring::WorkerName::producer(0)).unwrap();
     let d = w.device.as_ref().expect("the worker is device-timed");
@@ -232,7 +244,7 @@ fn a_device_timed_backends_spans_reach_the_ring() {
     // A host-timed backend is not.
     let host = ring(1);
     let producer = host.producer(0).unwrap();
-    feed(&producer, &mut Late::new(1).0, 1);
+    feed(&producer, &mut Late::new(1).0);
     assert!(host.snapshot().workers[0].device.is_none());
 }
 
@@ -302,8 +314,7 @@ fn a_pipeline_dropped_in_flight_quiesces_before_its_slots_go() {
         let slot = producer
             .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
             .unwrap();
-        pipe.submit(slot, spec(item), &[0; 3], &[1; 3], item, 0, false)
-            .unwrap();
+        pipe.submit(slot, gathered(item)).unwrap();
     }
     assert_eq!(*log.lock().unwrap(), [Event::Submit(0), Event::Quiesce]);
     let consumer = ring.consumer(0).unwrap();
@@ -366,26 +377,7 @@ fn failing(
     let (mut backend, _) = Late::new(depth);
     fail(&mut backend);
     let mut pipe = Pipeline::new(&producer, &mut backend).injecting(faults);
-    let mut run = || -> anyhow::Result<()> {
-        while let Some(item) = producer.claim_work() {
-            let slot = producer.reserve(proto::batch_len(&spec(item))? as usize)?;
-            let ids = [item as u32; 3];
-            pipe.submit(
-                slot,
-                spec(item),
-                &ids,
-                &[1; 3],
-                item,
-                0,
-                alone == Some(item),
-            )?;
-            while !pipe.has_room() {
-                pipe.commit_oldest()?;
-            }
-        }
-        Ok(())
-    };
-    run().expect_err("the backend fails");
+    drive(&producer, &mut pipe, alone).expect_err("the backend fails");
     drop(pipe);
     let in_hand = (ring.snapshot().worker(shm_ring::WorkerName::producer(0)))
         .unwrap()
@@ -437,18 +429,8 @@ fn a_batch_run_alone_has_nothing_else_in_flight() {
     let producer = ring.producer(0).unwrap();
     let (mut backend, log) = Late::new(2);
     let mut pipe = Pipeline::new(&producer, &mut backend);
-    while let Some(item) = producer.claim_work() {
-        let slot = producer
-            .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
-            .unwrap();
-        let ids = [item as u32; 3];
-        pipe.submit(slot, spec(item), &ids, &[1; 3], item, 0, item == 2)
-            .unwrap();
-        while !pipe.has_room() {
-            pipe.commit_oldest().unwrap();
-        }
-    }
-    while pipe.commit_oldest().unwrap().is_some() {}
+    drive(&producer, &mut pipe, Some(2)).unwrap();
+    while pipe.commit_oldest().unwrap() {}
     drop(pipe);
     let log = log.lock().unwrap().clone();
     let want = [
@@ -529,19 +511,7 @@ fn a_crash_issuing_a_batch_is_held_against_it_only_when_it_is_alone_on_the_devic
         let (mut backend, _) = Late::new(depth);
         backend.panic_submit = Some(panic_on);
         let mut pipe = Pipeline::new(&producer, &mut backend);
-        let run = std::panic::AssertUnwindSafe(|| {
-            while let Some(item) = producer.claim_work() {
-                let slot = producer
-                    .reserve(proto::batch_len(&spec(item)).unwrap() as usize)
-                    .unwrap();
-                let ids = [item as u32; 3];
-                pipe.submit(slot, spec(item), &ids, &[1; 3], item, 0, false)
-                    .unwrap();
-                while !pipe.has_room() {
-                    pipe.commit_oldest().unwrap();
-                }
-            }
-        });
+        let run = std::panic::AssertUnwindSafe(|| drive(&producer, &mut pipe, None));
         assert!(std::panic::catch_unwind(run).is_err());
         drop(pipe);
         let snap = ring.snapshot();
