@@ -16,7 +16,7 @@
 //! epoch first and contributes again, tagged with it; a round within one epoch, `commit_within`,
 //! returns `EpochChanged` instead). There is no third outcome, so survivors
 //! never disagree about which updates were applied, and the launcher knows exactly whether a
-//! dead rank's batch went into an applied update ([`Removed::committed_batch`]).
+//! dead rank's batch went into an applied update ([`Removed::committed`]).
 //!
 //! # A round (rank side)
 //!
@@ -123,8 +123,12 @@ pub(crate) struct Control {
 pub(crate) struct RankRec {
     /// `tag(epoch, step)` of this rank's latest contribution; 0 before any.
     pub(crate) arrived: AtomicU64,
-    /// The batch id that contribution came from ([`NO_BATCH`] for none).
+    /// The batch id of this rank's latest contribution that named one ([`NO_BATCH`] for none):
+    /// a contribution with no batch leaves it, unless it is to the same step (the batch's
+    /// round contributed again without it), which clears it.
     pub(crate) batch: AtomicU64,
+    /// `tag(epoch, step)` of the contribution that named `batch`.
+    pub(crate) batch_tag: AtomicU64,
     /// 1 while this rank asks to join.
     pub(crate) join: AtomicU32,
 }
@@ -199,13 +203,23 @@ pub struct Reduced {
 pub struct Removed {
     /// False if the rank was not a member (already removed, or never joined).
     pub was_member: bool,
-    /// The batch of the rank's last contribution if that contribution is in a committed step:
-    /// its update is applied. If the dead rank still holds that batch (it died between the
-    /// commit and its release), it must be retired, not redelivered; any other batch it holds
-    /// was not in an applied update and goes back to the ring.
-    pub committed_batch: Option<u64>,
+    /// The last batch the rank named in a contribution, if that contribution is in a committed
+    /// step: its update is applied. Rounds the rank contributed to since with no batch (a
+    /// Python rank's reduction of its loss, before it releases the batch) do not hide it. If
+    /// the dead rank still holds that batch (it died between the commit and its release), it
+    /// must be retired, not redelivered; any other batch it holds was not in an applied update
+    /// and goes back to the ring.
+    pub committed: Option<Committed>,
     /// The membership after the removal.
     pub membership: Membership,
+}
+
+/// A dead rank's batch whose update the group applied ([`Removed::committed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Committed {
+    pub batch: u64,
+    /// The step that applied it.
+    pub step: u32,
 }
 
 /// A rank's handle on the group protocol (any memory).
@@ -251,10 +265,18 @@ impl<M: Memory> Protocol<M> {
             dst.store(x.to_bits(), Ordering::Relaxed);
         }
         let r = self.mem.rank(rank);
-        r.batch.store(batch, Ordering::Relaxed);
+        let t = tag(w.epoch, step);
+        if batch != NO_BATCH {
+            r.batch.store(batch, Ordering::Relaxed);
+            r.batch_tag.store(t, Ordering::Relaxed);
+        } else if tag_step(r.batch_tag.load(Ordering::Relaxed)) == step {
+            // The batch's round, contributed again without it: it is in no round.
+            r.batch.store(NO_BATCH, Ordering::Relaxed);
+            r.batch_tag.store(0, Ordering::Relaxed);
+        }
         // SYNC: pairs with the Acquire load of `arrived` in all_arrived(): the buffer and batch
         // stores above are visible to whoever sees this tag.
-        r.arrived.store(tag(w.epoch, step), Ordering::Release);
+        r.arrived.store(t, Ordering::Release);
         self.bump();
     }
 
@@ -402,7 +424,7 @@ impl<M: Memory> Protocol<M> {
             if !member && !was_joining {
                 return Ok(Removed {
                     was_member: false,
-                    committed_batch: None,
+                    committed: None,
                     membership: w,
                 });
             }
@@ -423,20 +445,24 @@ impl<M: Memory> Protocol<M> {
             if !member {
                 return Ok(Removed {
                     was_member: false,
-                    committed_batch: None,
+                    committed: None,
                     membership: next,
                 });
             }
-            // The rank was a member up to `w`. Its arrival for the last committed step means its
-            // contribution is in that step (a member arrives again in every new epoch before a
-            // commit, and a joiner starts with no arrival). An arrival for w.step + 1 was not
-            // committed: that round is contributed again without it.
-            let arrived = r.arrived.load(Ordering::Acquire);
-            let committed = arrived != 0 && tag_step(arrived) == w.step;
+            // The rank was a member up to `w`, and is no more: it contributes nothing again. A
+            // member arrives again in every new epoch before a commit (and a joiner starts with
+            // no arrival), so the last contribution naming its batch, tagged with step `s`, is
+            // in step `s` if `s` is committed (`s <= w.step`): a later arrival for `s` would
+            // have named the batch again (a new tag) or none (clearing it). An arrival for
+            // w.step + 1 was not committed: that round is contributed again without it.
+            let t = r.batch_tag.load(Ordering::Acquire);
             let batch = r.batch.load(Ordering::Relaxed);
+            let step = tag_step(t);
+            let named = t != 0 && batch != NO_BATCH;
             return Ok(Removed {
                 was_member: true,
-                committed_batch: (committed && batch != NO_BATCH).then_some(batch),
+                committed: (named && step != w.step.wrapping_add(1))
+                    .then_some(Committed { batch, step }),
                 membership: next,
             });
         }
@@ -466,6 +492,7 @@ impl<M: Memory> Protocol<M> {
         // A previous incarnation's arrival must not count as this one's.
         r.arrived.store(0, Ordering::Relaxed);
         r.batch.store(NO_BATCH, Ordering::Relaxed);
+        r.batch_tag.store(0, Ordering::Relaxed);
         r.join.store(1, Ordering::Release);
         self.bump();
         loop {

@@ -13,7 +13,7 @@
 //!   membership changes first and it is contributed again: never committed for some ranks and
 //!   not for others, because commits and membership changes are CASes on one word.
 //! - **The launcher knows** whether a dead rank's last batch is in an applied update
-//!   ([`Removed::committed_batch`]): retire it if so, redeliver it otherwise. Exactly once.
+//!   ([`Removed::committed`]): retire it if so, redeliver it otherwise. Exactly once.
 //! - **No busy spin.** Waiters sleep on a shared futex for at most `shmem::sync::WAIT_SLICE`
 //!   (100 ms) at a time and ask their `stop` closure between sleeps. Atomics and waits come
 //!   from `shmem::sync`, which loom swaps for its own (the ring's models use the same).
@@ -31,7 +31,7 @@ mod segment;
 #[cfg(not(loom))]
 pub mod split;
 
-pub use group::{Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
+pub use group::{Committed, Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
 #[cfg(not(loom))]
 pub use segment::{GroupParams, Segment, LAYOUT_VERSION};
 

@@ -69,7 +69,7 @@ fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
         let removed = g.remove(1).unwrap();
         let (sum, members) = survivor.join().unwrap();
         assert!(removed.was_member);
-        match removed.committed_batch {
+        match removed.committed.map(|c| c.batch) {
             Some(b) => {
                 assert_eq!(b, 11);
                 assert_eq!((sum, members), (3.0, 0b11), "applied with rank 1");
@@ -103,7 +103,7 @@ fn a_commit_within_an_epoch_never_commits_without_a_member_of_that_epoch() {
         });
         dead.join().unwrap();
         let removed = g.remove(1).unwrap();
-        match (survivor.join().unwrap(), removed.committed_batch) {
+        match (survivor.join().unwrap(), removed.committed.map(|c| c.batch)) {
             (Ok(r), Some(11)) => {
                 assert_eq!((r.membership.members, r.step), (0b11, 1));
                 assert_eq!(g.membership().step, 1);
@@ -135,7 +135,7 @@ fn a_rank_dead_before_arriving_leaves_the_survivor_to_finish_alone() {
             out[0]
         });
         let removed = g.remove(1).unwrap();
-        assert_eq!(removed.committed_batch, None);
+        assert_eq!(removed.committed.map(|c| c.batch), None);
         assert_eq!(survivor.join().unwrap(), 1.0);
         assert!(!g.remove(1).unwrap().was_member);
     });
@@ -298,5 +298,72 @@ mod plain {
             g.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false),
             Err(GroupError::NotMember { rank: 0, .. })
         ));
+    }
+
+    /// Both ranks reduce step 1 with a batch (10, 11), then step 2 with none (a Python rank
+    /// reducing its loss before it releases its batch); rank 1 dies there, still holding batch
+    /// 11. Its update was applied at step 1, so the launcher must retire it. Told only of the
+    /// last contribution (none), it redelivered the batch and a live rank trained it twice.
+    #[test]
+    fn a_batch_applied_before_rounds_with_none_is_still_the_dead_ranks_committed_batch() {
+        let g = group(2, 0b11, 0);
+        let ranks: Vec<_> = [(0, 10), (1, 11)]
+            .into_iter()
+            .map(|(r, batch)| {
+                let g = g.clone();
+                thread::spawn(move || {
+                    let mut out = [0.0];
+                    g.all_reduce(r, &[1.0], batch, &mut out, &|| false).unwrap();
+                    g.all_reduce(r, &[1.0], NO_BATCH, &mut out, &|| false)
+                        .unwrap()
+                })
+            })
+            .collect();
+        for r in ranks {
+            assert_eq!(r.join().unwrap().step, 2);
+        }
+        let gone = g.remove(1).unwrap();
+        let committed = gone.committed.map(|c| (c.batch, c.step));
+        assert_eq!(committed, Some((11, 1)), "batch 11, applied at step 1");
+    }
+
+    /// Rank 1 contributes batch 11 to step 1 within epoch 1; rank 2 dies first, so the epoch
+    /// moves on and nothing commits. Rank 1 contributes to step 1 again with no batch (it gave
+    /// the batch back), the step commits without batch 11, and rank 1 dies. The launcher must
+    /// not retire batch 11: its samples would be lost.
+    #[test]
+    fn a_batch_whose_round_was_contributed_again_without_it_is_not_committed() {
+        let g = group(3, 0b111, 0);
+        let g1 = g.clone();
+        let within = thread::spawn(move || {
+            let mut out = [0.0];
+            g1.commit_within(1, 1, &[1.0], 11, &mut out, &|| false)
+        });
+        while g.mem.rank(1).arrived.load(shmem::sync::Ordering::Acquire) == 0 {
+            thread::yield_now();
+        }
+        g.remove(2).unwrap();
+        let changed = within.join().unwrap();
+        assert_eq!(
+            changed,
+            Err(GroupError::EpochChanged {
+                expected: 1,
+                now: 2
+            })
+        );
+        let ranks: Vec<_> = [(0, 10), (1, NO_BATCH)]
+            .into_iter()
+            .map(|(r, batch)| {
+                let g = g.clone();
+                thread::spawn(move || {
+                    let mut out = [0.0];
+                    g.all_reduce(r, &[1.0], batch, &mut out, &|| false).unwrap()
+                })
+            })
+            .collect();
+        for r in ranks {
+            assert_eq!(r.join().unwrap().step, 1);
+        }
+        assert_eq!(g.remove(1).unwrap().committed, None);
     }
 }

@@ -36,7 +36,7 @@ fn ranks_attached_by_name_reduce_and_a_dead_rank_is_removed_with_its_verdict() {
         .collect();
     // Rank 2 never arrives: the launcher removes it (standing in for its death).
     let gone = launcher.remove(2).unwrap();
-    assert!(gone.was_member && gone.committed_batch.is_none());
+    assert!(gone.was_member && gone.committed.is_none());
     for h in hs {
         assert_eq!(h.join().unwrap(), (42, 3.0, 0b011));
     }

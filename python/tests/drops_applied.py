@@ -1,12 +1,15 @@
 """The numpy example drafter, letting go of the batch holding sample 137 after the group's
 round applied it, without release(): `drop` goes on training (a forgotten release), `raise`
 raises (an error in the user's code after the update, e.g. in its checkpoint), `viewed`
-raises too, keeping a view of the batch alive to the end of the process. Only in the first
-incarnation (marked in the run directory); the batch and its round's step go to
+raises too, keeping a view of the batch alive to the end of the process. `loss`: every rank
+reduces its loss in a round of its own, with no batch, after each gradient round, and the
+rank holding the batch dies (os._exit) after that round, before its release. Only in the
+first incarnation (marked in the run directory); the batch and its round's step go to
 `<run-dir>/dropped-applied`.
 
 The batch was trained: every member applied its update. It must get one ledger line, at that
 step, and never be delivered again (a live rank would train it twice)."""
+import os
 import sys
 from pathlib import Path
 
@@ -59,7 +62,15 @@ class DropsApplied(Holding):
     def all_reduce(self, data, batch=None, **kwargs):
         real = None if batch is None else batch.batch
         r = self._w.all_reduce(data, batch=real, **kwargs)
-        if real is not None and MARKED in real.sample_ids and not self._marker.exists():
+        marked = real is not None and MARKED in real.sample_ids and not self._marker.exists()
+        if self._how == "loss":
+            if not r.everyone_ended:
+                self._w.all_reduce(np.zeros(1, dtype=np.float32), **kwargs)
+            if marked:
+                self._marker.write_text(f"{real.batch_id} {r.step}\n")
+                os._exit(1)
+            return r
+        if marked:
             self._marker.write_text(f"{real.batch_id} {r.step}\n")
             if self._how == "viewed":
                 KEPT.append(np.asarray(real.input_ids))

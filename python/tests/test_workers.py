@@ -171,6 +171,15 @@ def test_a_python_drafter_raising_after_an_update_has_its_batch_trained_once(run
     assert sum(w["restarts"] for w in s["workers"]) == 1, s
 
 
+def test_a_rank_dying_after_a_loss_round_has_its_applied_batch_trained_once(run):
+    # A round with no batch (the loss reduced for the log) came between the batch's update
+    # and the death: the launcher, told only of that last round, gave the batch back and a
+    # live rank trained it a second time.
+    s = a_drafter_dropping_an_applied_batch(run, "loss")
+    assert sum(w["restarts"] for w in s["workers"]) == 1, s
+    assert "whose update the group applied" in run.output(), s
+
+
 def test_a_batch_dropped_while_viewed_is_settled_when_the_drafter_goes(run):
     # Kept while its view lives, to the end of the process: it used to be freed there as if
     # released, with no ledger line (its samples never trained, the run degraded).

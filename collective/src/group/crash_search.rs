@@ -8,9 +8,10 @@
 //!   no stale one);
 //! - every batch is in at most one committed round, and a batch whose `all_reduce` returned is
 //!   in the round it returned;
-//! - `remove` says "retire" (`committed_batch: Some(b)`) only for the dead rank's last batch,
-//!   and exactly when that batch is in a committed round; "redeliver" (None) leaves the batch
-//!   out of every round for good;
+//! - `remove` says "retire" (`committed: Some(b)`) only for the dead rank's last batch (the
+//!   last it named: a rank sometimes contributes to a round with none, as a Python rank
+//!   reducing its loss does), and exactly when that batch is in a committed round, the one
+//!   `remove` names; "redeliver" (None) leaves the batch out of every round for good;
 //! - a joiner receives the state of the step it is admitted at.
 //!
 //! The ranks run the real `all_reduce` and `join`, each on its own thread, but only one thread
@@ -54,7 +55,7 @@ struct Call {
     thread: JoinHandle<()>,
     /// The futex word's value at the rank's last wait.
     seen: u32,
-    /// The batch it contributes (for a reduction).
+    /// The batch it contributes (for a reduction; [`NO_BATCH`] for none).
     batch: u64,
 }
 
@@ -75,9 +76,9 @@ enum Rank {
 /// What the launcher was told when it removed a dead rank, with what the rank had done.
 struct Verdict {
     rank: u32,
-    /// The batch of its last contribution, if any.
+    /// The last batch it contributed, if any.
     last: Option<u64>,
-    /// Its arrival's (epoch, step): the round that contribution was for.
+    /// The (epoch, step) of the round it contributed that batch to.
     arrival: (u16, u32),
     removed: Removed,
 }
@@ -86,7 +87,7 @@ struct Sim {
     g: Arc<Protocol<HeapMem>>,
     rng: Xoshiro256PlusPlus,
     ranks: Vec<Rank>,
-    /// The batch each rank contributed last (written before its arrival), if any.
+    /// The last batch each rank contributed (written before its arrival), if any.
     last: Vec<Option<u64>>,
     incarnations: Vec<u32>,
     target: u32,
@@ -130,7 +131,8 @@ impl Sim {
             incarnations: vec![0; n as usize],
             target,
             kills_left,
-            next_batch: 0,
+            // Batch ids from 1: a rank contributing none writes 0.
+            next_batch: 1,
             rounds: Default::default(),
             verdicts: Vec::new(),
             log,
@@ -159,12 +161,16 @@ impl Sim {
     }
 
     fn spawn_reduce(&mut self, r: u32) -> Call {
-        let batch = self.next_batch;
-        self.next_batch += 1;
+        let batch = if self.rng.random_bool(0.25) {
+            NO_BATCH
+        } else {
+            self.next_batch += 1;
+            self.next_batch - 1
+        };
         let n = self.ranks.len();
         let mut data = vec![0.0f32; n];
         // Each rank writes its batch id in its own element: a sum shows who contributed what.
-        data[r as usize] = batch as f32;
+        data[r as usize] = value(batch);
         let (resume, resume_rx) = channel::<bool>();
         let (tx, events) = channel();
         let g = self.g.clone();
@@ -178,8 +184,12 @@ impl Sim {
             let res = g.all_reduce(r, &data, batch, &mut out, &stop);
             let _ = tx.send(Event::Reduced(res, out));
         });
-        self.last[r as usize] = Some(batch);
-        self.log.push(format!("rank {r} reduces batch {batch}"));
+        if batch != NO_BATCH {
+            self.last[r as usize] = Some(batch);
+            self.log.push(format!("rank {r} reduces batch {batch}"));
+        } else {
+            self.log.push(format!("rank {r} reduces with no batch"));
+        }
         Call {
             resume,
             events,
@@ -274,7 +284,7 @@ impl Sim {
         self.check(red.membership.contains(r), || {
             format!("rank {r} applied a round without itself")
         });
-        self.check(out[r as usize] == batch as f32, || {
+        self.check(out[r as usize] == value(batch), || {
             format!("rank {r}'s batch {batch} is not in its round: {out:?}")
         });
         for (q, &x) in out.iter().enumerate() {
@@ -410,6 +420,7 @@ impl Sim {
         if arrive {
             let rec = self.g.mem.rank(r);
             rec.batch.store(batch, Ordering::Relaxed);
+            rec.batch_tag.store(tag(w.epoch, s), Ordering::Relaxed);
             rec.arrived.store(tag(w.epoch, s), Ordering::Release);
             self.last[r as usize] = Some(batch);
         }
@@ -420,8 +431,8 @@ impl Sim {
 
     /// The launcher removes dead rank `r`, then restarts it (a join) or gives it up.
     fn remove(&mut self, r: u32) {
-        // The dead rank's arrival names the round its last contribution was for.
-        let t = self.g.mem.rank(r).arrived.load(Ordering::Acquire);
+        // The round the dead rank's last batch was contributed to.
+        let t = self.g.mem.rank(r).batch_tag.load(Ordering::Acquire);
         let arrival = ((t >> 32) as u16, t as u32);
         let removed = self.g.remove(r).unwrap();
         self.log
@@ -430,7 +441,7 @@ impl Sim {
             format!("rank {r} still a member after its removal")
         });
         let last = self.last[r as usize];
-        if let Some(b) = removed.committed_batch {
+        if let Some(b) = removed.committed.map(|c| c.batch) {
             self.check(Some(b) == last, || {
                 format!("retire {b}, but rank {r}'s last batch is {last:?}")
             });
@@ -449,6 +460,7 @@ impl Sim {
                 let rec = self.g.mem.rank(r);
                 rec.arrived.store(0, Ordering::Relaxed);
                 rec.batch.store(NO_BATCH, Ordering::Relaxed);
+                rec.batch_tag.store(0, Ordering::Relaxed);
                 rec.join.store(1, Ordering::Release);
                 self.kills_left -= 1;
                 self.last[i] = None;
@@ -477,7 +489,7 @@ impl Sim {
         // Every batch is in at most one round.
         let mut seen = std::collections::BTreeSet::new();
         for (step, (m, out)) in &self.rounds {
-            for q in m.ranks() {
+            for q in m.ranks().filter(|&q| out[q as usize] != 0.0) {
                 let b = out[q as usize] as u64;
                 self.check(seen.insert(b), || {
                     format!("batch {b} applied twice (round {step:?})")
@@ -493,10 +505,11 @@ impl Sim {
                 .iter()
                 .find(|(_, (m, out))| m.contains(*r) && out[*r as usize] == *b as f32)
                 .map(|(&s, _)| s);
-            match removed.committed_batch {
-                Some(_) => {
+            match removed.committed {
+                Some(c) => {
                     // Its round may have no surviving witness; if one returned it, it holds b.
-                    self.check(arrival.1 == removed.membership.step, || {
+                    let committed = c.step == arrival.1 && c.step <= removed.membership.step;
+                    self.check(committed, || {
                         format!("rank {r} retired {b} from {arrival:?}, group at {removed:?}")
                     });
                     if let Some((m, out)) = self.rounds.get(arrival) {
@@ -513,6 +526,15 @@ impl Sim {
     }
 }
 
+/// What a rank contributing `batch` writes in its element of the sum: the id, 0 for none.
+fn value(batch: u64) -> f32 {
+    if batch == NO_BATCH {
+        0.0
+    } else {
+        batch as f32
+    }
+}
+
 std::thread_local! {
     /// Rounds committed, retire and redeliver verdicts, and rounds contributed again, over the
     /// seeds this thread ran: the summary line shows the search reaches each case.
@@ -526,12 +548,12 @@ fn replay(seed: u64) {
     let retire = sim
         .verdicts
         .iter()
-        .filter(|v| v.removed.committed_batch.is_some())
+        .filter(|v| v.removed.committed.is_some())
         .count();
     let redeliver = sim
         .verdicts
         .iter()
-        .filter(|v| v.last.is_some() && v.removed.committed_batch.is_none())
+        .filter(|v| v.last.is_some() && v.removed.committed.is_none())
         .count();
     let retried = sim.log.iter().filter(|l| l.contains("retries: 1")).count();
     TOTALS.with(|t| {

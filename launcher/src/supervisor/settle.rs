@@ -189,7 +189,7 @@ impl Supervisor<'_> {
             return self.recover_target(name, struck);
         }
         let gone = self.group.remove(index)?;
-        let committed = gone.committed_batch.map(|b| (b, gone.membership.step));
+        let committed = gone.committed.map(|c| (c.batch, c.step));
         let mut settle = Vec::new();
         if let Some((batch, _)) = committed {
             settle.push((batch, Settle::Retire));
