@@ -29,8 +29,13 @@ where
     write(tmp.path())?;
     File::open(tmp.path())?.sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
-    File::open(dir)?.sync_all()?;
-    Ok(())
+    Ok(sync_dir(dir)?)
+}
+
+/// Makes the entries of `dir` durable (a file created or renamed in it): without it, a file
+/// synced itself may still be missing after a power loss.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// Writes `bytes` to `path` atomically.

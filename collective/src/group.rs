@@ -472,7 +472,8 @@ impl<M: Memory> Protocol<M> {
     /// membership it joined and the step of the state it was handed; `None` when the group was
     /// empty (every rank dead), so it admitted itself and nobody could hand it a state: the
     /// group then goes on from `own_step`, the step of the state the joiner can load itself
-    /// (its last checkpoint).
+    /// (its last checkpoint), or from its own last step if that is later (the returned
+    /// membership's step): the updates after `own_step` were lost.
     pub(crate) fn join(
         &self,
         rank: u32,
@@ -507,10 +508,12 @@ impl<M: Memory> Protocol<M> {
                 return Ok((w, Some(step)));
             }
             if w.is_empty() {
-                // Nobody is left to hand over a state: admit ourselves.
+                // Nobody is left to hand over a state: admit ourselves. The group goes on from
+                // its own last step if the joiner's state is older (the updates between were
+                // lost with the ranks that made them): a step number is never used twice.
                 let next = Membership {
                     epoch: w.epoch.wrapping_add(1),
-                    step: own_step,
+                    step: own_step.max(w.step),
                     members: 1 << rank,
                 };
                 // SYNC: AcqRel, as every change of the group word.

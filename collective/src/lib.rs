@@ -87,7 +87,9 @@ pub trait Collective {
     /// A restarted rank: waits to be admitted, then fills `state` with the leader's state and
     /// returns the membership and the step that state is from; `None` if the group was empty
     /// and it admitted itself: the group then goes on from `own_step`, the step of the state it
-    /// loads itself (its last checkpoint).
+    /// loads itself (its last checkpoint), or from the group's own last step if that is later
+    /// (the membership's step): the updates after `own_step` were lost, and no step number is
+    /// used twice (`proto::ledger::LostSteps`).
     fn join(
         &self,
         state: &mut [u32],

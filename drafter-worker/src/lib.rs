@@ -35,7 +35,7 @@ use cuda::nccl_group::NcclTransport;
 use gpu::{BackendKind, DeviceClock, DrafterBackend, StepBuffer, StepStats};
 use proto::config::CollectiveKind;
 use proto::control::{FinalReport, ToLauncher};
-use proto::ledger::{Ledger, LedgerLine};
+use proto::ledger::{self, Ledger, LedgerLine, LostSteps};
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role};
 use worker_runtime::{setup, Setup, WorkerArgs};
 
@@ -306,10 +306,8 @@ impl<'c, 'r> Rank<'c, 'r> {
             self.faults.in_join();
             false
         };
-        match self
-            .group
-            .join(&mut state, self.backend.step() as u32, &joining)?
-        {
+        let own = self.backend.step();
+        match self.group.join(&mut state, own as u32, &joining)? {
             (m, Some(step)) => {
                 self.backend.import_state(&state)?;
                 tracing::info!(
@@ -318,11 +316,19 @@ impl<'c, 'r> Rank<'c, 'r> {
                     "joined the group with the leader's state"
                 );
             }
-            (m, None) => tracing::warn!(
-                step = m.step,
-                "the group was empty: it goes on from the last checkpoint; updates after it \
-                 were lost with the ranks that made them"
-            ),
+            (m, None) => {
+                let group = u64::from(m.step);
+                if let Some(lost) = LostSteps::between(self.s.index, own, group) {
+                    // Recorded before any update of ours: the summary counts those batches
+                    // untrained, and a resume trains them again.
+                    ledger::record_lost(&self.s.run_dir, &lost)
+                        .context("recording the group's lost updates")?;
+                    self.backend.skip_to(group);
+                    tracing::warn!(checkpoint = own, "{lost}");
+                } else {
+                    tracing::warn!(step = own, "the group was empty: it goes on from our state");
+                }
+            }
         }
         self.consumer.enter(Phase::Other);
         Ok(())

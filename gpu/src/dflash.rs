@@ -772,6 +772,10 @@ impl DrafterBackend for DflashDrafter {
         self.step
     }
 
+    fn skip_to(&mut self, step: u64) {
+        self.step = self.step.max(step);
+    }
+
     fn digest(&self) -> u64 {
         self.digest
     }

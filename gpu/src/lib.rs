@@ -233,8 +233,13 @@ pub trait DrafterBackend {
         self.gradient(batch, &mut b)?;
         self.apply(&b)
     }
-    /// Steps applied so far (restored from a checkpoint, then counting on).
+    /// The group step of the last update applied (restored from a checkpoint, then counting
+    /// on).
     fn step(&self) -> u64;
+    /// Moves the step on to `step`, the group's, with no update: the group went on past updates
+    /// that were lost (`proto::ledger::LostSteps`), and a step number is never used twice. The
+    /// optimizer keeps its own count of the updates it made.
+    fn skip_to(&mut self, step: u64);
     /// A digest of the weights: equal on every rank after every step.
     fn digest(&self) -> u64;
     /// Writes weights, optimizer state and step to `path` (the caller makes it atomic).

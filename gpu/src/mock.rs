@@ -373,6 +373,10 @@ impl DrafterBackend for MockDrafter {
         self.step
     }
 
+    fn skip_to(&mut self, step: u64) {
+        self.step = self.step.max(step);
+    }
+
     fn digest(&self) -> u64 {
         digest(&self.weights)
     }

@@ -4,8 +4,9 @@
 //! The checkpoint holds the model and optimizer after step S. A ledger line with step <= S is
 //! a batch whose update is in it: that batch is done and is never trained again (its work item
 //! is marked DONE in the new ring). A line with a later step recorded an update that was lost
-//! with the processes: it is dropped from the ledger and its batch is trained again. Torn lines
-//! go too. Nothing in the run directory is changed until everything has been checked, so a bad
+//! with the processes: it is dropped from the ledger and its batch is trained again. So is a line
+//! in steps whose updates were lost while the run went on (every drafter died, and the group
+//! went on from a checkpoint: `lost-steps.jsonl`), whatever its step. Torn lines go too. Nothing in the run directory is changed until everything has been checked, so a bad
 //! resume leaves the run as it was.
 //!
 //! The GPUs: the run directory records the lists its last launcher ran on (`gpus.json`), so
@@ -77,8 +78,10 @@ pub struct Resume {
     pub done: BTreeSet<u64>,
     /// Each ledger file and the lines it keeps.
     ledgers: Vec<(PathBuf, Vec<String>)>,
-    /// Lines dropped (updates after the checkpoint, torn lines).
+    /// Lines dropped (updates after the checkpoint or lost, torn lines).
     pub dropped: usize,
+    /// The run's record of lost steps: applied by the ledgers' rewrite, then removed.
+    lost_steps: PathBuf,
 }
 
 /// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
@@ -112,6 +115,7 @@ pub fn check(
     } else {
         0
     };
+    let lost = ledger::read_lost(run_dir)?;
     let mut ledgers = Vec::new();
     let (mut done, mut dropped) = (BTreeSet::new(), 0);
     let mut files = 0;
@@ -124,7 +128,7 @@ pub fn check(
         let mut keep = Vec::new();
         for entry in entries {
             match entry.line {
-                Some(l) if l.step <= u64::from(step) => {
+                Some(l) if l.step <= u64::from(step) && !ledger::LostSteps::any_has(&lost, &l) => {
                     if l.batch_id >= batches {
                         bail!(
                             "{} names batch {}, but the run's plan has {batches}: did its data change?",
@@ -162,12 +166,15 @@ pub fn check(
         done,
         ledgers,
         dropped,
+        lost_steps: run_dir.lost_steps(),
     })
 }
 
 impl Resume {
     /// Rewrites the ledgers to the lines kept (atomically: a crash leaves the old ledger or
-    /// the new one).
+    /// the new one), then removes the record of lost steps, whose lines are gone: the resumed
+    /// run may use those step numbers again. A crash between the two leaves the record for the
+    /// next resume, which drops nothing more.
     pub fn apply(&self) -> anyhow::Result<()> {
         for (path, keep) in &self.ledgers {
             let mut text = keep.join("\n");
@@ -177,6 +184,12 @@ impl Resume {
             atomic_file::replace(path, text.as_bytes())
                 .with_context(|| format!("replacing {}", path.display()))?;
         }
-        Ok(())
+        let lost = &self.lost_steps;
+        match std::fs::remove_file(lost) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            removed => removed
+                .and_then(|()| atomic_file::sync_dir(lost.parent().unwrap_or(Path::new("."))))
+                .with_context(|| format!("removing {}", lost.display())),
+        }
     }
 }

@@ -98,6 +98,9 @@ pub struct Summary {
     /// Batches set aside untrained after killing the targets that computed them or the drafters
     /// that took them (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
     pub batches_set_aside: u64,
+    /// Batches trained in steps whose updates were lost when every drafter died
+    /// (`lost-steps.jsonl`): not in `batches_trained`, their samples untrained.
+    pub batches_lost: u64,
     pub tokens_trained: u64,
     /// Ledger lines that could not be read (a drafter killed mid-line).
     pub torn_ledger_lines: u64,
@@ -146,8 +149,9 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         restarts,
         drafter,
     } = *f;
-    let (lines, torn) = proto::ledger::read_all(run_dir, drafters)?;
-    let acct = proto::ledger::account(&lines, epochs);
+    let ledgers = proto::ledger::read_all(run_dir, drafters)?;
+    let (lines, torn) = (&ledgers.lines, ledgers.torn);
+    let acct = proto::ledger::account(lines, epochs);
     let batches = lines.len() as u64;
     let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
     let wall_s = wall.as_secs_f64();
@@ -182,6 +186,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         batches_trained: batches,
         redelivered: snap.counters.redelivered,
         batches_set_aside: snap.counters.set_aside,
+        batches_lost: ledgers.lost.len() as u64,
         tokens_trained: tokens,
         torn_ledger_lines: torn,
         wall_s,
@@ -236,6 +241,14 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
         notes.push(format!(
             "{} sample(s) were trained more than once within an epoch (see the ledgers)",
             s.samples_not_once
+        ));
+    }
+    if s.batches_lost > 0 {
+        notes.push(format!(
+            "{} batch(es) were trained in steps whose updates were lost when every drafter died \
+             (see lost-steps.jsonl): their samples count as untrained, and `launcher --resume` \
+             trains them",
+            s.batches_lost
         ));
     }
     if s.torn_ledger_lines > 0 {

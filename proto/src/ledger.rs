@@ -21,6 +21,9 @@ use serde::{Deserialize, Serialize};
 use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
+mod lost;
+pub use lost::{read_lost, record_lost, LostSteps};
+
 /// One line of a drafter's ledger: a batch it trained on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LedgerLine {
@@ -91,19 +94,36 @@ pub fn read(run_dir: &RunDir, index: u32) -> Result<Option<Vec<Entry>>, LedgerEr
     ))
 }
 
-/// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), and how many
-/// lines could not be read (torn by a kill).
-pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<(Vec<LedgerLine>, u64), LedgerError> {
-    let (mut lines, mut torn) = (Vec::new(), 0);
+/// What the ledgers of a run hold: see [`read_all`].
+#[derive(Clone, Debug, Default)]
+pub struct Ledgers {
+    /// The lines of batches trained: their updates are in the weights.
+    pub lines: Vec<LedgerLine>,
+    /// Lines that could not be read (torn by a kill).
+    pub torn: u64,
+    /// Lines whose updates were lost ([`LostSteps`]): their batches are untrained.
+    pub lost: Vec<LedgerLine>,
+    /// The lost ranges.
+    pub lost_steps: Vec<LostSteps>,
+}
+
+/// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), those in
+/// lost steps apart.
+pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<Ledgers, LedgerError> {
+    let mut out = Ledgers {
+        lost_steps: read_lost(run_dir)?,
+        ..Ledgers::default()
+    };
     for d in 0..drafters {
         for entry in read(run_dir, d)?.unwrap_or_default() {
             match entry.line {
-                Some(l) => lines.push(l),
-                None => torn += 1,
+                Some(l) if LostSteps::any_has(&out.lost_steps, &l) => out.lost.push(l),
+                Some(l) => out.lines.push(l),
+                None => out.torn += 1,
             }
         }
     }
-    Ok((lines, torn))
+    Ok(out)
 }
 
 /// What the ledgers say about exactly-once training: every sample once in every epoch.
@@ -455,8 +475,8 @@ mod tests {
             .unwrap();
         end_torn_line(&mut f).unwrap();
         f.write_all(format!("{whole}\n").as_bytes()).unwrap();
-        let (lines, torn) = read_all(&dir, 1).unwrap();
-        assert_eq!((lines.len(), torn), (2, 1));
+        let read = read_all(&dir, 1).unwrap();
+        assert_eq!((read.lines.len(), read.torn), (2, 1));
     }
 
     #[test]
@@ -480,6 +500,26 @@ mod tests {
         );
         std::fs::write(run.ledger(1), text).unwrap();
         // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
-        assert_eq!(read_all(&run, 2).unwrap(), (vec![line], 1));
+        let read = read_all(&run, 2).unwrap();
+        assert_eq!((read.lines, read.torn), (vec![line.clone()], 1));
+        assert!(read.lost.is_empty() && read.lost_steps.is_empty());
+        // Steps 2..=4 lost: drafter 0's line of step 3 is set apart, its step-1 line is not.
+        let lost = LostSteps::between(0, 1, 4).unwrap();
+        record_lost(&run, &lost).unwrap();
+        let in_lost = LedgerLine {
+            step: 3,
+            ..line.clone()
+        };
+        let mut ledger = Ledger::open(&run.ledger(0)).unwrap();
+        ledger.append(&line).unwrap();
+        ledger.append(&in_lost).unwrap();
+        let read = read_all(&run, 2).unwrap();
+        assert_eq!(read.lines, [line.clone(), line]);
+        assert_eq!((read.lost, read.lost_steps), (vec![in_lost], vec![lost]));
+        assert_eq!(
+            LostSteps::between(0, 4, 4),
+            None,
+            "none lost at the group's step"
+        );
     }
 }

@@ -189,6 +189,12 @@ impl RunDir {
         self.0.join("set-aside.jsonl")
     }
 
+    /// The group steps whose updates were lost when every drafter died (`ledger::LostSteps`),
+    /// one JSON line each.
+    pub fn lost_steps(&self) -> PathBuf {
+        self.0.join("lost-steps.jsonl")
+    }
+
     pub fn checkpoints_dir(&self) -> PathBuf {
         self.0.join("checkpoints")
     }

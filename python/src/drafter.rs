@@ -311,8 +311,10 @@ impl Drafter {
     /// `(step, state)`, the leader's live state (uint32 words, as the leader passed them to
     /// `admit`); None for a rank that is a member already (a first incarnation) or if the group
     /// was empty (every rank gone): the group then goes on from `step`, that of the state this
-    /// rank loads itself (its last checkpoint; 0 if None), so the steps the ledger records go
-    /// on rising.
+    /// rank loads itself (its last checkpoint; 0 if None), or from the group's own last step if
+    /// that is later (`membership` says which), so the steps the ledger records go on rising.
+    /// The updates between were lost with the ranks that made them: recorded in the run
+    /// directory's `lost-steps.jsonl`, their batches count as untrained (a resume trains them).
     #[pyo3(signature = (step=None))]
     fn join(&self, py: Python<'_>, step: Option<u64>) -> PyResult<Option<(u64, View)>> {
         crate::group::join(&self.d.core, &self.d.group, py, step)

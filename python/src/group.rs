@@ -209,6 +209,13 @@ pub fn join(
     }
     let (m, step) = got.map_err(err)?;
     tracing::info!(epoch = m.epoch, step = ?step, "joined the group");
+    let lost = proto::ledger::LostSteps::between(g.c.rank(), asked, u64::from(m.step));
+    if let (None, Some(lost)) = (step, lost) {
+        // Admitted alone, with an older state than the group's: recorded before any update of
+        // this rank's (the summary counts those batches untrained; a resume trains them).
+        proto::ledger::record_lost(&core.setup.run_dir, &lost).map_err(err)?;
+        tracing::warn!(checkpoint = asked, "{lost}");
+    }
     Ok(step.map(|s| {
         let bytes: Vec<u8> = state.iter().flat_map(|w| w.to_le_bytes()).collect();
         (

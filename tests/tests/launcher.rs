@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
+use proto::ledger::LostSteps;
 use proto::plan::{plan, Epochs};
 use proto::{LedgerLine, PipelineConfig, RunDir};
 use shm_ring::{Ring, Role, Snapshot, WorkerName};
@@ -1434,6 +1435,74 @@ fn two_epochs_train_every_sample_once_in_each_epoch_and_the_summary_says_so() {
     assert!(ticks.windows(2).all(|w| w[0] <= w[1]), "{ticks:?}");
     assert_eq!(ticks.last(), Some(&2), "{ticks:?}");
     assert!(out.contains("(epoch 2/2)"), "{out}");
+}
+
+/// One drafter, checkpointing every 10 steps, crashes after its 25th batch: its restart finds
+/// the group empty and goes on from its checkpoint of step 20, so the updates of the steps
+/// after it are lost, though their batches have ledger lines and left the ring. Before, the run
+/// reused those step numbers and ended `ok` with those batches counted trained. Now the range
+/// is recorded, the group's steps go on (no step twice), the batches count untrained (exit 3,
+/// said), and `launcher --resume` trains them: every sample once in the weights.
+#[test]
+fn updates_lost_when_every_drafter_died_are_untrained_until_a_resume_trains_them() {
+    let run = Run::new("llost");
+    let cfg = config(&run.dir, false, "[faults.drafter-0]\ncrash_after = 25\n");
+    edit_config(&cfg, "checkpoint_every = 3", "checkpoint_every = 10");
+    let run_dir = run.run_dir();
+    let (cfg, run_dir) = (cfg.to_str().unwrap(), run_dir.to_str().unwrap());
+    let args = [
+        "--targets",
+        "0-1",
+        "--drafters",
+        "2",
+        "--config",
+        cfg,
+        "--run-dir",
+        run_dir,
+    ];
+    let launcher = spawn(&workspace_bin("launcher"), &args);
+    let pid = launcher.child.id();
+    let (status, err) = launcher.wait_status_keep();
+    no_segment_of(pid);
+    assert_eq!(status.code(), Some(3), "{err}");
+    let text = std::fs::read_to_string(RunDir::new(run.run_dir()).lost_steps()).unwrap();
+    let lost: Vec<LostSteps> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lost.len(), 1, "{text}");
+    assert_eq!((lost[0].first, lost[0].rank), (21, 0), "{text}");
+    let lines = run.ledgers();
+    let mut steps: Vec<u64> = lines.iter().map(|l| l.step).collect();
+    steps.sort_unstable();
+    assert!(
+        steps.windows(2).all(|w| w[0] != w[1]),
+        "a step used twice: {steps:?}"
+    );
+    let (gone, kept): (Vec<_>, Vec<_>) = lines.iter().partition(|l| lost[0].contains(l.step));
+    assert!(!gone.is_empty(), "no batch in the lost steps: {text}");
+    let s = run.summary();
+    assert_eq!(s["batches_lost"], gone.len(), "{s}");
+    let trained: std::collections::HashSet<u64> = kept
+        .iter()
+        .flat_map(|l| l.sample_ids.iter().copied())
+        .collect();
+    assert!(trained.len() < 400, "{s}");
+    assert_eq!(s["samples_trained"], trained.len(), "{s}");
+    let notes = s["notes"].to_string();
+    assert!(
+        notes.contains("whose updates were lost when every drafter died"),
+        "{s}"
+    );
+    // The resume drops the lost lines and trains their batches again.
+    let resumed = spawn(&workspace_bin("launcher"), &["--resume", run_dir]);
+    let out = resumed.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    assert_eq!(run.summary()["ok"], true, "{out}");
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 400, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "every sample once");
+    assert!(!RunDir::new(run.run_dir()).lost_steps().exists());
 }
 
 /// A two-epoch run SIGKILLed in its second epoch, then `launcher --resume RUN_DIR`: the run goes

@@ -1,0 +1,92 @@
+//! Updates lost with the group's state: every drafter rank died, and the first one back had no
+//! live rank to hand it the weights, so it went on from its checkpoint (step C) while the group
+//! had applied up to step M. The batches trained in steps C+1..=M have ledger lines, and their
+//! slots were released, but their updates are not in the weights. The rank records the range
+//! here (`RunDir::lost_steps`, one JSON line each, synced before it trains on) and the group
+//! goes on from step M, so no step number is used twice and a range names its lines alone.
+//!
+//! A ledger line whose step is in a lost range does not count as trained: the run's summary
+//! counts its samples untrained (the run ends degraded) and `--resume` trains them again.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+
+use serde::{Deserialize, Serialize};
+
+use super::{io, LedgerError, LedgerLine};
+use crate::RunDir;
+
+/// Steps `first..=last` whose updates were lost.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostSteps {
+    pub first: u64,
+    pub last: u64,
+    /// The drafter rank that went on from its checkpoint (of step `first - 1`).
+    pub rank: u32,
+}
+
+impl LostSteps {
+    /// The steps a rank going on from its checkpoint of step `checkpoint` loses, when the group
+    /// had applied up to step `group`; None when it loses none.
+    pub fn between(rank: u32, checkpoint: u64, group: u64) -> Option<LostSteps> {
+        (group > checkpoint).then_some(LostSteps {
+            first: checkpoint + 1,
+            last: group,
+            rank,
+        })
+    }
+
+    pub fn contains(&self, step: u64) -> bool {
+        (self.first..=self.last).contains(&step)
+    }
+
+    /// Whether `line`'s update is lost in any of `lost`.
+    pub fn any_has(lost: &[LostSteps], line: &LedgerLine) -> bool {
+        lost.iter().any(|l| l.contains(line.step))
+    }
+}
+
+impl std::fmt::Display for LostSteps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the updates of steps {}..={} were lost when every drafter died: drafter-{} went \
+             on from its checkpoint of step {}",
+            self.first,
+            self.last,
+            self.rank,
+            self.first - 1
+        )
+    }
+}
+
+/// For a drafter: records `lost` and makes it durable, before it trains on.
+pub fn record_lost(run_dir: &RunDir, lost: &LostSteps) -> Result<(), LedgerError> {
+    let path = run_dir.lost_steps();
+    let mut text = serde_json::to_string(lost)?;
+    text.push('\n');
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io("opening", &path))?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_data())
+        .map_err(io("appending to", &path))?;
+    atomic_file::sync_dir(run_dir.path()).map_err(io("syncing the directory of", &path))
+}
+
+/// The lost ranges of the run (none if the file is missing). A line that does not parse was
+/// torn by a kill, before its rank trained on: it is skipped, and the rank's restart, finding
+/// the group empty again, records the range again.
+pub fn read_lost(run_dir: &RunDir) -> Result<Vec<LostSteps>, LedgerError> {
+    let path = run_dir.lost_steps();
+    match std::fs::read_to_string(&path) {
+        Ok(t) => Ok(t
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io("reading", &path)(e)),
+    }
+}
