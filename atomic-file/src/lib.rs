@@ -2,8 +2,9 @@
 //! a temporary file in the same directory, sync it, rename it over the target, sync the
 //! directory (without that last sync the rename itself may not survive a power loss). Used for
 //! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
-//! report's SVG, a prepared dataset and its input stamps. A crate of its own, below `dataset` and
-//! `proto`, so that preparing a dataset needs none of hspipe's contracts.
+//! report's SVG, a prepared dataset and its input stamps; and, with [`replace_dir_with`], the
+//! drafter's export directory. A crate of its own, below `dataset` and `proto`, so that
+//! preparing a dataset needs none of hspipe's contracts.
 
 use std::fs::File;
 use std::io;
@@ -15,10 +16,7 @@ pub fn replace_with<E>(path: &Path, write: impl FnOnce(&Path) -> Result<(), E>) 
 where
     E: From<io::Error>,
 {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = parent_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     // Mode 0666 less the umask, as `std::fs::write` would create it (tempfile's own is 0600).
     let tmp = tempfile::Builder::new()
@@ -41,6 +39,98 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 /// Writes `bytes` to `path` atomically.
 pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace_with(path, |tmp| std::fs::write(tmp, bytes))
+}
+
+/// Writes the directory `dir` whole with `write`, which gets an empty directory beside it to
+/// fill: every file in it is synced, then it is swapped in for `dir` with one atomic exchange
+/// (`renameat2`'s `RENAME_EXCHANGE`) and the parent synced, so a reader or a crash sees the old
+/// directory or the new one, never a mix and never none. Where the file system cannot exchange,
+/// the old directory is moved aside first (a crash between the two renames leaves it as
+/// `.<name>.old-<pid>`, and no `dir`). The temporary directory is `.<name>.new-<pid>`; what a
+/// killed writer leaves is for [`leftovers`] to find.
+pub fn replace_dir_with<E>(dir: &Path, write: impl FnOnce(&Path) -> Result<(), E>) -> Result<(), E>
+where
+    E: From<io::Error>,
+{
+    let parent = parent_of(dir);
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = parent.join(format!(".{name}.new-{}", std::process::id()));
+    match std::fs::remove_dir_all(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e.into()),
+        _ => {}
+    }
+    std::fs::create_dir(&tmp)?;
+    if let Err(e) = write(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    for entry in std::fs::read_dir(&tmp)? {
+        let path = entry?.path();
+        if path.is_file() {
+            File::open(&path)?.sync_all()?;
+        }
+    }
+    sync_dir(&tmp)?;
+    if !dir.exists() {
+        std::fs::rename(&tmp, dir)?;
+        return Ok(sync_dir(parent)?);
+    }
+    use rustix::fs::{renameat_with, RenameFlags, CWD};
+    use rustix::io::Errno;
+    match renameat_with(CWD, &tmp, CWD, dir, RenameFlags::EXCHANGE) {
+        Ok(()) => {}
+        // A file system, or a kernel, that cannot exchange.
+        Err(e) if [Errno::INVAL, Errno::NOSYS, Errno::NOTSUP, Errno::OPNOTSUPP].contains(&e) => {
+            let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+            std::fs::rename(dir, &old)?;
+            std::fs::rename(&tmp, dir)?;
+            sync_dir(parent)?;
+            let _ = std::fs::remove_dir_all(&old);
+            return Ok(());
+        }
+        Err(e) => return Err(io::Error::from(e).into()),
+    }
+    sync_dir(parent)?;
+    // The old directory, now at the temporary name.
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(())
+}
+
+/// What killed writers left beside `path` (a file of [`replace_with`], a directory of
+/// [`replace_dir_with`]): temporary files and directories, and a directory moved aside. Call
+/// only when no writer of `path` runs (a launcher before its workers start, or after they
+/// ended): a writer's temporary is listed too.
+pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+    let parent = parent_of(path);
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let ours = format!(".{name}.");
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(parent) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+        r => r?,
+    };
+    for entry in entries {
+        let entry = entry?;
+        let n = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = n.strip_prefix(&ours) else {
+            continue;
+        };
+        let pid = |p: &str| {
+            rest.strip_prefix(p)
+                .is_some_and(|p| p.parse::<u32>().is_ok())
+        };
+        if rest.ends_with(".tmp") || pid("new-") || pid("old-") {
+            out.push(entry.path());
+        }
+    }
+    Ok(out)
+}
+
+fn parent_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
 }
 
 #[cfg(test)]
@@ -66,5 +156,52 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["summary.json"], "no temporary left");
+    }
+
+    #[test]
+    fn a_directory_is_replaced_whole_and_a_failed_write_leaves_the_old_one() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("drafter");
+        let write =
+            |text: &'static str| move |tmp: &Path| std::fs::write(tmp.join("config.json"), text);
+        replace_dir_with(&dir, write("one")).unwrap();
+        replace_dir_with(&dir, write("two")).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("config.json")).unwrap(),
+            "two"
+        );
+        let e = replace_dir_with(&dir, |tmp: &Path| {
+            std::fs::write(tmp.join("config.json"), "half")?;
+            Err(io::Error::other("disk full"))
+        })
+        .unwrap_err();
+        assert_eq!(e.to_string(), "disk full");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("config.json")).unwrap(),
+            "two"
+        );
+        let names: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["drafter"], "no temporary or old directory left");
+    }
+
+    #[test]
+    fn leftovers_are_what_killed_writers_leave_and_nothing_else() {
+        let root = tempfile::tempdir().unwrap();
+        let p = |n: &str| root.path().join(n);
+        std::fs::create_dir(p("drafter")).unwrap();
+        std::fs::create_dir(p(".drafter.new-4242")).unwrap();
+        std::fs::create_dir(p(".drafter.old-4243")).unwrap();
+        std::fs::write(p("model.safetensors"), "").unwrap();
+        std::fs::write(p(".model.safetensors.a1B2c3.tmp"), "").unwrap();
+        std::fs::write(p(".drafter.notes"), "").unwrap();
+        let mut found = leftovers(&p("drafter")).unwrap();
+        found.sort();
+        assert_eq!(found, [p(".drafter.new-4242"), p(".drafter.old-4243")]);
+        let found = leftovers(&p("model.safetensors")).unwrap();
+        assert_eq!(found, [p(".model.safetensors.a1B2c3.tmp")]);
+        assert!(leftovers(&p("missing/x")).unwrap().is_empty());
     }
 }

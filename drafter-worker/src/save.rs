@@ -12,25 +12,14 @@ pub(crate) fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::R
         .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
-/// Writes the export directory whole: into a fresh directory beside it, then swapped in, so a
-/// reader (or a crash) sees the old export or the new one, never a mix.
+/// Writes the export directory whole ([`atomic_file::replace_dir_with`]: synced, then swapped
+/// in), so a reader, a crash or a power loss sees the old export or the new one, never a mix.
 pub(crate) fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
     if !backend.exports() {
         return Ok(());
     }
-    let tmp = dir.with_extension(format!("new-{}", std::process::id()));
-    let old = dir.with_extension(format!("old-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    backend
-        .export(&tmp)
-        .with_context(|| format!("exporting the drafter to {}", tmp.display()))?;
-    let had = dir.exists();
-    if had {
-        std::fs::rename(dir, &old).with_context(|| format!("moving {} aside", dir.display()))?;
-    }
-    std::fs::rename(&tmp, dir).with_context(|| format!("writing {}", dir.display()))?;
-    if had {
-        let _ = std::fs::remove_dir_all(&old);
-    }
-    Ok(())
+    atomic_file::replace_dir_with(dir, |tmp| -> anyhow::Result<()> {
+        Ok(backend.export(tmp)?)
+    })
+    .with_context(|| format!("exporting the drafter to {}", dir.display()))
 }

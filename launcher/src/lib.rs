@@ -28,7 +28,7 @@ use anyhow::{bail, Context};
 use choose::{choose_backend, choose_collective, probe_nccl};
 use dataset::Dataset;
 use gpu::BackendKind;
-use proto::plan::{plan, Epochs};
+use proto::plan::{plan, Epochs, PlanDigest};
 use proto::{GpuLists, PipelineConfig, RunDir};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
@@ -80,6 +80,13 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
                 bail!(
                     "{} is not a run directory: it has no config.toml",
                     dir.display()
+                );
+            }
+            // Loaded, an empty file is the default config: another run than this one.
+            if std::fs::read_to_string(&p).is_ok_and(|t| t.trim().is_empty()) {
+                bail!(
+                    "{} is empty (cut short by a crash as it was written?): the run cannot be resumed without its config",
+                    p.display()
                 );
             }
             PipelineConfig::load(&p).context("loading the run's config")?
@@ -168,7 +175,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     let resume = match &args.resume {
         Some(dir) => {
             run_dir
-                .check_plan_version()
+                .check_plan_version(&PlanDigest::of(&planned))
                 .with_context(|| format!("resuming {}", dir.display()))?;
             Some(
                 resume::check(&run_dir, &cfg, backend.0, nd, batches)
@@ -177,9 +184,9 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         }
         None => {
             run_dir.lay_out()?;
-            run_dir.write_plan_version()?;
+            run_dir.write_plan_version(&PlanDigest::of(&planned))?;
             let p = run_dir.config();
-            std::fs::write(&p, cfg.to_toml())
+            atomic_file::replace(&p, cfg.to_toml().as_bytes())
                 .with_context(|| format!("writing {}", p.display()))?;
             None
         }

@@ -193,3 +193,33 @@ impl Resume {
         }
     }
 }
+
+/// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
+/// temporary or moved-aside directory: `atomic_file::leftovers`) and says what it removed. Only
+/// while no worker runs: at a resume's start and at the run's end. A checkpoint's temporary is
+/// as big as the checkpoint, and nothing else would ever remove it.
+pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
+    for path in [run_dir.checkpoint(), run_dir.export_dir()] {
+        let found = match atomic_file::leftovers(&path) {
+            Ok(found) => found,
+            Err(e) => {
+                println!(
+                    "warning: looking for leftovers beside {}: {e}",
+                    path.display()
+                );
+                continue;
+            }
+        };
+        for p in found {
+            let removed = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+            match removed {
+                Ok(()) => println!("removed {}, left by a writer that was killed", p.display()),
+                Err(e) => println!("warning: removing {}: {e}", p.display()),
+            }
+        }
+    }
+}

@@ -488,6 +488,7 @@ impl<'a> Supervisor<'a> {
             ));
         }
         let summary = summary::finalise(summary, exit_code, notes);
+        crate::resume::sweep_leftovers(&self.run_dir);
         summary::write(&self.run_dir, &summary)?;
         summary::print(&summary);
         Ok(exit_code)

@@ -30,6 +30,42 @@ use crate::PipelineConfig;
 /// left it at 3: a one-epoch plan, and every plan's epoch 0, is what version 3 computed.
 pub const PLAN_VERSION: u32 = 3;
 
+/// A plan's fingerprint, recorded in the run directory when the run starts: a resume whose
+/// config and data plan other batches (an edited or truncated `config.toml`) is refused, since
+/// the ledgers name batches by their index in the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanDigest {
+    pub batches: u64,
+    /// CRC-32C of every batch's epoch, bucket and sample ids, in plan order.
+    pub crc: u32,
+}
+
+impl PlanDigest {
+    pub fn of(planned: &[PlannedBatch]) -> PlanDigest {
+        let mut crc = 0;
+        for b in planned {
+            let head = [
+                u64::from(b.epoch),
+                u64::from(b.bucket),
+                b.sample_ids.len() as u64,
+            ];
+            for x in head.iter().chain(&b.sample_ids) {
+                crc = crc32c::crc32c_append(crc, &x.to_le_bytes());
+            }
+        }
+        PlanDigest {
+            batches: planned.len() as u64,
+            crc,
+        }
+    }
+}
+
+impl std::fmt::Display for PlanDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} batches, crc {:08x}", self.batches, self.crc)
+    }
+}
+
 /// One planned batch: samples of one length class, within the token budget, in one epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedBatch {

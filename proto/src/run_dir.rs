@@ -75,33 +75,59 @@ impl RunDir {
     }
 
     /// Records that this run is planned with this build's `plan::PLAN_VERSION`.
-    pub fn write_plan_version(&self) -> Result<(), RunDirError> {
+    /// Records the plan's version and fingerprint (atomically: a crash leaves none or all).
+    pub fn write_plan_version(&self, plan: &crate::plan::PlanDigest) -> Result<(), RunDirError> {
         let p = self.plan_version();
-        std::fs::write(&p, format!("{}\n", crate::plan::PLAN_VERSION)).map_err(io("writing", &p))
+        let text = format!(
+            "{}\n{} {:08x}\n",
+            crate::plan::PLAN_VERSION,
+            plan.batches,
+            plan.crc
+        );
+        atomic_file::replace(&p, text.as_bytes()).map_err(io("writing", &p))
     }
 
     /// Refuses to resume a run planned with another version of the plan (or, with no record,
-    /// by a build from before versions were recorded: version 1).
-    pub fn check_plan_version(&self) -> Result<(), RunDirError> {
+    /// by a build from before versions were recorded: version 1), or whose config and data now
+    /// plan other batches than the run started with (`now`; a record without a fingerprint is
+    /// from a build before them, and not checked).
+    pub fn check_plan_version(&self, now: &crate::plan::PlanDigest) -> Result<(), RunDirError> {
         let p = self.plan_version();
-        let was = match std::fs::read_to_string(&p) {
-            Ok(t) => t.trim().parse::<u32>().map_err(|_| RunDirError::Invalid {
-                path: p.clone(),
-                why: format!("{:?} is not a plan version", t.trim()),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 1,
+        let text = match std::fs::read_to_string(&p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "1".into(),
             Err(e) => return Err(io("reading", &p)(e)),
         };
+        let invalid = |why: String| RunDirError::Invalid {
+            path: p.clone(),
+            why,
+        };
+        let mut lines = text.lines();
+        let first = lines.next().unwrap_or("").trim();
+        let was = (first.parse::<u32>())
+            .map_err(|_| invalid(format!("{first:?} is not a plan version")))?;
         if was != crate::plan::PLAN_VERSION {
-            return Err(RunDirError::Invalid {
-                path: p,
-                why: format!(
-                    "the run was planned with plan version {was}, this build plans version {}: its ledgers name other batches, so resuming would train some samples twice and others never; finish it with the build that started it",
-                    crate::plan::PLAN_VERSION
-                ),
-            });
+            return Err(invalid(format!(
+                "the run was planned with plan version {was}, this build plans version {}: its ledgers name other batches, so resuming would train some samples twice and others never; finish it with the build that started it",
+                crate::plan::PLAN_VERSION
+            )));
         }
-        Ok(())
+        let Some(second) = lines.next().map(str::trim).filter(|l| !l.is_empty()) else {
+            return Ok(());
+        };
+        let recorded = second.split_once(' ').and_then(|(b, c)| {
+            Some(crate::plan::PlanDigest {
+                batches: b.parse().ok()?,
+                crc: u32::from_str_radix(c, 16).ok()?,
+            })
+        });
+        match recorded {
+            None => Err(invalid(format!("{second:?} is not a plan's fingerprint"))),
+            Some(was) if was != *now => Err(invalid(format!(
+                "the run started with a plan of {was}, and its config.toml and data now plan {now}: the config or the data changed since, so the ledgers would name other batches; resume with what the run started with"
+            ))),
+            Some(_) => Ok(()),
+        }
     }
 
     /// The GPU lists the run last ran on ([`GpuLists`], JSON).
@@ -268,25 +294,45 @@ mod tests {
     }
 
     /// A run planned by this build resumes; one with no record (a build from before plan
-    /// versions: its shuffles were others) or another version is refused, naming why.
+    /// versions: its shuffles were others) or another version is refused, naming why, and so
+    /// is one whose plan now differs from the one recorded (not one whose record has none).
     #[test]
-    fn a_resume_refuses_a_run_planned_with_another_plan_version() {
+    fn a_resume_refuses_a_run_planned_with_another_plan_version_or_plan() {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::new(tmp.path());
-        let e = run.check_plan_version().unwrap_err().to_string();
+        let plan = crate::plan::PlanDigest {
+            batches: 35,
+            crc: 0xdead_beef,
+        };
+        let e = run.check_plan_version(&plan).unwrap_err().to_string();
         assert!(e.contains("plan version 1"), "{e}");
-        run.write_plan_version().unwrap();
-        run.check_plan_version().unwrap();
-        let other = crate::plan::PLAN_VERSION - 1;
+        run.write_plan_version(&plan).unwrap();
+        run.check_plan_version(&plan).unwrap();
+        let edited = crate::plan::PlanDigest {
+            batches: 36,
+            ..plan
+        };
+        let e = run.check_plan_version(&edited).unwrap_err().to_string();
+        assert!(
+            e.contains("35 batches, crc deadbeef") && e.contains("36 batches"),
+            "{e}"
+        );
+        let version = crate::plan::PLAN_VERSION;
+        std::fs::write(run.plan_version(), format!("{version}\n")).unwrap();
+        run.check_plan_version(&edited).unwrap();
+        let other = version - 1;
         std::fs::write(run.plan_version(), format!("{other}\n")).unwrap();
-        let e = run.check_plan_version().unwrap_err().to_string();
+        let e = run.check_plan_version(&plan).unwrap_err().to_string();
         assert!(
             e.contains(&format!("plan version {other}")) && e.contains("twice"),
             "{e}"
         );
         std::fs::write(run.plan_version(), "two\n").unwrap();
-        let e = run.check_plan_version().unwrap_err().to_string();
+        let e = run.check_plan_version(&plan).unwrap_err().to_string();
         assert!(e.contains("\"two\""), "{e}");
+        std::fs::write(run.plan_version(), format!("{version}\n35 x\n")).unwrap();
+        let e = run.check_plan_version(&plan).unwrap_err().to_string();
+        assert!(e.contains("not a plan's fingerprint"), "{e}");
     }
 
     /// The GPU lists read back as written (a rewrite replaces them); no record is `None`, and

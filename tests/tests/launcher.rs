@@ -1221,10 +1221,10 @@ fn a_hung_drafter_is_killed_and_restarted() {
     let run = Run::new("lhang");
     // Few batches and one drafter that hangs after every third.
     let cfg = config(&run.dir, false, "[faults.drafter-0]\nhang_after = 3\n");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("synthetic_samples = 400", "synthetic_samples = 60");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 60");
+    // A checkpoint every step: the lone rank's restart loses no update (every third step's
+    // would be lost otherwise, its samples untrained: that is the test of lost updates).
+    edit_config(&cfg, "checkpoint_every = 3", "checkpoint_every = 1");
     // Each incarnation hangs in its third batch, killed with it in hand: one batch third in
     // three incarnations would be set aside (its own test is above).
     let more = ["--max-restarts", "20", "--set-aside-after", "0"];
@@ -1514,6 +1514,13 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
     // 400 samples plan about 35 batches an epoch: 45 released is in the second.
     let (step, kept, _) = kill_everything_mid_run(Backend::Mock, &run, 400, 2, 45);
     let run_dir = run.run_dir();
+    // What a leader killed while it wrote a checkpoint and an export leaves: nothing removed
+    // them, and a checkpoint's temporary is as big as the checkpoint.
+    let rd = RunDir::new(&run_dir);
+    let ckpt_tmp = rd.checkpoints_dir().join(".drafter.safetensors.Xy12Zw.tmp");
+    std::fs::write(&ckpt_tmp, "half a checkpoint").unwrap();
+    let export_tmp = run_dir.join(".drafter.new-4242");
+    std::fs::create_dir_all(&export_tmp).unwrap();
     let out = spawn(
         &workspace_bin("launcher"),
         &["--resume", run_dir.to_str().unwrap(), "--monitor", "0.2"],
@@ -1523,6 +1530,8 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
         out.contains("resuming") && out.contains("exit code 0"),
         "{out}"
     );
+    assert!(!ckpt_tmp.exists() && !export_tmp.exists(), "{out}");
+    assert!(out.contains("left by a writer that was killed"), "{out}");
     let s = run.summary();
     assert_eq!(s["ok"], true, "{s}");
     assert_eq!(
@@ -1632,8 +1641,20 @@ fn resume_alone_after_a_kill(b: Backend) {
         ledger0
     );
     // A run planned by an older build (its ledgers name batches of another plan).
-    std::fs::write(RunDir::new(&run_dir).plan_version(), "1\n").unwrap();
+    let rd = RunDir::new(&run_dir);
+    let plan_record = std::fs::read(rd.plan_version()).unwrap();
+    std::fs::write(rd.plan_version(), "1\n").unwrap();
     bad(&run_dir, "plan version 1");
+    std::fs::write(rd.plan_version(), plan_record).unwrap();
+    // Its config edited, or emptied by a crash as it was written: the plan is another run's.
+    // Before, the resume trained that other plan, with the ledgers naming this one's batches.
+    let config = std::fs::read_to_string(rd.config()).unwrap();
+    let more = config.replace("synthetic_samples = ", "synthetic_samples = 1");
+    assert_ne!(more, config);
+    std::fs::write(rd.config(), more).unwrap();
+    bad(&run_dir, "the config or the data changed since");
+    std::fs::write(rd.config(), "").unwrap();
+    bad(&run_dir, "is empty");
     assert_eq!(
         std::fs::read(RunDir::new(&run_dir).ledger(0)).unwrap(),
         ledger0

@@ -57,6 +57,7 @@ impl<'a> Supervisor<'a> {
         let start_step = match &resume {
             Some(r) => {
                 r.apply()?;
+                crate::resume::sweep_leftovers(&run_dir);
                 let n = ring
                     .mark_work_done(r.done.iter().copied())
                     .context("marking the checkpointed batches done")?;

@@ -1,0 +1,156 @@
+//! The ledgers' reading, writing and accounting.
+
+use super::*;
+
+fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
+    LedgerLine {
+        batch_id,
+        sample_ids: samples.to_vec(),
+        tokens: 1,
+        delivery,
+        ticket,
+        step: 0,
+        digest: String::new(),
+        epoch: 1,
+    }
+}
+
+#[test]
+fn a_redelivery_after_a_crash_is_not_a_duplicate_but_a_second_training_is() {
+    // Batch 1 trained by a drafter that died before releasing it, then again on its
+    // redelivery: at-least-once across a crash, not a duplicate.
+    let redelivered = [line(1, 5, 0, &[10, 11]), line(1, 5, 1, &[10, 11])];
+    assert_eq!(
+        account(&redelivered, &Epochs::one()),
+        Accounting {
+            samples_trained: 2,
+            samples_trained_per_epoch: vec![2],
+            duplicated: 0,
+            samples_not_once: 0
+        }
+    );
+    // Published twice (two tickets), or one delivery trained twice: duplicated, and the
+    // distinct-sample count alone would not show it.
+    for twice in [
+        [line(1, 5, 0, &[10, 11]), line(1, 6, 0, &[10, 11])],
+        [line(1, 5, 0, &[10, 11]), line(1, 5, 0, &[10, 11])],
+    ] {
+        let a = account(&twice, &Epochs::one());
+        assert_eq!((a.samples_trained, a.duplicated), (2, 1), "{twice:?}");
+        assert_eq!(a.samples_not_once, 2);
+    }
+}
+
+/// Two epochs: batches 0 and 1 are epoch 0, batches 2 and 3 epoch 1, each epoch holding
+/// samples 10..14 once. A sample once in each epoch is exactly once; a sample in two batches
+/// of one epoch is not, though no batch was trained twice.
+#[test]
+fn every_sample_once_in_every_epoch_and_twice_in_one_epoch_is_caught() {
+    let plan: Vec<crate::plan::PlannedBatch> = [0, 0, 1, 1]
+        .into_iter()
+        .map(|epoch| crate::plan::PlannedBatch {
+            sample_ids: Vec::new(),
+            bucket: 0,
+            tokens: 0,
+            epoch,
+        })
+        .collect();
+    let epochs = Epochs::of(&plan);
+    let once_each = [
+        line(0, 1, 0, &[10, 11]),
+        line(1, 2, 0, &[12, 13]),
+        line(2, 3, 0, &[13, 10]),
+        line(3, 4, 0, &[11, 12]),
+    ];
+    assert_eq!(
+        account(&once_each, &epochs),
+        Accounting {
+            samples_trained: 4,
+            samples_trained_per_epoch: vec![4, 4],
+            duplicated: 0,
+            samples_not_once: 0
+        }
+    );
+    // With one epoch the same lines train every sample twice.
+    assert_eq!(account(&once_each, &Epochs::one()).samples_not_once, 4);
+    // Sample 13 in both batches of epoch 1 (and 11 in none): epoch 1 still counts 4
+    // samples trained, but one of them twice.
+    let twice_in_one = [
+        line(0, 1, 0, &[10, 11]),
+        line(1, 2, 0, &[12, 13]),
+        line(2, 3, 0, &[13, 10]),
+        line(3, 4, 0, &[13, 12]),
+    ];
+    let a = account(&twice_in_one, &epochs);
+    assert_eq!(a.samples_trained_per_epoch, vec![4, 3]);
+    assert_eq!((a.duplicated, a.samples_not_once), (0, 1));
+    // Epoch 1's batch trained twice (two tickets): a duplicate in that epoch only.
+    let mut again = once_each.to_vec();
+    again.push(line(3, 5, 0, &[11, 12]));
+    let a = account(&again, &epochs);
+    assert_eq!(a.samples_trained_per_epoch, vec![4, 4]);
+    assert_eq!((a.duplicated, a.samples_not_once), (1, 2));
+}
+
+#[test]
+fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = RunDir::new(tmp.path());
+    std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+    let path = dir.ledger(0);
+    let whole = serde_json::to_string(&line(1, 1, 0, &[1])).unwrap();
+    std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
+    let mut f = OpenOptions::new()
+        .append(true)
+        .read(true)
+        .open(&path)
+        .unwrap();
+    end_torn_line(&mut f).unwrap();
+    f.write_all(format!("{whole}\n").as_bytes()).unwrap();
+    let read = read_all(&dir, 1).unwrap();
+    assert_eq!((read.lines.len(), read.torn), (2, 1));
+}
+
+#[test]
+fn the_ledgers_read_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = RunDir::new(tmp.path());
+    run.lay_out().unwrap();
+    let line = LedgerLine {
+        batch_id: 7,
+        sample_ids: vec![1, 2],
+        tokens: 9,
+        delivery: 0,
+        ticket: 3,
+        step: 1,
+        digest: "ab".into(),
+        epoch: 1,
+    };
+    let text = format!(
+        "{}\n{{\"batch_id\": 8, \"sam",
+        serde_json::to_string(&line).unwrap()
+    );
+    std::fs::write(run.ledger(1), text).unwrap();
+    // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
+    let read = read_all(&run, 2).unwrap();
+    assert_eq!((read.lines, read.torn), (vec![line.clone()], 1));
+    assert!(read.lost.is_empty() && read.lost_steps.is_empty());
+    // Steps 2..=4 lost: drafter 0's line of step 3 is set apart, its step-1 line is not.
+    let lost = LostSteps::between(0, 1, 4).unwrap();
+    record_lost(&run, &lost).unwrap();
+    let in_lost = LedgerLine {
+        step: 3,
+        ..line.clone()
+    };
+    let mut ledger = Ledger::open(&run.ledger(0)).unwrap();
+    ledger.append(&line).unwrap();
+    ledger.append(&in_lost).unwrap();
+    let read = read_all(&run, 2).unwrap();
+    assert_eq!(read.lines, [line.clone(), line]);
+    assert_eq!((read.lost, read.lost_steps), (vec![in_lost], vec![lost]));
+    assert_eq!(
+        LostSteps::between(0, 4, 4),
+        None,
+        "none lost at the group's step"
+    );
+}
