@@ -14,6 +14,8 @@
 //! - The spans are the template's `{% generation %}` blocks where it has them, else what lies
 //!   between the opening and end markers of each assistant turn (see `template::Markers`), the
 //!   end marker included: its content and its end-of-turn token, not its role header.
+//! - The `truncation` and `padding` a `tokenizer.json` may be saved with are ignored, as
+//!   transformers ignores them unless asked: a sample is never cut or padded by the tokenizer.
 //! - [`Chat::key`] hashes everything that changes ids or masks: the tokenizer file, the
 //!   special tokens, the template and every option.
 //!
@@ -116,8 +118,18 @@ impl Chat {
             why,
         };
         let tok_bytes = read("tokenizer.json")?;
-        let tokenizer = Tokenizer::from_bytes(&tok_bytes)
+        let mut tokenizer = Tokenizer::from_bytes(&tok_bytes)
             .map_err(|e| bad("tokenizer.json", format!("not a tokenizers file: {e}")))?;
+        // A tokenizer.json may be saved with `truncation` or `padding` set (by whoever last
+        // called `enable_truncation`); transformers' `apply_chat_template` turns both off before
+        // it encodes, so a sample is never cut to that length or padded with pad ids here either.
+        tokenizer.with_truncation(None).map_err(|e| {
+            bad(
+                "tokenizer.json",
+                format!("cannot turn its truncation off: {e}"),
+            )
+        })?;
+        tokenizer.with_padding(None);
         let config: Json = match std::fs::read(dir.join("tokenizer_config.json")) {
             Ok(b) => serde_json::from_slice(&b)
                 .map_err(|e| bad("tokenizer_config.json", format!("not JSON: {e}")))?,
@@ -285,3 +297,6 @@ impl Chat {
         Ok(Encoded { ids, mask, turns })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,123 @@
+//! `Chat::load` on small model directories written by the tests: what a directory's files
+//! change about the samples, and what they must not.
+
+use std::path::{Path, PathBuf};
+
+use super::{Chat, ChatOptions, Message};
+
+/// A model directory removed at the end of the test (kept when it fails, to look at).
+struct ModelDir(PathBuf);
+
+impl ModelDir {
+    fn new(tag: &str) -> ModelDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("hspipe-chat-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        ModelDir(d)
+    }
+    fn file(&self, name: &str, text: &str) -> &ModelDir {
+        std::fs::write(self.0.join(name), text).unwrap();
+        self
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ModelDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+const WORDS: &[&str] = &[
+    "[UNK]",
+    "[PAD]",
+    "user",
+    "assistant",
+    "says",
+    "end",
+    "hello",
+    "there",
+    "how",
+    "are",
+    "you",
+    "fine",
+    "thanks",
+];
+
+/// A word-level `tokenizer.json` (one token a word) saved with the given `truncation` and
+/// `padding` (JSON, `null` for none).
+fn tokenizer_json(truncation: &str, padding: &str) -> String {
+    let vocab: Vec<String> = WORDS
+        .iter()
+        .enumerate()
+        .map(|(i, w)| format!("{w:?}: {i}"))
+        .collect();
+    format!(
+        r#"{{"version": "1.0", "truncation": {truncation}, "padding": {padding},
+  "added_tokens": [], "normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}},
+  "post_processor": null, "decoder": null,
+  "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "[UNK]"}}}}"#,
+        vocab.join(", ")
+    )
+}
+
+/// The assistant's words, and the " end" after them, are its generation span.
+const TEMPLATE: &str = "{% for m in messages %}{{ m.role }} says {% if m.role == 'assistant' %}\
+{% generation %}{{ m.content }} end{% endgeneration %}{% else %}{{ m.content }} end{% endif %} \
+{% endfor %}";
+
+fn model(tag: &str, truncation: &str, padding: &str) -> ModelDir {
+    let d = ModelDir::new(tag);
+    d.file("tokenizer.json", &tokenizer_json(truncation, padding))
+        .file("chat_template.jinja", TEMPLATE);
+    d
+}
+
+#[test]
+fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() {
+    let conversation = [
+        Message::new("user", "hello there how are you"),
+        Message::new("assistant", "fine thanks"),
+    ];
+    let plain = model("plain", "null", "null");
+    let truncating = model(
+        "truncating",
+        r#"{"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}"#,
+        "null",
+    );
+    let padding = model(
+        "padding",
+        "null",
+        r#"{"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 1, "pad_type_id": 0, "pad_token": "[PAD]"}"#,
+    );
+    let load = |d: &ModelDir| Chat::load(d.path(), ChatOptions::default()).unwrap();
+    let want = load(&plain).conversation(&conversation).unwrap();
+    // user says hello there how are you end | assistant says [fine thanks end]
+    assert_eq!(want.ids, [2, 4, 6, 7, 8, 9, 10, 5, 3, 4, 11, 12, 5]);
+    assert_eq!(want.mask, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]);
+    assert_eq!(want.turns, 1);
+    let text = load(&plain).text("hello there how are you").unwrap();
+    assert_eq!(text, [6, 7, 8, 9, 10]);
+    for d in [&truncating, &padding] {
+        let chat = load(d);
+        assert_eq!(
+            chat.conversation(&conversation).unwrap(),
+            want,
+            "{d:?}",
+            d = d.0
+        );
+        assert_eq!(
+            chat.text("hello there how are you").unwrap(),
+            text,
+            "{d:?}",
+            d = d.0
+        );
+    }
+}
