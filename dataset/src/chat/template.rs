@@ -83,7 +83,8 @@ fn rewrite(src: &str) -> (String, bool) {
             rest = &tag[1..];
             continue;
         }
-        let Some(end) = tag.find("%}") else {
+        // The close is looked for after the `{%`: in `{%}` the `%` of the open is no close.
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             rest = "";
             break;
@@ -387,6 +388,19 @@ mod tests {
             .unwrap();
         assert_eq!(r.text, "<user>é<assistant>x");
         assert_eq!(r.spans, vec![(6, 7), (18, 19)]);
+    }
+
+    #[test]
+    fn a_tag_whose_close_overlaps_its_open_is_a_parse_error() {
+        for src in ["{%} oops", "a {%}", "{%-}{{ x }}"] {
+            let Err(e) = Template::new(src, vec![]) else {
+                panic!("{src:?} parsed");
+            };
+            assert!(
+                e.contains("the chat template does not parse"),
+                "{src:?}: {e}"
+            );
+        }
     }
 
     #[test]

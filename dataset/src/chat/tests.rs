@@ -121,3 +121,15 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
         );
     }
 }
+
+#[test]
+fn a_template_with_a_broken_tag_is_an_error_naming_the_directory() {
+    let d = model("broken", "null", "null");
+    d.file("chat_template.jinja", "{%} oops");
+    let Err(e) = Chat::load(d.path(), ChatOptions::default()) else {
+        panic!("a template with {{%}} loaded");
+    };
+    let e = e.to_string();
+    assert!(e.contains(&d.path().display().to_string()), "{e}");
+    assert!(e.contains("the chat template does not parse"), "{e}");
+}
