@@ -2,16 +2,23 @@
 //! own that arrow-rs leaves to its caller: checking a record batch's field nodes and buffers
 //! against its body before decoding it. arrow-ipc 60 asserts (panics) on three things a
 //! truncated or damaged file holds: a buffer that reaches past the body
-//! (`Buffer::slice_with_length`), a list's offsets buffer whose length is not a whole number of
-//! offsets, and, when told not to copy, a misaligned buffer (both in `Buffer::typed_data`). A
-//! damaged cache file or input must be an error naming the file, never a panic.
+//! (`Buffer::slice_with_length`), an offsets buffer (of a list, a string or a binary, at any
+//! depth of a decoded column: a `messages` struct's strings too) whose length is not a whole
+//! number of offsets, and, when told not to copy, a misaligned buffer (both in
+//! `Buffer::typed_data`). A damaged cache file or input must be an error naming the file,
+//! never a panic.
 //!
-//! Only the `input_ids` and `loss_mask` columns are decoded (arrow's projection): the other
-//! columns of other writers' files (text, scores, dictionaries) are skipped unread.
+//! Only our columns are decoded (arrow's projection): `input_ids` and `loss_mask`, or the
+//! conversation's or text's column and `loss_mask`; the other columns of other writers' files
+//! (scores, dictionaries) are skipped unread.
 //!
 //! A file is read over a [`Buffer`] of the whole file (a memory map: the record batches'
 //! arrays are slices of it, nothing is copied); a stream, message by message from a reader
 //! (HF `datasets` shards), one record batch in memory at a time.
+//!
+//! Length: past 500 lines because the layout of every Arrow type (which buffers a column
+//! takes, which of them arrow reads as typed values) must be known to check a batch before
+//! arrow reads it, and it is kept in one place with the file and stream readers that use it.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -121,15 +128,63 @@ fn check_schema_fb(s: arrow_ipc::Schema<'_>) -> Result<Schema> {
     Ok(arrow_ipc::convert::try_fb_to_schema(s)?)
 }
 
+/// A buffer that arrow reads as a slice of fixed-width values (`Buffer::typed_data`, which
+/// asserts that its length is a whole number of them): its index among the record batch's
+/// buffers, the values' width in bytes, and what they are, for the error.
+struct Typed {
+    buffer: usize,
+    width: usize,
+    what: &'static str,
+}
+
+/// The buffers of a `t` node, after its first, that arrow reads through `typed_data` when it
+/// validates the array: offsets (strings, binaries, lists, maps, dense unions), list views'
+/// sizes, string views, dictionary keys. `first` is the node's first buffer; `v5` as in
+/// [`walk`].
+fn typed_buffers(t: &DataType, first: usize, v5: bool, out: &mut Vec<Typed>) {
+    let mut push = |k: usize, width: usize, what: &'static str| {
+        out.push(Typed {
+            buffer: first + k,
+            width,
+            what,
+        })
+    };
+    match t {
+        DataType::Utf8 | DataType::Binary => push(1, 4, "string offsets"),
+        DataType::LargeUtf8 | DataType::LargeBinary => push(1, 8, "string offsets"),
+        DataType::List(_) | DataType::Map(..) => push(1, 4, "list offsets"),
+        DataType::LargeList(_) => push(1, 8, "list offsets"),
+        DataType::ListView(_) => {
+            push(1, 4, "list view offsets");
+            push(2, 4, "list view sizes");
+        }
+        DataType::LargeListView(_) => {
+            push(1, 8, "list view offsets");
+            push(2, 8, "list view sizes");
+        }
+        DataType::Utf8View | DataType::BinaryView => push(1, 16, "string views"),
+        DataType::Union(_, arrow_schema::UnionMode::Dense) => {
+            push(usize::from(!v5) + 1, 4, "union offsets")
+        }
+        DataType::Dictionary(k, _) => {
+            if let Some(w) = k.primitive_width() {
+                push(1, w, "dictionary keys")
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Counts the field nodes and buffers a column of type `t` takes in a record batch, as the
 /// format lays them out (depth first) and arrow-ipc reads them; `variadic` gives the buffer
-/// counts of view types, in order.
+/// counts of view types, in order. With `typed`, the column is decoded, and the buffers of it
+/// and its children that arrow reads as typed values are added there.
 fn walk(
     t: &DataType,
     v5: bool,
-    nodes: &mut usize,
-    bufs: &mut usize,
+    (nodes, bufs): (&mut usize, &mut usize),
     variadic: &mut dyn Iterator<Item = i64>,
+    mut typed: Option<&mut Vec<Typed>>,
 ) -> Result<()> {
     *nodes += 1;
     let (own, kids): (usize, Vec<&DataType>) = match t {
@@ -156,39 +211,49 @@ fn walk(
         // Dictionary indices, and every fixed-width type: validity and values.
         _ => (2, vec![]),
     };
+    if let Some(typed) = typed.as_deref_mut() {
+        typed_buffers(t, *bufs, v5, typed);
+    }
     *bufs = bufs.saturating_add(own);
     for c in kids {
-        walk(c, v5, nodes, bufs, variadic)?;
+        walk(
+            c,
+            v5,
+            (&mut *nodes, &mut *bufs),
+            variadic,
+            typed.as_deref_mut(),
+        )?;
     }
     Ok(())
 }
 
-/// The buffer index of each list offsets buffer of our columns, and its offsets' width.
-fn our_offsets(
+/// The buffers of our columns (`ours`, at any depth) that arrow reads as typed values.
+fn our_typed_buffers(
     schema: &Schema,
     ours: &[usize],
     rb: &arrow_ipc::RecordBatch<'_>,
     v5: bool,
-) -> Result<Vec<(usize, usize)>> {
+) -> Result<Vec<Typed>> {
     let mut variadic = rb.variadicBufferCounts().into_iter().flatten();
     let (mut nodes, mut bufs) = (0, 0);
     let mut out = Vec::new();
     for (i, f) in schema.fields().iter().enumerate() {
-        if ours.contains(&i) {
-            match f.data_type() {
-                DataType::List(_) => out.push((bufs + 1, 4)),
-                DataType::LargeList(_) => out.push((bufs + 1, 8)),
-                _ => {}
-            }
-        }
-        walk(f.data_type(), v5, &mut nodes, &mut bufs, &mut variadic)?;
+        let typed = ours.contains(&i).then_some(&mut out);
+        walk(
+            f.data_type(),
+            v5,
+            (&mut nodes, &mut bufs),
+            &mut variadic,
+            typed,
+        )?;
     }
     Ok(out)
 }
 
 /// Checks a record batch's field nodes and buffers against its body of `body_len` bytes, so
-/// that decoding it cannot index past the body, and the offsets buffers of our columns
-/// (`ours`, of `schema`) hold whole offsets. With `aligned` (the body starts 8-aligned in
+/// that decoding it cannot index past the body, and the offsets (and other typed) buffers of
+/// our columns (`ours`, of `schema`, at any depth: a `messages` struct's strings too) hold
+/// whole values. With `aligned` (the body starts 8-aligned in
 /// memory), every buffer must be 8-aligned too, as the format asks.
 fn check_body(
     rb: &arrow_ipc::RecordBatch<'_>,
@@ -228,11 +293,12 @@ fn check_body(
         }
     }
     let bufs = rb.buffers();
-    for (i, width) in our_offsets(schema, ours, rb, version >= MetadataVersion::V5)? {
+    for t in our_typed_buffers(schema, ours, rb, version >= MetadataVersion::V5)? {
+        let (i, width, what) = (t.buffer, t.width, t.what);
         let len = bufs.and_then(|b| b.iter().nth(i)).map_or(0, |b| b.length());
         if len % width as i64 != 0 {
             return bad(format!(
-                "buffer {i} holds {len} bytes, not a whole number of {width}-byte list offsets"
+                "buffer {i} holds {len} bytes, not a whole number of {width}-byte {what}"
             ));
         }
     }

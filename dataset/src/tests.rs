@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use crate::{prepare, DataError, Kind, Mapped, Writer};
 
+mod inputs;
+
 /// A directory removed at the end of the test (kept when it fails, to look at).
 struct Dir(PathBuf);
 

@@ -1,0 +1,140 @@
+//! Inputs that cannot be read: each is an error that says what is wrong with it, never a
+//! panic.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Fields};
+
+use super::Dir;
+use crate::{DataError, Kind, Writer};
+
+/// Converts `path` as `kind` without a tokenizer (a conversation or text is an error, once its
+/// record batch is decoded).
+fn convert(path: &Path, kind: &Kind) -> Result<(), DataError> {
+    let mut w = Writer::new(std::io::sink(), Vec::new()).unwrap();
+    let maker = crate::records::Maker {
+        max_len: 512,
+        too_long: crate::TooLong::Drop,
+        chat: None,
+    };
+    crate::convert::convert(path, kind, &maker, &mut w, &mut |_| {}, &mut |_| {}).map(|_| ())
+}
+
+/// An Arrow file of one record batch with `columns`.
+fn arrow_file(columns: Vec<(&str, ArrayRef)>) -> Vec<u8> {
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    let mut out = Vec::new();
+    let mut w = arrow_ipc::writer::FileWriter::try_new(&mut out, &batch.schema()).unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+    drop(w);
+    out
+}
+
+/// `file` with the length of buffer `k` of its first record batch one byte longer, in the
+/// record batch's metadata (the body is left as it is: the buffer's padding takes the byte).
+/// Long enough for its values, arrow takes it, and reads its offsets as a slice of whole ones.
+fn lengthen_buffer(file: &[u8], k: usize) -> Vec<u8> {
+    let footer =
+        arrow_ipc::root_as_footer(&file[file.len() - 10 - footer_len(file)..file.len() - 10])
+            .unwrap();
+    let block = footer.recordBatches().unwrap().get(0);
+    let meta =
+        block.offset() as usize..(block.offset() + i64::from(block.metaDataLength())) as usize;
+    let msg = arrow_ipc::root_as_message(&file[meta.start + 8..meta.end]).unwrap();
+    let b = msg
+        .header_as_record_batch()
+        .unwrap()
+        .buffers()
+        .unwrap()
+        .get(k);
+    assert!(b.length() > 0, "buffer {k} is empty");
+    assert!(
+        (b.offset() + b.length()) % 8 != 0,
+        "buffer {k} has no padding"
+    );
+    // The buffer's (offset, length) pair, as the metadata holds it: once, since it is the only
+    // non-empty buffer at that offset.
+    let pair: Vec<u8> = [b.offset(), b.length()]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let at: Vec<usize> = (meta.start..meta.end - 16)
+        .filter(|&i| file[i..i + 16] == pair[..])
+        .collect();
+    assert_eq!(at.len(), 1, "buffer {k}'s entry is not found once");
+    let mut out = file.to_vec();
+    out[at[0] + 8..at[0] + 16].copy_from_slice(&(b.length() + 1).to_le_bytes());
+    out
+}
+
+fn footer_len(file: &[u8]) -> usize {
+    let n = file.len();
+    i32::from_le_bytes(file[n - 10..n - 6].try_into().unwrap()) as usize
+}
+
+/// Where an Arrow file's stream starts (see `stream_start` in the parent module).
+fn stream_of(file: &[u8]) -> &[u8] {
+    &file[super::stream_start(file)..]
+}
+
+#[test]
+fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
+    let d = Dir::new("string-offsets");
+    // A `text` column: buffers validity (0), offsets (1), values (2).
+    let text: ArrayRef = Arc::new(StringArray::from(vec!["hello there", "how are you"]));
+    // A `messages` column, list<struct<role, content>>: list validity (0), list offsets (1),
+    // struct validity (2), role validity, offsets, values (3, 4, 5), content's (6, 7, 8).
+    let fields = Fields::from(vec![
+        Field::new("role", DataType::Utf8, true),
+        Field::new("content", DataType::Utf8, true),
+    ]);
+    let mut messages = ListBuilder::new(StructBuilder::from_fields(fields, 2));
+    for (role, content) in [("user", "hi"), ("assistant", "hello")] {
+        let s = messages.values();
+        s.field_builder::<StringBuilder>(0)
+            .unwrap()
+            .append_value(role);
+        s.field_builder::<StringBuilder>(1)
+            .unwrap()
+            .append_value(content);
+        s.append(true);
+    }
+    messages.append(true);
+    let messages: ArrayRef = Arc::new(messages.finish());
+    for (column, array, buffer) in [
+        ("text", text.clone(), 1),
+        ("messages", messages.clone(), 4),
+        ("messages", messages, 7),
+    ] {
+        let file = arrow_file(vec![(column, array)]);
+        let damaged = lengthen_buffer(&file, buffer);
+        for (name, bytes, kind) in [
+            ("x.arrow", &file[..], Kind::ArrowFile { prepared: false }),
+            ("x.arrows", stream_of(&file), Kind::ArrowStream),
+            (
+                "bad.arrow",
+                &damaged[..],
+                Kind::ArrowFile { prepared: false },
+            ),
+            ("bad.arrows", stream_of(&damaged), Kind::ArrowStream),
+        ] {
+            let p = d.file(name, bytes);
+            let e = convert(&p, &kind).unwrap_err().to_string();
+            if name.starts_with("bad") {
+                let want = format!("buffer {buffer} holds");
+                assert!(
+                    e.contains(&want) && e.contains("4-byte string offsets"),
+                    "{column}: {e}"
+                );
+                assert!(e.contains(name), "{e}");
+            } else {
+                // Intact, it is decoded; only the missing tokenizer stops it.
+                assert!(e.contains("no tokenizer is given"), "{column}: {e}");
+            }
+        }
+    }
+}
