@@ -122,6 +122,18 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
     if head.starts_with(b"PAR1") {
         return Ok(Kind::Parquet);
     }
+    if let Some((name, how)) = COMPRESSED
+        .iter()
+        .find(|(magic, ..)| head.starts_with(magic))
+        .map(|&(_, name, how)| (name, how))
+    {
+        return Err(format_err(
+            path,
+            format!(
+                "it is {name}-compressed: decompress it first ({how} FILE) and give the result"
+            ),
+        ));
+    }
     match ext {
         "parquet" | "arrow" | "feather" | "arrows" => Err(format_err(
             path,
@@ -130,6 +142,16 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
         _ => Ok(Kind::Jsonl),
     }
 }
+
+/// The magic numbers of compressed files, their format's name and the command that
+/// decompresses them: such a file is refused by name rather than read as JSON Lines.
+const COMPRESSED: &[(&[u8], &str, &str)] = &[
+    (&[0x1f, 0x8b], "gzip", "gunzip -k"),
+    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstd -d"),
+    (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz", "unxz -k"),
+    (b"BZh", "bzip2", "bunzip2 -k"),
+    (b"PK\x03\x04", "zip", "unzip"),
+];
 
 fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut n = 0;
@@ -278,7 +300,9 @@ fn convert_into<W: Write>(
 
 /// One JSON object per line: `{"input_ids": [...], "loss_mask": [...]}` (the mask is
 /// optional: all ones), or a conversation or text (see `records`). Blank lines are skipped;
-/// lines are parsed and made into samples a chunk at a time, in parallel.
+/// lines are parsed and made into samples a chunk at a time, in parallel. A UTF-8 byte order
+/// mark before the first line is skipped, as Python's `datasets` and pandas skip it; a line
+/// that is not UTF-8 is an error naming it, and a file that holds one JSON array, not lines.
 fn jsonl<W: Write>(
     path: &Path,
     w: &mut Pipeline<'_, W>,
@@ -287,9 +311,11 @@ fn jsonl<W: Write>(
     let f = File::open(path).map_err(read_err(path))?;
     let mut r = BufReader::with_capacity(1 << 20, f);
     let (mut n, mut read) = (0u64, 0u64);
+    let mut first = true;
+    let mut bytes = Vec::new();
     loop {
-        let mut line = String::new();
-        let got = r.read_line(&mut line).map_err(read_err(path))?;
+        bytes.clear();
+        let got = r.read_until(b'\n', &mut bytes).map_err(read_err(path))?;
         if got == 0 {
             break;
         }
@@ -298,10 +324,39 @@ fn jsonl<W: Write>(
         if n % 4096 == 0 {
             advance(read);
         }
-        if line.trim().is_empty() {
+        let text = if n == 1 {
+            bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&bytes)
+        } else {
+            &bytes[..]
+        };
+        let line = match std::str::from_utf8(text) {
+            Ok(l) => l,
+            Err(e) => {
+                // Columns counted from 1, in bytes, as serde_json counts them in its errors.
+                let at = e.valid_up_to();
+                return Err(DataError::Line {
+                    path: path.to_path_buf(),
+                    line: n,
+                    why: format!(
+                        "not UTF-8 text: byte 0x{:02x} at column {}; JSON Lines must be UTF-8",
+                        text[at],
+                        at + 1
+                    ),
+                });
+            }
+        };
+        let line = line.trim();
+        if line.is_empty() {
             continue;
         }
-        w.push_line(n, line)
+        if std::mem::take(&mut first) && line.starts_with('[') {
+            return Err(format_err(
+                path,
+                "it holds a JSON array, not JSON Lines (one object per line): write one record \
+                 per line, e.g. jq -c '.[]' FILE.json > FILE.jsonl",
+            ));
+        }
+        w.push_line(n, line.to_string())
             .map_err(|s| stopped(path, &Kind::Jsonl, s))?;
     }
     advance(read);

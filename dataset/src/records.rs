@@ -70,6 +70,16 @@ struct Line {
 
 /// Parses one JSONL line into its record.
 pub fn parse_line(line: &str) -> Result<Record, String> {
+    if !line.trim_start().starts_with('{') {
+        // serde would read a list as the record's fields in order, and say so confusingly.
+        return Err(match serde_json::from_str::<Json>(line) {
+            Ok(v) => format!(
+                "not a sample: the line is {}, not a JSON object (one record per line)",
+                kind(&v)
+            ),
+            Err(e) => format!("not a sample: {e}"),
+        });
+    }
     let l: Line = serde_json::from_str(line).map_err(|e| format!("not a sample: {e}"))?;
     if let Some(ids) = l.input_ids {
         return Ok(Record::Ids {

@@ -138,3 +138,88 @@ fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
         }
     }
 }
+
+/// Prepares a JSONL file of `bytes`: its samples, or the error.
+fn jsonl_bytes(name: &str, bytes: &[u8]) -> Result<Vec<super::Owned>, DataError> {
+    let d = Dir::new("jsonl-bytes");
+    let input = d.file(name, bytes);
+    let p = crate::prepare(&input, 8, &d.0.join("cache"), None, &mut |_| {})?;
+    Ok(super::read_all(&crate::Mapped::open(&p.path).unwrap()))
+}
+
+#[test]
+fn a_jsonl_line_that_is_not_utf8_is_named() {
+    let e = jsonl_bytes(
+        "train.jsonl",
+        b"{\"input_ids\": [1,2,3]}\n{\"input_ids\": [4,5,\xff6]}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("train.jsonl:2: not UTF-8 text: byte 0xff at column 20"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_utf8_byte_order_mark_before_the_first_line_is_skipped() {
+    let got = jsonl_bytes(
+        "bom.jsonl",
+        "\u{feff}{\"input_ids\": [1,2,3]}\n{\"input_ids\": [4]}\n".as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(got, vec![(vec![1, 2, 3], None), (vec![4], None)]);
+    // Only the first line may start with one: elsewhere it is text that is not JSON.
+    let e = jsonl_bytes(
+        "bom2.jsonl",
+        "{\"input_ids\": [1]}\n\u{feff}{\"input_ids\": [4]}\n".as_bytes(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("bom2.jsonl:2: not a sample"), "{e}");
+}
+
+#[test]
+fn a_compressed_file_is_named_as_such_with_how_to_decompress_it() {
+    // `{"input_ids":[1,2,3]}\n` compressed by Python's gzip module.
+    const GZ: [u8; 42] = [
+        0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0x56, 0xca, 0xcc, 0x2b,
+        0x28, 0x2d, 0x89, 0xcf, 0x4c, 0x29, 0x56, 0xb2, 0x8a, 0x36, 0xd4, 0x31, 0xd2, 0x31, 0x8e,
+        0xad, 0xe5, 0x02, 0x00, 0xcd, 0x12, 0x31, 0x0e, 0x16, 0x00, 0x00, 0x00,
+    ];
+    for name in ["train.jsonl.gz", "train.jsonl"] {
+        let e = jsonl_bytes(name, &GZ).unwrap_err().to_string();
+        assert!(
+            e.contains(name) && e.contains("it is gzip-compressed: decompress it first (gunzip"),
+            "{e}"
+        );
+    }
+    let e = jsonl_bytes("train.jsonl.zst", &[0x28, 0xb5, 0x2f, 0xfd, 0, 0])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("it is zstd-compressed"), "{e}");
+}
+
+#[test]
+fn a_json_array_is_named_as_one_rather_than_read_as_lines() {
+    for text in [
+        "[{\"input_ids\": [1,2,3]}]\n",
+        "\n  [\n  {\"input_ids\": [1,2,3]},\n  {\"input_ids\": [4]}\n]\n",
+    ] {
+        let e = jsonl_bytes("train.json", text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.json: it holds a JSON array, not JSON Lines (one object per line)"),
+            "{e}"
+        );
+    }
+    // A later line that is no object says what it is.
+    let e = jsonl_bytes("train.jsonl", b"{\"input_ids\": [1]}\n[1, 2]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("train.jsonl:2: not a sample: the line is a list, not a JSON object"),
+        "{e}"
+    );
+}
