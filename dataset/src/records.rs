@@ -271,7 +271,7 @@ struct Tokenized {
 impl Maker {
     fn chat(&self) -> Result<&Chat, String> {
         self.chat.as_deref().ok_or_else(|| {
-            "it holds a conversation or text, and no tokenizer is given: name the target's model directory with --model DIR or data.tokenizer = \"DIR\"".to_string()
+            "it holds a conversation or text, and no tokenizer was loaded to make its ids: name a directory holding the target's tokenizer.json with --model DIR or data.tokenizer = \"DIR\"".to_string()
         })
     }
 

@@ -75,21 +75,14 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// True when `dir` has a tokenizer and a chat template (where HF puts them).
-fn has_chat_template(dir: &Path) -> bool {
-    let in_config = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .is_some_and(|v| v.get("chat_template").is_some());
-    dir.join("tokenizer.json").is_file() && (dir.join("chat_template.jinja").is_file() || in_config)
-}
-
 /// How records become samples under `cfg`: with the tokenizer of `data.tokenizer` (which must
-/// load), else of the model, when it has a chat template.
+/// load), else of the model, when it has a `tokenizer.json`. A chat template is not needed to
+/// load it: pre-tokenized records and texts are prepared without one, and a model without one
+/// (a base model) is an error only at the first conversation.
 pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Options> {
     let dir = match (&cfg.data.tokenizer, &cfg.model.path) {
         (Some(d), _) => Some(d.clone()),
-        (None, Some(m)) if has_chat_template(m) => Some(m.clone()),
+        (None, Some(m)) if m.join("tokenizer.json").is_file() => Some(m.clone()),
         _ => None,
     };
     let chat = match dir {
@@ -99,9 +92,8 @@ pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Op
                 train_only_last_turn: cfg.data.train_only_last_turn,
                 system_prompt: cfg.data.system_prompt.clone(),
             };
-            let c = dataset::Chat::load(&d, o).with_context(|| {
-                format!("loading the tokenizer and chat template of {}", d.display())
-            })?;
+            let c = dataset::Chat::load(&d, o)
+                .with_context(|| format!("loading the tokenizer of {}", d.display()))?;
             Some(std::sync::Arc::new(c))
         }
         None => None,
@@ -314,4 +306,87 @@ pub fn check_same(run_dir: &RunDir, now: &dataset::Prepared) -> anyhow::Result<(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A base model's directory: a word-level `tokenizer.json` and no chat template.
+    fn base_model(dir: &Path) {
+        let vocab = ["[UNK]", "hello", "there"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| format!("{w:?}: {i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            format!(
+                r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null,
+  "decoder": null, "model": {{"type": "WordLevel", "vocab": {{{vocab}}}, "unk_token": "[UNK]"}}}}"#
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "there"}"#,
+        )
+        .unwrap();
+    }
+
+    /// Prepares `text` (a JSONL file) under `cfg`: the samples, or the error chain.
+    fn prepare(cfg: &PipelineConfig, dir: &Path, text: &str) -> Result<u64, String> {
+        let input = dir.join("input.jsonl");
+        std::fs::write(&input, text).unwrap();
+        let out = dir.join("out.arrow");
+        let options = options(cfg, 64).map_err(|e| format!("{e:#}"))?;
+        prepare_dataset(&input, &options, &dir.join("cache"), Some(&out))
+            .map(|(p, _)| p.samples)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn a_base_model_without_a_chat_template_prepares_ids_and_texts() {
+        let t = tempfile::tempdir().unwrap();
+        let base = t.path().join("base");
+        base_model(&base);
+        let ids = "{\"input_ids\": [1, 2]}\n";
+        let text = "{\"text\": \"hello there\"}\n";
+        let chat = "{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n";
+        // `launcher --model base` and `launcher prepare --model base` (data.tokenizer).
+        let mut by_model = PipelineConfig::default();
+        by_model.model.path = Some(base.clone());
+        let mut by_tokenizer = PipelineConfig::default();
+        by_tokenizer.data.tokenizer = Some(base.clone());
+        for cfg in [&by_model, &by_tokenizer] {
+            assert_eq!(prepare(cfg, t.path(), ids), Ok(1));
+            assert_eq!(prepare(cfg, t.path(), text), Ok(1));
+            let e = prepare(cfg, t.path(), &format!("{ids}{chat}")).unwrap_err();
+            assert!(
+                e.contains("input.jsonl:2: ") && e.contains("no chat template"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn text_without_a_tokenizer_says_what_is_missing_whether_or_not_a_model_is_named() {
+        let t = tempfile::tempdir().unwrap();
+        let weights_only = t.path().join("weights-only");
+        std::fs::create_dir_all(&weights_only).unwrap();
+        let mut named = PipelineConfig::default();
+        named.model.path = Some(weights_only);
+        for cfg in [&PipelineConfig::default(), &named] {
+            let e = prepare(cfg, t.path(), "{\"text\": \"hello there\"}\n").unwrap_err();
+            assert!(
+                e.contains("input.jsonl:1: ")
+                    && e.contains("no tokenizer was loaded")
+                    && e.contains("a directory holding the target's tokenizer.json"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -425,20 +425,24 @@ fn every_bad_conversation_is_named_by_file_and_line_and_nothing_is_prepared() {
         err.contains("no_tokenizer.jsonl:1: ") && err.contains("--model DIR or data.tokenizer"),
         "{err}"
     );
-    // A model directory without a template, and a template that does not parse.
+    // A model directory without a template, and a template that does not parse: the tokenizer
+    // loads (texts and ids need nothing more), and each conversation says why it cannot be.
     let bare = d.path("bare");
     std::fs::create_dir_all(&bare).unwrap();
     std::fs::copy(d.path("qwen/tokenizer.json"), bare.join("tokenizer.json")).unwrap();
-    let err = Chat::load(&bare, ChatOptions::default())
-        .err()
-        .unwrap()
-        .to_string();
+    let c = Chat::load(&bare, ChatOptions::default()).unwrap();
+    let err = c.template_error().unwrap().to_string();
     assert!(err.contains("no chat template"), "{err}");
-    std::fs::write(bare.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
-    let err = Chat::load(&bare, ChatOptions::default())
-        .err()
-        .unwrap()
+    let err = prepare(&input, Some(Arc::new(c)), 4096, TooLong::Drop, &d.path("c"))
+        .unwrap_err()
         .to_string();
+    assert!(
+        err.contains("no_tokenizer.jsonl:1: ") && err.contains("no chat template"),
+        "{err}"
+    );
+    std::fs::write(bare.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    let c = Chat::load(&bare, ChatOptions::default()).unwrap();
+    let err = c.template_error().unwrap().to_string();
     assert!(err.contains("does not parse"), "{err}");
     let err = Chat::load(&d.path("nowhere"), ChatOptions::default())
         .err()

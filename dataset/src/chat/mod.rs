@@ -16,6 +16,8 @@
 //!   end marker included: its content and its end-of-turn token, not its role header.
 //! - The `truncation` and `padding` a `tokenizer.json` may be saved with are ignored, as
 //!   transformers ignores them unless asked: a sample is never cut or padded by the tokenizer.
+//! - Texts need only the tokenizer: a directory without a usable template (a base model's)
+//!   still loads, and its template's error is each conversation's.
 //! - [`Chat::key`] hashes everything that changes ids or masks: the tokenizer file, the
 //!   special tokens, the template and every option.
 //!
@@ -67,8 +69,8 @@ enum Spans {
 /// The target's tokenizer and template, ready to prepare records on many threads.
 pub struct Chat {
     tokenizer: Tokenizer,
-    template: Template,
-    spans: Spans,
+    /// The template and where its assistant spans come from, or why there are none.
+    template: Result<(Template, Spans), ChatError>,
     options: ChatOptions,
     key: String,
     dir: PathBuf,
@@ -104,7 +106,9 @@ const SPECIAL: &[&str] = &[
 ];
 
 impl Chat {
-    /// Loads the tokenizer and template of the model directory `dir`.
+    /// Loads the tokenizer and template of the model directory `dir`. The tokenizer must load;
+    /// a template that is missing or unusable (its assistant turns not found) is an error only
+    /// for the first conversation ([`Chat::template_error`] says it before).
     pub fn load(dir: &Path, options: ChatOptions) -> Result<Chat, ChatError> {
         let read = |name: &str| {
             let path = dir.join(name);
@@ -141,26 +145,32 @@ impl Chat {
                 })
             }
         };
-        let source = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
-            Ok(s) => s,
+        // A template that is missing or cannot be used is no error yet: pre-tokenized records
+        // and texts need only the tokenizer (a base model has no template). It is the error of
+        // the first conversation.
+        let source: Result<String, ChatError> = match std::fs::read_to_string(
+            dir.join("chat_template.jinja"),
+        ) {
+            Ok(s) => Ok(s),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 match config.get("chat_template") {
-                    Some(Json::String(s)) => s.clone(),
-                    Some(Json::Array(named)) => named
-                        .iter()
-                        .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                        .and_then(|t| t.get("template")?.as_str())
-                        .map(str::to_string)
-                        .ok_or_else(|| {
-                            bad("tokenizer_config.json", "chat_template has no template named default".into())
-                        })?,
-                    _ => {
-                        return Err(ChatError::Bad {
+                        Some(Json::String(s)) => Ok(s.clone()),
+                        Some(Json::Array(named)) => named
+                            .iter()
+                            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                            .and_then(|t| t.get("template")?.as_str())
+                            .map(str::to_string)
+                            .ok_or_else(|| {
+                                bad(
+                                    "tokenizer_config.json",
+                                    "chat_template has no template named default".into(),
+                                )
+                            }),
+                        _ => Err(ChatError::Bad {
                             path: dir.to_path_buf(),
-                            why: "no chat template: neither chat_template.jinja nor a chat_template in tokenizer_config.json".into(),
-                        })
+                            why: "no chat template: neither chat_template.jinja nor a chat_template in tokenizer_config.json, so conversations cannot be prepared (texts and input_ids can)".into(),
+                        }),
                     }
-                }
             }
             Err(source) => {
                 return Err(ChatError::Read {
@@ -177,7 +187,8 @@ impl Chat {
             h.write(b);
         };
         field(&mut h, &tok_bytes);
-        field(&mut h, source.as_bytes());
+        // No template hashes as an empty one: neither prepares a conversation.
+        field(&mut h, source.as_deref().unwrap_or("").as_bytes());
         for name in SPECIAL {
             if let Some(t) = config.get(*name).and_then(token_text) {
                 field(&mut h, name.as_bytes());
@@ -191,22 +202,22 @@ impl Chat {
         field(&mut h, format!("{:?}", options.enable_thinking).as_bytes());
         field(&mut h, &[u8::from(options.train_only_last_turn)]);
         field(&mut h, format!("{:?}", options.system_prompt).as_bytes());
-        let template = Template::new(&source, globals).map_err(|e| ChatError::Bad {
-            path: dir.to_path_buf(),
-            why: e,
-        })?;
-        let spans = if template.has_generation {
-            Spans::Generation
-        } else {
-            Spans::Markers(Markers::probe(&template).map_err(|why| ChatError::Bad {
+        let template = source.and_then(|source| {
+            let bad = |why| ChatError::Bad {
                 path: dir.to_path_buf(),
                 why,
-            })?)
-        };
+            };
+            let template = Template::new(&source, globals).map_err(bad)?;
+            let spans = if template.has_generation {
+                Spans::Generation
+            } else {
+                Spans::Markers(Markers::probe(&template).map_err(bad)?)
+            };
+            Ok((template, spans))
+        });
         Ok(Chat {
             tokenizer,
             template,
-            spans,
             options,
             key: format!("{:032x}", h.finish_128()),
             dir: dir.to_path_buf(),
@@ -223,12 +234,19 @@ impl Chat {
         &self.dir
     }
 
-    /// The markers a template without `{% generation %}` is read by (None: it has the tag).
+    /// The markers a template without `{% generation %}` is read by (None: it has the tag, or
+    /// there is no usable template).
     pub fn markers(&self) -> Option<&Markers> {
-        match &self.spans {
-            Spans::Generation => None,
-            Spans::Markers(m) => Some(m),
+        match &self.template {
+            Ok((_, Spans::Markers(m))) => Some(m),
+            _ => None,
         }
+    }
+
+    /// Why conversations cannot be prepared (no template, or one whose assistant turns are not
+    /// found); None when they can.
+    pub fn template_error(&self) -> Option<&ChatError> {
+        self.template.as_ref().err()
     }
 
     /// Tokenizes `text` as it is (no special tokens added): a `text` record.
@@ -242,6 +260,7 @@ impl Chat {
 
     /// Renders and tokenizes a conversation; the mask covers its assistant spans.
     pub fn conversation(&self, messages: &[Message]) -> Result<Encoded, String> {
+        let (template, spans) = self.template.as_ref().map_err(|e| e.to_string())?;
         if messages.is_empty() {
             return Err("the conversation is empty".into());
         }
@@ -263,8 +282,8 @@ impl Chat {
             }
             _ => messages,
         };
-        let r = self.template.render(messages, false)?;
-        let mut spans = match &self.spans {
+        let r = template.render(messages, false)?;
+        let mut spans = match spans {
             Spans::Generation => r.spans,
             Spans::Markers(m) => m.spans(&r.text),
         };

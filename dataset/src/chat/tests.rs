@@ -122,14 +122,74 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
     }
 }
 
-#[test]
-fn a_template_with_a_broken_tag_is_an_error_naming_the_directory() {
-    let d = model("broken", "null", "null");
-    d.file("chat_template.jinja", "{%} oops");
-    let Err(e) = Chat::load(d.path(), ChatOptions::default()) else {
-        panic!("a template with {{%}} loaded");
+/// A JSONL file of `lines` prepared with the tokenizer of `dir`: the samples, or the error.
+fn prepare(dir: &ModelDir, name: &str, lines: &str) -> Result<Vec<Vec<u32>>, String> {
+    let input = dir.0.join(name);
+    std::fs::write(&input, lines).unwrap();
+    let chat = Chat::load(dir.path(), ChatOptions::default()).map_err(|e| e.to_string())?;
+    let options = crate::Options {
+        chat: Some(std::sync::Arc::new(chat)),
+        ..crate::Options::new(64)
     };
-    let e = e.to_string();
-    assert!(e.contains(&d.path().display().to_string()), "{e}");
-    assert!(e.contains("the chat template does not parse"), "{e}");
+    let out = dir.0.join(format!("{name}.arrow"));
+    crate::prepare_with(
+        &input,
+        &options,
+        &dir.0.join("cache"),
+        Some(&out),
+        &mut |_| {},
+    )
+    .map_err(|e| e.to_string())?;
+    let m = crate::Mapped::open(&out).unwrap();
+    Ok((0..m.len())
+        .map(|i| m.sample(i).unwrap().input_ids.to_vec())
+        .collect())
+}
+
+const IDS: &str = "{\"input_ids\": [1, 2, 3]}\n";
+const TEXT: &str = "{\"text\": \"hello there\"}\n";
+const CONVERSATION: &str = "{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}, \
+{\"role\": \"assistant\", \"content\": \"fine\"}]}\n";
+
+#[test]
+fn without_a_usable_template_ids_and_texts_are_prepared_and_conversations_say_why_not() {
+    // A base model: a tokenizer and no template.
+    let base = ModelDir::new("base");
+    base.file("tokenizer.json", &tokenizer_json("null", "null"));
+    // A template whose assistant turns have no end that a user turn also has.
+    let unmarked = model("unmarked", "null", "null");
+    unmarked.file(
+        "chat_template.jinja",
+        "{% for m in messages %}{% if m.role == 'user' %}<u> {{ m.content }}\
+         {% else %}<a> {{ m.content }} end{% endif %}{% endfor %}",
+    );
+    // A template that does not parse.
+    let broken = model("broken", "null", "null");
+    broken.file("chat_template.jinja", "{%} oops");
+    for (d, why) in [
+        (&base, "no chat template"),
+        (&unmarked, "its assistant turns cannot be found by markers"),
+        (&broken, "the chat template does not parse"),
+    ] {
+        assert_eq!(prepare(d, "ids.jsonl", IDS).unwrap(), [[1, 2, 3]]);
+        assert_eq!(prepare(d, "text.jsonl", TEXT).unwrap(), [[6, 7]]);
+        let e = prepare(d, "chats.jsonl", &format!("{IDS}{CONVERSATION}")).unwrap_err();
+        assert!(e.contains("chats.jsonl:2: ") && e.contains(why), "{e}");
+        let chat = Chat::load(d.path(), ChatOptions::default()).unwrap();
+        let e = chat.template_error().unwrap().to_string();
+        assert!(
+            e.contains(why) && e.contains(&d.path().display().to_string()),
+            "{e}"
+        );
+    }
+    // A usable template prepares the conversation.
+    let good = model("good", "null", "null");
+    assert!(Chat::load(good.path(), ChatOptions::default())
+        .unwrap()
+        .template_error()
+        .is_none());
+    assert_eq!(
+        prepare(&good, "chats.jsonl", CONVERSATION).unwrap(),
+        [[2, 4, 6, 5, 3, 4, 11, 5]]
+    );
 }

@@ -133,7 +133,7 @@ fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
                 assert!(e.contains(name), "{e}");
             } else {
                 // Intact, it is decoded; only the missing tokenizer stops it.
-                assert!(e.contains("no tokenizer is given"), "{column}: {e}");
+                assert!(e.contains("no tokenizer was loaded"), "{column}: {e}");
             }
         }
     }
