@@ -355,8 +355,14 @@ impl<'c, 'r> Rank<'c, 'r> {
         };
         self.draw_next_bucket(mine);
         let batch = held.as_ref().map_or(NO_BATCH, |h| h.slot().meta().batch_id);
+        if mine.ended_ranks() > 0 {
+            // The group's last round may be this one: the checkpoint written after it must
+            // not hold an update whose line is not durable yet.
+            self.ledger.sync()?;
+        }
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
+        self.checkpoint_before_update(&red)?;
         self.consumer.enter(Phase::Compute);
         let mut stats = (self.backend.apply(sum)).context("applying the group's update")?;
         self.consumer.enter(Phase::Other);
@@ -493,20 +499,51 @@ impl<'c, 'r> Rank<'c, 'r> {
         }
     }
 
-    /// Every `checkpoint_every` steps and at the end: every rank syncs its ledger, the leader
-    /// writes the group's checkpoint.
+    /// Every `checkpoint_every` steps and at the end: every rank syncs its ledger (before it
+    /// contributes to another round). The leader writes the group's checkpoint at the end
+    /// here; a periodic one once the next round commits ([`Rank::checkpoint_before_update`]).
     fn checkpoint_if_due(&mut self, red: &Reduced, everyone_ended: bool) -> anyhow::Result<()> {
-        let every = self.s.config.drafter.checkpoint_every.max(1);
-        if everyone_ended || u64::from(red.step) % every == 0 {
+        if everyone_ended || self.checkpoint_step(red.step) {
             self.consumer.enter(Phase::Checkpoint);
             self.ledger.sync()?;
-            if self.is_leader(&red.membership) {
-                checkpoint(self.backend.as_ref(), &self.ckpt)?;
-                export(self.backend.as_ref(), &self.s.run_dir.export_dir())?;
+            if everyone_ended && self.is_leader(&red.membership) {
+                self.write_checkpoint()?;
             }
             self.consumer.enter(Phase::Other);
         }
         Ok(())
+    }
+
+    /// The checkpoint of step S is written once round S + 1 commits, before its update: the
+    /// weights are still S's, and every member of the round had synced its ledger line of S
+    /// before contributing to it (a rank that died instead was removed first, its line the
+    /// launcher's). Written right after S, it could hold the update of a batch whose line a
+    /// slower rank had not yet made durable: a resume from it, not finding the line, trained
+    /// that batch a second time. Whoever leads at the commit writes it (a rank admitted at S
+    /// holds S's weights too).
+    fn checkpoint_before_update(&mut self, red: &Reduced) -> anyhow::Result<()> {
+        let done = red.step.wrapping_sub(1);
+        if !self.checkpoint_step(done)
+            || !self.is_leader(&red.membership)
+            || self.backend.step() != u64::from(done)
+        {
+            return Ok(());
+        }
+        self.consumer.enter(Phase::Checkpoint);
+        self.write_checkpoint()?;
+        self.consumer.enter(Phase::Other);
+        Ok(())
+    }
+
+    /// Whether a periodic checkpoint is due after `step` (`[drafter] checkpoint_every`).
+    fn checkpoint_step(&self, step: u32) -> bool {
+        let every = self.s.config.drafter.checkpoint_every.max(1);
+        step > 0 && u64::from(step) % every == 0
+    }
+
+    fn write_checkpoint(&self) -> anyhow::Result<()> {
+        checkpoint(self.backend.as_ref(), &self.ckpt)?;
+        export(self.backend.as_ref(), &self.s.run_dir.export_dir())
     }
 
     /// Moves the device's resolved spans into the ring.

@@ -279,7 +279,11 @@ pub fn record_retired(
         digest: String::new(),
         epoch: 0,
     };
-    Ledger::open(&run_dir.ledger(index))?.append(&line)?;
+    let mut ledger = Ledger::open(&run_dir.ledger(index))?;
+    ledger.append(&line)?;
+    // Durable before the group goes on much further: the leader's next checkpoint may hold
+    // this batch's update.
+    ledger.sync()?;
     Ok(true)
 }
 

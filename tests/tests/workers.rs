@@ -174,6 +174,66 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
     }
 }
 
+/// Drafter 1 dies after the group applied step 10 (a checkpoint step), before its ledger line;
+/// the launcher, played by the test, has not removed it yet. The leader's checkpoint of step 10
+/// must not exist then: a resume from it would find no line for drafter 1's batch, though its
+/// update is in the checkpoint, and train it a second time. Before, the leader wrote it right
+/// after its own step-10 line, before contributing to step 11. Once drafter 1 is removed, step
+/// 11 commits and the checkpoint is written.
+#[test]
+fn the_checkpoint_of_a_step_waits_for_every_members_ledger_line_of_it() {
+    let run = TestDir::new("wckptorder");
+    let text = CONFIG
+        .replace("synthetic_samples = 150", "synthetic_samples = 600")
+        .replace("checkpoint_every = 2", "checkpoint_every = 10");
+    let config = run.path("run.toml");
+    std::fs::write(
+        &config,
+        format!("{text}[faults.drafter-1]\ncrash_after_commit_at = 10\n"),
+    )
+    .unwrap();
+    let name = unique("wckptorder");
+    let (ring, group, _) = make_ring(&name, &config, 2, 2);
+    let drafters: Vec<Proc> = (0..2)
+        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
+        .collect();
+    let targets: Vec<Proc> = (0..2)
+        .map(|i| worker(TARGET, i, &name, &run.0, &config))
+        .collect();
+    let mut drafters = drafters.into_iter();
+    let (leader, victim) = (drafters.next().unwrap(), drafters.next().unwrap());
+    assert!(
+        !victim.wait_status().success(),
+        "the injected crash kills drafter 1"
+    );
+    assert!(
+        ledger(&run.0, 1).iter().all(|l| l.step < 10),
+        "drafter 1 died before its line"
+    );
+    // Drafter 0 arrives in step 11's round only after its step-10 line and, before, after the
+    // checkpoint it wrote right after that line.
+    let rank0 = collective::attach(&proto::group_segment(&name), 0).unwrap();
+    let deadline = std::time::Instant::now() + crate::support::WATCHDOG;
+    while rank0.arrival().is_none_or(|(_, step)| step < 11) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "drafter 0 never reached step 11"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let ckpt = RunDir::new(&run.0).checkpoint();
+    assert!(
+        !ckpt.exists(),
+        "checkpoint 10 written before drafter 1's line of step 10"
+    );
+    group.remove(1).unwrap();
+    ring.recover(WorkerName::consumer(1)).unwrap();
+    for p in targets.into_iter().chain([leader]) {
+        p.finish();
+    }
+    assert!(ckpt.exists(), "the checkpoint once step 11 committed");
+}
+
 #[test]
 fn a_crashed_drafter_restarts_from_its_checkpoint_and_nothing_is_lost() {
     // One drafter, so it surely reaches its fifth batch and, restarted, trains the rest.
