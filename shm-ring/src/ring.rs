@@ -181,10 +181,11 @@ impl Ring {
         rec.registered_ns.store(sys::monotonic_ns(), r);
         core.heartbeat(id);
         // A new incarnation's clocks start now: the phase and idle gap a predecessor died in
-        // (never recovered, or recovered and left) are not this one's (its death, restart and
-        // load would count as compute time or as one long idle gap).
-        rec.phase_cur.store(0, r);
-        rec.gap_since.store(0, r);
+        // and was never recovered from are not this one's (its load would count as compute
+        // time or as one long idle gap). The predecessor's phase keeps its time, up to now
+        // (when it died is not known), so its cumulative figures never go back; a recovered
+        // predecessor's clock is already stopped and this adds nothing.
+        core.enter(id, None);
         rec.device_busy_until.store(0, r);
         rec.device_timed.store(0, r);
         rec.in_hand.store(0, r);

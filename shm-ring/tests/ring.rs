@@ -588,6 +588,45 @@ fn recover_redelivers_held_items_frees_writes_and_restart_bumps_the_epoch() {
 }
 
 #[test]
+fn the_phase_a_worker_dies_in_keeps_its_time_after_recovery() {
+    let name = unique("diesin");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let reader = Ring::open_read_only(&name).unwrap();
+    let c0 = ring.consumer(0).unwrap();
+    c0.add_phase(Phase::Compute, Duration::from_millis(5));
+    c0.enter(Phase::Compute);
+    // Long enough that the phase in progress shows in a live snapshot, whatever the clock's
+    // resolution.
+    thread::sleep(Duration::from_millis(20));
+    let live = reader.snapshot();
+    let live = live.worker(WorkerName::consumer(0)).unwrap();
+    assert!(live.alive);
+    assert!(live.phase_ns[Phase::Compute] > 5_000_000);
+    // The consumer "dies" in compute (a hung drafter killed by its supervisor).
+    std::mem::forget(c0);
+    // SAFETY: consumer 0 was forgotten above and is never used again, as if its process had
+    // been killed.
+    unsafe { ring.recover_unchecked(WorkerName::consumer(0)) }.unwrap();
+    let after = reader.snapshot();
+    let after = after.worker(WorkerName::consumer(0)).unwrap();
+    assert_eq!(after.state, WorkerState::Dead);
+    // Cumulative: what a snapshot showed is never taken back, so a window's delta is never
+    // negative and a run's summary counts the time the monitor saw.
+    assert!(
+        after.phase_ns[Phase::Compute] >= live.phase_ns[Phase::Compute],
+        "compute time went back from {} ns to {} ns at recovery",
+        live.phase_ns[Phase::Compute],
+        after.phase_ns[Phase::Compute]
+    );
+    // Its clock stopped: later snapshots add nothing.
+    let later = reader.snapshot();
+    assert_eq!(
+        later.worker(WorkerName::consumer(0)).unwrap().phase_ns,
+        after.phase_ns
+    );
+}
+
+#[test]
 fn snapshot_reports_phases_counters_and_buckets_without_writing() {
     let name = unique("snap");
     let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();

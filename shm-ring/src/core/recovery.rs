@@ -181,9 +181,11 @@ impl RingRef<'_> {
         self.take_lease(id, me, holder_alive)?;
         let out = self.cleanup(id, settling);
         let w = self.worker(id);
-        // A dead worker's clock stops: readers must not count time past its death.
-        w.phase_cur.store(0, Ordering::Relaxed);
-        w.gap_since.store(0, Ordering::Relaxed);
+        // A dead worker's clock stops here: readers count no time past its recovery, and the
+        // phase it died in keeps the time snapshots showed running until now (`enter` adds it,
+        // on the same clock as `phase_since`), so cumulative figures never go back. `enter(None)`
+        // also closes any idle gap.
+        self.enter(id, None);
         w.device_busy_until.store(0, Ordering::Relaxed);
         w.in_hand.store(0, Ordering::Relaxed);
         let _ = w
