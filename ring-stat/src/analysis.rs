@@ -16,7 +16,8 @@
 //!
 //! The verdict, in order (the first that holds; 1-6 are the functions of `verdict::RULES`, 7 is
 //! `verdict::sides`, and a new rule goes into that list at its place in this order):
-//! 1. *finished*: the ring is closed and empty;
+//! 1. *finished*: the ring is closed and empty (*ended*, with what was not trained, when planned
+//!    batches were never published, a stop or every target given up, or some were set aside);
 //! 2. *stalled*: a live worker has sent no heartbeat for far longer than its steps take (10x its
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
 //! 3. *idle* when no drafter runs (after the first take: before it, drafters may still start);

@@ -124,6 +124,92 @@ fn a_closed_ring_where_nothing_moves_is_finished() {
     );
 }
 
+/// A ring with a work table of `items` planned batches, one producer and one consumer.
+fn planned(tag: &str, items: u64) -> Ring {
+    let params = shm_ring::RingParams {
+        work_items: items,
+        ..fifo(1, 1, 4)
+    };
+    Ring::create(&unique(tag), &params).unwrap()
+}
+
+/// Claims the next planned batch, publishes it as `batch_id` and has the consumer take it.
+fn planned_batch<'c>(
+    p: &shm_ring::Producer<'_>,
+    c: &'c shm_ring::Consumer<'_>,
+    batch_id: u64,
+) -> shm_ring::ReadSlot<'c> {
+    let item = p.claim_work().unwrap();
+    let mut w = p.reserve(8).unwrap();
+    w.complete_work(item).unwrap();
+    w.commit(CommitMeta {
+        batch_id,
+        ..CommitMeta::default()
+    })
+    .unwrap();
+    c.take().unwrap().unwrap()
+}
+
+/// Every planned batch published and trained: finished.
+#[test]
+fn a_run_that_trained_its_whole_plan_is_finished() {
+    let r = planned("plandone", 2);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for batch in 0..2 {
+        planned_batch(&p, &c, batch).release().unwrap();
+    }
+    p.finish();
+    let a = r.snapshot();
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(
+        v.line,
+        "finished: every producer is done (1/1) and every batch is trained"
+    );
+}
+
+/// A stop (Ctrl-C: the targets finish early) closes the ring with planned batches never
+/// published: the run ended, it did not train every batch, and the verdict says how many.
+#[test]
+fn a_stopped_run_ended_with_its_unpublished_batches_counted() {
+    let r = planned("planstop", 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    planned_batch(&p, &c, 0).release().unwrap();
+    p.finish();
+    let a = r.snapshot();
+    assert!(a.closed && a.slots.ready + a.slots.reading == 0);
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Idle);
+    assert_eq!(
+        v.line,
+        "ended: the producers are done (1/1) with 3 of 4 planned batch(es) not published, \
+         0 set aside (never trained); every other batch is trained"
+    );
+}
+
+/// A batch set aside (it killed the drafters that took it) is never trained: "every batch is
+/// trained" would be false even with the whole plan published. (Setting a batch aside takes a
+/// dead process; the snapshot is given the count its recovery would leave.)
+#[test]
+fn a_run_with_a_batch_set_aside_ended_with_it_counted() {
+    let r = planned("planaside", 2);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for batch in 0..2 {
+        planned_batch(&p, &c, batch).release().unwrap();
+    }
+    p.finish();
+    let a = r.snapshot();
+    let mut b = r.snapshot();
+    b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+    b.counters.released -= 1;
+    b.counters.set_aside += 1;
+    let v = verdict(&b, &interval(&a, &b, &[]));
+    assert_eq!(
+        v.line,
+        "ended: the producers are done (1/1) with 0 of 2 planned batch(es) not published, \
+         1 set aside (never trained); every other batch is trained"
+    );
+}
+
 /// Asserts `got` says `want`, but for the pace figures ("3.0x", and a phase's share of the
 /// working time, "(56% in"): a worker's phase in progress (`other`, since it registered) counts
 /// the test's own real time into its pace, so those are checked within 0.3 and 15 points.

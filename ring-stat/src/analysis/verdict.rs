@@ -11,6 +11,9 @@
 //!    they do not compute when the drafters are the bottleneck, what a drafter group waits for
 //!    in `sync`, the worker to blame when the rule named none).
 //! 3. The stragglers and the warnings, listed whatever the call.
+//!
+//! Length: past 500 lines on purpose: every rule and note with its words is here, in the
+//! order the verdict applies them, so one file reads as the whole verdict.
 
 use super::pace::{main_phase, silent_worker, Slow};
 use super::window::Window;
@@ -73,18 +76,39 @@ const RULES: [Rule; 8] = [
 /// What is added to a call, in order, whichever rule made it.
 const NOTES: [fn(&Window, &mut Call); 3] = [drafters_idle, sync_wait, blame_slowest];
 
-/// The ring is closed and empty: the run is over.
+/// The ring is closed and empty: the run is over. "Every batch is trained" only when it is:
+/// every planned batch published (the work table says so) and none set aside. A ring closed
+/// early (a stop, or every target given up) or with batches set aside ended short of its plan,
+/// and says by how much.
 fn finished(w: &Window) -> Option<Call> {
     let b = w.b;
-    (b.closed && w.left == 0).then(|| {
-        Call::new(
-            Bottleneck::Idle,
-            format!(
-                "finished: every producer is done ({}/{}) and every batch is trained",
-                b.producers_done, b.producers_expected
-            ),
+    if !b.closed || w.left > 0 {
+        return None;
+    }
+    let (done, expected) = (b.producers_done, b.producers_expected);
+    // Planned batches never published, those set aside apart (a target's set aside is never
+    // published either, and is counted in both the work table and the ring's counter).
+    let unpublished = (b.work.total).saturating_sub(b.work.done + b.work.set_aside);
+    let aside = b.counters.set_aside.max(b.work.set_aside);
+    let line = if unpublished == 0 && aside == 0 {
+        format!("finished: every producer is done ({done}/{expected}) and every batch is trained")
+    } else {
+        let retired = (b.workers.iter())
+            .filter(|w| w.state == WorkerState::Retired)
+            .count();
+        let retired = match retired {
+            0 => String::new(),
+            n => format!(", {n} retired"),
+        };
+        let planned = match b.work.total {
+            0 => String::new(),
+            total => format!("{unpublished} of {total} planned batch(es) not published, "),
+        };
+        format!(
+            "ended: the producers are done ({done}/{expected}{retired}) with {planned}{aside} set aside (never trained); every other batch is trained"
         )
-    })
+    };
+    Some(Call::new(Bottleneck::Idle, line))
 }
 
 /// A live worker is silent far past its usual step: hung, and named, whatever else holds.
