@@ -22,7 +22,7 @@
 //!    mean step, at least 5 s; 60 s before it has a history): hung, and named;
 //! 3. *idle* when no drafter runs (after the first take: before it, drafters may still start);
 //! 4. *draining*: every target is done (the ring closed), or every planned batch is handed out
-//!    and a target is already out of work; the drafters train what is left;
+//!    (published or claimed, by the work table); the drafters train what is left;
 //! 5. *starting*: nothing was taken yet (the drafters wait for the ring to reach `min_ready`),
 //!    or the window holds the first take;
 //! 6. *idle*: nothing was published or trained and no worker did any work in the window;

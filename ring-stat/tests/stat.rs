@@ -126,9 +126,13 @@ fn a_closed_ring_where_nothing_moves_is_finished() {
 
 /// A ring with a work table of `items` planned batches, one producer and one consumer.
 fn planned(tag: &str, items: u64) -> Ring {
+    planned_by(tag, 1, 1, items)
+}
+
+fn planned_by(tag: &str, producers: u32, consumers: u32, items: u64) -> Ring {
     let params = shm_ring::RingParams {
         work_items: items,
-        ..fifo(1, 1, 4)
+        ..fifo(producers, consumers, 4)
     };
     Ring::create(&unique(tag), &params).unwrap()
 }
@@ -207,6 +211,40 @@ fn a_run_with_a_batch_set_aside_ended_with_it_counted() {
         v.line,
         "ended: the producers are done (1/1) with 0 of 2 planned batch(es) not published, \
          1 set aside (never trained); every other batch is trained"
+    );
+}
+
+/// The end of the plan before the ring closes: every planned batch is published or claimed,
+/// so the targets without one sit idle and the drafters wait on a near-empty ring. That is the
+/// run draining, not targets too slow (no target is done yet: targets finish only when the
+/// ring closes).
+#[test]
+fn with_every_planned_batch_claimed_or_published_it_is_draining() {
+    let r = planned_by("planout", 2, 2, 6);
+    let (p0, p1) = (r.producer(0).unwrap(), r.producer(1).unwrap());
+    let (c0, c1) = (r.consumer(0).unwrap(), r.consumer(1).unwrap());
+    for batch in 0..2 {
+        planned_batch(&p0, &c0, batch).release().unwrap();
+        planned_batch(&p1, &c1, 10 + batch).release().unwrap();
+    }
+    // The last two batches are being computed, one by each target.
+    assert!(p0.claim_work().is_some() && p1.claim_work().is_some());
+    let a = r.snapshot();
+    p0.add_phase(Phase::Compute, ms(980));
+    p1.add_phase(Phase::Compute, ms(980));
+    c0.add_phase(Phase::WaitEmpty, ms(900));
+    c1.add_phase(Phase::WaitEmpty, ms(900));
+    let empty = SlotCounts {
+        free: 4,
+        ..SlotCounts::default()
+    };
+    let (v, _) = judge(&r, &a, &[empty; 10]);
+    assert_eq!(a.producers_done, 0);
+    assert_eq!(v.bottleneck, Bottleneck::Draining, "{v:?}");
+    assert_eq!(
+        v.line,
+        "draining: every planned batch is handed out (4 of 6 published, 2 being computed by \
+         the targets); the drafters train what the ring holds (0 ready, 0 held by drafters)"
     );
 }
 

@@ -302,7 +302,8 @@ fn drafter_bound_names_the_drafters() {
 }
 
 /// The end of any run: the targets are done, the drafters train what the ring holds. Every
-/// interval from the first target out of work (the plan all handed out) to the last batch
+/// interval from the plan all handed out (every planned batch published or claimed: a target
+/// with none is out of work, though no target is done before the ring closes) to the last batch
 /// trained says draining, with what is left, never "both sides wait"; then "finished".
 #[test]
 fn the_end_of_a_run_is_draining() {
@@ -318,7 +319,7 @@ fn the_end_of_a_run_is_draining() {
             let s = &o.s;
             s.work.total > 0
                 && s.work.done + s.work.claimed >= s.work.total
-                && s.producers_done > 0
+                && s.counters.taken > 0
                 && !(s.closed && s.slots.ready + s.slots.reading == 0)
         },
         Bottleneck::Draining,

@@ -165,19 +165,20 @@ fn targets_done(w: &Window) -> Option<Call> {
     })
 }
 
-/// The end of the plan: every batch claimed and a target already out of work.
+/// The end of the plan: every planned batch is published or being computed (the work table
+/// says so), so a target with none in hand has nothing left to claim. Targets finish only once
+/// every batch is settled, when the ring closes, so their being done cannot tell this earlier.
 fn plan_handed_out(w: &Window) -> Option<Call> {
     let b = w.b;
     let handed_out = b.work.total > 0
         && b.work.done + b.work.claimed + b.work.set_aside >= b.work.total
-        && b.producers_done > 0
         && b.counters.taken > 0;
     handed_out.then(|| {
         Call::new(
             Bottleneck::Draining,
             format!(
-                "draining: every planned batch is handed out ({} of {} published, {} claimed; targets done {}/{}); the drafters are training the last {} batch(es) ({} ready, {} held by drafters)",
-                b.work.done, b.work.total, b.work.claimed, b.producers_done, b.producers_expected, w.left, b.slots.ready, b.slots.reading
+                "draining: every planned batch is handed out ({} of {} published, {} being computed by the targets); the drafters train what the ring holds ({} ready, {} held by drafters)",
+                b.work.done, b.work.total, b.work.claimed, b.slots.ready, b.slots.reading
             ),
         )
     })
