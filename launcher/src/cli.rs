@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use clap::builder::PossibleValue;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -217,13 +218,21 @@ impl Args {
                 self.hang_timeout
             )));
         }
-        if !(self.monitor.is_finite() && self.monitor > 0.0) {
-            return Err(UsageError(format!(
-                "--monitor must be a positive number of seconds, got {}",
-                self.monitor
-            )));
-        }
+        self.monitor_period()?;
         Ok(())
+    }
+
+    /// `--monitor` as a period: a positive number of seconds that a `Duration` holds (1e20
+    /// does not), else a usage error naming the flag.
+    pub fn monitor_period(&self) -> Result<Duration, UsageError> {
+        match Duration::try_from_secs_f64(self.monitor) {
+            Ok(d) if self.monitor > 0.0 => Ok(d),
+            _ => Err(UsageError(format!(
+                "--monitor must be a positive number of seconds, at most {:.1e}, got {}",
+                u64::MAX as f64,
+                self.monitor
+            ))),
+        }
     }
 }
 

@@ -87,20 +87,41 @@ fn run_on_stdout(args: &Args) -> anyhow::Result<()> {
     if !tty || args.json || args.list || args.gc {
         return run(args, &mut std::io::stdout().lock());
     }
-    let ring = open(args)?;
-    match args.watch {
-        Some(secs) => screen::watch(&ring, Duration::from_secs_f64(secs.max(0.05))),
+    let (ring, periods) = open(args)?;
+    match periods.watch {
+        Some(every) => screen::watch(&ring, every),
         None => {
             let (width, _) = ratatui::crossterm::terminal::size().unwrap_or((100, 24));
-            let report = measure(&ring, Duration::from_secs_f64(args.interval));
+            let report = measure(&ring, periods.interval);
             screen::print_once(&report, width, &mut std::io::stdout().lock())?;
             Ok(())
         }
     }
 }
 
+/// The periods `--interval` and `--watch` ask for.
+struct Periods {
+    interval: Duration,
+    watch: Option<Duration>,
+}
+
+/// The shortest period measured: shorter ones are taken as this.
+const MIN_PERIOD: Duration = Duration::from_millis(50);
+
+/// A flag's seconds as a period: a positive number that a `Duration` holds (1e20 does not),
+/// else an error naming the flag.
+fn period(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if secs > 0.0 => Ok(d),
+        _ => bail!(
+            "{flag} must be a positive number of seconds, at most {:.1e}, got {secs}",
+            u64::MAX as f64
+        ),
+    }
+}
+
 /// Checks the flags and attaches to the ring they name.
-fn open(args: &Args) -> anyhow::Result<Ring> {
+fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
     let name = match (&args.ring, &args.run_dir) {
         (Some(r), _) => r.clone(),
         (None, Some(d)) => {
@@ -112,15 +133,14 @@ fn open(args: &Args) -> anyhow::Result<Ring> {
         }
         (None, None) => bail!("name a ring (see --list) or a --run-dir, or pass --list or --gc"),
     };
-    if !(args.interval.is_finite() && args.interval > 0.0) {
-        bail!("--interval must be a positive number of seconds");
-    }
-    if let Some(w) = args.watch {
-        if !(w.is_finite() && w > 0.0) {
-            bail!("--watch must be a positive number of seconds");
-        }
-    }
-    Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))
+    let periods = Periods {
+        interval: period("--interval", args.interval)?,
+        watch: (args.watch.map(|w| period("--watch", w)))
+            .transpose()?
+            .map(|w| w.max(MIN_PERIOD)),
+    };
+    let ring = Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))?;
+    Ok((ring, periods))
 }
 
 /// The plain output: a table (or JSON) per interval, one after another with `--watch`. What
@@ -129,11 +149,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     if args.list || args.gc {
         return list_or_gc(args, out);
     }
-    let ring = open(args)?;
+    let (ring, periods) = open(args)?;
     let mut judge = Judge::new();
     let mut start = ring.snapshot();
     loop {
-        let dur = Duration::from_secs_f64(args.watch.unwrap_or(args.interval).max(0.05));
+        let dur = periods.watch.unwrap_or(periods.interval).max(MIN_PERIOD);
         let report = measure_from(&ring, start, dur, &mut judge);
         start = report.snapshot.clone();
         if args.json {

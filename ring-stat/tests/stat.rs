@@ -828,6 +828,43 @@ fn the_cli_prints_the_table_and_json_and_names_a_missing_ring() {
     assert!(err.contains("not an hspipe ring"), "{err}");
 }
 
+/// A period a duration cannot hold (`--watch 1e20`) is bad input like a negative one: an
+/// error naming the flag, never a panic.
+#[test]
+fn periods_out_of_range_are_refused_naming_the_flag() {
+    let r = ring("periods", 1, 1, 4);
+    for secs in [1e20, f64::INFINITY, f64::NAN, 0.0, -1.0] {
+        for (flag, args) in [
+            (
+                "--watch",
+                Args {
+                    watch: Some(secs),
+                    ..Args::default()
+                },
+            ),
+            (
+                "--interval",
+                Args {
+                    interval: secs,
+                    ..Args::default()
+                },
+            ),
+        ] {
+            let args = Args {
+                ring: Some(r.name().to_string()),
+                ..args
+            };
+            let got = std::panic::catch_unwind(|| run(&args, &mut Vec::new()));
+            let err = got.unwrap_or_else(|_| panic!("{flag} {secs} panicked"));
+            let err = format!("{:#}", err.unwrap_err());
+            assert!(
+                err.contains(flag) && err.contains("positive number of seconds"),
+                "{flag} {secs}: {err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn stat_reads_a_segment_it_may_only_read() {
     let r = ring("ro", 1, 1, 2);

@@ -923,6 +923,29 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
         assert!(err.contains(want), "{err:?} should say {want:?}");
     }
 
+    // Periods a duration cannot hold are usage errors too, not a panic once the ring exists.
+    for (flag, secs) in [
+        ("--monitor", "1e20"),
+        ("--monitor", "inf"),
+        ("--monitor", "0"),
+    ] {
+        let (code, err, pid) = launch_bad(&[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--config",
+            good,
+            "--run-dir",
+            &rd("period"),
+            flag,
+            secs,
+        ]);
+        assert_eq!(code, 2, "{flag} {secs}: {err}");
+        assert!(err.contains(flag), "{err:?} should name {flag}");
+        no_segment_of(pid);
+    }
+
     let write = |name: &str, text: &str| {
         let p = run.dir.join(name);
         std::fs::write(&p, text).unwrap();

@@ -2,7 +2,7 @@
 //! the run's first lines, and the supervisor with its workers, none started yet.
 
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use shm_ring::{Ring, WorkerName};
@@ -116,7 +116,7 @@ impl<'a> Supervisor<'a> {
             &run_dir,
             batches,
             &epochs,
-            Duration::from_secs_f64(args.monitor),
+            args.monitor_period()?,
             tee,
         )?;
         let (events_tx, events) = mpsc::channel();
