@@ -39,6 +39,8 @@ use crate::tensorboard::Board;
 pub struct Tick {
     pub t_s: f64,
     pub tokens_per_s: f64,
+    /// Batches trained in the run so far: a resumed run's count starts at the batches its
+    /// checkpoint holds.
     pub batches_trained: u64,
     pub batches_total: u64,
     /// The epoch (1-based) of the first batch not yet trained, with several epochs planned:
@@ -186,6 +188,9 @@ pub struct Monitor {
     /// The TensorBoard event file.
     board: Board,
     total: u64,
+    /// Batches trained before this launcher started (a resume's checkpointed batches, marked
+    /// done in the ring): the ring's counters count only this launcher's.
+    done_before: u64,
     /// The plan's epochs, for the line's `epoch e/E`.
     epochs: Epochs,
     every: Duration,
@@ -239,9 +244,11 @@ fn shares(iv: &Interval, role: Role) -> (f64, f64) {
 }
 
 impl Monitor {
+    /// A monitor of a plan of `total` batches, `done` of them trained by earlier launchers (a
+    /// resume's).
     pub fn new(
         run_dir: &RunDir,
-        total: u64,
+        (total, done): (u64, u64),
         epochs: &Epochs,
         every: Duration,
         tee: &Tee,
@@ -256,10 +263,16 @@ impl Monitor {
                 .open(&path)
                 .with_context(|| format!("opening {}", path.display()))?;
         let bar = tee.terminal().map(|term| Bar {
-            bar: ProgressBar::with_draw_target(
-                Some(total),
-                ProgressDrawTarget::term(term.clone(), 20),
-            ),
+            bar: {
+                let bar = ProgressBar::with_draw_target(
+                    Some(total),
+                    ProgressDrawTarget::term(term.clone(), 20),
+                )
+                .with_position(done);
+                // From what earlier launchers trained: the ETA is this launcher's pace.
+                bar.reset_eta();
+                bar
+            },
             term,
             template: String::new(),
             log: tee.log(),
@@ -268,6 +281,7 @@ impl Monitor {
             metrics,
             board,
             total,
+            done_before: done,
             epochs: epochs.clone(),
             every,
             last: None,
@@ -376,13 +390,14 @@ impl Monitor {
         self.occupancy.clear();
         let (tb, tw) = shares(&iv, Role::Producer);
         let (db, dw) = shares(&iv, Role::Consumer);
+        // The run's, not this launcher's: a resume goes on from the batches it marked done.
+        let trained = self.done_before + snap.counters.released;
         let t = Tick {
             t_s: started.elapsed().as_secs_f64(),
             tokens_per_s: iv.tokens_per_s,
-            batches_trained: snap.counters.released,
+            batches_trained: trained,
             batches_total: self.total,
-            epoch: (self.epochs.count() > 1)
-                .then(|| self.epochs.of_batch(snap.counters.released) + 1),
+            epoch: (self.epochs.count() > 1).then(|| self.epochs.of_batch(trained) + 1),
             ring_ready: snap.slots.ready,
             ring_in_use: snap.slots.ready + snap.slots.writing + snap.slots.reading,
             ring_slots: snap.params.slots,

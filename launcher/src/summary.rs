@@ -101,10 +101,15 @@ pub struct Summary {
     /// Batches trained in steps whose updates were lost when every drafter died
     /// (`lost-steps.jsonl`): not in `batches_trained`, their samples untrained.
     pub batches_lost: u64,
+    /// From the ledgers: the whole run's, a resumed run's earlier launches included.
     pub tokens_trained: u64,
     /// Ledger lines that could not be read (a drafter killed mid-line).
     pub torn_ledger_lines: u64,
+    /// This launch's wall time (a resumed run's earlier launches are not in it).
     pub wall_s: f64,
+    /// The tokens the drafters trained in this launch (the ring's telemetry, which starts with
+    /// the launch) per second of `wall_s`. Not `tokens_trained` over it: a resumed run's
+    /// ledgers hold the earlier launches' tokens too.
     pub tokens_per_s: f64,
     pub backend: String,
     pub ring: String,
@@ -155,6 +160,11 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
     let batches = lines.len() as u64;
     let tokens: u64 = lines.iter().map(|l| l.tokens).sum();
     let wall_s = wall.as_secs_f64();
+    // This launch's: the ring was created by it.
+    let launch_tokens: u64 = (snap.workers.iter())
+        .filter(|w| w.role == shm_ring::Role::Consumer)
+        .map(|w| w.tokens)
+        .sum();
     let workers = snap
         .workers
         .iter()
@@ -191,7 +201,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         torn_ledger_lines: torn,
         wall_s,
         tokens_per_s: if wall_s > 0.0 {
-            tokens as f64 / wall_s
+            launch_tokens as f64 / wall_s
         } else {
             0.0
         },

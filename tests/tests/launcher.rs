@@ -922,7 +922,6 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
         assert_eq!(code, 2, "{targets} {drafters}: {err}");
         assert!(err.contains(want), "{err:?} should say {want:?}");
     }
-
     // Periods a duration cannot hold are usage errors too, not a panic once the ring exists.
     for (flag, secs) in [
         ("--monitor", "1e20"),
@@ -1544,6 +1543,7 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
     std::fs::write(&ckpt_tmp, "half a checkpoint").unwrap();
     let export_tmp = run_dir.join(".drafter.new-4242");
     std::fs::create_dir_all(&export_tmp).unwrap();
+    let ticks_before = crate::tensorboard::ticks(&run_dir).len();
     let out = spawn(
         &workspace_bin("launcher"),
         &["--resume", run_dir.to_str().unwrap(), "--monitor", "0.2"],
@@ -1566,6 +1566,32 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
     let per_epoch = trainings_per_epoch(&run);
     assert_eq!(per_epoch.len(), 800, "every sample in both epochs");
     assert!(per_epoch.values().all(|&c| c == 1), "once per epoch");
+
+    // The resume's monitor counts the run's batches: from those the checkpoint holds to all of
+    // them, in the second epoch at the end.
+    let total = s["batches_total"].as_u64().unwrap();
+    let ticks = crate::tensorboard::ticks(&run_dir);
+    let resumed = &ticks[ticks_before..];
+    let trained: Vec<u64> = (resumed.iter())
+        .map(|t| t["batches_trained"].as_u64().unwrap())
+        .collect();
+    assert!(
+        trained.iter().all(|&n| n >= kept.len() as u64) && trained.last() == Some(&total),
+        "{} checkpointed of {total}, the resume's ticks say {trained:?}",
+        kept.len()
+    );
+    assert_eq!(resumed.last().unwrap()["epoch"], 2);
+    // Its rate is this launch's: the tokens it trained (the ledgers' lines after the
+    // checkpoint) over its own wall time, not the whole run's tokens over it.
+    let launch_tokens: u64 = (run.ledgers().iter())
+        .filter(|l| !kept.contains_key(&l.batch_id))
+        .map(|l| l.tokens)
+        .sum();
+    let rate = s["tokens_per_s"].as_f64().unwrap() * s["wall_s"].as_f64().unwrap();
+    assert!(
+        (rate / launch_tokens as f64 - 1.0).abs() < 0.01,
+        "tokens_per_s x wall_s = {rate:.0}, this launch trained {launch_tokens} tokens: {s}"
+    );
 }
 
 /// The launcher and every worker SIGKILLed mid-run, then `launcher --resume RUN_DIR` alone:

@@ -54,7 +54,7 @@ impl<'a> Supervisor<'a> {
         .ok();
         let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
         // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
-        let start_step = match &resume {
+        let (start_step, done) = match &resume {
             Some(r) => {
                 r.apply()?;
                 crate::resume::sweep_leftovers(&run_dir);
@@ -67,9 +67,9 @@ impl<'a> Supervisor<'a> {
                     r.step,
                     r.dropped
                 );
-                r.step
+                (r.step, n)
             }
-            None => 0,
+            None => (0, 0),
         };
         // The drafter group: one model trained by every drafter (see the collective crate).
         let group = collective::create(
@@ -114,7 +114,7 @@ impl<'a> Supervisor<'a> {
             .collect();
         let mon = Monitor::new(
             &run_dir,
-            batches,
+            (batches, done),
             &epochs,
             args.monitor_period()?,
             tee,
