@@ -565,6 +565,42 @@ fn the_group_names_the_rank_it_waits_for_not_the_ranks_that_wait() {
     );
 }
 
+/// A group of two whose rank 1 died: rank 0, the one live rank, waits in sync for it (until its
+/// removal, or its restart rejoins). With no second live rank to compare, that is not batches
+/// of unequal time.
+#[test]
+fn a_lone_live_rank_waiting_in_sync_waits_for_the_rank_that_is_down() {
+    let r = ring("lonerank", 1, 2, 6);
+    let p = r.producer(0).unwrap();
+    let (c0, c1) = (r.consumer(0).unwrap(), r.consumer(1).unwrap());
+    // Both ranks trained, in lock-step, enough batches for their pace to be known.
+    for c in [&c0, &c1] {
+        c.add_phase(Phase::Compute, ms(300));
+        c.add_phase(Phase::Sync, ms(100));
+        for _ in 0..5 {
+            publish_tokens(&p, 100);
+            c.take().unwrap().unwrap().release().unwrap();
+        }
+    }
+    std::mem::forget(c1);
+    // SAFETY: the only handle of consumer 1 was forgotten above and is never used again.
+    unsafe { r.recover_unchecked(WorkerName::consumer(1)) }.unwrap();
+    let a = r.snapshot();
+    c0.add_phase(Phase::Compute, ms(300));
+    c0.add_phase(Phase::Sync, ms(600));
+    for _ in 0..5 {
+        publish_tokens(&p, 100);
+        c0.take().unwrap().unwrap().release().unwrap();
+    }
+    let (v, _) = judge(&r, &a, &[]);
+    assert!(
+        v.line
+            .ends_with("; drafters wait 60% in sync for a dead or restarting rank"),
+        "{}",
+        v.line
+    );
+}
+
 /// Publishes and trains one batch, so the run is past its start.
 fn one_through(p: &shm_ring::Producer<'_>, c: &shm_ring::Consumer<'_>) {
     publish_tokens(p, 100);

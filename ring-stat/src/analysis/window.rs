@@ -31,6 +31,9 @@ pub(super) struct Window<'a> {
     /// The live drafters' mean share of the window in `sync`.
     pub(super) sync: f64,
     pub(super) drafters_live: usize,
+    /// Drafters that ran and do not run now, without having left cleanly: dead, or
+    /// restarting.
+    pub(super) drafters_down: usize,
     /// Live drafters whose pace is known.
     pub(super) live_paces: usize,
     /// Batches still in the ring (READY or being trained).
@@ -64,6 +67,9 @@ impl<'a> Window<'a> {
             slow: slow_workers(b),
             sync: 0.0,
             drafters_live: drafters().filter(|w| w.alive).count(),
+            drafters_down: drafters()
+                .filter(|w| w.epoch > 0 && !w.alive && w.state != WorkerState::Done)
+                .count(),
             live_paces: drafters().filter(|w| w.alive && pace(w).is_some()).count(),
             left: b.slots.ready + b.slots.reading,
             silent: silent_worker(b),
