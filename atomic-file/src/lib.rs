@@ -19,8 +19,9 @@ where
     let dir = parent_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     // Mode 0666 less the umask, as `std::fs::write` would create it (tempfile's own is 0600).
+    // The pid in the name tells a writer at work from a killed one's leftover (`leftovers`).
     let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
+        .prefix(&format!(".{name}.{}.", std::process::id()))
         .suffix(".tmp")
         .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
         .tempfile_in(dir)?;
@@ -97,9 +98,10 @@ where
 }
 
 /// What killed writers left beside `path` (a file of [`replace_with`], a directory of
-/// [`replace_dir_with`]): temporary files and directories, and a directory moved aside. Call
-/// only when no writer of `path` runs (a launcher before its workers start, or after they
-/// ended): a writer's temporary is listed too.
+/// [`replace_dir_with`]): temporary files and directories, and a directory moved aside. Each
+/// name holds its writer's pid; one whose process still runs is a writer at work, and is not
+/// listed (a temporary file of an older build, with no pid, is). Safe to call while writers
+/// run, in this process or others.
 pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
     let parent = parent_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
@@ -115,12 +117,20 @@ pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
         let Some(rest) = n.strip_prefix(&ours) else {
             continue;
         };
-        let pid = |p: &str| {
-            rest.strip_prefix(p)
-                .is_some_and(|p| p.parse::<u32>().is_ok())
+        let dir_of = |p: &str| rest.strip_prefix(p).and_then(|p| p.parse::<u32>().ok());
+        let writer = match rest.strip_suffix(".tmp") {
+            // `<pid>.<random>` (an older build's: `<random>`).
+            Some(t) => Some(
+                t.split_once('.')
+                    .and_then(|(pid, _)| pid.parse::<u32>().ok()),
+            ),
+            None => dir_of("new-").or_else(|| dir_of("old-")).map(Some),
         };
-        if rest.ends_with(".tmp") || pid("new-") || pid("old-") {
-            out.push(entry.path());
+        let gone = |pid: u32| !Path::new(&format!("/proc/{pid}")).exists();
+        match writer {
+            Some(Some(pid)) if !gone(pid) => {}
+            Some(_) => out.push(entry.path()),
+            None => {}
         }
     }
     Ok(out)
@@ -191,17 +201,46 @@ mod tests {
     fn leftovers_are_what_killed_writers_leave_and_nothing_else() {
         let root = tempfile::tempdir().unwrap();
         let p = |n: &str| root.path().join(n);
+        // A process that has ended, and this one, which runs.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        let (dead, live) = (child.id(), std::process::id());
         std::fs::create_dir(p("drafter")).unwrap();
-        std::fs::create_dir(p(".drafter.new-4242")).unwrap();
-        std::fs::create_dir(p(".drafter.old-4243")).unwrap();
+        std::fs::create_dir(p(&format!(".drafter.new-{dead}"))).unwrap();
+        std::fs::create_dir(p(&format!(".drafter.old-{dead}"))).unwrap();
+        std::fs::create_dir(p(&format!(".drafter.new-{live}"))).unwrap();
         std::fs::write(p("model.safetensors"), "").unwrap();
-        std::fs::write(p(".model.safetensors.a1B2c3.tmp"), "").unwrap();
+        std::fs::write(p(&format!(".model.safetensors.{dead}.a1B2c3.tmp")), "").unwrap();
+        std::fs::write(p(&format!(".model.safetensors.{live}.d4E5f6.tmp")), "").unwrap();
+        std::fs::write(p(".model.safetensors.g7H8i9.tmp"), "").unwrap();
         std::fs::write(p(".drafter.notes"), "").unwrap();
-        let mut found = leftovers(&p("drafter")).unwrap();
-        found.sort();
-        assert_eq!(found, [p(".drafter.new-4242"), p(".drafter.old-4243")]);
-        let found = leftovers(&p("model.safetensors")).unwrap();
-        assert_eq!(found, [p(".model.safetensors.a1B2c3.tmp")]);
+        let sorted = |mut v: Vec<std::path::PathBuf>| {
+            v.sort();
+            v
+        };
+        let found = sorted(leftovers(&p("drafter")).unwrap());
+        let want = sorted(vec![
+            p(&format!(".drafter.new-{dead}")),
+            p(&format!(".drafter.old-{dead}")),
+        ]);
+        assert_eq!(found, want);
+        let found = sorted(leftovers(&p("model.safetensors")).unwrap());
+        let want = sorted(vec![
+            p(&format!(".model.safetensors.{dead}.a1B2c3.tmp")),
+            p(".model.safetensors.g7H8i9.tmp"),
+        ]);
+        assert_eq!(found, want);
         assert!(leftovers(&p("missing/x")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_writer_at_work_is_not_a_leftover() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("summary.json");
+        replace_with(&path, |tmp| {
+            assert!(leftovers(&path)?.is_empty(), "{}", tmp.display());
+            std::fs::write(tmp, "{}")
+        })
+        .unwrap();
     }
 }

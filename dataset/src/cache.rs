@@ -280,6 +280,12 @@ pub fn prepare_with(
         cause: e,
     };
     std::fs::create_dir_all(dir).map_err(write_err)?;
+    // What an earlier preparation of this file left when it was killed (Ctrl-C before the
+    // launcher handles signals): as big as the file, and nothing else removes it. A writer at
+    // work, in another launcher, is not among them.
+    for p in atomic_file::leftovers(&target).unwrap_or_default() {
+        let _ = std::fs::remove_file(&p);
+    }
     // Written whole or not at all (`atomic_file`: temporary file, sync, rename, sync
     // of the directory); a failure leaves no temporary file behind.
     let result = atomic_file::replace_with(&target, |tmp| {

@@ -1,5 +1,8 @@
 //! The crate's tests: the format read back, every row error, the cache's reuse and
 //! invalidation, and damaged files refused without a panic.
+//!
+//! Length: one test per behaviour of the cache and the mapped file, each standing alone, with
+//! the fixtures they share.
 
 use std::path::{Path, PathBuf};
 
@@ -219,6 +222,34 @@ fn a_failed_conversion_leaves_nothing_in_the_cache() {
     let cache = d.0.join("cache");
     assert!(prepare(&input, 8, &cache, None, &mut |_| {}).is_err());
     assert!(!cache.exists(), "the cache directory it made is gone again");
+}
+
+/// A preparation killed by Ctrl-C (before the launcher handles signals) left its temporary
+/// file, as big as the prepared file, in the cache; the next preparation of the same data
+/// removes it, and leaves alone one whose writer still runs.
+#[test]
+fn a_killed_preparations_temporary_file_is_removed_by_the_next() {
+    let d = Dir::new("killed");
+    let input = d.file("data.jsonl", jsonl_of(&samples(3)).as_bytes());
+    let cache = d.0.join("cache");
+    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    std::fs::remove_file(&first.path).unwrap();
+    let name = first
+        .path
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let killed = cache.join(format!(".{name}.{}.Ab12Cd.tmp", child.id()));
+    let working = cache.join(format!(".{name}.{}.Ef34Gh.tmp", std::process::id()));
+    std::fs::write(&killed, b"half a file").unwrap();
+    std::fs::write(&working, b"a writer at work").unwrap();
+    let again = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    assert_eq!(again.path, first.path);
+    assert!(!killed.exists(), "the killed preparation's file is gone");
+    assert!(working.exists(), "a running writer's file is left");
 }
 
 /// Changes sample 0's one id (0 to 9): the same size, and the modification time put back.

@@ -195,9 +195,9 @@ impl Resume {
 }
 
 /// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
-/// temporary or moved-aside directory: `atomic_file::leftovers`) and says what it removed. Only
-/// while no worker runs: at a resume's start and at the run's end. A checkpoint's temporary is
-/// as big as the checkpoint, and nothing else would ever remove it.
+/// temporary or moved-aside directory: `atomic_file::leftovers`) and says what it removed: at a
+/// resume's start and at the run's end. A checkpoint's temporary is as big as the checkpoint,
+/// and nothing else would ever remove it.
 pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
     for path in [run_dir.checkpoint(), run_dir.export_dir()] {
         let found = match atomic_file::leftovers(&path) {

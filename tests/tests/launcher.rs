@@ -1541,7 +1541,9 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
     let rd = RunDir::new(&run_dir);
     let ckpt_tmp = rd.checkpoints_dir().join(".drafter.safetensors.Xy12Zw.tmp");
     std::fs::write(&ckpt_tmp, "half a checkpoint").unwrap();
-    let export_tmp = run_dir.join(".drafter.new-4242");
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let export_tmp = run_dir.join(format!(".drafter.new-{}", gone.id()));
     std::fs::create_dir_all(&export_tmp).unwrap();
     let ticks_before = crate::tensorboard::ticks(&run_dir).len();
     let out = spawn(
