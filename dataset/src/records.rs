@@ -166,17 +166,27 @@ fn message(m: Json) -> Result<Message, String> {
             "unknown role {r:?} (known: system, user, assistant, tool; ShareGPT's human, gpt)"
         ));
     };
+    let calls = m.get("tool_calls").is_some_and(|c| !c.is_null());
     let content = match take(&mut m, "content", "value") {
         Some(Json::String(c)) => c,
         Some(Json::Array(_)) => {
             return Err("content is a list of parts (multimodal), not a string: only text conversations are prepared".into())
         }
         Some(v) => return Err(format!("content is {}, not a string", kind(&v))),
-        None => return Err("no content (nor ShareGPT's value)".into()),
+        // An assistant turn that only calls tools (OpenAI's `"content": null`).
+        None if calls => String::new(),
+        None => return Err("no content (nor ShareGPT's value, nor tool_calls)".into()),
     };
-    let reasoning = ["reasoning_content", "thinking", "reasoning"]
-        .iter()
-        .find_map(|k| m.remove(*k).filter(|v| !v.is_null()));
+    // The reasoning, by any of its names, as `reasoning_content` (what Qwen3's templates
+    // read); a template that reads another name still finds it under that one.
+    let reasoning = m
+        .remove("reasoning_content")
+        .filter(|v| !v.is_null())
+        .or_else(|| {
+            ["thinking", "reasoning"]
+                .iter()
+                .find_map(|k| m.get(*k).filter(|v| !v.is_null()).cloned())
+        });
     let reasoning_content = match reasoning {
         Some(Json::String(s)) => Some(s),
         Some(v) => return Err(format!("reasoning_content is {}, not a string", kind(&v))),
@@ -186,6 +196,7 @@ fn message(m: Json) -> Result<Message, String> {
         role: role.to_string(),
         content,
         reasoning_content,
+        extra: m,
     })
 }
 
@@ -445,5 +456,44 @@ impl<'a, W: Write> Pipeline<'a, W> {
         s.trained_tokens += trained;
         s.tokens += ids.len() as u64;
         self.w.push(&ids, Some(&mask))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chat::template::Template;
+
+    /// A message reaches the template with every key its record gives, as transformers hands
+    /// it over: an assistant turn that only calls a tool (OpenAI's `"content": null`) renders
+    /// its call, a tool's reply its `name`, and reasoning under its own name too. Before, the
+    /// call was dropped (an empty assistant turn, trained as such) and null content refused.
+    #[test]
+    fn a_message_reaches_the_template_with_every_key_of_its_record() {
+        let turns = serde_json::json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "thinking": "look it up",
+             "tool_calls": [{"type": "function",
+                             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "name": "get_weather", "content": "rain"},
+        ]);
+        let messages = conversation("messages", turns).unwrap();
+        assert_eq!(messages[1].content, "");
+        assert_eq!(messages[1].reasoning_content.as_deref(), Some("look it up"));
+        let src = "{% for m in messages %}[{{ m.role }}|{{ m.content }}\
+            {% if m.tool_calls %}|call {{ m.tool_calls[0].function.name }}\
+            ({{ m.tool_calls[0].function.arguments.city }}){% endif %}\
+            {% if m.name %}|from {{ m.name }}{% endif %}\
+            {% if m.thinking %}|thought {{ m.thinking }}{% endif %}]{% endfor %}";
+        let t = Template::new(src, vec![]).unwrap();
+        let r = t.render(&messages, false).unwrap();
+        assert_eq!(
+            r.text,
+            "[user|weather?][assistant||call get_weather(Oslo)|thought look it up]\
+             [tool|rain|from get_weather]"
+        );
+        // Without content and without a call, a message is still refused, saying why.
+        let e = message(serde_json::json!({"role": "assistant"})).unwrap_err();
+        assert!(e.contains("nor tool_calls"), "{e}");
     }
 }

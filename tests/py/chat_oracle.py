@@ -61,6 +61,12 @@ RECORDS = [
                   {"role": "assistant", "content": "Let me call it."},
                   {"role": "tool", "content": "{\"temp\": 21}"},
                   {"role": "assistant", "content": "It is 21 degrees."}]},
+    {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [{"type": "function", "function": {
+                       "name": "get_weather", "arguments": {"city": "Oslo", "unit": "°C"}}}]},
+                  {"role": "tool", "name": "get_weather", "content": "rain, 4 °C"},
+                  {"role": "assistant", "content": "It rains in Oslo."}]},
     {"messages": [{"role": "user", "content": "  spaced out  \n"},
                   {"role": "assistant", "content": "\n  trimmed or not  \n"}]},
     {"messages": [{"role": "system", "content": "No answer follows."},

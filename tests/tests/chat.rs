@@ -149,10 +149,10 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
                     assert_eq!(g.1, e.1, "{dir} {opt}: sample {i}'s mask");
                 }
                 let s = p.chat.unwrap();
-                // 11 records; the one without an assistant turn has nothing to train.
+                // 12 records; the one without an assistant turn has nothing to train.
                 assert_eq!(
                     (s.conversations, s.dropped_untrained),
-                    (11, 1),
+                    (12, 1),
                     "{dir} {opt}"
                 );
                 let trained: u64 = exp
@@ -160,7 +160,7 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
                     .map(|e| e.1.iter().map(|&b| u64::from(b)).sum::<u64>())
                     .sum();
                 assert_eq!(s.trained_tokens, trained, "{dir} {opt}");
-                let turns = if *opt == "last-turn" { 10 } else { 14 };
+                let turns = if *opt == "last-turn" { 11 } else { 16 };
                 assert_eq!(s.turns, turns, "{dir} {opt}: assistant turns trained");
             }
         }
@@ -310,7 +310,7 @@ fn conversations_in_parquet_arrow_and_a_datasets_directory_prepare_as_in_jsonl()
         )
         .unwrap_or_else(|e| panic!("{input}: {e}"));
         assert_eq!(read(&p.path), exp, "{input}");
-        assert_eq!(p.chat.unwrap().conversations, 11, "{input}");
+        assert_eq!(p.chat.unwrap().conversations, 12, "{input}");
     }
     let err = prepare(
         &d.path("bad_role.parquet"),
@@ -593,8 +593,8 @@ fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_i
     let (a, b) = (on(1, "one.arrow"), on(4, "four.arrow"));
     assert!(a == b, "the same bytes on 1 and 4 threads");
     let m = Mapped::open(&d.path("four.arrow")).unwrap();
-    // Every 11th record has no assistant turn: dropped.
-    assert_eq!(m.len(), (0..5000).filter(|i| i % 11 != 10).count() as u64);
+    // Every 12th record has no assistant turn: dropped.
+    assert_eq!(m.len(), (0..5000).filter(|i| i % 12 != 11).count() as u64);
     let mut bad = lines.clone();
     bad[4499] = r#"{"messages": [{"role": "narrator", "content": "x"}]}"#;
     std::fs::write(&input, bad.join("\n") + "\n").unwrap();

@@ -25,7 +25,7 @@
 //! crate renders HF templates with transformers' assistant spans; the rest is minijinja's and
 //! tokenizers'.
 
-mod template;
+pub(crate) mod template;
 
 use std::path::{Path, PathBuf};
 
@@ -181,7 +181,8 @@ impl Chat {
         };
         let mut globals: Vec<(String, Value)> = Vec::new();
         let mut h = XxHash3_128::with_seed(7);
-        h.write(b"hspipe chat 1");
+        // 2: a message reaches the template with every key its record gives (tool calls).
+        h.write(b"hspipe chat 2");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
             h.write(b);

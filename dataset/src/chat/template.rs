@@ -34,6 +34,10 @@ pub struct Message {
     /// templates read `reasoning_content`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The record's other keys, as it gives them (`tool_calls`, `name`, `tool_call_id`, ...):
+    /// transformers hands the template each message as it is, and templates render these.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Message {
@@ -42,6 +46,7 @@ impl Message {
             role: role.to_string(),
             content: content.to_string(),
             reasoning_content: None,
+            extra: serde_json::Map::new(),
         }
     }
 }
