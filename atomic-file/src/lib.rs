@@ -136,6 +136,28 @@ pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
     Ok(out)
 }
 
+/// Puts back the directory [`replace_dir_with`] had moved aside when it was killed before it
+/// could swap the new one in (only where the file system cannot exchange): `dir` missing and a
+/// killed writer's `.<name>.old-<pid>` beside it, the last complete version. Returns where it
+/// was; call before removing [`leftovers`].
+pub fn restore_dir(dir: &Path) -> io::Result<Option<std::path::PathBuf>> {
+    if dir.exists() {
+        return Ok(None);
+    }
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let old = format!(".{name}.old-");
+    let moved = leftovers(dir)?.into_iter().find(|p| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(&old))
+    });
+    let Some(moved) = moved else {
+        return Ok(None);
+    };
+    std::fs::rename(&moved, dir)?;
+    sync_dir(parent_of(dir))?;
+    Ok(Some(moved))
+}
+
 fn parent_of(path: &Path) -> &Path {
     match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -231,6 +253,33 @@ mod tests {
         ]);
         assert_eq!(found, want);
         assert!(leftovers(&p("missing/x")).unwrap().is_empty());
+    }
+
+    /// Killed between moving the old directory aside and renaming the new one in (a file
+    /// system that cannot exchange): the old one is the last complete version, put back.
+    #[test]
+    fn a_directory_moved_aside_by_a_killed_writer_is_put_back() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("drafter");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        let old = root.path().join(format!(".drafter.old-{}", child.id()));
+        let new = root.path().join(format!(".drafter.new-{}", child.id()));
+        for d in [&old, &new] {
+            std::fs::create_dir(d).unwrap();
+        }
+        std::fs::write(old.join("config.json"), "old").unwrap();
+        assert_eq!(restore_dir(&dir).unwrap(), Some(old.clone()));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("config.json")).unwrap(),
+            "old"
+        );
+        assert_eq!(leftovers(&dir).unwrap(), [new]);
+        assert_eq!(
+            restore_dir(&dir).unwrap(),
+            None,
+            "nothing to put back with the dir there"
+        );
     }
 
     #[test]

@@ -267,12 +267,18 @@ impl<M: Memory> Protocol<M> {
         let r = self.mem.rank(rank);
         let t = tag(w.epoch, step);
         if batch != NO_BATCH {
-            r.batch.store(batch, Ordering::Relaxed);
-            r.batch_tag.store(t, Ordering::Relaxed);
+            // The tag goes first, cleared, and comes back last: a rank killed between the
+            // stores leaves no pair of a new batch and an old, committed tag (which would
+            // retire a batch never trained), only a cleared tag (its batch in no round).
+            // SYNC: the Release stores keep the three in this order (the launcher reads them
+            // once the process is gone).
+            r.batch_tag.store(0, Ordering::Relaxed);
+            r.batch.store(batch, Ordering::Release);
+            r.batch_tag.store(t, Ordering::Release);
         } else if tag_step(r.batch_tag.load(Ordering::Relaxed)) == step {
             // The batch's round, contributed again without it: it is in no round.
-            r.batch.store(NO_BATCH, Ordering::Relaxed);
             r.batch_tag.store(0, Ordering::Relaxed);
+            r.batch.store(NO_BATCH, Ordering::Release);
         }
         // SYNC: pairs with the Acquire load of `arrived` in all_arrived(): the buffer and batch
         // stores above are visible to whoever sees this tag.

@@ -161,6 +161,8 @@ struct Rank<'c, 'r> {
     /// The gradient's words in a step buffer: the backend's gradient, or none when it stays on
     /// the device for NCCL.
     grad_words: usize,
+    /// The step of the last checkpoint this rank wrote.
+    checkpointed: Option<u32>,
 }
 
 /// Runs the worker; returns the process exit code.
@@ -204,6 +206,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         prefer: [None, None],
         clock,
         grad_words,
+        checkpointed: None,
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
@@ -317,6 +320,13 @@ impl<'c, 'r> Rank<'c, 'r> {
                 );
             }
             (m, None) => {
+                // Alone now, nobody else writes the checkpoint: the one loaded before the join
+                // may have been replaced since by a rank that then died. What is lost is what
+                // the newest one lacks.
+                if self.ckpt.exists() {
+                    self.backend.load(&self.ckpt)?;
+                }
+                let own = self.backend.step();
                 let group = u64::from(m.step);
                 if let Some(lost) = LostSteps::between(self.s.index, own, group) {
                     // Recorded before any update of ours: the summary counts those batches
@@ -506,8 +516,11 @@ impl<'c, 'r> Rank<'c, 'r> {
         if everyone_ended || self.checkpoint_step(red.step) {
             self.consumer.enter(Phase::Checkpoint);
             self.ledger.sync()?;
-            if everyone_ended && self.is_leader(&red.membership) {
-                self.write_checkpoint()?;
+            // A lone rank's own line is the only one: it need not wait for the next round,
+            // which a crash or a hang of its own may never let come.
+            let alone = red.membership.len() == 1;
+            if (everyone_ended || alone) && self.is_leader(&red.membership) {
+                self.write_checkpoint(red.step)?;
             }
             self.consumer.enter(Phase::Other);
         }
@@ -526,11 +539,12 @@ impl<'c, 'r> Rank<'c, 'r> {
         if !self.checkpoint_step(done)
             || !self.is_leader(&red.membership)
             || self.backend.step() != u64::from(done)
+            || self.checkpointed == Some(done)
         {
             return Ok(());
         }
         self.consumer.enter(Phase::Checkpoint);
-        self.write_checkpoint()?;
+        self.write_checkpoint(done)?;
         self.consumer.enter(Phase::Other);
         Ok(())
     }
@@ -541,9 +555,12 @@ impl<'c, 'r> Rank<'c, 'r> {
         step > 0 && u64::from(step) % every == 0
     }
 
-    fn write_checkpoint(&self) -> anyhow::Result<()> {
+    /// Writes the checkpoint (and the export) of step `step`, the weights' now.
+    fn write_checkpoint(&mut self, step: u32) -> anyhow::Result<()> {
         checkpoint(self.backend.as_ref(), &self.ckpt)?;
-        export(self.backend.as_ref(), &self.s.run_dir.export_dir())
+        export(self.backend.as_ref(), &self.s.run_dir.export_dir())?;
+        self.checkpointed = Some(step);
+        Ok(())
     }
 
     /// Moves the device's resolved spans into the ring.

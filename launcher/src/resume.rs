@@ -199,7 +199,17 @@ impl Resume {
 /// resume's start and at the run's end. A checkpoint's temporary is as big as the checkpoint,
 /// and nothing else would ever remove it.
 pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
-    for path in [run_dir.checkpoint(), run_dir.export_dir()] {
+    let export = run_dir.export_dir();
+    match atomic_file::restore_dir(&export) {
+        Ok(Some(from)) => println!(
+            "put {} back from {}, where a writer that was killed had moved it",
+            export.display(),
+            from.display()
+        ),
+        Ok(None) => {}
+        Err(e) => println!("warning: putting back {}: {e}", export.display()),
+    }
+    for path in [run_dir.checkpoint(), export] {
         let found = match atomic_file::leftovers(&path) {
             Ok(found) => found,
             Err(e) => {

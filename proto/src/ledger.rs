@@ -249,6 +249,18 @@ fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
     Ok(())
 }
 
+/// For the launcher, before it removes dead drafter `index` from the group: makes the lines it
+/// wrote durable (they may be in the page cache only), since the group goes on, and its next
+/// checkpoint may hold their updates, once the rank is removed. None written: nothing to do.
+pub fn sync_dead(run_dir: &RunDir, index: u32) -> Result<(), LedgerError> {
+    let path = run_dir.ledger(index);
+    match File::open(&path) {
+        Ok(f) => f.sync_data().map_err(io("syncing the ledger", &path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io("opening ledger", &path)(e)),
+    }
+}
+
 /// For the launcher: drafter `index` died holding a batch whose update the group applied in
 /// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
 /// unless its ledger already ends with it (it died between the write and the release). The

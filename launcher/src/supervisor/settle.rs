@@ -188,6 +188,11 @@ impl Supervisor<'_> {
         if w.name.role == Role::Producer {
             return self.recover_target(name, struck);
         }
+        // Its lines made durable first: once it is removed the group goes on, and the next
+        // checkpoint may hold their updates.
+        if let Err(e) = proto::ledger::sync_dead(&self.run_dir, index) {
+            self.mon.say(&format!("warning: {name}'s ledger: {e}"));
+        }
         let gone = self.group.remove(index)?;
         let committed = gone.committed.map(|c| (c.batch, c.step));
         let mut settle = Vec::new();
