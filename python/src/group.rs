@@ -210,7 +210,11 @@ pub fn join(
     let (m, step) = got.map_err(err)?;
     tracing::info!(epoch = m.epoch, step = ?step, "joined the group");
     let lost = proto::ledger::LostSteps::between(g.c.rank(), asked, u64::from(m.step));
-    if let (None, Some(lost)) = (step, lost) {
+    // A ring with nothing left to train: the others finished (and left the group), this rank
+    // will apply no update, and the model is what they saved. Nothing is lost.
+    let snap = core.ring.snapshot();
+    let drained = snap.closed && snap.slots.writing + snap.slots.ready + snap.slots.reading == 0;
+    if let (None, Some(lost), false) = (step, lost, drained) {
         // Admitted alone, with an older state than the group's: recorded before any update of
         // this rank's (the summary counts those batches untrained; a resume trains them).
         proto::ledger::record_lost(&core.setup.run_dir, &lost).map_err(err)?;

@@ -136,6 +136,23 @@ def test_a_lone_rank_rejoining_an_empty_group_goes_on_from_its_own_step(run):
     assert len(steps) > 5 and steps == list(range(1, len(steps) + 1)), steps
 
 
+def test_a_lone_rank_back_from_an_older_checkpoint_records_the_update_lost(run):
+    # It keeps its step every 4 steps and dies after step 5: joined with step 4, the group
+    # goes on from step 5 (no step twice), step 5's update is recorded lost, and its batch
+    # counts untrained (the run ends degraded; a resume trains it).
+    rank = [PYTHON, script("tests/checkpointed_rank.py"), "every4"]
+    code, out = run.launch(config_text(drafter=rank), "--targets", "0", "--drafters", "1").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    lost = [json.loads(l) for l in (run.run_dir / "lost-steps.jsonl").read_text().splitlines()]
+    assert lost == [{"first": 5, "last": 5, "rank": 0}], lost
+    steps = [l["step"] for l in run.ledgers()]
+    assert len(steps) == len(set(steps)), steps
+    s = run.summary()
+    assert s["batches_lost"] == steps.count(5) == 1, s
+    assert "whose updates were lost" in str(s["notes"]), s
+
+
 def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
     # Each rank raises when it takes the batch holding sample 137: an exception on a batch in
     # hand (from take() to release()) is a death held against it; the third sets it aside.

@@ -476,6 +476,17 @@ impl Widget for &View<'_> {
         let rates_h = take(1);
         let legend_h = take(usize::from(legend.is_some()));
         let footer_h = take(usize::from(self.period.is_some()));
+        // The verdict's lines past its first three get the rows nothing else took.
+        let verdict_h = verdict_h + take(verdict.len() - verdict_h);
+        // Cut short even so: its last line shown says so.
+        let mut verdict = verdict;
+        if verdict_h < verdict.len() && verdict_h > 0 {
+            let last = &mut verdict[verdict_h - 1];
+            if last.chars().count() >= width && width > 0 {
+                last.pop();
+            }
+            last.push('…');
+        }
 
         let mut c = Cursor {
             buf,

@@ -181,6 +181,28 @@ fn a_short_terminal_keeps_the_verdict_and_the_workers_and_drops_the_rest() {
     );
 }
 
+/// On a narrow terminal the verdict wraps to more lines than its three: they get the rows the
+/// rest leaves, and where none are left its last line shown ends with "…". Before, it stopped
+/// at three lines mid-sentence with rows empty below.
+#[test]
+fn a_long_verdict_on_a_narrow_terminal_takes_the_rows_left_or_says_it_is_cut() {
+    let (_r, rep) = five_by_three();
+    let words = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+    let verdict = words(&format!("verdict: {}", rep.verdict.line));
+    let fits = |s: &[String], h: usize| s.len() <= h && s.iter().all(|l| l.chars().count() <= 30);
+    let s = render(&rep, &trends(), 30, 60);
+    assert!(fits(&s, 60), "{}", s.join("\n"));
+    assert!(words(&s.join(" ")).contains(&verdict), "{}", s.join("\n"));
+    let s = render(&rep, &trends(), 30, 12);
+    assert!(fits(&s, 12), "{}", s.join("\n"));
+    assert!(!words(&s.join(" ")).contains(&verdict));
+    assert!(
+        s.iter().any(|l| l.trim_end().ends_with('…')),
+        "{}",
+        s.join("\n")
+    );
+}
+
 #[test]
 fn printed_once_it_is_as_wide_as_asked_and_has_no_trends() {
     let (_r, rep) = five_by_three();
