@@ -297,7 +297,7 @@ pub fn check_same(run_dir: &RunDir, now: &dataset::Prepared) -> anyhow::Result<(
         serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
     if was.key != now.key {
         bail!(
-            "the data changed since this run started: {} has content key {} now, the run was planned from key {} (prepared file {}); resuming would follow another plan. Restore the data, or set data.path in {} to that prepared file",
+            "the data changed since this run started: {} has content key {} now, the run was planned from key {} (prepared file {}); resuming would follow another plan. Restore the data, or set data.path in {} to that prepared file (also the way on if the data did not change: a key made by an earlier hspipe, or with another tokenizer, differs too)",
             was.input.display(),
             now.key,
             was.key,
