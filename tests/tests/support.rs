@@ -181,7 +181,23 @@ impl Proc {
 
     /// Waits for exit, at most the watchdog; returns stdout. Panics (after killing the child) if
     /// it hangs or fails.
-    pub fn finish(mut self) -> String {
+    pub fn finish(self) -> String {
+        let (status, s, this) = self.finish_status();
+        if !status.success() {
+            // Give the stderr thread a moment to collect the last lines.
+            std::thread::sleep(Duration::from_millis(100));
+            panic!(
+                "{} failed: {status}\n--- its stderr:\n{}",
+                this.what,
+                this.stderr()
+            );
+        }
+        s
+    }
+
+    /// Waits for exit, at most the watchdog (panics, after killing the child, if it hangs);
+    /// returns the status, stdout, and the process's record (its stderr so far).
+    pub fn finish_status(mut self) -> (std::process::ExitStatus, String, Proc) {
         // Read while waiting: a child that prints more than a pipe holds (64 KiB: minutes of
         // monitor lines) would otherwise block on its stdout and never exit.
         let reader = self.out.take().map(|mut o| {
@@ -195,16 +211,7 @@ impl Proc {
         if let Some(r) = reader {
             s.push_str(&r.join().unwrap().unwrap());
         }
-        if !status.success() {
-            // Give the stderr thread a moment to collect the last lines.
-            std::thread::sleep(Duration::from_millis(100));
-            panic!(
-                "{} failed: {status}\n--- its stderr:\n{}",
-                self.what,
-                self.stderr()
-            );
-        }
-        s
+        (status, s, self)
     }
 
     /// Waits for exit, at most the watchdog; kills the child and panics if it hangs.
