@@ -687,7 +687,10 @@ fn poison_batch_with(
     assert_eq!(aside.len(), 1, "one batch set aside: {aside:?}\n{err}");
     let line = &aside[0];
     assert!(line.sample_ids.contains(&137), "{line:?}");
-    assert_eq!(line.deaths.len(), 3, "{line:?}");
+    // Three deaths held against it set it aside; a fourth where the rules wait for one (a late
+    // fault whose first death was held too, while no other batch was finished in between).
+    let held = line.deaths.len() as u64;
+    assert!(held >= 3 && deaths.contains(&held), "{line:?}");
     assert!(
         (line.deaths.iter()).all(|d| d.contains(says)),
         "each death says why: {line:?}"
@@ -762,7 +765,8 @@ fn a_batch_the_targets_device_fails_on_is_set_aside() {
 /// `[target] depth = 2`): the fault shows at the device's next call, often waiting for the
 /// batch before it, so its first death is held against no batch. Its work item comes back
 /// RETURNED and whoever claims it next runs it alone, in hand from its forward to its commit:
-/// three deaths are then held against it and it is set aside, with at most one death more.
+/// three deaths are then held against it and it is set aside, with at most one death more
+/// (seen on a loaded machine: the first death held too, and the rules waiting for a fourth).
 /// Before, no death was ever held against it: it killed target after target until every target
 /// was given up, the ring closed, and the run ended with the data left untrained.
 #[test]
