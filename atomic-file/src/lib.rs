@@ -169,6 +169,13 @@ fn parent_of(path: &Path) -> &Path {
 mod tests {
     use super::*;
 
+    /// The pid of a process that has ended: a killed writer's.
+    fn ended_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        child.id()
+    }
+
     #[test]
     fn a_failed_write_leaves_the_old_file_and_no_temporary() {
         let dir = tempfile::tempdir().unwrap();
@@ -224,9 +231,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let p = |n: &str| root.path().join(n);
         // A process that has ended, and this one, which runs.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        child.wait().unwrap();
-        let (dead, live) = (child.id(), std::process::id());
+        let (dead, live) = (ended_pid(), std::process::id());
         std::fs::create_dir(p("drafter")).unwrap();
         std::fs::create_dir(p(&format!(".drafter.new-{dead}"))).unwrap();
         std::fs::create_dir(p(&format!(".drafter.old-{dead}"))).unwrap();
@@ -261,10 +266,9 @@ mod tests {
     fn a_directory_moved_aside_by_a_killed_writer_is_put_back() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("drafter");
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        child.wait().unwrap();
-        let old = root.path().join(format!(".drafter.old-{}", child.id()));
-        let new = root.path().join(format!(".drafter.new-{}", child.id()));
+        let dead = ended_pid();
+        let old = root.path().join(format!(".drafter.old-{dead}"));
+        let new = root.path().join(format!(".drafter.new-{dead}"));
         for d in [&old, &new] {
             std::fs::create_dir(d).unwrap();
         }

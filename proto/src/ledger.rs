@@ -357,28 +357,38 @@ impl SetAsideLine {
 
 /// For the launcher: appends the line of a batch it set aside.
 pub fn record_set_aside(run_dir: &RunDir, line: &SetAsideLine) -> Result<(), LedgerError> {
-    let path = run_dir.set_aside();
-    let mut text = serde_json::to_string(line)?;
-    text.push('\n');
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut f| f.write_all(text.as_bytes()))
-        .map_err(io("appending to", &path))
+    append_line(&run_dir.set_aside(), line)?;
+    Ok(())
 }
 
 /// The batches set aside in the run so far (none if the file is missing); a line that does not
 /// parse is skipped.
 pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError> {
-    let path = run_dir.set_aside();
-    match std::fs::read_to_string(&path) {
+    read_lines(&run_dir.set_aside())
+}
+
+/// Appends `value` to the JSON-lines file `path` (created if missing) with one `write`;
+/// returns the file, for a caller that syncs it.
+fn append_line(path: &Path, value: &impl Serialize) -> Result<File, LedgerError> {
+    let mut text = serde_json::to_string(value)?;
+    text.push('\n');
+    let mut f =
+        (OpenOptions::new().create(true).append(true).open(path)).map_err(io("opening", path))?;
+    f.write_all(text.as_bytes())
+        .map_err(io("appending to", path))?;
+    Ok(f)
+}
+
+/// The lines of the JSON-lines file `path` (none if it is missing); a line that does not parse
+/// (torn by a kill) is skipped.
+fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, LedgerError> {
+    match std::fs::read_to_string(path) {
         Ok(t) => Ok(t
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io("reading", &path)(e)),
+        Err(e) => Err(io("reading", path)(e)),
     }
 }
 

@@ -107,6 +107,11 @@ fn worker(bin: &str, index: u32, ring: &str, run: &Path, config: &Path) -> Proc 
     )
 }
 
+/// `n` workers of `bin`, indices 0..n.
+fn workers(bin: &str, n: u32, ring: &str, run: &Path, config: &Path) -> Vec<Proc> {
+    (0..n).map(|i| worker(bin, i, ring, run, config)).collect()
+}
+
 const TARGET: &str = "target-worker";
 const DRAFTER: &str = "drafter-worker";
 
@@ -141,12 +146,10 @@ fn two_targets_two_drafters_train_every_sample_exactly_once() {
         samples,
         group: _group,
     } = setup("w2x2", 2, 2);
-    let drafters: Vec<Proc> = (0..2)
-        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
-        .collect();
-    let targets: Vec<Proc> = (0..2)
-        .map(|i| worker(TARGET, i, &name, &run.0, &config))
-        .collect();
+    let (drafters, targets) = (
+        workers(DRAFTER, 2, &name, &run.0, &config),
+        workers(TARGET, 2, &name, &run.0, &config),
+    );
     for p in targets.into_iter().chain(drafters) {
         p.finish();
     }
@@ -194,12 +197,10 @@ fn the_checkpoint_of_a_step_waits_for_every_members_ledger_line_of_it() {
     .unwrap();
     let name = unique("wckptorder");
     let (ring, group, _) = make_ring(&name, &config, 2, 2);
-    let drafters: Vec<Proc> = (0..2)
-        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
-        .collect();
-    let targets: Vec<Proc> = (0..2)
-        .map(|i| worker(TARGET, i, &name, &run.0, &config))
-        .collect();
+    let (drafters, targets) = (
+        workers(DRAFTER, 2, &name, &run.0, &config),
+        workers(TARGET, 2, &name, &run.0, &config),
+    );
     let mut drafters = drafters.into_iter();
     let (leader, victim) = (drafters.next().unwrap(), drafters.next().unwrap());
     assert!(
@@ -472,12 +473,10 @@ fn a_stop_signal_stops_targets_claiming_and_drafters_drain_and_checkpoint() {
     .unwrap();
     let name = unique("wint");
     let (ring, _group, samples) = make_ring(&name, &config, 2, 2);
-    let drafters: Vec<Proc> = (0..2)
-        .map(|i| worker(DRAFTER, i, &name, &run.0, &config))
-        .collect();
-    let targets: Vec<Proc> = (0..2)
-        .map(|i| worker(TARGET, i, &name, &run.0, &config))
-        .collect();
+    let (drafters, targets) = (
+        workers(DRAFTER, 2, &name, &run.0, &config),
+        workers(TARGET, 2, &name, &run.0, &config),
+    );
     let deadline = std::time::Instant::now() + crate::support::WATCHDOG;
     while ring.snapshot().counters.published < 2 {
         assert!(std::time::Instant::now() < deadline, "nothing published");

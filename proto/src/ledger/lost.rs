@@ -8,12 +8,9 @@
 //! A ledger line whose step is in a lost range does not count as trained: the run's summary
 //! counts its samples untrained (the run ends degraded) and `--resume` trains them again.
 
-use std::fs::OpenOptions;
-use std::io::Write;
-
 use serde::{Deserialize, Serialize};
 
-use super::{io, LedgerError, LedgerLine};
+use super::{append_line, io, read_lines, LedgerError, LedgerLine};
 use crate::RunDir;
 
 /// Steps `first..=last` whose updates were lost.
@@ -63,16 +60,8 @@ impl std::fmt::Display for LostSteps {
 /// For a drafter: records `lost` and makes it durable, before it trains on.
 pub fn record_lost(run_dir: &RunDir, lost: &LostSteps) -> Result<(), LedgerError> {
     let path = run_dir.lost_steps();
-    let mut text = serde_json::to_string(lost)?;
-    text.push('\n');
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(io("opening", &path))?;
-    f.write_all(text.as_bytes())
-        .and_then(|()| f.sync_data())
-        .map_err(io("appending to", &path))?;
+    let f = append_line(&path, lost)?;
+    f.sync_data().map_err(io("syncing", &path))?;
     atomic_file::sync_dir(run_dir.path()).map_err(io("syncing the directory of", &path))
 }
 
@@ -80,13 +69,5 @@ pub fn record_lost(run_dir: &RunDir, lost: &LostSteps) -> Result<(), LedgerError
 /// torn by a kill, before its rank trained on: it is skipped, and the rank's restart, finding
 /// the group empty again, records the range again.
 pub fn read_lost(run_dir: &RunDir) -> Result<Vec<LostSteps>, LedgerError> {
-    let path = run_dir.lost_steps();
-    match std::fs::read_to_string(&path) {
-        Ok(t) => Ok(t
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io("reading", &path)(e)),
-    }
+    read_lines(&run_dir.lost_steps())
 }
