@@ -10,7 +10,8 @@
 //!
 //! Only our columns are decoded (arrow's projection): `input_ids` and `loss_mask`, or the
 //! conversation's or text's column and `loss_mask`; the other columns of other writers' files
-//! (scores, dictionaries) are skipped unread.
+//! (scores, their dictionaries) are skipped unread. A dictionary of one of our columns (a
+//! pandas categorical `role` or `text`) is checked as a record batch of its values, then read.
 //!
 //! A file is read over a [`Buffer`] of the whole file (a memory map: the record batches'
 //! arrays are slices of it, nothing is copied); a stream, message by message from a reader
@@ -24,11 +25,12 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::sync::Arc;
 
+use arrow_array::ArrayRef;
 use arrow_array::RecordBatch;
 use arrow_buffer::Buffer;
-use arrow_ipc::reader::{read_record_batch, FileDecoder};
+use arrow_ipc::reader::{read_dictionary, read_record_batch, FileDecoder};
 use arrow_ipc::{Block, Endianness, MessageHeader, MetadataVersion};
-use arrow_schema::{ArrowError, DataType, Schema, SchemaRef};
+use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef};
 
 /// The Arrow file magic.
 pub const MAGIC: &[u8; 6] = b"ARROW1";
@@ -305,6 +307,33 @@ fn check_body(
     Ok(())
 }
 
+/// Checks a dictionary batch against its body of `body_len` bytes, as `check_body` checks a
+/// record batch of its values. False when the dictionary is of none of our columns (`ours`, of
+/// `schema`): it is skipped unread, as their columns are.
+fn check_dictionary(
+    db: &arrow_ipc::DictionaryBatch<'_>,
+    body_len: usize,
+    aligned: bool,
+    (schema, ours, version): (&Schema, &[usize], MetadataVersion),
+) -> Result<bool> {
+    let ours = schema.project(ours)?;
+    // arrow-ipc 60's own reader finds a dictionary's field by this id, the same way.
+    #[expect(
+        deprecated,
+        reason = "arrow-ipc 60 still keys dictionaries by the schema's ids"
+    )]
+    let fields = ours.fields_with_dict_id(db.id());
+    let Some(DataType::Dictionary(_, values)) = fields.first().map(|f| f.data_type()) else {
+        return Ok(false);
+    };
+    let Some(data) = db.data() else {
+        return bad(format!("dictionary {} has no data", db.id()));
+    };
+    let values = Schema::new(vec![Field::new("values", (**values).clone(), true)]);
+    check_body(&data, body_len, aligned, (&values, &[0], version))?;
+    Ok(true)
+}
+
 /// The footer of an Arrow IPC file: its schema and where its record batches are.
 pub struct IpcFile {
     pub schema: SchemaRef,
@@ -312,6 +341,7 @@ pub struct IpcFile {
     pub footer_meta: Vec<(String, String)>,
     version: MetadataVersion,
     blocks: Vec<Block>,
+    dictionaries: Vec<Block>,
 }
 
 impl IpcFile {
@@ -355,6 +385,10 @@ impl IpcFile {
                 .recordBatches()
                 .map(|v| v.iter().copied().collect())
                 .unwrap_or_default(),
+            dictionaries: footer
+                .dictionaries()
+                .map(|v| v.iter().copied().collect())
+                .unwrap_or_default(),
         })
     }
 
@@ -372,16 +406,76 @@ impl IpcFile {
         })
     }
 
-    /// A decoder of our columns. With `require_alignment`, a buffer that is not 8-aligned is
-    /// an error; without it arrow copies a buffer not aligned for its type to an aligned one.
-    pub fn decoder(&self, require_alignment: bool) -> Result<Decoder> {
+    /// A decoder of our columns, with the dictionaries of `file` (the buffer `open` read the
+    /// footer of) that they use. With `require_alignment`, a buffer that is not 8-aligned is an
+    /// error; without it arrow copies a buffer not aligned for its type to an aligned one.
+    pub fn decoder(&self, file: &Buffer, require_alignment: bool) -> Result<Decoder> {
         let ours = projection(&self.schema)?;
+        let mut d = FileDecoder::new(self.schema.clone(), self.version)
+            .with_projection(ours.clone())
+            .with_require_alignment(require_alignment);
+        for (k, b) in self.dictionaries.iter().enumerate() {
+            let m = self.message_at(file, b, require_alignment, "dictionary")?;
+            let Some(db) = m.msg.header_as_dictionary_batch() else {
+                return bad(format!("the block at {} is not a dictionary", b.offset()));
+            };
+            let checked = (&*self.schema, &ours[..], m.msg.version());
+            if check_dictionary(&db, m.body_len, require_alignment, checked)
+                .map_err(|e| IpcError::Bad(format!("dictionary {k}: {e}")))?
+            {
+                d.read_dictionary(b, &m.block)?;
+            }
+        }
         Ok(Decoder {
-            d: FileDecoder::new(self.schema.clone(), self.version)
-                .with_projection(ours.clone())
-                .with_require_alignment(require_alignment),
+            d,
             aligned: require_alignment,
             ours,
+        })
+    }
+
+    /// The message of block `b` of `file`, its bounds checked: `what` names the block's kind
+    /// for errors.
+    fn message_at<'f>(
+        &self,
+        file: &'f Buffer,
+        b: &Block,
+        aligned: bool,
+        what: &str,
+    ) -> Result<BlockMessage<'f>> {
+        let (off, meta, body) = (b.offset(), i64::from(b.metaDataLength()), b.bodyLength());
+        let end = off
+            .checked_add(meta)
+            .and_then(|m| m.checked_add(body))
+            .filter(|&e| off >= 0 && meta >= 8 && body >= 0 && e as u64 <= file.len() as u64);
+        let Some(end) = end else {
+            return bad(format!(
+                "a {what} at {off}+{} is past the end of the {}-byte file (truncated?)",
+                meta.saturating_add(body),
+                file.len()
+            ));
+        };
+        let (off, meta, end) = (off as usize, meta as usize, end as usize);
+        let m = &file.as_slice()[off..off + meta];
+        // `0xFFFFFFFF len` then the FlatBuffer (or, before Arrow 0.15, just `len`).
+        let fb = if m[..4] == CONTINUATION {
+            &m[8..]
+        } else {
+            &m[4..]
+        };
+        let msg = arrow_ipc::root_as_message(fb)
+            .map_err(|e| IpcError::Bad(format!("the {what} at {off}: damaged metadata: {e}")))?;
+        if msg.bodyLength() != body {
+            return bad(format!(
+                "the block at {off} disagrees with its message on the body length"
+            ));
+        }
+        if aligned && !(file.as_ptr() as usize + off + meta).is_multiple_of(8) {
+            return bad(format!("the {what} at {off} is not 8-byte aligned"));
+        }
+        Ok(BlockMessage {
+            msg,
+            body_len: end - off - meta,
+            block: file.slice_with_length(off, end - off),
         })
     }
 
@@ -391,49 +485,29 @@ impl IpcFile {
         let Some(b) = self.blocks.get(k) else {
             return bad(format!("no record batch {k}"));
         };
-        let (off, meta, body) = (b.offset(), i64::from(b.metaDataLength()), b.bodyLength());
-        let end = off
-            .checked_add(meta)
-            .and_then(|m| m.checked_add(body))
-            .filter(|&e| off >= 0 && meta >= 8 && body >= 0 && e as u64 <= file.len() as u64);
-        let Some(end) = end else {
-            return bad(format!(
-                "a record batch at {off}+{} is past the end of the {}-byte file (truncated?)",
-                meta.saturating_add(body),
-                file.len()
-            ));
-        };
-        let (off, meta, end) = (off as usize, meta as usize, end as usize);
-        let m = &file[off..off + meta];
-        // `0xFFFFFFFF len` then the FlatBuffer (or, before Arrow 0.15, just `len`).
-        let fb = if m[..4] == CONTINUATION {
-            &m[8..]
-        } else {
-            &m[4..]
-        };
-        let msg = arrow_ipc::root_as_message(fb)
-            .map_err(|e| IpcError::Bad(format!("record batch {k}: damaged metadata: {e}")))?;
-        let Some(rb) = msg.header_as_record_batch() else {
+        let m = self
+            .message_at(file, b, d.aligned, "record batch")
+            .map_err(|e| IpcError::Bad(format!("record batch {k}: {e}")))?;
+        let off = b.offset();
+        let Some(rb) = m.msg.header_as_record_batch() else {
             return bad(format!("the block at {off} is not a record batch"));
         };
-        if msg.bodyLength() != body {
-            return bad(format!(
-                "the block at {off} disagrees with its message on the body length"
-            ));
-        }
-        let aligned = d.aligned;
-        if aligned && !(file.as_ptr() as usize + off + meta).is_multiple_of(8) {
-            return bad(format!("the record batch at {off} is not 8-byte aligned"));
-        }
         check_body(
             &rb,
-            end - off - meta,
-            aligned,
-            (&self.schema, &d.ours, msg.version()),
+            m.body_len,
+            d.aligned,
+            (&self.schema, &d.ours, m.msg.version()),
         )?;
-        d.d.read_record_batch(b, &file.slice_with_length(off, end - off))?
+        d.d.read_record_batch(b, &m.block)?
             .ok_or_else(|| IpcError::Bad(format!("the block at {off} is not a record batch")))
     }
+}
+
+/// A block of a file: its message (metadata), its body's length and the whole block.
+struct BlockMessage<'f> {
+    msg: arrow_ipc::Message<'f>,
+    body_len: usize,
+    block: Buffer,
 }
 
 /// Arrow's decoder of a file's record batches, and whether it requires aligned buffers.
@@ -450,6 +524,8 @@ pub struct IpcStream<R> {
     meta: Vec<u8>,
     /// The full schema and the projection of our columns, once the schema message came.
     schema: Option<(SchemaRef, Vec<usize>)>,
+    /// The dictionaries of our columns read so far, by id.
+    dictionaries: HashMap<i64, ArrayRef>,
     /// Bytes consumed so far, for progress.
     pub read: u64,
 }
@@ -460,6 +536,7 @@ impl<R: Read> IpcStream<R> {
             r,
             meta: Vec::new(),
             schema: None,
+            dictionaries: HashMap::new(),
             read: 0,
         }
     }
@@ -521,8 +598,23 @@ impl<R: Read> IpcStream<R> {
                     let p = projection(&s)?;
                     self.schema = Some((Arc::new(s), p));
                 }
-                // Dictionaries belong to columns we do not decode (ours must be lists).
-                MessageHeader::DictionaryBatch => {}
+                MessageHeader::DictionaryBatch => {
+                    let Some((schema, p)) = &self.schema else {
+                        return bad("a dictionary before the schema");
+                    };
+                    let db = msg.header_as_dictionary_batch().ok_or_else(|| {
+                        IpcError::Bad("a dictionary message without its header".into())
+                    })?;
+                    if check_dictionary(&db, body.len(), false, (schema, p, msg.version()))? {
+                        read_dictionary(
+                            &Buffer::from_vec(body),
+                            db,
+                            schema,
+                            &mut self.dictionaries,
+                            &msg.version(),
+                        )?;
+                    }
+                }
                 MessageHeader::RecordBatch => {
                     let Some((schema, p)) = &self.schema else {
                         return bad("a record batch before the schema");
@@ -536,7 +628,7 @@ impl<R: Read> IpcStream<R> {
                         &Buffer::from_vec(body),
                         rb,
                         schema.clone(),
-                        &HashMap::new(),
+                        &self.dictionaries,
                         Some(p),
                         &msg.version(),
                     )?;

@@ -1,5 +1,6 @@
 //! An Arrow cell as JSON, so a conversation column (lists of structs of strings, as pyarrow and
-//! HF `datasets` write them) is checked by the same record parser as a JSONL line.
+//! HF `datasets` write them, a string column dictionary-encoded or not) is checked by the same
+//! record parser as a JSONL line.
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
@@ -42,6 +43,21 @@ pub fn json_of(a: &dyn Array, i: usize) -> Result<J, String> {
         DataType::Float64 => float(a.as_primitive::<Float64Type>().value(i)),
         DataType::List(_) => list(a.as_list::<i32>().value(i))?,
         DataType::LargeList(_) => list(a.as_list::<i64>().value(i))?,
+        // pandas' categoricals and pyarrow's `dictionary_encode`: a key into the values.
+        DataType::Dictionary(..) => {
+            let d = a.as_any_dictionary();
+            let n = d.values().len();
+            let k = json_of(d.keys(), i)?;
+            // arrow's readers check the keys; a key outside is an error here, never a panic.
+            let Some(at) = k
+                .as_u64()
+                .and_then(|k| usize::try_from(k).ok())
+                .filter(|&k| k < n)
+            else {
+                return Err(format!("holds dictionary key {k}, outside its {n} values"));
+            };
+            json_of(d.values().as_ref(), at)?
+        }
         DataType::Struct(fields) => {
             let s = a.as_struct();
             let mut m = serde_json::Map::new();

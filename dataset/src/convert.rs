@@ -631,8 +631,8 @@ fn arrow_file<W: Write>(
     let file = IpcFile::open(&map).map_err(ipc_err(path))?;
     check_schema(path, &file.schema)?;
     // Other writers' buffers may be unaligned: arrow copies those (converting copies anyway).
-    let decoder = file.decoder(false).map_err(ipc_err(path))?;
     let buffer = buffer_of(&map);
+    let decoder = file.decoder(&buffer, false).map_err(ipc_err(path))?;
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     let mut row = 0u64;
     for k in 0..file.batches() {

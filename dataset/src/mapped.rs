@@ -136,8 +136,8 @@ impl Mapped {
         want("loss_mask", DataType::UInt8)?;
         // Aligned buffers are required: a misaligned one would be copied, and the point of the
         // map is that nothing is.
-        let decoder = ipc.decoder(true).map_err(|e| bad(e.to_string()))?;
         let buffer = buffer_of(&map);
+        let decoder = ipc.decoder(&buffer, true).map_err(|e| bad(e.to_string()))?;
         let mut batches = Vec::with_capacity(ipc.batches());
         let mut starts = vec![0u64];
         let mut tokens = 0u64;

@@ -74,6 +74,7 @@ RECORDS = [
 ]
 
 # name -> (template file, tokenizer_config special tokens)
+TEXT = "Plain text, trained whole: 日本語 🙂"
 MODELS = {
     "qwen": ("qwen.jinja", {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "llama": ("llama.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
@@ -169,7 +170,7 @@ def make(out):
                 if any(mask):
                     got.append({"input_ids": list(o["input_ids"]), "loss_mask": mask})
             expected[f"{name}/{opt}"] = got
-        text = "Plain text, trained whole: 日本語 🙂"
+        text = TEXT
         expected[f"{name}/text"] = [{"input_ids": tok(text, add_special_tokens=False)["input_ids"],
                                      "text": text}]
     with open(os.path.join(out, "records.jsonl"), "w") as f:
@@ -194,6 +195,11 @@ def containers(out):
         with pa.ipc.new_stream(f, t.schema) as w:
             w.write_table(t)
     datasets.Dataset(t).save_to_disk(os.path.join(out, "chats_hf"), num_shards=2)
+    # pandas' categorical: a dictionary-encoded `text` column (read back as one by arrow).
+    import pandas as pd
+    texts = pd.DataFrame({"text": pd.Categorical([TEXT, TEXT])})
+    pq.write_table(pa.Table.from_pandas(texts, preserve_index=False),
+                   os.path.join(out, "texts_categorical.parquet"))
     bad = rows[:2] + [[{"role": "robot", "content": "beep"}]] + rows[2:]
     pq.write_table(pa.table({"messages": bad}), os.path.join(out, "bad_role.parquet"))
 

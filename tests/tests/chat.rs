@@ -312,6 +312,19 @@ fn conversations_in_parquet_arrow_and_a_datasets_directory_prepare_as_in_jsonl()
         assert_eq!(read(&p.path), exp, "{input}");
         assert_eq!(p.chat.unwrap().conversations, 12, "{input}");
     }
+    // A pandas categorical `text` column, dictionary-encoded in the file.
+    let e = &want["qwen/text"][0];
+    let ids: Vec<u32> = serde_json::from_value(e["input_ids"].clone()).unwrap();
+    let p = prepare(
+        &d.path("texts_categorical.parquet"),
+        Some(c.clone()),
+        4096,
+        TooLong::Drop,
+        &d.path("cache"),
+    )
+    .unwrap();
+    let n = ids.len();
+    assert_eq!(read(&p.path), vec![(ids, vec![1; n]); 2]);
     let err = prepare(
         &d.path("bad_role.parquet"),
         Some(c),

@@ -124,8 +124,14 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
 
 /// A JSONL file of `lines` prepared with the tokenizer of `dir`: the samples, or the error.
 fn prepare(dir: &ModelDir, name: &str, lines: &str) -> Result<Vec<Vec<u32>>, String> {
+    prepare_bytes(dir, name, lines.as_bytes())
+}
+
+/// A file of `bytes` named `name` (its format found as any input's) prepared with the
+/// tokenizer of `dir`: the samples, or the error.
+fn prepare_bytes(dir: &ModelDir, name: &str, bytes: &[u8]) -> Result<Vec<Vec<u32>>, String> {
     let input = dir.0.join(name);
-    std::fs::write(&input, lines).unwrap();
+    std::fs::write(&input, bytes).unwrap();
     let chat = Chat::load(dir.path(), ChatOptions::default()).map_err(|e| e.to_string())?;
     let options = crate::Options {
         chat: Some(std::sync::Arc::new(chat)),
@@ -192,4 +198,77 @@ fn without_a_usable_template_ids_and_texts_are_prepared_and_conversations_say_wh
         prepare(&good, "chats.jsonl", CONVERSATION).unwrap(),
         [[2, 4, 6, 5, 3, 4, 11, 5]]
     );
+}
+
+/// `columns` as an Arrow IPC file and stream of two record batches (the second's dictionary
+/// replacing the first's in the stream) and as a Parquet file: `(name, bytes)` of each.
+fn containers(columns: Vec<(&str, arrow_array::ArrayRef)>) -> [(&'static str, Vec<u8>); 3] {
+    let batch = arrow_array::RecordBatch::try_from_iter(columns).unwrap();
+    let n = batch.num_rows();
+    let halves = [batch.slice(0, n / 2), batch.slice(n / 2, n - n / 2)];
+    let mut ipc = Vec::new();
+    let mut w = arrow_ipc::writer::FileWriter::try_new(&mut ipc, &batch.schema()).unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+    drop(w);
+    let mut stream = Vec::new();
+    let mut w = arrow_ipc::writer::StreamWriter::try_new(&mut stream, &batch.schema()).unwrap();
+    for h in &halves {
+        w.write(h).unwrap();
+    }
+    w.finish().unwrap();
+    drop(w);
+    let mut pq = Vec::new();
+    let mut w = parquet::arrow::ArrowWriter::try_new(&mut pq, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    [("arrow", ipc), ("arrows", stream), ("parquet", pq)]
+}
+
+#[test]
+fn dictionary_encoded_roles_and_texts_prepare_as_plain_strings() {
+    use arrow_array::types::{Int32Type, Int8Type};
+    use arrow_array::{Array, ArrayRef, DictionaryArray, ListArray, StringArray, StructArray};
+    use arrow_buffer::OffsetBuffer;
+    use arrow_schema::{DataType, Field};
+    use std::sync::Arc;
+
+    let d = model("dictionary", "null", "null");
+    let texts = ["hello there", "how are you", "hello there"];
+    let lines: String = texts
+        .iter()
+        .map(|t| format!("{{\"text\": {t:?}}}\n"))
+        .collect();
+    let want_texts = prepare(&d, "texts.jsonl", &lines).unwrap();
+    let want_chats = prepare(&d, "chats.jsonl", &CONVERSATION.repeat(2)).unwrap();
+
+    // pandas' categorical role, as `pa.Table.from_pandas` keeps it: list<struct<role:
+    // dictionary<int8, string>, content: string>>, one dictionary for every row's roles.
+    let roles: DictionaryArray<Int8Type> = ["user", "assistant", "user", "assistant"]
+        .into_iter()
+        .collect();
+    let role = Field::new("role", roles.data_type().clone(), true);
+    let messages = StructArray::from(vec![
+        (Arc::new(role), Arc::new(roles) as ArrayRef),
+        (
+            Arc::new(Field::new("content", DataType::Utf8, true)),
+            Arc::new(StringArray::from(vec!["hello", "fine", "hello", "fine"])) as ArrayRef,
+        ),
+    ]);
+    let item = Arc::new(Field::new("item", messages.data_type().clone(), true));
+    let chats = ListArray::new(
+        item,
+        OffsetBuffer::from_lengths([2, 2]),
+        Arc::new(messages),
+        None,
+    );
+    let text: DictionaryArray<Int32Type> = texts.into_iter().collect();
+    for (kind, bytes) in containers(vec![("messages", Arc::new(chats) as ArrayRef)]) {
+        let got = prepare_bytes(&d, &format!("chats.{kind}"), &bytes);
+        assert_eq!(got.unwrap(), want_chats, "{kind}");
+    }
+    for (kind, bytes) in containers(vec![("text", Arc::new(text) as ArrayRef)]) {
+        let got = prepare_bytes(&d, &format!("texts.{kind}"), &bytes);
+        assert_eq!(got.unwrap(), want_texts, "{kind}");
+    }
 }

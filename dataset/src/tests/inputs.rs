@@ -5,7 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
-use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_array::types::Int32Type;
+use arrow_array::{ArrayRef, DictionaryArray, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Fields};
 
 use super::Dir;
@@ -34,23 +35,34 @@ fn arrow_file(columns: Vec<(&str, ArrayRef)>) -> Vec<u8> {
     out
 }
 
-/// `file` with the length of buffer `k` of its first record batch one byte longer, in the
-/// record batch's metadata (the body is left as it is: the buffer's padding takes the byte).
-/// Long enough for its values, arrow takes it, and reads its offsets as a slice of whole ones.
-fn lengthen_buffer(file: &[u8], k: usize) -> Vec<u8> {
+/// Which buffer a damaged file's metadata lengthens: buffer `k` of its first record batch, or of
+/// its first dictionary.
+#[derive(Clone, Copy, Debug)]
+enum Buffer {
+    Batch(usize),
+    Dictionary(usize),
+}
+
+/// `file` with the length of `buffer` one byte longer, in its message's metadata (the body is
+/// left as it is: the buffer's padding takes the byte). Long enough for its values, arrow takes
+/// it, and reads its offsets as a slice of whole ones.
+fn lengthen_buffer(file: &[u8], buffer: Buffer) -> Vec<u8> {
     let footer =
         arrow_ipc::root_as_footer(&file[file.len() - 10 - footer_len(file)..file.len() - 10])
             .unwrap();
-    let block = footer.recordBatches().unwrap().get(0);
+    let (blocks, k) = match buffer {
+        Buffer::Batch(k) => (footer.recordBatches(), k),
+        Buffer::Dictionary(k) => (footer.dictionaries(), k),
+    };
+    let block = blocks.unwrap().get(0);
     let meta =
         block.offset() as usize..(block.offset() + i64::from(block.metaDataLength())) as usize;
     let msg = arrow_ipc::root_as_message(&file[meta.start + 8..meta.end]).unwrap();
-    let b = msg
-        .header_as_record_batch()
-        .unwrap()
-        .buffers()
-        .unwrap()
-        .get(k);
+    let rb = match buffer {
+        Buffer::Batch(_) => msg.header_as_record_batch(),
+        Buffer::Dictionary(_) => msg.header_as_dictionary_batch().unwrap().data(),
+    };
+    let b = rb.unwrap().buffers().unwrap().get(k);
     assert!(b.length() > 0, "buffer {k} is empty");
     assert!(
         (b.offset() + b.length()) % 8 != 0,
@@ -105,11 +117,17 @@ fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
     }
     messages.append(true);
     let messages: ArrayRef = Arc::new(messages.finish());
+    // A dictionary-encoded `text`: its dictionary's buffers are its values' (validity,
+    // offsets, values).
+    let categorical: DictionaryArray<Int32Type> =
+        ["hello there", "how are you"].into_iter().collect();
     for (column, array, buffer) in [
-        ("text", text.clone(), 1),
-        ("messages", messages.clone(), 4),
-        ("messages", messages, 7),
+        ("text", text.clone(), Buffer::Batch(1)),
+        ("messages", messages.clone(), Buffer::Batch(4)),
+        ("messages", messages, Buffer::Batch(7)),
+        ("text", Arc::new(categorical), Buffer::Dictionary(1)),
     ] {
+        let (Buffer::Batch(k) | Buffer::Dictionary(k)) = buffer;
         let file = arrow_file(vec![(column, array)]);
         let damaged = lengthen_buffer(&file, buffer);
         for (name, bytes, kind) in [
@@ -125,7 +143,7 @@ fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
             let p = d.file(name, bytes);
             let e = convert(&p, &kind).unwrap_err().to_string();
             if name.starts_with("bad") {
-                let want = format!("buffer {buffer} holds");
+                let want = format!("buffer {k} holds");
                 assert!(
                     e.contains(&want) && e.contains("4-byte string offsets"),
                     "{column}: {e}"
