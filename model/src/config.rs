@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::{ModelError, Result};
@@ -90,8 +90,8 @@ pub struct ArchConfig {
     pub max_position_embeddings: usize,
 }
 
-/// The fields read; the rest of the file is kept in `rest` to look for what must be refused.
-#[derive(Deserialize)]
+/// The fields read, each `None` where absent or null; `rest` is the whole file, to look for
+/// what must be refused.
 struct Raw {
     model_type: Option<String>,
     vocab_size: Option<usize>,
@@ -113,8 +113,49 @@ struct Raw {
     use_sliding_window: Option<bool>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
-    #[serde(flatten)]
     rest: Map<String, Value>,
+}
+
+impl Raw {
+    /// Reads each field on its own, so a value of the wrong type is an error naming the field
+    /// and the value (serde's error for the whole struct names neither).
+    fn read(rest: Map<String, Value>) -> std::result::Result<Raw, String> {
+        fn field<T: DeserializeOwned>(
+            m: &Map<String, Value>,
+            name: &str,
+        ) -> std::result::Result<Option<T>, String> {
+            match m.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => T::deserialize(v)
+                    .map(Some)
+                    .map_err(|e| format!("{name} = {v}: {e}")),
+            }
+        }
+        let m = &rest;
+        Ok(Raw {
+            model_type: field(m, "model_type")?,
+            vocab_size: field(m, "vocab_size")?,
+            hidden_size: field(m, "hidden_size")?,
+            intermediate_size: field(m, "intermediate_size")?,
+            num_hidden_layers: field(m, "num_hidden_layers")?,
+            num_attention_heads: field(m, "num_attention_heads")?,
+            num_key_value_heads: field(m, "num_key_value_heads")?,
+            head_dim: field(m, "head_dim")?,
+            rms_norm_eps: field(m, "rms_norm_eps")?,
+            max_position_embeddings: field(m, "max_position_embeddings")?,
+            rope_theta: field(m, "rope_theta")?,
+            rope_scaling: field(m, "rope_scaling")?,
+            rope_parameters: field(m, "rope_parameters")?,
+            tie_word_embeddings: field(m, "tie_word_embeddings")?,
+            attention_bias: field(m, "attention_bias")?,
+            mlp_bias: field(m, "mlp_bias")?,
+            hidden_act: field(m, "hidden_act")?,
+            use_sliding_window: field(m, "use_sliding_window")?,
+            torch_dtype: field(m, "torch_dtype")?,
+            dtype: field(m, "dtype")?,
+            rest,
+        })
+    }
 }
 
 /// Fields whose presence (with a non-zero value) means a mixture of experts.
@@ -143,7 +184,9 @@ impl ArchConfig {
             path: path.to_path_buf(),
             why,
         };
-        let raw: Raw = serde_json::from_str(text).map_err(|e| bad(format!("not a config: {e}")))?;
+        let map: Map<String, Value> =
+            serde_json::from_str(text).map_err(|e| bad(format!("not a config: {e}")))?;
+        let raw = Raw::read(map).map_err(bad)?;
         let model_type = raw
             .model_type
             .as_deref()
@@ -427,5 +470,26 @@ mod tests {
         assert!(e.contains("num_key_value_heads = 3 must divide"), "{e}");
         let e = parse("[1, 2]").unwrap_err().to_string();
         assert!(e.contains("not a config"), "{e}");
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_named_with_its_value() {
+        for (field, value) in [
+            ("head_dim", r#""128""#),
+            ("rms_norm_eps", r#""1e-6""#),
+            ("tie_word_embeddings", r#""yes""#),
+            ("max_position_embeddings", "-1"),
+            ("hidden_act", "1"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"model_type": "qwen3", {BASE}, "{field}": {value}}}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.starts_with("m/config.json: ") && e.contains(&format!("{field} = {value}")),
+                "{field}: {e}"
+            );
+        }
     }
 }
