@@ -6,6 +6,8 @@
 //! `head_dim` defaults to 128, not `hidden_size / num_attention_heads`). Anything else is refused
 //! with the field and its value: another `model_type`, a mixture of experts, a rope type other
 //! than `default` and `llama3`, an activation other than SiLU, a sliding window.
+//!
+//! Length: past 500 lines with its tests, one per rule of HF's that this file follows.
 
 use std::path::Path;
 
@@ -103,6 +105,7 @@ struct Raw {
     head_dim: Option<usize>,
     rms_norm_eps: Option<f64>,
     max_position_embeddings: Option<usize>,
+    original_max_position_embeddings: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
@@ -143,6 +146,7 @@ impl Raw {
             head_dim: field(m, "head_dim")?,
             rms_norm_eps: field(m, "rms_norm_eps")?,
             max_position_embeddings: field(m, "max_position_embeddings")?,
+            original_max_position_embeddings: field(m, "original_max_position_embeddings")?,
             rope_theta: field(m, "rope_theta")?,
             rope_scaling: field(m, "rope_scaling")?,
             rope_parameters: field(m, "rope_parameters")?,
@@ -250,7 +254,13 @@ impl ArchConfig {
                 "use_sliding_window = true is not supported (full attention only)".into(),
             ));
         }
-        let (rope_theta, rope_scaling) = rope(&raw, family).map_err(bad)?;
+        // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048.
+        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(match family {
+            Family::Qwen3 | Family::Qwen2 => 32768,
+            Family::Llama => 2048,
+        });
+        let (rope_theta, rope_scaling) =
+            rope(&raw, family, max_position_embeddings).map_err(bad)?;
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let cfg = ArchConfig {
             family,
@@ -279,11 +289,7 @@ impl ArchConfig {
             },
             qk_norm: family == Family::Qwen3,
             stored_dtype: raw.dtype.or(raw.torch_dtype),
-            // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048.
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(match family {
-                Family::Qwen3 | Family::Qwen2 => 32768,
-                Family::Llama => 2048,
-            }),
+            max_position_embeddings,
         };
         Ok(cfg)
     }
@@ -299,16 +305,44 @@ impl ArchConfig {
 }
 
 /// The rope base and scaling, from `rope_parameters` (transformers 5) or the top-level
-/// `rope_theta` and `rope_scaling` (older), never both disagreeing.
-fn rope(raw: &Raw, family: Family) -> std::result::Result<(f64, RopeScaling), String> {
+/// `rope_theta` and `rope_scaling` (older), never both disagreeing (transformers 5 would take
+/// `rope_scaling`). `max_position_embeddings` is the model's, with HF's default applied.
+fn rope(
+    raw: &Raw,
+    family: Family,
+    max_position_embeddings: usize,
+) -> std::result::Result<(f64, RopeScaling), String> {
+    let read = |params, where_| rope_from(raw, family, max_position_embeddings, params, where_);
+    match (&raw.rope_parameters, &raw.rope_scaling) {
+        (Some(p), Some(s)) => {
+            let (a, b) = (
+                read(Some(p), "rope_parameters")?,
+                read(Some(s), "rope_scaling")?,
+            );
+            if a != b {
+                return Err(format!(
+                    "rope_parameters = {p} and rope_scaling = {s} disagree: keep one of them"
+                ));
+            }
+            Ok(a)
+        }
+        (Some(p), None) => read(Some(p), "rope_parameters"),
+        (None, Some(s)) => read(Some(s), "rope_scaling"),
+        (None, None) => read(None, ""),
+    }
+}
+
+/// [`rope`] from one object of rope parameters (`where_` names it), or none.
+fn rope_from(
+    raw: &Raw,
+    family: Family,
+    max_position_embeddings: usize,
+    params: Option<&Value>,
+    where_: &str,
+) -> std::result::Result<(f64, RopeScaling), String> {
     // HF's defaults: Qwen2 and Qwen3 configs default rope_theta to 10000.0 as Llama's does.
     let default_theta = match family {
         Family::Qwen3 | Family::Qwen2 | Family::Llama => 10000.0,
-    };
-    let (params, where_) = match (&raw.rope_parameters, &raw.rope_scaling) {
-        (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
-        (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
-        _ => (None, ""),
     };
     let obj = match params {
         None => None,
@@ -349,11 +383,18 @@ fn rope(raw: &Raw, family: Family) -> std::result::Result<(f64, RopeScaling), St
             let get = |k: &str| -> std::result::Result<f64, String> {
                 num(o, k)?.ok_or_else(|| format!("{where_} has rope_type \"llama3\" but no {k}"))
             };
+            // transformers' `standardize_rope_params`: a top-level
+            // original_max_position_embeddings wins, then the scaling's, then the model's length.
+            let original = match raw.original_max_position_embeddings {
+                Some(n) => n,
+                None => num(o, "original_max_position_embeddings")?
+                    .unwrap_or(max_position_embeddings as f64),
+            };
             let s = Llama3Scaling {
                 factor: get("factor")?,
                 low_freq_factor: get("low_freq_factor")?,
                 high_freq_factor: get("high_freq_factor")?,
-                original_max_position_embeddings: get("original_max_position_embeddings")?,
+                original_max_position_embeddings: original,
             };
             if !(s.factor > 0.0
                 && s.high_freq_factor > s.low_freq_factor
@@ -491,5 +532,52 @@ mod tests {
                 "{field}: {e}"
             );
         }
+    }
+
+    const LLAMA3: &str = r#""rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192"#;
+
+    #[test]
+    fn rope_parameters_and_rope_scaling_must_agree() {
+        // transformers 5 takes rope_scaling over rope_parameters; reading one of two that
+        // disagree would run another rope than HF's.
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{{LLAMA3}}},
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 10000.0}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("rope_parameters") && e.contains("rope_scaling") && e.contains("disagree"),
+            "{e}"
+        );
+        let both = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_theta": 500000.0, "rope_scaling": {{{LLAMA3}}},
+            "rope_parameters": {{{LLAMA3}, "rope_theta": 500000.0}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(both.rope_scaling, RopeScaling::Llama3(s) if s.factor == 8.0));
+    }
+
+    #[test]
+    fn llama3_scaling_without_its_original_length_takes_max_position_embeddings() {
+        // As transformers' `standardize_rope_params`: the model's own length where the
+        // scaling names none.
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "max_position_embeddings": 4096,
+            "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(c.rope_scaling,
+            RopeScaling::Llama3(s) if s.original_max_position_embeddings == 4096.0));
+        // And a top-level original_max_position_embeddings wins over the scaling's.
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "original_max_position_embeddings": 2048,
+            "rope_scaling": {{{LLAMA3}}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(c.rope_scaling,
+            RopeScaling::Llama3(s) if s.original_max_position_embeddings == 2048.0));
     }
 }
