@@ -218,10 +218,25 @@ impl ArchConfig {
         };
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
         let num_attention_heads = need(raw.num_attention_heads, "num_attention_heads")?;
-        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
+        // HF's defaults: null is num_attention_heads; absent is Qwen2Config's and Qwen3Config's
+        // 32, LlamaConfig's num_attention_heads.
+        let kv_absent = !raw.rest.contains_key("num_key_value_heads");
+        let num_key_value_heads = match (raw.num_key_value_heads, family) {
+            (Some(n), _) => n,
+            (None, Family::Qwen3 | Family::Qwen2) if kv_absent => 32,
+            (None, _) => num_attention_heads,
+        };
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            let which = if raw.num_key_value_heads.is_none() && kv_absent {
+                format!(
+                    "no num_key_value_heads field: HF's default for {} is {num_key_value_heads}, which",
+                    family.name()
+                )
+            } else {
+                format!("num_key_value_heads = {num_key_value_heads}")
+            };
             return Err(bad(format!(
-                "num_key_value_heads = {num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"
+                "{which} must divide num_attention_heads = {num_attention_heads}"
             )));
         }
         let head_dim = match (raw.head_dim, family) {
@@ -579,5 +594,32 @@ mod tests {
         .unwrap();
         assert!(matches!(c.rope_scaling,
             RopeScaling::Llama3(s) if s.original_max_position_embeddings == 2048.0));
+    }
+
+    #[test]
+    fn num_key_value_heads_absent_takes_each_types_default() {
+        // HF's Qwen2Config and Qwen3Config default it to 32 where the field is absent (to
+        // num_attention_heads only where it is null); LlamaConfig to num_attention_heads.
+        let heads = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 64, "head_dim": 16, "vocab_size": 300"#;
+        for (ty, kv) in [("qwen3", 32), ("qwen2", 32), ("llama", 64)] {
+            let c = parse(&format!(r#"{{"model_type": "{ty}", {heads}}}"#)).unwrap();
+            assert_eq!(c.num_key_value_heads, kv, "{ty}");
+            let c = parse(&format!(
+                r#"{{"model_type": "{ty}", {heads}, "num_key_value_heads": null}}"#
+            ))
+            .unwrap();
+            assert_eq!(c.num_key_value_heads, 64, "{ty}");
+        }
+        let e = parse(
+            r#"{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("no num_key_value_heads field") && e.contains("32"),
+            "{e}"
+        );
     }
 }
