@@ -209,6 +209,11 @@ impl ArchConfig {
                 }
             }
         }
+        if let Some(q) = raw.rest.get("quantization_config").filter(|q| !q.is_null()) {
+            return Err(bad(format!(
+                "quantization_config = {q}: quantized checkpoints are not supported (f32, f16 or bf16 weights only)"
+            )));
+        }
         let need = |v: Option<usize>, name: &str| -> Result<usize> {
             match v {
                 Some(0) => Err(bad(format!("{name} = 0: must be at least 1"))),
@@ -619,6 +624,19 @@ mod tests {
         .to_string();
         assert!(
             e.contains("no num_key_value_heads field") && e.contains("32"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_quantized_checkpoint_is_refused_by_its_config() {
+        let e = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "quantization_config": {{"quant_method": "awq", "bits": 4}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("quantization_config") && e.contains("awq"),
             "{e}"
         );
     }
