@@ -240,6 +240,16 @@ impl Maker for Candle {
     fn settle(&self, cfg: &mut PipelineConfig) -> Result<(), GpuError> {
         let dir = model_dir(cfg)?;
         let arch = ArchConfig::load(dir)?;
+        // Rope runs at any position, as HF's does, but the states past the model's length are
+        // not what it was trained for: a drafter would learn from them silently.
+        let most = arch.max_position_embeddings;
+        if cfg.data.max_len as usize > most {
+            return Err(GpuError::Config(format!(
+                "data.max_len = {} is more than the model's max_position_embeddings = {most} ({}): set data.max_len to {most} at most",
+                cfg.data.max_len,
+                dir.join("config.json").display()
+            )));
+        }
         let ids = layer_ids(cfg, &arch)?;
         cfg.model.hidden = arch.hidden_size as u32;
         cfg.model.layers = ids.len() as u32;
@@ -640,6 +650,30 @@ mod tests {
     /// HSPIPE_TARGET_ATTENTION takes fused, plain or blocked, and anything else is an error naming it;
     /// a decoder the kernel cannot serve (here, one on the CPU) keeps the matrix products
     /// rather than failing the worker.
+    /// A model's states past its max_position_embeddings are not what it was trained for: data
+    /// that long is refused before any worker starts, naming both numbers.
+    #[test]
+    fn data_longer_than_the_models_positions_is_refused_at_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, mut cfg) = tiny_target(dir.path());
+        let p = m.join("config.json");
+        let c = std::fs::read_to_string(&p).unwrap();
+        let field = "\"max_position_embeddings\": 32768";
+        assert!(c.contains(field), "{c}");
+        std::fs::write(&p, c.replace(field, "\"max_position_embeddings\": 64")).unwrap();
+        cfg.data.max_len = 65;
+        let e = Candle::CPU
+            .settle(&mut cfg.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("data.max_len = 65") && e.contains("max_position_embeddings = 64"),
+            "{e}"
+        );
+        cfg.data.max_len = 64;
+        Candle::CPU.settle(&mut cfg).unwrap();
+    }
+
     #[test]
     fn the_attention_choice_is_fused_plain_or_blocked_and_falls_back_when_it_cannot_serve() {
         let dir = tempfile::tempdir().unwrap();
