@@ -1,4 +1,4 @@
-//! A model directory's safetensors files, memory-mapped: `model.safetensors`, or the shards
+//! A model directory's safetensors files, memory-mapped: `model.safetensors`, or else the shards
 //! `model.safetensors.index.json`'s `weight_map` names. Every tensor is checked against the shape
 //! the config implies before it is used, and converted to the compute dtype on load (a bf16
 //! checkpoint computes in f32 on the CPU).
@@ -36,9 +36,10 @@ impl Weights {
     pub fn open(dir: &Path, device: &Device, dtype: DType) -> Result<Weights> {
         let index_path = dir.join(INDEX);
         let single = dir.join(SINGLE);
-        let (paths, named): (Vec<PathBuf>, Option<BTreeMap<String, String>>) = if index_path
-            .exists()
-        {
+        // transformers' order: `model.safetensors` where there is one, whatever index is beside it.
+        let (paths, named): (Vec<PathBuf>, Option<BTreeMap<String, String>>) = if single.exists() {
+            (vec![single], None)
+        } else if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
                 path: index_path.clone(),
                 cause: source,
@@ -67,8 +68,6 @@ impl Weights {
                 files.iter().map(|f| dir.join(f)).collect(),
                 Some(idx.weight_map),
             )
-        } else if single.exists() {
-            (vec![single], None)
         } else if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.to_path_buf(),

@@ -451,6 +451,29 @@ fn every_loader_variant_loads_the_same_model() {
     }
 }
 
+/// A directory with both `model.safetensors` and an index (a stale one, say) reads
+/// `model.safetensors`, as transformers' `from_pretrained` does.
+#[test]
+fn model_safetensors_wins_over_an_index_as_in_transformers() {
+    let (ids, lens) = batch(320);
+    let sharded = made(&MakeSpec {
+        shard_bytes: Some(40_000),
+        ..spec(Family::Qwen3)
+    });
+    let single = made(&MakeSpec {
+        seed: 8,
+        ..spec(Family::Qwen3)
+    });
+    std::fs::copy(
+        single.path().join("model.safetensors"),
+        sharded.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let got = final_hidden(&ours(sharded.path()), &ids, &lens);
+    let want = final_hidden(&ours(single.path()), &ids, &lens);
+    assert_eq!(max_diff(&got, &want), 0.0);
+}
+
 fn load_err(dir: &Path) -> String {
     match Decoder::load(dir, &Device::Cpu, DType::F32) {
         Ok(_) => panic!("{} loaded", dir.display()),
