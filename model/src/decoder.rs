@@ -11,6 +11,9 @@
 //!
 //! Inference only: candle's fused kernels used here (`rms_norm`, `rope_thd`,
 //! `softmax_last_dim`) have no backward pass, so nothing trained may call this forward.
+//!
+//! Length: past 500 lines: the loading, the layer and the forward are one model, as in an HF
+//! modeling file.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -116,7 +119,15 @@ pub fn embed_and_head(cfg: &ArchConfig, w: &Weights) -> Result<(Tensor, Tensor)>
     let lm_head = if cfg.tie_word_embeddings {
         embed.clone()
     } else {
-        w.get("lm_head.weight", &shape)?
+        w.get("lm_head.weight", &shape).map_err(|e| match e {
+            // A checkpoint saved tied whose config does not say so (HF's default is untied).
+            ModelError::Missing { dir, tensor, .. } => ModelError::Missing {
+                dir,
+                tensor,
+                hint: " (config.json: tie_word_embeddings is false, or absent, so the head is its own tensor)".into(),
+            },
+            e => e,
+        })?
     };
     Ok((embed, lm_head))
 }

@@ -520,6 +520,18 @@ fn bad_model_directories_are_clear_errors() {
         "{e}"
     );
 
+    // Untied by the config, but the checkpoint has no head: the error says where tying is set.
+    let d = made(&MakeSpec {
+        tied: true,
+        ..spec(Family::Qwen3)
+    });
+    edit_config(d.path(), |v| v["tie_word_embeddings"] = false.into());
+    let e = load_err(d.path());
+    assert!(
+        e.contains("tensor lm_head.weight") && e.contains("tie_word_embeddings is false"),
+        "{e}"
+    );
+
     // No weights at all; then a damaged weights file.
     let d = made(&spec(Family::Qwen3));
     std::fs::remove_file(d.path().join("model.safetensors")).unwrap();
