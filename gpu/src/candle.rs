@@ -647,9 +647,6 @@ pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
 mod tests {
     use super::*;
 
-    /// HSPIPE_TARGET_ATTENTION takes fused, plain or blocked, and anything else is an error naming it;
-    /// a decoder the kernel cannot serve (here, one on the CPU) keeps the matrix products
-    /// rather than failing the worker.
     /// A model's states past its max_position_embeddings are not what it was trained for: data
     /// that long is refused before any worker starts, naming both numbers.
     #[test]
@@ -674,6 +671,9 @@ mod tests {
         Candle::CPU.settle(&mut cfg).unwrap();
     }
 
+    /// HSPIPE_TARGET_ATTENTION takes fused, plain or blocked, and anything else is an error naming it;
+    /// a decoder the kernel cannot serve (here, one on the CPU) keeps the matrix products
+    /// rather than failing the worker.
     #[test]
     fn the_attention_choice_is_fused_plain_or_blocked_and_falls_back_when_it_cannot_serve() {
         let dir = tempfile::tempdir().unwrap();
