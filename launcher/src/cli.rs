@@ -138,8 +138,9 @@ pub struct Args {
     /// Where prepared data is cached (default: data-cache beside the run directory).
     #[arg(long, value_name = "DIR")]
     pub data_cache: Option<PathBuf>,
-    /// Use N samples of the built-in synthetic dataset (the default when --data is absent).
-    #[arg(long)]
+    /// Use N samples of the built-in synthetic dataset (the default when --data is absent, with
+    /// data.synthetic_samples, 2000 unless the config says otherwise); 1 to 67108864.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=proto::config::MAX_SYNTHETIC_SAMPLES))]
     pub synthetic: Option<u64>,
     /// Run directory (default: runs/<run id>). Must not hold an earlier run.
     #[arg(long)]
@@ -161,10 +162,20 @@ pub struct Args {
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
     /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
     /// while blocked on the ring, so only a step or checkpoint longer than this trips it.
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(
+        long,
+        default_value_t = 600.0,
+        value_name = "SECS",
+        allow_negative_numbers = true
+    )]
     pub hang_timeout: f64,
     /// Seconds between monitor updates.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "SECS",
+        allow_negative_numbers = true
+    )]
     pub monitor: f64,
 }
 
@@ -418,6 +429,32 @@ mod tests {
         assert!(
             help.contains("report") && !help.contains("target-worker"),
             "{help}"
+        );
+    }
+
+    /// A number a flag refuses is refused naming that flag, as a usage error: a negative
+    /// period by the launcher's own check (not clap's "unexpected argument '-1'"), a sample
+    /// count out of range by the flag's range (not the config field it sets).
+    #[test]
+    fn out_of_range_numbers_name_their_flag() {
+        let parse = |extra: &[&str]| {
+            let args = [&["launcher", "--targets", "0", "--drafters", "1"], extra].concat();
+            Cli::try_parse_from(args).map(|c| c.run.unwrap())
+        };
+        for flag in ["--hang-timeout", "--monitor"] {
+            let args = parse(&[flag, "-1"]).unwrap();
+            let e = args.check().unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains("-1"), "{e}");
+        }
+        for n in ["0", "100000000000"] {
+            let e = parse(&["--synthetic", n]).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            let said = e.to_string();
+            assert!(said.contains("--synthetic") && said.contains(n), "{said}");
+        }
+        assert_eq!(
+            parse(&["--synthetic", "67108864"]).unwrap().synthetic,
+            Some(1 << 26)
         );
     }
 

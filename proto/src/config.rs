@@ -4,8 +4,9 @@
 //! mock pipeline quickly on a laptop-sized machine while keeping the shape of the real problem
 //! (5 captured layers, bf16, length-bucketed batches under a token budget).
 //!
-//! Length: just past 500 lines: each section's struct, its defaults and its validation belong
-//! together, and validation across sections (the ring against the workers) needs them all.
+//! Length: about 800 lines, a third of them tests: each section's struct, its defaults and its
+//! validation belong together, and validation across sections (the ring against the workers)
+//! needs them all.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -142,6 +143,16 @@ impl Default for ModelConfig {
 
 /// The most epochs a run may plan: past it, a typo would lay a plan of billions of batches.
 pub const MAX_EPOCHS: u32 = 1000;
+
+/// The most synthetic samples (2^26, the ring's most planned batches): every process holds
+/// each sample's length, so a typo of a few more digits would take gigabytes in each (or
+/// abort on the allocation) before a batch is trained.
+pub const MAX_SYNTHETIC_SAMPLES: u64 = 1 << 26;
+
+/// The most tokens in one batch (2^20): the ring's slot holds a batch's hidden states, so even
+/// the mock's small shape needs a slot of 640 MiB at this budget; past it the sizing of the
+/// largest batch alone would take gigabytes (or abort on the allocation).
+pub const MAX_TOKEN_BUDGET: u32 = 1 << 20;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -391,8 +402,16 @@ pub enum ConfigError {
     },
     #[error("config field {field}: {why}")]
     Invalid { field: &'static str, why: String },
+    /// The ring's own error as the cause, not the source: the message says it already, and a
+    /// source would print it twice in the launcher's error chain.
     #[error("ring settings: {0}")]
-    Ring(#[from] shm_ring::ConfigError),
+    Ring(shm_ring::ConfigError),
+}
+
+impl From<shm_ring::ConfigError> for ConfigError {
+    fn from(e: shm_ring::ConfigError) -> Self {
+        ConfigError::Ring(e)
+    }
 }
 
 fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
@@ -450,8 +469,25 @@ impl PipelineConfig {
                 ),
             ));
         }
-        if d.path.is_none() && d.synthetic_samples == 0 {
-            return Err(invalid("data.synthetic_samples", "must be at least 1"));
+        if d.path.is_none()
+            && (d.synthetic_samples == 0 || d.synthetic_samples > MAX_SYNTHETIC_SAMPLES)
+        {
+            return Err(invalid(
+                "data.synthetic_samples",
+                format!(
+                    "must be between 1 and {MAX_SYNTHETIC_SAMPLES}, got {}",
+                    d.synthetic_samples
+                ),
+            ));
+        }
+        if self.target.token_budget > MAX_TOKEN_BUDGET {
+            return Err(invalid(
+                "target.token_budget",
+                format!(
+                    "must be at most {MAX_TOKEN_BUDGET} tokens per batch, got {}",
+                    self.target.token_budget
+                ),
+            ));
         }
         if self.target.token_budget < d.max_len {
             return Err(invalid(
@@ -733,11 +769,53 @@ mod tests {
         }
     }
 
+    /// The whole chain of `e`'s messages, as the launcher prints it (`{:#}`).
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut out = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            out.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        out
+    }
+
+    /// A typo of a few digits too many is refused naming the field, never an abort on the
+    /// allocation of every sample's length or of the largest batch's header.
+    #[test]
+    fn sizes_past_what_a_process_can_hold_are_refused() {
+        for (toml, field) in [
+            (
+                "[data]\nsynthetic_samples = 100000000000\n",
+                "data.synthetic_samples",
+            ),
+            ("[data]\nsynthetic_samples = 0\n", "data.synthetic_samples"),
+            (
+                "[data]\nmin_len = 1\n[target]\ntoken_budget = 4000000000\n",
+                "target.token_budget",
+            ),
+        ] {
+            let err = PipelineConfig::from_toml(toml, Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field) && err.contains("at"), "{toml}: {err}");
+        }
+        let at_most = format!("[target]\ntoken_budget = {MAX_TOKEN_BUDGET}\n");
+        let c = PipelineConfig::from_toml(&at_most, Path::new("a.toml")).unwrap();
+        assert!(c.largest_batch_bytes().unwrap() > u64::from(MAX_TOKEN_BUDGET));
+        // A file's data has no synthetic samples to count.
+        let file = "[data]\npath = \"t.jsonl\"\nsynthetic_samples = 100000000000\n";
+        PipelineConfig::from_toml(file, Path::new("a.toml")).unwrap();
+    }
+
     #[test]
     fn ring_params_refuse_a_deadlocking_slot_count() {
         let c = PipelineConfig::from_toml("[ring]\nslots = 12\n", Path::new("a.toml")).unwrap();
-        let err = c.ring_params(5, 3, 100).unwrap_err().to_string();
-        assert!(err.contains("deadlock"), "{err}");
+        let err = c.ring_params(5, 3, 100).unwrap_err();
+        let said = chain(&err);
+        assert!(said.contains("deadlock"), "{said}");
+        // Said once: the ring's message is the cause, not a source printed again.
+        assert_eq!(said.matches("deadlock").count(), 1, "{said}");
         // The automatic slot size holds the largest batch the budget allows.
         let p = PipelineConfig::default().ring_params(5, 3, 100).unwrap();
         assert!(p.slot_size >= 16384 * 5 * 64 * 2);
