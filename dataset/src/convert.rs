@@ -102,6 +102,23 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
     if meta.is_dir() {
         return hf_files(path).map(Kind::HfDir);
     }
+    if !meta.is_file() {
+        // Never opened: a FIFO's open waits for a writer, for ever if none comes; and the input
+        // is read twice (hashed, then converted), which a pipe cannot give.
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        let what = if t.is_fifo() {
+            "a FIFO (a named pipe, or a shell's <(...))"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else {
+            "a socket"
+        };
+        return Err(format_err(
+            path,
+            format!("it is {what}, not a regular file: the data is read more than once, so write it to a file first"),
+        ));
+    }
     let mut head = [0u8; 8];
     let mut f = File::open(path).map_err(read_err(path))?;
     let n = read_up_to(&mut f, &mut head).map_err(read_err(path))?;

@@ -241,3 +241,43 @@ fn a_json_array_is_named_as_one_rather_than_read_as_lines() {
         "{e}"
     );
 }
+
+/// A named pipe (or a device, or `<(...)`, a pipe) is refused by what it is, before it is
+/// opened: an open of a FIFO without a writer blocks for ever, and the input is read twice
+/// (hashed, then converted), which a pipe cannot give.
+#[test]
+fn a_fifo_or_device_is_refused_without_opening_it() {
+    let d = Dir::new("fifo");
+    let fifo = d.0.join("train.jsonl");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = fifo.clone();
+    std::thread::spawn(move || tx.send(crate::convert::detect(&path).map_err(|e| e.to_string())));
+    let got = match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+        Ok(got) => got,
+        Err(_) => {
+            // Let the blocked open go (a writer arrives), then say what hung.
+            let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+            panic!(
+                "detect({}) hung opening a FIFO with no writer",
+                fifo.display()
+            );
+        }
+    };
+    let e = got.unwrap_err();
+    assert!(
+        e.contains("train.jsonl") && e.contains("not a regular file") && e.contains("FIFO"),
+        "{e}"
+    );
+    let e = crate::convert::detect(Path::new("/dev/null"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("/dev/null") && e.contains("not a regular file"),
+        "{e}"
+    );
+}
