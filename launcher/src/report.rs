@@ -49,10 +49,10 @@ pub struct ReportArgs {
     /// Where to write the picture (SVG) [default: <RUN_DIR>/report.svg].
     #[arg(short, long)]
     pub output: Option<PathBuf>,
-    /// Width in pixels.
+    /// Width in pixels, 400 to 16384.
     #[arg(long, default_value_t = 1200)]
     pub width: u32,
-    /// Height in pixels [default: 64 per worker plus about 500 for the rest].
+    /// Height in pixels, at most 16384 [default: 64 per worker plus about 500 for the rest].
     #[arg(long)]
     pub height: Option<u32>,
 }
@@ -387,10 +387,17 @@ struct Plan {
     extra_h: u32,
 }
 
+/// The most pixels either side of the picture: the drawing walks its width (a bin per two
+/// pixels, axis labels along it), so --width 4000000000 drew for ever.
+const MAX_SIDE: u32 = 16384;
+
 impl Plan {
     fn new(run: &RunData, width: u32, height: Option<u32>) -> anyhow::Result<Plan> {
         if width < 400 {
             bail!("--width {width} is too narrow to draw a run: at least 400 pixels");
+        }
+        if width > MAX_SIDE {
+            bail!("--width {width} is too wide: at most {MAX_SIDE} pixels");
         }
         let mut workers: Vec<(String, Option<u32>)> = Vec::new();
         for w in run.ticks.iter().flat_map(|t| &t.workers) {
@@ -413,6 +420,9 @@ impl Plan {
         let natural = RING_H + RATE_H + bands * WORKER_H + extras * EXTRA_H;
         let height = height.unwrap_or(fixed + natural);
         let min = fixed + 80 + 60 + bands * 24 + extras * 60;
+        if height > MAX_SIDE {
+            bail!("--height {height} is too tall: at most {MAX_SIDE} pixels");
+        }
         if height < min {
             bail!(
                 "--height {height} is too short for this run's {} panels: at least {min} pixels",
@@ -1014,8 +1024,27 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{marks, MarkKind};
+    use super::{marks, MarkKind, Plan, RunData};
     use crate::monitor::{EventTick, Tick};
+
+    /// A side past what can be drawn is refused naming the flag, not drawn for ever.
+    #[test]
+    fn a_picture_too_large_to_draw_is_refused() {
+        let run = RunData {
+            dir: "runs/1".into(),
+            ticks: vec![Tick::default()],
+            summary: None,
+            ledgers: Vec::new(),
+        };
+        for (w, h, flag) in [
+            (4_000_000_000, None, "--width"),
+            (1200, Some(u32::MAX), "--height"),
+        ] {
+            let e = Plan::new(&run, w, h).err().expect("refused").to_string();
+            assert!(e.contains(flag) && e.contains("at most 16384"), "{e}");
+        }
+        assert!(Plan::new(&run, 16384, Some(16384)).is_ok());
+    }
 
     #[test]
     fn a_death_is_marked_by_the_launchers_words_not_by_what_it_quotes() {
