@@ -82,8 +82,8 @@ pub struct MakeModelArgs {
     /// Write lm_head.weight (default: tied to the embedding, no lm_head in the files).
     #[arg(long)]
     pub untied: bool,
-    /// Split the weights into shards of at most this many MiB, with an index.
-    #[arg(long, value_name = "MIB")]
+    /// Split the weights into shards of at most this many MiB (at least 1), with an index.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
     pub shard_mib: Option<u64>,
     /// Which transformers' config.json style to write.
     #[arg(long, value_enum, default_value_t = Style::Legacy)]
@@ -144,7 +144,7 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
             StoredDtype::F32 => Stored::F32,
         },
         tied: !a.untied,
-        shard_bytes: a.shard_mib.map(|m| m << 20),
+        shard_bytes: a.shard_mib.map(|m| m.saturating_mul(1 << 20)),
         style: match a.config_style {
             Style::Legacy => ConfigStyle::Legacy,
             Style::V5 => ConfigStyle::V5,
@@ -320,7 +320,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
         cfg.model.hidden as usize,
         cfg.model.dtype.size(),
     );
-    let shard_max = a.shard_mib.max(1) << 20;
+    let shard_max = a.shard_mib.max(1).saturating_mul(1 << 20);
     let mut shard: Vec<Captured> = Vec::new();
     let mut shard_bytes = 0u64;
     let mut index = BTreeMap::new();

@@ -66,6 +66,9 @@ pub enum ModelError {
     Layer { layer: usize, layers: usize },
     #[error("batch: {0}")]
     Input(String),
+    /// A model or training spec that cannot be made (`make-model`'s flags).
+    #[error("{0}")]
+    Spec(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error(transparent)]

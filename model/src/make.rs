@@ -13,8 +13,9 @@
 //! `tokenizers` on a seeded built-in English-like corpus, so its merges are real ones; its size
 //! never exceeds the vocabulary (as HF allows, `vocab_size` may be larger than the tokenizer).
 //!
-//! Length: about 630 lines: the config writer, every tensor of the three families, shards and
-//! the tokenizer are one layout written in one place, which the loader's tests read back.
+//! Length: about 770 lines, a hundred of them the spec's checks and their test: the config
+//! writer, every tensor of the three families, shards and the tokenizer are one layout written
+//! in one place, which the loader's tests read back.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -217,7 +218,7 @@ fn train(
 }
 
 fn check(s: &MakeSpec) -> Result<()> {
-    let bad = |why: String| Err(ModelError::Input(why));
+    let bad = |why: String| Err(ModelError::Spec(why));
     if s.train.is_some() && (s.family != Family::Qwen3 || s.llama3.is_some()) {
         return bad("--train trains a qwen3 model only".into());
     }
@@ -248,6 +249,22 @@ fn check(s: &MakeSpec) -> Result<()> {
             "vocabulary {} is too small for a byte-level tokenizer: at least {least}",
             s.vocab
         ));
+    }
+    // NaN or negative: weights no model computes with, written without a word.
+    if !(s.init_std.is_finite() && s.init_std > 0.0) {
+        return bad(format!("init std {} must be a positive number", s.init_std));
+    }
+    if !(s.rope_theta.is_finite() && s.rope_theta > 0.0) {
+        return bad(format!(
+            "rope theta {} must be a positive number",
+            s.rope_theta
+        ));
+    }
+    if s.shard_bytes == Some(0) {
+        return bad("shard size 0: must be at least 1 MiB".into());
+    }
+    if let Some(t) = &s.train {
+        crate::pretrain::check(t)?;
     }
     Ok(())
 }
@@ -680,4 +697,71 @@ fn tokenizer(vocab: usize, seed: u64) -> Result<String> {
     tok.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
     tok.train(&mut trainer, lines.iter()).map_err(err)?;
     tok.to_string(true).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A spec no model can be made from is refused before anything is written, saying which
+    /// value is wrong (not as a "batch" of a run); NaN weights are never written.
+    #[test]
+    fn a_bad_spec_is_refused_before_the_directory_is_made() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("m");
+        let train = |f: fn(&mut crate::pretrain::TrainSpec)| {
+            let mut ts = crate::pretrain::TrainSpec::default();
+            f(&mut ts);
+            MakeSpec {
+                train: Some(ts),
+                ..MakeSpec::default()
+            }
+        };
+        let cases = [
+            (
+                MakeSpec {
+                    heads: 0,
+                    ..MakeSpec::default()
+                },
+                "at least 1",
+            ),
+            (
+                MakeSpec {
+                    init_std: f32::NAN,
+                    ..MakeSpec::default()
+                },
+                "init std NaN",
+            ),
+            (
+                MakeSpec {
+                    init_std: -1.0,
+                    ..MakeSpec::default()
+                },
+                "init std -1",
+            ),
+            (
+                MakeSpec {
+                    rope_theta: 0.0,
+                    ..MakeSpec::default()
+                },
+                "rope theta 0",
+            ),
+            (
+                MakeSpec {
+                    shard_bytes: Some(0),
+                    ..MakeSpec::default()
+                },
+                "shard size",
+            ),
+            (train(|t| t.steps = 0), "at least one step"),
+            (train(|t| t.lr = f64::NAN), "learning rate NaN"),
+        ];
+        for (spec, want) in cases {
+            let e = make_model_reporting(&dir, &spec, &mut |_, _| {})
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want) && !e.starts_with("batch"), "{want}: {e}");
+            assert!(!dir.exists(), "{want}: {} was made", dir.display());
+        }
+    }
 }

@@ -124,6 +124,22 @@ fn loss(p: &Params, s: &Shape, seqs: &[Vec<u32>], dev: &Device) -> Result<Tensor
     Ok(nll.mean_all()?)
 }
 
+/// Refuses a spec that trains nothing, or on NaN (`make-model` checks it before it writes).
+pub(crate) fn check(ts: &TrainSpec) -> Result<()> {
+    if ts.steps == 0 || ts.batch == 0 || ts.seq_len < 2 {
+        return Err(ModelError::Spec(
+            "training needs at least one step, one sequence and sequences of 2 tokens".into(),
+        ));
+    }
+    if !(ts.lr.is_finite() && ts.lr > 0.0) {
+        return Err(ModelError::Spec(format!(
+            "learning rate {} must be a positive number",
+            ts.lr
+        )));
+    }
+    Ok(())
+}
+
 /// Trains `params` (the model's tensors by HF name) on the language over `vocab` ids; calls
 /// `progress(step, loss)` after each step. Returns the first and last steps' losses.
 pub(crate) fn train(
@@ -132,11 +148,7 @@ pub(crate) fn train(
     ts: &TrainSpec,
     progress: &mut dyn FnMut(usize, f64),
 ) -> Result<(f64, f64)> {
-    if ts.steps == 0 || ts.batch == 0 || ts.seq_len < 2 {
-        return Err(ModelError::Input(
-            "training needs at least one step, one sequence and sequences of 2 tokens".into(),
-        ));
-    }
+    check(ts)?;
     let dev = Device::Cpu;
     let lang = Language::new(0, s.vocab as u32, SEED);
     let mut opt = AdamW::new(
