@@ -125,8 +125,9 @@ pub struct Core {
 
 impl Core {
     /// Waits with `attempt` (given at most [`SLICE`] each time, the interpreter lock released)
-    /// until it answers, raising on Ctrl-C (or any signal handler's exception), at `deadline`
-    /// (`TimeoutError`), or, when `stop_ends` is set and a stop was asked for, returning None.
+    /// until it answers, raising on Ctrl-C (or any signal handler's exception), after
+    /// `timeout` seconds (`TimeoutError`; one past what a clock counts waits as None does), or,
+    /// when `stop_ends` is set and a stop was asked for, returning None.
     pub fn wait<T>(
         &self,
         py: Python<'_>,
@@ -141,7 +142,10 @@ impl Core {
                     "timeout must be a number of seconds, got {t}"
                 )))
             }
-            Some(t) => Some(std::time::Instant::now() + std::time::Duration::from_secs_f64(t)),
+            // Longer than any clock counts (1e300 s): no deadline, as for None.
+            Some(t) => std::time::Duration::try_from_secs_f64(t)
+                .ok()
+                .and_then(|t| std::time::Instant::now().checked_add(t)),
             None => None,
         };
         loop {

@@ -99,6 +99,23 @@ def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
     assert run.summary()["ok"] is True
 
 
+def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
+    misuse = [PYTHON, script("tests/misuse.py")]
+    cfg = config_text(target=misuse, drafter=misuse)
+    code, out = run.launch(cfg, "--targets", "0", "--drafters", "1", "--max-restarts", "0").finish()
+    no_segment_of(run.proc.pid)
+    said = run.run_dir / "misuse-cases.txt"
+    cases = said.read_text().splitlines() if said.exists() else []
+    for role in ["target", "drafter"]:
+        assert "PanicException" not in run.log(f"{role}-0"), run.log(f"{role}-0")
+    for case, times in [
+        ("a timeout past any clock waits", 2),
+    ]:
+        assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"
+    assert code == 0, out
+    every_sample_once(run)
+
+
 def poison_batch(run, role, text):
     """A run whose `role` workers (Python, running `text`'s config) raise on the batch holding
     sample 137: each death is held against it, and the third sets it aside. The run ends

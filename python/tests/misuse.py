@@ -1,0 +1,61 @@
+"""Misuse of the API, run as a worker by test_workers.py (as the only target and the only
+drafter): each case that gets a clear answer (a result or an exception of ours, never a panic)
+appends its name to <run-dir>/misuse-cases.txt; then the worker goes on as the numpy example
+does, so the run completes.
+"""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import hspipe  # noqa: E402
+import numpy_drafter  # noqa: E402
+import numpy_target  # noqa: E402
+
+
+def case(w, name):
+    with open(os.path.join(w.run_dir, "misuse-cases.txt"), "a") as f:
+        f.write(name + "\n")
+
+
+def later(seconds, fn):
+    """Runs `fn` on another thread after `seconds` (what lets a long wait end)."""
+    threading.Thread(target=lambda: (time.sleep(seconds), fn())).start()
+
+
+def target_cases(w):
+    # A timeout or wait too long for any clock waits for ever: it used to panic converting
+    # the seconds (PanicException: "cannot convert float seconds to Duration").
+    claim = w.claim(timeout=1e300)
+    slot = claim.reserve(timeout=1e20)
+    kept = [np.asarray(slot.hidden_states)]
+    later(0.2, kept.clear)
+    slot.commit(wait=1e19)
+    case(w, "a timeout past any clock waits")
+
+
+def drafter_cases(w):
+    b = w.take(timeout=1e300)
+    assert b is not None
+    kept = [np.asarray(b.hidden_states)]
+    later(0.2, kept.clear)
+    b.release(wait=1e300)
+    case(w, "a timeout past any clock waits")
+
+
+def main():
+    with hspipe.connect() as w:
+        if w.role == "target":
+            target_cases(w)
+            numpy_target.run(w)
+        else:
+            drafter_cases(w)
+            numpy_drafter.run(w)
+        sys.exit(w.close())
+
+
+if __name__ == "__main__":
+    main()
