@@ -16,6 +16,7 @@ use std::cell::{Cell, RefCell};
 use collective::{Collective, GroupError, Membership, NO_BATCH};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::common::{err, Core, GroupChanged};
 use crate::view::{self, Elem, View};
@@ -230,8 +231,22 @@ pub fn join(
 }
 
 /// The leader between steps: admits ranks waiting to join, handing them `state` (any buffer,
-/// at most the group's state size). Returns how many were admitted.
+/// at most the group's state size). Returns how many were admitted. The state is checked at
+/// every call, not only when a rank waits: one that cannot be handed over would otherwise fail
+/// the leader only when a rank restarts, hours into the run.
 pub fn admit(g: &Group, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u32> {
+    // Any buffer, as its bytes (C order, a strided one too).
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((state,))?;
+    let nbytes: usize = view.getattr("nbytes")?.extract()?;
+    if nbytes > g.state_len * 4 {
+        return Err(err(format!(
+            "admit: a state of {nbytes} bytes, but this run's group hands over at most {}",
+            g.state_len * 4
+        )));
+    }
     if !g.c.joiners_waiting() {
         return Ok(0);
     }
@@ -239,21 +254,8 @@ pub fn admit(g: &Group, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u3
     if m.leader() != Some(g.c.rank()) {
         return Ok(0);
     }
-    // Any buffer, as its bytes.
-    let bytes_view = (py
-        .import("builtins")?
-        .getattr("memoryview")?
-        .call1((state,))?)
-    .call_method1("cast", ("B",))?;
-    let buf = PyBuffer::<u8>::get(&bytes_view)?;
-    let bytes = buf.to_vec(py)?;
-    if bytes.len() > g.state_len * 4 {
-        return Err(err(format!(
-            "admit: a state of {} bytes, but this run's group hands over at most {}",
-            bytes.len(),
-            g.state_len * 4
-        )));
-    }
+    let bytes = view.call_method0("tobytes")?;
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
     let mut words = vec![0u32; g.state_len];
     for (w, c) in words.iter_mut().zip(bytes.chunks(4)) {
         let mut b = [0u8; 4];

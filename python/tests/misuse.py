@@ -37,7 +37,23 @@ def target_cases(w):
     case(w, "a timeout past any clock waits")
 
 
+def raises(exc, fn, *words):
+    try:
+        fn()
+    except exc as e:
+        for word in words:
+            assert word in str(e), f"{word!r} not in {e}"
+        return
+    raise AssertionError(f"{fn} did not raise {exc}")
+
+
 def drafter_cases(w):
+    # A state the leader cannot hand over is refused at once, not only when a rank joins (the
+    # leader then failed hours in, on the restart of another rank).
+    raises(TypeError, lambda: w.admit(None), "NoneType")
+    raises(hspipe.HspipeError, lambda: w.admit(np.zeros(1 << 22, np.float32)), "at most")
+    assert w.admit(np.zeros(8, np.float32)[::2]) == 0
+    case(w, "a state that cannot be handed over is refused at once")
     b = w.take(timeout=1e300)
     assert b is not None
     kept = [np.asarray(b.hidden_states)]
