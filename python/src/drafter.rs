@@ -322,6 +322,7 @@ impl Drafter {
 
     /// The leader, between steps: admits ranks waiting to join, handing them `state` (any
     /// buffer). Returns how many joined (0 when none waits, or this rank is not the leader).
+    /// Raises at every call for a state it could not hand over (too large, not a buffer).
     fn admit(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u32> {
         crate::group::admit(&self.d.group, py, state)
     }

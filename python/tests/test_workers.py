@@ -1,7 +1,7 @@
 """Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
 target feeding our drafters, numpy drafters training as one group from our targets, a killed
 Python worker restarted alone, a poison batch set aside, a batch dropped after its update
-trained once, the view-lifetime cases, and bad worker commands.
+trained once, the view-lifetime cases, misuse of the API, and bad worker commands.
 
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
