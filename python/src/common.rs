@@ -57,6 +57,12 @@ impl Registered {
             Registered::Consumer(c) => c.heartbeat(),
         }
     }
+    pub fn beat(self) -> shm_ring::Beat<'static> {
+        match self {
+            Registered::Producer(p) => p.beat(),
+            Registered::Consumer(c) => c.beat(),
+        }
+    }
     fn set_in_hand(self, batch: Option<u64>) {
         match self {
             Registered::Producer(p) => p.set_in_hand(batch),
@@ -285,6 +291,26 @@ impl PhaseScope {
     }
 }
 
+/// `beat = w.heartbeat_handle()`: `beat()` marks the worker alive, from any thread (the worker
+/// and its batches belong to the thread that made them; a call from another raises).
+#[pyclass(frozen, module = "hspipe")]
+pub struct Heartbeat {
+    beat: shm_ring::Beat<'static>,
+}
+
+impl Heartbeat {
+    pub fn new(reg: Registered) -> Heartbeat {
+        Heartbeat { beat: reg.beat() }
+    }
+}
+
+#[pymethods]
+impl Heartbeat {
+    fn __call__(&self) {
+        self.beat.heartbeat()
+    }
+}
+
 /// The common attributes of both workers (`name`, `role`, `index`, `gpu`, `config`, ...),
 /// generated into each worker's methods.
 macro_rules! worker_methods {
@@ -345,6 +371,12 @@ macro_rules! worker_methods {
             /// call it in work that runs longer than the launcher's hang timeout.
             fn heartbeat(&self) {
                 self.core().reg.heartbeat()
+            }
+            /// `beat = w.heartbeat_handle()`: `beat()` is `w.heartbeat()` from any thread (a
+            /// thread that beats while long work runs); the worker itself, its batches and
+            /// slots belong to the thread that made them, and a call from another raises.
+            fn heartbeat_handle(&self) -> $crate::common::Heartbeat {
+                $crate::common::Heartbeat::new(self.core().reg)
             }
             /// `with w.phase("compute"):` times the block as that phase: `wait`, `load`,
             /// `copy`, `compute`, `sync`, `checkpoint` or `other`.

@@ -130,5 +130,6 @@ fn _hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<view::View>()?;
     m.add_class::<group::Reduced>()?;
     m.add_class::<common::PhaseScope>()?;
+    m.add_class::<common::Heartbeat>()?;
     Ok(())
 }

@@ -26,7 +26,27 @@ def later(seconds, fn):
     threading.Thread(target=lambda: (time.sleep(seconds), fn())).start()
 
 
+def beat_from_a_thread(w):
+    # The worker belongs to its thread (a call from another raises); its heartbeat handle is
+    # what a thread that beats during long work holds.
+    beat = w.heartbeat_handle()
+    failed = []
+
+    def beating():
+        try:
+            beat()
+        except BaseException as e:  # noqa: BLE001 - the case is that nothing is raised
+            failed.append(e)
+
+    t = threading.Thread(target=beating)
+    t.start()
+    t.join()
+    assert not failed, failed
+    case(w, "a heartbeat handle beats from another thread")
+
+
 def target_cases(w):
+    beat_from_a_thread(w)
     # A timeout or wait too long for any clock waits for ever: it used to panic converting
     # the seconds (PanicException: "cannot convert float seconds to Duration").
     claim = w.claim(timeout=1e300)
@@ -48,6 +68,7 @@ def raises(exc, fn, *words):
 
 
 def drafter_cases(w):
+    beat_from_a_thread(w)
     # A state the leader cannot hand over is refused at once, not only when a rank joins (the
     # leader then failed hours in, on the restart of another rank).
     raises(TypeError, lambda: w.admit(None), "NoneType")

@@ -110,6 +110,7 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
         assert "PanicException" not in run.log(f"{role}-0"), run.log(f"{role}-0")
     for case, times in [
         ("a timeout past any clock waits", 2),
+        ("a heartbeat handle beats from another thread", 2),
         ("a state that cannot be handed over is refused at once", 1),
     ]:
         assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"

@@ -70,7 +70,7 @@ pub use shmem::monotonic_ns;
 
 pub use crate::phase::{Phase, PhaseMap};
 #[cfg(not(loom))]
-pub use crate::ring::{Consumer, Producer, ReadSlot, Ring, Take, WriteSlot};
+pub use crate::ring::{Beat, Consumer, Producer, ReadSlot, Ring, Take, WriteSlot};
 #[cfg(not(loom))]
 pub use crate::segment::{list_segments, SegmentInfo, LAYOUT_VERSION, NAME_PREFIX};
 #[cfg(not(loom))]

@@ -466,10 +466,41 @@ macro_rules! worker_methods {
         pub fn heartbeat(&self) {
             self.w.core().heartbeat(self.w.id)
         }
+        /// This worker's heartbeat as a handle any thread may hold and call (the worker itself
+        /// is used from one thread): a Python worker's heartbeat thread.
+        pub fn beat(&self) -> Beat<'r> {
+            Beat {
+                ring: self.w.ring,
+                id: self.w.id,
+            }
+        }
         pub fn ring(&self) -> &Ring {
             self.w.ring
         }
     };
+}
+
+/// Marks one worker alive from any thread ([`Producer::beat`], [`Consumer::beat`]): only the
+/// ring and the worker's id, so it is `Send` and `Sync` where the worker is not. A beat after
+/// the worker left writes a time no one reads until the id's next registration, which
+/// writes its own.
+#[derive(Clone, Copy)]
+pub struct Beat<'r> {
+    ring: &'r Ring,
+    id: u32,
+}
+
+// Any thread may hold one: the point of it.
+const _: () = {
+    const fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<Beat<'static>>();
+};
+
+impl Beat<'_> {
+    /// Marks the worker alive now.
+    pub fn heartbeat(&self) {
+        self.ring.core_ref().heartbeat(self.id)
+    }
 }
 
 /// A registered producer.

@@ -1058,3 +1058,22 @@ fn a_device_timed_worker_reports_its_devices_busy_time_and_why_it_sat_idle() {
     let s = ring.snapshot();
     assert!(s.worker(WorkerName::producer(0)).unwrap().device.is_none());
 }
+
+/// A worker's heartbeat handle beats from another thread (a Python worker's heartbeat thread,
+/// while the worker itself stays on the thread that made it): the heartbeat's time moves on.
+#[test]
+fn a_beat_handle_marks_its_worker_alive_from_another_thread() {
+    let name = unique("beat");
+    let ring = Ring::create(&name, &fifo(1, 1, 4)).unwrap();
+    let consumer = ring.consumer(0).unwrap();
+    let beaten_at = |ring: &Ring| {
+        let snap = ring.snapshot();
+        let w = snap.worker(WorkerName::consumer(0)).unwrap();
+        snap.taken_at_ns - w.heartbeat_age_ns.unwrap()
+    };
+    let registered = beaten_at(&ring);
+    thread::sleep(Duration::from_millis(2));
+    let beat = consumer.beat();
+    thread::scope(|s| s.spawn(move || beat.heartbeat()).join().unwrap());
+    assert!(beaten_at(&ring) > registered);
+}
