@@ -29,8 +29,9 @@
 //! (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...): [`export`](Dflash::export) writes
 //! them as they are.
 //!
-//! Length: about 1100 lines: the config and its export, the forward, the batch's anchors and
-//! labels, the chunked loss and the parts' shared context are one model.
+//! Length: about 1350 lines: the config, its export and the checks of one read back, the
+//! forward, the batch's anchors and labels, the chunked loss and the parts' shared context are
+//! one model.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -202,7 +203,20 @@ impl DflashConfig {
         })
     }
 
-    /// Reads an export's `config.json` back.
+    /// The `config.json` of the export in `dir` (see [`DflashConfig::from_json`]).
+    pub fn load(dir: &Path) -> Result<DflashConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            cause: source,
+        })?;
+        DflashConfig::from_json(&text, &path)
+    }
+
+    /// Reads an export's `config.json` back: every field the drafter computes with present
+    /// and of its type, the shape one a drafter can have ([`DflashConfig::check`]), and nothing
+    /// set that the drafter would not compute (`layer_types` other than full attention, an
+    /// activation other than SiLU, attention biases, rope scaling).
     pub fn from_json(text: &str, path: &Path) -> Result<DflashConfig> {
         let bad = |why: String| ModelError::Config {
             path: path.to_path_buf(),
@@ -210,21 +224,56 @@ impl DflashConfig {
         };
         let v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| bad(format!("not a config: {e}")))?;
-        let n = |k: &str| -> Result<usize> {
-            (v[k].as_u64().map(|x| x as usize)).ok_or_else(|| bad(format!("no {k} field")))
+        // A field missing and a field of another type are told apart: "no block_size field"
+        // for `"block_size": -3` sent the reader looking for a field that is there.
+        fn get<T: serde::de::DeserializeOwned>(
+            v: &serde_json::Value,
+            name: &str,
+            what: &str,
+        ) -> std::result::Result<T, String> {
+            let mut at = v;
+            for key in name.split('.') {
+                at = &at[key];
+            }
+            if at.is_null() {
+                return Err(format!("no {name} field"));
+            }
+            T::deserialize(at).map_err(|_| format!("{name} = {at} is not {what}"))
+        }
+        let n = |k: &str| get::<usize>(&v, k, "a whole number").map_err(bad);
+        let f = |k: &str| get::<f64>(&v, k, "a number").map_err(bad);
+        let (layers, ids, mask) = (
+            n("num_hidden_layers")?,
+            get::<Vec<usize>>(
+                &v,
+                "dflash_config.target_layer_ids",
+                "a list of layer numbers",
+            )
+            .map_err(bad)?,
+            get::<u32>(&v, "dflash_config.mask_token_id", "a token id").map_err(bad)?,
+        );
+        let unlike = |k: &str, want: serde_json::Value| {
+            let got = &v[k];
+            (!got.is_null() && *got != want).then(|| {
+                bad(format!(
+                    "{k} = {got}: this drafter computes only {want} (a drafter of another kind?)"
+                ))
+            })
         };
-        let f =
-            |k: &str| -> Result<f64> { v[k].as_f64().ok_or_else(|| bad(format!("no {k} field"))) };
-        let dc = &v["dflash_config"];
-        let ids = (dc["target_layer_ids"].as_array())
-            .ok_or_else(|| bad("no dflash_config.target_layer_ids".into()))?
-            .iter()
-            .map(|x| x.as_u64().map(|x| x as usize))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| bad("dflash_config.target_layer_ids holds a non-integer".into()))?;
-        Ok(DflashConfig {
+        let full = json!(vec!["full_attention"; layers]);
+        for (k, want) in [
+            ("layer_types", full),
+            ("hidden_act", json!("silu")),
+            ("attention_bias", json!(false)),
+            ("rope_scaling", serde_json::Value::Null),
+        ] {
+            if let Some(e) = unlike(k, want) {
+                return Err(e);
+            }
+        }
+        let cfg = DflashConfig {
             hidden: n("hidden_size")?,
-            layers: n("num_hidden_layers")?,
+            layers,
             heads: n("num_attention_heads")?,
             kv_heads: n("num_key_value_heads")?,
             head_dim: n("head_dim")?,
@@ -236,10 +285,100 @@ impl DflashConfig {
             block_size: n("block_size")?,
             num_target_layers: n("num_target_layers")?,
             target_layer_ids: ids,
-            mask_token_id: (dc["mask_token_id"].as_u64())
-                .ok_or_else(|| bad("no dflash_config.mask_token_id".into()))?
-                as u32,
-        })
+            mask_token_id: mask,
+        };
+        cfg.check().map_err(bad)?;
+        Ok(cfg)
+    }
+
+    /// Why no drafter can have this shape, if none can: a block drafts at least one token
+    /// (`block_size` 2 or more), every size is at least 1, the heads share their key-value
+    /// heads evenly, a head's size is even (RoPE rotates pairs), the norms' epsilon and the
+    /// rope base are positive numbers, the mask token is in the vocabulary, and the captured
+    /// layers are the target's.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for (name, n) in [
+            ("hidden_size", self.hidden),
+            ("num_hidden_layers", self.layers),
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate),
+            ("vocab_size", self.vocab),
+            ("num_target_layers", self.num_target_layers),
+        ] {
+            if n == 0 {
+                return Err(format!("{name} = 0: it must be at least 1"));
+            }
+        }
+        if self.block_size < 2 {
+            return Err(format!(
+                "block_size = {}: a block is its anchor's token and at least one drafted token, so at least 2",
+                self.block_size
+            ));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(format!(
+                "num_attention_heads = {} is not a multiple of num_key_value_heads = {}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "head_dim = {}: RoPE rotates pairs of channels, so it must be even",
+                self.head_dim
+            ));
+        }
+        for (name, x) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(x.is_finite() && x > 0.0) {
+                return Err(format!("{name} = {x}: it must be a positive number"));
+            }
+        }
+        if self.mask_token_id as usize >= self.vocab {
+            return Err(format!(
+                "dflash_config.mask_token_id = {} is outside the vocabulary of {} (vocab_size)",
+                self.mask_token_id, self.vocab
+            ));
+        }
+        if self.target_layer_ids.is_empty() {
+            return Err("dflash_config.target_layer_ids is empty: the drafter conditions on no target layer".into());
+        }
+        if let Some(&l) = (self.target_layer_ids.iter()).find(|&&l| l >= self.num_target_layers) {
+            return Err(format!(
+                "dflash_config.target_layer_ids holds layer {l}, past the target's {} layers (num_target_layers)",
+                self.num_target_layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// Why this drafter cannot draft for `target`, if it cannot: it was made for a target of
+    /// another hidden size, vocabulary or number of layers (a drafter of another model).
+    pub fn check_target(&self, target: &ArchConfig) -> std::result::Result<(), String> {
+        let mut differ = Vec::new();
+        for (what, mine, theirs) in [
+            ("hidden size", self.hidden, target.hidden_size),
+            ("vocabulary", self.vocab, target.vocab_size),
+            (
+                "decoder layers",
+                self.num_target_layers,
+                target.num_hidden_layers,
+            ),
+        ] {
+            if mine != theirs {
+                differ.push(format!("{what} {mine} (the target's: {theirs})"));
+            }
+        }
+        if differ.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "the drafter was made for a target of {}: a drafter of another model",
+            differ.join(", ")
+        ))
     }
 }
 
@@ -631,8 +770,23 @@ pub struct Dflash {
 }
 
 impl Dflash {
-    /// A fresh drafter: parameters drawn from `seed` (the same on every rank).
+    /// A fresh drafter: parameters drawn from `seed` (the same on every rank). Its shape must
+    /// be one a drafter can have ([`DflashConfig::check`]), and `frozen` the target's
+    /// `[vocab, hidden]` tensors of that shape.
     pub fn new(cfg: DflashConfig, frozen: Frozen, seed: u64) -> Result<Dflash> {
+        cfg.check().map_err(ModelError::Drafter)?;
+        let want = [cfg.vocab, cfg.hidden];
+        for (name, t) in [
+            ("embed_tokens", &frozen.embed),
+            ("lm_head", &frozen.lm_head),
+        ] {
+            if t.dims() != want {
+                return Err(ModelError::Drafter(format!(
+                    "the target's {name} is {:?}, the drafter's vocabulary x hidden size is {want:?}",
+                    t.dims()
+                )));
+            }
+        }
         let dev = frozen.embed.device().clone();
         let params = Params::new(&cfg.param_specs(), seed, &dev)?;
         let rope = Rope::plain(cfg.head_dim, cfg.rope_theta);
@@ -1145,17 +1299,35 @@ impl Dflash {
         std::fs::write(&path, cfg + "\n").map_err(io(&path))
     }
 
-    /// A drafter read back from its export in `dir`, with the target's frozen tensors.
+    /// A drafter read back from its export in `dir`, with the target's frozen tensors: its
+    /// `model.safetensors` must hold exactly the tensors its `config.json` describes.
     pub fn load_export(dir: &Path, frozen: Frozen) -> Result<Dflash> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            cause: source,
-        })?;
-        let cfg = DflashConfig::from_json(&text, &path)?;
+        let cfg = DflashConfig::load(dir)?;
         let mut d = Dflash::new(cfg, frozen, 0)?;
         let st = dir.join("model.safetensors");
-        let w = candle_core::safetensors::load(&st, d.device())?;
+        // candle's own errors name no file ("header too small", or a bare "No such file").
+        let w =
+            candle_core::safetensors::load(&st, d.device()).map_err(|e| ModelError::Weights {
+                file: st.clone(),
+                why: format!("not a readable safetensors file: {e}"),
+            })?;
+        // A tensor the config has no place for is a config that does not describe these
+        // weights (`num_hidden_layers` lowered by hand dropped the last layers without a word).
+        let names = d.params.names();
+        let mut extra: Vec<&String> = w.keys().filter(|k| !names.contains(k)).collect();
+        if !extra.is_empty() {
+            extra.sort();
+            return Err(ModelError::Weights {
+                file: st.clone(),
+                why: format!(
+                    "holds {} tensor(s) a drafter of {} has no place for ({}), so that config does not describe these weights",
+                    extra.len(),
+                    path.display(),
+                    (extra.iter().take(3)).map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
         let mut flat = Vec::with_capacity(d.params.len());
         for (name, shape) in d.params.names().iter().zip(d.params.shapes()) {
             let t = w.get(name).ok_or_else(|| ModelError::Missing {
@@ -1163,6 +1335,12 @@ impl Dflash {
                 tensor: name.clone(),
                 hint: String::new(),
             })?;
+            if !t.dtype().is_float() {
+                return Err(ModelError::Weights {
+                    file: st.clone(),
+                    why: format!("tensor {name} is {:?}, not floating point", t.dtype()),
+                });
+            }
             if t.dims() != shape.as_slice() {
                 return Err(ModelError::Shape {
                     file: st.clone(),

@@ -71,6 +71,9 @@ pub enum ModelError {
     Spec(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A DFlash drafter that cannot be made or run as asked (its shape, or its target's).
+    #[error("DFlash drafter: {0}")]
+    Drafter(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

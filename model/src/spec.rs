@@ -68,6 +68,10 @@ pub fn speculative(
     if prompt.is_empty() {
         return Err(ModelError::Input("an empty prompt".into()));
     }
+    // A drafter of another model would read layers or tokens the target does not have.
+    (drafter.cfg)
+        .check_target(target.config())
+        .map_err(ModelError::Drafter)?;
     let layers = &drafter.cfg.target_layer_ids;
     let b = drafter.cfg.block_size;
     let mask = drafter.cfg.mask_token_id;

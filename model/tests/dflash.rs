@@ -232,6 +232,128 @@ fn the_export_reads_back_bit_for_bit() {
     assert!(Dflash::load_export(out.path(), frozen).is_err());
 }
 
+/// An export whose `config.json` was edited by hand, or whose weights were damaged or belong
+/// to another config, is an error naming the field, file or tensor: never a panic later (block
+/// size 0), an index error of the mask token deep in a forward, or weights silently dropped.
+#[test]
+fn an_export_edited_by_hand_or_damaged_is_refused_naming_what_is_wrong() {
+    let s = setup(3);
+    let out = tempfile::tempdir().unwrap();
+    s.drafter.export(out.path()).unwrap();
+    let cfg_path = out.path().join("config.json");
+    let st = out.path().join("model.safetensors");
+    let good: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let load = || {
+        let frozen = Frozen::load(s._dir.path(), &Device::Cpu).unwrap();
+        Dflash::load_export(out.path(), frozen).map(|_| ())
+    };
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut c = good.clone();
+        edit(&mut c);
+        std::fs::write(&cfg_path, c.to_string()).unwrap();
+        let e = load().expect_err("an edited config loaded").to_string();
+        std::fs::write(&cfg_path, good.to_string()).unwrap();
+        e
+    };
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (Box::new(|c| c["block_size"] = 0.into()), "block_size = 0"),
+        (Box::new(|c| c["block_size"] = 1.into()), "block_size = 1"),
+        (
+            Box::new(|c| c["block_size"] = (-3).into()),
+            "block_size = -3 is not a whole number",
+        ),
+        (
+            Box::new(|c| c["hidden_size"] = "64".into()),
+            "hidden_size = \"64\" is not a whole number",
+        ),
+        (
+            Box::new(|c| c["dflash_config"]["mask_token_id"] = 5000.into()),
+            "mask_token_id = 5000 is outside the vocabulary of 300",
+        ),
+        (
+            Box::new(|c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([1, 9])),
+            "holds layer 9",
+        ),
+        (
+            Box::new(|c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([])),
+            "target_layer_ids is empty",
+        ),
+        (
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("dflash_config");
+            }),
+            "no dflash_config.target_layer_ids field",
+        ),
+        (
+            Box::new(|c| {
+                c["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"])
+            }),
+            "layer_types",
+        ),
+        // One layer fewer: its weights would be dropped without a word.
+        (
+            Box::new(|c| {
+                c["num_hidden_layers"] = 1.into();
+                c["layer_types"] = serde_json::json!(["full_attention"]);
+            }),
+            "no place for (layers.1.",
+        ),
+    ];
+    for (edit, want) in &cases {
+        let e = edited(edit.as_ref());
+        assert!(e.contains(want), "{want:?} not in {e:?}");
+    }
+    load().unwrap();
+    // Damaged or missing weights name their file.
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load().unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+    std::fs::remove_file(&st).unwrap();
+    let e = load().unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+/// A drafter decodes only with the target it was made for: with another (more layers here,
+/// the same hidden size and vocabulary) speculative decoding is an error naming the
+/// difference, not figures of a drafter reading layers it was not trained on. A drafter whose
+/// frozen tensors are not its shape is not made.
+#[test]
+fn a_drafter_of_another_target_is_refused() {
+    use candle_core::DType;
+    use model::{spec, Decoder};
+    let s = setup(3);
+    let other = tempfile::tempdir().unwrap();
+    let spec6 = MakeSpec {
+        layers: 6,
+        vocab: 300,
+        ..MakeSpec::default()
+    };
+    make_model(other.path(), &spec6).unwrap();
+    let target = Decoder::load(other.path(), &Device::Cpu, DType::F32).unwrap();
+    let e = spec::speculative(&target, &s.drafter, &[5, 6, 7], 4)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("decoder layers 4 (the target's: 6)"), "{e}");
+
+    let small = tempfile::tempdir().unwrap();
+    let narrow = MakeSpec {
+        layers: 4,
+        vocab: 300,
+        hidden: 32,
+        ..MakeSpec::default()
+    };
+    make_model(small.path(), &narrow).unwrap();
+    let frozen = Frozen::load(small.path(), &Device::Cpu).unwrap();
+    let e = Dflash::new(s.drafter.cfg.clone(), frozen, 0)
+        .err()
+        .expect("a drafter on frozen tensors of another shape")
+        .to_string();
+    assert!(e.contains("embed_tokens"), "{e}");
+}
+
 #[test]
 fn trained_on_one_batch_the_loss_falls_and_blocks_are_accepted() {
     let s = setup(8);
