@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Parser;
-use model::dflash::{Dflash, Frozen};
+use model::dflash::{Dflash, DflashConfig, Frozen};
 use model::{spec, Decoder};
 use serde::Serialize;
 
@@ -37,14 +37,15 @@ pub struct EvalArgs {
     /// Prompts from this data (JSONL, Parquet, Arrow, HF datasets directory).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Prompts to decode.
-    #[arg(long, default_value_t = 8)]
+    /// Prompts to decode (at least 1: none would report no figure as if it were one).
+    #[arg(long, value_parser = at_least_one(), default_value_t = 8)]
     pub prompts: usize,
-    /// Tokens of each prompt.
-    #[arg(long, default_value_t = 32)]
+    /// Tokens of each prompt (at least 1); with the new tokens and a block they stay within
+    /// the target's max_position_embeddings.
+    #[arg(long, value_parser = at_least_one(), default_value_t = 32)]
     pub prompt_len: usize,
-    /// Tokens to generate per prompt.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens to generate per prompt (at least 1).
+    #[arg(long, value_parser = at_least_one(), default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Also decode with an untrained drafter of the same shape, for comparison.
     #[arg(long)]
@@ -52,6 +53,11 @@ pub struct EvalArgs {
     /// Write the figures as JSON here too.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+}
+
+/// A count flag of 1 or more: a zero would report figures over nothing.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 /// What one drafter achieved over the prompts.
@@ -167,6 +173,32 @@ fn line(name: &str, a: &Acceptance) -> String {
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
         .with_context(|| format!("loading the target {}", a.model.display()))?;
+    // The drafter's config first: a drafter of another model is named as such, before its
+    // weights are read or a prompt is run.
+    let cfg = DflashConfig::load(&a.drafter)
+        .with_context(|| format!("loading the drafter {}", a.drafter.display()))?;
+    if let Err(why) = cfg.check_target(target.config()) {
+        bail!(
+            "the drafter {} does not fit the target {}: {why}",
+            a.drafter.display(),
+            a.model.display()
+        );
+    }
+    // The last position a generation may reach: the prompt, the new tokens, and a block
+    // drafted past them. RoPE computes any position, so past the target's trained range the
+    // output would be wrong without a word.
+    let max_pos = target.config().max_position_embeddings;
+    let reach = (a.prompt_len)
+        .saturating_add(a.max_new_tokens)
+        .saturating_add(cfg.block_size);
+    if reach > max_pos {
+        bail!(
+            "--prompt-len {} + --max-new-tokens {} + the drafter's block of {} reach {reach} positions, past the target's max_position_embeddings of {max_pos}",
+            a.prompt_len,
+            a.max_new_tokens,
+            cfg.block_size
+        );
+    }
     let frozen = || {
         Frozen::load(&a.model, &Device::Cpu).with_context(|| {
             format!(
@@ -178,17 +210,6 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     let drafter = Dflash::load_export(&a.drafter, frozen()?)
         .with_context(|| format!("loading the drafter {}", a.drafter.display()))?;
     let vocab = target.config().vocab_size;
-    if drafter.cfg.vocab != vocab || drafter.cfg.hidden != target.config().hidden_size {
-        bail!(
-            "the drafter {} was trained for vocabulary {} x hidden {}, the target {} has {} x {}",
-            a.drafter.display(),
-            drafter.cfg.vocab,
-            drafter.cfg.hidden,
-            a.model.display(),
-            vocab,
-            target.config().hidden_size
-        );
-    }
     let prompts = prompts(&a, vocab)?;
     println!(
         "eval: {} prompts of up to {} tokens, {} new tokens each, block size {}",
@@ -225,4 +246,92 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(if ok { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::dflash::{mask_token_id, DflashConfig};
+    use model::make::{make_model, MakeSpec};
+    use model::ArchConfig;
+
+    fn args(model: &std::path::Path, drafter: &std::path::Path, extra: &[&str]) -> EvalArgs {
+        let mut argv = vec![
+            "launcher eval".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--drafter".into(),
+            drafter.display().to_string(),
+        ];
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        EvalArgs::try_parse_from(argv).unwrap()
+    }
+
+    /// A zero count is refused by its flag: `--prompts 0` or `--max-new-tokens 0` reported a
+    /// mean acceptance length of 0.00 (outside 1..B) and exit 0; `--prompt-len 0` an empty
+    /// batch.
+    #[test]
+    fn zero_counts_are_refused_by_their_flag() {
+        for flag in ["--prompts", "--prompt-len", "--max-new-tokens"] {
+            let argv = ["launcher eval", "--model", "m", "--drafter", "d", flag, "0"];
+            let e = EvalArgs::try_parse_from(argv).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains("0"), "{flag}: {e}");
+        }
+    }
+
+    /// A drafter of another target (its number of layers here), and a generation reaching past
+    /// the target's positions, are errors naming them before any prompt runs: both used to
+    /// decode and report figures, exit 0.
+    #[test]
+    fn a_drafter_of_another_target_or_a_generation_past_its_positions_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (small, big) = (dir.path().join("m2"), dir.path().join("m3"));
+        for (m, layers) in [(&small, 2), (&big, 3)] {
+            let spec = MakeSpec {
+                layers,
+                vocab: 300,
+                ..MakeSpec::default()
+            };
+            make_model(m, &spec).unwrap();
+        }
+        let arch = ArchConfig::load(&small).unwrap();
+        let mask = mask_token_id(&small, arch.vocab_size, None).unwrap();
+        let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 4, mask);
+        let frozen = Frozen::load(&small, &Device::Cpu).unwrap();
+        let drafter = dir.path().join("drafter");
+        Dflash::new(cfg, frozen, 0)
+            .unwrap()
+            .export(&drafter)
+            .unwrap();
+        let quick = [
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--max-new-tokens",
+            "4",
+        ];
+        assert_eq!(run_eval(args(&small, &drafter, &quick)).unwrap(), 0);
+
+        let e = format!("{:#}", run_eval(args(&big, &drafter, &quick)).unwrap_err());
+        assert!(
+            e.contains("does not fit") && e.contains("decoder layers 2 (the target's: 3)"),
+            "{e}"
+        );
+
+        // The target's positions cut short by hand: 8 + 4 + a block of 4 reach 16.
+        let path = small.join("config.json");
+        let mut c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        c["max_position_embeddings"] = 15.into();
+        std::fs::write(&path, c.to_string()).unwrap();
+        let e = format!(
+            "{:#}",
+            run_eval(args(&small, &drafter, &quick)).unwrap_err()
+        );
+        assert!(
+            e.contains("--prompt-len 8") && e.contains("max_position_embeddings of 15"),
+            "{e}"
+        );
+    }
 }
