@@ -251,6 +251,24 @@ fn parts_timed(
     Ok((sums, acc))
 }
 
+/// The checkpoint's metadata key holding the drafter's `config.json` (as exported, f32).
+const SHAPE_KEY: &str = "dflash_config";
+
+/// How the drafter whose `config.json` is `saved` (a checkpoint's at `path`) differs from
+/// `cfg` in what its weights mean (every field but the block size, which the weights do not
+/// depend on), if it does.
+fn other_shape(cfg: &DflashConfig, saved: &str, path: &Path) -> Option<String> {
+    match DflashConfig::from_json(saved, path) {
+        Err(e) => Some(format!("its recorded shape does not read: {e}")),
+        Ok(theirs) => {
+            let differ: Vec<String> = (cfg.differences(&theirs).into_iter())
+                .filter(|d| !d.starts_with("block_size "))
+                .collect();
+            (!differ.is_empty()).then(|| differ.join(", "))
+        }
+    }
+}
+
 /// `(grad_len, state_len)` of [`DflashDrafter`] for `cfg`.
 pub fn sizes(cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
     let n = drafter_config(cfg)?.param_len();
@@ -792,18 +810,31 @@ impl DrafterBackend for DflashDrafter {
                     ("adam.v", n, &v),
                 ],
                 counters: counters.to_vec(),
+                metadata: vec![(SHAPE_KEY, self.model.cfg.to_json("float32").to_string())],
             },
         )
     }
 
     fn load(&mut self, path: &Path) -> Result<(), GpuError> {
-        let (t, c) = state::load(
+        let (t, c, meta) = state::load_with_metadata(
             path,
             &["weights", "adam.m", "adam.v"],
             &[self.grad_len()],
             2,
             "another DFlash shape, or another backend's checkpoint?",
         )?;
+        // Drafters of one size may differ in shape (other captured layers, another target of
+        // the same width): the total alone let such a checkpoint load, its weights read in
+        // another arrangement without a word. A checkpoint from before the shape was recorded
+        // is taken on its size.
+        if let Some(saved) = meta.get(SHAPE_KEY) {
+            if let Some(why) = other_shape(&self.model.cfg, saved, path) {
+                return Err(GpuError::Checkpoint {
+                    path: path.display().to_string(),
+                    why: format!("it holds another drafter: {why}"),
+                });
+            }
+        }
         self.set_state(t, &c)
     }
 
@@ -1140,5 +1171,33 @@ mod tests {
             err.contains("weights") && err.contains("ckpt.safetensors"),
             "{err}"
         );
+    }
+
+    /// A checkpoint of a drafter of the same size but another shape (its captured layers
+    /// in another order here: the same weights' count, another meaning) is refused naming the
+    /// field; it used to load, the context's projection applied to the wrong layers. The
+    /// block size, which the weights do not depend on, may change.
+    #[test]
+    fn a_checkpoint_of_another_shape_of_the_same_size_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cfg, _) = setup(dir.path());
+        cfg.model.target_layer_ids = Some(vec![1, 2]);
+        let path = dir.path().join("ckpt.safetensors");
+        let a = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
+        a.save(&path).unwrap();
+        let mut swapped = cfg.clone();
+        swapped.model.target_layer_ids = Some(vec![2, 1]);
+        let mut d = DflashDrafter::new(&swapped, None, &Placement::cpu()).unwrap();
+        assert_eq!(d.grad_len(), a.grad_len());
+        let err = d.load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("ckpt.safetensors") && err.contains("target_layer_ids"),
+            "{err}"
+        );
+        let mut longer = cfg.clone();
+        longer.dflash.block_size = 8;
+        let mut e = DflashDrafter::new(&longer, None, &Placement::cpu()).unwrap();
+        e.load(&path).unwrap();
+        assert_eq!(e.export_state().unwrap(), a.export_state().unwrap());
     }
 }

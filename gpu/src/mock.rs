@@ -392,6 +392,7 @@ impl DrafterBackend for MockDrafter {
                     ("adam.v", shape, &self.v),
                 ],
                 counters: vec![self.step],
+                metadata: Vec::new(),
             },
         )
     }

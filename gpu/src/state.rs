@@ -8,10 +8,13 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
 use crate::GpuError;
 
-/// What a drafter's state is made of: named f32 tables and u64 counters (steps).
+/// What a drafter's state is made of: named f32 tables and u64 counters (steps), and words
+/// about it in the file's metadata (what shape the tables are of, where their total size
+/// alone does not say).
 pub struct State<'a> {
     pub tables: Vec<(&'a str, Vec<usize>, &'a [f32])>,
     pub counters: Vec<u64>,
+    pub metadata: Vec<(&'a str, String)>,
 }
 
 fn err(path: &Path, why: String) -> GpuError {
@@ -35,7 +38,12 @@ pub fn save(path: &Path, s: &State<'_>) -> Result<(), GpuError> {
     let v = TensorView::new(StDtype::U64, vec![s.counters.len()], &counters)
         .map_err(|e| err(path, e.to_string()))?;
     tensors.push(("step", v));
-    let out = safetensors::serialize(tensors, None).map_err(|e| err(path, e.to_string()))?;
+    let meta = (!s.metadata.is_empty()).then(|| {
+        (s.metadata.iter())
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
+    });
+    let out = safetensors::serialize(tensors, meta).map_err(|e| err(path, e.to_string()))?;
     std::fs::write(path, out).map_err(|e| err(path, e.to_string()))
 }
 
@@ -48,7 +56,30 @@ pub fn load(
     counters: usize,
     hint: &str,
 ) -> Result<(Vec<Vec<f32>>, Vec<u64>), GpuError> {
+    let (t, c, _) = load_with_metadata(path, names, shape, counters, hint)?;
+    Ok((t, c))
+}
+
+/// A checkpoint read back: its tables, its counters, and its metadata (empty when it has
+/// none).
+pub type Loaded = (
+    Vec<Vec<f32>>,
+    Vec<u64>,
+    std::collections::HashMap<String, String>,
+);
+
+/// [`load`], with the file's metadata.
+pub fn load_with_metadata(
+    path: &Path,
+    names: &[&str],
+    shape: &[usize],
+    counters: usize,
+    hint: &str,
+) -> Result<Loaded, GpuError> {
     let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| err(path, format!("not a safetensors file: {e}")))?;
+    let metadata = header.metadata().clone().unwrap_or_default();
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| err(path, format!("not a safetensors file: {e}")))?;
     let tensor = |name: &str| {
@@ -84,7 +115,7 @@ pub fn load(
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
-    Ok((tables, counters))
+    Ok((tables, counters, metadata))
 }
 
 /// Words of `tables` (each `n` f32s) and `counters`, for a joining rank.

@@ -355,6 +355,19 @@ impl DflashConfig {
         Ok(())
     }
 
+    /// The fields of the export's `config.json` in which `other` differs from this drafter,
+    /// each as `field theirs (this one's: mine)`.
+    pub fn differences(&self, other: &DflashConfig) -> Vec<String> {
+        let (mine, theirs) = (self.to_json("float32"), other.to_json("float32"));
+        let (Some(mine), Some(theirs)) = (mine.as_object(), theirs.as_object()) else {
+            return Vec::new();
+        };
+        (mine.iter())
+            .filter(|(k, v)| theirs.get(*k) != Some(*v))
+            .map(|(k, v)| format!("{k} {} (this one's: {v})", theirs[k]))
+            .collect()
+    }
+
     /// Why this drafter cannot draft for `target`, if it cannot: it was made for a target of
     /// another hidden size, vocabulary or number of layers (a drafter of another model).
     pub fn check_target(&self, target: &ArchConfig) -> std::result::Result<(), String> {
