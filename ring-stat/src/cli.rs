@@ -43,12 +43,13 @@ pub struct Args {
     /// Seconds over which rates and the verdict are measured.
     #[arg(long, default_value_t = 1.0, value_name = "SECS")]
     pub interval: f64,
-    /// List every hspipe ring with its creator pid and whether it is live or stale.
-    #[arg(long)]
+    /// List every hspipe ring with its creator pid and whether it is live or stale (only RING
+    /// if named).
+    #[arg(long, conflicts_with_all = ["gc", "watch", "interval", "run_dir"])]
     pub list: bool,
     /// Remove stale rings (creator dead), or only RING if named; never removes a live one, nor
     /// one whose creator cannot be judged from here (another pid namespace).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["json", "watch", "interval", "run_dir"])]
     pub gc: bool,
 }
 
