@@ -11,7 +11,7 @@ use proto::RunDir;
 use shm_ring::{list_segments, Phase, Ring, Snapshot, TakePolicy};
 
 use crate::analysis::Judge;
-use crate::report::{measure, measure_from, Report};
+use crate::report::{measure, measure_from, Presence, Report};
 use crate::screen;
 
 /// Show what an hspipe ring holds, where each worker's time goes, and which side is the
@@ -33,11 +33,12 @@ pub struct Args {
     /// A launcher's run directory: its ring is named in <run-dir>/ring.
     #[arg(long, conflicts_with = "ring")]
     pub run_dir: Option<PathBuf>,
-    /// Print one JSON document instead of a table.
+    /// Print one JSON document instead of a table (with --watch, one document per line).
     #[arg(long)]
     pub json: bool,
     /// Refresh every SECS seconds until interrupted: on a terminal a live screen that fits it
-    /// (trends, verdict, one row per worker; q quits), elsewhere one table after another.
+    /// (trends, verdict, one row per worker; q quits), elsewhere one table after another,
+    /// ending once the ring is removed (its run ended).
     #[arg(long, value_name = "SECS")]
     pub watch: Option<f64>,
     /// Seconds over which rates and the verdict are measured.
@@ -93,7 +94,11 @@ fn run_on_stdout(args: &Args) -> anyhow::Result<()> {
         Some(every) => screen::watch(&ring, every),
         None => {
             let (width, _) = ratatui::crossterm::terminal::size().unwrap_or((100, 24));
-            let report = measure(&ring, periods.interval);
+            let presence = Presence::of(&ring);
+            let mut report = measure(&ring, periods.interval);
+            if presence.removed() {
+                report.mark_removed();
+            }
             screen::print_once(&report, width, &mut std::io::stdout().lock())?;
             Ok(())
         }
@@ -144,26 +149,47 @@ fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
     Ok((ring, periods))
 }
 
-/// The plain output: a table (or JSON) per interval, one after another with `--watch`. What
-/// pipes and files get; on a terminal, `main` shows the screen instead.
+/// The plain output: a table (or JSON) per interval, one after another with `--watch` (JSON
+/// then one document per line), until the ring is removed. What pipes and files get; on a
+/// terminal, `main` shows the screen instead. A reader that stops reading (`| head`) ends it
+/// without an error.
 pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
+    match print(args, out) {
+        Err(e) if is_broken_pipe(&e) => Ok(()),
+        done => done,
+    }
+}
+
+/// The output's reader has gone: a pipe whose other end closed.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    (e.downcast_ref::<std::io::Error>()).is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+fn print(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     if args.list || args.gc {
         return list_or_gc(args, out);
     }
     let (ring, periods) = open(args)?;
+    let presence = Presence::of(&ring);
     let mut judge = Judge::new();
     let mut start = ring.snapshot();
     loop {
         let dur = periods.watch.unwrap_or(periods.interval).max(MIN_PERIOD);
-        let report = measure_from(&ring, start, dur, &mut judge);
+        let mut report = measure_from(&ring, start, dur, &mut judge);
         start = report.snapshot.clone();
-        if args.json {
+        let removed = presence.removed();
+        if removed {
+            report.mark_removed();
+        }
+        if args.json && args.watch.is_some() {
+            writeln!(out, "{}", serde_json::to_string(&report)?)?;
+        } else if args.json {
             writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
         } else {
             human(&report, out)?;
         }
         out.flush()?;
-        if args.watch.is_none() {
+        if args.watch.is_none() || removed {
             return Ok(());
         }
     }

@@ -2,6 +2,8 @@
 //! the verdict. The CLI prints it (a table or `--json`) and the screen draws it; both take it
 //! from here, so neither depends on the other.
 
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -56,5 +58,43 @@ impl Report {
             interval,
             verdict,
         }
+    }
+
+    /// Says the ring is gone from `/dev/shm` (see [`Presence`]): this is its last state. The
+    /// stale warning goes, as its advice (`--gc` removes it) no longer holds.
+    pub fn mark_removed(&mut self) {
+        let w = &mut self.verdict.warnings;
+        w.retain(|w| !w.starts_with("stale:"));
+        w.insert(
+            0,
+            format!(
+                "removed: {} is no longer in /dev/shm (its run has ended, or it was removed); this is its last state",
+                self.snapshot.name
+            ),
+        );
+    }
+}
+
+/// Whether a ring attached to is still in `/dev/shm`. A ring stays mapped after its name is
+/// removed (the launcher removes it when its run ends), so reading it alone would never tell:
+/// the name must still lead to the same file.
+pub struct Presence {
+    path: PathBuf,
+    inode: Option<u64>,
+}
+
+impl Presence {
+    /// The file `ring`'s name leads to now (just after attaching: the same one; none if it is
+    /// already gone).
+    pub fn of(ring: &Ring) -> Presence {
+        let path = PathBuf::from("/dev/shm").join(ring.name());
+        let inode = std::fs::metadata(&path).ok().map(|m| m.ino());
+        Presence { path, inode }
+    }
+
+    /// True once the name is gone or leads to another file.
+    pub fn removed(&self) -> bool {
+        let now = std::fs::metadata(&self.path).ok().map(|m| m.ino());
+        self.inode.is_none() || now != self.inode
     }
 }

@@ -35,7 +35,7 @@ use shm_ring::{Phase, Ring, SlotCounts, TakePolicy, WorkerState};
 
 use crate::analysis::{self, Bottleneck, WorkerRates};
 use crate::numbers::pct;
-use crate::report::Report;
+use crate::report::{Presence, Report};
 
 /// How far back the trends reach, in one-second bins.
 pub const TREND_BINS: usize = 60;
@@ -792,6 +792,7 @@ pub fn watch(ring: &Ring, period: Duration) -> anyhow::Result<()> {
     }
     let mut terminal = ratatui::try_init().context("setting up the terminal")?;
     let _restore = Restore;
+    let presence = Presence::of(ring);
 
     let mut trends = Trends::default();
     let mut report: Option<Report> = None;
@@ -843,7 +844,12 @@ pub fn watch(ring: &Ring, period: Duration) -> anyhow::Result<()> {
         let due = if report.is_some() { period } else { first };
         if now.duration_since(start_at) >= due {
             let end = ring.snapshot();
-            report = Some(Report::judged(&mut judge, &start, end.clone(), &occupancy));
+            let mut rep = Report::judged(&mut judge, &start, end.clone(), &occupancy);
+            // Its last state stays on the screen, saying so, until the user leaves.
+            if presence.removed() {
+                rep.mark_removed();
+            }
+            report = Some(rep);
             (start, start_at) = (end, now);
             occupancy.clear();
             redraw = true;

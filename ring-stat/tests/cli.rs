@@ -61,3 +61,118 @@ fn flags_that_cannot_go_together_are_refused_naming_both() {
         parse(argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
     }
 }
+
+/// A sink that takes `lines` whole lines, then fails every write as a closed pipe does (the
+/// reader, `head` say, has gone); each line it took is sent on `tx`.
+struct Pipe {
+    got: Vec<u8>,
+    lines: usize,
+    tx: std::sync::mpsc::Sender<String>,
+}
+
+impl std::io::Write for Pipe {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.got.iter().filter(|&&b| b == b'\n').count() >= self.lines {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
+        }
+        let before = self.got.len();
+        self.got.extend_from_slice(buf);
+        let mut start = before
+            - self.got[..before]
+                .iter()
+                .rev()
+                .take_while(|&&b| b != b'\n')
+                .count();
+        for (i, &b) in self.got.iter().enumerate().skip(before) {
+            if b == b'\n' {
+                let _ = self
+                    .tx
+                    .send(String::from_utf8_lossy(&self.got[start..i]).into());
+                start = i + 1;
+            }
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `--watch --json` is read as a stream: one JSON document per line (JSON Lines), so a reader
+/// can take each as it comes. It printed pretty documents back to back, which no JSON parser
+/// reads as one and no line reader as many. And a reader that stops (`| head -1`) ends the
+/// watch quietly: it ended with `error: Broken pipe (os error 32)` and exit code 1.
+#[test]
+fn watched_json_is_one_document_per_line_and_a_closed_pipe_ends_it_quietly() {
+    let r = Ring::create(&unique("jsonl"), &fifo(1, 1, 4)).unwrap();
+    let args = Args {
+        ring: Some(r.name().to_string()),
+        json: true,
+        watch: Some(0.05),
+        ..Args::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let got = watchdog("--watch --json into a closed pipe", HANG, move || {
+        let mut pipe = Pipe {
+            got: Vec::new(),
+            lines: 3,
+            tx,
+        };
+        run(&args, &mut pipe).map_err(|e| format!("{e:#}"))
+    });
+    assert_eq!(
+        got,
+        Ok(()),
+        "a closed pipe is the reader's choice, not an error"
+    );
+    let lines: Vec<String> = rx.try_iter().collect();
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: not a document: {l:?}"));
+        assert_eq!(v["snapshot"]["name"], r.name(), "{l}");
+    }
+}
+
+/// A ring removed while watched (its run ended: the launcher removes its ring) ends the watch
+/// after one last report that says so. It went on for ever, reading the unlinked mapping, and
+/// its verdict told the user to remove with `--gc` a ring that was already gone.
+#[test]
+fn a_ring_removed_while_watched_ends_the_watch_saying_so() {
+    for json in [false, true] {
+        let ring = Ring::create(&unique("removed"), &fifo(1, 1, 4)).unwrap();
+        let args = Args {
+            ring: Some(ring.name().to_string()),
+            json,
+            watch: Some(0.05),
+            ..Args::default()
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let watching = std::thread::spawn(move || {
+            let mut pipe = Pipe {
+                got: Vec::new(),
+                lines: usize::MAX,
+                tx,
+            };
+            run(&args, &mut pipe).map_err(|e| format!("{e:#}"))
+        });
+        // The first line is out: the watch is going. The creator's handle removes the ring.
+        rx.recv_timeout(HANG).expect("no output from --watch");
+        drop(ring);
+        let ended = watchdog("--watch on a removed ring", HANG, move || watching.join());
+        assert_eq!(ended.unwrap(), Ok(()));
+        let out: Vec<String> = rx.try_iter().collect();
+        let text = out.join("\n");
+        assert!(
+            text.contains("is no longer in /dev/shm"),
+            "json {json}: no word of the removal:\n{text}"
+        );
+        assert!(!text.contains("--gc"), "json {json}:\n{text}");
+        if json {
+            for l in &out {
+                serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            }
+        }
+    }
+}
