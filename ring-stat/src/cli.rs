@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use proto::RunDir;
-use shm_ring::{list_segments, Phase, Ring, Snapshot, TakePolicy};
+use proto::{RunDir, RUN_DIR_RING_FILE};
+use shm_ring::{list_segments, Phase, Ring, RingError, Snapshot, TakePolicy};
 
 use crate::analysis::Judge;
 use crate::report::{measure, measure_from, Presence, Report};
@@ -128,15 +128,10 @@ fn period(flag: &str, secs: f64) -> anyhow::Result<Duration> {
 
 /// Checks the flags and attaches to the ring they name.
 fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
-    let name = match (&args.ring, &args.run_dir) {
+    let run = args.run_dir.as_deref().map(RunDir::new);
+    let name = match (&args.ring, &run) {
         (Some(r), _) => r.clone(),
-        (None, Some(d)) => {
-            let p = RunDir::new(d.as_path()).ring_file();
-            std::fs::read_to_string(&p)
-                .with_context(|| format!("reading the ring name from {}", p.display()))?
-                .trim()
-                .to_string()
-        }
+        (None, Some(run)) => ring_name(run)?,
         (None, None) => bail!("name a ring (see --list) or a --run-dir, or pass --list or --gc"),
     };
     let periods = Periods {
@@ -145,8 +140,50 @@ fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
             .transpose()?
             .map(|w| w.max(MIN_PERIOD)),
     };
-    let ring = Ring::open_read_only(&name).with_context(|| format!("attaching to {name}"))?;
+    let ring = match (Ring::open_read_only(&name), &run) {
+        (Err(RingError::NotFound { .. }), Some(run)) => {
+            let d = run.path().display();
+            let summary = run.summary();
+            if summary.exists() {
+                bail!(
+                    "the run in {d} has ended: its ring {name} is gone; {} and `launcher report {d}` tell how it went",
+                    summary.display()
+                )
+            }
+            bail!(
+                "the run in {d} is not running: its ring {name} is not in /dev/shm, and it has no summary.json (its launcher was killed, or is only starting); `launcher --resume {d}` continues a stopped run"
+            )
+        }
+        (got, _) => got.with_context(|| format!("attaching to {name}"))?,
+    };
     Ok((ring, periods))
+}
+
+/// The name of `run`'s ring, from the file its launcher writes; an error says what the
+/// directory is when it has none.
+fn ring_name(run: &RunDir) -> anyhow::Result<String> {
+    let (d, p) = (run.path(), run.ring_file());
+    if !d.is_dir() {
+        bail!(
+            "run directory {} does not exist (or is not a directory)",
+            d.display()
+        );
+    }
+    if !p.exists() {
+        bail!(
+            "{} is not a launcher run directory: it has no {} file naming the run's ring (a launcher writes it once its ring exists)",
+            d.display(),
+            RUN_DIR_RING_FILE
+        );
+    }
+    let name = std::fs::read_to_string(&p)
+        .with_context(|| format!("reading the ring name from {}", p.display()))?
+        .trim()
+        .to_string();
+    if name.is_empty() {
+        bail!("{} is empty: it names no ring", p.display());
+    }
+    Ok(name)
 }
 
 /// The plain output: a table (or JSON) per interval, one after another with `--watch` (JSON

@@ -176,3 +176,58 @@ fn a_ring_removed_while_watched_ends_the_watch_saying_so() {
         }
     }
 }
+
+/// The error for `--run-dir dir`.
+fn run_dir_error(dir: &std::path::Path) -> String {
+    let args = Args {
+        run_dir: Some(dir.to_path_buf()),
+        interval: 0.05,
+        ..Args::default()
+    };
+    format!("{:#}", run(&args, &mut Vec::new()).unwrap_err())
+}
+
+/// `--run-dir` on a run that is not running says what the directory is: missing, not a run,
+/// a run that has ended (the launcher removes its ring and writes summary.json), or one whose
+/// ring is gone without a summary. A finished run said only `ring "hspipe-..." not found in
+/// /dev/shm`, and an empty ring file `attaching to : invalid ring name ""`.
+#[test]
+fn a_run_dir_without_a_live_ring_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    let err = run_dir_error(&missing);
+    assert!(
+        err.contains(&missing.display().to_string()) && err.contains("does not exist"),
+        "{err}"
+    );
+
+    let not_a_run = tmp.path().join("not-a-run");
+    std::fs::create_dir(&not_a_run).unwrap();
+    let err = run_dir_error(&not_a_run);
+    assert!(err.contains("not a launcher run directory"), "{err}");
+
+    let empty = tmp.path().join("empty-ring-file");
+    std::fs::create_dir(&empty).unwrap();
+    std::fs::write(empty.join("ring"), "\n").unwrap();
+    let err = run_dir_error(&empty);
+    assert!(err.contains("ring") && err.contains("is empty"), "{err}");
+    assert!(!err.contains("attaching to :"), "{err}");
+
+    let gone = unique("gone");
+    let ended = tmp.path().join("ended");
+    std::fs::create_dir(&ended).unwrap();
+    std::fs::write(ended.join("ring"), format!("{gone}\n")).unwrap();
+    let err = run_dir_error(&ended);
+    assert!(
+        err.contains(&gone) && err.contains("not running"),
+        "no summary: {err}"
+    );
+    std::fs::write(ended.join("summary.json"), "{}").unwrap();
+    let err = run_dir_error(&ended);
+    assert!(
+        err.contains("has ended")
+            && err.contains("summary.json")
+            && err.contains("launcher report"),
+        "{err}"
+    );
+}
