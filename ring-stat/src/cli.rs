@@ -48,8 +48,9 @@ pub struct Args {
     /// if named).
     #[arg(long, conflicts_with_all = ["gc", "watch", "interval", "run_dir"])]
     pub list: bool,
-    /// Remove stale rings (creator dead), or only RING if named; never removes a live one, nor
-    /// one whose creator cannot be judged from here (another pid namespace).
+    /// Remove stale rings (creator dead) with their drafter groups (RING-group), or only RING if
+    /// named; never removes a live one, nor one whose creator cannot be judged from here
+    /// (another pid namespace).
     #[arg(long, conflicts_with_all = ["json", "watch", "interval", "run_dir"])]
     pub gc: bool,
 }
@@ -236,11 +237,15 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     let mut segs = list_segments().context("reading /dev/shm")?;
     if let Some(only) = &args.ring {
         segs.retain(|s| &s.name == only);
+        if segs.is_empty() {
+            bail!("{only} is not in /dev/shm (see --list)");
+        }
     }
-    if args.json && !args.gc {
+    if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&segs)?)?;
         return Ok(());
     }
+    let in_shm = |name: &str| std::path::Path::new("/dev/shm").join(name).exists();
     for s in &segs {
         let status = match s.live {
             Some(true) => "live",
@@ -252,9 +257,31 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
             if s.is_stale() {
                 Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
                 writeln!(out, "removed {} (creator pid {pid} is gone)", s.name)?;
+                // The run's drafter group goes with its ring: nothing else would remove it.
+                let group = proto::group_segment(&s.name);
+                if in_shm(&group) {
+                    Ring::unlink_name(&group).with_context(|| format!("removing {group}"))?;
+                    writeln!(out, "removed {group} (the drafter group of {})", s.name)?;
+                }
+            } else if args.ring.is_some() {
+                let why = match (&s.problem, group_of(&s.name)) {
+                    (_, Some(ring)) if in_shm(ring) => {
+                        format!("it is the drafter group of {ring}, removed with it")
+                    }
+                    (_, Some(ring)) => format!(
+                        "it is the drafter group of {ring}, which is gone: whether a drafter of that run still uses it cannot be judged from here"
+                    ),
+                    (Some(p), None) => p.clone(),
+                    (None, None) => format!("its creator pid {pid} is live"),
+                };
+                writeln!(out, "not removed: {}: {why}", s.name)?;
             }
         } else {
-            let why = s.problem.as_deref().unwrap_or("");
+            let why = match group_of(&s.name) {
+                Some(ring) if in_shm(ring) => format!("the drafter group of {ring}"),
+                Some(ring) => format!("the drafter group of {ring}, which is gone"),
+                None => s.problem.clone().unwrap_or_default(),
+            };
             writeln!(
                 out,
                 "{:<36} {:>12} bytes  creator pid {pid:>8}  {status} {why}",
@@ -266,6 +293,11 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         writeln!(out, "no hspipe rings in /dev/shm")?;
     }
     Ok(())
+}
+
+/// The ring whose drafter group segment `name` is (`proto::group_segment`), if it is one.
+fn group_of(name: &str) -> Option<&str> {
+    name.strip_suffix(proto::group_segment("").as_str())
 }
 
 fn bar(s: &Snapshot, width: usize) -> String {

@@ -228,3 +228,69 @@ fn a_dead_creators_ring_is_stale_and_gc_removes_only_it() {
     assert!(!std::path::Path::new("/dev/shm").join(&stale).exists());
     assert!(std::path::Path::new("/dev/shm").join(&live).exists());
 }
+
+/// `--gc RING` of a killed launcher's ring removes its drafter group segment too: it left
+/// `RING-group` (20 MiB, more with a real model's state) in /dev/shm for good, and `--list`
+/// called it "not an hspipe ring". Named, a ring it does not remove (live, or not there) is
+/// said, not passed over in silence.
+#[test]
+fn gc_of_a_stale_ring_removes_its_drafter_group_and_says_what_it_leaves() {
+    let _alone = crate::support::stale_segments_exclusive();
+    let stale = unique("stale-group");
+    ring_peer(&["create", &stale, "1", "1", "2", "4096"]).finish();
+    let group = proto::group_segment(&stale);
+    let shm = |n: &str| std::path::Path::new("/dev/shm").join(n);
+    /// Removes what the test made, even when it fails.
+    struct Unlink(Vec<std::path::PathBuf>);
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    let _unlink = Unlink(vec![shm(&stale), shm(&group)]);
+    std::fs::write(shm(&group), [0u8; 4096]).unwrap();
+    std::fs::set_permissions(
+        shm(&group),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let live = Ring::create(&unique("live-gc"), &params(1, 1, 2, 4096)).unwrap();
+    let stat = |gc: bool, list: bool, ring: &str| {
+        let args = ring_stat::cli::Args {
+            gc,
+            list,
+            ring: Some(ring.to_string()),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        let got = ring_stat::cli::run(&args, &mut out).map_err(|e| format!("{e:#}"));
+        (got, String::from_utf8(out).unwrap())
+    };
+
+    let (_, out) = stat(false, true, &group);
+    assert!(
+        out.contains(&format!("the drafter group of {stale}")),
+        "{out}"
+    );
+    let (got, out) = stat(true, false, live.name());
+    assert_eq!(got, Ok(()));
+    assert!(
+        out.contains("not removed") && out.contains("is live"),
+        "{out}"
+    );
+    assert!(shm(live.name()).exists());
+
+    let (got, out) = stat(true, false, &stale);
+    assert_eq!(got, Ok(()));
+    assert!(out.contains(&format!("removed {group}")), "{out}");
+    assert!(!shm(&stale).exists() && !shm(&group).exists(), "{out}");
+
+    let (got, _) = stat(true, false, &stale);
+    let err = got.unwrap_err();
+    assert!(
+        err.contains(&stale) && err.contains("not in /dev/shm"),
+        "{err}"
+    );
+}
