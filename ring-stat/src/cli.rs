@@ -118,10 +118,16 @@ const MIN_PERIOD: Duration = Duration::from_millis(50);
 /// A flag's seconds as a period: a positive number that a `Duration` holds (1e20 does not),
 /// else an error naming the flag.
 fn period(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    // Huge values as 1e300, not in 301 digits.
+    let got = if secs.abs() >= 1e9 {
+        format!("{secs:e}")
+    } else {
+        secs.to_string()
+    };
     match Duration::try_from_secs_f64(secs) {
         Ok(d) if secs > 0.0 => Ok(d),
         _ => bail!(
-            "{flag} must be a positive number of seconds, at most {:.1e}, got {secs}",
+            "{flag} must be a positive number of seconds, at most {:.1e}, got {got}",
             u64::MAX as f64
         ),
     }
