@@ -917,3 +917,28 @@ fn drafter_mut(s: &mut Snapshot, i: u32) -> &mut shm_ring::WorkerSnapshot {
     let name = WorkerName::consumer(i);
     s.workers.iter_mut().find(|w| w.name() == name).unwrap()
 }
+
+/// A ring whose launcher is gone (its workers died with it) is stale whatever its figures say:
+/// here drafters that waited a whole second for a first batch, which read "starting" before.
+#[test]
+fn a_ring_whose_launcher_is_gone_is_stale_not_starting() {
+    let r = ring("stale", 1, 1, 4);
+    let (_p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    let a = r.snapshot();
+    c.add_phase(Phase::WaitEmpty, SEC);
+    let (live, _) = judge(&r, &a, &[]);
+    assert_ne!(live.bottleneck, Bottleneck::Idle, "{}", live.line);
+    let mut b = r.snapshot();
+    b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+    b.creator_alive = false;
+    let v = verdict(&b, &interval(&a, &b, &[]));
+    assert_eq!(v.bottleneck, Bottleneck::Idle);
+    assert!(
+        v.line.starts_with(&format!(
+            "stale: the launcher (pid {}) is gone",
+            std::process::id()
+        )),
+        "{}",
+        v.line
+    );
+}

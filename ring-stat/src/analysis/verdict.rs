@@ -62,8 +62,9 @@ impl Call {
 type Rule = fn(&Window) -> Option<Call>;
 
 /// The state rules, first match wins; [`sides`] decides when none holds.
-const RULES: [Rule; 8] = [
+const RULES: [Rule; 9] = [
     finished,
+    stale,
     stalled,
     no_drafter,
     targets_done,
@@ -109,6 +110,23 @@ fn finished(w: &Window) -> Option<Call> {
         )
     };
     Some(Call::new(Bottleneck::Idle, line))
+}
+
+/// The ring's launcher is gone, and its workers with it (they die with it): nothing will move
+/// again, whatever the figures were. Before, a killed launcher's ring read "starting" or
+/// "stalled" as if the run went on.
+fn stale(w: &Window) -> Option<Call> {
+    let b = w.b;
+    if b.creator_alive {
+        return None;
+    }
+    Some(Call::new(
+        Bottleneck::Idle,
+        format!(
+            "stale: the launcher (pid {}) is gone and its workers with it; nothing will move: `shm-ring-stat --gc` removes this ring, `launcher --resume RUN_DIR` goes on with the run",
+            b.creator.pid
+        ),
+    ))
 }
 
 /// A live worker is silent far past its usual step: hung, and named, whatever else holds.
