@@ -105,7 +105,6 @@ struct Raw {
     head_dim: Option<usize>,
     rms_norm_eps: Option<f64>,
     max_position_embeddings: Option<usize>,
-    original_max_position_embeddings: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
@@ -146,7 +145,6 @@ impl Raw {
             head_dim: field(m, "head_dim")?,
             rms_norm_eps: field(m, "rms_norm_eps")?,
             max_position_embeddings: field(m, "max_position_embeddings")?,
-            original_max_position_embeddings: field(m, "original_max_position_embeddings")?,
             rope_theta: field(m, "rope_theta")?,
             rope_scaling: field(m, "rope_scaling")?,
             rope_parameters: field(m, "rope_parameters")?,
@@ -333,7 +331,12 @@ fn rope(
     max_position_embeddings: usize,
 ) -> std::result::Result<(f64, RopeScaling), String> {
     let read = |params, where_| rope_from(raw, family, max_position_embeddings, params, where_);
-    match (&raw.rope_parameters, &raw.rope_scaling) {
+    // An empty object is no parameters, as transformers takes it (falsy in Python).
+    let given = |v: &Option<Value>| -> Option<Value> {
+        v.clone()
+            .filter(|v| v.as_object().is_none_or(|o| !o.is_empty()))
+    };
+    match (&given(&raw.rope_parameters), &given(&raw.rope_scaling)) {
         (Some(p), Some(s)) => {
             let (a, b) = (
                 read(Some(p), "rope_parameters")?,
@@ -403,13 +406,11 @@ fn rope_from(
             let get = |k: &str| -> std::result::Result<f64, String> {
                 num(o, k)?.ok_or_else(|| format!("{where_} has rope_type \"llama3\" but no {k}"))
             };
-            // transformers' `standardize_rope_params`: a top-level
-            // original_max_position_embeddings wins, then the scaling's, then the model's length.
-            let original = match raw.original_max_position_embeddings {
-                Some(n) => n,
-                None => num(o, "original_max_position_embeddings")?
-                    .unwrap_or(max_position_embeddings as f64),
-            };
+            // transformers' `standardize_rope_params`: the scaling's own, else the model's
+            // length. A top-level original_max_position_embeddings is not read for these
+            // models (only config classes that declare it, such as Phi3's, take it).
+            let original = num(o, "original_max_position_embeddings")?
+                .unwrap_or(max_position_embeddings as f64);
             let s = Llama3Scaling {
                 factor: get("factor")?,
                 low_freq_factor: get("low_freq_factor")?,
@@ -577,6 +578,13 @@ mod tests {
         ))
         .unwrap();
         assert!(matches!(both.rope_scaling, RopeScaling::Llama3(s) if s.factor == 8.0));
+        // An empty rope_scaling is none, as transformers takes it: rope_parameters holds.
+        let empty = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{}},
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(empty.rope_theta, 500000.0);
     }
 
     #[test]
@@ -591,14 +599,15 @@ mod tests {
         .unwrap();
         assert!(matches!(c.rope_scaling,
             RopeScaling::Llama3(s) if s.original_max_position_embeddings == 4096.0));
-        // And a top-level original_max_position_embeddings wins over the scaling's.
+        // A top-level original_max_position_embeddings is ignored, as transformers ignores it
+        // for llama, qwen2 and qwen3 (checked with LlamaConfig.from_dict, transformers 5.23).
         let c = parse(&format!(
             r#"{{"model_type": "llama", {BASE}, "original_max_position_embeddings": 2048,
             "rope_scaling": {{{LLAMA3}}}}}"#
         ))
         .unwrap();
         assert!(matches!(c.rope_scaling,
-            RopeScaling::Llama3(s) if s.original_max_position_embeddings == 2048.0));
+            RopeScaling::Llama3(s) if s.original_max_position_embeddings == 8192.0));
     }
 
     #[test]
