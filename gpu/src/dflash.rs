@@ -255,15 +255,12 @@ fn parts_timed(
 const SHAPE_KEY: &str = "dflash_config";
 
 /// How the drafter whose `config.json` is `saved` (a checkpoint's at `path`) differs from
-/// `cfg` in what its weights mean (every field but the block size, which the weights do not
-/// depend on), if it does.
+/// `cfg` in what its weights mean ([`DflashConfig::layout_differences`]), if it does.
 fn other_shape(cfg: &DflashConfig, saved: &str, path: &Path) -> Option<String> {
     match DflashConfig::from_json(saved, path) {
         Err(e) => Some(format!("its recorded shape does not read: {e}")),
         Ok(theirs) => {
-            let differ: Vec<String> = (cfg.differences(&theirs).into_iter())
-                .filter(|d| !d.starts_with("block_size "))
-                .collect();
+            let differ = cfg.layout_differences(&theirs);
             (!differ.is_empty()).then(|| differ.join(", "))
         }
     }

@@ -329,13 +329,18 @@ impl DflashConfig {
                 self.head_dim
             ));
         }
-        for (name, x) in [
-            ("rms_norm_eps", self.rms_norm_eps),
-            ("rope_theta", self.rope_theta),
-        ] {
-            if !(x.is_finite() && x > 0.0) {
-                return Err(format!("{name} = {x}: it must be a positive number"));
-            }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(format!(
+                "rms_norm_eps = {}: it must be a positive number",
+                self.rms_norm_eps
+            ));
+        }
+        // As the target's loader asks (`config.rs`).
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return Err(format!(
+                "rope_theta = {}: it must be a number above 1",
+                self.rope_theta
+            ));
         }
         if self.mask_token_id as usize >= self.vocab {
             return Err(format!(
@@ -355,17 +360,36 @@ impl DflashConfig {
         Ok(())
     }
 
-    /// The fields of the export's `config.json` in which `other` differs from this drafter,
-    /// each as `field theirs (this one's: mine)`.
-    pub fn differences(&self, other: &DflashConfig) -> Vec<String> {
-        let (mine, theirs) = (self.to_json("float32"), other.to_json("float32"));
-        let (Some(mine), Some(theirs)) = (mine.as_object(), theirs.as_object()) else {
-            return Vec::new();
-        };
-        (mine.iter())
-            .filter(|(k, v)| theirs.get(*k) != Some(*v))
-            .map(|(k, v)| format!("{k} {} (this one's: {v})", theirs[k]))
-            .collect()
+    /// Where `other`'s weights would be laid out or read otherwise than this drafter's: the
+    /// fields that set their shapes and the captured layers the context projection reads, each
+    /// as `field theirs (this one's: mine)`. The block size, the mask token, the norm's eps,
+    /// the rope base and the positions change no weight's meaning, so they may differ.
+    pub fn layout_differences(&self, other: &DflashConfig) -> Vec<String> {
+        let sizes = [
+            ("hidden_size", self.hidden, other.hidden),
+            ("num_hidden_layers", self.layers, other.layers),
+            ("num_attention_heads", self.heads, other.heads),
+            ("num_key_value_heads", self.kv_heads, other.kv_heads),
+            ("head_dim", self.head_dim, other.head_dim),
+            ("intermediate_size", self.intermediate, other.intermediate),
+            ("vocab_size", self.vocab, other.vocab),
+            (
+                "num_target_layers",
+                self.num_target_layers,
+                other.num_target_layers,
+            ),
+        ];
+        let mut out: Vec<String> = (sizes.iter())
+            .filter(|(_, mine, theirs)| mine != theirs)
+            .map(|(k, mine, theirs)| format!("{k} {theirs} (this one's: {mine})"))
+            .collect();
+        if self.target_layer_ids != other.target_layer_ids {
+            out.push(format!(
+                "target_layer_ids {:?} (this one's: {:?})",
+                other.target_layer_ids, self.target_layer_ids
+            ));
+        }
+        out
     }
 
     /// Why this drafter cannot draft for `target`, if it cannot: it was made for a target of
@@ -1327,8 +1351,13 @@ impl Dflash {
             })?;
         // A tensor the config has no place for is a config that does not describe these
         // weights (`num_hidden_layers` lowered by hand dropped the last layers without a word).
+        // The target's embeddings and LM head, which an export of another trainer may carry, are
+        // not the drafter's: the target's own are used, as ours exports none.
+        let target_own = |k: &str| k.ends_with("embed_tokens.weight") || k == "lm_head.weight";
         let names = d.params.names();
-        let mut extra: Vec<&String> = w.keys().filter(|k| !names.contains(k)).collect();
+        let mut extra: Vec<&String> = (w.keys())
+            .filter(|k| !names.contains(k) && !target_own(k))
+            .collect();
         if !extra.is_empty() {
             extra.sort();
             return Err(ModelError::Weights {

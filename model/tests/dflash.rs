@@ -306,8 +306,17 @@ fn an_export_edited_by_hand_or_damaged_is_refused_naming_what_is_wrong() {
         assert!(e.contains(want), "{want:?} not in {e:?}");
     }
     load().unwrap();
-    // Damaged or missing weights name their file.
+    // Another trainer's export may carry the target's embeddings and LM head: not the
+    // drafter's tensors, and not a wrong config; the target's own are used.
     let bytes = std::fs::read(&st).unwrap();
+    let mut w = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    let head =
+        candle_core::Tensor::zeros((300, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+    w.insert("lm_head.weight".into(), head.clone());
+    w.insert("embed_tokens.weight".into(), head);
+    candle_core::safetensors::save(&w, &st).unwrap();
+    load().unwrap();
+    // Damaged or missing weights name their file.
     std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
     let e = load().unwrap_err().to_string();
     assert!(e.contains("model.safetensors"), "{e}");
