@@ -254,9 +254,10 @@ fn check(s: &MakeSpec) -> Result<()> {
     if !(s.init_std.is_finite() && s.init_std > 0.0) {
         return bad(format!("init std {} must be a positive number", s.init_std));
     }
-    if !(s.rope_theta.is_finite() && s.rope_theta > 0.0) {
+    // As the loader asks (`config.rs`): a base of 1 or less makes no rotation frequencies.
+    if !(s.rope_theta.is_finite() && s.rope_theta > 1.0) {
         return bad(format!(
-            "rope theta {} must be a positive number",
+            "rope theta {} must be a number above 1",
             s.rope_theta
         ));
     }
@@ -745,6 +746,14 @@ mod tests {
                     ..MakeSpec::default()
                 },
                 "rope theta 0",
+            ),
+            // Positive, but no base the loader takes: the model would not load.
+            (
+                MakeSpec {
+                    rope_theta: 0.5,
+                    ..MakeSpec::default()
+                },
+                "rope theta 0.5 must be a number above 1",
             ),
             (
                 MakeSpec {

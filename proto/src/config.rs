@@ -147,7 +147,7 @@ pub const MAX_EPOCHS: u32 = 1000;
 /// The most synthetic samples (2^26, the ring's most planned batches): every process holds
 /// each sample's length, so a typo of a few more digits would take gigabytes in each (or
 /// abort on the allocation) before a batch is trained.
-pub const MAX_SYNTHETIC_SAMPLES: u64 = 1 << 26;
+pub const MAX_SYNTHETIC_SAMPLES: u64 = shm_ring::MAX_WORK_ITEMS;
 
 /// The most tokens in one batch (2^20): the ring's slot holds a batch's hidden states, so even
 /// the mock's small shape needs a slot of 640 MiB at this budget; past it the sizing of the

@@ -61,8 +61,15 @@ impl Report {
     }
 
     /// Says the ring is gone from `/dev/shm` (see [`Presence`]): this is its last state. The
-    /// stale warning goes, as its advice (`--gc` removes it) no longer holds.
+    /// stale warning goes, and a stale verdict keeps only its first clause, as their advice
+    /// (`--gc` removes it) no longer holds.
     pub fn mark_removed(&mut self) {
+        let line = &mut self.verdict.line;
+        if line.starts_with("stale:") {
+            if let Some(end) = line.find("; nothing will move") {
+                line.truncate(end);
+            }
+        }
         let w = &mut self.verdict.warnings;
         w.retain(|w| !w.starts_with("stale:"));
         w.insert(

@@ -933,12 +933,12 @@ fn a_ring_whose_launcher_is_gone_is_stale_not_starting() {
     b.creator_alive = false;
     let v = verdict(&b, &interval(&a, &b, &[]));
     assert_eq!(v.bottleneck, Bottleneck::Idle);
-    assert!(
-        v.line.starts_with(&format!(
-            "stale: the launcher (pid {}) is gone",
-            std::process::id()
-        )),
-        "{}",
-        v.line
-    );
+    let said = format!("stale: the launcher (pid {}) is gone", std::process::id());
+    assert!(v.line.starts_with(&said), "{}", v.line);
+    assert!(v.line.contains("--gc"), "{}", v.line);
+    // Once the ring is removed, its advice (`--gc` removes it) goes with it.
+    let mut report = ring_stat::report::Report::between(&a, b, &[]);
+    report.mark_removed();
+    let line = &report.verdict.line;
+    assert!(line.starts_with(&said) && !line.contains("--gc"), "{line}");
 }

@@ -64,6 +64,7 @@ pub use crate::error::RingError;
 pub use crate::layout::PHASES;
 pub use crate::params::{
     BucketPick, ConfigError, RingParams, TakePolicy, MAX_BUCKETS, MAX_SLOTS, MAX_WORKERS,
+    MAX_WORK_ITEMS,
 };
 /// The ring's clock (CLOCK_MONOTONIC, ns): heartbeats, phases, gaps and [`DeviceSpan`]s.
 pub use shmem::monotonic_ns;
