@@ -3,22 +3,15 @@ drafter): each case that gets a clear answer (a result or an exception of ours, 
 appends its name to <run-dir>/misuse-cases.txt; then the worker goes on as the numpy example
 does, so the run completes.
 """
-import os
-import sys
 import threading
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import hspipe  # noqa: E402
-import numpy_drafter  # noqa: E402
-import numpy_target  # noqa: E402
+import hspipe
+from cases import raises, recorder, run
 
-
-def case(w, name):
-    with open(os.path.join(w.run_dir, "misuse-cases.txt"), "a") as f:
-        f.write(name + "\n")
+case = recorder("misuse-cases.txt")
 
 
 def later(seconds, fn):
@@ -57,16 +50,6 @@ def target_cases(w):
     case(w, "a timeout past any clock waits")
 
 
-def raises(exc, fn, *words):
-    try:
-        fn()
-    except exc as e:
-        for word in words:
-            assert word in str(e), f"{word!r} not in {e}"
-        return
-    raise AssertionError(f"{fn} did not raise {exc}")
-
-
 def drafter_cases(w):
     beat_from_a_thread(w)
     # A state the leader cannot hand over is refused at once, not only when a rank joins (the
@@ -83,16 +66,6 @@ def drafter_cases(w):
     case(w, "a timeout past any clock waits")
 
 
-def main():
-    with hspipe.connect() as w:
-        if w.role == "target":
-            target_cases(w)
-            numpy_target.run(w)
-        else:
-            drafter_cases(w)
-            numpy_drafter.run(w)
-        sys.exit(w.close())
-
 
 if __name__ == "__main__":
-    main()
+    run(target_cases, drafter_cases)

@@ -4,32 +4,15 @@ worker goes on as the numpy example does, so the run completes.
 """
 import ctypes
 import hashlib
-import os
-import sys
 import threading
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import hspipe  # noqa: E402
-import numpy_drafter  # noqa: E402
-import numpy_target  # noqa: E402
+import hspipe
+from cases import numpy_target, raises, recorder, run
 
-
-def case(w, name):
-    with open(os.path.join(w.run_dir, "view-cases.txt"), "a") as f:
-        f.write(name + "\n")
-
-
-def raises(exc, fn, *words):
-    try:
-        fn()
-    except exc as e:
-        for word in words:
-            assert word in str(e), f"{word!r} not in {e}"
-        return
-    raise AssertionError(f"{fn} did not raise {exc}")
+case = recorder("view-cases.txt")
 
 
 class DLTensor(ctypes.Structure):
@@ -146,16 +129,6 @@ def drafter_cases(w):
     assert w.deferred == 0, w.deferred
 
 
-def main():
-    with hspipe.connect() as w:
-        if w.role == "target":
-            target_cases(w)
-            numpy_target.run(w)
-        else:
-            drafter_cases(w)
-            numpy_drafter.run(w)
-        sys.exit(w.close())
-
 
 if __name__ == "__main__":
-    main()
+    run(target_cases, drafter_cases)
