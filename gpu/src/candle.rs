@@ -251,6 +251,9 @@ impl Maker for Candle {
             )));
         }
         let ids = layer_ids(cfg, &arch)?;
+        // A tensor missing, of another shape or quantized is found here from the files'
+        // headers, not by each target worker as it loads (restarted to its limit, the run lost).
+        Decoder::check_weights(dir, &arch)?;
         cfg.model.hidden = arch.hidden_size as u32;
         cfg.model.layers = ids.len() as u32;
         cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());

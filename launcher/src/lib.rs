@@ -116,7 +116,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         .map_or(0, |g| g + 1);
     let backend = choose_backend(args.backend, cfg.model.path.is_some(), need)?;
     // The model fixes the hidden size and captured layers the ring is sized for.
-    gpu::settle(backend.0, &mut cfg).context("loading the model's config")?;
+    gpu::settle(backend.0, &mut cfg).context("checking the model (its config.json and weights)")?;
     cfg.drafter.collective = choose_collective(
         cfg.drafter.collective,
         backend.0,

@@ -288,7 +288,8 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     if a.data.is_none() {
         cfg.data.synthetic_samples = a.synthetic.unwrap_or(16);
     }
-    gpu::settle(BackendKind::Candle, &mut cfg).context("loading the model's config")?;
+    gpu::settle(BackendKind::Candle, &mut cfg)
+        .context("checking the model (its config.json and weights)")?;
     cfg.validate().context("checking the config")?;
     if a.out.exists() && std::fs::read_dir(&a.out)?.next().is_some() {
         bail!(

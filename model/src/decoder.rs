@@ -110,16 +110,101 @@ struct Layer {
     down: Proj,
 }
 
+/// A linear layer's weight and bias (when the config has one), as `T`.
+type Linear<T> = (T, Option<T>);
+
+/// One decoder layer's tensors in the checkpoint, as `T`: loaded tensors for the forward, or
+/// `()` when only the files' headers are checked ([`Decoder::check_weights`]). [`layer_parts`]
+/// is the one list of their names and shapes that both read.
+struct LayerParts<T> {
+    ln1: T,
+    ln2: T,
+    q: Linear<T>,
+    k: Linear<T>,
+    v: Linear<T>,
+    o: Linear<T>,
+    q_norm: Option<T>,
+    k_norm: Option<T>,
+    gate: Linear<T>,
+    up: Linear<T>,
+    down: Linear<T>,
+}
+
+/// A getter of tensor `name` of shape `shape` ([`Weights::get`] or [`Weights::check`]).
+type Get<'a, T> = &'a dyn Fn(&str, &[usize]) -> Result<T>;
+
+/// Layer `l`'s tensors under `cfg`, each got by name and shape.
+fn layer_parts<T>(cfg: &ArchConfig, l: usize, get: Get<'_, T>) -> Result<LayerParts<T>> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let p = format!("model.layers.{l}");
+    let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<T>> {
+        let weight = get(&format!("{p}.{name}.weight"), &[out, inp])?;
+        let bias = if bias {
+            Some(get(&format!("{p}.{name}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok((weight, bias))
+    };
+    let norm = |n: &str, d: usize| get(&format!("{p}.{n}.weight"), &[d]);
+    let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+    Ok(LayerParts {
+        ln1: norm("input_layernorm", h)?,
+        ln2: norm("post_attention_layernorm", h)?,
+        q: linear("self_attn.q_proj", q_dim, h, cfg.qkv_bias)?,
+        k: linear("self_attn.k_proj", kv_dim, h, cfg.qkv_bias)?,
+        v: linear("self_attn.v_proj", kv_dim, h, cfg.qkv_bias)?,
+        o: linear("self_attn.o_proj", h, q_dim, cfg.o_bias)?,
+        q_norm: cfg
+            .qk_norm
+            .then(|| norm("self_attn.q_norm", cfg.head_dim))
+            .transpose()?,
+        k_norm: cfg
+            .qk_norm
+            .then(|| norm("self_attn.k_norm", cfg.head_dim))
+            .transpose()?,
+        gate: linear("mlp.gate_proj", i, h, cfg.mlp_bias)?,
+        up: linear("mlp.up_proj", i, h, cfg.mlp_bias)?,
+        down: linear("mlp.down_proj", h, i, cfg.mlp_bias)?,
+    })
+}
+
+impl Layer {
+    /// The layer's projections fused and laid out for the forward.
+    fn new(t: LayerParts<Tensor>) -> Result<Layer> {
+        Ok(Layer {
+            ln1: t.ln1,
+            ln2: t.ln2,
+            qkv: Proj::new(vec![t.q, t.k, t.v])?,
+            o: Proj::new(vec![t.o])?,
+            q_norm: t.q_norm,
+            k_norm: t.k_norm,
+            gate_up: Proj::new(vec![t.gate, t.up])?,
+            down: Proj::new(vec![t.down])?,
+        })
+    }
+}
+
+/// The final norm's weight, `[hidden]`.
+fn final_norm<T>(cfg: &ArchConfig, get: Get<'_, T>) -> Result<T> {
+    get("model.norm.weight", &[cfg.hidden_size])
+}
+
 /// The token embedding and the LM head, each `[vocab, hidden]` (the head is the embedding
 /// itself when tied: the checkpoint then has no `lm_head.weight`). A drafter reads these two
 /// alone from its target.
 pub fn embed_and_head(cfg: &ArchConfig, w: &Weights) -> Result<(Tensor, Tensor)> {
+    embed_and_head_with(cfg, &|name, shape| w.get(name, shape))
+}
+
+/// [`embed_and_head`] through any getter.
+fn embed_and_head_with<T: Clone>(cfg: &ArchConfig, get: Get<'_, T>) -> Result<(T, T)> {
     let shape = [cfg.vocab_size, cfg.hidden_size];
-    let embed = w.get("model.embed_tokens.weight", &shape)?;
+    let embed = get("model.embed_tokens.weight", &shape)?;
     let lm_head = if cfg.tie_word_embeddings {
         embed.clone()
     } else {
-        w.get("lm_head.weight", &shape).map_err(|e| match e {
+        get("lm_head.weight", &shape).map_err(|e| match e {
             // A checkpoint saved tied whose config does not say so (HF's default is untied).
             ModelError::Missing { dir, tensor, .. } => ModelError::Missing {
                 dir,
@@ -163,74 +248,27 @@ impl Decoder {
         Decoder::from_weights(cfg, &w)
     }
 
+    /// Checks that the weights in `dir` are what `cfg` reads (every tensor there, of its
+    /// shape, in a dtype that is read) from the files' headers alone: nothing is loaded, so a
+    /// launcher finds a broken checkpoint before any worker starts, in moments at any size.
+    pub fn check_weights(dir: &Path, cfg: &ArchConfig) -> Result<()> {
+        let w = Weights::open(dir, &Device::Cpu, DType::F32)?;
+        let get = |name: &str, shape: &[usize]| w.check(name, shape);
+        embed_and_head_with(cfg, &get)?;
+        for l in 0..cfg.num_hidden_layers {
+            layer_parts(cfg, l, &get)?;
+        }
+        final_norm(cfg, &get)
+    }
+
     /// Builds the decoder from `w`, every tensor checked against `cfg`'s shapes.
     pub fn from_weights(cfg: ArchConfig, w: &Weights) -> Result<Decoder> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let linear =
-            |name: &str, out: usize, inp: usize, bias: bool| -> Result<(Tensor, Option<Tensor>)> {
-                let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
-                let bias = if bias {
-                    Some(w.get(&format!("{name}.bias"), &[out])?)
-                } else {
-                    None
-                };
-                Ok((weight, bias))
-            };
-        let (embed, lm_head) = embed_and_head(&cfg, w)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            let norm = |n: &str, d: usize| w.get(&format!("{p}.{n}.weight"), &[d]);
-            layers.push(Layer {
-                ln1: norm("input_layernorm", h)?,
-                ln2: norm("post_attention_layernorm", h)?,
-                qkv: Proj::new(vec![
-                    linear(
-                        &format!("{p}.self_attn.q_proj"),
-                        cfg.q_dim(),
-                        h,
-                        cfg.qkv_bias,
-                    )?,
-                    linear(
-                        &format!("{p}.self_attn.k_proj"),
-                        cfg.kv_dim(),
-                        h,
-                        cfg.qkv_bias,
-                    )?,
-                    linear(
-                        &format!("{p}.self_attn.v_proj"),
-                        cfg.kv_dim(),
-                        h,
-                        cfg.qkv_bias,
-                    )?,
-                ])?,
-                o: Proj::new(vec![linear(
-                    &format!("{p}.self_attn.o_proj"),
-                    h,
-                    cfg.q_dim(),
-                    cfg.o_bias,
-                )?])?,
-                q_norm: cfg
-                    .qk_norm
-                    .then(|| norm("self_attn.q_norm", cfg.head_dim))
-                    .transpose()?,
-                k_norm: cfg
-                    .qk_norm
-                    .then(|| norm("self_attn.k_norm", cfg.head_dim))
-                    .transpose()?,
-                gate_up: Proj::new(vec![
-                    linear(&format!("{p}.mlp.gate_proj"), i, h, cfg.mlp_bias)?,
-                    linear(&format!("{p}.mlp.up_proj"), i, h, cfg.mlp_bias)?,
-                ])?,
-                down: Proj::new(vec![linear(
-                    &format!("{p}.mlp.down_proj"),
-                    h,
-                    i,
-                    cfg.mlp_bias,
-                )?])?,
-            });
-        }
-        let norm = w.get("model.norm.weight", &[h])?;
+        let get = |name: &str, shape: &[usize]| w.get(name, shape);
+        let (embed, lm_head) = embed_and_head_with(&cfg, &get)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Layer::new(layer_parts(&cfg, l, &get)?))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = final_norm(&cfg, &get)?;
         Ok(Decoder {
             rope: Rope::new(&cfg),
             cfg,

@@ -159,6 +159,29 @@ impl Weights {
                 why: format!("making tensor {name} {shape:?}: {e}"),
             });
         }
+        let (file, st) = self.checked(name, shape)?;
+        let t = st
+            .load(name, &self.device)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .map_err(|e| ModelError::Weights {
+                file: file.clone(),
+                why: format!("tensor {name}: {e}"),
+            })?;
+        Ok(t)
+    }
+
+    /// What [`Weights::get`] checks before it loads tensor `name` (there, of shape `shape`, in
+    /// a dtype that is read), from the file's header alone: nothing is read or converted.
+    pub fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        if self.random {
+            return Ok(());
+        }
+        self.checked(name, shape).map(|_| ())
+    }
+
+    /// The file holding tensor `name`, once its header says the shape is `shape` and the
+    /// dtype one that is read.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<&(PathBuf, MmapedSafetensors)> {
         let Some(&i) = self.index.get(name) else {
             return Err(ModelError::Missing {
                 dir: self.dir.clone(),
@@ -166,7 +189,8 @@ impl Weights {
                 hint: String::new(),
             });
         };
-        let (file, st) = &self.files[i];
+        let found = &self.files[i];
+        let (file, st) = found;
         let view = st.get(name).map_err(|e| ModelError::Weights {
             file: file.clone(),
             why: format!("tensor {name}: {e}"),
@@ -189,14 +213,7 @@ impl Weights {
                 ),
             });
         }
-        let t = st
-            .load(name, &self.device)
-            .and_then(|t| t.to_dtype(self.dtype))
-            .map_err(|e| ModelError::Weights {
-                file: file.clone(),
-                why: format!("tensor {name}: {e}"),
-            })?;
-        Ok(t)
+        Ok(found)
     }
 
     pub fn device(&self) -> &Device {

@@ -349,6 +349,42 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
             m.display()
         ),
     );
+    // Broken weights: a tensor missing, one of another shape, one quantized. Found from the
+    // files' headers at settle, before any target worker loads them (restarted to its limit).
+    let missing = broken_weights(&m, &run.dir.join("missing"), |name, t| {
+        (name != "model.layers.3.self_attn.k_proj.weight").then_some(t)
+    });
+    let reshaped = broken_weights(
+        &m,
+        &run.dir.join("reshaped"),
+        |name, (dtype, shape, data)| {
+            let shape = if name == "model.layers.5.mlp.down_proj.weight" {
+                vec![shape[1], shape[0]]
+            } else {
+                shape
+            };
+            Some((dtype, shape, data))
+        },
+    );
+    let quantized = broken_weights(
+        &m,
+        &run.dir.join("quantized"),
+        |name, (dtype, shape, data)| {
+            if name == "model.norm.weight" {
+                let n = shape.iter().product();
+                return Some((safetensors::Dtype::I8, shape, data[..n].to_vec()));
+            }
+            Some((dtype, shape, data))
+        },
+    );
+    let with_model = |dir: &Path| -> Vec<String> {
+        vec![
+            "--config".into(),
+            cfg.to_str().unwrap().into(),
+            "--model".into(),
+            dir.to_str().unwrap().into(),
+        ]
+    };
     // Data tokenized for a larger vocabulary than the model's 1024: its second sample.
     let big = write(
         "big-ids.jsonl",
@@ -382,6 +418,12 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
             ],
             "num_experts = 8",
         ),
+        (
+            with_model(&missing),
+            "model.layers.3.self_attn.k_proj.weight",
+        ),
+        (with_model(&reshaped), "model.layers.5.mlp.down_proj.weight"),
+        (with_model(&quantized), "model.norm.weight is stored as I8"),
         (
             vec!["--config".into(), far.to_str().unwrap().into()],
             "capture layer 8 is out of range",
@@ -421,6 +463,36 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
         );
         no_segment_of(pid);
     }
+}
+
+/// A tensor of a model's weights: its dtype, shape and bytes.
+type Stored = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// A copy of the model in `from` at `to`, each tensor of its weights passed through `edit`
+/// (`None` leaves it out).
+fn broken_weights(
+    from: &Path,
+    to: &Path,
+    edit: impl Fn(&str, Stored) -> Option<Stored>,
+) -> PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    std::fs::copy(from.join("config.json"), to.join("config.json")).unwrap();
+    let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, Stored)> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(name, v)| {
+            let t = (v.dtype(), v.shape().to_vec(), v.data().to_vec());
+            edit(&name, t).map(|t| (name, t))
+        })
+        .collect();
+    let views = kept.iter().map(|(name, (dtype, shape, data))| {
+        let v = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+        (name.clone(), v)
+    });
+    safetensors::serialize_to_file(views, None, &to.join("model.safetensors")).unwrap();
+    to.to_path_buf()
 }
 
 /// The DFlash drafter trained by the group on the real target's states: its loss falls, every
