@@ -158,6 +158,8 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         prepared = Some((input, p));
     }
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
+    cfg.check_plan_size(data.len() as u64)
+        .context("checking the config")?;
     if let (Some(m), Some((input, _))) = (&cfg.model.path, &prepared) {
         model::check_ids_fit(&data, m, input)?;
     }

@@ -149,6 +149,11 @@ pub const MAX_EPOCHS: u32 = 1000;
 /// abort on the allocation) before a batch is trained.
 pub const MAX_SYNTHETIC_SAMPLES: u64 = shm_ring::MAX_WORK_ITEMS;
 
+/// The most sample passes a run plans (samples times epochs, 2^26): every process holds the
+/// plan, a sample id per pass, so 1000 epochs of a million samples would take gigabytes in each
+/// (or abort on the allocation) before a batch is trained.
+pub const MAX_PLANNED_SAMPLES: u64 = shm_ring::MAX_WORK_ITEMS;
+
 /// The most tokens in one batch (2^20): the ring's slot holds a batch's hidden states, so even
 /// the mock's small shape needs a slot of 640 MiB at this budget; past it the sizing of the
 /// largest batch alone would take gigabytes (or abort on the allocation).
@@ -449,6 +454,23 @@ impl PipelineConfig {
     }
 
     /// Checks the values that do not depend on the number of workers.
+    /// That `samples` samples, `data.epochs` times over, fit a plan
+    /// ([`MAX_PLANNED_SAMPLES`]); [`PipelineConfig::validate`] checks it for synthetic data, the
+    /// launcher for a file's once it knows the count.
+    pub fn check_plan_size(&self, samples: u64) -> Result<(), ConfigError> {
+        let epochs = self.data.epochs.max(1);
+        let passes = samples.saturating_mul(u64::from(epochs));
+        if passes > MAX_PLANNED_SAMPLES {
+            return Err(invalid(
+                "data.epochs",
+                format!(
+                    "{epochs} epochs of {samples} samples plan {passes} sample passes, more than the {MAX_PLANNED_SAMPLES} a run plans (every process holds the plan): train fewer epochs or fewer samples"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if d.min_len == 0 || d.min_len > d.max_len {
@@ -479,6 +501,9 @@ impl PipelineConfig {
                     d.synthetic_samples
                 ),
             ));
+        }
+        if d.path.is_none() {
+            self.check_plan_size(d.synthetic_samples)?;
         }
         if self.target.token_budget > MAX_TOKEN_BUDGET {
             return Err(invalid(
@@ -803,6 +828,20 @@ mod tests {
         let at_most = format!("[target]\ntoken_budget = {MAX_TOKEN_BUDGET}\n");
         let c = PipelineConfig::from_toml(&at_most, Path::new("a.toml")).unwrap();
         assert!(c.largest_batch_bytes().unwrap() > u64::from(MAX_TOKEN_BUDGET));
+        // Samples times epochs: within both limits, past the plan's.
+        let err = PipelineConfig::from_toml(
+            "[data]\nsynthetic_samples = 1000000\nepochs = 1000\n",
+            Path::new("a.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("data.epochs") && err.contains("1000 epochs of 1000000 samples"),
+            "{err}"
+        );
+        let c = PipelineConfig::from_toml("[data]\nepochs = 2\n", Path::new("a.toml")).unwrap();
+        c.check_plan_size(MAX_PLANNED_SAMPLES / 2).unwrap();
+        assert!(c.check_plan_size(MAX_PLANNED_SAMPLES / 2 + 1).is_err());
         // A file's data has no synthetic samples to count.
         let file = "[data]\npath = \"t.jsonl\"\nsynthetic_samples = 100000000000\n";
         PipelineConfig::from_toml(file, Path::new("a.toml")).unwrap();

@@ -962,7 +962,24 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
         "huge.toml",
         "[ring]\nslots = 1000\nslot_bytes = 34359738368\n",
     );
+    // 1000 epochs of 70000 samples: each within its limit, the plan past its own (a few GB of
+    // sample ids in every process, or an abort on the allocation).
+    let many = write(
+        "many.jsonl",
+        &"{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]}\n"
+            .repeat(70_000),
+    );
+    let epochs = write("epochs.toml", "[data]\nepochs = 1000\n");
     let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--config".into(),
+                epochs.clone(),
+                "--data".into(),
+                many.clone(),
+            ],
+            "data.epochs: 1000 epochs of 70000 samples",
+        ),
         (
             vec!["--data".into(), "/nonexistent/train.jsonl".into()],
             "/nonexistent/train.jsonl",
