@@ -601,6 +601,51 @@ fn a_lone_live_rank_waiting_in_sync_waits_for_the_rank_that_is_down() {
     );
 }
 
+/// A group of three whose rank 2 is down: when both live ranks wait in sync, the group waited
+/// for the rank that is down, not for unequal batches; when one live rank hardly waits, the
+/// live ranks' batches took unequal time (a rank given up no longer holds the group).
+#[test]
+fn two_live_ranks_waiting_together_wait_for_the_rank_that_is_down() {
+    for (sync1, want) in [
+        (600, "; drafters wait 60% in sync for a dead or restarting rank"),
+        (
+            0,
+            "; drafters wait 30% in sync: their batches take unequal time (no rank is slow per token)",
+        ),
+    ] {
+        let r = ring(&format!("downrank{sync1}"), 1, 3, 8);
+        let p = r.producer(0).unwrap();
+        let (c0, c1, c2) = (
+            r.consumer(0).unwrap(),
+            r.consumer(1).unwrap(),
+            r.consumer(2).unwrap(),
+        );
+        // Every rank trained, in lock-step, enough batches for its pace to be known.
+        for c in [&c0, &c1, &c2] {
+            c.add_phase(Phase::Compute, ms(300));
+            c.add_phase(Phase::Sync, ms(100));
+            for _ in 0..5 {
+                publish_tokens(&p, 100);
+                c.take().unwrap().unwrap().release().unwrap();
+            }
+        }
+        std::mem::forget(c2);
+        // SAFETY: the only handle of consumer 2 was forgotten above and is never used again.
+        unsafe { r.recover_unchecked(WorkerName::consumer(2)) }.unwrap();
+        let a = r.snapshot();
+        for (c, sync) in [(&c0, 600), (&c1, sync1)] {
+            c.add_phase(Phase::Compute, ms(300));
+            c.add_phase(Phase::Sync, ms(sync));
+            for _ in 0..5 {
+                publish_tokens(&p, 100);
+                c.take().unwrap().unwrap().release().unwrap();
+            }
+        }
+        let (v, _) = judge(&r, &a, &[]);
+        assert!(v.line.ends_with(want), "{sync1}: {}", v.line);
+    }
+}
+
 /// Publishes and trains one batch, so the run is past its start.
 fn one_through(p: &shm_ring::Producer<'_>, c: &shm_ring::Consumer<'_>) {
     publish_tokens(p, 100);

@@ -433,15 +433,16 @@ fn sync_wait(w: &Window, call: &mut Call) {
             s.phase.name(),
             s.ratio
         ),
+        // A rank down, and every live rank waited (a lone one too): the group waited for a
+        // rank outside the live ones, the one down (a dead rank until its removal, or one
+        // restarting to rejoin). Unequal batches leave the slowest live rank waiting little.
+        None if w.drafters_down > 0 && w.least_sync >= SYNC_STALL => format!(
+            "; drafters wait {} in sync for a dead or restarting rank",
+            pct(w.sync)
+        ),
         // Two live ranks or more, every one's pace known and none slow: the batches differ.
         None if w.drafters_live >= 2 && w.live_paces == w.drafters_live => format!(
             "; drafters wait {} in sync: their batches take unequal time (no rank is slow per token)",
-            pct(w.sync)
-        ),
-        // Fewer than two live ranks to compare, and a rank down: the group waited for it (a
-        // dead rank until its removal, or one restarting to rejoin).
-        None if w.drafters_live < 2 && w.drafters_down > 0 => format!(
-            "; drafters wait {} in sync for a dead or restarting rank",
             pct(w.sync)
         ),
         None => format!("; drafters wait {} in sync", pct(w.sync)),

@@ -30,6 +30,8 @@ pub(super) struct Window<'a> {
     pub(super) slow: Vec<Slow>,
     /// The live drafters' mean share of the window in `sync`.
     pub(super) sync: f64,
+    /// The least share of the window any live drafter spent in `sync` (0 with none live).
+    pub(super) least_sync: f64,
     pub(super) drafters_live: usize,
     /// Drafters that ran and do not run now, without having left cleanly: dead, or
     /// restarting.
@@ -66,6 +68,7 @@ impl<'a> Window<'a> {
             worked: false,
             slow: slow_workers(b),
             sync: 0.0,
+            least_sync: 0.0,
             drafters_live: drafters().filter(|w| w.alive).count(),
             drafters_down: drafters()
                 .filter(|w| w.epoch > 0 && !w.alive && w.state != WorkerState::Done)
@@ -88,6 +91,11 @@ impl<'a> Window<'a> {
                 .any(|p| working(*p) && r.phases[*p] > 0.01)
         });
         w.sync = mean(w.live(Role::Consumer).map(|r| r.phases[Phase::Sync])).unwrap_or(0.0);
+        w.least_sync = w
+            .live(Role::Consumer)
+            .map(|r| r.phases[Phase::Sync])
+            .reduce(f64::min)
+            .unwrap_or(0.0);
         w
     }
 
