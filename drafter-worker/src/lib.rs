@@ -198,7 +198,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             faults: s.config.faults_for(s.name),
             first: consumer.epoch() == 1,
             reducing: Cell::new(0),
-            join_marker: (s.run_dir.logs_dir()).join(format!(".{}-crashed-in-join", s.name)),
+            join_marker: s.run_dir.join_crash_marker(s.name),
         },
         report: FinalReport::default(),
         intake: intake(stager),
@@ -231,7 +231,7 @@ fn attach_group(
     let nccl = cuda::nccl::Nccl::load().context("[drafter] collective = \"nccl\"")?;
     // The worker's GPU is device 0 (CUDA_VISIBLE_DEVICES); its primary context, candle's too.
     let ctx = cuda::Driver::load()?.open(0)?;
-    let board = Board::new(&s.run_dir.path().join("nccl").join(&s.ring))?;
+    let board = Board::new(&s.run_dir.nccl_dir(&s.ring))?;
     let on_device = (backend.gradient_on_device()).context("keeping the gradient on the GPU")?;
     let words = if on_device.is_some() {
         0

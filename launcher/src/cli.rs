@@ -52,9 +52,10 @@ pub mod exit {
 /// default data-cache beside the run directory), which every worker maps; the same input is
 /// found there by its content and never converted again.
 ///
-/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json, gpus.json
-/// (the GPU lists, for --resume), launcher.log (all that is printed), metrics.jsonl and
-/// summary.json. Watch a run from another terminal with `shm-ring-stat --list`.
+/// The run directory gets logs/, ledger/, checkpoints/, config.toml, dataset.json (file data),
+/// gpus.json (the GPU lists, for --resume), launcher.log (all that is printed), metrics.jsonl
+/// and summary.json. Watch a run from another terminal with
+/// `shm-ring-stat --run-dir RUN_DIR --watch 1`.
 #[derive(Parser, Debug)]
 #[command(
     name = "launcher",

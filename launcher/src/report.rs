@@ -996,7 +996,7 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     let out = args
         .output
         .clone()
-        .unwrap_or_else(|| args.run_dir.join("report.svg"));
+        .unwrap_or_else(|| RunDir::new(&args.run_dir).report_svg());
     if out.extension().and_then(|e| e.to_str()) != Some("svg") {
         bail!(
             "{}: the report is an SVG picture; name a .svg file (a browser shows it, and `rsvg-convert` turns it into PNG)",

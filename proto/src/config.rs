@@ -275,7 +275,8 @@ impl Default for TargetConfig {
 pub struct DrafterConfig {
     /// Simulated training speed of a mock drafter.
     pub tokens_per_s: f64,
-    /// Checkpoint every this many trained batches (and at shutdown).
+    /// Checkpoint every this many group steps (and at shutdown); a step trains up to one batch
+    /// per drafter rank.
     pub checkpoint_every: u64,
     /// Weights of the mock drafter (f32; the gradient all-reduced each step is this size).
     pub params: u64,

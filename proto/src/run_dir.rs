@@ -237,6 +237,22 @@ impl RunDir {
         self.0.join("drafter")
     }
 
+    /// The NCCL group's rendezvous files of ring `ring` (`epoch-<n>.id`, `collective = "nccl"`).
+    pub fn nccl_dir(&self, ring: &str) -> PathBuf {
+        self.0.join("nccl").join(ring)
+    }
+
+    /// The marker a drafter's injected `crash_in_join` fault leaves, so only its first
+    /// incarnation crashes there (a hidden file among the logs).
+    pub fn join_crash_marker(&self, name: WorkerName) -> PathBuf {
+        self.logs_dir().join(format!(".{name}-crashed-in-join"))
+    }
+
+    /// `launcher report`'s picture, by default.
+    pub fn report_svg(&self) -> PathBuf {
+        self.0.join("report.svg")
+    }
+
     /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
     /// a run, whose ledgers and checkpoint would be silently reused.
     pub fn lay_out(&self) -> Result<(), RunDirError> {
