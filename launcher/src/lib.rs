@@ -54,6 +54,8 @@ pub(crate) struct Settled {
     /// not given.
     pub(crate) gpus: GpuLists,
     pub(crate) resume: Option<resume::Resume>,
+    /// The run directory, held for the launcher's life ([`resume::hold`]).
+    pub(crate) held: Option<std::fs::File>,
 }
 
 /// Runs the launcher; returns the process exit code.
@@ -93,6 +95,13 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         }
         (None, Some(p)) => PipelineConfig::load(p)?,
         (None, None) => PipelineConfig::default(),
+    };
+    // Before anything else is checked or written: a run whose launcher still runs is not
+    // resumed under it.
+    let mut held = match &args.resume {
+        Some(dir) => resume::hold(&RunDir::new(dir))
+            .with_context(|| format!("resuming {}", dir.display()))?,
+        None => None,
     };
     spawn::check_commands(&cfg)?;
     // After the config: a directory that is no run at all is told so, not that it lacks
@@ -186,6 +195,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         }
         None => {
             run_dir.lay_out()?;
+            held = resume::hold(&run_dir)?;
             run_dir.write_plan_version(&PlanDigest::of(&planned))?;
             let p = run_dir.config();
             atomic_file::replace(&p, cfg.to_toml().as_bytes())
@@ -212,6 +222,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         run_dir,
         gpus,
         resume,
+        held,
     })
 }
 

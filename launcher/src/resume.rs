@@ -12,8 +12,12 @@
 //! The GPUs: the run directory records the lists its last launcher ran on (`gpus.json`), so
 //! `--resume RUN_DIR` alone resumes on them, and a list given with it replaces the run's own.
 //! Every message that tells the user how to continue a run prints [`command`].
+//!
+//! One launcher at a time: each holds its run directory ([`hold`]) for its whole life, so a
+//! `--resume` of a run whose launcher still runs is refused before it changes anything.
 
 use std::collections::BTreeSet;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -67,6 +71,32 @@ pub(crate) fn gpu_lists(
         drafters: drafters.map_or_else(|| own.drafters.clone(), |d| d.0.clone()),
     };
     Ok((lists, targets.is_none() && drafters.is_none()))
+}
+
+/// Holds `run_dir` for this launcher's life: an exclusive `flock` on the directory itself, which
+/// the kernel drops when the launcher exits, however it exits (the file is close-on-exec, so no
+/// worker keeps it). A second launcher on the directory, a `--resume` of a run whose launcher
+/// still runs above all, is refused here: it would rewrite the ledgers under the live run's
+/// drafters, and both groups would train the same batches into one checkpoint. A file system
+/// without `flock` is a warning, not an error: the run goes on unguarded.
+pub(crate) fn hold(run_dir: &RunDir) -> anyhow::Result<Option<File>> {
+    let dir = run_dir.path();
+    let f = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(Some(f)),
+        Err(rustix::io::Errno::WOULDBLOCK) => bail!(
+            "{} is in use by another launcher that is still running (`shm-ring-stat --run-dir {}` shows it and its pid); stop it (Ctrl-C, or SIGINT to that pid) and wait for it to exit first",
+            dir.display(),
+            dir.display()
+        ),
+        Err(e) => {
+            println!(
+                "warning: {} cannot be locked ({e}): nothing stops a second launcher on it",
+                dir.display()
+            );
+            Ok(None)
+        }
+    }
 }
 
 /// What a resume will do, checked and not yet applied.

@@ -117,6 +117,9 @@ pub(crate) struct Supervisor<'a> {
     ring: Ring,
     group: Box<dyn Collective>,
     _record: Option<reclaim::Registration>,
+    /// The run directory's lock (`resume::hold`): no other launcher runs in it while this one
+    /// does.
+    _held: Option<std::fs::File>,
     ring_name: String,
     run_dir: RunDir,
     /// The backend's description, for the summary.

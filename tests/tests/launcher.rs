@@ -1803,6 +1803,40 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
     );
 }
 
+/// A `--resume` of a run whose launcher still runs is refused, saying so, before it changes
+/// anything. Before, it went ahead: it rewrote the ledgers under the live drafters and both
+/// launchers trained the plan into one checkpoint, the live one ending degraded with its
+/// ledger lines lost. The live run is left to finish every sample once, and once its launcher
+/// has exited the directory is free again (the next `--resume` gets to "nothing to resume").
+#[test]
+fn resume_of_a_run_whose_launcher_still_runs_is_refused_and_the_run_finishes() {
+    let run = Run::new("lresumelive");
+    let cfg = config(&run.dir, true, "");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 1200");
+    let mut launcher = run.launch(&cfg, &[]);
+    let ring = attach(&mut launcher);
+    wait_until("a batch trained", &ring, |s| s.counters.released >= 1);
+    let run_dir = run.run_dir();
+    let (code, err) = resume_refused(&run_dir, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("in use by another launcher that is still running"),
+        "{err}"
+    );
+    drop(ring);
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["samples_trained"].as_u64()),
+        (Some(true), Some(1200)),
+        "{s}"
+    );
+    let (code, err) = resume_refused(&run_dir, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("nothing to resume"), "{err}");
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").

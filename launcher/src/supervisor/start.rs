@@ -32,6 +32,7 @@ impl<'a> Supervisor<'a> {
             run_dir,
             gpus,
             resume,
+            held,
         } = settled;
         let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
@@ -125,6 +126,7 @@ impl<'a> Supervisor<'a> {
             ring,
             group,
             _record: record,
+            _held: held,
             ring_name,
             run_dir,
             backend: backend.1,
