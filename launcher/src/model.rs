@@ -285,6 +285,9 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
         OutDtype::F32 => Dtype::F32,
     };
     cfg.data.path = a.data.clone();
+    // Prepared below from --data; a run's config.toml names its own prepared file, which would
+    // otherwise be captured instead of --synthetic's samples.
+    cfg.data.prepared = None;
     if a.data.is_none() {
         cfg.data.synthetic_samples = a.synthetic.unwrap_or(16);
     }

@@ -560,3 +560,43 @@ fn a_file_launcher_prepare_wrote_is_used_as_it_is() {
     );
     assert!(!dir.path("data-cache").exists(), "nothing converted");
 }
+
+/// A run's `config.toml`, reused with `--synthetic N`, trains N synthetic samples. It names
+/// the file the run's data was prepared into (`data.prepared`), and before, that file was
+/// what the workers mapped: the new run trained the old run's data instead.
+#[test]
+fn a_runs_config_reused_with_synthetic_trains_the_synthetic_samples() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dsynth");
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(60))).unwrap();
+    let config = run_config(&dir, 2_000_000.0, "");
+    let first = [
+        "--data",
+        &dir.s("train.jsonl"),
+        "--data-cache",
+        &dir.s("cache"),
+        "--run-dir",
+        &dir.s("run1"),
+    ];
+    assert!(launch(Some(&config), &first)
+        .finish()
+        .contains("exit code 0"));
+    let reused = dir.path("run1/config.toml");
+    let text = std::fs::read_to_string(&reused).unwrap();
+    assert!(text.contains("prepared = "), "{text}");
+
+    let out = launch(
+        Some(&reused),
+        &["--synthetic", "7", "--run-dir", &dir.s("run2")],
+    )
+    .finish();
+    assert!(out.contains("data: synthetic (7 samples"), "{out}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run2/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (s["ok"].clone(), s["samples_total"].clone()),
+        (true.into(), 7.into()),
+        "{s}"
+    );
+}

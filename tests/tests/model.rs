@@ -316,6 +316,59 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
     assert!(err.contains("is not empty"), "{err}");
 }
 
+/// `capture --config` with a run's `config.toml`, which names the run's prepared data file
+/// (`data.prepared`), captures the data the flags ask for: `--synthetic 3` is three synthetic
+/// samples. Before, the prepared file named in the config was captured instead.
+#[test]
+fn capture_with_a_runs_config_captures_the_data_its_flags_name() {
+    let dir = TestDir::new("mcaptureprep");
+    let m = tiny(&dir.path(""));
+    let data = dir.path("train.jsonl");
+    std::fs::write(
+        &data,
+        "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n".repeat(5),
+    )
+    .unwrap();
+    let prepared = dir.path("train.arrow");
+    let made = std::process::Command::new(workspace_bin("launcher"))
+        .args(["prepare", data.to_str().unwrap(), "-o"])
+        .arg(&prepared)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    // As a run writes it: the input and the file it was prepared into.
+    let cfg = write_config(
+        &dir.path(""),
+        "run.toml",
+        &m,
+        &format!(
+            "[data]\npath = {:?}\nprepared = {:?}\nmin_len = 8\nmax_len = 64\n",
+            data.display().to_string(),
+            prepared.display().to_string()
+        ),
+    );
+    let out = dir.path("caps");
+    let said = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+            "--synthetic",
+            "3",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    )
+    .finish();
+    assert!(said.contains("capture: 3 samples of synthetic"), "{said}");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("index.json")).unwrap()).unwrap();
+    assert_eq!(index["samples"].as_object().unwrap().len(), 3, "{index}");
+}
+
 #[test]
 fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
     let run = Run::new("mbad");
