@@ -247,7 +247,8 @@ pub struct CaptureArgs {
     /// The hidden states' dtype.
     #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
     pub dtype: OutDtype,
-    /// Most bytes of one shard, in MiB.
+    /// Most bytes of tensor data in one shard, in MiB (a sample larger than that is a shard of
+    /// its own).
     #[arg(long, default_value_t = 512)]
     pub shard_mib: u64,
     /// CPU threads to compute with (default: RAYON_NUM_THREADS, else every core).
@@ -346,7 +347,16 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
             .run(&ids, &[t as u32], out, !a.no_tokens)
             .with_context(|| format!("sample {id}"))?;
         tokens_done += t as u64;
-        shard_bytes += (hidden.len() + greedy.len() + t * 4) as u64;
+        let bytes = (hidden.len() + greedy.len() + t * 4) as u64;
+        // The shard is written before it would pass --shard-mib; a sample larger than that
+        // alone gets a shard of its own.
+        if !shard.is_empty() && shard_bytes + bytes > shard_max {
+            shards += 1;
+            write_shard(&a.out, shards, &shard, (l, h), cfg.model.dtype, &mut index)?;
+            shard.clear();
+            shard_bytes = 0;
+        }
+        shard_bytes += bytes;
         shard.push(Captured {
             id,
             tokens: t,
@@ -354,12 +364,6 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
             greedy,
             ids: ids.iter().flat_map(|i| i.to_le_bytes()).collect(),
         });
-        if shard_bytes >= shard_max {
-            shards += 1;
-            write_shard(&a.out, shards, &shard, (l, h), cfg.model.dtype, &mut index)?;
-            shard.clear();
-            shard_bytes = 0;
-        }
         if last_line.elapsed() > Duration::from_secs(5) {
             println!(
                 "capture: {} of {} samples, {:.0} tokens/s",

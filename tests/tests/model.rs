@@ -369,6 +369,56 @@ fn capture_with_a_runs_config_captures_the_data_its_flags_name() {
     assert_eq!(index["samples"].as_object().unwrap().len(), 3, "{index}");
 }
 
+/// `--shard-mib` is the most tensor data a shard holds, as its help says; only a sample
+/// larger than that alone is a shard of its own. Before, a shard was written once it had
+/// reached the size, so it held up to a whole sample more (five samples, 2.6 MiB, in one shard
+/// of "at most" 1 MiB).
+#[test]
+fn capture_shards_hold_at_most_shard_mib_of_tensor_data() {
+    let dir = TestDir::new("mcaptureshards");
+    let m = tiny(&dir.path(""));
+    let out = dir.path("caps");
+    spawn(
+        &workspace_bin("launcher"),
+        &[
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--synthetic",
+            "5",
+            "--shard-mib",
+            "1",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    )
+    .finish();
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("index.json")).unwrap()).unwrap();
+    let mut shards: Vec<&str> = index["samples"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut samples = 0;
+    for name in &shards {
+        let bytes = std::fs::read(out.join(name)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let data: usize = st.tensors().iter().map(|(_, t)| t.data().len()).sum();
+        let held = st.len() / 3;
+        samples += held;
+        assert!(
+            data <= 1 << 20 || held == 1,
+            "{name}: {held} samples, {data} bytes of tensors"
+        );
+    }
+    assert_eq!(samples, 5);
+    assert!(shards.len() > 1, "{shards:?}");
+}
+
 #[test]
 fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
     let run = Run::new("mbad");
