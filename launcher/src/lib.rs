@@ -120,6 +120,19 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     if let Some(m) = &args.model {
         cfg.model.path = Some(m.clone());
     }
+    // The paths go into the run's config.toml, which `--resume` reads from wherever it is run
+    // (the reclaim line prints the run's absolute path to copy): relative to this directory,
+    // they would find nothing there, or another model or tokenizer of the same name.
+    for p in [
+        &mut cfg.model.path,
+        &mut cfg.data.path,
+        &mut cfg.data.tokenizer,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *p = std::path::absolute(&p).with_context(|| format!("resolving {}", p.display()))?;
+    }
     let need = gpus
         .targets
         .iter()

@@ -1837,6 +1837,63 @@ fn resume_of_a_run_whose_launcher_still_runs_is_refused_and_the_run_finishes() {
     assert!(err.contains("nothing to resume"), "{err}");
 }
 
+/// A run started with a relative `--model` and `--data` resumes from another directory, as the
+/// reclaim line's `launcher --resume /abs/run` invites: the run's config.toml records where
+/// they are, not the words typed. Before, it recorded them as typed, and the resume looked for
+/// them under the directory it ran in (an error, or another model of the same name there).
+#[test]
+fn a_run_started_with_relative_paths_resumes_from_another_directory() {
+    let run = Run::new("lresumecwd");
+    crate::model::tiny(&run.dir);
+    let data: String = (0..40)
+        .map(|i| {
+            let ids: Vec<u32> = (0..20 + i).map(|j| (i * 7 + j * 13) % 1000).collect();
+            format!("{{\"input_ids\": {ids:?}}}\n")
+        })
+        .collect();
+    std::fs::write(run.dir.join("train.jsonl"), data).unwrap();
+    let cfg = format!(
+        "[ring]\nslots = 24\nmin_ready = 4\n{}",
+        crate::model::SMALL_DFLASH
+    );
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let launcher = |cwd: &Path, args: &[&str]| {
+        let out = std::process::Command::new(workspace_bin("launcher"))
+            .current_dir(cwd)
+            .args(args)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), said)
+    };
+    let (code, said) = launcher(
+        &run.dir,
+        &[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--model",
+            "tiny",
+            "--data",
+            "train.jsonl",
+            "--config",
+            "run.toml",
+            "--run-dir",
+            "run",
+        ],
+    );
+    assert_eq!(code, Some(0), "{said}");
+    // As a run killed before its summary left it.
+    std::fs::remove_file(RunDir::new(run.run_dir()).summary()).unwrap();
+    let elsewhere = run.dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let (code, said) = launcher(&elsewhere, &["--resume", run.run_dir().to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("resuming"), "{said}");
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").
