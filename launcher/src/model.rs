@@ -295,7 +295,12 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     gpu::settle(BackendKind::Candle, &mut cfg)
         .context("checking the model (its config.json and weights)")?;
     cfg.validate().context("checking the config")?;
-    if a.out.exists() && std::fs::read_dir(&a.out)?.next().is_some() {
+    let in_use = a.out.exists()
+        && std::fs::read_dir(&a.out)
+            .with_context(|| format!("-o {}: the output must be a directory", a.out.display()))?
+            .next()
+            .is_some();
+    if in_use {
         bail!(
             "{} is not empty; capture writes into an empty or new directory",
             a.out.display()

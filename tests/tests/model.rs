@@ -314,6 +314,28 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
     .wait_status_keep();
     assert_eq!(status.code(), Some(1));
     assert!(err.contains("is not empty"), "{err}");
+    // So is a file, by its name (before: "error: Not a directory (os error 20)" alone).
+    let file = dir.path("caps-file");
+    std::fs::write(&file, "").unwrap();
+    let (status, err) = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "-o",
+            file.to_str().unwrap(),
+        ],
+    )
+    .wait_status_keep();
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        err.contains(&format!(
+            "-o {}: the output must be a directory",
+            file.display()
+        )),
+        "{err}"
+    );
 }
 
 /// `capture --config` with a run's `config.toml`, which names the run's prepared data file
