@@ -229,6 +229,14 @@ pub struct CaptureArgs {
     /// Training data, as for a run (JSONL, Parquet, Arrow, HF datasets directory).
     #[arg(long, conflicts_with = "synthetic")]
     pub data: Option<PathBuf>,
+    /// Where --data is prepared, or found prepared (the runs' default: runs/data-cache).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "runs/data-cache",
+        requires = "data"
+    )]
+    pub data_cache: PathBuf,
     /// N samples of the built-in synthetic dataset (default 16 when --data is absent).
     #[arg(long)]
     pub synthetic: Option<u64>,
@@ -306,15 +314,19 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
             a.out.display()
         );
     }
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     if let Some(input) = &a.data {
-        let cache = PathBuf::from("runs").join("data-cache");
         let options = crate::data::options(&cfg, cfg.data.max_len)?;
-        let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None)?;
+        let (p, line) = crate::data::prepare_dataset(input, &options, &a.data_cache, None)?;
         println!("{line}");
         cfg.data.prepared = Some(p.path);
     }
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
+    // Before any shard: data made for another tokenizer would stop the capture at its first
+    // such sample, leaving shards without their index.
+    if let Some(input) = &a.data {
+        check_ids_fit(&data, &a.model, input)?;
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let target = CandleTarget::load(&a.model, &cfg)
         .with_context(|| format!("loading {}", a.model.display()))?;
     let layers = target.layers().to_vec();

@@ -336,6 +336,38 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
         )),
         "{err}"
     );
+    // Data tokenized for a larger vocabulary: refused naming the sample before any shard is
+    // written (before: shards of the samples before it, and no index), prepared into the
+    // --data-cache given.
+    let big = dir.path("big-ids.jsonl");
+    std::fs::write(
+        &big,
+        "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 1500]}\n",
+    )
+    .unwrap();
+    let (out3, cache) = (dir.path("caps-big"), dir.path("my-cache"));
+    let (status, err) = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--data",
+            big.to_str().unwrap(),
+            "--data-cache",
+            cache.to_str().unwrap(),
+            "-o",
+            out3.to_str().unwrap(),
+        ],
+    )
+    .wait_status_keep();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("sample 1: token id 1500 at position 7 is outside the model's vocabulary"),
+        "{err}"
+    );
+    assert!(!out3.exists(), "no output directory for a capture refused");
+    assert!(std::fs::read_dir(&cache).unwrap().next().is_some());
 }
 
 /// `capture --config` with a run's `config.toml`, which names the run's prepared data file
