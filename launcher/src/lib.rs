@@ -11,6 +11,7 @@ pub mod cli;
 pub mod data;
 pub mod eval;
 pub mod model;
+mod model_record;
 pub mod monitor;
 mod output;
 mod reclaim;
@@ -204,14 +205,25 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             run_dir
                 .check_plan_version(&PlanDigest::of(&planned))
                 .with_context(|| format!("resuming {}", dir.display()))?;
+            if let Some(m) = &cfg.model.path {
+                model_record::check_same(&run_dir, m)
+                    .with_context(|| format!("resuming {}", dir.display()))?;
+            }
             Some(
                 resume::check(&run_dir, &cfg, backend.0, nd, batches)
                     .with_context(|| format!("resuming {}", dir.display()))?,
             )
         }
         None => {
+            // Read before the directory is laid out: a model that cannot be read leaves none.
+            let model = (cfg.model.path.as_deref())
+                .map(model_record::ModelRecord::of)
+                .transpose()?;
             run_dir.lay_out()?;
             held = resume::hold(&run_dir)?;
+            if let Some(m) = &model {
+                model_record::write(&run_dir, m)?;
+            }
             run_dir.write_plan_version(&PlanDigest::of(&planned))?;
             let p = run_dir.config();
             atomic_file::replace(&p, cfg.to_toml().as_bytes())

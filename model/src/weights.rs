@@ -141,6 +141,11 @@ impl Weights {
         }
     }
 
+    /// The safetensors files the weights are read from, in order (one, or an index's shards).
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+
     /// Whether the files hold tensor `name`.
     pub fn has(&self, name: &str) -> bool {
         self.random || self.index.contains_key(name)

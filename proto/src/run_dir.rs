@@ -170,6 +170,12 @@ impl RunDir {
         self.0.join("dataset.json")
     }
 
+    /// The target model the run trains its drafter for, by fingerprint (`model.json`, with a
+    /// model only): a resume refuses another model at the same path.
+    pub fn model_record(&self) -> PathBuf {
+        self.0.join("model.json")
+    }
+
     /// Everything the launcher printed.
     pub fn launcher_log(&self) -> PathBuf {
         self.0.join("launcher.log")

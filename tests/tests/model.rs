@@ -13,7 +13,7 @@ use candle_core::{DType, Device};
 use model::make::{make_model, MakeSpec};
 use model::{Decoder, Need};
 use proto::plan::plan;
-use proto::{BatchView, PipelineConfig};
+use proto::{BatchView, PipelineConfig, RunDir};
 use shm_ring::Take;
 
 use crate::launcher::{no_segment_of, Run};
@@ -620,6 +620,68 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
         );
         no_segment_of(pid);
     }
+}
+
+/// `--resume` refuses another target model at the run's model path (made again with another
+/// seed, its config edited): the drafter learned the model as it was. The model restored, the
+/// run resumes. Before, the resume trained on against whatever the path held.
+#[test]
+fn a_resume_with_the_target_model_changed_is_refused_naming_what_changed() {
+    let run = Run::new("mresumemodel");
+    let m = tiny(&run.dir);
+    let cfg = write_config(&run.dir, "run.toml", &m, SMALL_DFLASH);
+    let out = run.launch(&cfg, &["--model", m.to_str().unwrap()]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let rd = RunDir::new(run.run_dir());
+    assert!(rd.model_record().is_file(), "a run with a model records it");
+    // As a run killed before its summary left it.
+    std::fs::remove_file(rd.summary()).unwrap();
+    let resume = || {
+        let out = std::process::Command::new(workspace_bin("launcher"))
+            .args(["--resume", run.run_dir().to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!err.contains("panicked"), "{err}");
+        (out.status.code(), err)
+    };
+    let keep = |name: &str| std::fs::read(m.join(name)).unwrap();
+    let (weights, config_json) = (keep("model.safetensors"), keep("config.json"));
+
+    // The same shapes, other values: made again with another seed.
+    let other = run.dir.join("other");
+    make_model(
+        &other,
+        &MakeSpec {
+            seed: 7,
+            ..MakeSpec::default()
+        },
+    )
+    .unwrap();
+    std::fs::copy(other.join("model.safetensors"), m.join("model.safetensors")).unwrap();
+    let (code, err) = resume();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("the target model changed since this run started")
+            && err.contains("model.safetensors: its weights' values changed"),
+        "{err}"
+    );
+    std::fs::write(m.join("model.safetensors"), &weights).unwrap();
+
+    // Its config edited.
+    let edited =
+        String::from_utf8(config_json.clone())
+            .unwrap()
+            .replacen('{', "{\"use_cache\": false,", 1);
+    std::fs::write(m.join("config.json"), edited).unwrap();
+    let (code, err) = resume();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("config.json changed"), "{err}");
+    std::fs::write(m.join("config.json"), &config_json).unwrap();
+
+    // Restored: the run resumes.
+    let (code, err) = resume();
+    assert_eq!(code, Some(0), "{err}");
 }
 
 /// A tensor of a model's weights: its dtype, shape and bytes.
