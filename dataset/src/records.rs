@@ -496,4 +496,25 @@ mod tests {
         let e = message(serde_json::json!({"role": "assistant"})).unwrap_err();
         assert!(e.contains("nor tool_calls"), "{e}");
     }
+
+    /// A tool call's arguments reach the template with their keys in the record's order, as
+    /// Python's dicts keep them: templates write them with `tojson` (Qwen's, Llama's), so an
+    /// order of our own is other ids than transformers'. Before, serde_json's map sorted the
+    /// keys: `{"unit": "C", "city": "Oslo"}` rendered as `{"city": "Oslo", "unit": "C"}`.
+    #[test]
+    fn a_tool_calls_arguments_keep_the_records_key_order() {
+        let line = r#"{"messages": [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
+             "function": {"name": "get_weather", "arguments": {"unit": "C", "city": "Oslo"}}}]}]}"#;
+        let Ok(Record::Chat(messages)) = parse_line(&line.replace('\n', " ")) else {
+            panic!("not a conversation");
+        };
+        let t = Template::new(
+            "{{ messages[1].tool_calls[0].function.arguments | tojson }}",
+            vec![],
+        )
+        .unwrap();
+        let r = t.render(&messages, false).unwrap();
+        assert_eq!(r.text, r#"{"unit": "C", "city": "Oslo"}"#);
+    }
 }

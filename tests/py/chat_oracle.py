@@ -61,10 +61,12 @@ RECORDS = [
                   {"role": "assistant", "content": "Let me call it."},
                   {"role": "tool", "content": "{\"temp\": 21}"},
                   {"role": "assistant", "content": "It is 21 degrees."}]},
+    # The arguments' keys out of sorted order: the template writes them with tojson, in the
+    # record's order.
     {"messages": [{"role": "user", "content": "Weather in Oslo?"},
                   {"role": "assistant", "content": None,
                    "tool_calls": [{"type": "function", "function": {
-                       "name": "get_weather", "arguments": {"city": "Oslo", "unit": "°C"}}}]},
+                       "name": "get_weather", "arguments": {"unit": "°C", "city": "Oslo"}}}]},
                   {"role": "tool", "name": "get_weather", "content": "rain, 4 °C"},
                   {"role": "assistant", "content": "It rains in Oslo."}]},
     {"messages": [{"role": "user", "content": "  spaced out  \n"},
