@@ -18,6 +18,9 @@
 //! so an edited input never matches its old stamp, even with its size and mtime restored. As
 //! git does, a stamp is only written for files whose times are over 2 s in the past when the
 //! hash starts (a write in the same tick as the stamp could otherwise go unseen).
+//!
+//! Length: past 500 lines because the key, the stamp and the writing into place are one
+//! protocol (what is reused when), kept in one file.
 
 use std::fs::File;
 use std::io::{BufWriter, Read};
@@ -236,6 +239,9 @@ pub fn prepare_with(
         let key = m.meta("hspipe.key").unwrap_or("").to_string();
         return Ok(Prepared::of(&m, key, true, false, kind));
     }
+    if let Some(out) = out {
+        refuse_overwriting_input(input, &kind, out)?;
+    }
     let chat = chat_part(options).unwrap_or_default();
     let stamp = Stamp::of(input, &kind, max_len, &chat);
     let stamp_path = stamp.as_ref().map(|s| s.path(cache_dir));
@@ -303,6 +309,32 @@ pub fn prepare_with(
     let m = open_cached(&target, &key)?;
     remember(to_stamp);
     Ok(Prepared::of(&m, key, false, key_from_stamp, kind))
+}
+
+/// Refuses an output file that is one of the input's files (by device and inode, so through
+/// any path or link): the prepared file is renamed over `out` once written, and the data would
+/// be gone, replaced by its conversion.
+fn refuse_overwriting_input(input: &Path, kind: &Kind, out: &Path) -> Result<(), DataError> {
+    let Ok(o) = std::fs::metadata(out) else {
+        return Ok(());
+    };
+    let is_input = kind
+        .files(input)
+        .iter()
+        .any(|f| std::fs::metadata(f).is_ok_and(|m| m.dev() == o.dev() && m.ino() == o.ino()));
+    if is_input {
+        return Err(DataError::Write {
+            path: out.to_path_buf(),
+            cause: std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!(
+                    "it is the input {}: the prepared file would replace the data; name another output file",
+                    input.display()
+                ),
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Why writing the prepared file failed: converting the input, or the file system.

@@ -365,6 +365,28 @@ fn a_prepared_file_given_as_input_is_used_as_it_is() {
     );
 }
 
+/// `launcher prepare train.jsonl -o train.jsonl` (a slip of tab completion) replaced the data
+/// with its prepared file, the JSONL gone; now the output is refused when it is the input (by
+/// any path to it) and the input stays as it was.
+#[test]
+fn an_output_file_that_is_the_input_is_refused_and_the_input_kept() {
+    let d = Dir::new("outin");
+    let text = jsonl_of(&samples(5));
+    let input = d.file("train.jsonl", text.as_bytes());
+    let link = d.0.join("link.jsonl");
+    std::os::unix::fs::symlink(&input, &link).unwrap();
+    for out in [input.clone(), link, d.0.join(".").join("train.jsonl")] {
+        let err = prepare(&input, 512, &d.0.join("unused"), Some(&out), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("it is the input") && err.contains("name another output file"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&input).unwrap(), text);
+    }
+}
+
 #[test]
 fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
     let d = Dir::new("stamp");
