@@ -166,6 +166,10 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     });
 
     // The data, prepared once (or found prepared) and mapped: only the lengths are read here.
+    // A config's own `data.prepared` is not this run's: the effective config of an earlier run
+    // (`<run-dir>/config.toml`, also what a resume loads) names that run's prepared file, which
+    // a run on `--synthetic` or a resume would otherwise map in place of its data.
+    cfg.data.prepared = None;
     let mut prepared = None;
     let mut data_line = None;
     if let Some(input) = cfg.data.path.clone() {
