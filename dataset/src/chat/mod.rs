@@ -182,7 +182,8 @@ impl Chat {
         let mut globals: Vec<(String, Value)> = Vec::new();
         let mut h = XxHash3_128::with_seed(7);
         // 2: a message reaches the template with every key its record gives (tool calls).
-        h.write(b"hspipe chat 2");
+        // 3: in the record's key order (a tool call's arguments were sorted before).
+        h.write(b"hspipe chat 3");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
             h.write(b);
