@@ -112,10 +112,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         cfg.data.path = Some(p.clone());
     }
     if let Some(n) = args.synthetic {
-        // A config a run wrote names the file its data was prepared into; the workers' dataset
-        // is that file whenever it is named, so it goes with the path.
         cfg.data.path = None;
-        cfg.data.prepared = None;
         cfg.data.synthetic_samples = n;
     }
     if let Some(m) = &args.model {

@@ -540,40 +540,6 @@ fn a_truncated_or_foreign_cache_file_stops_the_launcher_with_a_clear_error() {
     );
 }
 
-/// A run's effective config (`<run-dir>/config.toml`) names the prepared file it mapped
-/// (`data.prepared`); a run started on that config with `--synthetic N` mapped that file again
-/// and trained the old run's 60 samples instead of N synthetic ones. Now the launcher sets
-/// `data.prepared` itself, and only from the data it prepares.
-#[test]
-fn a_config_copied_from_a_run_trains_the_data_this_launch_names() {
-    let _shared = stale_segments_shared();
-    let dir = Dir::new("dcopied");
-    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(60))).unwrap();
-    let config = run_config(&dir, 2_000_000.0, "");
-    let out = launch(
-        Some(&config),
-        &["--data", &dir.s("train.jsonl"), "--run-dir", &dir.s("run1")],
-    )
-    .finish();
-    assert!(out.contains("60/60 samples trained"), "{out}");
-    let copied = dir.path("run1/config.toml");
-    assert!(
-        std::fs::read_to_string(&copied)
-            .unwrap()
-            .contains("prepared = "),
-        "the effective config names its prepared file"
-    );
-    let out = launch(
-        Some(&copied),
-        &["--synthetic", "40", "--run-dir", &dir.s("run2")],
-    )
-    .finish();
-    assert!(
-        out.contains("data: synthetic (40 samples") && out.contains("40/40 samples trained"),
-        "{out}"
-    );
-}
-
 #[test]
 fn a_file_launcher_prepare_wrote_is_used_as_it_is() {
     let _shared = stale_segments_shared();
