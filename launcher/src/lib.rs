@@ -104,6 +104,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             .with_context(|| format!("resuming {}", dir.display()))?,
         None => None,
     };
+    spawn::settle_command_dirs(&mut cfg)?;
     spawn::check_commands(&cfg)?;
     // After the config: a directory that is no run at all is told so, not that it lacks
     // a record of its GPUs.

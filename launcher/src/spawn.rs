@@ -72,6 +72,9 @@ pub struct Welcome {
     /// (`[target] command`, `[drafter] command`: Python workers).
     pub target_command: Option<Vec<String>>,
     pub drafter_command: Option<Vec<String>>,
+    /// The directories they run in (`command_dir`).
+    pub target_command_dir: Option<PathBuf>,
+    pub drafter_command_dir: Option<PathBuf>,
 }
 
 impl Welcome {
@@ -81,20 +84,51 @@ impl Welcome {
             Role::Consumer => self.drafter_command.as_deref(),
         }
     }
+
+    fn command_dir(&self, role: Role) -> Option<&Path> {
+        match role {
+            Role::Producer => self.target_command_dir.as_deref(),
+            Role::Consumer => self.drafter_command_dir.as_deref(),
+        }
+    }
+}
+
+/// Each worker command's directory ([`proto::config::TargetConfig::command_dir`]): the config's,
+/// made absolute, else the one the launcher runs in. A resume keeps the run's own, so a command
+/// whose paths are relative runs as it did when the run started, wherever it is resumed from.
+pub fn settle_command_dirs(cfg: &mut proto::PipelineConfig) -> anyhow::Result<()> {
+    for (command, dir) in [
+        (&cfg.target.command, &mut cfg.target.command_dir),
+        (&cfg.drafter.command, &mut cfg.drafter.command_dir),
+    ] {
+        if command.is_some() {
+            *dir = Some(match dir.take() {
+                Some(d) => std::path::absolute(&d).with_context(|| {
+                    format!("resolving the command's directory {}", d.display())
+                })?,
+                None => std::env::current_dir().context("reading the current directory")?,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The config's worker commands name programs that exist (a path, or a name found on `PATH`),
 /// checked before the run starts: a typo is an error at once, not a crash loop.
 pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
-    for (section, command) in [
-        ("target", &cfg.target.command),
-        ("drafter", &cfg.drafter.command),
+    for (section, command, dir) in [
+        ("target", &cfg.target.command, &cfg.target.command_dir),
+        ("drafter", &cfg.drafter.command, &cfg.drafter.command_dir),
     ] {
         let Some(program) = command.as_ref().and_then(|c| c.first()) else {
             continue;
         };
         let found = if program.contains('/') {
-            Path::new(program).is_file()
+            // Relative to the directory the command runs in.
+            dir.as_deref()
+                .unwrap_or(Path::new("."))
+                .join(program)
+                .is_file()
         } else {
             std::env::var_os("PATH").is_some_and(|path| {
                 std::env::split_paths(&path).any(|dir| dir.join(program).is_file())
@@ -103,10 +137,10 @@ pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
         if !found {
             anyhow::bail!(
                 "[{section}] command: no program {program:?}{}",
-                if program.contains('/') {
-                    ""
-                } else {
-                    " on PATH"
+                match dir {
+                    _ if !program.contains('/') => " on PATH".to_string(),
+                    Some(d) => format!(" in {}", d.display()),
+                    None => String::new(),
                 }
             );
         }
@@ -221,6 +255,9 @@ pub fn spawn(
                 .env(control::ENV_WORKER, key.name.to_string())
                 // Python's prints reach the log as they happen.
                 .env("PYTHONUNBUFFERED", "1");
+            if let Some(dir) = welcome.command_dir(key.name.role) {
+                cmd.current_dir(dir);
+            }
             cmd
         }
         _ => {

@@ -256,6 +256,11 @@ pub struct TargetConfig {
     /// `["python", "my_target.py"]`: a user's own model through the `hspipe` Python package.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<String>>,
+    /// The directory `command` runs in. The launcher sets it to the directory the run was
+    /// started from when absent, and the run's config.toml keeps it, so the command's relative
+    /// paths (`my_target.py`) mean the same to a `--resume` run from anywhere.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command_dir: Option<PathBuf>,
 }
 
 impl Default for TargetConfig {
@@ -266,6 +271,7 @@ impl Default for TargetConfig {
             threads: 0,
             depth: 0,
             command: None,
+            command_dir: None,
         }
     }
 }
@@ -300,6 +306,9 @@ pub struct DrafterConfig {
     /// [`TargetConfig::command`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<String>>,
+    /// The directory `command` runs in (see [`TargetConfig::command_dir`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command_dir: Option<PathBuf>,
 }
 
 impl Default for DrafterConfig {
@@ -313,6 +322,7 @@ impl Default for DrafterConfig {
             collective: CollectiveKind::Auto,
             total_steps: None,
             command: None,
+            command_dir: None,
         }
     }
 }

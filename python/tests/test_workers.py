@@ -7,10 +7,14 @@ Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the 
 """
 
 import json
+import os
 import signal
+import subprocess
 
 from conftest import (
+    BIN,
     PYTHON,
+    WATCHDOG_S,
     config_text,
     every_sample_once,
     kill_one_of,
@@ -349,3 +353,35 @@ def test_a_worker_program_that_does_not_exist_is_an_error_before_the_run(run):
     no_segment_of(run.proc.pid)
     assert code == 1, out
     assert '[drafter] command: no program "no-such-program-hspipe" on PATH' in out, out
+
+
+def test_a_python_worker_resumed_from_another_directory_runs_in_the_run_and_its_directory(tmp_path):
+    # A command runs in the directory the run started from (`command_dir`), whatever directory
+    # a resume runs in, and is told the run directory as an absolute path: given relative, it
+    # would name another place from there (and a Python drafter writes its ledger there).
+    record = tmp_path / "seen.txt"
+    body = (
+        "import os, sys, hspipe; w = hspipe.connect(); "
+        f"open({str(record)!r}, 'a').write(os.getcwd() + ' ' + str(w.run_dir) + '\\n'); sys.exit(1)"
+    )
+    (tmp_path / "test.toml").write_text(config_text(target=[PYTHON, "-c", body]))
+
+    def launch(cwd, *args):
+        got = subprocess.run(
+            [str(BIN / "launcher"), *args, "--max-restarts", "0"],
+            cwd=cwd, capture_output=True, text=True, timeout=WATCHDOG_S,
+        )
+        return got.returncode, got.stdout + got.stderr
+
+    code, out = launch(tmp_path, "--config", "test.toml", "--run-dir", "run",
+                       "--targets", "0", "--drafters", "1")
+    assert code == 3, out
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code, out = launch(elsewhere, "--resume", "../run")
+    assert code == 3, out
+    seen = [line.split(" ") for line in record.read_text().splitlines()]
+    assert len(seen) == 2, seen
+    for cwd, run_dir in seen:
+        assert os.path.samefile(cwd, tmp_path), seen
+        assert os.path.isabs(run_dir) and os.path.samefile(run_dir, tmp_path / "run"), seen

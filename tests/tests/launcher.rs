@@ -1894,6 +1894,52 @@ fn a_run_started_with_relative_paths_resumes_from_another_directory() {
     assert!(said.contains("resuming"), "{said}");
 }
 
+/// A worker command with relative paths (`["sh", "worker.sh"]`) runs in the directory the run
+/// started from, on a resume from elsewhere too: the run's config.toml records it
+/// (`command_dir`). Before, the resume ran it in its own directory, where `worker.sh` is not.
+#[test]
+fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere() {
+    let run = Run::new("lcmddir");
+    // A target that records where it ran, then fails: given up at once (--max-restarts 0).
+    std::fs::write(run.dir.join("worker.sh"), "pwd -P >> ran-in.txt\nexit 1\n").unwrap();
+    let cfg = "[data]\nsynthetic_samples = 20\n[target]\ncommand = [\"sh\", \"worker.sh\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let launcher = |cwd: &Path, args: &[&str]| {
+        let out = std::process::Command::new(workspace_bin("launcher"))
+            .current_dir(cwd)
+            .args(args)
+            .args(["--max-restarts", "0"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!said.contains("panicked"), "{said}");
+        (out.status.code(), said)
+    };
+    let (code, said) = launcher(
+        &run.dir,
+        &[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--config",
+            "run.toml",
+            "--run-dir",
+            "run",
+        ],
+    );
+    assert_eq!(code, Some(3), "{said}");
+    let elsewhere = run.dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let (code, said) = launcher(&elsewhere, &["--resume", run.run_dir().to_str().unwrap()]);
+    assert_eq!(code, Some(3), "{said}");
+    let here = run.dir.canonicalize().unwrap();
+    let ran = std::fs::read_to_string(run.dir.join("ran-in.txt")).unwrap();
+    let want = format!("{}\n", here.display());
+    assert_eq!(ran, want.repeat(2), "the first launch and the resume");
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").

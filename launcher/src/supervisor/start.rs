@@ -99,12 +99,17 @@ impl<'a> Supervisor<'a> {
 
         let welcome = Welcome {
             ring: ring_name.clone(),
-            run_dir: run_dir.path().to_path_buf(),
+            // Absolute: a worker command runs in its own directory (`command_dir`).
+            run_dir: std::path::absolute(run_dir.path()).with_context(|| {
+                format!("resolving the run directory {}", run_dir.path().display())
+            })?,
             config_toml: cfg.to_toml(),
             backend: backend.0,
             threads: spawn::threads_per_worker(cfg.target.threads, targets.len() + drafters.len()),
             target_command: cfg.target.command.clone(),
+            target_command_dir: cfg.target.command_dir.clone(),
             drafter_command: cfg.drafter.command.clone(),
+            drafter_command_dir: cfg.drafter.command_dir.clone(),
         };
         let workers = (targets.iter().enumerate())
             .map(|(i, &gpu)| Worker::new(WorkerName::producer(i as u32), gpu))
