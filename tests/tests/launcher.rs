@@ -1837,6 +1837,19 @@ fn resume_of_a_run_whose_launcher_still_runs_is_refused_and_the_run_finishes() {
     assert!(err.contains("nothing to resume"), "{err}");
 }
 
+/// The launcher run in `cwd` with `args` to its end: its exit code, and all it printed.
+fn launch_in(cwd: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(workspace_bin("launcher"))
+        .current_dir(cwd)
+        .args(args)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!said.contains("panicked"), "{said}");
+    (out.status.code(), said)
+}
+
 /// A run started with a relative `--model` and `--data` resumes from another directory, as the
 /// reclaim line's `launcher --resume /abs/run` invites: the run's config.toml records where
 /// they are, not the words typed. Before, it recorded them as typed, and the resume looked for
@@ -1857,17 +1870,7 @@ fn a_run_started_with_relative_paths_resumes_from_another_directory() {
         crate::model::SMALL_DFLASH
     );
     std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
-    let launcher = |cwd: &Path, args: &[&str]| {
-        let out = std::process::Command::new(workspace_bin("launcher"))
-            .current_dir(cwd)
-            .args(args)
-            .output()
-            .unwrap();
-        let said = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        (out.status.code(), said)
-    };
-    let (code, said) = launcher(
+    let (code, said) = launch_in(
         &run.dir,
         &[
             "--targets",
@@ -1889,7 +1892,7 @@ fn a_run_started_with_relative_paths_resumes_from_another_directory() {
     std::fs::remove_file(RunDir::new(run.run_dir()).summary()).unwrap();
     let elsewhere = run.dir.join("elsewhere");
     std::fs::create_dir(&elsewhere).unwrap();
-    let (code, said) = launcher(&elsewhere, &["--resume", run.run_dir().to_str().unwrap()]);
+    let (code, said) = launch_in(&elsewhere, &["--resume", run.run_dir().to_str().unwrap()]);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("resuming"), "{said}");
 }
@@ -1904,18 +1907,8 @@ fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere()
     std::fs::write(run.dir.join("worker.sh"), "pwd -P >> ran-in.txt\nexit 1\n").unwrap();
     let cfg = "[data]\nsynthetic_samples = 20\n[target]\ncommand = [\"sh\", \"worker.sh\"]\n";
     std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
-    let launcher = |cwd: &Path, args: &[&str]| {
-        let out = std::process::Command::new(workspace_bin("launcher"))
-            .current_dir(cwd)
-            .args(args)
-            .args(["--max-restarts", "0"])
-            .output()
-            .unwrap();
-        let said = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(!said.contains("panicked"), "{said}");
-        (out.status.code(), said)
-    };
+    let launcher =
+        |cwd: &Path, args: &[&str]| launch_in(cwd, &[args, &["--max-restarts", "0"]].concat());
     let (code, said) = launcher(
         &run.dir,
         &[
