@@ -457,6 +457,22 @@ mod tests {
             parse(&["--synthetic", "67108864"]).unwrap().synthetic,
             Some(1 << 26)
         );
+        // capture's too (before, 0 reached the config's check, named data.synthetic_samples).
+        for n in ["0", "100000000000"] {
+            let args = [
+                "launcher",
+                "capture",
+                "--model",
+                "m",
+                "-o",
+                "o",
+                "--synthetic",
+                n,
+            ];
+            let e = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            assert!(e.to_string().contains("--synthetic"), "{e}");
+        }
     }
 
     #[test]

@@ -138,7 +138,16 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         .chain(&gpus.drafters)
         .max()
         .map_or(0, |g| g + 1);
-    let backend = choose_backend(args.backend, cfg.model.path.is_some(), need)?;
+    let backend = choose_backend(args.backend, cfg.model.path.is_some(), need).map_err(|e| {
+        // A resume takes no --model: the run's own decides, so say what the run is.
+        match (&args.resume, &cfg.model.path) {
+            (Some(dir), None) => e.context(format!(
+                "{} ran without a model (the mock backend), and a resume runs what the run ran: leave --backend out, or give --backend mock",
+                dir.display()
+            )),
+            _ => e,
+        }
+    })?;
     // The model fixes the hidden size and captured layers the ring is sized for.
     gpu::settle(backend.0, &mut cfg).context("checking the model (its config.json and weights)")?;
     cfg.drafter.collective = choose_collective(

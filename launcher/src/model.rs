@@ -237,8 +237,9 @@ pub struct CaptureArgs {
         requires = "data"
     )]
     pub data_cache: PathBuf,
-    /// N samples of the built-in synthetic dataset (default 16 when --data is absent).
-    #[arg(long)]
+    /// N samples of the built-in synthetic dataset (default 16 when --data is absent); 1 to
+    /// 67108864.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=proto::config::MAX_SYNTHETIC_SAMPLES))]
     pub synthetic: Option<u64>,
     /// Output directory (created; must be empty).
     #[arg(short, long, value_name = "DIR")]

@@ -1967,6 +1967,24 @@ fn resume_alone_of_a_run_without_its_gpu_lists_says_to_pass_them() {
         ledger0
     );
     assert!(!RunDir::new(&run_dir).summary().exists());
+    // A real model's backend for a run of the mock: it says what the run is, not to name a
+    // model with --model, which a resume refuses.
+    let (code, err) = resume_refused(
+        &run_dir,
+        &[
+            "--targets",
+            "0-4",
+            "--drafters",
+            "5-7",
+            "--backend",
+            "candle",
+        ],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("ran without a model (the mock backend)") && err.contains("--backend mock"),
+        "{err}"
+    );
 
     let out = spawn(
         &workspace_bin("launcher"),
