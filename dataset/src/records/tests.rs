@@ -1,0 +1,58 @@
+//! The records' tests: every key a message gives reaches its template, in its order.
+
+use super::*;
+use crate::chat::template::Template;
+
+/// A message reaches the template with every key its record gives, as transformers hands
+/// it over: an assistant turn that only calls a tool (OpenAI's `"content": null`) renders
+/// its call, a tool's reply its `name`, and reasoning under its own name too. Before, the
+/// call was dropped (an empty assistant turn, trained as such) and null content refused.
+#[test]
+fn a_message_reaches_the_template_with_every_key_of_its_record() {
+    let turns = serde_json::json!([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "thinking": "look it up",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "name": "get_weather", "content": "rain"},
+    ]);
+    let messages = conversation("messages", turns).unwrap();
+    assert_eq!(messages[1].content, "");
+    assert_eq!(messages[1].reasoning_content.as_deref(), Some("look it up"));
+    let src = "{% for m in messages %}[{{ m.role }}|{{ m.content }}\
+        {% if m.tool_calls %}|call {{ m.tool_calls[0].function.name }}\
+        ({{ m.tool_calls[0].function.arguments.city }}){% endif %}\
+        {% if m.name %}|from {{ m.name }}{% endif %}\
+        {% if m.thinking %}|thought {{ m.thinking }}{% endif %}]{% endfor %}";
+    let t = Template::new(src, vec![]).unwrap();
+    let r = t.render(&messages, false).unwrap();
+    assert_eq!(
+        r.text,
+        "[user|weather?][assistant||call get_weather(Oslo)|thought look it up]\
+         [tool|rain|from get_weather]"
+    );
+    // Without content and without a call, a message is still refused, saying why.
+    let e = message(serde_json::json!({"role": "assistant"})).unwrap_err();
+    assert!(e.contains("nor tool_calls"), "{e}");
+}
+
+/// A tool call's arguments reach the template with their keys in the record's order, as
+/// Python's dicts keep them: templates write them with `tojson` (Qwen's, Llama's), so an
+/// order of our own is other ids than transformers'. Before, serde_json's map sorted the
+/// keys: `{"unit": "C", "city": "Oslo"}` rendered as `{"city": "Oslo", "unit": "C"}`.
+#[test]
+fn a_tool_calls_arguments_keep_the_records_key_order() {
+    let line = r#"{"messages": [{"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
+         "function": {"name": "get_weather", "arguments": {"unit": "C", "city": "Oslo"}}}]}]}"#;
+    let Ok(Record::Chat(messages)) = parse_line(&line.replace('\n', " ")) else {
+        panic!("not a conversation");
+    };
+    let t = Template::new(
+        "{{ messages[1].tool_calls[0].function.arguments | tojson }}",
+        vec![],
+    )
+    .unwrap();
+    let r = t.render(&messages, false).unwrap();
+    assert_eq!(r.text, r#"{"unit": "C", "city": "Oslo"}"#);
+}
