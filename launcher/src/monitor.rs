@@ -9,13 +9,14 @@
 //! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
 //! without failing the run.
 //!
-//! Length: about 500 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
-//! snapshots, the group's steps), the line and bar that print it and their tests are one thing.
+//! Length: about 600 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
+//! snapshots, the group's steps), the line and bar that print it (with the bar's ETA) and their
+//! tests are one thing.
 //!
 //! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
 //! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -173,6 +174,71 @@ fn bar_template(width: u16, len: u64) -> String {
     }
 }
 
+/// How far back the ETA looks: the pace of the last few minutes, so that a week-long run's ETA
+/// neither jumps with each step nor lags a change of pace (a drafter given up) by days.
+const ETA_WINDOW_S: f64 = 300.0;
+
+/// This launcher's progress at its ticks, `(t_s, batches trained)`, over the last
+/// [`ETA_WINDOW_S`]: the bar's ETA. Not indicatif's estimator, which read a resume's
+/// checkpointed batches as trained in its first moment (an ETA of seconds for a run of days),
+/// decayed over the monitor period before each tick (at `--monitor 10`, an ETA 3 to 5 times
+/// too long) and said `ETA 0s` before the first batch.
+#[derive(Debug)]
+struct Pace {
+    points: VecDeque<(f64, u64)>,
+}
+
+impl Pace {
+    /// A launcher that starts at `t_s` 0 with `done` batches trained by earlier launchers.
+    fn new(done: u64) -> Pace {
+        Pace {
+            points: VecDeque::from([(0.0, done)]),
+        }
+    }
+
+    fn push(&mut self, t_s: f64, trained: u64) {
+        // No progress since the oldest point (the ring filling at the start, a stall longer
+        // than the window): the pace is measured from the progress that follows.
+        if self.points.front().is_some_and(|&(_, b)| b >= trained) {
+            self.points.clear();
+        }
+        self.points.push_back((t_s, trained));
+        // Keep one point at or before the window's start, so the pace spans the whole window.
+        while self.points.len() >= 2 && self.points[1].0 <= t_s - ETA_WINDOW_S {
+            self.points.pop_front();
+        }
+    }
+
+    /// The time left for the `total` planned batches at the window's pace; `None` while the
+    /// window holds no progress.
+    fn eta(&self, total: u64) -> Option<Duration> {
+        let (&(t0, b0), &(t1, b1)) = (self.points.front()?, self.points.back()?);
+        if b1 >= total {
+            return Some(Duration::ZERO);
+        }
+        if b1 <= b0 || t1 <= t0 {
+            return None;
+        }
+        let left = (total - b1) as f64 * (t1 - t0) / (b1 - b0) as f64;
+        Some(Duration::from_secs_f64(left))
+    }
+
+    /// `ETA 5m07s`, `ETA 31h04m`; `ETA ?` while there is no pace to go by.
+    fn text(&self, total: u64) -> String {
+        let Some(eta) = self.eta(total) else {
+            return "ETA ?".into();
+        };
+        let eta = eta.as_secs();
+        if eta >= 3600 {
+            format!("ETA {}h{:02}m", eta / 3600, eta % 3600 / 60)
+        } else if eta >= 60 {
+            format!("ETA {}m{:02}s", eta / 60, eta % 60)
+        } else {
+            format!("ETA {eta}s")
+        }
+    }
+}
+
 /// The progress bar on a terminal.
 struct Bar {
     bar: ProgressBar,
@@ -181,6 +247,8 @@ struct Bar {
     template: String,
     /// The log, for what the bar shows (plain lines reach the log through stdout).
     log: Log,
+    /// This launcher's pace, for the ETA.
+    pace: Pace,
 }
 
 pub struct Monitor {
@@ -263,19 +331,16 @@ impl Monitor {
                 .open(&path)
                 .with_context(|| format!("opening {}", path.display()))?;
         let bar = tee.terminal().map(|term| Bar {
-            bar: {
-                let bar = ProgressBar::with_draw_target(
-                    Some(total),
-                    ProgressDrawTarget::term(term.clone(), 20),
-                )
-                .with_position(done);
-                // From what earlier launchers trained: the ETA is this launcher's pace.
-                bar.reset_eta();
-                bar
-            },
+            bar: ProgressBar::with_draw_target(
+                Some(total),
+                ProgressDrawTarget::term(term.clone(), 20),
+            )
+            .with_position(done),
             term,
             template: String::new(),
             log: tee.log(),
+            // From what earlier launchers trained: the ETA is this launcher's pace.
+            pace: Pace::new(done),
         });
         let mut mon = Monitor {
             metrics,
@@ -475,17 +540,11 @@ impl Monitor {
                     b.template = template;
                 }
                 // Most important first: the end is what a narrow terminal cuts.
-                let eta = b.bar.eta().as_secs();
-                let eta = if eta >= 3600 {
-                    format!("{}h{:02}m", eta / 3600, eta % 3600 / 60)
-                } else if eta >= 60 {
-                    format!("{}m{:02}s", eta / 60, eta % 60)
-                } else {
-                    format!("{eta}s")
-                };
+                b.pace.push(t.t_s, t.batches_trained);
+                let eta = b.pace.text(self.total);
                 b.bar.set_position(t.batches_trained);
                 b.bar.set_message(format!(
-                    "{rate}{group}  ring {}/{}  ETA {eta}  busy T {:.0}% D {:.0}%  restarts {restarts}  | {}",
+                    "{rate}{group}  ring {}/{}  {eta}  busy T {:.0}% D {:.0}%  restarts {restarts}  | {}",
                     t.ring_ready,
                     t.ring_slots,
                     tb * 100.0,
@@ -514,6 +573,37 @@ impl Monitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bar's ETA goes by this launcher's pace: `?` before its first batch (not `0s`), a
+    /// resume's checkpointed batches not counted as trained at once, and the pace over a long
+    /// monitor period as it was, the pace of the last five minutes.
+    #[test]
+    fn the_eta_is_the_pace_of_this_launchers_batches() {
+        // A resume with 100 of 200 batches checkpointed: nothing trained while the ring fills.
+        let mut pace = Pace::new(100);
+        for t in [10.0, 20.0, 30.0] {
+            pace.push(t, 100);
+            assert_eq!(pace.text(200), "ETA ?", "at {t} s");
+        }
+        // 10 batches a tick of 10 s, from 30 s on.
+        pace.push(40.0, 110);
+        assert_eq!(pace.text(200), "ETA 1m30s");
+        pace.push(50.0, 120);
+        assert_eq!(pace.text(200), "ETA 1m20s", "{pace:?}");
+        // A week-long run at --monitor 60: 2 batches a minute, 10,000 left.
+        let mut pace = Pace::new(0);
+        for i in 1..=20 {
+            pace.push(60.0 * f64::from(i), 2 * i as u64);
+        }
+        assert_eq!(pace.eta(10_040), Some(Duration::from_secs(300_000)));
+        assert_eq!(pace.text(10_040), "ETA 83h20m");
+        // The pace of the last five minutes: the run slowed to one batch a minute.
+        for i in 21..=26 {
+            pace.push(60.0 * f64::from(i), 40 + (i - 20) as u64);
+        }
+        assert_eq!(pace.text(1046), "ETA 16h40m");
+        assert_eq!(pace.text(46), "ETA 0s", "every batch trained");
+    }
 
     /// metrics.jsonl names phases as it always did (`"wait_full"`, ...), and reads them back.
     #[test]

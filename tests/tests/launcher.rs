@@ -1339,7 +1339,7 @@ fn checkpoint_step(run: &Run) -> u64 {
 /// checkpointed and trained `released` batches (fewer than the plan's, so the run cannot have
 /// ended). Returns the checkpoint's step, the batches whose update it holds (with their
 /// steps), and the killed launcher's pid.
-fn kill_everything_mid_run(
+pub(crate) fn kill_everything_mid_run(
     b: Backend,
     run: &Run,
     samples: u32,

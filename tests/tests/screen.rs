@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use shm_ring::WorkerName;
 
-use crate::launcher::{config, kill, no_segment_of, Run};
+use crate::launcher::{config, kill, kill_everything_mid_run, no_segment_of, Backend, Run};
 use crate::support::{spawn, workspace_bin, WATCHDOG};
 
 /// A tmux server of this test alone (its own socket), killed with everything in it on drop.
@@ -250,6 +250,60 @@ fn the_watch_screen_and_the_progress_line_fit_80x24_and_120x40() {
     tmux.wait_gone("run");
     no_segment_of(launcher_pid);
     assert_eq!(run.summary()["exit_code"], 130);
+}
+
+/// The progress bar of a resumed run that has trained nothing yet (its drafters now crash at
+/// every start) says `ETA ?`: before, indicatif took the checkpoint's batches for progress made
+/// in the resume's first moment and said `ETA 0s`, then a few seconds, for a run that stood.
+#[test]
+fn a_resumed_run_that_has_trained_nothing_yet_shows_no_eta() {
+    let run = Run::new("etaresume");
+    let (_, kept, _) = kill_everything_mid_run(Backend::Mock, &run, 400, 1, 12);
+    let run_dir = run.run_dir();
+    let rd = proto::RunDir::new(&run_dir);
+    let mut cfg = std::fs::read_to_string(rd.config()).unwrap();
+    for d in 0..3 {
+        cfg += &format!("\n[faults.drafter-{d}]\ncrash_at_start = true\n");
+    }
+    std::fs::write(rd.config(), cfg).unwrap();
+    let ticks = || {
+        std::fs::read_to_string(rd.metrics())
+            .unwrap()
+            .lines()
+            .count()
+    };
+    let before = ticks();
+    let tmux = Tmux::new();
+    tmux.start(
+        "run",
+        160,
+        24,
+        &format!(
+            "{} --resume {} --monitor 0.1 --max-restarts 1000",
+            workspace_bin("launcher"),
+            run_dir.display()
+        ),
+    );
+    let pid = tmux.pid("run");
+    // Ten ticks: indicatif had taken in the checkpoint's batches by then.
+    let deadline = Instant::now() + WATCHDOG;
+    while ticks() < before + 10 {
+        assert!(Instant::now() < deadline, "the resume wrote no ten ticks");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let screen = tmux.wait_for("run", "the resume's progress bar", |s| {
+        s.iter().any(|l| l.contains("tok/s  ring"))
+    });
+    let bar = screen.iter().find(|l| l.contains("tok/s  ring")).unwrap();
+    let at = format!(" {}/", kept.len());
+    assert!(bar.contains(&at), "the bar is not at {at}: {bar}");
+    assert!(bar.contains("ETA ?  "), "{bar}");
+    // Its drafters never drain the ring: a second signal, past the first's second, stops it.
+    kill(pid, Signal::INT);
+    std::thread::sleep(Duration::from_millis(1500));
+    kill(pid, Signal::INT);
+    tmux.wait_gone("run");
+    no_segment_of(pid);
 }
 
 /// `launcher report` with `args`: (exit code, stderr).
