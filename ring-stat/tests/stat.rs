@@ -832,6 +832,27 @@ fn with_no_drafter_running_it_is_idle() {
     assert!(v.warnings[0].starts_with("drafter 0 died"), "{v:?}");
 }
 
+/// A drafter that died before its first take (a crash at start, given up): idle, not
+/// "draining: the drafters are training the last batches", with no drafter alive to train them.
+#[test]
+fn with_the_only_drafter_dead_before_any_take_it_is_idle() {
+    let r = ring("nodrafterfirst", 1, 1, 4);
+    let p = r.producer(0).unwrap();
+    let c = r.consumer(0).unwrap();
+    publish_tokens(&p, 100);
+    std::mem::forget(c);
+    // SAFETY: the only handle of consumer 0 was forgotten above and is never used again.
+    unsafe { r.recover_unchecked(WorkerName::consumer(0)) }.unwrap();
+    assert!(p.finish(), "the last producer closes the ring");
+    let a = r.snapshot();
+    let (v, _) = judge(&r, &a, &[]);
+    assert_eq!(v.bottleneck, Bottleneck::Idle, "{v:?}");
+    assert_eq!(
+        v.line,
+        "idle: no drafter is running; 1 batch(es) wait in the ring"
+    );
+}
+
 #[test]
 fn a_dead_worker_is_a_warning() {
     let r = ring("dead", 1, 2, 4);

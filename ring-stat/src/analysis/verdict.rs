@@ -156,9 +156,11 @@ fn stalled(w: &Window) -> Option<Call> {
     })
 }
 
-/// No drafter runs after the first take (before it, drafters may still be starting).
+/// No drafter runs after the first take, or once one has died (before either, drafters may
+/// still be starting): a drafter given up at its start leaves nobody to train what is left.
 fn no_drafter(w: &Window) -> Option<Call> {
-    (w.drafters_live == 0 && w.b.counters.taken > 0).then(|| {
+    let started = w.b.counters.taken > 0 || w.drafters_down > 0;
+    (w.drafters_live == 0 && started).then(|| {
         Call::new(
             Bottleneck::Idle,
             format!(
