@@ -39,6 +39,10 @@ use crate::tensorboard::Board;
 #[serde(default)]
 pub struct Tick {
     pub t_s: f64,
+    /// When the launcher that wrote the tick started (Unix time, ms): which launch of the run
+    /// the tick is from (`t_s` starts again at each), for `launcher report`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launch_unix_ms: Option<u64>,
     pub tokens_per_s: f64,
     /// Batches trained in the run so far: a resumed run's count starts at the batches its
     /// checkpoint holds.
@@ -268,6 +272,8 @@ pub struct Monitor {
     bar: Option<Bar>,
     /// When the monitor started, for the time of events.
     started: Instant,
+    /// When this launcher started (Unix time, ms): every tick's `launch_unix_ms`.
+    launch_unix_ms: u64,
     /// Events said since the last tick.
     events: Vec<EventTick>,
     /// The restarts of the last tick, for the final one.
@@ -353,6 +359,9 @@ impl Monitor {
             occupancy: Vec::new(),
             bar,
             started: Instant::now(),
+            launch_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
             events: Vec::new(),
             restarts: 0,
             loss_sum: 0.0,
@@ -459,6 +468,7 @@ impl Monitor {
         let trained = self.done_before + snap.counters.released;
         let t = Tick {
             t_s: started.elapsed().as_secs_f64(),
+            launch_unix_ms: Some(self.launch_unix_ms),
             tokens_per_s: iv.tokens_per_s,
             batches_trained: trained,
             batches_total: self.total,

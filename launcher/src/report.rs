@@ -100,6 +100,7 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let mut ticks: Vec<Tick> = Vec::new();
     let (mut n, mut read) = (0usize, 0usize);
     let (mut last_raw, mut last_t, mut offset) = (0.0, 0.0, 0.0);
+    let mut last_launch = None;
     let mut line = String::new();
     loop {
         line.clear();
@@ -117,8 +118,14 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         match serde_json::from_str::<Tick>(&line) {
             Ok(mut t) => {
                 // A resumed run appends ticks whose clock starts again at 0: they go on from
-                // where the earlier session ended, and the restart is marked.
-                if t.t_s < last_raw {
+                // where the earlier session ended, and the restart is marked. Each tick names
+                // its launch; an older file's only sign is the clock going back.
+                let resumed = match (last_launch, t.launch_unix_ms) {
+                    (Some(was), Some(is)) => was != is,
+                    _ => t.t_s < last_raw,
+                };
+                last_launch = t.launch_unix_ms;
+                if resumed {
                     offset = last_t;
                     t.events.insert(
                         0,
@@ -460,13 +467,17 @@ fn outcome(run: &RunData) -> String {
     match &run.summary {
         Some(s) => {
             let ok = s["ok"].as_bool().unwrap_or(false);
+            // summary.json's time, rate and redeliveries are its last launch's; the batches
+            // are the run's.
+            let resumed = (run.ticks.iter()).any(|t| t.events.iter().any(|e| e.text == RESUMED));
             format!(
-                "{} (exit code {}): {}/{} samples trained, {} batches ({} redelivered) in {:.1} s, {} tokens/s{}",
+                "{} (exit code {}): {}/{} samples trained, {} batches; {}{} redelivered, {:.1} s, {} tokens/s{}",
                 if ok { "finished" } else { "ended" },
                 s["exit_code"],
                 s["samples_trained"],
                 s["samples_total"],
                 s["batches_trained"],
+                if resumed { "its last launch: " } else { "" },
                 s["redelivered"],
                 s["wall_s"].as_f64().unwrap_or(end),
                 human_rate(s["tokens_per_s"].as_f64().unwrap_or(0.0)),
@@ -1024,7 +1035,7 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{marks, MarkKind, Plan, RunData};
+    use super::{load, marks, outcome, MarkKind, Plan, RunData, RESUMED};
     use crate::monitor::{EventTick, Tick};
 
     /// A side past what can be drawn is refused naming the flag, not drawn for ever.
@@ -1044,6 +1055,47 @@ mod tests {
             assert!(e.contains(flag) && e.contains("at most 16384"), "{e}");
         }
         assert!(Plan::new(&run, 16384, Some(16384)).is_ok());
+    }
+
+    /// A resume is found by the launch each tick names, also when its clock does not go back
+    /// (the earlier launch stopped after a tick, or the resume ticks less often): its ticks go
+    /// on from the earlier launch's end, marked resumed. An older file, without the field, by
+    /// its clock going back.
+    #[test]
+    fn a_resume_is_marked_where_its_launch_begins() {
+        let dir = tempfile::tempdir().unwrap();
+        let tick = |launch: Option<u64>, t_s: f64| {
+            let t = Tick {
+                t_s,
+                launch_unix_ms: launch,
+                ..Tick::default()
+            };
+            serde_json::to_string(&t).unwrap() + "\n"
+        };
+        let resumed_at = |lines: &[String]| -> Vec<f64> {
+            std::fs::write(dir.path().join("metrics.jsonl"), lines.concat()).unwrap();
+            let run = load(dir.path()).unwrap();
+            (run.ticks.iter())
+                .filter(|t| t.events.iter().any(|e| e.text == RESUMED))
+                .map(|t| t.t_s)
+                .collect()
+        };
+        // Stopped at 1 s; resumed with --monitor 5: its first tick at 5 s.
+        let new = [tick(Some(7), 1.0), tick(Some(9), 5.0), tick(Some(9), 10.0)];
+        assert_eq!(resumed_at(&new), [6.0]);
+        let old = [tick(None, 1.0), tick(None, 2.0), tick(None, 0.5)];
+        assert_eq!(resumed_at(&old), [2.5]);
+        // The outcome says whose time and rate summary.json's are: the last launch's.
+        let mut run = load(dir.path()).unwrap();
+        run.summary = Some(serde_json::json!({
+            "ok": true, "exit_code": 0, "samples_trained": 10, "samples_total": 10,
+            "batches_trained": 4, "redelivered": 1, "wall_s": 12.0, "tokens_per_s": 50.0,
+        }));
+        let said = outcome(&run);
+        assert!(
+            said.contains("4 batches; its last launch: 1 redelivered, 12.0 s"),
+            "{said}"
+        );
     }
 
     #[test]
