@@ -119,11 +119,11 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             Ok(mut t) => {
                 // A resumed run appends ticks whose clock starts again at 0: they go on from
                 // where the earlier session ended, and the restart is marked. Each tick names
-                // its launch; an older file's only sign is the clock going back.
-                let resumed = match (last_launch, t.launch_unix_ms) {
-                    (Some(was), Some(is)) => was != is,
-                    _ => t.t_s < last_raw,
-                };
+                // its launch (a launch's clock never goes back; an older file's ticks name none).
+                let other_launch = matches!(
+                    (last_launch, t.launch_unix_ms), (Some(was), Some(is)) if was != is
+                );
+                let resumed = other_launch || t.t_s < last_raw;
                 last_launch = t.launch_unix_ms;
                 if resumed {
                     offset = last_t;
