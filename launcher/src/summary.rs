@@ -90,10 +90,12 @@ pub struct Summary {
     /// is false unless 0. Once in each of several epochs is not more than once.
     pub samples_not_once: u64,
     pub batches_total: u64,
+    /// This launch's, from the ring's counter (a resume's ring starts at 0).
     pub batches_published: u64,
-    /// Ledger lines: batches trained, a redelivered one counted each time it was trained.
+    /// Ledger lines, the whole run's: batches trained, a redelivered one counted each time it
+    /// was trained.
     pub batches_trained: u64,
-    /// From the ring's counter: telemetry, not judged.
+    /// This launch's, from the ring's counter: telemetry, not judged.
     pub redelivered: u64,
     /// Batches set aside untrained after killing the targets that computed them or the drafters
     /// that took them (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
