@@ -162,7 +162,9 @@ pub struct Args {
     pub set_aside_after: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
     /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
-    /// while blocked on the ring, so only a step or checkpoint longer than this trips it.
+    /// while blocked on the ring, so only a step or checkpoint longer than this trips it. A
+    /// worker not yet registered in the ring this long after its start (its model load or GPU
+    /// initialisation never returned) counts as hung too.
     #[arg(
         long,
         default_value_t = 600.0,

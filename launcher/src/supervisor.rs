@@ -14,6 +14,9 @@
 //! [`start`](Supervisor::start) (in `start.rs`) creates the ring and the group first. The loop
 //! ends when every worker is finished (or killed by a second signal); then
 //! [`finish`](Supervisor::finish) writes the summary and removes the ring.
+//!
+//! Length: past 500 lines: the loop's steps act on the same `Worker` records and are read
+//! together; starting and settling are apart already (`start.rs`, `settle.rs`).
 
 use std::collections::HashMap;
 use std::process::{Child, ExitStatus};
@@ -67,6 +70,9 @@ struct Worker {
     items_before: u64,
     /// This incarnation was killed for a hang (its death is its own, not a SIGKILL from outside).
     hung: bool,
+    /// When this incarnation was started: until it registers in the ring it has no heartbeat,
+    /// and its silence counts from here.
+    spawned: Instant,
     life: Life,
     control: Option<control::Sender<ToWorker>>,
     report: Option<FinalReport>,
@@ -84,6 +90,7 @@ impl Worker {
             in_a_row: 0,
             items_before: 0,
             hung: false,
+            spawned: Instant::now(),
             life: Life::Backoff(Instant::now()),
             control: None,
             report: None,
@@ -229,7 +236,11 @@ impl<'a> Supervisor<'a> {
     }
 
     /// Step 3, once a second: a running worker silent for too long is killed; its exit is
-    /// handled by [`exits`](Self::exits) like any crash.
+    /// handled by [`exits`](Self::exits) like any crash. Silent: no heartbeat for
+    /// `--hang-timeout` since it registered in the ring, or not registered that long after its
+    /// start (a model load or a GPU's initialisation that never returns, a Python worker stuck
+    /// before `hspipe` attaches): such a worker was never killed, and a stop signal, which it
+    /// never hears, did not end the run either.
     fn hangs(&mut self) {
         if self.last_hang_check.elapsed() < Duration::from_secs(1) {
             return;
@@ -238,14 +249,22 @@ impl<'a> Supervisor<'a> {
         let snap = self.ring.snapshot();
         let hang_ns = (self.args.hang_timeout * 1e9) as u64;
         for w in &mut self.workers {
-            let Some(rec) = snap.worker(w.name()) else {
+            if w.child.is_none() {
                 continue;
+            }
+            let since_start = w.spawned.elapsed().as_nanos() as u64;
+            // This incarnation's record: registered by its pid, or since it started (a
+            // command that runs the worker as its child registers another pid).
+            let this = snap.worker(w.name()).filter(|rec| {
+                rec.pid == w.pid || rec.registered_age_ns.is_some_and(|age| age < since_start)
+            });
+            let (silent, what) = match this {
+                Some(rec) => (rec.heartbeat_age_ns.unwrap_or(0), "sent no heartbeat"),
+                None => (since_start, "has not registered in the ring"),
             };
-            // Only a worker that has registered this incarnation can be late.
-            let silent = rec.heartbeat_age_ns.unwrap_or(0);
-            if w.child.is_some() && rec.pid == w.pid && silent > hang_ns {
+            if silent > hang_ns {
                 self.mon.say(&format!(
-                    "{} (pid {}) sent no heartbeat for {:.0}s: killing it as hung",
+                    "{} (pid {}) {what} for {:.0}s: killing it as hung",
                     w.name(),
                     w.pid,
                     silent as f64 / 1e9
@@ -427,6 +446,7 @@ impl<'a> Supervisor<'a> {
                 ));
             }
             w.pid = child.id();
+            w.spawned = Instant::now();
             w.spawns += 1;
             w.child = Some(child);
             w.life = Life::Running;

@@ -1303,6 +1303,57 @@ fn a_target_hung_on_the_last_batch_is_killed_and_restarted() {
     assert_eq!(s["samples_trained"], 400);
 }
 
+/// A drafter that hangs before it registers in the ring (a model load or a GPU's
+/// initialisation that never returns, a Python worker stuck before `hspipe` attaches; here a
+/// command that only sleeps) has no heartbeat to go silent: it is killed as hung once
+/// `--hang-timeout` has passed since its start, restarted, and given up past
+/// `--max-restarts`; the run ends degraded and leaves no segment. Before, nothing killed it,
+/// and the launcher never ended, not even on a stop signal, which such a worker never hears.
+#[test]
+fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
+    let run = Run::new("lhangstart");
+    let cfg = config(
+        &run.dir,
+        false,
+        "command = [\"sleep\", \"1000\"]\n", // in [drafter]
+    );
+    let (cfg, run_dir) = (cfg.to_str().unwrap(), run.run_dir());
+    let args = [
+        "--targets",
+        "0",
+        "--drafters",
+        "1",
+        "--hang-timeout",
+        "1",
+        "--max-restarts",
+        "1",
+        "--config",
+        cfg,
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let launcher = spawn(&workspace_bin("launcher"), &args);
+    let pid = launcher.child.id();
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(3), "degraded\n{out}");
+    let hung = out
+        .lines()
+        .filter(|l| {
+            l.starts_with("drafter-0 (pid ")
+                && l.contains("has not registered in the ring for")
+                && l.ends_with("killing it as hung")
+        })
+        .count();
+    assert_eq!(hung, 2, "its start and its one restart\n{out}");
+    let notes = run.summary()["notes"].to_string();
+    assert!(
+        notes.contains("drafter-0 gave up after 1 restart(s) in a row"),
+        "{notes}"
+    );
+    assert!(notes.contains("no drafter left"), "{notes}");
+    no_segment_of(pid);
+}
+
 /// A run of one target and one drafter under `cfg` with `--hang-timeout 1` and `more`; what
 /// the launcher printed.
 fn one_each_hanging(run: &Run, cfg: &Path, more: &[&str]) -> String {
