@@ -257,6 +257,10 @@ struct Bar {
 
 pub struct Monitor {
     metrics: File,
+    /// `metrics.jsonl`'s length after its last whole line, where a failed write is cut back to.
+    metrics_len: u64,
+    /// Ticks not written since writing `metrics.jsonl` failed (None while it works).
+    metrics_missed: Option<u64>,
     /// The TensorBoard event file.
     board: Board,
     total: u64,
@@ -348,8 +352,14 @@ impl Monitor {
             // From what earlier launchers trained: the ETA is this launcher's pace.
             pace: Pace::new(done),
         });
+        let metrics_len = metrics
+            .metadata()
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
         let mut mon = Monitor {
             metrics,
+            metrics_len,
+            metrics_missed: None,
             board,
             total,
             done_before: done,
@@ -466,7 +476,7 @@ impl Monitor {
         let (db, dw) = shares(&iv, Role::Consumer);
         // The run's, not this launcher's: a resume goes on from the batches it marked done.
         let trained = self.done_before + snap.counters.released;
-        let t = Tick {
+        let mut t = Tick {
             t_s: started.elapsed().as_secs_f64(),
             launch_unix_ms: Some(self.launch_unix_ms),
             tokens_per_s: iv.tokens_per_s,
@@ -495,12 +505,9 @@ impl Monitor {
             eval_acceptance_length: self.eval_tau,
             steps: std::mem::take(&mut self.steps),
         };
-        // One write per line: a launcher killed mid-run leaves whole lines only.
-        let mut json = serde_json::to_string(&t)?;
-        json.push('\n');
-        self.metrics
-            .write_all(json.as_bytes())
-            .context("writing metrics.jsonl")?;
+        if let Some(msg) = self.write_metrics(&mut t)? {
+            self.say(&msg);
+        }
         if let Some(msg) = self.board.record(&t, &iv) {
             self.say(&msg);
         }
@@ -567,6 +574,37 @@ impl Monitor {
         }
         self.last = Some((now, snap));
         Ok(())
+    }
+
+    /// Appends tick `t` to `metrics.jsonl`; returns a line to say when writing starts or stops
+    /// failing. A failed write (a full disk, some day of a week-long run) is cut back to the
+    /// last whole line, and the tick's events are kept for the next tick: the file stays one
+    /// `launcher report` reads, and the run goes on. It used to end the run there: the launcher
+    /// exited with the error, its workers killed mid-step and no summary written.
+    fn write_metrics(&mut self, t: &mut Tick) -> anyhow::Result<Option<String>> {
+        // One write per line: a launcher killed mid-run leaves whole lines only.
+        let mut json = serde_json::to_string(&*t)?;
+        json.push('\n');
+        let path = "metrics.jsonl";
+        match self.metrics.write_all(json.as_bytes()) {
+            Ok(()) => {
+                self.metrics_len += json.len() as u64;
+                Ok(self.metrics_missed.take().map(|n| {
+                    format!("{path} is written again ({n} tick(s) missing before this one)")
+                }))
+            }
+            Err(e) => {
+                // What part of the line went in comes out (appends go to the end whatever the
+                // length); a truncation only frees space, so a full disk does not fail it.
+                let _ = self.metrics.set_len(self.metrics_len);
+                self.events = std::mem::take(&mut t.events);
+                let first = self.metrics_missed.is_none();
+                *self.metrics_missed.get_or_insert(0) += 1;
+                Ok(first.then(|| {
+                    format!("warning: writing {path}: {e}: ticks are not recorded until it can be written again (the run goes on)")
+                }))
+            }
+        }
     }
 
     /// Records the last period and the events since the last tick, and clears the bar.

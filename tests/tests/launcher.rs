@@ -1354,6 +1354,44 @@ fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
     no_segment_of(pid);
 }
 
+/// `metrics.jsonl` that cannot be written (a disk that filled up some day of a long run; here
+/// a file at the size limit the launcher runs under, `prlimit --fsize`, with SIGXFSZ ignored as
+/// a full disk sends none) is said once, and the run goes on to its end: every sample trained,
+/// the summary written, exit 0. Before, the first failed tick ended the launcher with `error:
+/// writing metrics.jsonl`, exit 1: every worker killed mid-step, no summary.
+#[test]
+fn a_metrics_file_that_cannot_be_written_is_said_and_the_run_goes_on() {
+    let run = Run::new("lmetfull");
+    let cfg = config(&run.dir, false, "");
+    // Room for what else the run writes (its ring segments, 40 MiB; the checkpoint), none for a
+    // tick: blank lines, which `launcher report` passes over, up to the limit.
+    const LIMIT: usize = 64 << 20;
+    std::fs::create_dir_all(run.run_dir()).unwrap();
+    std::fs::write(run.run_dir().join("metrics.jsonl"), vec![b'\n'; LIMIT - 64]).unwrap();
+    let launcher_bin = workspace_bin("launcher");
+    let fsize = format!("--fsize={LIMIT}");
+    let mut args = vec![
+        "-c",
+        "trap '' XFSZ; exec prlimit \"$0\" -- \"$@\"",
+        &fsize,
+        &launcher_bin,
+    ];
+    let launcher_args = run.args(&cfg, &[]);
+    args.extend(launcher_args.iter().map(String::as_str));
+    let launcher = spawn("sh", &args);
+    let pid = launcher.child.id();
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    let warned = (out.lines())
+        .filter(|l| l.starts_with("warning: writing metrics.jsonl: File too large"))
+        .count();
+    assert_eq!(warned, 1, "said once\n{out}");
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["samples_trained"], 400, "{s}");
+    no_segment_of(pid);
+}
+
 /// A run of one target and one drafter under `cfg` with `--hang-timeout 1` and `more`; what
 /// the launcher printed.
 fn one_each_hanging(run: &Run, cfg: &Path, more: &[&str]) -> String {
