@@ -258,13 +258,18 @@ impl<'a> Supervisor<'a> {
             let this = snap.worker(w.name()).filter(|rec| {
                 rec.pid == w.pid || rec.registered_age_ns.is_some_and(|age| age < since_start)
             });
-            let (silent, what) = match this {
-                Some(rec) => (rec.heartbeat_age_ns.unwrap_or(0), "sent no heartbeat"),
-                None => (since_start, "has not registered in the ring"),
+            // A worker loads its model before it registers: say how to allow a longer load.
+            let (silent, what, hint) = match this {
+                Some(rec) => (rec.heartbeat_age_ns.unwrap_or(0), "sent no heartbeat", ""),
+                None => (
+                    since_start,
+                    "has not registered in the ring",
+                    " (a model load or GPU start-up this long? raise --hang-timeout)",
+                ),
             };
             if silent > hang_ns {
                 self.mon.say(&format!(
-                    "{} (pid {}) {what} for {:.0}s: killing it as hung",
+                    "{} (pid {}) {what} for {:.0}s: killing it as hung{hint}",
                     w.name(),
                     w.pid,
                     silent as f64 / 1e9

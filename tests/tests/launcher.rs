@@ -1341,7 +1341,7 @@ fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
         .filter(|l| {
             l.starts_with("drafter-0 (pid ")
                 && l.contains("has not registered in the ring for")
-                && l.ends_with("killing it as hung")
+                && l.ends_with("killing it as hung (a model load or GPU start-up this long? raise --hang-timeout)")
         })
         .count();
     assert_eq!(hung, 2, "its start and its one restart\n{out}");
