@@ -362,6 +362,18 @@ impl<'a> Supervisor<'a> {
                 finished,
             });
         w.hung = false;
+        self.down(i, death, struck, items)
+    }
+
+    /// Worker `i` is down (it died, or could not be started): recover what it held, then
+    /// schedule its restart or give it up. `items`: the ring's count of items it finished.
+    fn down(
+        &mut self,
+        i: usize,
+        death: String,
+        struck: Option<settle::Struck>,
+        items: u64,
+    ) -> anyhow::Result<()> {
         let (r, settled) = self.recover(i, struck)?;
         let w = &mut self.workers[i];
         // A batch published or trained, or one whose update the group applied before it died.
@@ -421,7 +433,8 @@ impl<'a> Supervisor<'a> {
     /// Step 5: starts every worker whose backoff is over (the first start is due at once).
     fn restarts(&mut self) -> anyhow::Result<()> {
         let now = Instant::now();
-        for w in &mut self.workers {
+        for i in 0..self.workers.len() {
+            let w = &self.workers[i];
             let Life::Backoff(at) = w.life else {
                 continue;
             };
@@ -432,14 +445,26 @@ impl<'a> Supervisor<'a> {
                 name: w.name,
                 spawn: w.spawns,
             };
-            let child = spawn::spawn(
+            let started = spawn::spawn(
                 key,
                 w.gpu,
                 &self.run_dir.log(w.name()),
                 &self.welcome,
                 self.events_tx.clone(),
-            )
-            .with_context(|| format!("starting {}", w.name()))?;
+            );
+            let child = match started {
+                Ok(child) => child,
+                // A start that fails (its log unwritable on a full disk, its program gone) is
+                // a death at start: restarted to the limit, then given up. It used to end the
+                // run, every other worker killed mid-step and no summary written.
+                Err(e) => {
+                    let death = format!("{} could not be started: {e:#}", w.name());
+                    let items = w.items_before;
+                    self.down(i, death, None, items)?;
+                    continue;
+                }
+            };
+            let w = &mut self.workers[i];
             if w.spawns > 0 {
                 self.mon.say(&format!(
                     "{} restarted (restart {}; {} in a row of at most {}), pid {}",

@@ -2022,6 +2022,50 @@ fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere()
     assert_eq!(ran, want.repeat(2), "the first launch and the resume");
 }
 
+/// A worker that cannot be started (its program gone since the run began) is a death at
+/// start: restarted to the limit, then given up, and the run ends degraded with its summary.
+/// Before, the failed start ended the run at once (exit 1, no summary), every other worker
+/// killed mid-step.
+#[test]
+fn a_worker_that_cannot_be_started_again_is_given_up_and_the_run_ends_with_its_summary() {
+    let run = Run::new("lnostart");
+    // A target whose program removes itself: its restart finds nothing to start.
+    std::fs::write(run.dir.join("gone.sh"), "rm -f -- \"$0\"\nexit 1\n").unwrap();
+    let mut perms = std::fs::metadata(run.dir.join("gone.sh"))
+        .unwrap()
+        .permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(run.dir.join("gone.sh"), perms).unwrap();
+    let cfg = "[data]\nsynthetic_samples = 20\n[target]\ncommand = [\"./gone.sh\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let (code, said) = launch_in(
+        &run.dir,
+        &[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--config",
+            "run.toml",
+            "--run-dir",
+            "run",
+            "--max-restarts",
+            "2",
+        ],
+    );
+    assert_eq!(code, Some(3), "{said}");
+    assert_eq!(
+        said.matches("target-0 could not be started: ").count(),
+        2,
+        "{said}"
+    );
+    let notes = run.summary()["notes"].to_string();
+    assert!(
+        notes.contains("target-0 gave up after 2 restart(s) in a row"),
+        "{notes}"
+    );
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").
