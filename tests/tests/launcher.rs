@@ -1926,6 +1926,18 @@ fn resume_of_a_run_whose_launcher_still_runs_is_refused_and_the_run_finishes() {
     assert!(err.contains("nothing to resume"), "{err}");
 }
 
+/// One target and one drafter on `run.toml`, into `run`: for [`launch_in`] a test's directory.
+const ONE_BY_ONE: [&str; 8] = [
+    "--targets",
+    "0",
+    "--drafters",
+    "1",
+    "--config",
+    "run.toml",
+    "--run-dir",
+    "run",
+];
+
 /// The launcher run in `cwd` with `args` to its end: its exit code, and all it printed.
 fn launch_in(cwd: &Path, args: &[&str]) -> (Option<i32>, String) {
     let out = std::process::Command::new(workspace_bin("launcher"))
@@ -1998,19 +2010,7 @@ fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere()
     std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
     let launcher =
         |cwd: &Path, args: &[&str]| launch_in(cwd, &[args, &["--max-restarts", "0"]].concat());
-    let (code, said) = launcher(
-        &run.dir,
-        &[
-            "--targets",
-            "0",
-            "--drafters",
-            "1",
-            "--config",
-            "run.toml",
-            "--run-dir",
-            "run",
-        ],
-    );
+    let (code, said) = launcher(&run.dir, &ONE_BY_ONE);
     assert_eq!(code, Some(3), "{said}");
     let elsewhere = run.dir.join("elsewhere");
     std::fs::create_dir(&elsewhere).unwrap();
@@ -2040,18 +2040,7 @@ fn a_worker_that_cannot_be_started_again_is_given_up_and_the_run_ends_with_its_s
     std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
     let (code, said) = launch_in(
         &run.dir,
-        &[
-            "--targets",
-            "0",
-            "--drafters",
-            "1",
-            "--config",
-            "run.toml",
-            "--run-dir",
-            "run",
-            "--max-restarts",
-            "2",
-        ],
+        &[&ONE_BY_ONE[..], &["--max-restarts", "2"]].concat(),
     );
     assert_eq!(code, Some(3), "{said}");
     assert_eq!(
