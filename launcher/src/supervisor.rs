@@ -111,6 +111,18 @@ impl Worker {
     }
 }
 
+/// SIGKILLs worker `c` with every process of its own group (`spawn` starts each worker as the
+/// leader of one): a command that runs the real worker as its child (`bash -c "... && python
+/// w.py"`, `uv run w.py`) would otherwise leave it running, still in the ring, when the
+/// command it ran under is killed.
+fn kill_worker(c: &mut Child) {
+    let _ = rustix::process::kill_process_group(
+        rustix::process::Pid::from_child(c),
+        rustix::process::Signal::KILL,
+    );
+    let _ = c.kill();
+}
+
 /// The wait before a worker's restart number `in_a_row + 1` in a row: 200 ms doubling, at most
 /// 5 s.
 fn backoff(in_a_row: u32) -> Duration {
@@ -197,7 +209,7 @@ impl<'a> Supervisor<'a> {
         ));
         for w in &mut self.workers {
             if let Some(mut c) = w.child.take() {
-                let _ = c.kill();
+                kill_worker(&mut c);
                 let _ = c.wait();
             }
             if !w.finished() {
@@ -276,7 +288,7 @@ impl<'a> Supervisor<'a> {
                 ));
                 if let Some(c) = &mut w.child {
                     w.hung = true;
-                    let _ = c.kill();
+                    kill_worker(c);
                 }
             }
         }

@@ -2022,6 +2022,47 @@ fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere()
     assert_eq!(ran, want.repeat(2), "the first launch and the resume");
 }
 
+/// A worker killed as hung is killed with its whole process group: a command that runs the
+/// real worker as its child (`sh -c "...; :"` forks it) leaves nothing running. Before, only
+/// the command was killed and its child went on, outside the launcher's sight.
+#[test]
+fn a_hung_worker_is_killed_with_the_processes_its_command_started() {
+    let run = Run::new("lhungtree");
+    // A marker no other process has: sh forks `sleep` (the `; :` keeps it from exec'ing it).
+    let marker = format!("{}", 900_000 + std::process::id() % 90_000);
+    let cfg = format!(
+        "[data]\nsynthetic_samples = 20\n[drafter]\ncommand = [\"sh\", \"-c\", \"sleep {marker}; :\"]\n"
+    );
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let (code, said) = launch_in(
+        &run.dir,
+        &[
+            &ONE_BY_ONE[..],
+            &["--hang-timeout", "1", "--max-restarts", "0"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, Some(3), "{said}");
+    let left: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|pid: &u32| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == marker.as_bytes()))
+        })
+        .collect();
+    for pid in &left {
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_raw(*pid as i32).unwrap(),
+            rustix::process::Signal::KILL,
+        );
+    }
+    assert!(
+        left.is_empty(),
+        "`sleep {marker}` left running: {left:?}\n{said}"
+    );
+}
+
 /// A worker that cannot be started (its program gone since the run began) is a death at
 /// start: restarted to the limit, then given up, and the run ends degraded with its summary.
 /// Before, the failed start ended the run at once (exit 1, no summary), every other worker
