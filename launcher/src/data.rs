@@ -287,25 +287,47 @@ pub fn write_record(run_dir: &RunDir, input: &Path, p: &dataset::Prepared) -> an
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// Refuses to resume `run_dir` on data other than the data it was planned from.
-pub fn check_same(run_dir: &RunDir, now: &dataset::Prepared) -> anyhow::Result<()> {
+/// The data a resume of `run_dir` trains: `now` (the run's input, prepared again) when it is the
+/// data the run was planned from, else the prepared file the run was planned from, if it is
+/// still there with its key. A key differs when the input changed, and also when this hspipe
+/// keys it otherwise (an upgrade that renders conversations differently, another tokenizer
+/// file): either way the run goes on as it was planned, saying so, and a new run trains the new
+/// data. Refused only when neither is the run's data.
+pub fn resume_data(
+    run_dir: &RunDir,
+    now: (dataset::Prepared, String),
+    options: &dataset::Options,
+    cache: &Path,
+) -> anyhow::Result<(dataset::Prepared, String)> {
     let path = run_dir.dataset_record();
     let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(());
+        return Ok(now);
     };
     let was: Record =
         serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
-    if was.key != now.key {
-        bail!(
-            "the data changed since this run started: {} has content key {} now, the run was planned from key {} (prepared file {}); resuming would follow another plan. Restore the data, or set data.path in {} to that prepared file (also the way on if the data did not change: a key made by an earlier hspipe, or with another tokenizer, differs too)",
-            was.input.display(),
-            now.key,
-            was.key,
-            was.prepared.display(),
-            run_dir.config().display()
-        );
+    if was.key == now.0.key {
+        return Ok(now);
     }
-    Ok(())
+    if was.prepared.is_file() {
+        if let Ok((p, line)) = prepare_dataset(&was.prepared, options, cache, None) {
+            if p.key == was.key {
+                let note = format!(
+                    "{line}\nnote: {} has content key {} now, not the run's {} (the data changed, or this hspipe keys it otherwise): the resume trains the prepared file the run was planned from; a new run trains the data as it is now",
+                    was.input.display(),
+                    now.0.key,
+                    was.key
+                );
+                return Ok((p, note));
+            }
+        }
+    }
+    bail!(
+        "the data changed since this run started: {} has content key {} now, the run was planned from key {}, and its prepared file {} is gone or another; resuming would follow another plan. Restore the data or that prepared file",
+        was.input.display(),
+        now.0.key,
+        was.key,
+        was.prepared.display(),
+    )
 }
 
 #[cfg(test)]

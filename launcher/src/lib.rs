@@ -185,11 +185,12 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
         let options = data::options(&cfg, cfg.data.max_len)?;
-        let (p, line) = data::prepare_dataset(&input, &options, &cache, None)?;
+        let mut now = data::prepare_dataset(&input, &options, &cache, None)?;
         if args.resume.is_some() {
-            data::check_same(&run_dir, &p)
+            now = data::resume_data(&run_dir, now, &options, &cache)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;
         }
+        let (p, line) = now;
         cfg.data.prepared = Some(p.path.clone());
         data_line = Some(line);
         prepared = Some((input, p));
