@@ -162,9 +162,7 @@ pub struct Args {
     pub set_aside_after: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
     /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
-    /// while blocked on the ring, so only a step or checkpoint longer than this trips it. A
-    /// worker not yet registered in the ring this long after its start (its model load or GPU
-    /// initialisation never returned) counts as hung too.
+    /// while blocked on the ring, so only a step or checkpoint longer than this trips it.
     #[arg(
         long,
         default_value_t = 600.0,
@@ -172,6 +170,16 @@ pub struct Args {
         allow_negative_numbers = true
     )]
     pub hang_timeout: f64,
+    /// Seconds a worker may take from its start to registering in the ring (it loads its model
+    /// and starts its GPU first) before it counts as hung: killed and restarted like a crashed
+    /// one. Raise it for a model that loads longer.
+    #[arg(
+        long,
+        default_value_t = 600.0,
+        value_name = "SECS",
+        allow_negative_numbers = true
+    )]
+    pub start_timeout: f64,
     /// Seconds between monitor updates.
     #[arg(
         long,
@@ -226,11 +234,16 @@ impl Args {
     /// The checks clap cannot make, but for the GPU lists (a resume may take them from the run
     /// directory: `check_gpus`); each failure is a usage error (exit code 2).
     pub fn check(&self) -> Result<(), UsageError> {
-        if !(self.hang_timeout.is_finite() && self.hang_timeout > 0.0) {
-            return Err(UsageError(format!(
-                "--hang-timeout must be a positive number of seconds, got {}",
-                self.hang_timeout
-            )));
+        for (flag, secs) in [
+            ("--hang-timeout", self.hang_timeout),
+            ("--start-timeout", self.start_timeout),
+        ] {
+            // Past 1e9 s (31 years) the nanoseconds the supervisor counts would overflow.
+            if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+                return Err(UsageError(format!(
+                    "{flag} must be a positive number of seconds (under 1e9), got {secs}"
+                )));
+            }
         }
         self.monitor_period()?;
         Ok(())
@@ -444,7 +457,7 @@ mod tests {
             let args = [&["launcher", "--targets", "0", "--drafters", "1"], extra].concat();
             Cli::try_parse_from(args).map(|c| c.run.unwrap())
         };
-        for flag in ["--hang-timeout", "--monitor"] {
+        for flag in ["--hang-timeout", "--start-timeout", "--monitor"] {
             let args = parse(&[flag, "-1"]).unwrap();
             let e = args.check().unwrap_err().to_string();
             assert!(e.contains(flag) && e.contains("-1"), "{e}");

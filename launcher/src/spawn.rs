@@ -123,6 +123,14 @@ pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
         let Some(program) = command.as_ref().and_then(|c| c.first()) else {
             continue;
         };
+        // A resume from a directory since removed (a scratch checkout), a config from another
+        // machine: every start would fail, reading as if the program were missing.
+        if let Some(d) = dir.as_deref().filter(|d| !d.is_dir()) {
+            anyhow::bail!(
+                "[{section}] command_dir {}: not a directory (the command runs there; the run records where it started): restore it, or set command_dir in the run's config.toml",
+                d.display()
+            );
+        }
         let found = if program.contains('/') {
             // Relative to the directory the command runs in.
             dir.as_deref()

@@ -260,6 +260,7 @@ impl<'a> Supervisor<'a> {
         self.last_hang_check = Instant::now();
         let snap = self.ring.snapshot();
         let hang_ns = (self.args.hang_timeout * 1e9) as u64;
+        let start_ns = (self.args.start_timeout * 1e9) as u64;
         for w in &mut self.workers {
             if w.child.is_none() {
                 continue;
@@ -271,15 +272,21 @@ impl<'a> Supervisor<'a> {
                 rec.pid == w.pid || rec.registered_age_ns.is_some_and(|age| age < since_start)
             });
             // A worker loads its model before it registers: say how to allow a longer load.
-            let (silent, what, hint) = match this {
-                Some(rec) => (rec.heartbeat_age_ns.unwrap_or(0), "sent no heartbeat", ""),
+            let (silent, limit, what, hint) = match this {
+                Some(rec) => (
+                    rec.heartbeat_age_ns.unwrap_or(0),
+                    hang_ns,
+                    "sent no heartbeat",
+                    "",
+                ),
                 None => (
                     since_start,
+                    start_ns,
                     "has not registered in the ring",
-                    " (a model load or GPU start-up this long? raise --hang-timeout)",
+                    " (a model load or GPU start-up this long? raise --start-timeout)",
                 ),
             };
-            if silent > hang_ns {
+            if silent > limit {
                 self.mon.say(&format!(
                     "{} (pid {}) {what} for {:.0}s: killing it as hung{hint}",
                     w.name(),

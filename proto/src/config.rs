@@ -464,7 +464,6 @@ impl PipelineConfig {
         toml::to_string_pretty(self).expect("config serialises")
     }
 
-    /// Checks the values that do not depend on the number of workers.
     /// That `samples` samples, `data.epochs` times over, fit a plan
     /// ([`MAX_PLANNED_SAMPLES`]); [`PipelineConfig::validate`] checks it for synthetic data, the
     /// launcher for a file's once it knows the count.
@@ -482,6 +481,7 @@ impl PipelineConfig {
         Ok(())
     }
 
+    /// Checks the values that do not depend on the number of workers.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if d.min_len == 0 || d.min_len > d.max_len {

@@ -28,8 +28,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
-/// Bumped on any change to the messages below.
-pub const PROTOCOL_VERSION: u32 = 6;
+/// Bumped on any change to the messages below, the config they carry included (7: the
+/// workers' config gained `command_dir`, which a worker of before refuses as unknown; a
+/// Python wheel built earlier is told to rebuild by the version, not by a field).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The largest frame either side accepts.
 /// A worker the launcher runs from a config's `command` (a Python worker) finds its control

@@ -1306,7 +1306,7 @@ fn a_target_hung_on_the_last_batch_is_killed_and_restarted() {
 /// A drafter that hangs before it registers in the ring (a model load or a GPU's
 /// initialisation that never returns, a Python worker stuck before `hspipe` attaches; here a
 /// command that only sleeps) has no heartbeat to go silent: it is killed as hung once
-/// `--hang-timeout` has passed since its start, restarted, and given up past
+/// `--start-timeout` has passed since its start, restarted, and given up past
 /// `--max-restarts`; the run ends degraded and leaves no segment. Before, nothing killed it,
 /// and the launcher never ended, not even on a stop signal, which such a worker never hears.
 #[test]
@@ -1323,7 +1323,7 @@ fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
         "0",
         "--drafters",
         "1",
-        "--hang-timeout",
+        "--start-timeout",
         "1",
         "--max-restarts",
         "1",
@@ -1341,7 +1341,7 @@ fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
         .filter(|l| {
             l.starts_with("drafter-0 (pid ")
                 && l.contains("has not registered in the ring for")
-                && l.ends_with("killing it as hung (a model load or GPU start-up this long? raise --hang-timeout)")
+                && l.ends_with("killing it as hung (a model load or GPU start-up this long? raise --start-timeout)")
         })
         .count();
     assert_eq!(hung, 2, "its start and its one restart\n{out}");
@@ -2020,6 +2020,25 @@ fn a_worker_command_runs_where_the_run_started_also_on_a_resume_from_elsewhere()
     let ran = std::fs::read_to_string(run.dir.join("ran-in.txt")).unwrap();
     let want = format!("{}\n", here.display());
     assert_eq!(ran, want.repeat(2), "the first launch and the resume");
+    // The directory gone (a scratch checkout removed): refused naming it, before any start.
+    let config = RunDir::new(run.run_dir()).config();
+    let text = std::fs::read_to_string(&config).unwrap();
+    let gone = run.dir.join("gone");
+    let moved = text.replace(
+        &format!("command_dir = \"{}\"", run.dir.display()),
+        &format!("command_dir = \"{}\"", gone.display()),
+    );
+    assert_ne!(moved, text, "config.toml records command_dir:\n{text}");
+    std::fs::write(&config, moved).unwrap();
+    let (code, said) = launcher(&elsewhere, &["--resume", run.run_dir().to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(&format!(
+            "[target] command_dir {}: not a directory",
+            gone.display()
+        )),
+        "{said}"
+    );
 }
 
 /// A worker killed as hung is killed with its whole process group: a command that runs the
@@ -2038,7 +2057,7 @@ fn a_hung_worker_is_killed_with_the_processes_its_command_started() {
         &run.dir,
         &[
             &ONE_BY_ONE[..],
-            &["--hang-timeout", "1", "--max-restarts", "0"],
+            &["--start-timeout", "1", "--max-restarts", "0"],
         ]
         .concat(),
     );
