@@ -606,14 +606,26 @@ fn a_lone_live_rank_waiting_in_sync_waits_for_the_rank_that_is_down() {
 /// live ranks' batches took unequal time (a rank given up no longer holds the group).
 #[test]
 fn two_live_ranks_waiting_together_wait_for_the_rank_that_is_down() {
-    for (sync1, want) in [
-        (600, "; drafters wait 60% in sync for a dead or restarting rank"),
+    for (sync1, long_ago, want) in [
+        (
+            600,
+            false,
+            "; drafters wait 60% in sync for a dead or restarting rank",
+        ),
         (
             0,
+            false,
             "; drafters wait 30% in sync: their batches take unequal time (no rank is slow per token)",
         ),
+        // Down since before the window (given up, removed from the group long ago): not
+        // whom the group waits for.
+        (
+            600,
+            true,
+            "; drafters wait 60% in sync: their batches take unequal time (no rank is slow per token)",
+        ),
     ] {
-        let r = ring(&format!("downrank{sync1}"), 1, 3, 8);
+        let r = ring(&format!("downrank{sync1}{long_ago}"), 1, 3, 8);
         let p = r.producer(0).unwrap();
         let (c0, c1, c2) = (
             r.consumer(0).unwrap(),
@@ -632,6 +644,10 @@ fn two_live_ranks_waiting_together_wait_for_the_rank_that_is_down() {
         std::mem::forget(c2);
         // SAFETY: the only handle of consumer 2 was forgotten above and is never used again.
         unsafe { r.recover_unchecked(WorkerName::consumer(2)) }.unwrap();
+        if long_ago {
+            // Its last heartbeat further back than the window reaches (two of its seconds).
+            std::thread::sleep(Duration::from_millis(2100));
+        }
         let a = r.snapshot();
         for (c, sync) in [(&c0, 600), (&c1, sync1)] {
             c.add_phase(Phase::Compute, ms(300));

@@ -438,7 +438,7 @@ fn sync_wait(w: &Window, call: &mut Call) {
         // A rank down, and every live rank waited (a lone one too): the group waited for a
         // rank outside the live ones, the one down (a dead rank until its removal, or one
         // restarting to rejoin). Unequal batches leave the slowest live rank waiting little.
-        None if w.drafters_down > 0 && w.least_sync >= SYNC_STALL => format!(
+        None if w.drafters_down_lately > 0 && w.least_sync >= SYNC_STALL => format!(
             "; drafters wait {} in sync for a dead or restarting rank",
             pct(w.sync)
         ),

@@ -36,6 +36,9 @@ pub(super) struct Window<'a> {
     /// Drafters that ran and do not run now, without having left cleanly: dead, or
     /// restarting.
     pub(super) drafters_down: usize,
+    /// Of those, the ones whose last heartbeat is within the window: a group may have waited
+    /// for them in it (a rank given up long ago was removed from the group long ago).
+    pub(super) drafters_down_lately: usize,
     /// Live drafters whose pace is known.
     pub(super) live_paces: usize,
     /// Batches still in the ring (READY or being trained).
@@ -72,6 +75,13 @@ impl<'a> Window<'a> {
             drafters_live: drafters().filter(|w| w.alive).count(),
             drafters_down: drafters()
                 .filter(|w| w.epoch > 0 && !w.alive && w.state != WorkerState::Done)
+                .count(),
+            drafters_down_lately: drafters()
+                .filter(|w| w.epoch > 0 && !w.alive && w.state != WorkerState::Done)
+                .filter(|w| {
+                    w.heartbeat_age_ns
+                        .is_some_and(|age| (age as f64) < iv.seconds.max(1.0) * 2e9)
+                })
                 .count(),
             live_paces: drafters().filter(|w| w.alive && pace(w).is_some()).count(),
             left: b.slots.ready + b.slots.reading,
