@@ -73,19 +73,27 @@ pub(crate) fn gpu_lists(
     Ok((lists, targets.is_none() && drafters.is_none()))
 }
 
-/// Holds `run_dir` for this launcher's life: an exclusive `flock` on the directory itself, which
-/// the kernel drops when the launcher exits, however it exits (the file is close-on-exec, so no
-/// worker keeps it). A second launcher on the directory, a `--resume` of a run whose launcher
+/// Holds `run_dir` for this launcher's life: an exclusive `flock` on its `.lock` file, which the
+/// kernel drops when the launcher exits, however it exits (the file is close-on-exec, so no
+/// worker keeps it). A regular file opened for writing, not the directory: NFS emulates
+/// `flock` with a POSIX lock, which refuses an exclusive lock on a read-only descriptor. A second launcher on the directory, a `--resume` of a run whose launcher
 /// still runs above all, is refused here: it would rewrite the ledgers under the live run's
 /// drafters, and both groups would train the same batches into one checkpoint. A file system
 /// without `flock` is a warning, not an error: the run goes on unguarded.
 pub(crate) fn hold(run_dir: &RunDir) -> anyhow::Result<Option<File>> {
     let dir = run_dir.path();
-    let f = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let path = run_dir.lock_file();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
     match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(Some(f)),
         Err(rustix::io::Errno::WOULDBLOCK) => bail!(
-            "{} is in use by another launcher that is still running (`shm-ring-stat --run-dir {}` shows it and its pid); stop it (Ctrl-C, or SIGINT to that pid) and wait for it to exit first",
+            "{} is in use by another launcher that is still running (`shm-ring-stat --run-dir {}` shows it and its pid); stop it (Ctrl-C, or SIGINT to that pid) and wait for it to exit first, or give a new run another --run-dir",
             dir.display(),
             dir.display()
         ),

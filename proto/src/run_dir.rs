@@ -254,6 +254,11 @@ impl RunDir {
         self.logs_dir().join(format!(".{name}-crashed-in-join"))
     }
 
+    /// The file a launcher holds locked for its whole life (`flock`): one launcher a run.
+    pub fn lock_file(&self) -> PathBuf {
+        self.0.join(".lock")
+    }
+
     /// `launcher report`'s picture, by default.
     pub fn report_svg(&self) -> PathBuf {
         self.0.join("report.svg")
