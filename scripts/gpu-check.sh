@@ -124,9 +124,9 @@ fi
 # Its messages go to the check's own stderr (saved here), not a run's log. A second Ctrl-C sends
 # SIGTERM again (the launcher takes a second signal more than 1 s after the first as the kill).
 exec {stderr}>&2
-running='' starting='' stopped_by='' work=''
+running='' starting='' stopped_by='' work='' interrupted=''
 on_signal() {
-    stopped_by=$2
+    stopped_by=$2 interrupted=1
     if [ -n "$running" ]; then
         echo "gpu-check: $1: stopping the run in progress" >&"$stderr"
         kill -TERM "$running" 2>/dev/null || true
@@ -162,11 +162,14 @@ within() {
     timeout -k 20 "$left" "$@" &
     running=$! starting=''
     [ -z "$stopped_by" ] || kill -TERM "$running" 2>/dev/null || true
-    # A trapped signal ends `wait` early (its status then above 128): wait on until the run ends.
+    # A trapped signal ends `wait` early: wait on until the run ends. Told by the trap having
+    # run, not by the pid: once bash has reaped the run its pid may be another process's (the
+    # kernel reuses pids, soon on a busy machine with pid_max 32768), and `kill -0` on it kept
+    # this loop spinning (`wait` on a pid not our child returns at once) until that one ended.
     while :; do
-        rc=0
+        rc=0 interrupted=''
         wait "$running" || rc=$?
-        kill -0 "$running" 2>/dev/null || break
+        [ -n "$interrupted" ] || break
     done
     running=''
     if [ -n "$stopped_by" ]; then
