@@ -249,10 +249,10 @@ impl<'a> Supervisor<'a> {
 
     /// Step 3, once a second: a running worker silent for too long is killed; its exit is
     /// handled by [`exits`](Self::exits) like any crash. Silent: no heartbeat for
-    /// `--hang-timeout` since it registered in the ring, or not registered that long after its
-    /// start (a model load or a GPU's initialisation that never returns, a Python worker stuck
-    /// before `hspipe` attaches): such a worker was never killed, and a stop signal, which it
-    /// never hears, did not end the run either.
+    /// `--hang-timeout` since it registered in the ring, or not registered `--start-timeout`
+    /// after its start (a model load or a GPU's initialisation that never returns, a Python
+    /// worker stuck before `hspipe` attaches): such a worker was never killed, and a stop
+    /// signal, which it never hears, did not end the run either.
     fn hangs(&mut self) {
         if self.last_hang_check.elapsed() < Duration::from_secs(1) {
             return;
