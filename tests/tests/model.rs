@@ -300,35 +300,21 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
         .iter()
         .all(|&b| b == 0));
 
+    // A capture of the model with `extra`, refused: its exit code and stderr.
+    let refused = |extra: &[&str]| {
+        let args = [&["capture", "--model", m.to_str().unwrap()][..], extra].concat();
+        let (status, err) = spawn(&workspace_bin("launcher"), &args).wait_status_keep();
+        (status.code(), err)
+    };
     // An output directory in use is refused.
-    let (status, err) = spawn(
-        &workspace_bin("launcher"),
-        &[
-            "capture",
-            "--model",
-            m.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-    )
-    .wait_status_keep();
-    assert_eq!(status.code(), Some(1));
+    let (code, err) = refused(&["-o", out.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
     assert!(err.contains("is not empty"), "{err}");
     // So is a file, by its name (before: "error: Not a directory (os error 20)" alone).
     let file = dir.path("caps-file");
     std::fs::write(&file, "").unwrap();
-    let (status, err) = spawn(
-        &workspace_bin("launcher"),
-        &[
-            "capture",
-            "--model",
-            m.to_str().unwrap(),
-            "-o",
-            file.to_str().unwrap(),
-        ],
-    )
-    .wait_status_keep();
-    assert_eq!(status.code(), Some(1));
+    let (code, err) = refused(&["-o", file.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
     assert!(
         err.contains(&format!(
             "-o {}: the output must be a directory",
@@ -346,22 +332,15 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
     )
     .unwrap();
     let (out3, cache) = (dir.path("caps-big"), dir.path("my-cache"));
-    let (status, err) = spawn(
-        &workspace_bin("launcher"),
-        &[
-            "capture",
-            "--model",
-            m.to_str().unwrap(),
-            "--data",
-            big.to_str().unwrap(),
-            "--data-cache",
-            cache.to_str().unwrap(),
-            "-o",
-            out3.to_str().unwrap(),
-        ],
-    )
-    .wait_status_keep();
-    assert_eq!(status.code(), Some(1), "{err}");
+    let (code, err) = refused(&[
+        "--data",
+        big.to_str().unwrap(),
+        "--data-cache",
+        cache.to_str().unwrap(),
+        "-o",
+        out3.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("sample 1: token id 1500 at position 7 is outside the model's vocabulary"),
         "{err}"
