@@ -51,6 +51,7 @@ cargo test --workspace
 # loom explores every interleaving of the slot state machine, the close broadcast, recovery, the
 # work table with a producer killed at each step, registration and requeue (shm-ring/src/model.rs), and
 # the drafter group's collective (collective/src/model.rs), both on shmem::sync's one model of a futex.
+# One more in shm-ring: the phase clock's seqlock (phase_clock.rs, `phase_clock::model`).
 # Two preemptions keep it to about a minute; its own target dir keeps the
 # --cfg loom build from invalidating the normal one.
 echo "== loom models (LOOM_MAX_PREEMPTIONS=2)"

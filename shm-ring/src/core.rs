@@ -174,15 +174,7 @@ impl<'a> RingRef<'a> {
     pub(crate) fn enter(&self, id: u32, phase: Option<Phase>) -> Option<Phase> {
         let w = self.worker(id);
         let now = sync::now_ns();
-        let new = phase.map_or(0, |p| p as u32 + 1);
-        let prev = w.phase_cur.swap(new, Ordering::Relaxed);
-        let since = w.phase_since.swap(now, Ordering::Relaxed);
-        let prev = (prev as usize)
-            .checked_sub(1)
-            .and_then(|i| Phase::ALL.get(i).copied());
-        if let Some(p) = prev {
-            sync::tally(&w.phase_ns[p as usize], now.saturating_sub(since));
-        }
+        let prev = w.clock.switch(now, phase);
         crate::device::log_switch(w, now, phase);
         // Idle gaps: leaving compute starts one, coming back ends it. Only the worker writes
         // these, and readers only report them (telemetry: Relaxed). A worker that times its

@@ -7,6 +7,7 @@
 //! Atomics that different processes write often sit on their own 128-byte lines.
 
 use crate::params::{MAX_SLOTS, MAX_WORKERS};
+use crate::phase_clock::PhaseClock;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Slot states. See the state machine in `core.rs`.
@@ -149,11 +150,9 @@ pub(crate) struct WorkerRecord {
     pub items: AtomicU64,
     pub tokens: AtomicU64,
     pub bytes: AtomicU64,
-    pub phase_ns: [AtomicU64; PHASES],
-    /// The phase the worker is in now (+1; 0: none) and since when (CLOCK_MONOTONIC ns), so a
-    /// reader can count a long phase that has not ended yet.
-    pub phase_cur: AtomicU32,
-    pub phase_since: AtomicU64,
+    /// Time by phase, and the phase the worker is in now and since when, so a reader can count
+    /// a long phase that has not ended yet (a seqlock: `phase_clock.rs`).
+    pub clock: PhaseClock,
     /// When the worker last left `compute` (CLOCK_MONOTONIC ns); 0 while it computes, before
     /// its first compute, and once it left or was recovered (each incarnation starts at 0). From then until it computes again its GPU has nothing to do: an idle
     /// gap.

@@ -37,6 +37,7 @@ mod error;
 mod layout;
 mod params;
 mod phase;
+mod phase_clock;
 mod sync;
 mod worker;
 

@@ -390,8 +390,10 @@ impl Worker<'_> {
         self.ring.core_ref()
     }
     fn add_phase(&self, phase: Phase, d: Duration) {
-        self.core().worker(self.id).phase_ns[phase as usize]
-            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        self.core()
+            .worker(self.id)
+            .clock
+            .add(phase, d.as_nanos() as u64);
     }
     fn set_gpu(&self, gpu: Option<u32>) {
         self.core()

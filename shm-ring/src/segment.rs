@@ -30,8 +30,10 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// `work_seq` and `work_waiters`, on which producers wait for claimed work to come back. 5: each
 /// worker's idle gaps (`gap_since`, `gaps`). 6: each worker's device timeline (`device_*`) and
 /// phase log. 8: the control block's `set_aside` and each worker's `in_hand`. 9: SET_ASIDE work
-/// words (an item a supervisor set aside, never claimed again).
-pub const LAYOUT_VERSION: u32 = 10;
+/// words (an item a supervisor set aside, never claimed again). 10: RETURNED work words (a batch
+/// a producer died with, run again alone). 11: each worker's phase clock is a seqlock
+/// (`phase_clock.rs`).
+pub const LAYOUT_VERSION: u32 = 11;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

@@ -1,7 +1,9 @@
 //! A consistent-enough, read-only picture of a ring for `shm-ring-stat`, the launcher's monitor
-//! and tests. Taking a snapshot only loads atomics (Relaxed): it never writes the segment, never
-//! takes a lock, and so never disturbs the run. Fields read at slightly different instants may
-//! disagree by an operation in flight; rates over an interval are what matter.
+//! and tests. Taking a snapshot only loads atomics: it never writes the segment, never takes a
+//! lock, and so never disturbs the run. Fields read at slightly different instants may disagree
+//! by an operation in flight; rates over an interval are what matter. A worker's phase times
+//! are the exception, read whole from its phase clock's seqlock (`phase_clock.rs`), since a
+//! phase's total and the running phase read across a switch are off by a whole phase.
 
 use serde::Serialize;
 
@@ -222,14 +224,7 @@ impl Ring {
                 let alive =
                     state == WorkerState::Alive && sys::process_alive(pid, peek(&w.pid_start));
                 // The phase in progress counts up to now, if the worker still runs.
-                let cur = (peek32(&w.phase_cur) as usize).checked_sub(1);
-                let running = |ph: Phase| {
-                    if alive && cur == Some(ph as usize) {
-                        now.saturating_sub(peek(&w.phase_since))
-                    } else {
-                        0
-                    }
-                };
+                let clock = w.clock.read(now, alive);
                 WorkerSnapshot {
                     role: if peek32(&w.role) == ROLE_PRODUCER {
                         Role::Producer
@@ -249,9 +244,7 @@ impl Ring {
                     items: peek(&w.items),
                     tokens: peek(&w.tokens),
                     bytes: peek(&w.bytes),
-                    phase_ns: PhaseMap::from_fn(|ph: Phase| {
-                        peek(&w.phase_ns[ph as usize]) + running(ph)
-                    }),
+                    phase_ns: clock.ns,
                     idle_now_ns: {
                         // A device-timed worker's gap in progress is its device's since its
                         // last busy span, counted only while the host is out of compute (in
@@ -261,7 +254,7 @@ impl Ring {
                         } else {
                             peek(&w.gap_since)
                         };
-                        let computing = cur == Some(Phase::Compute as usize);
+                        let computing = clock.cur == Some(Phase::Compute);
                         (alive && !computing && start != 0).then(|| now.saturating_sub(start))
                     },
                     idle_gaps: {

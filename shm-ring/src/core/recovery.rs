@@ -183,8 +183,8 @@ impl RingRef<'_> {
         let w = self.worker(id);
         // A dead worker's clock stops here: readers count no time past its recovery, and the
         // phase it died in keeps the time snapshots showed running until now (`enter` adds it,
-        // on the same clock as `phase_since`), so cumulative figures never go back. `enter(None)`
-        // also closes any idle gap.
+        // on the same clock as the phase's start), so cumulative figures never go back.
+        // `enter(None)` also closes any idle gap.
         self.enter(id, None);
         w.device_busy_until.store(0, Ordering::Relaxed);
         w.in_hand.store(0, Ordering::Relaxed);
