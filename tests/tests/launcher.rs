@@ -1104,16 +1104,25 @@ fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
     launcher.finish();
 }
 
-/// A SIGKILLed (or OOM-killed) launcher cannot clean up: its workers die with it (parent-death
-/// signal), and the next launcher to start removes its ring, saying which run stopped and where
-/// its checkpoints are, while the ring of a launcher that still runs is left alone.
+/// A SIGKILLed (or OOM-killed) launcher cannot clean up: its workers die with it, and the next
+/// launcher to start removes its ring, saying which run stopped and where its checkpoints are,
+/// while the ring of a launcher that still runs is left alone. The targets are the launcher's
+/// own children (their parent-death signal kills them); the drafters run under a command that
+/// starts the worker as its child (`sh -c "...; :"`, as `uv run` does), which no parent-death
+/// signal reaches: they end when their control channel closes. Before, they waited forever
+/// for a ring end that no one would bring.
 #[test]
 fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_not_a_live_one() {
     // No other test's launcher may reclaim the killed launcher's ring before the one below.
     let _alone = stale_segments_exclusive();
     let dead = Run::with_lock("ldead", None);
     // Enough data that the group checkpoints (every 3 steps) long before the targets finish.
-    let cfg = config(&dead.dir, true, "");
+    // The worker is the command's child: sh runs it and then `:`, so it cannot exec it.
+    let wrapped = format!(
+        r#"command = ["sh", "-c", "\"$0\" drafter-worker --index ${{HSPIPE_WORKER#drafter-}} --control \"$HSPIPE_CONTROL\"; :", "{}"]"#,
+        workspace_bin("launcher")
+    );
+    let cfg = config(&dead.dir, true, &wrapped);
     edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 4000");
     let mut killed = dead.launch(&cfg, &[]);
     let killed_ring = attach(&mut killed);
@@ -1136,11 +1145,17 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     let deadline = Instant::now() + WATCHDOG;
     for w in &s.workers {
         while pid_alive(w.pid) {
-            assert!(
-                Instant::now() < deadline,
-                "worker {} outlived a SIGKILLed launcher",
-                w.pid
-            );
+            if Instant::now() > deadline {
+                let left = s.workers.iter().filter(|w| pid_alive(w.pid));
+                let left: Vec<_> = left.map(|w| (w.name().to_string(), w.pid)).collect();
+                for (_, pid) in &left {
+                    let _ = rustix::process::kill_process(
+                        Pid::from_raw(*pid as i32).unwrap(),
+                        Signal::KILL,
+                    );
+                }
+                panic!("workers outlived a SIGKILLed launcher: {left:?}");
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
     }

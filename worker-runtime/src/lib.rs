@@ -76,7 +76,7 @@ pub struct Setup {
 /// Set by a stop signal or by the launcher.
 #[derive(Clone, Default)]
 pub struct StopFlags {
-    /// Finish gracefully (the launcher's Stop, or its control channel closing).
+    /// Finish gracefully (the launcher's Stop).
     pub stop: Arc<AtomicBool>,
     /// Write a checkpoint at the next chance.
     pub checkpoint: Arc<AtomicBool>,
@@ -164,13 +164,13 @@ pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
 
 /// Handshakes with the launcher's control server `server` as worker `index` of `role`: the
 /// launcher's Welcome (ring, run directory, GPU, config, backend) becomes the [`Setup`], and a
-/// thread turns its Stop and Checkpoint messages (and its going away) into `stop`'s flags. For
-/// any process the launcher started as a worker: ours (`--control`) and a Python worker's
-/// (`hspipe.connect()`, which installs no signal handlers: Python keeps its own).
+/// thread turns its Stop and Checkpoint messages into `stop`'s flags, and its going away into
+/// this process's end ([`launcher_gone`]). For any process the launcher started as a worker:
+/// ours (`--control`) and a Python worker's (`hspipe.connect()`, which installs no signal
+/// handlers: Python keeps its own).
 pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<Setup, SetupError> {
     let link = control::connect(server, role, index, Duration::from_secs(30))?;
     let config = PipelineConfig::from_toml(&link.config_toml, std::path::Path::new("<launcher>"))?;
-    // Listen for Stop/Checkpoint; a closed channel means the launcher is gone.
     let flags = stop.clone();
     let rx = link.from_launcher;
     std::thread::spawn(move || loop {
@@ -178,10 +178,7 @@ pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<
             Ok(ToWorker::Stop) => flags.stop.store(true, Ordering::Relaxed),
             Ok(ToWorker::Checkpoint) => flags.checkpoint.store(true, Ordering::Relaxed),
             Ok(_) => {}
-            Err(_) => {
-                flags.stop.store(true, Ordering::Relaxed);
-                return;
-            }
+            Err(_) => launcher_gone(),
         }
     });
     Ok(Setup {
@@ -195,6 +192,26 @@ pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<
         stop,
         to_launcher: Some(link.to_launcher),
     })
+}
+
+/// The launcher's end of the control channel closed: the launcher died (its end closes only
+/// when it exits, or when the command it started for this worker exited first, leaving this
+/// process behind). Nothing supervises this process any more: no one recovers a dead peer or
+/// closes the ring for a dead target, so a drain would wait forever. It dies as the launcher's
+/// own children do when it dies (their parent-death signal, SIGKILL), which reaches only the
+/// launcher's direct children, not a process a command started (`sh -c "...; :"`, `uv run`).
+/// Its batch in hand stays in the ring, which the next launcher reclaims; `--resume` goes on
+/// from the last checkpoint.
+fn launcher_gone() -> ! {
+    // Not tracing: a Python worker has no subscriber. Not eprintln!: it panics if stderr is gone.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        b"error: the launcher is gone (its control channel closed): this worker ends at once, as \
+          the workers it started itself do; `launcher --resume RUN_DIR` continues the run\n",
+    );
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    // SIGKILL to itself does not return; should it fail, end without unwinding.
+    std::process::abort()
 }
 
 fn connect_or_read(
