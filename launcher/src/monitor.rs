@@ -3,15 +3,17 @@
 //!
 //! `metrics.jsonl` is what `launcher report` draws: each tick has the ring's occupancy, the
 //! rate, every worker's shares by phase, and the events said since the previous tick (deaths,
-//! restarts, stops), with the time they were said. A line is written with one `write`, so a
-//! launcher killed mid-run leaves whole lines; the last tick is written when the run ends.
+//! restarts, stops), with the time they were said. A line is written with one `write`, and the
+//! last tick when the run ends. A last line torn all the same (a kill in a write that crossed a
+//! page, a cut after a full disk that failed, an older build) is ended before the next line
+//! (`proto::jsonl`): it stays one unreadable line, which `launcher report` skips and counts.
 //!
 //! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
 //! without failing the run.
 //!
-//! Length: about 600 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
-//! snapshots, the group's steps), the line and bar that print it (with the bar's ETA) and their
-//! tests are one thing.
+//! Length: about 700 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
+//! snapshots, the group's steps), the file, line and bar that record and print it (with the
+//! bar's ETA) and their tests are one thing.
 //!
 //! The progress bar is never wider than the terminal: its layout is chosen for the terminal's
 //! width at every tick (the bar shrinks, then goes), and the message is cut at its end.
@@ -255,12 +257,82 @@ struct Bar {
     pace: Pace,
 }
 
+/// `metrics.jsonl`, open for appending.
+struct Metrics {
+    file: File,
+    /// The file's length after its last whole line, where a failed write is cut back to; None
+    /// until the first write and after a failed one, when the next write first reads it from
+    /// the file and ends a torn last line (an older build's, a kill's, or a cut that failed).
+    len: Option<u64>,
+    /// Ticks not written since writing failed (None while it works).
+    missed: Option<u64>,
+}
+
+impl Metrics {
+    /// Opens (or creates) `path` for appending: a resumed run adds to what the run wrote before.
+    fn open(path: &std::path::Path) -> anyhow::Result<Metrics> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Metrics {
+            file,
+            len: None,
+            missed: None,
+        })
+    }
+
+    /// Appends tick `t`; returns a line to say when writing starts or stops failing. A failed
+    /// write (a full disk, some day of a week-long run) is cut back to the last whole line, and
+    /// the tick's events go back to `events`, for the next tick: the file stays one `launcher
+    /// report` reads, and the run goes on. It used to end the run there: the launcher exited
+    /// with the error, its workers killed mid-step and no summary written.
+    fn write(
+        &mut self,
+        t: &mut Tick,
+        events: &mut Vec<EventTick>,
+    ) -> anyhow::Result<Option<String>> {
+        // One write per line: a launcher killed mid-run leaves whole lines only.
+        let mut json = serde_json::to_string(&*t)?;
+        json.push('\n');
+        let path = "metrics.jsonl";
+        let start = match self.len {
+            Some(len) => Ok(len),
+            None => proto::jsonl::end_torn_line(&mut self.file),
+        };
+        let written = start.and_then(|len| match self.file.write_all(json.as_bytes()) {
+            Ok(()) => Ok(len + json.len() as u64),
+            Err(e) => {
+                // What part of the line went in comes out (appends go to the end whatever the
+                // length); a truncation only frees space, so a full disk does not fail it.
+                let _ = self.file.set_len(len);
+                Err(e)
+            }
+        });
+        match written {
+            Ok(len) => {
+                self.len = Some(len);
+                Ok(self.missed.take().map(|n| {
+                    format!("{path} is written again ({n} tick(s) missing before this one)")
+                }))
+            }
+            Err(e) => {
+                self.len = None;
+                *events = std::mem::take(&mut t.events);
+                let first = self.missed.is_none();
+                *self.missed.get_or_insert(0) += 1;
+                Ok(first.then(|| {
+                    format!("warning: writing {path}: {e}: ticks are not recorded until it can be written again (the run goes on)")
+                }))
+            }
+        }
+    }
+}
+
 pub struct Monitor {
-    metrics: File,
-    /// `metrics.jsonl`'s length after its last whole line, where a failed write is cut back to.
-    metrics_len: u64,
-    /// Ticks not written since writing `metrics.jsonl` failed (None while it works).
-    metrics_missed: Option<u64>,
+    metrics: Metrics,
     /// The TensorBoard event file.
     board: Board,
     total: u64,
@@ -333,13 +405,7 @@ impl Monitor {
     ) -> anyhow::Result<Monitor> {
         let path = run_dir.metrics();
         let (board, board_error) = Board::open(run_dir);
-        let metrics =
-            // Appended: a resumed run adds to what the run wrote before.
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
+        let metrics = Metrics::open(&path)?;
         let bar = tee.terminal().map(|term| Bar {
             bar: ProgressBar::with_draw_target(
                 Some(total),
@@ -352,14 +418,8 @@ impl Monitor {
             // From what earlier launchers trained: the ETA is this launcher's pace.
             pace: Pace::new(done),
         });
-        let metrics_len = metrics
-            .metadata()
-            .with_context(|| format!("reading {}", path.display()))?
-            .len();
         let mut mon = Monitor {
             metrics,
-            metrics_len,
-            metrics_missed: None,
             board,
             total,
             done_before: done,
@@ -505,7 +565,7 @@ impl Monitor {
             eval_acceptance_length: self.eval_tau,
             steps: std::mem::take(&mut self.steps),
         };
-        if let Some(msg) = self.write_metrics(&mut t)? {
+        if let Some(msg) = self.metrics.write(&mut t, &mut self.events)? {
             self.say(&msg);
         }
         if let Some(msg) = self.board.record(&t, &iv) {
@@ -576,37 +636,6 @@ impl Monitor {
         Ok(())
     }
 
-    /// Appends tick `t` to `metrics.jsonl`; returns a line to say when writing starts or stops
-    /// failing. A failed write (a full disk, some day of a week-long run) is cut back to the
-    /// last whole line, and the tick's events are kept for the next tick: the file stays one
-    /// `launcher report` reads, and the run goes on. It used to end the run there: the launcher
-    /// exited with the error, its workers killed mid-step and no summary written.
-    fn write_metrics(&mut self, t: &mut Tick) -> anyhow::Result<Option<String>> {
-        // One write per line: a launcher killed mid-run leaves whole lines only.
-        let mut json = serde_json::to_string(&*t)?;
-        json.push('\n');
-        let path = "metrics.jsonl";
-        match self.metrics.write_all(json.as_bytes()) {
-            Ok(()) => {
-                self.metrics_len += json.len() as u64;
-                Ok(self.metrics_missed.take().map(|n| {
-                    format!("{path} is written again ({n} tick(s) missing before this one)")
-                }))
-            }
-            Err(e) => {
-                // What part of the line went in comes out (appends go to the end whatever the
-                // length); a truncation only frees space, so a full disk does not fail it.
-                let _ = self.metrics.set_len(self.metrics_len);
-                self.events = std::mem::take(&mut t.events);
-                let first = self.metrics_missed.is_none();
-                *self.metrics_missed.get_or_insert(0) += 1;
-                Ok(first.then(|| {
-                    format!("warning: writing {path}: {e}: ticks are not recorded until it can be written again (the run goes on)")
-                }))
-            }
-        }
-    }
-
     /// Records the last period and the events since the last tick, and clears the bar.
     pub fn finish(&mut self, ring: &Ring) -> anyhow::Result<()> {
         if let Some(b) = &self.bar {
@@ -674,5 +703,32 @@ mod tests {
         let old: WorkerTick = serde_json::from_str(old).unwrap();
         assert_eq!(old.phases[&Phase::CopyIn], 0.1);
         assert_eq!(old.phases[&Phase::Sync], 0.2);
+    }
+
+    /// A metrics.jsonl whose last line a kill (or an older build) tore is appended to after a
+    /// newline: the torn line stays one unreadable line, and the next tick's line reads back.
+    /// Before, the next tick was glued to the torn line, and both were lost.
+    #[test]
+    fn a_tick_after_a_torn_line_is_a_line_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = RunDir::new(dir.path()).metrics();
+        let tick = |t_s: f64| Tick {
+            t_s,
+            ..Tick::default()
+        };
+        let whole = serde_json::to_string(&tick(1.0)).unwrap();
+        std::fs::write(&path, format!("{whole}\n{}", &whole[..10])).unwrap();
+        let mut metrics = Metrics::open(&path).unwrap();
+        let mut events = Vec::new();
+        for t_s in [2.0, 3.0] {
+            let said = metrics.write(&mut tick(t_s), &mut events).unwrap();
+            assert_eq!(said, None);
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let read: Vec<Option<f64>> = (text.lines())
+            .map(|l| serde_json::from_str::<Tick>(l).ok().map(|t| t.t_s))
+            .collect();
+        assert_eq!(read, [Some(1.0), None, Some(2.0), Some(3.0)], "{text}");
+        assert!(text.ends_with('\n'));
     }
 }

@@ -11,8 +11,10 @@
 //! earlier session ended, the take-over marked.
 //!
 //! A run that did not finish (stopped, crashed, its launcher killed) is drawn as far as its
-//! metrics go. Input that cannot be a run is refused with the file and line at fault: a missing
-//! directory or `metrics.jsonl`, an empty one, a line cut short or not a tick.
+//! metrics go. A line of `metrics.jsonl` that is no tick (torn by a kill, cut short, edited) is
+//! skipped and counted, the first one named: the report says so, and draws the rest. Input that
+//! cannot be a run is refused with the file (and line) at fault: a missing directory or
+//! `metrics.jsonl`, an empty one, or one with no tick at all.
 //!
 //! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
 //! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
@@ -64,6 +66,28 @@ pub struct RunData {
     pub summary: Option<serde_json::Value>,
     /// Per drafter (in index order): batches trained, of them redelivered, last epoch.
     pub ledgers: Vec<LedgerStats>,
+    /// The lines of metrics.jsonl that are no tick, skipped.
+    pub skipped: Skipped,
+}
+
+/// Lines of metrics.jsonl skipped: how many, and the first one's number and why.
+#[derive(Debug, Default)]
+pub struct Skipped {
+    pub lines: u64,
+    pub first: Option<(usize, String)>,
+}
+
+impl Skipped {
+    /// `1 line of metrics.jsonl is no tick, skipped (line 7: ...)`; None when none was.
+    fn said(&self) -> Option<String> {
+        let (line, why) = self.first.as_ref()?;
+        Some(match self.lines {
+            1 => format!("1 line of metrics.jsonl is no tick, skipped (line {line}: {why})"),
+            n => format!(
+                "{n} lines of metrics.jsonl are no tick, skipped (the first, line {line}: {why})"
+            ),
+        })
+    }
 }
 
 #[derive(Debug, Default)]
@@ -98,7 +122,8 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let file = std::fs::File::open(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut reader = BufReader::new(file);
     let mut ticks: Vec<Tick> = Vec::new();
-    let (mut n, mut read) = (0usize, 0usize);
+    let mut n = 0usize;
+    let mut skipped = Skipped::default();
     let (mut last_raw, mut last_t, mut offset) = (0.0, 0.0, 0.0);
     let mut last_launch = None;
     let mut line = String::new();
@@ -143,16 +168,28 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
                 last_t = t.t_s;
                 ticks.push(t)
             }
-            Err(e) if e.is_eof() && !line.ends_with('\n') => bail!(
-                "{}:{n}: the last line is cut short ({e}): the file was truncated; remove that line to draw the {read} ticks before it",
-                path.display(),
-            ),
-            Err(e) => bail!("{}:{n}: not a monitor tick: {e}", path.display()),
+            // Torn by a kill (the next launcher ended it), cut short, or edited: the rest of
+            // the run is still worth drawing.
+            Err(e) => {
+                let why = if e.is_eof() && !line.ends_with('\n') {
+                    format!("cut short: {e}")
+                } else {
+                    format!("not a monitor tick: {e}")
+                };
+                skipped.lines += 1;
+                skipped.first.get_or_insert((n, why));
+                continue;
+            }
         }
-        read += 1;
         if ticks.len() >= 2 * MAX_TICKS {
             ticks = thin(ticks);
         }
+    }
+    if let (true, Some((line, why))) = (ticks.is_empty(), &skipped.first) {
+        bail!(
+            "{}:{line}: {why}; no line of the file is a tick, so there is nothing to draw",
+            path.display()
+        );
     }
     if ticks.is_empty() {
         bail!(
@@ -189,6 +226,7 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         ticks,
         summary,
         ledgers,
+        skipped,
     })
 }
 
@@ -463,6 +501,10 @@ type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64
 /// The first line under the title: how the run ended, from summary.json, else from what the
 /// metrics and ledgers show.
 fn outcome(run: &RunData) -> String {
+    let said = match run.skipped.said() {
+        Some(s) => format!("; {s}"),
+        None => String::new(),
+    };
     let end = run.ticks.last().map(|t| t.t_s).unwrap_or(0.0);
     match &run.summary {
         Some(s) => {
@@ -471,7 +513,7 @@ fn outcome(run: &RunData) -> String {
             // are the run's.
             let resumed = (run.ticks.iter()).any(|t| t.events.iter().any(|e| e.text == RESUMED));
             format!(
-                "{} (exit code {}): {}/{} samples trained, {} batches; {}{} redelivered, {:.1} s, {} tokens/s{}",
+                "{} (exit code {}): {}/{} samples trained, {} batches; {}{} redelivered, {:.1} s, {} tokens/s{}{said}",
                 if ok { "finished" } else { "ended" },
                 s["exit_code"],
                 s["samples_trained"],
@@ -491,7 +533,7 @@ fn outcome(run: &RunData) -> String {
             let batches: u64 = run.ledgers.iter().map(|l| l.batches).sum();
             let redelivered: u64 = run.ledgers.iter().map(|l| l.redelivered).sum();
             format!(
-                "no summary.json: the launcher did not finish (still running, or killed); drawn to {end:.1} s; the ledgers hold {batches} trained batches ({redelivered} redelivered)"
+                "no summary.json: the launcher did not finish (still running, or killed); drawn to {end:.1} s; the ledgers hold {batches} trained batches ({redelivered} redelivered){said}"
             )
         }
     }
@@ -1004,6 +1046,9 @@ pub fn write(
 /// `launcher report`: returns the exit code.
 pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     let data = load(&args.run_dir)?;
+    if let Some(said) = data.skipped.said() {
+        eprintln!("warning: {}: {said}", args.run_dir.display());
+    }
     let out = args
         .output
         .clone()
@@ -1035,7 +1080,7 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{load, marks, outcome, MarkKind, Plan, RunData, RESUMED};
+    use super::{load, marks, outcome, MarkKind, Plan, RunData, Skipped, RESUMED};
     use crate::monitor::{EventTick, Tick};
 
     /// A side past what can be drawn is refused naming the flag, not drawn for ever.
@@ -1046,6 +1091,7 @@ mod tests {
             ticks: vec![Tick::default()],
             summary: None,
             ledgers: Vec::new(),
+            skipped: Skipped::default(),
         };
         for (w, h, flag) in [
             (4_000_000_000, None, "--width"),
@@ -1096,6 +1142,38 @@ mod tests {
             said.contains("4 batches; its last launch: 1 redelivered, 12.0 s"),
             "{said}"
         );
+    }
+
+    /// A line a kill tore (and the next launcher ended), and a last line cut short, are
+    /// skipped and counted, the first one named; the ticks around them are drawn. Before, the
+    /// report refused the whole run at such a line. A file with no tick at all is refused.
+    #[test]
+    fn lines_that_are_no_tick_are_skipped_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let tick = |t_s: f64| {
+            let t = Tick {
+                t_s,
+                launch_unix_ms: Some(7),
+                ..Tick::default()
+            };
+            serde_json::to_string(&t).unwrap() + "\n"
+        };
+        let torn = &tick(2.0)[..12];
+        let text = [&tick(1.0), torn, "\n", &tick(3.0), &tick(4.0)[..20]].concat();
+        std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
+        let run = load(dir.path()).unwrap();
+        let t_s: Vec<f64> = run.ticks.iter().map(|t| t.t_s).collect();
+        assert_eq!(t_s, [1.0, 3.0]);
+        assert_eq!(run.skipped.lines, 2);
+        let said = run.skipped.said().unwrap();
+        assert!(
+            said.starts_with("2 lines of metrics.jsonl are no tick, skipped (the first, line 2: "),
+            "{said}"
+        );
+        assert!(outcome(&run).ends_with(&format!("; {said}")));
+        std::fs::write(dir.path().join("metrics.jsonl"), format!("{torn}\n")).unwrap();
+        let err = load(dir.path()).err().expect("refused").to_string();
+        assert!(err.contains("metrics.jsonl:1: not a monitor tick"), "{err}");
     }
 
     #[test]

@@ -13,11 +13,12 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::jsonl::end_torn_line;
 use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
@@ -207,6 +208,7 @@ impl Ledger {
             .read(true)
             .open(path)
             .map_err(io("opening ledger", path))?;
+        // Its batch was not released, so it is redelivered: the torn line stays unreadable.
         end_torn_line(&mut file).map_err(io("repairing ledger", path))?;
         Ok(Ledger {
             file,
@@ -230,23 +232,6 @@ impl Ledger {
             .sync_data()
             .map_err(io("syncing the ledger", &self.path))
     }
-}
-
-/// A predecessor killed in the middle of writing a line (a write that crossed a page of the file)
-/// left it without its newline: end it, so it stays one unreadable line (its batch was not
-/// released, so it is redelivered) instead of swallowing the next writer's first line.
-fn end_torn_line(ledger: &mut File) -> std::io::Result<()> {
-    let len = ledger.seek(SeekFrom::End(0))?;
-    if len == 0 {
-        return Ok(());
-    }
-    ledger.seek(SeekFrom::End(-1))?;
-    let mut last = [0u8];
-    ledger.read_exact(&mut last)?;
-    if last[0] != b'\n' {
-        ledger.write_all(b"\n")?;
-    }
-    Ok(())
 }
 
 /// For the launcher, before it removes dead drafter `index` from the group: makes the lines it

@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod jsonl;
 pub mod ledger;
 pub mod plan;
 pub mod run_dir;

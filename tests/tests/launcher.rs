@@ -1670,6 +1670,13 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
     gone.wait().unwrap();
     let export_tmp = run_dir.join(format!(".drafter.new-{}", gone.id()));
     std::fs::create_dir_all(&export_tmp).unwrap();
+    // A tick torn by the kill (a write across a page; an older build's metrics the same).
+    let metrics = rd.metrics();
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let text = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    let torn = &text.lines().last().unwrap()[..20];
+    std::fs::write(&metrics, format!("{text}{torn}")).unwrap();
+    let lines_before = text.lines().count();
     let ticks_before = crate::tensorboard::ticks(&run_dir).len();
     let out = spawn(
         &workspace_bin("launcher"),
@@ -1681,6 +1688,26 @@ fn resume_of_a_two_epoch_run_finishes_both_epochs_and_retrains_nothing_checkpoin
         "{out}"
     );
     assert!(!ckpt_tmp.exists() && !export_tmp.exists(), "{out}");
+    // The resume ended the torn line: it stays one line, and every tick after it reads back.
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[lines_before], torn);
+    assert!(lines.len() > lines_before + 1);
+    for l in &lines[lines_before + 1..] {
+        serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+    }
+    // The report draws the run, the torn line skipped and said.
+    let p = spawn(
+        &workspace_bin("launcher"),
+        &["report", run_dir.to_str().unwrap()],
+    );
+    let (status, err) = p.wait_status_keep();
+    assert!(status.success(), "{err}");
+    let skipped = format!(
+        "1 line of metrics.jsonl is no tick, skipped (line {}:",
+        lines_before + 1
+    );
+    assert!(err.contains(&skipped), "{err}");
     assert!(out.contains("left by a writer that was killed"), "{out}");
     let s = run.summary();
     assert_eq!(s["ok"], true, "{s}");

@@ -434,7 +434,7 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
     let svg = std::fs::read_to_string(&cut_svg).unwrap();
     assert!(svg.contains("\ndrafter loss\n") && svg.contains("\nacceptance length (tau)\n"));
 
-    // Bad input: exit 1, `error: ` and what is wrong, where.
+    // Metrics made by hand, in run directories of their own.
     let bad = |name: &str, metrics: Option<&str>| -> String {
         let d = run.dir.join(name);
         std::fs::create_dir_all(&d).unwrap();
@@ -443,8 +443,25 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
         }
         d.to_str().unwrap().to_string()
     };
+    // A line torn by a kill, cut short or edited is skipped and counted; the rest is drawn.
     let truncated = format!("{}{}", half, &lines[lines.len() / 2][..20]);
     let garbage = format!("{}not json\n{}", half, lines[lines.len() / 2]);
+    for (name, metrics, why) in [
+        ("truncated", &truncated, "cut short"),
+        ("garbage", &garbage, "not a monitor tick"),
+    ] {
+        let dir = bad(name, Some(metrics));
+        let (code, err) = report(&[&dir]);
+        let n = lines.len() / 2 + 1;
+        let want = format!("1 line of metrics.jsonl is no tick, skipped (line {n}: {why}");
+        assert!(
+            code == 0 && err.starts_with("warning: ") && err.contains(&want),
+            "{err}"
+        );
+        let svg = std::fs::read_to_string(Path::new(&dir).join("report.svg")).unwrap();
+        assert!(svg.contains(&want), "the picture should say {want:?}");
+    }
+    // Bad input: exit 1, `error: ` and what is wrong, where.
     let cases = [
         (
             format!("{}/nonexistent", run.dir.display()),
@@ -457,15 +474,8 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
             "metrics.jsonl is empty".to_string(),
         ),
         (
-            bad("truncated", Some(&truncated)),
-            format!(
-                "metrics.jsonl:{}: the last line is cut short",
-                lines.len() / 2 + 1
-            ),
-        ),
-        (
-            bad("garbage", Some(&garbage)),
-            format!("metrics.jsonl:{}: not a monitor tick", lines.len() / 2 + 1),
+            bad("notticks", Some("not json\n{\"t_s\": \"x\"}\n")),
+            "metrics.jsonl:1: not a monitor tick".to_string(),
         ),
     ];
     for (dir, want) in &cases {

@@ -134,12 +134,12 @@ pub(crate) fn read_run(run_dir: &Path) -> Vec<EventFile> {
     paths.iter().map(|p| read_file(p)).collect()
 }
 
-/// The monitor's ticks, as metrics.jsonl has them.
+/// The monitor's ticks, as metrics.jsonl has them (a line torn by a kill skipped).
 pub(crate) fn ticks(run_dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(RunDir::new(run_dir).metrics())
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
 }
 
