@@ -11,9 +11,12 @@
 //!   TensorBoard rightly shows the resumed run's values from there on: those steps were trained
 //!   again.
 //! - The pipeline's series (`pipeline/tokens_per_s`, `targets/busy`, `drafters/waiting`,
-//!   `drafters/phase/compute`, ...) are at the tick's number, its line in `metrics.jsonl` (1 for
-//!   the first line): a resume appends to `metrics.jsonl`, so it continues the count. Wall time,
-//!   TensorBoard's other axis, lines both up.
+//!   `drafters/phase/compute`, ...) are at the tick's time, in milliseconds since the run's first
+//!   launch: the time in the name of the earliest event file in `tb/` (this launcher's own, for
+//!   the first). A resume's ticks come after every earlier launch's, whatever was written of
+//!   them; a tick's number in `metrics.jsonl` was not enough, since ticks lost to a full disk
+//!   have no line there but do have their points here. A tick in the same millisecond as the
+//!   one before goes one step on. Wall time, TensorBoard's other axis, lines both up.
 //!
 //! Each launcher writes a new file, `events.out.tfevents.<seconds>.<host>.<pid>`, created only
 //! if no such file exists: a resume adds a file beside the earlier ones, and TensorBoard reads
@@ -22,7 +25,7 @@
 //! tick).
 
 use std::fs::File;
-use std::io::{BufRead, BufWriter};
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
 use proto::RunDir;
@@ -52,20 +55,23 @@ fn phase_shares(iv: &Interval, role: Role) -> PhaseMap<f64> {
     mean
 }
 
-/// The lines a metrics file already holds (a resume appends to it), 0 for none.
-fn lines_in(path: &Path) -> u64 {
-    let Ok(f) = File::open(path) else { return 0 };
-    let mut r = std::io::BufReader::with_capacity(1 << 16, f);
-    let mut n = 0;
-    while let Ok(buf) = r.fill_buf() {
-        if buf.is_empty() {
-            break;
-        }
-        n += buf.iter().filter(|&&b| b == b'\n').count() as u64;
-        let len = buf.len();
-        r.consume(len);
-    }
-    n
+/// Event files are named `events.out.tfevents.<seconds>.<host>.<pid>`.
+const EVENTS_PREFIX: &str = "events.out.tfevents.";
+
+/// The run's first launch (Unix time, ms): the seconds in the name of the earliest event file in
+/// `dir`, or `now_s` if there is none (or only one from a clock ahead of this one).
+fn first_launch_ms(dir: &Path, now_s: u64) -> u64 {
+    let earliest = (std::fs::read_dir(dir).into_iter().flatten().flatten())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_prefix(EVENTS_PREFIX)?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .min();
+    earliest.unwrap_or(now_s).min(now_s).saturating_mul(1000)
 }
 
 /// The run's TensorBoard writer, or nothing once it failed.
@@ -73,33 +79,39 @@ pub struct Board {
     writer: Option<SummaryWriter<BufWriter<File>>>,
     /// The event file, for messages.
     path: PathBuf,
-    /// The tick number of the last tick written (the number of ticks before this launcher's
-    /// first, for a resume).
-    tick: u64,
+    /// The run's first launch (Unix time, ms): the pipeline series' step 0.
+    first_launch_ms: u64,
+    /// The step of this launcher's last tick.
+    tick: Option<u64>,
     /// The group step the train series were last written at.
     step: Option<u64>,
 }
 
 impl Board {
-    /// A new event file in the run's `tb/`, its ticks numbered after those `metrics.jsonl`
-    /// already holds (call it before the monitor appends). On an error it returns the message
-    /// to say, and a board that writes nothing.
+    /// A new event file in the run's `tb/`. On an error it returns the message to say, and a
+    /// board that writes nothing.
     pub fn open(run_dir: &RunDir) -> (Board, Option<String>) {
+        Board::open_at(run_dir, std::time::SystemTime::now())
+    }
+
+    /// [`Board::open`] at time `now`.
+    fn open_at(run_dir: &RunDir, now: std::time::SystemTime) -> (Board, Option<String>) {
         let dir = run_dir.tensorboard_dir();
-        let secs = std::time::SystemTime::now()
+        let secs = now
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         // TensorFlow's own naming: TensorBoard finds files by `tfevents` in the name and reads
         // a folder's files in name order, so by time.
         let path = dir.join(format!(
-            "events.out.tfevents.{secs:010}.{}.{}",
+            "{EVENTS_PREFIX}{secs:010}.{}.{}",
             hostname(),
             std::process::id()
         ));
         let mut board = Board {
             writer: None,
             path,
-            tick: lines_in(&run_dir.metrics()),
+            first_launch_ms: first_launch_ms(&dir, secs),
+            tick: None,
             step: None,
         };
         let opened = std::fs::create_dir_all(&dir)
@@ -136,9 +148,13 @@ impl Board {
     /// targets and drafters). Returns the message to say when writing failed (once: the board
     /// is off then).
     pub fn record(&mut self, t: &Tick, iv: &Interval) -> Option<String> {
-        self.tick += 1;
+        let next = self.tick.map_or(0, |last| last + 1);
+        let at_ms =
+            (t.launch_unix_ms).map(|launch| launch.saturating_add((t.t_s * 1000.0).round() as u64));
+        let tick = at_ms.map_or(next, |ms| ms.saturating_sub(self.first_launch_ms).max(next));
+        self.tick = Some(tick);
+        let tick = tick as i64;
         let mut scalars: Vec<(String, i64, f64)> = Vec::new();
-        let tick = self.tick as i64;
         let pipeline = [
             ("pipeline/tokens_per_s", t.tokens_per_s),
             ("targets/busy", t.targets_busy),
@@ -188,4 +204,62 @@ fn hostname() -> String {
         .ok()
         .filter(|h| !h.is_empty() && !h.contains('/'))
         .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use super::*;
+
+    /// A resume's pipeline points come after every earlier launch's, also when the earlier
+    /// launch lost ticks to a full disk (points here, no line in metrics.jsonl): a point's step
+    /// is its tick's time since the run's first launch. Before, it was the tick's line in
+    /// metrics.jsonl, so the resume's first points fell on the earlier launch's last steps, and
+    /// TensorBoard dropped them.
+    #[test]
+    fn a_resumes_ticks_come_after_every_earlier_tick_also_those_lost_to_a_full_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let iv = Interval {
+            seconds: 1.0,
+            published_per_s: 0.0,
+            released_per_s: 0.0,
+            tokens_per_s: 0.0,
+            full_frac: 0.0,
+            empty_frac: 0.0,
+            short_frac: 0.0,
+            workers: Vec::new(),
+        };
+        let at = |s: u64| -> SystemTime { UNIX_EPOCH + Duration::from_secs(s) };
+        let tick = |launch_s: u64, t_s: f64| Tick {
+            t_s,
+            launch_unix_ms: Some(launch_s * 1000),
+            ..Tick::default()
+        };
+        let mut steps = Vec::new();
+        // The first launch ticks five times; metrics.jsonl keeps two (then the disk filled).
+        let (mut first, said) = Board::open_at(&run, at(1_000_000));
+        assert_eq!(said, None);
+        for t_s in [1.0, 2.0, 3.0, 4.0, 5.0] {
+            assert_eq!(first.record(&tick(1_000_000, t_s), &iv), None);
+            steps.push(first.tick.unwrap());
+        }
+        drop(first);
+        let kept = [tick(1_000_000, 1.0), tick(1_000_000, 2.0)]
+            .map(|t| serde_json::to_string(&t).unwrap() + "\n");
+        std::fs::write(run.metrics(), kept.concat()).unwrap();
+        // The resume, a minute later; two ticks, the second in the same millisecond.
+        let (mut resumed, said) = Board::open_at(&run, at(1_000_070));
+        assert_eq!(said, None);
+        for t_s in [1.0, 1.0001] {
+            assert_eq!(resumed.record(&tick(1_000_070, t_s), &iv), None);
+            steps.push(resumed.tick.unwrap());
+        }
+        assert_eq!(
+            steps,
+            [1000, 2000, 3000, 4000, 5000, 71_000, 71_001],
+            "strictly increasing"
+        );
+    }
 }

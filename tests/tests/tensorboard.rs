@@ -48,6 +48,13 @@ pub(crate) struct EventFile {
 }
 
 impl EventFile {
+    /// When its launcher started (Unix time, ms, to the second): the seconds in its name,
+    /// `events.out.tfevents.<seconds>.<host>.<pid>`.
+    pub(crate) fn launch_ms(&self) -> i64 {
+        let secs = self.name.strip_prefix("events.out.tfevents.").unwrap();
+        1000 * secs.split('.').next().unwrap().parse::<i64>().unwrap()
+    }
+
     /// The steps of a series (none for a series the file lacks).
     pub(crate) fn steps(&self, tag: &str) -> Vec<i64> {
         self.series
@@ -143,10 +150,25 @@ pub(crate) fn ticks(run_dir: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The pipeline series' steps of `ticks`, in a run first launched at `first_launch_ms`: each
+/// tick's time since then in ms, one on from the tick before where that is not more.
+pub(crate) fn pipeline_steps(first_launch_ms: i64, ticks: &[serde_json::Value]) -> Vec<i64> {
+    let mut last = None;
+    (ticks.iter())
+        .map(|t| {
+            let at = t["launch_unix_ms"].as_i64().unwrap()
+                + (t["t_s"].as_f64().unwrap() * 1000.0).round() as i64;
+            let step = (at - first_launch_ms).max(last.map_or(0, |l| l + 1));
+            last = Some(step);
+            step
+        })
+        .collect()
+}
+
 /// A mock run's event file has every tick: the pipeline's series once per tick at the tick's
-/// number with metrics.jsonl's values, the drafters' phase shares, and the loss once per group
-/// step at that step (no tau or lr: the mock reports none); summary.json has the group's last
-/// step and loss, and no tau.
+/// time since the launch (ms) with metrics.jsonl's values, the drafters' phase shares, and the
+/// loss once per group step at that step (no tau or lr: the mock reports none); summary.json
+/// has the group's last step and loss, and no tau.
 #[test]
 fn a_run_writes_its_ticks_to_tensorboard_and_its_last_step_to_the_summary() {
     let run = Run::new("ltb");
@@ -167,8 +189,9 @@ fn a_run_writes_its_ticks_to_tensorboard_and_its_last_step_to_the_summary() {
         ("drafters/busy", "drafters_busy"),
         ("drafters/waiting", "drafters_waiting"),
     ] {
-        // One point per tick, at its number.
-        let want: Vec<(i64, f64)> = (1..=n)
+        // One point per tick, at its time.
+        let want: Vec<(i64, f64)> = pipeline_steps(tb.launch_ms(), &ticks)
+            .into_iter()
             .zip(&ticks)
             .map(|(i, t)| (i, t[field].as_f64().unwrap()))
             .collect();
