@@ -274,14 +274,12 @@ struct Captured {
     ids: Vec<u8>,
 }
 
-/// `launcher capture`.
-pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
-    if let Some(n) = a.threads {
-        // Read by candle's kernels when they first run; no other thread exists yet.
-        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
-    }
+/// The config `launcher capture` runs with: `--config`'s (or the default) with the flags'
+/// model, layers, dtype and data, the model's shape settled, checked.
+fn capture_config(a: &CaptureArgs) -> anyhow::Result<PipelineConfig> {
+    // Checked below, with the flags in: the file's data and epochs are a run's.
     let mut cfg = match &a.config {
-        Some(p) => PipelineConfig::load(p)?,
+        Some(p) => PipelineConfig::load_unchecked(p)?,
         None => PipelineConfig::default(),
     };
     cfg.model.path = Some(a.model.clone());
@@ -301,9 +299,21 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     if a.data.is_none() {
         cfg.data.synthetic_samples = a.synthetic.unwrap_or(16);
     }
+    // A capture passes over its data once: a run's epochs, and its plan's bound, are not its.
+    cfg.data.epochs = 1;
     gpu::settle(BackendKind::Candle, &mut cfg)
         .context("checking the model (its config.json and weights)")?;
     cfg.validate().context("checking the config")?;
+    Ok(cfg)
+}
+
+/// `launcher capture`.
+pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
+    if let Some(n) = a.threads {
+        // Read by candle's kernels when they first run; no other thread exists yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
+    let mut cfg = capture_config(&a)?;
     let in_use = a.out.exists()
         && std::fs::read_dir(&a.out)
             .with_context(|| format!("-o {}: the output must be a directory", a.out.display()))?
@@ -485,3 +495,6 @@ pub fn check_ids_fit(data: &dataset::Dataset, dir: &Path, input: &Path) -> anyho
     data.unmap_resident();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -440,6 +440,13 @@ fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
 impl PipelineConfig {
     /// Parses TOML text; `path` is only for messages.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg = Self::parse(text, path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text without checking the values.
+    fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let mut cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             cause: Box::new(e),
@@ -448,16 +455,25 @@ impl PipelineConfig {
         if let Some(ids) = &cfg.model.target_layer_ids {
             cfg.model.layers = ids.len() as u32;
         }
+        Ok(cfg)
+    }
+
+    /// Reads and checks the config at `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let cfg = Self::load_unchecked(path)?;
         cfg.validate()?;
         Ok(cfg)
     }
 
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+    /// Reads the config at `path` without checking the values, for a caller that sets some of
+    /// them and then calls [`PipelineConfig::validate`]: `launcher capture`, which uses neither
+    /// the file's data nor its epochs.
+    pub fn load_unchecked(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.to_path_buf(),
             cause: e,
         })?;
-        Self::from_toml(&text, path)
+        Self::parse(&text, path)
     }
 
     pub fn to_toml(&self) -> String {
