@@ -1,8 +1,9 @@
 //! Appending to a JSON-lines file that a killed writer may have left torn: the ledgers,
-//! `metrics.jsonl`. Each line is written with one `write`, but a write that crosses a page of
-//! the file can be cut by a kill (or by a full disk), and leave a last line without its newline.
-//! Whoever appends first ends that line, so it stays one unreadable line, which readers skip,
-//! instead of swallowing the next writer's first line.
+//! `set-aside.jsonl`, `lost-steps.jsonl`, `metrics.jsonl`. Each line is written with one
+//! `write`, but a write that crosses a page of the file can be cut by a kill (or by a full
+//! disk), and leave a last line without its newline. Whoever appends first ends that line, so it
+//! stays one unreadable line, which readers skip, instead of swallowing the next writer's first
+//! line.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};

@@ -352,13 +352,18 @@ pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError
     read_lines(&run_dir.set_aside())
 }
 
-/// Appends `value` to the JSON-lines file `path` (created if missing) with one `write`;
-/// returns the file, for a caller that syncs it.
+/// Appends `value` to the JSON-lines file `path` (created if missing) with one `write`, after
+/// ending a line a kill tore; returns the file, for a caller that syncs it.
 fn append_line(path: &Path, value: &impl Serialize) -> Result<File, LedgerError> {
     let mut text = serde_json::to_string(value)?;
     text.push('\n');
-    let mut f =
-        (OpenOptions::new().create(true).append(true).open(path)).map_err(io("opening", path))?;
+    let mut f = (OpenOptions::new()
+        .create(true)
+        .append(true)
+        .read(true)
+        .open(path))
+    .map_err(io("opening", path))?;
+    end_torn_line(&mut f).map_err(io("repairing", path))?;
     f.write_all(text.as_bytes())
         .map_err(io("appending to", path))?;
     Ok(f)

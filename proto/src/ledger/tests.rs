@@ -111,6 +111,22 @@ fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
     assert_eq!((read.lines.len(), read.torn), (2, 1));
 }
 
+/// A lost range whose line a kill tore is recorded again by the rank's restart (`lost.rs`): the
+/// new line follows the torn one instead of being glued to it, so the range reads back and its
+/// steps count as untrained. Before, both lines were lost, and so was the range. Set-aside lines
+/// are appended the same way.
+#[test]
+fn a_line_recorded_after_a_torn_one_reads_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = RunDir::new(tmp.path());
+    run.lay_out().unwrap();
+    let lost = LostSteps::between(0, 1, 4).unwrap();
+    let whole = serde_json::to_string(&lost).unwrap();
+    std::fs::write(run.lost_steps(), &whole[..10]).unwrap();
+    record_lost(&run, &lost).unwrap();
+    assert_eq!(read_lost(&run).unwrap(), vec![lost]);
+}
+
 #[test]
 fn the_ledgers_read_back() {
     let tmp = tempfile::tempdir().unwrap();
