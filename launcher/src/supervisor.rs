@@ -28,7 +28,7 @@ use collective::Collective;
 use proto::control::{self, FinalReport, ToWorker};
 use proto::plan::Epochs;
 use proto::RunDir;
-use shm_ring::{Ring, Role, WorkerName};
+use shm_ring::{Ring, Role, Snapshot, WorkerName};
 
 use crate::cli::{exit, Args};
 use crate::monitor::Monitor;
@@ -199,6 +199,7 @@ impl<'a> Supervisor<'a> {
                 self.signals.last_name()
             ));
             self.send_stop();
+            self.stop_unstarted();
         }
         if received < 2 {
             return false;
@@ -247,6 +248,15 @@ impl<'a> Supervisor<'a> {
         }
     }
 
+    /// True if this incarnation of `w` registered in the ring: by its pid, or since it started
+    /// (a command that runs the worker as its child registers another pid).
+    fn registered(w: &Worker, snap: &Snapshot) -> bool {
+        let since_start = w.spawned.elapsed().as_nanos() as u64;
+        snap.worker(w.name()).is_some_and(|rec| {
+            rec.pid == w.pid || rec.registered_age_ns.is_some_and(|age| age < since_start)
+        })
+    }
+
     /// Step 3, once a second: a running worker silent for too long is killed; its exit is
     /// handled by [`exits`](Self::exits) like any crash. Silent: no heartbeat for
     /// `--hang-timeout` since it registered in the ring, or not registered `--start-timeout`
@@ -266,11 +276,7 @@ impl<'a> Supervisor<'a> {
                 continue;
             }
             let since_start = w.spawned.elapsed().as_nanos() as u64;
-            // This incarnation's record: registered by its pid, or since it started (a
-            // command that runs the worker as its child registers another pid).
-            let this = snap.worker(w.name()).filter(|rec| {
-                rec.pid == w.pid || rec.registered_age_ns.is_some_and(|age| age < since_start)
-            });
+            let this = (snap.worker(w.name())).filter(|_| Self::registered(w, &snap));
             // A worker loads its model before it registers: say how to allow a longer load.
             let (silent, limit, what, hint) = match this {
                 Some(rec) => (
@@ -340,6 +346,7 @@ impl<'a> Supervisor<'a> {
             self.mon.say(&note);
             self.notes.push(note);
             self.send_stop();
+            self.stop_unstarted();
         }
         Ok(())
     }
@@ -393,6 +400,7 @@ impl<'a> Supervisor<'a> {
         struck: Option<settle::Struck>,
         items: u64,
     ) -> anyhow::Result<()> {
+        let registered = Self::registered(&self.workers[i], &self.ring.snapshot());
         let (r, settled) = self.recover(i, struck)?;
         let w = &mut self.workers[i];
         // A batch published or trained, or one whose update the group applied before it died.
@@ -406,14 +414,16 @@ impl<'a> Supervisor<'a> {
             self.mon.say(&line);
         }
         let w = &mut self.workers[i];
-        let stop_target = self.stopping && w.name.role == Role::Producer;
-        if w.in_a_row < self.args.max_restarts && !stop_target {
+        // While stopping, targets are not restarted, nor a worker that went down before it
+        // registered (killed by the stop, or stuck starting): only a drafter that was draining.
+        let stopped = self.stopping && (w.name.role == Role::Producer || !registered);
+        if w.in_a_row < self.args.max_restarts && !stopped {
             w.life = Life::Backoff(Instant::now() + backoff(w.in_a_row));
             w.in_a_row += 1;
             w.restarts += 1;
             return Ok(());
         }
-        if stop_target {
+        if stopped {
             w.life = Life::Stopped;
         } else {
             w.life = Life::GaveUp;
@@ -507,6 +517,28 @@ impl<'a> Supervisor<'a> {
     fn monitor(&mut self) -> anyhow::Result<()> {
         let restarts: u32 = self.workers.iter().map(|w| w.restarts).sum();
         self.mon.tick(&self.ring, restarts, self.started)
+    }
+
+    /// At a stop, a worker that has not registered in the ring yet (loading its model, or
+    /// stuck before it: a Python worker importing, a GPU that never answers) is killed at once.
+    /// It holds no batch and no part of the group, and the stop need not wait for it: before,
+    /// such a worker was waited for up to `--start-timeout` and then restarted, the stop taking
+    /// up to (`--max-restarts` + 1) x 600 s. It is not restarted (see [`down`](Self::down)).
+    fn stop_unstarted(&mut self) {
+        let snap = self.ring.snapshot();
+        for w in &mut self.workers {
+            if w.child.is_none() || Self::registered(w, &snap) {
+                continue;
+            }
+            self.mon.say(&format!(
+                "{} (pid {}) has not started (not registered in the ring): stopping it at once",
+                w.name(),
+                w.pid
+            ));
+            if let Some(c) = &mut w.child {
+                kill_worker(c);
+            }
+        }
     }
 
     /// Asks every connected worker to stop in order.

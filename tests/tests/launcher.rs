@@ -1369,6 +1369,42 @@ fn a_worker_hung_before_it_registers_is_killed_as_hung_and_given_up() {
     no_segment_of(pid);
 }
 
+/// A stop signal while a worker has not registered in the ring (loading its model, or stuck
+/// before it; here a command that only sleeps) kills that worker at once and does not restart
+/// it: it holds no batch and no part of the group. Before, the stop waited for it up to
+/// `--start-timeout` (600 s by default), then restarted it and waited again, up to
+/// (`--max-restarts` + 1) x 600 s.
+#[test]
+fn a_stop_does_not_wait_for_a_worker_that_has_not_started() {
+    let run = Run::new("lstopstart");
+    let cfg = config(
+        &run.dir,
+        false,
+        "command = [\"sleep\", \"1000\"]\n", // in [drafter]
+    );
+    let mut launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    wait_until("the targets' first batch", &ring, |s| {
+        s.counters.published >= 1
+    });
+    kill(pid, Signal::INT);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(130), "{out}");
+    for d in 0..3 {
+        let name = format!("drafter-{d} (pid ");
+        assert!(
+            out.lines().any(|l| l.starts_with(&name)
+                && l.ends_with(
+                    "has not started (not registered in the ring): stopping it at once"
+                )),
+            "{out}"
+        );
+    }
+    assert!(!out.contains("restarted"), "{out}");
+    no_segment_of(pid);
+}
+
 /// `metrics.jsonl` that cannot be written (a disk that filled up some day of a long run; here
 /// a file at the size limit the launcher runs under, `prlimit --fsize`, with SIGXFSZ ignored as
 /// a full disk sends none) is said once, and the run goes on to its end: every sample trained,
