@@ -5,17 +5,89 @@
 //! report's SVG, a prepared dataset and its input stamps; and, with [`replace_dir_with`], the
 //! drafter's export directory. A crate of its own, below `dataset` and `proto`, so that
 //! preparing a dataset needs none of hspipe's contracts.
+//!
+//! Only a regular file is replaced: the rename would put a file in place of whatever is at the
+//! target, so a FIFO, a device (`-o /dev/null` as root) or a directory is refused with
+//! [`NotAFile`]. A symbolic link is followed, and the file it points to is replaced, as the
+//! shell's `>` would write it: renaming over the link would turn the user's link into a file
+//! and leave the file it names stale.
 
 use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+/// The target of a replace exists and is not a regular file: replacing it would destroy it.
+/// Carried in an [`io::Error`] of kind `InvalidInput` (find it with `get_ref` and
+/// `downcast_ref`).
+#[derive(Debug)]
+pub struct NotAFile {
+    /// The path found (a link's, followed to its end).
+    pub path: PathBuf,
+    /// What it is: "FIFO", "directory", "character device"...
+    pub kind: &'static str,
+}
+
+impl std::fmt::Display for NotAFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is a {}, not a regular file, and is left alone; name a new file or a regular one",
+            self.path.display(),
+            self.kind
+        )
+    }
+}
+
+impl std::error::Error for NotAFile {}
+
+/// The file that [`replace_with`] writes for `path`: `path` itself, or where it is a symbolic
+/// link, the file the link points to (followed to the end; it need not exist). Fails with
+/// [`NotAFile`] where that exists and is not a regular file, so a caller can refuse a target
+/// before the work of writing it.
+pub fn target(path: &Path) -> io::Result<PathBuf> {
+    let mut p = path.to_path_buf();
+    // As many links as Linux follows (ELOOP after 40).
+    for _ in 0..40 {
+        let meta = match std::fs::symlink_metadata(&p) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(p),
+            r => r?,
+        };
+        let t = meta.file_type();
+        if t.is_file() {
+            return Ok(p);
+        }
+        if !t.is_symlink() {
+            let kind = match () {
+                _ if t.is_dir() => "directory",
+                _ if t.is_fifo() => "FIFO",
+                _ if t.is_char_device() => "character device",
+                _ if t.is_block_device() => "block device",
+                _ if t.is_socket() => "socket",
+                _ => "special file",
+            };
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                NotAFile { path: p, kind },
+            ));
+        }
+        // A relative link is relative to the link's directory (`join` keeps an absolute one).
+        p = parent_of(&p).join(std::fs::read_link(&p)?);
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{}: too many levels of symbolic links", path.display()),
+    ))
+}
 
 /// Writes `path` atomically with `write`, which gets the temporary file's path (and may open it
-/// as it likes). The temporary file is removed if anything fails.
+/// as it likes). The temporary file is removed if anything fails. `path` is resolved by
+/// [`target`] first: a target that is not a regular file is refused before `write` runs.
 pub fn replace_with<E>(path: &Path, write: impl FnOnce(&Path) -> Result<(), E>) -> Result<(), E>
 where
     E: From<io::Error>,
 {
+    let path = &target(path)?;
     let dir = parent_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     // Mode 0666 less the umask, as `std::fs::write` would create it (tempfile's own is 0600).
@@ -27,6 +99,8 @@ where
         .tempfile_in(dir)?;
     write(tmp.path())?;
     File::open(tmp.path())?.sync_all()?;
+    // Again, as late as can be: something may have been put there while `write` ran.
+    target(path)?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(sync_dir(dir)?)
 }
@@ -103,6 +177,8 @@ where
 /// listed (a temporary file of an older build, with no pid, is). Safe to call while writers
 /// run, in this process or others.
 pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+    // Beside the file a link points to, where `replace_with` writes.
+    let path = &target(path).unwrap_or_else(|_| path.to_path_buf());
     let parent = parent_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let ours = format!(".{name}.");
@@ -284,6 +360,72 @@ mod tests {
             None,
             "nothing to put back with the dir there"
         );
+    }
+
+    /// `-o fifo` (or `/dev/null`, as root): the rename would have put a file in its place.
+    #[test]
+    fn a_target_that_is_not_a_regular_file_is_refused_and_left_as_it_is() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let via_link = dir.path().join("link");
+        std::os::unix::fs::symlink("fifo", &via_link).unwrap();
+        // The link is named by the FIFO it points to.
+        let cases = [
+            (&fifo, &fifo, "FIFO"),
+            (&sub, &sub, "directory"),
+            (&via_link, &fifo, "FIFO"),
+        ];
+        for (path, found, kind) in cases {
+            let mut wrote = false;
+            let e = replace_with(path, |tmp| {
+                wrote = true;
+                std::fs::write(tmp, b"data")
+            })
+            .unwrap_err();
+            assert!(!wrote, "refused before the work of writing");
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+            let not = e.get_ref().unwrap().downcast_ref::<NotAFile>().unwrap();
+            assert_eq!((&not.path, not.kind), (found, kind));
+            assert!(
+                e.to_string()
+                    .contains(&format!("is a {kind}, not a regular file")),
+                "{e}"
+            );
+        }
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        assert!(std::fs::symlink_metadata(&via_link).unwrap().is_symlink());
+        assert!(sub.is_dir());
+    }
+
+    /// A link to a regular file stays a link; the file it points to gets the new contents.
+    #[test]
+    fn a_link_is_followed_and_the_file_it_points_to_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let file = data.join("train.arrow");
+        std::fs::write(&file, b"old").unwrap();
+        let link = dir.path().join("train.arrow");
+        std::os::unix::fs::symlink("data/train.arrow", &link).unwrap();
+        replace(&link, b"new").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+        // A dangling link: the file it names is made, as `>` would.
+        let dangling = dir.path().join("eval.json");
+        std::os::unix::fs::symlink("data/eval.json", &dangling).unwrap();
+        replace(&dangling, b"{}").unwrap();
+        assert_eq!(std::fs::read(data.join("eval.json")).unwrap(), b"{}");
     }
 
     #[test]

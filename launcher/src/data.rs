@@ -69,6 +69,10 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
         cfg.data.tokenizer = Some(m.clone());
     }
     let options = options(&cfg, cfg.data.max_len)?;
+    // Before the work of preparing: the file is renamed over `-o` once written.
+    if let Some(out) = &args.out {
+        atomic_file::target(out).with_context(|| format!("-o {}", out.display()))?;
+    }
     let (p, line) = prepare_dataset(&args.input, &options, &cache, args.out.as_deref())?;
     println!("{line}");
     println!("{}", p.path.display());

@@ -171,6 +171,10 @@ fn line(name: &str, a: &Acceptance) -> String {
 
 /// `launcher eval`.
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
+    // Before the work of decoding: the report is renamed over `--json` once written.
+    if let Some(p) = &a.json {
+        atomic_file::target(p).with_context(|| format!("--json {}", p.display()))?;
+    }
     let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
         .with_context(|| format!("loading the target {}", a.model.display()))?;
     // The drafter's config first: a drafter of another model is named as such, before its
@@ -243,7 +247,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     };
     if let Some(p) = &a.json {
         atomic_file::replace(p, serde_json::to_string_pretty(&report)?.as_bytes())
-            .with_context(|| format!("writing {}", p.display()))?;
+            .with_context(|| format!("writing --json {}", p.display()))?;
     }
     Ok(if ok { 0 } else { 1 })
 }

@@ -1039,7 +1039,7 @@ pub fn write(
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
     atomic_file::replace(out, svg.as_bytes())
-        .with_context(|| format!("writing {}", out.display()))?;
+        .with_context(|| format!("writing the picture {}", out.display()))?;
     Ok((plan.width, plan.height))
 }
 
@@ -1058,6 +1058,9 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
             "{}: the report is an SVG picture; name a .svg file (a browser shows it, and `rsvg-convert` turns it into PNG)",
             out.display()
         );
+    }
+    if args.output.is_some() {
+        atomic_file::target(&out).with_context(|| format!("-o {}", out.display()))?;
     }
     let (w, h) = write(&data, &out, args.width, args.height)?;
     let m = marks(&data.ticks);

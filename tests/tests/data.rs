@@ -467,6 +467,33 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     );
 }
 
+/// `launcher prepare good.jsonl -o /dev/null`, as root, replaced the device with the prepared
+/// file (the rename of the atomic write puts a file in place of whatever is there): now a
+/// target that is not a regular file is refused, naming `-o`, and left as it is.
+#[test]
+fn prepare_refuses_an_output_that_is_not_a_regular_file_and_leaves_it() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = Dir::new("dfifo");
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(20))).unwrap();
+    let fifo = dir.path("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let out = Command::new(workspace_bin("launcher"))
+        .args(["prepare", &dir.s("train.jsonl"), "-o", &dir.s("fifo")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("error: -o {}", fifo.display()))
+            && err.contains("is a FIFO, not a regular file"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let t = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+    assert!(t.is_fifo(), "still a FIFO, not {t:?}");
+}
+
 /// `launcher prepare ARGS`, which must succeed; returns its stdout.
 fn launcher_prepare(args: &[&str]) -> String {
     let out = Command::new(workspace_bin("launcher"))
