@@ -171,6 +171,11 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
         (Some(dir), _) | (None, Some(dir)) => dir.clone(),
         (None, None) => PathBuf::from("runs").join(&run_id),
     });
+    // Before the data is prepared (minutes, for a large set): a directory a new run may not
+    // use is refused now, and again where it is laid out.
+    if args.resume.is_none() {
+        run_dir.check_new()?;
+    }
 
     // The data, prepared once (or found prepared) and mapped: only the lengths are read here.
     // A config's own `data.prepared` is not this run's: the effective config of an earlier run

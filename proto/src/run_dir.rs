@@ -38,6 +38,10 @@ pub enum RunDirError {
         "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir"
     )]
     HoldsRun { dir: PathBuf, sub: PathBuf },
+    #[error(
+        "run directory {dir} is not empty and is not one hspipe laid out (it holds {entry}): its files would be overwritten; pick another --run-dir, a new or an empty one"
+    )]
+    NotEmpty { dir: PathBuf, entry: String },
     #[error("{path}: {why}")]
     Invalid { path: PathBuf, why: String },
 }
@@ -264,9 +268,20 @@ impl RunDir {
         self.0.join("report.svg")
     }
 
-    /// Lays out a new run directory (logs, ledger, checkpoints); refuses one that already holds
-    /// a run, whose ledgers and checkpoint would be silently reused.
-    pub fn lay_out(&self) -> Result<(), RunDirError> {
+    /// Whether a new run may be laid out here: a directory that is missing or empty, or one an
+    /// earlier launcher laid out (`ledger/` and `checkpoints/`, made first) and that ended
+    /// before it trained anything. Refused: one that holds a run, whose ledgers and checkpoint
+    /// would be silently reused, and any other directory with something in it (a project's
+    /// folder, `/`), whose `config.toml` or `logs/` a run would overwrite.
+    pub fn check_new(&self) -> Result<(), RunDirError> {
+        let mut entries = match self.0.read_dir() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            r => r.map_err(io("reading", &self.0))?,
+        };
+        let Some(first) = entries.next().transpose().map_err(io("reading", &self.0))? else {
+            return Ok(());
+        };
+        // A run first, however little of one is left: that is the better thing to say.
         for sub in [self.ledger_dir(), self.checkpoints_dir()] {
             if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
                 return Err(RunDirError::HoldsRun {
@@ -275,6 +290,19 @@ impl RunDir {
                 });
             }
         }
+        if !(self.ledger_dir().is_dir() && self.checkpoints_dir().is_dir()) {
+            return Err(RunDirError::NotEmpty {
+                dir: self.0.clone(),
+                entry: first.file_name().to_string_lossy().into_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Lays out a new run directory (logs, ledger, checkpoints) where [`check_new`](Self::check_new)
+    /// allows one.
+    pub fn lay_out(&self) -> Result<(), RunDirError> {
+        self.check_new()?;
         for sub in [self.logs_dir(), self.ledger_dir(), self.checkpoints_dir()] {
             std::fs::create_dir_all(&sub).map_err(io("creating", &sub))?;
         }
@@ -318,6 +346,33 @@ mod tests {
         std::fs::write(run.checkpoint(), b"weights").unwrap();
         let e = run.lay_out().unwrap_err();
         assert!(e.to_string().contains("already holds a run"), "{e}");
+    }
+
+    /// `--run-dir proj` on a project's folder, or `--run-dir /`, wrote hspipe's `config.toml`,
+    /// `logs/` and `ledger/` among its files: now a directory with something in it that hspipe
+    /// did not lay out is refused, and left as it was.
+    #[test]
+    fn a_directory_that_is_not_a_run_and_not_empty_is_refused_and_left_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let proj = tmp.path().join("proj");
+        std::fs::create_dir(&proj).unwrap();
+        std::fs::write(proj.join("config.toml"), "[tool]\n").unwrap();
+        let e = RunDir::new(&proj).lay_out().unwrap_err();
+        assert!(matches!(&e, RunDirError::NotEmpty { entry, .. } if entry == "config.toml"));
+        assert!(e.to_string().contains("pick another --run-dir"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(proj.join("config.toml")).unwrap(),
+            "[tool]\n"
+        );
+        let names: Vec<_> = std::fs::read_dir(&proj)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["config.toml"], "nothing laid out");
+        // An empty directory is a new run's.
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        RunDir::new(&empty).lay_out().unwrap();
     }
 
     /// A run planned by this build resumes; one with no record (a build from before plan

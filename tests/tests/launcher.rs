@@ -1035,6 +1035,37 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("already holds a run"), "{err}");
     no_segment_of(pid);
+
+    // A directory that is not a run (a project's folder): its files would be overwritten.
+    let proj = rd("proj");
+    std::fs::create_dir_all(&proj).unwrap();
+    std::fs::write(format!("{proj}/config.toml"), "[tool]\n").unwrap();
+    let (code, err, pid) = launch_bad(&[
+        "--targets",
+        "0",
+        "--drafters",
+        "1",
+        "--synthetic",
+        "10",
+        "--run-dir",
+        &proj,
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("is not empty and is not one hspipe laid out (it holds config.toml)")
+            && err.contains("pick another --run-dir"),
+        "{err}"
+    );
+    no_segment_of(pid);
+    assert_eq!(
+        std::fs::read_to_string(format!("{proj}/config.toml")).unwrap(),
+        "[tool]\n"
+    );
+    let names: Vec<_> = std::fs::read_dir(&proj)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["config.toml"], "nothing written beside it");
 }
 
 /// Every worker is the launcher's own binary, started through its hidden subcommand and named
@@ -1417,7 +1448,9 @@ fn a_metrics_file_that_cannot_be_written_is_said_and_the_run_goes_on() {
     // Room for what else the run writes (its ring segments, 40 MiB; the checkpoint), none for a
     // tick: blank lines, which `launcher report` passes over, up to the limit.
     const LIMIT: usize = 64 << 20;
-    std::fs::create_dir_all(run.run_dir()).unwrap();
+    // In a run directory laid out (by a launcher that ended before training), as a new run may
+    // use.
+    RunDir::new(run.run_dir()).lay_out().unwrap();
     std::fs::write(run.run_dir().join("metrics.jsonl"), vec![b'\n'; LIMIT - 64]).unwrap();
     let launcher_bin = workspace_bin("launcher");
     let fsize = format!("--fsize={LIMIT}");

@@ -251,7 +251,9 @@ fn a_run_writes_its_ticks_to_tensorboard_and_its_last_step_to_the_summary() {
 #[test]
 fn a_run_that_cannot_write_tensorboard_says_so_once_and_finishes() {
     let run = Run::new("ltboff");
-    std::fs::create_dir_all(run.run_dir()).unwrap();
+    // In a run directory laid out (by a launcher that ended before training), as a new run may
+    // use.
+    RunDir::new(run.run_dir()).lay_out().unwrap();
     std::fs::write(
         RunDir::new(run.run_dir()).tensorboard_dir(),
         b"not a folder",
