@@ -174,7 +174,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
     // Before the data is prepared (minutes, for a large set): a directory a new run may not
     // use is refused now, and again where it is laid out.
     if args.resume.is_none() {
-        run_dir.check_new()?;
+        run_dir.check_new(args.data_cache.as_deref())?;
     }
 
     // The data, prepared once (or found prepared) and mapped: only the lengths are read here.
@@ -236,7 +236,8 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             let model = (cfg.model.path.as_deref())
                 .map(model_record::ModelRecord::of)
                 .transpose()?;
-            run_dir.lay_out()?;
+            // A `--data-cache` inside it was made by the preparation above.
+            run_dir.lay_out_with(args.data_cache.as_deref())?;
             held = resume::hold(&run_dir)?;
             if let Some(m) = &model {
                 model_record::write(&run_dir, m)?;

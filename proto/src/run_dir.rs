@@ -272,13 +272,28 @@ impl RunDir {
     /// earlier launcher laid out (`ledger/` and `checkpoints/`, made first) and that ended
     /// before it trained anything. Refused: one that holds a run, whose ledgers and checkpoint
     /// would be silently reused, and any other directory with something in it (a project's
-    /// folder, `/`), whose `config.toml` or `logs/` a run would overwrite.
-    pub fn check_new(&self) -> Result<(), RunDirError> {
-        let mut entries = match self.0.read_dir() {
+    /// folder, `/`), whose `config.toml` or `logs/` a run would overwrite. `made`: a folder
+    /// this launch made in it before laying it out (a `--data-cache` inside it), which does not
+    /// count.
+    pub fn check_new(&self, made: Option<&Path>) -> Result<(), RunDirError> {
+        let entries = match self.0.read_dir() {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             r => r.map_err(io("reading", &self.0))?,
         };
-        let Some(first) = entries.next().transpose().map_err(io("reading", &self.0))? else {
+        let made = made.and_then(|m| std::fs::canonicalize(m).ok());
+        let holds_made = |e: &std::fs::DirEntry| {
+            let m = made.as_ref();
+            m.is_some_and(|m| std::fs::canonicalize(e.path()).is_ok_and(|p| m.starts_with(p)))
+        };
+        let mut first = None;
+        for e in entries {
+            let e = e.map_err(io("reading", &self.0))?;
+            if !holds_made(&e) {
+                first = Some(e);
+                break;
+            }
+        }
+        let Some(first) = first else {
             return Ok(());
         };
         // A run first, however little of one is left: that is the better thing to say.
@@ -302,7 +317,13 @@ impl RunDir {
     /// Lays out a new run directory (logs, ledger, checkpoints) where [`check_new`](Self::check_new)
     /// allows one.
     pub fn lay_out(&self) -> Result<(), RunDirError> {
-        self.check_new()?;
+        self.lay_out_with(None)
+    }
+
+    /// [`lay_out`](Self::lay_out), `made` being a folder this launch made in the directory
+    /// first (see [`check_new`](Self::check_new)).
+    pub fn lay_out_with(&self, made: Option<&Path>) -> Result<(), RunDirError> {
+        self.check_new(made)?;
         for sub in [self.logs_dir(), self.ledger_dir(), self.checkpoints_dir()] {
             std::fs::create_dir_all(&sub).map_err(io("creating", &sub))?;
         }
@@ -369,10 +390,16 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["config.toml"], "nothing laid out");
-        // An empty directory is a new run's.
+        // An empty directory is a new run's, and so is one holding only the data cache this
+        // launch prepared into it (`--data-cache` inside the run directory).
         let empty = tmp.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
         RunDir::new(&empty).lay_out().unwrap();
+        let cached = tmp.path().join("cached");
+        std::fs::create_dir_all(cached.join("cache/sub")).unwrap();
+        let run = RunDir::new(&cached);
+        assert!(matches!(run.lay_out(), Err(RunDirError::NotEmpty { .. })));
+        run.lay_out_with(Some(&cached.join("cache/sub"))).unwrap();
     }
 
     /// A run planned by this build resumes; one with no record (a build from before plan
