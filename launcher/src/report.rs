@@ -140,7 +140,18 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         if line.trim().is_empty() {
             continue;
         }
-        match serde_json::from_str::<Tick>(&line) {
+        // Every field of a tick has a default (for older files), so serde alone takes any
+        // object, or an array, for one: a tick is an object with its time.
+        let parsed = match serde_json::from_str::<serde_json::Value>(&line) {
+            Ok(v) if v.get("t_s").is_some_and(|t| t.is_number()) => {
+                serde_json::from_value::<Tick>(v)
+            }
+            Ok(_) => Err(serde::de::Error::custom(
+                "an object with its time, t_s, is a tick",
+            )),
+            Err(e) => Err(e),
+        };
+        match parsed {
             Ok(mut t) => {
                 // A resumed run appends ticks whose clock starts again at 0: they go on from
                 // where the earlier session ended, and the restart is marked. Each tick names
@@ -1162,15 +1173,23 @@ mod tests {
             serde_json::to_string(&t).unwrap() + "\n"
         };
         let torn = &tick(2.0)[..12];
-        let text = [&tick(1.0), torn, "\n", &tick(3.0), &tick(4.0)[..20]].concat();
+        // JSON, but no tick: every field of one has a default, so serde alone took these.
+        let text = [
+            &tick(1.0),
+            torn,
+            "\n{\"a\":1}\n[1,2]\n",
+            &tick(3.0),
+            &tick(4.0)[..20],
+        ]
+        .concat();
         std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
         let run = load(dir.path()).unwrap();
         let t_s: Vec<f64> = run.ticks.iter().map(|t| t.t_s).collect();
         assert_eq!(t_s, [1.0, 3.0]);
-        assert_eq!(run.skipped.lines, 2);
+        assert_eq!(run.skipped.lines, 4);
         let said = run.skipped.said().unwrap();
         assert!(
-            said.starts_with("2 lines of metrics.jsonl are no tick, skipped (the first, line 2: "),
+            said.starts_with("4 lines of metrics.jsonl are no tick, skipped (the first, line 2: "),
             "{said}"
         );
         assert!(outcome(&run).ends_with(&format!("; {said}")));
