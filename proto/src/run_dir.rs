@@ -97,9 +97,9 @@ impl RunDir {
     /// from a build before them, and not checked).
     pub fn check_plan_version(&self, now: &crate::plan::PlanDigest) -> Result<(), RunDirError> {
         let p = self.plan_version();
-        let text = match std::fs::read_to_string(&p) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "1".into(),
+        let (text, missing) = match std::fs::read_to_string(&p) {
+            Ok(t) => (t, false),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => ("1".into(), true),
             Err(e) => return Err(io("reading", &p)(e)),
         };
         let invalid = |why: String| RunDirError::Invalid {
@@ -111,8 +111,14 @@ impl RunDir {
         let was = (first.parse::<u32>())
             .map_err(|_| invalid(format!("{first:?} is not a plan version")))?;
         if was != crate::plan::PLAN_VERSION {
+            // No record: a build from before versions were recorded, or a file removed since.
+            let planned = if missing {
+                "the file is missing, so the run was planned by a build before plan versions (version 1) or the file was removed".to_string()
+            } else {
+                format!("the run was planned with plan version {was}")
+            };
             return Err(invalid(format!(
-                "the run was planned with plan version {was}, this build plans version {}: its ledgers name other batches, so resuming would train some samples twice and others never; finish it with the build that started it",
+                "{planned}, this build plans version {}: its ledgers name other batches, so resuming would train some samples twice and others never; finish it with the build that started it",
                 crate::plan::PLAN_VERSION
             )));
         }
@@ -414,7 +420,10 @@ mod tests {
             crc: 0xdead_beef,
         };
         let e = run.check_plan_version(&plan).unwrap_err().to_string();
-        assert!(e.contains("plan version 1"), "{e}");
+        assert!(
+            e.contains("the file is missing") && e.contains("(version 1)"),
+            "{e}"
+        );
         run.write_plan_version(&plan).unwrap();
         run.check_plan_version(&plan).unwrap();
         let edited = crate::plan::PlanDigest {
