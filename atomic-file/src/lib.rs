@@ -4,7 +4,8 @@
 //! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
 //! report's SVG, a prepared dataset and its input stamps; and, with [`replace_dir_with`], the
 //! drafter's export directory. A crate of its own, below `dataset` and `proto`, so that
-//! preparing a dataset needs none of hspipe's contracts.
+//! preparing a dataset needs none of hspipe's contracts. It also reads a config whole
+//! ([`read_regular`]) without waiting on a FIFO.
 //!
 //! Only a regular file is replaced: the rename would put a file in place of whatever is at the
 //! target, so a FIFO, a device (`-o /dev/null` as root) or a directory is refused with
@@ -109,6 +110,38 @@ where
 /// synced itself may still be missing after a power loss.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+/// What `meta` (from [`std::fs::metadata`], symlinks followed) is when it is not a regular
+/// file, in words ("a FIFO ..."); None for a regular file. Asked before opening a file read
+/// whole: a FIFO's open waits for a writer, for ever if none comes, and a device such as
+/// `/dev/zero` never ends.
+pub fn not_regular(meta: &std::fs::Metadata) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    Some(if t.is_file() {
+        return None;
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (a named pipe, or a shell's <(...))"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else {
+        "a socket"
+    })
+}
+
+/// Reads `path` whole as text, refusing what is not a regular file before opening it (see
+/// [`not_regular`]): a config, not a stream.
+pub fn read_regular(path: &Path) -> io::Result<String> {
+    if let Some(what) = not_regular(&std::fs::metadata(path)?) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("it is {what}, not a regular file"),
+        ));
+    }
+    std::fs::read_to_string(path)
 }
 
 /// Writes `bytes` to `path` atomically.

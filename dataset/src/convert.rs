@@ -102,18 +102,9 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
     if meta.is_dir() {
         return hf_files(path).map(Kind::HfDir);
     }
-    if !meta.is_file() {
-        // Never opened: a FIFO's open waits for a writer, for ever if none comes; and the input
-        // is read twice (hashed, then converted), which a pipe cannot give.
-        use std::os::unix::fs::FileTypeExt;
-        let t = meta.file_type();
-        let what = if t.is_fifo() {
-            "a FIFO (a named pipe, or a shell's <(...))"
-        } else if t.is_char_device() || t.is_block_device() {
-            "a device"
-        } else {
-            "a socket"
-        };
+    // Never opened: a FIFO's open waits for a writer, for ever if none comes; and the input
+    // is read twice (hashed, then converted), which a pipe cannot give.
+    if let Some(what) = atomic_file::not_regular(&meta) {
         return Err(format_err(
             path,
             format!("it is {what}, not a regular file: the data is read more than once, so write it to a file first"),

@@ -173,7 +173,7 @@ impl ArchConfig {
     /// Reads `DIR/config.json`.
     pub fn load(dir: &Path) -> Result<ArchConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        let text = atomic_file::read_regular(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
             cause: source,
         })?;
@@ -440,6 +440,19 @@ mod tests {
 
     fn parse(s: &str) -> Result<ArchConfig> {
         ArchConfig::parse(s, Path::new("m/config.json"))
+    }
+
+    /// A model directory whose config.json is a FIFO is refused by what it is, naming it,
+    /// before it is opened (the open waited for a writer for ever).
+    #[test]
+    fn a_config_json_that_is_a_fifo_is_refused_without_opening_it() {
+        let e = testkit::fifo_refusal("config.json", |d| {
+            ArchConfig::load(d).err().map(|e| e.to_string())
+        });
+        assert!(
+            e.contains("config.json") && e.contains("FIFO") && e.contains("not a regular file"),
+            "{e}"
+        );
     }
 
     const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -469,7 +469,7 @@ impl PipelineConfig {
     /// them and then calls [`PipelineConfig::validate`]: `launcher capture`, which uses neither
     /// the file's data nor its epochs.
     pub fn load_unchecked(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        let text = atomic_file::read_regular(path).map_err(|e| ConfigError::Read {
             path: path.to_path_buf(),
             cause: e,
         })?;
@@ -798,6 +798,26 @@ mod tests {
         );
         let c = PipelineConfig::from_toml("[data]\nepochs = 3\n", Path::new("a.toml")).unwrap();
         assert_eq!(c.data.epochs, 3);
+    }
+
+    /// A config that is a FIFO or a device is refused by what it is, naming it, before it is
+    /// opened: a FIFO without a writer hung the launcher, `/dev/zero` read until memory ran out.
+    #[test]
+    fn a_config_that_is_not_a_regular_file_is_refused_without_opening_it() {
+        let e = testkit::fifo_refusal("run.toml", |d| {
+            (PipelineConfig::load(&d.join("run.toml")).err()).map(|e| e.to_string())
+        });
+        assert!(
+            e.contains("run.toml") && e.contains("FIFO") && e.contains("not a regular file"),
+            "{e}"
+        );
+        let e = PipelineConfig::load(Path::new("/dev/zero"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/dev/zero") && e.contains("a device, not a regular file"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -74,6 +74,41 @@ pub fn thread_cpu() -> Duration {
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
+/// The error `read` gives for a FIFO named `name` in a fresh directory (`read` gets the
+/// directory), which it must refuse without opening: an open with no writer waits for ever, so
+/// a hang fails the test saying so (a writer then lets the open go). The directory is removed
+/// after.
+pub fn fifo_refusal(
+    name: &str,
+    read: impl FnOnce(&std::path::Path) -> Option<String> + Send + 'static,
+) -> String {
+    let dir = std::env::temp_dir().join(unique("fifo"));
+    std::fs::create_dir(&dir).unwrap();
+    let fifo = dir.join(name);
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.clone();
+    std::thread::spawn(move || tx.send(read(&d)));
+    let got = rx.recv_timeout(Duration::from_secs(30));
+    if got.is_err() {
+        // Let the blocked open go (a writer arrives).
+        let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    match got {
+        Ok(Some(e)) => e,
+        Ok(None) => panic!("{} was read as if it were a file", fifo.display()),
+        Err(_) => panic!(
+            "reading {} hung opening a FIFO with no writer",
+            fifo.display()
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

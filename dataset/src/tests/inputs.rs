@@ -247,28 +247,9 @@ fn a_json_array_is_named_as_one_rather_than_read_as_lines() {
 /// (hashed, then converted), which a pipe cannot give.
 #[test]
 fn a_fifo_or_device_is_refused_without_opening_it() {
-    let d = Dir::new("fifo");
-    let fifo = d.0.join("train.jsonl");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap();
-    assert!(made.success());
-    let (tx, rx) = std::sync::mpsc::channel();
-    let path = fifo.clone();
-    std::thread::spawn(move || tx.send(crate::convert::detect(&path).map_err(|e| e.to_string())));
-    let got = match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-        Ok(got) => got,
-        Err(_) => {
-            // Let the blocked open go (a writer arrives), then say what hung.
-            let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
-            panic!(
-                "detect({}) hung opening a FIFO with no writer",
-                fifo.display()
-            );
-        }
-    };
-    let e = got.unwrap_err();
+    let e = testkit::fifo_refusal("train.jsonl", |d| {
+        (crate::convert::detect(&d.join("train.jsonl")).err()).map(|e| e.to_string())
+    });
     assert!(
         e.contains("train.jsonl") && e.contains("not a regular file") && e.contains("FIFO"),
         "{e}"
