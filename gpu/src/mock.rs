@@ -669,4 +669,19 @@ mod tests {
         let ratio = slow.cost(&[200]).as_secs_f64() / long.as_secs_f64();
         assert!((ratio - 3.0).abs() < 1e-6, "slow x3 costs 3x, got {ratio}");
     }
+
+    /// The slowest speed and factor a config may set, on the largest batch, still cost a
+    /// duration (validation's bounds are what keep `cost` from panicking).
+    #[test]
+    fn the_slowest_valid_config_costs_a_duration() {
+        let s = Sim::new(
+            proto::config::MIN_TOKENS_PER_S,
+            Faults {
+                slow: Some(proto::config::MAX_SLOW),
+                ..Faults::default()
+            },
+        );
+        let most = proto::config::MAX_TOKEN_BUDGET;
+        assert!(s.cost(&[most]) > Duration::from_secs(1));
+    }
 }

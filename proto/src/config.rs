@@ -159,6 +159,23 @@ pub const MAX_PLANNED_SAMPLES: u64 = shm_ring::MAX_WORK_ITEMS;
 /// largest batch alone would take gigabytes (or abort on the allocation).
 pub const MAX_TOKEN_BUDGET: u32 = 1 << 20;
 
+/// The slowest simulated speed, tokens per second: the mock sleeps out a batch's simulated
+/// time, which must be a `Duration` (under 2^64 s). With [`MAX_SLOW`] and the largest batch
+/// (2^20 tokens of one sequence) it is under 10^14 s.
+pub const MIN_TOKENS_PER_S: f64 = 1.0;
+
+/// The largest `faults.slow` factor (see [`MIN_TOKENS_PER_S`]).
+pub const MAX_SLOW: f64 = 1e6;
+
+/// The most tokens in a DFlash block (SpecForge's default is 16): one block's attention scores
+/// are heads x block x (context + block) elements, computed whole, so a block of 100,000 asked
+/// for a 160 GB tensor.
+pub const MAX_BLOCK_SIZE: u32 = 1024;
+
+/// The most CPU threads a worker's model computes with: each worker starts this many, so a
+/// typo of a few more digits would start hundreds of thousands of threads per worker.
+pub const MAX_THREADS: u32 = 1024;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
@@ -554,12 +571,23 @@ impl PipelineConfig {
             ("target.tokens_per_s", self.target.tokens_per_s),
             ("drafter.tokens_per_s", self.drafter.tokens_per_s),
         ] {
-            if !(v.is_finite() && v > 0.0) {
+            if !(v.is_finite() && v >= MIN_TOKENS_PER_S) {
                 return Err(invalid(
                     field,
-                    format!("must be a positive number, got {v}"),
+                    format!(
+                        "must be a finite number of at least {MIN_TOKENS_PER_S} (a batch's simulated time must be a duration), got {v:?}"
+                    ),
                 ));
             }
+        }
+        if self.target.threads > MAX_THREADS {
+            return Err(invalid(
+                "target.threads",
+                format!(
+                    "must be at most {MAX_THREADS} (each worker starts this many; 0 shares out the machine's cores), got {}",
+                    self.target.threads
+                ),
+            ));
         }
         if self.model.layers == 0 || self.model.hidden == 0 {
             return Err(invalid("model", "layers and hidden must be at least 1"));
@@ -581,6 +609,15 @@ impl PipelineConfig {
             return Err(invalid(
                 "dflash",
                 "block_size must be at least 2, num_anchors and layers at least 1",
+            ));
+        }
+        if f.block_size > MAX_BLOCK_SIZE {
+            return Err(invalid(
+                "dflash.block_size",
+                format!(
+                    "must be at most {MAX_BLOCK_SIZE} (a block's attention scores are computed whole, and grow with its square), got {}",
+                    f.block_size
+                ),
             ));
         }
         for (field, v, lo) in [
@@ -610,10 +647,12 @@ impl PipelineConfig {
             if let Err(e) = name.parse::<WorkerName>() {
                 return Err(invalid("faults", e.to_string()));
             }
-            if f.slow.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+            if let Some(s) = f.slow.filter(|s| !(*s > 0.0 && *s <= MAX_SLOW)) {
                 return Err(invalid(
                     "faults.slow",
-                    format!("{name}: must be a positive factor"),
+                    format!(
+                        "{name}: must be a factor above 0 and at most {MAX_SLOW} (a batch's simulated time must be a duration), got {s:?}"
+                    ),
                 ));
             }
         }
@@ -757,6 +796,45 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("drafter.tokens_per_s"), "{err}");
+
+        // Speeds whose simulated time would not be a `Duration` (the mock panicked on them).
+        for (toml, field) in [
+            ("[target]\ntokens_per_s = 1e-300\n", "target.tokens_per_s"),
+            ("[drafter]\ntokens_per_s = 1e-300\n", "drafter.tokens_per_s"),
+            ("[faults.target-0]\nslow = 1e300\n", "faults.slow"),
+            ("[faults.target-0]\nslow = nan\n", "faults.slow"),
+        ] {
+            let err = PipelineConfig::from_toml(toml, Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field) && err.contains("duration"), "{err}");
+            // As written, not 300 digits.
+            assert!(err.len() < 300, "{err}");
+        }
+
+        // Sizes that crashed or starved the workers.
+        for (toml, field, limit) in [
+            (
+                "[dflash]\nblock_size = 100000\n",
+                "dflash.block_size",
+                "1024",
+            ),
+            ("[target]\nthreads = 100000\n", "target.threads", "1024"),
+        ] {
+            let err = PipelineConfig::from_toml(toml, Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(field) && err.contains(limit) && err.contains("100000"),
+                "{err}"
+            );
+        }
+        let c = PipelineConfig::from_toml(
+            "[dflash]\nblock_size = 1024\n[target]\nthreads = 1024\n",
+            Path::new("a.toml"),
+        )
+        .unwrap();
+        assert_eq!((c.dflash.block_size, c.target.threads), (1024, 1024));
 
         for empty in ["[target]\ncommand = []\n", "[drafter]\ncommand = [\"\"]\n"] {
             let err = PipelineConfig::from_toml(empty, Path::new("a.toml"))
