@@ -243,6 +243,19 @@ fn check(s: &MakeSpec) -> Result<()> {
             s.hidden, s.heads
         ));
     }
+    if s.layers > MAX_LAYERS {
+        return bad(format!(
+            "{} layers: at most {MAX_LAYERS} (a test model; the largest HF models have under 200)",
+            s.layers
+        ));
+    }
+    let n = parameters(s);
+    if n > MAX_PARAMETERS {
+        return bad(format!(
+            "{n} parameters (vocabulary {}, hidden {}, {} layers, {} heads of {hd}, intermediate {}): at most {MAX_PARAMETERS}, 4 GiB of f32, which the maker holds at once",
+            s.vocab, s.hidden, s.layers, s.heads, s.intermediate
+        ));
+    }
     let least = SPECIAL_TOKENS.len() + 256;
     if s.vocab < least {
         return bad(format!(
@@ -268,6 +281,38 @@ fn check(s: &MakeSpec) -> Result<()> {
         crate::pretrain::check(t)?;
     }
     Ok(())
+}
+
+/// The most decoder layers a made model has.
+pub const MAX_LAYERS: usize = 1024;
+
+/// The most parameters a made model has (2^30, 4 GiB of f32): every weight is drawn in f32 and
+/// held at once, so past it a typo aborts on the allocation or draws for minutes.
+pub const MAX_PARAMETERS: u128 = 1 << 30;
+
+/// The parameters [`tensors`] draws for `s` (biases and norms of any family counted, so an
+/// upper bound), without overflow.
+fn parameters(s: &MakeSpec) -> u128 {
+    let n = |x: usize| x as u128;
+    let (h, i, v, hd) = (n(s.hidden), n(s.intermediate), n(s.vocab), n(head_dim(s)));
+    let (q, kv) = (
+        n(s.heads).saturating_mul(hd),
+        n(s.kv_heads).saturating_mul(hd),
+    );
+    let attention = h.saturating_mul(q.saturating_mul(2).saturating_add(kv.saturating_mul(2)));
+    let mlp = h.saturating_mul(i).saturating_mul(3);
+    let small = (h.saturating_mul(3))
+        .saturating_add(q)
+        .saturating_add(kv.saturating_mul(2))
+        .saturating_add(hd.saturating_mul(2));
+    let layer = attention.saturating_add(mlp).saturating_add(small);
+    let embeddings = v
+        .saturating_mul(h)
+        .saturating_mul(if s.tied { 1 } else { 2 });
+    n(s.layers)
+        .saturating_mul(layer)
+        .saturating_add(embeddings)
+        .saturating_add(h)
 }
 
 /// The head size the config implies (HF's defaults when none is written).
@@ -761,6 +806,36 @@ mod tests {
                     ..MakeSpec::default()
                 },
                 "shard size",
+            ),
+            // Sizes that aborted on the allocation or drew for minutes.
+            (
+                MakeSpec {
+                    vocab: u32::MAX as usize,
+                    ..MakeSpec::default()
+                },
+                "at most 1073741824",
+            ),
+            (
+                MakeSpec {
+                    hidden: 1_000_000,
+                    ..MakeSpec::default()
+                },
+                "at most 1073741824",
+            ),
+            (
+                MakeSpec {
+                    layers: u32::MAX as usize,
+                    ..MakeSpec::default()
+                },
+                "4294967295 layers: at most 1024",
+            ),
+            (
+                MakeSpec {
+                    heads: usize::MAX,
+                    kv_heads: 1,
+                    ..MakeSpec::default()
+                },
+                "at most 1073741824",
             ),
             (train(|t| t.steps = 0), "at least one step"),
             (train(|t| t.lr = f64::NAN), "learning rate NaN"),
