@@ -223,10 +223,12 @@ pub fn layer_ids(cfg: &PipelineConfig, arch: &ArchConfig) -> Result<Vec<usize>, 
     let ids = match &cfg.model.target_layer_ids {
         Some(ids) => {
             let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-            model::capture::check_layer_ids(&ids, n)?;
+            model::capture::check_layer_ids(&ids, n)
+                .map_err(|e| GpuError::Config(format!("model.target_layer_ids: {e}")))?;
             ids
         }
-        None => model::capture::default_layer_ids(n, cfg.model.layers as usize)?,
+        None => model::capture::default_layer_ids(n, cfg.model.layers as usize)
+            .map_err(|e| GpuError::Config(format!("model.layers = {}: {e}", cfg.model.layers)))?,
     };
     Ok(ids)
 }
@@ -269,6 +271,7 @@ impl Maker for Candle {
         }
         // A real model's synthetic data is text it can be trained on: the built-in language.
         cfg.data.synthetic_language.get_or_insert(true);
+        crate::dflash::check_eval_reach(cfg, most)?;
         Ok(())
     }
 
@@ -642,6 +645,8 @@ pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
     model::make::make_model(&m, &spec).unwrap();
     let mut cfg = PipelineConfig::default();
     cfg.model.path = Some(m.clone());
+    // Named: SpecForge's rule takes layer 1 twice of 4 layers.
+    cfg.model.target_layer_ids = Some(vec![1, 2]);
     cfg.model.layers = 2;
     (m, cfg)
 }
@@ -671,6 +676,58 @@ mod tests {
             "{e}"
         );
         cfg.data.max_len = 64;
+        // No evaluation: its prompts and new tokens would reach past 64 positions.
+        cfg.dflash.eval_every = 0;
+        Candle::CPU.settle(&mut cfg).unwrap();
+    }
+
+    /// The leader's evaluation decodes past the model's positions: refused at settle, as
+    /// `launcher eval` refuses it (the drafter went silent and was killed as stalled).
+    #[test]
+    fn an_evaluation_past_the_models_positions_is_refused_at_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, mut cfg) = tiny_target(dir.path());
+        cfg.dflash.eval_new_tokens = 100_000;
+        let e = Candle::CPU
+            .settle(&mut cfg.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dflash.eval_new_tokens = 100000")
+                && e.contains("max_position_embeddings of 32768"),
+            "{e}"
+        );
+        cfg.dflash.eval_every = 0;
+        Candle::CPU.settle(&mut cfg).unwrap();
+    }
+
+    /// Captured layers the model does not have, or one twice, are refused naming the field and
+    /// what the model has.
+    #[test]
+    fn more_captured_layers_than_the_model_has_or_one_twice_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, mut cfg) = tiny_target(dir.path());
+        cfg.model.target_layer_ids = None;
+        cfg.model.layers = 100;
+        let e = Candle::CPU
+            .settle(&mut cfg.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.layers = 100") && e.contains("the model has 4 decoder layers"),
+            "{e}"
+        );
+        cfg.model.layers = 2;
+        cfg.model.target_layer_ids = Some(vec![2, 2]);
+        let e = Candle::CPU
+            .settle(&mut cfg.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.target_layer_ids") && e.contains("layer 2 twice"),
+            "{e}"
+        );
+        cfg.model.target_layer_ids = Some(vec![2, 1]);
         Candle::CPU.settle(&mut cfg).unwrap();
     }
 

@@ -135,6 +135,43 @@ fn env_count(name: &str, value: Option<String>) -> Option<usize> {
 /// Steps assumed for the schedule when the launcher set none (a drafter built outside a run).
 const DEFAULT_TOTAL_STEPS: u64 = 1000;
 
+/// Tokens of each held-out prompt the leader's evaluation decodes from.
+const EVAL_PROMPT_LEN: usize = 32;
+
+/// Every how many steps the leader evaluates; 0: never. File data skips it: the built-in
+/// language's prompts would say nothing about it.
+pub(crate) fn eval_every(cfg: &PipelineConfig) -> u64 {
+    if cfg.data.synthetic_language == Some(true) && cfg.data.path.is_none() {
+        cfg.dflash.eval_every
+    } else {
+        0
+    }
+}
+
+/// That the leader's evaluation stays within the target's positions (the rule `launcher eval`
+/// holds to): else it would decode past them, wrong without a word.
+pub(crate) fn check_eval_reach(
+    cfg: &PipelineConfig,
+    max_position_embeddings: usize,
+) -> Result<(), GpuError> {
+    if eval_every(cfg) == 0 {
+        return Ok(());
+    }
+    let f = &cfg.dflash;
+    model::spec::check_reach(
+        EVAL_PROMPT_LEN,
+        f.eval_new_tokens as usize,
+        f.block_size as usize,
+        max_position_embeddings,
+    )
+    .map_err(|why| {
+        GpuError::Config(format!(
+            "dflash.eval_new_tokens = {} (evaluated every {} steps): {why}",
+            f.eval_new_tokens, f.eval_every
+        ))
+    })
+}
+
 /// The drafter's shape for the run `cfg` describes (its target's config, captured layers and
 /// the `[dflash]` section).
 pub fn drafter_config(cfg: &PipelineConfig) -> Result<DflashConfig, GpuError> {
@@ -451,18 +488,14 @@ impl DflashDrafter {
             sim: Sim::new(f64::INFINITY, faults),
             eval: Evaluation {
                 // File data: the built-in language's prompts would say nothing about it.
-                every: if cfg.data.synthetic_language == Some(true) && cfg.data.path.is_none() {
-                    f.eval_every
-                } else {
-                    0
-                },
+                every: eval_every(cfg),
                 model: crate::candle::model_dir(cfg)?.to_path_buf(),
                 place: place.clone(),
                 target: None,
                 prompts: dataset::language::held_out(
                     cfg.data.synthetic_vocab.unwrap_or(0).max(6),
                     f.eval_prompts as usize,
-                    32,
+                    EVAL_PROMPT_LEN as u32,
                 ),
                 new_tokens: f.eval_new_tokens as usize,
             },

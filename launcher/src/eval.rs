@@ -188,19 +188,12 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
             a.model.display()
         );
     }
-    // The last position a generation may reach: the prompt, the new tokens, and a block
-    // drafted past them. RoPE computes any position, so past the target's trained range the
-    // output would be wrong without a word.
     let max_pos = target.config().max_position_embeddings;
-    let reach = (a.prompt_len)
-        .saturating_add(a.max_new_tokens)
-        .saturating_add(cfg.block_size);
-    if reach > max_pos {
+    if let Err(why) = spec::check_reach(a.prompt_len, a.max_new_tokens, cfg.block_size, max_pos) {
         bail!(
-            "--prompt-len {} + --max-new-tokens {} + the drafter's block of {} reach {reach} positions, past the target's max_position_embeddings of {max_pos}",
+            "--prompt-len {} and --max-new-tokens {}: {why}",
             a.prompt_len,
-            a.max_new_tokens,
-            cfg.block_size
+            a.max_new_tokens
         );
     }
     let frozen = || {

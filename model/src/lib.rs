@@ -64,6 +64,9 @@ pub enum ModelError {
     Weights { file: PathBuf, why: String },
     #[error("capture layer {layer} is out of range: the model has {layers} decoder layers (0..{layers})")]
     Layer { layer: usize, layers: usize },
+    /// Captured layers that cannot be taken from the target (too many, or one twice).
+    #[error("captured layers: {0}")]
+    Capture(String),
     #[error("batch: {0}")]
     Input(String),
     /// A model or training spec that cannot be made (`make-model`'s flags).

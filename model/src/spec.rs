@@ -48,6 +48,27 @@ fn target_pass(
     Ok((ctx, tokens))
 }
 
+/// That a generation stays within the positions the target was trained for: the prompt, the
+/// new tokens, and a block drafted past them. RoPE computes any position, so past
+/// `max_position_embeddings` the output would be wrong without a word. The error says how far
+/// it reaches.
+pub fn check_reach(
+    prompt_len: usize,
+    max_new: usize,
+    block_size: usize,
+    max_position_embeddings: usize,
+) -> std::result::Result<(), String> {
+    let reach = prompt_len
+        .saturating_add(max_new)
+        .saturating_add(block_size);
+    if reach > max_position_embeddings {
+        return Err(format!(
+            "a prompt of up to {prompt_len} tokens + {max_new} new tokens + a drafted block of {block_size} reach {reach} positions, past the target's max_position_embeddings of {max_position_embeddings}"
+        ));
+    }
+    Ok(())
+}
+
 /// The target's own greedy continuation of `prompt`, `max_new` tokens, one forward per token.
 pub fn greedy(target: &Decoder, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
     let mut ids = prompt.to_vec();
