@@ -15,7 +15,6 @@
 
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 /// The target of a replace exists and is not a regular file: replacing it would destroy it.
@@ -25,7 +24,7 @@ use std::path::{Path, PathBuf};
 pub struct NotAFile {
     /// The path found (a link's, followed to its end).
     pub path: PathBuf,
-    /// What it is: "FIFO", "directory", "character device"...
+    /// What it is, in words ([`not_regular`]): "a FIFO ...", "a directory", "a device"...
     pub kind: &'static str,
 }
 
@@ -33,7 +32,7 @@ impl std::fmt::Display for NotAFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} is a {}, not a regular file, and is left alone; name a new file or a regular one",
+            "{} is {}, not a regular file, and is left alone; name a new file or a regular one",
             self.path.display(),
             self.kind
         )
@@ -54,23 +53,14 @@ pub fn target(path: &Path) -> io::Result<PathBuf> {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(p),
             r => r?,
         };
-        let t = meta.file_type();
-        if t.is_file() {
-            return Ok(p);
-        }
-        if !t.is_symlink() {
-            let kind = match () {
-                _ if t.is_dir() => "directory",
-                _ if t.is_fifo() => "FIFO",
-                _ if t.is_char_device() => "character device",
-                _ if t.is_block_device() => "block device",
-                _ if t.is_socket() => "socket",
-                _ => "special file",
+        if !meta.file_type().is_symlink() {
+            return match not_regular(&meta) {
+                None => Ok(p),
+                Some(kind) => Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    NotAFile { path: p, kind },
+                )),
             };
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                NotAFile { path: p, kind },
-            ));
         }
         // A relative link is relative to the link's directory (`join` keeps an absolute one).
         p = parent_of(&p).join(std::fs::read_link(&p)?);
@@ -112,7 +102,7 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// What `meta` (from [`std::fs::metadata`], symlinks followed) is when it is not a regular
+/// What `meta` (not a symbolic link's: from [`std::fs::metadata`]) is when it is not a regular
 /// file, in words ("a FIFO ..."); None for a regular file. Asked before opening a file read
 /// whole: a FIFO's open waits for a writer, for ever if none comes, and a device such as
 /// `/dev/zero` never ends.
@@ -411,10 +401,11 @@ mod tests {
         let via_link = dir.path().join("link");
         std::os::unix::fs::symlink("fifo", &via_link).unwrap();
         // The link is named by the FIFO it points to.
+        let fifo_said = "a FIFO (a named pipe, or a shell's <(...))";
         let cases = [
-            (&fifo, &fifo, "FIFO"),
-            (&sub, &sub, "directory"),
-            (&via_link, &fifo, "FIFO"),
+            (&fifo, &fifo, fifo_said),
+            (&sub, &sub, "a directory"),
+            (&via_link, &fifo, fifo_said),
         ];
         for (path, found, kind) in cases {
             let mut wrote = false;
@@ -429,7 +420,7 @@ mod tests {
             assert_eq!((&not.path, not.kind), (found, kind));
             assert!(
                 e.to_string()
-                    .contains(&format!("is a {kind}, not a regular file")),
+                    .contains(&format!("is {kind}, not a regular file")),
                 "{e}"
             );
         }

@@ -486,7 +486,7 @@ fn prepare_refuses_an_output_that_is_not_a_regular_file_and_leaves_it() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains(&format!("error: -o {}", fifo.display()))
-            && err.contains("is a FIFO, not a regular file"),
+            && err.contains("is a FIFO (a named pipe, or a shell's <(...)), not a regular file"),
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
