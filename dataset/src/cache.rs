@@ -242,6 +242,15 @@ pub fn prepare_with(
     if let Some(out) = out {
         refuse_overwriting_input(input, &kind, out)?;
     }
+    // Said as what it is, not as the error of a file made under it ("File exists").
+    if cache_dir.exists() && !cache_dir.is_dir() {
+        return Err(DataError::Write {
+            path: cache_dir.to_path_buf(),
+            cause: std::io::Error::other(
+                "the data cache is a directory, and this is not one: name a directory",
+            ),
+        });
+    }
     let chat = chat_part(options).unwrap_or_default();
     let stamp = Stamp::of(input, &kind, max_len, &chat);
     let stamp_path = stamp.as_ref().map(|s| s.path(cache_dir));

@@ -224,6 +224,23 @@ fn a_failed_conversion_leaves_nothing_in_the_cache() {
     assert!(!cache.exists(), "the cache directory it made is gone again");
 }
 
+/// A data cache that is a file is named as such; before, the error was the file made under it
+/// ("File exists").
+#[test]
+fn a_data_cache_that_is_a_file_is_refused_naming_it() {
+    let d = Dir::new("cachefile");
+    let input = d.file("ok.jsonl", b"{\"input_ids\": [1, 2]}\n");
+    let cache = d.file("cache", b"not a directory");
+    let err = prepare(&input, 8, &cache, None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&cache.display().to_string()) && err.contains("this is not one"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&cache).unwrap(), b"not a directory");
+}
+
 /// A preparation killed by Ctrl-C (before the launcher handles signals) left its temporary
 /// file, as big as the prepared file, in the cache; the next preparation of the same data
 /// removes it, and leaves alone one whose writer still runs.
