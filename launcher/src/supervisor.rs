@@ -470,6 +470,14 @@ impl<'a> Supervisor<'a> {
             if now < at {
                 continue;
             }
+            // A target waiting for its restart when a stop came is not restarted: targets stop
+            // (`down`). It counts as finished, so the ring still closes.
+            if self.stopping && w.name.role == Role::Producer {
+                let index = w.name.index;
+                self.workers[i].life = Life::Stopped;
+                self.ring.retire(index)?;
+                continue;
+            }
             let key = Key {
                 name: w.name,
                 spawn: w.spawns,

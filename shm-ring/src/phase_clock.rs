@@ -1,6 +1,8 @@
 //! A worker's phase clock: its time by phase, and the phase it is in now and since when. One
 //! writer switches it (the worker, or its supervisor once the worker is dead); any process
-//! reads it, without writing.
+//! reads it, without writing. A Python worker whose threads switch phases at once (a
+//! `phase()` scope in one, a blocking `take()` in another) breaks that rule: its readings may
+//! then be off by a switch, as all were before the seqlock; nothing else depends on them.
 //!
 //! A reading counts the running phase up to the reader's now, so it needs the totals, the
 //! phase now and its start from one instant. A switch writes three words (the phase left gets

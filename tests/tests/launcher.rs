@@ -1436,6 +1436,26 @@ fn a_stop_does_not_wait_for_a_worker_that_has_not_started() {
     no_segment_of(pid);
 }
 
+/// A target waiting to be restarted (a crash loop's backoff, 5 s at its sixth death) when a
+/// stop comes is not restarted: targets stop. Before, it was started again after the stop, and
+/// the stop waited for its start-up.
+#[test]
+fn a_target_waiting_to_restart_when_a_stop_comes_is_not_restarted() {
+    let run = Run::new("lstopbackoff");
+    let cfg = config(&run.dir, true, "[faults.target-0]\ncrash_at_start = true\n");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 4000");
+    let mut launcher = run.launch(&cfg, &["--max-restarts", "10"]);
+    let pid = launcher.child.id();
+    launcher.line_starting("target-0 restarted (restart 5;");
+    launcher.line_starting("target-0 (pid ");
+    kill(pid, Signal::INT);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(130), "{out}");
+    let after = &out[out.find("stopping:").expect("the stop is said")..];
+    assert!(!after.contains("target-0 restarted"), "{out}");
+    no_segment_of(pid);
+}
+
 /// `metrics.jsonl` that cannot be written (a disk that filled up some day of a long run; here
 /// a file at the size limit the launcher runs under, `prlimit --fsize`, with SIGXFSZ ignored as
 /// a full disk sends none) is said once, and the run goes on to its end: every sample trained,

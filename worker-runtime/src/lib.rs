@@ -194,9 +194,10 @@ pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<
     })
 }
 
-/// The launcher's end of the control channel closed: the launcher died (its end closes only
-/// when it exits, or when the command it started for this worker exited first, leaving this
-/// process behind). Nothing supervises this process any more: no one recovers a dead peer or
+/// The launcher's end of the control channel closed: the launcher died (its handshake thread
+/// holds that end until this worker's end closes, so only the launcher's exit closes it). A
+/// channel that fails otherwise (a frame that cannot be read) ends the worker the same way:
+/// nothing more can be heard from the launcher. Nothing supervises this process any more: no one recovers a dead peer or
 /// closes the ring for a dead target, so a drain would wait forever. It dies as the launcher's
 /// own children do when it dies (their parent-death signal, SIGKILL), which reaches only the
 /// launcher's direct children, not a process a command started (`sh -c "...; :"`, `uv run`).
