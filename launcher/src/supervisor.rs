@@ -425,6 +425,14 @@ impl<'a> Supervisor<'a> {
         }
         if stopped {
             w.life = Life::Stopped;
+            if w.name.role == Role::Consumer {
+                let note = format!(
+                    "{} went down before it registered while the run stops: not restarted; what the ring still holds is trained by the other drafters, or by `launcher --resume`",
+                    w.name()
+                );
+                self.mon.say(&note);
+                self.notes.push(note);
+            }
         } else {
             w.life = Life::GaveUp;
             let note = format!(

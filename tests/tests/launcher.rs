@@ -1432,7 +1432,12 @@ fn a_stop_does_not_wait_for_a_worker_that_has_not_started() {
             "{out}"
         );
     }
-    assert!(!out.contains("restarted"), "{out}");
+    assert!(!out.contains("restarted (restart"), "{out}");
+    let notes = run.summary()["notes"].to_string();
+    assert!(
+        notes.contains("drafter-0 went down before it registered while the run stops"),
+        "{notes}"
+    );
     no_segment_of(pid);
 }
 
