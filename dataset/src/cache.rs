@@ -24,6 +24,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Read};
+use std::ops::ControlFlow;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -59,6 +60,16 @@ pub struct Progress {
     pub done: u64,
     pub total: u64,
     pub unit: Unit,
+}
+
+/// Called with each [`Progress`] of `prepare`; returning `Break` stops the work, which then
+/// fails with [`DataError::Cancelled`] (checked at least every MiB hashed and every chunk of
+/// records converted).
+pub type OnProgress<'a> = &'a mut dyn FnMut(Progress) -> ControlFlow<()>;
+
+/// An [`OnProgress`] that shows nothing and never stops.
+pub fn quiet(_: Progress) -> ControlFlow<()> {
+    ControlFlow::Continue(())
 }
 
 /// The outcome of `prepare`.
@@ -120,7 +131,7 @@ pub fn content_key(
     input: &Path,
     kind: &Kind,
     options: &Options,
-    progress: &mut dyn FnMut(Progress),
+    progress: OnProgress<'_>,
 ) -> Result<String, DataError> {
     let max_len = options.max_len;
     let files = kind.files(input);
@@ -161,12 +172,17 @@ pub fn content_key(
             }
             h.write(&buf[..n]);
             done += n as u64;
-            progress(Progress {
+            let go = progress(Progress {
                 stage: Stage::Hashing,
                 done,
                 total,
                 unit: Unit::Bytes,
             });
+            if go.is_break() {
+                return Err(DataError::Cancelled {
+                    path: input.to_path_buf(),
+                });
+            }
         }
     }
     Ok(format!("{:032x}", h.finish_128()))
@@ -205,7 +221,7 @@ pub fn prepare(
     max_len: u32,
     cache_dir: &Path,
     out: Option<&Path>,
-    progress: &mut dyn FnMut(Progress),
+    progress: OnProgress<'_>,
 ) -> Result<Prepared, DataError> {
     prepare_with(input, &Options::new(max_len), cache_dir, out, progress)
 }
@@ -218,7 +234,7 @@ pub fn prepare_with(
     options: &Options,
     cache_dir: &Path,
     out: Option<&Path>,
-    progress: &mut dyn FnMut(Progress),
+    progress: OnProgress<'_>,
 ) -> Result<Prepared, DataError> {
     let max_len = options.max_len;
     let kind = convert::detect(input)?;
@@ -364,7 +380,7 @@ fn write_prepared(
     options: &Options,
     key: &str,
     tmp: &Path,
-    progress: &mut dyn FnMut(Progress),
+    progress: OnProgress<'_>,
 ) -> Result<(), DataError> {
     let werr = |e: std::io::Error| DataError::Write {
         path: tmp.to_path_buf(),
@@ -399,7 +415,7 @@ fn write_prepared(
         kind,
         &maker,
         &mut w,
-        &mut |done| {
+        &mut |done: u64| {
             if total_cell.get() != 0 {
                 total = total_cell.get();
             }

@@ -12,7 +12,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::ops::Range;
+use std::ops::{ControlFlow, Range};
 use std::path::{Path, PathBuf};
 
 use arrow_array::cast::AsArray;
@@ -220,11 +220,35 @@ fn hf_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
             "a directory without data-*.arrow files: not an HF datasets save_to_disk directory",
         ));
     }
+    // Each shard as a single file is (see `detect`): a FIFO is never opened.
+    for f in &files {
+        if let Some(what) = std::fs::metadata(f)
+            .ok()
+            .as_ref()
+            .and_then(atomic_file::not_regular)
+        {
+            return Err(format_err(
+                f,
+                format!("it is {what}, not a regular file: each shard is read more than once"),
+            ));
+        }
+    }
     Ok(files)
 }
 
-/// Reports progress: units done (bytes or rows, as the caller set up).
-pub type Advance<'a> = &'a mut dyn FnMut(u64);
+/// Reports progress: units done (bytes or rows, as the caller set up). `Break` stops the
+/// conversion with [`DataError::Cancelled`].
+pub type Advance<'a> = &'a mut dyn FnMut(u64) -> ControlFlow<()>;
+
+/// Goes on unless the caller's [`Advance`] said to stop.
+fn go_on(path: &Path, c: ControlFlow<()>) -> Result<(), DataError> {
+    match c {
+        ControlFlow::Continue(()) => Ok(()),
+        ControlFlow::Break(()) => Err(DataError::Cancelled {
+            path: path.to_path_buf(),
+        }),
+    }
+}
 
 /// Converts `path` (of kind `kind`) into `w`, each record made into a sample by `maker`;
 /// returns what conversations and texts counted.
@@ -318,7 +342,7 @@ fn jsonl<W: Write>(
 ) -> Result<(), DataError> {
     let f = File::open(path).map_err(read_err(path))?;
     let mut r = BufReader::with_capacity(1 << 20, f);
-    let (mut n, mut read) = (0u64, 0u64);
+    let (mut n, mut read, mut told) = (0u64, 0u64, 0u64);
     let mut first = true;
     let mut bytes = Vec::new();
     loop {
@@ -329,8 +353,11 @@ fn jsonl<W: Write>(
         }
         n += 1;
         read += got as u64;
-        if n % 4096 == 0 {
-            advance(read);
+        // Every 4096 lines or MiB, whichever comes first: long conversations are slow to
+        // tokenize, and a stop asked for is heard within a chunk or so.
+        if n % 4096 == 0 || read - told >= 1 << 20 {
+            told = read;
+            go_on(path, advance(read))?;
         }
         let text = if n == 1 {
             bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&bytes)
@@ -367,8 +394,7 @@ fn jsonl<W: Write>(
         w.push_line(n, line.to_string())
             .map_err(|s| stopped(path, &Kind::Jsonl, s))?;
     }
-    advance(read);
-    Ok(())
+    go_on(path, advance(read))
 }
 
 fn write_err(e: std::io::Error) -> DataError {
@@ -615,14 +641,14 @@ fn stream<R: Read, W: Write>(
     r: R,
     w: &mut Pipeline<'_, W>,
     row: &mut u64,
-    advance: &mut dyn FnMut(u64),
+    advance: Advance<'_>,
 ) -> Result<(), DataError> {
     let mut s = IpcStream::new(r);
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     while let Some(batch) = s.next_batch().map_err(ipc_err(path))? {
         rows(path, &batch, *row, w, &mut ids, &mut mask)?;
         *row += batch.num_rows() as u64;
-        advance(s.read);
+        go_on(path, advance(s.read))?;
     }
     Ok(())
 }
@@ -647,7 +673,7 @@ fn arrow_file<W: Write>(
         let batch = file.batch(&decoder, &buffer, k).map_err(ipc_err(path))?;
         rows(path, &batch, row, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
-        advance(file.batch_end(k));
+        go_on(path, advance(file.batch_end(k)))?;
     }
     Ok(())
 }
@@ -699,7 +725,7 @@ fn parquet<W: Write>(
         let batch = batch.map_err(|e| err(parquet_why(e)))?;
         rows(path, &batch, row, w, &mut ids, &mut mask)?;
         row += batch.num_rows() as u64;
-        advance(row);
+        go_on(path, advance(row))?;
     }
     Ok(())
 }

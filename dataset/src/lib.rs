@@ -38,7 +38,8 @@ mod writer;
 use std::path::PathBuf;
 
 pub use cache::{
-    content_key, default_cache_dir, prepare, prepare_with, Prepared, Progress, Stage, Unit,
+    content_key, default_cache_dir, prepare, prepare_with, quiet, OnProgress, Prepared, Progress,
+    Stage, Unit,
 };
 pub use chat::{Chat, ChatError, ChatOptions};
 pub use convert::{detect, Kind};
@@ -95,6 +96,10 @@ pub enum DataError {
         path: PathBuf,
         cause: std::io::Error,
     },
+    /// The caller's progress callback asked to stop (e.g. on Ctrl-C). Nothing partial is left:
+    /// the temporary file is removed, as on any error.
+    #[error("preparing {path} was stopped before it was done")]
+    Cancelled { path: PathBuf },
 }
 
 /// What becomes of a sample hspipe tokenized (a conversation or a text) that is longer than

@@ -150,7 +150,7 @@ fn every_cut_of_a_prepared_file_and_garbage_are_errors_not_panics() {
 fn jsonl(text: &str, max_len: u32) -> Result<Vec<Owned>, DataError> {
     let d = Dir::new("jsonl");
     let input = d.file("train.jsonl", text.as_bytes());
-    let p = prepare(&input, max_len, &d.0.join("cache"), None, &mut |_| {})?;
+    let p = prepare(&input, max_len, &d.0.join("cache"), None, &mut crate::quiet)?;
     Ok(read_all(&Mapped::open(&p.path).unwrap()))
 }
 
@@ -208,7 +208,7 @@ fn jsonl_reads_samples_and_names_the_bad_line() {
         8,
         Path::new("/nonexistent/cache"),
         None,
-        &mut |_| {},
+        &mut crate::quiet,
     )
     .unwrap_err()
     .to_string();
@@ -220,8 +220,48 @@ fn a_failed_conversion_leaves_nothing_in_the_cache() {
     let d = Dir::new("fail");
     let input = d.file("bad.jsonl", b"{\"input_ids\": [1]}\n{\"input_ids\": []}\n");
     let cache = d.0.join("cache");
-    assert!(prepare(&input, 8, &cache, None, &mut |_| {}).is_err());
+    assert!(prepare(&input, 8, &cache, None, &mut crate::quiet).is_err());
     assert!(!cache.exists(), "the cache directory it made is gone again");
+}
+
+/// A stop asked for through the progress callback (the launcher's Ctrl-C) ends the work at
+/// its next report, hashing or converting, and leaves nothing in the cache: no temporary file
+/// (before, the signal killed the process and left one as big as the prepared file).
+#[test]
+fn a_preparation_stopped_by_its_caller_leaves_nothing_behind() {
+    let d = Dir::new("cancel");
+    // More than 4096 lines: the conversion reports (and hears a stop) before its end.
+    let input = d.file("data.jsonl", jsonl_of(&samples(5000)).as_bytes());
+    let cache = d.0.join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    for stop_at in [crate::Stage::Hashing, crate::Stage::Converting] {
+        let mut seen = Vec::new();
+        let err = prepare(&input, 512, &cache, None, &mut |p| {
+            seen.push((p.stage, p.done));
+            if p.stage == stop_at {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        })
+        .unwrap_err();
+        assert!(matches!(err, DataError::Cancelled { .. }), "{err}");
+        assert!(err.to_string().contains("data.jsonl"), "{err}");
+        let last = *seen.last().unwrap();
+        assert_eq!(
+            last.0, stop_at,
+            "it stopped at the first report of {stop_at:?}"
+        );
+        let total = std::fs::metadata(&input).unwrap().len();
+        if stop_at == crate::Stage::Converting {
+            assert!(last.1 < total, "stopped before the end: {seen:?}");
+        }
+        let left: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+        assert!(left.is_empty(), "left in the cache: {left:?}");
+    }
+    // And the same data prepares whole afterwards.
+    let p = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
+    assert_eq!(p.samples, 5000);
 }
 
 /// A data cache that is a file is named as such; before, the error was the file made under it
@@ -231,7 +271,7 @@ fn a_data_cache_that_is_a_file_is_refused_naming_it() {
     let d = Dir::new("cachefile");
     let input = d.file("ok.jsonl", b"{\"input_ids\": [1, 2]}\n");
     let cache = d.file("cache", b"not a directory");
-    let err = prepare(&input, 8, &cache, None, &mut |_| {})
+    let err = prepare(&input, 8, &cache, None, &mut crate::quiet)
         .unwrap_err()
         .to_string();
     assert!(
@@ -249,7 +289,7 @@ fn a_killed_preparations_temporary_file_is_removed_by_the_next() {
     let d = Dir::new("killed");
     let input = d.file("data.jsonl", jsonl_of(&samples(3)).as_bytes());
     let cache = d.0.join("cache");
-    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let first = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     std::fs::remove_file(&first.path).unwrap();
     let name = first
         .path
@@ -263,7 +303,7 @@ fn a_killed_preparations_temporary_file_is_removed_by_the_next() {
     let working = cache.join(format!(".{name}.{}.Ef34Gh.tmp", std::process::id()));
     std::fs::write(&killed, b"half a file").unwrap();
     std::fs::write(&working, b"a writer at work").unwrap();
-    let again = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let again = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert_eq!(again.path, first.path);
     assert!(!killed.exists(), "the killed preparation's file is gone");
     assert!(working.exists(), "a running writer's file is left");
@@ -285,14 +325,14 @@ fn the_cache_is_reused_for_the_same_bytes_and_not_for_changed_ones() {
     let cache = d.0.join("cache");
     let text = jsonl_of(&samples(50));
     let input = d.file("train.jsonl", text.as_bytes());
-    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let first = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(!first.reused);
     assert_eq!(first.kind, Kind::Jsonl);
     let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
     let made = mtime(&first.path);
 
     // The same bytes: the same file, not written again.
-    let again = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let again = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(again.reused);
     assert_eq!(
         (again.path.clone(), mtime(&again.path)),
@@ -301,19 +341,21 @@ fn the_cache_is_reused_for_the_same_bytes_and_not_for_changed_ones() {
     // The same bytes under another name: still the same content.
     let copy = d.file("copy.jsonl", text.as_bytes());
     assert_eq!(
-        prepare(&copy, 512, &cache, None, &mut |_| {}).unwrap().path,
+        prepare(&copy, 512, &cache, None, &mut crate::quiet)
+            .unwrap()
+            .path,
         first.path
     );
 
     // One id changed, same size and modification time: converted again, to another file.
     edit_keeping_size_and_mtime(&input, &text);
-    let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let third = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(!third.reused);
     assert_ne!(third.path, first.path);
     assert_eq!(read_all(&Mapped::open(&third.path).unwrap())[0].0[0], 9);
 
     // Another max_len decides other refusals: another key.
-    let fourth = prepare(&input, 4096, &cache, None, &mut |_| {}).unwrap();
+    let fourth = prepare(&input, 4096, &cache, None, &mut crate::quiet).unwrap();
     assert!(!fourth.reused);
     assert_ne!(fourth.path, third.path);
 }
@@ -323,11 +365,11 @@ fn a_truncated_or_foreign_cache_file_is_a_clear_error() {
     let d = Dir::new("bad-cache");
     let cache = d.0.join("cache");
     let input = d.file("train.jsonl", jsonl_of(&samples(50)).as_bytes());
-    let p = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let p = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     let good = std::fs::read(&p.path).unwrap();
 
     std::fs::write(&p.path, &good[..good.len() / 2]).unwrap();
-    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+    let err = prepare(&input, 512, &cache, None, &mut crate::quiet)
         .unwrap_err()
         .to_string();
     assert!(
@@ -336,7 +378,7 @@ fn a_truncated_or_foreign_cache_file_is_a_clear_error() {
     );
 
     std::fs::write(&p.path, b"{\"input_ids\": [1]}\n").unwrap();
-    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+    let err = prepare(&input, 512, &cache, None, &mut crate::quiet)
         .unwrap_err()
         .to_string();
     assert!(
@@ -346,9 +388,9 @@ fn a_truncated_or_foreign_cache_file_is_a_clear_error() {
 
     // A good prepared file of other data, under this input's key.
     let other = d.file("other.jsonl", b"{\"input_ids\": [1]}\n");
-    let o = prepare(&other, 512, &cache, None, &mut |_| {}).unwrap();
+    let o = prepare(&other, 512, &cache, None, &mut crate::quiet).unwrap();
     std::fs::copy(&o.path, &p.path).unwrap();
-    let err = prepare(&input, 512, &cache, None, &mut |_| {})
+    let err = prepare(&input, 512, &cache, None, &mut crate::quiet)
         .unwrap_err()
         .to_string();
     assert!(
@@ -362,10 +404,17 @@ fn a_prepared_file_given_as_input_is_used_as_it_is() {
     let d = Dir::new("direct");
     let input = d.file("train.jsonl", jsonl_of(&samples(20)).as_bytes());
     let out = d.0.join("train.arrow");
-    let p = prepare(&input, 512, &d.0.join("unused"), Some(&out), &mut |_| {}).unwrap();
+    let p = prepare(
+        &input,
+        512,
+        &d.0.join("unused"),
+        Some(&out),
+        &mut crate::quiet,
+    )
+    .unwrap();
     assert_eq!(p.path, out);
     assert!(!d.0.join("unused").exists());
-    let q = prepare(&out, 512, &d.0.join("unused"), None, &mut |_| {}).unwrap();
+    let q = prepare(&out, 512, &d.0.join("unused"), None, &mut crate::quiet).unwrap();
     assert_eq!(
         (q.path.clone(), q.reused, q.key.clone()),
         (out.clone(), true, p.key.clone())
@@ -373,7 +422,7 @@ fn a_prepared_file_given_as_input_is_used_as_it_is() {
     assert_eq!(q.kind, Kind::ArrowFile { prepared: true });
     // Under a smaller max_len its longest sample is refused, by row.
     let longest = samples(20).iter().map(|s| s.0.len()).max().unwrap();
-    let err = prepare(&out, 10, &d.0.join("unused"), None, &mut |_| {})
+    let err = prepare(&out, 10, &d.0.join("unused"), None, &mut crate::quiet)
         .unwrap_err()
         .to_string();
     assert!(
@@ -393,9 +442,15 @@ fn an_output_file_that_is_the_input_is_refused_and_the_input_kept() {
     let link = d.0.join("link.jsonl");
     std::os::unix::fs::symlink(&input, &link).unwrap();
     for out in [input.clone(), link, d.0.join(".").join("train.jsonl")] {
-        let err = prepare(&input, 512, &d.0.join("unused"), Some(&out), &mut |_| {})
-            .unwrap_err()
-            .to_string();
+        let err = prepare(
+            &input,
+            512,
+            &d.0.join("unused"),
+            Some(&out),
+            &mut crate::quiet,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("it is the input") && err.contains("name another output file"),
             "{err}"
@@ -413,11 +468,12 @@ fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
     // A stamp is only written for files whose times are over 2 s old (a write in the same
     // tick as the stamp could go unseen otherwise): let them age.
     std::thread::sleep(std::time::Duration::from_millis(2200));
-    let first = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let first = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(!first.reused && !first.key_from_stamp);
     let mut hashed = false;
     let again = prepare(&input, 512, &cache, None, &mut |p| {
-        hashed |= p.stage == crate::Stage::Hashing
+        hashed |= p.stage == crate::Stage::Hashing;
+        std::ops::ControlFlow::Continue(())
     })
     .unwrap();
     assert!(
@@ -432,11 +488,11 @@ fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
     // One byte changed, size and modification time put back: the change time moved, so the
     // stamp does not match; hashed, converted again.
     edit_keeping_size_and_mtime(&input, &text);
-    let third = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let third = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(!third.reused && !third.key_from_stamp);
     assert_ne!(third.key, first.key);
     // Its times are fresh: no stamp was trusted or written, so it is hashed again.
-    let fourth = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let fourth = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(fourth.reused && !fourth.key_from_stamp);
     assert_eq!(fourth.key, third.key);
 }
@@ -462,7 +518,7 @@ fn a_file_the_earlier_writer_prepared_still_maps_and_serves_as_data() {
     assert!(m.record_batches() >= 4, "{}", m.record_batches());
     let old_key = m.meta("hspipe.key").unwrap().to_string();
 
-    let as_data = prepare(&old, 512, &d.0.join("unused"), None, &mut |_| {}).unwrap();
+    let as_data = prepare(&old, 512, &d.0.join("unused"), None, &mut crate::quiet).unwrap();
     assert!(
         as_data.reused && as_data.path == old && as_data.key == old_key,
         "{as_data:?}"
@@ -472,7 +528,7 @@ fn a_file_the_earlier_writer_prepared_still_maps_and_serves_as_data() {
     let cache = d.0.join("cache");
     std::fs::create_dir_all(&cache).unwrap();
     std::fs::write(cache.join(format!("{old_key}.arrow")), V1_FILE).unwrap();
-    let q = prepare(&input, 512, &cache, None, &mut |_| {}).unwrap();
+    let q = prepare(&input, 512, &cache, None, &mut crate::quiet).unwrap();
     assert!(!q.reused && q.key != old_key, "{q:?}");
     // arrow-rs writes other bytes for the same samples (its own padding and FlatBuffer layout).
     assert_ne!(std::fs::read(&q.path).unwrap(), V1_FILE);
@@ -494,7 +550,14 @@ fn a_damaged_arrow_stream_or_file_input_is_an_error_not_a_panic() {
             too_long: crate::TooLong::Drop,
             chat: None,
         };
-        crate::convert::convert(&q, kind, &maker, &mut w, &mut |_| {}, &mut |_| {})
+        crate::convert::convert(
+            &q,
+            kind,
+            &maker,
+            &mut w,
+            &mut |_| std::ops::ControlFlow::Continue(()),
+            &mut |_| {},
+        )
     };
     assert!(convert(&stream, &Kind::ArrowStream).is_ok());
     assert!(convert(&file, &Kind::ArrowFile { prepared: false }).is_ok());
@@ -545,7 +608,7 @@ fn the_content_key_is_the_reference_xxh3_128() {
         &input,
         &Kind::Jsonl,
         &crate::Options::new(4096),
-        &mut |_| {},
+        &mut crate::quiet,
     )
     .unwrap();
     assert_eq!(key, "a879f63fefaa4e4b95bf0376da3690e9");

@@ -22,7 +22,8 @@ pub mod exit {
     /// The run ended but degraded: a worker gave up past its restart limit, samples were left
     /// untrained, or a batch was trained twice; `summary.json` says why.
     pub const DEGRADED: i32 = 3;
-    /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly.
+    /// Stopped by a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) after draining cleanly, or
+    /// while the data was prepared (nothing ran).
     pub const INTERRUPTED: i32 = 130;
     /// Stopped by a second stop signal: workers were killed.
     pub const KILLED: i32 = 131;
@@ -229,6 +230,18 @@ impl std::fmt::Display for UsageError {
     }
 }
 impl std::error::Error for UsageError {}
+
+/// A stop signal ended the work before a run started (the data was being prepared): exit code
+/// 130, as a run stopped in order. The message says what was stopped and what is left.
+#[derive(Debug)]
+pub struct Interrupted(pub String);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for Interrupted {}
 
 impl Args {
     /// The checks clap cannot make, but for the GPU lists (a resume may take them from the run

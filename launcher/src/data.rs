@@ -4,6 +4,7 @@
 //! changed.
 
 use std::io::IsTerminal;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,9 @@ use dataset::{Progress, Stage, Unit};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use proto::{PipelineConfig, RunDir};
 use serde::{Deserialize, Serialize};
+
+use crate::signals::StopSignals;
+use crate::Interrupted;
 
 /// Prepare training data once into the memory-mapped Arrow file every process of a run maps,
 /// e.g. on a CPU machine, to copy beside the runs of a GPU machine.
@@ -73,7 +77,15 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
     if let Some(out) = &args.out {
         atomic_file::target(out).with_context(|| format!("-o {}", out.display()))?;
     }
-    let (p, line) = prepare_dataset(&args.input, &options, &cache, args.out.as_deref())?;
+    // A stop signal stops the preparation, which leaves nothing partial behind.
+    let signals = StopSignals::install().context("installing signal handlers")?;
+    let (p, line) = prepare_dataset(
+        &args.input,
+        &options,
+        &cache,
+        args.out.as_deref(),
+        Some(&signals),
+    )?;
     println!("{line}");
     println!("{}", p.path.display());
     Ok(0)
@@ -146,19 +158,38 @@ fn chat_part(s: &dataset::ChatStats, max_len: u32) -> String {
     out
 }
 
-/// Prepares `input` (or finds it prepared); returns the outcome and a line for the user.
+/// Prepares `input` (or finds it prepared); returns the outcome and a line for the user. With
+/// `stop`, a stop signal ends the work at its next progress report with [`Interrupted`].
 pub fn prepare_dataset(
     input: &Path,
     options: &dataset::Options,
     cache: &Path,
     out: Option<&Path>,
+    stop: Option<&StopSignals>,
 ) -> anyhow::Result<(dataset::Prepared, String)> {
     let started = Instant::now();
     let mut show = Show::new(input);
-    let p = dataset::prepare_with(input, options, cache, out, &mut |pr| show.update(pr))
-        .context("preparing the dataset");
+    let stopped = || stop.is_some_and(|s| s.received() > 0);
+    let p = dataset::prepare_with(input, options, cache, out, &mut |pr| {
+        show.update(pr);
+        if stopped() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
     show.done();
-    let mut p = p?;
+    let mut p = match (p, stop) {
+        (Err(dataset::DataError::Cancelled { path }), Some(s)) => {
+            return Err(Interrupted(format!(
+                "stopped by {} while preparing {}: nothing of it is left in the data cache (the next run prepares it again)",
+                s.last_name(),
+                path.display()
+            ))
+            .into())
+        }
+        (p, _) => p.context("preparing the dataset")?,
+    };
     p.path =
         std::path::absolute(&p.path).with_context(|| format!("resolving {}", p.path.display()))?;
     let what = format!(
@@ -313,7 +344,8 @@ pub fn resume_data(
         return Ok(now);
     }
     if was.prepared.is_file() {
-        if let Ok((p, line)) = prepare_dataset(&was.prepared, options, cache, None) {
+        // A prepared file: mapped as it is, no work to stop.
+        if let Ok((p, line)) = prepare_dataset(&was.prepared, options, cache, None, None) {
             if p.key == was.key {
                 let note = format!(
                     "{line}\nnote: {} has content key {} now, not the run's {} (the data changed, or this hspipe keys it otherwise): the resume trains the prepared file the run was planned from; a new run trains the data as it is now",
@@ -369,7 +401,7 @@ mod tests {
         std::fs::write(&input, text).unwrap();
         let out = dir.join("out.arrow");
         let options = options(cfg, 64).map_err(|e| format!("{e:#}"))?;
-        prepare_dataset(&input, &options, &dir.join("cache"), Some(&out))
+        prepare_dataset(&input, &options, &dir.join("cache"), Some(&out), None)
             .map(|(p, _)| p.samples)
             .map_err(|e| format!("{e:#}"))
     }

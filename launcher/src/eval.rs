@@ -99,7 +99,7 @@ fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     let mut cfg = proto::PipelineConfig::default();
     cfg.model.path = Some(a.model.clone());
     let options = crate::data::options(&cfg, u32::MAX)?;
-    let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None)?;
+    let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None, None)?;
     println!("{line}");
     let data = dataset::Dataset::mapped(&p.path)?;
     let mut out = Vec::new();

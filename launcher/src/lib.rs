@@ -32,7 +32,7 @@ use gpu::BackendKind;
 use proto::plan::{plan, Epochs, PlanDigest};
 use proto::{GpuLists, PipelineConfig, RunDir};
 
-pub use crate::cli::{exit, Args, Backend, Cli, Command, UsageError};
+pub use crate::cli::{exit, Args, Backend, Cli, Command, Interrupted, UsageError};
 pub use crate::spawn::name_process;
 
 /// What `run` settles before the run directory, and so its log, exists.
@@ -61,11 +61,24 @@ pub(crate) struct Settled {
 
 /// Runs the launcher; returns the process exit code.
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let settled = settle(&args)?;
+    // First of all: a stop signal while the data is prepared (minutes, for a large set) stops
+    // the preparation, which leaves nothing partial, instead of killing the launcher. Counted
+    // from here, never fatal, so the ring made later is always removed.
+    let signals = signals::StopSignals::install().context("installing signal handlers")?;
+    let settled = settle(&args, &signals)?;
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
     let tee = output::Tee::install(&settled.run_dir.launcher_log())?;
-    let result = supervisor::Supervisor::start(&args, settled, &tee).and_then(|s| s.run());
+    if signals.received() > 0 {
+        // Asked while the run was settled (its model checked, its directory laid out).
+        println!(
+            "stopped by {} before the workers started: nothing was trained; `launcher --resume {}` starts the run",
+            signals.last_name(),
+            settled.run_dir.path().display()
+        );
+        return Ok(exit::INTERRUPTED);
+    }
+    let result = supervisor::Supervisor::start(&args, settled, &tee, signals).and_then(|s| s.run());
     if let Err(e) = &result {
         // main prints it to the terminal once the tee is gone; this is the log's copy.
         tee.log().line(&format!("error: {e:#}"));
@@ -74,7 +87,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Checks the command line and config, loads the data and lays out the run directory.
-fn settle(args: &Args) -> anyhow::Result<Settled> {
+fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled> {
     args.check()?;
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
@@ -190,7 +203,7 @@ fn settle(args: &Args) -> anyhow::Result<Settled> {
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
         let options = data::options(&cfg, cfg.data.max_len)?;
-        let mut now = data::prepare_dataset(&input, &options, &cache, None)?;
+        let mut now = data::prepare_dataset(&input, &options, &cache, None, Some(signals))?;
         if args.resume.is_some() {
             now = data::resume_data(&run_dir, now, &options, &cache)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;

@@ -42,11 +42,19 @@ fn exit_code(r: anyhow::Result<i32>) -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(exit::ERROR as u8)),
         Err(e) => {
-            // Not eprintln!: it panics if the terminal is gone (the run directory's
-            // launcher.log has the message too, once it exists).
-            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             let usage = e.downcast_ref::<launcher::UsageError>().is_some();
-            ExitCode::from(if usage { exit::USAGE } else { exit::ERROR } as u8)
+            let stopped = e.downcast_ref::<launcher::Interrupted>().is_some();
+            // Not eprintln!: it panics if the terminal is gone (the run directory's
+            // launcher.log has the message too, once it exists). A stop asked for is no error.
+            let what = if stopped { "" } else { "error: " };
+            let _ = writeln!(std::io::stderr(), "{what}{e:#}");
+            ExitCode::from(if usage {
+                exit::USAGE
+            } else if stopped {
+                exit::INTERRUPTED
+            } else {
+                exit::ERROR
+            } as u8)
         }
     }
 }

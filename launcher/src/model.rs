@@ -327,7 +327,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     }
     if let Some(input) = &a.data {
         let options = crate::data::options(&cfg, cfg.data.max_len)?;
-        let (p, line) = crate::data::prepare_dataset(input, &options, &a.data_cache, None)?;
+        let (p, line) = crate::data::prepare_dataset(input, &options, &a.data_cache, None, None)?;
         println!("{line}");
         cfg.data.prepared = Some(p.path);
     }

@@ -262,7 +262,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             s.config.data.max_len,
             &dataset::default_cache_dir(s.run_dir.path()),
             None,
-            &mut |_| {},
+            &mut dataset::quiet,
         )
         .context("preparing the dataset")?;
         s.config.data.prepared = Some(p.path);

@@ -87,7 +87,7 @@ fn prepare(
         too_long,
         chat,
     };
-    dataset::prepare_with(input, &o, cache, None, &mut |_| {})
+    dataset::prepare_with(input, &o, cache, None, &mut dataset::quiet)
 }
 
 type Sample = (Vec<u32>, Vec<u8>);
@@ -598,7 +598,13 @@ fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_i
         };
         let out = d.path(out);
         pool.install(|| {
-            dataset::prepare_with(&input, &o, &d.path("cache"), Some(&out), &mut |_| {})
+            dataset::prepare_with(
+                &input,
+                &o,
+                &d.path("cache"),
+                Some(&out),
+                &mut dataset::quiet,
+            )
         })
         .unwrap();
         std::fs::read(out).unwrap()
@@ -616,7 +622,7 @@ fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_i
         too_long: TooLong::Drop,
         chat: Some(c),
     };
-    let err = dataset::prepare_with(&input, &o, &d.path("cache"), None, &mut |_| {})
+    let err = dataset::prepare_with(&input, &o, &d.path("cache"), None, &mut dataset::quiet)
         .unwrap_err()
         .to_string();
     assert!(

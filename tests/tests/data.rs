@@ -122,7 +122,7 @@ fn prepare(
     max_len: u32,
     cache: &Path,
 ) -> Result<dataset::Prepared, dataset::DataError> {
-    dataset::prepare(input, max_len, cache, None, &mut |_| {})
+    dataset::prepare(input, max_len, cache, None, &mut dataset::quiet)
 }
 
 /// A config for quick runs over 16..=512-token samples; `tokens_per_s` sets both sides' speed.
@@ -226,7 +226,7 @@ fn pyarrow_reads_what_we_write_and_we_map_what_pyarrow_writes() {
         512,
         &dir.path("unused"),
         Some(&out),
-        &mut |_| {},
+        &mut dataset::quiet,
     )
     .unwrap();
 
@@ -492,6 +492,109 @@ fn prepare_refuses_an_output_that_is_not_a_regular_file_and_leaves_it() {
     assert!(!err.contains("panicked"), "{err}");
     let t = std::fs::symlink_metadata(&fifo).unwrap().file_type();
     assert!(t.is_fifo(), "still a FIFO, not {t:?}");
+}
+
+/// True once process `pid` catches SIGTERM (its handler is installed): read from
+/// /proc/PID/status, whose SigCgt is a hex mask of the signals caught, bit N-1 for signal N.
+fn catches_sigterm(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    mask & (1 << (15 - 1)) != 0
+}
+
+/// A stop signal while the data is prepared (minutes, for a large set) stops the preparation:
+/// exit 130 and a line saying what was stopped, nothing partial in the data cache, no run laid
+/// out, no segment. Before, the launcher had no handler yet and died of the signal, leaving
+/// its temporary file (as big as the prepared file) in the cache. Both the run and `launcher
+/// prepare`. The signal is sent once the handler is installed (the launcher's first act); if
+/// the preparation was done by the time it was heard, the run stops before its workers start,
+/// which exits 130 too.
+#[test]
+fn a_stop_signal_while_the_data_is_prepared_exits_130_leaving_nothing_partial() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dstop");
+    std::fs::write(dir.path("big.jsonl"), jsonl_of(&samples(12_000))).unwrap();
+    let config = run_config(&dir, 2_000_000.0, "");
+    let config = config.to_str().unwrap();
+    let cache = dir.path("cache");
+    let runs: [Vec<String>; 2] = [
+        strings(&[
+            "--targets",
+            "0",
+            "--drafters",
+            "1",
+            "--config",
+            config,
+            "--data",
+            &dir.s("big.jsonl"),
+            "--data-cache",
+            &dir.s("cache"),
+            "--run-dir",
+            &dir.s("run"),
+        ]),
+        strings(&[
+            "prepare",
+            &dir.s("big.jsonl"),
+            "--config",
+            config,
+            "--data-cache",
+            &dir.s("cache"),
+        ]),
+    ];
+    for args in runs {
+        let p = spawn(&workspace_bin("launcher"), &strs(&args));
+        let pid = p.child.id();
+        let t0 = Instant::now();
+        while !catches_sigterm(pid) {
+            assert!(
+                t0.elapsed() < WATCHDOG,
+                "launcher {args:?} never caught SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        kill(pid, Signal::TERM);
+        let (status, out, p) = p.finish_status();
+        std::thread::sleep(Duration::from_millis(100));
+        let err = p.stderr();
+        assert_eq!(status.code(), Some(130), "{args:?}: {status}\n{out}\n{err}");
+        let said = format!("{out}{err}");
+        let in_preparation = said.contains("stopped by SIGTERM while preparing")
+            && said.contains("big.jsonl: nothing of it is left in the data cache");
+        let before_workers = said.contains("stopped by SIGTERM before the workers started");
+        assert!(in_preparation || before_workers, "{args:?}: {said}");
+        assert!(
+            !said.contains("error:") && !said.contains("panicked"),
+            "{said}"
+        );
+        eprintln!(
+            "{}: stopped {}",
+            args[0],
+            if in_preparation {
+                "in the preparation"
+            } else {
+                "after it"
+            }
+        );
+        let partial: Vec<_> = std::fs::read_dir(&cache)
+            .into_iter()
+            .flatten()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(partial.is_empty(), "left in the cache: {partial:?}");
+        if in_preparation {
+            assert!(!dir.path("run/config.toml").exists(), "no run was laid out");
+        }
+        no_segment_of(pid);
+    }
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
 }
 
 /// `launcher prepare ARGS`, which must succeed; returns its stdout.

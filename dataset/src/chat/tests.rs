@@ -143,7 +143,7 @@ fn prepare_bytes(dir: &ModelDir, name: &str, bytes: &[u8]) -> Result<Vec<Vec<u32
         &options,
         &dir.0.join("cache"),
         Some(&out),
-        &mut |_| {},
+        &mut crate::quiet,
     )
     .map_err(|e| e.to_string())?;
     let m = crate::Mapped::open(&out).unwrap();

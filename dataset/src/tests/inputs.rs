@@ -21,7 +21,15 @@ fn convert(path: &Path, kind: &Kind) -> Result<(), DataError> {
         too_long: crate::TooLong::Drop,
         chat: None,
     };
-    crate::convert::convert(path, kind, &maker, &mut w, &mut |_| {}, &mut |_| {}).map(|_| ())
+    crate::convert::convert(
+        path,
+        kind,
+        &maker,
+        &mut w,
+        &mut |_| std::ops::ControlFlow::Continue(()),
+        &mut |_| {},
+    )
+    .map(|_| ())
 }
 
 /// An Arrow file of one record batch with `columns`.
@@ -161,7 +169,7 @@ fn a_string_offsets_buffer_of_a_damaged_length_is_an_error_at_any_depth() {
 fn jsonl_bytes(name: &str, bytes: &[u8]) -> Result<Vec<super::Owned>, DataError> {
     let d = Dir::new("jsonl-bytes");
     let input = d.file(name, bytes);
-    let p = crate::prepare(&input, 8, &d.0.join("cache"), None, &mut |_| {})?;
+    let p = crate::prepare(&input, 8, &d.0.join("cache"), None, &mut crate::quiet)?;
     Ok(super::read_all(&crate::Mapped::open(&p.path).unwrap()))
 }
 
@@ -252,6 +260,14 @@ fn a_fifo_or_device_is_refused_without_opening_it() {
     });
     assert!(
         e.contains("train.jsonl") && e.contains("not a regular file") && e.contains("FIFO"),
+        "{e}"
+    );
+    // A shard of an HF directory too (it hung opening it to hash).
+    let e = testkit::fifo_refusal("data-00000-of-00001.arrow", |d| {
+        (crate::convert::detect(d).err()).map(|e| e.to_string())
+    });
+    assert!(
+        e.contains("data-00000-of-00001.arrow") && e.contains("not a regular file"),
         "{e}"
     );
     let e = crate::convert::detect(Path::new("/dev/null"))

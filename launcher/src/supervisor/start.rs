@@ -18,7 +18,12 @@ use crate::{reclaim, Settled};
 impl<'a> Supervisor<'a> {
     /// Creates the ring and the drafter group (after reclaiming what dead launchers left),
     /// prints the run's first lines and lists the workers, none started yet.
-    pub(crate) fn start(args: &'a Args, settled: Settled, tee: &Tee) -> anyhow::Result<Self> {
+    pub(crate) fn start(
+        args: &'a Args,
+        settled: Settled,
+        tee: &Tee,
+        signals: StopSignals,
+    ) -> anyhow::Result<Self> {
         let Settled {
             cfg,
             backend,
@@ -36,9 +41,6 @@ impl<'a> Supervisor<'a> {
         } = settled;
         let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
-        // Before the ring exists: from here a stop signal is counted, never fatal, so the ring
-        // is always removed.
-        let signals = StopSignals::install().context("installing signal handlers")?;
         // Frees what dead launchers hold before this ring takes its share of /dev/shm.
         for line in reclaim::reclaim() {
             println!("{line}");
