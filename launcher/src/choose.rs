@@ -6,7 +6,7 @@ use anyhow::bail;
 use gpu::BackendKind;
 use proto::config::CollectiveKind;
 
-use crate::cli::Backend;
+use crate::cli::{Backend, UsageError};
 
 /// What this machine has for the cuda backend, in words ("NVIDIA driver for CUDA 13.0 with
 /// 8 GPUs"), or why it has none. Loads the driver through the `cuda` crate (its presence
@@ -112,13 +112,16 @@ fn choose_backend_in(
     let candle = |why: &str| Ok((BackendKind::Candle, format!("candle on the CPU ({why})")));
     let unbuilt = "this launcher is built without CUDA (scripts/build-cuda.sh builds one)";
     match b {
-        Backend::Kind(BackendKind::Mock) if model => bail!(
-            "--backend mock makes up its hidden states and would ignore the model; use --backend candle (or auto) to run it"
-        ),
+        // Flags that contradict each other: usage errors (exit 2).
+        Backend::Kind(BackendKind::Mock) if model => Err(UsageError(
+            "--backend mock makes up its hidden states and would ignore the model; use --backend candle (or auto) to run it".into(),
+        )
+        .into()),
         Backend::Kind(BackendKind::Mock) => mock("requested"),
-        Backend::Kind(k @ (BackendKind::Candle | BackendKind::Cuda)) if !model => bail!(
+        Backend::Kind(k @ (BackendKind::Candle | BackendKind::Cuda)) if !model => Err(UsageError(format!(
             "--backend {k} runs a real model: name its HF directory with --model DIR (`launcher make-model DIR` makes a tiny one)"
-        ),
+        ))
+        .into()),
         Backend::Kind(BackendKind::Candle) => candle("requested"),
         Backend::Auto => match (probe(), model) {
             (Ok(found), true) if cuda_built => Ok((
@@ -239,14 +242,16 @@ mod backend_tests {
         );
         let (k, _) = choose_backend_with(Backend::Kind(BackendKind::Candle), true, none).unwrap();
         assert_eq!(k, BackendKind::Candle);
-        let e = choose_backend_with(Backend::Kind(BackendKind::Candle), false, none)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("--model DIR") && e.contains("make-model"), "{e}");
-        let e = choose_backend_with(Backend::Kind(BackendKind::Mock), true, none)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("would ignore the model"), "{e}");
+        // Flags that contradict each other: usage errors (exit 2), as clap's are.
+        for (k, model, says) in [
+            (BackendKind::Candle, false, "make-model"),
+            (BackendKind::Cuda, false, "make-model"),
+            (BackendKind::Mock, true, "would ignore the model"),
+        ] {
+            let e = choose_backend_with(Backend::Kind(k), model, none).unwrap_err();
+            assert!(e.is::<UsageError>(), "{k}: {e}");
+            assert!(e.to_string().contains(says), "{e}");
+        }
     }
 
     /// On this machine (or any): probing never panics, and its words say what it found, checked

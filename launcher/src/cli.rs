@@ -278,6 +278,15 @@ impl Args {
 
 /// Refuses a GPU in both lists unless `--share-gpus` allows it (a usage error, exit code 2).
 pub fn check_gpus(targets: &[u32], drafters: &[u32], share_gpus: bool) -> Result<(), UsageError> {
+    let workers = targets.len() + drafters.len();
+    if workers > shm_ring::MAX_WORKERS as usize {
+        return Err(UsageError(format!(
+            "{} targets and {} drafters: a run has at most {} workers in all",
+            targets.len(),
+            drafters.len(),
+            shm_ring::MAX_WORKERS
+        )));
+    }
     let shared = overlap(targets, drafters);
     if !shared.is_empty() && !share_gpus {
         return Err(UsageError(format!(
@@ -507,5 +516,18 @@ mod tests {
     fn overlap_names_shared_gpus() {
         assert_eq!(overlap(&[0, 1, 2], &[2, 3]), vec![2]);
         assert!(overlap(&[0, 1], &[2, 3]).is_empty());
+    }
+
+    /// Shared GPUs allow more workers than GPUs; more than the ring holds is the flags' fault
+    /// (exit 2), said before the config is sized (it was "sizing the ring", exit 1).
+    #[test]
+    fn more_workers_than_a_run_holds_is_a_usage_error() {
+        let all: Vec<u32> = (0..=MAX_GPU).collect();
+        let e = check_gpus(&all, &all, true).unwrap_err().to_string();
+        assert!(
+            e.contains("1024 targets and 1024 drafters") && e.contains("at most 1024 workers"),
+            "{e}"
+        );
+        assert!(check_gpus(&all[..1000], &all[..24], true).is_ok());
     }
 }

@@ -171,6 +171,8 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
         probe_nccl,
     )?;
     cfg.validate().context("checking the config")?;
+    cfg.check_faults(gpus.targets.len() as u32, gpus.drafters.len() as u32)
+        .context("checking the config")?;
 
     let run_id = format!(
         "{}-{}",

@@ -36,6 +36,7 @@ use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
 use crate::monitor::{EventTick, Tick};
+use crate::UsageError;
 
 /// Draw one picture of a run: ring occupancy against capacity, tokens/s, each worker's time
 /// by phase, deaths and restarts. Works on finished, stopped and crashed runs.
@@ -52,10 +53,10 @@ pub struct ReportArgs {
     #[arg(short, long)]
     pub output: Option<PathBuf>,
     /// Width in pixels, 400 to 16384.
-    #[arg(long, default_value_t = 1200)]
+    #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(400..=MAX_SIDE as i64))]
     pub width: u32,
     /// Height in pixels, at most 16384 [default: 64 per worker plus about 500 for the rest].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_SIDE as i64))]
     pub height: Option<u32>,
 }
 
@@ -450,10 +451,16 @@ const MAX_SIDE: u32 = 16384;
 impl Plan {
     fn new(run: &RunData, width: u32, height: Option<u32>) -> anyhow::Result<Plan> {
         if width < 400 {
-            bail!("--width {width} is too narrow to draw a run: at least 400 pixels");
+            return Err(UsageError(format!(
+                "--width {width} is too narrow to draw a run: at least 400 pixels"
+            ))
+            .into());
         }
         if width > MAX_SIDE {
-            bail!("--width {width} is too wide: at most {MAX_SIDE} pixels");
+            return Err(UsageError(format!(
+                "--width {width} is too wide: at most {MAX_SIDE} pixels"
+            ))
+            .into());
         }
         let mut workers: Vec<(String, Option<u32>)> = Vec::new();
         for w in run.ticks.iter().flat_map(|t| &t.workers) {
@@ -477,13 +484,17 @@ impl Plan {
         let height = height.unwrap_or(fixed + natural);
         let min = fixed + 80 + 60 + bands * 24 + extras * 60;
         if height > MAX_SIDE {
-            bail!("--height {height} is too tall: at most {MAX_SIDE} pixels");
+            return Err(UsageError(format!(
+                "--height {height} is too tall: at most {MAX_SIDE} pixels"
+            ))
+            .into());
         }
         if height < min {
-            bail!(
+            return Err(UsageError(format!(
                 "--height {height} is too short for this run's {} panels: at least {min} pixels",
                 2 + bands + extras
-            );
+            ))
+            .into());
         }
         let scale = f64::from(height - fixed) / f64::from(natural);
         let px = |h: u32| (f64::from(h) * scale).floor() as u32;
@@ -1111,7 +1122,9 @@ mod tests {
             (4_000_000_000, None, "--width"),
             (1200, Some(u32::MAX), "--height"),
         ] {
-            let e = Plan::new(&run, w, h).err().expect("refused").to_string();
+            let e = Plan::new(&run, w, h).err().expect("refused");
+            assert!(e.is::<crate::UsageError>(), "exit 2: {e}");
+            let e = e.to_string();
             assert!(e.contains(flag) && e.contains("at most 16384"), "{e}");
         }
         assert!(Plan::new(&run, 16384, Some(16384)).is_ok());

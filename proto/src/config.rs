@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use shm_ring::{BucketPick, RingParams, TakePolicy, WorkerName};
+use shm_ring::{BucketPick, RingParams, Role, TakePolicy, WorkerName};
 
 use crate::batch::{batch_len, BatchSpec, Dtype};
 
@@ -740,6 +740,31 @@ impl PipelineConfig {
         Ok(p)
     }
 
+    /// Refuses a `[faults.NAME]` for a worker this run does not have (`targets` targets,
+    /// `drafters` drafters): a fault meant for a worker and silently never injected.
+    pub fn check_faults(&self, targets: u32, drafters: u32) -> Result<(), ConfigError> {
+        for key in self.faults.keys() {
+            let Ok(name) = key.parse::<WorkerName>() else {
+                continue; // `validate` names it.
+            };
+            let (n, side) = match name.role {
+                Role::Producer => (targets, "target"),
+                Role::Consumer => (drafters, "drafter"),
+            };
+            if name.index >= n {
+                let have = match n {
+                    1 => format!("1 {side} ({side}-0)"),
+                    n => format!("{n} {side}s ({side}-0 to {side}-{})", n - 1),
+                };
+                return Err(invalid(
+                    "faults",
+                    format!("[faults.{key}]: this run has {have}; name one of its workers or remove the section"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The faults configured for worker `name` (the key `drafter-0`); none by default.
     pub fn faults_for(&self, name: WorkerName) -> Faults {
         self.faults
@@ -896,6 +921,26 @@ mod tests {
             e.contains("/dev/zero") && e.contains("a device, not a regular file"),
             "{e}"
         );
+    }
+
+    /// A fault for a worker the run does not have was accepted and never injected.
+    #[test]
+    fn a_fault_for_a_worker_the_run_does_not_have_is_refused() {
+        let c = PipelineConfig::from_toml(
+            "[faults.target-99]\nslow = 2.0\n[faults.drafter-1]\ncrash_after = 1\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        let err = c.check_faults(1, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("[faults.target-99]") && err.contains("1 target (target-0)"),
+            "{err}"
+        );
+        let c = PipelineConfig::from_toml("[faults.drafter-2]\nslow = 2.0\n", Path::new("x.toml"))
+            .unwrap();
+        let err = c.check_faults(5, 2).unwrap_err().to_string();
+        assert!(err.contains("2 drafters (drafter-0 to drafter-1)"), "{err}");
+        assert!(c.check_faults(1, 3).is_ok());
     }
 
     #[test]
