@@ -243,12 +243,28 @@ impl Maker for Candle {
         let dir = model_dir(cfg)?;
         let arch = ArchConfig::load(dir)?;
         // Rope runs at any position, as HF's does, but the states past the model's length are
-        // not what it was trained for: a drafter would learn from them silently.
+        // not what it was trained for: a drafter would learn from them silently. (A drafted
+        // block reaches up to block_size - 1 positions past a sequence, but only with masks
+        // past its end, which carry no loss (the block's other masks attend to them, as they
+        // do at inference): data as long as the model's positions stays allowed.)
         let most = arch.max_position_embeddings;
         if cfg.data.max_len as usize > most {
             return Err(GpuError::Config(format!(
                 "data.max_len = {} is more than the model's max_position_embeddings = {most} ({}): set data.max_len to {most} at most",
                 cfg.data.max_len,
+                dir.join("config.json").display()
+            )));
+        }
+        // A drafter deeper than its target drafts slower than the target decodes; and its
+        // weights (times four, with the optimizer's) would be sized by a typo.
+        if let Some(l) = cfg
+            .dflash
+            .layers
+            .filter(|&l| l as usize > arch.num_hidden_layers)
+        {
+            return Err(GpuError::Config(format!(
+                "dflash.layers = {l} is more than the target's {} layers ({}): a drafter deeper than its target drafts slower than the target decodes (DFlash's drafters have 1 to 8)",
+                arch.num_hidden_layers,
                 dir.join("config.json").display()
             )));
         }
@@ -678,6 +694,24 @@ mod tests {
         cfg.data.max_len = 64;
         // No evaluation: its prompts and new tokens would reach past 64 positions.
         cfg.dflash.eval_every = 0;
+        Candle::CPU.settle(&mut cfg).unwrap();
+    }
+
+    /// A drafter deeper than its target: refused at settle naming both (a typo of 100000
+    /// sized a group segment of 74 GB, or drafters that died allocating their weights).
+    #[test]
+    fn a_drafter_deeper_than_its_target_is_refused_at_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, mut cfg) = tiny_target(dir.path());
+        let layers = ArchConfig::load(&m).unwrap().num_hidden_layers as u32;
+        cfg.dflash.layers = Some(layers + 1);
+        let e = (Candle::CPU.settle(&mut cfg.clone()).unwrap_err()).to_string();
+        assert!(
+            e.contains(&format!("dflash.layers = {}", layers + 1))
+                && e.contains(&format!("the target's {layers} layers")),
+            "{e}"
+        );
+        cfg.dflash.layers = Some(layers);
         Candle::CPU.settle(&mut cfg).unwrap();
     }
 

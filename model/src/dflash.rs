@@ -260,6 +260,13 @@ impl DflashConfig {
                 ))
             })
         };
+        // Before anything is sized by it (the layer types here; `check` holds it too).
+        if layers > crate::make::MAX_LAYERS {
+            return Err(bad(format!(
+                "num_hidden_layers = {layers}: at most {} (a drafter is a few layers)",
+                crate::make::MAX_LAYERS
+            )));
+        }
         let full = json!(vec!["full_attention"; layers]);
         for (k, want) in [
             ("layer_types", full),
@@ -315,6 +322,14 @@ impl DflashConfig {
             return Err(format!(
                 "block_size = {}: a block is its anchor's token and at least one drafted token, so at least 2",
                 self.block_size
+            ));
+        }
+        // Before anything is sized by it (`param_specs` lists every layer's tensors).
+        if self.layers > crate::make::MAX_LAYERS {
+            return Err(format!(
+                "num_hidden_layers = {}: at most {} (a drafter is a few layers)",
+                self.layers,
+                crate::make::MAX_LAYERS
             ));
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
@@ -1341,22 +1356,27 @@ impl Dflash {
     pub fn load_export(dir: &Path, frozen: Frozen) -> Result<Dflash> {
         let path = dir.join("config.json");
         let cfg = DflashConfig::load(dir)?;
-        let mut d = Dflash::new(cfg, frozen, 0)?;
         let st = dir.join("model.safetensors");
         // candle's own errors name no file ("header too small", or a bare "No such file").
-        let w =
-            candle_core::safetensors::load(&st, d.device()).map_err(|e| ModelError::Weights {
+        let w = candle_core::safetensors::load(&st, frozen.embed.device()).map_err(|e| {
+            ModelError::Weights {
                 file: st.clone(),
                 why: format!("not a readable safetensors file: {e}"),
-            })?;
+            }
+        })?;
+        // The weights are checked against the config's tensors before the drafter is made: a
+        // config's sizes (`num_hidden_layers` 100000) would otherwise size an allocation that
+        // aborts the process, where the file holds what it holds.
+        let specs = cfg.param_specs();
         // A tensor the config has no place for is a config that does not describe these
         // weights (`num_hidden_layers` lowered by hand dropped the last layers without a word).
         // The target's embeddings and LM head, which an export of another trainer may carry, are
         // not the drafter's: the target's own are used, as ours exports none.
         let target_own = |k: &str| k.ends_with("embed_tokens.weight") || k == "lm_head.weight";
-        let names = d.params.names();
+        let names: std::collections::HashSet<&str> =
+            specs.iter().map(|(n, ..)| n.as_str()).collect();
         let mut extra: Vec<&String> = (w.keys())
-            .filter(|k| !names.contains(k) && !target_own(k))
+            .filter(|k| !names.contains(k.as_str()) && !target_own(k))
             .collect();
         if !extra.is_empty() {
             extra.sort();
@@ -1370,8 +1390,7 @@ impl Dflash {
                 ),
             });
         }
-        let mut flat = Vec::with_capacity(d.params.len());
-        for (name, shape) in d.params.names().iter().zip(d.params.shapes()) {
+        for (name, shape, _) in &specs {
             let t = w.get(name).ok_or_else(|| ModelError::Missing {
                 dir: dir.to_path_buf(),
                 tensor: name.clone(),
@@ -1391,6 +1410,11 @@ impl Dflash {
                     got: t.dims().to_vec(),
                 });
             }
+        }
+        let mut d = Dflash::new(cfg, frozen, 0)?;
+        let mut flat = Vec::with_capacity(d.params.len());
+        for name in d.params.names() {
+            let t = &w[name];
             flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
         }
         d.params.set_flat(&flat)?;

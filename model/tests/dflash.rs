@@ -292,6 +292,23 @@ fn an_export_edited_by_hand_or_damaged_is_refused_naming_what_is_wrong() {
             }),
             "layer_types",
         ),
+        // Sizes past what the file holds: refused before anything is sized by them (the
+        // layer types' list, the drafter's weights), not an allocation that aborts.
+        (
+            Box::new(|c| c["num_hidden_layers"] = 1_000_000_000_000u64.into()),
+            "num_hidden_layers = 1000000000000: at most 1024",
+        ),
+        (
+            Box::new(|c| c["intermediate_size"] = (1u64 << 40).into()),
+            "the config says [1099511627776, 64]",
+        ),
+        (
+            Box::new(|c| {
+                c["num_hidden_layers"] = 1024.into();
+                c["layer_types"] = serde_json::json!(vec!["full_attention"; 1024]);
+            }),
+            "layers.2.",
+        ),
         // One layer fewer: its weights would be dropped without a word.
         (
             Box::new(|c| {
