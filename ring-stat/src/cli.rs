@@ -262,7 +262,13 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         if args.gc {
             if s.is_stale() {
                 Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
-                writeln!(out, "removed {} (creator pid {pid} is gone)", s.name)?;
+                // A blank ring (never initialised) has no creator on record: its problem says
+                // how its name proved it stale.
+                let why = match (&s.creator, &s.problem) {
+                    (None, Some(p)) => p.clone(),
+                    _ => format!("creator pid {pid} is gone"),
+                };
+                writeln!(out, "removed {} ({why})", s.name)?;
                 // The run's drafter group goes with its ring: nothing else would remove it.
                 let group = proto::group_segment(&s.name);
                 if in_shm(&group) {

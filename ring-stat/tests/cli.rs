@@ -1,6 +1,7 @@
 //! shm-ring-stat's command line on bad or awkward input: flags that cannot go together, output
-//! that a reader stops reading, a ring that goes away while watched, and run directories that
-//! hold no live ring. Each is an error naming what is wrong or a clean end, never a hang.
+//! that a reader stops reading, a ring that goes away while watched, run directories that hold
+//! no live ring, and `--gc` on a ring whose header was never written. Each is an error naming
+//! what is wrong, a clean end or a line saying why, never a hang.
 
 use std::time::Duration;
 
@@ -230,4 +231,96 @@ fn a_run_dir_without_a_live_ring_says_why() {
             && err.contains("launcher report"),
         "{err}"
     );
+}
+
+/// Unlinks a test's segments when the test ends, passed or failed.
+struct Unlink(Vec<String>);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        for name in &self.0 {
+            let _ = std::fs::remove_file(std::path::Path::new("/dev/shm").join(name));
+        }
+    }
+}
+
+/// A blank 0600 segment `name` (made and sized, never initialised), last changed an hour ago.
+fn blank(name: &str) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(std::path::Path::new("/dev/shm").join(name))
+        .unwrap();
+    f.set_len(16384).unwrap();
+    f.set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+}
+
+/// `shm-ring-stat --gc RING`'s output; RING is removed only if stale.
+fn gc(ring: &str) -> String {
+    let args = Args {
+        ring: Some(ring.to_string()),
+        gc: true,
+        ..Args::default()
+    };
+    let mut out = Vec::new();
+    run(&args, &mut out).unwrap();
+    String::from_utf8(out).unwrap()
+}
+
+/// A launcher SIGKILLed inside `Ring::create` leaves its ring blank: no header names its
+/// creator, and `--gc` said `not removed` for ever. Its name does
+/// (`hspipe-<unix secs>-<launcher pid>`): with that launcher gone, `--gc` removes the ring and
+/// says why, and the run's drafter group goes with it; while the launcher named in it runs,
+/// both stay.
+#[test]
+fn gc_removes_a_blank_ring_whose_named_launcher_is_gone_with_its_group() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let dead = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        c.id()
+    };
+    let ring = format!("{}{}-{dead}", shm_ring::NAME_PREFIX, now - 3600);
+    let group = proto::group_segment(&ring);
+    let _g = Unlink(vec![ring.clone(), group.clone()]);
+    blank(&ring);
+    blank(&group);
+    let out = gc(&ring);
+    assert!(
+        out.contains(&format!("removed {ring} (never initialised"))
+            && out.contains(&format!("pid {dead}"))
+            && out.contains(&format!("removed {group}")),
+        "{out}"
+    );
+    for name in [&ring, &group] {
+        assert!(
+            !std::path::Path::new("/dev/shm").join(name).exists(),
+            "{name}"
+        );
+    }
+
+    // This process's own name for it: the launcher named in it runs.
+    let live = format!("{}{now}-{}", shm_ring::NAME_PREFIX, std::process::id());
+    let live_group = proto::group_segment(&live);
+    let _g = Unlink(vec![live.clone(), live_group.clone()]);
+    blank(&live);
+    blank(&live_group);
+    let out = gc(&live);
+    assert!(
+        out.starts_with(&format!("not removed: {live}: never initialised"))
+            && out.contains("still runs"),
+        "{out}"
+    );
+    for name in [&live, &live_group] {
+        assert!(
+            std::path::Path::new("/dev/shm").join(name).exists(),
+            "{name}"
+        );
+    }
 }

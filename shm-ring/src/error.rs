@@ -35,6 +35,10 @@ pub enum RingError {
     },
     #[error("ring {name:?} is corrupt or truncated: {what}")]
     Corrupt { name: String, what: String },
+    /// What a creator killed inside `Ring::create` leaves (or one creating it now shows): the
+    /// segment made but its header never published.
+    #[error("ring {name:?} was never initialised: {what}")]
+    Uninitialised { name: String, what: &'static str },
     #[error("{op} ring {name:?}: {cause}")]
     Io {
         op: &'static str,

@@ -1,13 +1,18 @@
 //! The named segment under `/dev/shm`: its header, its layout, and how it is created, attached,
 //! listed and removed.
 //!
-//! Length: create and attach check the same layout field by field, so they stay side by side.
+//! Length: create and attach check the same layout field by field, so they stay side by side,
+//! and the listing judges staleness from what they read and refuse.
 //!
 //! Creation is two-phase: create exclusively (mode 0600), reserve all memory, map, initialise
 //! every field, then publish the magic number last with a Release store. An attacher checks the
 //! owner, the mode, the size, then the magic with an Acquire load (pairs with that store) and the
 //! layout version (`shmem`'s checks, the drafter group's too), then the recorded layout before
 //! it touches anything past the header.
+//!
+//! The listing judges each segment stale (its creator provably gone) by the creator its header
+//! records, or, for a blank one that a creator killed inside `create` left, by its name alone
+//! (`judge_blank`, which says why that is safe); any doubt leaves it unjudged.
 
 use std::io;
 use std::mem::size_of;
@@ -241,13 +246,20 @@ fn refused(name: &str, r: Refusal) -> RingError {
     match r {
         Refusal::ForeignOwner { owner, me } => RingError::ForeignOwner { name, owner, me },
         Refusal::InsecureMode { mode } => RingError::InsecureMode { name, mode },
+        // Creation sizes the segment whole in one ftruncate: empty is a creator killed (or
+        // caught) between its shm_open and its ftruncate, while any other short size is not
+        // something a creator leaves.
+        Refusal::TooSmall { size: 0, .. } => RingError::Uninitialised {
+            name,
+            what: "it is empty (its creator died before sizing it, or is sizing it now)",
+        },
         Refusal::TooSmall { size, .. } => RingError::Corrupt {
             name,
             what: format!("it is {size} bytes, smaller than a ring header"),
         },
-        Refusal::Uninitialised => RingError::Corrupt {
+        Refusal::Uninitialised => RingError::Uninitialised {
             name,
-            what: "it was never initialised (its creator died while creating it, or is creating it now)".into(),
+            what: "its header is blank (its creator died while creating it, or is creating it now)",
         },
         Refusal::BadMagic { found } => RingError::BadMagic { name, found },
         Refusal::Version { found, expected } => RingError::VersionMismatch {
@@ -573,17 +585,18 @@ pub struct SegmentInfo {
     /// The creator, if the header could be read.
     pub creator: Option<Creator>,
     /// `Some(true)` if the creator runs, `Some(false)` if it is gone (stale), `None` if this
-    /// process cannot tell (unreadable header, or another pid namespace: see
-    /// [`Creator::liveness`]).
+    /// process cannot tell (another pid namespace: see [`Creator::liveness`]; an unreadable
+    /// header, unless it is a blank one whose name proves it stale: see `judge_blank`).
     pub live: Option<bool>,
-    /// Why the header could not be read, if it could not.
+    /// Why the creator could not be judged, or why a blank segment was judged by its name.
     pub problem: Option<String>,
 }
 
 impl SegmentInfo {
     /// True when the creator is known to be gone: what `shm-ring-stat --gc` removes. A segment
     /// whose creator cannot be judged (an unreadable header, another pid namespace) is never
-    /// stale, so nothing removes a ring that may still be in use.
+    /// stale, so nothing removes a ring that may still be in use; a blank one (never
+    /// initialised) is stale only when its name proves its creator gone (`judge_blank`).
     pub fn is_stale(&self) -> bool {
         self.live == Some(false)
     }
@@ -615,6 +628,16 @@ pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
                     }),
                 }
             }
+            Err(RingError::Uninitialised { what, .. }) => {
+                let (live, why) = judge_blank(&name);
+                SegmentInfo {
+                    name,
+                    bytes,
+                    creator: None,
+                    live,
+                    problem: Some(format!("never initialised: {what}; {why}")),
+                }
+            }
             Err(e) => SegmentInfo {
                 name,
                 bytes,
@@ -627,6 +650,98 @@ pub fn list_segments() -> io::Result<Vec<SegmentInfo>> {
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// How long a blank segment must have gone unchanged before its name may judge it. A creator
+/// changes its segment all through `Segment::create`: the ftruncate that sizes it, the
+/// fallocate that reserves it (the kernel stamps the mtime as it returns), then its first store
+/// to the header page (a first write through a shared mapping of tmpfs stamps it too), and only
+/// stores to that page follow until the magic: a live creator's blank segment is microseconds
+/// past its last change, unless the creator is stopped right there, or on a kernel that does
+/// not stamp the fallocate, whose length then counts too. A minute covers both with room.
+const BLANK_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+/// How much later than the time in a ring's name the process with the name's pid may have
+/// started and still be its creator: the name's time and the start time read from `/proc` are
+/// both in whole seconds, and a wall clock stepped forward since the name was taken makes the
+/// creator look started later.
+const NAME_START_SLACK_S: u64 = 60;
+
+/// The time (Unix seconds) and pid in a launcher's ring name, `hspipe-<unix secs>-<pid>` (the
+/// launcher's run id, formed in `launcher/src/lib.rs`, after [`NAME_PREFIX`]): the launcher
+/// takes both from itself before it creates the ring, so its pid ran at that time. Anything
+/// else (a drafter group's `-group`, a test's or a user's own name) is `None`.
+fn launcher_ring_name(name: &str) -> Option<(u64, u32)> {
+    let (secs, pid) = name.strip_prefix(NAME_PREFIX)?.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(secs) || !digits(pid) {
+        return None;
+    }
+    let (secs, pid): (u64, u32) = (secs.parse().ok()?, pid.parse().ok()?);
+    (secs > 0 && pid > 0).then_some((secs, pid))
+}
+
+/// Judges a blank segment (never initialised: no header says who made it) by its name alone:
+/// `(Some(false), why)` when its creator is provably gone, `(None, why)` otherwise. Stale only
+/// when every one of these holds, in this order, each a doubt otherwise:
+/// - the name is a launcher's ring name ([`launcher_ring_name`]), so it names its creator's pid
+///   and a time at which that pid ran;
+/// - the segment is this user's: the creator made it, so it had this uid, and `/proc` shows a
+///   user's own processes even where it hides others' (`hidepid`);
+/// - it has gone unchanged for [`BLANK_GRACE`], so no creator is in the middle of making it;
+/// - `/proc` is this process's pid namespace's ([`sys::pid_namespace`]);
+/// - no process has the named pid, or the one that has it started after the name's time (with
+///   [`NAME_START_SLACK_S`]): the pid was recycled, so the launcher that named the ring is gone.
+///
+/// The pid namespace. An initialised header records its creator's, and a ring of another one
+/// is never judged; a blank header records nothing, so the name's pid is read as one of this
+/// namespace. A creator of another namespace (one sharing this `/dev/shm`) that is dead loses
+/// nothing. One that runs and whose pid means nothing here could lose its segment only while
+/// it is blank, that is inside `Segment::create`, which changes the segment up to its last
+/// microseconds before the magic: so only a creator stopped there for the whole grace. The
+/// same holds for a creator that named its ring after another pid, which no hspipe program
+/// does. A launcher of this namespace is protected by its pid whatever it does, since it is
+/// alive and started before the name's time. Once a header is published, the header decides.
+fn judge_blank(name: &str) -> (Option<bool>, String) {
+    use std::os::unix::fs::MetadataExt;
+    let unjudged = |why: String| (None, format!("not judged: {why}"));
+    let Some((secs, pid)) = launcher_ring_name(name) else {
+        return unjudged(format!(
+            "its name is not a launcher's ({NAME_PREFIX}<unix secs>-<pid>), so nothing names its creator"
+        ));
+    };
+    let meta = match std::fs::symlink_metadata(std::path::Path::new("/dev/shm").join(name)) {
+        Ok(m) => m,
+        Err(e) => return unjudged(format!("reading it: {e}")),
+    };
+    if meta.uid() != sys::euid() {
+        return unjudged(format!(
+            "it belongs to uid {}: only this user's own are judged by their name",
+            meta.uid()
+        ));
+    }
+    // Read after the attach found it blank: a change made before that is seen.
+    let unchanged = meta.modified().ok().and_then(|t| t.elapsed().ok());
+    if unchanged.is_none_or(|d| d < BLANK_GRACE) {
+        return unjudged(format!(
+            "it changed under {} s ago, so its creator may be creating it now (it is judged by its name, pid {pid}, once unchanged that long)",
+            BLANK_GRACE.as_secs()
+        ));
+    }
+    if sys::pid_namespace().is_none() {
+        return unjudged(format!(
+            "/proc is not this process's pid namespace's, so whether pid {pid} (named in it) runs cannot be seen"
+        ));
+    }
+    if sys::gone_since(pid, secs, NAME_START_SLACK_S) {
+        (
+            Some(false),
+            format!("stale by its name: launcher pid {pid}, named in it, is gone (no process has that pid, or the one that has it started after the name's time)"),
+        )
+    } else {
+        unjudged(format!(
+            "launcher pid {pid}, named in it, still runs and may be creating it"
+        ))
+    }
 }
 
 /// Removes a segment by name, whoever created it (the caller decided it is stale).
@@ -658,6 +773,137 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Unlinks a test's segment when the test ends, passed or failed.
+    struct Unlink(String);
+
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            let _ = sys::shm_unlink(&self.0);
+        }
+    }
+
+    fn unix_now() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    }
+
+    /// What a launcher SIGKILLed inside `Ring::create` leaves: a 0600 segment under its ring's
+    /// name (`hspipe-<secs>-<pid>`), `len` zero bytes (made and ftruncate'd, the header never
+    /// written), last changed `age` ago.
+    fn blank_ring(secs: u64, pid: u32, len: u64, age: std::time::Duration) -> Unlink {
+        blank(format!("{NAME_PREFIX}{secs}-{pid}"), len, age)
+    }
+
+    /// A blank segment `name` of `len` zero bytes, last changed `age` ago.
+    fn blank(name: String, len: u64, age: std::time::Duration) -> Unlink {
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = std::fs::File::options()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(std::path::Path::new("/dev/shm").join(&name))
+            .unwrap();
+        let guard = Unlink(name);
+        f.set_len(len).unwrap();
+        f.set_modified(std::time::SystemTime::now() - age).unwrap();
+        guard
+    }
+
+    fn listed(name: &str) -> SegmentInfo {
+        let all = list_segments().unwrap();
+        all.into_iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name} is not listed"))
+    }
+
+    const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+    /// A launcher SIGKILLed inside `Ring::create` (between the segment's shm_open and the magic)
+    /// leaves a blank segment that no header names a creator of: `--gc` left it for ever
+    /// (`live: None`). Its name does: `hspipe-<unix secs>-<launcher pid>`. With that pid gone
+    /// and the segment unchanged for long, it is stale and `--gc` removes it, whether the kill
+    /// came before the ftruncate (empty) or after it (zeros).
+    #[test]
+    fn a_blank_ring_whose_named_launcher_is_gone_is_stale_and_collected() {
+        for len in [0, 4 * PAGE] {
+            let ring = blank_ring(unix_now() - 3600, dead_pid(), len, HOUR);
+            let name = ring.0.clone();
+            let s = listed(&name);
+            assert_eq!(s.live, Some(false), "{len} bytes: {s:?}");
+            assert!(s.is_stale() && s.creator.is_none(), "{s:?}");
+            let problem = s.problem.unwrap();
+            assert!(
+                problem.contains("never initialised") && problem.contains("is gone"),
+                "{problem}"
+            );
+            let out = gc(&name);
+            assert!(out.contains(&name), "{out}");
+            assert!(!std::path::Path::new("/dev/shm").join(&name).exists());
+        }
+
+        // The named pid runs, but started after the name was taken (2001): it was recycled, and
+        // the launcher that named the ring is gone.
+        let ring = blank_ring(1_000_000_000, std::process::id(), 4 * PAGE, HOUR);
+        let s = listed(&ring.0);
+        assert!(s.is_stale(), "{s:?}");
+        assert!(gc(&ring.0).contains(&ring.0));
+    }
+
+    /// A blank ring is judged by its name only when nothing is in doubt: while the launcher
+    /// named in it runs (it may be creating it now), while it changed recently (a creator may be
+    /// in the middle of making it), or when its name names no launcher, it is not judged, and
+    /// `--gc` leaves it.
+    #[test]
+    fn a_blank_ring_is_not_judged_while_its_creator_may_be_making_it() {
+        let in_doubt = |ring: &Unlink, why: &str| {
+            let s = listed(&ring.0);
+            assert_eq!(s.live, None, "{s:?}");
+            let problem = s.problem.as_deref().unwrap();
+            assert!(
+                problem.contains("not judged") && problem.contains(why),
+                "{problem}"
+            );
+            assert_eq!(gc(&ring.0), "");
+            assert!(std::path::Path::new("/dev/shm").join(&ring.0).exists());
+        };
+        // Named by this process, which runs and started before the name's time.
+        let mine = blank_ring(unix_now(), std::process::id(), 4 * PAGE, HOUR);
+        in_doubt(&mine, "still runs");
+        // Its launcher gone, but changed a moment ago.
+        let fresh = blank_ring(unix_now() - 3600, dead_pid(), 4 * PAGE, Default::default());
+        in_doubt(&fresh, "may be creating it now");
+        // Not a launcher's name: nothing names its creator.
+        let other = blank(
+            format!("{NAME_PREFIX}u-{}-blank", dead_pid()),
+            4 * PAGE,
+            HOUR,
+        );
+        in_doubt(&other, "not a launcher's");
+    }
+
+    #[test]
+    fn only_a_launchers_ring_name_names_a_creator() {
+        assert_eq!(
+            launcher_ring_name("hspipe-1796046264-5282"),
+            Some((1796046264, 5282))
+        );
+        for name in [
+            "hspipe-1796046264-5282-group",
+            "hspipe-u-5282-pidns",
+            "hspipe-1796046264-",
+            "hspipe--5282",
+            "hspipe-+1-5282",
+            "hspipe-0-5282",
+            "hspipe-1796046264-0",
+            "hspipe-1796046264-99999999999",
+            "other-1796046264-5282",
+        ] {
+            assert_eq!(launcher_ring_name(name), None, "{name}");
+        }
     }
 
     /// Issue #9, item 6: the creator's pid namespace and boot are recorded. A ring whose creator

@@ -1,6 +1,7 @@
 //! The process identity the ring's staleness rule needs (start times, zombies, pid namespace,
-//! boot id), from `/proc` and rustix; the shared memory and mapping calls are the `shmem`
-//! crate's, re-exported here (the futex calls `sync.rs` makes itself). No `unsafe` in this module.
+//! boot id and boot time), from `/proc` and rustix; the shared memory and mapping calls are the
+//! `shmem` crate's, re-exported here (the futex calls `sync.rs` makes itself). No `unsafe` in
+//! this module.
 
 use std::io;
 
@@ -74,6 +75,34 @@ pub(crate) fn holder_alive(pid: u32, start_ticks: u64, start_mask: u64) -> bool 
 /// True if a process with this pid and start time is running (a zombie does not count).
 pub(crate) fn process_alive(pid: u32, start_ticks: u64) -> bool {
     holder_alive(pid, start_ticks, u64::MAX)
+}
+
+/// True if process `pid` provably is none that ran at `unix_secs` (wall clock): no process has
+/// that pid ([`holder_alive`]'s rule: `/proc/<pid>` missing, a zombie, or `kill` finds none), or
+/// the one that has it started more than `slack_s` seconds after `unix_secs`, so the pid was
+/// recycled since. Its start time is the boot time plus its start ticks, so it follows the wall
+/// clock as it is now; a clock stepped forward since `unix_secs` makes a process look started
+/// later, which is what `slack_s` allows for. False whenever either time cannot be read. The
+/// caller must know that `/proc` is its own pid namespace's ([`pid_namespace`]).
+pub(crate) fn gone_since(pid: u32, unix_secs: u64, slack_s: u64) -> bool {
+    if !holder_alive(pid, 0, 0) {
+        return true;
+    }
+    let started = proc_stat(pid)
+        .ok()
+        .zip(boot_unix_secs())
+        .map(|(st, boot)| boot + st.start_ticks / rustix::param::clock_ticks_per_second().max(1));
+    started.is_some_and(|s| s > unix_secs.saturating_add(slack_s))
+}
+
+/// The boot time in whole seconds since the Unix epoch (`btime` in `/proc/stat`).
+fn boot_unix_secs() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    stat.lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Inode of this process's pid namespace (`/proc/self/ns/pid`), if `/proc` is this process's
