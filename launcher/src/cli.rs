@@ -1,6 +1,8 @@
 //! The launcher's command line: the run's options, its subcommands (`report`, `prepare`, and
 //! the hidden worker subcommands through which the launcher starts its workers), GPU lists, the
 //! checks clap cannot make, and the exit codes.
+//!
+//! Length: the flags' own documentation (what `--help` teaches) is most of it, and their tests.
 
 use std::path::PathBuf;
 
