@@ -57,6 +57,9 @@ pub(crate) struct Settled {
     pub(crate) resume: Option<resume::Resume>,
     /// The run directory, held for the launcher's life ([`resume::hold`]).
     pub(crate) held: Option<std::fs::File>,
+    /// Lines for the run's start, said once its log exists (what an earlier launch left and
+    /// this one removed).
+    pub(crate) said: Vec<String>,
 }
 
 /// Runs the launcher; returns the process exit code.
@@ -69,6 +72,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
     let tee = output::Tee::install(&settled.run_dir.launcher_log())?;
+    for line in &settled.said {
+        println!("{line}");
+    }
     if signals.received() > 0 {
         // Asked while the run was settled (its model checked, its directory laid out).
         println!(
@@ -89,6 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 /// Checks the command line and config, loads the data and lays out the run directory.
 fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled> {
     args.check()?;
+    let mut said = Vec::new();
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
             let p = RunDir::new(dir).config();
@@ -254,6 +261,12 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             // A `--data-cache` inside it was made by the preparation above.
             run_dir.lay_out_with(args.data_cache.as_deref())?;
             held = resume::hold(&run_dir)?;
+            // Held, so no launcher runs here: what an earlier launch that trained nothing left
+            // goes, and this run starts clean (`RunDir::clear_earlier_launch` says why).
+            let cleared = run_dir.clear_earlier_launch()?;
+            if !cleared.is_empty() {
+                said.push(cleared_line(&run_dir, &cleared));
+            }
             if let Some(m) = &model {
                 model_record::write(&run_dir, m)?;
             }
@@ -284,7 +297,38 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
         gpus,
         resume,
         held,
+        said,
     })
+}
+
+/// The line saying what an earlier launch that trained nothing left in `run_dir` and this one
+/// removed: each file by name, a folder's by their number.
+fn cleared_line(run_dir: &RunDir, cleared: &[PathBuf]) -> String {
+    let mut names: Vec<(String, usize)> = Vec::new();
+    for p in cleared {
+        let mut parts = p.components();
+        let first = parts.next().map(|c| c.as_os_str().to_string_lossy());
+        let name = match (first, parts.next()) {
+            (Some(dir), Some(_)) => format!("{dir}/"),
+            (Some(file), None) => file.into_owned(),
+            (None, _) => continue,
+        };
+        match names.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, k)) => *k += 1,
+            None => names.push((name, 1)),
+        }
+    }
+    let list: Vec<String> = (names.into_iter())
+        .map(|(n, k)| match n.ends_with('/') {
+            true => format!("{n} ({k} file{})", if k == 1 { "" } else { "s" }),
+            false => n,
+        })
+        .collect();
+    format!(
+        "run dir {}: an earlier launch laid it out and trained nothing; removed what it left, so this run starts clean: {}",
+        run_dir.path().display(),
+        list.join(", ")
+    )
 }
 
 /// The GPU lists of the run, checked: those given, and on a resume the run's own for a list

@@ -56,7 +56,7 @@ fn phase_shares(iv: &Interval, role: Role) -> PhaseMap<f64> {
 }
 
 /// Event files are named `events.out.tfevents.<seconds>.<host>.<pid>`.
-const EVENTS_PREFIX: &str = "events.out.tfevents.";
+const EVENTS_PREFIX: &str = proto::run_dir::TB_EVENTS_PREFIX;
 
 /// The run's first launch (Unix time, ms): the seconds in the name of the earliest event file in
 /// `dir`, or `now_s` if there is none (or only one from a clock ahead of this one).

@@ -5,6 +5,9 @@
 //! lists the same files for users.
 //!
 //! What a drafter's ledger holds, and every reading and writing of one, is `crate::ledger`'s.
+//!
+//! Length: past 500 lines with its tests: one method per file of the run directory, and the
+//! rules of who may lay one out or clear what an earlier launch left, kept with those names.
 
 use std::path::{Path, PathBuf};
 
@@ -13,6 +16,11 @@ use shm_ring::WorkerName;
 /// The file in a run directory that holds the name of the run's ring: the launcher writes it
 /// ([`RunDir::write_ring_name`]) and `shm-ring-stat --run-dir` reads it ([`RunDir::ring_file`]).
 pub const RUN_DIR_RING_FILE: &str = "ring";
+
+/// How the TensorBoard event files in [`RunDir::tensorboard_dir`] are named:
+/// `events.out.tfevents.<seconds>.<host>.<pid>`, TensorFlow's own naming (TensorBoard finds
+/// files by `tfevents` in the name and reads a folder's files in name order, so by time).
+pub const TB_EVENTS_PREFIX: &str = "events.out.tfevents.";
 
 /// A run directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -276,11 +284,13 @@ impl RunDir {
 
     /// Whether a new run may be laid out here: a directory that is missing or empty, or one an
     /// earlier launcher laid out (`ledger/` and `checkpoints/`, made first) and that ended
-    /// before it trained anything. Refused: one that holds a run, whose ledgers and checkpoint
-    /// would be silently reused, and any other directory with something in it (a project's
-    /// folder, `/`), whose `config.toml` or `logs/` a run would overwrite. `made`: a folder
-    /// this launch made in it before laying it out (a `--data-cache` inside it), which does not
-    /// count.
+    /// before it trained anything (what that launch left goes: [`clear_earlier_launch`]).
+    /// Refused: one that holds a run, whose ledgers, checkpoint or export would be silently
+    /// reused or lost, and any other directory with something in it (a project's folder,
+    /// `/`), whose `config.toml` or `logs/` a run would overwrite. `made`: a folder this launch
+    /// made in it before laying it out (a `--data-cache` inside it), which does not count.
+    ///
+    /// [`clear_earlier_launch`]: Self::clear_earlier_launch
     pub fn check_new(&self, made: Option<&Path>) -> Result<(), RunDirError> {
         let entries = match self.0.read_dir() {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -302,8 +312,10 @@ impl RunDir {
         let Some(first) = first else {
             return Ok(());
         };
-        // A run first, however little of one is left: that is the better thing to say.
-        for sub in [self.ledger_dir(), self.checkpoints_dir()] {
+        // A run first, however little of one is left: that is the better thing to say. An
+        // export without a checkpoint (moved away, as a resume that cannot load one advises)
+        // is still a trained drafter.
+        for sub in [self.ledger_dir(), self.checkpoints_dir(), self.export_dir()] {
             if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
                 return Err(RunDirError::HoldsRun {
                     dir: self.0.clone(),
@@ -336,6 +348,87 @@ impl RunDir {
         Ok(())
     }
 
+    /// Removes what an earlier launch left in a directory [`check_new`](Self::check_new)
+    /// allows a new run in (one that launch laid out and trained nothing in: stopped before its
+    /// workers started, or failed as they started), so that the new run starts clean; returns
+    /// what it removed, relative to the directory. Call it with the directory held (the
+    /// launcher's `flock`), so that no launcher runs in it; it checks again that nothing was
+    /// trained.
+    ///
+    /// Why removed, not kept or refused: what the launcher appends to (`metrics.jsonl`, the
+    /// logs, `launcher.log`) would show the earlier launch's ticks, deaths and lines as this
+    /// run's, so `launcher report` drew a run resumed, and `tb/`'s earlier event file moved the
+    /// pipeline series' origin to that launch; `summary.json`, `set-aside.jsonl` or
+    /// `lost-steps.jsonl` would be read as this run's until it rewrote them, if it did.
+    /// Refusing the directory would make the usual way on after a launch that failed at start
+    /// (fix the config, run the same command again) an error, and `--resume` is no way on for
+    /// it: it runs the earlier launch's config, not the one given now. Nothing of worth goes:
+    /// the earlier launch trained nothing. Only the files named by this type's methods go
+    /// (the worker logs by worker name, `tb/` by [`TB_EVENTS_PREFIX`], `nccl/` by its `epoch-`
+    /// files), then their folders if that left them empty (not `logs/`, `ledger/` and
+    /// `checkpoints/`, which the new run uses); anything else is left as it is.
+    pub fn clear_earlier_launch(&self) -> Result<Vec<PathBuf>, RunDirError> {
+        self.check_new(None)?;
+        let mut removed = Vec::new();
+        let mut remove = |p: PathBuf| -> Result<(), RunDirError> {
+            match std::fs::remove_file(&p) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(io("removing", &p)(e)),
+                Ok(()) => {
+                    let rel = p.strip_prefix(&self.0).map(Path::to_path_buf);
+                    removed.push(rel.unwrap_or(p));
+                    Ok(())
+                }
+            }
+        };
+        for p in [
+            self.config(),
+            self.plan_version(),
+            self.gpus(),
+            self.dataset_record(),
+            self.model_record(),
+            self.ring_file(),
+            self.launcher_log(),
+            self.metrics(),
+            self.summary(),
+            self.set_aside(),
+            self.lost_steps(),
+            self.report_svg(),
+        ] {
+            remove(p)?;
+        }
+        let is_worker = |n: &str| n.parse::<WorkerName>().is_ok();
+        for p in entries(&self.logs_dir(), |n| {
+            let log = n.strip_suffix(".log").is_some_and(is_worker);
+            let marker = (n.strip_prefix('.'))
+                .and_then(|n| n.strip_suffix("-crashed-in-join"))
+                .is_some_and(is_worker);
+            log || marker
+        })? {
+            remove(p)?;
+        }
+        let tb = self.tensorboard_dir();
+        for p in entries(&tb, |n| n.starts_with(TB_EVENTS_PREFIX))? {
+            remove(p)?;
+        }
+        let nccl = self.0.join("nccl");
+        for ring in entries(&nccl, |_| true)? {
+            if ring.is_dir() {
+                for p in entries(&ring, |n| n.starts_with("epoch-"))? {
+                    remove(p)?;
+                }
+                remove_if_empty(&ring)?;
+            }
+        }
+        for dir in [tb, nccl] {
+            remove_if_empty(&dir)?;
+        }
+        if !removed.is_empty() {
+            atomic_file::sync_dir(&self.0).map_err(io("syncing", &self.0))?;
+        }
+        Ok(removed)
+    }
+
     /// Records the name of the run's ring (for `shm-ring-stat --run-dir`).
     pub fn write_ring_name(&self, ring: &str) -> Result<(), RunDirError> {
         let p = self.ring_file();
@@ -347,6 +440,48 @@ impl RunDir {
         let p = self.ring_file();
         let text = std::fs::read_to_string(&p).map_err(io("reading", &p))?;
         Ok(text.trim().to_string())
+    }
+}
+
+/// The entries of `dir` whose names `keep` takes (none where `dir` is missing or not a folder),
+/// in name order.
+fn entries(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>, RunDirError> {
+    let read = match dir.read_dir() {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            return Ok(Vec::new())
+        }
+        r => r.map_err(io("reading", dir))?,
+    };
+    let mut out = Vec::new();
+    for e in read {
+        let e = e.map_err(io("reading", dir))?;
+        if e.file_name().to_str().is_some_and(&keep) {
+            out.push(e.path());
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Removes the folder `dir` if it is empty; leaves it (or nothing) otherwise.
+fn remove_if_empty(dir: &Path) -> Result<(), RunDirError> {
+    match std::fs::remove_dir(dir) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::DirectoryNotEmpty
+                    | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Ok(())
+        }
+        r => r.map_err(io("removing", dir)),
     }
 }
 
@@ -373,6 +508,92 @@ mod tests {
         std::fs::write(run.checkpoint(), b"weights").unwrap();
         let e = run.lay_out().unwrap_err();
         assert!(e.to_string().contains("already holds a run"), "{e}");
+    }
+
+    /// A directory an earlier launch laid out and trained nothing in: a new run there removes
+    /// what that launch wrote, by name, and leaves what it did not (a user's notes, a data cache,
+    /// a file in `logs/` or `tb/` that no launch names so), so it starts clean. Before, its
+    /// `metrics.jsonl`, logs and event files were appended to and read as the new run's. One
+    /// that holds a run (a ledger line, a checkpoint, an export) is refused and left alone.
+    #[test]
+    fn an_earlier_launch_that_trained_nothing_is_cleared_and_nothing_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path().join("run"));
+        run.lay_out().unwrap();
+        let w = |p: PathBuf| {
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"earlier launch\n").unwrap();
+        };
+        let ours = [
+            run.config(),
+            run.plan_version(),
+            run.gpus(),
+            run.dataset_record(),
+            run.model_record(),
+            run.ring_file(),
+            run.launcher_log(),
+            run.metrics(),
+            run.summary(),
+            run.set_aside(),
+            run.lost_steps(),
+            run.report_svg(),
+            run.log(WorkerName::producer(0)),
+            run.log(WorkerName::consumer(11)),
+            run.join_crash_marker(WorkerName::consumer(1)),
+            run.tensorboard_dir()
+                .join(format!("{TB_EVENTS_PREFIX}1796595282.vm.9660")),
+            run.nccl_dir("hspipe-1-2").join("epoch-0.id"),
+        ];
+        for p in &ours {
+            w(p.clone());
+        }
+        let theirs = [
+            run.path().join("notes.md"),
+            run.path().join("data-cache/abc.arrow"),
+            run.logs_dir().join("mine.log"),
+            run.tensorboard_dir().join("projector_config.pbtxt"),
+        ];
+        for p in &theirs {
+            w(p.clone());
+        }
+        run.lay_out().unwrap();
+        let mut removed = run.clear_earlier_launch().unwrap();
+        removed.sort();
+        let mut want: Vec<PathBuf> = (ours.iter())
+            .map(|p| p.strip_prefix(run.path()).unwrap().to_path_buf())
+            .collect();
+        want.sort();
+        assert_eq!(removed, want);
+        for p in &ours {
+            assert!(!p.exists(), "{} is left", p.display());
+        }
+        for p in &theirs {
+            assert!(p.is_file(), "{} is gone", p.display());
+        }
+        assert!(!run.path().join("nccl").exists(), "an emptied folder goes");
+        assert!(
+            run.tensorboard_dir().is_dir(),
+            "a folder with a user's file stays"
+        );
+        for d in [run.logs_dir(), run.ledger_dir(), run.checkpoints_dir()] {
+            assert!(d.is_dir(), "{}", d.display());
+        }
+        assert_eq!(run.clear_earlier_launch().unwrap(), Vec::<PathBuf>::new());
+
+        // A trained run is no earlier launch's leftovers: refused, and nothing removed.
+        for trained in [
+            run.ledger(0),
+            run.checkpoint(),
+            run.export_dir().join("config.json"),
+        ] {
+            w(run.config());
+            w(trained.clone());
+            let e = run.clear_earlier_launch().unwrap_err();
+            assert!(matches!(e, RunDirError::HoldsRun { .. }), "{e}");
+            assert!(run.lay_out().is_err());
+            assert!(run.config().is_file() && trained.is_file());
+            std::fs::remove_file(&trained).unwrap();
+        }
     }
 
     /// `--run-dir proj` on a project's folder, or `--run-dir /`, wrote hspipe's `config.toml`,

@@ -2264,6 +2264,76 @@ fn a_worker_that_cannot_be_started_again_is_given_up_and_the_run_ends_with_its_s
     );
 }
 
+/// A new run in a directory an earlier launch laid out and trained nothing in (its drafter
+/// failed at start) starts clean: what that launch wrote is removed, by name, and said, and
+/// what it did not write is left. Before, the new run appended to the earlier launch's
+/// `metrics.jsonl`, worker logs and `launcher.log` and added an event file beside its own, so
+/// `launcher report` drew the earlier launch's death in this run, as if it had been resumed.
+#[test]
+fn a_new_run_where_an_earlier_launch_trained_nothing_starts_clean() {
+    let run = Run::new("lcleared");
+    let fail = run.dir.join("fail.sh");
+    std::fs::write(&fail, "echo the earlier launch\nexit 1\n").unwrap();
+    let mut perms = std::fs::metadata(&fail).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&fail, perms).unwrap();
+    let cfg = "[data]\nsynthetic_samples = 20\n[drafter]\ncommand = [\"./fail.sh\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let (code, said) = launch_in(
+        &run.dir,
+        &[
+            &ONE_BY_ONE[..],
+            &["--max-restarts", "0", "--monitor", "0.1"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, Some(3), "{said}");
+    let rd = RunDir::new(run.run_dir());
+    let first = std::fs::read_to_string(rd.log(WorkerName::consumer(0))).unwrap();
+    assert!(first.contains("the earlier launch"), "{first}");
+    assert!(std::fs::read_dir(rd.ledger_dir()).unwrap().next().is_none());
+    assert!(std::fs::read_dir(rd.checkpoints_dir())
+        .unwrap()
+        .next()
+        .is_none());
+    assert!(rd.metrics().is_file() && rd.summary().is_file(), "{said}");
+    std::fs::write(rd.path().join("notes.md"), "mine\n").unwrap();
+
+    std::fs::write(run.dir.join("run.toml"), "[data]\nsynthetic_samples = 20\n").unwrap();
+    let (code, said) = launch_in(&run.dir, &[&ONE_BY_ONE[..], &["--monitor", "0.1"]].concat());
+    assert_eq!(code, Some(0), "{said}");
+    let ticks = std::fs::read_to_string(rd.metrics()).unwrap();
+    let launches: std::collections::BTreeSet<u64> = (ticks.lines())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["launch_unix_ms"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(launches.len(), 1, "ticks of one launch: {launches:?}");
+    let events = std::fs::read_dir(rd.tensorboard_dir()).unwrap().count();
+    assert_eq!(events, 1, "one launcher's event file");
+    let log = std::fs::read_to_string(rd.log(WorkerName::consumer(0))).unwrap();
+    assert!(!log.contains("the earlier launch"), "{log}");
+    let launcher_log = run.launcher_log();
+    assert!(!launcher_log.contains("gave up"), "{launcher_log}");
+    assert_eq!(run.summary()["ok"], true);
+    assert_eq!(
+        std::fs::read_to_string(rd.path().join("notes.md")).unwrap(),
+        "mine\n"
+    );
+    let (code, report) = launch_in(&run.dir, &["report", "run"]);
+    assert_eq!(code, Some(0), "{report}");
+    assert!(report.contains(", 0 deaths, 0 restarts"), "{report}");
+    assert!(
+        said.contains("an earlier launch laid it out and trained nothing; removed what it left")
+            && said.contains("metrics.jsonl")
+            && said.contains("logs/ (2 files)")
+            && said.contains("tb/ (1 file)"),
+        "{said}"
+    );
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").

@@ -38,6 +38,7 @@ impl<'a> Supervisor<'a> {
             gpus,
             resume,
             held,
+            said: _,
         } = settled;
         let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
