@@ -19,15 +19,28 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// Whose config [`Maker::settle`] settles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settling {
+    /// A new run's: what it chooses is held to every check of this build.
+    New,
+    /// A resumed run's own `config.toml`: what the launch that started the run chose there (by
+    /// an earlier build, maybe, with fewer checks) is what its checkpoint was trained on, so it
+    /// is kept where this build can still run it. Checks of a choice's worth (a captured layer
+    /// named twice) are a new run's; what running it needs (each layer in the model) is
+    /// checked all the same.
+    Resume,
+}
+
 /// What builds one backend's models.
 pub trait Maker {
     /// False for a backend this build lacks (`cuda` without `--features cuda`): asking for it
     /// is an error before a worker takes any work.
     fn built(&self) -> bool;
     /// Completes `cfg` with what the backend's model fixes (a real model's hidden size and
-    /// captured layers), before the ring is sized. The launcher calls it once; workers get the
-    /// result in their config.
-    fn settle(&self, _cfg: &mut PipelineConfig) -> Result<(), GpuError> {
+    /// captured layers), before the ring is sized, and checks it (as `settling` asks). The
+    /// launcher calls it once; workers get the result in their config.
+    fn settle(&self, _cfg: &mut PipelineConfig, _settling: Settling) -> Result<(), GpuError> {
         Ok(())
     }
     /// A frozen target for worker `name` (its faults, for the mock) under `cfg`.

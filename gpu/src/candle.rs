@@ -19,7 +19,7 @@ use proto::{Dtype, PipelineConfig, WorkerName};
 
 use crate::candle_cuda::CopyOut;
 use crate::mock::{self, Sim};
-use crate::{DrafterBackend, GpuError, Maker, RawOut, TargetBackend, TargetOut};
+use crate::{DrafterBackend, GpuError, Maker, RawOut, Settling, TargetBackend, TargetOut};
 
 pub struct Candle {
     /// On the worker's GPU (the `cuda` backend, [`Placement::gpu`]), else on the CPU.
@@ -217,7 +217,10 @@ pub(crate) fn model_dir(cfg: &PipelineConfig) -> Result<&Path, GpuError> {
     })
 }
 
-/// The decoder layers to capture: the config's, or SpecForge's rule for `model.layers`.
+/// The decoder layers to capture: the config's (each one the model has: what a forward
+/// needs; a layer named twice is refused to a new run by [`Maker::settle`], not here, where
+/// the workers of a resumed run take their run's layers as its first launch chose them), or
+/// SpecForge's rule for `model.layers`.
 pub fn layer_ids(cfg: &PipelineConfig, arch: &ArchConfig) -> Result<Vec<usize>, GpuError> {
     let n = arch.num_hidden_layers;
     let ids = match &cfg.model.target_layer_ids {
@@ -239,7 +242,7 @@ impl Maker for Candle {
         !self.gpu || candle_core::utils::cuda_is_available()
     }
 
-    fn settle(&self, cfg: &mut PipelineConfig) -> Result<(), GpuError> {
+    fn settle(&self, cfg: &mut PipelineConfig, settling: Settling) -> Result<(), GpuError> {
         let dir = model_dir(cfg)?;
         let arch = ArchConfig::load(dir)?;
         // Rope runs at any position, as HF's does, but the states past the model's length are
@@ -269,6 +272,14 @@ impl Maker for Candle {
             )));
         }
         let ids = layer_ids(cfg, &arch)?;
+        // A new run's layers are each captured once: a layer twice is the same states twice
+        // and less of the target. A resumed run's are the ones its checkpoint was trained on,
+        // which an earlier build's rule may have taken twice (SpecForge's, 6 of 8 layers):
+        // other layers would be another run, and a checkpoint of them is refused on load.
+        if settling == Settling::New && cfg.model.target_layer_ids.is_some() {
+            model::capture::check_distinct(&ids)
+                .map_err(|e| GpuError::Config(format!("model.target_layer_ids: {e}")))?;
+        }
         // A tensor missing, of another shape or quantized is found here from the files'
         // headers, not by each target worker as it loads (restarted to its limit, the run lost).
         Decoder::check_weights(dir, &arch)?;
@@ -684,7 +695,7 @@ mod tests {
         std::fs::write(&p, c.replace(field, "\"max_position_embeddings\": 64")).unwrap();
         cfg.data.max_len = 65;
         let e = Candle::CPU
-            .settle(&mut cfg.clone())
+            .settle(&mut cfg.clone(), Settling::New)
             .unwrap_err()
             .to_string();
         assert!(
@@ -694,7 +705,7 @@ mod tests {
         cfg.data.max_len = 64;
         // No evaluation: its prompts and new tokens would reach past 64 positions.
         cfg.dflash.eval_every = 0;
-        Candle::CPU.settle(&mut cfg).unwrap();
+        Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
     }
 
     /// A drafter deeper than its target: refused at settle naming both (a typo of 100000
@@ -723,7 +734,7 @@ mod tests {
         let (_, mut cfg) = tiny_target(dir.path());
         cfg.dflash.eval_new_tokens = 100_000;
         let e = Candle::CPU
-            .settle(&mut cfg.clone())
+            .settle(&mut cfg.clone(), Settling::New)
             .unwrap_err()
             .to_string();
         assert!(
@@ -732,19 +743,21 @@ mod tests {
             "{e}"
         );
         cfg.dflash.eval_every = 0;
-        Candle::CPU.settle(&mut cfg).unwrap();
+        Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
     }
 
     /// Captured layers the model does not have, or one twice, are refused naming the field and
-    /// what the model has.
+    /// what the model has. A resumed run's own layers with one twice (an earlier build's rule
+    /// chose them, and its checkpoint was trained on them) are kept, as its workers take them;
+    /// one the model lacks is refused all the same.
     #[test]
     fn more_captured_layers_than_the_model_has_or_one_twice_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let (_, mut cfg) = tiny_target(dir.path());
+        let (m, mut cfg) = tiny_target(dir.path());
         cfg.model.target_layer_ids = None;
         cfg.model.layers = 100;
         let e = Candle::CPU
-            .settle(&mut cfg.clone())
+            .settle(&mut cfg.clone(), Settling::New)
             .unwrap_err()
             .to_string();
         assert!(
@@ -754,15 +767,28 @@ mod tests {
         cfg.model.layers = 2;
         cfg.model.target_layer_ids = Some(vec![2, 2]);
         let e = Candle::CPU
-            .settle(&mut cfg.clone())
+            .settle(&mut cfg.clone(), Settling::New)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("model.target_layer_ids") && e.contains("layer 2 twice"),
             "{e}"
         );
+        let mut resumed = cfg.clone();
+        Candle::CPU.settle(&mut resumed, Settling::Resume).unwrap();
+        assert_eq!(resumed.model.target_layer_ids, Some(vec![2, 2]));
+        assert_eq!(
+            layer_ids(&resumed, &ArchConfig::load(&m).unwrap()).unwrap(),
+            [2, 2]
+        );
+        cfg.model.target_layer_ids = Some(vec![2, 4]);
+        let e = Candle::CPU
+            .settle(&mut cfg.clone(), Settling::Resume)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("capture layer 4 is out of range"), "{e}");
         cfg.model.target_layer_ids = Some(vec![2, 1]);
-        Candle::CPU.settle(&mut cfg).unwrap();
+        Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
     }
 
     /// HSPIPE_TARGET_ATTENTION takes fused, plain or blocked, and anything else is an error naming it;
@@ -857,7 +883,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (m, mut cfg) = tiny_target(dir.path());
         cfg.model.dtype = Dtype::F32;
-        Candle::CPU.settle(&mut cfg).unwrap();
+        Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
         let seq_lens = [12u32, 9];
         let ids: Vec<u32> = (0..21).map(|i| (i * 31 + 7) % 290 + 5).collect();
         let run = |dtype: DType| {

@@ -980,7 +980,9 @@ mod tests {
         cfg.dflash.block_size = 4;
         cfg.dflash.num_anchors = 4;
         cfg.dflash.layers = Some(1);
-        crate::candle::Candle::CPU.settle(&mut cfg).unwrap();
+        crate::candle::Candle::CPU
+            .settle(&mut cfg, crate::Settling::New)
+            .unwrap();
         let target = CandleTarget::load(&m, &cfg).unwrap();
         let seq_lens = vec![12, 9];
         let ids: Vec<u32> = (0..21).map(|i| (i * 31 + 7) % 290 + 5).collect();

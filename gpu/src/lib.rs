@@ -35,7 +35,7 @@ pub mod step;
 pub mod timeline;
 pub mod writeback;
 
-pub use backend::{BackendKind, Maker, UnknownBackend};
+pub use backend::{BackendKind, Maker, Settling, UnknownBackend};
 pub use cuda::nccl_group::OnDevice;
 pub use device_time::DeviceClock;
 pub use pinned::{pin_arena, PinnedArena};
@@ -324,9 +324,14 @@ pub fn drafter(
     kind.maker().drafter(cfg, name)
 }
 
-/// Completes `cfg` with what backend `kind`'s model fixes (see [`Maker::settle`]).
+/// Completes a new run's `cfg` with what backend `kind`'s model fixes (see [`Maker::settle`]).
 pub fn settle(kind: BackendKind, cfg: &mut proto::PipelineConfig) -> Result<(), GpuError> {
-    kind.maker().settle(cfg)
+    kind.maker().settle(cfg, Settling::New)
+}
+
+/// [`settle`] for a resumed run's own config ([`Settling::Resume`]).
+pub fn settle_resumed(kind: BackendKind, cfg: &mut proto::PipelineConfig) -> Result<(), GpuError> {
+    kind.maker().settle(cfg, Settling::Resume)
 }
 
 /// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the

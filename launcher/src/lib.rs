@@ -58,7 +58,7 @@ pub(crate) struct Settled {
     /// The run directory, held for the launcher's life ([`resume::hold`]).
     pub(crate) held: Option<std::fs::File>,
     /// Lines for the run's start, said once its log exists (what an earlier launch left and
-    /// this one removed).
+    /// this one removed; a resumed run's choice this build would refuse a new run).
     pub(crate) said: Vec<String>,
 }
 
@@ -95,6 +95,17 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 /// Checks the command line and config, loads the data and lays out the run directory.
 fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled> {
     args.check()?;
+    // On a resume every error says which run it stopped, and one of this build's checks of the
+    // config alone says that it refused the run's own config.toml, with the ways on
+    // (`resume::config_refused`): a build newer than the run's may check more.
+    let resuming = |e: anyhow::Error| match &args.resume {
+        Some(dir) => e.context(format!("resuming {}", dir.display())),
+        None => e,
+    };
+    let refused = |e: anyhow::Error| match &args.resume {
+        Some(dir) => resume::config_refused(dir, &e),
+        None => e,
+    };
     let mut said = Vec::new();
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
@@ -112,7 +123,10 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
                     p.display()
                 );
             }
-            PipelineConfig::load(&p).context("loading the run's config")?
+            PipelineConfig::load(&p).map_err(|e| match e {
+                proto::config::ConfigError::Read { .. } => resuming(e.into()),
+                e => refused(e.into()),
+            })?
         }
         (None, Some(p)) => PipelineConfig::load(p)?,
         (None, None) => PipelineConfig::default(),
@@ -124,8 +138,8 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             .with_context(|| format!("resuming {}", dir.display()))?,
         None => None,
     };
-    spawn::settle_command_dirs(&mut cfg)?;
-    spawn::check_commands(&cfg)?;
+    spawn::settle_command_dirs(&mut cfg).map_err(resuming)?;
+    spawn::check_commands(&cfg).map_err(resuming)?;
     // After the config: a directory that is no run at all is told so, not that it lacks
     // a record of its GPUs.
     let gpus = gpu_lists(args)?;
@@ -168,18 +182,45 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             _ => e,
         }
     })?;
+    if let (Some(dir), Some(m)) = (&args.resume, &cfg.model.path) {
+        // Before the model is settled: another model at the path is the thing to say, not a
+        // check it fails.
+        model_record::check_same(&RunDir::new(dir), m).map_err(resuming)?;
+    }
     // The model fixes the hidden size and captured layers the ring is sized for.
-    gpu::settle(backend.0, &mut cfg).context("checking the model (its config.json and weights)")?;
+    let settled = match &args.resume {
+        None => gpu::settle(backend.0, &mut cfg),
+        Some(_) => gpu::settle_resumed(backend.0, &mut cfg),
+    };
+    settled
+        .context("checking the model (its config.json and weights)")
+        .map_err(refused)?;
+    if let (Some(dir), Some(_), Some(ids)) =
+        (&args.resume, &cfg.model.path, &cfg.model.target_layer_ids)
+    {
+        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        if let Err(e) = ::model::capture::check_distinct(&ids) {
+            said.push(format!(
+                "note: resuming {} with its captured layers {ids:?} ({e}): this build refuses that to a new run, and keeps it for this one, whose checkpoint was trained on these layers",
+                dir.display()
+            ));
+        }
+    }
     cfg.drafter.collective = choose_collective(
         cfg.drafter.collective,
         backend.0,
         gpus.drafters.len() as u32,
         cfg.drafter.command.is_none(),
         probe_nccl,
-    )?;
-    cfg.validate().context("checking the config")?;
+    )
+    .map_err(resuming)?;
+    cfg.validate()
+        .context("checking the config")
+        .map_err(refused)?;
+    // The GPU lists count here too, and a resume may change them: not the config's fault alone.
     cfg.check_faults(gpus.targets.len() as u32, gpus.drafters.len() as u32)
-        .context("checking the config")?;
+        .context("checking the config")
+        .map_err(resuming)?;
 
     let run_id = format!(
         "{}-{}",
@@ -212,7 +253,8 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
         let options = data::options(&cfg, cfg.data.max_len)?;
-        let mut now = data::prepare_dataset(&input, &options, &cache, None, Some(signals))?;
+        let mut now = data::prepare_dataset(&input, &options, &cache, None, Some(signals))
+            .map_err(resuming)?;
         if args.resume.is_some() {
             now = data::resume_data(&run_dir, now, &options, &cache)
                 .with_context(|| format!("resuming {}", run_dir.path().display()))?;
@@ -222,11 +264,13 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
         data_line = Some(line);
         prepared = Some((input, p));
     }
-    let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
-    cfg.check_plan_size(data.len() as u64)
-        .context("checking the config")?;
+    let data =
+        (target_worker::load_dataset(&cfg).context("loading the dataset")).map_err(resuming)?;
+    (cfg.check_plan_size(data.len() as u64))
+        .context("checking the config")
+        .map_err(refused)?;
     if let (Some(m), Some((input, _))) = (&cfg.model.path, &prepared) {
-        model::check_ids_fit(&data, m, input)?;
+        model::check_ids_fit(&data, m, input).map_err(resuming)?;
     }
     let planned = plan(data.lengths(), &cfg);
     let (batches, epochs) = (planned.len() as u64, Epochs::of(&planned));
@@ -235,19 +279,16 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.drafter
         .total_steps
         .get_or_insert(batches.div_ceil(u64::from(nd.max(1))));
-    let params = cfg
-        .ring_params(nt, nd, batches)
-        .context("sizing the ring")?;
+    // Not `refused`: the ring is sized by the GPU lists too, which a resume may change.
+    let params = (cfg.ring_params(nt, nd, batches))
+        .context("sizing the ring")
+        .map_err(resuming)?;
 
     let resume = match &args.resume {
         Some(dir) => {
             run_dir
                 .check_plan_version(&PlanDigest::of(&planned))
                 .with_context(|| format!("resuming {}", dir.display()))?;
-            if let Some(m) = &cfg.model.path {
-                model_record::check_same(&run_dir, m)
-                    .with_context(|| format!("resuming {}", dir.display()))?;
-            }
             Some(
                 resume::check(&run_dir, &cfg, backend.0, nd, batches)
                     .with_context(|| format!("resuming {}", dir.display()))?,

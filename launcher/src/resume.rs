@@ -40,6 +40,22 @@ pub(crate) fn command(dir: &Path) -> String {
     }
 }
 
+/// The error of a resume of the run in `dir` whose own config.toml fails `check`, one of this
+/// build's checks: it says which run and file, the check's error, that a newer build may check
+/// more than the one that started the run, and the two ways on. Editing the file is offered
+/// only where that keeps what the run trains (a value out of bounds, say; not the layers or the
+/// data, which its ledgers and checkpoint were made of, and whose change a resume refuses
+/// anyway by the plan's fingerprint and the checkpoint's shape).
+pub(crate) fn config_refused(dir: &Path, check: &anyhow::Error) -> anyhow::Error {
+    let config = RunDir::new(dir).config();
+    anyhow::anyhow!(
+        "resuming {}: the run's config.toml ({}, written by the launch that started the run) fails a check of this build: {check:#}; a newer build may check more than the one that started the run: edit {} to pass the check where that keeps what the run trains, or finish the run with the build that started it",
+        dir.display(),
+        config.display(),
+        config.display()
+    )
+}
+
 /// The GPU lists a resume of `run_dir` runs on: each list given on the command line, the run's
 /// own (its `gpus.json`) for a list not given. The flag says whether both are the run's own,
 /// which a `--share-gpus` run that is resumed as it was needs not be told again. A run

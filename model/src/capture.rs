@@ -37,8 +37,8 @@ pub fn default_layer_ids(target_layers: usize, draft_layers: usize) -> Result<Ve
     Ok(out)
 }
 
-/// Checks explicit layer ids against a target of `target_layers` layers: each in range, none
-/// twice.
+/// Checks explicit layer ids against a target of `target_layers` layers: some, each in range
+/// (what a capture needs; [`check_distinct`] is a choice's check besides).
 pub fn check_layer_ids(ids: &[usize], target_layers: usize) -> Result<()> {
     if ids.is_empty() {
         return Err(ModelError::Capture("target_layer_ids is empty".into()));
@@ -49,6 +49,12 @@ pub fn check_layer_ids(ids: &[usize], target_layers: usize) -> Result<()> {
             layers: target_layers,
         });
     }
+    Ok(())
+}
+
+/// Checks that explicit layer ids name no layer twice: a drafter would see the same states
+/// twice and less of the target. A capture runs with one twice; a new run does not choose it.
+pub fn check_distinct(ids: &[usize]) -> Result<()> {
     if let Some((i, &layer)) = (ids.iter().enumerate()).find(|&(i, l)| ids[..i].contains(l)) {
         return Err(ModelError::Capture(format!(
             "target_layer_ids names layer {layer} twice (at {} and {i}): the drafter would see the same states twice",
@@ -81,9 +87,11 @@ mod tests {
         let err = default_layer_ids(8, 6).unwrap_err().to_string();
         assert!(err.contains("set target_layer_ids"), "{err}");
         assert_eq!(default_layer_ids(8, 5).unwrap(), [1, 2, 3, 4, 5]);
-        let err = check_layer_ids(&[1, 2, 2], 8).unwrap_err().to_string();
+        let err = check_distinct(&[1, 2, 2]).unwrap_err().to_string();
         assert!(err.contains("layer 2 twice"), "{err}");
+        check_layer_ids(&[1, 2, 2], 8).unwrap();
         check_layer_ids(&[2, 1], 8).unwrap();
+        check_distinct(&[2, 1]).unwrap();
         assert!(matches!(
             check_layer_ids(&[1, 8], 8),
             Err(ModelError::Layer {

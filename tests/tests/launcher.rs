@@ -2334,6 +2334,127 @@ fn a_new_run_where_an_earlier_launch_trained_nothing_starts_clean() {
     );
 }
 
+/// A run an earlier build started with SpecForge's rule taking a layer twice (6 captured layers
+/// of the tiny model's 8: `[1, 2, 3, 3, 4, 5]`, which this build refuses to a new run, asking
+/// for `target_layer_ids`) resumes capturing those layers, as its checkpoint was trained on
+/// them, and says so; its export names them, and a checkpoint of them loads at the next resume.
+/// Before, the resume was refused by the new check, so the run could not be finished. The
+/// earlier build's run is this build's, stopped before it trained anything, with the config.toml
+/// that build wrote.
+#[test]
+fn a_run_an_earlier_build_started_with_a_layer_taken_twice_resumes_with_those_layers() {
+    let run = Run::new("lrepeat");
+    crate::model::tiny(&run.dir);
+    let small = crate::model::SMALL_DFLASH;
+    let body = format!(
+        "[ring]\nslots = 16\nmin_ready = 2\n[model]\npath = \"tiny\"\nlayers = 6\n{small}eval_every = 0\n"
+    );
+    std::fs::write(run.dir.join("run.toml"), &body).unwrap();
+    let (code, said) = launch_in(&run.dir, &ONE_BY_ONE);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("set target_layer_ids"),
+        "a new run is refused: {said}"
+    );
+
+    // The earlier build's run: laid out, nothing trained (its drafter crashed at start).
+    let faulty =
+        body.replace("layers = 6", "layers = 5") + "[faults.drafter-0]\ncrash_at_start = true\n";
+    std::fs::write(run.dir.join("run.toml"), faulty).unwrap();
+    let args = [&ONE_BY_ONE[..], &["--max-restarts", "0"]].concat();
+    let (code, said) = launch_in(&run.dir, &args);
+    assert_eq!(code, Some(3), "{said}");
+    let rd = RunDir::new(run.run_dir());
+    let mut cfg = PipelineConfig::load_unchecked(&rd.config()).unwrap();
+    cfg.faults.clear();
+    cfg.model.layers = 6;
+    cfg.model.target_layer_ids = Some(vec![1, 2, 3, 3, 4, 5]);
+    let resume = || launch_in(&run.dir, &["--resume", "run"]);
+
+    // What the model's checks refuse, an evaluation past its positions, is still refused, as
+    // the run's own config failing a check of this build.
+    let mut far = cfg.clone();
+    (far.dflash.eval_every, far.dflash.eval_new_tokens) = (10, 100_000);
+    std::fs::write(rd.config(), far.to_toml()).unwrap();
+    let (code, said) = resume();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("error: resuming run: the run's config.toml")
+            && said.contains("fails a check of this build: checking the model")
+            && said.contains("dflash.eval_new_tokens = 100000"),
+        "{said}"
+    );
+
+    std::fs::write(rd.config(), cfg.to_toml()).unwrap();
+    let (code, said) = resume();
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("note: resuming run with its captured layers [1, 2, 3, 3, 4, 5]")
+            && said.contains("names layer 3 twice")
+            && said.contains("whose checkpoint was trained on these layers"),
+        "{said}"
+    );
+    let kept = PipelineConfig::load_unchecked(&rd.config()).unwrap();
+    assert_eq!(kept.model.target_layer_ids, Some(vec![1, 2, 3, 3, 4, 5]));
+    let export = std::fs::read_to_string(rd.export_dir().join("config.json")).unwrap();
+    let export: serde_json::Value = serde_json::from_str(&export).unwrap();
+    assert_eq!(
+        export["dflash_config"]["target_layer_ids"],
+        serde_json::json!([1, 2, 3, 3, 4, 5]),
+        "{export}"
+    );
+    assert_eq!(run.summary()["ok"], true);
+    // As a launcher killed before its summary left it: the checkpoint of those layers loads.
+    std::fs::remove_file(rd.summary()).unwrap();
+    let (code, said) = resume();
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("from its checkpoint at step"), "{said}");
+}
+
+/// A resumed run's config.toml that a check of this build refuses (a field it does not know,
+/// a value out of its bounds: an earlier build's, or one edited since) is an error that says it
+/// is the resume of that run that failed, which file fails, and the ways on; the file fixed,
+/// the run resumes. Before, the error named neither the resume nor what to do.
+#[test]
+fn a_resumed_runs_config_this_build_refuses_says_so_and_what_to_do() {
+    let run = Run::new("lresumecheck");
+    std::fs::write(run.dir.join("run.toml"), "[data]\nsynthetic_samples = 20\n").unwrap();
+    let (code, said) = launch_in(&run.dir, &ONE_BY_ONE);
+    assert_eq!(code, Some(0), "{said}");
+    let rd = RunDir::new(run.run_dir());
+    // As a launcher killed before its summary left it.
+    std::fs::remove_file(rd.summary()).unwrap();
+    let written = std::fs::read_to_string(rd.config()).unwrap();
+    for (edit, why) in [
+        (
+            written.replace("[ring]\n", "[ring]\nspin_rounds = 40\n"),
+            "unknown field `spin_rounds`",
+        ),
+        (
+            written.replace("block_size = 16", "block_size = 1"),
+            "block_size must be at least 2",
+        ),
+    ] {
+        assert_ne!(edit, written);
+        std::fs::write(rd.config(), edit).unwrap();
+        let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
+        assert_eq!(code, Some(1), "{said}");
+        assert!(
+            said.contains("error: resuming run: the run's config.toml (run/config.toml, written")
+                && said.contains("fails a check of this build")
+                && said.contains(
+                    "edit run/config.toml to pass the check where that keeps what the run trains"
+                )
+                && said.contains("finish the run with the build that started it")
+                && said.contains(why),
+            "{said}"
+        );
+    }
+    std::fs::write(rd.config(), &written).unwrap();
+    let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
+    assert_eq!(code, Some(0), "{said}");
+}
+
 /// A run directory from a build that did not record the GPU lists: `--resume` alone is a usage
 /// error that says to pass both lists (and changes nothing); with both it resumes, and records
 /// them, so the next `--resume` alone gets past the lists (to "nothing to resume").
