@@ -716,14 +716,17 @@ mod tests {
         let (m, mut cfg) = tiny_target(dir.path());
         let layers = ArchConfig::load(&m).unwrap().num_hidden_layers as u32;
         cfg.dflash.layers = Some(layers + 1);
-        let e = (Candle::CPU.settle(&mut cfg.clone()).unwrap_err()).to_string();
+        let e = (Candle::CPU
+            .settle(&mut cfg.clone(), Settling::New)
+            .unwrap_err())
+        .to_string();
         assert!(
             e.contains(&format!("dflash.layers = {}", layers + 1))
                 && e.contains(&format!("the target's {layers} layers")),
             "{e}"
         );
         cfg.dflash.layers = Some(layers);
-        Candle::CPU.settle(&mut cfg).unwrap();
+        Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
     }
 
     /// The leader's evaluation decodes past the model's positions: refused at settle, as
