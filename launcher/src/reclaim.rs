@@ -115,16 +115,49 @@ pub fn register(ring: &str, others: &[String], run_dir: &Path) -> anyhow::Result
 
 /// Removes what dead launchers of this user left and returns one line for each thing done.
 /// Never fails: what cannot be done is a line too, and the run goes on.
-pub fn reclaim() -> Vec<String> {
+pub fn reclaim(this: &This) -> Vec<String> {
     let mut lines = Vec::new();
     match records_dir() {
-        Ok(dir) => reclaim_recorded(&dir, &mut lines),
+        Ok(dir) => reclaim_recorded(&dir, this, &mut lines),
         Err(e) => lines.push(format!(
             "warning: runs of dead launchers cannot be reported: {e:#}"
         )),
     }
-    reclaim_stale_segments(&mut lines);
+    reclaim_stale_segments(this, &mut lines);
     lines
+}
+
+/// The run of the launcher that reclaims: a dead launcher's run may be this very one (resumed,
+/// or started over where that launch trained nothing), which needs no advice to resume it.
+pub struct This<'a> {
+    pub run_dir: &'a Path,
+    pub resuming: bool,
+}
+
+impl This<'_> {
+    /// What to say of dead launcher's run `run`, and whether to note it in that run's log
+    /// (not this run's own: everything this launcher prints goes there already).
+    fn state_of(&self, run: &Path) -> (String, bool) {
+        let same = (std::fs::canonicalize(run).ok())
+            .is_some_and(|r| std::fs::canonicalize(self.run_dir).is_ok_and(|t| t == r));
+        match (same, self.resuming) {
+            (false, _) => (run_state(run), true),
+            (true, true) => (
+                format!(
+                    "the run in {} is the one this launch resumes",
+                    run.display()
+                ),
+                false,
+            ),
+            (true, false) => (
+                format!(
+                    "the run in {} trained nothing, and this launch starts a new one there",
+                    run.display()
+                ),
+                false,
+            ),
+        }
+    }
 }
 
 /// Opens and locks a record if its launcher is dead; `None` while it lives, or if another
@@ -137,7 +170,7 @@ fn take_if_dead(path: &Path) -> Option<File> {
     same.then_some(f)
 }
 
-fn reclaim_recorded(dir: &Path, lines: &mut Vec<String>) {
+fn reclaim_recorded(dir: &Path, this: &This, lines: &mut Vec<String>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -190,8 +223,11 @@ fn reclaim_recorded(dir: &Path, lines: &mut Vec<String>) {
                     removed.join(", ")
                 )
             };
-            lines.push(format!("{what}: {}", run_state(run)));
-            note_in_run_log(run, &what);
+            let (state, note) = this.state_of(run);
+            lines.push(format!("{what}: {state}"));
+            if note {
+                note_in_run_log(run, &what);
+            }
         } else if !removed.is_empty() {
             lines.push(format!(
                 "reclaimed {} left by launcher pid {pid}, which is gone (its run directory {} no longer exists)",
@@ -223,7 +259,7 @@ fn remove_segment(name: &str, lines: &mut Vec<String>) -> Option<String> {
 }
 
 /// Segments of this user whose recorded creator is gone (and that no record named).
-fn reclaim_stale_segments(lines: &mut Vec<String>) {
+fn reclaim_stale_segments(this: &This, lines: &mut Vec<String>) {
     let segs = match shm_ring::list_segments() {
         Ok(s) => s,
         Err(e) => {
@@ -251,8 +287,11 @@ fn reclaim_stale_segments(lines: &mut Vec<String>) {
             .filter(|run| RunDir::new(run).read_ring_name().is_ok_and(|r| r == s.name));
         match run {
             Some(run) => {
-                lines.push(format!("{what}: {}", run_state(&run)));
-                note_in_run_log(&run, &what);
+                let (state, note) = this.state_of(&run);
+                lines.push(format!("{what}: {state}"));
+                if note {
+                    note_in_run_log(&run, &what);
+                }
             }
             None => lines.push(what),
         }

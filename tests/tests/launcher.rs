@@ -1874,9 +1874,17 @@ fn resume_alone_after_a_kill(b: Backend) {
     );
     let pid = resumed.child.id();
     let out = resumed.finish();
-    // The resume reclaimed the killed launcher's segments and removed its own.
+    // The resume reclaimed the killed launcher's segments and removed its own, and said the
+    // dead launcher's run is this one (not "continue it with `launcher --resume ...`").
     no_segment_of(killed);
     no_segment_of(pid);
+    let line = (out.lines())
+        .find(|l| l.contains(&format!("left by launcher pid {killed}, which is gone")))
+        .unwrap_or_else(|| panic!("no line about launcher pid {killed}:\n{out}"));
+    assert!(
+        line.ends_with(&format!("the run in {dir} is the one this launch resumes")),
+        "{line}"
+    );
     assert!(
         out.contains("resuming")
             && out

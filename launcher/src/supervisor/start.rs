@@ -43,7 +43,11 @@ impl<'a> Supervisor<'a> {
         let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
         // Frees what dead launchers hold before this ring takes its share of /dev/shm.
-        for line in reclaim::reclaim() {
+        let this = reclaim::This {
+            run_dir: run_dir.path(),
+            resuming: resume.is_some(),
+        };
+        for line in reclaim::reclaim(&this) {
             println!("{line}");
         }
         let ring_name = format!("{}{run_id}", shm_ring::NAME_PREFIX);
