@@ -259,6 +259,31 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
             None => "unknown",
         };
         let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
+        // A drafter group whose ring is gone: nothing removes it but this, and no header of
+        // it says who made it: judged by the launcher its ring's name names.
+        let orphan = group_of(&s.name)
+            .filter(|ring| !in_shm(ring))
+            .map(|ring| (ring, shm_ring::judge_orphan(ring, &s.name)));
+        if let (true, Some((ring, (live, why)))) = (args.gc, &orphan) {
+            if !in_shm(&s.name) {
+                continue; // Removed with its ring, above.
+            }
+            if *live == Some(false) {
+                Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
+                writeln!(
+                    out,
+                    "removed {} (the drafter group of {ring}, which is gone; {why})",
+                    s.name
+                )?;
+            } else if args.ring.is_some() {
+                writeln!(
+                    out,
+                    "not removed: {}: it is the drafter group of {ring}, which is gone; {why}",
+                    s.name
+                )?;
+            }
+            continue;
+        }
         if args.gc {
             if s.is_stale() {
                 Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
@@ -277,22 +302,26 @@ fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
                 }
             } else if args.ring.is_some() {
                 let why = match (&s.problem, group_of(&s.name)) {
-                    (_, Some(ring)) if in_shm(ring) => {
+                    (_, Some(ring)) => {
                         format!("it is the drafter group of {ring}, removed with it")
                     }
-                    (_, Some(ring)) => format!(
-                        "it is the drafter group of {ring}, which is gone: whether a drafter of that run still uses it cannot be judged from here"
-                    ),
                     (Some(p), None) => p.clone(),
                     (None, None) => format!("its creator pid {pid} is live"),
                 };
                 writeln!(out, "not removed: {}: {why}", s.name)?;
             }
         } else {
-            let why = match group_of(&s.name) {
-                Some(ring) if in_shm(ring) => format!("the drafter group of {ring}"),
-                Some(ring) => format!("the drafter group of {ring}, which is gone"),
-                None => s.problem.clone().unwrap_or_default(),
+            let (status, why) = match (&orphan, group_of(&s.name)) {
+                (Some((ring, (live, why))), _) => (
+                    if *live == Some(false) {
+                        "stale"
+                    } else {
+                        status
+                    },
+                    format!("the drafter group of {ring}, which is gone; {why}"),
+                ),
+                (None, Some(ring)) => (status, format!("the drafter group of {ring}")),
+                (None, None) => (status, s.problem.clone().unwrap_or_default()),
             };
             writeln!(
                 out,

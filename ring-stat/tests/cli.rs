@@ -324,3 +324,44 @@ fn gc_removes_a_blank_ring_whose_named_launcher_is_gone_with_its_group() {
         );
     }
 }
+
+/// A drafter group whose ring is gone (its launcher killed after removing the ring, or the
+/// ring removed by hand) was "not removed: ... cannot be judged" for ever. Its ring's name names
+/// the launcher that made both: with that launcher gone, `--gc GROUP` removes it, saying why;
+/// while it runs, the group stays. (A process that still maps it keeps its mapping.)
+#[test]
+fn gc_removes_a_drafter_group_whose_ring_and_launcher_are_gone() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let dead = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        c.id()
+    };
+    let ring = format!("{}{}-{dead}", shm_ring::NAME_PREFIX, now - 3600);
+    let group = proto::group_segment(&ring);
+    let _g = Unlink(vec![group.clone()]);
+    blank(&group);
+    let out = gc(&group);
+    assert!(
+        out.starts_with(&format!(
+            "removed {group} (the drafter group of {ring}, which is gone; stale by its name: launcher pid {dead}"
+        )),
+        "{out}"
+    );
+    assert!(!std::path::Path::new("/dev/shm").join(&group).exists());
+
+    let live = format!("{}{now}-{}", shm_ring::NAME_PREFIX, std::process::id());
+    let live_group = proto::group_segment(&live);
+    let _g = Unlink(vec![live_group.clone()]);
+    blank(&live_group);
+    let out = gc(&live_group);
+    assert!(
+        out.starts_with(&format!("not removed: {live_group}: it is the drafter group of {live}, which is gone; not judged"))
+            && out.contains("still runs"),
+        "{out}"
+    );
+    assert!(std::path::Path::new("/dev/shm").join(&live_group).exists());
+}

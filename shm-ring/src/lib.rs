@@ -74,7 +74,7 @@ pub use crate::phase::{Phase, PhaseMap};
 #[cfg(not(loom))]
 pub use crate::ring::{Beat, Consumer, Producer, ReadSlot, Ring, Take, WriteSlot};
 #[cfg(not(loom))]
-pub use crate::segment::{list_segments, SegmentInfo, LAYOUT_VERSION, NAME_PREFIX};
+pub use crate::segment::{judge_orphan, list_segments, SegmentInfo, LAYOUT_VERSION, NAME_PREFIX};
 #[cfg(not(loom))]
 pub use crate::stats::{
     RingCounters, SlotCounts, Snapshot, WorkCounts, WorkerSnapshot, WorkerState,

@@ -702,14 +702,31 @@ fn launcher_ring_name(name: &str) -> Option<(u64, u32)> {
 /// does. A launcher of this namespace is protected by its pid whatever it does, since it is
 /// alive and started before the name's time. Once a header is published, the header decides.
 fn judge_blank(name: &str) -> (Option<bool>, String) {
+    judge_by_name(name, name)
+}
+
+/// Judges segment `segment`, which belongs to ring `ring` (its drafter group: the launcher
+/// makes both and records both), by the launcher named in the ring's name, with the rule of a
+/// blank ring ([`judge_blank`]): for a ring that is gone, whose segments nobody but its
+/// launcher removes, and no header of which says who made it. Removing the name of a segment a
+/// process still maps takes nothing from that process (its mapping stays); with its launcher
+/// gone no process attaches anew (the launcher hands out the name), and its drafters end
+/// themselves as their control channel closes.
+pub fn judge_orphan(ring: &str, segment: &str) -> (Option<bool>, String) {
+    judge_by_name(ring, segment)
+}
+
+/// [`judge_blank`]'s rule: the launcher is named by `named_by` (a ring's name), the file
+/// judged (its owner and last change) is `/dev/shm/<segment>`.
+fn judge_by_name(named_by: &str, segment: &str) -> (Option<bool>, String) {
     use std::os::unix::fs::MetadataExt;
     let unjudged = |why: String| (None, format!("not judged: {why}"));
-    let Some((secs, pid)) = launcher_ring_name(name) else {
+    let Some((secs, pid)) = launcher_ring_name(named_by) else {
         return unjudged(format!(
             "its name is not a launcher's ({NAME_PREFIX}<unix secs>-<pid>), so nothing names its creator"
         ));
     };
-    let meta = match std::fs::symlink_metadata(std::path::Path::new("/dev/shm").join(name)) {
+    let meta = match std::fs::symlink_metadata(std::path::Path::new("/dev/shm").join(segment)) {
         Ok(m) => m,
         Err(e) => return unjudged(format!("reading it: {e}")),
     };
