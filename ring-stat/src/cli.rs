@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use proto::{RunDir, RUN_DIR_RING_FILE};
-use shm_ring::{list_segments, Phase, Ring, RingError, Snapshot, TakePolicy};
+use shm_ring::{Phase, Ring, RingError, Snapshot, TakePolicy};
 
 use crate::analysis::Judge;
 use crate::report::{measure, measure_from, Presence, Report};
@@ -211,7 +211,7 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 
 fn print(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     if args.list || args.gc {
-        return list_or_gc(args, out);
+        return crate::gc::list_or_gc(args, out);
     }
     let (ring, periods) = open(args)?;
     let presence = Presence::of(&ring);
@@ -237,108 +237,6 @@ fn print(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
             return Ok(());
         }
     }
-}
-
-fn list_or_gc(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
-    let mut segs = list_segments().context("reading /dev/shm")?;
-    if let Some(only) = &args.ring {
-        segs.retain(|s| &s.name == only);
-        if segs.is_empty() {
-            bail!("{only} is not in /dev/shm (see --list)");
-        }
-    }
-    if args.json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&segs)?)?;
-        return Ok(());
-    }
-    let in_shm = |name: &str| std::path::Path::new("/dev/shm").join(name).exists();
-    for s in &segs {
-        let status = match s.live {
-            Some(true) => "live",
-            Some(false) => "stale",
-            None => "unknown",
-        };
-        let pid = s.creator.map(|c| c.pid.to_string()).unwrap_or("-".into());
-        // A drafter group whose ring is gone: nothing removes it but this, and no header of
-        // it says who made it: judged by the launcher its ring's name names.
-        let orphan = group_of(&s.name)
-            .filter(|ring| !in_shm(ring))
-            .map(|ring| (ring, shm_ring::judge_orphan(ring, &s.name)));
-        if let (true, Some((ring, (live, why)))) = (args.gc, &orphan) {
-            if !in_shm(&s.name) {
-                continue; // Removed with its ring, above.
-            }
-            if *live == Some(false) {
-                Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
-                writeln!(
-                    out,
-                    "removed {} (the drafter group of {ring}, which is gone; {why})",
-                    s.name
-                )?;
-            } else if args.ring.is_some() {
-                writeln!(
-                    out,
-                    "not removed: {}: it is the drafter group of {ring}, which is gone; {why}",
-                    s.name
-                )?;
-            }
-            continue;
-        }
-        if args.gc {
-            if s.is_stale() {
-                Ring::unlink_name(&s.name).with_context(|| format!("removing {}", s.name))?;
-                // A blank ring (never initialised) has no creator on record: its problem says
-                // how its name proved it stale.
-                let why = match (&s.creator, &s.problem) {
-                    (None, Some(p)) => p.clone(),
-                    _ => format!("creator pid {pid} is gone"),
-                };
-                writeln!(out, "removed {} ({why})", s.name)?;
-                // The run's drafter group goes with its ring: nothing else would remove it.
-                let group = proto::group_segment(&s.name);
-                if in_shm(&group) {
-                    Ring::unlink_name(&group).with_context(|| format!("removing {group}"))?;
-                    writeln!(out, "removed {group} (the drafter group of {})", s.name)?;
-                }
-            } else if args.ring.is_some() {
-                let why = match (&s.problem, group_of(&s.name)) {
-                    (_, Some(ring)) => {
-                        format!("it is the drafter group of {ring}, removed with it")
-                    }
-                    (Some(p), None) => p.clone(),
-                    (None, None) => format!("its creator pid {pid} is live"),
-                };
-                writeln!(out, "not removed: {}: {why}", s.name)?;
-            }
-        } else {
-            let (status, why) = match (&orphan, group_of(&s.name)) {
-                (Some((ring, (live, why))), _) => (
-                    if *live == Some(false) {
-                        "stale"
-                    } else {
-                        status
-                    },
-                    format!("the drafter group of {ring}, which is gone; {why}"),
-                ),
-                (None, Some(ring)) => (status, format!("the drafter group of {ring}")),
-                (None, None) => (status, s.problem.clone().unwrap_or_default()),
-            };
-            writeln!(
-                out,
-                "{:<36} {:>12} bytes  creator pid {pid:>8}  {status} {why}",
-                s.name, s.bytes
-            )?;
-        }
-    }
-    if segs.is_empty() && !args.gc {
-        writeln!(out, "no hspipe rings in /dev/shm")?;
-    }
-    Ok(())
-}
-
-/// The ring whose drafter group segment `name` is (`proto::group_segment`), if it is one.
-fn group_of(name: &str) -> Option<&str> {
-    name.strip_suffix(proto::group_segment("").as_str())
 }
 
 fn bar(s: &Snapshot, width: usize) -> String {

@@ -15,6 +15,7 @@
 
 pub mod analysis;
 pub mod cli;
+mod gc;
 pub mod numbers;
 pub mod report;
 pub mod screen;
