@@ -9,7 +9,7 @@
 //! never a panic.
 //!
 //! Only our columns are decoded (arrow's projection): `input_ids` and `loss_mask`, or the
-//! conversation's or text's column and `loss_mask`; the other columns of other writers' files
+//! conversation's or text's column, `loss_mask` and `tools`; the other columns of other writers' files
 //! (scores, their dictionaries) are skipped unread. A dictionary of one of our columns (a
 //! pandas categorical `role` or `text`) is checked as a record batch of its values, then read.
 //!
@@ -102,18 +102,22 @@ pub fn our_columns(schema: &Schema) -> Result<(usize, Option<usize>)> {
 /// The columns a conversation or text is read from, when there is no `input_ids`.
 pub const CHAT_COLUMNS: [&str; 3] = ["messages", "conversations", "text"];
 
+/// Read with a conversation's column: its function definitions (`tools`), a list of structs
+/// or a string of JSON. It makes no row a conversation by itself.
+pub const TOOLS_COLUMN: &str = "tools";
+
 /// True when `schema` holds conversations or texts rather than token ids.
 pub fn is_chat(schema: &Schema) -> bool {
     schema.index_of("input_ids").is_err() && CHAT_COLUMNS.iter().any(|c| schema.index_of(c).is_ok())
 }
 
 /// The projection that decodes only our columns: `input_ids` first, then `loss_mask`; for
-/// conversations and texts, theirs and `loss_mask`, in the schema's order.
+/// conversations and texts, theirs, `loss_mask` and `tools`, in the schema's order.
 pub fn projection(schema: &Schema) -> Result<Vec<usize>> {
     if is_chat(schema) {
         let mut v: Vec<usize> = CHAT_COLUMNS
             .iter()
-            .chain(&["loss_mask"])
+            .chain(&["loss_mask", TOOLS_COLUMN])
             .filter_map(|n| schema.index_of(n).ok())
             .collect();
         v.sort_unstable();

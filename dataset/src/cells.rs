@@ -27,6 +27,9 @@ pub fn json_of(a: &dyn Array, i: usize) -> Result<J, String> {
     };
     let float = |x: f64| serde_json::Number::from_f64(x).map_or(J::Null, J::Number);
     Ok(match a.data_type() {
+        // pyarrow's type of a field that is None in every row (a tool's `"default": null`):
+        // arrow's `NullArray` has no validity buffer, so `is_null` above says false.
+        DataType::Null => J::Null,
         DataType::Utf8 => J::from(a.as_string::<i32>().value(i)),
         DataType::LargeUtf8 => J::from(a.as_string::<i64>().value(i)),
         DataType::Utf8View => J::from(a.as_string_view().value(i)),

@@ -28,7 +28,7 @@ use serde::Deserialize;
 
 use crate::arrow_io::{self, is_chat, type_name, IpcError, IpcFile, IpcStream};
 use crate::map::{buffer_of, map_read_only};
-use crate::records::{record_of, ChatStats, Maker, Pipeline, Stop};
+use crate::records::{record_of, ChatStats, Fields, Maker, Pipeline, Stop};
 use crate::writer::Writer;
 use crate::{check_sample, DataError};
 
@@ -530,6 +530,7 @@ fn chat_rows<W: Write>(
 ) -> Result<(), DataError> {
     let col = |name| batch.column_by_name(name);
     let (m, c, t) = (col("messages"), col("conversations"), col("text"));
+    let tl = col(arrow_io::TOOLS_COLUMN);
     let lm = col("loss_mask")
         .map(|c| Lists::of(c, "loss_mask"))
         .transpose()
@@ -548,12 +549,13 @@ fn chat_rows<W: Write>(
                 }
                 _ => None,
             };
-            record_of(
-                cell(m, "messages")?,
-                cell(c, "conversations")?,
-                cell(t, "text")?,
-                mask,
-            )
+            let fields = Fields {
+                messages: cell(m, "messages")?,
+                conversations: cell(c, "conversations")?,
+                text: cell(t, "text")?,
+                tools: cell(tl, "tools")?,
+            };
+            record_of(fields, mask)
         })();
         let bytes = r.as_ref().map_or(0, crate::records::Record::text_bytes);
         p.push(first + row as u64, r, bytes)

@@ -9,6 +9,18 @@
 //! `gpt` is `assistant`); roles are `system`, `user`, `assistant` and `tool`, content a
 //! string (a list of parts, as multimodal datasets have, is refused), `reasoning_content`
 //! (or `thinking`, `reasoning`) optional.
+//!
+//! A conversation's `tools` (its function definitions, OpenAI's `[{"type": "function",
+//! "function": {...}}]`) reach the template as transformers' `apply_chat_template(messages,
+//! tools=tools)` hands them over: a list of objects as the record gives it, or a string holding
+//! one (HF datasets often store them as JSON text), parsed. They belong to the conversation:
+//! with a `text` they are an error (a text is tokenized without the template, so they would be
+//! lost), and with `input_ids` they are ignored as the record's `messages` are (the ids are the
+//! sample as given, and nothing is rendered).
+//!
+//! Length: past 500 lines because a record's fields (read from a JSONL line or an Arrow row
+//! alike) and the pipeline that parses and makes them in parallel chunks are one path, kept
+//! together so that every input goes through the same checks.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -32,7 +44,11 @@ pub enum Record {
         ids: Vec<u32>,
         mask: Option<Vec<u8>>,
     },
-    Chat(Vec<Message>),
+    Chat {
+        messages: Vec<Message>,
+        /// The function definitions, as the template gets them (`tools`); None: none given.
+        tools: Option<Vec<Json>>,
+    },
     Text {
         text: String,
         mask: Option<Vec<u8>>,
@@ -44,10 +60,17 @@ impl Record {
     pub fn text_bytes(&self) -> usize {
         match self {
             Record::Ids { ids, .. } => ids.len() * 4,
-            Record::Chat(m) => m
-                .iter()
-                .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
-                .sum(),
+            Record::Chat { messages, tools } => {
+                let mut n: usize = messages
+                    .iter()
+                    .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
+                    .sum();
+                // Tool definitions are often most of a record's text (JSON schemas).
+                for t in tools.iter().flatten() {
+                    crate::chat::each_str(t, &mut |s| n += s.len());
+                }
+                n
+            }
             Record::Text { text, .. } => text.len(),
         }
     }
@@ -66,6 +89,8 @@ struct Line {
     conversations: Option<Json>,
     #[serde(default)]
     text: Option<Json>,
+    #[serde(default)]
+    tools: Option<Json>,
 }
 
 /// Parses one JSONL line into its record.
@@ -87,28 +112,86 @@ pub fn parse_line(line: &str) -> Result<Record, String> {
             mask: l.loss_mask,
         });
     }
-    record_of(l.messages, l.conversations, l.text, l.loss_mask)
+    record_of(
+        Fields {
+            messages: l.messages,
+            conversations: l.conversations,
+            text: l.text,
+            tools: l.tools,
+        },
+        l.loss_mask,
+    )
 }
 
-/// The record of a row whose `input_ids` is absent, from its other fields (JSON values).
-pub fn record_of(
-    messages: Option<Json>,
-    conversations: Option<Json>,
-    text: Option<Json>,
-    mask: Option<Vec<u8>>,
-) -> Result<Record, String> {
+/// The fields of a record whose `input_ids` is absent (JSON values; None: absent).
+pub struct Fields {
+    pub messages: Option<Json>,
+    pub conversations: Option<Json>,
+    pub text: Option<Json>,
+    pub tools: Option<Json>,
+}
+
+/// The record of a row whose `input_ids` is absent, from its other fields.
+pub fn record_of(f: Fields, mask: Option<Vec<u8>>) -> Result<Record, String> {
     let present = |v: Option<Json>| v.filter(|v| !v.is_null());
-    if let Some((field, v)) = present(messages)
+    let tools = tools(f.tools)?;
+    if let Some((field, v)) = present(f.messages)
         .map(|v| ("messages", v))
-        .or_else(|| present(conversations).map(|v| ("conversations", v)))
+        .or_else(|| present(f.conversations).map(|v| ("conversations", v)))
     {
-        return conversation(field, v).map(Record::Chat);
+        let messages = conversation(field, v)?;
+        return Ok(Record::Chat { messages, tools });
     }
-    match present(text) {
+    match present(f.text) {
+        // Never dropped without a word: the text is tokenized as it is, and nothing would
+        // render the tools into it. An empty list loses nothing.
+        Some(Json::String(_)) if tools.as_ref().is_some_and(|t| !t.is_empty()) => Err(
+            "tools are given with a text: only a conversation (messages or conversations) is rendered through the chat template with its tools, and a text is tokenized as it is".into(),
+        ),
         Some(Json::String(text)) => Ok(Record::Text { text, mask }),
         Some(v) => Err(format!("text is {}, not a string", kind(&v))),
         None => Err("not a sample: it has none of input_ids, messages, conversations, text".into()),
     }
+}
+
+/// A record's `tools`, as transformers' `apply_chat_template(messages, tools=...)` takes them
+/// (a list of tool objects, handed to the template as they are): a list as it is, or a string
+/// holding one in JSON, parsed (HF datasets often store them so, as an Arrow column of structs
+/// would give every tool every other tool's fields). None when there are none: absent, null, an
+/// empty string, or a string holding `null` (what `json.loads` makes `None`); transformers then
+/// passes none and `{% if tools %}` is false. An empty list stays one, as transformers passes
+/// it (Llama 3.1's template tests `tools is not none`).
+fn tools(v: Option<Json>) -> Result<Option<Vec<Json>>, String> {
+    let list = match v {
+        None | Some(Json::Null) => return Ok(None),
+        Some(Json::Array(list)) => list,
+        Some(Json::String(s)) if s.trim().is_empty() => return Ok(None),
+        Some(Json::String(s)) => match serde_json::from_str::<Json>(&s) {
+            Ok(Json::Null) => return Ok(None),
+            Ok(Json::Array(list)) => list,
+            Ok(v) => {
+                return Err(format!(
+                    "tools is a string holding {}, not a list of tools",
+                    kind(&v)
+                ))
+            }
+            Err(e) => {
+                return Err(format!(
+                    "tools is a string that is not JSON ({e}): it must be a list of tools, or a string holding one"
+                ))
+            }
+        },
+        Some(v) => {
+            return Err(format!(
+                "tools is {}, not a list of tools (nor a string holding one)",
+                kind(&v)
+            ))
+        }
+    };
+    if let Some((i, t)) = list.iter().enumerate().find(|(_, t)| !t.is_object()) {
+        return Err(format!("tools[{i}] is {}, not a tool object", kind(t)));
+    }
+    Ok(Some(list))
 }
 
 fn kind(v: &Json) -> &'static str {
@@ -292,8 +375,8 @@ impl Maker {
                 check_sample(ids.len(), mask.as_deref(), self.max_len)?;
                 Ok(Made::Sample(ids, mask))
             }
-            Record::Chat(messages) => {
-                let e = self.chat()?.conversation(&messages)?;
+            Record::Chat { messages, tools } => {
+                let e = self.chat()?.conversation(&messages, tools.as_deref())?;
                 Ok(Made::Tokenized(
                     e.ids,
                     e.mask,

@@ -94,6 +94,19 @@ fn token_text(v: &Json) -> Option<String> {
     }
 }
 
+/// Calls `f` on every string of `v`, its objects' keys included.
+pub(crate) fn each_str(v: &Json, f: &mut impl FnMut(&str)) {
+    match v {
+        Json::String(s) => f(s),
+        Json::Array(items) => items.iter().for_each(|v| each_str(v, f)),
+        Json::Object(m) => m.iter().for_each(|(k, v)| {
+            f(k);
+            each_str(v, f);
+        }),
+        Json::Null | Json::Bool(_) | Json::Number(_) => {}
+    }
+}
+
 /// The special tokens transformers passes to templates.
 const SPECIAL: &[&str] = &[
     "bos_token",
@@ -183,7 +196,9 @@ impl Chat {
         let mut h = XxHash3_128::with_seed(7);
         // 2: a message reaches the template with every key its record gives (tool calls).
         // 3: in the record's key order (a tool call's arguments were sorted before).
-        h.write(b"hspipe chat 3");
+        // 4: the record's `tools` reach the template (they were dropped: no tools section), and
+        //    without them `tools` is none, as transformers passes it (it was undefined).
+        h.write(b"hspipe chat 4");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
             h.write(b);
@@ -260,8 +275,14 @@ impl Chat {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Renders and tokenizes a conversation; the mask covers its assistant spans.
-    pub fn conversation(&self, messages: &[Message]) -> Result<Encoded, String> {
+    /// Renders and tokenizes a conversation with its function definitions (`tools`, passed to
+    /// the template as transformers passes them; None: `tools` is none, as `tools=None`); the
+    /// mask covers its assistant spans.
+    pub fn conversation(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<Encoded, String> {
         let (template, spans) = self.template.as_ref().map_err(|e| e.to_string())?;
         if messages.is_empty() {
             return Err("the conversation is empty".into());
@@ -271,6 +292,15 @@ impl Chat {
             if reserved(&m.content) || m.reasoning_content.as_deref().is_some_and(reserved) {
                 return Err(format!(
                     "message {i} holds U+FDD0 or U+FDD1, which hspipe reserves to find the assistant's text"
+                ));
+            }
+        }
+        for (i, t) in tools.into_iter().flatten().enumerate() {
+            let mut reserved = false;
+            each_str(t, &mut |s| reserved |= s.contains([OPEN, CLOSE]));
+            if reserved {
+                return Err(format!(
+                    "tools[{i}] holds U+FDD0 or U+FDD1, which hspipe reserves to find the assistant's text"
                 ));
             }
         }
@@ -284,7 +314,7 @@ impl Chat {
             }
             _ => messages,
         };
-        let r = template.render(messages, false)?;
+        let r = template.render(messages, tools, false)?;
         let mut spans = match spans {
             Spans::Generation => r.spans,
             Spans::Markers(m) => m.spans(&r.text),

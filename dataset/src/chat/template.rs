@@ -210,10 +210,13 @@ impl Template {
         })
     }
 
-    /// Renders `messages`; the generation spans are empty for a template without the tag.
+    /// Renders `messages` with `tools` (the function definitions; None: `tools` is none, as
+    /// transformers passes `tools=None`); the generation spans are empty for a template without
+    /// the tag.
     pub fn render(
         &self,
         messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, String> {
         let t = self
@@ -225,6 +228,12 @@ impl Template {
             "messages".into(),
             Value::from(minijinja::value::Serde(messages)),
         ));
+        // As the record gives them: objects keep their key order (serde_json's and minijinja's
+        // `preserve_order`), which `tojson` writes. Without tools, `tools` is none, not
+        // undefined, as transformers renders with `tools=None`: `{% if tools %}` is false and
+        // `tools is defined` true there too.
+        let tools = tools.map_or(Value::from(()), |t| Value::from(minijinja::value::Serde(t)));
+        ctx.push(("tools".into(), tools));
         ctx.push(("add_generation_prompt".into(), add_generation_prompt.into()));
         let ctx: Value = ctx
             .into_iter()
@@ -294,6 +303,7 @@ impl Markers {
                 Message::new("user", c),
                 Message::new("assistant", d),
             ],
+            None,
             false,
         )?;
         let s = &two.text;
@@ -388,6 +398,7 @@ mod tests {
         let r = t
             .render(
                 &[Message::new("user", "é"), Message::new("assistant", "x")],
+                None,
                 false,
             )
             .unwrap();
@@ -427,7 +438,7 @@ mod tests {
     fn raise_exception_and_python_methods_work_as_in_hf_templates() {
         let t = Template::new("{{ messages[0].content.strip().split(',')[1] | tojson }}{% if messages|length > 1 %}{{ raise_exception('only one') }}{% endif %}", vec![]).unwrap();
         assert_eq!(
-            t.render(&[Message::new("user", " a,<b> ")], false)
+            t.render(&[Message::new("user", " a,<b> ")], None, false)
                 .unwrap()
                 .text,
             "\"<b>\""
@@ -435,6 +446,7 @@ mod tests {
         let e = t
             .render(
                 &[Message::new("user", "a"), Message::new("user", "b")],
+                None,
                 false,
             )
             .unwrap_err();
@@ -445,7 +457,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            t.render(&[Message::new("user", "é")], false).unwrap().text,
+            t.render(&[Message::new("user", "é")], None, false).unwrap().text,
             "{\"role\": \"user\", \"content\": \"é\"}|{\n  \"role\": \"user\",\n  \"content\": \"é\"\n}"
         );
     }

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use super::{Chat, ChatOptions, Message};
 
+mod tools;
+
 /// A model directory removed at the end of the test (kept when it fails, to look at).
 struct ModelDir(PathBuf);
 
@@ -48,6 +50,9 @@ const WORDS: &[&str] = &[
     "you",
     "fine",
     "thanks",
+    "tool",
+    "weather",
+    "time",
 ];
 
 /// A word-level `tokenizer.json` (one token a word) saved with the given `truncation` and
@@ -98,7 +103,7 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
             "pad_id": 1, "pad_type_id": 0, "pad_token": "[PAD]"}"#,
     );
     let load = |d: &ModelDir| Chat::load(d.path(), ChatOptions::default()).unwrap();
-    let want = load(&plain).conversation(&conversation).unwrap();
+    let want = load(&plain).conversation(&conversation, None).unwrap();
     // user says hello there how are you end | assistant says [fine thanks end]
     assert_eq!(want.ids, [2, 4, 6, 7, 8, 9, 10, 5, 3, 4, 11, 12, 5]);
     assert_eq!(want.mask, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]);
@@ -108,7 +113,7 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
     for d in [&truncating, &padding] {
         let chat = load(d);
         assert_eq!(
-            chat.conversation(&conversation).unwrap(),
+            chat.conversation(&conversation, None).unwrap(),
             want,
             "{d:?}",
             d = d.0

@@ -25,7 +25,7 @@ fn a_message_reaches_the_template_with_every_key_of_its_record() {
         {% if m.name %}|from {{ m.name }}{% endif %}\
         {% if m.thinking %}|thought {{ m.thinking }}{% endif %}]{% endfor %}";
     let t = Template::new(src, vec![]).unwrap();
-    let r = t.render(&messages, false).unwrap();
+    let r = t.render(&messages, None, false).unwrap();
     assert_eq!(
         r.text,
         "[user|weather?][assistant||call get_weather(Oslo)|thought look it up]\
@@ -45,7 +45,7 @@ fn a_tool_calls_arguments_keep_the_records_key_order() {
     let line = r#"{"messages": [{"role": "user", "content": "weather?"},
         {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
          "function": {"name": "get_weather", "arguments": {"unit": "C", "city": "Oslo"}}}]}]}"#;
-    let Ok(Record::Chat(messages)) = parse_line(&line.replace('\n', " ")) else {
+    let Ok(Record::Chat { messages, .. }) = parse_line(&line.replace('\n', " ")) else {
         panic!("not a conversation");
     };
     let t = Template::new(
@@ -53,6 +53,33 @@ fn a_tool_calls_arguments_keep_the_records_key_order() {
         vec![],
     )
     .unwrap();
-    let r = t.render(&messages, false).unwrap();
+    let r = t.render(&messages, None, false).unwrap();
     assert_eq!(r.text, r#"{"unit": "C", "city": "Oslo"}"#);
+}
+
+/// A record's tools reach the template exactly as it gives them, whether a list or a string of
+/// JSON: every key in the record's order (`tojson` writes them so, as Python's dicts keep
+/// them), non-ASCII text as it is. Without tools, `tools` is none, as transformers renders
+/// with `tools=None`. Before, `tools` was not read, and rendered as none.
+#[test]
+fn a_records_tools_reach_the_template_in_its_order_from_a_list_or_a_string() {
+    let tools = r#"[{"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "required": ["unit", "city"], "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "city": {"type": "string"}}}}}]"#;
+    let turns = r#""messages": [{"role": "user", "content": "weather?"}]"#;
+    let string = serde_json::Value::String(tools.into()).to_string();
+    let t = Template::new(
+        "{% if tools is none %}none{% else %}{{ tools | tojson }}{% endif %}",
+        vec![],
+    )
+    .unwrap();
+    for (line, want) in [
+        (format!("{{\"tools\": {tools}, {turns}}}"), tools),
+        (format!("{{{turns}, \"tools\": {string}}}"), tools),
+        (format!("{{{turns}}}"), "none"),
+    ] {
+        let Ok(Record::Chat { messages, tools }) = parse_line(&line) else {
+            panic!("{line}: not a conversation");
+        };
+        let r = t.render(&messages, tools.as_deref(), false).unwrap();
+        assert_eq!(r.text, want, "{line}");
+    }
 }
