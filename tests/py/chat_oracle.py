@@ -4,9 +4,12 @@ varied record set, and what transformers' apply_chat_template(..., tokenize=True
 return_dict=True, return_assistant_tokens_mask=True) makes of each record. No torch.
 
   chat_oracle.py make OUT_DIR    writes OUT_DIR/{qwen,qwen-markers,llama,llama-markers}/,
-                                 OUT_DIR/records.jsonl and OUT_DIR/expected.json
+                                 OUT_DIR/records.jsonl, OUT_DIR/tools.jsonl (conversations
+                                 with tools) and OUT_DIR/expected.json
   chat_oracle.py containers OUT_DIR   the records (as `messages`) as Parquet, an HF datasets
-                                 directory, an Arrow IPC file and stream; a bad Parquet file
+                                 directory, an Arrow IPC file and stream; a bad Parquet file;
+                                 the tool records as Parquet and HF datasets (tools as JSON
+                                 strings and as structs) and tools_expected.json
   chat_oracle.py bench MODEL_DIR RECORDS.jsonl   times transformers on every record (the
                                  benchmark's Python side); prints conversations/s
 
@@ -74,6 +77,48 @@ RECORDS = [
     {"messages": [{"role": "system", "content": "No answer follows."},
                   {"role": "user", "content": "Anyone there?"}]},
 ]
+
+# Function definitions, keys out of sorted order ("required" before "properties"), non-ASCII
+# text: the templates write them with tojson, in the record's order.
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Météo d'une ville 🌦",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"unit": {"type": "string", "enum": ["°C", "°F"]},
+                                      "city": {"type": "string"}}}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a city",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string"}}}}},
+]
+CALL = [{"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {
+             "name": "get_weather", "arguments": {"unit": "°C", "city": "Oslo"}}}]},
+        {"role": "tool", "name": "get_weather", "content": "rain, 4 °C"},
+        {"role": "assistant", "content": "It rains in Oslo."}]
+# Conversations with `tools` (apply_chat_template(messages, tools=tools)): a list; the same as a
+# string of JSON (as HF datasets store them); with a system message; an empty list (Llama's
+# template renders its tools block for it: it tests `tools is not none`); none.
+TOOL_RECORDS = [
+    {"messages": CALL, "tools": TOOLS},
+    {"tools": json.dumps(TOOLS, ensure_ascii=False), "messages": CALL},
+    {"messages": [{"role": "system", "content": "Use the tools."}] + CALL, "tools": TOOLS[1:]},
+    {"messages": CALL[:2] + [{"role": "tool", "content": "4 °C"},
+                             {"role": "assistant", "content": "4 °C."}], "tools": []},
+    {"messages": [{"role": "user", "content": "Hello there"},
+                  {"role": "assistant", "content": "Hi!"}]},
+]
+TOOL_OPTIONS = [("default", None), ("system", "You are terse.")]
+
+
+def tools_of(record):
+    """The tools transformers gets: a string of JSON parsed, as hspipe parses it."""
+    t = record.get("tools")
+    if isinstance(t, str):
+        return json.loads(t) if t.strip() else None
+    return t
+
 
 # name -> (template file, tokenizer_config special tokens)
 TEXT = "Plain text, trained whole: 日本語 🙂"
@@ -145,6 +190,21 @@ def write_model(out, name, template, specials, tok_json, in_config):
         json.dump(config, f, indent=2)
 
 
+def tool_samples(tok, records, system=None):
+    """What transformers makes of `records` with their tools (samples with a trained token)."""
+    got = []
+    for r in records:
+        msgs = messages_of(r)
+        if system is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": system}] + msgs
+        o = tok.apply_chat_template(msgs, tools=tools_of(r), tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        mask = list(o["assistant_masks"])
+        if any(mask):
+            got.append({"input_ids": list(o["input_ids"]), "loss_mask": mask})
+    return got
+
+
 def make(out):
     from transformers import AutoTokenizer
 
@@ -172,11 +232,16 @@ def make(out):
                 if any(mask):
                     got.append({"input_ids": list(o["input_ids"]), "loss_mask": mask})
             expected[f"{name}/{opt}"] = got
+        for opt, system in TOOL_OPTIONS:
+            expected[f"{name}/tools/{opt}"] = tool_samples(tok, TOOL_RECORDS, system)
         text = TEXT
         expected[f"{name}/text"] = [{"input_ids": tok(text, add_special_tokens=False)["input_ids"],
                                      "text": text}]
     with open(os.path.join(out, "records.jsonl"), "w") as f:
         for r in RECORDS:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(os.path.join(out, "tools.jsonl"), "w") as f:
+        for r in TOOL_RECORDS:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f)
@@ -204,6 +269,37 @@ def containers(out):
                    os.path.join(out, "texts_categorical.parquet"))
     bad = rows[:2] + [[{"role": "robot", "content": "beep"}]] + rows[2:]
     pq.write_table(pa.table({"messages": bad}), os.path.join(out, "bad_role.parquet"))
+    tool_containers(out)
+
+
+def tool_containers(out):
+    """TOOL_RECORDS as Parquet with `tools` a column of JSON strings and one of structs (what
+    pyarrow makes of the dicts: every tool gets every field any tool has, None where it has
+    none), and the structs as an HF datasets directory; tools_expected.json: what transformers
+    makes of each file's rows as pyarrow reads them back, keyed by file name."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    messages = [[dict(m) for m in messages_of(r)] for r in TOOL_RECORDS]
+    strings = [None if tools_of(r) is None else json.dumps(tools_of(r), ensure_ascii=False)
+               for r in TOOL_RECORDS]
+    structs = [tools_of(r) for r in TOOL_RECORDS]
+    t = pa.table({"messages": messages, "tools": strings})
+    pq.write_table(t, os.path.join(out, "tools_strings.parquet"))
+    t = pa.table({"messages": messages, "tools": structs})
+    pq.write_table(t, os.path.join(out, "tools_structs.parquet"))
+    datasets.Dataset(t).save_to_disk(os.path.join(out, "tools_structs_hf"), num_shards=2)
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "qwen"))
+    expected = {}
+    for name in ["tools_strings.parquet", "tools_structs.parquet"]:
+        rows = pq.read_table(os.path.join(out, name)).to_pylist()
+        expected[name] = tool_samples(tok, rows)
+    rows = list(datasets.load_from_disk(os.path.join(out, "tools_structs_hf")))
+    expected["tools_structs_hf"] = tool_samples(tok, rows)
+    with open(os.path.join(out, "tools_expected.json"), "w") as f:
+        json.dump(expected, f)
 
 
 def bench(model, records):

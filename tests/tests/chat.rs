@@ -1,15 +1,15 @@
 //! Conversations: our ids and masks equal transformers' `apply_chat_template(...,
 //! return_assistant_tokens_mask=True)` for a Qwen-style and a Llama-3-style template, with
-//! `{% generation %}` blocks and by markers, under every option; bad records are named and
-//! nothing is prepared; too-long samples are dropped or cut and counted; the cache key follows
-//! the tokenizer, template and options.
+//! `{% generation %}` blocks and by markers, under every option, with tools and without; bad
+//! records are named and nothing is prepared; too-long samples are dropped or cut and counted;
+//! the cache key follows the tokenizer, template and options.
 //!
 //! The tokenizer, model directories, records and expected outputs come from
 //! `tests/py/chat_oracle.py`, run with the tests' Python (transformers and tokenizers from PyPI,
 //! no torch: `scripts/test.sh` installs them).
 //!
-//! Length: one test per behaviour a user relies on (the oracle, the containers, bad records,
-//! too-long samples, the key, two end-to-end runs), each standing alone.
+//! Length: one test per behaviour a user relies on (the oracle, the containers, tools, bad
+//! records, too-long samples, the key, two end-to-end runs), each standing alone.
 
 use std::path::Path;
 use std::process::Command;
@@ -342,6 +342,55 @@ fn conversations_in_parquet_arrow_and_a_datasets_directory_prepare_as_in_jsonl()
         arrow_files(&d.path("cache2")).is_empty(),
         "nothing prepared"
     );
+}
+
+/// A conversation's `tools` render as transformers' `apply_chat_template(messages,
+/// tools=tools)` renders them, with a Qwen3-style template (a tools section in the system turn,
+/// each tool `tojson`) and a Llama-3.1-style one (in the first user turn, `tojson(indent=4)`,
+/// an empty list too), by generation tags and by markers, with and without a system prompt
+/// added; from JSONL (a list, or a string of JSON), and from Parquet and an HF datasets
+/// directory (a column of JSON strings, or of structs as pyarrow reads them back). Before,
+/// `tools` was not read, and every one of these was prepared without its tools.
+#[test]
+fn a_conversations_tools_render_as_transformers_renders_them_from_every_container() {
+    let d = TestDir::new("chat-tools");
+    let want = oracle(&d);
+    run_oracle("containers", &d);
+    // The samples `input` is prepared into with the model directory `dir`.
+    let samples = |input: &str, dir: &str, o: ChatOptions| {
+        let p = prepare(
+            &d.path(input),
+            Some(chat(&d.path(dir), o)),
+            4096,
+            TooLong::Drop,
+            &d.path("cache"),
+        );
+        read(&p.unwrap_or_else(|e| panic!("{input} with {dir}: {e}")).path)
+    };
+    for model in ["qwen", "llama"] {
+        for dir in [model.to_string(), format!("{model}-markers")] {
+            for opt in ["default", "system"] {
+                let exp = expected(&want, &format!("{model}/tools/{opt}"));
+                assert_eq!(exp.len(), 5, "every record has a sample");
+                assert_eq!(
+                    samples("tools.jsonl", &dir, options(opt)),
+                    exp,
+                    "{dir} {opt}"
+                );
+            }
+        }
+    }
+    let containers: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path("tools_expected.json")).unwrap())
+            .unwrap();
+    for input in [
+        "tools_strings.parquet",
+        "tools_structs.parquet",
+        "tools_structs_hf",
+    ] {
+        let got = samples(input, "qwen", ChatOptions::default());
+        assert_eq!(got, expected(&containers, input), "{input}");
+    }
 }
 
 #[test]
