@@ -197,7 +197,8 @@ impl Chat {
         // 2: a message reaches the template with every key its record gives (tool calls).
         // 3: in the record's key order (a tool call's arguments were sorted before).
         // 4: the record's `tools` reach the template (they were dropped: no tools section), and
-        //    without them `tools` is none, as transformers passes it (it was undefined).
+        //    without them `tools` is none, as transformers passes it (it was undefined); so is
+        //    `documents`.
         h.write(b"hspipe chat 4");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());

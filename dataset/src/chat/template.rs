@@ -234,6 +234,9 @@ impl Template {
         // `tools is defined` true there too.
         let tools = tools.map_or(Value::from(()), |t| Value::from(minijinja::value::Serde(t)));
         ctx.push(("tools".into(), tools));
+        // Likewise `documents` (retrieval-augmented templates read it): hspipe's records carry
+        // none, and transformers renders with `documents=None`.
+        ctx.push(("documents".into(), Value::from(())));
         ctx.push(("add_generation_prompt".into(), add_generation_prompt.into()));
         let ctx: Value = ctx
             .into_iter()

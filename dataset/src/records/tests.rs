@@ -67,7 +67,7 @@ fn a_records_tools_reach_the_template_in_its_order_from_a_list_or_a_string() {
     let turns = r#""messages": [{"role": "user", "content": "weather?"}]"#;
     let string = serde_json::Value::String(tools.into()).to_string();
     let t = Template::new(
-        "{% if tools is none %}none{% else %}{{ tools | tojson }}{% endif %}",
+        "{% if tools is none %}none{% else %}{{ tools | tojson }}{% endif %}{% if documents is not none %}, documents{% endif %}",
         vec![],
     )
     .unwrap();
