@@ -1006,7 +1006,9 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
         }
         args.extend(extra.iter().map(String::as_str));
         let (code, err, pid) = launch_bad(&args);
-        assert_eq!(code, 1, "{extra:?}: {err}");
+        // Flags that contradict each other are a usage error (exit 2), the rest errors.
+        let usage = extra.iter().any(|a| a == "--backend");
+        assert_eq!(code, if usage { 2 } else { 1 }, "{extra:?}: {err}");
         assert!(
             err.starts_with("error: ") && err.contains(want),
             "{err:?} should say {want:?}"
@@ -1469,24 +1471,26 @@ fn a_target_waiting_to_restart_when_a_stop_comes_is_not_restarted() {
 #[test]
 fn a_metrics_file_that_cannot_be_written_is_said_and_the_run_goes_on() {
     let run = Run::new("lmetfull");
-    let cfg = config(&run.dir, false, "");
     // Room for what else the run writes (its ring segments, 40 MiB; the checkpoint), none for a
     // tick: blank lines, which `launcher report` passes over, up to the limit.
     const LIMIT: usize = 64 << 20;
-    // In a run directory laid out (by a launcher that ended before training), as a new run may
-    // use.
-    RunDir::new(run.run_dir()).lay_out().unwrap();
-    std::fs::write(run.run_dir().join("metrics.jsonl"), vec![b'\n'; LIMIT - 64]).unwrap();
+    // A resume appends to the run's metrics.jsonl (a new run starts its own): the killed
+    // launch's, here blank lines up to the limit.
+    let samples = 1500;
+    let (_, _, killed) = kill_everything_mid_run(Backend::Mock, &run, samples, 1, 20);
+    let metrics = RunDir::new(run.run_dir()).metrics();
+    std::fs::write(&metrics, vec![b'\n'; LIMIT - 64]).unwrap();
     let launcher_bin = workspace_bin("launcher");
     let fsize = format!("--fsize={LIMIT}");
-    let mut args = vec![
+    let run_dir = run.run_dir();
+    let args = vec![
         "-c",
         "trap '' XFSZ; exec prlimit \"$0\" -- \"$@\"",
         &fsize,
         &launcher_bin,
+        "--resume",
+        run_dir.to_str().unwrap(),
     ];
-    let launcher_args = run.args(&cfg, &[]);
-    args.extend(launcher_args.iter().map(String::as_str));
     let launcher = spawn("sh", &args);
     let pid = launcher.child.id();
     let (status, out, _) = launcher.finish_status();
@@ -1497,8 +1501,9 @@ fn a_metrics_file_that_cannot_be_written_is_said_and_the_run_goes_on() {
     assert_eq!(warned, 1, "said once\n{out}");
     let s = run.summary();
     assert_eq!(s["ok"], true, "{s}");
-    assert_eq!(s["samples_trained"], 400, "{s}");
+    assert_eq!(s["samples_trained"], samples, "{s}");
     no_segment_of(pid);
+    no_segment_of(killed);
 }
 
 /// A run of one target and one drafter under `cfg` with `--hang-timeout 1` and `more`; what
@@ -2510,7 +2515,7 @@ fn resume_alone_of_a_run_without_its_gpu_lists_says_to_pass_them() {
             "candle",
         ],
     );
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 2, "a flag the run contradicts: {err}");
     assert!(
         err.contains("ran without a model (the mock backend)") && err.contains("--backend mock"),
         "{err}"

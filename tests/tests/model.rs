@@ -592,7 +592,13 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
         let p = spawn(&workspace_bin("launcher"), &args);
         let pid = p.child.id();
         let (status, err) = p.wait_status_keep();
-        assert_eq!(status.code(), Some(1), "{extra:?}: {err}");
+        // `--backend mock` with a model: flags that contradict it, a usage error.
+        let usage = extra.iter().any(|a| a == "--backend");
+        assert_eq!(
+            status.code(),
+            Some(if usage { 2 } else { 1 }),
+            "{extra:?}: {err}"
+        );
         assert!(
             err.contains(want) && !err.contains("panicked"),
             "{extra:?}: {err}"

@@ -490,7 +490,7 @@ fn the_report_draws_a_run_with_a_death_and_a_restart_and_refuses_bad_input_clear
     assert_eq!(code, 1);
     assert!(err.contains("SVG"), "{err}");
     let (code, err) = report(&[dir_s, "--height", "100"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 2, "a flag out of range: {err}");
     assert!(err.contains("too short"), "{err}");
     assert!(!Path::new(&cases[0].0).exists());
 }
