@@ -15,6 +15,7 @@
 //! - Python gets exceptions (`hspipe.HspipeError` and the standard ones), never a panic.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 
 use pyo3::prelude::*;
 use shm_ring::{Ring, Role, WorkerName};
@@ -59,10 +60,30 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
     }
     worker_runtime::init_logging(&name.to_string());
     let stop = StopFlags::default();
-    let setup = detach::released(py, || {
-        worker_runtime::connect(&server, name.role, name.index, stop)
-    })
-    .map_err(|e| err(format!("handshake with the launcher: {e}")))?;
+    // On a thread of its own, waited for in slices: Ctrl-C gets through a handshake that
+    // waits (up to its 30 s) for a launcher that does not answer.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(worker_runtime::connect(
+            &server, name.role, name.index, stop,
+        ));
+    });
+    let setup = loop {
+        match detach::released(py, || rx.recv_timeout(detach::SLICE)) {
+            Ok(setup) => break setup,
+            // A KeyboardInterrupt raised here leaves this process connected (the handshake
+            // may still complete): one worker per process, as before.
+            Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(err("handshake with the launcher: its thread ended"))
+            }
+        }
+    };
+    let setup = setup.map_err(|e| {
+        // Nothing was registered: a later call may try again.
+        CONNECTED.store(false, Ordering::SeqCst);
+        err(format!("handshake with the launcher: {e}"))
+    })?;
     let setup = Box::leak(Box::new(setup));
     let ring = Ring::attach(&setup.ring)
         .map_err(|e| err(format!("attaching to ring {}: {e}", setup.ring)))?;

@@ -385,3 +385,51 @@ def test_a_python_worker_resumed_from_another_directory_runs_in_the_run_and_its_
     for cwd, run_dir in seen:
         assert os.path.samefile(cwd, tmp_path), seen
         assert os.path.isabs(run_dir) and os.path.samefile(run_dir, tmp_path / "run"), seen
+
+
+def test_a_failed_handshake_may_be_tried_again_and_ctrl_c_ends_one_that_waits():
+    """A handshake that failed registered nothing: a second connect() tries again (it said
+    "connected already"). A launcher that never answers: Ctrl-C ends the wait at once (it
+    waited out the handshake's 30 s first)."""
+    import socket
+
+    env = dict(os.environ, HSPIPE_WORKER="drafter-0")
+    env["HSPIPE_CONTROL"] = f"hspipe-test-nobody-{os.getpid()}"
+    twice = (
+        "import hspipe\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        hspipe.connect()\n"
+        "    except hspipe.HspipeError as e:\n"
+        "        print(e)\n"
+    )
+    out = subprocess.run([PYTHON, "-c", twice], env=env, capture_output=True, text=True,
+                         timeout=WATCHDOG_S)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all("handshake with the launcher" in l for l in lines), out
+
+    name = f"hspipe-test-silent-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind("\0" + name)
+        srv.listen(1)
+        srv.settimeout(WATCHDOG_S)
+        waits = (
+            "import hspipe\n"
+            "try:\n"
+            "    hspipe.connect()\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted')\n"
+        )
+        p = subprocess.Popen([PYTHON, "-c", waits], env=dict(env, HSPIPE_CONTROL=name),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = srv.accept()  # connected: the handshake waits for the launcher's answer
+            with conn:
+                conn.recv(1)  # its hello has begun: it is waiting
+                p.send_signal(signal.SIGINT)
+                # A hang check below the handshake's own 30 s timeout, not a speed figure.
+                out, err = p.communicate(timeout=20)
+        finally:
+            p.kill()
+            p.wait()
+    assert out.strip() == "interrupted", (out, err)
