@@ -80,7 +80,8 @@ pub struct Entry {
 /// Drafter `index`'s ledger, line by line; None if the drafter has none (it never trained).
 pub fn read(run_dir: &RunDir, index: u32) -> Result<Option<Vec<Entry>>, LedgerError> {
     let path = run_dir.ledger(index);
-    let text = match std::fs::read_to_string(&path) {
+    // Refused unless a regular file: a FIFO would wait for a writer for ever.
+    let text = match atomic_file::read_regular(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io("reading", &path)(e)),
