@@ -12,9 +12,13 @@
 //!
 //! A run that did not finish (stopped, crashed, its launcher killed) is drawn as far as its
 //! metrics go. A line of `metrics.jsonl` that is no tick (torn by a kill, cut short, edited) is
-//! skipped and counted, the first one named: the report says so, and draws the rest. Input that
+//! skipped and counted, the first one named: the report says so, and draws the rest. So is a
+//! line that is no UTF-8 or longer than any tick (read through, never held whole), and a tick
+//! with a number no monitor writes (see `parse_tick`: skipped rather than clamped). Input that
 //! cannot be a run is refused with the file (and line) at fault: a missing directory or
-//! `metrics.jsonl`, an empty one, or one with no tick at all.
+//! `metrics.jsonl`, one that is no regular file (a FIFO would wait for ever), an empty one, or
+//! one with no tick at all. `summary.json` and the ledgers, read whole, are left out with a
+//! warning where they cannot be read. The picture never replaces a file it is drawn from.
 //!
 //! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
 //! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
@@ -55,7 +59,8 @@ pub struct ReportArgs {
     /// Width in pixels, 400 to 16384.
     #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(400..=MAX_SIDE as i64))]
     pub width: u32,
-    /// Height in pixels, at most 16384 [default: 64 per worker plus about 500 for the rest].
+    /// Height in pixels, at most 16384 [default: 64 per worker plus about 500 for the rest, at
+    /// most 16384: the workers past what fits have no band].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_SIDE as i64))]
     pub height: Option<u32>,
 }
@@ -65,10 +70,15 @@ pub struct RunData {
     pub dir: PathBuf,
     pub ticks: Vec<Tick>,
     pub summary: Option<serde_json::Value>,
+    /// Why summary.json, which exists, could not be read (cut short, not a file): `summary` is
+    /// then None, and the run is drawn without it.
+    pub summary_unreadable: Option<String>,
     /// Per drafter (in index order): batches trained, of them redelivered, last epoch.
     pub ledgers: Vec<LedgerStats>,
     /// The lines of metrics.jsonl that are no tick, skipped.
     pub skipped: Skipped,
+    /// What could not be read and was left out, for the command to warn about.
+    pub warnings: Vec<String>,
 }
 
 /// Lines of metrics.jsonl skipped: how many, and the first one's number and why.
@@ -120,6 +130,14 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             dir.display()
         );
     }
+    // A FIFO would wait for a writer for ever, and a device such as /dev/zero never ends.
+    let meta = std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?;
+    if let Some(what) = atomic_file::not_regular(&meta) {
+        bail!(
+            "{} is {what}, not a regular file: a run's metrics.jsonl is a file the launcher writes",
+            path.display()
+        );
+    }
     let file = std::fs::File::open(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut reader = BufReader::new(file);
     let mut ticks: Vec<Tick> = Vec::new();
@@ -127,30 +145,23 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let mut skipped = Skipped::default();
     let (mut last_raw, mut last_t, mut offset) = (0.0, 0.0, 0.0);
     let mut last_launch = None;
-    let mut line = String::new();
+    let mut line = Vec::new();
     loop {
-        line.clear();
-        if reader
-            .read_line(&mut line)
-            .with_context(|| format!("reading {}", path.display()))?
-            == 0
-        {
+        let len = read_line_capped(&mut reader, &mut line, MAX_LINE)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if len == 0 {
             break;
         }
         n += 1;
-        if line.trim().is_empty() {
+        let parsed = if len > line.len() as u64 {
+            Err(format!(
+                "not a monitor tick: a line of {len} bytes, longer than any tick ({} MiB at most)",
+                MAX_LINE >> 20
+            ))
+        } else if line.trim_ascii().is_empty() {
             continue;
-        }
-        // Every field of a tick has a default (for older files), so serde alone takes any
-        // object, or an array, for one: a tick is an object with its time.
-        let parsed = match serde_json::from_str::<serde_json::Value>(&line) {
-            Ok(v) if v.get("t_s").is_some_and(|t| t.is_number()) => {
-                serde_json::from_value::<Tick>(v)
-            }
-            Ok(_) => Err(serde::de::Error::custom(
-                "an object with its time, t_s, is a tick",
-            )),
-            Err(e) => Err(e),
+        } else {
+            parse_tick(&line)
         };
         match parsed {
             Ok(mut t) => {
@@ -180,14 +191,9 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
                 last_t = t.t_s;
                 ticks.push(t)
             }
-            // Torn by a kill (the next launcher ended it), cut short, or edited: the rest of
-            // the run is still worth drawing.
-            Err(e) => {
-                let why = if e.is_eof() && !line.ends_with('\n') {
-                    format!("cut short: {e}")
-                } else {
-                    format!("not a monitor tick: {e}")
-                };
+            // Torn by a kill (the next launcher ended it), cut short, edited, or not text: the
+            // rest of the run is still worth drawing.
+            Err(why) => {
                 skipped.lines += 1;
                 skipped.first.get_or_insert((n, why));
                 continue;
@@ -209,13 +215,34 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             path.display()
         );
     }
-    let summary = std::fs::read_to_string(run.summary())
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok());
+    // summary.json and the ledgers are read whole, so a FIFO or a device is refused first
+    // (`read_regular`): the report says what it could not read, and draws the rest.
+    let mut warnings = Vec::new();
+    let (summary, summary_unreadable) = match atomic_file::read_regular(&run.summary()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+        Err(e) => (None, Some(e.to_string())),
+        Ok(text) => match serde_json::from_str(&text) {
+            Ok(v) => (Some(v), None),
+            Err(e) => (None, Some(format!("not JSON: {e}"))),
+        },
+    };
+    if let Some(why) = &summary_unreadable {
+        warnings.push(format!(
+            "{} is unreadable ({why}): drawn without it",
+            run.summary().display()
+        ));
+    }
     let mut ledgers = Vec::new();
     for d in 0.. {
-        let Ok(Some(entries)) = ledger::read(&run, d) else {
-            break;
+        let entries = match ledger::read(&run, d) {
+            Ok(Some(entries)) => entries,
+            Ok(None) => break,
+            Err(e) => {
+                warnings.push(format!(
+                    "{e}: drawn without it, and without the later ledgers"
+                ));
+                break;
+            }
         };
         let mut st = LedgerStats {
             drafter: d,
@@ -237,9 +264,134 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         dir: dir.to_path_buf(),
         ticks,
         summary,
+        summary_unreadable,
         ledgers,
         skipped,
+        warnings,
     })
+}
+
+/// The longest line of metrics.jsonl read as a tick: a tick of 8 workers is about 3.5 KB, so
+/// this is thousands of workers. A longer line (a file ending in a crash's run of NUL bytes,
+/// edited, not metrics at all) is skipped as no tick without being held whole.
+const MAX_LINE: usize = 16 << 20;
+
+/// The latest time a tick may have, in seconds since its launch started (about 31 years).
+const MAX_T_S: f64 = 1e9;
+
+/// The largest value of a tick's drawn numbers (rates, shares, loss, seconds).
+const MAX_VALUE: f64 = 1e12;
+
+/// Reads one line (through its `\n`, if any) into `line`, keeping at most `max` bytes of it: a
+/// longer one is read to its end, and its first `max` bytes kept. Returns the line's whole
+/// length in bytes (more than `line.len()` when cut), 0 at the end of the file. `read_line`
+/// would hold the line whole, and fail on its first byte that is no UTF-8.
+fn read_line_capped(r: &mut impl BufRead, line: &mut Vec<u8>, max: usize) -> std::io::Result<u64> {
+    line.clear();
+    let mut len = 0u64;
+    loop {
+        let chunk = match r.fill_buf() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if chunk.is_empty() {
+            return Ok(len);
+        }
+        let (take, end) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (chunk.len(), false),
+        };
+        let room = max.saturating_sub(line.len());
+        line.extend_from_slice(&chunk[..take.min(room)]);
+        r.consume(take);
+        len += take as u64;
+        if end {
+            return Ok(len);
+        }
+    }
+}
+
+/// One line of metrics.jsonl as a tick, or why it is none.
+///
+/// What is drawn must be a number the monitor could have written, so a tick is refused (and
+/// skipped, counted, like any other line that is no tick) rather than clamped where one is not:
+/// its time `t_s` below 0 or past [`MAX_T_S`], or a rate, share, loss or gap below 0 or past
+/// [`MAX_VALUE`] (JSON has no NaN or infinity, but `1e308` parses; plotters overflows turning
+/// such a value into pixels, and a time axis to infinity is divided for ever). A clamped value
+/// would draw a line the run never had; a skipped tick leaves a gap the warning accounts for.
+/// Ticks whose clock goes back are kept: that marks a resume (see [`load`]).
+fn parse_tick(line: &[u8]) -> Result<Tick, String> {
+    // Every field of a tick has a default (for older files), so serde alone takes any object,
+    // or an array, for one: a tick is an object with its time. Bytes that are no UTF-8 fail
+    // to parse like any other edit.
+    if let Err(e) = std::str::from_utf8(line) {
+        return Err(format!(
+            "not a monitor tick: not UTF-8 text (byte {} of the line)",
+            e.valid_up_to() + 1
+        ));
+    }
+    let tick = match serde_json::from_slice::<serde_json::Value>(line) {
+        Ok(v) if v.get("t_s").is_some_and(|t| t.is_number()) => serde_json::from_value::<Tick>(v),
+        Ok(_) => Err(serde::de::Error::custom(
+            "an object with its time, t_s, is a tick",
+        )),
+        Err(e) => Err(e),
+    };
+    let tick = tick.map_err(|e| {
+        if e.is_eof() && !line.ends_with(b"\n") {
+            format!("cut short: {e}")
+        } else {
+            format!("not a monitor tick: {e}")
+        }
+    })?;
+    if !(0.0..=MAX_T_S).contains(&tick.t_s) {
+        return Err(format!(
+            "not a monitor tick: t_s is {}, not a time from 0 to {MAX_T_S:e} s",
+            number(tick.t_s)
+        ));
+    }
+    let mut numbers: Vec<(&str, f64)> = vec![
+        ("tokens_per_s", tick.tokens_per_s),
+        ("targets_busy", tick.targets_busy),
+        ("drafters_busy", tick.drafters_busy),
+    ];
+    numbers.extend(tick.drafter_loss.map(|v| ("drafter_loss", v)));
+    numbers.extend(tick.acceptance_length.map(|v| ("acceptance_length", v)));
+    for w in &tick.workers {
+        numbers.extend([
+            ("a worker's busy", w.busy),
+            ("a worker's largest_gap_s", w.largest_gap_s),
+        ]);
+        numbers.extend(w.phases.values().map(|&v| ("a worker's phase share", v)));
+    }
+    for e in &tick.events {
+        if !(0.0..=MAX_T_S).contains(&e.t_s) {
+            return Err(format!(
+                "not a monitor tick: an event's t_s is {}, not a time from 0 to {MAX_T_S:e} s",
+                number(e.t_s)
+            ));
+        }
+    }
+    if let Some((name, v)) = numbers
+        .into_iter()
+        .find(|(_, v)| !(0.0..=MAX_VALUE).contains(v))
+    {
+        return Err(format!(
+            "not a monitor tick: {name} is {}, not a value from 0 to {MAX_VALUE:e}",
+            number(v)
+        ));
+    }
+    Ok(tick)
+}
+
+/// A number as a message shows it: `-1e20`, not twenty-one digits.
+fn number(v: f64) -> String {
+    if v.abs() < 1e6 {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
+    }
 }
 
 /// Ticks kept in memory: a week at one tick a second is 600,000 lines, far more than a picture
@@ -432,6 +584,8 @@ fn drafter_gap(t: &Tick) -> Option<f64> {
 /// Which panels the picture has, and their heights.
 struct Plan {
     workers: Vec<(String, Option<u32>)>,
+    /// Workers left out: their bands would not fit in the tallest picture.
+    hidden: usize,
     loss: bool,
     acceptance: bool,
     /// The drafters' longest idle gaps (metrics.jsonl has them from layout 5 on).
@@ -477,12 +631,20 @@ impl Plan {
             .iter()
             .any(|t| drafter_gap(t).is_some_and(|g| g > 0.0));
         // Without per-worker records (an older metrics.jsonl) one band shows both sides' busy share.
-        let bands = workers.len().max(1) as u32;
         let extras = u32::from(loss) + u32::from(acceptance) + u32::from(gaps);
         let fixed = TITLE_H + LEGEND_H + AXIS_H;
-        let natural = RING_H + RATE_H + bands * WORKER_H + extras * EXTRA_H;
-        let height = height.unwrap_or(fixed + natural);
-        let min = fixed + 80 + 60 + bands * 24 + extras * 60;
+        let natural = |bands: u32| RING_H + RATE_H + bands * WORKER_H + extras * EXTRA_H;
+        let min = |bands: u32| fixed + 80 + 60 + bands * 24 + extras * 60;
+        // At most as many bands as fit in the tallest picture at their smallest (hundreds):
+        // the workers past them are left out, and the picture says so.
+        let fit = ((MAX_SIDE - min(0)) / 24) as usize;
+        let hidden = workers.len().saturating_sub(fit);
+        workers.truncate(fit);
+        let bands = workers.len().max(1) as u32;
+        let natural = natural(bands);
+        // The default is the natural height, as tall as can be drawn at most.
+        let height = height.unwrap_or((fixed + natural).min(MAX_SIDE));
+        let min = min(bands);
         if height > MAX_SIDE {
             return Err(UsageError(format!(
                 "--height {height} is too tall: at most {MAX_SIDE} pixels"
@@ -500,6 +662,7 @@ impl Plan {
         let px = |h: u32| (f64::from(h) * scale).floor() as u32;
         Ok(Plan {
             workers,
+            hidden,
             loss,
             acceptance,
             gaps,
@@ -554,8 +717,13 @@ fn outcome(run: &RunData) -> String {
         None => {
             let batches: u64 = run.ledgers.iter().map(|l| l.batches).sum();
             let redelivered: u64 = run.ledgers.iter().map(|l| l.redelivered).sum();
+            let why = match &run.summary_unreadable {
+                Some(why) => format!("summary.json is unreadable ({why})"),
+                None => "no summary.json: the launcher did not finish (still running, or killed)"
+                    .to_string(),
+            };
             format!(
-                "no summary.json: the launcher did not finish (still running, or killed); drawn to {end:.1} s; the ledgers hold {batches} trained batches ({redelivered} redelivered){said}"
+                "{why}; drawn to {end:.1} s; the ledgers hold {batches} trained batches ({redelivered} redelivered){said}"
             )
         }
     }
@@ -682,7 +850,7 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
         let root = SVGBackend::with_string(&mut svg, (plan.width, plan.height)).into_drawing_area();
         root.fill(&WHITE).map_err(draw_err)?;
         let (title, rest) = root.split_vertically(TITLE_H);
-        draw_title(&title, run)?;
+        draw_title(&title, run, plan)?;
         let (areas, legend) = split_panels(rest, plan);
         let last = areas.len() - 1;
         let mut areas = areas.iter().enumerate().map(|(i, a)| (a, i == last));
@@ -725,16 +893,31 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
     Ok(svg)
 }
 
+/// The workers whose bands are left out, in words; None when every one is drawn.
+fn left_out(plan: &Plan) -> Option<String> {
+    (plan.hidden > 0).then(|| {
+        format!(
+            "the last {} of its {} workers have no band: no more fit in {MAX_SIDE} pixels",
+            plan.hidden,
+            plan.hidden + plan.workers.len()
+        )
+    })
+}
+
 /// The run's name and how it ended.
-fn draw_title(title: &Area<'_>, run: &RunData) -> anyhow::Result<()> {
+fn draw_title(title: &Area<'_>, run: &RunData, plan: &Plan) -> anyhow::Result<()> {
     let name = run
         .dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| run.dir.display().to_string());
+    let left_out = match left_out(plan) {
+        Some(said) => format!(" ({said})"),
+        None => String::new(),
+    };
     title
         .draw_text(
-            &format!("hspipe run {name}"),
+            &format!("hspipe run {name}{left_out}"),
             &(FONT, 20).into_font().style(FontStyle::Bold).color(&BLACK),
             (12, 8),
         )
@@ -1051,18 +1234,42 @@ fn median_period(ticks: &[Tick]) -> f64 {
 }
 
 /// Draws `run` and writes the picture to `out` (via a temporary file, so a reader never sees
-/// half of one). Returns its size in pixels.
+/// half of one). Returns its size in pixels, and what it left out (workers without a band).
 pub fn write(
     run: &RunData,
     out: &Path,
     width: u32,
     height: Option<u32>,
-) -> anyhow::Result<(u32, u32)> {
+) -> anyhow::Result<(u32, u32, Option<String>)> {
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
     atomic_file::replace(out, svg.as_bytes())
         .with_context(|| format!("writing the picture {}", out.display()))?;
-    Ok((plan.width, plan.height))
+    Ok((plan.width, plan.height, left_out(&plan)))
+}
+
+/// Refuses to write the picture over a file it is drawn from (`-o` naming metrics.jsonl, a
+/// link to it or a hard link): compared by device and inode, as `launcher prepare` refuses an
+/// output that is its input, since the replace follows links.
+fn refuse_overwriting_input(run_dir: &Path, out: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(o) = std::fs::metadata(out) else {
+        return Ok(());
+    };
+    let run = RunDir::new(run_dir);
+    let ledgers = (0..)
+        .map(|d| run.ledger(d))
+        .take_while(|p| p.symlink_metadata().is_ok());
+    for input in [run.metrics(), run.summary()].into_iter().chain(ledgers) {
+        if std::fs::metadata(&input).is_ok_and(|m| m.dev() == o.dev() && m.ino() == o.ino()) {
+            bail!(
+                "-o {}: it is {}, which the report is drawn from; the picture would replace it: name another file",
+                out.display(),
+                input.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `launcher report`: returns the exit code.
@@ -1070,6 +1277,9 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     let data = load(&args.run_dir)?;
     if let Some(said) = data.skipped.said() {
         eprintln!("warning: {}: {said}", args.run_dir.display());
+    }
+    for w in &data.warnings {
+        eprintln!("warning: {w}");
     }
     let out = args
         .output
@@ -1084,7 +1294,11 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     if args.output.is_some() {
         atomic_file::target(&out).with_context(|| format!("-o {}", out.display()))?;
     }
-    let (w, h) = write(&data, &out, args.width, args.height)?;
+    refuse_overwriting_input(&args.run_dir, &out)?;
+    let (w, h, left_out) = write(&data, &out, args.width, args.height)?;
+    if let Some(said) = left_out {
+        eprintln!("warning: {}: {said}", args.run_dir.display());
+    }
     let m = marks(&data.ticks);
     let count = |k: MarkKind| m.iter().filter(|x| x.kind == k).count();
     println!(
@@ -1094,10 +1308,10 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
         data.ticks.last().map(|t| t.t_s).unwrap_or(0.0),
         count(MarkKind::Died),
         count(MarkKind::Restarted),
-        if data.summary.is_none() {
-            "; no summary.json (the run did not finish)"
-        } else {
-            ""
+        match (&data.summary, &data.summary_unreadable) {
+            (Some(_), _) => "",
+            (None, Some(_)) => "; summary.json is unreadable (warned above)",
+            (None, None) => "; no summary.json (the run did not finish)",
         }
     );
     Ok(0)
@@ -1115,8 +1329,10 @@ mod tests {
             dir: "runs/1".into(),
             ticks: vec![Tick::default()],
             summary: None,
+            summary_unreadable: None,
             ledgers: Vec::new(),
             skipped: Skipped::default(),
+            warnings: Vec::new(),
         };
         for (w, h, flag) in [
             (4_000_000_000, None, "--width"),
@@ -1228,5 +1444,252 @@ mod tests {
         ];
         let kinds: Vec<MarkKind> = marks(&ticks).iter().map(|m| m.kind).collect();
         assert_eq!(kinds, [MarkKind::Died, MarkKind::Hung]);
+    }
+
+    /// Runs `f` on a thread and returns what it returns; fails the test saying that `what`
+    /// hung when that takes more than a minute (a FIFO waits for a writer for ever).
+    fn watched<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        use std::sync::mpsc::RecvTimeoutError;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(v) => v,
+            Err(RecvTimeoutError::Timeout) => panic!("{what} hung"),
+            Err(RecvTimeoutError::Disconnected) => panic!("{what} panicked (above)"),
+        }
+    }
+
+    /// Loads `metrics` as a run's metrics.jsonl and draws it at the default size (watched):
+    /// the run, and the picture.
+    fn load_and_draw(dir: &std::path::Path, metrics: &[u8]) -> (RunData, String) {
+        std::fs::write(dir.join("metrics.jsonl"), metrics).unwrap();
+        let dir = dir.to_path_buf();
+        watched("drawing the report", move || {
+            let run = load(&dir).unwrap();
+            let svg = super::draw(&run, &Plan::new(&run, 1200, None).unwrap()).unwrap();
+            (run, svg)
+        })
+    }
+
+    /// The times of the ticks `run` kept, how many lines it skipped, and what it says of them.
+    fn kept(run: &RunData) -> (Vec<f64>, u64, String) {
+        let t_s = run.ticks.iter().map(|t| t.t_s).collect();
+        (
+            t_s,
+            run.skipped.lines,
+            run.skipped.said().unwrap_or_default(),
+        )
+    }
+
+    /// A number no monitor writes (a negative rate, a value past what can be drawn) made
+    /// plotters overflow turning it into pixels (a panic; garbage in a release build), and a
+    /// time of 1e308 drew for ever: such a tick is skipped and counted like any line that is
+    /// no tick, and the rest is drawn.
+    #[test]
+    fn ticks_with_absurd_numbers_are_skipped_not_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        for field in [
+            "\"tokens_per_s\":-1e20",
+            "\"drafter_loss\":-1e20",
+            "\"acceptance_length\":-1e20",
+            "\"targets_busy\":-1e20",
+            "\"tokens_per_s\":1e308",
+            "\"workers\":[{\"name\":\"drafter-0\",\"busy\":-1e20}]",
+            "\"events\":[{\"t_s\":1e300,\"text\":\"stopping: SIGINT\"}]",
+        ] {
+            let text = format!("{{\"t_s\":1,{field}}}\n{{\"t_s\":2}}\n");
+            let (run, _) = load_and_draw(dir.path(), text.as_bytes());
+            let (t_s, lines, said) = kept(&run);
+            assert_eq!((t_s, lines), (vec![2.0], 1), "{field}");
+            assert!(said.contains("line 1: not a monitor tick: "), "{said}");
+        }
+        // A time past any run's, or before its start: its resumes summed to infinity.
+        let (run, _) = load_and_draw(
+            dir.path(),
+            b"{\"t_s\":0}\n{\"t_s\":1e308}\n{\"t_s\":0}\n{\"t_s\":1e308}\n{\"t_s\":-5}\n{\"t_s\":3}\n",
+        );
+        let (t_s, lines, said) = kept(&run);
+        assert_eq!((t_s, lines), (vec![0.0, 0.0, 3.0], 3));
+        assert!(
+            said.contains("line 2: not a monitor tick: t_s is 1e308"),
+            "{said}"
+        );
+    }
+
+    /// One byte that is no UTF-8 failed the whole report ("stream did not contain valid
+    /// UTF-8", no line): its line is skipped and counted like any other that is no tick.
+    #[test]
+    fn a_line_that_is_no_utf8_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, _) = load_and_draw(
+            dir.path(),
+            b"{\"t_s\":1}\n{\"t_s\":2,\"verdict\":\"\xff\"}\n\xfe\xff\n{\"t_s\":3}\n",
+        );
+        let (t_s, lines, said) = kept(&run);
+        assert_eq!((t_s, lines), (vec![1.0, 3.0], 2));
+        assert!(
+            said.contains("line 2: not a monitor tick: not UTF-8"),
+            "{said}"
+        );
+    }
+
+    /// A line is kept to `max` bytes however long it is (a file ending in a crash's run of NUL
+    /// bytes, or /dev/zero, grew one without bound), and its whole length is told.
+    #[test]
+    fn a_line_is_read_to_its_end_but_held_to_its_bound() {
+        let text = [&[0u8; 100_000][..], b"\n{\"t_s\":1}\n", &[0u8; 5000][..]].concat();
+        let mut r = std::io::BufReader::with_capacity(64, &text[..]);
+        let mut line = Vec::new();
+        let mut lens = Vec::new();
+        loop {
+            let len = super::read_line_capped(&mut r, &mut line, 1000).unwrap();
+            if len == 0 {
+                break;
+            }
+            assert!(line.len() <= 1000);
+            lens.push((len, line.len()));
+        }
+        assert_eq!(lens, [(100_001, 1000), (10, 10), (5000, 1000)]);
+        // A long line of metrics.jsonl is skipped, named by its length.
+        let dir = tempfile::tempdir().unwrap();
+        let long = [
+            b"{\"t_s\":1}\n",
+            &vec![0u8; 17 << 20][..],
+            b"\n{\"t_s\":2}\n",
+        ]
+        .concat();
+        let (run, _) = load_and_draw(dir.path(), &long);
+        assert_eq!(run.ticks.len(), 2);
+        let said = run.skipped.said().unwrap();
+        assert!(
+            said.contains("line 2: not a monitor tick: a line of 17825793 bytes"),
+            "{said}"
+        );
+    }
+
+    /// A FIFO in place of metrics.jsonl, summary.json or a ledger made the report wait for a
+    /// writer for ever, and /dev/zero read without end: metrics.jsonl that is not a file is
+    /// refused, and summary.json or a ledger that is not is left out with a warning.
+    #[test]
+    fn run_files_that_are_not_files_are_refused_not_waited_on() {
+        let mkfifo = |p: &std::path::Path| {
+            rustix::fs::mkfifoat(rustix::fs::CWD, p, rustix::fs::Mode::from_raw_mode(0o600))
+                .unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        mkfifo(&metrics);
+        let d = dir.path().to_path_buf();
+        let e = watched("a FIFO metrics.jsonl", move || {
+            load(&d).err().expect("refused")
+        });
+        assert!(e.to_string().contains("is a FIFO"), "{e}");
+        std::fs::remove_file(&metrics).unwrap();
+        std::fs::write(&metrics, "{\"t_s\":1}\n").unwrap();
+        mkfifo(&dir.path().join("summary.json"));
+        std::fs::create_dir(dir.path().join("ledger")).unwrap();
+        mkfifo(&dir.path().join("ledger/drafter-0.jsonl"));
+        let d = dir.path().to_path_buf();
+        let run = watched("a FIFO summary.json and ledger", move || load(&d).unwrap());
+        assert!(run.summary.is_none() && run.ledgers.is_empty());
+        let said = outcome(&run);
+        assert!(
+            said.starts_with("summary.json is unreadable (it is a FIFO"),
+            "{said}"
+        );
+    }
+
+    /// metrics.jsonl naming a device that never ends is refused before it is read.
+    #[test]
+    fn metrics_that_are_a_device_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join("metrics.jsonl")).unwrap();
+        let d = dir.path().to_path_buf();
+        let e = watched("metrics.jsonl -> /dev/zero", move || {
+            load(&d).err().expect("refused")
+        });
+        assert!(
+            e.to_string().contains("is a device, not a regular file"),
+            "{e}"
+        );
+    }
+
+    /// A summary.json cut short said "no summary.json (the run did not finish)": it says it is
+    /// unreadable, and the run is drawn without it.
+    #[test]
+    fn a_summary_cut_short_is_said_unreadable() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("summary.json"), "{\"ok\": tr").unwrap();
+        let (run, _) = load_and_draw(dir.path(), b"{\"t_s\":1}\n");
+        let said = outcome(&run);
+        assert!(
+            said.starts_with("summary.json is unreadable (not JSON: EOF while parsing"),
+            "{said}"
+        );
+    }
+
+    /// 2000 workers asked, with no --height, for "--height 128628 is too tall": the default
+    /// height fits, the bands that fit are drawn, and the picture says which are left out.
+    #[test]
+    fn the_default_height_fits_however_many_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        let workers: Vec<_> = (0..2000)
+            .map(|i| serde_json::json!({"name": format!("target-{i}"), "busy": 0.5}))
+            .collect();
+        let tick = serde_json::json!({"t_s": 1, "workers": workers}).to_string() + "\n";
+        let (run, svg) = load_and_draw(dir.path(), tick.as_bytes());
+        let plan = Plan::new(&run, 1200, None).unwrap();
+        assert_eq!(plan.height, super::MAX_SIDE);
+        assert!(plan.workers.len() > 500 && plan.workers.len() < 2000);
+        let left = 2000 - plan.workers.len();
+        assert!(
+            svg.contains(&format!("the last {left} of its 2000 workers have no band")),
+            "{}",
+            &svg[..1000]
+        );
+        // A --height given that is too short is still refused, naming the flag.
+        let e = Plan::new(&run, 1200, Some(1000)).err().expect("refused");
+        assert!(
+            e.to_string().starts_with("--height 1000 is too short"),
+            "{e}"
+        );
+    }
+
+    /// `-o` naming one of the run's own files (through a link, or a hard link) replaced it with
+    /// the picture: refused, the file left as it was.
+    #[test]
+    fn the_picture_is_not_written_over_the_runs_own_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = dir.path().join("run");
+        std::fs::create_dir_all(run_dir.join("ledger")).unwrap();
+        let metrics = "{\"t_s\":1}\n";
+        std::fs::write(run_dir.join("metrics.jsonl"), metrics).unwrap();
+        std::fs::write(run_dir.join("summary.json"), "{\"ok\": true}").unwrap();
+        std::fs::write(run_dir.join("ledger/drafter-0.jsonl"), "").unwrap();
+        let link = dir.path().join("m.svg");
+        std::os::unix::fs::symlink(run_dir.join("metrics.jsonl"), &link).unwrap();
+        let hard = dir.path().join("s.svg");
+        std::fs::hard_link(run_dir.join("summary.json"), &hard).unwrap();
+        let ledger = dir.path().join("l.svg");
+        std::os::unix::fs::symlink(run_dir.join("ledger/drafter-0.jsonl"), &ledger).unwrap();
+        for out in [link, hard, ledger] {
+            let args = super::ReportArgs {
+                run_dir: run_dir.clone(),
+                output: Some(out.clone()),
+                width: 1200,
+                height: None,
+            };
+            let e = super::run(args).expect_err("refused");
+            assert!(
+                e.to_string().contains("which the report is drawn from"),
+                "{e}"
+            );
+        }
+        let read = |p: &str| std::fs::read_to_string(run_dir.join(p)).unwrap();
+        assert_eq!(read("metrics.jsonl"), metrics);
+        assert_eq!(read("summary.json"), "{\"ok\": true}");
+        assert_eq!(read("ledger/drafter-0.jsonl"), "");
     }
 }
