@@ -169,7 +169,9 @@ where
         }
     }
     sync_dir(&tmp)?;
-    if !dir.exists() {
+    // Not `exists()`, which follows a link: a dangling link at `dir` is exchanged (the link,
+    // not what it names, is replaced), as a link to a directory is; renamed over, it fails.
+    if std::fs::symlink_metadata(dir).is_err_and(|e| e.kind() == io::ErrorKind::NotFound) {
         std::fs::rename(&tmp, dir)?;
         return Ok(sync_dir(parent)?);
     }
