@@ -122,37 +122,54 @@ pub const SPECIAL_TOKENS: &[&str] = &[
 /// The made model's chat template (ChatML with Qwen3's thinking blocks).
 pub const CHAT_TEMPLATE: &str = include_str!("chat_template.jinja");
 
-/// Writes the model `spec` describes into `dir` (created if missing; files in it replaced).
+/// The `max_position_embeddings` (and tokenizer `model_max_length`) of a made model: HF's
+/// Qwen3 and Qwen2 default. `--train-len` is held to it.
+pub const MAX_POSITIONS: usize = 32768;
+
+/// Writes the model `spec` describes as the directory `dir`, replacing it whole (see
+/// [`Made::write`]: refused where `dir` holds anything but a model's files).
 pub fn make_model(dir: &Path, spec: &MakeSpec) -> Result<()> {
     make_model_reporting(dir, spec, &mut |_, _| {})
 }
 
-/// [`make_model`], calling `progress(step, loss)` after each training step.
+/// [`make_model`], calling `progress(step, loss)` after each training step. `dir` is checked
+/// before the work of drawing and training, and again as it is replaced.
 pub fn make_model_reporting(
     dir: &Path,
     spec: &MakeSpec,
     progress: &mut dyn FnMut(usize, f64),
 ) -> Result<()> {
     check(spec)?;
-    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
-        path: dir.to_path_buf(),
-        cause: source,
-    })?;
-    let write = |name: &str, bytes: &[u8]| -> Result<()> {
-        let path = dir.join(name);
-        std::fs::write(&path, bytes).map_err(|source| ModelError::Io {
-            path,
-            cause: source,
-        })
-    };
+    check_dir(dir)?;
+    build(spec, progress)?.write(dir)
+}
+
+/// A made model, in memory: each file of its directory, by name. Nothing is on disk until
+/// [`Made::write`], so a model stopped while it draws or trains leaves nothing behind.
+pub struct Made {
+    files: Vec<(String, Vec<u8>)>,
+}
+
+/// Draws (and with `spec.train`, trains) the model `spec` describes, and encodes its files.
+pub fn build(spec: &MakeSpec, progress: &mut dyn FnMut(usize, f64)) -> Result<Made> {
+    check(spec)?;
+    let mut files = Vec::new();
     let mut tensors = tensors(spec);
+    fits(&tensors, spec.stored)?;
     if let Some(ts) = &spec.train {
         train(spec, &mut tensors, ts, progress)?;
+        fits(&tensors, spec.stored)?;
     }
-    write("config.json", pretty(&config_json(spec)).as_bytes())?;
+    files.push((
+        "config.json".into(),
+        pretty(&config_json(spec)).into_bytes(),
+    ));
     let shards = shard(&tensors, spec.shard_bytes);
     if shards.len() == 1 {
-        write("model.safetensors", &serialize(&tensors, spec.stored)?)?;
+        files.push((
+            "model.safetensors".into(),
+            serialize(&tensors, spec.stored)?,
+        ));
     } else {
         let n = shards.len();
         let mut map = BTreeMap::new();
@@ -164,23 +181,171 @@ pub fn make_model_reporting(
                 map.insert(t.name.clone(), Value::String(name.clone()));
                 total += (t.data.len() * bytes_per(spec.stored)) as u64;
             }
-            write(&name, &serialize(&subset, spec.stored)?)?;
+            files.push((name, serialize(&subset, spec.stored)?));
         }
         let index = json!({"metadata": {"total_size": total}, "weight_map": map});
-        write("model.safetensors.index.json", pretty(&index).as_bytes())?;
+        files.push((
+            "model.safetensors.index.json".into(),
+            pretty(&index).into_bytes(),
+        ));
     }
     let tok = tokenizer(spec.vocab, spec.seed)?;
-    write("tokenizer.json", tok.as_bytes())?;
+    files.push(("tokenizer.json".into(), tok.into_bytes()));
     let tc = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": null,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "model_max_length": 32768,
+        "model_max_length": MAX_POSITIONS,
     });
-    write("tokenizer_config.json", pretty(&tc).as_bytes())?;
+    files.push(("tokenizer_config.json".into(), pretty(&tc).into_bytes()));
     // Where transformers 5 writes it; conversations are prepared through it.
-    write("chat_template.jinja", CHAT_TEMPLATE.as_bytes())?;
+    files.push((
+        "chat_template.jinja".into(),
+        CHAT_TEMPLATE.as_bytes().to_vec(),
+    ));
+    Ok(Made { files })
+}
+
+impl Made {
+    /// Puts the model in place as the directory `dir`, whole: its files are written into a
+    /// fresh directory beside `dir`, synced, and swapped in with one rename
+    /// ([`atomic_file::replace_dir_with`]), so a crash or a failed write leaves the old `dir`
+    /// (or none) and never a new config.json beside old or cut weights, and no file of an
+    /// earlier layout (a single model.safetensors beside new shards, which the loader would
+    /// prefer) survives. Nothing is written through a symbolic link: a link in `dir` (an HF
+    /// snapshot's links into its blob store), or `dir` itself as a link, is replaced by a
+    /// regular file or directory and what it points to is left alone. [`check_dir`] decides
+    /// which `dir` may be replaced.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let io = |cause| ModelError::Io {
+            path: dir.to_path_buf(),
+            cause,
+        };
+        let is_link = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_symlink());
+        // What a make-model killed mid-write left beside `dir` (its temporary directory, or
+        // where a file system cannot exchange, the old directory moved aside: put back
+        // first). Not beside a link's target: `leftovers` follows the link, and nothing is
+        // written there.
+        if !is_link {
+            atomic_file::restore_dir(dir).map_err(io)?;
+            for p in atomic_file::leftovers(dir).map_err(io)? {
+                std::fs::remove_dir_all(&p).map_err(|cause| ModelError::Io { path: p, cause })?;
+            }
+        }
+        check_dir(dir)?;
+        atomic_file::replace_dir_with(dir, |tmp: &Path| -> std::io::Result<()> {
+            for (name, bytes) in &self.files {
+                let path = tmp.join(name);
+                std::fs::write(&path, bytes).map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+                })?;
+            }
+            Ok(())
+        })
+        .map_err(io)
+    }
+}
+
+/// Whether `name` is a file of an HF model directory (config, weights, tokenizer, chat
+/// template): what `make-model` may replace.
+pub fn is_model_file(name: &str) -> bool {
+    const NAMES: &[&str] = &[
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    ];
+    NAMES.contains(&name) || (name.starts_with("model") && name.ends_with(".safetensors"))
+}
+
+/// Whether the model may be written as `dir`, which [`Made::write`] replaces whole: `dir` is
+/// new, a symbolic link (replaced; what it names is left alone), or a directory holding only a
+/// model's files ([`is_model_file`], as regular files or links). A directory holding anything
+/// else (a README, notes, a subdirectory, an HF snapshot's `.cache`) is refused naming it, as is
+/// a `dir` that is a file: replacing it would delete what is not a model's. A `dir` with no
+/// name of its own (`.`, `..`, `/`) is refused: it cannot be renamed.
+pub fn check_dir(dir: &Path) -> Result<()> {
+    let bad = |why: String| Err(ModelError::Spec(format!("{}: {why}", dir.display())));
+    if !matches!(
+        dir.components().next_back(),
+        Some(std::path::Component::Normal(_))
+    ) {
+        return bad("name the model's directory by its own name (not ., .. or /)".into());
+    }
+    let meta = match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        r => r.map_err(|cause| ModelError::Io {
+            path: dir.to_path_buf(),
+            cause,
+        })?,
+    };
+    if meta.is_symlink() {
+        return Ok(());
+    }
+    if !meta.is_dir() {
+        let kind = atomic_file::not_regular(&meta).unwrap_or("a file");
+        return bad(format!("it is {kind}, not a directory"));
+    }
+    let io = |cause| ModelError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    };
+    let mut foreign = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let t = entry.file_type().map_err(io)?;
+        if !(is_model_file(&name) && (t.is_file() || t.is_symlink())) {
+            foreign.push(name);
+        }
+    }
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    foreign.sort();
+    let n = foreign.len();
+    let mut list = foreign.into_iter().take(5).collect::<Vec<_>>().join(", ");
+    if n > 5 {
+        list.push_str(&format!(" and {} more", n - 5));
+    }
+    bad(format!(
+        "it holds {list}, which are not a model's files; the model replaces the directory whole, so it is made only as a new directory or over one holding only a model's files (config.json, model*.safetensors, model.safetensors.index.json, tokenizer files, chat template): move those or name another directory"
+    ))
+}
+
+/// Every weight fits `stored`: a value past its range would be written as an infinity (f16's
+/// largest is 65504; `--init-std 1e6` made 62139 of 65536 embedding entries inf), a model
+/// no one computes with.
+fn fits(tensors: &[Tensor], stored: Stored) -> Result<()> {
+    let fit = |x: f32| match stored {
+        Stored::F32 => x.is_finite(),
+        Stored::F16 => half::f16::from_f32(x).is_finite(),
+        Stored::Bf16 => half::bf16::from_f32(x).is_finite(),
+    };
+    for t in tensors {
+        if let Some(x) = t.data.iter().find(|&&x| !fit(x)) {
+            let largest = match stored {
+                Stored::F32 => f64::from(f32::MAX),
+                Stored::F16 => f64::from(half::f16::MAX),
+                Stored::Bf16 => f64::from(half::bf16::MAX),
+            };
+            return Err(ModelError::Spec(format!(
+                "tensor {} holds {x:e}, which {} does not hold (its largest is {largest:e}): lower --init-std{}",
+                t.name,
+                stored.hf_name(),
+                if stored == Stored::F16 { " or store bf16 or f32" } else { "" }
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -279,6 +444,25 @@ fn check(s: &MakeSpec) -> Result<()> {
     }
     if let Some(t) = &s.train {
         crate::pretrain::check(t)?;
+        // A sequence past the positions the config declares; and before that bound, attention
+        // scores past memory (batch x heads x len^2 per layer, with their gradients): both
+        // aborted on an allocation after seconds, leaving an empty directory.
+        if t.seq_len > MAX_POSITIONS {
+            return bad(format!(
+                "--train-len {} is past the model's max_position_embeddings, {MAX_POSITIONS}",
+                t.seq_len
+            ));
+        }
+        let scores = (s.layers as u128)
+            .saturating_mul(t.batch as u128)
+            .saturating_mul(s.heads as u128)
+            .saturating_mul((t.seq_len as u128).saturating_pow(2));
+        if scores > MAX_PARAMETERS {
+            return bad(format!(
+                "--train-len {} with --train-batch {}, {} heads and {} layers trains on {scores} attention scores at once: at most {MAX_PARAMETERS}, 4 GiB of f32; shorten --train-len or --train-batch",
+                t.seq_len, t.batch, s.heads, s.layers
+            ));
+        }
     }
     Ok(())
 }
@@ -341,7 +525,7 @@ fn config_json(s: &MakeSpec) -> Value {
         "num_key_value_heads": s.kv_heads,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": MAX_POSITIONS,
         "tie_word_embeddings": s.tied,
         "initializer_range": s.init_std,
         "bos_token_id": null,
@@ -839,6 +1023,32 @@ mod tests {
             ),
             (train(|t| t.steps = 0), "at least one step"),
             (train(|t| t.lr = f64::NAN), "learning rate NaN"),
+            // Aborted on an allocation after 14 s, leaving an empty directory.
+            (
+                train(|t| t.seq_len = 40_000),
+                "--train-len 40000 is past the model's max_position_embeddings, 32768",
+            ),
+            (
+                train(|t| t.seq_len = 4096),
+                "--train-len 4096 with --train-batch 8, 4 heads and 8 layers",
+            ),
+            // Written as infinities before.
+            (
+                MakeSpec {
+                    stored: Stored::F16,
+                    init_std: 1e6,
+                    ..MakeSpec::default()
+                },
+                "which float16 does not hold (its largest is 6.5504e4): lower --init-std",
+            ),
+            (
+                MakeSpec {
+                    stored: Stored::F32,
+                    init_std: 1e38,
+                    ..MakeSpec::default()
+                },
+                "which float32 does not hold",
+            ),
         ];
         for (spec, want) in cases {
             let e = make_model_reporting(&dir, &spec, &mut |_, _| {})
@@ -847,5 +1057,121 @@ mod tests {
             assert!(e.contains(want) && !e.starts_with("batch"), "{want}: {e}");
             assert!(!dir.exists(), "{want}: {} was made", dir.display());
         }
+    }
+
+    /// A small model: a 2-layer tiny Qwen3 in about 0.3 MB of f32, so shards of 64 KiB split it.
+    fn small() -> MakeSpec {
+        MakeSpec {
+            layers: 2,
+            ..MakeSpec::default()
+        }
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Links found where the model goes are replaced, never written through: an HF snapshot's
+    /// files are links into its blob store. Before, the file a link named got the weights and a
+    /// dangling link's target was created. Every link here points into the test's own dir.
+    #[test]
+    fn a_model_is_never_written_through_a_link() {
+        let t = tempfile::tempdir().unwrap();
+        let p = |n: &str| t.path().join(n);
+        std::fs::write(p("precious"), "precious").unwrap();
+        std::fs::create_dir(p("snapshot")).unwrap();
+        std::os::unix::fs::symlink(p("precious"), p("snapshot/model.safetensors")).unwrap();
+        std::os::unix::fs::symlink(p("nowhere"), p("snapshot/config.json")).unwrap();
+        make_model(&p("snapshot"), &small()).unwrap();
+        assert_eq!(std::fs::read_to_string(p("precious")).unwrap(), "precious");
+        assert!(!p("nowhere").exists(), "a dangling link's target was made");
+        for f in ["model.safetensors", "config.json"] {
+            let m = std::fs::symlink_metadata(p("snapshot").join(f)).unwrap();
+            assert!(m.is_file(), "{f} is a regular file now");
+        }
+        // The directory itself as a link (to a directory, or dangling): the link is replaced
+        // by the model's directory; what it named is left as it was.
+        std::fs::create_dir(p("real")).unwrap();
+        std::fs::write(p("real/notes.txt"), "mine").unwrap();
+        std::os::unix::fs::symlink(p("real"), p("linked")).unwrap();
+        std::os::unix::fs::symlink(p("missing"), p("dangling")).unwrap();
+        for d in ["linked", "dangling"] {
+            make_model(&p(d), &small()).unwrap();
+            assert!(std::fs::symlink_metadata(p(d)).unwrap().is_dir(), "{d}");
+            assert!(p(d).join("config.json").is_file(), "{d}");
+        }
+        assert_eq!(names(&p("real")), ["notes.txt"]);
+        assert!(!p("missing").exists());
+        let left: Vec<String> = names(t.path())
+            .into_iter()
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(left.is_empty(), "temporaries left: {left:?}");
+    }
+
+    /// A model made again replaces the earlier one whole: a single file left beside new shards
+    /// (or shards and an index beside a new single file) would be loaded instead of, or with,
+    /// the new weights. Before, the earlier layout's files stayed.
+    #[test]
+    fn a_model_made_again_leaves_nothing_of_the_earlier_layout() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("m");
+        let one = [
+            "chat_template.jinja",
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ];
+        make_model(&d, &small()).unwrap();
+        assert_eq!(names(&d), one);
+        let sharded = MakeSpec {
+            shard_bytes: Some(64 << 10),
+            seed: 5,
+            ..small()
+        };
+        make_model(&d, &sharded).unwrap();
+        let got = names(&d);
+        assert!(!got.contains(&"model.safetensors".to_string()), "{got:?}");
+        assert!(
+            got.contains(&"model.safetensors.index.json".to_string()),
+            "{got:?}"
+        );
+        assert!(
+            got.iter().any(|n| n.starts_with("model-00001-of-")),
+            "{got:?}"
+        );
+        make_model(&d, &small()).unwrap();
+        assert_eq!(names(&d), one);
+    }
+
+    /// The model replaces its directory whole, so a directory holding anything but a model's
+    /// files is refused, naming them, and left as it was (before, they were kept beside the
+    /// model; now they would be deleted). So is a file, and a directory with no name.
+    #[test]
+    fn a_directory_holding_other_files_is_refused_and_left_alone() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("m");
+        make_model(&d, &small()).unwrap();
+        std::fs::write(d.join("notes.txt"), "mine").unwrap();
+        std::fs::create_dir(d.join(".cache")).unwrap();
+        let before = names(&d);
+        let e = make_model(&d, &small()).unwrap_err().to_string();
+        assert!(
+            e.contains("it holds .cache, notes.txt, which are not a model's files"),
+            "{e}"
+        );
+        assert_eq!(names(&d), before);
+        let f = t.path().join("file");
+        std::fs::write(&f, "x").unwrap();
+        let e = make_model(&f, &small()).unwrap_err().to_string();
+        assert!(e.contains("it is a file, not a directory"), "{e}");
+        let e = make_model(&d.join(".."), &small()).unwrap_err().to_string();
+        assert!(e.contains("by its own name"), "{e}");
     }
 }
