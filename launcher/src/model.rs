@@ -4,13 +4,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use gpu::candle::CandleTarget;
 use gpu::BackendKind;
-use model::make::{make_model_reporting, ConfigStyle, MakeSpec, Stored};
+use model::make::{ConfigStyle, MakeSpec, Stored};
 use model::Family;
 use proto::{Dtype, PipelineConfig};
 
@@ -50,7 +52,8 @@ pub enum Style {
 #[derive(Parser, Debug)]
 #[command(name = "launcher make-model", verbatim_doc_comment)]
 pub struct MakeModelArgs {
-    /// Directory to write (created; must not already hold a config.json unless --force).
+    /// Directory to write: a new or empty one; with --force, one holding only a model's files
+    /// (it is replaced whole, symbolic links in it by files: what they name is left alone).
     pub dir: PathBuf,
     #[arg(long, value_enum, default_value_t = ModelType::Qwen3)]
     pub model_type: ModelType,
@@ -93,7 +96,8 @@ pub struct MakeModelArgs {
     /// Llama 3.1's rope scaling (factor 8, frequency factors 1 and 4, 8192 original positions).
     #[arg(long)]
     pub llama3_scaling: bool,
-    /// Replace a model already in DIR.
+    /// Replace a model already in DIR (or DIR as a symbolic link): DIR is replaced whole, in one
+    /// rename, and refused where it holds files that are not a model's.
     #[arg(long)]
     pub force: bool,
     /// Train the model on the built-in synthetic language (next-token cross-entropy, AdamW)
@@ -103,26 +107,37 @@ pub struct MakeModelArgs {
     #[arg(long)]
     pub train: bool,
     /// Training steps (with --train).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, requires = "train")]
     pub train_steps: usize,
-    /// Sequences per step, and tokens per sequence (with --train).
-    #[arg(long, default_value_t = 8)]
+    /// Sequences per step, and tokens per sequence (with --train; at most the model's
+    /// max_position_embeddings, 32768).
+    #[arg(long, default_value_t = 8, requires = "train")]
     pub train_batch: usize,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, requires = "train")]
     pub train_len: usize,
     /// Peak learning rate (with --train).
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, requires = "train")]
     pub train_lr: f64,
 }
 
 /// `launcher make-model`.
+///
+/// DIR is written whole and at once: the model is drawn (and trained) in memory, then its files
+/// are written into a fresh directory beside DIR and swapped in with one rename
+/// ([`model::make::Made::write`]). So a stop or a crash leaves the old DIR (or none), never a
+/// mix, and nothing is ever written through a symbolic link found there. Without --force DIR
+/// must be new or an empty directory; with it, a directory of a model's files (or a link,
+/// itself replaced), as [`model::make::check_dir`] says. Both are checked before any work.
+///
+/// A stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) while the model is drawn or trained ends
+/// make-model by that signal, as by default: nothing is on disk yet. While the files are written
+/// and swapped in (seconds at most) it is held, and acted on once the model is in place, so
+/// no temporary directory is left beside DIR.
 pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
-    if a.dir.join("config.json").exists() && !a.force {
-        bail!(
-            "{} already holds a model (config.json); pass --force to replace it",
-            a.dir.display()
-        );
+    if !a.force {
+        refuse_in_use(&a.dir)?;
     }
+    model::make::check_dir(&a.dir)?;
     let spec = MakeSpec {
         family: match a.model_type {
             ModelType::Qwen3 => Family::Qwen3,
@@ -176,8 +191,12 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
             last_line = Instant::now();
         }
     };
-    make_model_reporting(&a.dir, &spec, &mut progress)
+    let made = model::make::build(&spec, &mut progress)
         .with_context(|| format!("making a model in {}", a.dir.display()))?;
+    let held = HeldSignals::hold().context("holding the stop signals")?;
+    let written = made.write(&a.dir);
+    held.release();
+    written.with_context(|| format!("writing the model as {}", a.dir.display()))?;
     println!(
         "{}: {} with {} layers, hidden {}, vocabulary {} (seed {})",
         a.dir.display(),
@@ -200,6 +219,83 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Without --force, DIR is new or an empty directory: a model there is replaced only when asked,
+/// and other files (a directory that is not a model, a link) are never replaced.
+fn refuse_in_use(dir: &Path) -> anyhow::Result<()> {
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return Ok(());
+    };
+    if meta.is_symlink() {
+        bail!(
+            "{} is a symbolic link; pass --force to replace the link with the model's directory (what it names is left alone)",
+            dir.display()
+        );
+    }
+    if !meta.is_dir() {
+        // check_dir says what it is.
+        return Ok(());
+    }
+    if std::fs::symlink_metadata(dir.join("config.json")).is_ok() {
+        bail!(
+            "{} already holds a model (config.json); pass --force to replace it",
+            dir.display()
+        );
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("reading {}", dir.display()))?;
+    if !names.is_empty() {
+        names.sort();
+        let n = names.len();
+        names.truncate(5);
+        bail!(
+            "{} is not empty (it holds {}{}) and has no config.json; make-model writes a new or empty directory",
+            dir.display(),
+            names.join(", "),
+            if n > 5 { format!(" and {} more", n - 5) } else { String::new() }
+        );
+    }
+    Ok(())
+}
+
+/// The stop signals, held while the model is put in place: each one received is recorded
+/// and, once [`HeldSignals::release`]d, acted on as by default (the process ends by it).
+/// Before `hold` they have their default action; after `release` they have it again (emulated
+/// by signal-hook: the handlers stay installed).
+struct HeldSignals {
+    armed: Arc<AtomicBool>,
+    got: Vec<(std::ffi::c_int, Arc<AtomicBool>)>,
+}
+
+impl HeldSignals {
+    fn hold() -> std::io::Result<HeldSignals> {
+        let armed = Arc::new(AtomicBool::new(false));
+        let mut got = Vec::new();
+        for sig in proto::stop::STOP_SIGNALS {
+            let seen = Arc::new(AtomicBool::new(false));
+            // The default action first: armed, it ends the process before `seen` is set.
+            signal_hook::flag::register_conditional_default(sig, Arc::clone(&armed))?;
+            signal_hook::flag::register(sig, Arc::clone(&seen))?;
+            got.push((sig, seen));
+        }
+        Ok(HeldSignals { armed, got })
+    }
+
+    /// Arms the default action again, then acts on a signal received while held.
+    fn release(self) {
+        // SYNC: the handlers load both with SeqCst; a signal after this store ends the process
+        // in its handler, one before it is seen below.
+        self.armed.store(true, Ordering::SeqCst);
+        for (sig, seen) in &self.got {
+            if seen.load(Ordering::SeqCst) {
+                let _ = signal_hook::low_level::emulate_default_handler(*sig);
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
