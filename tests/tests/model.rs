@@ -891,3 +891,90 @@ fn the_readme_dflash_demo_trains_a_drafter_well_above_an_untrained_one() {
         "trained {trained:.2}, untrained {untrained:.2}: {eval}"
     );
 }
+
+/// `launcher make-model` with `args`: its exit status and stderr.
+fn make_model_cli(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut all = vec!["make-model"];
+    all.extend_from_slice(args);
+    spawn(&workspace_bin("launcher"), &all).wait_status_keep()
+}
+
+/// Bad training flags are refused before any work and leave no directory: a --train-* flag
+/// without --train is a usage error (it was ignored), and a --train-len past the model's
+/// positions is named with its bound (it aborted after 14 s, leaving an empty directory).
+#[test]
+fn make_model_refuses_bad_training_flags_before_any_work() {
+    let dir = TestDir::new("mkflags");
+    let m = dir.path("m");
+    let m_arg = m.to_str().unwrap();
+    let (status, err) = make_model_cli(&[m_arg, "--train-steps", "5"]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("--train"), "{err}");
+    let (status, err) = make_model_cli(&[m_arg, "--train", "--train-len", "40000"]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--train-len 40000 is past the model's max_position_embeddings, 32768"),
+        "{err}"
+    );
+    assert!(!m.exists(), "{} was made", m.display());
+}
+
+/// Without --force the model goes to a new or empty directory: a directory of other files, or
+/// a link, is refused and left alone (before, the model was written into it, through its
+/// links). The link here points into the test's own directory.
+#[test]
+fn make_model_without_force_refuses_a_directory_in_use() {
+    let dir = TestDir::new("mkinuse");
+    let d = dir.path("d");
+    std::fs::create_dir(&d).unwrap();
+    std::fs::write(d.join("notes.txt"), "mine").unwrap();
+    let (status, err) = make_model_cli(&[d.to_str().unwrap(), "--layers", "1"]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("is not empty (it holds notes.txt)"), "{err}");
+    let link = dir.path("link");
+    std::os::unix::fs::symlink(&d, &link).unwrap();
+    let (status, err) = make_model_cli(&[link.to_str().unwrap(), "--layers", "1"]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("is a symbolic link; pass --force"), "{err}");
+    let names: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["notes.txt"]);
+    // An empty directory is filled.
+    let empty = dir.path("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (status, err) = make_model_cli(&[empty.to_str().unwrap(), "--layers", "1"]);
+    assert!(status.success(), "{err}");
+    assert!(empty.join("config.json").is_file());
+}
+
+/// A stop signal while make-model trains ends it (by the signal: nothing is on disk yet) and
+/// leaves neither the directory nor a temporary beside it. Before, it left an empty directory.
+#[test]
+fn make_model_stopped_while_training_leaves_nothing() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = TestDir::new("mkstop");
+    let m = dir.path("m");
+    let mut p = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "make-model",
+            m.to_str().unwrap(),
+            "--layers",
+            "1",
+            "--train",
+            "--train-steps",
+            "1000000",
+        ],
+    );
+    p.line_starting("train: step 1/");
+    crate::launcher::kill(p.child.id(), rustix::process::Signal::TERM);
+    let (status, err) = p.wait_status_keep();
+    assert_eq!(status.signal(), Some(15), "{status}: {err}");
+    let left: Vec<_> = std::fs::read_dir(dir.path(""))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
