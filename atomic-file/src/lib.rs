@@ -3,7 +3,7 @@
 //! directory (without that last sync the rename itself may not survive a power loss). Used for
 //! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
 //! report's SVG, a prepared dataset and its input stamps; and, with [`replace_dir_with`], the
-//! drafter's export directory. A crate of its own, below `dataset` and `proto`, so that
+//! drafter's export directory and `make-model`'s model directory. A crate of its own, below `dataset` and `proto`, so that
 //! preparing a dataset needs none of hspipe's contracts. It also reads a config whole
 //! ([`read_regular`]) without waiting on a FIFO.
 //!

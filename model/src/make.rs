@@ -13,9 +13,13 @@
 //! `tokenizers` on a seeded built-in English-like corpus, so its merges are real ones; its size
 //! never exceeds the vocabulary (as HF allows, `vocab_size` may be larger than the tokenizer).
 //!
-//! Length: about 770 lines, a hundred of them the spec's checks and their test: the config
-//! writer, every tensor of the three families, shards and the tokenizer are one layout written
-//! in one place, which the loader's tests read back.
+//! The model is built in memory ([`build`]) and put in place as a whole directory in one rename
+//! ([`Made::write`]): never through a link found there, never beside an earlier layout's files,
+//! and only over a new directory, a link, or a directory of a model's files ([`check_dir`]).
+//!
+//! Length: about 1180 lines, four hundred of them the spec's and the directory's checks and
+//! their tests: the config writer, every tensor of the three families, shards and the tokenizer
+//! are one layout written in one place, which the loader's tests read back.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! launcher run on a tiny model; `launcher capture`; bad model inputs; the DFlash drafter
 //! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
-//! Length: about 600 lines: each test runs a whole path (a worker, the launcher, capture,
+//! Length: about 980 lines: each test runs a whole path (a worker, the launcher, capture,
 //! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
