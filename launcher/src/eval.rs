@@ -215,8 +215,15 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
         a.max_new_tokens,
         drafter.cfg.block_size
     );
-    let greedy: Vec<Vec<u32>> = (prompts.iter())
-        .map(|p| spec::greedy(&target, p, a.max_new_tokens))
+    let greedy: Vec<Vec<u32>> = (prompts.iter().enumerate())
+        .map(|(i, p)| {
+            spec::greedy(&target, p, a.max_new_tokens).with_context(|| {
+                format!(
+                    "the target {}'s greedy decoding of prompt {i}",
+                    a.model.display()
+                )
+            })
+        })
         .collect::<Result<_, _>>()?;
     let trained = decode(&target, &drafter, &prompts, &greedy, a.max_new_tokens)?;
     println!("{}", line("trained", &trained));

@@ -472,7 +472,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
         };
         target
             .run(&ids, &[t as u32], out, !a.no_tokens)
-            .with_context(|| format!("sample {id}"))?;
+            .with_context(|| format!("running {} on sample {id}", a.model.display()))?;
         tokens_done += t as u64;
         let bytes = (hidden.len() + greedy.len() + t * 4) as u64;
         // The shard is written before it would pass --shard-mib; a sample larger than that

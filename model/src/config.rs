@@ -279,6 +279,14 @@ impl ArchConfig {
         });
         let (rope_theta, rope_scaling) =
             rope(&raw, family, max_position_embeddings).map_err(bad)?;
+        // A zero or negative epsilon turns RMSNorm's square root into NaN (or a division by
+        // zero) for every token: the forward would compute NaN states and argmax 0 tokens.
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(bad(format!(
+                "rms_norm_eps = {rms_norm_eps}: must be a positive number"
+            )));
+        }
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let cfg = ArchConfig {
             family,
@@ -289,7 +297,7 @@ impl ArchConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rms_norm_eps,
             rope_theta,
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
@@ -417,13 +425,22 @@ fn rope_from(
                 high_freq_factor: get("high_freq_factor")?,
                 original_max_position_embeddings: original,
             };
-            if !(s.factor > 0.0
+            let finite = [
+                s.factor,
+                s.low_freq_factor,
+                s.high_freq_factor,
+                s.original_max_position_embeddings,
+            ]
+            .iter()
+            .all(|v| v.is_finite());
+            if !(finite
+                && s.factor > 0.0
                 && s.high_freq_factor > s.low_freq_factor
                 && s.low_freq_factor > 0.0
                 && s.original_max_position_embeddings > 0.0)
             {
                 return Err(format!(
-                    "{where_}: llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0, got {s:?}"
+                    "{where_}: llama3 scaling needs finite numbers, factor > 0, original_max_position_embeddings > 0 and high_freq_factor > low_freq_factor > 0, got {s:?}"
                 ));
             }
             Ok((theta, RopeScaling::Llama3(s)))
@@ -523,6 +540,20 @@ mod tests {
             (
                 r#""model_type": "qwen2", "use_sliding_window": true"#,
                 "use_sliding_window",
+            ),
+            // RMSNorm's epsilon: a negative one made every state NaN and every greedy token 0,
+            // which capture wrote and eval scored as perfect.
+            (
+                r#""model_type": "qwen3", "rms_norm_eps": -1"#,
+                "rms_norm_eps = -1: must be a positive number",
+            ),
+            (
+                r#""model_type": "llama", "rms_norm_eps": 0"#,
+                "rms_norm_eps = 0: must be a positive number",
+            ),
+            (
+                r#""model_type": "llama", "rope_theta": 0.5"#,
+                "rope_theta = 0.5",
             ),
         ];
         for (fields, want) in cases {

@@ -406,8 +406,16 @@ impl Decoder {
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
+        // On the CPU each layer's output is checked for NaN and infinities, a pass over
+        // `[T, H]` next to the layer's `[T, H] x [H, *]` products. Not on a GPU: reading the
+        // verdict back would wait for the device at every layer, where the target worker
+        // overlaps one batch's forward with the last one's copy.
+        let check = self.device.is_cpu();
         for (li, layer) in self.layers.iter().enumerate().take(run) {
             x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &attend)?;
+            if check {
+                finite(&x, || format!("decoder layer {li}'s output"))?;
+            }
             for (slot, _) in need.layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 layers[slot] = Some(x.clone());
             }
@@ -421,6 +429,9 @@ impl Decoder {
             });
         }
         let last = self.rms(&x, &self.norm)?;
+        if check {
+            finite(&last, || "the final norm's output".into())?;
+        }
         let tokens = if need.tokens {
             Some(self.greedy(&last)?)
         } else {
@@ -537,6 +548,9 @@ impl Decoder {
         while start < t {
             let n = rows.min(t - start);
             let logits = last.narrow(0, start, n)?.matmul(&head)?;
+            if self.device.is_cpu() {
+                finite(&logits, || "the LM head's logits".into())?;
+            }
             chunks.push(logits.argmax(D::Minus1)?);
             start += n;
         }
@@ -545,4 +559,21 @@ impl Decoder {
         }
         Ok(Tensor::cat(&chunks, 0)?)
     }
+}
+
+/// That every element of `x` is finite, else [`ModelError::NonFinite`] naming `what`: `x - x`
+/// is 0 at a finite element and NaN at a NaN or an infinity, so its sum is 0 exactly when all
+/// are finite (in any float dtype, with no copy to the host but the sum).
+fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
+    let sum = (x - x)?
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
+    if sum == 0.0 {
+        return Ok(());
+    }
+    Err(ModelError::NonFinite(format!(
+        "the forward computed NaN or infinite values in {}: the weights or config.json are broken",
+        what()
+    )))
 }

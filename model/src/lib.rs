@@ -77,6 +77,10 @@ pub enum ModelError {
     /// A DFlash drafter that cannot be made or run as asked (its shape, or its target's).
     #[error("DFlash drafter: {0}")]
     Drafter(String),
+    /// A forward that computed NaN or infinite values (a broken checkpoint or config): its
+    /// states and greedy tokens would be garbage that looks like data.
+    #[error("{0}")]
+    NonFinite(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

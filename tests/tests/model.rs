@@ -978,3 +978,103 @@ fn make_model_stopped_while_training_leaves_nothing() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// A target that computes NaN or infinities is an error naming the model and where it went
+/// wrong, for `capture` and `eval` alike, and a config.json with a negative `rms_norm_eps` (the
+/// usual cause) is refused by its field. Before, capture wrote all-NaN states and greedy tokens
+/// of 0 (exit 0), and eval scored any drafter as perfect (8.00 tokens per target forward,
+/// "output equals the target's greedy output", exit 0).
+#[test]
+fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() {
+    use model::dflash::{mask_token_id, Dflash, DflashConfig, Frozen};
+    let dir = TestDir::new("mnan");
+    let m = dir.path("m");
+    let spec = MakeSpec {
+        layers: 2,
+        ..MakeSpec::default()
+    };
+    make_model(&m, &spec).unwrap();
+    let arch = model::ArchConfig::load(&m).unwrap();
+    let mask = mask_token_id(&m, arch.vocab_size, None).unwrap();
+    let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 8, mask);
+    let drafter = dir.path("drafter");
+    Dflash::new(cfg, Frozen::load(&m, &Device::Cpu).unwrap(), 0)
+        .unwrap()
+        .export(&drafter)
+        .unwrap();
+
+    // Layer 1's down projection all infinities (bf16 0x7f80).
+    let inf = broken_weights(&m, &dir.path("inf"), |name, (dtype, shape, data)| {
+        if name != "model.layers.1.mlp.down_proj.weight" {
+            return Some((dtype, shape, data));
+        }
+        assert_eq!(dtype, safetensors::Dtype::BF16);
+        let data = data
+            .chunks(2)
+            .flat_map(|_| 0x7f80u16.to_le_bytes())
+            .collect();
+        Some((dtype, shape, data))
+    });
+    // The same weights with RMSNorm's epsilon negative.
+    let eps = broken_weights(&m, &dir.path("eps"), |_, t| Some(t));
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(eps.join("config.json")).unwrap()).unwrap();
+    c["rms_norm_eps"] = (-1).into();
+    std::fs::write(eps.join("config.json"), c.to_string()).unwrap();
+
+    let launcher = |args: &[&str]| {
+        let (status, out, p) = spawn(&workspace_bin("launcher"), args).finish_status();
+        // The stderr thread's last lines.
+        std::thread::sleep(Duration::from_millis(100));
+        (status.code(), format!("{out}{}", p.stderr()))
+    };
+    for (model, want) in [
+        (&inf, "NaN or infinite values in decoder layer 1's output"),
+        (&eps, "rms_norm_eps = -1: must be a positive number"),
+    ] {
+        let out = dir.path(&format!(
+            "caps-{}",
+            model.file_name().unwrap().to_str().unwrap()
+        ));
+        let (code, said) = launcher(&[
+            "capture",
+            "--model",
+            model.to_str().unwrap(),
+            "--synthetic",
+            "2",
+            "--layers",
+            "0,1",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, Some(1), "{said}");
+        assert!(
+            said.contains(want) && said.contains(model.to_str().unwrap()),
+            "{said}"
+        );
+        assert!(!out.join("index.json").exists(), "{said}");
+        let json = dir.path("eval.json");
+        let (code, said) = launcher(&[
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--drafter",
+            drafter.to_str().unwrap(),
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert_eq!(code, Some(1), "{said}");
+        assert!(
+            said.contains(want) && said.contains(model.to_str().unwrap()),
+            "{said}"
+        );
+        assert!(!said.contains("mean acceptance length"), "{said}");
+        assert!(!json.exists(), "{said}");
+    }
+}
