@@ -90,7 +90,8 @@ pub fn mask_token_id(dir: &Path, vocab: usize, configured: Option<u32>) -> Resul
         return Ok(id);
     }
     let path = dir.join("tokenizer.json");
-    if let Ok(text) = std::fs::read_to_string(&path) {
+    // Not a FIFO's open, which would wait for a writer for ever: read_regular refuses it.
+    if let Ok(text) = atomic_file::read_regular(&path) {
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
             let added = v["added_tokens"].as_array().cloned().unwrap_or_default();
             for t in added {
@@ -206,7 +207,7 @@ impl DflashConfig {
     /// The `config.json` of the export in `dir` (see [`DflashConfig::from_json`]).
     pub fn load(dir: &Path) -> Result<DflashConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        let text = atomic_file::read_regular(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
             cause: source,
         })?;

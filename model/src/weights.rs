@@ -40,7 +40,7 @@ impl Weights {
         let (paths, named): (Vec<PathBuf>, Option<BTreeMap<String, String>>) = if single.exists() {
             (vec![single], None)
         } else if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+            let text = atomic_file::read_regular(&index_path).map_err(|source| ModelError::Io {
                 path: index_path.clone(),
                 cause: source,
             })?;
@@ -85,6 +85,17 @@ impl Weights {
                 return Err(ModelError::Weights {
                     file: dir.join(INDEX),
                     why: format!("names shard {}, which does not exist", p.display()),
+                });
+            }
+            // A FIFO's open (by the map below) waits for a writer, for ever if none comes.
+            let meta = std::fs::metadata(&p).map_err(|source| ModelError::Io {
+                path: p.clone(),
+                cause: source,
+            })?;
+            if let Some(what) = atomic_file::not_regular(&meta) {
+                return Err(ModelError::Weights {
+                    file: p.clone(),
+                    why: format!("it is {what}, not a regular file"),
                 });
             }
             // SAFETY: the map is read-only and the model directory is an input nobody writes
@@ -227,5 +238,31 @@ impl Weights {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A weights file, or a shard an index names, that is a FIFO is refused before it is
+    /// opened: the map's open waited for a writer for ever (`launcher capture` hung).
+    #[test]
+    fn a_weights_file_or_shard_that_is_a_fifo_is_refused_without_opening_it() {
+        let e = testkit::fifo_refusal(SINGLE, |d| {
+            Weights::open(d, &Device::Cpu, DType::F32)
+                .err()
+                .map(|e| e.to_string())
+        });
+        assert!(e.contains(SINGLE) && e.contains("FIFO"), "{e}");
+        let shard = "model-00001-of-00001.safetensors";
+        let e = testkit::fifo_refusal(shard, move |d| {
+            let index = format!(r#"{{"weight_map": {{"lm_head.weight": "{shard}"}}}}"#);
+            std::fs::write(d.join(INDEX), index).unwrap();
+            Weights::open(d, &Device::Cpu, DType::F32)
+                .err()
+                .map(|e| e.to_string())
+        });
+        assert!(e.contains(shard) && e.contains("FIFO"), "{e}");
     }
 }

@@ -118,6 +118,18 @@ const SPECIAL: &[&str] = &[
     "mask_token",
 ];
 
+/// Reads `path` whole, refusing what is not a regular file before opening it
+/// ([`atomic_file::not_regular`]): a tokenizer.json that is a FIFO waited for a writer for ever.
+fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
+    if let Some(what) = atomic_file::not_regular(&std::fs::metadata(path)?) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is {what}, not a regular file"),
+        ));
+    }
+    std::fs::read(path)
+}
+
 impl Chat {
     /// Loads the tokenizer and template of the model directory `dir`. The tokenizer must load;
     /// a template that is missing or unusable (its assistant turns not found) is an error only
@@ -125,7 +137,7 @@ impl Chat {
     pub fn load(dir: &Path, options: ChatOptions) -> Result<Chat, ChatError> {
         let read = |name: &str| {
             let path = dir.join(name);
-            std::fs::read(&path).map_err(|source| ChatError::Read {
+            read_regular(&path).map_err(|source| ChatError::Read {
                 path,
                 cause: source,
             })
@@ -147,7 +159,7 @@ impl Chat {
             )
         })?;
         tokenizer.with_padding(None);
-        let config: Json = match std::fs::read(dir.join("tokenizer_config.json")) {
+        let config: Json = match read_regular(&dir.join("tokenizer_config.json")) {
             Ok(b) => serde_json::from_slice(&b)
                 .map_err(|e| bad("tokenizer_config.json", format!("not JSON: {e}")))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Json::Null,
@@ -161,9 +173,11 @@ impl Chat {
         // A template that is missing or cannot be used is no error yet: pre-tokenized records
         // and texts need only the tokenizer (a base model has no template). It is the error of
         // the first conversation.
-        let source: Result<String, ChatError> = match std::fs::read_to_string(
-            dir.join("chat_template.jinja"),
-        ) {
+        let source: Result<String, ChatError> = match read_regular(&dir.join("chat_template.jinja"))
+            .and_then(|b| {
+                String::from_utf8(b)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+            }) {
             Ok(s) => Ok(s),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 match config.get("chat_template") {

@@ -277,3 +277,24 @@ fn dictionary_encoded_roles_and_texts_prepare_as_plain_strings() {
         assert_eq!(got.unwrap(), want_texts, "{kind}");
     }
 }
+
+/// A tokenizer.json, tokenizer_config.json or chat_template.jinja that is a FIFO is refused
+/// before it is opened: `launcher prepare t.jsonl --model DIR` waited for a writer for ever.
+#[test]
+fn a_tokenizer_file_that_is_a_fifo_is_refused_without_opening_it() {
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        let e = testkit::fifo_refusal(name, move |d| {
+            if name != "tokenizer.json" {
+                std::fs::write(d.join("tokenizer.json"), tokenizer_json("null", "null")).unwrap();
+            }
+            Chat::load(d, ChatOptions::default())
+                .err()
+                .map(|e| e.to_string())
+        });
+        assert!(e.contains(name) && e.contains("FIFO"), "{name}: {e}");
+    }
+}
