@@ -13,6 +13,8 @@ use model::dflash::{Dflash, DflashConfig, Frozen};
 use model::{spec, Decoder};
 use serde::Serialize;
 
+use crate::signals::StopSignals;
+
 /// Speculative decoding of held-out prompts: the drafter proposes a block, the target verifies
 /// it in one forward, the accepted prefix and the target's next token are appended. Prints the
 /// mean acceptance length (tokens per target forward, 1..block size), the acceptance at each
@@ -85,7 +87,7 @@ pub struct EvalReport {
     pub untrained: Option<Acceptance>,
 }
 
-fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec<Vec<u32>>> {
     let Some(input) = &a.data else {
         // Held-out samples of the one language real-model runs train on.
         return Ok(dataset::language::held_out(
@@ -99,7 +101,7 @@ fn prompts(a: &EvalArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     let mut cfg = proto::PipelineConfig::default();
     cfg.model.path = Some(a.model.clone());
     let options = crate::data::options(&cfg, u32::MAX)?;
-    let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None, None)?;
+    let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None, Some(stop))?;
     println!("{line}");
     let data = dataset::Dataset::mapped(&p.path)?;
     let mut out = Vec::new();
@@ -129,12 +131,14 @@ fn decode(
     prompts: &[Vec<u32>],
     greedy: &[Vec<u32>],
     max_new: usize,
+    stop: &StopSignals,
 ) -> anyhow::Result<Acceptance> {
     let b = drafter.cfg.block_size;
     let mut lengths = Vec::new();
     let mut matches = true;
     let mut tokens = 0;
     for (i, (p, want)) in prompts.iter().zip(greedy).enumerate() {
+        stop.check(|| stopped_at("speculative decoding", i, prompts.len()))?;
         let g = spec::speculative(target, drafter, p, max_new)
             .with_context(|| format!("prompt {i}"))?;
         if &g.tokens != want {
@@ -169,12 +173,21 @@ fn line(name: &str, a: &Acceptance) -> String {
     )
 }
 
+/// What a stop at prompt `i` of `n` says.
+fn stopped_at(what: &str, i: usize, n: usize) -> String {
+    format!("during {what}, at prompt {i} of {n}: no figure reported, no --json written")
+}
+
 /// `launcher eval`.
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     // Before the work of decoding: the report is renamed over `--json` once written.
     if let Some(p) = &a.json {
         atomic_file::target(p).with_context(|| format!("--json {}", p.display()))?;
     }
+    // Stops end the evaluation between prompts (or its data's preparation); --json is written
+    // only at the end, so nothing is left.
+    let signals = StopSignals::install().context("installing signal handlers")?;
+    signals.exit_on_second("eval", || ": no --json written".into());
     let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
         .with_context(|| format!("loading the target {}", a.model.display()))?;
     // The drafter's config first: a drafter of another model is named as such, before its
@@ -207,7 +220,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     let drafter = Dflash::load_export(&a.drafter, frozen()?)
         .with_context(|| format!("loading the drafter {}", a.drafter.display()))?;
     let vocab = target.config().vocab_size;
-    let prompts = prompts(&a, vocab)?;
+    let prompts = prompts(&a, vocab, &signals)?;
     println!(
         "eval: {} prompts of up to {} tokens, {} new tokens each, block size {}",
         prompts.len(),
@@ -217,6 +230,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     );
     let greedy: Vec<Vec<u32>> = (prompts.iter().enumerate())
         .map(|(i, p)| {
+            signals.check(|| stopped_at("the target's greedy decoding", i, prompts.len()))?;
             spec::greedy(&target, p, a.max_new_tokens).with_context(|| {
                 format!(
                     "the target {}'s greedy decoding of prompt {i}",
@@ -225,11 +239,25 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
             })
         })
         .collect::<Result<_, _>>()?;
-    let trained = decode(&target, &drafter, &prompts, &greedy, a.max_new_tokens)?;
+    let trained = decode(
+        &target,
+        &drafter,
+        &prompts,
+        &greedy,
+        a.max_new_tokens,
+        &signals,
+    )?;
     println!("{}", line("trained", &trained));
     let untrained = if a.baseline {
         let fresh = Dflash::new(drafter.cfg.clone(), frozen()?, 0)?;
-        let u = decode(&target, &fresh, &prompts, &greedy, a.max_new_tokens)?;
+        let u = decode(
+            &target,
+            &fresh,
+            &prompts,
+            &greedy,
+            a.max_new_tokens,
+            &signals,
+        )?;
         println!("{}", line("untrained", &u));
         Some(u)
     } else {

@@ -19,6 +19,8 @@ use model::make::{ConfigStyle, MakeSpec, Stored};
 use model::Family;
 use proto::{Dtype, PipelineConfig};
 
+use crate::signals::StopSignals;
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum ModelType {
     Qwen3,
@@ -406,12 +408,59 @@ fn capture_config(a: &CaptureArgs) -> anyhow::Result<PipelineConfig> {
     Ok(cfg)
 }
 
+/// What `launcher capture` wrote, removed unless it completes ([`Output::keep`]): the output
+/// directory if the capture made it, else what it put in it (it was empty).
+///
+/// A capture stopped or failed half-way leaves nothing rather than a partial result with its
+/// index: a capture cannot be resumed, a part's index would read as a whole capture of fewer
+/// samples to whoever finds it later, and an emptied `-o` takes the same command again.
+struct Output {
+    dir: PathBuf,
+    made: bool,
+    keep: bool,
+}
+
+impl Output {
+    /// Removes what the capture wrote in `dir`; says what, for the user's line.
+    fn remove(dir: &Path, made: bool) -> String {
+        if made {
+            let _ = std::fs::remove_dir_all(dir);
+            return format!(": {} removed", dir.display());
+        }
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let p = e.path();
+                let _ = if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    std::fs::remove_dir_all(&p)
+                } else {
+                    std::fs::remove_file(&p)
+                };
+            }
+        }
+        format!(": {} emptied of what it wrote", dir.display())
+    }
+
+    fn keep(mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for Output {
+    fn drop(&mut self) {
+        if !self.keep {
+            Output::remove(&self.dir, self.made);
+        }
+    }
+}
+
 /// `launcher capture`.
 pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     if let Some(n) = a.threads {
         // Read by candle's kernels when they first run; no other thread exists yet.
         std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
     }
+    // Stops end the capture between samples (or its data's preparation), with nothing left.
+    let signals = StopSignals::install().context("installing signal handlers")?;
     let mut cfg = capture_config(&a)?;
     let in_use = a.out.exists()
         && std::fs::read_dir(&a.out)
@@ -424,19 +473,31 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
             a.out.display()
         );
     }
+    let made = std::fs::symlink_metadata(&a.out).is_err();
+    let (dir, made_) = (a.out.clone(), made);
+    signals.exit_on_second("capture", move || Output::remove(&dir, made_));
+    let stopped = |what: &str| signals.check(|| format!("{what}: nothing of the capture is left"));
     if let Some(input) = &a.data {
         let options = crate::data::options(&cfg, cfg.data.max_len)?;
-        let (p, line) = crate::data::prepare_dataset(input, &options, &a.data_cache, None, None)?;
+        let (p, line) =
+            crate::data::prepare_dataset(input, &options, &a.data_cache, None, Some(&signals))?;
         println!("{line}");
         cfg.data.prepared = Some(p.path);
     }
+    stopped("before the capture began")?;
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;
     // Before any shard: data made for another tokenizer would stop the capture at its first
     // such sample, leaving shards without their index.
     if let Some(input) = &a.data {
         check_ids_fit(&data, &a.model, input)?;
     }
+    stopped("before the capture began")?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let output = Output {
+        dir: a.out.clone(),
+        made,
+        keep: false,
+    };
     let target = CandleTarget::load(&a.model, &cfg)
         .with_context(|| format!("loading {}", a.model.display()))?;
     let layers = target.layers().to_vec();
@@ -461,6 +522,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     let started = Instant::now();
     let mut tokens_done = 0u64;
     for id in 0..data.len() as u64 {
+        stopped(&format!("after {id} of {} samples", data.len()))?;
         let Some(s) = data.sample(id) else { continue };
         let ids = s.input_ids.into_owned();
         let t = ids.len();
@@ -513,8 +575,10 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
         "samples": index,
     });
     let p = a.out.join("index.json");
+    stopped(&format!("after its {} samples", data.len()))?;
     atomic_file::replace(&p, serde_json::to_string_pretty(&meta)?.as_bytes())
         .with_context(|| format!("writing {}", p.display()))?;
+    output.keep();
     println!(
         "capture: {} samples, {tokens_done} tokens in {shards} shards under {} ({:.0} tokens/s)",
         data.len(),

@@ -66,6 +66,49 @@ impl StopSignals {
     pub fn last_name(&self) -> &'static str {
         signal_hook::low_level::signal_name(self.last.load(Ordering::Relaxed)).unwrap_or("a signal")
     }
+
+    /// For a command that polls [`StopSignals::received`] between steps that may each be long
+    /// (`launcher capture`, `launcher eval`: a forward of a large model): a second request ends
+    /// the process at once, exit 131, after `cleanup` (which removes what the command wrote) and
+    /// a line saying so. Without it the stop signals, made non-fatal by `install`, could no
+    /// longer end the process before the step in hand ends.
+    pub fn exit_on_second(
+        &self,
+        what: &'static str,
+        cleanup: impl Fn() -> String + Send + 'static,
+    ) {
+        let seen = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("stop-second".into())
+            .spawn(move || loop {
+                if seen.received() >= 2 {
+                    let left = cleanup();
+                    // Not eprintln!: it panics if the terminal is gone.
+                    use std::io::Write;
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "{what} stopped at once by a second signal ({}){left}",
+                        seen.last_name()
+                    );
+                    std::process::exit(crate::exit::KILLED);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            });
+        // Without the thread a second signal is only late: the first still stops the command.
+        drop(spawned);
+    }
+
+    /// [`Interrupted`](crate::Interrupted) saying `what` was stopped, once a stop was asked for.
+    pub fn check(&self, what: impl FnOnce() -> String) -> Result<(), crate::Interrupted> {
+        if self.received() == 0 {
+            return Ok(());
+        }
+        Err(crate::Interrupted(format!(
+            "stopped by {} {}",
+            self.last_name(),
+            what()
+        )))
+    }
 }
 
 /// Which signals are new requests: all but a repeat of the previous one, the same signal from

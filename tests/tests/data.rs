@@ -20,7 +20,9 @@ use proto::PipelineConfig;
 use proto::{LedgerLine, RunDir};
 
 use crate::launcher::{kill, no_segment_of};
-use crate::support::{spawn, stale_segments_shared, workspace_bin, Proc, TestDir, WATCHDOG};
+use crate::support::{
+    catches_sigterm, spawn, stale_segments_shared, workspace_bin, Proc, TestDir, WATCHDOG,
+};
 
 /// The environment variable naming the tests' Python (it makes fixtures and checks our files
 /// with pyarrow; hspipe itself runs no Python, for any input format).
@@ -492,18 +494,6 @@ fn prepare_refuses_an_output_that_is_not_a_regular_file_and_leaves_it() {
     assert!(!err.contains("panicked"), "{err}");
     let t = std::fs::symlink_metadata(&fifo).unwrap().file_type();
     assert!(t.is_fifo(), "still a FIFO, not {t:?}");
-}
-
-/// True once process `pid` catches SIGTERM (its handler is installed): read from
-/// /proc/PID/status, whose SigCgt is a hex mask of the signals caught, bit N-1 for signal N.
-fn catches_sigterm(pid: u32) -> bool {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let mask = status
-        .lines()
-        .find_map(|l| l.strip_prefix("SigCgt:"))
-        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
-        .unwrap_or(0);
-    mask & (1 << (15 - 1)) != 0
 }
 
 /// A stop signal while the data is prepared (minutes, for a large set) stops the preparation:

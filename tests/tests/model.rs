@@ -3,7 +3,7 @@
 //! launcher run on a tiny model; `launcher capture`; bad model inputs; the DFlash drafter
 //! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
-//! Length: about 980 lines: each test runs a whole path (a worker, the launcher, capture,
+//! Length: about 1200 lines: each test runs a whole path (a worker, the launcher, capture,
 //! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
@@ -979,6 +979,20 @@ fn make_model_stopped_while_training_leaves_nothing() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
+/// An untrained DFlash drafter (block 8, one layer) of the 2-layer model in `m`, exported to
+/// `to`.
+fn untrained_drafter(m: &Path, to: &Path) -> PathBuf {
+    use model::dflash::{mask_token_id, Dflash, DflashConfig, Frozen};
+    let arch = model::ArchConfig::load(m).unwrap();
+    let mask = mask_token_id(m, arch.vocab_size, None).unwrap();
+    let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 8, mask);
+    Dflash::new(cfg, Frozen::load(m, &Device::Cpu).unwrap(), 0)
+        .unwrap()
+        .export(to)
+        .unwrap();
+    to.to_path_buf()
+}
+
 /// A target that computes NaN or infinities is an error naming the model and where it went
 /// wrong, for `capture` and `eval` alike, and a config.json with a negative `rms_norm_eps` (the
 /// usual cause) is refused by its field. Before, capture wrote all-NaN states and greedy tokens
@@ -986,7 +1000,6 @@ fn make_model_stopped_while_training_leaves_nothing() {
 /// "output equals the target's greedy output", exit 0).
 #[test]
 fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() {
-    use model::dflash::{mask_token_id, Dflash, DflashConfig, Frozen};
     let dir = TestDir::new("mnan");
     let m = dir.path("m");
     let spec = MakeSpec {
@@ -994,14 +1007,7 @@ fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() 
         ..MakeSpec::default()
     };
     make_model(&m, &spec).unwrap();
-    let arch = model::ArchConfig::load(&m).unwrap();
-    let mask = mask_token_id(&m, arch.vocab_size, None).unwrap();
-    let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 8, mask);
-    let drafter = dir.path("drafter");
-    Dflash::new(cfg, Frozen::load(&m, &Device::Cpu).unwrap(), 0)
-        .unwrap()
-        .export(&drafter)
-        .unwrap();
+    let drafter = untrained_drafter(&m, &dir.path("drafter"));
 
     // Layer 1's down projection all infinities (bf16 0x7f80).
     let inf = broken_weights(&m, &dir.path("inf"), |name, (dtype, shape, data)| {
@@ -1077,4 +1083,129 @@ fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() 
         assert!(!said.contains("mean acceptance length"), "{said}");
         assert!(!json.exists(), "{said}");
     }
+}
+
+/// A stop signal ends `capture` and `eval` between samples or prompts, or while their `--data`
+/// is prepared: exit 130 and a line saying what was stopped, nothing partial in the data cache,
+/// capture's output directory removed (or, given empty, left empty), eval's `--json` unwritten.
+/// Before, both died of the signal: capture left shards without an index in a directory a
+/// re-run refused as not empty, and a preparation its `.tmp` in the cache. The work cannot end
+/// first (100000 samples, prompts or JSONL lines); where the stop lands (the preparation or
+/// after it) both outcomes are checked the same.
+#[test]
+fn a_stop_signal_ends_capture_and_eval_with_130_leaving_nothing() {
+    use rustix::process::Signal;
+    let dir = TestDir::new("mstop");
+    let m = dir.path("m");
+    let spec = MakeSpec {
+        layers: 2,
+        ..MakeSpec::default()
+    };
+    make_model(&m, &spec).unwrap();
+    let drafter = untrained_drafter(&m, &dir.path("drafter"));
+    let lines: String = (0..100_000u32)
+        .map(|i| {
+            let ids: Vec<u32> = (0..48).map(|k| (i * 7 + k * 13) % 1000).collect();
+            format!("{{\"input_ids\": {ids:?}}}\n")
+        })
+        .collect();
+    let big = dir.path("big.jsonl");
+    std::fs::write(&big, lines).unwrap();
+    let cache = dir.path("cache");
+    let empty = dir.path("given-empty");
+    std::fs::create_dir(&empty).unwrap();
+    let json = dir.path("eval.json");
+    let (m, big, cache) = (
+        m.to_str().unwrap(),
+        big.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    );
+    let new_out = dir.path("caps");
+    let (new_out_s, empty_s) = (new_out.to_str().unwrap(), empty.to_str().unwrap());
+    let runs: Vec<(Vec<&str>, Signal)> = vec![
+        (
+            vec![
+                "capture",
+                "--model",
+                m,
+                "--synthetic",
+                "100000",
+                "--layers",
+                "0,1",
+                "-o",
+                new_out_s,
+            ],
+            Signal::TERM,
+        ),
+        (
+            vec![
+                "capture",
+                "--model",
+                m,
+                "--data",
+                big,
+                "--data-cache",
+                cache,
+                "--layers",
+                "0,1",
+                "-o",
+                empty_s,
+            ],
+            Signal::INT,
+        ),
+        (
+            vec![
+                "eval",
+                "--model",
+                m,
+                "--drafter",
+                drafter.to_str().unwrap(),
+                "--prompts",
+                "100000",
+                "--prompt-len",
+                "8",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+            Signal::HUP,
+        ),
+    ];
+    for (args, signal) in runs {
+        let p = spawn(&workspace_bin("launcher"), &args);
+        let pid = p.child.id();
+        let t0 = Instant::now();
+        while !crate::support::catches_sigterm(pid) {
+            assert!(t0.elapsed() < WATCHDOG, "{args:?} never caught SIGTERM");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        crate::launcher::kill(pid, signal);
+        let (status, out, p) = p.finish_status();
+        std::thread::sleep(Duration::from_millis(100));
+        let said = format!("{out}{}", p.stderr());
+        assert_eq!(status.code(), Some(130), "{args:?}: {status}\n{said}");
+        assert!(said.contains("stopped by SIG"), "{args:?}: {said}");
+        assert!(
+            !said.contains("error:") && !said.contains("panicked"),
+            "{said}"
+        );
+        eprintln!("{}: {}", args[0], said.lines().last().unwrap_or(""));
+    }
+    assert!(!new_out.exists(), "capture's new output directory is left");
+    let left: Vec<_> = std::fs::read_dir(&empty).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "capture left {left:?} in the directory given empty"
+    );
+    assert!(!json.exists(), "eval wrote --json");
+    let partial: Vec<_> = std::fs::read_dir(cache)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        partial
+            .iter()
+            .all(|n| !n.to_string_lossy().ends_with(".tmp")),
+        "a partial preparation is left in the cache: {partial:?}"
+    );
 }

@@ -279,3 +279,15 @@ pub fn parse_got(out: &str) -> Vec<(u64, u32)> {
         })
         .collect()
 }
+
+/// True once process `pid` catches SIGTERM (its handler is installed): read from
+/// /proc/PID/status, whose SigCgt is a hex mask of the signals caught, bit N-1 for signal N.
+pub fn catches_sigterm(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    mask & (1 << (15 - 1)) != 0
+}
