@@ -358,11 +358,12 @@ pub struct CaptureArgs {
     #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
     pub dtype: OutDtype,
     /// Most bytes of tensor data in one shard, in MiB (a sample larger than that is a shard of
-    /// its own).
-    #[arg(long, default_value_t = 512)]
+    /// its own); at least 1.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
     pub shard_mib: u64,
-    /// CPU threads to compute with (default: RAYON_NUM_THREADS, else every core).
-    #[arg(long)]
+    /// CPU threads to compute with, 1 to 1024 as the config's [target] threads (default:
+    /// RAYON_NUM_THREADS, else every core).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=proto::config::MAX_THREADS as u64))]
     pub threads: Option<usize>,
 }
 

@@ -41,3 +41,22 @@ fn a_capture_is_not_held_to_the_plan_bound_of_a_runs_epochs() {
     let err = proto::PipelineConfig::load(&cfg).unwrap_err().to_string();
     assert!(err.contains("sample passes"), "{err}");
 }
+
+/// `--threads` is bounded as the config's `[target] threads` is (1 to 1024) and `--shard-mib`
+/// is at least 1, as make-model's is, each a usage error naming its flag: 100000 threads and a
+/// shard of 0 MiB were accepted.
+#[test]
+fn capture_threads_and_shard_mib_are_bounded_by_their_flags() {
+    for (flag, value) in [
+        ("--threads", "100000"),
+        ("--threads", "0"),
+        ("--shard-mib", "0"),
+    ] {
+        let argv = ["launcher capture", "--model", "m", "-o", "o", flag, value];
+        let e = CaptureArgs::try_parse_from(argv).unwrap_err();
+        assert_eq!(e.exit_code(), 2, "{flag} {value}: {e}");
+        assert!(e.to_string().contains(flag), "{flag} {value}: {e}");
+    }
+    let argv = ["launcher capture", "--model", "m", "-o", "o", "--threads", "1024"];
+    assert_eq!(CaptureArgs::try_parse_from(argv).unwrap().threads, Some(1024));
+}
