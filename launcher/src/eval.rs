@@ -182,7 +182,13 @@ fn stopped_at(what: &str, i: usize, n: usize) -> String {
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     // Before the work of decoding: the report is renamed over `--json` once written.
     if let Some(p) = &a.json {
-        atomic_file::target(p).with_context(|| format!("--json {}", p.display()))?;
+        let to = atomic_file::target(p).with_context(|| format!("--json {}", p.display()))?;
+        // Its directory made now, as `launcher prepare -o` makes its own: a missing one was
+        // found only after the decoding, named by the temporary file's path.
+        if let Some(dir) = to.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("--json {}: creating {}", p.display(), dir.display()))?;
+        }
     }
     // Stops end the evaluation between prompts (or its data's preparation); --json is written
     // only at the end, so nothing is left.
@@ -297,6 +303,51 @@ mod tests {
         ];
         argv.extend(extra.iter().map(|s| s.to_string()));
         EvalArgs::try_parse_from(argv).unwrap()
+    }
+
+    /// `--json` in a directory that does not exist is written there, the directory made (as
+    /// `prepare -o` makes its own); one under a regular file is refused before any decoding,
+    /// naming it. Before, the first failed after the decoding, naming the temporary file.
+    #[test]
+    fn json_in_a_missing_directory_is_made_and_one_under_a_file_refused_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("m");
+        let spec = MakeSpec {
+            layers: 2,
+            vocab: 300,
+            ..MakeSpec::default()
+        };
+        make_model(&m, &spec).unwrap();
+        let arch = ArchConfig::load(&m).unwrap();
+        let mask = mask_token_id(&m, arch.vocab_size, None).unwrap();
+        let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 4, mask);
+        let drafter = dir.path().join("drafter");
+        let frozen = Frozen::load(&m, &Device::Cpu).unwrap();
+        Dflash::new(cfg, frozen, 0)
+            .unwrap()
+            .export(&drafter)
+            .unwrap();
+        let json = dir.path().join("nodir").join("x.json");
+        let quick = |json: &std::path::Path| {
+            let j = json.display().to_string();
+            let extra = [
+                "--prompts",
+                "1",
+                "--prompt-len",
+                "8",
+                "--max-new-tokens",
+                "2",
+            ];
+            let mut v: Vec<&str> = extra.to_vec();
+            v.extend(["--json", &j]);
+            run_eval(args(&m, &drafter, &v))
+        };
+        assert_eq!(quick(&json).unwrap(), 0);
+        assert!(json.is_file());
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        let e = format!("{:#}", quick(&file.join("x.json")).unwrap_err());
+        assert!(e.contains("file/x.json") && !e.contains(".x.json"), "{e}");
     }
 
     /// A zero count is refused by its flag: `--prompts 0` or `--max-new-tokens 0` reported a

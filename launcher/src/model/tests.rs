@@ -57,6 +57,17 @@ fn capture_threads_and_shard_mib_are_bounded_by_their_flags() {
         assert_eq!(e.exit_code(), 2, "{flag} {value}: {e}");
         assert!(e.to_string().contains(flag), "{flag} {value}: {e}");
     }
-    let argv = ["launcher capture", "--model", "m", "-o", "o", "--threads", "1024"];
-    assert_eq!(CaptureArgs::try_parse_from(argv).unwrap().threads, Some(1024));
+    let argv = [
+        "launcher capture",
+        "--model",
+        "m",
+        "-o",
+        "o",
+        "--threads",
+        "1024",
+    ];
+    assert_eq!(
+        CaptureArgs::try_parse_from(argv).unwrap().threads,
+        Some(1024)
+    );
 }
