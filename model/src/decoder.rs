@@ -565,6 +565,7 @@ impl Decoder {
 /// is 0 at a finite element and NaN at a NaN or an infinity, so its sum is 0 exactly when all
 /// are finite (in any float dtype, with no copy to the host but the sum).
 fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
+    #[allow(clippy::eq_op)] // x - x on purpose: NaN where x is not finite.
     let sum = (x - x)?
         .sum_all()?
         .to_dtype(DType::F32)?

@@ -1,6 +1,7 @@
 //! The real target (the candle backend) end to end: a target worker writing a real model's
 //! states into the ring, checked batch by batch against the model run in this process; the 5x3
-//! launcher run on a tiny model; `launcher capture`; bad model inputs; the DFlash drafter
+//! launcher run on a tiny model; `launcher capture`; bad model inputs, a target computing NaN,
+//! capture and eval stopped by a signal; the DFlash drafter
 //! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
 //! Length: about 1200 lines: each test runs a whole path (a worker, the launcher, capture,
