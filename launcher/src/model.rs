@@ -2,8 +2,8 @@
 //! layout) and `launcher capture` (a model's captured layers and greedy tokens for some data,
 //! as safetensors, through the target workers' own forward).
 //!
-//! Length: about 650 lines: each command's flags are its `--help`, make-model's directory
-//! rule and held signals sit beside the command they serve.
+//! Length: about 650 lines: each command's flags are its `--help`; make-model's directory rule
+//! and held signals, and capture's stop and cleanup, sit beside the command they serve.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
