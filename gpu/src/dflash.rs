@@ -933,6 +933,16 @@ mod tests {
     use crate::TargetOut;
     use proto::{BatchSpec, BatchWriter};
 
+    /// A run's block and an export's are held to one bound: a block the run may train, an
+    /// export of it loads (the two crates each name it; neither depends on the other).
+    #[test]
+    fn the_runs_and_the_exports_block_bound_are_one() {
+        assert_eq!(
+            proto::config::MAX_BLOCK_SIZE as usize,
+            model::dflash::MAX_BLOCK_SIZE
+        );
+    }
+
     /// The DFlash size settings take a positive count, spaces around it allowed; zero, a
     /// negative or a word is ignored (the default stays), as is an unset variable.
     #[test]

@@ -181,12 +181,17 @@ pub fn prepare_dataset(
     show.done();
     let mut p = match (p, stop) {
         (Err(dataset::DataError::Cancelled { path }), Some(s)) => {
+            let left = match out {
+                Some(o) => format!("{} is left as it was", o.display()),
+                None => "nothing of it is left in the data cache (the next run prepares it again)"
+                    .to_string(),
+            };
             return Err(Interrupted(format!(
-                "stopped by {} while preparing {}: nothing of it is left in the data cache (the next run prepares it again)",
+                "stopped by {} while preparing {}: {left}",
                 s.last_name(),
                 path.display()
             ))
-            .into())
+            .into());
         }
         (p, _) => p.context("preparing the dataset")?,
     };

@@ -39,8 +39,9 @@ pub struct EvalArgs {
     /// Prompts from this data (JSONL, Parquet, Arrow, HF datasets directory).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Prompts to decode (at least 1: none would report no figure as if it were one).
-    #[arg(long, value_parser = at_least_one(), default_value_t = 8)]
+    /// Prompts to decode, 1 to 1000000 (none would report no figure as if it were one; the
+    /// held-out prompts are made before the first is decoded).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_PROMPTS), default_value_t = 8)]
     pub prompts: usize,
     /// Tokens of each prompt (at least 1); with the new tokens and a block they stay within
     /// the target's max_position_embeddings.
@@ -58,6 +59,9 @@ pub struct EvalArgs {
 }
 
 /// A count flag of 1 or more: a zero would report figures over nothing.
+/// The most `--prompts`: 2^32 of them were made up front, 103 GB, and the process aborted.
+const MAX_PROMPTS: u64 = 1_000_000;
+
 fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
 }
@@ -360,6 +364,18 @@ mod tests {
             let e = EvalArgs::try_parse_from(argv).unwrap_err().to_string();
             assert!(e.contains(flag) && e.contains("0"), "{flag}: {e}");
         }
+        // Too many: 2^32 prompts were made up front (103 GB) and the process aborted.
+        let argv = [
+            "launcher eval",
+            "--model",
+            "m",
+            "--drafter",
+            "d",
+            "--prompts",
+            "4294967296",
+        ];
+        let e = EvalArgs::try_parse_from(argv).unwrap_err().to_string();
+        assert!(e.contains("--prompts") && e.contains("1..=1000000"), "{e}");
     }
 
     /// A drafter of another target (its number of layers here), and a generation reaching past

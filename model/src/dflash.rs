@@ -51,6 +51,10 @@ use crate::train::{self, linear, rms_norm, Grads, Init, Params};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 
+/// The largest block a drafter drafts (the run's `dflash.block_size` bound, `proto`'s
+/// `MAX_BLOCK_SIZE`: this crate does not depend on `proto`).
+pub const MAX_BLOCK_SIZE: usize = 1024;
+
 /// The drafter's shape, and what its export's `config.json` says.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DflashConfig {
@@ -322,6 +326,14 @@ impl DflashConfig {
         if self.block_size < 2 {
             return Err(format!(
                 "block_size = {}: a block is its anchor's token and at least one drafted token, so at least 2",
+                self.block_size
+            ));
+        }
+        // As the run's `[dflash] block_size`: a block's attention scores grow with its square
+        // (an export's 30000 aborted `launcher eval` allocating 14 GB).
+        if self.block_size > MAX_BLOCK_SIZE {
+            return Err(format!(
+                "block_size = {}: at most {MAX_BLOCK_SIZE} (a drafted block's attention is computed whole)",
                 self.block_size
             ));
         }

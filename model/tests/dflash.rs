@@ -261,6 +261,10 @@ fn an_export_edited_by_hand_or_damaged_is_refused_naming_what_is_wrong() {
         (Box::new(|c| c["block_size"] = 0.into()), "block_size = 0"),
         (Box::new(|c| c["block_size"] = 1.into()), "block_size = 1"),
         (
+            Box::new(|c| c["block_size"] = 30000.into()),
+            "block_size = 30000: at most 1024",
+        ),
+        (
             Box::new(|c| c["block_size"] = (-3).into()),
             "block_size = -3 is not a whole number",
         ),

@@ -517,6 +517,13 @@ impl PipelineConfig {
     /// Checks the values that do not depend on the number of workers.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let d = &self.data;
+        // Before min_len's check, which a max_len of 0 would fail in its name.
+        if d.max_len == 0 {
+            return Err(invalid(
+                "data.max_len",
+                "must be at least 1 (the longest sample, in tokens), got 0",
+            ));
+        }
         if d.min_len == 0 || d.min_len > d.max_len {
             return Err(invalid(
                 "data.min_len",
@@ -821,6 +828,14 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("drafter.tokens_per_s"), "{err}");
+        // A max_len of 0 is named, not blamed on min_len (which it is below).
+        let err = PipelineConfig::from_toml("[data]\nmax_len = 0\n", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data.max_len") && !err.contains("min_len"),
+            "{err}"
+        );
 
         // Speeds whose simulated time would not be a `Duration` (the mock panicked on them).
         for (toml, field) in [
