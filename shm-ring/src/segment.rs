@@ -198,10 +198,13 @@ pub(crate) struct Segment {
 
 pub(crate) fn check_name(name: &str) -> Result<(), RingError> {
     let bad = |why| {
-        Err(RingError::InvalidName {
-            name: name.to_string(),
-            why,
-        })
+        // Named as far as a message can hold it: a name read from a damaged file may be
+        // megabytes long.
+        let name = match name.char_indices().nth(64) {
+            Some((cut, _)) => format!("{}... ({} bytes)", &name[..cut], name.len()),
+            None => name.to_string(),
+        };
+        Err(RingError::InvalidName { name, why })
     };
     if name.is_empty() {
         return bad("it is empty");

@@ -76,6 +76,16 @@ fn bad_parameters_and_names_are_refused_without_leaving_a_segment() {
             "{bad:?}: {err}"
         );
     }
+    // A name read from a damaged file (a run's `ring` of 3 MB of NUL bytes printed a 9 MB
+    // error): named by its start and length.
+    let long = "\0".repeat(3 << 20);
+    let err = Ring::open_read_only(&long).err().unwrap().to_string();
+    assert!(
+        err.len() < 600 && err.contains(&format!("({} bytes)", 3 << 20)),
+        "{} bytes: {}",
+        err.len(),
+        &err[..err.len().min(600)]
+    );
 }
 
 #[test]
