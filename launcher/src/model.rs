@@ -463,6 +463,14 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
     // Stops end the capture between samples (or its data's preparation), with nothing left.
     let signals = StopSignals::install().context("installing signal handlers")?;
     let mut cfg = capture_config(&a)?;
+    // A link to nowhere is neither new nor a directory: said as what it is.
+    if let (Ok(link), false) = (std::fs::read_link(&a.out), a.out.exists()) {
+        bail!(
+            "-o {}: a link to {}, which does not exist: make that directory, or name another output",
+            a.out.display(),
+            link.display()
+        );
+    }
     let in_use = a.out.exists()
         && std::fs::read_dir(&a.out)
             .with_context(|| format!("-o {}: the output must be a directory", a.out.display()))?

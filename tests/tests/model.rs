@@ -323,6 +323,17 @@ fn capture_writes_each_samples_layers_and_greedy_tokens_through_the_same_forward
         )),
         "{err}"
     );
+    // A link to nowhere, by what it is (before: "creating ...: File exists"), and left as it is.
+    let dangling = dir.path("caps-link");
+    std::os::unix::fs::symlink(dir.path("nowhere"), &dangling).unwrap();
+    let (code, err) = refused(&["-o", dangling.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains(&format!("-o {}: a link to ", dangling.display()))
+            && err.contains("which does not exist"),
+        "{err}"
+    );
+    assert!(std::fs::symlink_metadata(&dangling).unwrap().is_symlink());
     // Data tokenized for a larger vocabulary: refused naming the sample before any shard is
     // written (before: shards of the samples before it, and no index), prepared into the
     // --data-cache given.
