@@ -258,6 +258,18 @@ fn blank(name: &str) {
         .unwrap();
 }
 
+/// The time now (Unix seconds) and a dead pid (a child that has exited and been reaped): what
+/// a launcher's ring name holds, for one that is gone.
+fn now_and_a_dead_pid() -> (u64, u32) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    (now, c.id())
+}
+
 /// `shm-ring-stat --gc RING`'s output; RING is removed only if stale.
 fn gc(ring: &str) -> String {
     let args = Args {
@@ -277,15 +289,7 @@ fn gc(ring: &str) -> String {
 /// both stay.
 #[test]
 fn gc_removes_a_blank_ring_whose_named_launcher_is_gone_with_its_group() {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let dead = {
-        let mut c = std::process::Command::new("true").spawn().unwrap();
-        c.wait().unwrap();
-        c.id()
-    };
+    let (now, dead) = now_and_a_dead_pid();
     let ring = format!("{}{}-{dead}", shm_ring::NAME_PREFIX, now - 3600);
     let group = proto::group_segment(&ring);
     let _g = Unlink(vec![ring.clone(), group.clone()]);
@@ -331,15 +335,7 @@ fn gc_removes_a_blank_ring_whose_named_launcher_is_gone_with_its_group() {
 /// while it runs, the group stays. (A process that still maps it keeps its mapping.)
 #[test]
 fn gc_removes_a_drafter_group_whose_ring_and_launcher_are_gone() {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let dead = {
-        let mut c = std::process::Command::new("true").spawn().unwrap();
-        c.wait().unwrap();
-        c.id()
-    };
+    let (now, dead) = now_and_a_dead_pid();
     let ring = format!("{}{}-{dead}", shm_ring::NAME_PREFIX, now - 3600);
     let group = proto::group_segment(&ring);
     let _g = Unlink(vec![group.clone()]);

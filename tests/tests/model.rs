@@ -991,6 +991,18 @@ fn make_model_stopped_while_training_leaves_nothing() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
+/// A 2-layer model in `dir/m` and an untrained drafter of it in `dir/drafter`.
+fn model_and_untrained_drafter(dir: &TestDir) -> (PathBuf, PathBuf) {
+    let m = dir.path("m");
+    let spec = MakeSpec {
+        layers: 2,
+        ..MakeSpec::default()
+    };
+    make_model(&m, &spec).unwrap();
+    let drafter = untrained_drafter(&m, &dir.path("drafter"));
+    (m, drafter)
+}
+
 /// An untrained DFlash drafter (block 8, one layer) of the 2-layer model in `m`, exported to
 /// `to`.
 fn untrained_drafter(m: &Path, to: &Path) -> PathBuf {
@@ -1013,13 +1025,7 @@ fn untrained_drafter(m: &Path, to: &Path) -> PathBuf {
 #[test]
 fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() {
     let dir = TestDir::new("mnan");
-    let m = dir.path("m");
-    let spec = MakeSpec {
-        layers: 2,
-        ..MakeSpec::default()
-    };
-    make_model(&m, &spec).unwrap();
-    let drafter = untrained_drafter(&m, &dir.path("drafter"));
+    let (m, drafter) = model_and_untrained_drafter(&dir);
 
     // Layer 1's down projection all infinities (bf16 0x7f80).
     let inf = broken_weights(&m, &dir.path("inf"), |name, (dtype, shape, data)| {
@@ -1108,13 +1114,7 @@ fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() 
 fn a_stop_signal_ends_capture_and_eval_with_130_leaving_nothing() {
     use rustix::process::Signal;
     let dir = TestDir::new("mstop");
-    let m = dir.path("m");
-    let spec = MakeSpec {
-        layers: 2,
-        ..MakeSpec::default()
-    };
-    make_model(&m, &spec).unwrap();
-    let drafter = untrained_drafter(&m, &dir.path("drafter"));
+    let (m, drafter) = model_and_untrained_drafter(&dir);
     let lines: String = (0..100_000u32)
         .map(|i| {
             let ids: Vec<u32> = (0..48).map(|k| (i * 7 + k * 13) % 1000).collect();
