@@ -29,7 +29,9 @@
 #   e2e    the tiny real model end to end: `launcher make-model` (2 layers), then 1 target and 1
 #          drafter sharing GPU 0 (`--share-gpus --backend cuda`); every batch trained once, the
 #          loss falls, each worker's items, tokens and busy share printed
-#          (scripts/py/e2e_check.py). On cuda the group's gradient goes through NCCL (one rank:
+#          (scripts/py/e2e_check.py). Then the same run on a copy whose layer 1 computes
+#          infinities (scripts/py/infinite_weights.py) must end 3, its target refusing the
+#          forward ("NaN or infinite" in its log: on a GPU the check on the device). On cuda the group's gradient goes through NCCL (one rank:
 #          `[drafter] collective = "nccl"`), the path two or more GPUs take, and each worker's
 #          device time from CUDA events (per phase, busy share, largest gap: the line "the
 #          device's time" its log ends with) is printed, and required.
@@ -289,6 +291,25 @@ for s in $steps; do
                     --run-dir "$work/run" --monitor 5 &&
                 python3 scripts/py/e2e_check.py "$work/run" --json "$out/e2e.json"
         } || rc=$?
+        # The same run on a copy of the model whose layer 1 computes infinities: the target's
+        # forward must refuse it (on a GPU the check on the device: its greedy tokens marked,
+        # refused at the batch's write-back), the target give up, and the run end degraded (3).
+        if [ $rc -eq 0 ]; then
+            python3 scripts/py/infinite_weights.py "$work/tiny" "$work/inf" \
+                model.layers.1.mlp.down_proj.weight && {
+                within "$e2e_cap" "$bins/launcher" --targets 0 --drafters 0 --share-gpus \
+                    --backend "$backend" --model "$work/inf" --config "$config" \
+                    --run-dir "$work/inf-run" --max-restarts 0 >"$work/inf.out" 2>&1 || rc=$?
+            } || rc=$?
+            if [ $rc -eq 3 ] && grep -q "NaN or infinite" "$work/inf-run/logs/target-0.log"; then
+                echo "e2e: a target computing infinities is refused: $(grep -o "NaN or infinite values in [^:]*" "$work/inf-run/logs/target-0.log" | head -1)"
+                rc=0
+            else
+                echo "error: the model computing infinities was not refused (exit $rc, want 3 and \"NaN or infinite\" in $work/inf-run/logs/target-0.log)" >&2
+                tail -5 "$work/inf.out" >&2
+                [ $rc -ne 0 ] && [ $rc -ne 3 ] || rc=1
+            fi
+        fi
         # Each GPU worker logs what its device did (CUDA events) as it ends: per-phase device
         # time, busy share, largest gap. A GPU run without them has lost its device timing.
         if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then

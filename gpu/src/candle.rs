@@ -527,7 +527,7 @@ impl TargetBackend for CandleTarget {
             .tokens
             .ok_or_else(|| GpuError::Shape("the forward gave no greedy tokens".into()))?;
         let gpu = self.gpu.as_mut().expect("checked above");
-        gpu.start(began, states, tokens, &out)?;
+        gpu.start(began, states, tokens, out)?;
         self.submitted.push_back(seq_lens.to_vec());
         Ok(())
     }

@@ -92,10 +92,17 @@ unsafe fn copy_out(
 /// Each batch's forward and copy are timed on the device (`device_time`): the forward from a
 /// mark before it is queued ([`CopyOut::begin`]) to the event the copy waits for, the copy
 /// from a mark after that wait to the copy's event.
+/// A batch whose copy is queued: the event after it, the tensors it reads, the slot it writes.
+struct InFlight {
+    copied: CudaEvent,
+    _tensors: [Tensor; 2],
+    out: RawOut,
+}
+
 pub(crate) struct CopyOut {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
-    in_flight: VecDeque<(CudaEvent, [Tensor; 2])>,
+    in_flight: VecDeque<InFlight>,
     timeline: CudaTimeline,
     /// The timeline's streams: candle's, the copy stream.
     on: [StreamId; 2],
@@ -133,7 +140,7 @@ impl CopyOut {
         began: CudaEvent,
         states: Tensor,
         tokens: Tensor,
-        out: &RawOut,
+        out: RawOut,
     ) -> Result<(), GpuError> {
         let forward_done = device_time::mark(&self.compute)?;
         self.copy.wait(&forward_done).named("cuStreamWaitEvent")?;
@@ -163,7 +170,11 @@ impl CopyOut {
                 return Err(e);
             }
         };
-        self.in_flight.push_back((copied, [states, tokens]));
+        self.in_flight.push_back(InFlight {
+            copied,
+            _tensors: [states, tokens],
+            out,
+        });
         let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
         t.push(self.on[0], device_time::FORWARD, began, forward_done);
         t.push(
@@ -175,17 +186,29 @@ impl CopyOut {
         Ok(())
     }
 
+    /// Waits for the oldest batch's copy; an error if its forward computed NaN or infinities
+    /// (its greedy tokens carry the mark: `Decoder::check_on_device`).
     pub(crate) fn complete(&mut self) -> Result<(), GpuError> {
-        if let Some((copied, _tensors)) = self.in_flight.front() {
-            copied.synchronize().named("cuEventSynchronize")?;
-            self.in_flight.pop_front();
-            // Each stream's clock re-measured every 30 s: a wait for the next batch's work
-            // queued on it then, once (telemetry: never the batch's failure).
-            for (s, stream) in [(self.on[0], &self.compute), (self.on[1], &self.copy)] {
-                if let Err(e) = device_time::reanchor_due(&self.timeline, s, stream) {
-                    tracing::warn!(error = %e, "re-anchoring the device's timeline");
-                }
+        let Some(f) = self.in_flight.front() else {
+            return Ok(());
+        };
+        f.copied.synchronize().named("cuEventSynchronize")?;
+        let mut f = self
+            .in_flight
+            .pop_front()
+            .expect("the front, waited for above");
+        // Each stream's clock re-measured every 30 s: a wait for the next batch's work queued
+        // on it then, once (telemetry: never the batch's failure).
+        for (s, stream) in [(self.on[0], &self.compute), (self.on[1], &self.copy)] {
+            if let Err(e) = device_time::reanchor_due(&self.timeline, s, stream) {
+                tracing::warn!(error = %e, "re-anchoring the device's timeline");
             }
+        }
+        // SAFETY: the batch has not completed (this is its completion) and its copy has passed
+        // (the event above), so nothing writes the slot: `RawOut::get`'s terms.
+        let tokens = unsafe { f.out.get() }.target_tokens;
+        if model::decoder::non_finite_marked(tokens) {
+            return Err(model::decoder::non_finite_error().into());
         }
         Ok(())
     }

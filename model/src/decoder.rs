@@ -45,18 +45,47 @@ pub struct Output {
     pub layers: Vec<Tensor>,
     pub final_hidden: Option<Tensor>,
     /// u32 `[tokens]` on the model's device: left there, so a GPU's caller can copy it out
-    /// asynchronously with the states ([`Output::token_ids`] copies it to the host now).
+    /// asynchronously with the states ([`Output::token_ids`] copies it to the host now). Every
+    /// one is [`NON_FINITE`] if a forward checked on the device computed NaN or infinities.
     pub tokens: Option<Tensor>,
+}
+
+/// The greedy token a forward checked on the device ([`Decoder::check_on_device`]) gives at
+/// every position when it computed NaN or infinite values: no vocabulary reaches it, so whoever
+/// reads the tokens, on the host, can tell ([`non_finite_marked`]).
+pub const NON_FINITE: u32 = u32::MAX;
+
+/// Whether greedy tokens read back from a forward (little-endian u32s) carry the
+/// [`NON_FINITE`] mark.
+pub fn non_finite_marked(tokens_le: &[u8]) -> bool {
+    tokens_le
+        .chunks_exact(4)
+        .any(|t| u32::from_le_bytes(t.try_into().expect("4 bytes")) == NON_FINITE)
+}
+
+/// The error of a forward whose tokens carry the [`NON_FINITE`] mark.
+pub fn non_finite_error() -> ModelError {
+    non_finite("the decoder layers' outputs or the LM head's logits")
+}
+
+fn non_finite(what: &str) -> ModelError {
+    ModelError::NonFinite(format!(
+        "the forward computed NaN or infinite values in {what}: the weights or config.json are broken"
+    ))
 }
 
 impl Output {
     /// The greedy tokens on the host (none if not asked for).
+    /// An error if they carry the [`NON_FINITE`] mark.
     pub fn token_ids(&self) -> Result<Option<Vec<u32>>> {
-        Ok(self
-            .tokens
-            .as_ref()
-            .map(|t| t.to_vec1::<u32>())
-            .transpose()?)
+        let Some(t) = &self.tokens else {
+            return Ok(None);
+        };
+        let ids = t.to_vec1::<u32>()?;
+        if ids.contains(&NON_FINITE) {
+            return Err(non_finite_error());
+        }
+        Ok(Some(ids))
     }
 }
 
@@ -232,6 +261,9 @@ pub struct Decoder {
     gpu_attention: Option<Arc<GpuAttention>>,
     score_block: usize,
     logit_chunk: usize,
+    /// Whether NaN and infinities are found on the device and the tokens marked, not read back
+    /// at each layer ([`Decoder::check_on_device`]).
+    check_on_device: bool,
 }
 
 /// Elements of one chunk of LM-head logits (positions x vocabulary): 16M f32 is 64 MiB.
@@ -282,6 +314,7 @@ impl Decoder {
             gpu_attention: None,
             score_block: SCORE_BLOCK,
             logit_chunk: LOGIT_CHUNK,
+            check_on_device: !w.device().is_cpu(),
         })
     }
 
@@ -355,6 +388,20 @@ impl Decoder {
         self.logit_chunk = elements.max(1);
     }
 
+    /// How a forward finds NaN and infinities. On the CPU (the default there) each layer's
+    /// output, the final norm's and the logits are checked as they are made, and the error
+    /// names the first that is not finite. On a GPU (the default there) reading a verdict back
+    /// would wait for the device, where the target worker overlaps one batch's forward with
+    /// the last one's copy; so the verdict stays on the device: the last layer's output (a NaN
+    /// or infinity in any layer's output stays in the residual stream to the last: each layer
+    /// only adds to it) and the logits are summed as `x - x`, and every greedy token is set to
+    /// [`NON_FINITE`] unless that is 0. The tokens are read anyway; [`Output::token_ids`] and
+    /// the GPU target's write-back refuse marked ones. A forward that asks for no tokens is not
+    /// checked this way. The tests turn it on for the CPU to run the GPU's check.
+    pub fn check_on_device(&mut self, on: bool) {
+        self.check_on_device = on;
+    }
+
     /// Runs the concatenated sequences `ids` (lengths `seq_lens`) and returns what `need` asks.
     pub fn forward(&self, ids: &[u32], seq_lens: &[u32], need: &Need<'_>) -> Result<Output> {
         let total: u64 = seq_lens.iter().map(|&l| u64::from(l)).sum();
@@ -406,11 +453,9 @@ impl Decoder {
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
-        // On the CPU each layer's output is checked for NaN and infinities, a pass over
-        // `[T, H]` next to the layer's `[T, H] x [H, *]` products. Not on a GPU: reading the
-        // verdict back would wait for the device at every layer, where the target worker
-        // overlaps one batch's forward with the last one's copy.
-        let check = self.device.is_cpu();
+        // Each layer's output checked as it is made: a pass over `[T, H]` next to the layer's
+        // `[T, H] x [H, *]` products (see `check_on_device` for the other way).
+        let check = !self.check_on_device;
         for (li, layer) in self.layers.iter().enumerate().take(run) {
             x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &attend)?;
             if check {
@@ -433,7 +478,12 @@ impl Decoder {
             finite(&last, || "the final norm's output".into())?;
         }
         let tokens = if need.tokens {
-            Some(self.greedy(&last)?)
+            let mut verdict = if check { None } else { Some(poison(&x)?) };
+            let tokens = self.greedy(&last, verdict.as_mut())?;
+            match verdict {
+                Some(p) => Some(mark(&tokens, &p)?),
+                None => Some(tokens),
+            }
         } else {
             None
         };
@@ -538,8 +588,9 @@ impl Decoder {
     }
 
     /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows: u32
-    /// `[T]` on the device, nothing waited for.
-    fn greedy(&self, last: &Tensor) -> Result<Tensor> {
+    /// `[T]` on the device, nothing waited for. The logits are checked as they are made, or,
+    /// with a `verdict` to add their [`poison`] to, on the device.
+    fn greedy(&self, last: &Tensor, mut verdict: Option<&mut Tensor>) -> Result<Tensor> {
         let t = last.dim(0)?;
         let rows = (self.logit_chunk / self.cfg.vocab_size).max(1);
         let head = self.lm_head.t()?;
@@ -548,8 +599,9 @@ impl Decoder {
         while start < t {
             let n = rows.min(t - start);
             let logits = last.narrow(0, start, n)?.matmul(&head)?;
-            if self.device.is_cpu() {
-                finite(&logits, || "the LM head's logits".into())?;
+            match verdict.as_deref_mut() {
+                Some(v) => *v = (&*v + poison(&logits)?)?,
+                None => finite(&logits, || "the LM head's logits".into())?,
             }
             chunks.push(logits.argmax(D::Minus1)?);
             start += n;
@@ -573,8 +625,23 @@ fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
     if sum == 0.0 {
         return Ok(());
     }
-    Err(ModelError::NonFinite(format!(
-        "the forward computed NaN or infinite values in {}: the weights or config.json are broken",
-        what()
-    )))
+    Err(non_finite(&what()))
+}
+
+/// `x - x` summed, as an f32 scalar left on the device: 0 exactly when every element of `x` is
+/// finite (see [`finite`]), NaN otherwise.
+fn poison(x: &Tensor) -> Result<Tensor> {
+    #[allow(clippy::eq_op)] // x - x on purpose: NaN where x is not finite.
+    let sum = (x - x)?.sum_all()?.to_dtype(DType::F32)?;
+    Ok(sum)
+}
+
+/// `tokens` as they are where `poison` is 0, every one [`NON_FINITE`] otherwise: all made on
+/// the device (the 0 and the mark too: a scalar from the host would be a copy, which waits for
+/// the device's queue).
+fn mark(tokens: &Tensor, poison: &Tensor) -> Result<Tensor> {
+    let fine = poison.eq(&poison.zeros_like()?)?;
+    let fine = fine.broadcast_as(tokens.shape())?;
+    let marked = Tensor::full(NON_FINITE, tokens.shape(), tokens.device())?;
+    Ok(fine.where_cond(tokens, &marked)?)
 }

@@ -615,3 +615,63 @@ fn make_model_is_deterministic_and_its_tokenizer_encodes_any_text() {
     let m = ours(a.path());
     assert_eq!(m.config().family, Family::Qwen3);
 }
+
+/// Sets every element of tensor `name` in `dir`'s (single, f32) model.safetensors to +inf, in
+/// place.
+fn infinite_tensor(dir: &Path, name: &str) {
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let info = meta.info(name).unwrap();
+    assert_eq!(info.dtype, safetensors::Dtype::F32);
+    let (start, end) = info.data_offsets;
+    let at = 8 + header;
+    for v in bytes[at + start..at + end].chunks_exact_mut(4) {
+        v.copy_from_slice(&f32::INFINITY.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// A GPU's forward checks for NaN and infinities on the device, where it cannot stop at the
+/// layer that made them without waiting for the device: it marks every greedy token, and
+/// reading the tokens is the error. Run here on the CPU (`check_on_device`), on the same ops:
+/// a healthy model's tokens are unmarked and the CPU check's; a model whose layer 1 computes
+/// infinities has every token marked; the CPU's own
+/// check names the layer.
+#[test]
+fn a_forward_checked_on_the_device_marks_its_tokens_when_it_computes_nan() {
+    use model::decoder::{non_finite_marked, NON_FINITE};
+    let s = spec(Family::Qwen3);
+    let dir = made(&s);
+    let (ids, lens) = batch(s.vocab as u32);
+    let need = Need {
+        layers: &[0, 2],
+        final_hidden: false,
+        tokens: true,
+    };
+    let mut d = ours(dir.path());
+    let want = d.forward(&ids, &lens, &need).unwrap().token_ids().unwrap();
+    d.check_on_device(true);
+    let got = d.forward(&ids, &lens, &need).unwrap().token_ids().unwrap();
+    assert_eq!(
+        got, want,
+        "the device's check changed a healthy model's tokens"
+    );
+
+    infinite_tensor(dir.path(), "model.layers.1.mlp.down_proj.weight");
+    let mut d = ours(dir.path());
+    d.check_on_device(true);
+    let out = d.forward(&ids, &lens, &need).unwrap();
+    let tokens = out.tokens.as_ref().unwrap().to_vec1::<u32>().unwrap();
+    assert!(tokens.iter().all(|&t| t == NON_FINITE), "{tokens:?}");
+    let le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    assert!(non_finite_marked(&le));
+    let e = out.token_ids().unwrap_err();
+    assert!(
+        matches!(e, ModelError::NonFinite(_)) && e.to_string().contains("NaN or infinite"),
+        "{e}"
+    );
+    d.check_on_device(false);
+    let e = d.forward(&ids, &lens, &need).err().unwrap();
+    assert!(e.to_string().contains("decoder layer 1's output"), "{e}");
+}

@@ -242,7 +242,9 @@ impl<'r, 'b> Pipeline<'r, 'b> {
             None => self.backend.complete().map_err(anyhow::Error::from),
         };
         self.producer.enter(Phase::Other);
-        r.with_context(|| format!("the target's copy of batch {item} into its slot"))?;
+        r.with_context(|| {
+            format!("batch {item}: the target's forward and its copy into its slot")
+        })?;
         if say_in_hand {
             self.producer.set_in_hand(None);
         }

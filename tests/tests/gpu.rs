@@ -94,7 +94,8 @@ fn gpu_check_help_says_how_the_libraries_are_found() {
 
 /// The device check's end-to-end step, run on the CPU as CI can (the candle backend; the GPU
 /// machine runs it with `--backend cuda`): the tiny model is made, one target and one drafter
-/// share one "GPU", and `e2e_check.py` finds every batch trained once and the loss falling. A
+/// share one "GPU", and `e2e_check.py` finds every batch trained once and the loss falling;
+/// the same run on a copy of the model computing infinities ends with its target refusing it. A
 /// broken step (a flag the launcher no longer takes, a summary field renamed, a loss that
 /// does not fall on the step's config) fails here before it wastes a GPU machine's minutes.
 #[test]
@@ -117,6 +118,11 @@ fn gpu_check_e2e_step_trains_the_tiny_model_once_per_batch_and_the_loss_falls() 
     .watchdog(std::time::Duration::from_secs(600))
     .finish();
     assert!(out.contains("e2e: ok"), "{out}");
+    // The model made to compute infinities is refused by its forward.
+    assert!(
+        out.contains("e2e: a target computing infinities is refused: NaN or infinite values in decoder layer 1's output"),
+        "{out}"
+    );
     assert!(out.contains("gpu-check: every step passed (e2e)"), "{out}");
     let figures: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path("out").join("e2e.json")).unwrap())
