@@ -7,6 +7,9 @@ worker, zero-copy on the ring, supervised like hspipe's own.
 gradient exchange on torch.distributed (NCCL on GPUs, gloo on the CPU).
 """
 
+import atexit
+
+from . import _hspipe
 from ._hspipe import (  # noqa: F401  (the package's API)
     Batch,
     Claim,
@@ -20,3 +23,7 @@ from ._hspipe import (  # noqa: F401  (the package's API)
     View,
     connect,
 )
+
+# Objects of the worker that another thread let go of go back to the worker's thread at its next
+# call; at the interpreter's exit too (atexit runs on the main thread, the usual worker's).
+atexit.register(_hspipe._bring_home)

@@ -1,35 +1,77 @@
 //! A batch a Python drafter took: read-only zero-copy views of its sections, and `release()`
 //! after the update that used it (the ledger line, then the slot freed: `DrafterCore`). Dropped
-//! unreleased, it is handed to its drafter (`DrafterCore::sweep`), which keeps it while views of
-//! it live.
+//! unreleased, on any thread, it is handed to its drafter (`DrafterCore::dropped`; from another
+//! thread through `local`, at the drafter's next call), which keeps it while views of it live.
+//! Its data and views may be read from any thread; `release()` is its drafter's thread's.
 
 use std::rc::Rc;
 use std::sync::Arc;
 
 use proto::BatchHeader;
 use pyo3::prelude::*;
-use shm_ring::ReadSlot;
+use shm_ring::{ItemMeta, ReadSlot};
 
 use crate::common::{close_views, err};
 use crate::drafter::DrafterCore;
+use crate::local::Local;
 use crate::view::{Elem, Exports, View};
 
 pub const SECTIONS: [&str; 4] = ["input_ids", "loss_mask", "target_tokens", "hidden_states"];
 
 /// A batch taken from the ring: read-only views of its sections, then `release()` after the
-/// update that used it.
-#[pyclass(unsendable, module = "hspipe")]
+/// update that used it. Its data and views answer on any thread, `release()` on its drafter's;
+/// dropped unreleased on any thread, it goes back to the ring (see the README).
+#[pyclass(module = "hspipe")]
 pub struct Batch {
-    pub(crate) d: Rc<DrafterCore>,
+    header: BatchHeader,
+    meta: ItemMeta,
+    /// The payload's address: the sections' offsets are from it.
+    base: usize,
+    exports: Arc<Exports>,
+    pub(crate) held: Local<Held>,
+}
+
+/// What of a batch only its drafter's thread touches: the drafter and the ring slot.
+pub(crate) struct Held {
+    d: Rc<DrafterCore>,
+    /// None once released.
     pub(crate) slot: Option<ReadSlot<'static>>,
-    pub(crate) header: BatchHeader,
-    pub(crate) base: usize,
-    pub(crate) exports: Arc<Exports>,
+    header: BatchHeader,
+    exports: Arc<Exports>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            (self.d).dropped(slot, Arc::clone(&self.exports), self.header.clone());
+        }
+    }
 }
 
 impl Batch {
+    /// A batch of `d`'s, verified, its header `header`; owned by this thread.
+    pub(crate) fn new(d: Rc<DrafterCore>, slot: ReadSlot<'static>, header: BatchHeader) -> Batch {
+        let exports = Exports::new(&SECTIONS);
+        Batch {
+            meta: *slot.meta(),
+            base: slot.payload().as_ptr() as usize,
+            header: header.clone(),
+            exports: Arc::clone(&exports),
+            held: Local::new(
+                "hspipe.Batch",
+                Held {
+                    d,
+                    slot: Some(slot),
+                    header,
+                    exports,
+                },
+            ),
+        }
+    }
+
     fn view(&self, section: usize, elem: Elem, shape: Vec<usize>) -> PyResult<View> {
-        if self.slot.is_none() || self.exports.is_closed() {
+        // Closed before its release, and never opened again: a released batch's are.
+        if self.exports.is_closed() {
             return Err(err(format!(
                 "batch {}: it was released",
                 self.header.spec.batch_id
@@ -47,14 +89,6 @@ impl Batch {
 
     pub fn batch_id(&self) -> u64 {
         self.header.spec.batch_id
-    }
-}
-
-impl Drop for Batch {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            (self.d).dropped(slot, Arc::clone(&self.exports), self.header.clone());
-        }
     }
 }
 
@@ -78,13 +112,13 @@ impl Batch {
     }
     /// The length bucket the target published it in.
     #[getter]
-    fn bucket(&self) -> PyResult<u32> {
-        Ok(self.meta()?.bucket)
+    fn bucket(&self) -> u32 {
+        self.meta.bucket
     }
     /// Earlier deliveries of this batch to drafters that died holding it (0 the first time).
     #[getter]
-    fn delivery(&self) -> PyResult<u32> {
-        Ok(self.meta()?.delivery)
+    fn delivery(&self) -> u32 {
+        self.meta.delivery
     }
     /// The hidden states' element type (`bfloat16`, `float16`, `float32`).
     #[getter]
@@ -127,19 +161,15 @@ impl Batch {
         wait: Option<f64>,
     ) -> PyResult<()> {
         let what = format!("release batch {}", self.batch_id());
-        let d = Rc::clone(&self.d);
-        if self.slot.is_none() {
+        let h = self.held.get_mut()?;
+        let d = Rc::clone(&h.d);
+        if h.slot.is_none() {
             return Err(err(format!("{what}: already released")));
         }
-        close_views(&d.core, py, &self.exports, &what, wait)?;
+        close_views(&d.core, py, &h.exports, &what, wait)?;
         let step = step.or(d.group.last_step()).unwrap_or(d.releases.get() + 1);
-        d.settle_trained(
-            &mut self.slot,
-            &self.header,
-            step,
-            digest.unwrap_or_default(),
-        )
-        .map_err(|e| err(format!("{what}: {e}")))
+        d.settle_trained(&mut h.slot, &h.header, step, digest.unwrap_or_default())
+            .map_err(|e| err(format!("{what}: {e}")))
     }
 
     fn __repr__(&self) -> String {
@@ -147,20 +177,11 @@ impl Batch {
             "<hspipe.Batch {} of {} tokens{}>",
             self.batch_id(),
             self.n_tokens(),
-            if self.slot.is_some() {
-                ""
-            } else {
+            if self.exports.is_closed() {
                 ", released"
+            } else {
+                ""
             }
         )
-    }
-}
-
-impl Batch {
-    fn meta(&self) -> PyResult<&shm_ring::ItemMeta> {
-        match &self.slot {
-            Some(s) => Ok(s.meta()),
-            None => Err(err(format!("batch {}: it was released", self.batch_id()))),
-        }
     }
 }

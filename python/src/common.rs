@@ -5,10 +5,11 @@ use std::cell::Cell;
 
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use shm_ring::{Consumer, Phase, Producer, Ring, Role};
+use shm_ring::{Consumer, Phase, Producer, Ring};
 use worker_runtime::Setup;
 
 use crate::detach::{released, SLICE};
+use crate::local::Local;
 
 pyo3::create_exception!(
     hspipe,
@@ -166,6 +167,9 @@ impl Core {
                 return Ok(Some(x));
             }
             py.check_signals()?;
+            // What another thread let go of meanwhile may be what this wait waits for (a
+            // target's own claim, a drafter's one batch): given back now.
+            crate::local::bring_home();
             if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 return Err(PyTimeoutError::new_err(format!(
                     "{what}: nothing after {:.3} s",
@@ -237,16 +241,6 @@ impl Core {
         })
     }
 
-    /// The effective config, as Python dicts and lists (through JSON).
-    pub fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let json = serde_json::to_string(&self.setup.config).map_err(err)?;
-        py.import("json")?.call_method1("loads", (json,))
-    }
-
-    pub fn role(&self) -> Role {
-        self.setup.name.role
-    }
-
     pub fn check_open(&self) -> PyResult<()> {
         if self.closed.get() {
             return Err(err(format!("{} is closed", self.setup.name)));
@@ -257,8 +251,13 @@ impl Core {
 
 /// Time inside `with w.phase("compute"):` counts as that phase in the ring's telemetry (what
 /// `shm-ring-stat`, the screen and the verdict read); the phase before it resumes afterwards.
-#[pyclass(unsendable, module = "hspipe")]
+/// Its worker's thread's, as the worker.
+#[pyclass(module = "hspipe")]
 pub struct PhaseScope {
+    scope: Local<Scope>,
+}
+
+struct Scope {
     reg: Registered,
     phase: Phase,
     before: Option<Phase>,
@@ -266,41 +265,46 @@ pub struct PhaseScope {
 
 impl PhaseScope {
     pub fn new(reg: Registered, phase: Phase) -> PhaseScope {
-        PhaseScope {
+        let scope = Scope {
             reg,
             phase,
             before: None,
+        };
+        PhaseScope {
+            scope: Local::new("hspipe.PhaseScope", scope),
         }
     }
 }
 
 #[pymethods]
 impl PhaseScope {
-    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
-        slf.before = slf.reg.enter(slf.phase);
-        slf
+    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyResult<PyRefMut<'_, Self>> {
+        let s = slf.scope.get_mut()?;
+        s.before = s.reg.enter(s.phase);
+        Ok(slf)
     }
     fn __exit__(
         &mut self,
         _ty: Option<Bound<'_, PyAny>>,
         _value: Option<Bound<'_, PyAny>>,
         _tb: Option<Bound<'_, PyAny>>,
-    ) -> bool {
-        self.reg.enter(self.before.take().unwrap_or(Phase::Other));
-        false
+    ) -> PyResult<bool> {
+        let s = self.scope.get_mut()?;
+        s.reg.enter(s.before.take().unwrap_or(Phase::Other));
+        Ok(false)
     }
 }
 
-/// `beat = w.heartbeat_handle()`: `beat()` marks the worker alive, from any thread (the worker
-/// and its batches belong to the thread that made them; a call from another raises).
+/// `beat = w.heartbeat_handle()`: `beat()` marks the worker alive, from any thread (what
+/// changes a worker or its batches is the worker's thread's; a call from another raises).
 #[pyclass(frozen, module = "hspipe")]
 pub struct Heartbeat {
     beat: shm_ring::Beat<'static>,
 }
 
 impl Heartbeat {
-    pub fn new(reg: Registered) -> Heartbeat {
-        Heartbeat { beat: reg.beat() }
+    pub fn new(beat: shm_ring::Beat<'static>) -> Heartbeat {
+        Heartbeat { beat }
     }
 }
 
@@ -311,8 +315,32 @@ impl Heartbeat {
     }
 }
 
+/// The effective config, as Python dicts and lists (through JSON).
+pub fn config<'py>(setup: &Setup, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let json = serde_json::to_string(&setup.config).map_err(err)?;
+    py.import("json")?.call_method1("loads", (json,))
+}
+
+/// What of a worker any thread may read: its Welcome, its ring and its heartbeat.
+pub struct Shared {
+    pub setup: &'static Setup,
+    pub ring: &'static Ring,
+    pub beat: shm_ring::Beat<'static>,
+}
+
+impl Shared {
+    pub fn of(core: &Core) -> Shared {
+        Shared {
+            setup: core.setup,
+            ring: core.ring,
+            beat: core.reg.beat(),
+        }
+    }
+}
+
 /// The common attributes of both workers (`name`, `role`, `index`, `gpu`, `config`, ...),
-/// generated into each worker's methods.
+/// generated into each worker's methods: those of `self.shared` from any thread, those of
+/// `self.core()` from the worker's.
 macro_rules! worker_methods {
     ($t:ty) => {
         #[pyo3::pymethods]
@@ -320,12 +348,12 @@ macro_rules! worker_methods {
             /// The worker's name (`target-0`, `drafter-2`): its log, ledger and telemetry name.
             #[getter]
             fn name(&self) -> String {
-                self.core().setup.name.to_string()
+                self.shared.setup.name.to_string()
             }
             /// `"target"` or `"drafter"`.
             #[getter]
             fn role(&self) -> &'static str {
-                match self.core().role() {
+                match self.shared.setup.name.role {
                     shm_ring::Role::Producer => "target",
                     shm_ring::Role::Consumer => "drafter",
                 }
@@ -333,13 +361,13 @@ macro_rules! worker_methods {
             /// This worker's index among its kind (a drafter's rank in the group).
             #[getter]
             fn index(&self) -> u32 {
-                self.core().setup.index
+                self.shared.setup.index
             }
             /// The GPU the launcher gave this worker (also in `CUDA_VISIBLE_DEVICES`, so the
             /// process sees it as device 0).
             #[getter]
             fn gpu(&self) -> Option<u32> {
-                self.core().setup.gpu
+                self.shared.setup.gpu
             }
             /// The run's effective config (every field, defaults filled), as a dict.
             #[getter]
@@ -347,42 +375,43 @@ macro_rules! worker_methods {
                 &self,
                 py: pyo3::Python<'py>,
             ) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
-                self.core().config(py)
+                $crate::common::config(self.shared.setup, py)
             }
             #[getter]
             fn run_dir(&self) -> std::path::PathBuf {
-                self.core().setup.run_dir.path().to_path_buf()
+                self.shared.setup.run_dir.path().to_path_buf()
             }
             #[getter]
             fn ring(&self) -> &str {
-                self.core().ring.name()
+                self.shared.ring.name()
             }
             /// The backend the launcher was asked for (`mock`, `candle`, ...).
             #[getter]
             fn backend(&self) -> String {
-                self.core().setup.backend.to_string()
+                self.shared.setup.backend.to_string()
             }
             /// True once a stop was asked for (the launcher's stop, or it went away).
             #[getter]
             fn stopping(&self) -> bool {
-                self.core().setup.stop.stopping()
+                self.shared.setup.stop.stopping()
             }
             /// Tells the launcher this worker is alive (ring operations and phases do too);
-            /// call it in work that runs longer than the launcher's hang timeout.
+            /// call it in work that runs longer than the launcher's hang timeout. Any thread
+            /// may.
             fn heartbeat(&self) {
-                self.core().reg.heartbeat()
+                self.shared.beat.heartbeat()
             }
-            /// `beat = w.heartbeat_handle()`: `beat()` is `w.heartbeat()` from any thread (a
-            /// thread that beats while long work runs); the worker itself, its batches and
-            /// slots belong to the thread that made them, and a call from another raises.
+            /// `beat = w.heartbeat_handle()`: `beat()` is `w.heartbeat()`, from any thread (a
+            /// thread that beats while long work runs), kept apart from the worker.
             fn heartbeat_handle(&self) -> $crate::common::Heartbeat {
-                $crate::common::Heartbeat::new(self.core().reg)
+                $crate::common::Heartbeat::new(self.shared.beat)
             }
             /// `with w.phase("compute"):` times the block as that phase: `wait`, `load`,
             /// `copy`, `compute`, `sync`, `checkpoint` or `other`.
             fn phase(&self, name: &str) -> pyo3::PyResult<$crate::common::PhaseScope> {
-                let p = self.core().phase(name)?;
-                Ok($crate::common::PhaseScope::new(self.core().reg, p))
+                let core = self.core()?;
+                let p = core.phase(name)?;
+                Ok($crate::common::PhaseScope::new(core.reg, p))
             }
             fn __enter__(slf: pyo3::PyRef<'_, Self>) -> pyo3::PyRef<'_, Self> {
                 slf
@@ -398,7 +427,7 @@ macro_rules! worker_methods {
                 // not finish a target (its restart has work to do); the exception goes on (and
                 // the process exits non-zero: a crash, restarted). `sys.exit()` or
                 // `sys.exit(0)` is a clean exit, which finishes.
-                if !self.core().closed.get() {
+                if !self.core()?.closed.get() {
                     let failing = ty.is_some() && !$crate::common::clean_exit(_value.as_ref());
                     let r = self.close_inner(py, None, failing);
                     if ty.is_none() {
@@ -410,8 +439,8 @@ macro_rules! worker_methods {
             fn __repr__(&self) -> String {
                 format!(
                     "<hspipe worker {} on ring {}>",
-                    self.core().setup.name,
-                    self.core().ring.name()
+                    self.shared.setup.name,
+                    self.shared.ring.name()
                 )
             }
         }

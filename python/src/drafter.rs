@@ -6,7 +6,8 @@
 //! the ledger, as for our drafters. A batch dropped without `release()` (an exception, a
 //! KeyboardInterrupt between `take()` and its caller) goes back to the ring untrained, READY for
 //! redelivery as if this rank had died holding it (`ReadSlot::requeue`), once its views are let
-//! go: never while one lives. A batch dropped after a committed group round named it was trained
+//! go: never while one lives; one dropped on another thread comes back to this drafter's thread
+//! first (`local`), at its next call. A batch dropped after a committed group round named it was trained
 //! (every member applied the update): it gets its ledger line (that round's step, no digest, as
 //! the launcher writes for a dead rank's applied batch) and is released, never redelivered, so
 //! no live rank trains it twice.
@@ -27,11 +28,12 @@ use proto::{BatchHeader, BatchView};
 use pyo3::prelude::*;
 use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
-use crate::batch::{Batch, SECTIONS};
-use crate::common::{err, worker_methods, Core, InHand, Registered};
+use crate::batch::Batch;
+use crate::common::{err, worker_methods, Core, InHand, Registered, Shared};
 use crate::dropped::{Dropped, Pending};
 use crate::group::{Group, Round};
-use crate::view::{Exports, View};
+use crate::local::Local;
+use crate::view::View;
 
 pub struct DrafterCore {
     pub core: Core,
@@ -122,22 +124,35 @@ impl DrafterCore {
     }
 }
 
-/// A drafter worker (what `hspipe.connect()` returns in a drafter process).
-#[pyclass(unsendable, module = "hspipe")]
+/// A drafter worker (what `hspipe.connect()` returns in a drafter process). Its attributes
+/// (`name`, `config`, ...) and `heartbeat()` answer on any thread; the rest on the thread that
+/// connected it.
+#[pyclass(module = "hspipe")]
 pub struct Drafter {
-    pub(crate) d: Rc<DrafterCore>,
+    shared: Shared,
+    d: Local<Rc<DrafterCore>>,
 }
 
 impl Drafter {
-    fn core(&self) -> &Core {
-        &self.d.core
+    pub fn new(d: DrafterCore) -> Drafter {
+        Drafter {
+            shared: Shared::of(&d.core),
+            d: Local::new("hspipe.Drafter", Rc::new(d)),
+        }
+    }
+
+    fn core(&self) -> PyResult<&Core> {
+        Ok(&self.d.get()?.core)
     }
 
     /// `close()`, or leaving `with` (`failing`: on an exception; a rank has nothing to finish,
     /// and what it keeps is settled when the process goes).
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
-        let d = &self.d;
+        let d = self.d.get()?;
         d.core.check_open()?;
+        // Batches let go of on other threads come back now (kept, they are settled when the
+        // process goes).
+        crate::local::bring_home();
         // Leaving on an exception, the process dies: what it keeps is settled when it goes.
         if !failing {
             d.core.wait_deferred(py, wait, || {
@@ -168,7 +183,7 @@ impl Drafter {
         prefer: Option<u32>,
         timeout: Option<f64>,
     ) -> PyResult<Option<Batch>> {
-        let d = &self.d;
+        let d = self.d.get()?;
         d.core.check_open()?;
         d.sweep();
         let (consumer, ring) = (d.consumer, d.core.ring);
@@ -207,14 +222,7 @@ impl Drafter {
             match header {
                 Ok(header) => {
                     d.in_hand.hold(slot.meta().batch_id);
-                    let base = slot.payload().as_ptr() as usize;
-                    return Ok(Some(Batch {
-                        d: Rc::clone(d),
-                        slot: Some(slot),
-                        header,
-                        base,
-                        exports: Exports::new(&SECTIONS),
-                    }));
+                    return Ok(Some(Batch::new(Rc::clone(d), slot, header)));
                 }
                 Err(e) => {
                     tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
@@ -229,22 +237,23 @@ impl Drafter {
 
     /// True once the ring's stream ended: closed, and every batch taken and released.
     #[getter]
-    fn ended(&self) -> bool {
-        self.d.ended.get()
+    fn ended(&self) -> PyResult<bool> {
+        Ok(self.d.get()?.ended.get())
     }
 
     /// Batches dropped without release() while views of them lived: held (never reused) until the
     /// views are let go, then given back.
     #[getter]
-    fn deferred(&self) -> usize {
-        self.d.sweep();
-        self.d.deferred.borrow().len()
+    fn deferred(&self) -> PyResult<usize> {
+        let d = self.d.get()?;
+        d.sweep();
+        Ok(d.deferred.borrow().len())
     }
 
     /// Batches this drafter released after training them.
     #[getter]
-    fn trained(&self) -> u64 {
-        self.d.report.borrow().items
+    fn trained(&self) -> PyResult<u64> {
+        Ok(self.d.get()?.report.borrow().items)
     }
 
     /// One group round: sums `data` (any float32 buffer: a numpy array, a CPU tensor's
@@ -265,10 +274,13 @@ impl Drafter {
         ended: bool,
         epoch: Option<u16>,
     ) -> PyResult<crate::group::Reduced> {
-        let d = &self.d;
+        let d = self.d.get()?;
         d.core.check_open()?;
         // A batch still held: once the round commits, it is trained (see `dropped.rs`).
-        let held = batch.as_ref().is_some_and(|b| b.slot.is_some());
+        let held = match &batch {
+            Some(b) => b.held.get()?.slot.is_some(),
+            None => false,
+        };
         let id = batch.map(|b| b.batch_id());
         // A round this rank left (interrupted) that the group has not decided: this call
         // finishes it, with the same contribution (see `dropped.rs`).
@@ -317,14 +329,15 @@ impl Drafter {
     /// directory's `lost-steps.jsonl`, their batches count as untrained (a resume trains them).
     #[pyo3(signature = (step=None))]
     fn join(&self, py: Python<'_>, step: Option<u64>) -> PyResult<Option<(u64, View)>> {
-        crate::group::join(&self.d.core, &self.d.group, py, step)
+        let d = self.d.get()?;
+        crate::group::join(&d.core, &d.group, py, step)
     }
 
     /// The leader, between steps: admits ranks waiting to join, handing them `state` (any
     /// buffer). Returns how many joined (0 when none waits, or this rank is not the leader).
     /// Raises at every call for a state it could not hand over (too large, not a buffer).
     fn admit(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u32> {
-        crate::group::admit(&self.d.group, py, state)
+        crate::group::admit(&self.d.get()?.group, py, state)
     }
 
     /// The leader tells the launcher a step's loss (and loss tokens, acceptance length,
@@ -332,7 +345,7 @@ impl Drafter {
     /// it as they do our drafters'. Other ranks need not call it.
     #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None))]
     fn progress(&self, step: u64, loss: f32, tokens: u64, tau: Option<f32>, lr: Option<f32>) {
-        if let Some(tx) = &self.d.core.setup.to_launcher {
+        if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
                 step,
@@ -347,8 +360,8 @@ impl Drafter {
 
     /// The group now: (epoch, last committed step, member ranks).
     #[getter]
-    fn membership(&self) -> (u16, u64, Vec<u32>) {
-        crate::group::membership(&self.d.group)
+    fn membership(&self) -> PyResult<(u16, u64, Vec<u32>)> {
+        Ok(crate::group::membership(&self.d.get()?.group))
     }
 
     /// Finishes: syncs the ledger and sends the launcher this drafter's report. Returns the

@@ -14,7 +14,8 @@
 //!   leaves it held, for the launcher, which knows from the group whether it was applied.
 //!
 //! A batch is settled only once its views are gone (a slot is never reused while one lives),
-//! at the drafter's next call. When the drafter itself goes (the interpreter finishing, or the
+//! at the drafter's next call. One let go of on another thread is first brought back to the
+//! drafter's thread (`local`), at its next call too. When the drafter itself goes (the interpreter finishing, or the
 //! worker and every batch of it let go) every batch it still keeps is settled then, views or
 //! not: a view kept past its worker may see its slot reused, so keep the worker while you keep
 //! views.
@@ -76,8 +77,10 @@ impl DrafterCore {
         self.sweep();
     }
 
-    /// Settles the dropped batches whose views are all gone and whose fate is known.
+    /// Settles the dropped batches whose views are all gone and whose fate is known, those
+    /// other threads let go of first (`local`).
     pub(crate) fn sweep(&self) {
+        crate::local::bring_home();
         let mut i = 0;
         loop {
             let mut deferred = self.deferred.borrow_mut();

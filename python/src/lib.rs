@@ -28,6 +28,7 @@ mod dlpack;
 mod drafter;
 mod dropped;
 mod group;
+mod local;
 mod slot;
 mod target;
 mod view;
@@ -125,15 +126,17 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
             };
             let d = drafter::DrafterCore::new(core, consumer, group).map_err(err)?;
             tracing::info!(ring = %setup.ring, epoch = consumer.epoch(), "attached");
-            Ok(Py::new(
-                py,
-                drafter::Drafter {
-                    d: std::rc::Rc::new(d),
-                },
-            )?
-            .into_any())
+            Ok(Py::new(py, drafter::Drafter::new(d))?.into_any())
         }
     }
+}
+
+/// Gives back, on this thread, what other threads let go of of this thread's worker (batches,
+/// slots, claims: `local`). The worker's calls do it; `hspipe/__init__.py` registers it with
+/// `atexit`, so the interpreter's exit does it too (on the main thread, the usual worker's).
+#[pyfunction]
+fn _bring_home() {
+    local::bring_home();
 }
 
 /// The native half of the package (`hspipe._hspipe`); `hspipe/__init__.py` re-exports it, and
@@ -141,6 +144,7 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
 #[pymodule]
 fn _hspipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
+    m.add_function(wrap_pyfunction!(_bring_home, m)?)?;
     m.add("HspipeError", m.py().get_type::<HspipeError>())?;
     m.add("GroupChanged", m.py().get_type::<GroupChanged>())?;
     m.add_class::<target::Target>()?;

@@ -1,6 +1,8 @@
 //! A reserved ring slot of a Python target: writable views of its sections, then `commit()`
-//! (or `abort()`). Dropped uncommitted, it is handed to its target (`TargetCore::dropped`),
-//! which keeps it while views of it live, then gives it back with its work item.
+//! (or `abort()`). Dropped uncommitted, on any thread, it is handed to its target
+//! (`TargetCore::dropped`; from another thread through `local`, at the target's next call),
+//! which keeps it while views of it live, then gives it back with its work item. Its data and
+//! views may be had on any thread; `commit()` and `abort()` are its target's thread's.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -10,23 +12,69 @@ use pyo3::prelude::*;
 use shm_ring::{CommitMeta, WriteSlot};
 
 use crate::common::{close_views, err};
+use crate::local::Local;
 use crate::target::{TargetCore, SECTIONS};
 use crate::view::{self, Elem, Exports, View};
 
-/// A reserved ring slot: views of its sections to fill, then `commit()`.
-#[pyclass(unsendable, module = "hspipe")]
+/// A reserved ring slot: views of its sections to fill, then `commit()`. Its data and views
+/// answer on any thread, `commit()` and `abort()` on its target's; dropped uncommitted on any
+/// thread, it is given back.
+#[pyclass(module = "hspipe")]
 pub struct Slot {
-    pub(crate) t: Rc<TargetCore>,
-    pub(crate) slot: Option<WriteSlot<'static>>,
-    pub(crate) item: u64,
-    pub(crate) spec: BatchSpec,
-    pub(crate) bucket: u32,
-    pub(crate) exports: Arc<Exports>,
+    item: u64,
+    spec: BatchSpec,
+    bucket: u32,
+    exports: Arc<Exports>,
     /// Each section's address and length, in `SECTIONS` order.
-    pub(crate) at: [(usize, usize); 4],
+    at: [(usize, usize); 4],
+    held: Local<Held>,
+}
+
+/// What of a slot only its target's thread touches: the target and the ring slot.
+struct Held {
+    t: Rc<TargetCore>,
+    /// None once committed or aborted.
+    slot: Option<WriteSlot<'static>>,
+    item: u64,
+    exports: Arc<Exports>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // Not committed: give it back, once nothing views it.
+            (self.t).dropped(slot, self.item, Arc::clone(&self.exports));
+        }
+    }
 }
 
 impl Slot {
+    /// Slot `slot` of `t`'s, reserved for batch `item`; owned by this thread.
+    pub(crate) fn new(
+        t: Rc<TargetCore>,
+        slot: WriteSlot<'static>,
+        item: u64,
+        spec: BatchSpec,
+        bucket: u32,
+        at: [(usize, usize); 4],
+    ) -> Slot {
+        let exports = Exports::new(&SECTIONS);
+        let held = Held {
+            t,
+            slot: Some(slot),
+            item,
+            exports: Arc::clone(&exports),
+        };
+        Slot {
+            item,
+            spec,
+            bucket,
+            exports,
+            at,
+            held: Local::new("hspipe.Slot", held),
+        }
+    }
+
     fn view(
         &self,
         section: usize,
@@ -34,7 +82,8 @@ impl Slot {
         shape: Vec<usize>,
         writable: bool,
     ) -> PyResult<View> {
-        if self.slot.is_none() || self.exports.is_closed() {
+        // Closed before a commit or abort, and never opened again.
+        if self.exports.is_closed() {
             return Err(err(format!(
                 "batch {}: its slot was committed or aborted",
                 self.item
@@ -46,15 +95,6 @@ impl Slot {
 
     fn n_tokens(&self) -> usize {
         self.spec.tokens() as usize
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            // Not committed: give it back, once nothing views it.
-            (self.t).dropped(slot, self.item, Arc::clone(&self.exports));
-        }
     }
 }
 
@@ -94,11 +134,12 @@ impl Slot {
     #[pyo3(signature = (wait=None))]
     fn commit(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
         let what = format!("commit batch {}", self.item);
-        if self.slot.is_none() {
+        let h = self.held.get_mut()?;
+        if h.slot.is_none() {
             return Err(err(format!("{what}: already committed or aborted")));
         }
-        close_views(&self.t.core, py, &self.exports, &what, wait)?;
-        let mut slot = self.slot.take().expect("checked above");
+        close_views(&h.t.core, py, &h.exports, &what, wait)?;
+        let mut slot = h.slot.take().expect("checked above");
         BatchWriter::new(slot.payload_mut(), &self.spec)
             .map_err(err)?
             .finish();
@@ -110,25 +151,26 @@ impl Slot {
             batch_id: self.item,
         })
         .map_err(err)?;
-        self.t.committed(self.item, tokens);
+        h.t.committed(self.item, tokens);
         Ok(())
     }
 
     /// Gives the slot back unpublished, and its batch back to the work table.
     #[pyo3(signature = (wait=None))]
     fn abort(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
-        if self.slot.is_none() {
+        let h = self.held.get_mut()?;
+        if h.slot.is_none() {
             return Ok(());
         }
         close_views(
-            &self.t.core,
+            &h.t.core,
             py,
-            &self.exports,
-            &format!("abort batch {}", self.item),
+            &h.exports,
+            &format!("abort batch {}", h.item),
             wait,
         )?;
-        drop(self.slot.take());
-        self.t.aborted(self.item);
+        drop(h.slot.take());
+        h.t.aborted(h.item);
         Ok(())
     }
 }

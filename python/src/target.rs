@@ -5,8 +5,9 @@
 //! Ownership: a [`Claim`] holds its work item until it is reserved (then the [`Slot`] holds it)
 //! or dropped (the item goes back to the table). A [`Slot`] holds its ring slot until
 //! committed, aborted or dropped; one dropped while its views live is kept (`deferred`) until
-//! they are let go, then given back with its item. `close()` finishes the producer once nothing
-//! is held, so the ring's close broadcast counts this target.
+//! they are let go, then given back with its item. Either dropped on another thread comes back
+//! to this target's thread first (`local`), at its next call. `close()` finishes the producer
+//! once nothing is held, so the ring's close broadcast counts this target.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
@@ -21,7 +22,8 @@ use pyo3::prelude::*;
 use shm_ring::{Producer, WorkClaim, WriteSlot};
 use target_worker::Gathered;
 
-use crate::common::{err, worker_methods, Core, InHand, Registered};
+use crate::common::{err, worker_methods, Core, InHand, Registered, Shared};
+use crate::local::Local;
 use crate::slot::Slot;
 use crate::view::{self, Elem, Exports, View};
 
@@ -74,8 +76,10 @@ impl TargetCore {
         })
     }
 
-    /// Gives back the deferred slots whose views are all gone.
+    /// Gives back the deferred slots whose views are all gone, and first what other threads
+    /// let go of (`local`).
     fn sweep(&self) {
+        crate::local::bring_home();
         let mut deferred = self.deferred.borrow_mut();
         let mut i = 0;
         while i < deferred.len() {
@@ -122,25 +126,30 @@ impl TargetCore {
 }
 
 /// A target worker (what `hspipe.connect()` returns in a target process). Iterate it for
-/// claims; `close()` (or leaving `with`) finishes.
-#[pyclass(unsendable, module = "hspipe")]
+/// claims; `close()` (or leaving `with`) finishes. Its attributes (`name`, `config`, ...) and
+/// `heartbeat()` answer on any thread; the rest on the thread that connected it.
+#[pyclass(module = "hspipe")]
 pub struct Target {
-    t: Rc<TargetCore>,
+    shared: Shared,
+    t: Local<Rc<TargetCore>>,
 }
 
 impl Target {
     pub fn new(t: TargetCore) -> Target {
-        Target { t: Rc::new(t) }
+        Target {
+            shared: Shared::of(&t.core),
+            t: Local::new("hspipe.Target", Rc::new(t)),
+        }
     }
 
-    fn core(&self) -> &Core {
-        &self.t.core
+    fn core(&self) -> PyResult<&Core> {
+        Ok(&self.t.get()?.core)
     }
 
     /// `close()`, or leaving `with` (`failing`: on an exception, the process about to die: not
     /// finished, so its restart claims work again; the supervisor retires it if it gives up).
     fn close_inner(&self, py: Python<'_>, wait: Option<f64>, failing: bool) -> PyResult<i32> {
-        let t = &self.t;
+        let t = self.t.get()?;
         t.core.check_open()?;
         // Dying: what it holds stays claimed until the launcher recovers it, so a batch that
         // killed it is still its own then (to be set aside), not already another's. Marked
@@ -148,6 +157,8 @@ impl Target {
         // be given back.
         if failing {
             t.dying.set(true);
+            // What other threads let go of: kept, as what it holds (the claims stay claimed).
+            crate::local::bring_home();
         } else {
             t.core.wait_deferred(py, wait, || {
                 t.sweep();
@@ -182,7 +193,7 @@ impl Target {
     /// theirs back if they die. None when every batch is published, or a stop was asked for.
     #[pyo3(signature = (timeout=None))]
     fn claim(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Claim>> {
-        let t = &self.t;
+        let t = self.t.get()?;
         t.core.check_open()?;
         t.sweep();
         let producer = t.producer;
@@ -239,50 +250,62 @@ impl Target {
     /// Batches dropped without commit() while views of them lived: held (never reused) until the
     /// views are let go, then given back.
     #[getter]
-    fn deferred(&self) -> usize {
-        self.t.sweep();
-        self.t.deferred.borrow().len()
+    fn deferred(&self) -> PyResult<usize> {
+        let t = self.t.get()?;
+        t.sweep();
+        Ok(t.deferred.borrow().len())
     }
 
     /// Batches this target committed.
     #[getter]
-    fn committed(&self) -> u64 {
-        self.t.report.borrow().items
+    fn committed(&self) -> PyResult<u64> {
+        Ok(self.t.get()?.report.borrow().items)
     }
 }
 
 worker_methods!(Target);
 
-/// A planned batch this target claimed: what to compute. `reserve()` gets its slot.
-#[pyclass(unsendable, module = "hspipe")]
+/// A planned batch this target claimed: what to compute (readable from any thread).
+/// `reserve()`, on the target's thread, gets its slot.
+#[pyclass(module = "hspipe")]
 pub struct Claim {
-    t: Rc<TargetCore>,
     item: u64,
     g: Gathered,
+    held: Local<ClaimHeld>,
+}
+
+/// What of a claim only its target's thread touches.
+struct ClaimHeld {
+    t: Rc<TargetCore>,
+    item: u64,
     /// A slot was reserved for it (the slot holds the work item now), or it was given back.
     settled: bool,
 }
 
+impl Drop for ClaimHeld {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.t.give_back(self.item);
+        }
+    }
+}
+
 impl Claim {
     fn new(t: Rc<TargetCore>, g: Gathered) -> Claim {
-        Claim {
+        let held = ClaimHeld {
             t,
             item: g.item,
-            g,
             settled: false,
+        };
+        Claim {
+            item: g.item,
+            g,
+            held: Local::new("hspipe.Claim", held),
         }
     }
 
     fn gathered(&self) -> PyResult<&Gathered> {
         Ok(&self.g)
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if !self.settled {
-            self.t.give_back(self.item);
-        }
     }
 }
 
@@ -345,16 +368,17 @@ impl Claim {
     /// waiting (the batch goes back to the work table).
     #[pyo3(signature = (timeout=None))]
     fn reserve(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Slot>> {
-        let t = Rc::clone(&self.t);
+        let held = self.held.get_mut()?;
+        let t = Rc::clone(&held.t);
         t.core.check_open()?;
-        if self.settled {
+        if held.settled {
             return Err(err(format!(
                 "batch {} was reserved already, or given back",
                 self.item
             )));
         }
         t.sweep();
-        let len = batch_len(&self.gathered()?.spec).map_err(err)? as usize;
+        let len = batch_len(&self.g.spec).map_err(err)? as usize;
         let producer = t.producer;
         let got = t.core.wait(py, "reserve", timeout, true, |slice| {
             producer.reserve_timeout(len, slice).map_err(err)
@@ -362,12 +386,12 @@ impl Claim {
         let got = got.inspect_err(|_| t.in_hand.let_go(self.item))?; // a full ring: not its doing
         let Some(mut slot) = got else {
             t.stopped.set(true);
-            self.settled = true;
+            held.settled = true;
             t.give_back(self.item);
             t.in_hand.let_go(self.item);
             return Ok(None);
         };
-        self.settled = true;
+        held.settled = true;
         let g = &self.g;
         let base = slot.payload_mut().as_mut_ptr() as usize;
         let mut w = BatchWriter::new(slot.payload_mut(), &g.spec).map_err(err)?;
@@ -379,14 +403,13 @@ impl Claim {
         sections.loss_mask.copy_from_slice(&g.loss_mask);
         let at = [h.input_ids, h.loss_mask, h.target_tokens, h.hidden_states]
             .map(|s| (base + s.offset as usize, s.len as usize));
-        Ok(Some(Slot {
+        Ok(Some(Slot::new(
             t,
-            slot: Some(slot),
-            item: g.item,
-            spec: g.spec.clone(),
-            bucket: g.bucket,
-            exports: Exports::new(&SECTIONS),
+            slot,
+            g.item,
+            g.spec.clone(),
+            g.bucket,
             at,
-        }))
+        )))
     }
 }

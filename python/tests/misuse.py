@@ -20,14 +20,15 @@ def later(seconds, fn):
 
 
 def beat_from_a_thread(w):
-    # The worker belongs to its thread (a call from another raises); its heartbeat handle is
-    # what a thread that beats during long work holds.
+    # What changes the worker is its thread's (thread_drops.py); a thread that beats during
+    # long work calls w.heartbeat() or holds the heartbeat handle.
     beat = w.heartbeat_handle()
     failed = []
 
     def beating():
         try:
             beat()
+            w.heartbeat()
         except BaseException as e:  # noqa: BLE001 - the case is that nothing is raised
             failed.append(e)
 

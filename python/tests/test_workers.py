@@ -1,7 +1,8 @@
 """Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
 target feeding our drafters, numpy drafters training as one group from our targets, a killed
 Python worker restarted alone, a poison batch set aside, a batch dropped after its update
-trained once, the view-lifetime cases, misuse of the API, and bad worker commands.
+trained once, the view-lifetime cases, batches, slots and claims let go of on other threads,
+misuse of the API, and bad worker commands.
 
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
@@ -80,12 +81,25 @@ def test_a_sigkilled_python_target_is_restarted_alone_and_its_batches_redone(run
     kill_one_of(run, "target-2", signal.SIGKILL)
 
 
-def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
-    views = [PYTHON, script("tests/view_lifetimes.py")]
-    cfg = config_text(target=views, drafter=views)
+def run_cases(run, name, said):
+    """Runs tests/`name` as the only target and the only drafter, with no restarts; returns the
+    launcher's exit code and output and the cases that held (<run-dir>/`said`), once no worker
+    met a panic (pyo3's PanicException, or its words on an object it leaked)."""
+    worker = [PYTHON, script(f"tests/{name}")]
+    cfg = config_text(target=worker, drafter=worker)
     code, out = run.launch(cfg, "--targets", "0", "--drafters", "1", "--max-restarts", "0").finish()
+    no_segment_of(run.proc.pid)
+    p = run.run_dir / said
+    cases = p.read_text().splitlines() if p.exists() else []
+    for role in ["target", "drafter"]:
+        log = run.log(f"{role}-0")
+        assert "PanicException" not in log and "is unsendable" not in log, log
+    return code, out, cases
+
+
+def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
+    code, out, cases = run_cases(run, "view_lifetimes.py", "view-cases.txt")
     assert code == 0, out
-    cases = (run.run_dir / "view-cases.txt").read_text().splitlines()
     for case in [
         "bf16 via dlpack",
         "commit with live views names them",
@@ -104,20 +118,35 @@ def test_python_views_are_zero_copy_and_never_outlive_their_slot(run):
 
 
 def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
-    misuse = [PYTHON, script("tests/misuse.py")]
-    cfg = config_text(target=misuse, drafter=misuse)
-    code, out = run.launch(cfg, "--targets", "0", "--drafters", "1", "--max-restarts", "0").finish()
-    no_segment_of(run.proc.pid)
-    said = run.run_dir / "misuse-cases.txt"
-    cases = said.read_text().splitlines() if said.exists() else []
-    for role in ["target", "drafter"]:
-        assert "PanicException" not in run.log(f"{role}-0"), run.log(f"{role}-0")
+    code, out, cases = run_cases(run, "misuse.py", "misuse-cases.txt")
     for case, times in [
         ("a timeout past any clock waits", 2),
         ("a heartbeat handle beats from another thread", 2),
         ("a state that cannot be handed over is refused at once", 1),
     ]:
         assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"
+    assert code == 0, out
+    every_sample_once(run)
+
+
+def test_batches_slots_and_claims_let_go_of_on_another_thread_go_back_to_their_worker(run):
+    # A pool's thread, a DataLoader's or the garbage collector drops the last reference on a
+    # thread other than the worker's: the object goes back to the worker's thread, which gives
+    # it back. Before, it was leaked with its slot held (pyo3 cannot drop an `unsendable`
+    # object on another thread): the drafter's next take() refused, the target's batch was
+    # never published. A call that changes one from another thread is refused by name.
+    code, out, cases = run_cases(run, "thread_drops.py", "thread-cases.txt")
+    for case in [
+        "a slot and a claim dropped on another thread are given back",
+        "a slot dropped on another thread while viewed is kept, then given back",
+        "another thread reads a slot, and its calls that change it are refused",
+        "a batch dropped on another thread is given back",
+        "a batch dropped on another thread while viewed is kept, then given back",
+        "a batch in a cycle the collector frees on another thread is given back",
+        "another thread reads a batch, and its calls that change it are refused",
+    ]:
+        assert case in cases, f"case {case!r} did not hold: {cases}\n{run.log('target-0')}\n" \
+            f"{run.log('drafter-0')}"
     assert code == 0, out
     every_sample_once(run)
 
