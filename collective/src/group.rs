@@ -414,9 +414,26 @@ impl<M: Memory> Protocol<M> {
         }
     }
 
+    /// [`Protocol::remove_settling`] with nothing to settle first (the tests' launcher).
+    #[cfg(any(test, loom))]
+    pub(crate) fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+        self.remove_settling(rank, &mut |_| {})
+    }
+
     /// The launcher's side: removes a dead `rank` with a membership change, and says whether
     /// its last contribution is in a committed step. Call only once the rank's process is gone.
-    pub(crate) fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+    ///
+    /// `settle` is shown that applied batch, if any, before the membership change: while the dead
+    /// rank is still a member, no round after its last can commit, so no checkpoint can hold an
+    /// update after it. The caller makes the batch's retirement durable there (its ledger line);
+    /// once the removal is made, the survivors go on and the leader's next checkpoint may hold
+    /// the update. `settle` may be called again (a membership change won the race and the
+    /// removal is tried again), always with the same batch: a committed step stays committed.
+    pub(crate) fn remove_settling(
+        &self,
+        rank: u32,
+        settle: &mut dyn FnMut(Committed),
+    ) -> Result<Removed, GroupError> {
         self.check_rank(rank)?;
         let c = self.mem.control();
         let r = self.mem.rank(rank);
@@ -434,13 +451,33 @@ impl<M: Memory> Protocol<M> {
                     membership: w,
                 });
             }
+            // Decided from `w`, the word the CAS below replaces: the rank is gone, so its record
+            // no longer changes, and up to `w` it was a member. A member arrives again in every
+            // new epoch before a commit (and a joiner starts with no arrival), so the last
+            // contribution naming its batch, tagged with step `s`, is in step `s` if `s` is
+            // committed (`s <= w.step`): a later arrival for `s` would have named the batch
+            // again (a new tag) or none (clearing it). An arrival for w.step + 1 is not
+            // committed if the CAS below succeeds: that round is contributed again without it.
+            let committed = if member {
+                let t = r.batch_tag.load(Ordering::Acquire);
+                let batch = r.batch.load(Ordering::Relaxed);
+                let step = tag_step(t);
+                let named = t != 0 && batch != NO_BATCH;
+                (named && step != w.step.wrapping_add(1)).then_some(Committed { batch, step })
+            } else {
+                None
+            };
+            if let Some(applied) = committed {
+                settle(applied);
+            }
             let next = Membership {
                 epoch: w.epoch.wrapping_add(1),
                 members: w.members & !(1 << rank),
                 ..w
             };
             // SYNC: AcqRel, like a commit: this CAS and a commit of step w.step + 1 are ordered
-            // by the word, so exactly one of "committed with this rank" and "not" holds.
+            // by the word, so exactly one of "committed with this rank" and "not" holds. A commit
+            // that wins makes this CAS fail, and the next try decides from the committed word.
             if c.word
                 .compare_exchange(w.pack(), next.pack(), Ordering::AcqRel, Ordering::Acquire)
                 .is_err()
@@ -448,27 +485,9 @@ impl<M: Memory> Protocol<M> {
                 continue;
             }
             self.bump();
-            if !member {
-                return Ok(Removed {
-                    was_member: false,
-                    committed: None,
-                    membership: next,
-                });
-            }
-            // The rank was a member up to `w`, and is no more: it contributes nothing again. A
-            // member arrives again in every new epoch before a commit (and a joiner starts with
-            // no arrival), so the last contribution naming its batch, tagged with step `s`, is
-            // in step `s` if `s` is committed (`s <= w.step`): a later arrival for `s` would
-            // have named the batch again (a new tag) or none (clearing it). An arrival for
-            // w.step + 1 was not committed: that round is contributed again without it.
-            let t = r.batch_tag.load(Ordering::Acquire);
-            let batch = r.batch.load(Ordering::Relaxed);
-            let step = tag_step(t);
-            let named = t != 0 && batch != NO_BATCH;
             return Ok(Removed {
-                was_member: true,
-                committed: (named && step != w.step.wrapping_add(1))
-                    .then_some(Committed { batch, step }),
+                was_member: member,
+                committed,
                 membership: next,
             });
         }

@@ -13,7 +13,9 @@
 //!   membership changes first and it is contributed again: never committed for some ranks and
 //!   not for others, because commits and membership changes are CASes on one word.
 //! - **The launcher knows** whether a dead rank's last batch is in an applied update
-//!   ([`Removed::committed`]): retire it if so, redeliver it otherwise. Exactly once.
+//!   ([`Removed::committed`]): retire it if so, redeliver it otherwise. Exactly once. It
+//!   learns so before the removal lets the group go on ([`Collective::remove_settling`]), while
+//!   no checkpoint can hold that update yet.
 //! - **No busy spin.** Waiters sleep on a shared futex for at most `shmem::sync::WAIT_SLICE`
 //!   (100 ms) at a time and ask their `stop` closure between sleeps. Atomics and waits come
 //!   from `shmem::sync`, which loom swaps for its own (the ring's models use the same).
@@ -106,7 +108,18 @@ pub trait Collective {
     /// `state_step`, the last committed step). Returns the bit set of ranks admitted.
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError>;
     /// The launcher's side: removes dead `rank` (call only once its process is gone).
-    fn remove(&self, rank: u32) -> Result<Removed, GroupError>;
+    fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
+        self.remove_settling(rank, &mut |_| {})
+    }
+    /// [`Collective::remove`], showing `settle` the dead rank's batch whose update the group
+    /// applied ([`Removed::committed`]) before the removal lets the group go on: the one moment
+    /// no checkpoint can hold that update yet, so the caller records the batch as trained
+    /// there. Possibly more than once, always with the same batch.
+    fn remove_settling(
+        &self,
+        rank: u32,
+        settle: &mut dyn FnMut(Committed),
+    ) -> Result<Removed, GroupError>;
 }
 
 /// The one place a run's collective is chosen: the launcher creates the group with [`create`]
@@ -205,7 +218,11 @@ impl Collective for ShmGroup {
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
         self.proto.admit_joiners(self.rank, state_step, state)
     }
-    fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
-        self.proto.remove(rank)
+    fn remove_settling(
+        &self,
+        rank: u32,
+        settle: &mut dyn FnMut(Committed),
+    ) -> Result<Removed, GroupError> {
+        self.proto.remove_settling(rank, settle)
     }
 }

@@ -48,8 +48,9 @@ fn group(ranks: u32, members: u16, state_len: usize) -> Arc<Protocol<HeapMem>> {
 /// Rank 1 contributes its batch and dies at any point after (its `stop` says yes at its first
 /// wait); the launcher removes it once it is gone; rank 0 reduces. Whatever the order: if the
 /// launcher is told rank 1's batch is in an applied update, rank 0's update included it, and if
-/// not, rank 0's update is its own alone — never both, never neither. Fails if the commit check
-/// and the epoch check are not one word (as in a design with a separate commit flag).
+/// not, rank 0's update is its own alone — never both, never neither; and it is shown that
+/// batch before the removal lets rank 0 go on. Fails if the commit check and the epoch check are
+/// not one word (as in a design with a separate commit flag).
 #[test]
 fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
     model(|| {
@@ -66,9 +67,21 @@ fn a_rank_dying_in_the_reduction_gives_one_outcome_that_the_launcher_knows() {
             (out[0], r.membership.members)
         });
         dead.join().unwrap();
-        let removed = g.remove(1).unwrap();
+        // The launcher is shown the applied batch while rank 1 is still a member: before the
+        // survivor can go on past that round (and checkpoint it).
+        let mut shown = Vec::new();
+        let removed = (g.remove_settling(1, &mut |c| {
+            shown.push((c.batch, g.membership().contains(1)));
+        }))
+        .unwrap();
         let (sum, members) = survivor.join().unwrap();
         assert!(removed.was_member);
+        assert!(shown.iter().all(|&(_, member)| member), "{shown:?}");
+        let batches: Vec<u64> = shown.iter().map(|s| s.0).collect();
+        assert!(batches
+            .iter()
+            .all(|&b| Some(b) == removed.committed.map(|c| c.batch)));
+        assert_eq!(batches.is_empty(), removed.committed.is_none(), "{shown:?}");
         match removed.committed.map(|c| c.batch) {
             Some(b) => {
                 assert_eq!(b, 11);

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::{Collective, GroupError, Membership, Reduced, Removed};
+use crate::{Collective, Committed, GroupError, Membership, Reduced, Removed};
 
 /// How often the waits of a transport ask `give_up`.
 pub const POLL: Duration = Duration::from_millis(10);
@@ -299,7 +299,11 @@ impl<T: Transport> Collective for SplitGroup<T> {
     fn admit_joiners(&self, state_step: u32, state: &[u32]) -> Result<u16, GroupError> {
         self.commit.admit_joiners(state_step, state)
     }
-    fn remove(&self, rank: u32) -> Result<Removed, GroupError> {
-        self.commit.remove(rank)
+    fn remove_settling(
+        &self,
+        rank: u32,
+        settle: &mut dyn FnMut(Committed),
+    ) -> Result<Removed, GroupError> {
+        self.commit.remove_settling(rank, settle)
     }
 }

@@ -279,8 +279,8 @@ pub fn record_retired(
     };
     let mut ledger = Ledger::open(&run_dir.ledger(index))?;
     ledger.append(&line)?;
-    // Durable before the group goes on much further: the leader's next checkpoint may hold
-    // this batch's update.
+    // Durable before the group goes on (the launcher writes it before the removal takes
+    // effect): the leader's next checkpoint may hold this batch's update.
     ledger.sync()?;
     Ok(true)
 }

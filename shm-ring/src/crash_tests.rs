@@ -446,6 +446,45 @@ fn recovery_settles_a_batch_its_consumer_gave_back_before_it_died() {
     }
 }
 
+/// The drafter group's retire written down before the group goes on: the supervisor reads a
+/// dead consumer's batch first (to record it), and the batch stays held for the recovery that
+/// settles it, not delivered again in between; one the consumer gave back is taken back for
+/// it. A batch it does not hold is not shown.
+#[test]
+fn a_dead_consumers_batch_read_before_its_settling_stays_held_for_it() {
+    use crate::core::Settle;
+    for given_back in [false, true] {
+        let (r, [(a, claim), (b, _)]) = two_taken();
+        if given_back {
+            r.r().requeue(claim).unwrap();
+        }
+        let mut seen = Vec::new();
+        let mut read = |_: usize, meta: crate::core::ItemMeta| seen.push(meta.batch_id);
+        let held = (r.r()).read_held(2, SUPERVISOR, |_| false, a, &mut read);
+        assert_eq!(held, Ok(true), "given back: {given_back}");
+        assert_eq!(seen, [a]);
+        assert!(r.ready_batches().is_empty(), "given back: {given_back}");
+        let other = (r.r()).read_held(2, SUPERVISOR, |_| false, b + a + 1, &mut |_, _| {
+            panic!("shown a batch the consumer does not hold")
+        });
+        assert_eq!(other, Ok(false));
+        let mut retire = crate::core::Settling {
+            batches: &[(a, Settle::Retire)],
+            before: &mut |_, _, _| {},
+            work: &[],
+        };
+        let out = (r.r())
+            .recover(2, SUPERVISOR, |_| false, Some(&mut retire))
+            .unwrap();
+        assert_eq!(
+            (out.retired, out.requeued),
+            (1, 1),
+            "given back: {given_back}"
+        );
+        assert_eq!(r.ready_batches(), [b]);
+    }
+}
+
 /// What a producer's claim loop does next: publish an item, wait (items are still held by
 /// others and may come back), or finish (nothing can come back any more).
 #[derive(Debug, PartialEq, Eq)]

@@ -265,15 +265,11 @@ impl Ring {
         settle: &[(u64, Settle)],
         mut on_settled: impl FnMut(Settle, &ItemMeta, &[u8]),
     ) -> Result<Recovered, RingError> {
-        let seg = self.segment();
         let mut before = |idx: usize, meta: ItemMeta, how: Settle| {
-            let ptr = seg.payload_ptr(idx);
-            let len = (meta.len as usize).min(seg.params().slot_size as usize);
             // SAFETY: the slot is READING, owned by a consumer whose lease recovery holds (its
             // process is gone), so no process writes these bytes until the CAS that frees the
-            // slot, which happens after this call returns; `len` is capped at the slot
-            // size, inside the mapping, which outlives this call.
-            let payload = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+            // slot, which happens after this call returns.
+            let payload = unsafe { self.held_payload(idx, &meta) };
             on_settled(how, &meta, payload);
         };
         let mut settling = Settling {
@@ -282,6 +278,52 @@ impl Ring {
             work: &[],
         };
         self.recover_inner(wid, holder_alive, Some(&mut settling))
+    }
+
+    /// For the supervisor, before it settles batch `batch_id` that dead consumer `wid` holds
+    /// (see [`Ring::recover_settling`]) but after it must have recorded it: `read` sees the
+    /// batch's meta and payload, and the slot stays held by `wid` (one it gave back, READY, is
+    /// taken back for it, as the settling would). Nothing else is recovered. Returns whether
+    /// `wid` holds the batch (not: released, or another consumer's). Refuses a live holder as
+    /// [`Ring::recover`] does.
+    pub fn read_held(
+        &self,
+        wid: WorkerName,
+        batch_id: u64,
+        mut read: impl FnMut(&ItemMeta, &[u8]),
+    ) -> Result<bool, RingError> {
+        self.writable()?;
+        let id = self.id_of(wid)?;
+        let me = my_lease()?;
+        let mut show = |idx: usize, meta: ItemMeta| {
+            // SAFETY: the slot is READING, owned by a consumer whose lease this call holds (its
+            // process is gone), so no process writes these bytes until a recovery frees the
+            // slot, which needs that lease, given back only after this call returns.
+            let payload = unsafe { self.held_payload(idx, &meta) };
+            read(&meta, payload);
+        };
+        (self.core_ref())
+            .read_held(id, me, holder_alive, batch_id, &mut show)
+            .map_err(|holder| RingError::WorkerAlive {
+                id: wid,
+                pid: holder.pid(),
+            })
+    }
+
+    /// The payload of slot `idx`, held by a dead consumer, as `meta` gives its length (capped at
+    /// the slot's size, so inside the mapping, which lives as long as `self`).
+    ///
+    /// # Safety
+    ///
+    /// No process writes the slot while the slice lives: it is READING by a consumer whose
+    /// process is gone, and the caller holds that consumer's lease, which any recovery that
+    /// frees the slot must take.
+    unsafe fn held_payload(&self, idx: usize, meta: &ItemMeta) -> &[u8] {
+        let seg = self.segment();
+        let len = (meta.len as usize).min(seg.params().slot_size as usize);
+        // SAFETY: `len` is within the slot, inside the mapping, which outlives `&self`; nobody
+        // writes these bytes while the slice lives (the caller's promise).
+        unsafe { std::slice::from_raw_parts(seg.payload_ptr(idx) as *const u8, len) }
     }
 
     /// [`Ring::recover`] for a producer that died computing work `items` its supervisor sets

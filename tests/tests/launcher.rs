@@ -20,8 +20,8 @@ use proto::{LedgerLine, PipelineConfig, RunDir};
 use shm_ring::{Ring, Role, Snapshot, WorkerName};
 
 use crate::support::{
-    spawn, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared, workspace_bin,
-    Proc, TestDir, WATCHDOG,
+    spawn, spawn_env, spawn_unread_stderr, stale_segments_exclusive, stale_segments_shared,
+    workspace_bin, Proc, TestDir, WATCHDOG,
 };
 
 /// Quick runs: ~35 batches. `slow` makes targets slow enough to act mid-run.
@@ -1560,15 +1560,7 @@ pub(crate) fn kill_everything_mid_run(
     let before = wait_until("a checkpoint and a few steps after it", &ring, |s| {
         RunDir::new(run.run_dir()).checkpoint().exists() && s.counters.released >= released
     });
-    let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
-    let pid = launcher.child.id();
-    kill(pid, Signal::KILL);
-    let _ = launcher.wait_status();
-    let deadline = Instant::now() + crate::support::WATCHDOG;
-    while pids.iter().any(|&p| pid_alive(p)) {
-        assert!(Instant::now() < deadline, "workers outlived their launcher");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let pid = kill_with_its_workers(launcher, &before);
     drop(ring);
     let step = checkpoint_step(run);
     let kept: HashMap<u64, u64> = ledgers_tolerant(run)
@@ -1578,6 +1570,21 @@ pub(crate) fn kill_everything_mid_run(
         .collect();
     assert!(!kept.is_empty(), "the checkpoint holds some updates");
     (step, kept, pid)
+}
+
+/// SIGKILLs `launcher` (an OOM kill, say) and waits until its workers, those of `before`, died
+/// with it. Returns its pid.
+fn kill_with_its_workers(launcher: Proc, before: &Snapshot) -> u32 {
+    let pids: Vec<u32> = before.workers.iter().map(|w| w.pid).collect();
+    let pid = launcher.child.id();
+    kill(pid, Signal::KILL);
+    let _ = launcher.wait_status();
+    let deadline = Instant::now() + crate::support::WATCHDOG;
+    while pids.iter().any(|&p| pid_alive(p)) {
+        assert!(Instant::now() < deadline, "workers outlived their launcher");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    pid
 }
 
 /// Runs `launcher --resume <run_dir>` with `extra` and no other flag, to its end; returns its
@@ -1987,6 +1994,84 @@ fn resume_alone_after_a_kill(b: Backend) {
 on_both_backends!(resume_alone_after_a_kill:
     resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed,
     resume_alone_of_a_candle_run_finishes_the_plan_and_retrains_nothing_checkpointed);
+
+/// A drafter dies once the group applied its batch's update, before its ledger line, and the
+/// launcher is SIGKILLed right after removing it from the group, before it settles the batch in
+/// the ring (the tests' pause point, `HSPIPE_TEST_PAUSE_AFTER_REMOVAL`). The group went on
+/// without the dead rank meanwhile, and its leader checkpointed that update. `launcher --resume`
+/// then trains every batch once: the dead rank's batch keeps the one line of the update the
+/// checkpoint holds. Before, the launcher wrote that line only as it settled the ring, after
+/// the removal: the kill left the batch with no line, and the resume trained it a second time
+/// into weights that held it already.
+#[test]
+fn a_launcher_killed_after_removing_a_dead_drafter_leaves_its_applied_batch_trained_once() {
+    let run = Run::new("lremovekill");
+    let cfg = config(
+        &run.dir,
+        true,
+        "[faults.drafter-1]\ncrash_after_commit_at = 3\n",
+    );
+    // Every step a checkpoint, so the one after the dead rank's comes while the launcher waits;
+    // samples enough that the run is not over by then.
+    edit_config(&cfg, "checkpoint_every = 3", "checkpoint_every = 1");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 1500");
+    let pause = run.dir.join("paused-after-removal");
+    let args = run.args(&cfg, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let env = [("HSPIPE_TEST_PAUSE_AFTER_REMOVAL", pause.to_str().unwrap())];
+    let mut launcher = spawn_env(&workspace_bin("launcher"), &args, &env);
+    let ring = attach(&mut launcher);
+    wait_until("the launcher to remove a dead drafter", &ring, |_| {
+        std::fs::read_to_string(&pause).is_ok_and(|t| t.ends_with('\n'))
+    });
+    let said = std::fs::read_to_string(&pause).unwrap();
+    let (batch, step): (u64, u64) = match said.split_whitespace().collect::<Vec<_>>()[..] {
+        [b, s] => (b.parse().unwrap(), s.parse().unwrap()),
+        _ => panic!("the removal applied no batch of the dead rank: {said:?}"),
+    };
+    // The group goes on without the dead rank: its leader checkpoints the step that applied the
+    // dead rank's batch.
+    let ckpt = RunDir::new(run.run_dir()).checkpoint();
+    let before = wait_until("a checkpoint of the dead rank's step", &ring, |_| {
+        ckpt.exists() && checkpoint_step(&run) >= step
+    });
+    let killed = kill_with_its_workers(launcher, &before);
+    drop(ring);
+    let resumed_from = checkpoint_step(&run);
+    let kept: HashMap<u64, u64> = (ledgers_tolerant(&run).iter())
+        .filter(|l| l.step <= resumed_from)
+        .map(|l| (l.batch_id, l.step))
+        .collect();
+    let dir = run.run_dir();
+    let resumed = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir.to_str().unwrap()],
+    );
+    let pid = resumed.child.id();
+    let out = resumed.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    no_segment_of(killed);
+    no_segment_of(pid);
+    let lines = run.ledgers();
+    let steps: Vec<u64> = (lines.iter())
+        .filter(|l| l.batch_id == batch)
+        .map(|l| l.step)
+        .collect();
+    assert_eq!(
+        steps,
+        [step],
+        "batch {batch}, whose update the group applied at step {step} (the resume's checkpoint \
+         is of step {resumed_from}), has ledger lines of these steps: trained again"
+    );
+    resumed_retrained_nothing(&run, resumed_from, &kept);
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["duplicated"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["samples_trained"], 1500, "{s}");
+}
 
 /// Lists given with `--resume` replace the run's own where they fit: fewer drafters than the
 /// run had is refused (naming the command that resumes on the run's own GPUs) and changes

@@ -97,15 +97,20 @@ pub fn ring_peer(args: &[&str]) -> Proc {
 
 /// Spawns `bin` with its stdout piped, and its stderr piped to a thread that collects it.
 pub fn spawn(bin: &str, args: &[&str]) -> Proc {
-    spawn_with(bin, args, true)
+    spawn_with(bin, args, true, &[])
+}
+
+/// [`spawn`] with `env` added to the child's environment.
+pub fn spawn_env(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+    spawn_with(bin, args, true, env)
 }
 
 /// Spawns `bin` with stdout and stderr piped; stderr is left unread until `close_output`.
 pub fn spawn_unread_stderr(bin: &str, args: &[&str]) -> Proc {
-    spawn_with(bin, args, false)
+    spawn_with(bin, args, false, &[])
 }
 
-fn spawn_with(bin: &str, args: &[&str], collect_stderr: bool) -> Proc {
+fn spawn_with(bin: &str, args: &[&str], collect_stderr: bool, env: &[(&str, &str)]) -> Proc {
     let short = std::path::Path::new(bin)
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
@@ -113,6 +118,7 @@ fn spawn_with(bin: &str, args: &[&str], collect_stderr: bool) -> Proc {
     let what = format!("{short} {}", args.join(" "));
     let mut child = Command::new(bin)
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -11,7 +11,8 @@
 //! - `remove` says "retire" (`committed: Some(b)`) only for the dead rank's last batch (the
 //!   last it named: a rank sometimes contributes to a round with none, as a Python rank
 //!   reducing its loss does), and exactly when that batch is in a committed round, the one
-//!   `remove` names; "redeliver" (None) leaves the batch out of every round for good;
+//!   `remove` names; "redeliver" (None) leaves the batch out of every round for good; and the
+//!   launcher is shown that batch to settle before the removal, while the rank is a member;
 //! - a joiner receives the state of the step it is admitted at.
 //!
 //! The ranks run the real `all_reduce` and `join`, each on its own thread, but only one thread
@@ -443,9 +444,29 @@ impl Sim {
         // The round the dead rank's last batch was contributed to.
         let t = self.g.mem.rank(r).batch_tag.load(Ordering::Acquire);
         let arrival = ((t >> 32) as u16, t as u32);
-        let removed = self.g.remove(r).unwrap();
+        // What `remove` shows the launcher to settle, and whether the rank was still a member
+        // then (no later round could commit, so no checkpoint held the update yet).
+        let mut shown = Vec::new();
+        let g = &self.g;
+        let removed = (g.remove_settling(r, &mut |c| {
+            shown.push((c, g.membership().contains(r)));
+        }))
+        .unwrap();
         self.log
             .push(format!("launcher removes rank {r}: {removed:?}"));
+        self.check(shown.iter().all(|&(_, member)| member), || {
+            format!("settling shown after rank {r} was removed: {shown:?}")
+        });
+        self.check(
+            shown.iter().all(|&(c, _)| Some(c) == removed.committed)
+                && removed.committed.is_none_or(|_| !shown.is_empty()),
+            || {
+                format!(
+                    "settling shown {shown:?}, but the removal said {:?}",
+                    removed.committed
+                )
+            },
+        );
         self.check(!removed.membership.contains(r), || {
             format!("rank {r} still a member after its removal")
         });

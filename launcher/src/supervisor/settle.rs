@@ -2,6 +2,12 @@
 //! retired when the group applied its update before the death (its ledger line written for it),
 //! and on either side a poison batch set aside.
 //!
+//! Retiring: the line is written (and synced) while the group removes the dead rank, before the
+//! removal takes effect ([`collective::Collective::remove_settling`]): until then no round after
+//! the dead rank's last can commit, so no checkpoint holds the batch's update. A launcher killed
+//! at any point after leaves the line for `--resume`, which counts the batch trained once it is
+//! in the checkpoint resumed from. The ring's settling that follows only frees the slot.
+//!
 //! Poison batches: a batch that kills whoever computes it would otherwise go back after every
 //! death (a drafter's to the ring, a target's work item to the work table) and kill the next
 //! worker to take it, until that side's workers are given up in a row and the run ends. Each
@@ -42,8 +48,10 @@ use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
+use collective::Committed;
 use proto::ledger::SetAsideLine;
-use shm_ring::{Recovered, Role, Settle, WorkerName};
+use proto::RunDir;
+use shm_ring::{Recovered, Ring, Role, Settle, WorkerName};
 
 use super::Supervisor;
 
@@ -174,10 +182,10 @@ pub(super) struct Settled {
 impl Supervisor<'_> {
     /// Restores the ring's invariants after worker `i` died. A drafter leaves the group first:
     /// survivors blocked in the reduction go on without it, and we learn whether its last
-    /// batch is in an applied update: if it still holds that batch, it is retired, not
-    /// redelivered. The death (`struck`: the batch it had in hand, unless that is the applied
-    /// one) is held against that batch, which is set aside once enough deaths are (see the
-    /// module's doc). Returns what was recovered, and what to say of the settled batches.
+    /// batch is in an applied update: if it still holds that batch, its ledger line is written
+    /// before the survivors go on, and it is retired, not redelivered. The death (`struck`: the
+    /// batch it had in hand, unless that is the applied one) is held against that batch, which
+    /// is set aside once enough deaths are (see the module's doc). Returns what was recovered, and what to say of the settled batches.
     pub(super) fn recover(
         &mut self,
         i: usize,
@@ -193,8 +201,19 @@ impl Supervisor<'_> {
         if let Err(e) = proto::ledger::sync_dead(&self.run_dir, index) {
             self.mon.say(&format!("warning: {name}'s ledger: {e}"));
         }
-        let gone = self.group.remove(index)?;
+        // The batch of an applied update gets its line while the dead rank is still a member:
+        // until the removal, no round after its last can commit, so no checkpoint holds that
+        // update. Written after, a launcher killed in between left the batch with no line in a
+        // checkpoint that holds it, and `--resume` trained it a second time.
+        let (ring, run_dir) = (&self.ring, &self.run_dir);
+        let mut recorded: Option<anyhow::Result<bool>> = None;
+        let gone = (self.group).remove_settling(index, &mut |c| {
+            if !matches!(recorded, Some(Ok(_))) {
+                recorded = Some(record_applied(ring, run_dir, name, index, c));
+            }
+        })?;
         let committed = gone.committed.map(|c| (c.batch, c.step));
+        pause_after_removal(committed);
         let mut settle = Vec::new();
         if let Some((batch, _)) = committed {
             settle.push((batch, Settle::Retire));
@@ -216,11 +235,15 @@ impl Supervisor<'_> {
         let (run_dir, strikes) = (&self.run_dir, &self.strikes);
         let (mut retired, mut set_aside) = (None, None);
         let r = (self.ring).recover_settling(name, &settle, |how, meta, payload| match how {
+            // Written before the removal (`record_applied`); tried again here if it was not (a
+            // line already there is not written twice).
             Settle::Retire => {
                 let step = committed.map_or(0, |(_, step)| u64::from(step));
-                retired = Some(proto::ledger::record_retired(
-                    run_dir, index, meta, payload, step,
-                ));
+                retired = Some(match &recorded {
+                    Some(Ok(true)) => Ok(true),
+                    _ => proto::ledger::record_retired(run_dir, index, meta, payload, step)
+                        .map_err(anyhow::Error::from),
+                });
             }
             Settle::SetAside => {
                 let deaths = strikes.lines(Role::Consumer, meta.batch_id);
@@ -361,6 +384,44 @@ impl Supervisor<'_> {
         );
         self.notes.push(note.clone());
         note
+    }
+}
+
+/// Writes the ledger line of batch `c.batch`, whose update the group applied at `c.step`, for
+/// dead drafter `name` (ledger `index`) if it still holds the batch, from the batch in its slot;
+/// one it released has its own line (a rank releases a batch only after writing it). Returns
+/// whether a line was added. The slot stays held for the settling that retires it.
+fn record_applied(
+    ring: &Ring,
+    run_dir: &RunDir,
+    name: WorkerName,
+    index: u32,
+    c: Committed,
+) -> anyhow::Result<bool> {
+    let mut wrote = Ok(false);
+    ring.read_held(name, c.batch, |meta, payload| {
+        let step = u64::from(c.step);
+        wrote = proto::ledger::record_retired(run_dir, index, meta, payload, step);
+    })?;
+    Ok(wrote?)
+}
+
+/// The tests' pause point between a dead drafter's removal from the group and the settling of
+/// its batches in the ring: with `HSPIPE_TEST_PAUSE_AFTER_REMOVAL=FILE` in its environment
+/// (never set in a real run), the launcher writes FILE (`<batch> <step>`: the dead rank's batch
+/// the removal said is in an applied update, or `-` for none) and waits while FILE exists, so
+/// a test can kill it there. The group goes on meanwhile, and its checkpoints may hold that
+/// update: nothing a resume needs may be left to the settling after this point.
+fn pause_after_removal(committed: Option<(u64, u32)>) {
+    let Some(file) = std::env::var_os("HSPIPE_TEST_PAUSE_AFTER_REMOVAL") else {
+        return;
+    };
+    let said = committed.map_or_else(|| "-".to_string(), |(b, s)| format!("{b} {s}"));
+    if std::fs::write(&file, format!("{said}\n")).is_err() {
+        return;
+    }
+    while std::path::Path::new(&file).exists() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
 

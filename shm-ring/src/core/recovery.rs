@@ -195,6 +195,36 @@ impl RingRef<'_> {
         Ok(out)
     }
 
+    /// For a supervisor (process `me`) that records batch `batch_id` of dead worker `id` before
+    /// it settles it (a drafter group's retire, written down before the group goes on): shows
+    /// `read` the slot holding it and its meta, and leaves the slot as it is, held by `id` for
+    /// the recovery that settles it. One the owner gave back (READY) is taken back for it
+    /// first, as that recovery would. Returns whether `id` holds the batch (not: released, or
+    /// another consumer's). Takes `id`'s lease for the reading and gives it back, refusing a
+    /// live holder as `recover` does.
+    pub(crate) fn read_held(
+        &self,
+        id: u32,
+        me: Lease,
+        holder_alive: impl Fn(Lease) -> bool,
+        batch_id: u64,
+        read: &mut dyn FnMut(usize, ItemMeta),
+    ) -> Result<bool, Lease> {
+        self.take_lease(id, me, holder_alive)?;
+        self.take_back(id, batch_id);
+        // The dead owner cannot move its READING slots, and only the lease holder recovers
+        // them, so the slot found stays this batch's while `read` looks at it.
+        let found = (0..self.slots.len()).find(|&idx| {
+            let w = Word(self.slots[idx].state.load(Ordering::Acquire));
+            w.state() == READING && w.owner() == id && self.item_meta(idx).batch_id == batch_id
+        });
+        if let Some(idx) = found {
+            read(idx, self.item_meta(idx));
+        }
+        self.give_back_lease(id, me);
+        Ok(found.is_some())
+    }
+
     /// A batch to be settled that its owner gave back before it died (a Python rank's batch
     /// dropped on an exception is requeued at once) is READY, not READING: taken back here for
     /// `id`, by the CAS a take makes, so that the cleanup settles it instead of another
