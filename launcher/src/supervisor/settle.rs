@@ -185,7 +185,8 @@ impl Supervisor<'_> {
     /// batch is in an applied update: if it still holds that batch, its ledger line is written
     /// before the survivors go on, and it is retired, not redelivered. The death (`struck`: the
     /// batch it had in hand, unless that is the applied one) is held against that batch, which
-    /// is set aside once enough deaths are (see the module's doc). Returns what was recovered, and what to say of the settled batches.
+    /// is set aside once enough deaths are (see the module's doc). Returns what was recovered,
+    /// and what to say of the settled batches.
     pub(super) fn recover(
         &mut self,
         i: usize,
