@@ -26,7 +26,7 @@
 //! Length: past 500 lines on purpose: reading the run and drawing its panels share the time
 //! axis, the bins and the marks, and each panel is a few dozen lines of plotters calls.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
@@ -147,7 +147,7 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let mut last_launch = None;
     let mut line = Vec::new();
     loop {
-        let len = read_line_capped(&mut reader, &mut line, MAX_LINE)
+        let len = proto::jsonl::read_line_capped(&mut reader, &mut line, MAX_LINE)
             .with_context(|| format!("reading {}", path.display()))?;
         if len == 0 {
             break;
@@ -215,10 +215,11 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
             path.display()
         );
     }
-    // summary.json and the ledgers are read whole, so a FIFO or a device is refused first
-    // (`read_regular`): the report says what it could not read, and draws the rest.
+    // A FIFO or a device in place of summary.json or a ledger is refused before it is read, a
+    // summary larger than any summary is not read, and a ledger is read a line at a time (each
+    // held to `ledger::MAX_LINE`): the report says what it could not read, and draws the rest.
     let mut warnings = Vec::new();
-    let (summary, summary_unreadable) = match atomic_file::read_regular(&run.summary()) {
+    let (summary, summary_unreadable) = match read_summary(&run.summary()) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
         Err(e) => (None, Some(e.to_string())),
         Ok(text) => match serde_json::from_str(&text) {
@@ -234,31 +235,28 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     }
     let mut ledgers = Vec::new();
     for d in 0.. {
-        let entries = match ledger::read(&run, d) {
-            Ok(Some(entries)) => entries,
-            Ok(None) => break,
+        let mut st = LedgerStats {
+            drafter: d,
+            ..LedgerStats::default()
+        };
+        let found = ledger::scan(&run, d, |entry| match entry.line {
+            Some(l) => {
+                st.batches += 1;
+                st.redelivered += u64::from(l.delivery > 0);
+                st.epochs = st.epochs.max(l.epoch);
+            }
+            None => st.unreadable += 1,
+        });
+        match found {
+            Ok(true) => ledgers.push(st),
+            Ok(false) => break,
             Err(e) => {
                 warnings.push(format!(
                     "{e}: drawn without it, and without the later ledgers"
                 ));
                 break;
             }
-        };
-        let mut st = LedgerStats {
-            drafter: d,
-            ..LedgerStats::default()
-        };
-        for entry in entries {
-            match entry.line {
-                Some(l) => {
-                    st.batches += 1;
-                    st.redelivered += u64::from(l.delivery > 0);
-                    st.epochs = st.epochs.max(l.epoch);
-                }
-                None => st.unreadable += 1,
-            }
         }
-        ledgers.push(st);
     }
     Ok(RunData {
         dir: dir.to_path_buf(),
@@ -276,41 +274,49 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
 /// edited, not metrics at all) is skipped as no tick without being held whole.
 const MAX_LINE: usize = 16 << 20;
 
+/// The largest summary.json read: a summary is a few KB (thousands of workers make it some
+/// hundreds); a larger file is no summary a launcher wrote, and is not read into memory.
+const MAX_SUMMARY: u64 = 16 << 20;
+
+/// summary.json's text, refused unless a regular file (as [`atomic_file::read_regular`]
+/// refuses) of at most [`MAX_SUMMARY`] bytes.
+fn read_summary(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    let too_big = |len: String| {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!(
+                "it is {len} bytes, more than any summary ({} MiB at most)",
+                MAX_SUMMARY >> 20
+            ),
+        )
+    };
+    let meta = std::fs::metadata(path)?;
+    if let Some(what) = atomic_file::not_regular(&meta) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("it is {what}, not a regular file"),
+        ));
+    }
+    if meta.len() > MAX_SUMMARY {
+        return Err(too_big(meta.len().to_string()));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_SUMMARY + 1)
+        .read_to_string(&mut text)?;
+    // It grew since its size was read.
+    if text.len() as u64 > MAX_SUMMARY {
+        return Err(too_big(format!("over {MAX_SUMMARY}")));
+    }
+    Ok(text)
+}
+
 /// The latest time a tick may have, in seconds since its launch started (about 31 years).
 const MAX_T_S: f64 = 1e9;
 
 /// The largest value of a tick's drawn numbers (rates, shares, loss, seconds).
 const MAX_VALUE: f64 = 1e12;
-
-/// Reads one line (through its `\n`, if any) into `line`, keeping at most `max` bytes of it: a
-/// longer one is read to its end, and its first `max` bytes kept. Returns the line's whole
-/// length in bytes (more than `line.len()` when cut), 0 at the end of the file. `read_line`
-/// would hold the line whole, and fail on its first byte that is no UTF-8.
-fn read_line_capped(r: &mut impl BufRead, line: &mut Vec<u8>, max: usize) -> std::io::Result<u64> {
-    line.clear();
-    let mut len = 0u64;
-    loop {
-        let chunk = match r.fill_buf() {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if chunk.is_empty() {
-            return Ok(len);
-        }
-        let (take, end) = match chunk.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (chunk.len(), false),
-        };
-        let room = max.saturating_sub(line.len());
-        line.extend_from_slice(&chunk[..take.min(room)]);
-        r.consume(take);
-        len += take as u64;
-        if end {
-            return Ok(len);
-        }
-    }
-}
 
 /// One line of metrics.jsonl as a tick, or why it is none.
 ///
@@ -1544,7 +1550,7 @@ mod tests {
         let mut line = Vec::new();
         let mut lens = Vec::new();
         loop {
-            let len = super::read_line_capped(&mut r, &mut line, 1000).unwrap();
+            let len = proto::jsonl::read_line_capped(&mut r, &mut line, 1000).unwrap();
             if len == 0 {
                 break;
             }

@@ -13,12 +13,12 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::jsonl::end_torn_line;
+use crate::jsonl::{end_torn_line, read_line_capped};
 use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
@@ -77,23 +77,66 @@ pub struct Entry {
     pub line: Option<LedgerLine>,
 }
 
+/// The longest ledger line read: a line names its batch's samples (up to 21 bytes each), so
+/// this is a batch of millions of them. A longer line (a file ending in a crash's run of NUL
+/// bytes, edited, not a ledger) is unreadable, as a torn one is, and never held whole.
+pub const MAX_LINE: usize = 64 << 20;
+
 /// Drafter `index`'s ledger, line by line; None if the drafter has none (it never trained).
 pub fn read(run_dir: &RunDir, index: u32) -> Result<Option<Vec<Entry>>, LedgerError> {
+    let mut entries = Vec::new();
+    let found = scan(run_dir, index, |e| entries.push(e))?;
+    Ok(found.then_some(entries))
+}
+
+/// Drafter `index`'s ledger, each line handed to `each` in order as it is read, so a ledger
+/// of any size costs a line of memory (at most [`MAX_LINE`]; a longer one, or one that is not
+/// UTF-8, is an unreadable entry, its text cut); false if the drafter has none.
+pub fn scan(
+    run_dir: &RunDir,
+    index: u32,
+    mut each: impl FnMut(Entry),
+) -> Result<bool, LedgerError> {
     let path = run_dir.ledger(index);
     // Refused unless a regular file: a FIFO would wait for a writer for ever.
-    let text = match atomic_file::read_regular(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    match std::fs::metadata(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io("reading", &path)(e)),
+        Ok(meta) => {
+            if let Some(what) = atomic_file::not_regular(&meta) {
+                return Err(io("reading", &path)(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("it is {what}, not a regular file"),
+                )));
+            }
+        }
+    }
+    let file = match File::open(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        r => r.map_err(io("reading", &path))?,
     };
-    Ok(Some(
-        text.lines()
-            .map(|l| Entry {
-                text: l.to_string(),
-                line: serde_json::from_str(l).ok(),
-            })
-            .collect(),
-    ))
+    let mut r = BufReader::with_capacity(1 << 16, file);
+    let mut bytes = Vec::new();
+    loop {
+        let len = read_line_capped(&mut r, &mut bytes, MAX_LINE).map_err(io("reading", &path))?;
+        if len == 0 {
+            return Ok(true);
+        }
+        let whole = len == bytes.len() as u64;
+        let text = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+        let text = text.strip_suffix(b"\r").unwrap_or(text);
+        let entry = match std::str::from_utf8(text) {
+            Ok(t) => Entry {
+                text: t.to_string(),
+                line: whole.then(|| serde_json::from_str(t).ok()).flatten(),
+            },
+            Err(_) => Entry {
+                text: String::from_utf8_lossy(text).into_owned(),
+                line: None,
+            },
+        };
+        each(entry);
+    }
 }
 
 /// What the ledgers of a run hold: see [`read_all`].
@@ -117,13 +160,11 @@ pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<Ledgers, LedgerError>
         ..Ledgers::default()
     };
     for d in 0..drafters {
-        for entry in read(run_dir, d)?.unwrap_or_default() {
-            match entry.line {
-                Some(l) if LostSteps::any_has(&out.lost_steps, &l) => out.lost.push(l),
-                Some(l) => out.lines.push(l),
-                None => out.torn += 1,
-            }
-        }
+        scan(run_dir, d, |entry| match entry.line {
+            Some(l) if LostSteps::any_has(&out.lost_steps, &l) => out.lost.push(l),
+            Some(l) => out.lines.push(l),
+            None => out.torn += 1,
+        })?;
     }
     Ok(out)
 }

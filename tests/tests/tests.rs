@@ -1,5 +1,6 @@
 //! All integration tests of the `tests` crate build into this one binary, one module per area.
 
+mod big_inputs;
 mod chaos;
 mod chat;
 mod data;
