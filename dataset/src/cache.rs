@@ -396,6 +396,7 @@ fn write_prepared(
         max_len: options.max_len,
         too_long: options.too_long,
         chat: options.chat.clone(),
+        no_tokenizer_in: options.no_tokenizer_in.clone(),
     };
     let f = File::create(tmp).map_err(werr)?;
     let mut w = Writer::new(BufWriter::with_capacity(1 << 20, f), meta).map_err(werr)?;

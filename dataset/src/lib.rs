@@ -119,6 +119,9 @@ pub struct Options {
     pub too_long: TooLong,
     /// The target's tokenizer and template, for conversations and texts.
     pub chat: Option<std::sync::Arc<Chat>>,
+    /// Without `chat`: the model directory the tokenizer was looked for in, which has no
+    /// `tokenizer.json` (the first conversation or text says so, and what to do).
+    pub no_tokenizer_in: Option<std::path::PathBuf>,
 }
 
 impl Options {

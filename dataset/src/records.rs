@@ -288,7 +288,7 @@ fn message(m: Json) -> Result<Message, String> {
 pub struct ChatStats {
     pub conversations: u64,
     pub texts: u64,
-    /// Assistant turns trained.
+    /// Assistant turns trained (in a sample cut to `max_len`, those that start in it).
     pub turns: u64,
     /// Tokens with mask 1 in the samples written from conversations and texts.
     pub trained_tokens: u64,
@@ -347,6 +347,8 @@ pub struct Maker {
     pub max_len: u32,
     pub too_long: TooLong,
     pub chat: Option<Arc<Chat>>,
+    /// Without `chat`: the model directory that has no tokenizer.json.
+    pub no_tokenizer_in: Option<std::path::PathBuf>,
 }
 
 /// A record made into a sample, or why not.
@@ -360,12 +362,18 @@ enum Made {
 struct Tokenized {
     conversation: bool,
     turns: u32,
+    /// It has more tokens than were made (more than max_len).
+    more: bool,
 }
 
 impl Maker {
     fn chat(&self) -> Result<&Chat, String> {
-        self.chat.as_deref().ok_or_else(|| {
-            "it holds a conversation or text, and no tokenizer was loaded to make its ids: name a directory holding the target's tokenizer.json with --model DIR or data.tokenizer = \"DIR\"".to_string()
+        self.chat.as_deref().ok_or_else(|| match &self.no_tokenizer_in {
+            Some(dir) => format!(
+                "it holds a conversation or text, and the model directory {} has no tokenizer.json to make its ids: copy the target's tokenizer.json (with its tokenizer_config.json) there, or name a directory holding them with data.tokenizer = \"DIR\" in the config",
+                dir.display()
+            ),
+            None => "it holds a conversation or text, and no tokenizer was loaded to make its ids: name a directory holding the target's tokenizer.json with --model DIR or data.tokenizer = \"DIR\"".to_string(),
         })
     }
 
@@ -375,20 +383,35 @@ impl Maker {
                 check_sample(ids.len(), mask.as_deref(), self.max_len)?;
                 Ok(Made::Sample(ids, mask))
             }
+            // Tokenized only as far as max_len needs (`Chat::first_tokens`): a longer record is
+            // dropped or cut to it all the same.
             Record::Chat { messages, tools } => {
-                let e = self.chat()?.conversation(&messages, tools.as_deref())?;
+                let want = self.max_len as usize;
+                let e = self
+                    .chat()?
+                    .conversation(&messages, tools.as_deref(), want)?;
                 Ok(Made::Tokenized(
                     e.ids,
                     e.mask,
                     Tokenized {
                         conversation: true,
                         turns: e.turns,
+                        more: e.more,
                     },
                 ))
             }
             Record::Text { text, mask } => {
-                let ids = self.chat()?.text(&text)?;
+                // A mask longer than max_len is still checked against the text's tokens.
+                let given = mask.as_ref().map_or(0, Vec::len);
+                let want = (self.max_len as usize).max(given);
+                let (ids, more) = self.chat()?.text(&text, want)?;
                 let mask = match mask {
+                    Some(m) if more => {
+                        return Err(format!(
+                            "loss_mask has {} entries, the text has more than {want} tokens with this tokenizer",
+                            m.len()
+                        ))
+                    }
                     Some(m) => {
                         check_sample(ids.len(), Some(&m), u32::MAX)
                             .map_err(|e| format!("{e} (the text's tokens, with this tokenizer)"))?;
@@ -402,6 +425,7 @@ impl Maker {
                     Tokenized {
                         conversation: false,
                         turns: 0,
+                        more,
                     },
                 ))
             }
@@ -517,7 +541,7 @@ impl<'a, W: Write> Pipeline<'a, W> {
             s.texts += 1;
         }
         let max = self.maker.max_len as usize;
-        if ids.len() > max {
+        if t.more || ids.len() > max {
             match self.maker.too_long {
                 TooLong::Drop => {
                     s.dropped_too_long += 1;

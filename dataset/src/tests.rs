@@ -549,6 +549,7 @@ fn a_damaged_arrow_stream_or_file_input_is_an_error_not_a_panic() {
             max_len: 512,
             too_long: crate::TooLong::Drop,
             chat: None,
+            no_tokenizer_in: None,
         };
         crate::convert::convert(
             &q,

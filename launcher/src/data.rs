@@ -94,12 +94,13 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
 /// How records become samples under `cfg`: with the tokenizer of `data.tokenizer` (which must
 /// load), else of the model, when it has a `tokenizer.json`. A chat template is not needed to
 /// load it: pre-tokenized records and texts are prepared without one, and a model without one
-/// (a base model) is an error only at the first conversation.
+/// (a base model) is an error only at the first conversation. A model without a
+/// `tokenizer.json` is named by the first conversation or text, which needs one.
 pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Options> {
-    let dir = match (&cfg.data.tokenizer, &cfg.model.path) {
-        (Some(d), _) => Some(d.clone()),
-        (None, Some(m)) if m.join("tokenizer.json").is_file() => Some(m.clone()),
-        _ => None,
+    let (dir, no_tokenizer_in) = match (&cfg.data.tokenizer, &cfg.model.path) {
+        (Some(d), _) => (Some(d.clone()), None),
+        (None, Some(m)) if m.join("tokenizer.json").is_file() => (Some(m.clone()), None),
+        (None, m) => (None, m.clone()),
     };
     let chat = match dir {
         Some(d) => {
@@ -121,6 +122,7 @@ pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Op
             proto::TooLong::Truncate => dataset::TooLong::Truncate,
         },
         chat,
+        no_tokenizer_in,
     })
 }
 
@@ -435,21 +437,37 @@ mod tests {
         }
     }
 
+    /// A text with no tokenizer says what is missing and what to do: with no model named, to
+    /// name one; with a model named (`--model DIR`, as capture and eval have it) that has no
+    /// tokenizer.json, that DIR lacks it. Before, the second also said to name one with
+    /// --model DIR, which the user had done.
     #[test]
     fn text_without_a_tokenizer_says_what_is_missing_whether_or_not_a_model_is_named() {
         let t = tempfile::tempdir().unwrap();
+        let text = "{\"text\": \"hello there\"}\n";
+        let e = prepare(&PipelineConfig::default(), t.path(), text).unwrap_err();
+        assert!(
+            e.contains("input.jsonl:1: ")
+                && e.contains("no tokenizer was loaded")
+                && e.contains("a directory holding the target's tokenizer.json"),
+            "{e}"
+        );
         let weights_only = t.path().join("weights-only");
         std::fs::create_dir_all(&weights_only).unwrap();
         let mut named = PipelineConfig::default();
-        named.model.path = Some(weights_only);
-        for cfg in [&PipelineConfig::default(), &named] {
-            let e = prepare(cfg, t.path(), "{\"text\": \"hello there\"}\n").unwrap_err();
-            assert!(
-                e.contains("input.jsonl:1: ")
-                    && e.contains("no tokenizer was loaded")
-                    && e.contains("a directory holding the target's tokenizer.json"),
-                "{e}"
-            );
-        }
+        named.model.path = Some(weights_only.clone());
+        let e = prepare(&named, t.path(), text).unwrap_err();
+        let lacks = format!(
+            "the model directory {} has no tokenizer.json",
+            weights_only.display()
+        );
+        assert!(
+            e.contains("input.jsonl:1: ")
+                && e.contains(&lacks)
+                && e.contains("copy the target's tokenizer.json")
+                && e.contains("data.tokenizer")
+                && !e.contains("--model"),
+            "{e}"
+        );
     }
 }

@@ -1,10 +1,12 @@
-//! Inputs far larger than what is kept of them cost a bounded amount of memory: a summary.json
-//! and a ledger of GBs through `launcher report`. Each runs the launcher under a data-size
-//! limit (`prlimit --data`) that the old whole reads passed, and died of (`memory allocation
-//! failed`, SIGABRT).
+//! Inputs far larger than what is kept of them cost a bounded amount of memory: a text record
+//! of tens of MB through `capture --data` (the tokenizer), a summary.json and a ledger of GBs
+//! through `launcher report`. Each runs the launcher under a data-size limit (`prlimit
+//! --data`) that the old whole reads passed, and died of (`memory allocation failed`, SIGABRT).
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
+
+use model::make::{make_model, MakeSpec};
 
 use crate::support::{spawn, workspace_bin, TestDir};
 
@@ -19,6 +21,60 @@ fn launcher_limited(args: &[&str]) -> (std::process::ExitStatus, String) {
     let (status, out, p) = spawn("prlimit", &all).finish_status();
     std::thread::sleep(std::time::Duration::from_millis(100));
     (status, format!("{out}{}", p.stderr()))
+}
+
+/// A 40 MB text (one JSONL line) beside a short one is dropped as longer than data.max_len, or
+/// cut to it, at the cost of its first tokens: the tokenizer was handed it whole, some 20 bytes
+/// of bookkeeping per byte, and the capture aborted.
+#[test]
+fn a_huge_text_record_is_dropped_or_cut_without_tokenizing_it_whole() {
+    let dir = TestDir::new("bigtext");
+    let m = dir.path("m");
+    make_model(&m, &MakeSpec::default()).unwrap();
+    let data = dir.path("big.jsonl");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&data).unwrap());
+    f.write_all(b"{\"text\": \"").unwrap();
+    for _ in 0..(40 << 20) / 32 {
+        f.write_all(b"the quick brown fox jumps over ").unwrap();
+        f.write_all(b"\\n").unwrap();
+    }
+    f.write_all(b"\"}\n{\"text\": \"a short one\"}\n").unwrap();
+    f.into_inner().unwrap().sync_all().unwrap();
+    let cache = dir.path("cache");
+    let truncate = dir.path("truncate.toml");
+    std::fs::write(&truncate, "[data]\nmax_len = 64\ntoo_long = \"truncate\"\n").unwrap();
+    for (config, want) in [
+        (None, "1 dropped: longer than data.max_len 4096"),
+        (Some(&truncate), "1 truncated to data.max_len 64"),
+    ] {
+        let out = dir.path(if config.is_some() { "cut" } else { "dropped" });
+        let mut args = vec![
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--data-cache",
+            cache.to_str().unwrap(),
+            "--layers",
+            "0,1",
+            "--threads",
+            "1",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        if let Some(c) = config {
+            args.extend(["--config", c.to_str().unwrap()]);
+        }
+        let (status, said) = launcher_limited(&args);
+        assert!(status.success(), "{status}: {said}");
+        assert!(said.contains(want), "{said}");
+        let samples = if config.is_some() { 2 } else { 1 };
+        assert!(
+            said.contains(&format!("capture: {samples} samples, ")),
+            "{said}"
+        );
+    }
 }
 
 /// `launcher report` of a run whose summary.json is 2 GiB and whose ledger holds a line of

@@ -86,6 +86,7 @@ fn prepare(
         max_len,
         too_long,
         chat,
+        ..Options::default()
     };
     dataset::prepare_with(input, &o, cache, None, &mut dataset::quiet)
 }
@@ -644,6 +645,7 @@ fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_i
             max_len: 4096,
             too_long: TooLong::Drop,
             chat: Some(c.clone()),
+            ..Options::default()
         };
         let out = d.path(out);
         pool.install(|| {
@@ -670,6 +672,7 @@ fn the_prepared_file_is_the_same_on_one_thread_and_on_many_and_a_late_bad_line_i
         max_len: 4096,
         too_long: TooLong::Drop,
         chat: Some(c),
+        ..Options::default()
     };
     let err = dataset::prepare_with(&input, &o, &d.path("cache"), None, &mut dataset::quiet)
         .unwrap_err()

@@ -4,7 +4,7 @@
 //! capture and eval stopped by a signal; the DFlash drafter
 //! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
-//! Length: about 1200 lines: each test runs a whole path (a worker, the launcher, capture,
+//! Length: about 1250 lines: each test runs a whole path (a worker, the launcher, capture,
 //! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
@@ -1220,4 +1220,47 @@ fn a_stop_signal_ends_capture_and_eval_with_130_leaving_nothing() {
             .all(|n| !n.to_string_lossy().ends_with(".tmp")),
         "a partial preparation is left in the cache: {partial:?}"
     );
+}
+
+/// `launcher` with `args`: its exit code, and what it printed (stdout, then stderr).
+fn launcher_said(args: &[&str]) -> (Option<i32>, String) {
+    let (status, out, p) = spawn(&workspace_bin("launcher"), args).finish_status();
+    // The stderr thread's last lines.
+    std::thread::sleep(Duration::from_millis(100));
+    (status.code(), format!("{out}{}", p.stderr()))
+}
+
+/// `capture --model DIR --data` of texts, where DIR has no tokenizer.json, names DIR and what
+/// it lacks, and what to do. Before, it said to name a tokenizer's directory "with --model DIR",
+/// which the user had done.
+#[test]
+fn capture_of_texts_with_a_model_without_a_tokenizer_says_the_model_lacks_one() {
+    let dir = TestDir::new("mnotok");
+    let m = dir.path("m");
+    make_model(&m, &MakeSpec::default()).unwrap();
+    std::fs::remove_file(m.join("tokenizer.json")).unwrap();
+    let texts = dir.path("texts.jsonl");
+    std::fs::write(&texts, "{\"text\": \"hello there\"}\n").unwrap();
+    let out = dir.path("caps");
+    let (code, said) = launcher_said(&[
+        "capture",
+        "--model",
+        m.to_str().unwrap(),
+        "--data",
+        texts.to_str().unwrap(),
+        "--data-cache",
+        dir.path("cache").to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(1), "{said}");
+    let lacks = format!("the model directory {} has no tokenizer.json", m.display());
+    assert!(
+        said.contains("texts.jsonl:1: ")
+            && said.contains(&lacks)
+            && said.contains("copy the target's tokenizer.json")
+            && !said.contains("--model DIR"),
+        "{said}"
+    );
+    assert!(!out.exists(), "{said}");
 }

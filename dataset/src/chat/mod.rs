@@ -18,6 +18,10 @@
 //!   transformers ignores them unless asked: a sample is never cut or padded by the tokenizer.
 //! - Texts need only the tokenizer: a directory without a usable template (a base model's)
 //!   still loads, and its template's error is each conversation's.
+//! - A text or a rendered conversation is tokenized only as far as the caller's tokens need
+//!   (`data.max_len`): a long one a prefix at a time (`first_tokens`), so a record of hundreds
+//!   of MB costs the tokenizer what its first tokens do, not some 20 bytes of bookkeeping for
+//!   each of its bytes (which aborted the process on a 200 MB text).
 //! - [`Chat::key`] hashes everything that changes ids or masks: the tokenizer file, the
 //!   special tokens, the template and every option.
 //!
@@ -76,14 +80,31 @@ pub struct Chat {
     dir: PathBuf,
 }
 
-/// One record made into a sample.
+/// One record made into a sample: its first tokens, as many as were asked for.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Encoded {
     pub ids: Vec<u32>,
     pub mask: Vec<u8>,
-    /// Assistant turns trained (spans in the mask).
+    /// Assistant turns trained (spans in the mask, starting within `ids`).
     pub turns: u32,
+    /// The record has more tokens than `ids` holds (more than were asked for).
+    pub more: bool,
 }
+
+/// The first tokens of a text ([`Chat::first_tokens`]).
+struct First {
+    ids: Vec<u32>,
+    /// Character offsets of `ids`, when asked for.
+    offsets: Vec<(usize, usize)>,
+    more: bool,
+}
+
+/// Bytes of a long text tokenized first, per token wanted: more than most tokenizers' mean
+/// (about 4 for English text), so that one prefix usually holds the tokens wanted.
+const PREFIX_BYTES_PER_TOKEN: usize = 16;
+
+/// The shortest prefix of a text tokenized alone: a text up to this long is tokenized whole.
+const MIN_PREFIX: usize = 64 << 10;
 
 /// A special token of `tokenizer_config.json`: a string, or an added-token object.
 fn token_text(v: &Json) -> Option<String> {
@@ -281,22 +302,82 @@ impl Chat {
         self.template.as_ref().err()
     }
 
-    /// Tokenizes `text` as it is (no special tokens added): a `text` record.
-    pub fn text(&self, text: &str) -> Result<Vec<u32>, String> {
-        let enc = self
-            .tokenizer
-            .encode_fast(text, false)
+    /// Tokenizes `text` as it is (no special tokens added), a `text` record: its first `want`
+    /// tokens, and whether it has more.
+    pub fn text(&self, text: &str, want: usize) -> Result<(Vec<u32>, bool), String> {
+        let f = self.first_tokens(text, want, false)?;
+        Ok((f.ids, f.more))
+    }
+
+    /// The first `want` tokens of `text` (with their character offsets when `offsets`), and
+    /// whether it has more, tokenizing as little of it as that takes.
+    ///
+    /// A text longer than both [`MIN_PREFIX`] and `want` tokens' worth of bytes is tokenized a
+    /// prefix at a time, each twice as long as the one before, until two prefixes running
+    /// (both past `want` tokens) agree on their first `want + 1` tokens: where a prefix is cut
+    /// changes its last few tokens only (the word cut in two, merged otherwise), so tokens two
+    /// prefixes agree on are the whole text's too. Else, at the latest, the text is tokenized
+    /// whole, exactly as before.
+    fn first_tokens(&self, text: &str, want: usize, offsets: bool) -> Result<First, String> {
+        let encode = |s: &str| {
+            let enc = if offsets {
+                self.tokenizer.encode_char_offsets(s, false)
+            } else {
+                self.tokenizer.encode_fast(s, false)
+            }
             .map_err(|e| format!("the tokenizer failed: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+            let offs = if offsets {
+                enc.get_offsets().to_vec()
+            } else {
+                Vec::new()
+            };
+            Ok::<_, String>((enc.get_ids().to_vec(), offs))
+        };
+        let first = |(mut ids, mut offs): (Vec<u32>, Vec<(usize, usize)>), more: bool| {
+            ids.truncate(want);
+            offs.truncate(want);
+            First {
+                ids,
+                offsets: offs,
+                more,
+            }
+        };
+        let mut len = want
+            .saturating_add(1)
+            .saturating_mul(PREFIX_BYTES_PER_TOKEN)
+            .max(MIN_PREFIX);
+        // The first `want + 1` tokens of the last prefix that had that many.
+        let mut before: Option<Vec<u32>> = None;
+        loop {
+            if len >= text.len() {
+                let whole = encode(text)?;
+                let more = whole.0.len() > want;
+                return Ok(first(whole, more));
+            }
+            let mut cut = len;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let part = encode(&text[..cut])?;
+            if part.0.len() > want {
+                let head = &part.0[..=want];
+                if before.as_deref() == Some(head) {
+                    return Ok(first(part, true));
+                }
+                before = Some(head.to_vec());
+            }
+            len = len.saturating_mul(2);
+        }
     }
 
     /// Renders and tokenizes a conversation with its function definitions (`tools`, passed to
     /// the template as transformers passes them; None: `tools` is none, as `tools=None`); the
-    /// mask covers its assistant spans.
+    /// mask covers its assistant spans. Its first `want` tokens (see [`Encoded::more`]).
     pub fn conversation(
         &self,
         messages: &[Message],
         tools: Option<&[Json]>,
+        want: usize,
     ) -> Result<Encoded, String> {
         let (template, spans) = self.template.as_ref().map_err(|e| e.to_string())?;
         if messages.is_empty() {
@@ -337,14 +418,11 @@ impl Chat {
         if self.options.train_only_last_turn && spans.len() > 1 {
             spans.drain(..spans.len() - 1);
         }
-        let enc = self
-            .tokenizer
-            .encode_char_offsets(r.text.as_str(), false)
-            .map_err(|e| format!("the tokenizer failed: {e}"))?;
-        let ids = enc.get_ids().to_vec();
+        let First { ids, offsets, more } = self.first_tokens(&r.text, want, true)?;
         let mut mask = vec![0u8; ids.len()];
         let mut turns = 0;
-        let offsets = enc.get_offsets();
+        // A span past the tokens kept starts at no token (it stops the spans), and one that
+        // ends past them runs to their end: as in the whole conversation's tokens, cut.
         let token_of = |c: usize| offsets.iter().position(|&(s, e)| c >= s && c < e);
         for (s, e) in spans {
             // transformers' `char_to_token` on the span's first and last characters, as it
@@ -360,7 +438,12 @@ impl Chat {
                 turns += 1;
             }
         }
-        Ok(Encoded { ids, mask, turns })
+        Ok(Encoded {
+            ids,
+            mask,
+            turns,
+            more,
+        })
     }
 }
 

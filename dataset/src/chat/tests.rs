@@ -103,23 +103,25 @@ fn a_tokenizer_saved_with_truncation_or_padding_neither_cuts_nor_pads_samples() 
             "pad_id": 1, "pad_type_id": 0, "pad_token": "[PAD]"}"#,
     );
     let load = |d: &ModelDir| Chat::load(d.path(), ChatOptions::default()).unwrap();
-    let want = load(&plain).conversation(&conversation, None).unwrap();
+    let want = load(&plain)
+        .conversation(&conversation, None, usize::MAX)
+        .unwrap();
     // user says hello there how are you end | assistant says [fine thanks end]
     assert_eq!(want.ids, [2, 4, 6, 7, 8, 9, 10, 5, 3, 4, 11, 12, 5]);
     assert_eq!(want.mask, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]);
     assert_eq!(want.turns, 1);
-    let text = load(&plain).text("hello there how are you").unwrap();
-    assert_eq!(text, [6, 7, 8, 9, 10]);
+    let text = load(&plain).text("hello there how are you", 64).unwrap();
+    assert_eq!(text, (vec![6, 7, 8, 9, 10], false));
     for d in [&truncating, &padding] {
         let chat = load(d);
         assert_eq!(
-            chat.conversation(&conversation, None).unwrap(),
+            chat.conversation(&conversation, None, usize::MAX).unwrap(),
             want,
             "{d:?}",
             d = d.0
         );
         assert_eq!(
-            chat.text("hello there how are you").unwrap(),
+            chat.text("hello there how are you", 64).unwrap(),
             text,
             "{d:?}",
             d = d.0
@@ -296,5 +298,45 @@ fn a_tokenizer_file_that_is_a_fifo_is_refused_without_opening_it() {
                 .map(|e| e.to_string())
         });
         assert!(e.contains(name) && e.contains("FIFO"), "{name}: {e}");
+    }
+}
+
+/// A text or conversation far longer than the tokens wanted is tokenized a prefix at a time
+/// (a 200 MB text aborted the process in the tokenizer): what comes back is the whole record's
+/// first tokens and mask, and says there were more, wherever the wanted tokens end.
+#[test]
+fn a_long_record_gives_its_whole_tokenizations_first_tokens() {
+    let d = model("long", "null", "null");
+    let chat = Chat::load(d.path(), ChatOptions::default()).unwrap();
+    // Past MIN_PREFIX (64 KiB) many times over: several prefixes are tokenized.
+    let long = "hello there how are you ".repeat(20_000);
+    let (whole, more) = chat.text(&long, usize::MAX).unwrap();
+    assert!(!more);
+    assert_eq!(whole.len(), 100_000);
+    for want in [1, 10, 5_000, 99_999] {
+        assert_eq!(
+            chat.text(&long, want).unwrap(),
+            (whole[..want].to_vec(), true),
+            "{want}"
+        );
+    }
+    assert_eq!(chat.text(&long, 100_000).unwrap(), (whole.clone(), false));
+    // The assistant's long turn straddles the cut: the mask runs to the end of what is kept.
+    let conversation = [
+        Message::new("user", "hello there"),
+        Message::new("assistant", &long),
+        Message::new("user", "how are you"),
+        Message::new("assistant", "fine thanks"),
+    ];
+    let whole = chat.conversation(&conversation, None, usize::MAX).unwrap();
+    assert!(!whole.more && whole.turns == 2);
+    // user says hello there end assistant says [hello ...: the long turn's span starts at 7.
+    for want in [3, 7, 8, 7_000] {
+        let cut = chat.conversation(&conversation, None, want).unwrap();
+        assert_eq!(cut.ids, whole.ids[..want], "{want}");
+        assert_eq!(cut.mask, whole.mask[..want], "{want}");
+        assert!(cut.more, "{want}");
+        // The turns that start in what is kept.
+        assert_eq!(cut.turns, u32::from(want > 7), "{want}");
     }
 }

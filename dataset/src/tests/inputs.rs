@@ -20,6 +20,7 @@ fn convert(path: &Path, kind: &Kind) -> Result<(), DataError> {
         max_len: 512,
         too_long: crate::TooLong::Drop,
         chat: None,
+        no_tokenizer_in: None,
     };
     crate::convert::convert(
         path,
