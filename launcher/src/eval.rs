@@ -3,8 +3,11 @@
 //! "average acceptance length"), the acceptance per block position, and whether the output
 //! equals the target's own greedy decoding token for token (it must: a drafter never changes
 //! the output).
+//!
+//! Length: past 500 lines with its tests, which build a model and a drafter each to check the
+//! refusals before any decoding; the command itself is about 320 lines.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
@@ -83,7 +86,10 @@ pub struct Acceptance {
 pub struct EvalReport {
     pub model: PathBuf,
     pub drafter: PathBuf,
+    /// Prompts decoded: `prompts_asked`, or fewer when --data holds fewer samples.
     pub prompts: usize,
+    /// `--prompts`.
+    pub prompts_asked: usize,
     pub max_new_tokens: usize,
     pub block_size: usize,
     pub trained: Acceptance,
@@ -115,8 +121,13 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
         }
         if let Some(s) = data.sample(id) {
             let ids: Vec<u32> = s.input_ids.iter().take(a.prompt_len).copied().collect();
-            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                bail!("sample {id}: token id {bad} is outside the target's vocabulary of {vocab}");
+            // Named as capture names it: the file, and the sample (counted from 0).
+            if let Some((pos, &bad)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                bail!(
+                    "{}: sample {id}: token id {bad} at position {pos} is outside the target's vocabulary of {vocab} ({}): was the data tokenized for another model?",
+                    input.display(),
+                    a.model.display()
+                );
             }
             if !ids.is_empty() {
                 out.push(ids);
@@ -125,6 +136,16 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
     }
     if out.is_empty() {
         bail!("{} holds no sample to prompt with", input.display());
+    }
+    if out.len() < a.prompts {
+        // Not an error (the data is what it is), but never fewer without a word.
+        eprintln!(
+            "eval: {} holds {} samples to prompt with, fewer than --prompts {}: decoding {}",
+            input.display(),
+            out.len(),
+            a.prompts,
+            out.len()
+        );
     }
     Ok(out)
 }
@@ -182,22 +203,72 @@ fn stopped_at(what: &str, i: usize, n: usize) -> String {
     format!("during {what}, at prompt {i} of {n}: no figure reported, no --json written")
 }
 
+/// The directories eval made for `--json`, deepest last: removed again (those still empty)
+/// unless the report is written into them ([`MadeDirs::keep`]), so a stopped or failed eval
+/// leaves no directory it made behind.
+#[derive(Default)]
+struct MadeDirs {
+    dirs: Vec<PathBuf>,
+    keep: bool,
+}
+
+impl MadeDirs {
+    /// Makes `dir` and its missing parents.
+    fn create(dir: &Path) -> std::io::Result<MadeDirs> {
+        let mut dirs: Vec<PathBuf> = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && std::fs::symlink_metadata(d).is_err())
+            .map(Path::to_path_buf)
+            .collect();
+        dirs.reverse();
+        let made = MadeDirs { dirs, keep: false };
+        // Those made before a failure are removed (the drop).
+        std::fs::create_dir_all(dir)?;
+        Ok(made)
+    }
+
+    /// Removes the directories made (`dirs`) that are still empty: `remove_dir` removes no
+    /// other.
+    fn remove(dirs: &[PathBuf]) {
+        for d in dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+
+    fn keep(mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for MadeDirs {
+    fn drop(&mut self) {
+        if !self.keep {
+            MadeDirs::remove(&self.dirs);
+        }
+    }
+}
+
 /// `launcher eval`.
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     // Before the work of decoding: the report is renamed over `--json` once written.
+    let mut made = MadeDirs::default();
     if let Some(p) = &a.json {
         let to = atomic_file::target(p).with_context(|| format!("--json {}", p.display()))?;
         // Its directory made now, as `launcher prepare -o` makes its own: a missing one was
         // found only after the decoding, named by the temporary file's path.
         if let Some(dir) = to.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
+            made = MadeDirs::create(dir)
                 .with_context(|| format!("--json {}: creating {}", p.display(), dir.display()))?;
         }
     }
     // Stops end the evaluation between prompts (or its data's preparation); --json is written
-    // only at the end, so nothing is left.
+    // only at the end, so nothing is left, the directories made for it included.
     let signals = StopSignals::install().context("installing signal handlers")?;
-    signals.exit_on_second("eval", || ": no --json written".into());
+    let dirs = made.dirs.clone();
+    signals.exit_on_second("eval", move || {
+        MadeDirs::remove(&dirs);
+        ": no --json written".into()
+    });
     let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
         .with_context(|| format!("loading the target {}", a.model.display()))?;
     // The drafter's config first: a drafter of another model is named as such, before its
@@ -278,6 +349,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
         model: a.model.clone(),
         drafter: a.drafter.clone(),
         prompts: prompts.len(),
+        prompts_asked: a.prompts,
         max_new_tokens: a.max_new_tokens,
         block_size: drafter.cfg.block_size,
         trained,
@@ -286,6 +358,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     if let Some(p) = &a.json {
         atomic_file::replace(p, serde_json::to_string_pretty(&report)?.as_bytes())
             .with_context(|| format!("writing --json {}", p.display()))?;
+        made.keep();
     }
     Ok(if ok { 0 } else { 1 })
 }

@@ -2186,7 +2186,7 @@ const ONE_BY_ONE: [&str; 8] = [
 ];
 
 /// The launcher run in `cwd` with `args` to its end: its exit code, and all it printed.
-fn launch_in(cwd: &Path, args: &[&str]) -> (Option<i32>, String) {
+pub(crate) fn launch_in(cwd: &Path, args: &[&str]) -> (Option<i32>, String) {
     let out = std::process::Command::new(workspace_bin("launcher"))
         .current_dir(cwd)
         .args(args)

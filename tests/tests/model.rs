@@ -4,7 +4,7 @@
 //! capture and eval stopped by a signal; the DFlash drafter
 //! trained by the group, exported and decoded with; the README's DFlash demo as written.
 //!
-//! Length: about 1250 lines: each test runs a whole path (a worker, the launcher, capture,
+//! Length: about 1350 lines: each test runs a whole path (a worker, the launcher, capture,
 //! eval) on a real model, and they share the model and config helpers at the top.
 
 use std::path::{Path, PathBuf};
@@ -1105,8 +1105,9 @@ fn a_target_computing_nan_is_an_error_of_capture_and_eval_not_a_perfect_score() 
 
 /// A stop signal ends `capture` and `eval` between samples or prompts, or while their `--data`
 /// is prepared: exit 130 and a line saying what was stopped, nothing partial in the data cache,
-/// capture's output directory removed (or, given empty, left empty), eval's `--json` unwritten.
-/// Before, both died of the signal: capture left shards without an index in a directory a
+/// capture's output directory removed (or, given empty, left empty), eval's `--json` unwritten
+/// and the directories eval made for it removed (they were left, empty). Before, both died of
+/// the signal: capture left shards without an index in a directory a
 /// re-run refused as not empty, and a preparation its `.tmp` in the cache. The work cannot end
 /// first (100000 samples, prompts or JSONL lines); where the stop lands (the preparation or
 /// after it) both outcomes are checked the same.
@@ -1126,7 +1127,8 @@ fn a_stop_signal_ends_capture_and_eval_with_130_leaving_nothing() {
     let cache = dir.path("cache");
     let empty = dir.path("given-empty");
     std::fs::create_dir(&empty).unwrap();
-    let json = dir.path("eval.json");
+    // In directories eval makes for it.
+    let json = dir.path("evals").join("new").join("eval.json");
     let (m, big, cache) = (
         m.to_str().unwrap(),
         big.to_str().unwrap(),
@@ -1211,6 +1213,10 @@ fn a_stop_signal_ends_capture_and_eval_with_130_leaving_nothing() {
         "capture left {left:?} in the directory given empty"
     );
     assert!(!json.exists(), "eval wrote --json");
+    assert!(
+        !dir.path("evals").exists(),
+        "eval left the directories it made for --json"
+    );
     let partial: Vec<_> = std::fs::read_dir(cache)
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
@@ -1263,4 +1269,77 @@ fn capture_of_texts_with_a_model_without_a_tokenizer_says_the_model_lacks_one() 
         "{said}"
     );
     assert!(!out.exists(), "{said}");
+}
+
+/// `eval --data`: a token id outside the target's vocabulary is named with its file and sample
+/// (it named the sample alone), and data with fewer samples than `--prompts` says how many it
+/// decodes, on stderr and in `--json` (it decoded fewer without a word).
+#[test]
+fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
+    let dir = TestDir::new("mevdata");
+    let (m, drafter) = model_and_untrained_drafter(&dir);
+    let (m, drafter) = (m.to_str().unwrap(), drafter.to_str().unwrap());
+    // In the test's directory: eval prepares --data into runs/data-cache there.
+    let eval = |data: &Path, json: &Path| {
+        crate::launcher::launch_in(
+            &dir,
+            &[
+                "eval",
+                "--model",
+                m,
+                "--drafter",
+                drafter,
+                "--data",
+                data.to_str().unwrap(),
+                "--prompts",
+                "5",
+                "--prompt-len",
+                "8",
+                "--max-new-tokens",
+                "2",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        )
+    };
+    let foreign = dir.path("foreign.jsonl");
+    std::fs::write(
+        &foreign,
+        "{\"input_ids\": [1, 2, 3, 4]}\n{\"input_ids\": [5, 6, 5000, 7]}\n",
+    )
+    .unwrap();
+    let json = dir.path("foreign.json");
+    let (code, said) = eval(&foreign, &json);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(&format!(
+            "{}: sample 1: token id 5000 at position 2 is outside the target's vocabulary of 1024",
+            foreign.display()
+        )),
+        "{said}"
+    );
+    assert!(!json.exists(), "{said}");
+    let two = dir.path("two.jsonl");
+    std::fs::write(
+        &two,
+        "{\"input_ids\": [1, 2, 3, 4]}\n{\"input_ids\": [5, 6, 7, 8, 9]}\n",
+    )
+    .unwrap();
+    let json = dir.path("two.json");
+    let (code, said) = eval(&two, &json);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains(&format!(
+            "eval: {} holds 2 samples to prompt with, fewer than --prompts 5: decoding 2",
+            two.display()
+        )),
+        "{said}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        (&report["prompts"], &report["prompts_asked"]),
+        (&2.into(), &5.into()),
+        "{report}"
+    );
 }
