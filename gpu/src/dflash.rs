@@ -320,6 +320,8 @@ pub struct DflashDrafter {
     sampling: Sampling,
     /// Group steps applied (a step whose group had no weighted position moves no weight).
     step: u64,
+    /// Updates left out since this rank started: the group's gradient was NaN or infinite.
+    skipped: u64,
     /// The faults injected into this worker (crash or hang after N batches); no simulated time.
     sim: Sim,
     /// What the leader's evaluations need: the target (loaded at the first), the prompts.
@@ -485,6 +487,7 @@ impl DflashDrafter {
                 seed: f.seed,
             },
             step: 0,
+            skipped: 0,
             sim: Sim::new(f64::INFINITY, faults),
             eval: Evaluation {
                 // File data: the built-in language's prompts would say nothing about it.
@@ -778,7 +781,7 @@ impl DrafterBackend for DflashDrafter {
             }
             None => None,
         };
-        let mut lr = None;
+        let (mut lr, mut skipped) = (None, false);
         if weight > 0.0 {
             let params = &self.model.params;
             let opt = &mut self.opt;
@@ -792,6 +795,19 @@ impl DrafterBackend for DflashDrafter {
             };
             let u = on_compute(self.gpu.as_ref(), OPTIMIZER, &mut update)?;
             lr = Some(u.lr as f32);
+            skipped = u.skipped;
+            if u.skipped {
+                self.skipped += 1;
+                // Said at the first and every 100th: a drafter that diverged skips every step.
+                if self.skipped == 1 || self.skipped.is_multiple_of(100) {
+                    tracing::warn!(
+                        step = self.step,
+                        grad_norm = u.grad_norm,
+                        skipped = self.skipped,
+                        "the group's gradient is NaN or infinite: the update is skipped, the weights left as they were (if every step is, the drafter diverged: lower dflash.lr)"
+                    );
+                }
+            }
             self.digest = self.weights_digest()?;
         }
         // The digest (or the exchange's completion, with no update) has waited for candle's
@@ -813,6 +829,7 @@ impl DrafterBackend for DflashDrafter {
             tau: (blocks > 0.0).then(|| 1.0 + summed.accepted() / blocks),
             lr,
             eval_tau: None,
+            skipped,
         })
     }
 
@@ -1039,6 +1056,30 @@ mod tests {
         let e = (d.gradient(&view, &mut StepBuffer::new(d.grad_len()))).unwrap_err();
         assert!(!e.is_device_failure(), "{e}");
         assert!(e.to_string().contains("greedy token 1000000"), "{e}");
+    }
+
+    /// A group gradient with a NaN in it (one rank's overflow, summed into every rank's) is
+    /// not applied: the weights and their digest stay as they were, the step counts and says
+    /// it was skipped; the next finite gradient is applied.
+    #[test]
+    fn a_gradient_that_is_not_finite_is_skipped_and_the_weights_stay() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, buf) = setup(dir.path());
+        let view = BatchView::parse(&buf).unwrap();
+        let mut d = DflashDrafter::new(&cfg, None, &Placement::cpu()).unwrap();
+        let mut sum = StepBuffer::new(d.grad_len());
+        d.gradient(&view, &mut sum).unwrap();
+        let finite = sum.gradient().to_vec();
+        assert!(sum.loss_tokens() > 0.0);
+        let before = d.digest();
+        sum.gradient_mut()[3] = f32::NAN;
+        let s = d.apply(&sum).unwrap();
+        assert!(s.skipped && s.step == 1, "{s:?}");
+        assert_eq!(d.digest(), before, "the weights changed");
+        sum.gradient_mut().copy_from_slice(&finite);
+        let s = d.apply(&sum).unwrap();
+        assert!(!s.skipped && s.step == 2, "{s:?}");
+        assert_ne!(d.digest(), before, "a finite gradient is applied");
     }
 
     /// The leader's evaluation runs its target where the drafter is, in the target's dtype

@@ -366,6 +366,7 @@ impl DrafterBackend for MockDrafter {
             tau: None,
             lr: None,
             eval_tau: None,
+            skipped: false,
         })
     }
 

@@ -588,6 +588,9 @@ impl Monitor {
         if let Some(e) = t.eval_acceptance_length {
             group.push_str(&format!(" (eval {e:.2})"));
         }
+        if let Some(n) = self.group.map(|g| g.updates_skipped).filter(|&n| n > 0) {
+            group.push_str(&format!(" skipped {n} (gradient NaN)"));
+        }
         let epoch = match t.epoch {
             Some(e) => format!(" (epoch {e}/{})", self.epochs.count()),
             None => String::new(),

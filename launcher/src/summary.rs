@@ -47,6 +47,9 @@ pub struct DrafterSummary {
     /// The leader's last speculative-decoding evaluation (mean tokens per target forward on
     /// held-out prompts), if it made one.
     pub eval_tau: Option<f64>,
+    /// This launch's updates left out because the group's gradient was NaN or infinite (the
+    /// weights left as they were; their batches count as trained).
+    pub updates_skipped: u64,
 }
 
 impl DrafterSummary {
@@ -67,6 +70,7 @@ impl DrafterSummary {
         if let Some(e) = s.eval_tau {
             d.eval_tau = Some(f64::from(e));
         }
+        d.updates_skipped += u64::from(s.skipped);
     }
 }
 
@@ -311,6 +315,12 @@ pub fn print(s: &Summary) {
         if let Some(e) = d.eval_tau {
             line += &format!(" (eval: {e:.2} tokens per target forward)");
         }
+        if d.updates_skipped > 0 {
+            line += &format!(
+                "; {} update(s) skipped: the gradient was NaN or infinite (the weights left as they were; see the drafters' logs)",
+                d.updates_skipped
+            );
+        }
         println!("{line}");
     }
     println!(
@@ -413,7 +423,8 @@ mod tests {
 
     /// `drafter` in summary.json: the group's last step, the loss of the last step that had
     /// loss tokens (the end's steps have none), tau and lr null while no step reports them (the
-    /// mock), the last reported once one does; null when the group reported no step.
+    /// mock), the last reported once one does, and the updates skipped for a gradient that was
+    /// not finite counted; null when the group reported no step.
     #[test]
     fn the_summary_has_the_groups_last_step_loss_and_tau() {
         let step = |step, tokens, loss, tau, lr| StepStats {
@@ -423,6 +434,7 @@ mod tests {
             tau,
             lr,
             eval_tau: (step == 4).then_some(2.5),
+            skipped: step == 3,
         };
         let mut group = None;
         DrafterSummary::update(&mut group, &step(1, 10, 0.75, None, None));
@@ -431,7 +443,7 @@ mod tests {
         let s = serde_json::to_value(built("group", &[(0, 0, 0), (1, 1, 1)], group)).unwrap();
         assert_eq!(
             s["drafter"],
-            serde_json::json!({"step": 3, "loss": 0.5, "tau": null, "lr": null, "eval_tau": null})
+            serde_json::json!({"step": 3, "loss": 0.5, "tau": null, "lr": null, "eval_tau": null, "updates_skipped": 1})
         );
         DrafterSummary::update(&mut group, &step(4, 8, 0.25, Some(3.5), Some(1e-3)));
         DrafterSummary::update(&mut group, &step(5, 0, 0.0, None, None));
@@ -439,6 +451,7 @@ mod tests {
         assert_eq!((d.step, d.loss, d.tau), (5, Some(0.25), Some(3.5)));
         assert_eq!(d.lr, Some(f64::from(1e-3_f32)));
         assert_eq!(d.eval_tau, Some(2.5), "the last evaluation stays");
+        assert_eq!(d.updates_skipped, 1, "step 3's skipped update counted once");
         let none = serde_json::to_value(built("nogroup", &[(0, 0, 0), (1, 1, 1)], None)).unwrap();
         assert!(none["drafter"].is_null(), "{none}");
     }

@@ -548,6 +548,23 @@ pub struct Update {
     pub lr: f64,
     /// The gradient's global norm before clipping.
     pub grad_norm: f64,
+    /// The gradient was NaN or infinite (its norm is not finite): the weights and moments were
+    /// left as they were, as torch's GradScaler skips such a step. One such update would make
+    /// every weight NaN, and every later step and checkpoint with them. The step still counts
+    /// (the schedule follows the group's steps), and the decision is every rank's alike: they
+    /// update from the same summed gradient.
+    pub skipped: bool,
+}
+
+impl Update {
+    /// The update left out for a gradient of norm `grad_norm` that is not finite.
+    fn skipped(lr: f64, grad_norm: f64) -> Update {
+        Update {
+            lr,
+            grad_norm,
+            skipped: true,
+        }
+    }
 }
 
 impl AdamW {
@@ -567,10 +584,14 @@ impl AdamW {
         let c = self.cfg;
         let norm = host_norm(g, scale);
         let st = c.step(self.step, norm);
+        if !norm.is_finite() {
+            return Update::skipped(st.lr, norm);
+        }
         st.apply(w, &mut self.m, &mut self.v, g, scale);
         Update {
             lr: st.lr,
             grad_norm: norm,
+            skipped: false,
         }
     }
 }
@@ -704,6 +725,9 @@ impl DeviceAdamW {
                 };
                 let norm = host_norm(g, scale);
                 let st = c.step(step, norm);
+                if !norm.is_finite() {
+                    return Ok(Update::skipped(st.lr, norm));
+                }
                 let mut at = 0;
                 for var in &params.vars {
                     let n = var.elem_count();
@@ -716,6 +740,7 @@ impl DeviceAdamW {
                 Ok(Update {
                     lr: st.lr,
                     grad_norm: norm,
+                    skipped: false,
                 })
             }
         }
@@ -826,6 +851,9 @@ fn tensors_update(
     };
     let norm = sq.sqrt() * f64::from(scale.abs());
     let st = c.step(step, norm);
+    if !norm.is_finite() {
+        return Ok(Update::skipped(st.lr, norm));
+    }
     let k = f64::from(scale * st.clip);
     let f = f64::from;
     for (((var, m), v), g) in params.vars.iter().zip(m).zip(v).zip(grads) {
@@ -841,6 +869,7 @@ fn tensors_update(
     Ok(Update {
         lr: st.lr,
         grad_norm: norm,
+        skipped: false,
     })
 }
 
@@ -1285,6 +1314,52 @@ mod tests {
         assert_eq!(resumed.flat().unwrap(), params.flat().unwrap());
         assert_eq!(again.moments().unwrap(), cpu.moments().unwrap());
         assert!(cpu.update(&params, &w[..3], 1.0).is_err());
+    }
+
+    /// A gradient with a NaN or an infinity in it leaves the weights and moments as they were,
+    /// in every form of AdamW (the host's, the CPU's, the tensors'), and says it skipped; the
+    /// step still counts, and the next finite gradient updates as it would have.
+    #[test]
+    fn a_gradient_that_is_not_finite_is_skipped_leaving_weights_and_moments_alone() {
+        let specs = vec![
+            ("a".to_string(), vec![3, 2], Init::Normal(0.5)),
+            ("b".to_string(), vec![4], Init::Ones),
+        ];
+        let params = || Params::new(&specs, 7, &Device::Cpu).unwrap();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(3);
+        let n = params().len();
+        let g: Vec<f32> = (0..n).map(|_| normal(&mut rng)).collect();
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut b = g.clone();
+            b[n - 1] = bad;
+            let mut w = params().flat().unwrap();
+            let mut host = AdamW::new(cfg(), n);
+            host.update(&mut w, &g, 1.0);
+            let (w1, m1, v1) = (w.clone(), host.m.clone(), host.v.clone());
+            let u = host.update(&mut w, &b, 1.0);
+            assert!(u.skipped && !u.grad_norm.is_finite(), "{u:?}");
+            assert_eq!((&w, &host.m, &host.v), (&w1, &m1, &v1));
+            assert_eq!(host.step, 2);
+            assert!(!host.update(&mut w, &g, 1.0).skipped);
+            assert_ne!(w, w1, "a finite gradient after it updates");
+            type Make = fn(AdamWConfig, &Params) -> Result<DeviceAdamW>;
+            for make in [DeviceAdamW::new as Make, DeviceAdamW::with_tensors] {
+                let p = params();
+                let mut opt = make(cfg(), &p).unwrap();
+                opt.update(&p, &g, 1.0).unwrap();
+                let (w1, moments) = (p.flat().unwrap(), opt.moments().unwrap());
+                let t = Tensor::from_slice(&b, n, &Device::Cpu).unwrap();
+                for u in [
+                    opt.update(&p, &b, 1.0).unwrap(),
+                    opt.update_flat(&p, &t, 1.0).unwrap(),
+                ] {
+                    assert!(u.skipped, "{u:?}");
+                }
+                assert_eq!(p.flat().unwrap(), w1);
+                assert_eq!(opt.moments().unwrap(), moments);
+                assert_eq!(opt.step, 3);
+            }
+        }
     }
 
     /// The parallel draws are the stream one thread draws in order: tensors that start and end

@@ -28,10 +28,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
-/// Bumped on any change to the messages below, the config they carry included (7: the
-/// workers' config gained `command_dir`, which a worker of before refuses as unknown; a
-/// Python wheel built earlier is told to rebuild by the version, not by a field).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// Bumped on any change to the messages below, the config they carry included (8:
+/// [`StepStats::skipped`]; 7: the workers' config gained `command_dir`, which a worker of
+/// before refuses as unknown). A Python wheel built earlier is told to rebuild by the version,
+/// not by a field.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The largest frame either side accepts.
 /// A worker the launcher runs from a config's `command` (a Python worker) finds its control
@@ -75,6 +76,10 @@ pub struct StepStats {
     /// leader evaluated after this step (`dflash.eval_every`).
     #[serde(default)]
     pub eval_tau: Option<f32>,
+    /// The update was left out: the group's gradient was NaN or infinite, and the weights were
+    /// left as they were (every rank's alike).
+    #[serde(default)]
+    pub skipped: bool,
 }
 
 /// Launcher → worker.

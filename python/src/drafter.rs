@@ -354,6 +354,7 @@ impl Drafter {
                 tau,
                 lr,
                 eval_tau: None,
+                skipped: false,
             }));
         }
     }
