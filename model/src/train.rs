@@ -550,9 +550,10 @@ pub struct Update {
     pub grad_norm: f64,
     /// The gradient was NaN or infinite (its norm is not finite): the weights and moments were
     /// left as they were, as torch's GradScaler skips such a step. One such update would make
-    /// every weight NaN, and every later step and checkpoint with them. The step still counts
-    /// (the schedule follows the group's steps), and the decision is every rank's alike: they
-    /// update from the same summed gradient.
+    /// every weight NaN, and every later step and checkpoint with them. The optimizer's step
+    /// does not count it (its bias corrections and schedule go on from where they were, as
+    /// torch's Adam does when GradScaler skips its `step()`), and the decision is every rank's
+    /// alike: they update from the same summed gradient.
     pub skipped: bool,
 }
 
@@ -580,13 +581,13 @@ impl AdamW {
     /// One update of `w` from the gradient `g` times `scale` (the loss normaliser), clipped to
     /// the global norm.
     pub fn update(&mut self, w: &mut [f32], g: &[f32], scale: f32) -> Update {
-        self.step += 1;
         let c = self.cfg;
         let norm = host_norm(g, scale);
-        let st = c.step(self.step, norm);
+        let st = c.step(self.step + 1, norm);
         if !norm.is_finite() {
             return Update::skipped(st.lr, norm);
         }
+        self.step += 1;
         st.apply(w, &mut self.m, &mut self.v, g, scale);
         Update {
             lr: st.lr,
@@ -709,9 +710,9 @@ impl DeviceAdamW {
                 params.vars.len(),
             )));
         }
-        self.step += 1;
-        let (c, step) = (self.cfg, self.step);
-        match &mut self.moments {
+        // Counted once applied: a skipped update leaves the bias corrections where they were.
+        let (c, step) = (self.cfg, self.step + 1);
+        let u = match &mut self.moments {
             Moments::Tensors { m, v } => tensors_update(&c, step, params, m, v, g, scale),
             Moments::Host { m, v } => {
                 // The CPU's form: a flat tensor there is host memory already.
@@ -743,7 +744,11 @@ impl DeviceAdamW {
                     skipped: false,
                 })
             }
+        }?;
+        if !u.skipped {
+            self.step = step;
         }
+        Ok(u)
     }
 
     /// The moments `(m, v)`, flattened as [`Params::flat`] (copied to the host).
@@ -1316,9 +1321,9 @@ mod tests {
         assert!(cpu.update(&params, &w[..3], 1.0).is_err());
     }
 
-    /// A gradient with a NaN or an infinity in it leaves the weights and moments as they were,
-    /// in every form of AdamW (the host's, the CPU's, the tensors'), and says it skipped; the
-    /// step still counts, and the next finite gradient updates as it would have.
+    /// A gradient with a NaN or an infinity in it leaves the weights, moments and step as they
+    /// were, in every form of AdamW (the host's, the CPU's, the tensors'), and says it skipped;
+    /// the next finite gradient updates as it would have without it, bit for bit.
     #[test]
     fn a_gradient_that_is_not_finite_is_skipped_leaving_weights_and_moments_alone() {
         let specs = vec![
@@ -1332,16 +1337,22 @@ mod tests {
         for bad in [f32::NAN, f32::INFINITY] {
             let mut b = g.clone();
             b[n - 1] = bad;
-            let mut w = params().flat().unwrap();
-            let mut host = AdamW::new(cfg(), n);
+            // `host` meets the bad gradient between two good ones, `clean` sees the good ones.
+            let (mut w, mut clean_w) = (params().flat().unwrap(), params().flat().unwrap());
+            let (mut host, mut clean) = (AdamW::new(cfg(), n), AdamW::new(cfg(), n));
             host.update(&mut w, &g, 1.0);
+            clean.update(&mut clean_w, &g, 1.0);
             let (w1, m1, v1) = (w.clone(), host.m.clone(), host.v.clone());
             let u = host.update(&mut w, &b, 1.0);
             assert!(u.skipped && !u.grad_norm.is_finite(), "{u:?}");
             assert_eq!((&w, &host.m, &host.v), (&w1, &m1, &v1));
-            assert_eq!(host.step, 2);
+            assert_eq!(host.step, 1);
             assert!(!host.update(&mut w, &g, 1.0).skipped);
-            assert_ne!(w, w1, "a finite gradient after it updates");
+            clean.update(&mut clean_w, &g, 1.0);
+            assert_eq!(
+                w, clean_w,
+                "the update after the skipped one is not the clean run's"
+            );
             type Make = fn(AdamWConfig, &Params) -> Result<DeviceAdamW>;
             for make in [DeviceAdamW::new as Make, DeviceAdamW::with_tensors] {
                 let p = params();
@@ -1357,7 +1368,7 @@ mod tests {
                 }
                 assert_eq!(p.flat().unwrap(), w1);
                 assert_eq!(opt.moments().unwrap(), moments);
-                assert_eq!(opt.step, 3);
+                assert_eq!(opt.step, 1);
             }
         }
     }
