@@ -299,11 +299,9 @@ pub fn record_retired(
     payload: &[u8],
     step: u64,
 ) -> Result<bool, LedgerError> {
-    let last = read(run_dir, index)
-        .ok()
-        .flatten()
-        .and_then(|entries| entries.into_iter().last())
-        .and_then(|e| e.line);
+    // The last line alone: the group waits for this (see below), and a week's ledger is tens
+    // of MB.
+    let last = last_line(&run_dir.ledger(index));
     if last.is_some_and(|l| l.batch_id == meta.batch_id && l.ticket == meta.ticket) {
         return Ok(false);
     }
@@ -324,6 +322,34 @@ pub fn record_retired(
     // effect): the leader's next checkpoint may hold this batch's update.
     ledger.sync()?;
     Ok(true)
+}
+
+/// The last line of the ledger at `path`, read from the file's end (a window doubled until it
+/// holds a whole line, at most [`MAX_LINE`]); None if there is none, or it is torn or
+/// unreadable, or the file is missing or not a regular file.
+fn last_line(path: &Path) -> Option<LedgerLine> {
+    use std::io::{Read, Seek, SeekFrom};
+    let meta = std::fs::metadata(path).ok()?;
+    if atomic_file::not_regular(&meta).is_some() {
+        return None;
+    }
+    let mut file = File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let mut window: u64 = 1 << 16;
+    loop {
+        let start = len.saturating_sub(window);
+        file.seek(SeekFrom::Start(start)).ok()?;
+        let mut tail = Vec::with_capacity((len - start) as usize);
+        (&mut file).take(len - start).read_to_end(&mut tail).ok()?;
+        // A whole last line ends with its newline; one without is torn.
+        let body = tail.strip_suffix(b"\n")?;
+        match body.iter().rposition(|&b| b == b'\n') {
+            Some(at) => return serde_json::from_slice(&body[at + 1..]).ok(),
+            None if start == 0 => return serde_json::from_slice(body).ok(),
+            None if window > MAX_LINE as u64 => return None,
+            None => window *= 2,
+        }
+    }
 }
 
 /// The sample ids and tokens of the batch a dead drafter's slot holds (`payload`, its `meta`).

@@ -170,3 +170,37 @@ fn the_ledgers_read_back() {
         "none lost at the group's step"
     );
 }
+
+/// The launcher's check that a dead rank's ledger already ends with its applied batch reads the
+/// file's last line from its end, whatever the ledger's length: the last whole line, one longer
+/// than the first window read, none when the last is torn or the ledger missing or a FIFO.
+#[test]
+fn the_last_line_is_read_from_the_ledgers_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("l.jsonl");
+    assert_eq!(last_line(&path), None, "missing");
+    let text = |l: &LedgerLine| format!("{}\n", serde_json::to_string(l).unwrap());
+    let (a, b) = (line(1, 1, 0, &[1, 2]), line(2, 5, 1, &[3]));
+    std::fs::write(&path, text(&a)).unwrap();
+    assert_eq!(last_line(&path), Some(a.clone()), "a lone line");
+    // Many lines before, and a last one of ~300 KB (past the first 64 KiB window).
+    let mut all: String = (0..5000).map(|i| text(&line(i, i, 0, &[i]))).collect();
+    let long = line(9, 9, 0, &(0..50_000).collect::<Vec<_>>());
+    all.push_str(&text(&b));
+    all.push_str(&text(&long));
+    std::fs::write(&path, &all).unwrap();
+    assert_eq!(last_line(&path), Some(long));
+    all.push_str(&text(&a)[..10]);
+    std::fs::write(&path, &all).unwrap();
+    assert_eq!(last_line(&path), None, "torn");
+    std::fs::remove_file(&path).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &path,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    assert_eq!(last_line(&path), None, "a FIFO, not waited on");
+}
