@@ -46,11 +46,15 @@ def run(w):
         r = w.all_reduce(grad, batch=batch, ended=w.ended)
         s = np.asarray(r.sum)
         if s[n + 1] > 0:
-            weights -= lr * s[:n] / s[n + 1]
+            # A gradient that is not finite is skipped, as every rank sees the same sum: one
+            # NaN applied would make every weight NaN for the rest of the run.
+            skipped = not np.isfinite(s[:n]).all()
+            if not skipped:
+                weights -= lr * s[:n] / s[n + 1]
             if r.leader:                 # the monitor, TensorBoard and summary show it
                 loss = float(s[n] / s[n + 1])
-                w.progress(r.step, loss, tokens=int(s[n + 1]))
-                print(f"step {r.step} loss {loss:.6f}")
+                w.progress(r.step, loss, tokens=int(s[n + 1]), skipped=skipped)
+                print(f"step {r.step} loss {loss:.6f}{' (skipped)' if skipped else ''}")
         digest = hashlib.sha256(weights.tobytes()).hexdigest()[:16]
         if batch is not None:
             batch.release(step=r.step, digest=digest)

@@ -342,9 +342,19 @@ impl Drafter {
 
     /// The leader tells the launcher a step's loss (and loss tokens, acceptance length,
     /// learning rate): the monitor's line, `metrics.jsonl`, TensorBoard and the summary show
-    /// it as they do our drafters'. Other ranks need not call it.
-    #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None))]
-    fn progress(&self, step: u64, loss: f32, tokens: u64, tau: Option<f32>, lr: Option<f32>) {
+    /// it as they do our drafters'. `skipped=True`: the step's update was left out (a gradient
+    /// that was not finite, as torch's GradScaler skips one), counted as ours are. Other ranks
+    /// need not call it.
+    #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None, skipped=false))]
+    fn progress(
+        &self,
+        step: u64,
+        loss: f32,
+        tokens: u64,
+        tau: Option<f32>,
+        lr: Option<f32>,
+        skipped: bool,
+    ) {
         if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
@@ -354,7 +364,7 @@ impl Drafter {
                 tau,
                 lr,
                 eval_tau: None,
-                skipped: false,
+                skipped,
             }));
         }
     }

@@ -63,6 +63,21 @@ def test_numpy_drafters_learn_from_our_targets_as_one_group(run):
     assert run.summary()["drafter"]["loss"] < first
 
 
+def test_a_python_leaders_skipped_update_is_counted_and_the_ranks_stay_one_model(run):
+    """A group sum with a NaN in its gradient (tests/poisons_a_gradient.py, at step 3): the
+    example skips that update on every rank alike, so the ranks stay one model, and the leader's
+    `progress(..., skipped=True)` reaches the tick's steps and summary.json."""
+    poisoning = [PYTHON, script("tests/poisons_a_gradient.py")]
+    code, out = run.launch(config_text(drafter=poisoning)).finish()
+    assert code == 0, out
+    every_sample_once(run)
+    one_model(run.ledgers())
+    assert run.summary()["drafter"]["updates_skipped"] == 1, run.summary()
+    ticks = (run.run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [st for t in ticks for st in json.loads(t).get("steps") or []]
+    assert [st["step"] for st in steps if st["skipped"]] == [3], steps
+
+
 def test_a_sigkilled_python_drafter_is_restarted_alone_and_rejoins_the_group(run):
     run.launch(config_text(slow=True, drafter=NUMPY_DRAFTER, faults=slower_targets()))
     kill_one_of(run, "drafter-1", signal.SIGKILL)
