@@ -1867,7 +1867,10 @@ fn resume_alone_after_a_kill(b: Backend) {
         Backend::Mock => 1500,
         Backend::Candle => 400,
     };
-    let run = Run::new("lresume");
+    // No other test's launcher may reclaim the killed launcher's segments before the resume,
+    // which must say it found them.
+    let _alone = stale_segments_exclusive();
+    let run = Run::with_lock("lresume", None);
     let (step, kept, killed) = kill_everything_mid_run(b, &run, samples, 1, 20);
     let run_dir = run.run_dir();
     // The killed launcher's last tick lost, as a full disk loses it: points in its event file,
