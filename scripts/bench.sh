@@ -28,5 +28,8 @@ done
 echo "## the synthetic data made when read"
 ./target/release/bench-data synthetic --samples 400000 --runs 3 \
     ${BASELINE_LAUNCHER:+--baseline "$BASELINE_LAUNCHER"}
+echo "## a week of metrics: launcher report"
+cargo build --release -p launcher
+./target/release/bench-report --runs 5
 echo "## the DFlash drafter on the CPU"; scripts/bench-dflash.sh 3
 echo "## conversations against transformers"; scripts/bench-chat.sh 5000 5

@@ -8,6 +8,20 @@ pub fn median(v: Vec<f64>) -> f64 {
     ring_stat::numbers::median(v).unwrap_or(f64::NAN)
 }
 
+/// Waits for `pid` and returns its exit code and peak RSS in KiB (the kernel's count).
+pub fn wait_rusage(pid: u32) -> anyhow::Result<(i32, u64)> {
+    let mut status = 0;
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: wait4 writes the status and the rusage struct, both valid for writes.
+    let r = unsafe { libc::wait4(pid as i32, &mut status, 0, ru.as_mut_ptr()) };
+    if r != pid as i32 {
+        anyhow::bail!("wait4({pid}): {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: wait4 succeeded, so it filled the struct (zeroed before in any case).
+    let ru = unsafe { ru.assume_init() };
+    Ok((libc::WEXITSTATUS(status), ru.ru_maxrss as u64))
+}
+
 /// How many kernels a kernel table lists, the longest first.
 pub const KERNELS_LISTED: usize = 20;
 

@@ -2,6 +2,8 @@
 //! multi-process tests and `ring-peer`, the benchmarks), kept once here. Nothing in hspipe's
 //! binaries uses it.
 
+pub mod metrics;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 

@@ -36,7 +36,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
-use scripts::median;
+use scripts::{median, wait_rusage};
 use shm_ring::WorkerName;
 
 #[derive(Parser)]
@@ -150,20 +150,6 @@ fn gen(mb: u64, out: &Path, seed: u64) -> anyhow::Result<()> {
         tokens as f64 / samples as f64
     );
     Ok(())
-}
-
-/// Waits for `pid` and returns its exit code and peak RSS in KiB (the kernel's count).
-fn wait_rusage(pid: u32) -> anyhow::Result<(i32, u64)> {
-    let mut status = 0;
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: wait4 writes the status and the rusage struct, both valid for writes.
-    let r = unsafe { libc::wait4(pid as i32, &mut status, 0, ru.as_mut_ptr()) };
-    if r != pid as i32 {
-        bail!("wait4({pid}): {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: wait4 succeeded, so it filled the struct (zeroed before in any case).
-    let ru = unsafe { ru.assume_init() };
-    Ok((libc::WEXITSTATUS(status), ru.ru_maxrss as u64))
 }
 
 /// Peak figures of one process, in KiB: VmHWM (the kernel's peak RSS, with shared pages),
