@@ -20,11 +20,16 @@
 //! one with no tick at all. `summary.json` and the ledgers, read whole, are left out with a
 //! warning where they cannot be read. The picture never replaces a file it is drawn from.
 //!
-//! The report lives in the launcher because the launcher writes what it reads (`Tick` is one
-//! type for both); `shm-ring-stat` views a live ring and knows nothing of run directories.
+//! A run of any length costs bounded memory: the ticks are folded into buckets as they are read
+//! (`series`), and each column of the picture draws its buckets' mean over a light band from
+//! their least to their greatest tick, so a spike of one tick in a week stays at its height.
+//!
+//! The report lives in the launcher because the launcher writes what it reads (`series::ReadTick`
+//! reads the fields of the monitor's `Tick` that it draws, a test holding the two together);
+//! `shm-ring-stat` views a live ring and knows nothing of run directories.
 //!
 //! Length: past 500 lines on purpose: reading the run and drawing its panels share the time
-//! axis, the bins and the marks, and each panel is a few dozen lines of plotters calls.
+//! axis, the columns and the marks, and each panel is a few dozen lines of plotters calls.
 
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -39,8 +44,12 @@ use ring_stat::numbers::{median, pct};
 use ring_stat::screen::human_rate;
 use shm_ring::{Phase, Role, WorkerName};
 
-use crate::monitor::{EventTick, Tick};
+use crate::monitor::EventTick;
 use crate::UsageError;
+
+mod series;
+
+pub use series::{Agg, Bucket, ReadTick, Series, WorkerInfo, S};
 
 /// Draw one picture of a run: ring occupancy against capacity, tokens/s, each worker's time
 /// by phase, deaths and restarts. Works on finished, stopped and crashed runs.
@@ -68,7 +77,12 @@ pub struct ReportArgs {
 /// What a run directory says about its run.
 pub struct RunData {
     pub dir: PathBuf,
-    pub ticks: Vec<Tick>,
+    /// Every tick, folded into a bounded number of buckets.
+    pub series: Series,
+    /// The time of the last tick (seconds since the run started, resumes included).
+    pub t_end: f64,
+    /// What the launcher reported, in the order said.
+    pub marks: Vec<Mark>,
     pub summary: Option<serde_json::Value>,
     /// Why summary.json, which exists, could not be read (cut short, not a file): `summary` is
     /// then None, and the run is drawn without it.
@@ -139,12 +153,16 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         );
     }
     let file = std::fs::File::open(&path).with_context(|| format!("reading {}", path.display()))?;
-    let mut reader = BufReader::new(file);
-    let mut ticks: Vec<Tick> = Vec::new();
+    let mut reader = BufReader::with_capacity(1 << 16, file);
+    let mut series = Series::default();
+    let mut marks = Vec::new();
     let mut n = 0usize;
     let mut skipped = Skipped::default();
     let (mut last_raw, mut last_t, mut offset) = (0.0, 0.0, 0.0);
     let mut last_launch = None;
+    // The spacing of the last ticks: a tick much shorter than their median (a launch's last)
+    // has a noisy rate, left out.
+    let mut spacings = std::collections::VecDeque::with_capacity(SPACINGS);
     let mut line = Vec::new();
     loop {
         let len = proto::jsonl::read_line_capped(&mut reader, &mut line, MAX_LINE)
@@ -163,34 +181,8 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         } else {
             parse_tick(&line)
         };
-        match parsed {
-            Ok(mut t) => {
-                // A resumed run appends ticks whose clock starts again at 0: they go on from
-                // where the earlier session ended, and the restart is marked. Each tick names
-                // its launch (a launch's clock never goes back; an older file's ticks name none).
-                let other_launch = matches!(
-                    (last_launch, t.launch_unix_ms), (Some(was), Some(is)) if was != is
-                );
-                let resumed = other_launch || t.t_s < last_raw;
-                last_launch = t.launch_unix_ms;
-                if resumed {
-                    offset = last_t;
-                    t.events.insert(
-                        0,
-                        EventTick {
-                            t_s: 0.0,
-                            text: RESUMED.to_string(),
-                        },
-                    );
-                }
-                last_raw = t.t_s;
-                t.t_s += offset;
-                for e in &mut t.events {
-                    e.t_s += offset;
-                }
-                last_t = t.t_s;
-                ticks.push(t)
-            }
+        let (mut t, raw) = match parsed {
+            Ok(t) => t,
             // Torn by a kill (the next launcher ended it), cut short, edited, or not text: the
             // rest of the run is still worth drawing.
             Err(why) => {
@@ -198,18 +190,49 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
                 skipped.first.get_or_insert((n, why));
                 continue;
             }
+        };
+        // A resumed run appends ticks whose clock starts again at 0: they go on from where the
+        // earlier session ended, and the restart is marked. Each tick names its launch (a
+        // launch's clock never goes back; an older file's ticks name none).
+        let other_launch = matches!(
+            (last_launch, t.launch_unix_ms), (Some(was), Some(is)) if was != is
+        );
+        let resumed = other_launch || raw < last_raw;
+        last_launch = t.launch_unix_ms;
+        if resumed {
+            offset = last_t;
+            t.events.insert(
+                0,
+                EventTick {
+                    t_s: 0.0,
+                    text: RESUMED.to_string(),
+                },
+            );
         }
-        if ticks.len() >= 2 * MAX_TICKS {
-            ticks = thin(ticks);
+        last_raw = raw;
+        let t_s = raw + offset;
+        for e in &mut t.events {
+            e.t_s += offset;
         }
+        let short = series.ticks > 0
+            && median(spacings.iter().copied()).is_some_and(|p| t_s - last_t < 0.5 * p);
+        if series.ticks > 0 {
+            if spacings.len() == SPACINGS {
+                spacings.pop_front();
+            }
+            spacings.push_back(t_s - last_t);
+        }
+        last_t = t_s;
+        marks.extend(marks_of(&t.events));
+        series.push(&t, t_s, (!short).then_some(t.tokens_per_s));
     }
-    if let (true, Some((line, why))) = (ticks.is_empty(), &skipped.first) {
+    if let (0, Some((line, why))) = (series.ticks, &skipped.first) {
         bail!(
             "{}:{line}: {why}; no line of the file is a tick, so there is nothing to draw",
             path.display()
         );
     }
-    if ticks.is_empty() {
+    if series.ticks == 0 {
         bail!(
             "{} is empty: the run ended before its first monitor tick (the --monitor period), so there is nothing to draw",
             path.display()
@@ -260,7 +283,9 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     }
     Ok(RunData {
         dir: dir.to_path_buf(),
-        ticks,
+        series,
+        t_end: last_t,
+        marks,
         summary,
         summary_unreadable,
         ledgers,
@@ -327,7 +352,7 @@ const MAX_VALUE: f64 = 1e12;
 /// such a value into pixels, and a time axis to infinity is divided for ever). A clamped value
 /// would draw a line the run never had; a skipped tick leaves a gap the warning accounts for.
 /// Ticks whose clock goes back are kept: that marks a resume (see [`load`]).
-fn parse_tick(line: &[u8]) -> Result<Tick, String> {
+fn parse_tick(line: &[u8]) -> Result<(ReadTick, f64), String> {
     // Every field of a tick has a default (for older files), so serde alone takes any object,
     // or an array, for one: a tick is an object with its time. Bytes that are no UTF-8 fail
     // to parse like any other edit.
@@ -337,8 +362,10 @@ fn parse_tick(line: &[u8]) -> Result<Tick, String> {
             e.valid_up_to() + 1
         ));
     }
-    let tick = match serde_json::from_slice::<serde_json::Value>(line) {
-        Ok(v) if v.get("t_s").is_some_and(|t| t.is_number()) => serde_json::from_value::<Tick>(v),
+    // An array would fill the fields in order: only an object is read.
+    let object = line.trim_ascii_start().starts_with(b"{");
+    let tick = match serde_json::from_slice::<ReadTick>(line) {
+        Ok(t) if object && t.t_s.is_some() => Ok(t),
         Ok(_) => Err(serde::de::Error::custom(
             "an object with its time, t_s, is a tick",
         )),
@@ -351,10 +378,11 @@ fn parse_tick(line: &[u8]) -> Result<Tick, String> {
             format!("not a monitor tick: {e}")
         }
     })?;
-    if !(0.0..=MAX_T_S).contains(&tick.t_s) {
+    let t_s = tick.t_s.unwrap_or_default();
+    if !(0.0..=MAX_T_S).contains(&t_s) {
         return Err(format!(
             "not a monitor tick: t_s is {}, not a time from 0 to {MAX_T_S:e} s",
-            number(tick.t_s)
+            number(t_s)
         ));
     }
     let mut numbers: Vec<(&str, f64)> = vec![
@@ -388,7 +416,7 @@ fn parse_tick(line: &[u8]) -> Result<Tick, String> {
             number(v)
         ));
     }
-    Ok(tick)
+    Ok((tick, t_s))
 }
 
 /// A number as a message shows it: `-1e20`, not twenty-one digits.
@@ -400,30 +428,8 @@ fn number(v: f64) -> String {
     }
 }
 
-/// Ticks kept in memory: a week at one tick a second is 600,000 lines, far more than a picture
-/// has pixels, so longer files are thinned as they are read.
-const MAX_TICKS: usize = 8192;
-
-/// Keeps every second tick; the events of a dropped tick move to the next one kept.
-fn thin(ticks: Vec<Tick>) -> Vec<Tick> {
-    let mut out = Vec::with_capacity(ticks.len() / 2 + 1);
-    let mut carried = Vec::new();
-    for (i, mut t) in ticks.into_iter().enumerate() {
-        if i % 2 == 0 {
-            carried.append(&mut t.events);
-        } else {
-            carried.append(&mut t.events);
-            t.events = std::mem::take(&mut carried);
-            out.push(t);
-        }
-    }
-    if !carried.is_empty() {
-        if let Some(last) = out.last_mut() {
-            last.events.append(&mut carried);
-        }
-    }
-    out
-}
+/// The ticks whose spacing gives the period a tick is judged short against.
+const SPACINGS: usize = 16;
 
 /// The event that marks where a resumed run's launcher took over.
 const RESUMED: &str = "resumed by launcher --resume";
@@ -476,9 +482,9 @@ impl MarkKind {
 /// "drafter-1 restarted (restart 4; 1 in a row of at most 3), pid 9", "drafter-1 gave up after ...",
 /// "drafter-1 (pid 7) sent no heartbeat ...: killing it as hung", "stopping: SIGINT ...",
 /// "no drafter left: stopping the targets").
-pub fn marks(ticks: &[Tick]) -> Vec<Mark> {
+pub fn marks_of<'e>(events: impl IntoIterator<Item = &'e EventTick>) -> Vec<Mark> {
     let mut out = Vec::new();
-    for e in ticks.iter().flat_map(|t| &t.events) {
+    for e in events {
         let first = e.text.split_whitespace().next().unwrap_or("");
         // A death's line may quote the worker (", saying ..."): only the launcher's words count.
         let text = e.text.split(", saying ").next().unwrap_or("");
@@ -540,56 +546,10 @@ const EXTRA_H: u32 = 140;
 /// Room for the y labels, so every panel's time axis lines up.
 const Y_LABELS_W: u32 = 78;
 
-/// Series values per time bin: long runs are averaged down to about one point per 2 pixels.
-struct Bins {
-    ranges: Vec<std::ops::Range<usize>>,
-    t: Vec<f64>,
-}
-
-impl Bins {
-    fn new(ticks: &[Tick], max: usize) -> Bins {
-        let per = ticks.len().div_ceil(max.max(1)).max(1);
-        let ranges: Vec<_> = (0..ticks.len())
-            .step_by(per)
-            .map(|s| s..(s + per).min(ticks.len()))
-            .collect();
-        let t = ranges.iter().map(|r| ticks[r.end - 1].t_s).collect();
-        Bins { ranges, t }
-    }
-
-    /// The mean of `f` over each bin, skipping ticks where it has no value.
-    fn series(&self, ticks: &[Tick], f: impl Fn(&Tick) -> Option<f64>) -> Vec<(f64, f64)> {
-        self.series_at(ticks, |_, t| f(t))
-    }
-
-    /// Like `series`, with each tick's index.
-    fn series_at(
-        &self,
-        ticks: &[Tick],
-        f: impl Fn(usize, &Tick) -> Option<f64>,
-    ) -> Vec<(f64, f64)> {
-        self.ranges
-            .iter()
-            .zip(&self.t)
-            .filter_map(|(r, &t)| {
-                let v: Vec<f64> = r.clone().filter_map(|i| f(i, &ticks[i])).collect();
-                (!v.is_empty()).then(|| (t, v.iter().sum::<f64>() / v.len() as f64))
-            })
-            .collect()
-    }
-}
-
-/// The longest idle gap of any drafter in a tick (`None` for a tick with no drafter record).
-fn drafter_gap(t: &Tick) -> Option<f64> {
-    (t.workers.iter())
-        .filter(|w| w.name.starts_with("drafter"))
-        .map(|w| w.largest_gap_s)
-        .reduce(f64::max)
-}
-
 /// Which panels the picture has, and their heights.
 struct Plan {
-    workers: Vec<(String, Option<u32>)>,
+    /// The workers with a band, by their place in `Series::workers`.
+    workers: Vec<usize>,
     /// Workers left out: their bands would not fit in the tallest picture.
     hidden: usize,
     loss: bool,
@@ -622,20 +582,11 @@ impl Plan {
             ))
             .into());
         }
-        let mut workers: Vec<(String, Option<u32>)> = Vec::new();
-        for w in run.ticks.iter().flat_map(|t| &t.workers) {
-            match workers.iter_mut().find(|(n, _)| *n == w.name) {
-                // A worker not registered yet has no GPU in its record.
-                Some((_, gpu)) => *gpu = gpu.or(w.gpu),
-                None => workers.push((w.name.clone(), w.gpu)),
-            }
-        }
-        let loss = run.ticks.iter().any(|t| t.drafter_loss.is_some());
-        let acceptance = run.ticks.iter().any(|t| t.acceptance_length.is_some());
-        let gaps = run
-            .ticks
-            .iter()
-            .any(|t| drafter_gap(t).is_some_and(|g| g > 0.0));
+        let series = &run.series;
+        let mut workers: Vec<usize> = (0..series.workers.len()).collect();
+        let loss = series.total(S::Loss).count() > 0;
+        let acceptance = series.total(S::Tau).count() > 0;
+        let gaps = series.total(S::Gap).max > 0.0;
         // Without per-worker records (an older metrics.jsonl) one band shows both sides' busy share.
         let extras = u32::from(loss) + u32::from(acceptance) + u32::from(gaps);
         let fixed = TITLE_H + LEGEND_H + AXIS_H;
@@ -696,13 +647,13 @@ fn outcome(run: &RunData) -> String {
         Some(s) => format!("; {s}"),
         None => String::new(),
     };
-    let end = run.ticks.last().map(|t| t.t_s).unwrap_or(0.0);
+    let end = run.t_end;
     match &run.summary {
         Some(s) => {
             let ok = s["ok"].as_bool().unwrap_or(false);
             // summary.json's time, rate and redeliveries are its last launch's; the batches
             // are the run's.
-            let resumed = (run.ticks.iter()).any(|t| t.events.iter().any(|e| e.text == RESUMED));
+            let resumed = run.marks.iter().any(|m| m.kind == MarkKind::Resumed);
             format!(
                 "{} (exit code {}): {}/{} samples trained, {} batches; {}{} redelivered, {:.1} s, {} tokens/s{}{said}",
                 if ok { "finished" } else { "ended" },
@@ -837,19 +788,18 @@ fn draw_marks(
 struct Canvas<'r> {
     run: &'r RunData,
     t_max: f64,
-    bins: Bins,
-    marks: Vec<Mark>,
+    /// The run's buckets merged into the picture's columns (one per two pixels).
+    columns: Vec<Bucket>,
 }
 
 /// Draws the run as an SVG document of `plan`'s size: the title, then the panels top to bottom
 /// (the ring, tokens/s, one band per worker, loss and acceptance), then the legend.
 fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
-    let ticks = &run.ticks;
+    let t_max = run.t_end.max(1e-3) * 1.01;
     let canvas = Canvas {
         run,
-        t_max: ticks.iter().map(|t| t.t_s).fold(0.0, f64::max).max(1e-3) * 1.01,
-        bins: Bins::new(ticks, (plan.width / 2) as usize),
-        marks: marks(ticks),
+        t_max,
+        columns: run.series.columns((plan.width / 2) as usize, t_max),
     };
     let mut svg = String::new();
     {
@@ -868,29 +818,24 @@ fn draw(run: &RunData, plan: &Plan) -> anyhow::Result<String> {
             let (area, bottom) = areas.next().expect("the busy panel");
             canvas.busy_panel(area, bottom)?;
         }
-        for (name, gpu) in &plan.workers {
+        for &w in &plan.workers {
             let (area, bottom) = areas.next().expect("a worker band");
-            canvas.worker_band(area, bottom, name, *gpu)?;
+            canvas.worker_band(area, bottom, w)?;
         }
-        // The drafter's loss and acceptance length, once the metrics carry them.
-        for (on, what, f) in [
-            (
-                plan.loss,
-                "drafter loss",
-                &(|t: &Tick| t.drafter_loss) as &dyn Fn(&Tick) -> Option<f64>,
-            ),
-            (plan.acceptance, "acceptance length (tau)", &|t: &Tick| {
-                t.acceptance_length
-            }),
+        // The drafter's loss and acceptance length, once the metrics carry them, and the
+        // drafters' longest idle gaps.
+        for (on, what, s) in [
+            (plan.loss, "drafter loss", S::Loss),
+            (plan.acceptance, "acceptance length (tau)", S::Tau),
             (
                 plan.gaps,
                 "longest idle gap of the drafters, seconds (out of compute: the GPU idle)",
-                &drafter_gap,
+                S::Gap,
             ),
         ] {
             if on {
                 let (area, bottom) = areas.next().expect("an extra panel");
-                canvas.extra_panel(area, bottom, what, f)?;
+                canvas.extra_panel(area, bottom, what, s)?;
             }
         }
         draw_legend(&legend, plan.width)?;
@@ -961,18 +906,51 @@ fn split_panels<'b>(rest: Area<'b>, plan: &Plan) -> (Vec<Area<'b>>, Area<'b>) {
 }
 
 impl Canvas<'_> {
-    fn ticks(&self) -> &[Tick] {
-        &self.run.ticks
+    fn all_marks(&self) -> Vec<&Mark> {
+        self.run.marks.iter().collect()
     }
 
-    fn all_marks(&self) -> Vec<&Mark> {
-        self.marks.iter().collect()
+    /// Series `s` by column: (time, mean, min, max), columns without a value left out.
+    fn points(&self, s: S) -> Vec<(f64, f64, f64, f64)> {
+        (self.columns.iter())
+            .filter_map(|c| {
+                let a = c.get(s);
+                Some((c.t, a.mean()?, a.min, a.max))
+            })
+            .collect()
+    }
+
+    /// Draws series `s` as its mean, a line, over the band from its least to its greatest
+    /// value in each column (a spike lasting one tick stays as tall as it was), light. Returns
+    /// the chart's top for the points, which the caller's chart must have: see `y_max`.
+    fn draw_spread(
+        c: &mut Chart<'_, '_>,
+        points: &[(f64, f64, f64, f64)],
+        color: RGBColor,
+    ) -> anyhow::Result<()> {
+        // Only where a column holds ticks that differ: a short run draws its ticks as they are.
+        if points.iter().any(|p| p.3 > p.2) {
+            let band: Vec<(f64, f64)> = (points.iter().map(|p| (p.0, p.3)))
+                .chain(points.iter().rev().map(|p| (p.0, p.2)))
+                .collect();
+            c.draw_series(std::iter::once(Polygon::new(
+                band,
+                color.mix(0.25).filled(),
+            )))
+            .map_err(draw_err)?;
+        }
+        c.draw_series(LineSeries::new(
+            points.iter().map(|p| (p.0, p.1)),
+            color.stroke_width(2),
+        ))
+        .map_err(draw_err)?;
+        Ok(())
     }
 
     /// The ring: READY and in use, against the capacity.
     fn ring_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
-        let (ticks, t_max) = (self.ticks(), self.t_max);
-        let slots = ticks.iter().map(|t| t.ring_slots).max().unwrap_or(0).max(1);
+        let t_max = self.t_max;
+        let slots = self.run.series.slots.max(1);
         let y_max = f64::from(slots) * 1.25;
         let mut c = panel(
             area,
@@ -986,13 +964,12 @@ impl Canvas<'_> {
                 format: &|v| format!("{v:.0}"),
             },
         )?;
-        let ready = self.bins.series(ticks, |t| Some(f64::from(t.ring_ready)));
-        let in_use = self.bins.series(ticks, |t| Some(f64::from(t.ring_in_use)));
+        let mean = |s| self.points(s).into_iter().map(|p| (p.0, p.1));
         let green = RGBColor(67, 160, 71);
-        c.draw_series(AreaSeries::new(ready, 0.0, green.mix(0.35)).border_style(green))
+        c.draw_series(AreaSeries::new(mean(S::Ready), 0.0, green.mix(0.35)).border_style(green))
             .map_err(draw_err)?;
         c.draw_series(LineSeries::new(
-            in_use,
+            mean(S::InUse),
             RGBColor(30, 136, 229).stroke_width(2),
         ))
         .map_err(draw_err)?;
@@ -1012,15 +989,12 @@ impl Canvas<'_> {
         )
     }
 
-    /// Tokens/s trained. A final tick much shorter than the period has a noisy rate.
+    /// Tokens/s trained, a tick's rate left out where the tick is much shorter than the period
+    /// (its rate is noise).
     fn rate_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
-        let (ticks, t_max) = (self.ticks(), self.t_max);
-        let period = median_period(ticks);
-        let short: Vec<bool> = std::iter::once(false)
-            .chain(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s < 0.5 * period))
-            .collect();
-        let rate = (self.bins).series_at(ticks, |i, t| (!short[i]).then_some(t.tokens_per_s));
-        let r_max = rate.iter().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.2;
+        let t_max = self.t_max;
+        let rate = self.points(S::Rate);
+        let r_max = rate.iter().map(|p| p.3).fold(0.0, f64::max).max(1.0) * 1.2;
         let mut c = panel(
             area,
             t_max,
@@ -1033,41 +1007,52 @@ impl Canvas<'_> {
                 format: &|v| human_rate(*v),
             },
         )?;
-        let mean = if rate.is_empty() {
-            0.0
-        } else {
-            rate.iter().map(|p| p.1).sum::<f64>() / rate.len() as f64
-        };
-        c.draw_series(LineSeries::new(rate, RGBColor(0, 131, 143).stroke_width(2)))
-            .map_err(draw_err)?;
+        let mean = self.run.series.total(S::Rate).mean().unwrap_or(0.0);
+        let teal = RGBColor(0, 131, 143);
+        Self::draw_spread(&mut c, &rate, teal)?;
         c.draw_series(DashedLineSeries::new(
             [(0.0, mean), (t_max, mean)],
             6,
             6,
-            RGBColor(0, 131, 143).mix(0.6).stroke_width(1),
+            teal.mix(0.6).stroke_width(1),
         ))
         .map_err(draw_err)?;
         draw_marks(&mut c, &self.all_marks(), r_max, false)?;
         name_panel(
             &mut c,
-            &format!("tokens/s trained (mean {}, dashed)", human_rate(mean)),
+            &format!(
+                "tokens/s trained (mean {}, dashed{}{})",
+                human_rate(mean),
+                if self.spread_said().is_empty() {
+                    ""
+                } else {
+                    "; "
+                },
+                self.spread_said()
+            ),
             t_max,
             r_max,
         )
     }
 
+    /// What a panel's name says of its light band, where a column holds several ticks.
+    fn spread_said(&self) -> &'static str {
+        if self.columns.iter().any(|c| c.ticks > 1) {
+            "light: least to greatest tick of each column"
+        } else {
+            ""
+        }
+    }
+
     /// Without per-worker records (an older metrics.jsonl): one band with both sides' busy share.
     fn busy_panel(&self, area: &Area<'_>, bottom: bool) -> anyhow::Result<()> {
         let mut c = panel(area, self.t_max, 1.25, bottom, &SHARES)?;
-        for (f, color) in [
-            (
-                &(|t: &Tick| Some(t.targets_busy)) as &dyn Fn(&Tick) -> Option<f64>,
-                RGBColor(30, 136, 229),
-            ),
-            (&|t: &Tick| Some(t.drafters_busy), RGBColor(67, 160, 71)),
+        for (s, color) in [
+            (S::TargetsBusy, RGBColor(30, 136, 229)),
+            (S::DraftersBusy, RGBColor(67, 160, 71)),
         ] {
             c.draw_series(LineSeries::new(
-                self.bins.series(self.ticks(), f),
+                self.points(s).into_iter().map(|p| (p.0, p.1)),
                 color.stroke_width(2),
             ))
             .map_err(draw_err)?;
@@ -1075,62 +1060,43 @@ impl Canvas<'_> {
         name_panel(&mut c, "busy share: targets (blue), drafters (green); this metrics.jsonl has no per-worker records", self.t_max, 1.25)
     }
 
-    /// One worker's band: its time by phase, stacked, its marks, and its label.
-    fn worker_band(
-        &self,
-        area: &Area<'_>,
-        bottom: bool,
-        name: &str,
-        gpu: Option<u32>,
-    ) -> anyhow::Result<()> {
-        let ticks = self.ticks();
+    /// Worker `w`'s band (by its place in `Series::workers`): its time by phase, stacked, its
+    /// marks, and its label.
+    fn worker_band(&self, area: &Area<'_>, bottom: bool, w: usize) -> anyhow::Result<()> {
+        let info = &self.run.series.workers[w];
+        let name = info.name.as_str();
         let mut c = panel(area, self.t_max, 1.3, bottom, &SHARES)?;
         // Cumulative shares, drawn from the top band down so each covers the one below.
         for k in (0..PHASES.len()).rev() {
-            let series = self.bins.series(ticks, |t| {
-                let w = t.workers.iter().find(|w| w.name == name)?;
-                Some(
-                    PHASES[..=k]
-                        .iter()
-                        .map(|(p, ..)| w.phases.get(p).copied().unwrap_or(0.0))
-                        .sum::<f64>()
-                        .min(1.0),
-                )
-            });
+            let series =
+                (self.columns.iter()).filter_map(|col| Some((col.t, col.worker(w).stacked(k)?)));
             let color = PHASES[k].2;
             c.draw_series(AreaSeries::new(series, 0.0, color.filled()))
                 .map_err(draw_err)?;
         }
-        let mine: Vec<&Mark> = (self.marks)
+        let mine: Vec<&Mark> = (self.run.marks)
             .iter()
             .filter(|m| m.worker.as_deref() == Some(name) || m.worker.is_none())
             .collect();
         draw_marks(&mut c, &mine, 1.3, false)?;
-        let label = self.worker_label(name, gpu, &mine);
+        let label = self.worker_label(info, &mine);
         name_panel(&mut c, &label, self.t_max, 1.3)
     }
 
     /// A worker band's label: its GPU, busy share, deaths and restarts, and a drafter's ledger.
-    fn worker_label(&self, name: &str, gpu: Option<u32>, mine: &[&Mark]) -> String {
-        let ticks = self.ticks();
-        let busy = self.bins.series(ticks, |t| {
-            Some(t.workers.iter().find(|w| w.name == name)?.busy)
-        });
-        let mean = busy.iter().map(|p| p.1).sum::<f64>() / busy.len().max(1) as f64;
-        let restarts = ticks
-            .iter()
-            .filter_map(|t| t.workers.iter().find(|w| w.name == name))
-            .map(|w| w.restarts)
-            .max()
-            .unwrap_or(0);
+    fn worker_label(&self, info: &WorkerInfo, mine: &[&Mark]) -> String {
+        let name = info.name.as_str();
         let deaths = mine.iter().filter(|m| m.kind == MarkKind::Died).count();
         let mut label = format!(
             "{name}{}: busy {:.0}% of the run",
-            gpu.map(|g| format!(" (GPU {g})")).unwrap_or_default(),
-            mean * 100.0
+            info.gpu.map(|g| format!(" (GPU {g})")).unwrap_or_default(),
+            info.busy.mean().unwrap_or(0.0) * 100.0
         );
-        if deaths > 0 || restarts > 0 {
-            label.push_str(&format!(", {deaths} death(s), {restarts} restart(s)"));
+        if deaths > 0 || info.restarts > 0 {
+            label.push_str(&format!(
+                ", {deaths} death(s), {} restart(s)",
+                info.restarts
+            ));
         }
         if let Some(l) = name
             .parse::<WorkerName>()
@@ -1146,16 +1112,11 @@ impl Canvas<'_> {
         label
     }
 
-    /// A line over the run (the drafter's loss, the acceptance length), named `what`.
-    fn extra_panel(
-        &self,
-        area: &Area<'_>,
-        bottom: bool,
-        what: &str,
-        f: &dyn Fn(&Tick) -> Option<f64>,
-    ) -> anyhow::Result<()> {
-        let series = self.bins.series(self.ticks(), f);
-        let y_max = series.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-6) * 1.2;
+    /// A line over the run (the drafter's loss, the acceptance length, the idle gaps), named
+    /// `what`, over the spread of its ticks.
+    fn extra_panel(&self, area: &Area<'_>, bottom: bool, what: &str, s: S) -> anyhow::Result<()> {
+        let points = self.points(s);
+        let y_max = points.iter().map(|p| p.3).fold(0.0, f64::max).max(1e-6) * 1.2;
         let mut c = panel(
             area,
             self.t_max,
@@ -1168,13 +1129,17 @@ impl Canvas<'_> {
                 format: &|v| format!("{v:.2}"),
             },
         )?;
-        c.draw_series(LineSeries::new(
-            series,
-            RGBColor(142, 36, 170).stroke_width(2),
-        ))
-        .map_err(draw_err)?;
+        Self::draw_spread(&mut c, &points, RGBColor(142, 36, 170))?;
         draw_marks(&mut c, &self.all_marks(), y_max, false)?;
-        name_panel(&mut c, what, self.t_max, y_max)
+        // The greatest value, said: a spike of one tick in a week is a sliver of a column.
+        let name = match self.spread_said() {
+            "" => what.to_string(),
+            said => format!(
+                "{what}: greatest {:.2} ({said})",
+                self.run.series.total(s).max
+            ),
+        };
+        name_panel(&mut c, &name, self.t_max, y_max)
     }
 }
 
@@ -1232,11 +1197,6 @@ fn draw_legend(legend: &Area<'_>, width: u32) -> anyhow::Result<()> {
             .map_err(draw_err)?;
     }
     Ok(())
-}
-
-/// The monitor period, as the median time between ticks.
-fn median_period(ticks: &[Tick]) -> f64 {
-    median(ticks.windows(2).map(|w| w[1].t_s - w[0].t_s)).unwrap_or(0.0)
 }
 
 /// Draws `run` and writes the picture to `out` (via a temporary file, so a reader never sees
@@ -1305,13 +1265,13 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     if let Some(said) = left_out {
         eprintln!("warning: {}: {said}", args.run_dir.display());
     }
-    let m = marks(&data.ticks);
+    let m = &data.marks;
     let count = |k: MarkKind| m.iter().filter(|x| x.kind == k).count();
     println!(
         "wrote {} ({w}x{h} px): {} ticks over {:.1} s, {} deaths, {} restarts{}",
         out.display(),
-        data.ticks.len(),
-        data.ticks.last().map(|t| t.t_s).unwrap_or(0.0),
+        data.series.ticks,
+        data.t_end,
         count(MarkKind::Died),
         count(MarkKind::Restarted),
         match (&data.summary, &data.summary_unreadable) {
@@ -1325,15 +1285,24 @@ pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{load, marks, outcome, MarkKind, Plan, RunData, Skipped, RESUMED};
+    use super::{load, marks_of, outcome, MarkKind, Plan, RunData, Skipped};
     use crate::monitor::{EventTick, Tick};
+
+    /// The times of the buckets `run` keeps: of each tick, while the run is short.
+    fn times(run: &RunData) -> Vec<f64> {
+        run.series.buckets.iter().map(|b| b.t).collect()
+    }
 
     /// A side past what can be drawn is refused naming the flag, not drawn for ever.
     #[test]
     fn a_picture_too_large_to_draw_is_refused() {
+        let mut series = super::Series::default();
+        series.push(&super::ReadTick::default(), 0.0, None);
         let run = RunData {
             dir: "runs/1".into(),
-            ticks: vec![Tick::default()],
+            series,
+            t_end: 0.0,
+            marks: Vec::new(),
             summary: None,
             summary_unreadable: None,
             ledgers: Vec::new(),
@@ -1370,16 +1339,20 @@ mod tests {
         let resumed_at = |lines: &[String]| -> Vec<f64> {
             std::fs::write(dir.path().join("metrics.jsonl"), lines.concat()).unwrap();
             let run = load(dir.path()).unwrap();
-            (run.ticks.iter())
-                .filter(|t| t.events.iter().any(|e| e.text == RESUMED))
-                .map(|t| t.t_s)
+            (run.marks.iter())
+                .filter(|m| m.kind == MarkKind::Resumed)
+                .map(|m| m.t)
                 .collect()
         };
-        // Stopped at 1 s; resumed with --monitor 5: its first tick at 5 s.
+        // Stopped at 1 s; resumed with --monitor 5: its first tick at 5 s, drawn at 6 s. The mark
+        // is where the earlier launch ended.
         let new = [tick(Some(7), 1.0), tick(Some(9), 5.0), tick(Some(9), 10.0)];
-        assert_eq!(resumed_at(&new), [6.0]);
+        assert_eq!(resumed_at(&new), [1.0]);
         let old = [tick(None, 1.0), tick(None, 2.0), tick(None, 0.5)];
-        assert_eq!(resumed_at(&old), [2.5]);
+        assert_eq!(resumed_at(&old), [2.0]);
+        std::fs::write(dir.path().join("metrics.jsonl"), new.concat()).unwrap();
+        assert_eq!(times(&load(dir.path()).unwrap()), [1.0, 6.0, 11.0]);
+        std::fs::write(dir.path().join("metrics.jsonl"), old.concat()).unwrap();
         // The outcome says whose time and rate summary.json's are: the last launch's.
         let mut run = load(dir.path()).unwrap();
         run.summary = Some(serde_json::json!({
@@ -1419,8 +1392,7 @@ mod tests {
         .concat();
         std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
         let run = load(dir.path()).unwrap();
-        let t_s: Vec<f64> = run.ticks.iter().map(|t| t.t_s).collect();
-        assert_eq!(t_s, [1.0, 3.0]);
+        assert_eq!(times(&run), [1.0, 3.0]);
         assert_eq!(run.skipped.lines, 4);
         let said = run.skipped.said().unwrap();
         assert!(
@@ -1448,7 +1420,9 @@ mod tests {
             ),
             said("drafter-1 (pid 8) sent no heartbeat for 601s: killing it as hung"),
         ];
-        let kinds: Vec<MarkKind> = marks(&ticks).iter().map(|m| m.kind).collect();
+        let kinds: Vec<MarkKind> = (marks_of(ticks.iter().flat_map(|t| &t.events)).iter())
+            .map(|m| m.kind)
+            .collect();
         assert_eq!(kinds, [MarkKind::Died, MarkKind::Hung]);
     }
 
@@ -1481,9 +1455,8 @@ mod tests {
 
     /// The times of the ticks `run` kept, how many lines it skipped, and what it says of them.
     fn kept(run: &RunData) -> (Vec<f64>, u64, String) {
-        let t_s = run.ticks.iter().map(|t| t.t_s).collect();
         (
-            t_s,
+            times(run),
             run.skipped.lines,
             run.skipped.said().unwrap_or_default(),
         )
@@ -1567,7 +1540,7 @@ mod tests {
         ]
         .concat();
         let (run, _) = load_and_draw(dir.path(), &long);
-        assert_eq!(run.ticks.len(), 2);
+        assert_eq!(run.series.ticks, 2);
         let said = run.skipped.said().unwrap();
         assert!(
             said.contains("line 2: not a monitor tick: a line of 17825793 bytes"),

@@ -120,3 +120,66 @@ fn report_reads_a_huge_summary_and_ledger_within_bounds() {
         "{said}"
     );
 }
+
+/// `launcher report` of a long run (40,000 ticks a second apart, stopped and resumed, a death,
+/// a one-tick stall with a 600 s idle gap) draws every series downsampled to the picture's
+/// columns, at most two points a column, keeps the stall's gap at its height, and marks the
+/// resume and the death; under the data limit, and the watchdog's eye for a hang.
+#[test]
+fn report_draws_a_long_run_downsampled_with_its_spike_and_resume() {
+    let dir = TestDir::new("longreport");
+    let run = dir.path("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let spec = testkit::metrics::Run {
+        targets: 1,
+        drafters: 1,
+        launches: vec![24_000, 16_000],
+        period_s: 1.0,
+        steps_per_tick: 1,
+        spike_at: Some(31_000),
+        death_at: Some(5_000),
+    };
+    let mut f = std::io::BufWriter::new(std::fs::File::create(run.join("metrics.jsonl")).unwrap());
+    assert_eq!(spec.write(&mut f).unwrap(), 40_000);
+    f.flush().unwrap();
+    let svg = dir.path("report.svg");
+    let (status, said) =
+        launcher_limited(&["report", run.to_str().unwrap(), "-o", svg.to_str().unwrap()]);
+    assert!(status.success(), "{status}: {said}");
+    assert!(
+        said.contains("40000 ticks over 40000.0 s, 1 deaths, 1 restarts"),
+        "{said}"
+    );
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    // 1200 pixels wide: 600 columns; a band from the least to the greatest of each column is
+    // two points a column, an area one, plus its two corners on the axis.
+    let mut series = 0;
+    for element in ["<polyline", "<polygon", "<path"] {
+        for at in picture.match_indices(element).map(|(i, _)| i) {
+            let rest = &picture[at..];
+            let tag = &rest[..rest.find('>').unwrap()];
+            let Some(points) = tag.split(" points=\"").nth(1) else {
+                continue;
+            };
+            let n = points.split('"').next().unwrap().split_whitespace().count();
+            assert!(n <= 2 * 600 + 2, "{element} of {n} points: {}", &tag[..200]);
+            series += usize::from(n > 100);
+        }
+    }
+    // The ring (2), tokens/s (band and line), 8 phases of 2 workers, loss, tau and the gaps
+    // (band and line each).
+    assert!(series >= 2 + 2 + 16 + 6, "{series} series drawn");
+    for want in [
+        "the GPU idle): greatest 600.00",
+        "drafter-0 died",
+        "drafter-0 restarted",
+        "light: least to greatest tick of each column",
+    ] {
+        assert!(picture.contains(want), "the picture lacks {want:?}");
+    }
+    assert_eq!(
+        picture.matches("\nresumed\n").count(),
+        2,
+        "the resume is not marked"
+    );
+}
