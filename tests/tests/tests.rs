@@ -8,6 +8,7 @@ mod gpu;
 mod gpu_dflash;
 mod gpu_py;
 mod launcher;
+mod long_records;
 mod model;
 mod ring_processes;
 mod screen;

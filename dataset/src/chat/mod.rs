@@ -19,9 +19,11 @@
 //! - Texts need only the tokenizer: a directory without a usable template (a base model's)
 //!   still loads, and its template's error is each conversation's.
 //! - A text or a rendered conversation is tokenized only as far as the caller's tokens need
-//!   (`data.max_len`): a long one a prefix at a time (`first_tokens`), so a record of hundreds
-//!   of MB costs the tokenizer what its first tokens do, not some 20 bytes of bookkeeping for
-//!   each of its bytes (which aborted the process on a 200 MB text).
+//!   (`data.max_len`): a long one a prefix at a time (`prefix`), so a record of hundreds of MB
+//!   costs the tokenizer what its first tokens do, not some 20 bytes of bookkeeping for each of
+//!   its bytes (which aborted the process on a 200 MB text). The ids, offsets and mask are
+//!   exactly the first ones of the whole record's: a prefix keeps only the splits its end
+//!   cannot change; a record that cannot be cut so within `prefix::UNCUT_MAX` bytes is refused.
 //! - [`Chat::key`] hashes everything that changes ids or masks: the tokenizer file, the
 //!   special tokens, the template and every option.
 //!
@@ -29,6 +31,7 @@
 //! crate renders HF templates with transformers' assistant spans; the rest is minijinja's and
 //! tokenizers'.
 
+mod prefix;
 pub(crate) mod template;
 
 use std::path::{Path, PathBuf};
@@ -38,6 +41,7 @@ use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 use twox_hash::XxHash3_128;
 
+use prefix::{Cuts, First};
 pub use template::{Markers, Message};
 use template::{Template, CLOSE, OPEN};
 
@@ -78,6 +82,8 @@ pub struct Chat {
     options: ChatOptions,
     key: String,
     dir: PathBuf,
+    /// How its long texts are cut (`prefix`).
+    cuts: Cuts,
 }
 
 /// One record made into a sample: its first tokens, as many as were asked for.
@@ -90,21 +96,6 @@ pub struct Encoded {
     /// The record has more tokens than `ids` holds (more than were asked for).
     pub more: bool,
 }
-
-/// The first tokens of a text ([`Chat::first_tokens`]).
-struct First {
-    ids: Vec<u32>,
-    /// Character offsets of `ids`, when asked for.
-    offsets: Vec<(usize, usize)>,
-    more: bool,
-}
-
-/// Bytes of a long text tokenized first, per token wanted: more than most tokenizers' mean
-/// (about 4 for English text), so that one prefix usually holds the tokens wanted.
-const PREFIX_BYTES_PER_TOKEN: usize = 16;
-
-/// The shortest prefix of a text tokenized alone: a text up to this long is tokenized whole.
-const MIN_PREFIX: usize = 64 << 10;
 
 /// A special token of `tokenizer_config.json`: a string, or an added-token object.
 fn token_text(v: &Json) -> Option<String> {
@@ -234,7 +225,9 @@ impl Chat {
         // 4: the record's `tools` reach the template (they were dropped: no tools section), and
         //    without them `tools` is none, as transformers passes it (it was undefined); so is
         //    `documents`.
-        h.write(b"hspipe chat 4");
+        // 5: a long record's first tokens are exactly the whole record's (two prefixes that
+        //    agreed were taken, and could differ from it), and such a record may be refused.
+        h.write(b"hspipe chat 5");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
             h.write(b);
@@ -269,6 +262,7 @@ impl Chat {
             Ok((template, spans))
         });
         Ok(Chat {
+            cuts: Cuts::of(&tokenizer),
             tokenizer,
             template,
             options,
@@ -303,71 +297,11 @@ impl Chat {
     }
 
     /// Tokenizes `text` as it is (no special tokens added), a `text` record: its first `want`
-    /// tokens, and whether it has more.
+    /// tokens, and whether it has more (exactly as of the whole text, tokenizing a prefix of a
+    /// long one: `prefix`).
     pub fn text(&self, text: &str, want: usize) -> Result<(Vec<u32>, bool), String> {
-        let f = self.first_tokens(text, want, false)?;
+        let f = prefix::first_tokens(&self.tokenizer, self.cuts, text, want, false, "the text")?;
         Ok((f.ids, f.more))
-    }
-
-    /// The first `want` tokens of `text` (with their character offsets when `offsets`), and
-    /// whether it has more, tokenizing as little of it as that takes.
-    ///
-    /// A text longer than both [`MIN_PREFIX`] and `want` tokens' worth of bytes is tokenized a
-    /// prefix at a time, each twice as long as the one before, until two prefixes running
-    /// (both past `want` tokens) agree on their first `want + 1` tokens: where a prefix is cut
-    /// changes its last few tokens only (the word cut in two, merged otherwise), so tokens two
-    /// prefixes agree on are the whole text's too. Else, at the latest, the text is tokenized
-    /// whole, exactly as before.
-    fn first_tokens(&self, text: &str, want: usize, offsets: bool) -> Result<First, String> {
-        let encode = |s: &str| {
-            let enc = if offsets {
-                self.tokenizer.encode_char_offsets(s, false)
-            } else {
-                self.tokenizer.encode_fast(s, false)
-            }
-            .map_err(|e| format!("the tokenizer failed: {e}"))?;
-            let offs = if offsets {
-                enc.get_offsets().to_vec()
-            } else {
-                Vec::new()
-            };
-            Ok::<_, String>((enc.get_ids().to_vec(), offs))
-        };
-        let first = |(mut ids, mut offs): (Vec<u32>, Vec<(usize, usize)>), more: bool| {
-            ids.truncate(want);
-            offs.truncate(want);
-            First {
-                ids,
-                offsets: offs,
-                more,
-            }
-        };
-        let mut len = want
-            .saturating_add(1)
-            .saturating_mul(PREFIX_BYTES_PER_TOKEN)
-            .max(MIN_PREFIX);
-        // The first `want + 1` tokens of the last prefix that had that many.
-        let mut before: Option<Vec<u32>> = None;
-        loop {
-            if len >= text.len() {
-                let whole = encode(text)?;
-                let more = whole.0.len() > want;
-                return Ok(first(whole, more));
-            }
-            let mut cut = len;
-            while !text.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            let part = encode(&text[..cut])?;
-            if part.0.len() > want {
-                let head = &part.0[..=want];
-                if before.as_deref() == Some(head) {
-                    return Ok(first(part, true));
-                }
-                before = Some(head.to_vec());
-            }
-            len = len.saturating_mul(2);
-        }
     }
 
     /// Renders and tokenizes a conversation with its function definitions (`tools`, passed to
@@ -418,7 +352,14 @@ impl Chat {
         if self.options.train_only_last_turn && spans.len() > 1 {
             spans.drain(..spans.len() - 1);
         }
-        let First { ids, offsets, more } = self.first_tokens(&r.text, want, true)?;
+        let First { ids, offsets, more } = prefix::first_tokens(
+            &self.tokenizer,
+            self.cuts,
+            &r.text,
+            want,
+            true,
+            "the conversation, rendered,",
+        )?;
         let mut mask = vec![0u8; ids.len()];
         let mut turns = 0;
         // A span past the tokens kept starts at no token (it stops the spans), and one that

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Chat, ChatOptions, Message};
 
+mod long;
 mod tools;
 
 /// A model directory removed at the end of the test (kept when it fails, to look at).
