@@ -332,6 +332,10 @@ impl DrafterBackend for MockDrafter {
                 t += 1;
             }
         }
+        // The step this gradient is for is the next one applied (a rank's step is the group's).
+        if (self.sim.faults.nan_gradient_from_step).is_some_and(|n| self.step + 1 >= n) {
+            grad[0] = f32::NAN;
+        }
         out.set_loss(loss as f32);
         out.set_loss_tokens(count as f32);
         self.sim.finish_item(&spec.seq_lens, started);
@@ -342,7 +346,10 @@ impl DrafterBackend for MockDrafter {
         let (loss, tokens) = (summed.loss(), summed.loss_tokens());
         self.step += 1;
         // Normalise by the step's loss tokens x layers x channels (the group's, not one rank's).
-        if tokens > 0.0 {
+        // A sum that is NaN or infinite is skipped, as our real drafters skip it (the weights
+        // and moments left as they were): each rank sees the same sum, so each skips alike.
+        let skipped = tokens > 0.0 && !summed.gradient().iter().all(|g| g.is_finite());
+        if tokens > 0.0 && !skipped {
             let scale = 1.0 / tokens;
             let t = self.step as i32;
             let (c1, c2) = (1.0 - BETA1.powi(t), 1.0 - BETA2.powi(t));
@@ -366,7 +373,7 @@ impl DrafterBackend for MockDrafter {
             tau: None,
             lr: None,
             eval_tau: None,
-            skipped: false,
+            skipped,
         })
     }
 
@@ -564,6 +571,35 @@ mod tests {
             .last()
             .unwrap();
         assert!(last < first / 5.0, "loss {first} -> {last}");
+    }
+
+    /// A drafter whose gradient turns NaN (`nan_gradient_from_step`) reports its updates
+    /// skipped from that step on, its weights left as they were, as our real drafters do; the
+    /// launcher's `--stop-after-skipped` relies on the mock saying so.
+    #[test]
+    fn a_nan_gradient_is_skipped_and_the_weights_stay() {
+        let mut buf = vec![0u8; 8192];
+        let len = batch(&mut buf, false);
+        let view = BatchView::parse(&buf[..len]).unwrap();
+        let faults = Faults {
+            nan_gradient_from_step: Some(3),
+            ..Faults::default()
+        };
+        let mut d = MockDrafter::new(Sim::new(1e9, faults), 4096, 8);
+        let steps: Vec<StepStats> = (0..4).map(|_| d.train_step(&view).unwrap()).collect();
+        let skipped: Vec<bool> = steps.iter().map(|s| s.skipped).collect();
+        assert_eq!(skipped, [false, false, true, true], "{steps:?}");
+        assert_eq!(
+            steps[3].step, 4,
+            "a skipped update still counts as the group's step"
+        );
+        let before = d.weights.clone();
+        d.train_step(&view).unwrap();
+        assert_eq!(
+            d.weights, before,
+            "a skipped update leaves the weights alone"
+        );
+        assert!(d.weights.iter().all(|w| w.is_finite()));
     }
 
     /// Two ranks applying the same summed buffer stay bitwise equal; the state hand-over

@@ -163,6 +163,12 @@ pub struct Args {
     /// (--max-restarts), not the batch's. 0: never.
     #[arg(long, default_value_t = 3, value_name = "DEATHS")]
     pub set_aside_after: u32,
+    /// Updates skipped in a row after which the run stops: an update is skipped when the
+    /// group's gradient is NaN or infinite (the weights left as they were), and a group that
+    /// skips every one has diverged, training nothing more. The run then stops in order (the
+    /// drafters checkpoint the weights of the last update applied) and ends degraded. 0: never.
+    #[arg(long, default_value_t = 100, value_name = "UPDATES")]
+    pub stop_after_skipped: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed
     /// and restarted like a crashed one. Workers beat at every ring operation and every 100 ms
     /// while blocked on the ring, so only a step or checkpoint longer than this trips it.

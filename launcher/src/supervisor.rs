@@ -36,6 +36,7 @@ use crate::signals::StopSignals;
 use crate::spawn::{self, Event, Key, Welcome};
 use crate::{reclaim, summary};
 
+mod diverged;
 mod settle;
 mod start;
 
@@ -162,6 +163,8 @@ pub(crate) struct Supervisor<'a> {
     planned: Vec<proto::plan::PlannedBatch>,
     /// A stop was asked for (a signal, or no drafter left): targets stop, drafters drain.
     stopping: bool,
+    /// The group's updates skipped in a row (`--stop-after-skipped`).
+    skipped: diverged::Diverged,
     /// A second signal killed every worker.
     killed: bool,
     last_hang_check: Instant,
@@ -239,12 +242,30 @@ impl<'a> Supervisor<'a> {
                         w.report = Some(r);
                     }
                 }
-                Event::Progress(s) => self.mon.progress(&s),
+                Event::Progress(s) => {
+                    self.mon.progress(&s);
+                    self.diverged(&s);
+                }
                 Event::HandshakeFailed(key, why) => {
                     self.mon
                         .say(&format!("{}: handshake failed: {why}", key.name()));
                 }
             }
+        }
+    }
+
+    /// A group that skips every update (its gradient NaN or infinite) has diverged
+    /// ([`diverged`]): at `--stop-after-skipped` in a row the run stops in order, degraded.
+    fn diverged(&mut self, s: &proto::control::StepStats) {
+        let Some(note) = self.skipped.step(s, self.args.stop_after_skipped) else {
+            return;
+        };
+        self.mon.say(&note);
+        self.notes.push(note);
+        if !self.stopping {
+            self.stopping = true;
+            self.send_stop();
+            self.stop_unstarted();
         }
     }
 
@@ -592,6 +613,7 @@ impl<'a> Supervisor<'a> {
             drafter: self.mon.group(),
         })?;
         let mut notes = std::mem::take(&mut self.notes);
+        notes.extend(self.skipped.at_the_end(self.args.stop_after_skipped));
         // Judged from the ledgers only (summary.rs): what was trained, and what twice.
         // Every sample once in every epoch, or the run is degraded.
         if exit_code == exit::OK && (!notes.is_empty() || !summary.exactly_once()) {

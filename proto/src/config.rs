@@ -35,7 +35,8 @@ pub struct PipelineConfig {
 /// Faults to inject into one worker. The mock backend injects its own (`crash_after`,
 /// `hang_after`, `slow`, `crash_at_start`, and a mock drafter's `crash_on_sample` and
 /// `fail_on_sample`: crash or hang after N items, run slower by a factor, crash at start-up,
-/// crash or fail as the device on a batch holding a sample); the drafter worker injects the
+/// crash or fail as the device on a batch holding a sample; its `nan_gradient_from_step`, a
+/// gradient that is NaN from a step on); the drafter worker injects the
 /// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`)
 /// and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
 /// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
@@ -67,6 +68,9 @@ pub struct Faults {
     /// incarnation: its forward is issued, and every later call on the device fails (a device
     /// reports such a fault late, and for good).
     pub fault_on_sample: Option<u64>,
+    /// Mock drafters: the rank's gradient holds a NaN at group step N and every later one, in
+    /// every incarnation (a drafter that diverged: every update is skipped).
+    pub nan_gradient_from_step: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

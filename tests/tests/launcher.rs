@@ -619,6 +619,46 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     );
 }
 
+/// A drafter group whose gradient is NaN at every step from step 4 on has diverged: every
+/// update is skipped, and the run stops in order at `--stop-after-skipped` skipped in a row,
+/// degraded, saying why, with the data not yet published left untrained. Before, such a run
+/// trained on to the end of its data (a week of GPU time for nothing) and ended "done".
+#[test]
+fn a_drafter_group_that_skips_every_update_stops_the_run() {
+    let run = Run::new("ldiverge");
+    let faults: String = (0..3)
+        .map(|i| format!("[faults.drafter-{i}]\nnan_gradient_from_step = 4\n"))
+        .collect();
+    let cfg = config(&run.dir, false, &faults);
+    let launcher = run.launch(&cfg, &["--synthetic", "4000", "--stop-after-skipped", "5"]);
+    let pid = launcher.child.id();
+    let (status, err) = launcher.wait_status_keep();
+    assert_eq!(status.code(), Some(3), "degraded\n{err}");
+    no_segment_of(pid);
+    let s = run.summary();
+    let notes = s["notes"].to_string();
+    assert!(
+        notes.contains("NaN or infinite at 5 updates in a row (steps 4 to ")
+            && notes.contains("--stop-after-skipped 5"),
+        "{notes}"
+    );
+    assert!(
+        s["drafter"]["updates_skipped"].as_u64().unwrap() >= 5,
+        "{s}"
+    );
+    // Stopped: the targets published no more than the ring held, far from the 4000 samples.
+    let trained = s["samples_trained"].as_u64().unwrap();
+    assert!(
+        trained < 4000,
+        "stopped before the data was done: {trained}"
+    );
+    assert!(
+        run.launcher_log().contains("stopping the run"),
+        "{}",
+        run.launcher_log()
+    );
+}
+
 /// A target that crashes in its second batch, each incarnation, is restarted every time under
 /// `--max-restarts 1`: each incarnation finished a batch, so no two restarts are in a row, and
 /// the run completes with every sample trained once. When the limit counted every restart of

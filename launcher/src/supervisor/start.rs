@@ -152,6 +152,7 @@ impl<'a> Supervisor<'a> {
             events_tx,
             mon,
             notes: Vec::new(),
+            skipped: Default::default(),
             strikes: super::settle::Strikes::new(args.set_aside_after),
             planned,
             stopping: false,

@@ -1,0 +1,146 @@
+//! A drafter group that skips every update has diverged (`--stop-after-skipped`).
+//!
+//! An update is skipped when the group's summed gradient is NaN or infinite: the weights stay
+//! as they were. One such update now and then is a loss spike, and training goes on, as it
+//! does past a skipped step of torch's GradScaler. A group that skips every update, though,
+//! trains nothing more: its weights are finite but a forward on them (or its inputs) gives NaN
+//! each time, and every later batch is spent for nothing. So a row of skipped updates stops the
+//! run at the limit, and a run whose data ran out inside a long row ends degraded all the same.
+
+use proto::control::StepStats;
+
+/// A row shorter than this still running when the data ends is taken for a spike, not a
+/// divergence (unless the limit is lower): a run whose data ends within one skip of its end
+/// has trained.
+const AT_THE_END: u64 = 10;
+
+/// The row of skipped updates the group is in.
+#[derive(Debug, Default)]
+pub(super) struct Diverged {
+    /// Updates skipped in a row.
+    in_a_row: u64,
+    /// The first and the latest step of the row.
+    first: u64,
+    last: u64,
+    /// The row was said: the run is stopping for it.
+    said: bool,
+}
+
+impl Diverged {
+    /// Takes in the leader's step `s`; the note that stops the run when the row reaches
+    /// `limit` (0: never). A step that trained no batch (tokens 0) neither counts nor ends the
+    /// row.
+    pub(super) fn step(&mut self, s: &StepStats, limit: u32) -> Option<String> {
+        if s.skipped {
+            if self.in_a_row == 0 {
+                self.first = s.step;
+            }
+            self.in_a_row += 1;
+            self.last = s.step;
+        } else if s.tokens > 0 {
+            self.in_a_row = 0;
+        }
+        if limit == 0 || self.in_a_row < u64::from(limit) || self.said {
+            return None;
+        }
+        self.said = true;
+        Some(format!(
+            "the drafter group's gradient was NaN or infinite at {} updates in a row (steps {} to {}, --stop-after-skipped {limit}): stopping the run. {}",
+            self.in_a_row,
+            self.first,
+            self.last,
+            self.why()
+        ))
+    }
+
+    /// At the run's end: the note that makes it degraded when it ended inside a row of skipped
+    /// updates at least [`AT_THE_END`] long (or `limit`, if lower) that was not said yet.
+    pub(super) fn at_the_end(&self, limit: u32) -> Option<String> {
+        let long = AT_THE_END.min(u64::from(limit));
+        if limit == 0 || self.said || self.in_a_row < long {
+            return None;
+        }
+        Some(format!(
+            "the drafter group's last {} updates were skipped, its gradient NaN or infinite (steps {} to {}): the data ended before --stop-after-skipped {limit} stopped the run. {}",
+            self.in_a_row,
+            self.first,
+            self.last,
+            self.why()
+        ))
+    }
+
+    fn why(&self) -> String {
+        format!(
+            "The drafters keep the weights of step {} (each later update was skipped), and the skipped steps' batches count as trained. The drafter diverged (a learning rate too high?) or its inputs are broken: see the drafters' logs",
+            self.first.saturating_sub(1)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, tokens: u64, skipped: bool) -> StepStats {
+        StepStats {
+            step,
+            tokens,
+            loss: 0.5,
+            tau: None,
+            lr: None,
+            eval_tau: None,
+            skipped,
+        }
+    }
+
+    /// The row counts skipped updates; an applied one ends it, a step with no batch does not;
+    /// the note comes once, at the limit, naming the row's steps and the last good weights.
+    #[test]
+    fn a_row_of_skipped_updates_stops_the_run_once_at_the_limit() {
+        let mut d = Diverged::default();
+        let mut said = Vec::new();
+        let steps = [
+            (1, 10, false),
+            (2, 10, true),
+            (3, 10, true),
+            (4, 10, false), // a spike: the row ends
+            (5, 10, true),
+            (6, 0, false), // no batch: the row goes on
+            (7, 10, true),
+            (8, 10, true),
+            (9, 10, true),
+        ];
+        for (s, tokens, skipped) in steps {
+            said.extend(d.step(&step(s, tokens, skipped), 3).map(|n| (s, n)));
+        }
+        assert_eq!(said.len(), 1, "{said:?}");
+        let (at, note) = &said[0];
+        assert_eq!(*at, 8, "the third skipped in a row");
+        assert!(
+            note.contains("at 3 updates in a row (steps 5 to 8, --stop-after-skipped 3)")
+                && note.contains("the weights of step 4"),
+            "{note}"
+        );
+        assert_eq!(d.at_the_end(3), None, "said once");
+    }
+
+    /// A run whose data ends inside a long row (short of the limit) ends degraded; one that
+    /// ends on a short row, or with the rule off, does not.
+    #[test]
+    fn a_run_that_ends_inside_a_long_row_is_degraded() {
+        let row = |n: u64| {
+            let mut d = Diverged::default();
+            d.step(&step(1, 10, false), 100);
+            for s in 2..2 + n {
+                assert_eq!(d.step(&step(s, 10, true), 100), None);
+            }
+            d
+        };
+        let note = row(10).at_the_end(100).expect("ten skipped at the end");
+        assert!(note.contains("last 10 updates were skipped"), "{note}");
+        assert!(note.contains("steps 2 to 11"), "{note}");
+        assert_eq!(row(9).at_the_end(100), None, "a spike at the end");
+        assert_eq!(row(10).at_the_end(0), None, "the rule off");
+        assert!(row(2).at_the_end(2).is_some(), "a limit below ten counts");
+    }
+}
