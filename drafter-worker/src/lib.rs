@@ -409,8 +409,8 @@ impl<'c, 'r> Rank<'c, 'r> {
         Ok(everyone_ended)
     }
 
-    /// The leader's duties between steps: admit restarted ranks, and write a checkpoint the
-    /// launcher asked for.
+    /// The leader's duty between steps: admit restarted ranks. (Checkpoints are written only
+    /// where the ledgers allow: [`Rank::checkpoint_before_update`], [`Rank::checkpoint_if_due`].)
     fn between_steps(&mut self) -> anyhow::Result<()> {
         let m = self.group.membership();
         let leader = self.is_leader(&m);
@@ -421,11 +421,6 @@ impl<'c, 'r> Rank<'c, 'r> {
             if admitted != 0 {
                 tracing::info!(ranks = admitted, step = m.step, "admitted to the group");
             }
-            self.consumer.enter(Phase::Other);
-        }
-        if self.s.stop.take_checkpoint_request() && leader {
-            self.consumer.enter(Phase::Checkpoint);
-            checkpoint(self.backend.as_ref(), &self.ckpt)?;
             self.consumer.enter(Phase::Other);
         }
         Ok(())

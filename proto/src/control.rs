@@ -101,8 +101,6 @@ pub enum ToWorker {
     },
     /// Finish gracefully: a target stops claiming and finishes, a drafter drains and checkpoints.
     Stop,
-    /// Write a checkpoint now.
-    Checkpoint,
 }
 
 /// What a worker did, sent just before it exits.

@@ -78,8 +78,6 @@ pub struct Setup {
 pub struct StopFlags {
     /// Finish gracefully (the launcher's Stop).
     pub stop: Arc<AtomicBool>,
-    /// Write a checkpoint at the next chance.
-    pub checkpoint: Arc<AtomicBool>,
     /// A stop signal arrived (kept apart from `stop`: only a second *signal* exits at once).
     pub signalled: Arc<AtomicBool>,
 }
@@ -87,9 +85,6 @@ pub struct StopFlags {
 impl StopFlags {
     pub fn stopping(&self) -> bool {
         self.stop.load(Ordering::Relaxed) || self.signalled.load(Ordering::Relaxed)
-    }
-    pub fn take_checkpoint_request(&self) -> bool {
-        self.checkpoint.swap(false, Ordering::Relaxed)
     }
 }
 
@@ -164,7 +159,7 @@ pub fn setup(args: &WorkerArgs, role: Role) -> Result<Setup, SetupError> {
 
 /// Handshakes with the launcher's control server `server` as worker `index` of `role`: the
 /// launcher's Welcome (ring, run directory, GPU, config, backend) becomes the [`Setup`], and a
-/// thread turns its Stop and Checkpoint messages into `stop`'s flags, and its going away into
+/// thread turns its Stop message into `stop`'s flag, and its going away into
 /// this process's end ([`launcher_gone`]). For any process the launcher started as a worker:
 /// ours (`--control`) and a Python worker's (`hspipe.connect()`, which installs no signal
 /// handlers: Python keeps its own).
@@ -176,7 +171,6 @@ pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<
     std::thread::spawn(move || loop {
         match rx.recv() {
             Ok(ToWorker::Stop) => flags.stop.store(true, Ordering::Relaxed),
-            Ok(ToWorker::Checkpoint) => flags.checkpoint.store(true, Ordering::Relaxed),
             Ok(_) => {}
             Err(_) => launcher_gone(),
         }
