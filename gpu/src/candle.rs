@@ -250,11 +250,13 @@ impl Maker for Candle {
         // block reaches up to block_size - 1 positions past a sequence, but only with masks
         // past its end, which carry no loss (the block's other masks attend to them, as they
         // do at inference): data as long as the model's positions stays allowed.)
-        let most = arch.max_position_embeddings;
+        // So are states past a sliding window, which our attention does not have.
+        let most = arch.positions();
         if cfg.data.max_len as usize > most {
             return Err(GpuError::Config(format!(
-                "data.max_len = {} is more than the model's max_position_embeddings = {most} ({}): set data.max_len to {most} at most",
+                "data.max_len = {} is more than the model's {} ({}): set data.max_len to {most} at most",
                 cfg.data.max_len,
+                arch.positions_bound(),
                 dir.join("config.json").display()
             )));
         }
@@ -298,7 +300,7 @@ impl Maker for Candle {
         }
         // A real model's synthetic data is text it can be trained on: the built-in language.
         cfg.data.synthetic_language.get_or_insert(true);
-        crate::dflash::check_eval_reach(cfg, most)?;
+        crate::dflash::check_eval_reach(cfg, &arch)?;
         Ok(())
     }
 
@@ -708,6 +710,53 @@ mod tests {
         Candle::CPU.settle(&mut cfg, Settling::New).unwrap();
     }
 
+    /// Mistral's sliding window bounds the data as the model's positions do: within it the
+    /// window masks nothing and our full attention is HF's; past it, HF's attention would not
+    /// see the first tokens and ours would. So data longer is refused, naming the window, and
+    /// so is an evaluation that would decode past it.
+    #[test]
+    fn data_longer_than_a_mistral_window_is_refused_at_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("mistral");
+        let spec = model::make::MakeSpec {
+            family: model::Family::Mistral,
+            layers: 4,
+            vocab: 300,
+            head_dim: None,
+            ..Default::default()
+        };
+        model::make::make_model(&m, &spec).unwrap();
+        let p = m.join("config.json");
+        let c = std::fs::read_to_string(&p).unwrap();
+        let field = "\"sliding_window\": null";
+        assert!(c.contains(field), "{c}");
+        std::fs::write(&p, c.replace(field, "\"sliding_window\": 96")).unwrap();
+        let mut cfg = PipelineConfig::default();
+        cfg.model.path = Some(m);
+        cfg.model.target_layer_ids = Some(vec![1, 2]);
+        cfg.model.layers = 2;
+        cfg.data.max_len = 97;
+        cfg.dflash.eval_every = 0;
+        let e = (Candle::CPU.settle(&mut cfg.clone(), Settling::New))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("data.max_len = 97") && e.contains("sliding_window = 96"),
+            "{e}"
+        );
+        cfg.data.max_len = 96;
+        Candle::CPU.settle(&mut cfg.clone(), Settling::New).unwrap();
+        cfg.dflash.eval_every = 10;
+        cfg.dflash.eval_new_tokens = 100;
+        let e = (Candle::CPU.settle(&mut cfg, Settling::New))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dflash.eval_new_tokens = 100") && e.contains("sliding_window = 96"),
+            "{e}"
+        );
+    }
+
     /// A drafter deeper than its target: refused at settle naming both (a typo of 100000
     /// sized a group segment of 74 GB, or drafters that died allocating their weights).
     #[test]
@@ -742,7 +791,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains("dflash.eval_new_tokens = 100000")
-                && e.contains("max_position_embeddings of 32768"),
+                && e.contains("max_position_embeddings = 32768"),
             "{e}"
         );
         cfg.dflash.eval_every = 0;

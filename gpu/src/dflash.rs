@@ -152,7 +152,7 @@ pub(crate) fn eval_every(cfg: &PipelineConfig) -> u64 {
 /// holds to): else it would decode past them, wrong without a word.
 pub(crate) fn check_eval_reach(
     cfg: &PipelineConfig,
-    max_position_embeddings: usize,
+    target: &model::ArchConfig,
 ) -> Result<(), GpuError> {
     if eval_every(cfg) == 0 {
         return Ok(());
@@ -162,7 +162,7 @@ pub(crate) fn check_eval_reach(
         EVAL_PROMPT_LEN,
         f.eval_new_tokens as usize,
         f.block_size as usize,
-        max_position_embeddings,
+        target,
     )
     .map_err(|why| {
         GpuError::Config(format!(

@@ -282,8 +282,12 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
             a.model.display()
         );
     }
-    let max_pos = target.config().max_position_embeddings;
-    if let Err(why) = spec::check_reach(a.prompt_len, a.max_new_tokens, cfg.block_size, max_pos) {
+    if let Err(why) = spec::check_reach(
+        a.prompt_len,
+        a.max_new_tokens,
+        cfg.block_size,
+        target.config(),
+    ) {
         bail!(
             "--prompt-len {} and --max-new-tokens {}: {why}",
             a.prompt_len,
@@ -502,7 +506,7 @@ mod tests {
             run_eval(args(&small, &drafter, &quick)).unwrap_err()
         );
         assert!(
-            e.contains("--prompt-len 8") && e.contains("max_position_embeddings of 15"),
+            e.contains("--prompt-len 8") && e.contains("max_position_embeddings = 15"),
             "{e}"
         );
     }

@@ -26,6 +26,8 @@ pub enum ModelType {
     Qwen3,
     Qwen2,
     Llama,
+    /// Written with no sliding window, as Mistral 7B v0.3 is.
+    Mistral,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -148,6 +150,7 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<i32> {
             ModelType::Qwen3 => Family::Qwen3,
             ModelType::Qwen2 => Family::Qwen2,
             ModelType::Llama => Family::Llama,
+            ModelType::Mistral => Family::Mistral,
         },
         layers: a.layers,
         hidden: a.hidden,

@@ -5,7 +5,9 @@
 //! {rope_theta, rope_type, ...}` and `dtype`. Defaults are HF's own for each model type (Qwen3's
 //! `head_dim` defaults to 128, not `hidden_size / num_attention_heads`). Anything else is refused
 //! with the field and its value: another `model_type`, a mixture of experts, a rope type other
-//! than `default` and `llama3`, an activation other than SiLU, a sliding window.
+//! than `default` and `llama3`, an activation other than SiLU, Qwen2's sliding window. Mistral's
+//! sliding window is kept: it bounds the sequences run ([`ArchConfig::positions`]), as no
+//! sequence at most as long as the window reaches past it, and so it changes nothing.
 //!
 //! Length: past 500 lines with its tests, one per rule of HF's that this file follows.
 
@@ -25,6 +27,8 @@ pub enum Family {
     Qwen2,
     /// No q/k norm; `attention_bias` and `mlp_bias` as configured; llama3 rope scaling common.
     Llama,
+    /// Llama's layers without biases, and a sliding window of attention (`sliding_window`).
+    Mistral,
 }
 
 impl Family {
@@ -33,6 +37,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen2 => "qwen2",
             Family::Llama => "llama",
+            Family::Mistral => "mistral",
         }
     }
 
@@ -41,6 +46,7 @@ impl Family {
             "qwen3" => Family::Qwen3,
             "qwen2" => Family::Qwen2,
             "llama" => Family::Llama,
+            "mistral" => Family::Mistral,
             _ => return None,
         })
     }
@@ -90,6 +96,9 @@ pub struct ArchConfig {
     /// The longest context the model was made for (HF's default per type where absent); a
     /// drafter's export copies it.
     pub max_position_embeddings: usize,
+    /// Mistral's sliding window: a token attends to the `sliding_window` tokens up to itself
+    /// (HF's mask: key `j` for query `i` where `i - j < sliding_window`). `None`: all of them.
+    pub sliding_window: Option<usize>,
 }
 
 /// The fields read, each `None` where absent or null; `rest` is the whole file, to look for
@@ -113,6 +122,7 @@ struct Raw {
     mlp_bias: Option<bool>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
     rest: Map<String, Value>,
@@ -153,6 +163,7 @@ impl Raw {
             mlp_bias: field(m, "mlp_bias")?,
             hidden_act: field(m, "hidden_act")?,
             use_sliding_window: field(m, "use_sliding_window")?,
+            sliding_window: field(m, "sliding_window")?,
             torch_dtype: field(m, "torch_dtype")?,
             dtype: field(m, "dtype")?,
             rest,
@@ -195,7 +206,7 @@ impl ArchConfig {
             .ok_or_else(|| bad("no model_type field".into()))?;
         let family = Family::parse(model_type).ok_or_else(|| {
             bad(format!(
-                "model_type = {model_type:?} is not supported: expected \"qwen3\", \"qwen2\" or \"llama\" (dense decoders)"
+                "model_type = {model_type:?} is not supported: expected \"qwen3\", \"qwen2\", \"llama\" or \"mistral\" (dense decoders)"
             ))
         })?;
         for f in MOE_FIELDS {
@@ -222,11 +233,12 @@ impl ArchConfig {
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
         let num_attention_heads = need(raw.num_attention_heads, "num_attention_heads")?;
         // HF's defaults: null is num_attention_heads; absent is Qwen2Config's and Qwen3Config's
-        // 32, LlamaConfig's num_attention_heads.
+        // 32, MistralConfig's 8, LlamaConfig's num_attention_heads.
         let kv_absent = !raw.rest.contains_key("num_key_value_heads");
         let num_key_value_heads = match (raw.num_key_value_heads, family) {
             (Some(n), _) => n,
             (None, Family::Qwen3 | Family::Qwen2) if kv_absent => 32,
+            (None, Family::Mistral) if kv_absent => 8,
             (None, _) => num_attention_heads,
         };
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
@@ -272,11 +284,26 @@ impl ArchConfig {
                 "use_sliding_window = true is not supported (full attention only)".into(),
             ));
         }
-        // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048.
+        // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048,
+        // MistralConfig 4096 * 32.
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(match family {
             Family::Qwen3 | Family::Qwen2 => 32768,
             Family::Llama => 2048,
+            Family::Mistral => 4096 * 32,
         });
+        // Read for Mistral only: Qwen2 writes a window it does not use without
+        // use_sliding_window (refused above), Qwen3 and Llama have none. MistralConfig's
+        // default is 4096 (Mistral 7B v0.1's); null is no window (v0.3's).
+        let sliding_window = match family {
+            Family::Mistral if !raw.rest.contains_key("sliding_window") => Some(4096),
+            Family::Mistral => raw.sliding_window,
+            _ => None,
+        };
+        if sliding_window == Some(0) {
+            return Err(bad(
+                "sliding_window = 0: a token must attend to itself at least".into(),
+            ));
+        }
         let (rope_theta, rope_scaling) =
             rope(&raw, family, max_position_embeddings).map_err(bad)?;
         // A zero or negative epsilon turns RMSNorm's square root into NaN (or a division by
@@ -301,23 +328,46 @@ impl ArchConfig {
             rope_theta,
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // Mistral's layers have no biases (MistralConfig reads no attention_bias).
             qkv_bias: match family {
                 Family::Qwen2 => true,
                 Family::Qwen3 | Family::Llama => attention_bias,
+                Family::Mistral => false,
             },
             o_bias: match family {
-                Family::Qwen2 => false,
+                Family::Qwen2 | Family::Mistral => false,
                 Family::Qwen3 | Family::Llama => attention_bias,
             },
             mlp_bias: match family {
                 Family::Llama => raw.mlp_bias.unwrap_or(false),
-                Family::Qwen3 | Family::Qwen2 => false,
+                Family::Qwen3 | Family::Qwen2 | Family::Mistral => false,
             },
             qk_norm: family == Family::Qwen3,
             stored_dtype: raw.dtype.or(raw.torch_dtype),
             max_position_embeddings,
+            sliding_window,
         };
         Ok(cfg)
+    }
+
+    /// The longest sequence this crate runs as HF does: the model's positions, and no more
+    /// than its sliding window, where our attention (which sees every earlier token) would
+    /// differ from the window's.
+    pub fn positions(&self) -> usize {
+        (self.sliding_window).map_or(self.max_position_embeddings, |w| {
+            w.min(self.max_position_embeddings)
+        })
+    }
+
+    /// What bounds [`positions`](Self::positions), for errors: `max_position_embeddings = N`
+    /// or `sliding_window = N`.
+    pub fn positions_bound(&self) -> String {
+        match self.sliding_window {
+            Some(w) if w < self.max_position_embeddings => format!(
+                "sliding_window = {w} (a longer sequence's attention would see past the window)"
+            ),
+            _ => format!("max_position_embeddings = {}", self.max_position_embeddings),
+        }
     }
 
     /// Features a q or k projection produces: heads x head size.
@@ -373,7 +423,7 @@ fn rope_from(
 ) -> std::result::Result<(f64, RopeScaling), String> {
     // HF's defaults: Qwen2 and Qwen3 configs default rope_theta to 10000.0 as Llama's does.
     let default_theta = match family {
-        Family::Qwen3 | Family::Qwen2 | Family::Llama => 10000.0,
+        Family::Qwen3 | Family::Qwen2 | Family::Llama | Family::Mistral => 10000.0,
     };
     let obj = match params {
         None => None,
@@ -511,6 +561,48 @@ mod tests {
         ))
         .unwrap();
         assert!(l.qkv_bias && l.o_bias && l.mlp_bias && l.tie_word_embeddings);
+    }
+
+    /// Mistral takes MistralConfig's defaults (8 kv heads, a window of 4096 where the field is
+    /// absent, none where it is null), no biases whatever attention_bias says (MistralConfig
+    /// reads none), and its window bounds the positions run. Before, `mistral` was refused.
+    #[test]
+    fn mistral_takes_its_defaults_and_its_window_bounds_the_positions() {
+        let base = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 16, "vocab_size": 300"#;
+        let v01 = parse(&format!(
+            r#"{{"model_type": "mistral", {base}, "attention_bias": true}}"#
+        ))
+        .unwrap();
+        assert_eq!(v01.family, Family::Mistral);
+        assert_eq!((v01.num_key_value_heads, v01.head_dim), (8, 4));
+        assert!(!v01.qkv_bias && !v01.o_bias && !v01.mlp_bias && !v01.qk_norm);
+        assert_eq!(v01.max_position_embeddings, 131072);
+        assert_eq!((v01.sliding_window, v01.positions()), (Some(4096), 4096));
+        assert!(v01.positions_bound().starts_with("sliding_window = 4096"));
+        let v03 = parse(&format!(
+            r#"{{"model_type": "mistral", {base}, "sliding_window": null, "max_position_embeddings": 32768}}"#
+        ))
+        .unwrap();
+        assert_eq!((v03.sliding_window, v03.positions()), (None, 32768));
+        assert_eq!(v03.positions_bound(), "max_position_embeddings = 32768");
+        let wide = parse(&format!(
+            r#"{{"model_type": "mistral", {base}, "sliding_window": 65536, "max_position_embeddings": 32768}}"#
+        ))
+        .unwrap();
+        assert_eq!(wide.positions(), 32768, "a window wider than the model");
+        // Qwen2 writes a window it does not use: its positions stay its own.
+        let q2 = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "sliding_window": 4096, "use_sliding_window": false}}"#
+        ))
+        .unwrap();
+        assert_eq!((q2.sliding_window, q2.positions()), (None, 32768));
+        let e = parse(&format!(
+            r#"{{"model_type": "mistral", {base}, "sliding_window": 0}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("sliding_window = 0"), "{e}");
     }
 
     #[test]

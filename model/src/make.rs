@@ -517,6 +517,7 @@ fn config_json(s: &MakeSpec) -> Value {
         Family::Qwen3 => "Qwen3ForCausalLM",
         Family::Qwen2 => "Qwen2ForCausalLM",
         Family::Llama => "LlamaForCausalLM",
+        Family::Mistral => "MistralForCausalLM",
     };
     let mut c = json!({
         "architectures": [arch],
@@ -556,6 +557,10 @@ fn config_json(s: &MakeSpec) -> Value {
         Family::Llama => {
             o.insert("attention_bias".into(), json!(s.attention_bias));
             o.insert("mlp_bias".into(), json!(false));
+        }
+        // As Mistral 7B v0.3 writes it: no window (v0.1 wrote 4096).
+        Family::Mistral => {
+            o.insert("sliding_window".into(), Value::Null);
         }
     }
     let scaling = s.llama3.map(|l| {
@@ -624,7 +629,7 @@ fn tensors(s: &MakeSpec) -> Vec<Tensor> {
     let qkv_bias = match s.family {
         Family::Qwen2 => true,
         Family::Llama => s.attention_bias,
-        Family::Qwen3 => false,
+        Family::Qwen3 | Family::Mistral => false,
     };
     for l in 0..s.layers {
         let p = format!("model.layers.{l}");

@@ -48,22 +48,23 @@ fn target_pass(
     Ok((ctx, tokens))
 }
 
-/// That a generation stays within the positions the target was trained for: the prompt, the
-/// new tokens, and a block drafted past them. RoPE computes any position, so past
-/// `max_position_embeddings` the output would be wrong without a word. The error says how far
-/// it reaches.
+/// That a generation stays within the positions the target runs as HF does
+/// ([`ArchConfig::positions`]): the prompt, the new tokens, and a block drafted past them.
+/// RoPE computes any position, so past `max_position_embeddings` (or a sliding window) the
+/// output would be wrong without a word. The error says how far it reaches.
 pub fn check_reach(
     prompt_len: usize,
     max_new: usize,
     block_size: usize,
-    max_position_embeddings: usize,
+    target: &crate::ArchConfig,
 ) -> std::result::Result<(), String> {
     let reach = prompt_len
         .saturating_add(max_new)
         .saturating_add(block_size);
-    if reach > max_position_embeddings {
+    if reach > target.positions() {
         return Err(format!(
-            "a prompt of up to {prompt_len} tokens + {max_new} new tokens + a drafted block of {block_size} reach {reach} positions, past the target's max_position_embeddings of {max_position_embeddings}"
+            "a prompt of up to {prompt_len} tokens + {max_new} new tokens + a drafted block of {block_size} reach {reach} positions, past the target's {}",
+            target.positions_bound()
         ));
     }
     Ok(())

@@ -1,7 +1,8 @@
 //! Our decoder against outside oracles on the same weights, and every loader variant.
 //!
 //! Oracles: candle-transformers' `qwen3::Model` and `qwen2::Model` (final normed state at every
-//! position) and `llama::Llama` (logits at the last position, run on every prefix); a hand-run
+//! position), `llama::Llama` and `mistral::Model` (logits at the last position, run on every
+//! prefix); a hand-run
 //! of the first layers written here with plain tensor operations (no fused kernel) for each
 //! captured layer. Tolerance: 1e-4 absolute on f32 states of magnitude ~1 (the fused CPU
 //! attention and candle's reference kernels sum in different orders; a wrong rope, norm or mask
@@ -216,6 +217,52 @@ fn llama_with_and_without_llama3_scaling_equals_candle_transformers() {
     }
     // The scaling is exercised: it moves the logits.
     assert!(max_diff(&outs[0], &outs[1]) > 1e-3);
+}
+
+/// Mistral within its sliding window: ours (full attention) against candle-transformers'
+/// Mistral (which masks by the window) on a sequence as long as the window, logits at every
+/// position from each prefix. Equal: within the window, the window masks nothing.
+#[test]
+fn mistral_within_its_window_equals_candle_transformers() {
+    use candle_transformers::models::mistral;
+    let s = MakeSpec {
+        rope_theta: 10000.0,
+        ..spec(Family::Mistral)
+    };
+    let d = made(&s);
+    let n = 14;
+    edit_config(d.path(), |c| c["sliding_window"] = n.into());
+    let m = ours(d.path());
+    assert_eq!(
+        (m.config().family, m.config().positions()),
+        (Family::Mistral, n)
+    );
+    let ids: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 41 + 3) % s.vocab as u32)
+        .collect();
+    let h = final_hidden(&m, &ids, &[n as u32]);
+    let got = h.matmul(&m.lm_head().t().unwrap()).unwrap();
+    let text = std::fs::read_to_string(d.path().join("config.json")).unwrap();
+    let cfg: mistral::Config = serde_json::from_str(&text).unwrap();
+    let mut o = mistral::Model::new(&cfg, vb(d.path())).unwrap();
+    let rows: Vec<Tensor> = (1..=n)
+        .map(|k| {
+            o.clear_kv_cache();
+            let x = Tensor::new(&ids[..k], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            o.forward(&x, 0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+        })
+        .collect();
+    let want = Tensor::stack(&rows, 0).unwrap();
+    let diff = max_diff(&got, &want);
+    assert!(diff < TOL, "max |ours - oracle| = {diff}");
 }
 
 /// One decoder layer by the textbook: plain tensor operations, no fused kernel, each
