@@ -108,6 +108,7 @@ pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Op
                 enable_thinking: cfg.data.enable_thinking,
                 train_only_last_turn: cfg.data.train_only_last_turn,
                 system_prompt: cfg.data.system_prompt.clone(),
+                date: cfg.data.template_date_epoch()?,
             };
             let c = dataset::Chat::load(&d, o)
                 .with_context(|| format!("loading the tokenizer of {}", d.display()))?;

@@ -221,9 +221,36 @@ pub struct DataConfig {
     /// A system message put first into conversations that have none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,
+    /// The date a chat template's `strftime_now` writes ("2025-12-07", UTC, or with a time,
+    /// "2025-12-07T14:00:00"); None: 26 Jul 2024 (see [`DataConfig::template_date_epoch`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_date: Option<String>,
     /// A conversation or text longer than `max_len` tokens: "drop" it or "truncate" it (both
     /// counted). Pre-tokenized samples longer than that are an error.
     pub too_long: TooLong,
+}
+
+impl DataConfig {
+    /// `template_date` in seconds since 1970 (UTC); None when unset. A date alone is its
+    /// midnight. Not the clock: a record gives the same ids on every day it is prepared, as a
+    /// `--resume` that prepares the data again needs.
+    pub fn template_date_epoch(&self) -> Result<Option<i64>, ConfigError> {
+        let Some(s) = &self.template_date else {
+            return Ok(None);
+        };
+        let at = (chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%dT%H:%M:%S").ok())
+            .or_else(|| {
+                let day = chrono::NaiveDate::parse_from_str(s, "%Y-%m-%d").ok()?;
+                day.and_hms_opt(0, 0, 0)
+            })
+            .ok_or_else(|| {
+                invalid(
+                    "data.template_date",
+                    format!("must be a date, \"2025-12-07\", or a date and time, \"2025-12-07T14:00:00\" (UTC), got {s:?}"),
+                )
+            })?;
+        Ok(Some(at.and_utc().timestamp()))
+    }
 }
 
 /// What becomes of a conversation or text longer than `data.max_len` tokens.
@@ -251,6 +278,7 @@ impl Default for DataConfig {
             enable_thinking: None,
             train_only_last_turn: false,
             system_prompt: None,
+            template_date: None,
             too_long: TooLong::Drop,
         }
     }
@@ -521,6 +549,7 @@ impl PipelineConfig {
     /// Checks the values that do not depend on the number of workers.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let d = &self.data;
+        d.template_date_epoch()?;
         // Before min_len's check, which a max_len of 0 would fail in its name.
         if d.max_len == 0 {
             return Err(invalid(
@@ -924,6 +953,31 @@ mod tests {
 
     /// A config that is a FIFO or a device is refused by what it is, naming it, before it is
     /// opened: a FIFO without a writer hung the launcher, `/dev/zero` read until memory ran out.
+    /// data.template_date: a date is its midnight, UTC; with a time, that time; anything else
+    /// is refused at load, naming the field and the value, not at the first conversation.
+    #[test]
+    fn a_template_date_is_a_date_or_refused() {
+        let epoch = |v: &str| {
+            let toml = format!("[data]\ntemplate_date = {v:?}\n");
+            PipelineConfig::from_toml(&toml, Path::new("d.toml"))
+                .map(|c| c.data.template_date_epoch().unwrap())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(epoch("2025-12-07"), Ok(Some(1_765_065_600)));
+        assert_eq!(epoch("2024-12-07T14:00:00"), Ok(Some(1_733_580_000)));
+        for bad in ["yesterday", "2025-13-01", "07 Dec 2025"] {
+            let e = epoch(bad).unwrap_err();
+            assert!(e.contains("data.template_date") && e.contains(bad), "{e}");
+        }
+        assert_eq!(
+            PipelineConfig::default()
+                .data
+                .template_date_epoch()
+                .unwrap(),
+            None
+        );
+    }
+
     #[test]
     fn a_config_that_is_not_a_regular_file_is_refused_without_opening_it() {
         let e = testkit::fifo_refusal("run.toml", |d| {

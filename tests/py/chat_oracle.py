@@ -10,6 +10,9 @@ return_dict=True, return_assistant_tokens_mask=True) makes of each record. No to
                                  directory, an Arrow IPC file and stream; a bad Parquet file;
                                  the tool records as Parquet and HF datasets (tools as JSON
                                  strings and as structs) and tools_expected.json
+  chat_oracle.py dated OUT_DIR EPOCH   OUT_DIR/dated/, a model whose template writes the date
+                                 with strftime_now, OUT_DIR/dated.jsonl and OUT_DIR/expected.json,
+                                 transformers' clock set to EPOCH (seconds since 1970, UTC)
   chat_oracle.py bench MODEL_DIR RECORDS.jsonl   times transformers on every record (the
                                  benchmark's Python side); prints conversations/s
 
@@ -247,6 +250,41 @@ def make(out):
         json.dump(expected, f)
 
 
+def dated(out, epoch):
+    """A model whose template dates its system prompt with strftime_now (chat/dated.jinja),
+    the records it takes, and what transformers makes of them with its clock at `epoch` (in
+    UTC, as hspipe's data.template_date is): transformers' strftime_now reads datetime.now()."""
+    from datetime import datetime, timezone
+
+    import transformers.utils.chat_template_utils as ctu
+    from transformers import AutoTokenizer
+
+    at = datetime.fromtimestamp(int(epoch), timezone.utc)
+
+    class Fixed(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return at.replace(tzinfo=None)
+
+    ctu.datetime = Fixed
+    template = open(os.path.join(HERE, "chat", "dated.jinja")).read()
+    specials = MODELS["llama"][1]
+    write_model(os.path.join(out, "dated"), "dated", template, specials, tokenizer_json(), False)
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "dated"))
+    records = RECORDS[:4]
+    got = []
+    for r in records:
+        o = tok.apply_chat_template(messages_of(r), tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        got.append({"input_ids": list(o["input_ids"]), "loss_mask": list(o["assistant_masks"])})
+    with open(os.path.join(out, "dated.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(os.path.join(out, "expected.json"), "w") as f:
+        text = tok.apply_chat_template(messages_of(records[0]), tokenize=False)
+        json.dump({"dated": got, "dated_text": text}, f)
+
+
 def containers(out):
     import datasets
     import pyarrow as pa
@@ -325,6 +363,8 @@ if __name__ == "__main__":
         make(sys.argv[2])
     elif cmd == "containers":
         containers(sys.argv[2])
+    elif cmd == "dated":
+        dated(sys.argv[2], sys.argv[3])
     elif cmd == "bench":
         bench(sys.argv[2], sys.argv[3])
     else:

@@ -42,11 +42,17 @@ fn oracle(dir: &Path) -> Value {
 
 /// Runs `chat_oracle.py COMMAND DIR`.
 fn run_oracle(command: &str, dir: &Path) {
+    run_oracle_with(command, dir, &[]);
+}
+
+/// [`run_oracle`] with more arguments.
+fn run_oracle_with(command: &str, dir: &Path, args: &[&str]) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/py/chat_oracle.py");
     let out = Command::new(python())
         .arg(script)
         .arg(command)
         .arg(dir)
+        .args(args)
         .env("TRANSFORMERS_VERBOSITY", "error")
         .env("HF_HUB_OFFLINE", "1")
         .output()
@@ -166,6 +172,51 @@ fn our_ids_and_masks_equal_transformers_for_qwen_and_llama_templates_under_every
             }
         }
     }
+}
+
+/// A template that dates its system prompt with `strftime_now` (as Llama 3.2's and Mistral
+/// Small's do) renders the date transformers renders: `launcher prepare --model`'s ids and masks
+/// under `data.template_date` equal transformers' with its clock at that time. Before, a
+/// template calling `strftime_now` failed to render, and one testing `strftime_now is defined`
+/// wrote its fallback date whatever the clock.
+#[test]
+fn a_template_that_writes_the_date_renders_the_date_transformers_renders() {
+    let d = TestDir::new("chat-dated");
+    // 2024-12-07 14:00 UTC, a Saturday: another day than the template's fallback 26 Jul 2024.
+    run_oracle_with("dated", &d, &["1733580000"]);
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path("expected.json")).unwrap()).unwrap();
+    let cfg = d.path("dated.toml");
+    std::fs::write(&cfg, "[data]\ntemplate_date = \"2024-12-07T14:00:00\"\n").unwrap();
+    let out = d.path("dated.arrow");
+    let p = Command::new(crate::support::workspace_bin("launcher"))
+        .arg("prepare")
+        .arg(d.path("dated.jsonl"))
+        .arg("--model")
+        .arg(d.path("dated"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        p.status.success(),
+        "launcher prepare failed:\n{}",
+        String::from_utf8_lossy(&p.stderr)
+    );
+    let got = read(&out);
+    let exp = expected(&want, "dated");
+    assert_eq!(got.len(), exp.len(), "samples");
+    for (i, (g, e)) in got.iter().zip(&exp).enumerate() {
+        assert_eq!(g, e, "sample {i}");
+    }
+    // The oracle's text holds the date asked for: a wrong one would be other ids.
+    let text = want["dated_text"].as_str().unwrap();
+    assert!(
+        text.contains("Today Date: 07 Dec 2024 (2024-12-07, a Saturday)"),
+        "{text}"
+    );
 }
 
 /// `n` conversations in the words of the made model's corpus: multi-turn, with and without a

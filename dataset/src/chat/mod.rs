@@ -54,6 +54,9 @@ pub struct ChatOptions {
     pub train_only_last_turn: bool,
     /// Put first as a `system` message into conversations that have none.
     pub system_prompt: Option<String>,
+    /// The time the template's `strftime_now` writes, in seconds since 1970 (UTC); None:
+    /// [`template::TEMPLATE_DATE`], 26 Jul 2024.
+    pub date: Option<i64>,
 }
 
 /// A tokenizer directory that cannot be used.
@@ -227,7 +230,9 @@ impl Chat {
         //    `documents`.
         // 5: a long record's first tokens are exactly the whole record's (two prefixes that
         //    agreed were taken, and could differ from it), and such a record may be refused.
-        h.write(b"hspipe chat 5");
+        // 6: `strftime_now` is defined, writing `date` (a template that tested `is defined`
+        //    wrote its own fallback date, and one that called it failed).
+        h.write(b"hspipe chat 6");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
             h.write(b);
@@ -248,12 +253,14 @@ impl Chat {
         field(&mut h, format!("{:?}", options.enable_thinking).as_bytes());
         field(&mut h, &[u8::from(options.train_only_last_turn)]);
         field(&mut h, format!("{:?}", options.system_prompt).as_bytes());
+        let date = options.date.unwrap_or(template::TEMPLATE_DATE);
+        field(&mut h, &date.to_le_bytes());
         let template = source.and_then(|source| {
             let bad = |why| ChatError::Bad {
                 path: dir.to_path_buf(),
                 why,
             };
-            let template = Template::new(&source, globals).map_err(bad)?;
+            let template = Template::dated(&source, globals, date).map_err(bad)?;
             let spans = if template.has_generation {
                 Spans::Generation
             } else {

@@ -1,7 +1,7 @@
 //! The chat template: HF's Jinja text rendered by minijinja as transformers renders it with
-//! jinja2 (`trim_blocks`, `lstrip_blocks`, `raise_exception`, a `tojson` that does not escape
-//! HTML, Python's string methods through minijinja-contrib's pycompat), and where the assistant's
-//! text is in the output.
+//! jinja2 (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `strftime_now`, a `tojson` that
+//! does not escape HTML, Python's string methods through minijinja-contrib's pycompat), and where
+//! the assistant's text is in the output.
 //!
 //! `{% generation %}...{% endgeneration %}` (transformers' own tag, which jinja2 knows through an
 //! extension and minijinja does not) is rewritten before parsing into an `if` block around a
@@ -125,6 +125,44 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
 
+/// The time a template's `strftime_now` writes unless the user gives one
+/// ([`super::ChatOptions::date`]): 26 Jul 2024, 00:00 UTC, the date Llama 3.1's template writes
+/// and Llama 3.2's writes where `strftime_now` is not defined, so such templates render as they
+/// did before it was.
+pub const TEMPLATE_DATE: i64 = 1_721_952_000;
+
+/// transformers' `strftime_now(format)`, at `at` (seconds since 1970, UTC) rather than now: as
+/// Python's `datetime.now().strftime(format)` writes a time without a zone. Templates write
+/// today's date with it (Llama 3.2's and Mistral Small's system prompts). Not the clock: a
+/// record must give the same ids on every day, or data prepared again for a `--resume` would
+/// be other lengths than the run's plan.
+fn strftime_at(at: i64, format: &str) -> Result<String, Error> {
+    use chrono::format::{Item, StrftimeItems};
+    use std::fmt::Write as _;
+    let bad = |why: &str| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now({format:?}): {why}"),
+        )
+    };
+    let items: Vec<Item> = StrftimeItems::new(format).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(bad("not a strftime format"));
+    }
+    let t =
+        chrono::DateTime::from_timestamp(at, 0).ok_or_else(|| bad("the time is out of range"))?;
+    let mut text = String::new();
+    // Written, not `to_string()`, which panics where a code cannot be written (a zone, `%Z`:
+    // Python writes none for a time without one, and neither do we, as an error).
+    write!(
+        text,
+        "{}",
+        t.naive_utc().format_with_items(items.into_iter())
+    )
+    .map_err(|_| bad("a time without a zone cannot be written so"))?;
+    Ok(text)
+}
+
 /// Python's `json.dumps(x, ensure_ascii=False)` as transformers' `tojson` filter calls it
 /// (separators `, ` and `: `, keys in their order; `indent` for pretty output), not minijinja's
 /// HTML-safe one.
@@ -187,8 +225,14 @@ fn python_json(
 }
 
 impl Template {
-    /// Parses `src`; `globals` are passed to every rendering.
+    /// Parses `src`; `globals` are passed to every rendering; `strftime_now` writes
+    /// [`TEMPLATE_DATE`].
     pub fn new(src: &str, globals: Vec<(String, Value)>) -> Result<Template, String> {
+        Template::dated(src, globals, TEMPLATE_DATE)
+    }
+
+    /// [`new`](Self::new) with `strftime_now` writing `date` (seconds since 1970, UTC).
+    pub fn dated(src: &str, globals: Vec<(String, Value)>, date: i64) -> Result<Template, String> {
         let (src, has_generation) = rewrite(src);
         let mut env = Environment::new();
         env.set_syntax(
@@ -200,6 +244,9 @@ impl Template {
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", move |format: String| {
+            strftime_at(date, &format).map(Value::from)
+        });
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat_template", src)
             .map_err(|e| format!("the chat template does not parse: {e:#}"))?;
@@ -435,6 +482,39 @@ mod tests {
         );
         let text = "<|im_start|>user\nhé<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n";
         assert_eq!(m.spans(text), vec![(52, 64)]);
+    }
+
+    /// `strftime_now` is there as in transformers, writing a fixed date by Python's codes (by
+    /// default Llama 3.1's, so a template that guards it with `is defined` renders as it did
+    /// without it); a format chrono cannot read, or a zone for a time without one, is an error
+    /// naming it, not a panic. (That it writes the date transformers writes is the tests
+    /// crate's `a_template_that_writes_the_date_renders_the_date_transformers_renders`.)
+    #[test]
+    fn strftime_now_writes_a_fixed_date_and_a_bad_format_is_an_error() {
+        let render = |t: &Template| t.render(&[Message::new("user", "a")], None, false);
+        let src = "{% if strftime_now is defined %}{{ strftime_now('%d %b %Y|%Y-%m-%d %H:%M|%-d %A') }}{% endif %}";
+        let t = Template::new(src, vec![]).unwrap();
+        assert_eq!(
+            render(&t).unwrap().text,
+            "26 Jul 2024|2024-07-26 00:00|26 Friday"
+        );
+        // 2024-12-07 14:00 UTC.
+        let t = Template::dated(src, vec![], 1_733_580_000).unwrap();
+        assert_eq!(
+            render(&t).unwrap().text,
+            "07 Dec 2024|2024-12-07 14:00|7 Saturday"
+        );
+        for (format, why) in [
+            ("%Q", "not a strftime format"),
+            ("%Z", "a time without a zone cannot be written so"),
+        ] {
+            let t = Template::new(&format!("{{{{ strftime_now('{format}') }}}}"), vec![]).unwrap();
+            let e = render(&t).unwrap_err();
+            assert!(
+                e.contains(&format!("strftime_now({format:?}): {why}")),
+                "{e}"
+            );
+        }
     }
 
     #[test]
