@@ -21,7 +21,7 @@ mod signals;
 mod spawn;
 mod summary;
 mod supervisor;
-mod tensorboard;
+pub mod tensorboard;
 
 use std::path::PathBuf;
 
