@@ -404,7 +404,7 @@ impl Monitor {
         tee: &Tee,
     ) -> anyhow::Result<Monitor> {
         let path = run_dir.metrics();
-        let (board, board_error) = Board::open(run_dir);
+        let (board, board_error) = Board::open(run_dir, every);
         let metrics = Metrics::open(&path)?;
         let bar = tee.terminal().map(|term| Bar {
             bar: ProgressBar::with_draw_target(
@@ -646,7 +646,13 @@ impl Monitor {
         }
         // The bar is gone: the last line goes to the terminal as a plain line.
         self.bar = None;
-        self.record(ring, self.restarts, self.started, Instant::now())
+        self.record(ring, self.restarts, self.started, Instant::now())?;
+        // TensorBoard's pipeline series get the ticks since their last point, so the last
+        // tick's value is there.
+        if let Some(msg) = self.board.finish() {
+            self.say(&msg);
+        }
+        Ok(())
     }
 }
 

@@ -18,15 +18,31 @@
 //!   have no line there but do have their points here. A tick in the same millisecond as the
 //!   one before goes one step on. Wall time, TensorBoard's other axis, lines both up.
 //!
+//! The pipeline's series are written at most every [`PIPELINE_EVERY_S`] (10 s) of run time,
+//! not at every tick: at `--monitor 1` a point a tick made them nine tenths of `tb/`, about
+//! 100 MB a day, and TensorBoard shows a week as 1,000 points a series anyway (its default
+//! `--samples_per_plugin`). A point folds the ticks since the point before: each value is the
+//! mean of theirs weighted by their intervals' length, which for a rate or a share of the
+//! interval (every pipeline series is one) is the rate or share over the point's whole time,
+//! so a stall of one second still moves its 10-s point. A point's step is its last tick's, so
+//! the axis means what it did: the time, in ms since the run's first launch, at which the
+//! point's interval ends. A launcher's first tick is a point at once (a new run or a resume
+//! shows up straight away), and the ticks left at the run's end are written then
+//! ([`Board::finish`]): the last value is always there. A killed launcher loses the ticks since
+//! its last point (at most 10 s; `metrics.jsonl` has them). At `--monitor 10` or slower every
+//! tick is a point, as before.
+//!
 //! Each launcher writes a new file, `events.out.tfevents.<seconds>.<host>.<pid>`, created only
 //! if no such file exists: a resume adds a file beside the earlier ones, and TensorBoard reads
 //! the folder as one run. TensorBoard is a view of the run, not its record: an error creating or
 //! writing the file is said once, and the run goes on without it (`metrics.jsonl` has every
 //! tick).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use proto::RunDir;
 use ring_stat::analysis::Interval;
@@ -74,6 +90,87 @@ fn first_launch_ms(dir: &Path, now_s: u64) -> u64 {
     earliest.unwrap_or(now_s).min(now_s).saturating_mul(1000)
 }
 
+/// The pipeline series' least spacing in run time, seconds: a point folds the ticks of at
+/// least this long (ten at `--monitor 1`).
+const PIPELINE_EVERY_S: f64 = 10.0;
+
+/// How much short of [`PIPELINE_EVERY_S`] a fold is written all the same: ten 1-s ticks span
+/// 10 s give or take the microseconds between the monitor's clock and the ring's snapshot
+/// (which times an interval), and make one point, not one of eleven ticks.
+const JITTER_S: f64 = 0.1;
+
+/// The pipeline's scalars of one tick, by tag. Every one is a rate or a share of the tick's
+/// interval, so a point of several ticks is their mean weighted by interval length (see
+/// [`Fold`]): the rate or share over the point's time, as one tick that long would have
+/// measured it. None is a last value (a counter, the ring's depth: a point would take its last
+/// tick's) or a maximum (a worker's longest idle gap: a point would take the greatest); those
+/// are in `metrics.jsonl`, and one added here needs that fold, not the mean.
+fn pipeline_scalars(t: &Tick, iv: &Interval) -> Vec<(String, f64)> {
+    // Tokens trained over the interval's seconds: the weighted mean is all the tokens over all
+    // the seconds.
+    let mut scalars = vec![("pipeline/tokens_per_s".to_string(), t.tokens_per_s)];
+    // The live workers' mean shares of the interval busy and waiting.
+    scalars.extend(
+        [
+            ("targets/busy", t.targets_busy),
+            ("targets/waiting", t.targets_waiting),
+            ("drafters/busy", t.drafters_busy),
+            ("drafters/waiting", t.drafters_waiting),
+        ]
+        .map(|(tag, v)| (tag.to_string(), v)),
+    );
+    // The live workers' mean shares of the interval by phase.
+    for (role, name, other_wait) in [
+        (Role::Producer, "targets", Phase::WaitEmpty),
+        (Role::Consumer, "drafters", Phase::WaitFull),
+    ] {
+        let shares = phase_shares(iv, role);
+        for p in role_phases(other_wait) {
+            scalars.push((format!("{name}/phase/{}", p.name()), shares[p]));
+        }
+    }
+    scalars
+}
+
+/// The pipeline's scalars of the ticks since the last point, folded into the next one: the
+/// mean of each over the ticks, weighted by their intervals' seconds.
+#[derive(Debug, Default)]
+struct Fold {
+    /// The step of the last tick folded: the point's.
+    tick: i64,
+    /// The ticks' intervals, summed: the run time the point covers.
+    seconds: f64,
+    /// By tag, the ticks' values times their intervals' seconds, summed.
+    sums: BTreeMap<String, f64>,
+}
+
+impl Fold {
+    /// Folds in a tick at step `tick` with an interval of `seconds`.
+    fn add(&mut self, tick: i64, seconds: f64, scalars: Vec<(String, f64)>) {
+        // An interval of no length (the ring's are at least 1 ns) weighs a nanosecond: a fold
+        // of such alone is their plain mean, not a division by zero.
+        let w = seconds.max(1e-9);
+        self.tick = tick;
+        self.seconds += w;
+        for (tag, v) in scalars {
+            *self.sums.entry(tag).or_default() += v * w;
+        }
+    }
+
+    /// The point, `(tag, step, mean)` by tag (none if no tick was folded); the fold is empty
+    /// after.
+    fn take(&mut self) -> Vec<(String, i64, f64)> {
+        let Fold {
+            tick,
+            seconds,
+            sums,
+        } = std::mem::take(self);
+        (sums.into_iter())
+            .map(|(tag, sum)| (tag, tick, sum / seconds))
+            .collect()
+    }
+}
+
 /// The run's TensorBoard writer, or nothing once it failed.
 pub struct Board {
     writer: Option<SummaryWriter<BufWriter<File>>>,
@@ -85,17 +182,28 @@ pub struct Board {
     tick: Option<u64>,
     /// The group step the train series were last written at.
     step: Option<u64>,
+    /// The seconds of run time a fold must span to be a point: 0 (every tick) at a monitor
+    /// period of [`PIPELINE_EVERY_S`] or more.
+    fold_s: f64,
+    /// The ticks since the last pipeline point.
+    fold: Fold,
+    /// Whether this launcher wrote a pipeline point (its first tick is one at once).
+    pointed: bool,
 }
 
 impl Board {
-    /// A new event file in the run's `tb/`. On an error it returns the message to say, and a
-    /// board that writes nothing.
-    pub fn open(run_dir: &RunDir) -> (Board, Option<String>) {
-        Board::open_at(run_dir, std::time::SystemTime::now())
+    /// A new event file in the run's `tb/`, for ticks `monitor` apart. On an error it returns
+    /// the message to say, and a board that writes nothing.
+    pub fn open(run_dir: &RunDir, monitor: Duration) -> (Board, Option<String>) {
+        Board::open_at(run_dir, monitor, std::time::SystemTime::now())
     }
 
     /// [`Board::open`] at time `now`.
-    fn open_at(run_dir: &RunDir, now: std::time::SystemTime) -> (Board, Option<String>) {
+    fn open_at(
+        run_dir: &RunDir,
+        monitor: Duration,
+        now: std::time::SystemTime,
+    ) -> (Board, Option<String>) {
         let dir = run_dir.tensorboard_dir();
         let secs = now
             .duration_since(std::time::UNIX_EPOCH)
@@ -113,6 +221,16 @@ impl Board {
             first_launch_ms: first_launch_ms(&dir, secs),
             tick: None,
             step: None,
+            // Ticks this far apart are points each, as they always were: folding them would
+            // space the points further than the period, and their intervals are as long
+            // already.
+            fold_s: if monitor.as_secs_f64() >= PIPELINE_EVERY_S {
+                0.0
+            } else {
+                PIPELINE_EVERY_S - JITTER_S
+            },
+            fold: Fold::default(),
+            pointed: false,
         };
         let opened = std::fs::create_dir_all(&dir)
             .and_then(|()| {
@@ -144,33 +262,22 @@ impl Board {
         )
     }
 
-    /// Writes the scalars of tick `t` over interval `iv` (for the mean phase shares of the live
-    /// targets and drafters). Returns the message to say when writing failed (once: the board
-    /// is off then).
+    /// Records tick `t` over interval `iv` (for the mean phase shares of the live targets and
+    /// drafters): the train series at a new group step, and the pipeline's point once the ticks
+    /// since the last one span [`PIPELINE_EVERY_S`]. Returns the message to say when writing
+    /// failed (once: the board is off then).
     pub fn record(&mut self, t: &Tick, iv: &Interval) -> Option<String> {
         let next = self.tick.map_or(0, |last| last + 1);
         let at_ms =
             (t.launch_unix_ms).map(|launch| launch.saturating_add((t.t_s * 1000.0).round() as u64));
         let tick = at_ms.map_or(next, |ms| ms.saturating_sub(self.first_launch_ms).max(next));
         self.tick = Some(tick);
-        let tick = tick as i64;
-        let mut scalars: Vec<(String, i64, f64)> = Vec::new();
-        let pipeline = [
-            ("pipeline/tokens_per_s", t.tokens_per_s),
-            ("targets/busy", t.targets_busy),
-            ("targets/waiting", t.targets_waiting),
-            ("drafters/busy", t.drafters_busy),
-            ("drafters/waiting", t.drafters_waiting),
-        ];
-        scalars.extend(pipeline.map(|(tag, v)| (tag.to_string(), tick, v)));
-        for (role, name, other_wait) in [
-            (Role::Producer, "targets", Phase::WaitEmpty),
-            (Role::Consumer, "drafters", Phase::WaitFull),
-        ] {
-            let shares = phase_shares(iv, role);
-            for p in role_phases(other_wait) {
-                scalars.push((format!("{name}/phase/{}", p.name()), tick, shares[p]));
-            }
+        self.fold
+            .add(tick as i64, iv.seconds, pipeline_scalars(t, iv));
+        let mut scalars = Vec::new();
+        if !self.pointed || self.fold.seconds >= self.fold_s {
+            self.pointed = true;
+            scalars = self.fold.take();
         }
         if let Some(step) = t
             .group_step
@@ -189,11 +296,32 @@ impl Board {
                 }
             }
         }
+        self.write(&scalars)
+    }
+
+    /// Writes the pipeline's point of the ticks since the last one, at the run's end: the last
+    /// tick's value is always there. Returns the message to say when writing failed.
+    pub fn finish(&mut self) -> Option<String> {
+        let point = self.fold.take();
+        self.write(&point)
+    }
+
+    /// Writes `(tag, step, value)`s; the message to say when that failed (once: the board is
+    /// off then).
+    fn write(&mut self, scalars: &[(String, i64, f64)]) -> Option<String> {
         let w = self.writer.as_mut()?;
         // TensorBoard's scalars are f32 (the `simple_value` of a summary).
         let written = (scalars.iter())
             .try_for_each(|(tag, step, v)| w.write_scalar(tag.as_str(), *step, *v as f32));
         written.err().map(|e| self.off("writing", &e))
+    }
+}
+
+impl Drop for Board {
+    /// A launcher that ends on an error, without [`Board::finish`], still writes its last ticks
+    /// (nothing to say by then: `metrics.jsonl` is the record).
+    fn drop(&mut self) {
+        let _ = self.finish();
     }
 }
 
@@ -239,7 +367,7 @@ mod tests {
         };
         let mut steps = Vec::new();
         // The first launch ticks five times; metrics.jsonl keeps two (then the disk filled).
-        let (mut first, said) = Board::open_at(&run, at(1_000_000));
+        let (mut first, said) = Board::open_at(&run, Duration::from_secs(1), at(1_000_000));
         assert_eq!(said, None);
         for t_s in [1.0, 2.0, 3.0, 4.0, 5.0] {
             assert_eq!(first.record(&tick(1_000_000, t_s), &iv), None);
@@ -250,7 +378,7 @@ mod tests {
             .map(|t| serde_json::to_string(&t).unwrap() + "\n");
         std::fs::write(run.metrics(), kept.concat()).unwrap();
         // The resume, a minute later; two ticks, the second in the same millisecond.
-        let (mut resumed, said) = Board::open_at(&run, at(1_000_070));
+        let (mut resumed, said) = Board::open_at(&run, Duration::from_secs(1), at(1_000_070));
         assert_eq!(said, None);
         for t_s in [1.0, 1.0001] {
             assert_eq!(resumed.record(&tick(1_000_070, t_s), &iv), None);

@@ -69,14 +69,15 @@ fn worker(role: Role, index: u32, x: f64) -> WorkerRates {
     }
 }
 
-/// Drives a board in `run_dir` over `ticks` ticks `period_s` apart; `train`: each tick
+/// Drives a board in `run_dir` over `ticks` ticks `period` apart, then finishes it; `train`: each tick
 /// applied a group step. Returns the bytes of its `tb/`.
-fn simulate(run_dir: &Path, ticks: u64, period_s: f64, train: bool) -> anyhow::Result<u64> {
+fn simulate(run_dir: &Path, ticks: u64, period: Duration, train: bool) -> anyhow::Result<u64> {
+    let period_s = period.as_secs_f64();
     let run = RunDir::new(run_dir);
     let launch_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let (mut board, said) = Board::open(&run);
+    let (mut board, said) = Board::open(&run, period);
     if let Some(msg) = said {
         bail!("{msg}");
     }
@@ -108,13 +109,16 @@ fn simulate(run_dir: &Path, ticks: u64, period_s: f64, train: bool) -> anyhow::R
             drafters_waiting: 0.0,
             group_step: train.then_some(2 * i),
             drafter_loss: train.then(|| 2.5 * (-3.0 * frac).exp() + 0.4),
-            acceptance_length: train.then(|| 1.5 + 2.0 * frac),
-            lr: train.then(|| 3e-4 * (1.0 - frac)),
+            acceptance_length: train.then_some(1.5 + 2.0 * frac),
+            lr: train.then_some(3e-4 * (1.0 - frac)),
             ..Tick::default()
         };
         if let Some(msg) = board.record(&t, &iv) {
             bail!("{msg}");
         }
+    }
+    if let Some(msg) = board.finish() {
+        bail!("{msg}");
     }
     drop(board);
     let mut bytes = 0;
@@ -133,14 +137,21 @@ fn main() -> anyhow::Result<()> {
         .context("--monitor must be a positive number of seconds")?;
     let ticks = (args.days * 86_400.0 / period.as_secs_f64()).round() as u64;
     if ticks == 0 {
-        bail!("--days {} at --monitor {} is no tick", args.days, args.monitor);
+        bail!(
+            "--days {} at --monitor {} is no tick",
+            args.days,
+            args.monitor
+        );
     }
     if args.dir.exists() {
-        bail!("{} exists: remove it or choose another --dir", args.dir.display());
+        bail!(
+            "{} exists: remove it or choose another --dir",
+            args.dir.display()
+        );
     }
     let days = ticks as f64 * period.as_secs_f64() / 86_400.0;
-    let with_train = simulate(&args.dir.join("train"), ticks, period.as_secs_f64(), true)?;
-    let pipeline = simulate(&args.dir.join("pipeline"), ticks, period.as_secs_f64(), false)?;
+    let with_train = simulate(&args.dir.join("train"), ticks, period, true)?;
+    let pipeline = simulate(&args.dir.join("pipeline"), ticks, period, false)?;
     let line = |what: &str, bytes: u64| {
         println!(
             "{what:<40} {:>12} bytes  {:>8.2} MB a day  {:>7.1} bytes a tick",
@@ -152,7 +163,10 @@ fn main() -> anyhow::Result<()> {
     println!("{ticks} ticks, {} s apart ({days} days)", args.monitor);
     line("tb/, pipeline and training series", with_train);
     line("tb/, pipeline series alone", pipeline);
-    line("the training series (the difference)", with_train.saturating_sub(pipeline));
+    line(
+        "the training series (the difference)",
+        with_train.saturating_sub(pipeline),
+    );
     if !args.keep {
         std::fs::remove_dir_all(&args.dir)
             .with_context(|| format!("removing {}", args.dir.display()))?;
