@@ -5,9 +5,10 @@
 //! {rope_theta, rope_type, ...}` and `dtype`. Defaults are HF's own for each model type (Qwen3's
 //! `head_dim` defaults to 128, not `hidden_size / num_attention_heads`). Anything else is refused
 //! with the field and its value: another `model_type`, a mixture of experts, a rope type other
-//! than `default` and `llama3`, an activation other than SiLU, Qwen2's sliding window. Mistral's
-//! sliding window is kept: it bounds the sequences run ([`ArchConfig::positions`]), as no
-//! sequence at most as long as the window reaches past it, and so it changes nothing.
+//! than `default` and `llama3`, an activation other than SiLU. A sliding window (Mistral's, and
+//! Qwen's with `use_sliding_window`) is kept: it bounds the sequences run
+//! ([`ArchConfig::positions`]), as no sequence at most as long as the window reaches past it,
+//! and so it changes nothing.
 //!
 //! Length: past 500 lines with its tests, one per rule of HF's that this file follows.
 
@@ -96,8 +97,9 @@ pub struct ArchConfig {
     /// The longest context the model was made for (HF's default per type where absent); a
     /// drafter's export copies it.
     pub max_position_embeddings: usize,
-    /// Mistral's sliding window: a token attends to the `sliding_window` tokens up to itself
-    /// (HF's mask: key `j` for query `i` where `i - j < sliding_window`). `None`: all of them.
+    /// The sliding window (Mistral's; Qwen's with use_sliding_window): a token attends to the
+    /// `sliding_window` tokens up to itself (HF's mask: key `j` for query `i` where `i - j <
+    /// sliding_window`). `None`: all of them.
     pub sliding_window: Option<usize>,
 }
 
@@ -279,10 +281,12 @@ impl ArchConfig {
                 )));
             }
         }
-        if raw.use_sliding_window == Some(true) {
-            return Err(bad(
-                "use_sliding_window = true is not supported (full attention only)".into(),
-            ));
+        let qwen = matches!(family, Family::Qwen3 | Family::Qwen2);
+        if raw.use_sliding_window == Some(true) && !qwen {
+            return Err(bad(format!(
+                "use_sliding_window = true is not a {} field (full attention only)",
+                family.name()
+            )));
         }
         // HF's defaults: Qwen3Config 32768, Qwen2Config 32768, LlamaConfig 2048,
         // MistralConfig 4096 * 32.
@@ -291,12 +295,17 @@ impl ArchConfig {
             Family::Llama => 2048,
             Family::Mistral => 4096 * 32,
         });
-        // Read for Mistral only: Qwen2 writes a window it does not use without
-        // use_sliding_window (refused above), Qwen3 and Llama have none. MistralConfig's
-        // default is 4096 (Mistral 7B v0.1's); null is no window (v0.3's).
+        // MistralConfig's default is 4096 (Mistral 7B v0.1's); null is no window (v0.3's).
+        // Qwen's configs write a window they use only with use_sliding_window (and then in the
+        // layers from max_window_layers on: bounding every sequence by it covers those too);
+        // their default is 4096 as well. Llama has none.
+        let window = || match raw.rest.contains_key("sliding_window") {
+            false => Some(4096),
+            true => raw.sliding_window,
+        };
         let sliding_window = match family {
-            Family::Mistral if !raw.rest.contains_key("sliding_window") => Some(4096),
-            Family::Mistral => raw.sliding_window,
+            Family::Mistral => window(),
+            Family::Qwen3 | Family::Qwen2 if raw.use_sliding_window == Some(true) => window(),
             _ => None,
         };
         if sliding_window == Some(0) {
@@ -597,6 +606,13 @@ mod tests {
         ))
         .unwrap();
         assert_eq!((q2.sliding_window, q2.positions()), (None, 32768));
+        // With use_sliding_window, its window bounds the sequences as Mistral's does (it was
+        // refused).
+        let q2 = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "sliding_window": 2048, "use_sliding_window": true}}"#
+        ))
+        .unwrap();
+        assert_eq!((q2.sliding_window, q2.positions()), (Some(2048), 2048));
         let e = parse(&format!(
             r#"{{"model_type": "mistral", {base}, "sliding_window": 0}}"#
         ))
@@ -630,8 +646,8 @@ mod tests {
                 "hidden_act = \"gelu\"",
             ),
             (
-                r#""model_type": "qwen2", "use_sliding_window": true"#,
-                "use_sliding_window",
+                r#""model_type": "llama", "use_sliding_window": true"#,
+                "use_sliding_window = true is not a llama field",
             ),
             // RMSNorm's epsilon: a negative one made every state NaN and every greedy token 0,
             // which capture wrote and eval scored as perfect.
