@@ -23,27 +23,42 @@
 //! pattern then makes `'` and `l` where the text has `'ll`: two splits changed, not one), an
 //! added token cut short. Such a changed split may begin far before the end: a run of letters,
 //! spaces or combining marks that reaches it (NFC composes the marks after the cut with the
-//! letter before the run), or the spaces an `lstrip` added token took, which changes the split
-//! before it.
+//! letter before the run). And an `lstrip` added token past the cut, or cut short by it, takes
+//! all the whitespace before it, however long the run: where the pre-tokenizer splits
+//! whitespace (Metaspace makes each space a split of its own), the prefix has a split for each
+//! space of the run, far from its end, where the whole text has none but the token.
 //!
-//! The rule ([`kept_splits`]): the first split of the prefix that reaches into its last
-//! `margin` bytes, in the original text or in the normalized one, and every split after it are
-//! dropped; so is every split ending less than `margin` bytes before that one begins (a split
-//! whose look-ahead ran into it); the rest are kept, and their tokens are the whole text's
-//! first tokens. The prefix's last split is never kept. `margin` is [`MARGIN`] bytes more than
-//! the longest added token, far more than any released tokenizer's look-ahead. The limit of the
-//! rule: a tokenizer whose pre-tokenizer pattern or normalizer decides a split from more than
-//! that past it (no released one we know; `a+b|a` as a Split pattern would) is cut inexactly.
+//! The rule ([`kept_splits`]): the first split of the prefix that its end may change is
+//! dropped, with every split after it: the first that reaches into the prefix's last `margin`
+//! bytes, in the original text or in the normalized one, or, where some added token has
+//! `lstrip`, one before it that touches a run of whitespace reaching into those bytes, however
+//! far back the run begins (a run of the raw text, where a token that is not normalized is
+//! found, or of the normalized piece holding the margin's start, where a normalized one is). So
+//! is every split ending less than `margin` bytes before that one begins (a split whose
+//! look-ahead ran into it); the rest are kept, and their tokens are the whole text's first
+//! tokens. The prefix's last split is never kept. An `rstrip` token needs nothing: the
+//! whitespace after it goes into its own split, which begins where the token does (in the whole
+//! text too), and reaches the prefix's last `margin` bytes if that whitespace does. `margin` is
+//! [`MARGIN`] bytes more than the longest added token, far more than any released tokenizer's
+//! look-ahead. The limit of the rule: a tokenizer whose pre-tokenizer pattern or normalizer
+//! decides a split from more than that past it (no released one we know; `a+b|a` as a Split
+//! pattern would) is cut inexactly.
 //!
 //! A text with few splits (a tokenizer without a pre-tokenizer, as Llama-2's and Mistral's
 //! SentencePiece BPE: the text between two added tokens is one split; or one pre-tokenizer piece
 //! of megabytes) keeps few tokens from a prefix, so prefixes twice as long are tried, up to the
 //! whole text, tokenized whole as it always was, exactly. Only a text longer than
-//! [`UNCUT_MAX`] bytes (or than the first prefix, if longer) that has no place to be cut exactly
-//! within them is refused, with an error: tokenizing it whole is what aborted the process, and
-//! neither dropping nor cutting it could be told apart from the tokens the user asked for.
+//! [`UNCUT_MAX`] bytes (or than the first prefix, if longer) whose prefix of that length keeps
+//! no more than the tokens asked for is refused, with an error that says why (no
+//! pre-tokenizer, one piece the pre-tokenizer does not split, a run of whitespace an `lstrip`
+//! token may take, tokens few for their bytes, nothing to tokenize): tokenizing it whole is
+//! what aborted the process, and neither dropping nor cutting it could be told apart from the
+//! tokens the user asked for.
 
-use tokenizers::{Encoding, OffsetReferential, OffsetType, PreTokenizer, Tokenizer};
+use tokenizers::normalizer::Range;
+use tokenizers::{
+    Encoding, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, Tokenizer,
+};
 
 /// Bytes of a long text tokenized first, per token wanted: more than most tokenizers' mean
 /// (about 4 for English text), so that one prefix usually holds the tokens wanted.
@@ -75,6 +90,9 @@ pub(super) struct First {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Cuts {
     pub margin: usize,
+    /// Some added token takes the whitespace before it (`lstrip`), so that a run of whitespace
+    /// near a prefix's end is not kept (`rstrip` needs nothing: the module's doc says why).
+    pub lstrip: bool,
     pub uncut_max: usize,
     pub min_prefix: usize,
     pub bytes_per_token: usize,
@@ -91,11 +109,25 @@ impl Cuts {
             .unwrap_or(0);
         Cuts {
             margin: MARGIN + longest,
+            lstrip: lstrip_tokens(tokenizer).next().is_some(),
             uncut_max: UNCUT_MAX,
             min_prefix: MIN_PREFIX,
             bytes_per_token: PREFIX_BYTES_PER_TOKEN,
         }
     }
+}
+
+/// The added tokens that take the whitespace before them (`lstrip`), by id.
+fn lstrip_tokens(tokenizer: &Tokenizer) -> impl Iterator<Item = &str> {
+    let mut tokens: Vec<_> = tokenizer
+        .get_added_vocabulary()
+        .get_added_tokens_decoder()
+        .iter()
+        .filter(|(_, t)| t.lstrip)
+        .map(|(&id, t)| (id, t.content.as_str()))
+        .collect();
+    tokens.sort_unstable();
+    tokens.into_iter().map(|(_, t)| t)
 }
 
 #[cfg(test)]
@@ -169,27 +201,24 @@ pub(super) fn first_tokens(
             cut -= 1;
         }
         let prefix = &text[..cut];
-        let splits = kept_splits(tokenizer, prefix, cuts.margin)?;
+        let kept = kept_splits(tokenizer, prefix, cuts.margin, cuts.lstrip)?;
         // A prefix that keeps no split is not handed to the model (a text of one piece).
-        if splits > 0 {
+        let mut tokens = 0;
+        if kept.splits > 0 {
             let enc = encode(tokenizer, prefix, offsets, true)?;
-            let kept = enc
+            tokens = enc
                 .get_word_ids()
                 .iter()
-                .take_while(|w| w.is_some_and(|w| (w as usize) < splits))
+                .take_while(|w| w.is_some_and(|w| (w as usize) < kept.splits))
                 .count();
-            if kept > want {
+            if tokens > want {
                 return Ok(first(&enc, want, offsets, true));
             }
         }
         if len >= limit {
-            let why = if tokenizer.get_pre_tokenizer().is_none() {
-                "this tokenizer has no pre-tokenizer, so the text between two added tokens is one piece, tokenized whole"
-            } else {
-                "its tokenizer's pre-tokenizer leaves pieces too long"
-            };
+            let why = why_uncut(tokenizer, cuts, cut, kept.stop, tokens);
             return Err(format!(
-                "{what} is {} bytes, and no place within its first {limit} bytes can be cut without changing its first {want} tokens ({why}): a text that long is refused rather than tokenized whole (the tokenizer keeps some 20 bytes for each of its bytes); split it into shorter records or leave it out",
+                "{what} is {} bytes, and its first {want} tokens cannot be told from its first {cut} bytes alone: {why}. A text that long is refused rather than tokenized whole (the tokenizer keeps some 20 bytes for each of its bytes): leave it out, or split it into shorter records, of at most {cut} bytes each",
                 text.len()
             ));
         }
@@ -197,15 +226,103 @@ pub(super) fn first_tokens(
     }
 }
 
+/// Why a text's first tokens cannot be told from its prefix of `cut` bytes, the longest
+/// tokenized: its splits kept hold only `tokens` tokens, for `stop` ([`Kept::stop`]).
+fn why_uncut(
+    tokenizer: &Tokenizer,
+    cuts: Cuts,
+    cut: usize,
+    stop: Option<Stop>,
+    tokens: usize,
+) -> String {
+    let told = |before: usize| match tokens {
+        0 => "none of its tokens can be told".to_string(),
+        n => format!("only the {n} tokens before byte {before} can be told"),
+    };
+    match stop {
+        None => format!(
+            "its tokenizer's normalizer and pre-tokenizer leave nothing of its first {cut} bytes to tokenize (whitespace that a pre-tokenizer drops, say), so no token can be told from them"
+        ),
+        Some(Stop::Whitespace { split, run }) => {
+            let mut lstrip = lstrip_tokens(tokenizer);
+            let first = lstrip.next().unwrap_or_default();
+            let tokens = match lstrip.count() {
+                0 => format!("added token {first:?} takes the whitespace before it"),
+                n => format!("added tokens {first:?} and {n} more take the whitespace before them"),
+            };
+            format!(
+                "it is all whitespace from byte {run} to within {} bytes of byte {cut} (in the text or once normalized), and its tokenizer's {tokens} (lstrip): one after the run would take the run whole, so the run's tokens depend on what follows it, and {}",
+                cuts.margin,
+                told(split)
+            )
+        }
+        Some(Stop::End { from, to }) => {
+            let bytes = match to == cut {
+                true => format!("bytes {from} to {to} and maybe past"),
+                false => format!("bytes {from} to {to}"),
+            };
+            if tokenizer.get_pre_tokenizer().is_none() {
+                format!(
+                    "its tokenizer has no pre-tokenizer (as Llama-2's and Mistral's), so the text between two added tokens is one piece, tokenized whole, and {bytes} are one such piece; {}",
+                    told(from)
+                )
+            } else if to.saturating_sub(from) > cuts.margin {
+                format!(
+                    "its tokenizer's pre-tokenizer does not split {bytes} (a run of one letter, say), and a piece's tokens depend on where it ends; {}",
+                    told(from)
+                )
+            } else {
+                format!(
+                    "its tokens are few for its length: {}, about one for every {} bytes, and the pieces after them may change with where it is cut",
+                    told(from),
+                    from / tokens.max(1)
+                )
+            }
+        }
+    }
+}
+
+/// What a prefix keeps of its splits ([`kept_splits`]).
+struct Kept {
+    /// How many of its first splits are splits of any text it begins, with the same tokens.
+    splits: usize,
+    /// Why the next split is not kept; None: the prefix has no split.
+    stop: Option<Stop>,
+}
+
+/// Why a split of a prefix and all after it are not kept ([`kept_splits`]).
+#[derive(Clone, Copy)]
+enum Stop {
+    /// It is bytes `from` to `to` of the prefix, and reaches into its last `margin` bytes (in
+    /// the text or normalized).
+    End { from: usize, to: usize },
+    /// It begins at byte `split` and touches a run of whitespace (in the text or normalized)
+    /// from byte `run` into the prefix's last `margin` bytes, which an `lstrip` added token may
+    /// take.
+    Whitespace { split: usize, run: usize },
+}
+
 /// How many of the splits `prefix` is tokenized in (the tokenizer's own added-token split,
 /// normalizer and pre-tokenizer) are splits of any text it begins, with the same tokens: those
 /// ending `margin` bytes before the first split that reaches into the prefix's last `margin`
-/// bytes (the module's doc says why), in the original and in the normalized text.
-fn kept_splits(tokenizer: &Tokenizer, prefix: &str, margin: usize) -> Result<usize, String> {
+/// bytes (the module's doc says why), in the original and in the normalized text, or, where
+/// `lstrip`, that touches a run of whitespace reaching into them.
+fn kept_splits(
+    tokenizer: &Tokenizer,
+    prefix: &str,
+    margin: usize,
+    lstrip: bool,
+) -> Result<Kept, String> {
     handed(prefix.len());
     let mut pre = tokenizer
         .get_added_vocabulary()
         .extract_and_normalize(tokenizer.get_normalizer(), prefix);
+    let o_end = prefix.len();
+    let whitespace = if lstrip {
+        whitespace_reaching(&mut pre, prefix, o_end.saturating_sub(margin))?
+    } else {
+        o_end
+    };
     if let Some(p) = tokenizer.get_pre_tokenizer() {
         p.pre_tokenize(&mut pre)
             .map_err(|e| format!("the tokenizer's pre-tokenizer failed: {e}"))?;
@@ -223,16 +340,87 @@ fn kept_splits(tokenizer: &Tokenizer, prefix: &str, margin: usize) -> Result<usi
         })
         .collect();
     let Some(&(_, (_, n_end))) = spans.last() else {
-        return Ok(0);
+        return Ok(Kept {
+            splits: 0,
+            stop: None,
+        });
     };
-    let o_end = prefix.len();
     let reach = spans
         .iter()
         .position(|&((_, o), (_, n))| o + margin > o_end || n + margin > n_end)
         .unwrap_or(spans.len() - 1);
-    let ((o_from, _), (n_from, _)) = spans[reach];
-    Ok(spans[..reach]
+    // A split touching the run of whitespace goes with it, even one that begins before it: in
+    // the whole text the added token's piece begins where the run does.
+    let taken = spans
         .iter()
-        .take_while(|&&((_, o), (_, n))| o + margin <= o_from && n + margin <= n_from)
-        .count())
+        .position(|&((_, o), _)| o > whitespace)
+        .filter(|&t| t < reach);
+    let first = taken.unwrap_or(reach);
+    let ((o_from, o_to), (n_from, _)) = spans[first];
+    Ok(Kept {
+        splits: spans[..first]
+            .iter()
+            .take_while(|&&((_, o), (_, n))| o + margin <= o_from && n + margin <= n_from)
+            .count(),
+        stop: Some(match taken {
+            Some(_) => Stop::Whitespace {
+                split: o_from,
+                run: whitespace,
+            },
+            None => Stop::End {
+                from: o_from,
+                to: o_to,
+            },
+        }),
+    })
+}
+
+/// Where the run of whitespace reaching byte `zone` of `prefix` begins (a byte of the prefix;
+/// `prefix.len()` if none does), in the original text or in the normalized one: an `lstrip`
+/// added token found past `zone` in the whole text (one cut short, or past the prefix's end)
+/// takes the whitespace before it however far it runs, in the raw text if it is matched there,
+/// in its normalized piece if it is a normalized one. `pre` is the prefix with its added tokens
+/// found and its pieces normalized, not yet pre-tokenized.
+///
+/// The raw text before `zone` is the whole text's, and so is each normalized piece ending
+/// before it (a piece is normalized alone, and one that ends at an added token before `zone`
+/// ends there in the whole text too); but the normalized text of the piece holding `zone` may
+/// differ after it (a normalizer's look-ahead), so a run is taken to reach `zone` if it comes
+/// to it, wherever it goes after. (An `rstrip` token needs nothing: the module's doc says why.)
+fn whitespace_reaching(
+    pre: &mut PreTokenizedString,
+    prefix: &str,
+    zone: usize,
+) -> Result<usize, String> {
+    let mut zone = zone;
+    while !prefix.is_char_boundary(zone) {
+        zone -= 1;
+    }
+    let mut from = prefix[..zone].trim_end_matches(char::is_whitespace).len();
+    if from == zone {
+        from = prefix.len();
+    }
+    // The piece holding `zone`, normalized: a pass that leaves every piece as it is.
+    pre.split(|_, piece| {
+        let (start, end) = piece.offsets_original();
+        if start < zone && zone < end {
+            let s = piece.get();
+            let z = piece
+                .convert_offsets(Range::Original(zone - start..end - start))
+                .map_or(s.len(), |r| r.start);
+            let mut z = z.min(s.len());
+            while !s.is_char_boundary(z) {
+                z -= 1;
+            }
+            let q = s[..z].trim_end_matches(char::is_whitespace).len();
+            if q < z {
+                if let Some(r) = piece.convert_offsets(Range::Normalized(q..z)) {
+                    from = from.min(start + r.start);
+                }
+            }
+        }
+        Ok::<_, tokenizers::Error>(std::iter::once(piece))
+    })
+    .map_err(|e| format!("the tokenizer failed: {e}"))?;
+    Ok(from)
 }

@@ -244,15 +244,61 @@ fn plain_pieces() -> Vec<&'static str> {
         .collect()
 }
 
+/// A Metaspace tokenizer (each space a split of its own) whose added tokens take the whitespace
+/// before them (`lstrip`): `<m>` in the raw text, `<n>` in the normalized one, where `_` is
+/// made a space. A WordLevel model: a word it does not know is `[UNK]`, one token.
+fn lstrip_like(pre_tokenizer: serde_json::Value) -> String {
+    let strip = |id: u32, content: &str, normalized: bool| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": true,
+            "rstrip": false, "normalized": normalized, "special": true})
+    };
+    tokenizer(
+        json!([strip(5, "<m>", false), strip(6, "<n>", true)]),
+        json!({"type": "Replace", "pattern": {"String": "_"}, "content": " "}),
+        pre_tokenizer,
+        json!({"type": "WordLevel", "unk_token": "[UNK]",
+            "vocab": {"[UNK]": 0, "▁a": 1, "▁": 2, "▁bb": 3, "a": 4}}),
+    )
+}
+
+fn metaspace() -> serde_json::Value {
+    json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})
+}
+
+/// What the prefixes' cuts may fall in with [`lstrip_like`]: runs of spaces (and of `_`, spaces
+/// once normalized) longer than the margin, which `<m>` (or `<n>`) after them takes whole.
+fn lstrip_pieces() -> Vec<String> {
+    let mut pieces: Vec<String> = [
+        "a", " a", " bb", " ", "   ", "_", "<m>", "<n>", " <m>", "\n",
+    ]
+    .map(String::from)
+    .into();
+    pieces.extend([
+        format!("{}<m>", " ".repeat(3_000)),
+        format!("{}<n>", "_".repeat(3_000)),
+        " ".repeat(3_000),
+        "_".repeat(1_500),
+    ]);
+    pieces
+}
+
 /// A text cut at a hundred places and more (the first prefix shrunk to `want + 1` bytes, so each
 /// `want` cuts elsewhere): its first tokens are the whole text's, with special tokens in it
-/// and without.
+/// and without; and with a tokenizer whose added tokens take the whitespace before them, cuts
+/// falling in long runs of it.
 #[test]
-fn a_qwen_like_byte_level_text_gives_its_whole_first_tokens_wherever_it_is_cut() {
-    let d = dir("qwen", &qwen_like(), None);
-    let chat = cut_everywhere(&d);
+fn a_text_gives_its_whole_first_tokens_wherever_it_is_cut() {
+    let qwen = dir("qwen", &qwen_like(), None);
+    let lstrip = dir("lstripcut", &lstrip_like(metaspace()), None);
     let plain = plain_pieces();
-    for (pieces, seed) in [(PIECES, 2), (&plain[..], 3)] {
+    let strips = lstrip_pieces();
+    let strips: Vec<&str> = strips.iter().map(String::as_str).collect();
+    for (d, pieces, seed) in [
+        (&qwen, PIECES, 2),
+        (&qwen, &plain[..], 3),
+        (&lstrip, &strips[..], 4),
+    ] {
+        let chat = cut_everywhere(d);
         let text = text_of(pieces, 48 << 10, seed);
         let (whole, _) = chat.text(&text, usize::MAX).unwrap();
         assert!(whole.len() > 6_000, "{}", whole.len());
@@ -260,6 +306,96 @@ fn a_qwen_like_byte_level_text_gives_its_whole_first_tokens_wherever_it_is_cut()
             let got = chat.text(&text, want).unwrap();
             assert_eq!(got.0, whole[..want], "want {want}, seed {seed}");
             assert!(got.1, "{want}");
+        }
+    }
+}
+
+/// The reviewer's case: `a`, ten thousand spaces, then `<m>`, which takes them all, so the text
+/// is `▁a <m>`. A prefix cut in the spaces made each of them a split `▁`, and those far enough
+/// from its end were kept: `▁a ▁` was taken for the text's first two tokens. So with `_`, which
+/// the normalizer makes a space, before `<n>`.
+#[test]
+fn a_run_of_whitespace_that_an_lstrip_added_token_may_take_is_not_kept_from_a_prefix() {
+    let d = dir("lstrip", &lstrip_like(metaspace()), None);
+    let mut chat = load(&d);
+    for (space, token, id) in [(" ", "<m>", 5), ("_", "<n>", 6)] {
+        let text = format!("a{}{token}", space.repeat(10_000));
+        let (whole, more) = chat.text(&text, usize::MAX).unwrap();
+        assert_eq!((&whole[..], more), (&[1, id][..], false), "{token}");
+        for cut in (1..text.len()).step_by(97) {
+            chat.cuts.min_prefix = cut;
+            chat.cuts.bytes_per_token = 0;
+            assert_eq!(
+                chat.text(&text, 1).unwrap(),
+                (vec![1], true),
+                "{token} {cut}"
+            );
+            assert_eq!(
+                chat.text(&text, 2).unwrap(),
+                (whole.clone(), false),
+                "{token} {cut}"
+            );
+        }
+    }
+}
+
+/// A text past the bound that cannot be cut within it is refused, the error naming what keeps
+/// its first tokens from being told: pieces of few tokens each (words the model does not know:
+/// one `[UNK]` for 900 bytes), nothing to tokenize at all (whitespace the pre-tokenizer drops),
+/// one piece the pre-tokenizer does not split, a run of whitespace an `lstrip` token may take.
+/// The old error blamed pieces too long for the first two, which have no long piece (the last
+/// was not refused, but cut wrongly).
+#[test]
+fn a_text_that_cannot_be_cut_within_the_bound_is_refused_saying_why() {
+    let lstrip = dir("lstripwhy", &lstrip_like(metaspace()), None);
+    let model = json!({"type": "WordLevel", "unk_token": "[UNK]", "vocab": {"[UNK]": 0, "a": 1}});
+    let words = dir(
+        "words",
+        &tokenizer(
+            json!([]),
+            json!(null),
+            json!({"type": "WhitespaceSplit"}),
+            model,
+        ),
+        None,
+    );
+    let spaces = format!("a{}<m>", " ".repeat(600_000));
+    let letters = "a".repeat(600_000);
+    let unknown = format!("{} ", "b".repeat(900)).repeat(700);
+    let blank = format!("{}a", " ".repeat(600_000));
+    for (d, text, says) in [
+        (
+            &words,
+            &unknown,
+            &["its tokens are few for its length: only the 578 tokens before byte 522580 can be told"][..],
+        ),
+        (
+            &words,
+            &blank,
+            &["leave nothing of its first 524288 bytes to tokenize"],
+        ),
+        (
+            &lstrip,
+            &letters,
+            &["pre-tokenizer does not split bytes 0 to 524288 and maybe past"],
+        ),
+        (
+            &lstrip,
+            &spaces,
+            &[
+                "the text is 600004 bytes",
+                "its first 4096 tokens cannot be told from its first 524288 bytes alone",
+                "it is all whitespace from byte 1 to within 1027 bytes of byte 524288",
+                "added tokens \"<m>\" and 1 more take the whitespace before them (lstrip)",
+                "none of its tokens can be told",
+            ],
+        ),
+    ] {
+        let mut chat = load(d);
+        chat.cuts.uncut_max = 512 << 10;
+        let e = chat.text(text, 4_096).unwrap_err();
+        for said in says.iter().chain(&["refused", "leave it out, or split it"]) {
+            assert!(e.contains(said), "{said:?} not in {e}");
         }
     }
 }
