@@ -232,9 +232,9 @@ impl Chat {
         //    agreed were taken, and could differ from it), and such a record may be refused.
         // 6: `strftime_now` is defined, writing `date` (a template that tested `is defined`
         //    wrote its own fallback date, and one that called it failed).
-        //    And with an added token that takes the whitespace before it (`lstrip`), a prefix keeps
-        //    no split of a run of whitespace near its end (they were kept, and differed from the
-        //    whole record's when such a token followed the run).
+        //    And with an added token that takes the whitespace before it (`lstrip`), a prefix
+        //    keeps no split of a run of whitespace near its end (they were kept, and differed
+        //    from the whole record's when such a token followed the run).
         h.write(b"hspipe chat 6");
         let field = |h: &mut XxHash3_128, b: &[u8]| {
             h.write(&(b.len() as u64).to_le_bytes());
