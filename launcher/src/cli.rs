@@ -166,7 +166,8 @@ pub struct Args {
     /// Updates skipped in a row after which the run stops: an update is skipped when the
     /// group's gradient is NaN or infinite (the weights left as they were), and a group that
     /// skips every one has diverged, training nothing more. The run then stops in order (the
-    /// drafters checkpoint the weights of the last update applied) and ends degraded. 0: never.
+    /// drafters checkpoint the weights of the last update applied) and ends degraded; the row's
+    /// batches count as untrained (lost-steps.jsonl), so --resume trains them again. 0: never.
     #[arg(long, default_value_t = 100, value_name = "UPDATES")]
     pub stop_after_skipped: u32,
     /// Seconds without a heartbeat after which a running worker counts as hung: it is killed

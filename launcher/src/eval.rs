@@ -47,7 +47,7 @@ pub struct EvalArgs {
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_PROMPTS), default_value_t = 8)]
     pub prompts: usize,
     /// Tokens of each prompt (at least 1); with the new tokens and a block they stay within
-    /// the target's max_position_embeddings.
+    /// the target's max_position_embeddings (and sliding window).
     #[arg(long, value_parser = at_least_one(), default_value_t = 32)]
     pub prompt_len: usize,
     /// Tokens to generate per prompt (at least 1).

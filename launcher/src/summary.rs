@@ -104,8 +104,9 @@ pub struct Summary {
     /// Batches set aside untrained after killing the targets that computed them or the drafters
     /// that took them (`--set-aside-after`; each in `set-aside.jsonl` and the notes).
     pub batches_set_aside: u64,
-    /// Batches trained in steps whose updates were lost when every drafter died
-    /// (`lost-steps.jsonl`): not in `batches_trained`, their samples untrained.
+    /// Batches trained in steps whose updates were lost when every drafter died, or skipped
+    /// when the group diverged (`lost-steps.jsonl`): not in `batches_trained`, their samples
+    /// untrained.
     pub batches_lost: u64,
     /// From the ledgers: the whole run's, a resumed run's earlier launches included.
     pub tokens_trained: u64,
@@ -261,9 +262,9 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
     }
     if s.batches_lost > 0 {
         notes.push(format!(
-            "{} batch(es) were trained in steps whose updates were lost when every drafter died \
-             (see lost-steps.jsonl): their samples count as untrained, and `launcher --resume` \
-             trains them",
+            "{} batch(es) were trained in steps whose updates were lost (every drafter died, or \
+             the drafters diverged: see lost-steps.jsonl): their samples count as untrained, and \
+             `launcher --resume` trains them",
             s.batches_lost
         ));
     }

@@ -589,7 +589,19 @@ impl<'a> Supervisor<'a> {
 
     /// The last tick, the exit code, `summary.json`; then the ring and the group go.
     fn finish(mut self) -> anyhow::Result<i32> {
+        // The leader's last steps, sent as it drained, may still be on their way.
+        self.control_events();
         self.mon.finish(&self.ring)?;
+        // A row of skipped updates that stopped the run (or that the data ended in) is lost:
+        // recorded before the summary reads the ledgers, so its batches count untrained.
+        if let Some(lost) = self.skipped.lost(self.args.stop_after_skipped) {
+            if let Err(e) = proto::ledger::record_lost(&self.run_dir, &lost) {
+                self.notes.push(format!(
+                    "recording {lost} in {} failed ({e}): those batches count as trained",
+                    self.run_dir.lost_steps().display()
+                ));
+            }
+        }
         let wall = self.started.elapsed();
         let mut exit_code = exit::OK;
         if self.killed {

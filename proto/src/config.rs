@@ -222,12 +222,31 @@ pub struct DataConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,
     /// The date a chat template's `strftime_now` writes ("2025-12-07", UTC, or with a time,
-    /// "2025-12-07T14:00:00"); None: 26 Jul 2024 (see [`DataConfig::template_date_epoch`]).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// "2025-12-07T14:00:00"; TOML's own unquoted date too); None: 26 Jul 2024 (see
+    /// [`DataConfig::template_date_epoch`]).
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "date_or_string"
+    )]
     pub template_date: Option<String>,
     /// A conversation or text longer than `max_len` tokens: "drop" it or "truncate" it (both
     /// counted). Pre-tokenized samples longer than that are an error.
     pub too_long: TooLong,
+}
+
+/// `template_date` as a string, whether the TOML quotes it or writes it as its own date
+/// (`template_date = 2025-12-07`, which the toml crate hands serde as a datetime, not a string).
+fn date_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        Text(String),
+        Date(toml::value::Datetime),
+    }
+    Ok(Option::<Given>::deserialize(d)?.map(|g| match g {
+        Given::Text(s) => s,
+        Given::Date(d) => d.to_string(),
+    }))
 }
 
 impl DataConfig {
@@ -964,6 +983,17 @@ mod tests {
                 .map_err(|e| e.to_string())
         };
         assert_eq!(epoch("2025-12-07"), Ok(Some(1_765_065_600)));
+        // TOML's own date, unquoted (it was "invalid type: map, expected a string").
+        let c =
+            PipelineConfig::from_toml("[data]\ntemplate_date = 2025-12-07\n", Path::new("d.toml"))
+                .unwrap();
+        assert_eq!(c.data.template_date_epoch().unwrap(), Some(1_765_065_600));
+        let c = PipelineConfig::from_toml(
+            "[data]\ntemplate_date = 2024-12-07T14:00:00\n",
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.data.template_date_epoch().unwrap(), Some(1_733_580_000));
         assert_eq!(epoch("2024-12-07T14:00:00"), Ok(Some(1_733_580_000)));
         for bad in ["yesterday", "2025-13-01", "07 Dec 2025"] {
             let e = epoch(bad).unwrap_err();

@@ -4,7 +4,7 @@
 //! The launcher opens a one-shot [`Server`] and passes its name to the worker (`--control NAME`).
 //! The worker connects and sends [`ToLauncher::Hello`] first, carrying the protocol version; the
 //! launcher answers [`ToWorker::Welcome`] (ring, run directory, config) or
-//! [`ToWorker::Refused`]. After that the launcher may send `Stop` or `Checkpoint`, and the worker
+//! [`ToWorker::Refused`]. After that the launcher may send `Stop`, and the worker
 //! ends with [`ToLauncher::Report`]. Both directions share the one connection.
 //!
 //! Why not a crate: ipc-channel (used before) is not packaged where this project's crates come

@@ -239,8 +239,8 @@ impl RunDir {
         self.0.join("set-aside.jsonl")
     }
 
-    /// The group steps whose updates were lost when every drafter died (`ledger::LostSteps`),
-    /// one JSON line each.
+    /// The group steps whose updates were lost when every drafter died, or skipped when the
+    /// group diverged (`ledger::LostSteps`), one JSON line each.
     pub fn lost_steps(&self) -> PathBuf {
         self.0.join("lost-steps.jsonl")
     }

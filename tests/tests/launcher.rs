@@ -621,10 +621,13 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
 
 /// A drafter group whose gradient is NaN at every step from step 4 on has diverged: every
 /// update is skipped, and the run stops in order at `--stop-after-skipped` skipped in a row,
-/// degraded, saying why, with the data not yet published left untrained. Before, such a run
-/// trained on to the end of its data (a week of GPU time for nothing) and ended "done".
+/// degraded, saying why, with the data not yet published left untrained and the skipped steps'
+/// batches lost (`lost-steps.jsonl`). A resume with the fault gone (a learning rate lowered)
+/// trains every sample once: the skipped ones again. Before, such a run trained on to the end
+/// of its data (a week of GPU time for nothing) and ended "done", its skipped batches trained
+/// for good.
 #[test]
-fn a_drafter_group_that_skips_every_update_stops_the_run() {
+fn a_drafter_group_that_skips_every_update_stops_the_run_and_a_resume_trains_its_batches() {
     let run = Run::new("ldiverge");
     let faults: String = (0..3)
         .map(|i| format!("[faults.drafter-{i}]\nnan_gradient_from_step = 4\n"))
@@ -657,6 +660,40 @@ fn a_drafter_group_that_skips_every_update_stops_the_run() {
         "{}",
         run.launcher_log()
     );
+    let rd = RunDir::new(run.run_dir());
+    let lost = proto::ledger::read_lost(&rd).unwrap();
+    assert!(
+        lost.len() == 1 && lost[0].skipped && lost[0].first == 4 && lost[0].last >= 8,
+        "{lost:?}"
+    );
+    let in_lost = (run.ledgers().iter())
+        .filter(|l| lost[0].contains(l.step))
+        .count() as u64;
+    assert!(
+        in_lost >= 5 && s["batches_lost"] == in_lost,
+        "{in_lost} {s}"
+    );
+    // The fault gone, as a lowered learning rate would make it: the resume trains the rest
+    // and the lost batches, every sample once.
+    let cfg = rd.path().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("nan_gradient_from_step"), "{text}");
+    std::fs::write(&cfg, text.replace("nan_gradient_from_step = 4", "")).unwrap();
+    let resumed = spawn(
+        &workspace_bin("launcher"),
+        &[
+            "--resume",
+            run.run_dir().to_str().unwrap(),
+            "--monitor",
+            "0.5",
+        ],
+    );
+    let (status, out, _) = resumed.finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    let counts = sample_counts(&run.ledgers());
+    assert_eq!(counts.len(), 4000, "every sample trained");
+    assert!(counts.values().all(|&c| c == 1), "each once");
+    assert_eq!(run.summary()["ok"], true);
 }
 
 /// A target that crashes in its second batch, each incarnation, is restarted every time under
@@ -1764,7 +1801,7 @@ fn updates_lost_when_every_drafter_died_are_untrained_until_a_resume_trains_them
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lost.len(), 1, "{text}");
-    assert_eq!((lost[0].first, lost[0].rank), (21, 0), "{text}");
+    assert_eq!((lost[0].first, lost[0].rank), (21, Some(0)), "{text}");
     let lines = run.ledgers();
     let mut steps: Vec<u64> = lines.iter().map(|l| l.step).collect();
     steps.sort_unstable();
@@ -1784,7 +1821,7 @@ fn updates_lost_when_every_drafter_died_are_untrained_until_a_resume_trains_them
     assert_eq!(s["samples_trained"], trained.len(), "{s}");
     let notes = s["notes"].to_string();
     assert!(
-        notes.contains("whose updates were lost when every drafter died"),
+        notes.contains("whose updates were lost (every drafter died, or the drafters diverged"),
         "{s}"
     );
     // The resume drops the lost lines and trains their batches again.

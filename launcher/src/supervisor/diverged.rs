@@ -2,10 +2,17 @@
 //!
 //! An update is skipped when the group's summed gradient is NaN or infinite: the weights stay
 //! as they were. One such update now and then is a loss spike, and training goes on, as it
-//! does past a skipped step of torch's GradScaler. A group that skips every update, though,
-//! trains nothing more: its weights are finite but a forward on them (or its inputs) gives NaN
-//! each time, and every later batch is spent for nothing. So a row of skipped updates stops the
-//! run at the limit, and a run whose data ran out inside a long row ends degraded all the same.
+//! does past a skipped step of torch's GradScaler. A group that skips every one, though, trains
+//! nothing more: its weights are finite but a forward on them (or its inputs) gives NaN each
+//! time, and every later batch is spent for nothing. So a row of skipped updates stops the run
+//! at the limit, and a run whose data ran out inside a long row ends degraded all the same.
+//! Either way the row's steps are recorded as lost (`lost-steps.jsonl`): their batches count as
+//! untrained, and `--resume` (at a lower learning rate) trains them again.
+//!
+//! The row is counted by the steps the leader reports, each once: a report of a step already
+//! seen (a rank that is not the leader, a leader that changed) is not another step, and any
+//! applied step ends the row, whether or not it says how many tokens it trained (a Python
+//! leader's `progress(step, loss)` does not).
 
 use proto::control::StepStats;
 
@@ -17,7 +24,9 @@ const AT_THE_END: u64 = 10;
 /// The row of skipped updates the group is in.
 #[derive(Debug, Default)]
 pub(super) struct Diverged {
-    /// Updates skipped in a row.
+    /// The latest step reported.
+    seen: Option<u64>,
+    /// Steps skipped in a row.
     in_a_row: u64,
     /// The first and the latest step of the row.
     first: u64,
@@ -28,18 +37,24 @@ pub(super) struct Diverged {
 
 impl Diverged {
     /// Takes in the leader's step `s`; the note that stops the run when the row reaches
-    /// `limit` (0: never). A step that trained no batch (tokens 0) neither counts nor ends the
-    /// row.
+    /// `limit` (0: never).
     pub(super) fn step(&mut self, s: &StepStats, limit: u32) -> Option<String> {
-        if s.skipped {
-            if self.in_a_row == 0 {
-                self.first = s.step;
-            }
-            self.in_a_row += 1;
-            self.last = s.step;
-        } else if s.tokens > 0 {
-            self.in_a_row = 0;
+        if self.seen.is_some_and(|seen| s.step <= seen) {
+            return None;
         }
+        self.seen = Some(s.step);
+        if !s.skipped {
+            // Applied: the row is over (a row already said stays the run's).
+            if !self.said {
+                self.in_a_row = 0;
+            }
+            return None;
+        }
+        if self.in_a_row == 0 {
+            self.first = s.step;
+        }
+        self.in_a_row += 1;
+        self.last = s.step;
         if limit == 0 || self.in_a_row < u64::from(limit) || self.said {
             return None;
         }
@@ -56,8 +71,7 @@ impl Diverged {
     /// At the run's end: the note that makes it degraded when it ended inside a row of skipped
     /// updates at least [`AT_THE_END`] long (or `limit`, if lower) that was not said yet.
     pub(super) fn at_the_end(&self, limit: u32) -> Option<String> {
-        let long = AT_THE_END.min(u64::from(limit));
-        if limit == 0 || self.said || self.in_a_row < long {
+        if self.said || !self.long_at_the_end(limit) {
             return None;
         }
         Some(format!(
@@ -69,9 +83,24 @@ impl Diverged {
         ))
     }
 
+    fn long_at_the_end(&self, limit: u32) -> bool {
+        limit > 0 && self.in_a_row >= AT_THE_END.min(u64::from(limit))
+    }
+
+    /// The steps to record as lost at the run's end: the row that stopped the run (to its last
+    /// step seen, those drained after the stop too), or a long row the data ended in.
+    pub(super) fn lost(&self, limit: u32) -> Option<proto::ledger::LostSteps> {
+        (self.said || self.long_at_the_end(limit)).then_some(proto::ledger::LostSteps {
+            first: self.first,
+            last: self.last,
+            rank: None,
+            skipped: true,
+        })
+    }
+
     fn why(&self) -> String {
         format!(
-            "The drafters keep the weights of step {} (each later update was skipped), and the skipped steps' batches count as trained. The drafter diverged (a learning rate too high?) or its inputs are broken: see the drafters' logs",
+            "The drafters keep the weights of step {} (each later update was skipped); the row's batches count as untrained (lost-steps.jsonl), so `launcher --resume` trains them again. The drafter diverged (a learning rate too high?) or its inputs are broken: see the drafters' logs",
             self.first.saturating_sub(1)
         )
     }
@@ -93,8 +122,9 @@ mod tests {
         }
     }
 
-    /// The row counts skipped updates; an applied one ends it, a step with no batch does not;
-    /// the note comes once, at the limit, naming the row's steps and the last good weights.
+    /// The row counts skipped steps; an applied one ends it; the note comes once, at the
+    /// limit, naming the row's steps and the last good weights, and the row, run on past the
+    /// stop by the drain, is what is lost.
     #[test]
     fn a_row_of_skipped_updates_stops_the_run_once_at_the_limit() {
         let mut d = Diverged::default();
@@ -105,27 +135,56 @@ mod tests {
             (3, 10, true),
             (4, 10, false), // a spike: the row ends
             (5, 10, true),
-            (6, 0, false), // no batch: the row goes on
+            (6, 10, true),
             (7, 10, true),
-            (8, 10, true),
-            (9, 10, true),
+            (8, 10, true), // drained after the stop: still the row's
+            (9, 0, false), // a round with no batch at the end
         ];
         for (s, tokens, skipped) in steps {
             said.extend(d.step(&step(s, tokens, skipped), 3).map(|n| (s, n)));
         }
         assert_eq!(said.len(), 1, "{said:?}");
         let (at, note) = &said[0];
-        assert_eq!(*at, 8, "the third skipped in a row");
+        assert_eq!(*at, 7, "the third skipped in a row");
         assert!(
-            note.contains("at 3 updates in a row (steps 5 to 8, --stop-after-skipped 3)")
+            note.contains("at 3 updates in a row (steps 5 to 7, --stop-after-skipped 3)")
                 && note.contains("the weights of step 4"),
             "{note}"
         );
         assert_eq!(d.at_the_end(3), None, "said once");
+        let lost = d.lost(3).unwrap();
+        assert_eq!((lost.first, lost.last, lost.skipped), (5, 8, true));
     }
 
-    /// A run whose data ends inside a long row (short of the limit) ends degraded; one that
-    /// ends on a short row, or with the rule off, does not.
+    /// Scattered skips never stop a run: a step applied ends the row even when it says no
+    /// tokens (a Python leader's `progress(step, loss)`), and a step reported twice (by two
+    /// ranks) counts once. Before, both made a row of skips that were not in a row.
+    #[test]
+    fn scattered_skips_and_repeated_reports_are_no_row() {
+        let mut d = Diverged::default();
+        for s in 1..=31 {
+            // Every third step skipped, each reported by three ranks, none with tokens.
+            for _ in 0..3 {
+                let note = d.step(&step(s, 0, s % 3 == 0), 3);
+                assert_eq!(note, None, "step {s}");
+            }
+        }
+        assert_eq!((d.at_the_end(3), d.lost(3)), (None, None));
+        // Three in a row, each reported twice: the third stops the run.
+        let notes: Vec<_> = (32..=34)
+            .flat_map(|s| [d.step(&step(s, 0, true), 3), d.step(&step(s, 0, true), 3)])
+            .flatten()
+            .collect();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("at 3 updates in a row (steps 32 to 34"),
+            "{}",
+            notes[0]
+        );
+    }
+
+    /// A run whose data ends inside a long row (short of the limit) ends degraded, the row
+    /// lost; one that ends on a short row, or with the rule off, does not.
     #[test]
     fn a_run_that_ends_inside_a_long_row_is_degraded() {
         let row = |n: u64| {
@@ -139,7 +198,9 @@ mod tests {
         let note = row(10).at_the_end(100).expect("ten skipped at the end");
         assert!(note.contains("last 10 updates were skipped"), "{note}");
         assert!(note.contains("steps 2 to 11"), "{note}");
-        assert_eq!(row(9).at_the_end(100), None, "a spike at the end");
+        let lost = row(10).lost(100).unwrap();
+        assert_eq!((lost.first, lost.last), (2, 11));
+        assert_eq!((row(9).at_the_end(100), row(9).lost(100)), (None, None));
         assert_eq!(row(10).at_the_end(0), None, "the rule off");
         assert!(row(2).at_the_end(2).is_some(), "a limit below ten counts");
     }

@@ -5,6 +5,10 @@
 //! here (`RunDir::lost_steps`, one JSON line each, synced before it trains on) and the group
 //! goes on from step M, so no step number is used twice and a range names its lines alone.
 //!
+//! The launcher records a range here too when the drafter group diverged (every update of a row
+//! of steps skipped, its gradient NaN or infinite: `--stop-after-skipped`): those batches were
+//! trained into no update either.
+//!
 //! A ledger line whose step is in a lost range does not count as trained: the run's summary
 //! counts its samples untrained (the run ends degraded) and `--resume` trains them again.
 
@@ -18,8 +22,14 @@ use crate::RunDir;
 pub struct LostSteps {
     pub first: u64,
     pub last: u64,
-    /// The drafter rank that went on from its checkpoint (of step `first - 1`).
-    pub rank: u32,
+    /// The drafter rank that went on from its checkpoint (of step `first - 1`); none for
+    /// updates skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    /// The updates were skipped, the group's gradient NaN or infinite (the launcher's record
+    /// of a group that diverged), rather than lost with every drafter.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 impl LostSteps {
@@ -29,7 +39,8 @@ impl LostSteps {
         (group > checkpoint).then_some(LostSteps {
             first: checkpoint + 1,
             last: group,
-            rank,
+            rank: Some(rank),
+            skipped: false,
         })
     }
 
@@ -45,15 +56,21 @@ impl LostSteps {
 
 impl std::fmt::Display for LostSteps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the updates of steps {}..={} were lost when every drafter died: drafter-{} went \
-             on from its checkpoint of step {}",
-            self.first,
-            self.last,
-            self.rank,
-            self.first - 1
-        )
+        let (first, last) = (self.first, self.last);
+        match self.rank {
+            _ if self.skipped => write!(
+                f,
+                "the updates of steps {first}..={last} were skipped, the group's gradient NaN or \
+                 infinite: the drafters diverged"
+            ),
+            Some(rank) => write!(
+                f,
+                "the updates of steps {first}..={last} were lost when every drafter died: \
+                 drafter-{rank} went on from its checkpoint of step {}",
+                first.saturating_sub(1)
+            ),
+            None => write!(f, "the updates of steps {first}..={last} were lost"),
+        }
     }
 }
 
