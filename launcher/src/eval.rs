@@ -42,6 +42,11 @@ pub struct EvalArgs {
     /// Prompts from this data (JSONL, Parquet, Arrow, HF datasets directory).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Pipeline config whose [data] chat options (system_prompt, enable_thinking,
+    /// template_date, tokenizer) prepare --data's conversations, as the run prepared its own:
+    /// e.g. <run-dir>/config.toml. Default: none of them.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    pub config: Option<PathBuf>,
     /// Prompts to decode, 1 to 1000000 (none would report no figure as if it were one; the
     /// held-out prompts are made before the first is decoded).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_PROMPTS), default_value_t = 8)]
@@ -107,8 +112,12 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
         ));
     };
     let cache = PathBuf::from("runs").join("data-cache");
-    // Conversations are prepared through the target's own template, as for training.
-    let mut cfg = proto::PipelineConfig::default();
+    // Conversations are prepared through the target's own template, as for training, with the
+    // run's chat options when its config is given (its data and sizes are the run's, unread).
+    let mut cfg = match &a.config {
+        Some(p) => proto::PipelineConfig::load_unchecked(p)?,
+        None => proto::PipelineConfig::default(),
+    };
     cfg.model.path = Some(a.model.clone());
     let options = crate::data::options(&cfg, u32::MAX)?;
     let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None, Some(stop))?;

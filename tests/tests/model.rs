@@ -1342,4 +1342,37 @@ fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
         (&2.into(), &5.into()),
         "{report}"
     );
+    // `--config` (a run's config.toml): its [data] chat options prepare the prompts, here its
+    // tokenizer directory, which has none (before, eval had no --config: a run's system prompt,
+    // thinking option and template date were not the prompts').
+    let elsewhere = dir.path("no-tokenizer");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let cfg = dir.path("run-config.toml");
+    std::fs::write(
+        &cfg,
+        format!("[data]\ntokenizer = {:?}\n", elsewhere.to_str().unwrap()),
+    )
+    .unwrap();
+    let chats = dir.path("chats.jsonl");
+    std::fs::write(
+        &chats,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n",
+    )
+    .unwrap();
+    let (code, said) = crate::launcher::launch_in(
+        &dir,
+        &[
+            "eval",
+            "--model",
+            m,
+            "--drafter",
+            drafter,
+            "--data",
+            chats.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains(elsewhere.to_str().unwrap()), "{said}");
 }
