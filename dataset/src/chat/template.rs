@@ -13,6 +13,10 @@
 //! A template without the tag gives its assistant spans by markers: [`Markers::probe`] renders
 //! two probe conversations and reads off the text that opens an assistant turn and the one that
 //! ends it, and [`Markers::spans`] finds them in a rendered conversation.
+//!
+//! Length: past 500 lines with its tests, one for each of transformers' template behaviours it
+//! reproduces (the tag, the markers, `tojson`, `raise_exception`, `strftime_now`); they share
+//! the private helpers they test.
 
 use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind};
