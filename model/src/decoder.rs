@@ -264,6 +264,8 @@ pub struct Decoder {
     /// Whether NaN and infinities are found on the device and the tokens marked, not read back
     /// at each layer ([`Decoder::check_on_device`]).
     check_on_device: bool,
+    /// No NaN check at all: a benchmark's knob ([`Decoder::skip_checks_for_benchmark`]).
+    skip_checks: bool,
 }
 
 /// Elements of one chunk of LM-head logits (positions x vocabulary): 16M f32 is 64 MiB.
@@ -315,6 +317,7 @@ impl Decoder {
             score_block: SCORE_BLOCK,
             logit_chunk: LOGIT_CHUNK,
             check_on_device: !w.device().is_cpu(),
+            skip_checks: false,
         })
     }
 
@@ -402,6 +405,14 @@ impl Decoder {
         self.check_on_device = on;
     }
 
+    /// A benchmark's knob, not a user's: forwards with no NaN check at all, host or device, so
+    /// `bench-target --checks` can time what the checks cost. A forward run so can hand on
+    /// garbage that looks like data.
+    #[doc(hidden)]
+    pub fn skip_checks_for_benchmark(&mut self, skip: bool) {
+        self.skip_checks = skip;
+    }
+
     /// Runs the concatenated sequences `ids` (lengths `seq_lens`) and returns what `need` asks.
     pub fn forward(&self, ids: &[u32], seq_lens: &[u32], need: &Need<'_>) -> Result<Output> {
         let total: u64 = seq_lens.iter().map(|&l| u64::from(l)).sum();
@@ -455,7 +466,7 @@ impl Decoder {
         let mut layers = vec![None; need.layers.len()];
         // Each layer's output checked as it is made: a pass over `[T, H]` next to the layer's
         // `[T, H] x [H, *]` products (see `check_on_device` for the other way).
-        let check = !self.check_on_device;
+        let check = !self.check_on_device && !self.skip_checks;
         for (li, layer) in self.layers.iter().enumerate().take(run) {
             x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &attend)?;
             if check {
@@ -478,8 +489,9 @@ impl Decoder {
             finite(&last, || "the final norm's output".into())?;
         }
         let tokens = if need.tokens {
-            let mut verdict = if check { None } else { Some(poison(&x)?) };
-            let tokens = self.greedy(&last, verdict.as_mut())?;
+            let on_device = self.check_on_device && !self.skip_checks;
+            let mut verdict = if on_device { Some(poison(&x)?) } else { None };
+            let tokens = self.greedy(&last, check, verdict.as_mut())?;
             match verdict {
                 Some(p) => Some(mark(&tokens, &p)?),
                 None => Some(tokens),
@@ -588,9 +600,14 @@ impl Decoder {
     }
 
     /// Argmax of the LM head at every row of `last` (`[T, hidden]`), in chunks of rows: u32
-    /// `[T]` on the device, nothing waited for. The logits are checked as they are made, or,
-    /// with a `verdict` to add their [`poison`] to, on the device.
-    fn greedy(&self, last: &Tensor, mut verdict: Option<&mut Tensor>) -> Result<Tensor> {
+    /// `[T]` on the device, nothing waited for. The logits are checked as they are made
+    /// (`check`), or, with a `verdict` to add their [`poison`] to, on the device.
+    fn greedy(
+        &self,
+        last: &Tensor,
+        check: bool,
+        mut verdict: Option<&mut Tensor>,
+    ) -> Result<Tensor> {
         let t = last.dim(0)?;
         let rows = (self.logit_chunk / self.cfg.vocab_size).max(1);
         let head = self.lm_head.t()?;
@@ -601,7 +618,8 @@ impl Decoder {
             let logits = last.narrow(0, start, n)?.matmul(&head)?;
             match verdict.as_deref_mut() {
                 Some(v) => *v = (&*v + poison(&logits)?)?,
-                None => finite(&logits, || "the LM head's logits".into())?,
+                None if check => finite(&logits, || "the LM head's logits".into())?,
+                None => {}
             }
             chunks.push(logits.argmax(D::Minus1)?);
             start += n;

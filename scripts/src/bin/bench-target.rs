@@ -12,6 +12,9 @@
 //! Its attention is the fused kernel unless `HSPIPE_TARGET_ATTENTION=blocked`; the JSON says
 //! which ran. `--compare-attention` then also runs one forward with the blocked matrix products
 //! and compares what the two captured (the fused kernel's check on a whole model).
+//!
+//! `--checks` times what the forward's NaN checks cost instead (BENCHMARKS.md, "The NaN
+//! checks' cost"): forwards with the host's check, the device's and none, in turn.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -60,6 +63,65 @@ struct Args {
     /// the blocked forwards too: where a forward's time goes.
     #[arg(long)]
     kernels: bool,
+    /// Instead of the timing above, forwards alternating the decoder's NaN checks: on the host
+    /// (each layer's output, the final norm's and the logits: the CPU's default), on the device
+    /// (the last layer's output and the logits, the tokens marked: the GPU's default) and none
+    /// (a benchmark's knob). One warm-up round, then `--reps` rounds of one forward each, the
+    /// order rotating round by round; prints each one's median and the median of its per-round
+    /// ratio to none.
+    #[arg(long, conflicts_with_all = ["kernels", "compare_attention"])]
+    checks: bool,
+}
+
+/// The NaN checks `--checks` compares, as the decoder is set for each.
+const CHECKS: [&str; 3] = ["host", "device", "none"];
+
+/// `--checks`: forwards of `ids` alternating [`CHECKS`], one warm-up round then `reps` rounds.
+fn time_checks(
+    a: &Args,
+    target: &mut CandleTarget,
+    ids: &[u32],
+    lens: &[u32],
+    out: (&mut [u8], &mut [u8]),
+) -> anyhow::Result<()> {
+    anyhow::ensure!(a.reps > 0, "--checks needs --reps of at least 1");
+    let (hidden, tokens) = out;
+    // Seconds of each check's forwards, by round.
+    let mut secs = [(); 3].map(|_| Vec::with_capacity(a.reps));
+    for round in 0..=a.reps {
+        for k in 0..CHECKS.len() {
+            let which = (round + k) % CHECKS.len();
+            let d = target.decoder_mut();
+            d.check_on_device(CHECKS[which] == "device");
+            d.skip_checks_for_benchmark(CHECKS[which] == "none");
+            let started = Instant::now();
+            let out = gpu::TargetOut {
+                hidden_states: hidden,
+                target_tokens: tokens,
+            };
+            target.run(ids, lens, out, !a.no_tokens)?;
+            if round > 0 {
+                secs[which].push(started.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let none = &secs[2];
+    for (which, s) in secs.iter().enumerate() {
+        let ratio = median(s.iter().zip(none).map(|(x, n)| x / n).collect());
+        println!(
+            "{{\"checks\": \"{}\", \"seq_len\": {}, \"batch\": {}, \"rounds\": {}, \"median_s\": {:.4}, \"over_none\": {ratio:.4}}}",
+            CHECKS[which],
+            a.seq_len,
+            a.batch,
+            a.reps,
+            median(s.clone()),
+        );
+    }
+    Ok(())
 }
 
 /// `f`'s device time by kernel, printed as `what`'s (with `--kernels` on a GPU; nothing else).
@@ -123,6 +185,9 @@ fn main() -> anyhow::Result<()> {
     let (l, h) = (cfg.model.layers as usize, cfg.model.hidden as usize);
     let mut hidden = vec![0u8; t * l * h * cfg.model.dtype.size()];
     let mut tokens = vec![0u8; t * 4];
+    if a.checks {
+        return time_checks(&a, &mut target, &ids, &lens, (&mut hidden, &mut tokens));
+    }
     let mut secs = Vec::with_capacity(a.reps);
     for rep in 0..=a.reps {
         let started = Instant::now();
