@@ -22,6 +22,22 @@ pub fn wait_rusage(pid: u32) -> anyhow::Result<(i32, u64)> {
     Ok((libc::WEXITSTATUS(status), ru.ru_maxrss as u64))
 }
 
+/// CPU seconds this process has used so far, all threads, user and system (the kernel's
+/// count, to the microsecond): on a shared machine a measure of work that waiting for a core
+/// does not inflate, as wall time is.
+pub fn cpu_seconds() -> anyhow::Result<f64> {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes the rusage struct, valid for writes.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if r != 0 {
+        anyhow::bail!("getrusage: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: getrusage succeeded, so it filled the struct (zeroed before in any case).
+    let ru = unsafe { ru.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Ok(secs(ru.ru_utime) + secs(ru.ru_stime))
+}
+
 /// How many kernels a kernel table lists, the longest first.
 pub const KERNELS_LISTED: usize = 20;
 

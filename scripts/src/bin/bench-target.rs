@@ -67,8 +67,8 @@ struct Args {
     /// (each layer's output, the final norm's and the logits: the CPU's default), on the device
     /// (the last layer's output and the logits, the tokens marked: the GPU's default) and none
     /// (a benchmark's knob). One warm-up round, then `--reps` rounds of one forward each, the
-    /// order rotating round by round; prints each one's median and the median of its per-round
-    /// ratio to none.
+    /// order rotating round by round; prints each one's median wall and CPU seconds (all
+    /// threads) and the medians of its per-round ratios to none.
     #[arg(long, conflicts_with_all = ["kernels", "compare_attention"])]
     checks: bool,
 }
@@ -86,15 +86,16 @@ fn time_checks(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(a.reps > 0, "--checks needs --reps of at least 1");
     let (hidden, tokens) = out;
-    // Seconds of each check's forwards, by round.
+    // Wall and CPU seconds of each check's forwards, by round.
     let mut secs = [(); 3].map(|_| Vec::with_capacity(a.reps));
+    let mut cpu = [(); 3].map(|_| Vec::with_capacity(a.reps));
     for round in 0..=a.reps {
         for k in 0..CHECKS.len() {
             let which = (round + k) % CHECKS.len();
             let d = target.decoder_mut();
             d.check_on_device(CHECKS[which] == "device");
             d.skip_checks_for_benchmark(CHECKS[which] == "none");
-            let started = Instant::now();
+            let (started, cpu_started) = (Instant::now(), scripts::cpu_seconds()?);
             let out = gpu::TargetOut {
                 hidden_states: hidden,
                 target_tokens: tokens,
@@ -102,23 +103,24 @@ fn time_checks(
             target.run(ids, lens, out, !a.no_tokens)?;
             if round > 0 {
                 secs[which].push(started.elapsed().as_secs_f64());
+                cpu[which].push(scripts::cpu_seconds()? - cpu_started);
             }
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+    // Each round's ratio to none's forward in the same round, the median of them.
+    let over_none = |v: &[Vec<f64>], which: usize| {
+        scripts::median(v[which].iter().zip(&v[2]).map(|(x, n)| x / n).collect())
     };
-    let none = &secs[2];
-    for (which, s) in secs.iter().enumerate() {
-        let ratio = median(s.iter().zip(none).map(|(x, n)| x / n).collect());
+    for (which, check) in CHECKS.iter().enumerate() {
         println!(
-            "{{\"checks\": \"{}\", \"seq_len\": {}, \"batch\": {}, \"rounds\": {}, \"median_s\": {:.4}, \"over_none\": {ratio:.4}}}",
-            CHECKS[which],
+            "{{\"checks\": \"{check}\", \"seq_len\": {}, \"batch\": {}, \"rounds\": {}, \"median_s\": {:.4}, \"over_none\": {:.4}, \"median_cpu_s\": {:.4}, \"cpu_over_none\": {:.4}}}",
             a.seq_len,
             a.batch,
             a.reps,
-            median(s.clone()),
+            scripts::median(secs[which].clone()),
+            over_none(&secs, which),
+            scripts::median(cpu[which].clone()),
+            over_none(&cpu, which),
         );
     }
     Ok(())
