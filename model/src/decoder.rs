@@ -391,16 +391,20 @@ impl Decoder {
         self.logit_chunk = elements.max(1);
     }
 
-    /// How a forward finds NaN and infinities. On the CPU (the default there) each layer's
-    /// output, the final norm's and the logits are checked as they are made, and the error
-    /// names the first that is not finite. On a GPU (the default there) reading a verdict back
-    /// would wait for the device, where the target worker overlaps one batch's forward with
-    /// the last one's copy; so the verdict stays on the device: the last layer's output (a NaN
-    /// or infinity in any layer's output stays in the residual stream to the last: each layer
-    /// only adds to it) and the logits are summed as `x - x`, and every greedy token is set to
-    /// [`NON_FINITE`] unless that is 0. The tokens are read anyway; [`Output::token_ids`] and
-    /// the GPU target's write-back refuse marked ones. A forward that asks for no tokens is not
-    /// checked this way. The tests turn it on for the CPU to run the GPU's check.
+    /// How a forward finds NaN and infinities. On the CPU (the default there) the last layer's
+    /// output, the final norm's and the logits are checked as they are made (a sum read back,
+    /// confirmed element by element only when it is not finite), and the error names the first that
+    /// is not finite. The last layer's output stands for every layer's (as below); when it is not
+    /// finite the layers are run again, each checked, so the error names the first layer whose
+    /// output is not. (`x - x` summed at every layer and on the logits cost 3-7% of a forward:
+    /// BENCHMARKS.md, "The NaN checks' cost".) On a GPU (the default there) reading a verdict back
+    /// would wait for the device, where the target worker overlaps one batch's forward with the
+    /// last one's copy; so the verdict stays on the device: the last layer's output (a NaN or
+    /// infinity in any layer's output stays in the residual stream to the last: each layer only
+    /// adds to it) and the logits are summed as `x - x`, and every greedy token is set to
+    /// [`NON_FINITE`] unless that is 0. The tokens are read anyway; [`Output::token_ids`] and the
+    /// GPU target's write-back refuse marked ones. A forward that asks for no tokens is not checked
+    /// this way. The tests turn it on for the CPU to run the GPU's check.
     pub fn check_on_device(&mut self, on: bool) {
         self.check_on_device = on;
     }
@@ -464,17 +468,25 @@ impl Decoder {
         let ids = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let mut layers = vec![None; need.layers.len()];
-        // Each layer's output checked as it is made: a pass over `[T, H]` next to the layer's
-        // `[T, H] x [H, *]` products (see `check_on_device` for the other way).
         let check = !self.check_on_device && !self.skip_checks;
         for (li, layer) in self.layers.iter().enumerate().take(run) {
             x = self.layer(layer, &x, &cos, &sin, &lens, seq_lens, &attend)?;
-            if check {
-                finite(&x, || format!("decoder layer {li}'s output"))?;
-            }
             for (slot, _) in need.layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 layers[slot] = Some(x.clone());
             }
+        }
+        // The last layer's output checked for all of them: a NaN or an infinity in any layer's
+        // output stays in the residual stream to the last (each layer only adds to it). Only
+        // when it is found are the layers run again, each checked, to name the first.
+        if check && run > 0 && !all_finite(&x)? {
+            let mut y = self.embed.index_select(&ids, 0)?;
+            for (li, layer) in self.layers.iter().enumerate().take(run) {
+                y = self.layer(layer, &y, &cos, &sin, &lens, seq_lens, &attend)?;
+                finite(&y, || format!("decoder layer {li}'s output"))?;
+            }
+            // A device that computed the layers differently the second time: the first run's
+            // last layer is the one known to be bad.
+            return Err(non_finite(&format!("decoder layer {}'s output", run - 1)));
         }
         let layers = layers.into_iter().flatten().collect();
         if !(need.final_hidden || need.tokens) {
@@ -631,23 +643,31 @@ impl Decoder {
     }
 }
 
-/// That every element of `x` is finite, else [`ModelError::NonFinite`] naming `what`: `x - x`
-/// is 0 at a finite element and NaN at a NaN or an infinity, so its sum is 0 exactly when all
-/// are finite (in any float dtype, with no copy to the host but the sum).
+/// That every element of `x` is finite, else [`ModelError::NonFinite`] naming `what`.
 fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
-    #[allow(clippy::eq_op)] // x - x on purpose: NaN where x is not finite.
-    let sum = (x - x)?
-        .sum_all()?
-        .to_dtype(DType::F32)?
-        .to_scalar::<f32>()?;
-    if sum == 0.0 {
+    if all_finite(x)? {
         return Ok(());
     }
     Err(non_finite(&what()))
 }
 
+/// Whether every element of `x` is finite (in any float dtype, with no copy to the host but a
+/// sum). A NaN or an infinity makes any sum of it NaN or infinite, so a finite sum of `x` clears
+/// it in one read, with nothing written. Finite elements can overflow a sum too, so a sum that
+/// is not finite is confirmed by `x - x`'s (0 at a finite element, NaN elsewhere): two passes
+/// and a tensor as large as `x` (BENCHMARKS.md, "The NaN checks' cost").
+fn all_finite(x: &Tensor) -> Result<bool> {
+    let scalar = |t: Tensor| -> Result<f32> { Ok(t.to_dtype(DType::F32)?.to_scalar::<f32>()?) };
+    if scalar(x.sum_all()?)?.is_finite() {
+        return Ok(true);
+    }
+    #[allow(clippy::eq_op)] // x - x on purpose: NaN where x is not finite.
+    let exact = scalar((x - x)?.sum_all()?)?;
+    Ok(exact == 0.0)
+}
+
 /// `x - x` summed, as an f32 scalar left on the device: 0 exactly when every element of `x` is
-/// finite (see [`finite`]), NaN otherwise.
+/// finite (`x - x` is 0 at a finite element and NaN at a NaN or an infinity), NaN otherwise.
 fn poison(x: &Tensor) -> Result<Tensor> {
     #[allow(clippy::eq_op)] // x - x on purpose: NaN where x is not finite.
     let sum = (x - x)?.sum_all()?.to_dtype(DType::F32)?;
@@ -662,4 +682,25 @@ fn mark(tokens: &Tensor, poison: &Tensor) -> Result<Tensor> {
     let fine = fine.broadcast_as(tokens.shape())?;
     let marked = Tensor::full(NON_FINITE, tokens.shape(), tokens.device())?;
     Ok(fine.where_cond(tokens, &marked)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Finite values whose sum overflows are finite all the same (the sum's verdict is
+    /// confirmed element by element); one NaN or infinity anywhere is not, whatever the others.
+    #[test]
+    fn all_finite_is_exact_where_a_sum_overflows() {
+        let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+        let big = f32::MAX / 2.0;
+        assert!(all_finite(&t(&[big, big, big, 1.0])).unwrap());
+        assert!(all_finite(&t(&[-big, -big, -big])).unwrap());
+        assert!(all_finite(&t(&[0.0; 5])).unwrap());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!all_finite(&t(&[1.0, bad, 2.0])).unwrap(), "{bad}");
+            assert!(!all_finite(&t(&[big, big, bad])).unwrap(), "{bad}");
+        }
+        assert!(!all_finite(&t(&[f32::INFINITY, f32::NEG_INFINITY])).unwrap());
+    }
 }

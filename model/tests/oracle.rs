@@ -722,3 +722,52 @@ fn a_forward_checked_on_the_device_marks_its_tokens_when_it_computes_nan() {
     let e = d.forward(&ids, &lens, &need).err().unwrap();
     assert!(e.to_string().contains("decoder layer 1's output"), "{e}");
 }
+
+/// The CPU's check says where NaN or infinities first appear, though it reads only the last
+/// layer's output, the final norm's and the logits: a model whose layer 1 computes infinities
+/// fails naming layer 1, whichever later layers are asked for and whether or not the tokens
+/// are; a broken final norm or LM head is named as such; a healthy model passes.
+#[test]
+fn the_cpu_check_names_the_first_layer_or_part_that_is_not_finite() {
+    let s = spec(Family::Qwen3);
+    let (ids, lens) = batch(s.vocab as u32);
+    let need = |layers, tokens| Need {
+        layers,
+        final_hidden: false,
+        tokens,
+    };
+    let healthy = made(&s);
+    for want in [need(&[2], false), need(&[0], true)] {
+        ours(healthy.path()).forward(&ids, &lens, &want).unwrap();
+    }
+    let cases: [(&str, &[Need<'_>], &str); 3] = [
+        (
+            "model.layers.1.mlp.down_proj.weight",
+            &[need(&[2], false), need(&[1], false), need(&[0], true)],
+            "decoder layer 1's output",
+        ),
+        (
+            "model.norm.weight",
+            &[need(&[], true)],
+            "the final norm's output",
+        ),
+        (
+            "lm_head.weight",
+            &[need(&[0], true)],
+            "the LM head's logits",
+        ),
+    ];
+    for (tensor, needs, named) in cases {
+        let dir = made(&s);
+        infinite_tensor(dir.path(), tensor);
+        let d = ours(dir.path());
+        for n in needs {
+            let e = d.forward(&ids, &lens, n).err().unwrap();
+            assert!(
+                matches!(e, ModelError::NonFinite(_)) && e.to_string().contains(named),
+                "{tensor} infinite, layers {:?}: {e}",
+                n.layers
+            );
+        }
+    }
+}
