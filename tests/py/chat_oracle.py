@@ -12,7 +12,9 @@ return_dict=True, return_assistant_tokens_mask=True) makes of each record. No to
                                  strings and as structs) and tools_expected.json
   chat_oracle.py dated OUT_DIR EPOCH   OUT_DIR/dated/, a model whose template writes the date
                                  with strftime_now, OUT_DIR/dated.jsonl and OUT_DIR/expected.json,
-                                 transformers' clock set to EPOCH (seconds since 1970, UTC)
+                                 transformers' clock set to EPOCH (seconds since 1970, UTC); and
+                                 OUT_DIR/{mistral,mistral-markers}/, a Mistral-style template, and
+                                 what transformers makes of the same records with it
   chat_oracle.py bench MODEL_DIR RECORDS.jsonl   times transformers on every record (the
                                  benchmark's Python side); prints conversations/s
 
@@ -280,9 +282,23 @@ def dated(out, epoch):
     with open(os.path.join(out, "dated.jsonl"), "w") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    text = tok.apply_chat_template(messages_of(records[0]), tokenize=False)
+    expected = {"dated": got, "dated_text": text}
+    # A Mistral-style template (user turns not closed as assistant turns are): tagged, and a
+    # copy without its tags, whose turns hspipe finds by markers.
+    template = open(os.path.join(HERE, "chat", "mistral.jinja")).read()
+    write_model(os.path.join(out, "mistral"), "mistral", template, specials, tokenizer_json(), False)
+    write_model(os.path.join(out, "mistral-markers"), "mistral", strip_generation(template),
+                specials, tokenizer_json(), False)
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "mistral"))
+    expected["mistral"] = []
+    for r in records:
+        o = tok.apply_chat_template(messages_of(r), tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        expected["mistral"].append({"input_ids": list(o["input_ids"]),
+                                    "loss_mask": list(o["assistant_masks"])})
     with open(os.path.join(out, "expected.json"), "w") as f:
-        text = tok.apply_chat_template(messages_of(records[0]), tokenize=False)
-        json.dump({"dated": got, "dated_text": text}, f)
+        json.dump(expected, f)
 
 
 def containers(out):

@@ -219,6 +219,30 @@ fn a_template_that_writes_the_date_renders_the_date_transformers_renders() {
     );
 }
 
+/// A Mistral-style template, whose user turns are not closed as its assistant turns are
+/// (`[INST]...[/INST]`, then the answer and the end of sequence): with its `{% generation %}`
+/// tags and without them (turns found by markers), our ids and masks equal transformers' with
+/// the tags. Before, the markers were refused ("a user turn does not end with ...").
+#[test]
+fn a_mistral_style_templates_turns_are_found_with_and_without_its_tags() {
+    let d = TestDir::new("chat-mistral");
+    run_oracle_with("dated", &d, &["1733580000"]);
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path("expected.json")).unwrap()).unwrap();
+    let exp = expected(&want, "mistral");
+    for dir in ["mistral", "mistral-markers"] {
+        let c = chat(&d.path(dir), ChatOptions::default());
+        assert_eq!(c.markers().is_some(), dir.ends_with("-markers"), "{dir}");
+        let cache = d.path(&format!("cache-{dir}"));
+        let p = prepare(&d.path("dated.jsonl"), Some(c), 4096, TooLong::Drop, &cache).unwrap();
+        let got = read(&p.path);
+        assert_eq!(got.len(), exp.len(), "{dir}: samples");
+        for (i, (g, e)) in got.iter().zip(&exp).enumerate() {
+            assert_eq!(g, e, "{dir}: sample {i}");
+        }
+    }
+}
+
 /// `n` conversations in the words of the made model's corpus: multi-turn, with and without a
 /// system message, ShareGPT keys, thinking.
 fn chats(n: usize) -> String {

@@ -369,9 +369,12 @@ pub struct Markers {
 }
 
 impl Markers {
-    /// Renders `[user A, assistant B, user C, assistant D]` and its first user turn alone: the
-    /// end marker is what follows both B and D (trailing whitespace dropped), the opening one
-    /// what stands between A's end marker and B.
+    /// Renders `[user A, assistant B, user C, assistant D]`: the end marker is what follows
+    /// both B and D (trailing whitespace dropped), the opening one what stands between A's end
+    /// marker and B (ChatML's `<|im_start|>assistant\n`), or, where a user turn does not end
+    /// with the end marker, all that stands between A and B (Mistral's and Llama 2's
+    /// `[/INST]`: a user turn's close opens the assistant's, which ends with the end of
+    /// sequence).
     pub fn probe(t: &Template) -> Result<Markers, String> {
         let [a, b, c, d] = PROBE;
         let two = t.render(
@@ -409,12 +412,11 @@ impl Markers {
             return Err(fail("nothing marks the end of an assistant turn"));
         }
         let between = &s[pa + a.len()..pb];
-        let Some(at) = between.find(&end) else {
-            return Err(fail(&format!(
-                "a user turn does not end with {end:?} as an assistant turn does"
-            )));
+        let open = match between.find(&end) {
+            Some(at) => &between[at + end.len()..],
+            None => between,
         };
-        let open = between[at + end.len()..].trim_start().to_string();
+        let open = open.trim_start().to_string();
         if open.is_empty() {
             return Err(fail("nothing marks the start of an assistant turn"));
         }
@@ -512,10 +514,50 @@ mod tests {
         assert_eq!(m.spans(text), vec![(52, 64)]);
     }
 
+    /// A Mistral-style template (written here): a user turn is `[INST]...[/INST]`, an assistant
+    /// turn its content and the end of sequence, with nothing closing the user's turn as the
+    /// assistant's is closed. The turn opens after `[/INST]` and ends with its end of sequence.
+    /// Before, the probe refused it ("a user turn does not end with ...").
+    #[test]
+    fn markers_are_found_for_a_mistral_style_template() {
+        let src = "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}{% else %}{{ ' ' + m.content + eos_token }}{% endif %}{% endfor %}";
+        let specials = vec![
+            ("bos_token".to_string(), Value::from("<s>")),
+            ("eos_token".to_string(), Value::from("</s>")),
+        ];
+        let t = Template::new(src, specials).unwrap();
+        let m = Markers::probe(&t).unwrap();
+        assert_eq!(
+            m,
+            Markers {
+                open: "[/INST] ".into(),
+                end: "</s>".into()
+            }
+        );
+        let text = t
+            .render(
+                &[
+                    Message::new("user", "hé"),
+                    Message::new("assistant", "ok"),
+                    Message::new("user", "and?"),
+                    Message::new("assistant", "done"),
+                ],
+                None,
+                false,
+            )
+            .unwrap()
+            .text;
+        let spans: Vec<String> = (m.spans(&text).iter())
+            .map(|&(s, e)| text.chars().skip(s).take(e - s).collect())
+            .collect();
+        assert_eq!(spans, ["ok</s>", "done</s>"], "{text}");
+    }
+
     /// `strftime_now` is there as in transformers, writing a fixed date by Python's codes (by
     /// default Llama 3.1's, so a template that guards it with `is defined` renders as it did
-    /// without it); a format chrono cannot read is an error naming it, not a panic. (That it writes the date transformers writes is the tests
-    /// crate's `a_template_that_writes_the_date_renders_the_date_transformers_renders`.)
+    /// without it); a format chrono cannot read is an error naming it, not a panic. (That it
+    /// writes the date transformers writes is the tests crate's
+    /// `a_template_that_writes_the_date_renders_the_date_transformers_renders`.)
     #[test]
     fn strftime_now_writes_a_fixed_date_and_a_bad_format_is_an_error() {
         let render = |t: &Template| t.render(&[Message::new("user", "a")], None, false);
