@@ -43,7 +43,8 @@ use crate::Interrupted;
 pub struct PrepareArgs {
     /// The input: a JSONL, Parquet or Arrow file, or an HF datasets directory.
     pub input: PathBuf,
-    /// Pipeline config (for data.max_len, which decides what is refused).
+    /// Pipeline config: its data.max_len (which decides what is refused) and [data] chat options
+    /// (system_prompt, enable_thinking, template_date, tokenizer, too_long).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Cache directory (default: runs/data-cache, the cache of runs under runs/).

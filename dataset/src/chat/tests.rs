@@ -170,12 +170,12 @@ fn without_a_usable_template_ids_and_texts_are_prepared_and_conversations_say_wh
     // A base model: a tokenizer and no template.
     let base = ModelDir::new("base");
     base.file("tokenizer.json", &tokenizer_json("null", "null"));
-    // A template whose assistant turns have no end that a user turn also has.
+    // A template in which nothing opens an assistant turn: the user's text runs into it.
     let unmarked = model("unmarked", "null", "null");
     unmarked.file(
         "chat_template.jinja",
         "{% for m in messages %}{% if m.role == 'user' %}<u> {{ m.content }}\
-         {% else %}<a> {{ m.content }} end{% endif %}{% endfor %}",
+         {% else %}{{ m.content }} end{% endif %}{% endfor %}",
     );
     // A template that does not parse.
     let broken = model("broken", "null", "null");
