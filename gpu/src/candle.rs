@@ -665,10 +665,21 @@ fn write_layer(
 /// for it.
 #[cfg(test)]
 pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
+    tiny_target_of(dir, model::Family::Qwen3)
+}
+
+/// [`tiny_target`] of `family` (HF's head size for it).
+#[cfg(test)]
+pub(crate) fn tiny_target_of(
+    dir: &Path,
+    family: model::Family,
+) -> (std::path::PathBuf, PipelineConfig) {
     let m = dir.join("tiny");
     let spec = model::make::MakeSpec {
+        family,
         layers: 4,
         vocab: 300,
+        head_dim: (family == model::Family::Qwen3).then_some(16),
         ..Default::default()
     };
     model::make::make_model(&m, &spec).unwrap();
@@ -684,17 +695,25 @@ pub(crate) fn tiny_target(dir: &Path) -> (std::path::PathBuf, PipelineConfig) {
 mod tests {
     use super::*;
 
+    /// Replaces `from` (which must be there) by `to` in the model `m`'s config.json.
+    fn edit_config(m: &Path, from: &str, to: &str) {
+        let p = m.join("config.json");
+        let c = std::fs::read_to_string(&p).unwrap();
+        assert!(c.contains(from), "{c}");
+        std::fs::write(&p, c.replace(from, to)).unwrap();
+    }
+
     /// A model's states past its max_position_embeddings are not what it was trained for: data
     /// that long is refused before any worker starts, naming both numbers.
     #[test]
     fn data_longer_than_the_models_positions_is_refused_at_settle() {
         let dir = tempfile::tempdir().unwrap();
         let (m, mut cfg) = tiny_target(dir.path());
-        let p = m.join("config.json");
-        let c = std::fs::read_to_string(&p).unwrap();
-        let field = "\"max_position_embeddings\": 32768";
-        assert!(c.contains(field), "{c}");
-        std::fs::write(&p, c.replace(field, "\"max_position_embeddings\": 64")).unwrap();
+        edit_config(
+            &m,
+            "\"max_position_embeddings\": 32768",
+            "\"max_position_embeddings\": 64",
+        );
         cfg.data.max_len = 65;
         let e = Candle::CPU
             .settle(&mut cfg.clone(), Settling::New)
@@ -717,24 +736,8 @@ mod tests {
     #[test]
     fn data_longer_than_a_mistral_window_is_refused_at_settle() {
         let dir = tempfile::tempdir().unwrap();
-        let m = dir.path().join("mistral");
-        let spec = model::make::MakeSpec {
-            family: model::Family::Mistral,
-            layers: 4,
-            vocab: 300,
-            head_dim: None,
-            ..Default::default()
-        };
-        model::make::make_model(&m, &spec).unwrap();
-        let p = m.join("config.json");
-        let c = std::fs::read_to_string(&p).unwrap();
-        let field = "\"sliding_window\": null";
-        assert!(c.contains(field), "{c}");
-        std::fs::write(&p, c.replace(field, "\"sliding_window\": 96")).unwrap();
-        let mut cfg = PipelineConfig::default();
-        cfg.model.path = Some(m);
-        cfg.model.target_layer_ids = Some(vec![1, 2]);
-        cfg.model.layers = 2;
+        let (m, mut cfg) = tiny_target_of(dir.path(), model::Family::Mistral);
+        edit_config(&m, "\"sliding_window\": null", "\"sliding_window\": 96");
         cfg.data.max_len = 97;
         cfg.dflash.eval_every = 0;
         let e = (Candle::CPU.settle(&mut cfg.clone(), Settling::New))

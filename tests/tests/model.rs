@@ -1280,27 +1280,23 @@ fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
     let (m, drafter) = model_and_untrained_drafter(&dir);
     let (m, drafter) = (m.to_str().unwrap(), drafter.to_str().unwrap());
     // In the test's directory: eval prepares --data into runs/data-cache there.
+    let eval_with = |data: &Path, more: &[&str]| {
+        let mut args = vec!["eval", "--model", m, "--drafter", drafter, "--data"];
+        args.push(data.to_str().unwrap());
+        args.extend_from_slice(more);
+        crate::launcher::launch_in(&dir, &args)
+    };
     let eval = |data: &Path, json: &Path| {
-        crate::launcher::launch_in(
-            &dir,
-            &[
-                "eval",
-                "--model",
-                m,
-                "--drafter",
-                drafter,
-                "--data",
-                data.to_str().unwrap(),
-                "--prompts",
-                "5",
-                "--prompt-len",
-                "8",
-                "--max-new-tokens",
-                "2",
-                "--json",
-                json.to_str().unwrap(),
-            ],
-        )
+        let json = json.to_str().unwrap();
+        let short = [
+            "--prompts",
+            "5",
+            "--prompt-len",
+            "8",
+            "--max-new-tokens",
+            "2",
+        ];
+        eval_with(data, &[&short[..], &["--json", json]].concat())
     };
     let foreign = dir.path("foreign.jsonl");
     std::fs::write(
@@ -1359,20 +1355,7 @@ fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n",
     )
     .unwrap();
-    let (code, said) = crate::launcher::launch_in(
-        &dir,
-        &[
-            "eval",
-            "--model",
-            m,
-            "--drafter",
-            drafter,
-            "--data",
-            chats.to_str().unwrap(),
-            "--config",
-            cfg.to_str().unwrap(),
-        ],
-    );
+    let (code, said) = eval_with(&chats, &["--config", cfg.to_str().unwrap()]);
     assert_eq!(code, Some(1), "{said}");
     assert!(said.contains(elsewhere.to_str().unwrap()), "{said}");
 }
