@@ -186,9 +186,13 @@ impl ArchConfig {
     /// Reads `DIR/config.json`.
     pub fn load(dir: &Path) -> Result<ArchConfig> {
         let path = dir.join("config.json");
-        let text = atomic_file::read_regular(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            cause: source,
+        let text = atomic_file::read_regular(&path).map_err(|cause| {
+            crate::unreadable_config(
+                dir,
+                path.clone(),
+                cause,
+                "an HF model directory holds config.json, safetensors weights and tokenizer.json; `launcher make-model DIR` makes a tiny one",
+            )
         })?;
         ArchConfig::parse(&text, &path)
     }
@@ -529,6 +533,30 @@ mod tests {
             e.contains("config.json") && e.contains("FIFO") && e.contains("not a regular file"),
             "{e}"
         );
+    }
+
+    /// A model path that is not a model directory (a typo, the weights file itself, a
+    /// directory without config.json) says which of them it is, naming the path given, not
+    /// the OS's "No such file or directory" or "Not a directory" on `DIR/config.json`.
+    #[test]
+    fn a_path_that_is_no_model_directory_says_what_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("model.safetensors");
+        std::fs::write(&file, "").unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        for (d, said) in [
+            (dir.path().join("typo"), "no such directory"),
+            (file, "a file, not a directory"),
+            (empty, "holds no config.json"),
+        ] {
+            let e = ArchConfig::load(&d).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{}: {said}", d.display()))
+                    && e.contains("an HF model directory holds config.json"),
+                "{e}"
+            );
+        }
     }
 
     const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

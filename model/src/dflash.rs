@@ -211,9 +211,13 @@ impl DflashConfig {
     /// The `config.json` of the export in `dir` (see [`DflashConfig::from_json`]).
     pub fn load(dir: &Path) -> Result<DflashConfig> {
         let path = dir.join("config.json");
-        let text = atomic_file::read_regular(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            cause: source,
+        let text = atomic_file::read_regular(&path).map_err(|cause| {
+            crate::unreadable_config(
+                dir,
+                path.clone(),
+                cause,
+                "a DFlash drafter's export holds config.json and model.safetensors: a run's <run-dir>/drafter",
+            )
         })?;
         DflashConfig::from_json(&text, &path)
     }

@@ -1,13 +1,13 @@
-//! The real models, on candle: HF dense decoders (`qwen3`, `qwen2`, `llama`) loaded from a model
-//! directory as HF writes it, and run forward with the decoder layers DFlash conditions on
-//! captured, plus the target's greedy next token at every position.
+//! The real models, on candle: HF dense decoders (`qwen3`, `qwen2`, `llama`, `mistral`) loaded
+//! from a model directory as HF writes it, and run forward with the decoder layers DFlash
+//! conditions on captured, plus the target's greedy next token at every position.
 //!
 //! - [`config`]: `config.json` read into one [`ArchConfig`], whatever style wrote it
 //!   (transformers 4's top-level `rope_theta`/`rope_scaling`/`torch_dtype` or 5's
 //!   `rope_parameters`/`dtype`); anything this code does not run is an error naming the field.
 //! - [`weights`]: the safetensors files (one, or shards under `model.safetensors.index.json`),
 //!   memory-mapped; every tensor checked against the config's shape before it is used.
-//! - [`decoder`]: the one dense decoder family; the three model types differ only in the
+//! - [`decoder`]: the one dense decoder family; the four model types differ only in the
 //!   flags of [`ArchConfig`] (q/k/v bias, q/k norm, head size, rope scaling).
 //! - [`capture`]: which layers a drafter of `n` layers conditions on (SpecForge's rule).
 //! - [`make`]: `make-model`, a random-initialised model in the HF layout with a `tokenizer.json`.
@@ -35,7 +35,7 @@ pub use config::{ArchConfig, Family, RopeScaling};
 pub use decoder::{Decoder, Need, Output};
 pub use fused::GpuAttentionUse;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// What can go wrong loading or running a model, naming the file, field or tensor at fault.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +47,10 @@ pub enum ModelError {
     },
     #[error("{path}: {why}")]
     Config { path: PathBuf, why: String },
+    /// A directory named as a model or a drafter's export that is none: gone, a file, or
+    /// without a `config.json` (a run directory given for its `drafter/`, say).
+    #[error("{dir}: {why}")]
+    NotADirectory { dir: PathBuf, why: String },
     #[error("{dir}: no weights file holds tensor {tensor}{hint}")]
     Missing {
         dir: PathBuf,
@@ -86,3 +90,23 @@ pub enum ModelError {
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// The error of a `config.json` at `path`, in `dir`, that could not be read. Where `dir`
+/// itself is missing, a file, or holds no `config.json`, that is what is said, with `what` a
+/// directory of the kind wanted holds: the OS's "No such file or directory" or "Not a
+/// directory" on `dir/config.json`, a path the user never typed, leaves them guessing which
+/// part is wrong. Any other failure is the file's own.
+fn unreadable_config(dir: &Path, path: PathBuf, cause: std::io::Error, what: &str) -> ModelError {
+    let why = match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => format!("no such directory ({what})"),
+        Ok(m) if !m.is_dir() => format!("a file, not a directory ({what})"),
+        Ok(_) if cause.kind() == std::io::ErrorKind::NotFound => {
+            format!("holds no config.json ({what})")
+        }
+        _ => return ModelError::Io { path, cause },
+    };
+    ModelError::NotADirectory {
+        dir: dir.to_path_buf(),
+        why,
+    }
+}
