@@ -257,6 +257,36 @@ impl Drop for MadeDirs {
     }
 }
 
+/// What is wrong with `--drafter DIR` where DIR is a run's directory rather than its export,
+/// or the export of a run that has written none yet: the path to give, or why there is none.
+/// Both read as a `config.json` missing from a path the user never typed.
+fn run_dir_as_drafter(drafter: &Path) -> Option<String> {
+    let no_export = "the group's leader writes it at every checkpoint (every drafter.checkpoint_every steps), at a stop and at the end; a run without --model trains the mock drafter, which exports none";
+    let run = proto::RunDir::new(drafter);
+    if run.config().is_file() {
+        let export = run.export_dir();
+        return Some(if export.join("config.json").is_file() {
+            format!(
+                "a run directory, not a drafter's export: give --drafter {}",
+                export.display()
+            )
+        } else {
+            format!(
+                "a run directory that holds no drafter export ({}) yet: {no_export}",
+                export.display()
+            )
+        });
+    }
+    let parent = drafter.parent().filter(|p| !p.as_os_str().is_empty())?;
+    let run = proto::RunDir::new(parent);
+    (!drafter.exists() && run.config().is_file() && run.export_dir() == drafter).then(|| {
+        format!(
+            "no such directory: the run in {} has written no drafter export yet: {no_export}",
+            parent.display()
+        )
+    })
+}
+
 /// `launcher eval`.
 pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
     // Before the work of decoding: the report is renamed over `--json` once written.
@@ -278,6 +308,9 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
         MadeDirs::remove(&dirs);
         ": no --json written".into()
     });
+    if let Some(why) = run_dir_as_drafter(&a.drafter) {
+        bail!("--drafter {}: {why}", a.drafter.display());
+    }
     let target = Decoder::load(&a.model, &Device::Cpu, DType::F32)
         .with_context(|| format!("loading the target {}", a.model.display()))?;
     // The drafter's config first: a drafter of another model is named as such, before its
@@ -438,6 +471,30 @@ mod tests {
         std::fs::write(&file, "").unwrap();
         let e = format!("{:#}", quick(&file.join("x.json")).unwrap_err());
         assert!(e.contains("file/x.json") && !e.contains(".x.json"), "{e}");
+    }
+
+    /// A run directory given as `--drafter` (the README's `runs/dflash` for
+    /// `runs/dflash/drafter`) is told the export's path; a run with no export yet, and its
+    /// missing `drafter/`, say why there is none. All three said only that a `config.json` was
+    /// missing from a path the user never typed.
+    #[test]
+    fn a_run_directory_as_drafter_names_its_export_or_why_it_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(run.join("drafter")).unwrap();
+        std::fs::write(run.join("config.toml"), "[data]\n").unwrap();
+        let e = |d: &Path| format!("{:#}", run_eval(args(Path::new("m"), d, &[])).unwrap_err());
+        // No export yet: the run directory given, or its missing `drafter/`.
+        let said = e(&run);
+        assert!(said.contains("holds no drafter export"), "{said}");
+        std::fs::remove_dir(run.join("drafter")).unwrap();
+        let said = e(&run.join("drafter"));
+        assert!(said.contains("has written no drafter export yet"), "{said}");
+        std::fs::create_dir(run.join("drafter")).unwrap();
+        std::fs::write(run.join("drafter").join("config.json"), "{}").unwrap();
+        let said = e(&run);
+        let want = format!("give --drafter {}", run.join("drafter").display());
+        assert!(said.contains(&want), "{said}");
     }
 
     /// A zero count is refused by its flag: `--prompts 0` or `--max-new-tokens 0` reported a
