@@ -45,8 +45,9 @@ pub mod exit {
 ///   launcher --targets 0,1 --drafters 2 --synthetic 500    a smaller run
 ///   launcher --targets 0-4 --drafters 5-7 --data train.jsonl --run-dir runs/exp1
 ///   launcher --targets 0 --drafters 0 --share-gpus         one GPU for both sides
-///   launcher make-model tiny && launcher --targets 0-1 --drafters 2 --model tiny
-///                                                          a real (tiny) target on the CPU
+///   launcher make-model tiny && launcher --targets 0-1 --drafters 2 --model tiny \
+///       --config scripts/dflash-demo.toml --synthetic 200  a real (tiny) target on the CPU
+///       (the default config is sized for GPUs: on a CPU one of its steps takes minutes)
 ///   launcher --resume runs/exp1                            continue a stopped or killed run
 ///   launcher report runs/exp1                              a picture of a run (report --help)
 ///   launcher prepare train.parquet                         prepare data only (prepare --help)
@@ -118,8 +119,9 @@ pub struct Args {
     /// it. cuda: the same on each worker's GPU, the target in bf16 (scripts/build-cuda.sh).
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
-    /// The target model: an HF model directory (config.json with model_type qwen3, qwen2 or
-    /// llama, safetensors weights, tokenizer.json). `launcher make-model DIR` makes a tiny one.
+    /// The target model: an HF model directory (config.json with model_type qwen3, qwen2,
+    /// llama or mistral, safetensors weights, tokenizer.json). `launcher make-model DIR` makes a
+    /// tiny one.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// Pipeline config (TOML); every field has a default (README lists them). E.g. `[data]
@@ -136,7 +138,9 @@ pub struct Args {
     pub resume: Option<PathBuf>,
     /// Training data: JSONL with input_ids (and optional loss_mask) per line, Parquet or Arrow
     /// with input_ids (and optional loss_mask) list columns, an HF datasets save_to_disk
-    /// directory, or a file `launcher prepare` made.
+    /// directory, or a file `launcher prepare` made. Any of them may hold conversations
+    /// (messages or conversations) or text instead, tokenized by the target's tokenizer.json
+    /// and chat template (--model, or data.tokenizer).
     #[arg(long, conflicts_with = "synthetic")]
     pub data: Option<PathBuf>,
     /// Where prepared data is cached (default: data-cache beside the run directory).
