@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The launcher runs its workers as itself (hidden subcommands): it is the only binary needed.
 cargo build --quiet --release -p launcher
-exec target/release/launcher "$@"
+# Where cargo put it: a CARGO_TARGET_DIR set in the shell moves it, and target/ would then hold
+# no launcher, or a stale one from before the variable was set.
+exec "${CARGO_TARGET_DIR:-target}/release/launcher" "$@"
