@@ -1362,7 +1362,15 @@ impl Dflash {
             named.push((name.to_string(), t.to_dtype(DType::BF16)?));
         }
         let st = dir.join("model.safetensors");
-        candle_core::safetensors::save(&named.into_iter().collect(), &st)?;
+        // `format: pt` as torch's `save_file` and `save_pretrained` write it: transformers
+        // refuses a safetensors file whose metadata names no framework it knows, and some of its
+        // versions one with no metadata at all.
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(named.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), &st)
+            .map_err(|e| ModelError::Weights {
+                file: st.clone(),
+                why: format!("writing the export: {e}"),
+            })?;
         let cfg = serde_json::to_string_pretty(&self.cfg.to_json("bfloat16")).expect("json");
         let path = dir.join("config.json");
         std::fs::write(&path, cfg + "\n").map_err(io(&path))

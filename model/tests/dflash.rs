@@ -215,6 +215,11 @@ fn the_export_reads_back_bit_for_bit() {
     d.params.set_flat(&w).unwrap();
     let out = tempfile::tempdir().unwrap();
     d.export(out.path()).unwrap();
+    // The framework transformers requires of a safetensors file's metadata, as torch writes it.
+    let bytes = std::fs::read(out.path().join("model.safetensors")).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let format = header.metadata().as_ref().and_then(|m| m.get("format"));
+    assert_eq!(format.map(String::as_str), Some("pt"));
     let frozen = Frozen::load(s._dir.path(), &Device::Cpu).unwrap();
     let back = Dflash::load_export(out.path(), frozen).unwrap();
     assert_eq!(back.cfg, d.cfg);
