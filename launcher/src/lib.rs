@@ -110,6 +110,18 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
             let p = RunDir::new(dir).config();
+            if !dir.exists() {
+                bail!(
+                    "{} does not exist: --resume takes the run directory a launch wrote (its --run-dir)",
+                    dir.display()
+                );
+            }
+            if !dir.is_dir() {
+                bail!(
+                    "{} is a file, not a run directory: --resume takes the directory a launch wrote (its --run-dir)",
+                    dir.display()
+                );
+            }
             if !p.is_file() {
                 bail!(
                     "{} is not a run directory: it has no config.toml",

@@ -2045,6 +2045,11 @@ fn resume_alone_after_a_kill(b: Backend) {
         ledger0
     );
     bad(&run.dir, "not a run directory");
+    bad(&run.dir.join("no-such-run"), "no-such-run does not exist");
+    bad(
+        &RunDir::new(&run_dir).ledger(0),
+        "is a file, not a run directory",
+    );
     std::fs::remove_file(run_dir.join("summary.json")).unwrap();
     std::fs::write(RunDir::new(&run_dir).checkpoint(), b"garbage").unwrap();
     bad(&run_dir, "checkpoint does not load");
