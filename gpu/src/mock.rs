@@ -666,6 +666,39 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A byte flipped on disk inside a checkpoint's tensors (the weights, an optimizer moment,
+    /// the step) leaves a file that still parses; it is refused, naming the file and saying it
+    /// is damaged, instead of a resume going on from weights no step made.
+    #[test]
+    fn a_checkpoint_with_a_byte_changed_on_disk_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut buf = vec![0u8; 8192];
+        let len = batch(&mut buf, false);
+        let mut d = drafter();
+        for _ in 0..3 {
+            d.train_step(&BatchView::parse(&buf[..len]).unwrap())
+                .unwrap();
+        }
+        let path = dir.path().join("ckpt.safetensors");
+        d.save(&path).unwrap();
+        let whole = std::fs::read(&path).unwrap();
+        // The data follows the 8-byte length and the header; flip a byte at the data's start
+        // (the step, the smallest alignment first, or a table), middle and end.
+        let header = 8 + u64::from_le_bytes(whole[..8].try_into().unwrap()) as usize;
+        for at in [header, (header + whole.len()) / 2, whole.len() - 1] {
+            let mut bad = whole.clone();
+            bad[at] ^= 0x10;
+            std::fs::write(&path, &bad).unwrap();
+            let err = drafter().load(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("ckpt.safetensors") && err.contains("damaged"),
+                "byte {at}: {err}"
+            );
+        }
+        std::fs::write(&path, &whole).unwrap();
+        drafter().load(&path).unwrap();
+    }
+
     /// A checkpoint written before checkpoints went through the `safetensors` crate (by our own
     /// writer of the format, 2026-11; 64 parameters after two steps on `batch`) still loads, to
     /// the state the same two steps give today: a run checkpointed by that build resumes.

@@ -1,6 +1,11 @@
 //! A drafter's state in the two forms the group moves it in, shared by the backends' drafters:
 //! a checkpoint (safetensors: f32 tables and a `step` tensor of u64 counters) and the words a
 //! joining rank receives (the tables' bits, then each counter as two words).
+//!
+//! A checkpoint carries the CRC-32C of its tensors' bytes in its metadata ([`CRC_KEY`]), checked
+//! when it is read back: a byte flipped on disk inside the weights or the optimizer's moments
+//! leaves a file that still parses, and a resume would go on from weights no step made. A
+//! checkpoint written before the key existed has none and loads unchecked.
 
 use std::path::Path;
 
@@ -24,11 +29,24 @@ fn err(path: &Path, why: String) -> GpuError {
     }
 }
 
+/// The metadata key of the CRC-32C of a checkpoint's tensors: each table's bytes in the
+/// order the drafter names them, then the `step` tensor's (hex, 8 digits).
+pub const CRC_KEY: &str = "hspipe.crc32c";
+
+/// The CRC-32C of `parts`, one after another, as [`CRC_KEY`] records it.
+fn crc_of<'b>(parts: impl IntoIterator<Item = &'b [u8]>) -> String {
+    let crc = parts
+        .into_iter()
+        .fold(0, |crc, part| crc32c::crc32c_append(crc, part));
+    format!("{crc:08x}")
+}
+
 /// Writes `s` to `path` (the caller makes it atomic).
 pub fn save(path: &Path, s: &State<'_>) -> Result<(), GpuError> {
     let bytes = |xs: &[f32]| -> Vec<u8> { xs.iter().flat_map(|f| f.to_le_bytes()).collect() };
     let data: Vec<Vec<u8>> = s.tables.iter().map(|(_, _, xs)| bytes(xs)).collect();
     let counters: Vec<u8> = s.counters.iter().flat_map(|c| c.to_le_bytes()).collect();
+    let crc = crc_of(data.iter().map(Vec::as_slice).chain([counters.as_slice()]));
     let mut tensors = Vec::new();
     for ((name, shape, _), d) in s.tables.iter().zip(&data) {
         let v = TensorView::new(StDtype::F32, shape.clone(), d)
@@ -38,11 +56,11 @@ pub fn save(path: &Path, s: &State<'_>) -> Result<(), GpuError> {
     let v = TensorView::new(StDtype::U64, vec![s.counters.len()], &counters)
         .map_err(|e| err(path, e.to_string()))?;
     tensors.push(("step", v));
-    let meta = (!s.metadata.is_empty()).then(|| {
-        (s.metadata.iter())
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect()
-    });
+    let meta = (s.metadata.iter())
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .chain([(CRC_KEY.to_string(), crc)])
+        .collect();
+    let meta = Some(meta);
     let out = safetensors::serialize(tensors, meta).map_err(|e| err(path, e.to_string()))?;
     std::fs::write(path, out).map_err(|e| err(path, e.to_string()))
 }
@@ -87,6 +105,7 @@ pub fn load_with_metadata(
             .map_err(|e| err(path, format!("{name}: {e}")))
     };
     let mut tables = Vec::new();
+    let mut parts = Vec::new();
     for name in names {
         let t = tensor(name)?;
         if t.dtype() != StDtype::F32 || t.shape() != shape {
@@ -99,6 +118,7 @@ pub fn load_with_metadata(
                 ),
             ));
         }
+        parts.push(t.data());
         tables.push(
             t.data()
                 .chunks_exact(4)
@@ -109,6 +129,17 @@ pub fn load_with_metadata(
     let s = tensor("step")?;
     if s.dtype() != StDtype::U64 || s.shape() != [counters] {
         return Err(err(path, format!("step must be U64[{counters}]")));
+    }
+    if let Some(want) = metadata.get(CRC_KEY) {
+        let got = crc_of(parts.into_iter().chain([s.data()]));
+        if &got != want {
+            return Err(err(
+                path,
+                format!(
+                    "damaged: its tensors' CRC-32C is {got}, and it was written with {want} (a byte changed on disk since it was written); the run cannot go on from it"
+                ),
+            ));
+        }
     }
     let counters = s
         .data()
