@@ -318,18 +318,40 @@ pub fn spawn(
             None => format!("starting {SELF_EXE} {sub}"),
         })?;
     let welcome = welcome.clone();
-    std::thread::spawn(move || handshake(server, key, gpu, welcome, events));
+    // Opened before anyone can reap the child, so it is this child's. A kernel without pidfds
+    // (before 5.3) gets the plain wait.
+    let exited = rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .ok();
+    std::thread::spawn(move || handshake(server, exited, key, gpu, welcome, events));
     Ok(child)
 }
 
-fn handshake(server: control::Server, key: Key, gpu: u32, welcome: Welcome, events: Sender<Event>) {
+/// Waits for worker `key` to connect and handshakes with it. `exited`, a pidfd of the worker:
+/// a worker that dies before it connects ends the wait, and this thread; the supervisor says
+/// the death from its exit status. Waiting for ever cost a thread and a socket per such death,
+/// and a restart limit bounds only deaths in a row.
+fn handshake(
+    server: control::Server,
+    exited: Option<std::os::fd::OwnedFd>,
+    key: Key,
+    gpu: u32,
+    welcome: Welcome,
+    events: Sender<Event>,
+) {
     let failed = |why: String| {
         let _ = events.send(Event::HandshakeFailed(key, why));
     };
-    // Blocks until the worker connects; a worker that dies first leaves this thread waiting,
-    // which costs nothing (bounded by the restart limit).
-    let (reply, rx) = match server.accept() {
-        Ok(x) => x,
+    let accepted = match &exited {
+        Some(fd) => server.accept_unless_exited(std::os::fd::AsFd::as_fd(fd)),
+        None => server.accept().map(Some),
+    };
+    drop(exited);
+    let (reply, rx) = match accepted {
+        Ok(Some(x)) => x,
+        Ok(None) => return,
         Err(e) => return failed(format!("accept: {e}")),
     };
     let hello = match rx.recv() {
@@ -451,6 +473,42 @@ mod tests {
         let cut = said(&long).unwrap();
         assert_eq!(cut.chars().count(), 303, "cut to 300 characters and ...");
         assert!(cut.ends_with("é..."), "{cut}");
+    }
+
+    /// A worker that dies before it connects (here a program that exits at once) ends its
+    /// handshake thread: the thread drops its sender of events, saying nothing. It used to wait
+    /// in `accept` for the launcher's whole life, a thread and a socket per such death.
+    #[test]
+    fn a_worker_dead_before_it_connects_ends_its_handshake_thread() {
+        use std::sync::mpsc::{channel, RecvTimeoutError};
+        let dir = tempfile::tempdir().unwrap();
+        let welcome = super::Welcome {
+            ring: "hspipe-test-none".into(),
+            run_dir: dir.path().to_path_buf(),
+            config_toml: String::new(),
+            backend: gpu::BackendKind::Mock,
+            threads: 1,
+            target_command: Some(vec!["/bin/false".into()]),
+            drafter_command: None,
+            target_command_dir: None,
+            drafter_command_dir: None,
+        };
+        let key = super::Key {
+            name: shm_ring::WorkerName::producer(0),
+            spawn: 0,
+        };
+        let (tx, rx) = channel();
+        let log = dir.path().join("target-0.log");
+        let mut child = super::spawn(key, 0, &log, &welcome, tx).unwrap();
+        assert!(!child.wait().unwrap().success());
+        // A watchdog, not a timing: the thread ends as soon as the worker has exited.
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Err(RecvTimeoutError::Disconnected) => {}
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("the handshake thread still waits for a worker that has exited")
+            }
+            Ok(_) => panic!("an event for a worker that never connected"),
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@
 
 use std::io::{Read, Write};
 use std::marker::PhantomData;
+use std::os::fd::BorrowedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -276,18 +277,59 @@ impl Server {
     /// Waits for the worker, refuses peers of another uid (and goes on waiting), and returns
     /// the connection's two halves. Blocks until a worker of ours connects.
     pub fn accept(self) -> Result<(Sender<ToWorker>, Receiver<ToLauncher>), ControlError> {
-        let ours = rustix::process::geteuid().as_raw();
         loop {
-            let (stream, _) = self.listener.accept().map_err(io_err)?;
-            let theirs = rustix::net::sockopt::socket_peercred(&stream)
-                .map_err(|e| io_err(e.into()))?
-                .uid
-                .as_raw();
-            if theirs == ours {
-                return split(stream);
+            if let Some(halves) = self.accept_one()? {
+                return Ok(halves);
             }
-            // Dropping the stream closes it: the stranger gets nothing.
         }
+    }
+
+    /// [`accept`](Self::accept), unless the worker exits first: `worker` is a pidfd of the
+    /// process started to connect here, readable once it has exited, and then this returns None.
+    /// A worker that dies before it connects (a Python worker whose imports fail, a program
+    /// that is not a worker) used to leave its handshake thread and this listening socket
+    /// waiting for the launcher's whole life: one thread and one descriptor per such death, for
+    /// as long as restarts go on.
+    pub fn accept_unless_exited(
+        self,
+        worker: BorrowedFd<'_>,
+    ) -> Result<Option<(Sender<ToWorker>, Receiver<ToLauncher>)>, ControlError> {
+        use rustix::event::{poll, PollFd, PollFlags};
+        loop {
+            let mut fds = [
+                PollFd::new(&self.listener, PollFlags::IN),
+                PollFd::new(&worker, PollFlags::IN),
+            ];
+            match poll(&mut fds, None) {
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(io_err(e.into())),
+                Ok(_) => {}
+            }
+            // A connection first: a worker that connected and then died is the handshake's to
+            // find out.
+            if !fds[0].revents().is_empty() {
+                if let Some(halves) = self.accept_one()? {
+                    return Ok(Some(halves));
+                }
+            } else if !fds[1].revents().is_empty() {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// One connection: its halves if the peer is of our uid; None for a stranger, whose
+    /// connection is closed (it gets nothing).
+    fn accept_one(&self) -> Result<Option<(Sender<ToWorker>, Receiver<ToLauncher>)>, ControlError> {
+        let ours = rustix::process::geteuid().as_raw();
+        let (stream, _) = self.listener.accept().map_err(io_err)?;
+        let theirs = rustix::net::sockopt::socket_peercred(&stream)
+            .map_err(|e| io_err(e.into()))?
+            .uid
+            .as_raw();
+        if theirs == ours {
+            return split(stream).map(Some);
+        }
+        Ok(None)
     }
 }
 
