@@ -180,7 +180,17 @@ pub fn check(
         };
         files += 1;
         let mut keep = Vec::new();
-        for entry in entries {
+        for (n, entry) in entries.into_iter().enumerate() {
+            // Dropped as torn, a damaged line would send its batch to be trained again on top
+            // of the update the checkpoint may hold: its samples twice in the weights, and
+            // nothing would say so.
+            if let (None, Some(why)) = (&entry.line, ledger::damaged(&entry.text)) {
+                bail!(
+                    "{}:{}: not a ledger line, nor the start of one a kill cut short ({why}): the file was changed or damaged, and which batch the line recorded cannot be told; restore the line, or delete it to train its batch again (if its update is in the checkpoint, that batch's samples are then trained twice)",
+                    path.display(),
+                    n + 1
+                );
+            }
             match entry.line {
                 Some(l) if l.step <= u64::from(step) && !ledger::LostSteps::any_has(&lost, &l) => {
                     if l.batch_id >= batches {
@@ -284,6 +294,55 @@ pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
                 Ok(()) => println!("removed {}, left by a writer that was killed", p.display()),
                 Err(e) => println!("warning: removing {}: {e}", p.display()),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proto::{PipelineConfig, RunDir};
+
+    /// The run in a new directory whose drafter-0 ledger is `text`, resumed with one drafter
+    /// (no checkpoint: step 0, and every line below is of step 0).
+    fn resume(text: &[u8]) -> anyhow::Result<super::Resume> {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::create_dir_all(run.ledger(0).parent().unwrap()).unwrap();
+        std::fs::write(run.ledger(0), text).unwrap();
+        super::check(
+            &run,
+            &PipelineConfig::default(),
+            gpu::BackendKind::Mock,
+            1,
+            10,
+        )
+    }
+
+    fn line(batch: u64) -> String {
+        format!(
+            r#"{{"batch_id":{batch},"sample_ids":[{batch}],"tokens":1,"delivery":0,"ticket":{batch},"step":0,"digest":"","epoch":1}}"#
+        )
+    }
+
+    /// A line a kill cut short (the start of a line, or a crash's NUL bytes), ended by the
+    /// next writer and followed by more lines, is dropped; a line changed by hand or damaged
+    /// in the middle of a ledger is an error naming the file and line, since dropping it would
+    /// train its batch again on top of its update in the checkpoint.
+    #[test]
+    fn a_damaged_ledger_line_is_refused_and_a_torn_one_dropped() {
+        let torn = format!("{}\n{}\n\0\0\0\0\n{}\n", line(0), &line(1)[..25], line(2));
+        let r = resume(torn.as_bytes()).unwrap();
+        assert_eq!((r.done.len(), r.dropped), (2, 2));
+        for bad in [
+            b"garbage{{{".to_vec(),
+            b"\xff\xfe not text".to_vec(),
+            br#"{"batch_id":1}"#.to_vec(),
+        ] {
+            let mut text = format!("{}\n", line(0)).into_bytes();
+            text.extend_from_slice(&bad);
+            text.extend_from_slice(format!("\n{}\n", line(2)).as_bytes());
+            let err = format!("{:#}", resume(&text).unwrap_err());
+            assert!(err.contains("drafter-0.jsonl:2: not a ledger line"), "{err}");
         }
     }
 }

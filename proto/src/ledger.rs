@@ -139,6 +139,23 @@ pub fn scan(
     }
 }
 
+/// Why the unreadable ledger line `text` cannot have been torn by a kill; None when it can. A
+/// kill in the middle of a write leaves the start of a line (JSON cut short, maybe nothing), and
+/// a machine that crashed may leave NUL bytes where the line's bytes never reached the disk;
+/// a writer that appends next ends it, so such a line may be followed by others. Anything else
+/// (a line that is whole JSON but no ledger line, bytes that no JSON starts with) was changed
+/// by hand or damaged on disk: which batch it recorded cannot be told.
+pub fn damaged(text: &str) -> Option<String> {
+    if text.contains('\0') {
+        return None;
+    }
+    match serde_json::from_str::<LedgerLine>(text) {
+        Ok(_) => None,
+        Err(e) if e.is_eof() => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
 /// What the ledgers of a run hold: see [`read_all`].
 #[derive(Clone, Debug, Default)]
 pub struct Ledgers {
