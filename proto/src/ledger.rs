@@ -58,6 +58,12 @@ pub enum LedgerError {
     },
     #[error("reading settled batch {batch_id}: {cause}")]
     Batch { batch_id: u64, cause: BatchError },
+    #[error("{}:{line}: not a line of this file, nor the start of one a kill cut short ({why}): it was changed or damaged; restore or delete the line", path.display())]
+    Damaged {
+        path: PathBuf,
+        line: usize,
+        why: String,
+    },
     #[error("encoding a ledger line: {0}")]
     Encode(#[from] serde_json::Error),
 }
@@ -454,17 +460,39 @@ fn append_line(path: &Path, value: &impl Serialize) -> Result<File, LedgerError>
     Ok(f)
 }
 
-/// The lines of the JSON-lines file `path` (none if it is missing); a line that does not parse
-/// (torn by a kill) is skipped.
+/// The lines of the JSON-lines file `path` (none if it is missing); a line a kill tore (the
+/// start of a line, or a crash's NUL bytes) is skipped. A line that is neither (edited, damaged
+/// on disk) is an error naming the file and line: skipped, a lost range's batches would count
+/// as trained, and a resume would not train them again.
 fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, LedgerError> {
-    match std::fs::read_to_string(path) {
-        Ok(t) => Ok(t
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io("reading", path)(e)),
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io("reading", path)(e)),
+    };
+    let mut out = Vec::new();
+    for (n, l) in bytes.split(|&b| b == b'\n').enumerate() {
+        if l.contains(&0) || l.trim_ascii().is_empty() {
+            continue;
+        }
+        let why = match std::str::from_utf8(l) {
+            Err(e) => e.to_string(),
+            Ok(text) => match serde_json::from_str(text) {
+                Ok(v) => {
+                    out.push(v);
+                    continue;
+                }
+                Err(e) if e.is_eof() => continue,
+                Err(e) => e.to_string(),
+            },
+        };
+        return Err(LedgerError::Damaged {
+            path: path.to_path_buf(),
+            line: n + 1,
+            why,
+        });
     }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -127,6 +127,33 @@ fn a_line_recorded_after_a_torn_one_reads_back() {
     assert_eq!(read_lost(&run).unwrap(), vec![lost]);
 }
 
+/// A line of lost-steps.jsonl changed by hand or damaged on disk, between whole lines, is an
+/// error naming the file and line; skipped as a torn one is, its range's batches counted as
+/// trained and a resume did not train them again. A torn line and a crash's NUL bytes are
+/// still skipped.
+#[test]
+fn a_damaged_lost_steps_line_is_an_error_and_a_torn_one_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = RunDir::new(tmp.path());
+    run.lay_out().unwrap();
+    let a = LostSteps::between(0, 1, 4).unwrap();
+    let b = LostSteps::between(1, 9, 12).unwrap();
+    let (ta, tb) = (
+        serde_json::to_string(&a).unwrap(),
+        serde_json::to_string(&b).unwrap(),
+    );
+    std::fs::write(run.lost_steps(), format!("{ta}\n{}\n\0\0\n{tb}\n", &tb[..7])).unwrap();
+    assert_eq!(read_lost(&run).unwrap(), vec![a, b.clone()]);
+    for bad in [&b"garbage"[..], b"\xff\xfe", br#"{"first":3}"#] {
+        let mut text = format!("{ta}\n").into_bytes();
+        text.extend_from_slice(bad);
+        text.extend_from_slice(format!("\n{tb}\n").as_bytes());
+        std::fs::write(run.lost_steps(), text).unwrap();
+        let err = read_lost(&run).unwrap_err().to_string();
+        assert!(err.contains("lost-steps.jsonl:2: not a line"), "{err}");
+    }
+}
+
 #[test]
 fn the_ledgers_read_back() {
     let tmp = tempfile::tempdir().unwrap();
