@@ -1,6 +1,6 @@
 //! The mock backend: deterministic content, simulated speed, real drafter state, injected faults.
 //!
-//! Length: about 670 lines: the target, the drafter (a real learner, with its checkpoint
+//! Length: about 760 lines: the target, the drafter (a real learner, with its checkpoint
 //! format and exact-gradient tests), their faults and the backend's `Maker` are one backend.
 //!
 //! A mock target's hidden state for (token, position, layer, channel) is a fixed function of
@@ -633,10 +633,8 @@ mod tests {
         assert!(c.import_state(&[1, 2, 3]).is_err());
     }
 
-    #[test]
-    fn checkpoint_restores_the_exact_state_and_bad_files_are_refused() {
-        let dir = std::env::temp_dir().join(format!("hspipe-gpu-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+    /// A drafter after three steps on `batch`.
+    fn trained() -> MockDrafter {
         let mut buf = vec![0u8; 8192];
         let len = batch(&mut buf, false);
         let mut d = drafter();
@@ -644,6 +642,14 @@ mod tests {
             d.train_step(&BatchView::parse(&buf[..len]).unwrap())
                 .unwrap();
         }
+        d
+    }
+
+    #[test]
+    fn checkpoint_restores_the_exact_state_and_bad_files_are_refused() {
+        let dir = std::env::temp_dir().join(format!("hspipe-gpu-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = trained();
         let path = dir.join("ckpt.safetensors");
         d.save(&path).unwrap();
         let mut e = drafter();
@@ -672,13 +678,7 @@ mod tests {
     #[test]
     fn a_checkpoint_with_a_byte_changed_on_disk_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let mut buf = vec![0u8; 8192];
-        let len = batch(&mut buf, false);
-        let mut d = drafter();
-        for _ in 0..3 {
-            d.train_step(&BatchView::parse(&buf[..len]).unwrap())
-                .unwrap();
-        }
+        let d = trained();
         let path = dir.path().join("ckpt.safetensors");
         d.save(&path).unwrap();
         let whole = std::fs::read(&path).unwrap();

@@ -342,7 +342,10 @@ mod tests {
             text.extend_from_slice(&bad);
             text.extend_from_slice(format!("\n{}\n", line(2)).as_bytes());
             let err = format!("{:#}", resume(&text).unwrap_err());
-            assert!(err.contains("drafter-0.jsonl:2: not a ledger line"), "{err}");
+            assert!(
+                err.contains("drafter-0.jsonl:2: not a ledger line"),
+                "{err}"
+            );
         }
     }
 }

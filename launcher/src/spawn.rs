@@ -1,6 +1,9 @@
 //! Starting one worker process: the launcher's own binary through a hidden subcommand, its GPU,
 //! its log, a parent-death signal, and the control-channel handshake (in a thread, so a worker
 //! that dies before connecting cannot block the supervisor).
+//!
+//! Length: about 530 lines: starting a worker, its handshake and the reason read from its log
+//! are one incarnation's life, and their tests need a real process and log beside them.
 
 use std::fs::OpenOptions;
 use std::io::Write;

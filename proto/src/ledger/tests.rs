@@ -142,7 +142,11 @@ fn a_damaged_lost_steps_line_is_an_error_and_a_torn_one_skipped() {
         serde_json::to_string(&a).unwrap(),
         serde_json::to_string(&b).unwrap(),
     );
-    std::fs::write(run.lost_steps(), format!("{ta}\n{}\n\0\0\n{tb}\n", &tb[..7])).unwrap();
+    std::fs::write(
+        run.lost_steps(),
+        format!("{ta}\n{}\n\0\0\n{tb}\n", &tb[..7]),
+    )
+    .unwrap();
     assert_eq!(read_lost(&run).unwrap(), vec![a, b.clone()]);
     for bad in [&b"garbage"[..], b"\xff\xfe", br#"{"first":3}"#] {
         let mut text = format!("{ta}\n").into_bytes();
