@@ -35,9 +35,7 @@ pub const CRC_KEY: &str = "hspipe.crc32c";
 
 /// The CRC-32C of `parts`, one after another, as [`CRC_KEY`] records it.
 fn crc_of<'b>(parts: impl IntoIterator<Item = &'b [u8]>) -> String {
-    let crc = parts
-        .into_iter()
-        .fold(0, |crc, part| crc32c::crc32c_append(crc, part));
+    let crc = parts.into_iter().fold(0, crc32c::crc32c_append);
     format!("{crc:08x}")
 }
 

@@ -242,6 +242,9 @@ fn read_err(e: std::io::Error) -> ControlError {
     }
 }
 
+/// The launcher's two halves of a worker's connection.
+pub type Halves = (Sender<ToWorker>, Receiver<ToLauncher>);
+
 /// The launcher's end before a worker connects: one abstract socket name, one connection.
 pub struct Server {
     listener: UnixListener,
@@ -276,7 +279,7 @@ impl Server {
 
     /// Waits for the worker, refuses peers of another uid (and goes on waiting), and returns
     /// the connection's two halves. Blocks until a worker of ours connects.
-    pub fn accept(self) -> Result<(Sender<ToWorker>, Receiver<ToLauncher>), ControlError> {
+    pub fn accept(self) -> Result<Halves, ControlError> {
         loop {
             if let Some(halves) = self.accept_one()? {
                 return Ok(halves);
@@ -293,7 +296,7 @@ impl Server {
     pub fn accept_unless_exited(
         self,
         worker: BorrowedFd<'_>,
-    ) -> Result<Option<(Sender<ToWorker>, Receiver<ToLauncher>)>, ControlError> {
+    ) -> Result<Option<Halves>, ControlError> {
         use rustix::event::{poll, PollFd, PollFlags};
         loop {
             let mut fds = [
@@ -319,7 +322,7 @@ impl Server {
 
     /// One connection: its halves if the peer is of our uid; None for a stranger, whose
     /// connection is closed (it gets nothing).
-    fn accept_one(&self) -> Result<Option<(Sender<ToWorker>, Receiver<ToLauncher>)>, ControlError> {
+    fn accept_one(&self) -> Result<Option<Halves>, ControlError> {
         let ours = rustix::process::geteuid().as_raw();
         let (stream, _) = self.listener.accept().map_err(io_err)?;
         let theirs = rustix::net::sockopt::socket_peercred(&stream)
