@@ -148,9 +148,15 @@ pub fn check(
     batches: u64,
 ) -> anyhow::Result<Resume> {
     let summary = run_dir.summary();
-    if let Ok(text) = std::fs::read_to_string(&summary) {
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("reading {}", summary.display()))?;
+    if let Ok(bytes) = std::fs::read(&summary) {
+        // Written whole (atomically) by the launcher, so a summary that is not JSON was changed
+        // or damaged since; it only says whether the run finished, which the user can tell.
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not JSON ({e}): the launcher writes it whole, so it was changed or damaged since; it only says whether the run finished (the ledgers say what was trained), so if the run did not finish, move it away and resume again",
+                summary.display()
+            )
+        })?;
         if v["ok"] == true {
             bail!(
                 "{} finished: every sample was trained ({}); nothing to resume",
@@ -316,6 +322,31 @@ mod tests {
             1,
             10,
         )
+    }
+
+    /// A summary.json that is not JSON (edited, damaged) refuses the resume, naming the file
+    /// and the way on; one whose bytes are not even UTF-8 was taken for no summary at all.
+    #[test]
+    fn a_damaged_summary_says_what_to_do() {
+        for bad in [&b"{\"ok\": tr"[..], b"\xff{\"ok\": true}"] {
+            let dir = tempfile::tempdir().unwrap();
+            let run = RunDir::new(dir.path());
+            std::fs::write(run.summary(), bad).unwrap();
+            let err = super::check(
+                &run,
+                &PipelineConfig::default(),
+                gpu::BackendKind::Mock,
+                1,
+                10,
+            )
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("summary.json is not JSON") && err.contains("move it away"),
+                "{err}"
+            );
+        }
     }
 
     fn line(batch: u64) -> String {
