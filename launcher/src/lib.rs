@@ -23,7 +23,7 @@ mod summary;
 mod supervisor;
 pub mod tensorboard;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use choose::{choose_backend, choose_collective, probe_nccl};
@@ -68,7 +68,25 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     // the preparation, which leaves nothing partial, instead of killing the launcher. Counted
     // from here, never fatal, so the ring made later is always removed.
     let signals = signals::StopSignals::install().context("installing signal handlers")?;
-    let settled = settle(&args, &signals)?;
+    let settled = match settle(&args, &signals) {
+        Ok(s) => s,
+        Err(e) => {
+            // A refused resume (a damaged checkpoint, a model that moved) still frees what dead
+            // launchers hold: the killed launch it was to continue left its ring, up to tens of
+            // GB of /dev/shm, which only a launch that starts would otherwise reclaim. Told as a
+            // run that stopped without finishing, since this launch does not resume it.
+            if args.resume.is_some() {
+                let this = reclaim::This {
+                    run_dir: Path::new(""),
+                    resuming: false,
+                };
+                for line in reclaim::reclaim(&this) {
+                    println!("{line}");
+                }
+            }
+            return Err(e);
+        }
+    };
     // From here on everything printed is also in launcher.log, and a terminal that goes away
     // cannot make a write fail (see `output`).
     let tee = output::Tee::install(&settled.run_dir.launcher_log())?;

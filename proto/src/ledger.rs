@@ -6,10 +6,12 @@
 //!
 //! A ledger (`RunDir::ledger`) is one JSON [`LedgerLine`] per trained batch. Each line is
 //! written with one `write` before the batch's slot is released, so a crash never loses the line
-//! of a batch whose slot was freed. A line that does not parse was torn by a drafter killed in
-//! the middle of writing it: its batch was not released, so the ring delivered it again and
-//! another line records it. Whoever appends to a ledger first ends such a torn line, so it stays
-//! one unreadable line instead of swallowing the next one.
+//! of a batch whose slot was freed. A line cut short (the start of a line, or a crash's NUL
+//! bytes) was torn by a drafter killed in the middle of writing it: its batch was not released,
+//! so the ring delivered it again and another line records it. Whoever appends to a ledger first
+//! ends such a torn line, so it stays one unreadable line instead of swallowing the next one. A
+//! line that is neither a ledger line nor the start of one was changed or damaged ([`damaged`]),
+//! and a resume refuses it, since which batch it recorded cannot be told.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -437,8 +439,8 @@ pub fn record_set_aside(run_dir: &RunDir, line: &SetAsideLine) -> Result<(), Led
     Ok(())
 }
 
-/// The batches set aside in the run so far (none if the file is missing); a line that does not
-/// parse is skipped.
+/// The batches set aside in the run so far (none if the file is missing); a line a kill tore is
+/// skipped, and a damaged one is an error naming its line.
 pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError> {
     read_lines(&run_dir.set_aside())
 }

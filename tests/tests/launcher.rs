@@ -2086,6 +2086,36 @@ on_both_backends!(resume_alone_after_a_kill:
     resume_alone_after_a_kill_finishes_the_plan_on_the_runs_gpus_and_retrains_nothing_checkpointed,
     resume_alone_of_a_candle_run_finishes_the_plan_and_retrains_nothing_checkpointed);
 
+/// A killed launch whose resume is refused (its checkpoint damaged) still has its ring freed by
+/// that resume: the segments of the SIGKILLed launcher are gone, the resume says so and that
+/// the run stopped without finishing, and the refusal names the checkpoint. Before, only a
+/// launch that started reclaimed them, so the ring stayed in /dev/shm while the user dealt
+/// with the checkpoint.
+#[test]
+fn a_refused_resume_still_frees_the_killed_launchers_ring() {
+    // No other test's launcher may reclaim the killed launcher's segments first.
+    let _alone = stale_segments_exclusive();
+    let run = Run::with_lock("lrefused", None);
+    let (.., killed) = kill_everything_mid_run(Backend::Mock, &run, 1500, 1, 20);
+    let run_dir = run.run_dir();
+    std::fs::write(RunDir::new(&run_dir).checkpoint(), b"garbage").unwrap();
+    let out = std::process::Command::new(workspace_bin("launcher"))
+        .args(["--resume", run_dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("checkpoint does not load"), "{stderr}");
+    no_segment_of(killed);
+    assert!(
+        stdout.contains(&format!("left by launcher pid {killed}, which is gone")),
+        "{stdout}"
+    );
+}
+
 /// A drafter dies once the group applied its batch's update, before its ledger line, and the
 /// launcher is SIGKILLed right after removing it from the group, before it settles the batch in
 /// the ring (the tests' pause point, `HSPIPE_TEST_PAUSE_AFTER_REMOVAL`). The group went on
