@@ -96,9 +96,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     if signals.received() > 0 {
         // Asked while the run was settled (its model checked, its directory laid out).
         println!(
-            "stopped by {} before the workers started: nothing was trained; `launcher --resume {}` starts the run",
+            "stopped by {} before the workers started: nothing was trained; `{}` starts the run",
             signals.last_name(),
-            settled.run_dir.path().display()
+            resume::command(settled.run_dir.path())
         );
         return Ok(exit::INTERRUPTED);
     }

@@ -26,18 +26,9 @@ use proto::{ledger, GpuLists, PipelineConfig, RunDir};
 
 use crate::cli::{format_gpu_list, GpuList, UsageError};
 
-/// The command that continues the run in `dir`, written so that a shell runs it as printed:
-/// the path is quoted unless it holds only characters a shell leaves alone.
+/// The command that continues the run in `dir`, written so that a shell runs it as printed.
 pub(crate) fn command(dir: &Path) -> String {
-    let d = dir.display().to_string();
-    let plain = !d.is_empty()
-        && d.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c));
-    if plain {
-        format!("launcher --resume {d}")
-    } else {
-        format!("launcher --resume '{}'", d.replace('\'', r"'\''"))
-    }
+    format!("launcher --resume {}", proto::run_dir::shell_word(dir))
 }
 
 /// The error of a resume of the run in `dir` whose own config.toml fails `check`, one of this
@@ -111,7 +102,7 @@ pub(crate) fn hold(run_dir: &RunDir) -> anyhow::Result<Option<File>> {
         Err(rustix::io::Errno::WOULDBLOCK) => bail!(
             "{} is in use by another launcher that is still running (`shm-ring-stat --run-dir {}` shows it and its pid); stop it (Ctrl-C, or SIGINT to that pid) and wait for it to exit first, or give a new run another --run-dir",
             dir.display(),
-            dir.display()
+            proto::run_dir::shell_word(dir)
         ),
         Err(e) => {
             println!(

@@ -54,6 +54,21 @@ pub enum RunDirError {
     Invalid { path: PathBuf, why: String },
 }
 
+/// `path` as a shell word, for a command printed to be copied (`launcher --resume DIR`): as it
+/// is when it holds only characters a shell leaves alone, else in single quotes (a quote inside
+/// closed, escaped and reopened), so a run directory with a space or a `$` runs as printed.
+pub fn shell_word(path: &Path) -> String {
+    let p = path.display().to_string();
+    let plain = !p.is_empty()
+        && p.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c));
+    if plain {
+        p
+    } else {
+        format!("'{}'", p.replace('\'', r"'\''"))
+    }
+}
+
 fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> RunDirError + 'p {
     move |source| RunDirError::Io {
         what,
@@ -494,6 +509,15 @@ impl AsRef<Path> for RunDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_a_shell_would_split_or_expand_is_quoted() {
+        let w = |p: &str| shell_word(Path::new(p));
+        assert_eq!(w("runs/exp-1.2"), "runs/exp-1.2");
+        assert_eq!(w("/home/me/my runs/a"), "'/home/me/my runs/a'");
+        assert_eq!(w("it's $HOME"), r"'it'\''s $HOME'");
+        assert_eq!(w(""), "''");
+    }
 
     #[test]
     fn a_new_run_dir_is_laid_out_and_a_used_one_refused() {

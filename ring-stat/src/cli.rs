@@ -150,15 +150,17 @@ fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
     let ring = match (Ring::open_read_only(&name), &run) {
         (Err(RingError::NotFound { .. }), Some(run)) => {
             let d = run.path().display();
+            // Copied into a shell, a path with a space must stay one word.
+            let w = proto::run_dir::shell_word(run.path());
             let summary = run.summary();
             if summary.exists() {
                 bail!(
-                    "the run in {d} has ended: its ring {name} is gone; {} and `launcher report {d}` tell how it went",
+                    "the run in {d} has ended: its ring {name} is gone; {} and `launcher report {w}` tell how it went",
                     summary.display()
                 )
             }
             bail!(
-                "the run in {d} is not running: its ring {name} is not in /dev/shm, and it has no summary.json (its launcher was killed, or is only starting); `launcher --resume {d}` continues a stopped run"
+                "the run in {d} is not running: its ring {name} is not in /dev/shm, and it has no summary.json (its launcher was killed, or is only starting); `launcher --resume {w}` continues a stopped run"
             )
         }
         (got, _) => got.with_context(|| format!("attaching to {name}"))?,

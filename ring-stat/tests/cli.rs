@@ -215,12 +215,16 @@ fn a_run_dir_without_a_live_ring_says_why() {
     assert!(!err.contains("attaching to :"), "{err}");
 
     let gone = unique("gone");
-    let ended = tmp.path().join("ended");
+    let ended = tmp.path().join("ended run");
     std::fs::create_dir(&ended).unwrap();
     std::fs::write(ended.join("ring"), format!("{gone}\n")).unwrap();
     let err = run_dir_error(&ended);
+    // The commands it prints run as printed, the path with its space one word.
+    let quoted = format!("'{}'", ended.display());
     assert!(
-        err.contains(&gone) && err.contains("not running"),
+        err.contains(&gone)
+            && err.contains("not running")
+            && err.contains(&format!("`launcher --resume {quoted}`")),
         "no summary: {err}"
     );
     std::fs::write(ended.join("summary.json"), "{}").unwrap();
@@ -228,7 +232,7 @@ fn a_run_dir_without_a_live_ring_says_why() {
     assert!(
         err.contains("has ended")
             && err.contains("summary.json")
-            && err.contains("launcher report"),
+            && err.contains(&format!("`launcher report {quoted}`")),
         "{err}"
     );
 }
