@@ -47,6 +47,11 @@ pub struct EvalArgs {
     /// e.g. <run-dir>/config.toml. Default: none of them.
     #[arg(long, value_name = "FILE", requires = "data")]
     pub config: Option<PathBuf>,
+    /// Where --data is prepared (cached), as the launcher's --data-cache: give the run's to
+    /// reuse the file its launch prepared. Default: runs/data-cache, beside a run's directory
+    /// under runs/ in the current directory.
+    #[arg(long, value_name = "DIR", requires = "data")]
+    pub data_cache: Option<PathBuf>,
     /// Prompts to decode, 1 to 1000000 (none would report no figure as if it were one; the
     /// held-out prompts are made before the first is decoded).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_PROMPTS), default_value_t = 8)]
@@ -111,7 +116,7 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
             a.prompt_len as u32,
         ));
     };
-    let cache = PathBuf::from("runs").join("data-cache");
+    let cache = (a.data_cache.clone()).unwrap_or_else(|| PathBuf::from("runs").join("data-cache"));
     // Conversations are prepared through the target's own template, as for training, with the
     // run's chat options when its config is given (its data and sizes are the run's, unread).
     let mut cfg = match &a.config {

@@ -1338,6 +1338,29 @@ fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
         (&2.into(), &5.into()),
         "{report}"
     );
+    // Prepared into runs/data-cache by default, into --data-cache's directory when given (a
+    // run's own, to reuse what its launch prepared).
+    let prepared_in = |d: &Path| {
+        std::fs::read_dir(d).map_or(0, |e| {
+            e.filter(|e| e.as_ref().unwrap().path().extension() == Some("arrow".as_ref()))
+                .count()
+        })
+    };
+    assert_eq!(
+        prepared_in(&dir.path("runs/data-cache")),
+        2,
+        "foreign and two"
+    );
+    let cache = dir.path("my-cache");
+    let more = [
+        "--max-new-tokens",
+        "2",
+        "--data-cache",
+        cache.to_str().unwrap(),
+    ];
+    let (code, said) = eval_with(&two, &more);
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(prepared_in(&cache), 1, "{said}");
     // `--config` (a run's config.toml): its [data] chat options prepare the prompts, here its
     // tokenizer directory, which has none (before, eval had no --config: a run's system prompt,
     // thinking option and template date were not the prompts').
