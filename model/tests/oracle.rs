@@ -539,7 +539,7 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 #[test]
 fn bad_model_directories_are_clear_errors() {
     let e = load_err(Path::new("/nonexistent/model"));
-    assert!(e.contains("/nonexistent/model/config.json"), "{e}");
+    assert!(e.contains("/nonexistent/model: no such directory"), "{e}");
 
     let d = made(&spec(Family::Qwen3));
     edit_config(d.path(), |v| v["model_type"] = "gemma3".into());
