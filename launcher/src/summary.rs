@@ -112,6 +112,10 @@ pub struct Summary {
     pub tokens_trained: u64,
     /// Ledger lines that could not be read (a drafter killed mid-line).
     pub torn_ledger_lines: u64,
+    /// Ledger lines that could not be read and were not cut short by a kill (changed, or
+    /// damaged on disk), as `file:line`: their batches are not counted, and a resume refuses
+    /// them.
+    pub damaged_ledger_lines: Vec<String>,
     /// This launch's wall time (a resumed run's earlier launches are not in it).
     pub wall_s: f64,
     /// The tokens the drafters trained in this launch (the ring's telemetry, which starts with
@@ -206,6 +210,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         batches_lost: ledgers.lost.len() as u64,
         tokens_trained: tokens,
         torn_ledger_lines: torn,
+        damaged_ledger_lines: ledgers.damaged,
         wall_s,
         tokens_per_s: if wall_s > 0.0 {
             launch_tokens as f64 / wall_s
@@ -272,6 +277,17 @@ pub fn finalise(mut s: Summary, exit_code: i32, mut notes: Vec<String>) -> Summa
         notes.push(format!(
             "{} torn ledger line(s) ignored: a drafter was killed while writing",
             s.torn_ledger_lines
+        ));
+    }
+    let damaged = &s.damaged_ledger_lines;
+    if !damaged.is_empty() {
+        notes.push(format!(
+            "{} ledger line(s) neither whole nor cut short by a kill ({}{}): changed, or \
+             damaged on disk; their batches are not counted, and `launcher --resume` refuses \
+             them until they are restored",
+            damaged.len(),
+            damaged[..damaged.len().min(3)].join(", "),
+            if damaged.len() > 3 { ", ..." } else { "" }
         ));
     }
     s.exit_code = exit_code;
@@ -417,6 +433,22 @@ mod tests {
         assert!(!s.ok);
         assert!(
             s.notes[0].contains("trained more than once"),
+            "{:?}",
+            s.notes
+        );
+    }
+
+    /// A damaged ledger line (neither whole nor the start of one) is named in the notes with
+    /// what a resume will do, apart from lines a kill tore: the summary called it a kill, and
+    /// the next `--resume` refused it as damaged.
+    #[test]
+    fn a_damaged_ledger_line_is_named_apart_from_torn_ones() {
+        let mut s = built("damaged", &[(0, 0, 0), (1, 1, 1)], None);
+        s.damaged_ledger_lines = vec!["run/ledger/drafter-0.jsonl:7".into()];
+        let s = finalise(s, 0, Vec::new());
+        let note = (s.notes.iter()).find(|n| n.contains("drafter-0.jsonl:7"));
+        assert!(
+            note.is_some_and(|n| n.contains("--resume` refuses") && !n.contains("killed")),
             "{:?}",
             s.notes
         );

@@ -60,11 +60,13 @@ pub enum LedgerError {
     },
     #[error("reading settled batch {batch_id}: {cause}")]
     Batch { batch_id: u64, cause: BatchError },
-    #[error("{}:{line}: not a line of this file, nor the start of one a kill cut short ({why}): it was changed or damaged; restore or delete the line", path.display())]
+    #[error("{}:{line}: not a line of this file, nor the start of one a kill cut short ({why}): it was changed, or damaged on disk; restore it from a copy ({then})", path.display())]
     Damaged {
         path: PathBuf,
         line: usize,
         why: String,
+        /// What deleting the line would do, which the file decides.
+        then: &'static str,
     },
     #[error("encoding a ledger line: {0}")]
     Encode(#[from] serde_json::Error),
@@ -169,8 +171,11 @@ pub fn damaged(text: &str) -> Option<String> {
 pub struct Ledgers {
     /// The lines of batches trained: their updates are in the weights.
     pub lines: Vec<LedgerLine>,
-    /// Lines that could not be read (torn by a kill).
+    /// Lines that could not be read and are the start of a line (torn by a kill).
     pub torn: u64,
+    /// Lines that could not be read and are not the start of one (changed, or damaged on
+    /// disk: [`damaged`]), as `file:line`; a resume refuses them.
+    pub damaged: Vec<String>,
     /// Lines whose updates were lost ([`LostSteps`]): their batches are untrained.
     pub lost: Vec<LedgerLine>,
     /// The lost ranges.
@@ -185,10 +190,17 @@ pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<Ledgers, LedgerError>
         ..Ledgers::default()
     };
     for d in 0..drafters {
-        scan(run_dir, d, |entry| match entry.line {
-            Some(l) if LostSteps::any_has(&out.lost_steps, &l) => out.lost.push(l),
-            Some(l) => out.lines.push(l),
-            None => out.torn += 1,
+        let mut n = 0;
+        scan(run_dir, d, |entry| {
+            n += 1;
+            match entry.line {
+                Some(l) if LostSteps::any_has(&out.lost_steps, &l) => out.lost.push(l),
+                Some(l) => out.lines.push(l),
+                None if damaged(&entry.text).is_some() => {
+                    (out.damaged).push(format!("{}:{n}", run_dir.ledger(d).display()))
+                }
+                None => out.torn += 1,
+            }
         })?;
     }
     Ok(out)
@@ -284,10 +296,14 @@ impl Ledger {
     }
 
     /// Appends `line` with one `write` (no user-space buffer), so a kill leaves the line whole
-    /// or torn, never interleaved with another.
+    /// or torn, never interleaved with another. A line an earlier append left torn (a write cut
+    /// short by a full disk, its error caught by a Python drafter that went on) is ended first:
+    /// otherwise this line would be glued to it, and the two read as one damaged line. Two
+    /// system calls a trained batch.
     pub fn append(&mut self, line: &LedgerLine) -> Result<(), LedgerError> {
         let mut text = serde_json::to_string(line)?;
         text.push('\n');
+        end_torn_line(&mut self.file).map_err(io("repairing ledger", &self.path))?;
         self.file
             .write_all(text.as_bytes())
             .map_err(io("appending to", &self.path))
@@ -442,7 +458,10 @@ pub fn record_set_aside(run_dir: &RunDir, line: &SetAsideLine) -> Result<(), Led
 /// The batches set aside in the run so far (none if the file is missing); a line a kill tore is
 /// skipped, and a damaged one is an error naming its line.
 pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError> {
-    read_lines(&run_dir.set_aside())
+    read_lines(
+        &run_dir.set_aside(),
+        "deleting it gives its batch back to be trained",
+    )
 }
 
 /// Appends `value` to the JSON-lines file `path` (created if missing) with one `write`, after
@@ -466,7 +485,10 @@ fn append_line(path: &Path, value: &impl Serialize) -> Result<File, LedgerError>
 /// start of a line, or a crash's NUL bytes) is skipped. A line that is neither (edited, damaged
 /// on disk) is an error naming the file and line: skipped, a lost range's batches would count
 /// as trained, and a resume would not train them again.
-fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, LedgerError> {
+fn read_lines<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    then: &'static str,
+) -> Result<Vec<T>, LedgerError> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -492,6 +514,7 @@ fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, Led
             path: path.to_path_buf(),
             line: n + 1,
             why,
+            then,
         });
     }
     Ok(out)

@@ -82,9 +82,14 @@ pub fn record_lost(run_dir: &RunDir, lost: &LostSteps) -> Result<(), LedgerError
     atomic_file::sync_dir(run_dir.path()).map_err(io("syncing the directory of", &path))
 }
 
-/// The lost ranges of the run (none if the file is missing). A line that does not parse was
-/// torn by a kill, before its rank trained on: it is skipped, and the rank's restart, finding
-/// the group empty again, records the range again.
+/// The lost ranges of the run (none if the file is missing). A line cut short was torn by a
+/// kill, before its rank trained on: it is skipped, and the rank's restart, finding the group
+/// empty again, records the range again. A line that is not the start of one is an error: its
+/// range's batches would count as trained.
 pub fn read_lost(run_dir: &RunDir) -> Result<Vec<LostSteps>, LedgerError> {
-    read_lines(&run_dir.lost_steps())
+    read_lines(
+        &run_dir.lost_steps(),
+        "deleting it would count its steps' batches trained, and a resume would never train \
+         them: if it cannot be restored, write a range that covers every step it could have named",
+    )
 }

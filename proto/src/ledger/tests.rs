@@ -111,6 +111,43 @@ fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
     assert_eq!((read.lines.len(), read.torn), (2, 1));
 }
 
+/// A ledger whose own write was cut short (a full disk: the error returned, the process going
+/// on, as a Python drafter that catches it may) ends that line before its next one, which then
+/// reads back; and a line that is neither whole nor the start of one is counted apart from the
+/// torn ones, named by file and line. Before, the next line was glued to the fragment and both
+/// were lost, counted as one torn line.
+#[test]
+fn a_ledger_ends_a_line_its_own_failed_write_tore_and_damaged_lines_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = RunDir::new(tmp.path());
+    std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+    let path = dir.ledger(0);
+    let mut ledger = Ledger::open(&path).unwrap();
+    let first = line(1, 1, 0, &[1]);
+    ledger.append(&first).unwrap();
+    // What a write cut short leaves: the start of a line, through this very handle's file.
+    let cut = &serde_json::to_string(&line(2, 2, 0, &[2])).unwrap()[..12];
+    OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap()
+        .write_all(cut.as_bytes())
+        .unwrap();
+    ledger.append(&line(3, 3, 0, &[3])).unwrap();
+    let read = read_all(&dir, 1).unwrap();
+    assert_eq!((read.lines.len(), read.torn), (2, 1), "{read:?}");
+    assert!(read.damaged.is_empty(), "{read:?}");
+    OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap()
+        .write_all(b"garbage\n")
+        .unwrap();
+    let read = read_all(&dir, 1).unwrap();
+    assert_eq!((read.lines.len(), read.torn), (2, 1), "{read:?}");
+    assert_eq!(read.damaged, [format!("{}:4", path.display())]);
+}
+
 /// A lost range whose line a kill tore is recorded again by the rank's restart (`lost.rs`): the
 /// new line follows the torn one instead of being glued to it, so the range reads back and its
 /// steps count as untrained. Before, both lines were lost, and so was the range. Set-aside lines
