@@ -23,7 +23,7 @@ mod summary;
 mod supervisor;
 pub mod tensorboard;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use choose::{choose_backend, choose_collective, probe_nccl};
@@ -73,12 +73,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         Err(e) => {
             // A refused resume (a damaged checkpoint, a model that moved) still frees what dead
             // launchers hold: the killed launch it was to continue left its ring, up to tens of
-            // GB of /dev/shm, which only a launch that starts would otherwise reclaim. Told as a
-            // run that stopped without finishing, since this launch does not resume it.
-            if args.resume.is_some() {
+            // GB of /dev/shm, which only a launch that starts would otherwise reclaim.
+            if let Some(dir) = &args.resume {
                 let this = reclaim::This {
-                    run_dir: Path::new(""),
-                    resuming: false,
+                    run_dir: dir,
+                    resuming: true,
+                    refused: true,
                 };
                 for line in reclaim::reclaim(&this) {
                     println!("{line}");
@@ -128,11 +128,15 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     let mut cfg = match (&args.resume, &args.config) {
         (Some(dir), _) => {
             let p = RunDir::new(dir).config();
-            if !dir.exists() {
-                bail!(
+            // `try_exists`: a directory that cannot be looked at (no permission) is not said to
+            // be missing.
+            match dir.try_exists() {
+                Ok(true) => {}
+                Ok(false) => bail!(
                     "{} does not exist: --resume takes the run directory a launch wrote (its --run-dir)",
                     dir.display()
-                );
+                ),
+                Err(e) => bail!("{}: {e}", dir.display()),
             }
             if !dir.is_dir() {
                 bail!(

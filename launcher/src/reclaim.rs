@@ -132,6 +132,9 @@ pub fn reclaim(this: &This) -> Vec<String> {
 pub struct This<'a> {
     pub run_dir: &'a Path,
     pub resuming: bool,
+    /// This launch's resume of `run_dir` was refused (it reclaims before it exits): that run's
+    /// line says so, not "continue it with `launcher --resume`", the command that just failed.
+    pub refused: bool,
 }
 
 impl This<'_> {
@@ -142,6 +145,13 @@ impl This<'_> {
             .is_some_and(|r| std::fs::canonicalize(self.run_dir).is_ok_and(|t| t == r));
         match (same, self.resuming) {
             (false, _) => (run_state(run), true),
+            (true, true) if self.refused => (
+                format!(
+                    "the run in {} is the one this launch was to resume, which is refused (below)",
+                    run.display()
+                ),
+                true,
+            ),
             (true, true) => (
                 format!(
                     "the run in {} is the one this launch resumes",

@@ -322,11 +322,19 @@ pub fn spawn(
         })?;
     let welcome = welcome.clone();
     // Opened before anyone can reap the child, so it is this child's. A kernel without pidfds
-    // (before 5.3) gets the plain wait.
+    // (before 5.3), or a sandbox that forbids them, gets the plain wait, said once.
     let exited = rustix::process::pidfd_open(
         rustix::process::Pid::from_child(&child),
         rustix::process::PidfdFlags::empty(),
     )
+    .map_err(|e| {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            println!(
+                "warning: pidfd_open: {e}: a worker that dies before it connects keeps a thread and a socket of the launcher until the launcher exits"
+            )
+        })
+    })
     .ok();
     std::thread::spawn(move || handshake(server, exited, key, gpu, welcome, events));
     Ok(child)

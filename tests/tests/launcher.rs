@@ -2110,9 +2110,16 @@ fn a_refused_resume_still_frees_the_killed_launchers_ring() {
     assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
     assert!(stderr.contains("checkpoint does not load"), "{stderr}");
     no_segment_of(killed);
+    // Not "continue it with `launcher --resume ...`", the command that was just refused.
+    let line = (stdout.lines())
+        .find(|l| l.contains(&format!("left by launcher pid {killed}, which is gone")))
+        .unwrap_or_else(|| panic!("no line about launcher pid {killed}:\n{stdout}"));
     assert!(
-        stdout.contains(&format!("left by launcher pid {killed}, which is gone")),
-        "{stdout}"
+        line.ends_with(&format!(
+            "the run in {} is the one this launch was to resume, which is refused (below)",
+            run_dir.display()
+        )),
+        "{line}"
     );
 }
 

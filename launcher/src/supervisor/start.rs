@@ -46,6 +46,7 @@ impl<'a> Supervisor<'a> {
         let this = reclaim::This {
             run_dir: run_dir.path(),
             resuming: resume.is_some(),
+            refused: false,
         };
         for line in reclaim::reclaim(&this) {
             println!("{line}");
