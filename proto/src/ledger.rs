@@ -12,6 +12,9 @@
 //! ends such a torn line, so it stays one unreadable line instead of swallowing the next one. A
 //! line that is neither a ledger line nor the start of one was changed or damaged ([`damaged`]),
 //! and a resume refuses it, since which batch it recorded cannot be told.
+//!
+//! Length: past 500 lines because the ledger, the lost ranges and the set-aside record are one
+//! contract (what counts as trained, torn or damaged), read and written only here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};

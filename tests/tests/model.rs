@@ -555,7 +555,7 @@ fn bad_model_inputs_are_clear_errors_before_any_worker_starts() {
                 "--model".into(),
                 "/nonexistent/model".into(),
             ],
-            "/nonexistent/model/config.json",
+            "/nonexistent/model: no such directory",
         ),
         (
             vec![
