@@ -159,13 +159,20 @@ pub fn scan(
 /// (a line that is whole JSON but no ledger line, bytes that no JSON starts with) was changed
 /// by hand or damaged on disk: which batch it recorded cannot be told.
 pub fn damaged(text: &str) -> Option<String> {
+    parse_line::<LedgerLine>(text).err()
+}
+
+/// One line of a JSON-lines file of this module: `Some` a record, `None` a line a kill tore
+/// (the start of one, a crash's NUL bytes, nothing), and an error saying why for a damaged one
+/// ([`damaged`]). The one rule of torn against damaged for all three files.
+fn parse_line<T: serde::de::DeserializeOwned>(text: &str) -> Result<Option<T>, String> {
     if text.contains('\0') {
-        return None;
+        return Ok(None);
     }
-    match serde_json::from_str::<LedgerLine>(text) {
-        Ok(_) => None,
-        Err(e) if e.is_eof() => None,
-        Err(e) => Some(e.to_string()),
+    match serde_json::from_str(text) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_eof() => Ok(None),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -499,19 +506,17 @@ fn read_lines<T: serde::de::DeserializeOwned>(
     };
     let mut out = Vec::new();
     for (n, l) in bytes.split(|&b| b == b'\n').enumerate() {
-        if l.contains(&0) || l.trim_ascii().is_empty() {
-            continue;
-        }
-        let why = match std::str::from_utf8(l) {
-            Err(e) => e.to_string(),
-            Ok(text) => match serde_json::from_str(text) {
+        let why = match std::str::from_utf8(l).map_err(|e| e.to_string()) {
+            Ok(text) => match parse_line(text) {
                 Ok(v) => {
-                    out.push(v);
+                    out.extend(v);
                     continue;
                 }
-                Err(e) if e.is_eof() => continue,
-                Err(e) => e.to_string(),
+                Err(why) => why,
             },
+            // Not UTF-8: torn only if a crash's NUL bytes are in it.
+            Err(_) if l.contains(&0) => continue,
+            Err(why) => why,
         };
         return Err(LedgerError::Damaged {
             path: path.to_path_buf(),
