@@ -308,14 +308,47 @@ impl Server {
                 Err(e) => return Err(io_err(e.into())),
                 Ok(_) => {}
             }
+            let (connected, exited) = (!fds[0].revents().is_empty(), !fds[1].revents().is_empty());
+            if let Some(done) = self.after_poll(connected, exited)? {
+                return Ok(done);
+            }
+        }
+    }
+
+    /// What [`accept_unless_exited`](Self::accept_unless_exited) does once poll says a
+    /// connection is queued (`connected`) or the worker has exited (`exited`): Some when it is
+    /// done, None to poll again.
+    ///
+    /// poll looks at the listener, then at the pidfd: a worker that connects and exits between
+    /// the two looks (its Hello and its last error sent, the launcher's answer never read) is
+    /// seen as exited with no connection. Its connection is queued all the same, and the worker
+    /// can make none after it has exited, so on an exit what is queued is taken without
+    /// blocking: the handshake then reads what the worker said (its error, for the death's
+    /// line) and finds it gone, instead of the death going unconnected.
+    fn after_poll(
+        &self,
+        connected: bool,
+        exited: bool,
+    ) -> Result<Option<Option<Halves>>, ControlError> {
+        if connected {
             // A connection first: a worker that connected and then died is the handshake's to
-            // find out.
-            if !fds[0].revents().is_empty() {
-                if let Some(halves) = self.accept_one()? {
-                    return Ok(Some(halves));
+            // find out. A stranger's is closed, and the wait goes on.
+            return Ok(self.accept_one()?.map(Some));
+        }
+        if !exited {
+            return Ok(None);
+        }
+        // Accepted sockets do not inherit the listener's O_NONBLOCK: the halves block as ever.
+        self.listener.set_nonblocking(true).map_err(io_err)?;
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if let Some(halves) = Self::ours(stream)? {
+                        return Ok(Some(Some(halves)));
+                    }
                 }
-            } else if !fds[1].revents().is_empty() {
-                return Ok(None);
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(None)),
+                Err(e) => return Err(io_err(e)),
             }
         }
     }
@@ -323,8 +356,14 @@ impl Server {
     /// One connection: its halves if the peer is of our uid; None for a stranger, whose
     /// connection is closed (it gets nothing).
     fn accept_one(&self) -> Result<Option<Halves>, ControlError> {
-        let ours = rustix::process::geteuid().as_raw();
         let (stream, _) = self.listener.accept().map_err(io_err)?;
+        Self::ours(stream)
+    }
+
+    /// An accepted connection's halves if the peer is of our uid; None for a stranger's,
+    /// closed here.
+    fn ours(stream: UnixStream) -> Result<Option<Halves>, ControlError> {
+        let ours = rustix::process::geteuid().as_raw();
         let theirs = rustix::net::sockopt::socket_peercred(&stream)
             .map_err(|e| io_err(e.into()))?
             .uid
@@ -451,6 +490,36 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("index taken"), "{err}");
+    }
+
+    /// A worker connects, says Hello and exits between poll's look at the listener and its
+    /// look at the pidfd: poll reports the exit alone. The connection is taken all the same,
+    /// with what the worker said; with nothing queued, an exit ends the wait at once.
+    #[test]
+    fn a_worker_that_connected_just_before_it_exited_is_still_accepted() {
+        let server = Server::new().unwrap();
+        let addr = SocketAddr::from_abstract_name(server.name().as_bytes()).unwrap();
+        let stream = UnixStream::connect_addr(&addr).unwrap();
+        let (to_launcher, _from) = split::<ToLauncher, ToWorker>(stream).unwrap();
+        to_launcher
+            .send(ToLauncher::Hello {
+                version: PROTOCOL_VERSION,
+                role: Role::Producer,
+                index: 4,
+                pid: 1,
+            })
+            .unwrap();
+        let (_reply, rx) = (server.after_poll(false, true).unwrap())
+            .expect("an exit ends the wait")
+            .expect("the queued connection is the worker's");
+        let ToLauncher::Hello { index, .. } = rx.recv().unwrap() else {
+            panic!("first message must be Hello");
+        };
+        assert_eq!(index, 4);
+
+        let server = Server::new().unwrap();
+        assert!(matches!(server.after_poll(false, true), Ok(Some(None))));
+        assert!(matches!(server.after_poll(false, false), Ok(None)));
     }
 
     #[test]
