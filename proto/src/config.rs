@@ -479,6 +479,13 @@ pub enum ConfigError {
         path: PathBuf,
         cause: std::io::Error,
     },
+    /// Not TOML at all: cut short, damaged, or not a config.
+    #[error("config {path} is not valid TOML: {cause}")]
+    Syntax {
+        path: PathBuf,
+        cause: Box<toml::de::Error>,
+    },
+    /// TOML, but not a config of this build: a field it does not know, a value of another type.
     #[error("config {path}: {cause}")]
     Parse {
         path: PathBuf,
@@ -515,6 +522,14 @@ impl PipelineConfig {
 
     /// Parses TOML text without checking the values.
     fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        // Syntax first, on its own: a file that is not TOML (a resumed run's, cut short) is
+        // told apart from one this build reads otherwise than the build that wrote it.
+        if let Err(e) = text.parse::<toml::Table>() {
+            return Err(ConfigError::Syntax {
+                path: path.to_path_buf(),
+                cause: Box::new(e),
+            });
+        }
         let mut cfg: PipelineConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             cause: Box::new(e),

@@ -2643,7 +2643,8 @@ fn a_run_an_earlier_build_started_with_a_layer_taken_twice_resumes_with_those_la
 /// A resumed run's config.toml that a check of this build refuses (a field it does not know,
 /// a value out of its bounds: an earlier build's, or one edited since) is an error that says it
 /// is the resume of that run that failed, which file fails, and the ways on; the file fixed,
-/// the run resumes. Before, the error named neither the resume nor what to do.
+/// the run resumes. Before, the error named neither the resume nor what to do. One that is not
+/// TOML at all is said to be damaged.
 #[test]
 fn a_resumed_runs_config_this_build_refuses_says_so_and_what_to_do() {
     let run = Run::new("lresumecheck");
@@ -2679,6 +2680,19 @@ fn a_resumed_runs_config_this_build_refuses_says_so_and_what_to_do() {
             "{said}"
         );
     }
+    // Cut short inside a key: not TOML, which no check of a build explains, so it is said to
+    // be damaged, not refused by this build.
+    let cut = &written[..written.find("block_size").unwrap() + 3];
+    std::fs::write(rd.config(), cut).unwrap();
+    let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("error: resuming run: config run/config.toml is not valid TOML")
+            && said.contains("was damaged after the launch that started the run wrote it whole")
+            && said.contains("repair it by hand")
+            && !said.contains("a check of this build"),
+        "{said}"
+    );
     std::fs::write(rd.config(), &written).unwrap();
     let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
     assert_eq!(code, Some(0), "{said}");
