@@ -265,9 +265,67 @@ fn mistral_within_its_window_equals_candle_transformers() {
     assert!(diff < TOL, "max |ours - oracle| = {diff}");
 }
 
+/// Where a Mistral's window bounds the sequences: `positions()`, the bound the settle checks
+/// hold data and evaluations to, is exactly as long as HF's window lets our full attention be.
+/// Layer 0, ours against the textbook's layer masked by HF's window rule: equal on `positions()`
+/// tokens (the window masks nothing yet); on one more, the last token's row differs (HF's
+/// window drops the first token from it) where the earlier rows still agree. A bound one too
+/// long fails the first. candle-transformers' Mistral sees `w + 1` tokens, so its oracle cannot
+/// tell.
+#[test]
+fn a_mistral_window_bounds_the_positions_exactly_where_hf_begins_to_mask() {
+    let s = MakeSpec {
+        rope_theta: 10000.0,
+        ..spec(Family::Mistral)
+    };
+    let d = made(&s);
+    let w = 6;
+    edit_config(d.path(), |c| c["sliding_window"] = w.into());
+    let m = ours(d.path());
+    // The bound the settle checks hold data and evaluations to.
+    let p = m.config().positions();
+    let emb = candle_core::safetensors::load(d.path().join("model.safetensors"), &Device::Cpu)
+        .unwrap()["model.embed_tokens.weight"]
+        .clone();
+    for n in [p, p + 1] {
+        let ids: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 41 + 3) % s.vocab as u32)
+            .collect();
+        let need = Need {
+            layers: &[0],
+            ..Need::default()
+        };
+        let ours = m.forward(&ids, &[n as u32], &need).unwrap();
+        let x = emb
+            .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
+            .unwrap();
+        let hf = hand_layer(d.path(), m.config(), 0, &x, &[n as u32], Some(w));
+        let first = max_diff(
+            &ours.layers[0].narrow(0, 0, p).unwrap(),
+            &hf.narrow(0, 0, p).unwrap(),
+        );
+        assert!(first < TOL, "n = {n}: the first {p} rows differ by {first}");
+        if n > p {
+            let last = max_diff(
+                &ours.layers[0].narrow(0, p, 1).unwrap(),
+                &hf.narrow(0, p, 1).unwrap(),
+            );
+            assert!(last > 1e-3, "n = {n}: the window masked nothing ({last})");
+        }
+    }
+}
+
 /// One decoder layer by the textbook: plain tensor operations, no fused kernel, each
-/// sequence alone.
-fn hand_layer(dir: &Path, cfg: &ArchConfig, l: usize, x: &Tensor, lens: &[u32]) -> Tensor {
+/// sequence alone. `window`: HF's sliding window, by its rule (transformers' `masking_utils`:
+/// a query at `i` sees a key at `j` when `j > i - window`, so `window` tokens itself included).
+fn hand_layer(
+    dir: &Path,
+    cfg: &ArchConfig,
+    l: usize,
+    x: &Tensor,
+    lens: &[u32],
+    window: Option<usize>,
+) -> Tensor {
     let w = |n: &str| {
         let all =
             candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -295,7 +353,8 @@ fn hand_layer(dir: &Path, cfg: &ArchConfig, l: usize, x: &Tensor, lens: &[u32]) 
         let hs = h.narrow(0, start, len).unwrap();
         let heads = |n: &str, k: usize, norm: &str| {
             let t = lin(&hs, n).reshape((len, k, hd)).unwrap();
-            rms(&t, &w(norm)).transpose(0, 1).unwrap() // [k, len, hd]
+            let t = if cfg.qk_norm { rms(&t, &w(norm)) } else { t };
+            t.transpose(0, 1).unwrap() // [k, len, hd]
         };
         let q = heads("self_attn.q_proj", nh, "self_attn.q_norm.weight");
         let k = heads("self_attn.k_proj", nkv, "self_attn.k_norm.weight");
@@ -334,9 +393,13 @@ fn hand_layer(dir: &Path, cfg: &ArchConfig, l: usize, x: &Tensor, lens: &[u32]) 
                 .iter()
                 .enumerate()
                 .flat_map(|(i, row)| {
-                    let m = row[..=i].iter().cloned().fold(f32::MIN, f32::max);
+                    let seen = |j: usize| j <= i && window.is_none_or(|w| j + w > i);
+                    let m = (0..len)
+                        .filter(|&j| seen(j))
+                        .map(|j| row[j])
+                        .fold(f32::MIN, f32::max);
                     let e: Vec<f32> = (0..len)
-                        .map(|j| if j <= i { (row[j] - m).exp() } else { 0.0 })
+                        .map(|j| if seen(j) { (row[j] - m).exp() } else { 0.0 })
                         .collect();
                     let z: f32 = e.iter().sum();
                     e.into_iter().map(move |x| x / z)
@@ -384,7 +447,7 @@ fn every_captured_layer_equals_a_hand_run_and_the_forward_stops_after_the_last()
         .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
         .unwrap();
     for l in 0..3 {
-        x = hand_layer(d.path(), m.config(), l, &x, &lens);
+        x = hand_layer(d.path(), m.config(), l, &x, &lens, None);
         let diff = max_diff(&all.layers[l], &x);
         assert!(diff < TOL, "layer {l}: max |ours - hand| = {diff}");
     }
