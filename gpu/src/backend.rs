@@ -30,6 +30,10 @@ pub enum Settling {
     /// named twice) are a new run's; what running it needs (each layer in the model) is
     /// checked all the same.
     Resume,
+    /// A model's shape alone, its `config.json` without weights, which are made on the device
+    /// instead (the benchmarks' `--random` on `scripts/shapes/`): there are no files to check
+    /// the weights in; the rest is checked as for [`Settling::New`].
+    Shape,
 }
 
 /// What builds one backend's models.

@@ -278,13 +278,16 @@ impl Maker for Candle {
         // and less of the target. A resumed run's are the ones its checkpoint was trained on,
         // which an earlier build's rule may have taken twice (SpecForge's, 6 of 8 layers):
         // other layers would be another run, and a checkpoint of them is refused on load.
-        if settling == Settling::New && cfg.model.target_layer_ids.is_some() {
+        if settling != Settling::Resume && cfg.model.target_layer_ids.is_some() {
             model::capture::check_distinct(&ids)
                 .map_err(|e| GpuError::Config(format!("model.target_layer_ids: {e}")))?;
         }
         // A tensor missing, of another shape or quantized is found here from the files'
         // headers, not by each target worker as it loads (restarted to its limit, the run lost).
-        Decoder::check_weights(dir, &arch)?;
+        // A shape has no weights files: its weights are made on the device.
+        if settling != Settling::Shape {
+            Decoder::check_weights(dir, &arch)?;
+        }
         cfg.model.hidden = arch.hidden_size as u32;
         cfg.model.layers = ids.len() as u32;
         cfg.model.target_layer_ids = Some(ids.iter().map(|&i| i as u32).collect());
@@ -758,6 +761,27 @@ mod tests {
             e.contains("dflash.eval_new_tokens = 100") && e.contains("sliding_window = 96"),
             "{e}"
         );
+    }
+
+    /// A model's shape alone (its config.json, no weights files: the benchmarks' `--random`,
+    /// whose weights are made on the device) settles as a shape and fills in the model's sizes;
+    /// a run's settle still refuses a directory without weights.
+    #[test]
+    fn a_shape_without_weights_settles_as_a_shape_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, mut cfg) = tiny_target(dir.path());
+        let shape = dir.path().join("shape");
+        std::fs::create_dir(&shape).unwrap();
+        std::fs::copy(m.join("config.json"), shape.join("config.json")).unwrap();
+        cfg.model.path = Some(shape);
+        let e = (Candle::CPU.settle(&mut cfg.clone(), Settling::New))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.safetensors"), "{e}");
+        cfg.model.hidden = 0;
+        Candle::CPU.settle(&mut cfg, Settling::Shape).unwrap();
+        let arch = ArchConfig::load(&m).unwrap();
+        assert_eq!(cfg.model.hidden as usize, arch.hidden_size);
     }
 
     /// A drafter deeper than its target: refused at settle naming both (a typo of 100000

@@ -334,6 +334,12 @@ pub fn settle_resumed(kind: BackendKind, cfg: &mut proto::PipelineConfig) -> Res
     kind.maker().settle(cfg, Settling::Resume)
 }
 
+/// [`settle`] for a model's shape alone, whose weights are made on the device
+/// ([`Settling::Shape`]: a benchmark's `--random`).
+pub fn settle_shape(kind: BackendKind, cfg: &mut proto::PipelineConfig) -> Result<(), GpuError> {
+    kind.maker().settle(cfg, Settling::Shape)
+}
+
 /// `(grad_len, state_len)` of the drafter [`drafter`] builds, without building one (the
 /// launcher sizes the group segment with it).
 pub fn drafter_sizes(

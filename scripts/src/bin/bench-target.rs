@@ -163,7 +163,11 @@ fn main() -> anyhow::Result<()> {
         "cuda" => gpu::BackendKind::Cuda,
         _ => gpu::BackendKind::Candle,
     };
-    gpu::settle(kind, &mut cfg)?;
+    // A shape (`--random`) has no weights files for settle to check.
+    match a.random {
+        true => gpu::settle_shape(kind, &mut cfg)?,
+        false => gpu::settle(kind, &mut cfg)?,
+    }
     let place = gpu::candle::Placement::of(kind)?;
     let mut target = if a.random {
         CandleTarget::random(&a.model, &cfg, &place).context("making the model")?
