@@ -14,6 +14,9 @@
 //!
 //! A frame is a little-endian `u32` length, then that many bytes of bincode. Frames over
 //! [`MAX_FRAME`] are refused (a config is a few KiB).
+//!
+//! Length: past 500 lines because the messages, the framing and the handshake (both ends, the
+//! launcher's wait on a worker that may die before it connects) are one protocol, with its tests.
 
 use std::io::{Read, Write};
 use std::marker::PhantomData;
