@@ -3,7 +3,7 @@
 //! directory (without that last sync the rename itself may not survive a power loss). Used for
 //! everything written whole: `summary.json`, the group checkpoint, a resumed run's ledgers, the
 //! report's SVG, a prepared dataset and its input stamps; and, with [`replace_dir_with`], the
-//! drafter's export directory and `make-model`'s model directory. A crate of its own, below `dataset` and `proto`, so that
+//! drafter's export directory, each export kept along the run and `make-model`'s model directory. A crate of its own, below `dataset` and `proto`, so that
 //! preparing a dataset needs none of hspipe's contracts. It also reads a config whole
 //! ([`read_regular`]) without waiting on a FIFO.
 //!
@@ -12,6 +12,9 @@
 //! [`NotAFile`]. A symbolic link is followed, and the file it points to is replaced, as the
 //! shell's `>` would write it: renaming over the link would turn the user's link into a file
 //! and leave the file it names stale.
+//!
+//! Length: past 500 lines, half of them tests: the file's and the directory's replacements share
+//! the temporary names that the leftovers' rules read back, and are tested together.
 
 use std::fs::File;
 use std::io;
@@ -237,6 +240,37 @@ pub fn leftovers(path: &Path) -> io::Result<Vec<std::path::PathBuf>> {
     Ok(out)
 }
 
+/// The directories in `parent` that [`replace_dir_with`] has a temporary or moved-aside
+/// directory for (`.<name>.new-<pid>`, `.<name>.old-<pid>`), read from those names, each once:
+/// where the directories written whole are not known by name beforehand (the kept exports,
+/// one a step), what to ask [`restore_dir`] and [`leftovers`] about. A writer at work's are
+/// listed too; [`leftovers`] leaves them out. None when `parent` is missing.
+pub fn replaced_dirs_in(parent: &Path) -> io::Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(parent) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        r => r?,
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let n = entry?.file_name().to_string_lossy().into_owned();
+        let Some((name, kind)) = n.strip_prefix('.').and_then(|n| n.rsplit_once('.')) else {
+            continue;
+        };
+        let pid = kind
+            .strip_prefix("new-")
+            .or_else(|| kind.strip_prefix("old-"));
+        if name.is_empty() || pid.is_none_or(|p| p.parse::<u32>().is_err()) {
+            continue;
+        }
+        let dir = parent.join(name);
+        if !out.contains(&dir) {
+            out.push(dir);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Puts back the directory [`replace_dir_with`] had moved aside when it was killed before it
 /// could swap the new one in (only where the file system cannot exchange): `dir` missing and a
 /// killed writer's `.<name>.old-<pid>` beside it, the last complete version. Returns where it
@@ -359,6 +393,34 @@ mod tests {
         ]);
         assert_eq!(found, want);
         assert!(leftovers(&p("missing/x")).unwrap().is_empty());
+    }
+
+    /// In a folder of directories written whole, those a writer has temporaries for are
+    /// found by the temporaries' names, each once; other names are not.
+    #[test]
+    fn replaced_dirs_are_found_by_their_temporaries() {
+        let root = tempfile::tempdir().unwrap();
+        let p = |n: &str| root.path().join(n);
+        let dead = ended_pid();
+        for d in [
+            "step-8".to_string(),
+            format!(".step-12.new-{dead}"),
+            format!(".step-16.new-{dead}"),
+            format!(".step-16.old-{dead}"),
+            ".step-20.new-x".to_string(),
+            ".notes".to_string(),
+        ] {
+            std::fs::create_dir(p(&d)).unwrap();
+        }
+        assert_eq!(
+            replaced_dirs_in(root.path()).unwrap(),
+            [p("step-12"), p("step-16")]
+        );
+        assert_eq!(
+            leftovers(&p("step-12")).unwrap(),
+            [p(&format!(".step-12.new-{dead}"))]
+        );
+        assert!(replaced_dirs_in(&p("missing")).unwrap().is_empty());
     }
 
     /// Killed between moving the old directory aside and renaming the new one in (a file

@@ -61,6 +61,12 @@ pub trait Maker {
     ) -> Result<Box<dyn DrafterBackend + Send>, GpuError>;
     /// `(grad_len, state_len)` of the drafter [`Maker::drafter`] builds, without building one.
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError>;
+    /// Whether the drafter [`Maker::drafter`] builds writes an export
+    /// ([`DrafterBackend::exports`]), without building one: the launcher refuses
+    /// `[drafter] keep_export_every` to a run that would keep nothing.
+    fn drafter_exports(&self) -> bool {
+        false
+    }
 }
 
 impl BackendKind {

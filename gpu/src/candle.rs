@@ -334,6 +334,10 @@ impl Maker for Candle {
     fn drafter_sizes(&self, cfg: &PipelineConfig) -> Result<(usize, usize), GpuError> {
         crate::dflash::sizes(cfg)
     }
+
+    fn drafter_exports(&self) -> bool {
+        true
+    }
 }
 
 /// A frozen HF model computing a batch's captured layers and greedy tokens.

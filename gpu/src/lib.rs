@@ -349,6 +349,11 @@ pub fn drafter_sizes(
     kind.maker().drafter_sizes(cfg)
 }
 
+/// Whether the drafter of backend `kind` writes an export (see [`Maker::drafter_exports`]).
+pub fn drafter_exports(kind: BackendKind) -> bool {
+    kind.maker().drafter_exports()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -352,6 +352,15 @@ pub struct DrafterConfig {
     /// Checkpoint every this many group steps (and at shutdown); a step trains up to one batch
     /// per drafter rank.
     pub checkpoint_every: u64,
+    /// Keep the export of every step that is a multiple of this (a multiple of
+    /// `checkpoint_every`, so every such step has a checkpoint and an export) as
+    /// `<run-dir>/drafter-steps/step-<S>/`, beside the one `drafter/` every checkpoint rewrites:
+    /// a week's run can go back to the drafter of any kept step. 0 (the default) keeps none.
+    /// Only a drafter that exports (DFlash) keeps any: [`PipelineConfig::check_kept_exports`].
+    /// Not written to a run's `config.toml` while 0, so a config.toml of a run that keeps none
+    /// reads as it did before the field.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub keep_export_every: u64,
     /// Weights of the mock drafter (f32; the gradient all-reduced each step is this size).
     pub params: u64,
     /// Length-coherent group steps: the leader draws each step's length bucket (in proportion
@@ -384,6 +393,7 @@ impl Default for DrafterConfig {
         DrafterConfig {
             tokens_per_s: 58_000.0,
             checkpoint_every: 50,
+            keep_export_every: 0,
             params: 1_048_576,
             coherent: true,
             prefetch: true,
@@ -392,6 +402,20 @@ impl Default for DrafterConfig {
             command: None,
             command_dir: None,
         }
+    }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl DrafterConfig {
+    /// Whether the export written at the checkpoint of group step `step` is kept
+    /// (`keep_export_every`): a step past 0 that is a multiple of it. The run's last step is
+    /// kept by the same rule, like any other: `drafter/` holds it in any case.
+    pub fn keeps_export(&self, step: u64) -> bool {
+        let every = self.keep_export_every;
+        every != 0 && step != 0 && step.is_multiple_of(every)
     }
 }
 
@@ -747,6 +771,20 @@ impl PipelineConfig {
         if self.drafter.checkpoint_every == 0 {
             return Err(invalid("drafter.checkpoint_every", "must be at least 1"));
         }
+        let (keep, every) = (
+            self.drafter.keep_export_every,
+            self.drafter.checkpoint_every,
+        );
+        if !keep.is_multiple_of(every) {
+            // A kept export is the export a checkpoint writes: a step without a checkpoint has
+            // none to keep.
+            return Err(invalid(
+                "drafter.keep_export_every",
+                format!(
+                    "must be 0 or a multiple of drafter.checkpoint_every ({every}): an export is written only at a checkpoint, so only a checkpoint's step can be kept; got {keep}"
+                ),
+            ));
+        }
         let need = self.largest_batch_bytes()?;
         if self.ring.slot_size != 0 && self.ring.slot_size < need {
             return Err(invalid(
@@ -758,6 +796,23 @@ impl PipelineConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Refuses `drafter.keep_export_every` for a run whose drafter writes no export
+    /// (`drafter_exports` false: the mock's, or a `[drafter] command`'s): nothing would ever be
+    /// kept, and a user who asked for kept exports would find out a week later. The launcher
+    /// calls it once the backend is chosen; [`validate`](Self::validate) cannot know it.
+    pub fn check_kept_exports(&self, drafter_exports: bool) -> Result<(), ConfigError> {
+        if self.drafter.keep_export_every == 0 || drafter_exports {
+            return Ok(());
+        }
+        Err(invalid(
+            "drafter.keep_export_every",
+            format!(
+                "is {}, but this run's drafter writes no export to keep (only the DFlash drafter of a run with a model exports; the mock drafter and a [drafter] command do not): set it to 0 or leave it out",
+                self.drafter.keep_export_every
+            ),
+        ))
     }
 
     /// Bytes of the largest batch: a full token budget of the shortest sequences (the most
@@ -867,6 +922,51 @@ mod tests {
         let again = PipelineConfig::from_toml(&c.to_toml(), Path::new("y.toml")).unwrap();
         assert_eq!(again, c);
         c.ring_params(5, 3, 100).unwrap();
+    }
+
+    /// `[drafter] keep_export_every`: the steps it keeps are the multiples of it (the run's
+    /// last step by the same rule), a value that is no multiple of `checkpoint_every` would name
+    /// steps with no export and is refused naming both fields, and a run whose drafter exports
+    /// nothing is refused it. Left at 0 it keeps nothing and stays out of a run's config.toml.
+    #[test]
+    fn keep_export_every_keeps_checkpoint_steps_only() {
+        let load = |t: &str| PipelineConfig::from_toml(t, Path::new("run.toml"));
+        let c = load(
+            "[drafter]
+checkpoint_every = 50
+keep_export_every = 200
+",
+        )
+        .unwrap();
+        let kept: Vec<u64> = (0..=1000).filter(|&s| c.drafter.keeps_export(s)).collect();
+        assert_eq!(kept, [200, 400, 600, 800, 1000]);
+        assert!(c.to_toml().contains("keep_export_every = 200"));
+        c.check_kept_exports(true).unwrap();
+        let err = c.check_kept_exports(false).unwrap_err().to_string();
+        assert!(
+            err.contains("drafter.keep_export_every") && err.contains("no export"),
+            "{err}"
+        );
+
+        let err = load(
+            "[drafter]
+checkpoint_every = 50
+keep_export_every = 120
+",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("drafter.keep_export_every")
+                && err.contains("drafter.checkpoint_every (50)")
+                && err.contains("120"),
+            "{err}"
+        );
+
+        let none = PipelineConfig::default();
+        assert!((0..=1000).all(|s| !none.drafter.keeps_export(s)));
+        assert!(!none.to_toml().contains("keep_export_every"));
+        none.check_kept_exports(false).unwrap();
     }
 
     #[test]

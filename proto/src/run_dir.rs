@@ -276,6 +276,41 @@ impl RunDir {
         self.0.join("drafter")
     }
 
+    /// The exports kept along the run (`[drafter] keep_export_every`), one directory a step:
+    /// [`kept_export`](Self::kept_export).
+    pub fn kept_exports_dir(&self) -> PathBuf {
+        self.0.join("drafter-steps")
+    }
+
+    /// The export of group step `step`, kept: `drafter-steps/step-<S>`, the step as every other
+    /// place prints it (the monitor, `metrics.jsonl`, TensorBoard, the ledgers), not
+    /// zero-padded, so the step a user saw a figure at names its directory as it reads.
+    pub fn kept_export(&self, step: u64) -> PathBuf {
+        self.kept_exports_dir().join(format!("step-{step}"))
+    }
+
+    /// The steps whose exports are kept, ascending: the directories named as
+    /// [`kept_export`](Self::kept_export) names them. A writer's temporary directory
+    /// (`.step-<S>.new-<pid>`, being built or left by a killed writer) is not one, and neither
+    /// is any other name; none when the folder is missing or cannot be read.
+    pub fn kept_export_steps(&self) -> Vec<u64> {
+        let Ok(entries) = self.kept_exports_dir().read_dir() else {
+            return Vec::new();
+        };
+        let mut steps: Vec<u64> = entries
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let name = e.file_name().into_string().ok()?;
+                let step: u64 = name.strip_prefix("step-")?.parse().ok()?;
+                // `step-007` or `step-+7` are not names a writer makes.
+                let canonical = name == format!("step-{step}");
+                (canonical && e.file_type().ok()?.is_dir()).then_some(step)
+            })
+            .collect();
+        steps.sort_unstable();
+        steps
+    }
+
     /// The NCCL group's rendezvous files of ring `ring` (`epoch-<n>.id`, `collective = "nccl"`).
     pub fn nccl_dir(&self, ring: &str) -> PathBuf {
         self.0.join("nccl").join(ring)
@@ -330,7 +365,13 @@ impl RunDir {
         // A run first, however little of one is left: that is the better thing to say. An
         // export without a checkpoint (moved away, as a resume that cannot load one advises)
         // is still a trained drafter.
-        for sub in [self.ledger_dir(), self.checkpoints_dir(), self.export_dir()] {
+        let run = [
+            self.ledger_dir(),
+            self.checkpoints_dir(),
+            self.export_dir(),
+            self.kept_exports_dir(),
+        ];
+        for sub in run {
             if sub.read_dir().is_ok_and(|mut d| d.next().is_some()) {
                 return Err(RunDirError::HoldsRun {
                     dir: self.0.clone(),
@@ -609,6 +650,7 @@ mod tests {
             run.ledger(0),
             run.checkpoint(),
             run.export_dir().join("config.json"),
+            run.kept_export(8).join("config.json"),
         ] {
             w(run.config());
             w(trained.clone());
@@ -618,6 +660,28 @@ mod tests {
             assert!(run.config().is_file() && trained.is_file());
             std::fs::remove_file(&trained).unwrap();
         }
+    }
+
+    /// The kept exports are the `step-<S>` directories, in step order (not the names' order);
+    /// a writer's temporary directory, a file, or a name no writer makes is none.
+    #[test]
+    fn kept_export_steps_are_the_whole_kept_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::new(tmp.path());
+        assert_eq!(run.kept_export_steps(), Vec::<u64>::new());
+        for step in [1000, 200, 40] {
+            std::fs::create_dir_all(run.kept_export(step)).unwrap();
+        }
+        assert_eq!(
+            run.kept_export(200),
+            tmp.path().join("drafter-steps/step-200")
+        );
+        let d = run.kept_exports_dir();
+        for name in [".step-1200.new-4242", "step-007", "step-x", "notes"] {
+            std::fs::create_dir(d.join(name)).unwrap();
+        }
+        std::fs::write(d.join("step-1400"), b"a file").unwrap();
+        assert_eq!(run.kept_export_steps(), [40, 200, 1000]);
     }
 
     /// `--run-dir proj` on a project's folder, or `--run-dir /`, wrote hspipe's `config.toml`,
