@@ -20,8 +20,8 @@
 //! released, so a crash never loses the line of a batch whose slot was freed; every rank syncs
 //! its ledger at each checkpoint step.
 //!
-//! Length: just past 500 lines: the rank's step, its group duties, ledger and checkpoints are
-//! one loop.
+//! Length: about 600 lines: the rank's step, its group duties, ledger and checkpoints are one
+//! loop.
 
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -45,7 +45,7 @@ mod save;
 mod taken;
 use faults::InjectedFaults;
 use intake::{intake, Intake};
-use save::{checkpoint, export};
+use save::{checkpoint, export, keep};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -56,7 +56,8 @@ use save::{checkpoint, export};
 ///
 /// Writes <run-dir>/ledger/drafter-<i>.jsonl; the group's leader writes
 /// <run-dir>/checkpoints/drafter.safetensors and, for a drafter an engine serves (DFlash), its
-/// export <run-dir>/drafter/.
+/// export <run-dir>/drafter/ (kept as <run-dir>/drafter-steps/step-<S>/ at the steps
+/// `[drafter] keep_export_every` names).
 /// A stop request (a stop signal, or Stop from the launcher) lets it drain: targets stop, the
 /// ring closes, the drafter trains what is left, checkpoints and exits 0. Exit 1 on error.
 #[derive(Parser, Debug)]
@@ -550,10 +551,28 @@ impl<'c, 'r> Rank<'c, 'r> {
         step > 0 && u64::from(step) % every == 0
     }
 
-    /// Writes the checkpoint (and the export) of step `step`, the weights' now.
+    /// Writes the export of step `step` (the weights' now), keeps it where
+    /// `[drafter] keep_export_every` says, then writes the checkpoint. The checkpoint last: a
+    /// leader killed before it leaves the previous checkpoint, from which a resume trains up to
+    /// `step` again and writes both again, so every kept step up to the checkpoint's has its
+    /// kept export; killed after a checkpoint written first, a kept step would have had none
+    /// for ever. A keep that fails (a full disk where it had to copy) is said and the run goes
+    /// on: the export and the checkpoint are what it needs.
     fn write_checkpoint(&mut self, step: u32) -> anyhow::Result<()> {
+        let dir = self.s.run_dir.export_dir();
+        export(self.backend.as_ref(), &dir)?;
+        if self.backend.exports() && self.s.config.drafter.keeps_export(u64::from(step)) {
+            let kept = self.s.run_dir.kept_export(u64::from(step));
+            match keep(&dir, &kept) {
+                Ok(()) => tracing::info!(step, kept = %kept.display(), "kept the export"),
+                Err(e) => tracing::warn!(
+                    step,
+                    error = format!("{e:#}"),
+                    "the export of this step is not kept"
+                ),
+            }
+        }
         checkpoint(self.backend.as_ref(), &self.ckpt)?;
-        export(self.backend.as_ref(), &self.s.run_dir.export_dir())?;
         self.checkpointed = Some(step);
         Ok(())
     }

@@ -263,7 +263,8 @@ impl Drop for MadeDirs {
 }
 
 /// What is wrong with `--drafter DIR` where DIR is a run's directory rather than its export,
-/// or the export of a run that has written none yet: the path to give, or why there is none.
+/// the folder of its kept exports rather than one of them, or the export of a run that has
+/// written none yet: the path to give, or why there is none.
 /// Both read as a `config.json` missing from a path the user never typed.
 fn run_dir_as_drafter(drafter: &Path) -> Option<String> {
     let no_export = "the group's leader writes it at every checkpoint (every drafter.checkpoint_every steps), at a stop and at the end; a run without --model trains the mock drafter, which exports none";
@@ -284,6 +285,22 @@ fn run_dir_as_drafter(drafter: &Path) -> Option<String> {
     }
     let parent = drafter.parent().filter(|p| !p.as_os_str().is_empty())?;
     let run = proto::RunDir::new(parent);
+    if run.config().is_file() && run.kept_exports_dir() == drafter {
+        let steps: Vec<String> = (run.kept_export_steps().iter())
+            .map(|s| format!("step-{s}"))
+            .collect();
+        return Some(match steps.last() {
+            Some(last) => format!(
+                "the folder of a run's kept exports, not an export: give one of them, e.g. --drafter {} (kept: {})",
+                drafter.join(last).display(),
+                steps.join(", ")
+            ),
+            None => format!(
+                "the folder of a run's kept exports, which holds none yet (drafter.keep_export_every keeps one at each multiple of it): give --drafter {}",
+                run.export_dir().display()
+            ),
+        });
+    }
     (!drafter.exists() && run.config().is_file() && run.export_dir() == drafter).then(|| {
         format!(
             "no such directory: the run in {} has written no drafter export yet: {no_export}",
@@ -499,6 +516,24 @@ mod tests {
         std::fs::write(run.join("drafter").join("config.json"), "{}").unwrap();
         let said = e(&run);
         let want = format!("give --drafter {}", run.join("drafter").display());
+        assert!(said.contains(&want), "{said}");
+        // The folder of kept exports, for one of them: the newest kept, or the export while
+        // none is.
+        let kept = run.join("drafter-steps");
+        std::fs::create_dir(&kept).unwrap();
+        let said = e(&kept);
+        assert!(
+            said.contains("holds none yet") && said.contains(&want),
+            "{said}"
+        );
+        for s in ["step-40", "step-80"] {
+            std::fs::create_dir(kept.join(s)).unwrap();
+        }
+        let said = e(&kept);
+        let want = format!(
+            "--drafter {} (kept: step-40, step-80)",
+            kept.join("step-80").display()
+        );
         assert!(said.contains(&want), "{said}");
     }
 

@@ -256,6 +256,11 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.validate()
         .context("checking the config")
         .map_err(refused)?;
+    // Our DFlash worker exports; the mock's drafter and a `[drafter] command` write none.
+    let exports = gpu::drafter_exports(backend.0) && cfg.drafter.command.is_none();
+    cfg.check_kept_exports(exports)
+        .context("checking the config")
+        .map_err(refused)?;
     // The GPU lists count here too, and a resume may change them: not the config's fault alone.
     cfg.check_faults(gpus.targets.len() as u32, gpus.drafters.len() as u32)
         .context("checking the config")

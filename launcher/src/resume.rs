@@ -256,21 +256,31 @@ impl Resume {
 }
 
 /// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
-/// temporary or moved-aside directory: `atomic_file::leftovers`) and says what it removed: at a
-/// resume's start and at the run's end. A checkpoint's temporary is as big as the checkpoint,
-/// and nothing else would ever remove it.
+/// temporary or moved-aside directory, and a kept export's: `atomic_file::leftovers`) and says
+/// what it removed: at a resume's start and at the run's end. A checkpoint's temporary is as big
+/// as the checkpoint, and nothing else would ever remove it; a kept export's temporary is never
+/// taken for a kept export (`RunDir::kept_export_steps`), but it holds the drafter's size.
 pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
-    let export = run_dir.export_dir();
-    match atomic_file::restore_dir(&export) {
-        Ok(Some(from)) => println!(
-            "put {} back from {}, where a writer that was killed had moved it",
-            export.display(),
-            from.display()
-        ),
-        Ok(None) => {}
-        Err(e) => println!("warning: putting back {}: {e}", export.display()),
+    let kept = atomic_file::replaced_dirs_in(&run_dir.kept_exports_dir()).unwrap_or_else(|e| {
+        println!(
+            "warning: looking for leftovers in {}: {e}",
+            run_dir.kept_exports_dir().display()
+        );
+        Vec::new()
+    });
+    let dirs: Vec<PathBuf> = std::iter::once(run_dir.export_dir()).chain(kept).collect();
+    for dir in &dirs {
+        match atomic_file::restore_dir(dir) {
+            Ok(Some(from)) => println!(
+                "put {} back from {}, where a writer that was killed had moved it",
+                dir.display(),
+                from.display()
+            ),
+            Ok(None) => {}
+            Err(e) => println!("warning: putting back {}: {e}", dir.display()),
+        }
     }
-    for path in [run_dir.checkpoint(), export] {
+    for path in std::iter::once(run_dir.checkpoint()).chain(dirs) {
         let found = match atomic_file::leftovers(&path) {
             Ok(found) => found,
             Err(e) => {
@@ -338,6 +348,44 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    /// A leader killed while it kept an export left `.step-<S>.new-<pid>`, looking like a
+    /// directory of the export's files: it is no kept export, and the sweep a resume's start and
+    /// every run's end make removes it (and puts back a kept export it had moved aside), leaving
+    /// the whole kept exports as they are.
+    #[test]
+    fn a_killed_keepers_temporary_is_no_kept_export_and_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let kept = run.kept_exports_dir();
+        let dead = {
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            child.wait().unwrap();
+            child.id()
+        };
+        let export = |d: &std::path::Path| {
+            std::fs::create_dir_all(d).unwrap();
+            for f in ["config.json", "model.safetensors"] {
+                std::fs::write(d.join(f), f).unwrap();
+            }
+        };
+        export(&run.kept_export(4));
+        export(&kept.join(format!(".step-8.new-{dead}")));
+        // Moved aside by a writer that could not exchange (step 12 being kept again after a
+        // resume), then killed before the new one went in.
+        export(&kept.join(format!(".step-12.old-{dead}")));
+        export(&kept.join(format!(".step-12.new-{dead}")));
+        assert_eq!(run.kept_export_steps(), [4]);
+        super::sweep_leftovers(&run);
+        let mut names: Vec<String> = std::fs::read_dir(&kept)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step-12", "step-4"]);
+        assert_eq!(run.kept_export_steps(), [4, 12]);
+        assert!(run.kept_export(12).join("model.safetensors").is_file());
     }
 
     fn line(batch: u64) -> String {

@@ -9,6 +9,9 @@
 //! plan index says), and no batch trained more than once. The ring's counters (`published`,
 //! `redelivered`) are reported, never judged: a worker killed between a CAS and its counter
 //! update skews them.
+//!
+//! Length: past 500 lines with its tests: each field of the summary, how it is built from the
+//! ledgers and the ring, and the end's lines that print it, read together.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -128,6 +131,10 @@ pub struct Summary {
     pub workers: Vec<WorkerSummary>,
     /// The group's training where it ended; null when the group reported no step.
     pub drafter: Option<DrafterSummary>,
+    /// The steps whose exports are kept, each in `drafter-steps/step-<S>/`
+    /// (`[drafter] keep_export_every`), ascending: the whole run's, earlier launches' included.
+    /// Empty when none is.
+    pub kept_exports: Vec<u64>,
 }
 
 /// What the supervisor knows at the end of a run, for [`build`].
@@ -222,6 +229,7 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         notes: Vec::new(),
         workers,
         drafter,
+        kept_exports: run_dir.kept_export_steps(),
     })
 }
 
@@ -303,7 +311,9 @@ pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-pub fn print(s: &Summary) {
+/// The run's end lines: the totals, the group's last step, where the kept exports are, the
+/// workers, the notes and the exit code.
+pub fn print(s: &Summary, run_dir: &RunDir) {
     println!();
     let trained = match s.epochs {
         1 => format!("{}/{} samples trained", s.samples_trained, s.samples_total),
@@ -340,6 +350,9 @@ pub fn print(s: &Summary) {
         }
         println!("{line}");
     }
+    if let Some(line) = kept_line(&s.kept_exports, run_dir) {
+        println!("{line}");
+    }
     println!(
         "{:<8} {:>3} {:>4} {:>8} {:>7} {:>10} {:>6}",
         "role", "idx", "gpu", "restarts", "items", "tokens", "busy"
@@ -362,12 +375,50 @@ pub fn print(s: &Summary) {
     println!("exit code {}", s.exit_code);
 }
 
+/// Where the kept exports are, in one line however many there are: `kept exports: 3 in
+/// DIR/drafter-steps (step-4, step-8, step-12)`, the middle of a long list elided (summary.json
+/// lists every step).
+fn kept_line(steps: &[u64], run_dir: &RunDir) -> Option<String> {
+    let name = |s: &u64| format!("step-{s}");
+    let listed: Vec<String> = match steps.len() {
+        0 => return None,
+        1..=5 => steps.iter().map(name).collect(),
+        n => (steps[..2].iter().map(name))
+            .chain(["...".to_string()])
+            .chain(steps[n - 2..].iter().map(name))
+            .collect(),
+    };
+    Some(format!(
+        "kept exports: {} in {} ({})",
+        steps.len(),
+        run_dir.kept_exports_dir().display(),
+        listed.join(", ")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proto::control::StepStats;
     use proto::LedgerLine;
     use shm_ring::{Ring, RingParams, TakePolicy};
+
+    /// The end's line about kept exports: none without any; the folder, the count and the
+    /// steps, a long list cut in the middle, with one.
+    #[test]
+    fn the_kept_exports_line_names_the_folder_and_the_steps() {
+        let run = RunDir::new("runs/x");
+        assert_eq!(kept_line(&[], &run), None);
+        assert_eq!(
+            kept_line(&[4, 8], &run).unwrap(),
+            "kept exports: 2 in runs/x/drafter-steps (step-4, step-8)"
+        );
+        let many: Vec<u64> = (1..=9).map(|s| s * 100).collect();
+        assert_eq!(
+            kept_line(&many, &run).unwrap(),
+            "kept exports: 9 in runs/x/drafter-steps (step-100, step-200, ..., step-800, step-900)"
+        );
+    }
 
     /// A summary over a ring of two batches, from ledger lines `(drafter, batch, ticket)`
     /// (each batch two samples, of four), with the group as the monitor saw it.

@@ -644,7 +644,7 @@ impl<'a> Supervisor<'a> {
         let summary = summary::finalise(summary, exit_code, notes);
         crate::resume::sweep_leftovers(&self.run_dir);
         summary::write(&self.run_dir, &summary)?;
-        summary::print(&summary);
+        summary::print(&summary, &self.run_dir);
         Ok(exit_code)
     }
 }

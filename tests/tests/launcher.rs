@@ -1050,6 +1050,8 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
             .repeat(70_000),
     );
     let epochs = write("epochs.toml", "[data]\nepochs = 1000\n");
+    // Kept exports asked of the mock drafter, which exports nothing to keep.
+    let keep = write("keep.toml", "[drafter]\nkeep_export_every = 100\n");
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec![
@@ -1077,6 +1079,10 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
             "/nonexistent/run.toml",
         ),
         (vec!["--backend".into(), "cuda".into()], "cuda"),
+        (
+            vec!["--config".into(), keep.clone()],
+            "drafter.keep_export_every: is 100, but this run's drafter writes no export",
+        ),
     ];
     for (i, (extra, want)) in cases.iter().enumerate() {
         let run_dir = rd(&i.to_string());

@@ -824,6 +824,77 @@ fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
     }
 }
 
+/// `[drafter] keep_export_every`: a run keeps the export of every multiple of it as
+/// `drafter-steps/step-<S>/` beside the `drafter/` each checkpoint rewrites, each whole (no
+/// temporary left) and the drafter of its step: training moved the weights since, so each
+/// kept `model.safetensors` but the last step's differs from the final export's. The end's
+/// lines and `summary.json` say which are kept and where, and `launcher eval --drafter` decodes
+/// with one, to the target's greedy text. Before, every export replaced the last.
+#[test]
+fn kept_exports_hold_the_drafter_of_their_steps_and_eval_decodes_with_one() {
+    let run = Run::new("mkeep");
+    let m = tiny(&run.dir);
+    let body = format!(
+        "{SMALL_DFLASH}lr = 1e-2\n[drafter]\ncheckpoint_every = 2\nkeep_export_every = 4\n"
+    );
+    let cfg = write_config(&run.dir, "keep.toml", &m, &body);
+    let out = run.launch(&cfg, &["--model", m.to_str().unwrap()]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let summary = run.summary();
+    let last = summary["drafter"]["step"].as_u64().unwrap();
+    let want: Vec<u64> = (1..=last).filter(|s| s % 4 == 0).collect();
+    assert!(want.len() >= 2, "{last} steps: {summary}");
+    assert_eq!(
+        summary["kept_exports"],
+        serde_json::json!(want),
+        "{summary}"
+    );
+    let rd = RunDir::new(run.run_dir());
+    let mut names: Vec<String> = std::fs::read_dir(rd.kept_exports_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    let mut want_names: Vec<String> = want.iter().map(|s| format!("step-{s}")).collect();
+    want_names.sort();
+    assert_eq!(names, want_names, "only whole kept exports");
+    let line = format!(
+        "kept exports: {} in {}",
+        want.len(),
+        rd.kept_exports_dir().display()
+    );
+    assert!(out.contains(&line), "{out}");
+
+    // The group's last steps may train nothing (each rank saw the ring's end): they leave the
+    // weights as they were, so a step kept after the last batch is the final drafter.
+    let trained_to = run.ledgers().iter().map(|l| l.step).max().unwrap();
+    assert!(want[0] < trained_to, "{trained_to}");
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    let last_export = weights(&rd.export_dir());
+    for &step in &want {
+        let kept = rd.kept_export(step);
+        assert!(kept.join("config.json").is_file(), "step {step}");
+        let moved_since = step < trained_to;
+        assert_eq!(
+            weights(&kept) != last_export,
+            moved_since,
+            "step {step}, batches trained up to step {trained_to}"
+        );
+    }
+    assert!(weights(&rd.kept_export(want[0])) != weights(&rd.kept_export(want[1])));
+
+    let kept = rd.kept_export(want[0]);
+    let (m, kept) = (m.to_str().unwrap(), kept.to_str().unwrap());
+    let args = ["--prompts", "1", "--max-new-tokens", "8"];
+    let (code, said) =
+        launcher_said(&[&["eval", "--model", m, "--drafter", kept][..], &args].concat());
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("output equals the target's greedy output"),
+        "{said}"
+    );
+}
+
 /// The README's DFlash demo as written there: `make-model --layers 2 --train`, the 5x3 run on
 /// `scripts/dflash-demo.toml`, then `launcher eval --baseline`. The group's loss ends well below
 /// its plateau (the steps after the first ones' fall from the untrained head's large logits),
