@@ -323,11 +323,13 @@ impl Server {
     /// done, None to poll again.
     ///
     /// poll looks at the listener, then at the pidfd: a worker that connects and exits between
-    /// the two looks (its Hello and its last error sent, the launcher's answer never read) is
-    /// seen as exited with no connection. Its connection is queued all the same, and the worker
-    /// can make none after it has exited, so on an exit what is queued is taken without
-    /// blocking: the handshake then reads what the worker said (its error, for the death's
-    /// line) and finds it gone, instead of the death going unconnected.
+    /// the two looks (its Hello sent, the launcher's answer never read) is seen as exited with
+    /// no connection. Its connection is queued all the same, and the worker can make none after
+    /// it has exited, so on an exit what is queued is taken without blocking: the handshake
+    /// then reads its Hello and finds it gone when it answers, and says so, as it does when
+    /// poll saw both; the death's line (the worker's exit status and the last error in its log)
+    /// is the supervisor's either way. A worker says nothing on this connection before its
+    /// Welcome but its Hello.
     fn after_poll(
         &self,
         connected: bool,
