@@ -160,9 +160,10 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             PipelineConfig::load(&p).map_err(|e| match e {
                 proto::config::ConfigError::Read { .. } => resuming(e.into()),
                 // The launcher writes it whole (atomically): text that is not TOML was
-                // damaged since, which no build's check explains.
+                // changed since, which no build's check explains. README tells users to edit
+                // it (a learning rate, kept exports), so an edit is as likely as damage.
                 proto::config::ConfigError::Syntax { .. } => resuming(anyhow::anyhow!(
-                    "{e}: the run's config.toml was damaged after the launch that started the run wrote it whole; repair it by hand (its fields: README, \"Running it\"; a resume refuses a config whose model, layers or data do not match the run's plan and checkpoint)"
+                    "{e}: the launch that started the run wrote its config.toml whole, so it was edited or damaged since; repair it by hand (its fields: README, \"Running it\"; a resume refuses a config whose model, layers or data do not match the run's plan and checkpoint)"
                 )),
                 e => refused(e.into()),
             })?

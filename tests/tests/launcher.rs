@@ -2687,14 +2687,14 @@ fn a_resumed_runs_config_this_build_refuses_says_so_and_what_to_do() {
         );
     }
     // Cut short inside a key: not TOML, which no check of a build explains, so it is said to
-    // be damaged, not refused by this build.
+    // be edited or damaged (README has users edit it), not refused by this build.
     let cut = &written[..written.find("block_size").unwrap() + 3];
     std::fs::write(rd.config(), cut).unwrap();
     let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
     assert_eq!(code, Some(1), "{said}");
     assert!(
         said.contains("error: resuming run: config run/config.toml is not valid TOML")
-            && said.contains("was damaged after the launch that started the run wrote it whole")
+            && said.contains("wrote its config.toml whole, so it was edited or damaged since")
             && said.contains("repair it by hand")
             && !said.contains("a check of this build"),
         "{said}"
