@@ -45,7 +45,7 @@ mod save;
 mod taken;
 use faults::InjectedFaults;
 use intake::{intake, Intake};
-use save::{checkpoint, export, keep};
+use save::save_step;
 
 /// Train one drafter on batches from the ring.
 ///
@@ -552,27 +552,18 @@ impl<'c, 'r> Rank<'c, 'r> {
     }
 
     /// Writes the export of step `step` (the weights' now), keeps it where
-    /// `[drafter] keep_export_every` says, then writes the checkpoint. The checkpoint last: a
-    /// leader killed before it leaves the previous checkpoint, from which a resume trains up to
-    /// `step` again and writes both again, so every kept step up to the checkpoint's has its
-    /// kept export; killed after a checkpoint written first, a kept step would have had none
-    /// for ever. A keep that fails (a full disk where it had to copy) is said and the run goes
-    /// on: the export and the checkpoint are what it needs.
+    /// `[drafter] keep_export_every` says, then writes the checkpoint ([`save_step`]: in that
+    /// order, and the checkpoint even where the export failed).
     fn write_checkpoint(&mut self, step: u32) -> anyhow::Result<()> {
-        let dir = self.s.run_dir.export_dir();
-        export(self.backend.as_ref(), &dir)?;
-        if self.backend.exports() && self.s.config.drafter.keeps_export(u64::from(step)) {
-            let kept = self.s.run_dir.kept_export(u64::from(step));
-            match keep(&dir, &kept) {
-                Ok(()) => tracing::info!(step, kept = %kept.display(), "kept the export"),
-                Err(e) => tracing::warn!(
-                    step,
-                    error = format!("{e:#}"),
-                    "the export of this step is not kept"
-                ),
-            }
-        }
-        checkpoint(self.backend.as_ref(), &self.ckpt)?;
+        let kept = (self.s.config.drafter.keeps_export(u64::from(step)))
+            .then(|| self.s.run_dir.kept_export(u64::from(step)));
+        save_step(
+            self.backend.as_ref(),
+            step,
+            &self.s.run_dir.export_dir(),
+            kept.as_deref(),
+            &self.ckpt,
+        )?;
         self.checkpointed = Some(step);
         Ok(())
     }

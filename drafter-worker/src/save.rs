@@ -9,14 +9,14 @@ use gpu::DrafterBackend;
 
 /// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
 /// never half of one.
-pub(crate) fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
+fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
     atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
         .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
 /// Writes the export directory whole ([`atomic_file::replace_dir_with`]: synced, then swapped
 /// in), so a reader, a crash or a power loss sees the old export or the new one, never a mix.
-pub(crate) fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
+fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
     if !backend.exports() {
         return Ok(());
     }
@@ -24,6 +24,40 @@ pub(crate) fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result
         Ok(backend.export(tmp)?)
     })
     .with_context(|| format!("exporting the drafter to {}", dir.display()))
+}
+
+/// What the leader writes at the checkpoint of `step`: the export, kept as `kept` where given
+/// (`[drafter] keep_export_every`), then the checkpoint `ckpt`. The export and its keep first: a
+/// leader killed before the checkpoint leaves the previous one, from which a resume trains up to
+/// this step again and writes both again, so every kept step up to the checkpoint's has its kept
+/// export; killed after a checkpoint written first, a kept step would have had none for ever.
+///
+/// The checkpoint is written even when the export failed, and the export's error returned
+/// after it. A failed export (the device out of memory for the bf16 copy of the weights, its
+/// directory unwritable) fails again at every checkpoint: had it kept the checkpoint from being
+/// written, the restarted leader would have trained the same steps again from the previous one,
+/// for as long as the run went on, and saved none of them. A keep that fails (a full disk where
+/// it had to copy) is said, and the run goes on: the export and the checkpoint are what it needs.
+pub(crate) fn save_step(
+    backend: &dyn DrafterBackend,
+    step: u32,
+    export_dir: &Path,
+    kept: Option<&Path>,
+    ckpt: &Path,
+) -> anyhow::Result<()> {
+    let exported = export(backend, export_dir);
+    if let (Ok(()), Some(kept), true) = (&exported, kept, backend.exports()) {
+        match keep(export_dir, kept) {
+            Ok(()) => tracing::info!(step, kept = %kept.display(), "kept the export"),
+            Err(e) => tracing::warn!(
+                step,
+                error = format!("{e:#}"),
+                "the export of this step is not kept"
+            ),
+        }
+    }
+    checkpoint(backend, ckpt)?;
+    exported
 }
 
 /// Said once a worker: the first kept export that had to be copied.
@@ -38,7 +72,7 @@ static COPYING_SAID: Once = Once::new();
 /// copy and no space beyond the files the export would have freed. Where a link cannot be made
 /// (`drafter-steps` a link to another file system, one without hard links) the file is copied,
 /// said once in the log.
-pub(crate) fn keep(export: &Path, kept: &Path) -> anyhow::Result<()> {
+fn keep(export: &Path, kept: &Path) -> anyhow::Result<()> {
     let parent = kept.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     atomic_file::replace_dir_with(kept, |tmp| -> anyhow::Result<()> {
@@ -79,6 +113,79 @@ mod tests {
             std::fs::write(tmp.join("model.safetensors"), weights)
         })
         .unwrap();
+    }
+
+    /// A drafter whose export fails (as the device out of memory for its bf16 copy would):
+    /// its checkpoint is a file of its step.
+    struct FailingExport;
+
+    impl DrafterBackend for FailingExport {
+        fn grad_len(&self) -> usize {
+            0
+        }
+        fn gradient(
+            &mut self,
+            _: &proto::BatchView<'_>,
+            _: &mut gpu::StepBuffer,
+        ) -> Result<(), gpu::GpuError> {
+            Ok(())
+        }
+        fn apply(&mut self, _: &gpu::StepBuffer) -> Result<gpu::StepStats, gpu::GpuError> {
+            Ok(gpu::StepStats::default())
+        }
+        fn step(&self) -> u64 {
+            8
+        }
+        fn skip_to(&mut self, _: u64) {}
+        fn digest(&self) -> u64 {
+            0
+        }
+        fn save(&self, path: &Path) -> Result<(), gpu::GpuError> {
+            std::fs::write(path, "step 8").map_err(|e| gpu::GpuError::Config(e.to_string()))
+        }
+        fn load(&mut self, _: &Path) -> Result<(), gpu::GpuError> {
+            Ok(())
+        }
+        fn state_len(&self) -> usize {
+            0
+        }
+        fn export_state(&self) -> Result<Vec<u32>, gpu::GpuError> {
+            Ok(Vec::new())
+        }
+        fn import_state(&mut self, _: &[u32]) -> Result<(), gpu::GpuError> {
+            Ok(())
+        }
+        fn export(&self, _: &Path) -> Result<(), gpu::GpuError> {
+            Err(gpu::GpuError::Config("out of memory".into()))
+        }
+        fn exports(&self) -> bool {
+            true
+        }
+    }
+
+    /// An export that fails does not keep the step's checkpoint from being written: the
+    /// restarted leader goes on from this step, not from the previous checkpoint, to fail the
+    /// same way at the same step for as long as the run goes on. The export's error is still
+    /// the step's, and nothing is kept.
+    #[test]
+    fn a_failed_export_still_writes_the_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let p = |n: &str| root.path().join(n);
+        let kept = p("drafter-steps/step-8");
+        let e = save_step(
+            &FailingExport,
+            8,
+            &p("drafter"),
+            Some(&kept),
+            &p("c.safetensors"),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("out of memory"), "{e:#}");
+        assert_eq!(
+            std::fs::read_to_string(p("c.safetensors")).unwrap(),
+            "step 8"
+        );
+        assert!(!kept.exists());
     }
 
     /// A kept export holds the export's files as they were at its step, linked (no copy),
