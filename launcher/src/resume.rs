@@ -6,8 +6,10 @@
 //! is marked DONE in the new ring). A line with a later step recorded an update that was lost
 //! with the processes: it is dropped from the ledger and its batch is trained again. So is a line
 //! in steps whose updates were lost while the run went on (every drafter died, and the group
-//! went on from a checkpoint: `lost-steps.jsonl`), whatever its step. Torn lines go too. Nothing in the run directory is changed until everything has been checked, so a bad
-//! resume leaves the run as it was.
+//! went on from a checkpoint: `lost-steps.jsonl`), whatever its step. Torn lines go too. So do
+//! the kept exports (`drafter-steps/step-<S>`) of steps after S, written before a checkpoint
+//! that never came. Nothing in the run directory is changed until everything has been checked,
+//! so a bad resume leaves the run as it was.
 //!
 //! The GPUs: the run directory records the lists its last launcher ran on (`gpus.json`), so
 //! `--resume RUN_DIR` alone resumes on them, and a list given with it replaces the run's own.
@@ -127,6 +129,8 @@ pub struct Resume {
     pub dropped: usize,
     /// The run's record of lost steps: applied by the ledgers' rewrite, then removed.
     lost_steps: PathBuf,
+    /// The kept exports of steps after the checkpoint's, removed.
+    kept_after: Vec<PathBuf>,
 }
 
 /// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
@@ -222,12 +226,22 @@ pub fn check(
             "the run had {files} drafters (ledger files); resume it with at least as many --drafters, not {drafters}{hint}"
         );
     }
+    // The leader keeps a step's export before it writes the step's checkpoint: one killed in
+    // between left a kept export of updates that are lost, as the ledger lines after the
+    // checkpoint are. The resumed run would replace it only if it kept that step again, which
+    // it may never do (more drafters train the same batches in fewer steps; another
+    // keep_export_every), and the summary would list it as the drafter of that step.
+    let kept_after = (run_dir.kept_export_steps().into_iter())
+        .filter(|&s| s > u64::from(step))
+        .map(|s| run_dir.kept_export(s))
+        .collect();
     Ok(Resume {
         step,
         done,
         ledgers,
         dropped,
         lost_steps: run_dir.lost_steps(),
+        kept_after,
     })
 }
 
@@ -235,8 +249,25 @@ impl Resume {
     /// Rewrites the ledgers to the lines kept (atomically: a crash leaves the old ledger or
     /// the new one), then removes the record of lost steps, whose lines are gone: the resumed
     /// run may use those step numbers again. A crash between the two leaves the record for the
-    /// next resume, which drops nothing more.
+    /// next resume, which drops nothing more. Then removes the kept exports of steps after the
+    /// checkpoint's, saying so.
     pub fn apply(&self) -> anyhow::Result<()> {
+        self.rewrite_ledgers()?;
+        for dir in &self.kept_after {
+            match remove_kept(dir) {
+                Ok(()) => println!(
+                    "removed {}: kept after the checkpoint's step ({}), its updates are trained again",
+                    dir.display(),
+                    self.step
+                ),
+                Err(e) => println!("warning: removing {}: {e}", dir.display()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The ledgers and the record of lost steps, as [`apply`](Self::apply) says.
+    fn rewrite_ledgers(&self) -> anyhow::Result<()> {
         for (path, keep) in &self.ledgers {
             let mut text = keep.join("\n");
             if !text.is_empty() {
@@ -253,6 +284,18 @@ impl Resume {
                 .with_context(|| format!("removing {}", lost.display())),
         }
     }
+}
+
+/// Removes the kept export `dir` whole: renamed first to the temporary name of a writer of it
+/// (`.step-<S>.new-<pid>`), which is never taken for a kept export, so a kill during the
+/// removal leaves what the next sweep ([`sweep_leftovers`]) removes, never a `step-<S>` of
+/// some of its files.
+fn remove_kept(dir: &Path) -> std::io::Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let aside = dir.with_file_name(format!(".{name}.new-{}", std::process::id()));
+    std::fs::rename(dir, &aside)?;
+    std::fs::remove_dir_all(&aside)?;
+    atomic_file::sync_dir(dir.parent().unwrap_or(Path::new(".")))
 }
 
 /// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
@@ -386,6 +429,31 @@ mod tests {
         assert_eq!(names, ["step-12", "step-4"]);
         assert_eq!(run.kept_export_steps(), [4, 12]);
         assert!(run.kept_export(12).join("model.safetensors").is_file());
+    }
+
+    /// A leader killed between keeping step 12's export and writing its checkpoint left
+    /// `step-12` of updates the resume from step 8 trains again: the resume removes it (the run
+    /// may never keep step 12 again), and keeps those of the checkpoint's step and before.
+    #[test]
+    fn a_resume_removes_the_kept_exports_after_its_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let cfg = PipelineConfig::default();
+        let mut d = gpu::drafter(gpu::BackendKind::Mock, &cfg, None).unwrap();
+        d.skip_to(8);
+        std::fs::create_dir_all(run.checkpoints_dir()).unwrap();
+        d.save(&run.checkpoint()).unwrap();
+        for step in [4, 8, 12] {
+            std::fs::create_dir_all(run.kept_export(step)).unwrap();
+            std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
+        }
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert_eq!(r.step, 8);
+        assert_eq!(run.kept_export_steps(), [4, 8, 12], "check changes nothing");
+        r.apply().unwrap();
+        assert_eq!(run.kept_export_steps(), [4, 8]);
+        let names = std::fs::read_dir(run.kept_exports_dir()).unwrap().count();
+        assert_eq!(names, 2, "no temporary left");
     }
 
     fn line(batch: u64) -> String {
