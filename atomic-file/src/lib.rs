@@ -155,7 +155,7 @@ where
 {
     let parent = parent_of(dir);
     let name = dir.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = parent.join(format!(".{name}.new-{}", std::process::id()));
+    let tmp = new_dir_name(dir);
     match std::fs::remove_dir_all(&tmp) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e.into()),
         _ => {}
@@ -197,6 +197,24 @@ where
     // The old directory, now at the temporary name.
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(())
+}
+
+/// `.<name>.new-<pid>` beside `dir`: this process's temporary for it, which [`leftovers`]
+/// finds once the process is gone.
+fn new_dir_name(dir: &Path) -> PathBuf {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    parent_of(dir).join(format!(".{name}.new-{}", std::process::id()))
+}
+
+/// Removes the directory `dir` whole or not at all, as far as a reader of its name can tell:
+/// renamed to this process's temporary name first (the parent synced after), then removed, so a
+/// kill in the middle leaves a temporary for [`leftovers`] to find, never a part of `dir` under
+/// its name.
+pub fn remove_dir(dir: &Path) -> io::Result<()> {
+    let aside = new_dir_name(dir);
+    std::fs::rename(dir, &aside)?;
+    std::fs::remove_dir_all(&aside)?;
+    sync_dir(parent_of(dir))
 }
 
 /// What killed writers left beside `path` (a file of [`replace_with`], a directory of

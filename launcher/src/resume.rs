@@ -254,7 +254,7 @@ impl Resume {
     pub fn apply(&self) -> anyhow::Result<()> {
         self.rewrite_ledgers()?;
         for dir in &self.kept_after {
-            match remove_kept(dir) {
+            match atomic_file::remove_dir(dir) {
                 Ok(()) => println!(
                     "removed {}: kept after the checkpoint's step ({}), its updates are trained again",
                     dir.display(),
@@ -284,18 +284,6 @@ impl Resume {
                 .with_context(|| format!("removing {}", lost.display())),
         }
     }
-}
-
-/// Removes the kept export `dir` whole: renamed first to the temporary name of a writer of it
-/// (`.step-<S>.new-<pid>`), which is never taken for a kept export, so a kill during the
-/// removal leaves what the next sweep ([`sweep_leftovers`]) removes, never a `step-<S>` of
-/// some of its files.
-fn remove_kept(dir: &Path) -> std::io::Result<()> {
-    let name = dir.file_name().unwrap_or_default().to_string_lossy();
-    let aside = dir.with_file_name(format!(".{name}.new-{}", std::process::id()));
-    std::fs::rename(dir, &aside)?;
-    std::fs::remove_dir_all(&aside)?;
-    atomic_file::sync_dir(dir.parent().unwrap_or(Path::new(".")))
 }
 
 /// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
