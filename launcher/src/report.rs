@@ -257,7 +257,11 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         ));
     }
     let mut ledgers = Vec::new();
-    for d in 0.. {
+    let indices = ledger::indices(&run).unwrap_or_else(|e| {
+        warnings.push(format!("{e}: drawn without the ledgers"));
+        Vec::new()
+    });
+    for d in indices {
         let mut st = LedgerStats {
             drafter: d,
             ..LedgerStats::default()
@@ -272,13 +276,9 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
         });
         match found {
             Ok(true) => ledgers.push(st),
-            Ok(false) => break,
-            Err(e) => {
-                warnings.push(format!(
-                    "{e}: drawn without it, and without the later ledgers"
-                ));
-                break;
-            }
+            // Gone since the listing.
+            Ok(false) => {}
+            Err(e) => warnings.push(format!("{e}: drawn without it")),
         }
     }
     Ok(RunData {
@@ -1223,9 +1223,8 @@ fn refuse_overwriting_input(run_dir: &Path, out: &Path) -> anyhow::Result<()> {
         return Ok(());
     };
     let run = RunDir::new(run_dir);
-    let ledgers = (0..)
-        .map(|d| run.ledger(d))
-        .take_while(|p| p.symlink_metadata().is_ok());
+    let indices = run.ledger_indices().unwrap_or_default();
+    let ledgers = indices.into_iter().map(|d| run.ledger(d));
     for input in [run.metrics(), run.summary()].into_iter().chain(ledgers) {
         if std::fs::metadata(&input).is_ok_and(|m| m.dev() == o.dev() && m.ino() == o.ino()) {
             bail!(

@@ -173,13 +173,15 @@ pub fn check(
     let lost = ledger::read_lost(run_dir)?;
     let mut ledgers = Vec::new();
     let (mut done, mut dropped) = (BTreeSet::new(), 0);
-    let mut files = 0;
-    for d in 0.. {
+    // The run had at least as many drafters as its highest ledger says: a drafter given up
+    // before its model loaded has none, and those after it still count.
+    let mut had = 0;
+    for d in ledger::indices(run_dir)? {
         let path = run_dir.ledger(d);
         let Some(entries) = ledger::read(run_dir, d)? else {
-            break;
+            continue;
         };
-        files += 1;
+        had = d + 1;
         let mut keep = Vec::new();
         for (n, entry) in entries.into_iter().enumerate() {
             // Dropped as torn, a damaged line would send its batch to be trained again on top
@@ -209,12 +211,12 @@ pub fn check(
         }
         ledgers.push((path, keep));
     }
-    if files > drafters {
+    if had > drafters {
         // Where the run's own lists are recorded and fit, the command that uses them is the
         // way out; a run without the record needs the lists spelled out.
         let own = run_dir.read_gpus().ok().flatten();
         let hint = match own {
-            Some(own) if own.drafters.len() as u32 >= files => format!(
+            Some(own) if own.drafters.len() as u32 >= had => format!(
                 "; `{}` alone resumes on the run's own GPUs (--targets {} --drafters {})",
                 command(run_dir.path()),
                 format_gpu_list(&own.targets),
@@ -223,7 +225,8 @@ pub fn check(
             _ => String::new(),
         };
         bail!(
-            "the run had {files} drafters (ledger files); resume it with at least as many --drafters, not {drafters}{hint}"
+            "the run had {had} drafters (its ledgers go up to {}); resume it with at least as many --drafters, not {drafters}{hint}",
+            run_dir.ledger(had - 1).display()
         );
     }
     // The leader keeps a step's export before it writes the step's checkpoint: one killed in
@@ -442,6 +445,43 @@ mod tests {
         assert_eq!(run.kept_export_steps(), [4, 8]);
         let names = std::fs::read_dir(run.kept_exports_dir()).unwrap().count();
         assert_eq!(names, 2, "no temporary left");
+    }
+
+    /// A drafter given up before its model loaded never opens its ledger, while those after it
+    /// train: ledgers 0 and 2, none for 1. Their batches are all trained (read up to the first
+    /// missing file, drafter-2's were trained again on top of their updates, and its lines
+    /// after the checkpoint were kept), and the run had three drafters, so a resume with fewer
+    /// is refused.
+    #[test]
+    fn a_ledger_after_a_drafter_that_never_trained_still_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::create_dir_all(run.ledger_dir()).unwrap();
+        std::fs::write(run.ledger(0), format!("{}\n{}\n", line(0), line(1))).unwrap();
+        let after = line(5).replace(r#""step":0"#, r#""step":1"#);
+        std::fs::write(
+            run.ledger(2),
+            format!("{}\n{}\n{after}\n", line(2), line(3)),
+        )
+        .unwrap();
+        // Not ledgers: a name no drafter writes, and a rewrite's temporary.
+        std::fs::write(run.ledger_dir().join("drafter-01.jsonl"), line(7)).unwrap();
+        std::fs::write(run.ledger_dir().join(".drafter-0.jsonl.new-1"), line(8)).unwrap();
+        let cfg = PipelineConfig::default();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 3, 10).unwrap();
+        assert_eq!(r.done.iter().copied().collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert_eq!(r.dropped, 1, "drafter-2's line after the checkpoint");
+        r.apply().unwrap();
+        let two = std::fs::read_to_string(run.ledger(2)).unwrap();
+        assert_eq!(two, format!("{}\n{}\n", line(2), line(3)));
+        let err = super::check(&run, &cfg, gpu::BackendKind::Mock, 2, 10)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the run had 3 drafters") && err.contains("drafter-2.jsonl"),
+            "{err}"
+        );
     }
 
     fn line(batch: u64) -> String {

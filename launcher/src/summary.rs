@@ -149,7 +149,6 @@ pub struct Facts<'a> {
     pub samples_total: u64,
     /// The plan's epochs, which say each ledger line's epoch from its batch.
     pub epochs: &'a Epochs,
-    pub drafters: u32,
     pub wall: Duration,
     /// Restarts by worker name (`target-0`).
     pub restarts: &'a HashMap<WorkerName, u32>,
@@ -167,12 +166,11 @@ pub fn build(f: &Facts) -> anyhow::Result<Summary> {
         snap,
         samples_total,
         epochs,
-        drafters,
         wall,
         restarts,
         drafter,
     } = *f;
-    let ledgers = proto::ledger::read_all(run_dir, drafters)?;
+    let ledgers = proto::ledger::read_all(run_dir)?;
     let (lines, torn) = (&ledgers.lines, ledgers.torn);
     let acct = proto::ledger::account(lines, epochs);
     let batches = lines.len() as u64;
@@ -464,7 +462,6 @@ mod tests {
             snap: &ring.snapshot(),
             samples_total: 4,
             epochs: &Epochs::one(),
-            drafters: 2,
             wall: Duration::from_secs(1),
             restarts: &HashMap::new(),
             drafter,

@@ -147,7 +147,6 @@ pub(crate) struct Supervisor<'a> {
     samples: u64,
     /// The plan's epochs: each ledger line's epoch, for the summary.
     epochs: Epochs,
-    drafters: u32,
     welcome: Welcome,
     workers: Vec<Worker>,
     signals: StopSignals,
@@ -619,7 +618,6 @@ impl<'a> Supervisor<'a> {
             snap: &self.ring.snapshot(),
             samples_total: self.samples,
             epochs: &self.epochs,
-            drafters: self.drafters,
             wall,
             restarts: &restarts,
             drafter: self.mon.group(),

@@ -95,6 +95,11 @@ pub struct Entry {
 /// bytes, edited, not a ledger) is unreadable, as a torn one is, and never held whole.
 pub const MAX_LINE: usize = 64 << 20;
 
+/// The drafters that have a ledger, in order ([`RunDir::ledger_indices`]).
+pub fn indices(run_dir: &RunDir) -> Result<Vec<u32>, LedgerError> {
+    (run_dir.ledger_indices()).map_err(io("listing", &run_dir.ledger_dir()))
+}
+
 /// Drafter `index`'s ledger, line by line; None if the drafter has none (it never trained).
 pub fn read(run_dir: &RunDir, index: u32) -> Result<Option<Vec<Entry>>, LedgerError> {
     let mut entries = Vec::new();
@@ -192,14 +197,14 @@ pub struct Ledgers {
     pub lost_steps: Vec<LostSteps>,
 }
 
-/// Every drafter's ledger lines (drafters `0..drafters`; a missing ledger is empty), those in
-/// lost steps apart.
-pub fn read_all(run_dir: &RunDir, drafters: u32) -> Result<Ledgers, LedgerError> {
+/// Every ledger's lines ([`RunDir::ledger_indices`]: whatever drafters the run had, and gaps
+/// between them), those in lost steps apart.
+pub fn read_all(run_dir: &RunDir) -> Result<Ledgers, LedgerError> {
     let mut out = Ledgers {
         lost_steps: read_lost(run_dir)?,
         ..Ledgers::default()
     };
-    for d in 0..drafters {
+    for d in indices(run_dir)? {
         let mut n = 0;
         scan(run_dir, d, |entry| {
             n += 1;

@@ -248,6 +248,33 @@ impl RunDir {
         (self.ledger_dir()).join(format!("{}.jsonl", WorkerName::consumer(index)))
     }
 
+    /// The drafters that have a ledger, in order. Not `0..n` up to the first missing file: a
+    /// drafter opens its ledger only once its model loaded, so one given up before that (a
+    /// model or GPU that never started) leaves a gap, and the ledgers after it are the run's as
+    /// much as the ones before. No ledger directory is no ledgers; a directory that cannot be
+    /// listed is an error, never taken for none (that would train every batch again).
+    pub fn ledger_indices(&self) -> std::io::Result<Vec<u32>> {
+        let entries = match self.ledger_dir().read_dir() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            r => r?,
+        };
+        let mut out = Vec::new();
+        for e in entries {
+            let name = e?.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let worker = (name.strip_suffix(".jsonl")).and_then(|n| n.parse::<WorkerName>().ok());
+            // Only the names a drafter writes: not `drafter-01.jsonl`, nor the temporary of a
+            // ledger being rewritten.
+            if let Some(w) = worker.filter(|w| w.role == shm_ring::Role::Consumer) {
+                if self.ledger(w.index).file_name() == Some(name.as_ref()) {
+                    out.push(w.index);
+                }
+            }
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
     /// The batches set aside (`--set-aside-after`), one JSON line each: never trained, named
     /// with their samples and the deaths held against them.
     pub fn set_aside(&self) -> PathBuf {

@@ -617,6 +617,35 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
         400,
         "the other drafters trained everything"
     );
+    // drafter-1 never loaded its model, so it has no ledger, while drafter-2 has one: a resume
+    // reads it all the same (it read up to the first missing ledger, trained drafter-2's
+    // batches again on top of their updates, and took the run for one of a single drafter).
+    let run_dir = run.run_dir();
+    assert!(!RunDir::new(&run_dir).ledger(1).exists());
+    let config = RunDir::new(&run_dir).config();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("crash_at_start = true", "")).unwrap();
+    let (code, err) = resume_refused(&run_dir, &["--drafters", "5,6"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("the run had 3 drafters"), "{err}");
+    let dir = run_dir.to_str().unwrap();
+    let (status, out, _) = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir, "--monitor", "0.5"],
+    )
+    .finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["duplicated"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
+    let counts = sample_counts(&run.ledgers());
+    assert!(
+        counts.len() == 400 && counts.values().all(|&c| c == 1),
+        "each sample once"
+    );
 }
 
 /// A drafter group whose gradient is NaN at every step from step 4 on has diverged: every

@@ -145,7 +145,6 @@ impl<'a> Supervisor<'a> {
             backend: backend.1,
             samples: data.len() as u64,
             epochs,
-            drafters: nd,
             welcome,
             workers,
             signals,

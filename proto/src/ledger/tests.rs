@@ -107,7 +107,7 @@ fn a_torn_ledger_line_is_ended_so_the_next_line_stays_readable() {
         .unwrap();
     end_torn_line(&mut f).unwrap();
     f.write_all(format!("{whole}\n").as_bytes()).unwrap();
-    let read = read_all(&dir, 1).unwrap();
+    let read = read_all(&dir).unwrap();
     assert_eq!((read.lines.len(), read.torn), (2, 1));
 }
 
@@ -134,7 +134,7 @@ fn a_ledger_ends_a_line_its_own_failed_write_tore_and_damaged_lines_are_named() 
         .write_all(cut.as_bytes())
         .unwrap();
     ledger.append(&line(3, 3, 0, &[3])).unwrap();
-    let read = read_all(&dir, 1).unwrap();
+    let read = read_all(&dir).unwrap();
     assert_eq!((read.lines.len(), read.torn), (2, 1), "{read:?}");
     assert!(read.damaged.is_empty(), "{read:?}");
     OpenOptions::new()
@@ -143,7 +143,7 @@ fn a_ledger_ends_a_line_its_own_failed_write_tore_and_damaged_lines_are_named() 
         .unwrap()
         .write_all(b"garbage\n")
         .unwrap();
-    let read = read_all(&dir, 1).unwrap();
+    let read = read_all(&dir).unwrap();
     assert_eq!((read.lines.len(), read.torn), (2, 1), "{read:?}");
     assert_eq!(read.damaged, [format!("{}:4", path.display())]);
 }
@@ -216,7 +216,7 @@ fn the_ledgers_read_back() {
     );
     std::fs::write(run.ledger(1), text).unwrap();
     // Drafter 0 has no ledger yet; drafter 1's last line was torn by a kill.
-    let read = read_all(&run, 2).unwrap();
+    let read = read_all(&run).unwrap();
     assert_eq!((read.lines, read.torn), (vec![line.clone()], 1));
     assert!(read.lost.is_empty() && read.lost_steps.is_empty());
     // Steps 2..=4 lost: drafter 0's line of step 3 is set apart, its step-1 line is not.
@@ -229,7 +229,7 @@ fn the_ledgers_read_back() {
     let mut ledger = Ledger::open(&run.ledger(0)).unwrap();
     ledger.append(&line).unwrap();
     ledger.append(&in_lost).unwrap();
-    let read = read_all(&run, 2).unwrap();
+    let read = read_all(&run).unwrap();
     assert_eq!(read.lines, [line.clone(), line]);
     assert_eq!((read.lost, read.lost_steps), (vec![in_lost], vec![lost]));
     assert_eq!(
