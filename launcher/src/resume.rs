@@ -168,6 +168,21 @@ pub fn check(
         })?;
         u32::try_from(d.step()).context("checkpoint step out of range")?
     } else {
+        // A drafter without its checkpoint starts over from step 0 (the checkpoint moved away,
+        // as a failed load says to): the kept exports are another drafter's, which it would
+        // remove as after its checkpoint, or replace as it kept their steps again. A week's
+        // exports are the user's to keep or delete, not the resume's.
+        let kept = run_dir.kept_export_steps();
+        if !kept.is_empty() {
+            let steps: Vec<String> = kept.iter().map(|s| format!("step-{s}")).collect();
+            bail!(
+                "{} holds kept exports ({}) but the run has no checkpoint ({}), so the resumed drafter starts over from step 0 and would remove or replace them; move {} out of the run directory to keep them (each stays a drafter `launcher eval --drafter` takes), or delete it, and resume again",
+                run_dir.kept_exports_dir().display(),
+                steps.join(", "),
+                ckpt.display(),
+                run_dir.kept_exports_dir().display()
+            );
+        }
         0
     };
     let lost = ledger::read_lost(run_dir)?;
@@ -482,6 +497,30 @@ mod tests {
             err.contains("the run had 3 drafters") && err.contains("drafter-2.jsonl"),
             "{err}"
         );
+    }
+
+    /// Without its checkpoint (moved away, as a failed load says to) the drafter starts over:
+    /// the kept exports are refused, left as they were, not removed as after step 0 (a week's
+    /// drafters gone before the run had started again).
+    #[test]
+    fn a_resume_without_a_checkpoint_leaves_the_kept_exports_and_says_to_move_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        for step in [6, 12] {
+            std::fs::create_dir_all(run.kept_export(step)).unwrap();
+            std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
+        }
+        let cfg = PipelineConfig::default();
+        let err = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("kept exports (step-6, step-12) but the run has no checkpoint")
+                && err.contains("move"),
+            "{err}"
+        );
+        assert_eq!(run.kept_export_steps(), [6, 12]);
     }
 
     fn line(batch: u64) -> String {
