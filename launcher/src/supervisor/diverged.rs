@@ -33,6 +33,9 @@ pub(super) struct Diverged {
     last: u64,
     /// The row was said: the run is stopping for it.
     said: bool,
+    /// A step was applied after the said row: the row ended there, and a skip the drain
+    /// reports after it is a spike of its own, not the row's.
+    closed: bool,
 }
 
 impl Diverged {
@@ -44,10 +47,16 @@ impl Diverged {
         }
         self.seen = Some(s.step);
         if !s.skipped {
-            // Applied: the row is over (a row already said stays the run's).
-            if !self.said {
+            // Applied: the row is over (a row already said stays the run's, up to its last
+            // skip: the checkpoint the drain writes holds this step's update).
+            if self.said {
+                self.closed = true;
+            } else {
                 self.in_a_row = 0;
             }
+            return None;
+        }
+        if self.closed {
             return None;
         }
         if self.in_a_row == 0 {
@@ -87,8 +96,9 @@ impl Diverged {
         limit > 0 && self.in_a_row >= AT_THE_END.min(u64::from(limit))
     }
 
-    /// The steps to record as lost at the run's end: the row that stopped the run (to its last
-    /// step seen, those drained after the stop too), or a long row the data ended in.
+    /// The steps to record as lost at the run's end: the row that stopped the run (with the
+    /// skips the drain reported after the stop, up to a step applied), or a long row the data
+    /// ended in.
     pub(super) fn lost(&self, limit: u32) -> Option<proto::ledger::LostSteps> {
         (self.said || self.long_at_the_end(limit)).then_some(proto::ledger::LostSteps {
             first: self.first,
@@ -154,6 +164,22 @@ mod tests {
         assert_eq!(d.at_the_end(3), None, "said once");
         let lost = d.lost(3).unwrap();
         assert_eq!((lost.first, lost.last, lost.skipped), (5, 8, true));
+    }
+
+    /// A step the drain applies after the said row ends it: a skip after that step does not
+    /// stretch the lost range over it. Before, the range ran from the row's first step to the
+    /// later skip, and a resume trained the applied step's batches again on top of their update
+    /// in the drain's checkpoint.
+    #[test]
+    fn a_step_applied_after_the_stop_ends_the_lost_row() {
+        let mut d = Diverged::default();
+        let notes: Vec<_> = [(1, true), (2, true), (3, true), (4, false), (5, true)]
+            .into_iter()
+            .filter_map(|(s, skipped)| d.step(&step(s, 10, skipped), 3))
+            .collect();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        let lost = d.lost(3).unwrap();
+        assert_eq!((lost.first, lost.last), (1, 3));
     }
 
     /// Scattered skips never stop a run: a step applied ends the row even when it says no
