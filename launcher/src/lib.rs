@@ -165,6 +165,9 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
                 proto::config::ConfigError::Syntax { .. } => resuming(anyhow::anyhow!(
                     "{e}: the launch that started the run wrote its config.toml whole, so it was edited or damaged since; repair it by hand (its fields: README, \"Running it\"; a resume refuses a config whose model, layers or data do not match the run's plan and checkpoint)"
                 )),
+                proto::config::ConfigError::Parse { .. } => {
+                    resume::config_unknown(dir, &e.into())
+                }
                 e => refused(e.into()),
             })?
         }

@@ -49,6 +49,21 @@ pub(crate) fn config_refused(dir: &Path, check: &anyhow::Error) -> anyhow::Error
     )
 }
 
+/// The error for a resumed run's config.toml that is TOML but holds a field this build does not
+/// know or a value of another type (`ConfigError::Parse`, which names the field and line). The
+/// launch that started the run wrote only fields its build knew, so either the field was typed
+/// in since (the likelier: README has users edit a stopped run's config, and a misspelt name or
+/// a field outside its `[section]` is the common slip), or that build knew it and this one does
+/// not. Not [`config_refused`], which blamed only the build.
+pub(crate) fn config_unknown(dir: &Path, parse: &anyhow::Error) -> anyhow::Error {
+    let config = RunDir::new(dir).config();
+    anyhow::anyhow!(
+        "resuming {}: {parse:#}\nThe launch that started the run wrote only fields its build knew, so this one was typed into {} since (misspelt, or outside its [section]? the fields: README, \"Running it\"), or the build that started the run knew it and this one does not: fix or remove it where that keeps what the run trains, or finish the run with the build that started it",
+        dir.display(),
+        config.display()
+    )
+}
+
 /// The GPU lists a resume of `run_dir` runs on: each list given on the command line, the run's
 /// own (its `gpus.json`) for a list not given. The flag says whether both are the run's own,
 /// which a `--share-gpus` run that is resumed as it was needs not be told again. A run
