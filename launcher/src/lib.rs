@@ -265,6 +265,13 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.check_kept_exports(exports)
         .context("checking the config")
         .map_err(refused)?;
+    // A new run only: a resume runs what its run ran, a mock one with its [dflash] too. A
+    // `[drafter] command` is the user's own drafter, which may read the section.
+    if args.resume.is_none() {
+        let dflash = gpu::drafter_exports(backend.0) || cfg.drafter.command.is_some();
+        cfg.check_dflash_used(dflash)
+            .context("checking the config")?;
+    }
     // The GPU lists count here too, and a resume may change them: not the config's fault alone.
     cfg.check_faults(gpus.targets.len() as u32, gpus.drafters.len() as u32)
         .context("checking the config")

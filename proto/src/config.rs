@@ -815,6 +815,30 @@ impl PipelineConfig {
         ))
     }
 
+    /// Refuses a `[dflash]` section set away from its defaults for a run whose drafter is not
+    /// DFlash (`dflash_drafter` false: the mock's, in a run without a model): a config written
+    /// for the DFlash drafter, run without `--model`, trained the mock and ended "done" with no
+    /// export, which the user found out only at `launcher eval`. For a new run only: a resume
+    /// runs what its run ran.
+    pub fn check_dflash_used(&self, dflash_drafter: bool) -> Result<(), ConfigError> {
+        if dflash_drafter || self.dflash == DflashConfig::default() {
+            return Ok(());
+        }
+        let table = |d: &DflashConfig| toml::Table::try_from(d).unwrap_or_default();
+        let (set, default) = (table(&self.dflash), table(&DflashConfig::default()));
+        let changed: Vec<&str> = (set.iter())
+            .filter(|(k, v)| default.get(k.as_str()) != Some(v))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        Err(invalid(
+            "dflash",
+            format!(
+                "sets {}, but this run has no model, so its drafter is the mock's, not DFlash: give the target model (--model DIR, or [model] path), or leave [dflash] out for a mock run",
+                changed.join(", ")
+            ),
+        ))
+    }
+
     /// Bytes of the largest batch: a full token budget of the shortest sequences (the most
     /// header entries).
     pub fn largest_batch_bytes(&self) -> Result<u64, ConfigError> {
@@ -967,6 +991,26 @@ keep_export_every = 120
         assert!((0..=1000).all(|s| !none.drafter.keeps_export(s)));
         assert!(!none.to_toml().contains("keep_export_every"));
         none.check_kept_exports(false).unwrap();
+    }
+
+    /// A `[dflash]` section set away from its defaults is refused to a run whose drafter is
+    /// not DFlash, naming what it sets; left at its defaults (an effective config.toml taken
+    /// as a config, which writes the section whole), it is not.
+    #[test]
+    fn a_dflash_section_without_a_dflash_drafter_is_refused() {
+        let c = PipelineConfig::from_toml("[dflash]\nlr = 2e-2\nlayers = 2\n", Path::new("r.toml"))
+            .unwrap();
+        c.check_dflash_used(true).unwrap();
+        let err = c.check_dflash_used(false).unwrap_err().to_string();
+        assert!(
+            err.contains("config field dflash: sets layers, lr, but this run has no model")
+                && err.contains("--model DIR"),
+            "{err}"
+        );
+        let whole = PipelineConfig::default().to_toml();
+        assert!(whole.contains("[dflash]"), "{whole}");
+        let written = PipelineConfig::from_toml(&whole, Path::new("config.toml")).unwrap();
+        written.check_dflash_used(false).unwrap();
     }
 
     #[test]

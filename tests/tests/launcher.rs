@@ -1081,6 +1081,8 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
     let epochs = write("epochs.toml", "[data]\nepochs = 1000\n");
     // Kept exports asked of the mock drafter, which exports nothing to keep.
     let keep = write("keep.toml", "[drafter]\nkeep_export_every = 100\n");
+    // A DFlash config run without a model: it trained the mock drafter and ended "done".
+    let dflash = write("dflash.toml", "[dflash]\nblock_size = 8\nlr = 2e-2\n");
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec![
@@ -1111,6 +1113,10 @@ fn bad_input_gets_a_clear_error_and_leaves_nothing_behind() {
         (
             vec!["--config".into(), keep.clone()],
             "drafter.keep_export_every: is 100, but this run's drafter writes no export",
+        ),
+        (
+            vec!["--config".into(), dflash.clone()],
+            "dflash: sets block_size, lr, but this run has no model",
         ),
     ];
     for (i, (extra, want)) in cases.iter().enumerate() {
