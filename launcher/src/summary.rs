@@ -246,8 +246,10 @@ impl Summary {
             .filter(|&(_, &n)| n < total)
             .map(|(e, &n)| match self.epochs {
                 1 => format!("{} of {total} samples were not trained", total - n),
+                // Counted from 1, as the monitor's `(epoch 2/3)` and metrics.jsonl's `epoch`.
                 _ => format!(
-                    "epoch {e}: {} of {total} samples were not trained",
+                    "epoch {}: {} of {total} samples were not trained",
+                    e + 1,
                     total - n
                 ),
             })
@@ -370,7 +372,23 @@ pub fn print(s: &Summary, run_dir: &RunDir) {
     for n in &s.notes {
         println!("note: {n}");
     }
+    if let Some(line) = resume_line(s, run_dir) {
+        println!("{line}");
+    }
     println!("exit code {}", s.exit_code);
+}
+
+/// How to train what is left, for a run that ended with samples untrained (stopped by a
+/// signal, workers given up, batches lost or set aside): the end lines showed the count, and a
+/// second launch of the same command is refused (the directory holds a run) without it.
+fn resume_line(s: &Summary, run_dir: &RunDir) -> Option<String> {
+    let left = (s.samples_trained_per_epoch.iter()).any(|&n| n < s.samples_total);
+    left.then(|| {
+        format!(
+            "to train the rest: {}",
+            crate::resume::command(run_dir.path())
+        )
+    })
 }
 
 /// Where the kept exports are, in one line however many there are: `kept exports: 3 in
@@ -500,6 +518,27 @@ mod tests {
             "{:?}",
             s.notes
         );
+    }
+
+    /// A run that ended with samples untrained says how to train them (a second launch of the
+    /// same command is refused: the directory holds a run), and the epoch a note names is
+    /// counted from 1, as the monitor counts it; a run that trained every sample says neither.
+    #[test]
+    fn a_run_with_samples_left_says_how_to_resume_and_counts_epochs_from_one() {
+        let run = RunDir::new("runs/my run");
+        let done = built("resumeline", &[(0, 0, 0), (1, 1, 1)], None);
+        assert_eq!(
+            (resume_line(&done, &run), done.untrained().len()),
+            (None, 0)
+        );
+        let mut s = built("resumeline2", &[(0, 0, 0)], None);
+        assert_eq!(
+            resume_line(&s, &run).as_deref(),
+            Some("to train the rest: launcher --resume 'runs/my run'")
+        );
+        s.epochs = 2;
+        s.samples_trained_per_epoch = vec![4, 1];
+        assert_eq!(s.untrained(), ["epoch 2: 3 of 4 samples were not trained"]);
     }
 
     /// `drafter` in summary.json: the group's last step, the loss of the last step that had

@@ -43,7 +43,8 @@ pub enum RunDirError {
         cause: std::io::Error,
     },
     #[error(
-        "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir"
+        "run directory {dir} already holds a run ({sub} is not empty): pick another --run-dir, or continue that run if it did not finish: `launcher --resume {}`",
+        shell_word(.dir)
     )]
     HoldsRun { dir: PathBuf, sub: PathBuf },
     #[error(
@@ -599,7 +600,11 @@ mod tests {
         run.lay_out().unwrap();
         std::fs::write(run.checkpoint(), b"weights").unwrap();
         let e = run.lay_out().unwrap_err();
-        assert!(e.to_string().contains("already holds a run"), "{e}");
+        let e = e.to_string();
+        assert!(e.contains("already holds a run"), "{e}");
+        // The way on for a run that was stopped, not only another directory.
+        let resume = format!("`launcher --resume {}`", shell_word(run.path()));
+        assert!(e.contains(&resume), "{e}");
     }
 
     /// A directory an earlier launch laid out and trained nothing in: a new run there removes
