@@ -447,7 +447,24 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
     };
     // The run's own lists were accepted when it started, --share-gpus and all.
     if !recorded {
-        cli::check_gpus(&lists.targets, &lists.drafters, args.share_gpus)?;
+        cli::check_gpus(&lists.targets, &lists.drafters, args.share_gpus).map_err(|e| {
+            // A resume given one list takes the other from the run's record: an overlap with
+            // GPUs the user never typed is said to come from there.
+            let own = match (&args.resume, &args.targets, &args.drafters) {
+                (Some(dir), Some(_), None) => Some((dir, "--drafters", &lists.drafters)),
+                (Some(dir), None, Some(_)) => Some((dir, "--targets", &lists.targets)),
+                _ => None,
+            };
+            match own {
+                Some((dir, flag, list)) => cli::UsageError(format!(
+                    "{}; {flag} was not given, so it is the run's own, {} (from {}): give {flag} too",
+                    e.0,
+                    cli::format_gpu_list(list),
+                    RunDir::new(dir).gpus().display()
+                )),
+                None => e,
+            }
+        })?;
     }
     Ok(lists)
 }

@@ -2277,6 +2277,16 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
         }
         assert_eq!(ledgers(), before, "a refused resume changed the ledgers");
     }
+    // One list given, overlapping the run's own other list: the GPUs the user never typed are
+    // said to come from the run's record.
+    let (code, err) = resume_refused(&run_dir, &["--targets", "4,5"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("GPU(s) [5] are in both --targets and --drafters")
+            && err.contains("--drafters was not given, so it is the run's own, 5-7 (from ")
+            && err.contains("gpus.json): give --drafters too"),
+        "{err}"
+    );
 
     let out = spawn(
         &workspace_bin("launcher"),

@@ -70,10 +70,14 @@ impl<'a> Supervisor<'a> {
                 let n = ring
                     .mark_work_done(r.done.iter().copied())
                     .context("marking the checkpointed batches done")?;
+                // No checkpoint (none written yet): every line is after it, trained again.
+                let from = match r.step {
+                    0 => "the start (no checkpoint was written)".to_string(),
+                    s => format!("its checkpoint at step {s}"),
+                };
                 println!(
-                    "resuming {} from its checkpoint at step {}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
+                    "resuming {} from {from}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
                     run_dir.path().display(),
-                    r.step,
                     r.dropped
                 );
                 (r.step, n)
