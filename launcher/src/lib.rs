@@ -29,7 +29,7 @@ use anyhow::{bail, Context};
 use choose::{choose_backend, choose_collective, probe_nccl};
 use dataset::Dataset;
 use gpu::BackendKind;
-use proto::plan::{plan, Epochs, PlanDigest};
+use proto::plan::{plan, plan_fields, Epochs, PlanDigest};
 use proto::{GpuLists, PipelineConfig, RunDir};
 
 pub use crate::cli::{exit, Args, Backend, Cli, Command, Interrupted, UsageError};
@@ -342,7 +342,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     let resume = match &args.resume {
         Some(dir) => {
             run_dir
-                .check_plan_version(&PlanDigest::of(&planned))
+                .check_plan_version(&PlanDigest::of(&planned), &plan_fields(&cfg))
                 .with_context(|| format!("resuming {}", dir.display()))?;
             Some(
                 resume::check(&run_dir, &cfg, backend.0, nd, batches)
@@ -366,7 +366,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             if let Some(m) = &model {
                 model_record::write(&run_dir, m)?;
             }
-            run_dir.write_plan_version(&PlanDigest::of(&planned))?;
+            run_dir.write_plan_version(&PlanDigest::of(&planned), &plan_fields(&cfg))?;
             let p = run_dir.config();
             atomic_file::replace(&p, cfg.to_toml().as_bytes())
                 .with_context(|| format!("writing {}", p.display()))?;

@@ -16,6 +16,8 @@
 //! one-epoch run: adding epochs did not change `PLAN_VERSION`. Targets claim work items in
 //! index order, so the epochs are trained in order, overlapping only by the batches in flight.
 
+use std::collections::BTreeMap;
+
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -64,6 +66,28 @@ impl std::fmt::Display for PlanDigest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} batches, crc {:08x}", self.batches, self.crc)
     }
+}
+
+/// The config's fields that decide the plan, by name, with their values as the config writes
+/// them: recorded beside the plan's fingerprint when a run starts, so that a resume refused
+/// for another plan names the field an edit of `config.toml` changed (and its old value, which
+/// the edit overwrote). The data's content decides it too, and is no field.
+pub fn plan_fields(cfg: &PipelineConfig) -> BTreeMap<String, String> {
+    let d = &cfg.data;
+    let path = (d.path.as_deref()).map_or("none".to_string(), |p| p.display().to_string());
+    [
+        ("data.path", path),
+        ("data.synthetic_samples", d.synthetic_samples.to_string()),
+        ("data.min_len", d.min_len.to_string()),
+        ("data.max_len", d.max_len.to_string()),
+        ("data.seed", d.seed.to_string()),
+        ("data.epochs", d.epochs.to_string()),
+        ("ring.buckets", cfg.ring.buckets.to_string()),
+        ("target.token_budget", cfg.target.token_budget.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
 }
 
 /// One planned batch: samples of one length class, within the token budget, in one epoch.

@@ -9,6 +9,7 @@
 //! Length: past 500 lines with its tests: one method per file of the run directory, and the
 //! rules of who may lay one out or clear what an earlier launch left, kept with those names.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use shm_ring::WorkerName;
@@ -102,12 +103,18 @@ impl RunDir {
         self.0.join("plan-version")
     }
 
-    /// Records that this run is planned with this build's `plan::PLAN_VERSION`.
-    /// Records the plan's version and fingerprint (atomically: a crash leaves none or all).
-    pub fn write_plan_version(&self, plan: &crate::plan::PlanDigest) -> Result<(), RunDirError> {
+    /// Records the plan's version (this build's `plan::PLAN_VERSION`), its fingerprint and the
+    /// config fields that decided it (`plan::plan_fields`, a JSON line), atomically: a crash
+    /// leaves none or all. A build that reads only the first two lines reads this file too.
+    pub fn write_plan_version(
+        &self,
+        plan: &crate::plan::PlanDigest,
+        fields: &BTreeMap<String, String>,
+    ) -> Result<(), RunDirError> {
         let p = self.plan_version();
+        let fields = serde_json::to_string(fields).expect("a map of strings serialises");
         let text = format!(
-            "{}\n{} {:08x}\n",
+            "{}\n{} {:08x}\n{fields}\n",
             crate::plan::PLAN_VERSION,
             plan.batches,
             plan.crc
@@ -118,8 +125,13 @@ impl RunDir {
     /// Refuses to resume a run planned with another version of the plan (or, with no record,
     /// by a build from before versions were recorded: version 1), or whose config and data now
     /// plan other batches than the run started with (`now`; a record without a fingerprint is
-    /// from a build before them, and not checked).
-    pub fn check_plan_version(&self, now: &crate::plan::PlanDigest) -> Result<(), RunDirError> {
+    /// from a build before them, and not checked), naming the planning fields (`fields` now)
+    /// whose values differ from the recorded ones.
+    pub fn check_plan_version(
+        &self,
+        now: &crate::plan::PlanDigest,
+        fields: &BTreeMap<String, String>,
+    ) -> Result<(), RunDirError> {
         let p = self.plan_version();
         let (text, missing) = match std::fs::read_to_string(&p) {
             Ok(t) => (t, false),
@@ -157,9 +169,26 @@ impl RunDir {
         });
         match recorded {
             None => Err(invalid(format!("{second:?} is not a plan's fingerprint"))),
-            Some(was) if was != *now => Err(invalid(format!(
-                "the run started with a plan of {was}, and its config.toml and data now plan {now}: the config or the data changed since, so the ledgers would name other batches; resume with what the run started with"
-            ))),
+            Some(was) if was != *now => {
+                // A record from a build before the fields were kept names none.
+                let then: BTreeMap<String, String> = (lines.next())
+                    .and_then(|l| serde_json::from_str(l).ok())
+                    .unwrap_or_default();
+                let changed: Vec<String> = (then.iter())
+                    .filter_map(|(k, v)| {
+                        let n = fields.get(k)?;
+                        (n != v).then(|| format!("{k} was {v} and is now {n}"))
+                    })
+                    .collect();
+                let why = if changed.is_empty() {
+                    "the config or the data changed since".to_string()
+                } else {
+                    format!("{} in its config.toml", changed.join(", "))
+                };
+                Err(invalid(format!(
+                    "the run started with a plan of {was}, and its config.toml and data now plan {now}: {why}, so the ledgers would name other batches; resume with what the run started with (a resume cannot change what the run trains: start a new run for that)"
+                )))
+            }
             Some(_) => Ok(()),
         }
     }
@@ -760,37 +789,72 @@ mod tests {
             batches: 35,
             crc: 0xdead_beef,
         };
-        let e = run.check_plan_version(&plan).unwrap_err().to_string();
+        let cfg = crate::PipelineConfig::default();
+        let fields = crate::plan::plan_fields(&cfg);
+        let e = run
+            .check_plan_version(&plan, &fields)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("the file is missing") && e.contains("(version 1)"),
             "{e}"
         );
-        run.write_plan_version(&plan).unwrap();
-        run.check_plan_version(&plan).unwrap();
+        run.write_plan_version(&plan, &fields).unwrap();
+        run.check_plan_version(&plan, &fields).unwrap();
         let edited = crate::plan::PlanDigest {
             batches: 36,
             ..plan
         };
-        let e = run.check_plan_version(&edited).unwrap_err().to_string();
+        // The config's epochs edited: named, with the value it had.
+        let mut more = cfg.clone();
+        more.data.epochs = 2;
+        let now = crate::plan::plan_fields(&more);
+        let e = run
+            .check_plan_version(&edited, &now)
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.contains("35 batches, crc deadbeef") && e.contains("36 batches"),
+            e.contains("35 batches, crc deadbeef")
+                && e.contains("36 batches")
+                && e.contains("data.epochs was 1 and is now 2 in its config.toml"),
             "{e}"
         );
+        // No field changed: the data did, or a record from before the fields says none.
+        let e = run
+            .check_plan_version(&edited, &fields)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the config or the data changed since"), "{e}");
         let version = crate::plan::PLAN_VERSION;
+        std::fs::write(run.plan_version(), format!("{version}\n35 deadbeef\n")).unwrap();
+        let e = run
+            .check_plan_version(&edited, &now)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the config or the data changed since"), "{e}");
         std::fs::write(run.plan_version(), format!("{version}\n")).unwrap();
-        run.check_plan_version(&edited).unwrap();
+        run.check_plan_version(&edited, &fields).unwrap();
         let other = version - 1;
         std::fs::write(run.plan_version(), format!("{other}\n")).unwrap();
-        let e = run.check_plan_version(&plan).unwrap_err().to_string();
+        let e = run
+            .check_plan_version(&plan, &fields)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(&format!("plan version {other}")) && e.contains("twice"),
             "{e}"
         );
         std::fs::write(run.plan_version(), "two\n").unwrap();
-        let e = run.check_plan_version(&plan).unwrap_err().to_string();
+        let e = run
+            .check_plan_version(&plan, &fields)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\"two\""), "{e}");
         std::fs::write(run.plan_version(), format!("{version}\n35 x\n")).unwrap();
-        let e = run.check_plan_version(&plan).unwrap_err().to_string();
+        let e = run
+            .check_plan_version(&plan, &fields)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a plan's fingerprint"), "{e}");
     }
 

@@ -2750,6 +2750,17 @@ fn a_resumed_runs_config_this_build_refuses_says_so_and_what_to_do() {
             && !said.contains("a check of this build"),
         "{said}"
     );
+    // A field that plans the batches, edited (more epochs for a stopped run): the plan is not
+    // the run's, and the error names the field with the value the edit overwrote.
+    let edit = written.replace("epochs = 1\n", "epochs = 2\n");
+    assert_ne!(edit, written);
+    std::fs::write(rd.config(), edit).unwrap();
+    let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("data.epochs was 1 and is now 2 in its config.toml"),
+        "{said}"
+    );
     std::fs::write(rd.config(), &written).unwrap();
     let (code, said) = launch_in(&run.dir, &["--resume", "run"]);
     assert_eq!(code, Some(0), "{said}");
