@@ -1205,6 +1205,26 @@ keep_export_every = 120
         assert!(c.check_faults(1, 3).is_ok());
     }
 
+    /// The README's "config, with every default" block, saved as a file, is the default config
+    /// and runs with any workers: users copy it to start their own. Its `[faults.drafter-1]`
+    /// header was live, so a run with one drafter refused the file as it stood.
+    #[test]
+    fn the_readmes_config_with_every_default_is_the_default_for_any_run() {
+        let readme = include_str!("../../README.md");
+        let after = readme
+            .split_once("The config, with every default")
+            .expect("the README shows the config with every default")
+            .1;
+        let block = after
+            .split_once("```toml\n")
+            .and_then(|(_, rest)| rest.split_once("\n```"))
+            .expect("the block is fenced as toml")
+            .0;
+        let c = PipelineConfig::from_toml(block, Path::new("README.md")).unwrap();
+        c.check_faults(1, 1).unwrap();
+        assert_eq!(c, PipelineConfig::default());
+    }
+
     #[test]
     fn fault_keys_are_worker_names() {
         let toml = "[faults.drafter-1]\ncrash_after = 4\n[faults.target-0]\nslow = 2.0\n";
