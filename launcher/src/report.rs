@@ -62,7 +62,8 @@ pub use series::{Agg, Bucket, ReadTick, Series, WorkerInfo, S};
 pub struct ReportArgs {
     /// The run directory (it holds metrics.jsonl).
     pub run_dir: PathBuf,
-    /// Where to write the picture (SVG) [default: <RUN_DIR>/report.svg].
+    /// Where to write the picture (SVG; its directory is made if missing) [default:
+    /// <RUN_DIR>/report.svg].
     #[arg(short, long)]
     pub output: Option<PathBuf>,
     /// Width in pixels, 400 to 16384.
@@ -1209,6 +1210,14 @@ pub fn write(
 ) -> anyhow::Result<(u32, u32, Option<String>)> {
     let plan = Plan::new(run, width, height)?;
     let svg = draw(run, &plan)?;
+    // `-o` may name a directory not made yet, as `eval --json` and `prepare -o` may: made only
+    // now that the picture is drawn, so a refused one leaves no empty directory behind. Where a
+    // link leads is where the file goes, so its directory is the one made.
+    let dest = atomic_file::target(out).with_context(|| format!("-o {}", out.display()))?;
+    if let Some(dir) = dest.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("making the directory {} for the picture", dir.display()))?;
+    }
     atomic_file::replace(out, svg.as_bytes())
         .with_context(|| format!("writing the picture {}", out.display()))?;
     Ok((plan.width, plan.height, left_out(&plan)))
@@ -1633,6 +1642,33 @@ mod tests {
             e.to_string().starts_with("--height 1000 is too short"),
             "{e}"
         );
+    }
+
+    /// `-o` into a directory that does not exist yet makes it, as `eval --json` and `prepare -o`
+    /// do (the temporary file beside the picture failed with "No such file or directory").
+    #[test]
+    fn the_picture_goes_into_a_directory_made_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = dir.path().join("run");
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let tick = |t_s: f64| {
+            let t = Tick {
+                t_s,
+                launch_unix_ms: Some(7),
+                ..Tick::default()
+            };
+            serde_json::to_string(&t).unwrap() + "\n"
+        };
+        std::fs::write(run_dir.join("metrics.jsonl"), tick(1.0) + &tick(2.0)).unwrap();
+        let out = dir.path().join("out/pictures/x.svg");
+        let args = super::ReportArgs {
+            run_dir,
+            output: Some(out.clone()),
+            width: 1200,
+            height: None,
+        };
+        assert_eq!(super::run(args).unwrap(), 0);
+        assert!(std::fs::read_to_string(&out).unwrap().starts_with("<svg"));
     }
 
     /// `-o` naming one of the run's own files (through a link, or a hard link) replaced it with
