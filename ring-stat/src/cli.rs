@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use proto::{RunDir, RUN_DIR_RING_FILE};
 use shm_ring::{Phase, Ring, RingError, Snapshot, TakePolicy};
 
@@ -70,9 +70,17 @@ impl Default for Args {
     }
 }
 
-/// Runs the CLI; returns the process exit code.
+/// Runs the CLI; returns the process exit code: 0, or 1 on an error. A usage error exits 2
+/// here, clap's way, as everywhere in hspipe.
 pub fn main() -> i32 {
     let args = Args::parse();
+    // Nothing named to look at is the command line's fault, not a ring's: a usage error, with
+    // the usage line, as clap's own are.
+    if args.ring.is_none() && args.run_dir.is_none() && !args.list && !args.gc {
+        Args::command()
+            .error(clap::error::ErrorKind::MissingRequiredArgument, NOTHING_NAMED)
+            .exit();
+    }
     match run_on_stdout(&args) {
         Ok(()) => 0,
         Err(e) => {
@@ -133,13 +141,16 @@ fn period(flag: &str, secs: f64) -> anyhow::Result<Duration> {
     }
 }
 
+/// What is said when the command line names no ring and asks for no list.
+const NOTHING_NAMED: &str = "name a ring (see --list) or a --run-dir, or pass --list or --gc";
+
 /// Checks the flags and attaches to the ring they name.
 fn open(args: &Args) -> anyhow::Result<(Ring, Periods)> {
     let run = args.run_dir.as_deref().map(RunDir::new);
     let name = match (&args.ring, &run) {
         (Some(r), _) => r.clone(),
         (None, Some(run)) => ring_name(run)?,
-        (None, None) => bail!("name a ring (see --list) or a --run-dir, or pass --list or --gc"),
+        (None, None) => bail!(NOTHING_NAMED),
     };
     let periods = Periods {
         interval: period("--interval", args.interval)?,

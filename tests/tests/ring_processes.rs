@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use shm_ring::{Ring, RingError, RingParams, Role, TakePolicy, WorkerName};
 use tests::batch_id;
 
-use crate::support::{parse_got, ring_peer, unique, Proc};
+use crate::support::{parse_got, ring_peer, spawn, unique, workspace_bin, Proc};
 
 fn params(producers: u32, consumers: u32, slots: u32, slot_size: u64) -> RingParams {
     RingParams {
@@ -291,6 +291,18 @@ fn gc_of_a_stale_ring_removes_its_drafter_group_and_says_what_it_leaves() {
     let err = got.unwrap_err();
     assert!(
         err.contains(&stale) && err.contains("not in /dev/shm"),
+        "{err}"
+    );
+}
+
+/// `shm-ring-stat` with nothing to look at is a usage error: exit 2 with the usage line, as
+/// every other command line mistake (README, "Exit codes"); it exited 1, as a ring's failure.
+#[test]
+fn shm_ring_stat_naming_nothing_is_a_usage_error() {
+    let (status, err) = spawn(&workspace_bin("shm-ring-stat"), &[]).wait_status_keep();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("error: name a ring (see --list) or a --run-dir") && err.contains("Usage:"),
         "{err}"
     );
 }
