@@ -77,19 +77,28 @@ pub struct Cli {
     pub command: Option<Command>,
 }
 
+// The user's subcommands say what they are in `about` attributes, not doc comments: clap
+// shows a variant's doc comment as the subcommand's own help too, in place of its Args' long
+// doc (the examples), so `launcher report --help` would open by sending the reader to itself.
+// An `about` alone is the line in `launcher --help` (and `-h`'s summary); `--help` keeps the
+// subcommand's own text.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// A picture of a run (see `launcher report --help`).
+    #[command(about = "A picture of a run (see `launcher report --help`).")]
     Report(crate::report::ReportArgs),
-    /// Prepare training data only (see `launcher prepare --help`).
+    #[command(about = "Prepare training data only (see `launcher prepare --help`).")]
     Prepare(crate::data::PrepareArgs),
-    /// Write a random-initialised model in the HF layout (see `launcher make-model --help`).
+    #[command(
+        about = "Write a random-initialised model in the HF layout (see `launcher make-model --help`)."
+    )]
     MakeModel(crate::model::MakeModelArgs),
-    /// Write a model's captured layers and greedy tokens for some data, as safetensors (see
-    /// `launcher capture --help`).
+    #[command(
+        about = "Write a model's captured layers and greedy tokens for some data, as safetensors (see `launcher capture --help`)."
+    )]
     Capture(crate::model::CaptureArgs),
-    /// Speculative decoding with a trained DFlash drafter: its acceptance length, and a check
-    /// that the output is the target's greedy output (see `launcher eval --help`).
+    #[command(
+        about = "Speculative decoding with a trained DFlash drafter: its acceptance length, and a check that the output is the target's greedy output (see `launcher eval --help`)."
+    )]
     Eval(crate::eval::EvalArgs),
     /// A target worker: how the launcher starts one (`spawn`), never typed by a user.
     #[command(hide = true)]
@@ -481,6 +490,30 @@ mod tests {
             help.contains("report") && !help.contains("target-worker"),
             "{help}"
         );
+    }
+
+    /// A subcommand's `--help` is its own text, examples included; it opened with the one-line
+    /// summary of `launcher --help`, which sends the reader to `launcher report --help`, the
+    /// very page shown, and the examples were not there.
+    #[test]
+    fn a_subcommands_help_is_its_own_text_not_a_pointer_to_itself() {
+        for name in ["report", "prepare", "make-model", "capture", "eval"] {
+            let e = Cli::try_parse_from(["launcher", name, "--help"]).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp, "{name}: {e}");
+            let help = e.to_string();
+            assert!(
+                !help.contains(&format!("see `launcher {name} --help`")),
+                "{name}: {help}"
+            );
+            assert!(
+                help.contains(&format!("Examples:\n  launcher {name} ")),
+                "{name}: {help}"
+            );
+        }
+        // The list of subcommands still points at each one's page.
+        use clap::CommandFactory;
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("see `launcher report --help`"), "{help}");
     }
 
     /// A number a flag refuses is refused naming that flag, as a usage error: a negative
