@@ -20,10 +20,14 @@ fn probe_driver() -> Result<(String, u32), String> {
     })?;
     let (major, minor) = d.version();
     let n = d.device_count().map_err(|e| e.to_string())?;
-    Ok((
-        format!("NVIDIA driver for CUDA {major}.{minor} with {n} GPUs"),
-        n,
-    ))
+    Ok((driver_said((major, minor), n), n))
+}
+
+/// The driver found, in words: its CUDA version and its GPUs, one said in the singular (a
+/// one-GPU machine read "with 1 GPUs" on the run's first line).
+fn driver_said((major, minor): (u32, u32), n: u32) -> String {
+    let gpus = crate::count(n, "GPU", "GPUs");
+    format!("NVIDIA driver for CUDA {major}.{minor} with {gpus}")
 }
 
 /// A probe's finding, refused when the machine has fewer GPUs than the lists name (`need`: the
@@ -154,6 +158,18 @@ fn choose_backend_in(
 #[cfg(test)]
 mod backend_tests {
     use super::*;
+
+    #[test]
+    fn the_driver_is_said_with_its_gpus_counted() {
+        assert_eq!(
+            driver_said((13, 0), 1),
+            "NVIDIA driver for CUDA 13.0 with 1 GPU"
+        );
+        assert_eq!(
+            driver_said((12, 4), 8),
+            "NVIDIA driver for CUDA 12.4 with 8 GPUs"
+        );
+    }
 
     /// `auto` says what it found; with a model it takes the GPU exactly when there is a driver
     /// and the build has CUDA, else candle on the CPU, saying why; `cuda` is a clear error

@@ -16,7 +16,7 @@ use proto::{PipelineConfig, RunDir};
 use serde::{Deserialize, Serialize};
 
 use crate::signals::StopSignals;
-use crate::Interrupted;
+use crate::{count, Interrupted};
 
 /// Prepare training data once into the memory-mapped Arrow file every process of a run maps,
 /// e.g. on a CPU machine, to copy beside the runs of a GPU machine.
@@ -131,11 +131,12 @@ pub fn options(cfg: &PipelineConfig, max_len: u32) -> anyhow::Result<dataset::Op
 /// What preparing conversations and texts counted, for the data line.
 fn chat_part(s: &dataset::ChatStats, max_len: u32) -> String {
     let mut out = format!(
-        "; {} conversations ({} assistant turns trained)",
-        s.conversations, s.turns
+        "; {} ({} trained)",
+        count(s.conversations, "conversation", "conversations"),
+        count(s.turns, "assistant turn", "assistant turns")
     );
     if s.texts > 0 {
-        out.push_str(&format!(" and {} texts", s.texts));
+        out.push_str(&format!(" and {}", count(s.texts, "text", "texts")));
     }
     out.push_str(&format!(
         ", {} of their {} tokens trained",
@@ -202,10 +203,10 @@ pub fn prepare_dataset(
     p.path =
         std::path::absolute(&p.path).with_context(|| format!("resolving {}", p.path.display()))?;
     let what = format!(
-        "{} ({}, {} samples, {:.1}M tokens{})",
+        "{} ({}, {}, {:.1}M tokens{})",
         input.display(),
         p.kind.name(),
-        p.samples,
+        count(p.samples, "sample", "samples"),
         p.tokens as f64 / 1e6,
         p.chat
             .as_ref()
@@ -378,6 +379,34 @@ pub fn resume_data(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One conversation with one assistant turn is counted in the singular on the data line
+    /// ("1 conversations (1 assistant turns trained)" it said), more in the plural.
+    #[test]
+    fn the_data_lines_counts_agree_with_their_number() {
+        let one = dataset::ChatStats {
+            conversations: 1,
+            turns: 1,
+            texts: 1,
+            trained_tokens: 14,
+            tokens: 48,
+            ..Default::default()
+        };
+        assert_eq!(
+            chat_part(&one, 64),
+            "; 1 conversation (1 assistant turn trained) and 1 text, 14 of their 48 tokens trained"
+        );
+        let more = dataset::ChatStats {
+            conversations: 2,
+            turns: 3,
+            texts: 0,
+            ..one
+        };
+        assert_eq!(
+            chat_part(&more, 64),
+            "; 2 conversations (3 assistant turns trained), 14 of their 48 tokens trained"
+        );
+    }
 
     /// A base model's directory: a word-level `tokenizer.json` and no chat template.
     fn base_model(dir: &Path) {

@@ -35,6 +35,13 @@ use proto::{GpuLists, PipelineConfig, RunDir};
 pub use crate::cli::{exit, Args, Backend, Cli, Command, Interrupted, UsageError};
 pub use crate::spawn::name_process;
 
+/// `n` with its noun, singular for one: "1 drafter", "3 drafters", "1 batch". The lines a user
+/// reads first said "1 drafters" for a run of one.
+pub(crate) fn count(n: impl Into<u64>, one: &str, many: &str) -> String {
+    let n = n.into();
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// What `run` settles before the run directory, and so its log, exists.
 pub(crate) struct Settled {
     pub(crate) cfg: PipelineConfig,

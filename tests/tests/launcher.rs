@@ -1000,6 +1000,38 @@ fn a_target_given_up_after_the_others_ran_out_of_work_has_its_batches_done_by_th
     assert_eq!(s["batches_published"], s["batches_total"]);
 }
 
+/// A run of one target, one drafter and one sample says each in the singular: its first lines
+/// said "1 targets (GPUs [0]), 1 drafters (GPUs [1])", "1 samples" and "1 batches".
+#[test]
+fn a_run_of_one_of_everything_says_so_in_the_singular() {
+    let run = Run::new("lone");
+    let data = run.dir.join("one.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n").unwrap();
+    let cfg = config(&run.dir, false, "");
+    let (run_dir, cfg) = (run.run_dir(), cfg.to_str().unwrap().to_string());
+    let args = [
+        "--targets",
+        "0",
+        "--drafters",
+        "1",
+        "--config",
+        &cfg,
+        "--data",
+        data.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let (status, out, _) = spawn(&workspace_bin("launcher"), &args).finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    for said in [
+        "hspipe: 1 target (GPU 0), 1 drafter (GPU 1); ",
+        " (JSONL, 1 sample, ",
+        ", 1 batch; ring ",
+    ] {
+        assert!(out.contains(said), "{said:?} is not in\n{out}");
+    }
+}
+
 fn launch_bad(args: &[&str]) -> (i32, String, u32) {
     let p = spawn(&workspace_bin("launcher"), args);
     let pid = p.child.id();

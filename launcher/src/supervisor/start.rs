@@ -13,7 +13,7 @@ use crate::monitor::Monitor;
 use crate::output::Tee;
 use crate::signals::StopSignals;
 use crate::spawn::{self, Welcome};
-use crate::{reclaim, Settled};
+use crate::{count, reclaim, Settled};
 
 impl<'a> Supervisor<'a> {
     /// Creates the ring and the drafter group (after reclaiming what dead launchers left),
@@ -94,16 +94,20 @@ impl<'a> Supervisor<'a> {
         run_dir.write_ring_name(&ring_name)?;
 
         println!(
-            "hspipe: {} targets (GPUs {:?}), {} drafters (GPUs {:?}); backend {}",
-            nt, targets, nd, drafters, backend.1
+            "hspipe: {} ({}), {} ({}); backend {}",
+            count(nt, "target", "targets"),
+            gpus_said(targets),
+            count(nd, "drafter", "drafters"),
+            gpus_said(drafters),
+            backend.1
         );
         if let Some(line) = &data_line {
             println!("{line}");
         }
         println!(
-            "data: {}, {} batches; ring {ring_name} ({} slots x {} KiB); run dir {}",
+            "data: {}, {}; ring {ring_name} ({} slots x {} KiB); run dir {}",
             data.source,
-            batches,
+            count(batches, "batch", "batches"),
             params.slots,
             params.slot_size / 1024,
             run_dir.path().display()
@@ -164,5 +168,13 @@ impl<'a> Supervisor<'a> {
             last_hang_check: Instant::now(),
             started: Instant::now(),
         })
+    }
+}
+
+/// A side's GPUs on the run's first line: "GPU 5" for one, "GPUs [5, 6, 7]" for more.
+fn gpus_said(gpus: &[u32]) -> String {
+    match gpus {
+        [one] => format!("GPU {one}"),
+        many => format!("GPUs {many:?}"),
     }
 }
