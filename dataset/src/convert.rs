@@ -151,6 +151,25 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
     }
 }
 
+/// The extensions of files meant as JSON Lines: their errors are about their lines alone.
+const JSONL_EXTENSIONS: &[&str] = &["jsonl", "json", "ndjson", "jsonlines"];
+
+/// What a JSONL error adds for a file whose extension is none of JSONL's (`data.csv`): it was
+/// read as JSONL only because JSONL is what [`detect`] falls back to, so the user learns why
+/// their CSV is said to hold no sample, and what hspipe reads instead.
+fn read_as_jsonl(path: &Path) -> String {
+    let Some(ext) = path.extension().map(|e| e.to_string_lossy()) else {
+        return String::new();
+    };
+    if JSONL_EXTENSIONS.contains(&ext.to_ascii_lowercase().as_str()) {
+        return String::new();
+    }
+    format!(
+        " (read as JSONL, since .{ext} is not an extension hspipe knows; it reads JSONL (.jsonl), \
+         Parquet, Arrow IPC files and streams, HF datasets directories and prepared files)"
+    )
+}
+
 /// The magic numbers of compressed files, their format's name and the command that
 /// decompresses them: such a file is refused by name rather than read as JSON Lines.
 const COMPRESSED: &[(&[u8], &str, &str)] = &[
@@ -274,7 +293,7 @@ fn stopped(path: &Path, kind: &Kind, s: Stop) -> DataError {
         Stop::Record((place, why)) if *kind == Kind::Jsonl => DataError::Line {
             path: path.to_path_buf(),
             line: place,
-            why,
+            why: why + &read_as_jsonl(path),
         },
         Stop::Record((row, why)) => DataError::Row {
             path: path.to_path_buf(),

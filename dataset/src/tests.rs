@@ -154,6 +154,30 @@ fn jsonl(text: &str, max_len: u32) -> Result<Vec<Owned>, DataError> {
     Ok(read_all(&Mapped::open(&p.path).unwrap()))
 }
 
+/// A file of a format hspipe does not read (a CSV) is read as JSONL, the fallback for what is
+/// no Arrow or Parquet file, and said only "data.csv:1: not a sample: expected value": now the
+/// error says it was read as JSONL because of its extension, and names the formats read. A
+/// file named as JSONL gets its line's error alone.
+#[test]
+fn a_file_of_an_unknown_extension_says_it_was_read_as_jsonl() {
+    let d = Dir::new("csv");
+    let input = d.file("data.csv", b"input_ids,loss_mask\n1,1\n");
+    let err = prepare(&input, 8, &d.0.join("cache"), None, &mut crate::quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.csv:1: not a sample")
+            && err.contains("read as JSONL, since .csv is not an extension hspipe knows")
+            && err.contains("Parquet"),
+        "{err}"
+    );
+    let err = jsonl("input_ids,loss_mask\n", 8).unwrap_err().to_string();
+    assert!(
+        err.contains("train.jsonl:1: not a sample") && !err.contains("read as JSONL"),
+        "{err}"
+    );
+}
+
 #[test]
 fn jsonl_reads_samples_and_names_the_bad_line() {
     let got = jsonl(
