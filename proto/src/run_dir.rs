@@ -54,6 +54,8 @@ pub enum RunDirError {
     NotEmpty { dir: PathBuf, entry: String },
     #[error("{path}: {why}")]
     Invalid { path: PathBuf, why: String },
+    #[error("run directory {dir} is {what}, not a directory: pick another --run-dir, a new or an empty directory")]
+    NotADirectory { dir: PathBuf, what: &'static str },
 }
 
 /// `path` as a shell word, for a command printed to be copied (`launcher --resume DIR`): as it
@@ -400,8 +402,19 @@ impl RunDir {
     /// [`clear_earlier_launch`]: Self::clear_earlier_launch
     pub fn check_new(&self, made: Option<&Path>) -> Result<(), RunDirError> {
         let entries = match self.0.read_dir() {
+            Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            r => r.map_err(io("reading", &self.0))?,
+            // A file named as the directory is said to be one: "reading notes.txt: Not a
+            // directory" reads as a fault inside a directory.
+            Err(e) => match std::fs::metadata(&self.0) {
+                Ok(meta) if !meta.is_dir() => {
+                    return Err(RunDirError::NotADirectory {
+                        dir: self.0.clone(),
+                        what: atomic_file::not_regular(&meta).unwrap_or("a file"),
+                    })
+                }
+                _ => return Err(io("reading", &self.0)(e)),
+            },
         };
         let made = made.and_then(|m| std::fs::canonicalize(m).ok());
         let holds_made = |e: &std::fs::DirEntry| {
@@ -743,6 +756,25 @@ mod tests {
         }
         std::fs::write(d.join("step-1400"), b"a file").unwrap();
         assert_eq!(run.kept_export_steps(), [40, 200, 1000]);
+    }
+
+    /// `--run-dir notes.txt` on an existing file was refused as "reading notes.txt: Not a
+    /// directory", which reads as a fault inside a directory: it is said to be a file, and is
+    /// left as it was.
+    #[test]
+    fn a_file_given_as_the_run_directory_is_refused_as_a_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let notes = tmp.path().join("notes.txt");
+        std::fs::write(&notes, "mine\n").unwrap();
+        let e = RunDir::new(&notes).lay_out().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "run directory {} is a file, not a directory: pick another --run-dir, a new or an empty directory",
+                notes.display()
+            )
+        );
+        assert_eq!(std::fs::read_to_string(&notes).unwrap(), "mine\n");
     }
 
     /// `--run-dir proj` on a project's folder, or `--run-dir /`, wrote hspipe's `config.toml`,
