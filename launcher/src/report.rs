@@ -1374,20 +1374,22 @@ mod tests {
         );
     }
 
+    /// A line of metrics.jsonl: an empty tick at `t_s` of one launch.
+    fn tick(t_s: f64) -> String {
+        let t = Tick {
+            t_s,
+            launch_unix_ms: Some(7),
+            ..Tick::default()
+        };
+        serde_json::to_string(&t).unwrap() + "\n"
+    }
+
     /// A line a kill tore (and the next launcher ended), and a last line cut short, are
     /// skipped and counted, the first one named; the ticks around them are drawn. Before, the
     /// report refused the whole run at such a line. A file with no tick at all is refused.
     #[test]
     fn lines_that_are_no_tick_are_skipped_and_counted() {
         let dir = tempfile::tempdir().unwrap();
-        let tick = |t_s: f64| {
-            let t = Tick {
-                t_s,
-                launch_unix_ms: Some(7),
-                ..Tick::default()
-            };
-            serde_json::to_string(&t).unwrap() + "\n"
-        };
         let torn = &tick(2.0)[..12];
         // JSON, but no tick: every field of one has a default, so serde alone took these.
         let text = [
@@ -1651,14 +1653,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("run");
         std::fs::create_dir_all(&run_dir).unwrap();
-        let tick = |t_s: f64| {
-            let t = Tick {
-                t_s,
-                launch_unix_ms: Some(7),
-                ..Tick::default()
-            };
-            serde_json::to_string(&t).unwrap() + "\n"
-        };
         std::fs::write(run_dir.join("metrics.jsonl"), tick(1.0) + &tick(2.0)).unwrap();
         let out = dir.path().join("out/pictures/x.svg");
         let args = super::ReportArgs {

@@ -78,7 +78,10 @@ pub fn main() -> i32 {
     // the usage line, as clap's own are.
     if args.ring.is_none() && args.run_dir.is_none() && !args.list && !args.gc {
         Args::command()
-            .error(clap::error::ErrorKind::MissingRequiredArgument, NOTHING_NAMED)
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                NOTHING_NAMED,
+            )
             .exit();
     }
     match run_on_stdout(&args) {

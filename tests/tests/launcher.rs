@@ -908,6 +908,13 @@ fn a_batch_the_device_fails_on_is_delivered_again_then_set_aside() {
 fn one_drafter_fifo(run: &Run, fault: &str) -> (std::process::ExitStatus, String) {
     let cfg = config(&run.dir, false, &format!("[faults.drafter-0]\n{fault}\n"));
     edit_config(&cfg, "min_ready = 4", "min_ready = 4\npolicy = \"fifo\"");
+    let (status, _) = launch_one_by_one(run, &cfg, &[]).wait_status_keep();
+    (status, run.launcher_log())
+}
+
+/// Launches a run of one target (GPU 0) and one drafter (GPU 1) on `cfg` in `run`'s run
+/// directory, with `extra` flags.
+fn launch_one_by_one(run: &Run, cfg: &Path, extra: &[&str]) -> Proc {
     let (run_dir, cfg) = (run.run_dir(), cfg.to_str().unwrap().to_string());
     let args = [
         "--targets",
@@ -917,11 +924,9 @@ fn one_drafter_fifo(run: &Run, fault: &str) -> (std::process::ExitStatus, String
         "--config",
         &cfg,
         "--run-dir",
+        run_dir.to_str().unwrap(),
     ];
-    let mut args: Vec<&str> = args.to_vec();
-    args.push(run_dir.to_str().unwrap());
-    let (status, _) = spawn(&workspace_bin("launcher"), &args).wait_status_keep();
-    (status, run.launcher_log())
+    spawn(&workspace_bin("launcher"), &[&args[..], extra].concat())
 }
 
 /// The poison batch with one target and one drafter taking the oldest batch first (FIFO), so
@@ -1008,20 +1013,8 @@ fn a_run_of_one_of_everything_says_so_in_the_singular() {
     let data = run.dir.join("one.jsonl");
     std::fs::write(&data, "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n").unwrap();
     let cfg = config(&run.dir, false, "");
-    let (run_dir, cfg) = (run.run_dir(), cfg.to_str().unwrap().to_string());
-    let args = [
-        "--targets",
-        "0",
-        "--drafters",
-        "1",
-        "--config",
-        &cfg,
-        "--data",
-        data.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ];
-    let (status, out, _) = spawn(&workspace_bin("launcher"), &args).finish_status();
+    let launcher = launch_one_by_one(&run, &cfg, &["--data", data.to_str().unwrap()]);
+    let (status, out, _) = launcher.finish_status();
     assert_eq!(status.code(), Some(0), "{out}");
     for said in [
         "hspipe: 1 target (GPU 0), 1 drafter (GPU 1); ",
