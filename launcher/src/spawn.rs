@@ -134,15 +134,26 @@ pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
                 d.display()
             );
         }
+        let executable = |p: &Path| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        };
         let found = if program.contains('/') {
             // Relative to the directory the command runs in.
-            dir.as_deref()
-                .unwrap_or(Path::new("."))
-                .join(program)
-                .is_file()
+            let path = dir.as_deref().unwrap_or(Path::new(".")).join(program);
+            // A script without its execute bit: every start fails with EACCES (a crash loop
+            // whose logs say nothing), where the user forgot a chmod or the interpreter.
+            if path.is_file() && !executable(&path) {
+                anyhow::bail!(
+                    "[{section}] command: {program:?} is not executable: `chmod +x {}` (a script needs its #! line too), or run it through its interpreter: command = [\"python3\", {program:?}, ...]",
+                    path.display()
+                );
+            }
+            path.is_file()
         } else {
+            // As the shell looks: the first executable of that name on PATH.
             std::env::var_os("PATH").is_some_and(|path| {
-                std::env::split_paths(&path).any(|dir| dir.join(program).is_file())
+                std::env::split_paths(&path).any(|dir| executable(&dir.join(program)))
             })
         };
         if !found {
@@ -221,7 +232,7 @@ pub fn last_error(log: &Path) -> Option<String> {
             }
         } else if i < last {
             continue;
-        } else if l.starts_with("error:") {
+        } else if l.starts_with("error:") || python_said(l) {
             said = Some(l.trim().to_string());
         } else if let Some(at) = l.find(" ERROR ").filter(|&at| !l[..at].contains(' ')) {
             // A tracing line: its timestamp, then the level.
@@ -232,6 +243,21 @@ pub fn last_error(log: &Path) -> Option<String> {
         Some((cut, _)) => format!("{}...", &s[..cut]),
         None => s,
     })
+}
+
+/// A line Python ends a failed start with where it prints no traceback: a `SyntaxError` or
+/// `IndentationError` (the file and a caret above it, no `Traceback` header), or the interpreter
+/// given a script that is not there (`python3: can't open file '...': [Errno 2] ...`). An
+/// exception's line: its class name (module-qualified: `hspipe.HspipeError`), ending in `Error`
+/// or `Exception`, then a colon.
+fn python_said(l: &str) -> bool {
+    let exception = l.split_once(": ").is_some_and(|(name, _)| {
+        (name.ends_with("Error") || name.ends_with("Exception"))
+            && (name.rsplit('.').next())
+                .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_uppercase()))
+            && (name.chars()).all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+    });
+    exception || l.contains(": can't open file '")
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
@@ -471,6 +497,29 @@ mod tests {
             said(&python).as_deref(),
             Some("RuntimeError: CUDA out of memory")
         );
+        // Python's failures without a traceback: a script that does not parse, and one that is
+        // not there.
+        let syntax = format!(
+            "{STARTING} (incarnation 1) on GPU 0\n  File \"/w/t.py\", line 3\n    def (\n        \
+             ^\nSyntaxError: invalid syntax\n"
+        );
+        assert_eq!(
+            said(&syntax).as_deref(),
+            Some("SyntaxError: invalid syntax")
+        );
+        let missing = format!(
+            "{STARTING} (incarnation 1) on GPU 0\npython3: can't open file '/w/nope.py': [Errno 2] No such file or directory\n"
+        );
+        assert_eq!(
+            said(&missing).as_deref(),
+            Some("python3: can't open file '/w/nope.py': [Errno 2] No such file or directory")
+        );
+        let qualified = format!("{STARTING} (incarnation 1) on GPU 0\nhspipe.HspipeError: bad\n");
+        assert_eq!(said(&qualified).as_deref(), Some("hspipe.HspipeError: bad"));
+        // A log line that merely mentions an error class is not one.
+        let info =
+            format!("{STARTING} (incarnation 1) on GPU 0\nZ  INFO retrying after KeyError: 3\n");
+        assert_eq!(said(&info), None);
         // An error logged long before a death by a signal is not its reason.
         let stale = format!(
             "{STARTING} (incarnation 1) on GPU 0\nZ ERROR a batch was refused\n{}",
@@ -484,6 +533,30 @@ mod tests {
         let cut = said(&long).unwrap();
         assert_eq!(cut.chars().count(), 303, "cut to 300 characters and ...");
         assert!(cut.ends_with("é..."), "{cut}");
+    }
+
+    /// A command naming a script without its execute bit is refused before the run, saying
+    /// how to fix it: every start failed with EACCES, a crash loop whose logs said nothing.
+    /// With the bit set it passes.
+    #[test]
+    fn a_command_that_is_not_executable_is_refused_before_the_run() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("noexec.py");
+        std::fs::write(&script, "#!/usr/bin/env python3\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mut cfg = proto::PipelineConfig::default();
+        cfg.target.command = Some(vec!["./noexec.py".into()]);
+        cfg.target.command_dir = Some(dir.path().to_path_buf());
+        let err = super::check_commands(&cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("[target] command: \"./noexec.py\" is not executable")
+                && err.contains("chmod +x")
+                && err.contains("python3"),
+            "{err}"
+        );
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        super::check_commands(&cfg).unwrap();
     }
 
     /// A worker that dies before it connects (here a program that exits at once) ends its
