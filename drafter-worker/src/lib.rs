@@ -427,11 +427,11 @@ impl<'c, 'r> Rank<'c, 'r> {
         Ok(())
     }
 
-    /// Releases a corrupt batch unused, and counts it.
+    /// Frees a corrupt batch unused (the ring counts it refused, not trained), and counts it.
     fn refuse(&mut self, slot: ReadSlot<'c>, e: &dyn std::fmt::Display) -> anyhow::Result<()> {
         tracing::error!(batch = slot.meta().batch_id, error = %e, "refusing a corrupt batch");
         self.report.refused += 1;
-        slot.release()?;
+        slot.refuse()?;
         Ok(())
     }
 

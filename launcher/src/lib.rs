@@ -272,6 +272,17 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.check_kept_exports(exports)
         .context("checking the config")
         .map_err(refused)?;
+    // A target of one's own beside the mock drafter, which checks every byte against the mock
+    // target's states: fine for numpy_target.py (which computes them), every batch refused for
+    // a real model's. Said at the start, not found in the end's note.
+    if backend.0 == BackendKind::Mock
+        && cfg.target.command.is_some()
+        && cfg.drafter.command.is_none()
+    {
+        said.push(
+            "note: [target] command runs beside the mock drafter (no model is given), which refuses any batch whose hidden states are not the mock target's (python/examples/numpy_target.py computes them); a target of your own model needs a drafter that takes its states: [drafter] command, or --model DIR for ours".to_string(),
+        );
+    }
     // A new run only: a resume runs what its run ran, a mock one with its [dflash] too. A
     // `[drafter] command` is the user's own drafter, which may read the section.
     if args.resume.is_none() {

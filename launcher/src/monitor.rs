@@ -371,6 +371,8 @@ pub struct Monitor {
     steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
+    /// Batches the drafters refused as corrupt, when last said.
+    refused_said: u64,
 }
 
 /// The live workers of one role over an interval.
@@ -444,6 +446,7 @@ impl Monitor {
             eval_tau: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
+            refused_said: 0,
         };
         if let Some(msg) = board_error {
             mon.say(&msg);
@@ -489,6 +492,24 @@ impl Monitor {
     }
 
     /// Prints an event line without breaking the progress bar; the next tick records it.
+    /// Says batches refused as corrupt as they come, at the first and at each tenfold (1, 10,
+    /// 100, ...): a drafter that refuses every batch (a target of one's own computing what the
+    /// mock drafter does not expect, a broken device) trains nothing, and a week is not the
+    /// time to learn it from the end's note.
+    fn say_refused(&mut self, refused: u64) {
+        let next = match self.refused_said {
+            0 => 1,
+            n => n.saturating_mul(10),
+        };
+        if refused < next {
+            return;
+        }
+        self.refused_said = refused;
+        self.say(&format!(
+            "the drafters refused {refused} batch(es) so far as corrupt (its checksum, shape or content): not trained; see the drafters' logs for why"
+        ));
+    }
+
     pub fn say(&mut self, msg: &str) {
         self.events.push(EventTick {
             t_s: share(self.started.elapsed().as_secs_f64()),
@@ -525,10 +546,14 @@ impl Monitor {
         started: Instant,
         now: Instant,
     ) -> anyhow::Result<()> {
+        if self.last.is_none() {
+            return Ok(());
+        }
+        let snap = ring.snapshot();
+        self.say_refused(snap.counters.refused);
         let Some((_, prev)) = &self.last else {
             return Ok(());
         };
-        let snap = ring.snapshot();
         let iv = analysis::interval(prev, &snap, &self.occupancy);
         let verdict = self.judge.verdict(prev, &snap, &self.occupancy);
         self.occupancy.clear();

@@ -229,7 +229,7 @@ impl Drafter {
                     let mut r = d.report.borrow_mut();
                     r.refused += 1;
                     drop(r);
-                    slot.release().map_err(err)?;
+                    slot.refuse().map_err(err)?;
                 }
             }
         }

@@ -320,7 +320,7 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
     let c = &s.counters;
     writeln!(
         out,
-        "over {:.1}s: published {:.1}/s  trained {:.1}/s  {:.0} tok/s  ring full {:.0}% empty {:.0}%   totals: published {} taken {} released {} redelivered {} set aside {}",
+        "over {:.1}s: published {:.1}/s  trained {:.1}/s  {:.0} tok/s  ring full {:.0}% empty {:.0}%   totals: published {} taken {} released {} redelivered {} set aside {} refused {}",
         iv.seconds,
         iv.published_per_s,
         iv.released_per_s,
@@ -331,7 +331,8 @@ fn human(rep: &Report, out: &mut impl Write) -> std::io::Result<()> {
         c.taken,
         c.released,
         c.redelivered,
-        c.set_aside
+        c.set_aside,
+        c.refused
     )?;
     writeln!(out, "verdict: {}", v.line)?;
     for st in &v.stragglers {

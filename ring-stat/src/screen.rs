@@ -613,8 +613,8 @@ impl Widget for &View<'_> {
                             pct(iv.empty_frac)
                         ),
                         format!(
-                            "| totals: published {} taken {} released {} redelivered {} set aside {}",
-                            k.published, k.taken, k.released, k.redelivered, k.set_aside
+                            "| totals: published {} taken {} released {} redelivered {} set aside {} refused {}",
+                            k.published, k.taken, k.released, k.redelivered, k.set_aside, k.refused
                         ),
                     ],
                     width + 2,

@@ -214,6 +214,30 @@ fn a_run_with_a_batch_set_aside_ended_with_it_counted() {
     );
 }
 
+/// A batch a drafter refused as corrupt (`ReadSlot::refuse`) is freed but not trained: the
+/// ring counts it apart from the released ones, the consumer's items do not count it, and the
+/// end says so. Before, a refusal was a release: the monitor's "trained" counted it and a run
+/// whose drafters refused every batch read "every batch is trained".
+#[test]
+fn a_run_whose_drafter_refused_a_batch_ended_with_it_counted() {
+    let r = planned("planrefused", 2);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    planned_batch(&p, &c, 0).release().unwrap();
+    planned_batch(&p, &c, 1).refuse().unwrap();
+    p.finish();
+    let b = r.snapshot();
+    assert_eq!((b.counters.released, b.counters.refused), (1, 1));
+    let drafter = b.worker(WorkerName::consumer(0)).unwrap();
+    assert_eq!(drafter.items, 1, "the refused batch is not one it trained");
+    let (v, _) = judge(&r, &b, &[]);
+    assert_eq!(
+        v.line,
+        "ended: the producers are done (1/1) with 0 of 2 planned batch(es) not published, \
+         0 set aside (never trained), 1 refused as corrupt by the drafters (see their logs); \
+         every other batch is trained"
+    );
+}
+
 /// The end of the plan before the ring closes: every planned batch is published or claimed,
 /// so the targets without one sit idle and the drafters wait on a near-empty ring. That is the
 /// run draining, not targets too slow (no target is done yet: targets finish only when the

@@ -605,8 +605,10 @@ impl<'a> RingRef<'a> {
         Ok(())
     }
 
-    /// Frees a slot consumer `id` has finished reading.
-    pub(crate) fn release(&self, id: u32, claim: Claim) -> Result<(), RingError> {
+    /// Frees a slot consumer `id` has finished reading; `refused`: it did not consume the item,
+    /// whose content it refused as corrupt (counted apart, not in `released` nor in the
+    /// consumer's items and tokens, which are what it trained).
+    pub(crate) fn release(&self, id: u32, claim: Claim, refused: bool) -> Result<(), RingError> {
         let s = &self.slots[claim.idx];
         let (tokens, len) = (
             s.tokens.load(Ordering::Relaxed),
@@ -627,11 +629,15 @@ impl<'a> RingRef<'a> {
                 Ordering::Relaxed,
             )
             .map_err(|_| RingError::Reclaimed { slot: claim.idx })?;
-        sync::tally(&self.ctl.released, 1);
         let w = self.worker(id);
-        sync::tally(&w.items, 1);
-        sync::tally(&w.tokens, tokens);
-        sync::tally(&w.bytes, len);
+        if refused {
+            sync::tally(&self.ctl.refused, 1);
+        } else {
+            sync::tally(&self.ctl.released, 1);
+            sync::tally(&w.items, 1);
+            sync::tally(&w.tokens, tokens);
+            sync::tally(&w.bytes, len);
+        }
         self.heartbeat(id);
         sync::bump(&self.ctl.free_seq, &self.ctl.free_waiters);
         // Consumers draining a closed ring wait for in-flight items like this one to settle, so

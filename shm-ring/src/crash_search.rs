@@ -608,7 +608,7 @@ impl Sim {
             let (c, b) = held.remove(self.rng.random_range(0..held.len()));
             self.ring
                 .r()
-                .release(id, c)
+                .release(id, c, false)
                 .unwrap_or_else(|e| self.fail(&format!("C{k} releases {b}: {e}")));
             self.log.push(format!("C{k} releases {b}"));
             self.trained[b as usize] += 1;
@@ -654,7 +654,7 @@ impl Sim {
                 });
                 // A consumer's loop ends once it has released what it held.
                 for (c, b) in held {
-                    self.ring.r().release(id, c).unwrap();
+                    self.ring.r().release(id, c, false).unwrap();
                     self.trained[b as usize] += 1;
                 }
                 self.cons[k].state = Cons::Ended;

@@ -110,7 +110,7 @@ fn a_stale_work_item_never_brings_a_published_batch_back() {
     r.deliver(0, 1, 0);
     let mut st = crate::core::TakeState::new(1, 2);
     let (_, _, held) = r.consume(2, &mut st).unwrap();
-    r.r().release(2, held).unwrap();
+    r.r().release(2, held, false).unwrap();
     // The kill: WRITING by producer 1, carrying item 0 as the old code's slot still did.
     reserve_by_hand(&r, 1, 0);
     r.slots[0].work_item.store(1, Ordering::Relaxed);

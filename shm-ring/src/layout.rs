@@ -103,6 +103,10 @@ pub(crate) struct Control {
     /// Items a supervisor set aside: freed unconsumed, neither released nor delivered again
     /// (see `Settling`).
     pub set_aside: Padded<AtomicU64>,
+    /// Items consumers freed without consuming them, their content refused as corrupt (a
+    /// checksum, a shape, a token out of range): never trained, never delivered again, and not
+    /// in `released`.
+    pub refused: Padded<AtomicU64>,
 }
 
 /// One slot's state word and the metadata of the item it holds. The metadata is written by the

@@ -288,7 +288,7 @@ fn slot_state_machine_reuses_one_slot_safely() {
         while let Some((v, delivery, c)) = ring.consume(2, &mut st) {
             assert_eq!(delivery, 0);
             got.push(v);
-            ring.r().release(2, c).unwrap();
+            ring.r().release(2, c, false).unwrap();
         }
         for p in producers {
             p.join().unwrap();
@@ -324,7 +324,7 @@ fn close_broadcast_wakes_every_consumer_after_the_last_item() {
             let mut got = Vec::new();
             while let Some((v, _, claim)) = ring.consume(c, &mut st) {
                 got.push(v);
-                ring.r().release(c, claim).unwrap();
+                ring.r().release(c, claim, false).unwrap();
             }
             got
         };
@@ -366,7 +366,7 @@ fn recovery_redelivers_a_dead_consumers_item_and_frees_a_dead_writers_slot() {
                 let mut got = Vec::new();
                 while let Some((v, delivery, claim)) = ring.consume(3, &mut st) {
                     got.push((v, delivery));
-                    ring.r().release(3, claim).unwrap();
+                    ring.r().release(3, claim, false).unwrap();
                 }
                 got
             })
@@ -400,7 +400,7 @@ fn a_requeued_item_is_taken_once_by_another_consumer_with_its_delivery_counted()
                 let mut got = Vec::new();
                 while let Some((v, delivery, claim)) = ring.consume(2, &mut st) {
                     got.push((v, delivery));
-                    ring.r().release(2, claim).unwrap();
+                    ring.r().release(2, claim, false).unwrap();
                 }
                 got
             })
@@ -439,7 +439,7 @@ fn a_given_back_item_is_either_taken_or_set_aside_never_both() {
                 let mut got = Vec::new();
                 while let Some((v, _, claim)) = ring.consume(2, &mut st) {
                     got.push(v);
-                    ring.r().release(2, claim).unwrap();
+                    ring.r().release(2, claim, false).unwrap();
                 }
                 got
             })
@@ -589,7 +589,7 @@ fn work_items_survive_slot_reuse_with_a_consumer() {
                     let mut got = Vec::new();
                     while let Some((v, _, c)) = ring.consume(2, &mut st) {
                         got.push(v);
-                        ring.r().release(2, c).unwrap();
+                        ring.r().release(2, c, false).unwrap();
                     }
                     got
                 })

@@ -838,7 +838,14 @@ impl ReadSlot<'_> {
 
     /// Frees the slot for producers.
     pub fn release(mut self) -> Result<(), RingError> {
-        self.release_inner()
+        self.release_inner(false)
+    }
+
+    /// Frees the slot without consuming the item, whose content the consumer refuses as corrupt:
+    /// not delivered again (another consumer would refuse the same bytes), counted in the
+    /// ring's `refused` rather than `released`, so nothing reads it as trained.
+    pub fn refuse(mut self) -> Result<(), RingError> {
+        self.release_inner(true)
     }
 
     /// Gives the item back unconsumed: READY again for any consumer, its delivery count plus
@@ -849,18 +856,18 @@ impl ReadSlot<'_> {
         self.c.w.core().requeue(self.claim)
     }
 
-    fn release_inner(&mut self) -> Result<(), RingError> {
+    fn release_inner(&mut self, refused: bool) -> Result<(), RingError> {
         if self.done {
             return Ok(());
         }
         self.done = true;
         self.c.held.set(self.c.held.get().saturating_sub(1));
-        self.c.w.core().release(self.c.w.id, self.claim)
+        self.c.w.core().release(self.c.w.id, self.claim, refused)
     }
 }
 
 impl Drop for ReadSlot<'_> {
     fn drop(&mut self) {
-        let _ = self.release_inner();
+        let _ = self.release_inner(false);
     }
 }

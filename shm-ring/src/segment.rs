@@ -37,8 +37,8 @@ const MAGIC: u64 = u64::from_be_bytes(*b"hspipeR1");
 /// phase log. 8: the control block's `set_aside` and each worker's `in_hand`. 9: SET_ASIDE work
 /// words (an item a supervisor set aside, never claimed again). 10: RETURNED work words (a batch
 /// a producer died with, run again alone). 11: each worker's phase clock is a seqlock
-/// (`phase_clock.rs`).
-pub const LAYOUT_VERSION: u32 = 11;
+/// (`phase_clock.rs`). 12: the control block's `refused` (items freed unconsumed as corrupt).
+pub const LAYOUT_VERSION: u32 = 12;
 /// What attach expects at the start of the header.
 const STAMP: Stamp = Stamp {
     magic: MAGIC,

@@ -45,6 +45,9 @@ pub struct RingCounters {
     /// Batches a supervisor set aside: never trained, never delivered again (published ones a
     /// consumer died on, and work items a producer died computing, never published).
     pub set_aside: u64,
+    /// Items consumers freed unconsumed, refusing their content as corrupt: never trained,
+    /// and not among `released`.
+    pub refused: u64,
 }
 
 /// Work items by state (all zero when the ring has no work table).
@@ -305,6 +308,7 @@ impl Ring {
                 redelivered: peek(&ctl.redelivered),
                 aborted: peek(&ctl.aborted),
                 set_aside: peek(&ctl.set_aside),
+                refused: peek(&ctl.refused),
             },
             workers,
             work,

@@ -563,7 +563,7 @@ fn a_drafter_refuses_corrupt_batches_loudly_and_trains_nothing_from_them() {
         run,
         config,
         name,
-        ring: _ring,
+        ring,
         samples: _,
         group: _group,
     } = setup("wcorrupt", 1, 1);
@@ -577,6 +577,10 @@ fn a_drafter_refuses_corrupt_batches_loudly_and_trains_nothing_from_them() {
     };
     assert_eq!(err.matches("refusing a corrupt batch").count(), 3, "{err}");
     assert!(ledger(&run.0, 0).is_empty());
+    // Counted refused, not released: the monitor's "trained" and the end's verdict read the
+    // released ones as trained.
+    let c = ring.snapshot().counters;
+    assert_eq!((c.refused, c.released), (3, 0));
 }
 
 /// Prefetch: while a step trains, the drafter already holds the next step's batch (taken and

@@ -78,9 +78,9 @@ const RULES: [Rule; 9] = [
 const NOTES: [fn(&Window, &mut Call); 3] = [drafters_idle, sync_wait, blame_slowest];
 
 /// The ring is closed and empty: the run is over. "Every batch is trained" only when it is:
-/// every planned batch published (the work table says so) and none set aside. A ring closed
-/// early (a stop, or every target given up) or with batches set aside ended short of its plan,
-/// and says by how much.
+/// every planned batch published (the work table says so), none set aside and none refused as
+/// corrupt by a drafter. A ring closed early (a stop, or every target given up) or with batches
+/// set aside or refused ended short of its plan, and says by how much.
 fn finished(w: &Window) -> Option<Call> {
     let b = w.b;
     if !b.closed || w.left > 0 {
@@ -91,7 +91,8 @@ fn finished(w: &Window) -> Option<Call> {
     // published either, and is counted in both the work table and the ring's counter).
     let unpublished = (b.work.total).saturating_sub(b.work.done + b.work.set_aside);
     let aside = b.counters.set_aside.max(b.work.set_aside);
-    let line = if unpublished == 0 && aside == 0 {
+    let refused = b.counters.refused;
+    let line = if unpublished == 0 && aside == 0 && refused == 0 {
         format!("finished: every producer is done ({done}/{expected}) and every batch is trained")
     } else {
         let retired = (b.workers.iter())
@@ -105,8 +106,13 @@ fn finished(w: &Window) -> Option<Call> {
             0 => String::new(),
             total => format!("{unpublished} of {total} planned batch(es) not published, "),
         };
+        // Published, taken and refused by the drafters: a target's states they cannot take.
+        let refused = match refused {
+            0 => String::new(),
+            n => format!(", {n} refused as corrupt by the drafters (see their logs)"),
+        };
         format!(
-            "ended: the producers are done ({done}/{expected}{retired}) with {planned}{aside} set aside (never trained); every other batch is trained"
+            "ended: the producers are done ({done}/{expected}{retired}) with {planned}{aside} set aside (never trained){refused}; every other batch is trained"
         )
     };
     Some(Call::new(Bottleneck::Idle, line))
