@@ -1,33 +1,59 @@
 """A drafter written in numpy, one rank of the drafter group: a linear model learns to predict
 each token's last captured layer from its first (mean squared error). Each step:
 take a batch, compute the gradient, all-reduce it with the other ranks, apply the same update,
-release the batch with the step and the weights' digest.
+release the batch with the step and the weights' digest. The leader saves the weights every
+[drafter] checkpoint_every steps and at the end; a rank restarted when no other lives loads them.
 
 Run by the launcher from the config:  [drafter] command = ["python", "numpy_drafter.py"]
 Set [drafter] params to at least the size of what the group reduces (here 2 * hidden + 2).
 """
 import hashlib
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import hspipe
 
 
-def bf16(bits):
-    """bf16 bit patterns (what the buffer protocol shows) as float32."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+def load(path):
+    """(step, weights) of the checkpoint at `path`, or None if there is none."""
+    try:
+        with np.load(path) as f:
+            return int(f["step"]), f["weights"].copy()
+    except FileNotFoundError:
+        return None
 
 
-def run(w):
+def save(path, step, weights):
+    """Writes the checkpoint whole or not at all: a rank killed while writing leaves the last."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, step=np.uint64(step), weights=weights)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run(w, checkpoint_every=None):
     """Trains with the group until every rank saw the ring's end."""
     hidden = w.config["model"]["hidden"]
+    every = w.config["drafter"]["checkpoint_every"] if checkpoint_every is None \
+        else checkpoint_every
+    path = Path(w.run_dir) / "numpy_drafter.npz"   # the group's model: one file, the leader's
     n = 2 * hidden                       # a scale and a shift per channel
     weights = np.zeros(n, dtype=np.float32)   # every rank starts the same
-    joined = w.join()                    # a restarted rank gets the leader's live weights
+    # Restarted (not a member): the leader's live weights, or, with every rank gone, the last
+    # checkpoint, whose step the group then goes on from (the updates since are recorded lost).
+    restarted = w.index not in w.membership[2]
+    saved = load(path) if restarted else None
+    joined = w.join(step=None if saved is None else saved[0])
     if joined is not None:
         _, state = joined
         weights = np.asarray(state).view(np.float32)[:n].copy()
+    elif saved is not None:
+        weights = saved[1]
     lr = np.float32(4.0)
     while True:
         w.admit(weights)                 # the leader hands its weights to joiners
@@ -35,7 +61,8 @@ def run(w):
         grad = np.zeros(n + 2, dtype=np.float32)   # gradient sum, loss sum, loss tokens
         if batch is not None:
             with w.phase("compute"):
-                states = bf16(np.asarray(batch.hidden_states))   # [T, L, H], a copy
+                # bf16 shows as its uint16 bit patterns: hspipe.bf16_to_f32 makes floats.
+                states = hspipe.bf16_to_f32(np.asarray(batch.hidden_states))   # [T, L, H]
                 x, y = states[:, 0, :], states[:, -1, :]
                 m = np.asarray(batch.loss_mask).astype(np.float32)[:, None]
                 err = (x * weights[:hidden] + weights[hidden:] - y) * m
@@ -55,11 +82,15 @@ def run(w):
                 loss = float(s[n] / s[n + 1])
                 w.progress(r.step, loss, tokens=int(s[n + 1]), skipped=skipped)
                 print(f"step {r.step} loss {loss:.6f}{' (skipped)' if skipped else ''}")
+        if r.leader and every and (r.step % every == 0 or r.everyone_ended):
+            with w.phase("checkpoint"):
+                save(path, r.step, weights)
         digest = hashlib.sha256(weights.tobytes()).hexdigest()[:16]
         if batch is not None:
             batch.release(step=r.step, digest=digest)
         if r.everyone_ended:
             break
+
 
 def main():
     with hspipe.connect() as w:

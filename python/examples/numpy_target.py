@@ -35,6 +35,8 @@ def forward(ids, positions, layers, hidden):
             ((tok * M) + pos * np.uint64(0xBF58476D1CE4E5B9) + (layer << np.uint64(40))
              + (ch << np.uint64(20))) ^ np.uint64(0x5555)))
         f = (signal + noise / np.float32(4.0)).astype(np.float32)
+        # Truncated to bf16, as the mock target does, so our drafters verify every byte; a
+        # model of your own converts with hspipe.bf16_bits(f), which rounds as torch does.
         states = (f.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
         t = ids.astype(np.uint64)
         greedy = _hash((t * np.uint64(0xD6E8FEB86659FD93)) ^ positions.astype(np.uint64)
@@ -54,7 +56,8 @@ def run(w):
         if slot is None:                 # a stop was asked for while waiting
             break
         with w.phase("copy"):
-            # Buffer protocol: bf16 shows as its uint16 bit patterns ([T, L, H]).
+            # Buffer protocol: bf16 shows as its uint16 bit patterns ([T, L, H]): write bit
+            # patterns (hspipe.bf16_bits), never floats, which numpy casts to integers.
             np.asarray(slot.hidden_states)[...] = states
             np.asarray(slot.target_tokens)[...] = greedy
         slot.commit()                    # no view of the slot may be alive here

@@ -43,6 +43,8 @@ pub(crate) struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
+            let batch = self.header.spec.batch_id;
+            self.d.taken.borrow_mut().retain(|&b| b != batch);
             (self.d).dropped(slot, Arc::clone(&self.exports), self.header.clone());
         }
     }

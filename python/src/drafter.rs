@@ -39,6 +39,9 @@ pub struct DrafterCore {
     pub core: Core,
     consumer: &'static Consumer<'static>,
     ledger: RefCell<Ledger>,
+    /// Batches taken and still held by Python (neither released nor dropped), in take order:
+    /// what a refused take() names.
+    pub(crate) taken: RefCell<Vec<u64>>,
     /// Batches dropped unreleased, with their views and headers, until settled (`dropped.rs`).
     pub(crate) deferred: RefCell<Vec<Dropped>>,
     /// Batches named in a committed group round and not yet released: (batch, the round's step).
@@ -70,6 +73,7 @@ impl DrafterCore {
             core,
             consumer,
             ledger: RefCell::new(ledger),
+            taken: RefCell::default(),
             deferred: RefCell::default(),
             applied: RefCell::default(),
             pending: RefCell::new(None),
@@ -117,6 +121,7 @@ impl DrafterCore {
             p.batch = p.batch.filter(|&b| b != meta.batch_id);
         }
         self.in_hand.let_go(meta.batch_id);
+        self.taken.borrow_mut().retain(|&b| b != meta.batch_id);
         let mut r = self.report.borrow_mut();
         r.items += 1;
         r.tokens += line.tokens;
@@ -131,6 +136,8 @@ impl DrafterCore {
 pub struct Drafter {
     shared: Shared,
     d: Local<Rc<DrafterCore>>,
+    /// progress() warned of a loss reported without tokens (once per process).
+    said_no_tokens: std::sync::atomic::AtomicBool,
 }
 
 impl Drafter {
@@ -138,6 +145,7 @@ impl Drafter {
         Drafter {
             shared: Shared::of(&d.core),
             d: Local::new("hspipe.Drafter", Rc::new(d)),
+            said_no_tokens: Default::default(),
         }
     }
 
@@ -222,6 +230,7 @@ impl Drafter {
             match header {
                 Ok(header) => {
                     d.in_hand.hold(slot.meta().batch_id);
+                    d.taken.borrow_mut().push(slot.meta().batch_id);
                     return Ok(Some(Batch::new(Rc::clone(d), slot, header)));
                 }
                 Err(e) => {
@@ -305,6 +314,13 @@ impl Drafter {
                 }
                 Ok(red)
             }
+            Round::Mismatched(e) => {
+                // Committed all the same: the launcher counts its batch applied.
+                if let (Some(b), Some(step)) = (mine, d.group.last_step()) {
+                    d.record_applied(b, step);
+                }
+                Err(e)
+            }
             Round::Interrupted(e, data) => {
                 // Whether it commits is up to the others now; its batch is undecided.
                 *d.pending.borrow_mut() = d.group.arrival().map(|(epoch, step)| Pending {
@@ -340,9 +356,12 @@ impl Drafter {
         crate::group::admit(&self.d.get()?.group, py, state)
     }
 
-    /// The leader tells the launcher a step's loss (and loss tokens, acceptance length,
+    /// The leader tells the launcher a step's loss and loss tokens (and acceptance length,
     /// learning rate): the monitor's line, `metrics.jsonl`, TensorBoard and the summary show
-    /// it as they do our drafters'. `skipped=True`: the step's update was left out (a gradient
+    /// it as they do our drafters'. `tokens` (the step's loss tokens over the group) weights
+    /// the loss in the monitor's mean: a step of 0 tokens is one that trained nothing (as the
+    /// end's empty rounds are), whose loss is recorded in `metrics.jsonl` but neither shown
+    /// nor taken for the last loss. `skipped=True`: the step's update was left out (a gradient
     /// that was not finite, as torch's GradScaler skips one), counted as ours are. Other ranks
     /// need not call it.
     #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None, skipped=false))]
@@ -355,6 +374,23 @@ impl Drafter {
         lr: Option<f32>,
         skipped: bool,
     ) {
+        if tokens == 0
+            && loss.is_finite()
+            && loss != 0.0
+            && !self
+                .said_no_tokens
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            // Once: a leader that leaves tokens out never sees its loss on the console, and
+            // nothing else would tell it why.
+            tracing::warn!(
+                step,
+                loss,
+                "progress(step, loss) without tokens=: a step of 0 loss tokens trained nothing \
+                 as far as the launcher knows, so the console and summary do not show its loss \
+                 (metrics.jsonl has it); pass tokens= (the step's loss tokens over the group)"
+            );
+        }
         if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {

@@ -104,18 +104,42 @@ impl DrafterCore {
         deferred.len() - deferred.iter().filter(undecided).count()
     }
 
-    /// `take()`'s error `e`, saying why when the batches kept count against the batches a rank
-    /// may hold (one, for a Python rank).
+    /// `take()`'s error `e`, saying why when this rank holds as many batches as it may (one,
+    /// for a Python rank): those taken and not released, by id, and those dropped without
+    /// `release()` that are kept.
     pub(crate) fn refused_take(&self, e: RingError) -> PyErr {
-        let kept = self.deferred.borrow().len();
-        if kept == 0 || !matches!(e, RingError::TooManyHeld { .. }) {
+        if !matches!(e, RingError::TooManyHeld { .. }) {
             return err(e);
         }
+        let taken = self.taken.borrow();
+        let kept = self.deferred.borrow().len();
+        let mut why = Vec::new();
+        match taken.as_slice() {
+            [] => {}
+            [b] => why.push(format!(
+                "batch {b} was taken and not released: call its release() (after the update \
+                 that used it) before the next take()"
+            )),
+            bs => why.push(format!(
+                "batches {bs:?} were taken and not released: call their release() (after the \
+                 update that used each) before the next take()"
+            )),
+        }
+        if kept > 0 {
+            why.push(format!(
+                "{kept} batch(es) dropped without release() are still held until their views \
+                 are gone (or, for one whose group round was interrupted, until that round is \
+                 decided): let the views go (del the arrays or tensors), or release() a batch \
+                 before letting it go"
+            ));
+        }
+        if why.is_empty() {
+            return err(e);
+        }
+        let most = self.core.ring.params().held_per_consumer;
         err(format!(
-            "take(): {e}: {kept} batch(es) dropped without release() are still held until \
-             their views are gone (or, for one whose group round was interrupted, until that \
-             round is decided): let the views go (del the arrays or tensors), or release() a \
-             batch before letting it go"
+            "take(): a rank holds at most {most} batch(es) at a time; {}",
+            why.join("; ")
         ))
     }
 

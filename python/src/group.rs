@@ -3,8 +3,13 @@
 //! rank), with f32 buffers from Python.
 //!
 //! A Python rank's round buffer is the group's buffer (sized by the launcher from
-//! `[drafter] params`) holding the caller's data first and, in its last word, whether the rank
-//! saw the ring's end: every rank then knows when every member has. A round contributed again
+//! `[drafter] params`) holding the caller's data first, then one word per rank of the group for
+//! the length each contributed (rank `r` writes its own, the others leave it 0, so the sum holds
+//! every member's), and, in its last word, whether the rank saw the ring's end: every rank then
+//! knows when every member has. The collective sums whole buffers and knows nothing of the
+//! caller's lengths: without those words, ranks that reduced buffers of different lengths got a
+//! sum of misaligned parts, silently. With them, every member sees the same lengths in the
+//! same sum, so every member refuses the round alike. A round contributed again
 //! after a membership change is the collective's business, invisible here; the launcher
 //! redelivers a dead rank's batch unless its update was applied.
 //!
@@ -15,6 +20,7 @@ use std::cell::{Cell, RefCell};
 
 use collective::{Collective, GroupError, Membership, NO_BATCH};
 use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -27,17 +33,30 @@ pub struct Group {
     buf_len: usize,
     /// u32 words of the state a joining rank gets.
     state_len: usize,
+    /// Ranks in the group (the run's drafters): the length words before the flag.
+    ranks: usize,
     last_step: Cell<Option<u64>>,
 }
 
 impl Group {
-    pub fn new(c: Box<dyn Collective>, buf_len: usize, state_len: usize) -> Group {
+    pub fn new(c: Box<dyn Collective>, buf_len: usize, state_len: usize, ranks: u32) -> Group {
         Group {
             c,
             buf_len,
             state_len,
+            ranks: ranks as usize,
             last_step: Cell::new(None),
         }
+    }
+
+    /// The most f32 words a rank may reduce: the buffer less the length words and the flag.
+    fn max_data(&self) -> usize {
+        self.buf_len.saturating_sub(self.ranks + 1)
+    }
+
+    /// Where rank `rank`'s length word is.
+    fn len_word(&self, rank: u32) -> usize {
+        self.buf_len - 1 - self.ranks + rank as usize
     }
 
     pub fn last_step(&self) -> Option<u64> {
@@ -104,6 +123,9 @@ fn members(m: Membership) -> Vec<u32> {
 /// How a round ended, for `all_reduce`.
 pub enum Round {
     Done(Reduced),
+    /// Committed, but the members reduced buffers of different lengths: every member gets this
+    /// error instead of the sum (its batch is in the committed round all the same).
+    Mismatched(PyErr),
     /// A signal's exception (KeyboardInterrupt) raised while this rank waited for the others,
     /// its contribution (the round's buffer) published: the round may still commit with it,
     /// once they arrive.
@@ -123,17 +145,22 @@ pub fn all_reduce(
     epoch: Option<u16>,
     again: Option<&[f32]>,
 ) -> PyResult<Round> {
-    let buf = PyBuffer::<f32>::get(data)?;
+    let buf = PyBuffer::<f32>::get(data).map_err(|e| not_f32(py, data, e))?;
     let n = buf.item_count();
-    if n + 1 > g.buf_len {
+    if n > g.max_data() {
         return Err(err(format!(
-            "all_reduce: {n} floats, but this run's group reduces at most {} (set [drafter] \
-             params to at least the size of what you reduce)",
-            g.buf_len - 1
+            "all_reduce: {n} floats, but this run's group of {} ranks reduces at most {} (a \
+             word per rank says its length): raise [drafter] params by at least {}",
+            g.ranks,
+            g.max_data(),
+            n - g.max_data()
         )));
     }
     let mut mine = vec![0f32; g.buf_len];
     buf.copy_to_slice(py, &mut mine[..n])?;
+    // Plus one: a member's word is never 0. Exact to 2^24 floats; past that, lengths that
+    // differ by less than the float's step pass unseen.
+    mine[g.len_word(g.c.rank())] = (n + 1) as f32;
     mine[g.buf_len - 1] = if ended { 1.0 } else { 0.0 };
     // Finishing a round left open: the same bits, or the others could sum a buffer half
     // rewritten.
@@ -166,6 +193,24 @@ pub fn all_reduce(
         e => err(e),
     })?;
     g.last_step.set(Some(u64::from(red.step)));
+    let lens: Vec<(u32, f32)> = (red.membership.ranks())
+        .map(|r| (r, sum[g.len_word(r)]))
+        .collect();
+    if lens
+        .iter()
+        .any(|&(_, l)| l.to_bits() != lens[0].1.to_bits())
+    {
+        let said: Vec<String> = lens
+            .iter()
+            .map(|&(r, l)| format!("rank {r}: {}", l as u64 - 1))
+            .collect();
+        return Ok(Round::Mismatched(err(format!(
+            "all_reduce: the ranks reduced buffers of different lengths ({} floats), so their \
+             sum would add unrelated values: every rank must pass the same length (the same \
+             model and layout) each round",
+            said.join(", ")
+        ))));
+    }
     let bytes: Vec<u8> = sum[..n].iter().flat_map(|x| x.to_le_bytes()).collect();
     let everyone_ended = sum[g.buf_len - 1] as u32 == red.membership.len();
     Ok(Round::Done(Reduced {
@@ -176,6 +221,29 @@ pub fn all_reduce(
         leader: red.membership.leader() == Some(g.c.rank()),
         everyone_ended,
     }))
+}
+
+/// pyo3's refusal `e` of `data` as an f32 buffer, naming the element type it has (pyo3 says
+/// only "buffer contents are not compatible with f32"); any other error is left as it is.
+fn not_f32(py: Python<'_>, data: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    if !e.is_instance_of::<PyBufferError>(py) {
+        return e;
+    }
+    let format = py
+        .import("builtins")
+        .and_then(|b| b.getattr("memoryview")?.call1((data,)))
+        .and_then(|m| m.getattr("format")?.extract::<String>());
+    let Ok(format) = format else {
+        return e;
+    };
+    // numpy's name for it (`float64`), where the object has one.
+    let got = match data.getattr("dtype").and_then(|d| d.str()) {
+        Ok(dtype) => format!("{dtype} ('{format}')"),
+        Err(_) => format!("format '{format}'"),
+    };
+    PyBufferError::new_err(format!(
+        "all_reduce: data must be float32, got {got}: pass numpy.float32 (x.astype(numpy.float32))"
+    ))
 }
 
 /// A restarted rank: waits to be admitted and returns (step, the leader's state as uint32

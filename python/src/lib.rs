@@ -112,7 +112,9 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
             let group_name = proto::group_segment(&setup.ring);
             let c = collective::attach(&group_name, name.index)
                 .map_err(|e| err(format!("attaching to the drafter group {group_name}: {e}")))?;
-            let group = group::Group::new(c, gpu::StepBuffer::len_for(grad), state);
+            // One rank per drafter, as the ring has one consumer per drafter.
+            let ranks = ring.params().consumers;
+            let group = group::Group::new(c, gpu::StepBuffer::len_for(grad), state, ranks);
             let consumer = ring
                 .consumer(name.index)
                 .map_err(|e| err(format!("registering as {name}: {e}")))?;

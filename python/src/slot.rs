@@ -1,7 +1,8 @@
 //! A reserved ring slot of a Python target: writable views of its sections, then `commit()`
-//! (or `abort()`). Dropped uncommitted, on any thread, it is handed to its target
+//! (or `abort()`). Dropped with neither, on any thread, it is handed to its target
 //! (`TargetCore::dropped`; from another thread through `local`, at the target's next call),
-//! which keeps it while views of it live, then gives it back with its work item. Its data and
+//! which keeps it while views of it live, then gives it back with its work item, and raises at
+//! its next call (`TargetCore::forgot`: a loop that never commits would spin for ever). Its data and
 //! views may be had on any thread; `commit()` and `abort()` are its target's thread's.
 
 use std::rc::Rc;
@@ -13,7 +14,7 @@ use shm_ring::{CommitMeta, WriteSlot};
 
 use crate::common::{close_views, err};
 use crate::local::Local;
-use crate::target::{TargetCore, SECTIONS};
+use crate::target::{Forgotten, TargetCore, SECTIONS};
 use crate::view::{self, Elem, Exports, View};
 
 /// A reserved ring slot: views of its sections to fill, then `commit()`. Its data and views
@@ -42,7 +43,10 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            // Not committed: give it back, once nothing views it.
+            // Neither committed nor aborted: a bug in the target's loop, said and raised at
+            // its next call (`TargetCore::forgot`); the slot is given back once nothing views
+            // it.
+            self.t.forgot(self.item, Forgotten::Slot);
             (self.t).dropped(slot, self.item, Arc::clone(&self.exports));
         }
     }

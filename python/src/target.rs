@@ -8,6 +8,18 @@
 //! they are let go, then given back with its item. Either dropped on another thread comes back
 //! to this target's thread first (`local`), at its next call. `close()` finishes the producer
 //! once nothing is held, so the ring's close broadcast counts this target.
+//!
+//! A slot dropped without `commit()` or `abort()`, or a claim without `reserve()` or `abort()`,
+//! is a bug in the target's loop, not a way to give work back: its batch goes back to the work
+//! table, the same target claims it again, and a loop that never commits spins for ever while
+//! its heartbeats keep the launcher's hang check quiet. So each is said (a WARN naming the
+//! batch) and the target's next `claim()` or `reserve()` raises, once, naming it: the process
+//! ends with a clear exception and the launcher's restart limits apply. A target leaving
+//! `with` on an exception, or already closed, lets go of what it holds without either: that is
+//! how it ends, not a bug.
+//!
+//! Length: the target's core, the worker and its claims share that ownership (the claims, the
+//! deferred slots, the forgotten ones) through private fields; one module keeps it in one place.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
@@ -43,6 +55,9 @@ pub struct TargetCore {
     stopped: Cell<bool>,
     /// Left `with` on an exception: nothing is given back any more.
     dying: Cell<bool>,
+    /// Slots and claims dropped without commit() or abort() since the last claim() or
+    /// reserve(), which raises for them (see the module doc).
+    forgotten: RefCell<Vec<(u64, Forgotten)>>,
     /// The item in hand: the one claimed (the user computes its forward) while no other is,
     /// until its batch is committed or aborted (a claim dropped, on an exception, leaves it).
     in_hand: InHand,
@@ -72,6 +87,7 @@ impl TargetCore {
             report: RefCell::default(),
             stopped: Cell::new(false),
             dying: Cell::new(false),
+            forgotten: RefCell::default(),
             in_hand: InHand::new(Registered::Producer(producer)),
         })
     }
@@ -99,6 +115,35 @@ impl TargetCore {
         self.sweep();
     }
 
+    /// `what` of batch `item` was dropped unfinished: said now, raised at the next claim() or
+    /// reserve() (`check_forgotten`). Not while the target dies or once it closed: letting go
+    /// of what it holds is then how it ends.
+    pub(crate) fn forgot(&self, item: u64, what: Forgotten) {
+        if self.dying.get() || self.core.closed.get() {
+            return;
+        }
+        tracing::warn!(batch = item, "{}", what.said(item));
+        // The mistake is the loop's, not the batch's: a death it causes is not held against
+        // the batch (three would set it aside as a poison batch).
+        self.in_hand.let_go(item);
+        self.forgotten.borrow_mut().push((item, what));
+    }
+
+    /// Raises, once, for the slots and claims dropped unfinished since the last claim() or
+    /// reserve().
+    fn check_forgotten(&self) -> PyResult<()> {
+        let forgotten = std::mem::take(&mut *self.forgotten.borrow_mut());
+        let Some(&(item, what)) = forgotten.first() else {
+            return Ok(());
+        };
+        let mut said = what.said(item);
+        if forgotten.len() > 1 {
+            let rest: Vec<u64> = forgotten[1..].iter().map(|&(i, _)| i).collect();
+            said.push_str(&format!(" (batches {rest:?} too)"));
+        }
+        Err(err(said))
+    }
+
     /// Batch `item` of `tokens` tokens was committed.
     pub(crate) fn committed(&self, item: u64, tokens: u64) {
         self.claims.borrow_mut().remove(&item);
@@ -122,6 +167,34 @@ impl TargetCore {
                 tracing::warn!(item, error = %e, "giving back a claimed batch");
             }
         }
+    }
+}
+
+/// What of a batch a target let go of unfinished (see the module doc).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Forgotten {
+    Slot,
+    Claim,
+}
+
+impl Forgotten {
+    fn said(self, item: u64) -> String {
+        let (what, fix) = match self {
+            Forgotten::Slot => (
+                "slot",
+                "commit() or abort(): commit() a slot once it is written, or abort() it to give \
+                 its batch back",
+            ),
+            Forgotten::Claim => (
+                "claim",
+                "reserve() or abort(): reserve() a claim's slot and commit it, or abort() the \
+                 claim to give its batch back",
+            ),
+        };
+        format!(
+            "the {what} of batch {item} was dropped without {fix}. The batch went back to the \
+             work table; a target that drops them claims the same batches for ever"
+        )
     }
 }
 
@@ -196,6 +269,7 @@ impl Target {
         let t = self.t.get()?;
         t.core.check_open()?;
         t.sweep();
+        t.check_forgotten()?;
         let producer = t.producer;
         let got = t.core.wait(py, "claim", timeout, true, |slice| {
             Ok(match producer.claim_work_timeout(slice) {
@@ -280,11 +354,14 @@ struct ClaimHeld {
     item: u64,
     /// A slot was reserved for it (the slot holds the work item now), or it was given back.
     settled: bool,
+    /// A slot was reserved for it.
+    reserved: bool,
 }
 
 impl Drop for ClaimHeld {
     fn drop(&mut self) {
         if !self.settled {
+            self.t.forgot(self.item, Forgotten::Claim);
             self.t.give_back(self.item);
         }
     }
@@ -296,6 +373,7 @@ impl Claim {
             t,
             item: g.item,
             settled: false,
+            reserved: false,
         };
         Claim {
             item: g.item,
@@ -378,6 +456,7 @@ impl Claim {
             )));
         }
         t.sweep();
+        t.check_forgotten()?;
         let len = batch_len(&self.g.spec).map_err(err)? as usize;
         let producer = t.producer;
         let got = t.core.wait(py, "reserve", timeout, true, |slice| {
@@ -392,6 +471,7 @@ impl Claim {
             return Ok(None);
         };
         held.settled = true;
+        held.reserved = true;
         let g = &self.g;
         let base = slot.payload_mut().as_mut_ptr() as usize;
         let mut w = BatchWriter::new(slot.payload_mut(), &g.spec).map_err(err)?;
@@ -411,5 +491,24 @@ impl Claim {
             g.bucket,
             at,
         )))
+    }
+
+    /// Gives the batch back to the work table unreserved, for a target to claim again (this
+    /// one's next claim may be it). A claim is reserved or aborted: one dropped with neither
+    /// makes the next claim() or reserve() raise.
+    fn abort(&mut self) -> PyResult<()> {
+        let held = self.held.get_mut()?;
+        if held.reserved {
+            return Err(err(format!(
+                "batch {} was reserved: abort() its slot instead",
+                self.item
+            )));
+        }
+        if !held.settled {
+            held.settled = true;
+            held.t.give_back(self.item);
+            held.t.in_hand.let_go(self.item);
+        }
+        Ok(())
     }
 }

@@ -1,8 +1,8 @@
-"""The numpy example drafter as a lone rank that keeps the step of its last update (as a
-checkpoint would) and dies once, after step 5: restarted, it finds the group empty and joins
-with `join(step=...)`, so the group goes on from that step instead of from 0. With the argument
-`every4`, it keeps the step only every 4 steps (a checkpoint every 4): restarted, it joins with
-step 4, and the update of step 5 is lost."""
+"""The numpy example drafter as a lone rank that saves its checkpoint (the example's own:
+weights and step, by the leader) every step, and dies once, after saving step 5: restarted, it
+finds the group empty, loads the checkpoint and joins with `join(step=5)`, so the group goes on
+from that step instead of from 0. With the argument `every4`, it saves only every 4 steps:
+restarted, it loads step 4's and joins with it, and the update of step 5 is lost."""
 import sys
 from pathlib import Path
 
@@ -14,32 +14,27 @@ import numpy_drafter  # noqa: E402
 DIES_AFTER = 5
 
 
-class Checkpointed:
-    def __init__(self, w, every=1):
+class DiesOnce:
+    """The worker, dying in its first incarnation at the round after step 5 (once step 5's
+    checkpoint, if any, is saved)."""
+
+    def __init__(self, w):
         self._w = w
-        self._every = every
-        self._saved = Path(w.run_dir) / f"step-{w.name}"
-        self._first = not self._saved.exists()
+        self._marker = Path(w.run_dir) / f"died-{w.name}"
 
     def __getattr__(self, name):
         return getattr(self._w, name)
 
-    def join(self):
-        step = int(self._saved.read_text()) if self._saved.exists() else None
-        return self._w.join(step=step)
-
     def all_reduce(self, data, **kwargs):
-        r = self._w.all_reduce(data, **kwargs)
-        if r.step % self._every == 0:
-            self._saved.write_text(str(r.step))
-        if self._first and r.step == DIES_AFTER:
+        if not self._marker.exists() and self._w.membership[1] == DIES_AFTER:
+            self._marker.touch()
             raise RuntimeError(f"dies after step {DIES_AFTER}")
-        return r
+        return self._w.all_reduce(data, **kwargs)
 
 
 def main():
     with hspipe.connect() as w:
-        numpy_drafter.run(Checkpointed(w, 4 if sys.argv[1:] == ["every4"] else 1))
+        numpy_drafter.run(DiesOnce(w), checkpoint_every=4 if sys.argv[1:] == ["every4"] else 1)
         sys.exit(w.close())
 
 

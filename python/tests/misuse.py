@@ -59,8 +59,19 @@ def drafter_cases(w):
     raises(hspipe.HspipeError, lambda: w.admit(np.zeros(1 << 22, np.float32)), "at most")
     assert w.admit(np.zeros(8, np.float32)[::2]) == 0
     case(w, "a state that cannot be handed over is refused at once")
+    # Another element type is named, with the fix (it said only "buffer contents are not
+    # compatible with f32").
+    raises(BufferError, lambda: w.all_reduce(np.zeros(4)), "float64 ('d')", "numpy.float32")
+    case(w, "a buffer of another dtype is named")
+    # A loss without its tokens is not shown by the monitor: the worker's log says why, once.
+    w.progress(0, 0.5)
     b = w.take(timeout=1e300)
     assert b is not None
+    # A release() forgotten: the refusal names the batch held and the call to make, not the
+    # ring's words ("this consumer already holds 1 item(s) ... (held_per_consumer)").
+    raises(hspipe.HspipeError, lambda: w.take(timeout=1),
+           f"batch {b.batch_id} was taken and not released", "call its release()")
+    case(w, "a take() while a batch is held names the batch and release()")
     kept = [np.asarray(b.hidden_states)]
     later(0.2, kept.clear)
     b.release(wait=1e300)

@@ -7,10 +7,15 @@ misuse of the API, and bad worker commands.
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
+
+import numpy as np
+
+import hspipe
 
 from conftest import (
     BIN,
@@ -29,6 +34,26 @@ from conftest import (
 
 NUMPY_TARGET = [PYTHON, script("examples/numpy_target.py")]
 NUMPY_DRAFTER = [PYTHON, script("examples/numpy_drafter.py")]
+
+
+def test_bf16_helpers_round_float32_to_nearest_even_and_back_exactly():
+    # numpy shows a bf16 section as uint16 bit patterns: float32 written into it was cast to
+    # integers (0.3 became 0). The helpers convert, rounding as torch does.
+    x = np.array([0.3, 1.0, -2.5, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, np.inf, -np.inf],
+                 dtype=np.float32)
+    bits = hspipe.bf16_bits(x)
+    assert bits.dtype == np.uint16 and bits.shape == x.shape
+    # 0.3 is 0x3E99999A: its dropped half rounds up. 1 + 2**-8 is a tie, to even (1.0); 1 +
+    # 3 * 2**-8 a tie to even upwards. Past bf16's largest is infinity.
+    assert bits.tolist() == [0x3E9A, 0x3F80, 0xC020, 0x3F80, 0x3F82, 0x7F80, 0x7F80, 0xFF80]
+    back = hspipe.bf16_to_f32(bits)
+    assert back.dtype == np.float32
+    assert abs(back[0] - 0.3) < 0.3 * 2**-8
+    assert np.isnan(hspipe.bf16_to_f32(hspipe.bf16_bits(np.float32([np.nan])))).all()
+    # Every bf16 value comes back as itself.
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(hspipe.bf16_to_f32(every))
+    assert (hspipe.bf16_bits(hspipe.bf16_to_f32(every))[finite] == every[finite]).all()
 
 
 def test_a_numpy_target_feeds_our_drafters_which_verify_every_batch(run):
@@ -61,6 +86,12 @@ def test_numpy_drafters_learn_from_our_targets_as_one_group(run):
     assert last < first * 0.8, (first, last)
     # The leader's progress reached the launcher: the summary has the group's last loss.
     assert run.summary()["drafter"]["loss"] < first
+    # The leader saved the model at the end: the weights the last trained batch's line names.
+    with np.load(run.run_dir / "numpy_drafter.npz") as f:
+        step, weights = int(f["step"]), f["weights"]
+    last = max(lines, key=lambda l: l["step"])
+    assert step >= last["step"], (step, last)
+    assert hashlib.sha256(weights.tobytes()).hexdigest()[:16] == last["digest"], last
 
 
 def test_a_python_leaders_skipped_update_is_counted_and_the_ranks_stay_one_model(run):
@@ -138,10 +169,14 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
         ("a timeout past any clock waits", 2),
         ("a heartbeat handle beats from another thread", 2),
         ("a state that cannot be handed over is refused at once", 1),
+        ("a take() while a batch is held names the batch and release()", 1),
+        ("a buffer of another dtype is named", 1),
     ]:
         assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"
     assert code == 0, out
     every_sample_once(run)
+    log = run.log("drafter-0")
+    assert log.count("progress(step, loss) without tokens=") == 1, log
 
 
 def test_batches_slots_and_claims_let_go_of_on_another_thread_go_back_to_their_worker(run):
@@ -226,6 +261,20 @@ def test_a_batch_that_kills_every_python_drafter_is_set_aside(run):
     poison = [PYTHON, script("tests/poisoned.py")]
     aside = poison_batch(run, "drafter", config_text(drafter=poison))
     assert aside["ticket"] is not None, aside
+
+
+def test_python_ranks_reducing_buffers_of_different_lengths_are_refused_on_every_rank(run):
+    # Rank 1 reduces 26 floats, ranks 0 and 2 reduce 18: the sum used to add misaligned parts
+    # and every rank went on (exit 0). Now every rank's all_reduce raises, naming the lengths.
+    uneven = [PYTHON, script("tests/uneven_reduce.py")]
+    code, out = run.launch(config_text(drafter=uneven), "--max-restarts", "0").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    said = ("HspipeError: all_reduce: the ranks reduced buffers of different lengths (rank 0: "
+            "18, rank 1: 26, rank 2: 18 floats)")
+    for r in range(3):
+        log = run.log(f"drafter-{r}")
+        assert said in log, log
 
 
 def a_drafter_dropping_an_applied_batch(run, how):
@@ -334,6 +383,24 @@ def test_a_python_target_that_raises_is_restarted_and_claims_work_again(run):
     assert "raised once" in run.log("target-0"), out
     assert run.summary()["workers"][0]["restarts"] == 1, out
     every_sample_once(run)
+
+
+def test_a_python_target_that_never_commits_fails_loudly_instead_of_spinning(run):
+    # Its slots, dropped without commit(), went back to the work table and the target claimed
+    # the same batches again for ever (about 1,800 claims in 8 s), with no message: the run
+    # never ended, and its heartbeats kept the hang check quiet. Now the drop is a WARN naming
+    # the batch, and the next claim raises: the worker dies with the reason, and the restart
+    # limit ends the run.
+    forgets = [PYTHON, script("tests/forgets_commit.py")]
+    code, out = run.launch(config_text(target=forgets), "--targets", "0", "--drafters", "1",
+                           "--max-restarts", "0").finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    log = run.log("target-0")
+    assert "WARN" in log and "the slot of batch" in log, log
+    assert "HspipeError: the slot of batch" in log, log
+    assert "dropped without commit() or abort()" in log, log
+    assert "target-0 gave up after 0 restart(s)" in str(run.summary()["notes"]), out
 
 
 def a_target_exiting(run, how):

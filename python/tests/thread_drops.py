@@ -6,7 +6,9 @@ completes with every sample trained once.
 The last reference goes to another thread, which drops it there: a pool's worker thread, a
 DataLoader's, or the garbage collector run on whatever thread allocates when a cycle is found.
 The object goes back to the worker's own thread, which gives it back at its next call (the
-batch requeued for redelivery, the slot aborted and its item returned to the work table).
+batch requeued for redelivery, the slot aborted and its item returned to the work table); a
+target's slot or claim dropped so, never committed or aborted, also makes that call raise,
+naming its batch (a target that drops its slots would claim the same batches for ever).
 Before, such an object was leaked (pyo3 cannot drop an `unsendable` object on another thread):
 its slot stayed held for the life of the process, the drafter's next take() refused (a rank
 holds one batch at a time) and the target's last claim() waited for ever for its own item.
@@ -17,7 +19,7 @@ import threading
 import numpy as np
 
 import hspipe
-from cases import recorder, run
+from cases import raises, recorder, run
 
 case = recorder("thread-cases.txt")
 
@@ -54,9 +56,9 @@ def refused_here(fn, what):
 
 
 def claim_until(w, wanted):
-    """Claims batches (holding each) until every id in `wanted` was claimed again; the claims
-    are dropped after, here, which gives them back. One target: a claim waits only for an item
-    this target itself holds, so a timeout means a lost one."""
+    """Claims batches (holding each) until every id in `wanted` was claimed again, then aborts
+    the claims, which gives them back. One target: a claim waits only for an item this target
+    itself holds, so a timeout means a lost one."""
     held, seen = [], set()
     while not wanted <= seen:
         try:
@@ -66,18 +68,23 @@ def claim_until(w, wanted):
         assert c is not None, f"every batch published but {sorted(wanted - seen)}"
         held.append(c)
         seen.add(c.batch_id)
+    for c in held:
+        c.abort()
 
 
 def target_cases(w):
-    # A slot and a claim dropped on another thread go back to the work table.
+    # A slot and a claim dropped on another thread go back to the work table, and the next
+    # call says what was dropped unfinished.
     claim = w.claim()
     box = [claim.reserve()]
     del claim
     slot_id = box[0].batch_id
     let_go_on_a_thread(box)
+    raises(hspipe.HspipeError, w.claim, f"the slot of batch {slot_id} was dropped without")
     box = [w.claim()]
     claim_id = box[0].batch_id
     let_go_on_a_thread(box)
+    raises(hspipe.HspipeError, w.claim, f"the claim of batch {claim_id} was dropped without")
     claim_until(w, {slot_id, claim_id})
     case(w, "a slot and a claim dropped on another thread are given back")
 
@@ -89,6 +96,7 @@ def target_cases(w):
     assert w.deferred == 1, w.deferred
     del view
     assert w.deferred == 0, w.deferred
+    raises(hspipe.HspipeError, w.claim, f"the slot of batch {viewed_id} was dropped without")
     claim_until(w, {viewed_id})
     case(w, "a slot dropped on another thread while viewed is kept, then given back")
 

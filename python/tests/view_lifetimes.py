@@ -94,6 +94,8 @@ def target_cases(w):
     assert w.deferred == 0
     case(w, "and given back after")
     del held
+    # Dropped without commit() or abort(): the next call says so, once.
+    raises(hspipe.HspipeError, w.claim, "dropped without commit() or abort()")
 
 
 def drafter_cases(w):
