@@ -95,10 +95,64 @@ fn edit_config(cfg: &Path, from: &str, to: &str) {
     std::fs::write(cfg, text.replace(from, to)).unwrap();
 }
 
+/// A directory of launcher records of a test's own, for a test whose next launch must be the
+/// one to report a launcher it killed. Every launcher of this user reports and removes what the
+/// dead launchers recorded in the user's directory (`/tmp/hspipe-<uid>`), launchers of other
+/// test binaries and checkouts too, which no lock of this binary holds off: one that started
+/// between the kill and the test's launch reported the dead run in its own output, and the
+/// test's launch then said nothing of it. Launchers given this directory (as `XDG_RUNTIME_DIR`,
+/// see `launcher::reclaim`) record themselves in it, and only they see those records. Another
+/// launcher can still remove a dead launcher's ring by its header, which [`dead_launcher_line`]
+/// allows for.
+///
+/// Dropped after the test's launchers (declare it first), it removes the segments that records
+/// of dead launchers still name: a test that failed before its next launch leaves nothing in
+/// /dev/shm, where no other launcher would find the drafter group (it has no header).
+struct Records(TestDir);
+
+impl Records {
+    fn new(tag: &str) -> Records {
+        Records(TestDir::new(tag))
+    }
+    /// The record of the launcher whose ring is `ring`, there while it runs and after it was
+    /// killed, until a launcher reclaims it.
+    fn of(&self, ring: &str) -> PathBuf {
+        self.0.join("hspipe").join(format!("{ring}.json"))
+    }
+}
+
+impl Drop for Records {
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(self.0.join("hspipe")) else {
+            return;
+        };
+        for path in entries.filter_map(|e| Some(e.ok()?.path())) {
+            let Ok(f) = std::fs::File::open(&path) else {
+                continue;
+            };
+            // A live launcher holds the lock of its record, and removes its segments itself.
+            if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err()
+            {
+                continue;
+            }
+            let record: serde_json::Value = std::io::read_to_string(&f)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default();
+            let segments = record["segments"].as_array().into_iter().flatten();
+            for name in segments.filter_map(serde_json::Value::as_str) {
+                let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+            }
+        }
+    }
+}
+
 pub(crate) struct Run {
     pub(crate) dir: TestDir,
     /// Launchers reclaim stale segments at start; see `support::stale_segments_shared`.
     _shared: Option<RwLockReadGuard<'static, ()>>,
+    /// Where its launchers record themselves, if not in the user's directory: see [`Records`].
+    records: Option<PathBuf>,
 }
 
 impl Run {
@@ -110,7 +164,22 @@ impl Run {
         Run {
             dir: TestDir::new(tag),
             _shared: shared,
+            records: None,
         }
+    }
+    /// Its launchers (`launch`, and the test's own with [`Run::env`]) record themselves in
+    /// `records`.
+    fn recorded_in(mut self, records: &Records) -> Run {
+        self.records = Some(records.0.to_path_buf());
+        self
+    }
+    /// The environment of a launcher of this run.
+    fn env(&self) -> Vec<(&str, &str)> {
+        let records = self.records.as_deref().and_then(Path::to_str);
+        records
+            .map(|r| ("XDG_RUNTIME_DIR", r))
+            .into_iter()
+            .collect()
     }
     pub(crate) fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
@@ -140,7 +209,7 @@ impl Run {
     pub(crate) fn launch(&self, config: &Path, extra: &[&str]) -> Proc {
         let args = self.args(config, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        spawn(&workspace_bin("launcher"), &args)
+        spawn_env(&workspace_bin("launcher"), &args, &self.env())
     }
     /// `launch` with the flags of [`Backend::setup`].
     fn launch_on(&self, (config, flags): &(PathBuf, Vec<String>)) -> Proc {
@@ -1292,9 +1361,13 @@ fn each_worker_is_the_launcher_itself_and_sees_only_its_gpu() {
 /// for a ring end that no one would bring.
 #[test]
 fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_not_a_live_one() {
-    // No other test's launcher may reclaim the killed launcher's ring before the one below.
+    // The launchers record themselves apart, so the one below is the launcher that finds the
+    // killed one's record, whatever other launchers start meanwhile.
+    let records = Records::new("lrecords");
+    // Any launcher removes a dead creator's ring by its header: none of this test binary may
+    // start before the one below, so the ring is normally still there for it to reclaim.
     let _alone = stale_segments_exclusive();
-    let dead = Run::with_lock("ldead", None);
+    let dead = Run::with_lock("ldead", None).recorded_in(&records);
     // Enough data that the group checkpoints (every 3 steps) long before the targets finish.
     // The worker is the command's child: sh runs it and then `:`, so it cannot exec it.
     let wrapped = format!(
@@ -1310,7 +1383,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     });
 
     // A concurrent launcher with far more data than the test takes to finish.
-    let live = Run::with_lock("llive", None);
+    let live = Run::with_lock("llive", None).recorded_in(&records);
     let cfg = config(&live.dir, true, "");
     let text = std::fs::read_to_string(&cfg)
         .unwrap()
@@ -1320,6 +1393,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     let live_pid = running.child.id();
     let live_ring = attach(&mut running);
 
+    let killed_pid = killed.child.id();
     killed.kill();
     let deadline = Instant::now() + WATCHDOG;
     for w in &s.workers {
@@ -1339,19 +1413,21 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
         }
     }
     assert!(killed_ring.is_stale());
-    let shm = |r: &Ring| Path::new("/dev/shm").join(r.name());
-    assert!(shm(&killed_ring).exists(), "nothing removed it yet");
+    let record = records.of(killed_ring.name());
+    assert!(record.exists(), "the killed launcher left its record");
+    let shm = |name: &str| Path::new("/dev/shm").join(name);
+    let group = proto::group_segment(killed_ring.name());
 
-    let next = Run::with_lock("lnext", None);
+    let next = Run::with_lock("lnext", None).recorded_in(&records);
     let out = next.launch(&config(&next.dir, false, ""), &[]).finish();
-    let line = out
-        .lines()
-        .find(|l| l.contains(killed_ring.name()))
-        .unwrap_or_else(|| panic!("no line about {}:\n{out}", killed_ring.name()));
+    let line = dead_launcher_line(&out, killed_pid);
+    // Any segment it says it removed is the killed launcher's.
+    assert!(
+        !line.starts_with("reclaimed ") || line.contains(killed_ring.name()),
+        "{line}"
+    );
     let dead_dir = dead.run_dir().display().to_string();
     for want in [
-        "reclaimed ",
-        "which is gone",
         &format!("the run in {dead_dir} stopped without finishing"),
         &format!("its group checkpoint is {dead_dir}/checkpoints/drafter.safetensors"),
     ] {
@@ -1364,20 +1440,21 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
         "{line:?} should end with the command {command:?}"
     );
     assert!(
-        !shm(&killed_ring).exists(),
-        "the killed launcher's ring is gone"
+        !shm(killed_ring.name()).exists() && !shm(&group).exists() && !record.exists(),
+        "the killed launcher's ring, drafter group and record are gone"
     );
     // The dead run's own log says what happened to it.
     let log = dead.launcher_log();
     let note = log.lines().last().unwrap_or_default();
     assert!(
-        note.contains("found this run's launcher gone") && note.contains(killed_ring.name()),
+        note.contains("found this run's launcher gone")
+            && note.contains(&format!("launcher pid {killed_pid}")),
         "{log}"
     );
 
     // The live launcher's ring was not touched, and it still stops in order.
     assert!(!out.contains(live_ring.name()), "{out}");
-    assert!(shm(&live_ring).exists());
+    assert!(shm(live_ring.name()).exists());
     kill(live_pid, Signal::TERM);
     assert_eq!(running.wait_status().code(), Some(130));
     no_segment_of(live_pid);
@@ -1386,7 +1463,7 @@ fn a_killed_launchers_workers_die_and_the_next_launcher_reclaims_its_ring_but_no
     // own GPUs; stopped once it runs, it drains like any run.
     let words: Vec<&str> = command.split_whitespace().collect();
     assert_eq!(words[0], "launcher");
-    let mut resumed = spawn(&workspace_bin("launcher"), &words[1..]);
+    let mut resumed = spawn_env(&workspace_bin("launcher"), &words[1..], &dead.env());
     let started = resumed.line_starting("resuming ");
     assert!(started.contains(&dead_dir), "{started}");
     let gpus = resumed.line_starting("hspipe: ");
@@ -1733,6 +1810,23 @@ fn kill_with_its_workers(launcher: Proc, before: &Snapshot) -> u32 {
     pid
 }
 
+/// The line of `out`, a launcher's output, about dead launcher `pid`, whose record only the
+/// test's launchers see ([`Records`]): the launch that printed `out` reclaimed that record
+/// whatever other launchers ran since the kill. It names the segments the launch removed,
+/// "reclaimed RING (..), RING-group (..) left by launcher pid PID, which is gone: ...". Any other
+/// launcher of this user removes a ring whose header names a dead creator (and `shm-ring-stat
+/// --gc` its drafter group too), so the line names only what was still there, or says "launcher
+/// pid PID is gone (its ring was already removed): ..." if nothing was.
+fn dead_launcher_line(out: &str, pid: u32) -> &str {
+    let removed = format!(" left by launcher pid {pid}, which is gone: ");
+    let none_left = format!("launcher pid {pid} is gone (its ring was already removed): ");
+    (out.lines())
+        .find(|l| {
+            (l.starts_with("reclaimed ") && l.contains(&removed)) || l.starts_with(&none_left)
+        })
+        .unwrap_or_else(|| panic!("no line about launcher pid {pid}:\n{out}"))
+}
+
 /// Runs `launcher --resume <run_dir>` with `extra` and no other flag, to its end; returns its
 /// exit code and stderr.
 fn resume_refused(run_dir: &Path, extra: &[&str]) -> (i32, String) {
@@ -2013,10 +2107,13 @@ fn resume_alone_after_a_kill(b: Backend) {
         Backend::Mock => 1500,
         Backend::Candle => 400,
     };
-    // No other test's launcher may reclaim the killed launcher's segments before the resume,
-    // which must say it found them.
+    // Only the test's launchers see the killed launcher's record, so the resume is the one to
+    // reclaim it and say so.
+    let records = Records::new("lresumerecords");
+    // Any launcher removes a dead creator's ring by its header: none of this test binary may
+    // start before the resume, so the ring is normally still there for it to reclaim.
     let _alone = stale_segments_exclusive();
-    let run = Run::with_lock("lresume", None);
+    let run = Run::with_lock("lresume", None).recorded_in(&records);
     let (step, kept, killed) = kill_everything_mid_run(b, &run, samples, 1, 20);
     let run_dir = run.run_dir();
     // The killed launcher's last tick lost, as a full disk loses it: points in its event file,
@@ -2029,9 +2126,10 @@ fn resume_alone_after_a_kill(b: Backend) {
     std::fs::write(&metrics, whole.collect::<String>()).unwrap();
     let ticks_before = crate::tensorboard::ticks(&run_dir).len();
     let dir = run_dir.to_str().unwrap();
-    let resumed = spawn(
+    let resumed = spawn_env(
         &workspace_bin("launcher"),
         &["--resume", dir, "--monitor", "0.2"],
+        &run.env(),
     );
     let pid = resumed.child.id();
     let out = resumed.finish();
@@ -2039,9 +2137,7 @@ fn resume_alone_after_a_kill(b: Backend) {
     // dead launcher's run is this one (not "continue it with `launcher --resume ...`").
     no_segment_of(killed);
     no_segment_of(pid);
-    let line = (out.lines())
-        .find(|l| l.contains(&format!("left by launcher pid {killed}, which is gone")))
-        .unwrap_or_else(|| panic!("no line about launcher pid {killed}:\n{out}"));
+    let line = dead_launcher_line(&out, killed);
     assert!(
         line.ends_with(&format!("the run in {dir} is the one this launch resumes")),
         "{line}"
@@ -2162,14 +2258,17 @@ on_both_backends!(resume_alone_after_a_kill:
 /// with the checkpoint.
 #[test]
 fn a_refused_resume_still_frees_the_killed_launchers_ring() {
-    // No other test's launcher may reclaim the killed launcher's segments first.
+    // As in `resume_alone_after_a_kill`: only the test's launchers see the killed launcher's
+    // record, and none of this binary's starts before the resume.
+    let records = Records::new("lrefusedrecords");
     let _alone = stale_segments_exclusive();
-    let run = Run::with_lock("lrefused", None);
+    let run = Run::with_lock("lrefused", None).recorded_in(&records);
     let (.., killed) = kill_everything_mid_run(Backend::Mock, &run, 1500, 1, 20);
     let run_dir = run.run_dir();
     std::fs::write(RunDir::new(&run_dir).checkpoint(), b"garbage").unwrap();
     let out = std::process::Command::new(workspace_bin("launcher"))
         .args(["--resume", run_dir.to_str().unwrap()])
+        .envs(run.env())
         .output()
         .unwrap();
     let (stdout, stderr) = (
@@ -2180,9 +2279,7 @@ fn a_refused_resume_still_frees_the_killed_launchers_ring() {
     assert!(stderr.contains("checkpoint does not load"), "{stderr}");
     no_segment_of(killed);
     // Not "continue it with `launcher --resume ...`", the command that was just refused.
-    let line = (stdout.lines())
-        .find(|l| l.contains(&format!("left by launcher pid {killed}, which is gone")))
-        .unwrap_or_else(|| panic!("no line about launcher pid {killed}:\n{stdout}"));
+    let line = dead_launcher_line(&stdout, killed);
     assert!(
         line.ends_with(&format!(
             "the run in {} is the one this launch was to resume, which is refused (below)",
