@@ -6,7 +6,8 @@
 # `report runs/ID`) and the defaults (`runs/`, `data-cache/`) are the caller's, as with the
 # launcher itself.
 set -euo pipefail
-repo=$(CDPATH='' cd -- "$(dirname -- "$0")/.." && pwd)
+# The script's own place, through any symlink to it (one in ~/bin, say).
+repo=$(CDPATH='' cd -- "$(dirname -- "$(readlink -f -- "$0")")/.." && pwd)
 # Cargo reads a relative CARGO_TARGET_DIR against the directory it runs in, and the caller
 # meant theirs: made absolute here, the build below (run from the repository) puts the launcher
 # where the caller's own `cargo build` would.

@@ -467,7 +467,11 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
     if !recorded {
         cli::check_gpus(&lists.targets, &lists.drafters, args.share_gpus).map_err(|e| {
             // A resume given one list takes the other from the run's record: an overlap with
-            // GPUs the user never typed is said to come from there.
+            // GPUs the user never typed is said to come from there (and only an overlap: the
+            // other list is no way out of too many workers).
+            if cli::overlap(&lists.targets, &lists.drafters).is_empty() {
+                return e;
+            }
             let own = match (&args.resume, &args.targets, &args.drafters) {
                 (Some(dir), Some(_), None) => Some((dir, "--drafters", &lists.drafters)),
                 (Some(dir), None, Some(_)) => Some((dir, "--targets", &lists.targets)),

@@ -371,8 +371,8 @@ pub struct Monitor {
     steps: Vec<proto::control::StepStats>,
     /// The verdict over recent ticks (a window, with hysteresis).
     judge: analysis::Judge,
-    /// Batches the drafters refused as corrupt, when last said.
-    refused_said: u64,
+    /// The count of batches refused as corrupt at which they are said next (1, 10, 100, ...).
+    refused_next: u64,
 }
 
 /// The live workers of one role over an interval.
@@ -446,7 +446,7 @@ impl Monitor {
             eval_tau: None,
             steps: Vec::new(),
             judge: analysis::Judge::new(),
-            refused_said: 0,
+            refused_next: 1,
         };
         if let Some(msg) = board_error {
             mon.say(&msg);
@@ -491,25 +491,23 @@ impl Monitor {
         self.loss
     }
 
-    /// Prints an event line without breaking the progress bar; the next tick records it.
-    /// Says batches refused as corrupt as they come, at the first and at each tenfold (1, 10,
-    /// 100, ...): a drafter that refuses every batch (a target of one's own computing what the
-    /// mock drafter does not expect, a broken device) trains nothing, and a week is not the
-    /// time to learn it from the end's note.
+    /// Says batches refused as corrupt as they come, when the count passes 1, 10, 100, ...
+    /// (once per tick at most, with the count then): a drafter that refuses every batch (a
+    /// target of one's own computing what the mock drafter does not expect, a broken device)
+    /// trains nothing, and a week is not the time to learn it from the end's note.
     fn say_refused(&mut self, refused: u64) {
-        let next = match self.refused_said {
-            0 => 1,
-            n => n.saturating_mul(10),
-        };
-        if refused < next {
+        if refused < self.refused_next {
             return;
         }
-        self.refused_said = refused;
+        while self.refused_next <= refused {
+            self.refused_next = self.refused_next.saturating_mul(10);
+        }
         self.say(&format!(
             "the drafters refused {refused} batch(es) so far as corrupt (its checksum, shape or content): not trained; see the drafters' logs for why"
         ));
     }
 
+    /// Prints an event line without breaking the progress bar; the next tick records it.
     pub fn say(&mut self, msg: &str) {
         self.events.push(EventTick {
             t_s: share(self.started.elapsed().as_secs_f64()),

@@ -189,9 +189,11 @@ pub fn check(
         // A drafter without its checkpoint starts over from step 0 (the checkpoint moved away,
         // as a failed load says to): the kept exports are another drafter's, which it would
         // remove as after its checkpoint, or replace as it kept their steps again. A week's
-        // exports are the user's to keep or delete, not the resume's.
+        // exports are the user's to keep or delete, not the resume's. One alone is what a
+        // leader killed between its first keep and its first checkpoint leaves (a kept step is
+        // a checkpoint step): removed below as after step 0, as a kill at any later keep is.
         let kept = run_dir.kept_export_steps();
-        if !kept.is_empty() {
+        if kept.len() > 1 {
             let steps: Vec<String> = kept.iter().map(|s| format!("step-{s}")).collect();
             bail!(
                 "{} holds kept exports ({}) but the run has no checkpoint ({}), so the resumed drafter starts over from step 0 and would remove or replace them; move {} out of the run directory to keep them (each stays a drafter `launcher eval --drafter` takes), or delete it, and resume again",
@@ -519,16 +521,27 @@ mod tests {
 
     /// Without its checkpoint (moved away, as a failed load says to) the drafter starts over:
     /// the kept exports are refused, left as they were, not removed as after step 0 (a week's
-    /// drafters gone before the run had started again).
+    /// drafters gone before the run had started again). One alone is a kill's between the first
+    /// keep and the first checkpoint, and is removed as before.
     #[test]
     fn a_resume_without_a_checkpoint_leaves_the_kept_exports_and_says_to_move_them() {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::new(dir.path());
-        for step in [6, 12] {
+        let keep = |step: u64| {
             std::fs::create_dir_all(run.kept_export(step)).unwrap();
             std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
-        }
+        };
+        // One kept export and no checkpoint: the leader was killed between its first keep and
+        // its first checkpoint. Removed as after step 0, as before.
+        keep(6);
         let cfg = PipelineConfig::default();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert_eq!(r.step, 0);
+        r.apply().unwrap();
+        assert_eq!(run.kept_export_steps(), Vec::<u64>::new());
+        for step in [6, 12] {
+            keep(step);
+        }
         let err = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10)
             .map(|_| ())
             .unwrap_err()

@@ -353,6 +353,7 @@ mod tests {
             seconds: 1.0,
             published_per_s: 0.0,
             released_per_s: 0.0,
+            refused_per_s: 0.0,
             tokens_per_s: 0.0,
             full_frac: 0.0,
             empty_frac: 0.0,

@@ -74,19 +74,26 @@ impl std::fmt::Display for PlanDigest {
 /// the edit overwrote). The data's content decides it too, and is no field.
 pub fn plan_fields(cfg: &PipelineConfig) -> BTreeMap<String, String> {
     let d = &cfg.data;
-    let path = (d.path.as_deref()).map_or("none".to_string(), |p| p.display().to_string());
+    // The synthetic count only plans a synthetic run: a file's samples are its own.
+    let (path, samples) = match d.path.as_deref() {
+        Some(p) => (p.display().to_string(), None),
+        None => ("none".to_string(), Some(d.synthetic_samples.to_string())),
+    };
     [
-        ("data.path", path),
-        ("data.synthetic_samples", d.synthetic_samples.to_string()),
-        ("data.min_len", d.min_len.to_string()),
-        ("data.max_len", d.max_len.to_string()),
-        ("data.seed", d.seed.to_string()),
-        ("data.epochs", d.epochs.to_string()),
-        ("ring.buckets", cfg.ring.buckets.to_string()),
-        ("target.token_budget", cfg.target.token_budget.to_string()),
+        ("data.path", Some(path)),
+        ("data.synthetic_samples", samples),
+        ("data.min_len", Some(d.min_len.to_string())),
+        ("data.max_len", Some(d.max_len.to_string())),
+        ("data.seed", Some(d.seed.to_string())),
+        ("data.epochs", Some(d.epochs.to_string())),
+        ("ring.buckets", Some(cfg.ring.buckets.to_string())),
+        (
+            "target.token_budget",
+            Some(cfg.target.token_budget.to_string()),
+        ),
     ]
     .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
+    .filter_map(|(k, v)| Some((k.to_string(), v?)))
     .collect()
 }
 

@@ -182,10 +182,14 @@ impl RunDir {
                         (n != v).then(|| format!("{k} was {v} and is now {n}"))
                     })
                     .collect();
+                // The data's content plans too, and no field records it.
                 let why = if changed.is_empty() {
                     "the config or the data changed since".to_string()
                 } else {
-                    format!("{} in its config.toml", changed.join(", "))
+                    format!(
+                        "{} in its config.toml (or the data changed since)",
+                        changed.join(", ")
+                    )
                 };
                 Err(invalid(format!(
                     "the run started with a plan of {was}, and its config.toml and data now plan {now}: {why}, so the ledgers would name other batches; resume with what the run started with (a resume cannot change what the run trains: start a new run for that)"
@@ -851,6 +855,15 @@ mod tests {
                 && e.contains("data.epochs was 1 and is now 2 in its config.toml"),
             "{e}"
         );
+        // A file's samples are its own: the synthetic count plans nothing there.
+        let mut file = cfg.clone();
+        file.data.path = Some("train.jsonl".into());
+        let planning = crate::plan::plan_fields(&file);
+        assert!(
+            !planning.contains_key("data.synthetic_samples"),
+            "{planning:?}"
+        );
+        assert_eq!(planning["data.path"], "train.jsonl");
         // No field changed: the data did, or a record from before the fields says none.
         let e = run
             .check_plan_version(&edited, &fields)

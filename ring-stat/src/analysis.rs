@@ -148,6 +148,9 @@ pub struct Interval {
     pub seconds: f64,
     pub published_per_s: f64,
     pub released_per_s: f64,
+    /// Batches per second drafters freed unconsumed, refusing them as corrupt: out of the
+    /// ring as the released ones are (its flow), not trained.
+    pub refused_per_s: f64,
     /// Tokens per second trained (released by drafters).
     pub tokens_per_s: f64,
     /// Share of occupancy samples with no FREE slot (ring full).
@@ -297,6 +300,7 @@ pub fn interval(a: &Snapshot, b: &Snapshot, occupancy: &[SlotCounts]) -> Interva
         seconds: secs,
         published_per_s: b.counters.published.saturating_sub(a.counters.published) as f64 / secs,
         released_per_s: b.counters.released.saturating_sub(a.counters.released) as f64 / secs,
+        refused_per_s: b.counters.refused.saturating_sub(a.counters.refused) as f64 / secs,
         tokens_per_s: tokens as f64 / secs,
         full_frac: samples.iter().filter(|s| s.free == 0).count() as f64 / n,
         empty_frac: samples.iter().filter(|s| s.ready == 0).count() as f64 / n,
@@ -373,6 +377,7 @@ impl Judge {
         let events = |s: &Snapshot| {
             b.counters.published.saturating_sub(s.counters.published)
                 + b.counters.released.saturating_sub(s.counters.released)
+                + b.counters.refused.saturating_sub(s.counters.refused)
         };
         let mut k = n - 2;
         while k > 0 {

@@ -90,6 +90,30 @@ fn an_empty_ring_with_slow_targets_names_the_targets() {
     assert_eq!(iv.workers[0].busy, 0.98);
 }
 
+/// Batches refused as corrupt leave the ring as released ones do: ten published and refused
+/// in a second on an empty ring is the targets' ring, not one filling up. With refusals counted
+/// apart from released, the trend took them for batches piling up and blamed the drafters
+/// ("the ring fills (+10 batches ...)") in the very run whose drafters refuse every batch.
+#[test]
+fn batches_refused_as_corrupt_leave_the_ring_and_do_not_fill_it() {
+    let r = ring("refusedflow", 1, 1, 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    let a = r.snapshot();
+    p.add_phase(Phase::Compute, ms(980));
+    c.add_phase(Phase::WaitEmpty, ms(700));
+    for _ in 0..10 {
+        publish(&p);
+        c.take().unwrap().unwrap().refuse().unwrap();
+    }
+    let empty = SlotCounts {
+        free: 4,
+        ..SlotCounts::default()
+    };
+    let (v, _) = judge(&r, &a, &[empty; 10]);
+    assert_eq!(v.bottleneck, Bottleneck::Targets, "{}", v.line);
+    assert!(!v.line.contains("fills"), "{}", v.line);
+}
+
 #[test]
 fn small_waits_on_both_sides_are_balanced() {
     let r = ring("bal", 1, 1, 4);

@@ -334,6 +334,7 @@ fn board_tick(launch_ms: u64, t_s: f64, seconds: f64, x: f64) -> (Tick, Interval
         seconds,
         published_per_s: 1.0,
         released_per_s: 1.0,
+        refused_per_s: 0.0,
         tokens_per_s: 1000.0 * x,
         full_frac: 0.0,
         empty_frac: 0.0,

@@ -276,7 +276,7 @@ fn sides(w: &Window) -> Call {
     };
     let targets = !drafters && (w.trend == Trend::Emptying || by_waits_t);
     let ring = format!("{}/{}", b.slots.ready, b.params.slots);
-    let (secs, net) = (iv.seconds, w.published - w.released);
+    let (secs, net) = (iv.seconds, w.published - w.freed);
     let (bottleneck, line) = if drafters && by_waits_d {
         (
             Bottleneck::Drafters,

@@ -22,6 +22,9 @@ pub(super) struct Window<'a> {
     /// Batches published and trained in the window.
     pub(super) published: f64,
     pub(super) released: f64,
+    /// Batches that left the ring in the window: trained, or refused as corrupt (the ring's
+    /// flow, which its trend is judged by).
+    pub(super) freed: f64,
     pub(super) trend: Trend,
     /// Something was published or trained; some live worker did its own work.
     pub(super) moved: bool,
@@ -66,6 +69,7 @@ impl<'a> Window<'a> {
             d_wait: None,
             published: (iv.published_per_s * iv.seconds).round(),
             released: (iv.released_per_s * iv.seconds).round(),
+            freed: ((iv.released_per_s + iv.refused_per_s) * iv.seconds).round(),
             trend: Trend::Steady,
             moved: false,
             worked: false,
@@ -94,7 +98,7 @@ impl<'a> Window<'a> {
             mean(w.live(Role::Consumer).map(|r| r.waiting))
         };
         w.trend = w.ring_trend();
-        w.moved = w.published > 0.0 || w.released > 0.0;
+        w.moved = w.published > 0.0 || w.freed > 0.0;
         w.worked = iv.workers.iter().filter(|r| r.alive).any(|r| {
             Phase::ALL
                 .iter()
@@ -152,10 +156,10 @@ impl<'a> Window<'a> {
         };
         let swing = (2 * p.consumers * p.held_per_consumer.max(1)).max(gate);
         let least = TREND_MIN.max(f64::from(swing));
-        let net = self.published - self.released;
+        let net = self.published - self.freed;
         if net >= least && net >= share(Bottleneck::Drafters) * self.published {
             Trend::Filling
-        } else if -net >= least && -net >= share(Bottleneck::Targets) * self.released {
+        } else if -net >= least && -net >= share(Bottleneck::Targets) * self.freed {
             Trend::Emptying
         } else {
             Trend::Steady

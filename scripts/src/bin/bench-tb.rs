@@ -92,6 +92,7 @@ fn simulate(run_dir: &Path, ticks: u64, period: Duration, train: bool) -> anyhow
             seconds: period_s,
             published_per_s: 6.0,
             released_per_s: 6.0,
+            refused_per_s: 0.0,
             tokens_per_s: 31_000.0 + 4_000.0 * x,
             full_frac: 0.9,
             empty_frac: 0.0,
