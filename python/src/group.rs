@@ -204,6 +204,20 @@ pub fn all_reduce(
             .iter()
             .map(|&(r, l)| format!("rank {r}: {}", l as u64 - 1))
             .collect();
+        // The round committed, so the launcher and the ledgers take its batches for applied,
+        // but no rank applies a sum of unrelated values: the leader records the step as left
+        // out (as a skipped update is), so its batches count untrained and a resume trains
+        // them.
+        if red.membership.leader() == Some(g.c.rank()) {
+            let step = u64::from(red.step);
+            let lost = proto::ledger::LostSteps {
+                first: step,
+                last: step,
+                rank: None,
+                skipped: true,
+            };
+            proto::ledger::record_lost(&core.setup.run_dir, &lost).map_err(err)?;
+        }
         return Ok(Round::Mismatched(err(format!(
             "all_reduce: the ranks reduced buffers of different lengths ({} floats), so their \
              sum would add unrelated values: every rank must pass the same length (the same \

@@ -275,6 +275,12 @@ def test_python_ranks_reducing_buffers_of_different_lengths_are_refused_on_every
     for r in range(3):
         log = run.log(f"drafter-{r}")
         assert said in log, log
+    # The round committed and no rank applied it: its step is recorded left out, so its batches
+    # count untrained (they counted trained, and a resume never trained them).
+    lost = [json.loads(l) for l in (run.run_dir / "lost-steps.jsonl").read_text().splitlines()]
+    assert lost and all(l["skipped"] for l in lost), lost
+    s = run.summary()
+    assert s["batches_lost"] >= 1 and s["batches_trained"] == 0, s
 
 
 def a_drafter_dropping_an_applied_batch(run, how):
