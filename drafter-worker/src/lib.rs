@@ -79,9 +79,6 @@ pub fn group_params(
     let (grad, state) = gpu::drafter_sizes(backend, cfg)?;
     // On NCCL the gradient goes between the GPUs; the segment's rounds carry the rest.
     let buf_len = match cfg.drafter.collective {
-        // A `[drafter] command` (the Python package): `params` for its all_reduce, whatever
-        // the mock's layout, and the words the package keeps per rank.
-        _ if cfg.drafter.command.is_some() => cfg.drafter.command_buf_len(drafters),
         CollectiveKind::Nccl => StepBuffer::tail_len(),
         CollectiveKind::Auto | CollectiveKind::Shm => StepBuffer::len_for(grad),
     };

@@ -409,18 +409,7 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// Words of a `[drafter] command` group's buffer that carry each rank's all_reduce length (two
-/// 16-bit halves, each exact in a float), which every rank checks equal.
-pub const COMMAND_LEN_WORDS: usize = 2;
-
 impl DrafterConfig {
-    /// The group buffer of a `[drafter] command` (the Python package) for `drafters` ranks, in
-    /// f32 words: `params` for what a rank reduces, its length words per rank, and the
-    /// everyone-ended flag; so `params` is exactly what a rank may reduce, however many ranks.
-    pub fn command_buf_len(&self, drafters: u32) -> usize {
-        self.params as usize + COMMAND_LEN_WORDS * drafters as usize + 1
-    }
-
     /// Whether the export written at the checkpoint of group step `step` is kept
     /// (`keep_export_every`): a step past 0 that is a multiple of it. The run's last step is
     /// kept by the same rule, like any other: `drafter/` holds it in any case.

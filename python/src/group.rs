@@ -27,8 +27,6 @@ use pyo3::types::PyBytes;
 use crate::common::{err, Core, GroupChanged};
 use crate::view::{self, Elem, View};
 
-use proto::config::COMMAND_LEN_WORDS as LEN_WORDS;
-
 pub struct Group {
     c: Box<dyn Collective>,
     /// f32 words of a round's buffer; the last one is the "saw the end" flag.
@@ -51,23 +49,14 @@ impl Group {
         }
     }
 
-    /// The most f32 words a rank may reduce: the buffer less the length words and the flag
-    /// (the launcher sizes it so that this is `[drafter] params`).
+    /// The most f32 words a rank may reduce: the buffer less the length words and the flag.
     fn max_data(&self) -> usize {
-        self.buf_len.saturating_sub(LEN_WORDS * self.ranks + 1)
+        self.buf_len.saturating_sub(self.ranks + 1)
     }
 
-    /// Where rank `rank`'s length words are.
-    fn len_words(&self, rank: u32) -> std::ops::Range<usize> {
-        let at = self.buf_len - 1 - LEN_WORDS * self.ranks + LEN_WORDS * rank as usize;
-        at..at + LEN_WORDS
-    }
-
-    /// Rank `rank`'s length as the sum carries it: only that rank writes its words (the others
-    /// add zeros), each a 16-bit half of the length plus one, which a float holds exactly.
-    fn len_of(&self, sum: &[f32], rank: u32) -> u64 {
-        let w = &sum[self.len_words(rank)];
-        ((w[0] as u64) << 16) | w[1] as u64
+    /// Where rank `rank`'s length word is.
+    fn len_word(&self, rank: u32) -> usize {
+        self.buf_len - 1 - self.ranks + rank as usize
     }
 
     pub fn last_step(&self) -> Option<u64> {
@@ -169,12 +158,9 @@ pub fn all_reduce(
     }
     let mut mine = vec![0f32; g.buf_len];
     buf.copy_to_slice(py, &mut mine[..n])?;
-    // Plus one: a member's words are never both 0. In 16-bit halves: a float holds each
-    // exactly, where one float would round lengths past 2^24 (a model's gradient).
-    let at = g.len_words(g.c.rank());
-    let n1 = n as u64 + 1;
-    mine[at.start] = (n1 >> 16) as f32;
-    mine[at.start + 1] = (n1 & 0xFFFF) as f32;
+    // Plus one: a member's word is never 0. Exact to 2^24 floats; past that, lengths that
+    // differ by less than the float's step pass unseen.
+    mine[g.len_word(g.c.rank())] = (n + 1) as f32;
     mine[g.buf_len - 1] = if ended { 1.0 } else { 0.0 };
     // Finishing a round left open: the same bits, or the others could sum a buffer half
     // rewritten.
@@ -207,13 +193,16 @@ pub fn all_reduce(
         e => err(e),
     })?;
     g.last_step.set(Some(u64::from(red.step)));
-    let lens: Vec<(u32, u64)> = (red.membership.ranks())
-        .map(|r| (r, g.len_of(&sum, r)))
+    let lens: Vec<(u32, f32)> = (red.membership.ranks())
+        .map(|r| (r, sum[g.len_word(r)]))
         .collect();
-    if lens.iter().any(|&(_, l)| l != lens[0].1) {
+    if lens
+        .iter()
+        .any(|&(_, l)| l.to_bits() != lens[0].1.to_bits())
+    {
         let said: Vec<String> = lens
             .iter()
-            .map(|&(r, l)| format!("rank {r}: {}", l.saturating_sub(1)))
+            .map(|&(r, l)| format!("rank {r}: {}", l as u64 - 1))
             .collect();
         // The round committed, so the launcher and the ledgers take its batches for applied,
         // but no rank applies a sum of unrelated values: the leader records the step as left

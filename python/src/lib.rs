@@ -108,15 +108,13 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
             Ok(Py::new(py, target::Target::new(t))?.into_any())
         }
         Role::Consumer => {
-            let (_, state) = gpu::drafter_sizes(setup.backend, &setup.config).map_err(err)?;
+            let (grad, state) = gpu::drafter_sizes(setup.backend, &setup.config).map_err(err)?;
             let group_name = proto::group_segment(&setup.ring);
             let c = collective::attach(&group_name, name.index)
                 .map_err(|e| err(format!("attaching to the drafter group {group_name}: {e}")))?;
             // One rank per drafter, as the ring has one consumer per drafter.
             let ranks = ring.params().consumers;
-            // Sized by the launcher for a command's group (`drafter_worker::group_params`).
-            let buf_len = setup.config.drafter.command_buf_len(ranks);
-            let group = group::Group::new(c, buf_len, state, ranks);
+            let group = group::Group::new(c, gpu::StepBuffer::len_for(grad), state, ranks);
             let consumer = ring
                 .consumer(name.index)
                 .map_err(|e| err(format!("registering as {name}: {e}")))?;
