@@ -179,6 +179,7 @@ pub fn check(
         }
     }
     let ckpt = run_dir.checkpoint();
+    let kept = run_dir.kept_export_steps();
     let step = if ckpt.exists() {
         let mut d = gpu::drafter(backend, cfg, None)?;
         d.load(&ckpt).with_context(|| {
@@ -192,7 +193,6 @@ pub fn check(
         // exports are the user's to keep or delete, not the resume's. One alone is what a
         // leader killed between its first keep and its first checkpoint leaves (a kept step is
         // a checkpoint step): removed below as after step 0, as a kill at any later keep is.
-        let kept = run_dir.kept_export_steps();
         if kept.len() > 1 {
             let steps: Vec<String> = kept.iter().map(|s| format!("step-{s}")).collect();
             bail!(
@@ -269,7 +269,7 @@ pub fn check(
     // checkpoint are. The resumed run would replace it only if it kept that step again, which
     // it may never do (more drafters train the same batches in fewer steps; another
     // keep_export_every), and the summary would list it as the drafter of that step.
-    let kept_after = (run_dir.kept_export_steps().into_iter())
+    let kept_after = (kept.into_iter())
         .filter(|&s| s > u64::from(step))
         .map(|s| run_dir.kept_export(s))
         .collect();
@@ -470,8 +470,7 @@ mod tests {
         std::fs::create_dir_all(run.checkpoints_dir()).unwrap();
         d.save(&run.checkpoint()).unwrap();
         for step in [4, 8, 12] {
-            std::fs::create_dir_all(run.kept_export(step)).unwrap();
-            std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
+            kept_export(&run, step);
         }
         let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
         assert_eq!(r.step, 8);
@@ -527,10 +526,7 @@ mod tests {
     fn a_resume_without_a_checkpoint_leaves_the_kept_exports_and_says_to_move_them() {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::new(dir.path());
-        let keep = |step: u64| {
-            std::fs::create_dir_all(run.kept_export(step)).unwrap();
-            std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
-        };
+        let keep = |step: u64| kept_export(&run, step);
         // One kept export and no checkpoint: the leader was killed between its first keep and
         // its first checkpoint. Removed as after step 0, as before.
         keep(6);
@@ -552,6 +548,12 @@ mod tests {
             "{err}"
         );
         assert_eq!(run.kept_export_steps(), [6, 12]);
+    }
+
+    /// A kept export of `step` in `run` (its config alone: the resume looks at directories).
+    fn kept_export(run: &RunDir, step: u64) {
+        std::fs::create_dir_all(run.kept_export(step)).unwrap();
+        std::fs::write(run.kept_export(step).join("config.json"), "{}").unwrap();
     }
 
     fn line(batch: u64) -> String {

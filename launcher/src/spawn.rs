@@ -141,15 +141,16 @@ pub fn check_commands(cfg: &proto::PipelineConfig) -> anyhow::Result<()> {
         let found = if program.contains('/') {
             // Relative to the directory the command runs in.
             let path = dir.as_deref().unwrap_or(Path::new(".")).join(program);
+            let found = path.is_file();
             // A script without its execute bit: every start fails with EACCES (a crash loop
             // whose logs say nothing), where the user forgot a chmod or the interpreter.
-            if path.is_file() && !executable(&path) {
+            if found && !executable(&path) {
                 anyhow::bail!(
                     "[{section}] command: {program:?} is not executable: `chmod +x {}` (a script needs its #! line too), or run it through its interpreter: command = [\"python3\", {program:?}, ...]",
                     path.display()
                 );
             }
-            path.is_file()
+            found
         } else {
             // As the shell looks: the first executable of that name on PATH.
             std::env::var_os("PATH").is_some_and(|path| {
