@@ -7,15 +7,16 @@
 //! The loom models (`model.rs`) explore every interleaving of a few fixed scripts; the
 //! deterministic tests (`crash_tests.rs`) replay known half-operations. This search covers the
 //! space between: long random histories mixing claims, aborts, unclaims, commits, takes,
-//! releases, kills, recoveries cut short and restarts, each checked against the contracts a
+//! releases, refusals, kills, recoveries cut short and restarts, each checked against the contracts a
 //! user relies on:
 //!
 //! - every planned item is committed exactly once (one DONE mark, one publish ticket), except
 //!   items the current contract may strand when a producer is given up (see
 //!   [`STRICT_GIVE_UP`]);
 //! - every committed item is settled exactly once: trained (released, or retired by a recovery
-//!   that knows its update applied) or set aside by a recovery (and counted as such), and taken once plus once per redelivery, where a redelivery is only
-//!   ever of an item a killed consumer held;
+//!   that knows its update applied), refused by its consumer, or set aside by a recovery (the
+//!   last two counted as such), and taken once plus once per redelivery, where a redelivery is
+//!   only ever of an item a killed consumer held;
 //! - the ring closes exactly when every expected producer has finished or been retired, and a
 //!   consumer sees end-of-stream only then, with nothing READY;
 //! - at the end no slot is WRITING, READY or READING, and no item is left CLAIMED.
@@ -119,6 +120,8 @@ struct Sim {
     trained: Vec<u32>,
     /// Items set aside by a recovery (also counted in `trained`, as settled).
     set_aside: u64,
+    /// Items a consumer refused (a poison batch: settled, counted apart from the released).
+    refused: u64,
     taken: Vec<u32>,
     requeued: Vec<u32>,
     tickets: Vec<u64>,
@@ -198,6 +201,7 @@ impl Sim {
             committed: vec![0; items],
             trained: vec![0; items],
             set_aside: 0,
+            refused: 0,
             taken: vec![0; items],
             requeued: vec![0; items],
             tickets: Vec::new(),
@@ -606,11 +610,16 @@ impl Sim {
         let release = !held.is_empty() && (held.len() == MAX_HELD || self.coin(0.5));
         if release {
             let (c, b) = held.remove(self.rng.random_range(0..held.len()));
+            // Now and then a batch the drafter refuses (`ReadSlot::refuse`): it shares the
+            // release's CAS and is settled as surely, only counted apart.
+            let refused = self.coin(0.1);
+            let verb = if refused { "refuses" } else { "releases" };
             self.ring
                 .r()
-                .release(id, c, false)
-                .unwrap_or_else(|e| self.fail(&format!("C{k} releases {b}: {e}")));
-            self.log.push(format!("C{k} releases {b}"));
+                .release(id, c, refused)
+                .unwrap_or_else(|e| self.fail(&format!("C{k} {verb} {b}: {e}")));
+            self.log.push(format!("C{k} {verb} {b}"));
+            self.refused += u64::from(refused);
             self.trained[b as usize] += 1;
             self.check(self.trained[b as usize] == 1, || {
                 format!("item {b} trained twice")
@@ -803,6 +812,13 @@ impl Sim {
                 )
             });
         }
+        let refused = self.ring.r().ctl.refused.load(Ordering::Relaxed);
+        self.check(refused == self.refused, || {
+            format!(
+                "the ring counted {refused} refused, consumers refused {}",
+                self.refused
+            )
+        });
         let set_aside = self.ring.r().ctl.set_aside.load(Ordering::Relaxed);
         self.check(set_aside == self.set_aside, || {
             format!(

@@ -270,6 +270,7 @@ use std::{sync::Arc, thread};
 /// Two producers through ONE slot to one consumer: the slot is reused, so the reader's release
 /// must happen before the second writer's stores (release → reserve pair), and each commit
 /// before the read (commit → take pair). Every item arrives exactly once, then end of stream.
+/// The first item is refused (`ReadSlot::refuse`), whose CAS frees the slot as a release does.
 #[test]
 fn slot_state_machine_reuses_one_slot_safely() {
     run_model(|| {
@@ -288,13 +289,26 @@ fn slot_state_machine_reuses_one_slot_safely() {
         while let Some((v, delivery, c)) = ring.consume(2, &mut st) {
             assert_eq!(delivery, 0);
             got.push(v);
-            ring.r().release(2, c, false).unwrap();
+            ring.r().release(2, c, got.len() == 1).unwrap();
         }
         for p in producers {
             p.join().unwrap();
         }
         got.sort();
         assert_eq!(got, vec![10, 11]);
+        // Loom models skip the telemetry counters (`sync::tally`); the real threads count.
+        if cfg!(not(loom)) {
+            let ctl = &ring.r().ctl;
+            let (released, refused) = (
+                ctl.released.load(Ordering::Relaxed),
+                ctl.refused.load(Ordering::Relaxed),
+            );
+            assert_eq!(
+                (released, refused),
+                (1, 1),
+                "one item released, one refused"
+            );
+        }
     });
 }
 
