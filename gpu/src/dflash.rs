@@ -830,6 +830,7 @@ impl DrafterBackend for DflashDrafter {
             lr,
             eval_tau: None,
             skipped,
+            tokens_unknown: false,
         })
     }
 

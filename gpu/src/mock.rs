@@ -374,6 +374,7 @@ impl DrafterBackend for MockDrafter {
             lr: None,
             eval_tau: None,
             skipped,
+            tokens_unknown: false,
         })
     }
 

@@ -456,11 +456,15 @@ impl Monitor {
 
     /// The group leader applied a step: its mean loss per loss token, its tau and lr.
     pub fn progress(&mut self, s: &proto::control::StepStats) {
-        if s.loss.is_finite() && s.tokens > 0 {
-            self.loss_sum += f64::from(s.loss) * s.tokens as f64;
-            self.loss_tokens += s.tokens;
+        let weight = s.loss_weight();
+        if weight > 0 {
+            self.loss_sum += f64::from(s.loss) * weight as f64;
+            self.loss_tokens += weight;
         }
-        if let Some(tau) = s.tau.filter(|t| t.is_finite() && s.tokens > 0) {
+        if let Some(tau) = s
+            .tau
+            .filter(|t| t.is_finite() && (s.tokens > 0 || s.tokens_unknown))
+        {
             self.tau_sum += f64::from(tau);
             self.tau_steps += 1;
         }

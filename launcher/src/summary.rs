@@ -60,8 +60,8 @@ impl DrafterSummary {
     pub fn update(last: &mut Option<DrafterSummary>, s: &proto::control::StepStats) {
         let d = last.get_or_insert_with(DrafterSummary::default);
         d.step = s.step;
-        let trained = s.tokens > 0;
-        if trained && s.loss.is_finite() {
+        let trained = s.tokens > 0 || s.tokens_unknown;
+        if s.loss_weight() > 0 {
             d.loss = Some(f64::from(s.loss));
         }
         if let Some(tau) = s.tau.filter(|t| trained && t.is_finite()) {
@@ -555,6 +555,7 @@ mod tests {
             lr,
             eval_tau: (step == 4).then_some(2.5),
             skipped: step == 3,
+            tokens_unknown: false,
         };
         let mut group = None;
         DrafterSummary::update(&mut group, &step(1, 10, 0.75, None, None));
@@ -574,5 +575,31 @@ mod tests {
         assert_eq!(d.updates_skipped, 1, "step 3's skipped update counted once");
         let none = serde_json::to_value(built("nogroup", &[(0, 0, 0), (1, 1, 1)], None)).unwrap();
         assert!(none["drafter"].is_null(), "{none}");
+    }
+
+    /// A Python leader's `progress(step, loss)` without `tokens=`: its loss is the group's last
+    /// (it was left out as if the step had trained nothing), and weighs one in a mean.
+    #[test]
+    fn a_loss_reported_without_its_tokens_is_still_the_last_loss() {
+        let unsaid = |step, loss| StepStats {
+            step,
+            loss,
+            tokens_unknown: true,
+            ..StepStats::default()
+        };
+        let mut group = None;
+        DrafterSummary::update(&mut group, &unsaid(1, 0.75));
+        assert_eq!(group.unwrap().loss, Some(0.75));
+        DrafterSummary::update(&mut group, &unsaid(2, f32::NAN));
+        assert_eq!(
+            group.unwrap().loss,
+            Some(0.75),
+            "a NaN loss is not the last one"
+        );
+        let weights: Vec<u64> = [unsaid(3, 0.5), unsaid(4, f32::INFINITY)]
+            .iter()
+            .map(StepStats::loss_weight)
+            .collect();
+        assert_eq!(weights, [1, 0]);
     }
 }

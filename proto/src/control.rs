@@ -84,6 +84,24 @@ pub struct StepStats {
     /// left as they were (every rank's alike).
     #[serde(default)]
     pub skipped: bool,
+    /// The drafter did not say how many loss tokens the step had (a Python leader's
+    /// `progress(step, loss)` without `tokens=`): its loss counts as one token's in the
+    /// monitor's mean, an unweighted mean over such steps, and `tokens` is 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tokens_unknown: bool,
+}
+
+impl StepStats {
+    /// The weight of the step's loss in a mean over steps: its loss tokens, 1 for a step whose
+    /// tokens the drafter did not say, and 0 for one that trained nothing (the end's empty
+    /// rounds) or whose loss is not finite.
+    pub fn loss_weight(&self) -> u64 {
+        match (self.loss.is_finite(), self.tokens_unknown) {
+            (false, _) => 0,
+            (true, true) => 1,
+            (true, false) => self.tokens,
+        }
+    }
 }
 
 /// Launcher → worker.

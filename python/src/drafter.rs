@@ -136,8 +136,6 @@ impl DrafterCore {
 pub struct Drafter {
     shared: Shared,
     d: Local<Rc<DrafterCore>>,
-    /// progress() warned of a loss reported without tokens (once per process).
-    said_no_tokens: std::sync::atomic::AtomicBool,
 }
 
 impl Drafter {
@@ -145,7 +143,6 @@ impl Drafter {
         Drafter {
             shared: Shared::of(&d.core),
             d: Local::new("hspipe.Drafter", Rc::new(d)),
-            said_no_tokens: Default::default(),
         }
     }
 
@@ -359,48 +356,33 @@ impl Drafter {
     /// The leader tells the launcher a step's loss and loss tokens (and acceptance length,
     /// learning rate): the monitor's line, `metrics.jsonl`, TensorBoard and the summary show
     /// it as they do our drafters'. `tokens` (the step's loss tokens over the group) weights
-    /// the loss in the monitor's mean: a step of 0 tokens is one that trained nothing (as the
+    /// the loss in the monitor's mean; a step of 0 tokens is one that trained nothing (as the
     /// end's empty rounds are), whose loss is recorded in `metrics.jsonl` but neither shown
-    /// nor taken for the last loss. `skipped=True`: the step's update was left out (a gradient
+    /// nor taken for the last loss. Without `tokens`, each step's loss weighs the same (an
+    /// unweighted mean over steps). `skipped=True`: the step's update was left out (a gradient
     /// that was not finite, as torch's GradScaler skips one), counted as ours are. Other ranks
     /// need not call it.
-    #[pyo3(signature = (step, loss, tokens=0, tau=None, lr=None, skipped=false))]
+    #[pyo3(signature = (step, loss, tokens=None, tau=None, lr=None, skipped=false))]
     fn progress(
         &self,
         step: u64,
         loss: f32,
-        tokens: u64,
+        tokens: Option<u64>,
         tau: Option<f32>,
         lr: Option<f32>,
         skipped: bool,
     ) {
-        if tokens == 0
-            && loss.is_finite()
-            && loss != 0.0
-            && !self
-                .said_no_tokens
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            // Once: a leader that leaves tokens out never sees its loss on the console, and
-            // nothing else would tell it why.
-            tracing::warn!(
-                step,
-                loss,
-                "progress(step, loss) without tokens=: a step of 0 loss tokens trained nothing \
-                 as far as the launcher knows, so the console and summary do not show its loss \
-                 (metrics.jsonl has it); pass tokens= (the step's loss tokens over the group)"
-            );
-        }
         if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
                 step,
-                tokens,
+                tokens: tokens.unwrap_or(0),
                 loss,
                 tau,
                 lr,
                 eval_tau: None,
                 skipped,
+                tokens_unknown: tokens.is_none(),
             }));
         }
     }

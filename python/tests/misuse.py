@@ -63,7 +63,8 @@ def drafter_cases(w):
     # compatible with f32").
     raises(BufferError, lambda: w.all_reduce(np.zeros(4)), "float64 ('d')", "numpy.float32")
     case(w, "a buffer of another dtype is named")
-    # A loss without its tokens is not shown by the monitor: the worker's log says why, once.
+    # A loss without its tokens is the group's loss all the same (it was dropped as if the step
+    # had trained nothing, with a warning).
     w.progress(0, 0.5)
     b = w.take(timeout=1e300)
     assert b is not None

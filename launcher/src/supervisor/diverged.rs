@@ -129,6 +129,7 @@ mod tests {
             lr: None,
             eval_tau: None,
             skipped,
+            tokens_unknown: false,
         }
     }
 
