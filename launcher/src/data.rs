@@ -332,40 +332,56 @@ pub fn write_record(run_dir: &RunDir, input: &Path, p: &dataset::Prepared) -> an
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// The data a resume of `run_dir` trains: `now` (the run's input, prepared again) when it is the
-/// data the run was planned from, else the prepared file the run was planned from, if it is
-/// still there with its key. A key differs when the input changed, and also when this hspipe
-/// keys it otherwise (an upgrade that renders conversations differently, another tokenizer
-/// file): either way the run goes on as it was planned, saying so, and a new run trains the new
-/// data. Refused only when neither is the run's data.
+/// The data a resume of `run_dir` trains: `input` prepared again when it is the data the run was
+/// planned from, else the prepared file the run was planned from, if it is still there with its
+/// key. A key differs when the input changed, and also when this hspipe keys it otherwise (an
+/// upgrade that renders conversations differently, another tokenizer file): either way the run
+/// goes on as it was planned, saying so, and a new run trains the new data. An input that is
+/// gone is not prepared at all: the planned file is the run's data. Refused only when neither
+/// is the run's data.
 pub fn resume_data(
     run_dir: &RunDir,
-    now: (dataset::Prepared, String),
+    input: &Path,
     options: &dataset::Options,
     cache: &Path,
+    stop: &StopSignals,
 ) -> anyhow::Result<(dataset::Prepared, String)> {
     let path = run_dir.dataset_record();
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    let was: Option<Record> = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(
+            serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?,
+        ),
+        Err(_) => None,
+    };
+    // A prepared file: mapped as it is, no work to stop.
+    let planned = |was: &Record| {
+        let (p, line) = prepare_dataset(&was.prepared, options, cache, None, None).ok()?;
+        (was.prepared.is_file() && p.key == was.key).then_some((p, line))
+    };
+    if let Some(was) = was.as_ref().filter(|_| !input.exists()) {
+        if let Some((p, line)) = planned(was) {
+            let note = format!(
+                "{line}\nnote: {} is gone: the resume trains the prepared file the run was planned from",
+                input.display()
+            );
+            return Ok((p, note));
+        }
+    }
+    let now = prepare_dataset(input, options, cache, None, Some(stop))?;
+    let Some(was) = was else {
         return Ok(now);
     };
-    let was: Record =
-        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
     if was.key == now.0.key {
         return Ok(now);
     }
-    if was.prepared.is_file() {
-        // A prepared file: mapped as it is, no work to stop.
-        if let Ok((p, line)) = prepare_dataset(&was.prepared, options, cache, None, None) {
-            if p.key == was.key {
-                let note = format!(
-                    "{line}\nnote: {} has content key {} now, not the run's {} (the data changed, or this hspipe keys it otherwise): the resume trains the prepared file the run was planned from; a new run trains the data as it is now",
-                    was.input.display(),
-                    now.0.key,
-                    was.key
-                );
-                return Ok((p, note));
-            }
-        }
+    if let Some((p, line)) = planned(&was) {
+        let note = format!(
+            "{line}\nnote: {} has content key {} now, not the run's {} (the data changed, or this hspipe keys it otherwise): the resume trains the prepared file the run was planned from; a new run trains the data as it is now",
+            was.input.display(),
+            now.0.key,
+            was.key
+        );
+        return Ok((p, note));
     }
     bail!(
         "the data changed since this run started: {} has content key {} now, the run was planned from key {}, and its prepared file {} is gone or another; resuming would follow another plan. Restore the data or that prepared file",

@@ -326,13 +326,12 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
             .clone()
             .unwrap_or_else(|| dataset::default_cache_dir(run_dir.path()));
         let options = data::options(&cfg, cfg.data.max_len)?;
-        let mut now = data::prepare_dataset(&input, &options, &cache, None, Some(signals))
-            .map_err(resuming)?;
-        if args.resume.is_some() {
-            now = data::resume_data(&run_dir, now, &options, &cache)
-                .with_context(|| format!("resuming {}", run_dir.path().display()))?;
-        }
-        let (p, line) = now;
+        let (p, line) = match &args.resume {
+            None => data::prepare_dataset(&input, &options, &cache, None, Some(signals))?,
+            Some(_) => {
+                data::resume_data(&run_dir, &input, &options, &cache, signals).map_err(resuming)?
+            }
+        };
         cfg.data.prepared = Some(p.path.clone());
         data_line = Some(line);
         prepared = Some((input, p));

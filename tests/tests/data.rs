@@ -469,6 +469,51 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     );
 }
 
+/// A resume whose input file is gone trains the prepared file the run was planned from: it was
+/// refused ("reading dataset ...: No such file or directory") while that file was in the cache,
+/// and nothing said the way on.
+#[test]
+fn a_resume_whose_input_is_gone_trains_the_prepared_file() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dgone");
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&samples(400))).unwrap();
+    let cache = dir.path("cache");
+    let slow = run_config(&dir, 3000.0, "");
+    let args = [
+        "--data",
+        &dir.s("train.jsonl"),
+        "--data-cache",
+        cache.to_str().unwrap(),
+        "--run-dir",
+        &dir.s("run"),
+    ];
+    let l = launch(Some(&slow), &args);
+    wait_trained(&dir.path("run"), "run");
+    kill(l.child.id(), Signal::INT);
+    assert_eq!(l.wait_status().code(), Some(130));
+    std::fs::remove_file(dir.path("train.jsonl")).unwrap();
+    let resume = [
+        "--resume",
+        &dir.s("run"),
+        "--data-cache",
+        cache.to_str().unwrap(),
+    ];
+    let out = launch(None, &resume).finish();
+    assert!(
+        out.contains(
+            "train.jsonl is gone: the resume trains the prepared file the run was planned from"
+        ) && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (s["ok"].clone(), s["samples_trained"].clone()),
+        (true.into(), 400.into())
+    );
+}
+
 /// `launcher prepare good.jsonl -o /dev/null`, as root, replaced the device with the prepared
 /// file (the rename of the atomic write puts a file in place of whatever is there): now a
 /// target that is not a regular file is refused, naming `-o`, and left as it is.
