@@ -71,9 +71,10 @@ pub struct EvalArgs {
     pub json: Option<PathBuf>,
 }
 
-/// A count flag of 1 or more: a zero would report figures over nothing.
 /// The most `--prompts`: 2^32 of them were made up front, 103 GB, and the process aborted.
-const MAX_PROMPTS: u64 = 1_000_000;
+const MAX_PROMPTS: u64 = proto::config::MAX_EVAL_PROMPTS as u64;
+
+/// A count flag of 1 or more: a zero would report figures over nothing.
 
 fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)

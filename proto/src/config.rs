@@ -180,6 +180,10 @@ pub const MAX_BLOCK_SIZE: u32 = 1024;
 /// typo of a few more digits would start hundreds of thousands of threads per worker.
 pub const MAX_THREADS: u32 = 1024;
 
+/// The most held-out prompts an evaluation decodes (`dflash.eval_prompts`, `launcher eval
+/// --prompts`): they are made up front, and 2^32 of them asked for 103 GB.
+pub const MAX_EVAL_PROMPTS: u32 = 1_000_000;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
@@ -731,6 +735,26 @@ impl PipelineConfig {
                 return Err(invalid(field, format!("{v} is out of range")));
             }
         }
+        if !(1..=MAX_EVAL_PROMPTS).contains(&f.eval_prompts) {
+            return Err(invalid(
+                "dflash.eval_prompts",
+                format!(
+                    "must be between 1 and {MAX_EVAL_PROMPTS} (the held-out prompts each evaluation decodes; dflash.eval_every = 0 turns evaluation off), got {}",
+                    f.eval_prompts
+                ),
+            ));
+        }
+        if !(1..=shm_ring::MAX_BUCKETS).contains(&self.ring.buckets) {
+            // Before the plan, which makes a list per bucket: 2^32 of them ran out of memory.
+            return Err(invalid(
+                "ring.buckets",
+                format!(
+                    "must be between 1 and {} (the length classes batches are planned in), got {}",
+                    shm_ring::MAX_BUCKETS,
+                    self.ring.buckets
+                ),
+            ));
+        }
         let hidden = u64::from(self.model.hidden);
         if self.drafter.params < hidden || self.drafter.params > 1 << 28 {
             return Err(invalid(
@@ -1270,6 +1294,14 @@ keep_export_every = 120
             (
                 "[data]\nmin_len = 1\n[target]\ntoken_budget = 4000000000\n",
                 "target.token_budget",
+            ),
+            // The plan's list per bucket ran out of memory before the ring checked them.
+            ("[ring]\nbuckets = 4294967295\n", "ring.buckets"),
+            ("[ring]\nbuckets = 0\n", "ring.buckets"),
+            // Every prompt was made up front in the drafter, which aborted at each start.
+            (
+                "[dflash]\neval_prompts = 4294967295\n",
+                "dflash.eval_prompts",
             ),
         ] {
             let err = PipelineConfig::from_toml(toml, Path::new("a.toml"))
