@@ -23,6 +23,14 @@ pub const RUN_DIR_RING_FILE: &str = "ring";
 /// files by `tfevents` in the name and reads a folder's files in name order, so by time).
 pub const TB_EVENTS_PREFIX: &str = "events.out.tfevents.";
 
+/// Where the earlier part of the log at `log` goes when the log is rotated: `log` with `.1`
+/// appended (`target-0.log.1`), as logrotate names it.
+pub fn rotated(log: &Path) -> PathBuf {
+    let mut name = log.as_os_str().to_owned();
+    name.push(".1");
+    PathBuf::from(name)
+}
+
 /// A run directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunDir(PathBuf);
@@ -270,9 +278,16 @@ impl RunDir {
         self.0.join("logs")
     }
 
-    /// The log of worker `name` (`target-0`), all its incarnations.
+    /// The log of worker `name` (`target-0`), all its incarnations (since its last rotation:
+    /// [`rotated_log`](Self::rotated_log)).
     pub fn log(&self, name: WorkerName) -> PathBuf {
         self.logs_dir().join(format!("{name}.log"))
+    }
+
+    /// What the launcher moved out of worker `name`'s log when it last passed `--log-cap`
+    /// (`target-0.log.1`): [`rotated`] of its [`log`](Self::log).
+    pub fn rotated_log(&self, name: WorkerName) -> PathBuf {
+        rotated(&self.log(name))
     }
 
     pub fn ledger_dir(&self) -> PathBuf {
@@ -494,9 +509,9 @@ impl RunDir {
     /// (fix the config, run the same command again) an error, and `--resume` is no way on for
     /// it: it runs the earlier launch's config, not the one given now. Nothing of worth goes:
     /// the earlier launch trained nothing. Only the files named by this type's methods go
-    /// (the worker logs by worker name, `tb/` by [`TB_EVENTS_PREFIX`], `nccl/` by its `epoch-`
-    /// files), then their folders if that left them empty (not `logs/`, `ledger/` and
-    /// `checkpoints/`, which the new run uses); anything else is left as it is.
+    /// (the worker logs and their rotated parts by worker name, `tb/` by [`TB_EVENTS_PREFIX`],
+    /// `nccl/` by its `epoch-` files), then their folders if that left them empty (not `logs/`,
+    /// `ledger/` and `checkpoints/`, which the new run uses); anything else is left as it is.
     pub fn clear_earlier_launch(&self) -> Result<Vec<PathBuf>, RunDirError> {
         self.check_new(None)?;
         let mut removed = Vec::new();
@@ -529,7 +544,8 @@ impl RunDir {
         }
         let is_worker = |n: &str| n.parse::<WorkerName>().is_ok();
         for p in entries(&self.logs_dir(), |n| {
-            let log = n.strip_suffix(".log").is_some_and(is_worker);
+            let log = (n.strip_suffix(".log").or_else(|| n.strip_suffix(".log.1")))
+                .is_some_and(is_worker);
             let marker = (n.strip_prefix('.'))
                 .and_then(|n| n.strip_suffix("-crashed-in-join"))
                 .is_some_and(is_worker);
@@ -682,6 +698,7 @@ mod tests {
             run.report_svg(),
             run.log(WorkerName::producer(0)),
             run.log(WorkerName::consumer(11)),
+            run.rotated_log(WorkerName::consumer(11)),
             run.join_crash_marker(WorkerName::consumer(1)),
             run.tensorboard_dir()
                 .join(format!("{TB_EVENTS_PREFIX}1796595282.vm.9660")),
