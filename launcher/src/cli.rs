@@ -203,6 +203,12 @@ pub struct Args {
         allow_negative_numbers = true
     )]
     pub start_timeout: f64,
+    /// The most a worker's log (logs/<worker>.log) holds: once a second, a log past it is moved
+    /// to <worker>.log.1 (replacing the one before) and started again with a line saying so, so
+    /// a worker that prints in a loop cannot fill the disk. Bytes, or with a unit: 64MiB, 512K,
+    /// 1G; at least 64KiB. 0: no cap.
+    #[arg(long, value_name = "SIZE", default_value = crate::log_cap::DEFAULT, value_parser = crate::log_cap::parse)]
+    pub log_cap: u64,
     /// Seconds between monitor updates.
     #[arg(
         long,
@@ -525,6 +531,15 @@ mod tests {
             let args = [&["launcher", "--targets", "0", "--drafters", "1"], extra].concat();
             Cli::try_parse_from(args).map(|c| c.run.unwrap())
         };
+        // A size that is not one, or too small to hold a dead worker's last words.
+        for bad in ["12Q", "1000"] {
+            let e = parse(&["--log-cap", bad]).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            let said = e.to_string();
+            assert!(said.contains("--log-cap") && said.contains(bad), "{said}");
+        }
+        assert_eq!(parse(&[]).unwrap().log_cap, 64 << 20, "the default");
+        assert_eq!(parse(&["--log-cap", "0"]).unwrap().log_cap, 0);
         for flag in ["--hang-timeout", "--start-timeout", "--monitor"] {
             let args = parse(&[flag, "-1"]).unwrap();
             let e = args.check().unwrap_err().to_string();

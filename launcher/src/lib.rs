@@ -10,6 +10,7 @@ mod choose;
 pub mod cli;
 pub mod data;
 pub mod eval;
+mod log_cap;
 pub mod model;
 mod model_record;
 pub mod monitor;

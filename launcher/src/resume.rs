@@ -18,7 +18,7 @@
 //! One launcher at a time: each holds its run directory ([`hold`]) for its whole life, so a
 //! `--resume` of a run whose launcher still runs is refused before it changes anything.
 //!
-//! Length: about 570 lines, half of them tests: what a resume checks, rewrites and says is one
+//! Length: about 620 lines, half of them tests: what a resume checks, rewrites and says is one
 //! contract with the run directory's files, kept in one place.
 
 use std::collections::BTreeSet;
@@ -325,10 +325,11 @@ impl Resume {
 }
 
 /// Removes what killed writers left in `run_dir` (a checkpoint's temporary file, an export's
-/// temporary or moved-aside directory, and a kept export's: `atomic_file::leftovers`) and says
-/// what it removed: at a resume's start and at the run's end. A checkpoint's temporary is as big
-/// as the checkpoint, and nothing else would ever remove it; a kept export's temporary is never
-/// taken for a kept export (`RunDir::kept_export_steps`), but it holds the drafter's size.
+/// temporary or moved-aside directory, a kept export's, a worker log's rotated part's:
+/// `atomic_file::leftovers`) and says what it removed: at a resume's start and at the run's
+/// end. A checkpoint's temporary is as big as the checkpoint, and nothing else would ever remove
+/// it; a kept export's temporary is never taken for a kept export (`RunDir::kept_export_steps`),
+/// but it holds the drafter's size.
 pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
     let kept = atomic_file::replaced_dirs_in(&run_dir.kept_exports_dir()).unwrap_or_else(|e| {
         println!(
@@ -349,7 +350,15 @@ pub(crate) fn sweep_leftovers(run_dir: &RunDir) {
             Err(e) => println!("warning: putting back {}: {e}", dir.display()),
         }
     }
-    for path in std::iter::once(run_dir.checkpoint()).chain(dirs) {
+    // A worker log's rotated part (`log_cap`), as large as `--log-cap`: beside each log there.
+    let logs = std::fs::read_dir(run_dir.logs_dir()).into_iter().flatten();
+    let rotated = (logs.filter_map(|e| e.ok().map(|e| e.path())))
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .map(|p| proto::run_dir::rotated(&p));
+    for path in std::iter::once(run_dir.checkpoint())
+        .chain(dirs)
+        .chain(rotated)
+    {
         let found = match atomic_file::leftovers(&path) {
             Ok(found) => found,
             Err(e) => {
@@ -455,6 +464,29 @@ mod tests {
         assert_eq!(names, ["step-12", "step-4"]);
         assert_eq!(run.kept_export_steps(), [4, 12]);
         assert!(run.kept_export(12).join("model.safetensors").is_file());
+    }
+
+    /// A launcher killed while it rotated a worker's log (`log_cap`) left the rotated part's
+    /// temporary, as large as `--log-cap`: swept with the others, the log left as it is.
+    #[test]
+    fn a_killed_rotations_temporary_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        run.lay_out().unwrap();
+        let name = shm_ring::WorkerName::consumer(0);
+        std::fs::write(run.log(name), "its log\n").unwrap();
+        let dead = {
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            child.wait().unwrap();
+            child.id()
+        };
+        let tmp = run
+            .logs_dir()
+            .join(format!(".drafter-0.log.1.{dead}.x1y2.tmp"));
+        std::fs::write(&tmp, "half a copy").unwrap();
+        super::sweep_leftovers(&run);
+        assert!(!tmp.exists());
+        assert_eq!(std::fs::read_to_string(run.log(name)).unwrap(), "its log\n");
     }
 
     /// A leader killed between keeping step 12's export and writing its checkpoint left

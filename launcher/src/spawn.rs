@@ -2,7 +2,7 @@
 //! its log, a parent-death signal, and the control-channel handshake (in a thread, so a worker
 //! that dies before connecting cannot block the supervisor).
 //!
-//! Length: about 530 lines: starting a worker, its handshake and the reason read from its log
+//! Length: about 650 lines: starting a worker, its handshake and the reason read from its log
 //! are one incarnation's life, and their tests need a real process and log beside them.
 
 use std::fs::OpenOptions;
@@ -195,17 +195,18 @@ const LAST_LINES: usize = 8;
 /// panic with its message, a Python exception's last line), cut to 300 characters. None if it
 /// said nothing of the kind there (an error it logged long before is not the reason) or the log
 /// cannot be read. The caller does not ask for a worker killed by SIGKILL, which had no chance
-/// to say anything.
+/// to say anything. A log rotated since the incarnation started (`--log-cap`) is read on from
+/// the end of its rotated part: the rotation may have moved the last words there.
 pub fn last_error(log: &Path) -> Option<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    const TAIL: u64 = 64 << 10;
-    let mut f = std::fs::File::open(log).ok()?;
-    let len = f.metadata().ok()?.len();
-    f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).ok()?;
-    let mut bytes = Vec::new();
-    // At most the tail: a process the worker left behind may still append to its log.
-    f.take(TAIL).read_to_end(&mut bytes).ok()?;
-    let text = String::from_utf8_lossy(&bytes);
+    let mut text = tail(log)?;
+    if let Some(after) = text.strip_prefix(crate::log_cap::ROTATED) {
+        if !after.contains(STARTING) {
+            let after = after.split_once('\n').map_or("", |(_, after)| after);
+            if let Some(before) = tail(&proto::run_dir::rotated(log)) {
+                text = before + after;
+            }
+        }
+    }
     let this = text.rsplit(STARTING).next()?;
     let lines: Vec<&str> = this.lines().filter(|l| !l.trim().is_empty()).collect();
     let last = lines.len().saturating_sub(LAST_LINES);
@@ -244,6 +245,19 @@ pub fn last_error(log: &Path) -> Option<String> {
         Some((cut, _)) => format!("{}...", &s[..cut]),
         None => s,
     })
+}
+
+/// The last 64 KiB of the log at `log`, as text; None if it cannot be read.
+fn tail(log: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const TAIL: u64 = 64 << 10;
+    let mut f = std::fs::File::open(log).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).ok()?;
+    let mut bytes = Vec::new();
+    // At most the tail: a process the worker left behind may still append to its log.
+    f.take(TAIL).read_to_end(&mut bytes).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// A line Python ends a failed start with where it prints no traceback: a `SyntaxError` or
@@ -443,6 +457,7 @@ fn handshake(
 #[cfg(test)]
 mod tests {
     use super::{last_error, STARTING};
+    use std::io::Write;
 
     /// `log` written to a file, and what [`last_error`] finds in it.
     fn said(log: &str) -> Option<String> {
@@ -534,6 +549,29 @@ mod tests {
         let cut = said(&long).unwrap();
         assert_eq!(cut.chars().count(), 303, "cut to 300 characters and ...");
         assert!(cut.ends_with("é..."), "{cut}");
+    }
+
+    /// A worker that died just after its log was rotated (`--log-cap`) left its last words in
+    /// the rotated part: its reason is still found. Before, the rotated log's note was all
+    /// there was to read.
+    #[test]
+    fn a_dead_workers_reason_is_found_across_its_logs_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("drafter-0.log");
+        let said = "error: writing the checkpoint: No space left on device (os error 28)";
+        let before = format!(
+            "{STARTING} (incarnation 1) on GPU 0\n{}{said}\n",
+            "Z  INFO step\n".repeat(8000)
+        );
+        std::fs::write(&log, before).unwrap();
+        crate::log_cap::rotate_past_cap(&log, 64 << 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(last_error(&log).as_deref(), Some(said));
+        // Its restart said nothing yet: not the earlier incarnation's reason.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        writeln!(f, "{STARTING} (incarnation 2) on GPU 0\nZ  INFO attached").unwrap();
+        assert_eq!(last_error(&log), None);
     }
 
     /// A command naming a script without its execute bit is refused before the run, saying

@@ -10,6 +10,7 @@
 //!    give up; with no drafter left, stop the targets.
 //! 5. [`restarts`](Supervisor::restarts): start every worker whose backoff is over.
 //! 6. [`monitor`](Supervisor::monitor): the progress bar or lines, and `metrics.jsonl`.
+//! 7. [`logs`](Supervisor::logs): once a second, a worker's log past `--log-cap` is rotated.
 //!
 //! [`start`](Supervisor::start) (in `start.rs`) creates the ring and the group first. The loop
 //! ends when every worker is finished (or killed by a second signal); then
@@ -34,7 +35,7 @@ use crate::cli::{exit, Args};
 use crate::monitor::Monitor;
 use crate::signals::StopSignals;
 use crate::spawn::{self, Event, Key, Welcome};
-use crate::{reclaim, summary};
+use crate::{log_cap, reclaim, summary};
 
 mod diverged;
 mod settle;
@@ -77,6 +78,8 @@ struct Worker {
     life: Life,
     control: Option<control::Sender<ToWorker>>,
     report: Option<FinalReport>,
+    /// Its log's last rotation failed, and that was said (once, until one succeeds).
+    rotation_failed: bool,
 }
 
 impl Worker {
@@ -95,6 +98,7 @@ impl Worker {
             life: Life::Backoff(Instant::now()),
             control: None,
             report: None,
+            rotation_failed: false,
         }
     }
     /// The current incarnation (restarts get a new `spawn`).
@@ -167,6 +171,7 @@ pub(crate) struct Supervisor<'a> {
     /// A second signal killed every worker.
     killed: bool,
     last_hang_check: Instant,
+    last_log_check: Instant,
     started: Instant,
 }
 
@@ -182,6 +187,7 @@ impl<'a> Supervisor<'a> {
             self.exits()?;
             self.restarts()?;
             self.monitor()?;
+            self.logs();
             if self.workers.iter().all(Worker::finished) {
                 break;
             }
@@ -553,6 +559,30 @@ impl<'a> Supervisor<'a> {
     fn monitor(&mut self) -> anyhow::Result<()> {
         let restarts: u32 = self.workers.iter().map(|w| w.restarts).sum();
         self.mon.tick(&self.ring, restarts, self.started)
+    }
+
+    /// Step 7, once a second: each worker's log past `--log-cap` is rotated (`log_cap`), after
+    /// this pass's deaths have been read from their logs. A rotation that fails (a full disk)
+    /// leaves the log as it is, said once per worker until one succeeds.
+    fn logs(&mut self) {
+        if self.args.log_cap == 0 || self.last_log_check.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_log_check = Instant::now();
+        for w in &mut self.workers {
+            let log = self.run_dir.log(w.name());
+            match log_cap::rotate_past_cap(&log, self.args.log_cap) {
+                Ok(_) => w.rotation_failed = false,
+                Err(e) if !w.rotation_failed => {
+                    w.rotation_failed = true;
+                    self.mon.say(&format!(
+                        "warning: {} is past --log-cap and could not be rotated: {e}; it grows on",
+                        log.display()
+                    ));
+                }
+                Err(_) => {}
+            }
+        }
     }
 
     /// At a stop, a worker that has not registered in the ring yet (loading its model, or

@@ -2666,6 +2666,43 @@ fn a_worker_that_cannot_be_started_again_is_given_up_and_the_run_ends_with_its_s
     );
 }
 
+/// A worker that prints past `--log-cap` has its log rotated while it runs: the log starts again
+/// with the launcher's line under the cap, `.log.1` holds the earlier part, and the worker's
+/// last words after the rotation are still its death's reason. Before, the log grew without
+/// end (a drafter printing in a loop wrote 53 MB in 8 s).
+#[test]
+fn a_worker_log_past_its_cap_is_rotated_while_the_worker_runs() {
+    let run = Run::new("llogcap");
+    // About 200 KB of lines, then waits (at most 60 s) for its log, its stdout, to be emptied.
+    let script = "yes 'drafter noise: a line printed in a loop' | head -n 5000\n\
+        for i in $(seq 600); do [ \"$(stat -L -c %s /proc/$$/fd/1)\" -lt 60000 ] && break; sleep 0.1; done\n\
+        echo 'error: the noisy drafter is done'\nexit 1\n";
+    std::fs::write(run.dir.join("noisy.sh"), script).unwrap();
+    let cfg = "[data]\nsynthetic_samples = 20\n[drafter]\ncommand = [\"sh\", \"noisy.sh\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let args = ["--max-restarts", "0", "--log-cap", "64KiB"];
+    let (code, said) = launch_in(&run.dir, &[&ONE_BY_ONE[..], &args].concat());
+    assert_eq!(code, Some(3), "{said}");
+    assert!(
+        said.contains("saying \"error: the noisy drafter is done\""),
+        "{said}"
+    );
+    let rd = RunDir::new(run.run_dir());
+    let log = std::fs::read_to_string(rd.log(WorkerName::consumer(0))).unwrap();
+    assert!(
+        log.starts_with("--- launcher: this log passed --log-cap 64 KiB: its earlier ")
+            && log.ends_with("error: the noisy drafter is done\n")
+            && log.len() < 64 << 10,
+        "{log}"
+    );
+    let rotated = std::fs::read_to_string(rd.rotated_log(WorkerName::consumer(0))).unwrap();
+    assert!(
+        rotated.contains("drafter noise: a line printed in a loop\n"),
+        "{}",
+        &rotated[..rotated.len().min(500)]
+    );
+}
+
 /// A new run in a directory an earlier launch laid out and trained nothing in (its drafter
 /// failed at start) starts clean: what that launch wrote is removed, by name, and said, and
 /// what it did not write is left. Before, the new run appended to the earlier launch's

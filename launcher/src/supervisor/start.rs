@@ -166,6 +166,7 @@ impl<'a> Supervisor<'a> {
             stopping: false,
             killed: false,
             last_hang_check: Instant::now(),
+            last_log_check: Instant::now(),
             started: Instant::now(),
         })
     }
