@@ -273,6 +273,13 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.check_kept_exports(exports)
         .context("checking the config")
         .map_err(refused)?;
+    let mock = backend.0 == BackendKind::Mock;
+    (cfg.check_mock_dtype(
+        mock && cfg.target.command.is_none(),
+        mock && cfg.drafter.command.is_none(),
+    ))
+    .context("checking the config")
+    .map_err(refused)?;
     // A target of one's own beside the mock drafter, which checks every byte against the mock
     // target's states: fine for numpy_target.py (which computes them), every batch refused for
     // a real model's. Said at the start, not found in the end's note.

@@ -839,6 +839,32 @@ impl PipelineConfig {
         ))
     }
 
+    /// Refuses `model.dtype` other than bf16 for a run where the mock backend computes a side
+    /// (`mock_target`, `mock_drafter`): the mock target writes bf16 whatever the field says, so
+    /// f32 crash-looped every target on its buffer size and f16 had every batch refused by the
+    /// mock drafter, and the run ended with nothing trained. The launcher calls it once the
+    /// backend is chosen; a resume's config too (it was edited by hand, or is older).
+    pub fn check_mock_dtype(
+        &self,
+        mock_target: bool,
+        mock_drafter: bool,
+    ) -> Result<(), ConfigError> {
+        let side = match (mock_target, mock_drafter) {
+            _ if self.model.dtype == Dtype::Bf16 => return Ok(()),
+            (true, true) => "both sides",
+            (true, false) => "the targets",
+            (false, true) => "the drafters",
+            (false, false) => return Ok(()),
+        };
+        Err(invalid(
+            "model.dtype",
+            format!(
+                "is \"{}\", but this run has no model, so the mock backend computes {side}, and it computes bf16 only: leave model.dtype out (bf16), or give a model (--model DIR), whose backend takes f16 and f32",
+                format!("{:?}", self.model.dtype).to_lowercase()
+            ),
+        ))
+    }
+
     /// Refuses a `[dflash]` section set away from its defaults for a run whose drafter is not
     /// DFlash (`dflash_drafter` false: the mock's, in a run without a model): a config written
     /// for the DFlash drafter, run without `--model`, trained the mock and ended "done" with no
@@ -1279,6 +1305,33 @@ keep_export_every = 120
             cause = c.source();
         }
         out
+    }
+
+    /// The mock backend computes bf16 only: f32 crash-looped every mock target and f16 had
+    /// every batch refused by the mock drafter, with nothing trained. A side of one's own
+    /// (`[target] command` and `[drafter] command`) takes any dtype.
+    #[test]
+    fn a_dtype_the_mock_backend_does_not_compute_is_refused() {
+        for dtype in ["f16", "f32"] {
+            let toml = format!("[model]\ndtype = \"{dtype}\"\n");
+            let c = PipelineConfig::from_toml(&toml, Path::new("a.toml")).unwrap();
+            for (target, drafter, side) in [
+                (true, true, "both sides"),
+                (true, false, "the targets"),
+                (false, true, "the drafters"),
+            ] {
+                let err = c.check_mock_dtype(target, drafter).unwrap_err().to_string();
+                assert!(
+                    err.contains("model.dtype")
+                        && err.contains(&format!("is \"{dtype}\""))
+                        && err.contains(side),
+                    "{err}"
+                );
+            }
+            c.check_mock_dtype(false, false).unwrap();
+        }
+        let bf16 = PipelineConfig::default();
+        bf16.check_mock_dtype(true, true).unwrap();
     }
 
     /// A typo of a few digits too many is refused naming the field, never an abort on the
