@@ -75,7 +75,6 @@ pub struct EvalArgs {
 const MAX_PROMPTS: u64 = proto::config::MAX_EVAL_PROMPTS as u64;
 
 /// A count flag of 1 or more: a zero would report figures over nothing.
-
 fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
 }
