@@ -208,15 +208,19 @@ pub fn check(
     let lost = ledger::read_lost(run_dir)?;
     let mut ledgers = Vec::new();
     let (mut done, mut dropped) = (BTreeSet::new(), 0);
-    // The run had at least as many drafters as its highest ledger says: a drafter given up
-    // before its model loaded has none, and those after it still count.
+    // The run had at least as many drafters as its highest ledger with a line says: a drafter
+    // given up before its model loaded has none, one given up before it trained an empty one
+    // (the worker creates it at start: counted, a run that lost a GPU to a drafter that never
+    // trained could not be resumed without it), and those after it still count.
     let mut had = 0;
     for d in ledger::indices(run_dir)? {
         let path = run_dir.ledger(d);
         let Some(entries) = ledger::read(run_dir, d)? else {
             continue;
         };
-        had = d + 1;
+        if !entries.is_empty() {
+            had = d + 1;
+        }
         let mut keep = Vec::new();
         for (n, entry) in entries.into_iter().enumerate() {
             // Dropped as torn, a damaged line would send its batch to be trained again on top
@@ -530,8 +534,10 @@ mod tests {
             format!("{}\n{}\n{after}\n", line(2), line(3)),
         )
         .unwrap();
-        // Not ledgers: a name no drafter writes, and a rewrite's temporary.
+        // Not ledgers: a name no drafter writes, and a rewrite's temporary. An empty one is a
+        // drafter's that never trained: not one more the resume needs.
         std::fs::write(run.ledger_dir().join("drafter-01.jsonl"), line(7)).unwrap();
+        std::fs::write(run.ledger(3), "").unwrap();
         std::fs::write(run.ledger_dir().join(".drafter-0.jsonl.new-1"), line(8)).unwrap();
         let cfg = PipelineConfig::default();
         let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 3, 10).unwrap();
