@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Sender;
 
 use anyhow::Context;
-use proto::control::{self, FinalReport, ToLauncher, ToWorker, PROTOCOL_VERSION};
+use proto::control::{self, ControlError, FinalReport, ToLauncher, ToWorker, PROTOCOL_VERSION};
 use shm_ring::{Role, WorkerName};
 
 /// Which worker, and which incarnation of it (restarts get a new `spawn`).
@@ -442,7 +442,29 @@ fn handshake(
     if events.send(Event::Connected(key, reply)).is_err() {
         return;
     }
-    while let Ok(msg) = rx.recv() {
+    let mut said_undecodable = false;
+    loop {
+        let msg = match rx.recv() {
+            Ok(msg) => msg,
+            // Both ends are built together, so this is a bug; the frame was read whole, and the
+            // next one reads on. A reader that stopped here left the worker blocked in its next
+            // send once the socket's buffer filled: a drafter's leader hung after ~280 steps.
+            Err(ControlError::Undecodable(why)) => {
+                if !std::mem::replace(&mut said_undecodable, true) {
+                    println!(
+                        "warning: {}: a message on its control channel could not be read ({why}): its progress or report is lost (a bug: please report it)",
+                        key.name()
+                    );
+                }
+                continue;
+            }
+            Err(_) => {
+                // Gone, or the stream out of step: the worker's sends fail from now on, none
+                // blocks.
+                rx.stop_reading();
+                return;
+            }
+        };
         let ev = match msg {
             ToLauncher::Report(r) => Event::Report(key, r),
             ToLauncher::Progress(s) => Event::Progress(s),

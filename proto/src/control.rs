@@ -87,7 +87,9 @@ pub struct StepStats {
     /// The drafter did not say how many loss tokens the step had (a Python leader's
     /// `progress(step, loss)` without `tokens=`): its loss counts as one token's in the
     /// monitor's mean, an unweighted mean over such steps, and `tokens` is 0.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// Always written: the control channel's bincode cannot skip a field (a skipped one made
+    /// every frame of ours undecodable).
+    #[serde(default)]
     pub tokens_unknown: bool,
 }
 
@@ -152,6 +154,10 @@ pub enum ControlError {
     Closed,
     #[error("control channel: a frame of {0} bytes is over the limit")]
     TooLarge(u64),
+    /// A whole frame whose message could not be decoded: the stream is still in step, so the
+    /// next frame reads on.
+    #[error("control channel: a message this build cannot read: {0}")]
+    Undecodable(String),
     #[error("control channel: refusing a peer of uid {theirs} (ours is {ours})")]
     ForeignPeer { theirs: u32, ours: u32 },
     #[error("the launcher's first message was {0}, not Welcome")]
@@ -229,7 +235,13 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
         let mut body = vec![0u8; len as usize];
         s.read_exact(&mut body).map_err(read_err)?;
-        bincode::deserialize(&body).map_err(|e| ControlError::Channel(format!("bad frame: {e}")))
+        bincode::deserialize(&body).map_err(|e| ControlError::Undecodable(e.to_string()))
+    }
+
+    /// Stops reading for good: the peer's next sends fail (`Closed`) instead of blocking once
+    /// the socket's buffer is full. For a reader that cannot go on (the stream out of step).
+    pub fn stop_reading(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Read);
     }
 
     /// Like [`Receiver::recv`], giving up with `Timeout` after `timeout`. Meant for a first
@@ -575,6 +587,45 @@ mod tests {
         let (_, rx) = split::<ToWorker, ToWorker>(a).unwrap();
         drop(b);
         assert!(matches!(rx.recv(), Err(ControlError::Closed)));
+    }
+
+    /// Every field of a step's stats crosses the channel: a field the encoding skipped
+    /// (`skip_serializing_if`, which bincode cannot follow) made every frame of ours
+    /// undecodable, and the launcher's reader stopped. A frame that cannot be decoded is said
+    /// and the next one reads on.
+    #[test]
+    fn a_steps_stats_cross_whole_and_an_undecodable_frame_is_skipped() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut raw = a.try_clone().unwrap();
+        let (tx, _) = split::<ToLauncher, ToLauncher>(a).unwrap();
+        let (_, rx) = split::<ToLauncher, ToLauncher>(b).unwrap();
+        let got = |rx: &Receiver<ToLauncher>| match rx.recv() {
+            Ok(ToLauncher::Progress(s)) => s,
+            other => panic!("{other:?}"),
+        };
+        for tokens_unknown in [false, true] {
+            let s = StepStats {
+                step: 3,
+                tokens: 7,
+                loss: 0.5,
+                tokens_unknown,
+                ..StepStats::default()
+            };
+            tx.send(ToLauncher::Progress(s)).unwrap();
+            assert_eq!(got(&rx), s);
+        }
+        raw.write_all(&3u32.to_le_bytes()).unwrap();
+        raw.write_all(&[0xff; 3]).unwrap();
+        assert!(matches!(rx.recv(), Err(ControlError::Undecodable(_))));
+        let s = StepStats::default();
+        tx.send(ToLauncher::Progress(s)).unwrap();
+        assert_eq!(got(&rx), s);
+        // A reader that stops: the sender is told, never blocked.
+        rx.stop_reading();
+        let sent = (0..100_000)
+            .map(|_| tx.send(ToLauncher::Progress(s)))
+            .find(Result::is_err);
+        assert!(matches!(sent, Some(Err(ControlError::Closed))), "{sent:?}");
     }
 
     #[test]
