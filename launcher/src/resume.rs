@@ -149,6 +149,8 @@ pub struct Resume {
     lost_steps: PathBuf,
     /// The kept exports of steps after the checkpoint's, removed.
     kept_after: Vec<PathBuf>,
+    /// The last launch's summary.json, removed.
+    summary: PathBuf,
 }
 
 /// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
@@ -284,6 +286,7 @@ pub fn check(
         dropped,
         lost_steps: run_dir.lost_steps(),
         kept_after,
+        summary,
     })
 }
 
@@ -294,6 +297,15 @@ impl Resume {
     /// next resume, which drops nothing more. Then removes the kept exports of steps after the
     /// checkpoint's, saying so.
     pub fn apply(&self) -> anyhow::Result<()> {
+        // The last launch's summary is not this one's: left, a kill of this launch had the
+        // next launcher say the run "had finished" and `launcher report` draw the last launch's
+        // outcome as the run's. This launch writes its own at its end.
+        match std::fs::remove_file(&self.summary) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", self.summary.display()));
+            }
+            _ => {}
+        }
         self.rewrite_ledgers()?;
         for dir in &self.kept_after {
             match atomic_file::remove_dir(dir) {
@@ -405,6 +417,21 @@ mod tests {
             1,
             10,
         )
+    }
+
+    /// A resume removes the last launch's summary.json as it starts: a kill of the resumed
+    /// launch left it, and the next launcher said the run "had finished", `launcher report`
+    /// drew the last launch's outcome as the run's.
+    #[test]
+    fn a_resume_removes_the_last_launchs_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::write(run.summary(), r#"{"ok": false, "exit_code": 130}"#).unwrap();
+        let cfg = PipelineConfig::default();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert!(run.summary().exists(), "checked, not yet applied");
+        r.apply().unwrap();
+        assert!(!run.summary().exists());
     }
 
     /// A summary.json that is not JSON (edited, damaged) refuses the resume, naming the file
