@@ -346,6 +346,18 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     }
     let data =
         (target_worker::load_dataset(&cfg).context("loading the dataset")).map_err(resuming)?;
+    // A file's samples are not bound by data.min_len (the synthetic data's shortest), but the
+    // ring's slots hold a full token budget of min_len-token samples: batches of shorter ones
+    // carried more headers than a slot holds, and every target crashed on them. Sized for
+    // the file's shortest instead (min_len plans nothing for file data).
+    if let (Some(_), Some(&shortest)) = (&cfg.data.path, data.lengths().iter().min()) {
+        if shortest < cfg.data.min_len {
+            cfg.data.min_len = shortest.max(1);
+            cfg.validate()
+                .context("checking the config for the data's shortest sample")
+                .map_err(refused)?;
+        }
+    }
     (cfg.check_plan_size(data.len() as u64))
         .context("checking the config")
         .map_err(refused)?;

@@ -469,6 +469,35 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     );
 }
 
+/// Samples shorter than `data.min_len` (a file's are not bound by it): the slots were sized
+/// for a full token budget of min_len-token samples, and a batch of 2-token ones carried more
+/// headers than a slot held, so every target crashed on it ("payload ... does not fit a slot").
+#[test]
+fn a_files_samples_shorter_than_min_len_fit_the_slots() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dshort");
+    // Batches of a full token budget (2048) of 2- and 3-token samples: ~800 headers a batch.
+    let short: Vec<Owned> = (0..3000u32)
+        .map(|i| ((0..2 + i % 2).map(|j| i * 7 + j).collect(), None))
+        .collect();
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&short)).unwrap();
+    let config = run_config(&dir, 2_000_000.0, "");
+    let args = [
+        "--data",
+        &dir.s("train.jsonl"),
+        "--run-dir",
+        &dir.s("run"),
+        "--max-restarts",
+        "0",
+    ];
+    let out = launch(Some(&config), &args).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["samples_trained"], 3000, "{s}");
+}
+
 /// A resume whose input file is gone trains the prepared file the run was planned from: it was
 /// refused ("reading dataset ...: No such file or directory") while that file was in the cache,
 /// and nothing said the way on.
