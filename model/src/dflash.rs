@@ -1373,7 +1373,12 @@ impl Dflash {
             })?;
         let cfg = serde_json::to_string_pretty(&self.cfg.to_json("bfloat16")).expect("json");
         let path = dir.join("config.json");
-        std::fs::write(&path, cfg + "\n").map_err(io(&path))
+        std::fs::write(&path, cfg + "\n").map_err(io(&path))?;
+        // safetensors writes through a temporary file of mode 0600, so a server running as
+        // another user (a container, a teammate's SGLang) could read the config and not the
+        // weights: they get the mode the config got (0666 less the umask).
+        let mode = std::fs::metadata(&path).map_err(io(&path))?.permissions();
+        std::fs::set_permissions(&st, mode).map_err(io(&st))
     }
 
     /// A drafter read back from its export in `dir`, with the target's frozen tensors: its

@@ -1088,6 +1088,21 @@ fn untrained_drafter(m: &Path, to: &Path) -> PathBuf {
     to.to_path_buf()
 }
 
+/// An export's weights are as readable as its config (0666 less the umask): safetensors wrote
+/// them 0600, which a server running as another user could not load.
+#[test]
+fn an_exports_weights_are_as_readable_as_its_config() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TestDir::new("mmode");
+    let (_, drafter) = model_and_untrained_drafter(&dir);
+    let mode = |f: &str| {
+        let m = std::fs::metadata(drafter.join(f)).unwrap().permissions().mode() & 0o777;
+        format!("{m:o}")
+    };
+    assert_eq!(mode("model.safetensors"), mode("config.json"));
+    assert_ne!(mode("config.json"), "600", "the test's umask hides the difference");
+}
+
 /// A target that computes NaN or infinities is an error naming the model and where it went
 /// wrong, for `capture` and `eval` alike, and a config.json with a negative `rms_norm_eps` (the
 /// usual cause) is refused by its field. Before, capture wrote all-NaN states and greedy tokens
