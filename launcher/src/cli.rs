@@ -287,6 +287,36 @@ impl Args {
             }
         }
         self.monitor_period()?;
+        self.check_paths_are_text()
+    }
+
+    /// Refuses a path that is not UTF-8, naming its flag: the run writes its paths as text
+    /// (config.toml, the workers' welcome, the reclaim record), and such a path panicked in the
+    /// config's writing (`--data`, `--data-cache`) or crash-looped every worker on a welcome it
+    /// could not send (`--run-dir`). A relative path is looked at from the current directory.
+    fn check_paths_are_text(&self) -> Result<(), UsageError> {
+        let cwd = std::env::current_dir().ok();
+        for (flag, path) in [
+            ("--model", &self.model),
+            ("--resume", &self.resume),
+            ("--data", &self.data),
+            ("--data-cache", &self.data_cache),
+            ("--run-dir", &self.run_dir),
+            // The default run directory, runs/<id>, is under the current one.
+            ("the current directory", &cwd),
+        ] {
+            let Some(p) = path else { continue };
+            let whole = match &cwd {
+                Some(cwd) if p.is_relative() => cwd.join(p),
+                _ => p.clone(),
+            };
+            if whole.to_str().is_none() {
+                return Err(UsageError(format!(
+                    "{flag} {}: the path is not UTF-8, and a run writes its paths as text (config.toml, the workers' messages): rename it, or reach it through a link whose path is UTF-8",
+                    p.display()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -525,6 +555,28 @@ mod tests {
     /// A number a flag refuses is refused naming that flag, as a usage error: a negative
     /// period by the launcher's own check (not clap's "unexpected argument '-1'"), a sample
     /// count out of range by the flag's range (not the config field it sets).
+    /// A path that is not UTF-8 is a usage error naming its flag: `--data` panicked writing
+    /// config.toml, `--run-dir` crash-looped every worker on a welcome it could not send.
+    #[test]
+    fn a_path_that_is_not_utf8_is_refused_by_its_flag() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        let odd = OsString::from_vec(b"bad\xffname".to_vec());
+        for flag in ["--data", "--data-cache", "--run-dir", "--model"] {
+            let args: Vec<OsString> = ["launcher", "--targets", "0", "--drafters", "1", flag]
+                .into_iter()
+                .map(OsString::from)
+                .chain([odd.clone()])
+                .collect();
+            let run = Cli::try_parse_from(args).unwrap().run.unwrap();
+            let err = run.check().unwrap_err().0;
+            assert!(
+                err.starts_with(&format!("{flag} bad\u{FFFD}name: the path is not UTF-8")),
+                "{err}"
+            );
+        }
+    }
+
     #[test]
     fn out_of_range_numbers_name_their_flag() {
         let parse = |extra: &[&str]| {

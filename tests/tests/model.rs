@@ -1096,11 +1096,19 @@ fn an_exports_weights_are_as_readable_as_its_config() {
     let dir = TestDir::new("mmode");
     let (_, drafter) = model_and_untrained_drafter(&dir);
     let mode = |f: &str| {
-        let m = std::fs::metadata(drafter.join(f)).unwrap().permissions().mode() & 0o777;
+        let m = std::fs::metadata(drafter.join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
         format!("{m:o}")
     };
     assert_eq!(mode("model.safetensors"), mode("config.json"));
-    assert_ne!(mode("config.json"), "600", "the test's umask hides the difference");
+    assert_ne!(
+        mode("config.json"),
+        "600",
+        "the test's umask hides the difference"
+    );
 }
 
 /// A target that computes NaN or infinities is an error naming the model and where it went
