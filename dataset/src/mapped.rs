@@ -22,7 +22,7 @@ use memmap2::Mmap;
 
 use crate::arrow_io::{type_name, IpcFile};
 use crate::map::{buffer_of, map_read_only, unmap_resident};
-use crate::DataError;
+use crate::{DataError, FORMAT_VERSION};
 
 /// A `list<uint*>` column of one record batch: slices of the map.
 #[derive(Clone, Debug)]
@@ -132,6 +132,13 @@ impl Mapped {
                 )))
             }
         };
+        // A format this build does not know was mapped as if it were its own.
+        if let Some(v) = (schema.metadata().get("hspipe.dataset")).filter(|v| *v != FORMAT_VERSION)
+        {
+            return Err(bad(format!(
+                "it is hspipe's prepared data of format version {v:?}, and this build reads version {FORMAT_VERSION:?}: prepare the data again with this build (a file in the data cache: delete it and the data is prepared again)"
+            )));
+        }
         want("input_ids", DataType::UInt32)?;
         want("loss_mask", DataType::UInt8)?;
         // Aligned buffers are required: a misaligned one would be copied, and the point of the

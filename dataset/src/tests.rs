@@ -528,6 +528,23 @@ fn an_unchanged_input_is_not_read_again_and_any_write_to_it_is_seen() {
 /// (`the_content_key_is_the_reference_xxh3_128`), so today's key for the same input is another.
 const V1_FILE: &[u8] = include_bytes!("../testdata/v1-hspipe-writer.arrow");
 
+/// A prepared file of another format version is refused, naming both versions: it was mapped
+/// as if it were this build's.
+#[test]
+fn a_prepared_file_of_another_format_version_is_refused() {
+    let d = Dir::new("ver");
+    let p = d.0.join("v2.arrow");
+    let f = std::fs::File::create(&p).unwrap();
+    let mut w = Writer::new(f, vec![("hspipe.dataset".into(), "2".into())]).unwrap();
+    w.push(&[1, 2, 3], None).unwrap();
+    w.finish(Vec::new()).unwrap();
+    let err = Mapped::open(&p).err().unwrap().to_string();
+    assert!(
+        err.contains("format version \"2\"") && err.contains("reads version \"1\""),
+        "{err}"
+    );
+}
+
 /// A prepared file of the earlier build still maps to the same samples, and passed as the data
 /// itself (`--data file.arrow`) is used as it is, under the key it records. In a cache its old
 /// key is not today's, so the same input is prepared again beside it, never mixed up with it.
