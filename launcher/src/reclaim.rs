@@ -318,8 +318,14 @@ fn run_state(run: &Path) -> String {
         );
     }
     let ckpt = run_dir.checkpoint();
+    let recorded = proto::checkpointed::read(&run_dir).ok().flatten();
     let last = if ckpt.exists() {
         format!("its group checkpoint is {}", ckpt.display())
+    } else if let Some(step) = recorded {
+        format!(
+            "its drafter recorded its weights of step {step} saved ({})",
+            run_dir.checkpointed_step().display()
+        )
     } else {
         "it wrote no checkpoint yet (a resume trains it from the start)".to_string()
     };

@@ -11,6 +11,11 @@
 //! that never came. Nothing in the run directory is changed until everything has been checked,
 //! so a bad resume leaves the run as it was.
 //!
+//! A drafter of the user's own (`[drafter] command`) saves its weights itself, in a file hspipe
+//! cannot read, and records the step they hold (`proto::checkpointed`): S is that step, and the
+//! same rules hold. The resumed drafters are told S (Welcome's `resume_step`) and load their
+//! file of it; the group goes on from S.
+//!
 //! The GPUs: the run directory records the lists its last launcher ran on (`gpus.json`), so
 //! `--resume RUN_DIR` alone resumes on them, and a list given with it replaces the run's own.
 //! Every message that tells the user how to continue a run prints [`command`].
@@ -18,7 +23,7 @@
 //! One launcher at a time: each holds its run directory ([`hold`]) for its whole life, so a
 //! `--resume` of a run whose launcher still runs is refused before it changes anything.
 //!
-//! Length: about 620 lines, half of them tests: what a resume checks, rewrites and says is one
+//! Length: about 720 lines, half of them tests: what a resume checks, rewrites and says is one
 //! contract with the run directory's files, kept in one place.
 
 use std::collections::BTreeSet;
@@ -139,6 +144,10 @@ pub(crate) fn hold(run_dir: &RunDir) -> anyhow::Result<Option<File>> {
 pub struct Resume {
     /// The checkpoint's step (0 without a checkpoint): the group starts there.
     pub step: u32,
+    /// There is a checkpoint: ours, or one a drafter of the user's own recorded
+    /// (`proto::checkpointed`). Such a drafter is told its step in Welcome, to load its file of
+    /// it.
+    pub checkpointed: bool,
     /// Planned batches whose update is in the checkpoint.
     pub done: BTreeSet<u64>,
     /// Each ledger file and the lines it keeps.
@@ -182,30 +191,69 @@ pub fn check(
     }
     let ckpt = run_dir.checkpoint();
     let kept = run_dir.kept_export_steps();
-    let step = if ckpt.exists() {
-        let mut d = gpu::drafter(backend, cfg, None)?;
-        d.load(&ckpt).with_context(|| {
-            "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
-        })?;
-        u32::try_from(d.step()).context("checkpoint step out of range")?
+    let recorded = proto::checkpointed::read(run_dir)?;
+    let own = cfg.drafter.command.is_some();
+    let checkpointed = if own {
+        recorded.is_some()
     } else {
-        // A drafter without its checkpoint starts over from step 0 (the checkpoint moved away,
-        // as a failed load says to): the kept exports are another drafter's, which it would
-        // remove as after its checkpoint, or replace as it kept their steps again. A week's
-        // exports are the user's to keep or delete, not the resume's. One alone is what a
-        // leader killed between its first keep and its first checkpoint leaves (a kept step is
-        // a checkpoint step): removed below as after step 0, as a kill at any later keep is.
-        if kept.len() > 1 {
-            let steps: Vec<String> = kept.iter().map(|s| format!("step-{s}")).collect();
-            bail!(
+        ckpt.exists()
+    };
+    // One kind of drafter wrote the run's checkpoints: found beside a drafter of the other
+    // kind (config.toml's [drafter] command edited since), the resume would go on from a step
+    // whose weights the drafter does not load, or from the start with those batches counted
+    // trained.
+    let other = match (own, ckpt.exists(), recorded) {
+        (true, true, _) => Some(format!(
+            "{} is the checkpoint of hspipe's own drafter, but the run's drafter is a command of your own ([drafter] command), which does not load it",
+            ckpt.display()
+        )),
+        (false, _, Some(s)) => Some(format!(
+            "{} records step {s} saved by a drafter of your own ([drafter] command), but the run's drafter is hspipe's own, which does not load that drafter's file",
+            run_dir.checkpointed_step().display()
+        )),
+        _ => None,
+    };
+    if let Some(other) = other {
+        bail!(
+            "{other}: was [drafter] command changed in {} since? Put it back to resume the run as it was trained",
+            run_dir.config().display()
+        );
+    }
+    let step = match recorded.filter(|_| own) {
+        // The drafter saved its weights of this step (its own file), and said so last.
+        Some(s) => u32::try_from(s).with_context(|| {
+            format!(
+                "{}: step {s} is past the group's last (2^32 - 1)",
+                run_dir.checkpointed_step().display()
+            )
+        })?,
+        None if checkpointed => {
+            let mut d = gpu::drafter(backend, cfg, None)?;
+            d.load(&ckpt).with_context(|| {
+                "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
+            })?;
+            u32::try_from(d.step()).context("checkpoint step out of range")?
+        }
+        None => {
+            // A drafter without its checkpoint starts over from step 0 (the checkpoint moved
+            // away, as a failed load says to): the kept exports are another drafter's, which it
+            // would remove as after its checkpoint, or replace as it kept their steps again. A
+            // week's exports are the user's to keep or delete, not the resume's. One alone is
+            // what a leader killed between its first keep and its first checkpoint leaves (a
+            // kept step is a checkpoint step): removed below as after step 0, as a kill at any
+            // later keep is.
+            if kept.len() > 1 {
+                let steps: Vec<String> = kept.iter().map(|s| format!("step-{s}")).collect();
+                bail!(
                 "{} holds kept exports ({}) but the run has no checkpoint ({}), so the resumed drafter starts over from step 0 and would remove or replace them; move {} out of the run directory to keep them (each stays a drafter `launcher eval --drafter` takes), or delete it, and resume again",
                 run_dir.kept_exports_dir().display(),
                 steps.join(", "),
                 ckpt.display(),
                 run_dir.kept_exports_dir().display()
             );
+            }
+            0
         }
-        0
     };
     let lost = ledger::read_lost(run_dir)?;
     let mut ledgers = Vec::new();
@@ -281,6 +329,7 @@ pub fn check(
         .collect();
     Ok(Resume {
         step,
+        checkpointed,
         done,
         ledgers,
         dropped,
@@ -622,9 +671,80 @@ mod tests {
     }
 
     fn line(batch: u64) -> String {
+        line_of(batch, 0)
+    }
+
+    /// The ledger line of `batch`, trained in group step `step`.
+    fn line_of(batch: u64, step: u64) -> String {
         format!(
-            r#"{{"batch_id":{batch},"sample_ids":[{batch}],"tokens":1,"delivery":0,"ticket":{batch},"step":0,"digest":"","epoch":1}}"#
+            r#"{{"batch_id":{batch},"sample_ids":[{batch}],"tokens":1,"delivery":0,"ticket":{batch},"step":{step},"digest":"","epoch":1}}"#
         )
+    }
+
+    /// A run whose drafter is a command of the user's own (a Python drafter).
+    fn own_drafter() -> PipelineConfig {
+        let mut cfg = PipelineConfig::default();
+        cfg.drafter.command = Some(vec!["python".into(), "drafter.py".into()]);
+        cfg
+    }
+
+    /// A drafter of one's own that recorded step 4 saved: the resume goes on from step 4,
+    /// keeping the lines of steps up to it (their batches done, never trained again) and
+    /// dropping the later ones, as from our checkpoint. Before, such a run had no checkpoint
+    /// hspipe knew of: it resumed at step 0, every batch trained again.
+    #[test]
+    fn a_resume_goes_on_from_the_step_a_drafter_of_ones_own_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::create_dir_all(run.ledger_dir()).unwrap();
+        let lines = [line_of(0, 1), line_of(1, 4), line_of(2, 5), line_of(3, 6)];
+        std::fs::write(run.ledger(0), lines.join("\n") + "\n").unwrap();
+        let cfg = own_drafter();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert_eq!((r.step, r.checkpointed), (0, false), "nothing recorded yet");
+        proto::checkpointed::record(&run, 4, 5).unwrap();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert_eq!((r.step, r.checkpointed), (4, true));
+        assert_eq!(r.done.iter().copied().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(r.dropped, 2);
+        r.apply().unwrap();
+        let kept = std::fs::read_to_string(run.ledger(0)).unwrap();
+        assert_eq!(kept, format!("{}\n{}\n", lines[0], lines[1]));
+    }
+
+    /// The run's checkpoints were written by one kind of drafter: our checkpoint beside a
+    /// drafter of one's own, or a step recorded by one beside ours (config.toml's `[drafter]
+    /// command` edited since), is refused, naming the file and what to do, not resumed from a
+    /// step whose weights the drafter does not load.
+    #[test]
+    fn a_checkpoint_of_the_other_kind_of_drafter_is_refused() {
+        let refused = |cfg: &PipelineConfig, run: &RunDir| {
+            super::check(run, cfg, gpu::BackendKind::Mock, 1, 10)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        proto::checkpointed::record(&run, 3, 3).unwrap();
+        let e = refused(&PipelineConfig::default(), &run);
+        assert!(
+            e.contains("step.json records step 3 saved by a drafter of your own")
+                && e.contains("[drafter] command changed"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let cfg = PipelineConfig::default();
+        let d = gpu::drafter(gpu::BackendKind::Mock, &cfg, None).unwrap();
+        std::fs::create_dir_all(run.checkpoints_dir()).unwrap();
+        d.save(&run.checkpoint()).unwrap();
+        let e = refused(&own_drafter(), &run);
+        assert!(
+            e.contains("drafter.safetensors is the checkpoint of hspipe's own drafter")
+                && e.contains("[drafter] command changed"),
+            "{e}"
+        );
     }
 
     /// A line a kill cut short (the start of a line, or a crash's NUL bytes), ended by the

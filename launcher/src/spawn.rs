@@ -78,6 +78,8 @@ pub struct Welcome {
     /// The directories they run in (`command_dir`).
     pub target_command_dir: Option<PathBuf>,
     pub drafter_command_dir: Option<PathBuf>,
+    /// The step of the checkpoint this launch resumed the run from (`ToWorker::Welcome`'s).
+    pub resume_step: Option<u64>,
 }
 
 impl Welcome {
@@ -435,6 +437,7 @@ fn handshake(
         gpu: Some(gpu),
         config_toml: welcome.config_toml,
         backend: welcome.backend.to_string(),
+        resume_step: welcome.resume_step,
     });
     if sent.is_err() {
         return failed("the worker went away during the handshake".into());
@@ -637,6 +640,7 @@ mod tests {
             drafter_command: None,
             target_command_dir: None,
             drafter_command_dir: None,
+            resume_step: None,
         };
         let key = super::Key {
             name: shm_ring::WorkerName::producer(0),

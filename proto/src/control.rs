@@ -32,11 +32,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
-/// Bumped on any change to the messages below, the config they carry included (8:
-/// [`StepStats::skipped`]; 7: the workers' config gained `command_dir`, which a worker of
-/// before refuses as unknown). A Python wheel built earlier is told to rebuild by the version,
-/// not by a field.
-pub const PROTOCOL_VERSION: u32 = 8;
+/// Bumped on any change to the messages below, the config they carry included (9: Welcome's
+/// `resume_step`; 8: [`StepStats::skipped`]; 7: the workers' config gained `command_dir`, which
+/// a worker of before refuses as unknown). A Python wheel built earlier is told to rebuild by the
+/// version, not by a field.
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The largest frame either side accepts.
 /// A worker the launcher runs from a config's `command` (a Python worker) finds its control
@@ -119,6 +119,10 @@ pub enum ToWorker {
         /// The compute backend the launcher chose for the run, by name (`gpu::BackendKind`
         /// spells and reads it: proto knows no backend).
         backend: String,
+        /// The step of the checkpoint this launch resumed the run from (ours, or the one a
+        /// drafter of the user's own recorded: [`crate::checkpointed`]), which such a drafter
+        /// loads; None for a new run, and for a resume from the start (nothing checkpointed).
+        resume_step: Option<u64>,
     },
     Refused {
         why: String,
@@ -419,6 +423,7 @@ pub struct WorkerLink {
     pub gpu: Option<u32>,
     pub config_toml: String,
     pub backend: String,
+    pub resume_step: Option<u64>,
 }
 
 /// Connects to the launcher's server `name`, says hello, and waits up to `timeout` for Welcome.
@@ -450,6 +455,7 @@ pub fn connect(
             gpu,
             config_toml,
             backend,
+            resume_step,
         } => {
             if version != PROTOCOL_VERSION {
                 return Err(ControlError::Version {
@@ -465,6 +471,7 @@ pub fn connect(
                 gpu,
                 config_toml,
                 backend,
+                resume_step,
             })
         }
         ToWorker::Refused { why } => Err(ControlError::Refused(why)),
@@ -500,9 +507,11 @@ mod tests {
             gpu: Some(3),
             config_toml: String::new(),
             backend: "mock".into(),
+            resume_step: Some(12),
         });
         let link = connect(&name, Role::Consumer, 2, Duration::from_secs(30)).unwrap();
         assert_eq!((link.ring.as_str(), link.gpu), ("hspipe-x", Some(3)));
+        assert_eq!(link.resume_step, Some(12));
         assert_eq!(h.join().unwrap(), Role::Consumer);
 
         let (name, _h) = launcher(|v| ToWorker::Welcome {
@@ -512,6 +521,7 @@ mod tests {
             gpu: None,
             config_toml: String::new(),
             backend: "mock".into(),
+            resume_step: None,
         });
         let err = connect(&name, Role::Producer, 0, Duration::from_secs(30))
             .err()

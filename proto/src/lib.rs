@@ -1,10 +1,12 @@
 //! What hspipe's processes agree on: the hidden-state batch layout inside a ring slot (written
 //! and read in place, checksummed), the batch plan, the pipeline config, the launcher ↔ worker
-//! control messages, the stop signals and exit codes (`stop`), and the checkpoint format. How a
+//! control messages, the stop signals and exit codes (`stop`), the checkpoint format, and the step
+//! a drafter of the user's own says its saved weights hold (`checkpointed`). How a
 //! worker process runs (its flags, logging, signal handlers) is not a contract: that is the
 //! `worker-runtime` crate.
 
 pub mod batch;
+pub mod checkpointed;
 pub mod config;
 pub mod control;
 pub mod jsonl;

@@ -347,6 +347,13 @@ impl RunDir {
         self.checkpoints_dir().join("drafter.safetensors")
     }
 
+    /// The step a drafter of the user's own (`[drafter] command`) last said the group's weights
+    /// are saved as of, in a file of its own (`checkpointed::record`): what `--resume` goes on
+    /// from for such a run, as it does from [`checkpoint`](Self::checkpoint)'s step for ours.
+    pub fn checkpointed_step(&self) -> PathBuf {
+        self.checkpoints_dir().join("step.json")
+    }
+
     /// The drafter as an inference engine loads it (`config.json`, `model.safetensors`),
     /// rewritten at every checkpoint by a drafter that exports (DFlash); the optimizer state
     /// stays in the checkpoint beside it, for `--resume`.

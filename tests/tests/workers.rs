@@ -541,6 +541,7 @@ fn a_target_started_by_a_launcher_handshakes_and_reports() {
             gpu: Some(4),
             config_toml: std::fs::read_to_string(&config).unwrap(),
             backend: "mock".into(),
+            resume_step: None,
         })
         .unwrap();
     let report = match rx.recv_timeout(crate::support::WATCHDOG).unwrap() {

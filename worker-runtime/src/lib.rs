@@ -71,6 +71,9 @@ pub struct Setup {
     pub stop: StopFlags,
     /// Present when the launcher started us.
     pub to_launcher: Option<control::Sender<ToLauncher>>,
+    /// The step of the checkpoint the launcher resumed the run from (Welcome's), for a drafter
+    /// of the user's own to load; None for a new run, a resume from the start, or standalone.
+    pub resume_step: Option<u64>,
 }
 
 /// Set by a stop signal or by the launcher.
@@ -185,6 +188,7 @@ pub fn connect(server: &str, role: Role, index: u32, stop: StopFlags) -> Result<
         backend: link.backend.parse()?,
         stop,
         to_launcher: Some(link.to_launcher),
+        resume_step: link.resume_step,
     })
 }
 
@@ -232,6 +236,7 @@ fn connect_or_read(
                 backend: args.backend,
                 stop,
                 to_launcher: None,
+                resume_step: None,
             })
         }
     }

@@ -62,6 +62,8 @@ impl<'a> Supervisor<'a> {
         .map_err(|e| println!("warning: this run is not recorded for reclaiming: {e:#}"))
         .ok();
         let ring = Ring::create(&ring_name, &params).context("creating the ring")?;
+        // The step a resumed drafter of the user's own loads its weights of.
+        let resume_step = resume.as_ref().filter(|r| r.checkpointed).map(|r| r.step);
         // A resumed run: the ledgers keep what the checkpoint holds, and those batches are done.
         let (start_step, done) = match &resume {
             Some(r) => {
@@ -71,9 +73,13 @@ impl<'a> Supervisor<'a> {
                     .mark_work_done(r.done.iter().copied())
                     .context("marking the checkpointed batches done")?;
                 // No checkpoint (none written yet): every line is after it, trained again.
-                let from = match r.step {
-                    0 => "the start (no checkpoint was written)".to_string(),
-                    s => format!("its checkpoint at step {s}"),
+                let from = match (r.checkpointed, r.step) {
+                    (false, _) | (true, 0) => "the start (no checkpoint was written)".to_string(),
+                    (true, s) if cfg.drafter.command.is_some() => format!(
+                        "its checkpoint at step {s} (the step its drafter recorded saved, {})",
+                        run_dir.checkpointed_step().display()
+                    ),
+                    (true, s) => format!("its checkpoint at step {s}"),
                 };
                 println!(
                     "resuming {} from {from}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
@@ -126,6 +132,7 @@ impl<'a> Supervisor<'a> {
             target_command_dir: cfg.target.command_dir.clone(),
             drafter_command: cfg.drafter.command.clone(),
             drafter_command_dir: cfg.drafter.command_dir.clone(),
+            resume_step: resume_step.map(u64::from),
         };
         let workers = (targets.iter().enumerate())
             .map(|(i, &gpu)| Worker::new(WorkerName::producer(i as u32), gpu))
