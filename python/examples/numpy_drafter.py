@@ -2,7 +2,10 @@
 each token's last captured layer from its first (mean squared error). Each step:
 take a batch, compute the gradient, all-reduce it with the other ranks, apply the same update,
 release the batch with the step and the weights' digest. The leader saves the weights every
-[drafter] checkpoint_every steps and at the end; a rank restarted when no other lives loads them.
+[drafter] checkpoint_every steps and at the end, one file a step (`numpy_drafter-<step>.npz` in
+the run directory), and tells hspipe once the file is in place (`w.checkpointed(step)`), so
+`launcher --resume` goes on from that step: the resumed ranks load that file (`w.resume_step`).
+A rank restarted when no other lives loads the newest file.
 
 Run by the launcher from the config:  [drafter] command = ["python", "numpy_drafter.py"]
 Set [drafter] params to at least the size of what the group reduces (here 2 * hidden + 2).
@@ -17,6 +20,25 @@ import numpy as np
 import hspipe
 
 
+PREFIX = "numpy_drafter-"
+
+
+def checkpoint_path(run_dir, step):
+    """The file of the weights of group step `step`."""
+    return Path(run_dir) / f"{PREFIX}{step}.npz"
+
+
+def saved_steps(run_dir):
+    """The steps whose weights are saved in `run_dir`, ascending (a temporary is no file of a
+    step: `.npz.tmp`)."""
+    steps = []
+    for p in Path(run_dir).glob(f"{PREFIX}*.npz"):
+        step = p.name[len(PREFIX):-len(".npz")]
+        if step.isdigit():
+            steps.append(int(step))
+    return sorted(steps)
+
+
 def load(path):
     """(step, weights) of the checkpoint at `path`, or None if there is none."""
     try:
@@ -24,6 +46,13 @@ def load(path):
             return int(f["step"]), f["weights"].copy()
     except FileNotFoundError:
         return None
+
+
+def remove_steps(run_dir, which):
+    """Removes the files of the saved steps for which `which(step)` holds."""
+    for step in saved_steps(run_dir):
+        if which(step):
+            checkpoint_path(run_dir, step).unlink(missing_ok=True)
 
 
 def save(path, step, weights):
@@ -41,19 +70,36 @@ def run(w, checkpoint_every=None):
     hidden = w.config["model"]["hidden"]
     every = w.config["drafter"]["checkpoint_every"] if checkpoint_every is None \
         else checkpoint_every
-    path = Path(w.run_dir) / "numpy_drafter.npz"   # the group's model: one file, the leader's
+    run_dir = Path(w.run_dir)           # the group's model: one file a saved step, the leader's
     n = 2 * hidden                       # a scale and a shift per channel
     weights = np.zeros(n, dtype=np.float32)   # every rank starts the same
-    # Restarted (not a member): the leader's live weights, or, with every rank gone, the last
-    # checkpoint, whose step the group then goes on from (the updates since are recorded lost).
-    restarted = w.index not in w.membership[2]
-    saved = load(path) if restarted else None
-    joined = w.join(step=None if saved is None else saved[0])
-    if joined is not None:
-        _, state = joined
-        weights = np.asarray(state).view(np.float32)[:n].copy()
-    elif saved is not None:
-        weights = saved[1]
+    if w.index in w.membership[2]:
+        # A first incarnation: the group starts at the step the run resumed from (the last
+        # recorded saved), with that step's weights, or at 0 with the initial ones. Files of
+        # later steps were saved by a run killed before it recorded them: their updates are
+        # trained again, so they go (a restarted rank would take the newest for the group's).
+        start = w.resume_step
+        remove_steps(run_dir, lambda step: start is None or step > start)
+        if start is not None:
+            saved = load(checkpoint_path(run_dir, start))
+            if saved is None:
+                raise RuntimeError(
+                    f"the run resumes from step {start}, but {checkpoint_path(run_dir, start)} "
+                    "(its weights) is gone")
+            weights = saved[1]
+            print(f"resumed from step {start}, weights "
+                  f"{hashlib.sha256(weights.tobytes()).hexdigest()[:16]}")
+    else:
+        # Restarted: the leader's live weights, or, with every rank gone, the newest saved,
+        # whose step the group then goes on from (the updates since are recorded lost).
+        steps = saved_steps(run_dir)
+        saved = load(checkpoint_path(run_dir, steps[-1])) if steps else None
+        joined = w.join(step=None if saved is None else saved[0])
+        if joined is not None:
+            _, state = joined
+            weights = np.asarray(state).view(np.float32)[:n].copy()
+        elif saved is not None:
+            weights = saved[1]
     lr = np.float32(4.0)
     while True:
         w.admit(weights)                 # the leader hands its weights to joiners
@@ -84,7 +130,11 @@ def run(w, checkpoint_every=None):
                 print(f"step {r.step} loss {loss:.6f}{' (skipped)' if skipped else ''}")
         if r.leader and every and (r.step % every == 0 or r.everyone_ended):
             with w.phase("checkpoint"):
-                save(path, r.step, weights)
+                save(checkpoint_path(run_dir, r.step), r.step, weights)
+                # Whole on disk: a resume may go on from this step. The files before it are
+                # no longer needed (kept until now: a kill before this call resumes from one).
+                w.checkpointed(r.step)
+                remove_steps(run_dir, lambda step: step < r.step)
         digest = hashlib.sha256(weights.tobytes()).hexdigest()[:16]
         if batch is not None:
             batch.release(step=r.step, digest=digest)

@@ -387,6 +387,32 @@ impl Drafter {
         }
     }
 
+    /// Tells hspipe that the group's weights as of `step` (the step `all_reduce` returned for
+    /// the update applied last) are saved whole in the drafter's own file: recorded in the run
+    /// directory (replaced whole, synced before it returns), so `launcher --resume` goes on from
+    /// that step, the batches trained up to it never trained again, and the resumed ranks are
+    /// told it (`resume_step`). Call it after the file is in place (written, then renamed), and
+    /// keep that file until a later step is recorded: a kill between the two leaves the earlier
+    /// step recorded, and the resume loads its file. One rank calls it (the leader, which
+    /// saves). Raises for a rank that is not a member (join first), a step after the last this
+    /// rank applied, and a step before the one recorded.
+    fn checkpointed(&self, step: u64) -> PyResult<()> {
+        let d = self.d.get()?;
+        d.core.check_open()?;
+        crate::group::checkpointed(&d.core, &d.group, step)
+    }
+
+    /// The step of the checkpoint `launcher --resume` resumed the run from (the last step
+    /// `checkpointed` recorded), whose saved weights every first incarnation of a rank loads
+    /// before the group's first round, the group going on from that step; None for a new run,
+    /// and for a resume from the start (nothing recorded: the initial weights). The same for
+    /// every incarnation of the launch: a rank restarted mid-run gets the live weights from
+    /// `join()`.
+    #[getter]
+    fn resume_step(&self) -> Option<u64> {
+        self.shared.setup.resume_step
+    }
+
     /// The group now: (epoch, last committed step, member ranks).
     #[getter]
     fn membership(&self) -> PyResult<(u16, u64, Vec<u32>)> {

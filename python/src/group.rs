@@ -348,6 +348,24 @@ pub fn admit(g: &Group, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<u3
     Ok(admitted.count_ones())
 }
 
+/// `Drafter.checkpointed(step)`: records in the run directory that the group's weights as of
+/// `step` are saved (`proto::checkpointed`), for `launcher --resume` to go on from. Refused
+/// for a rank that is not a member (a restarted rank before its `join()`: its weights are not
+/// the group's yet) and for a step after the last this rank has applied: its last round's, or,
+/// before any round, the group's step it started or joined at (no round commits without a
+/// member).
+pub fn checkpointed(core: &Core, g: &Group, step: u64) -> PyResult<()> {
+    let m = g.c.membership();
+    if !m.contains(g.c.rank()) {
+        return Err(err(format!(
+            "checkpointed({step}): this rank is not a member of the group (a restarted rank \
+             joins first: join()), so the weights it holds are not the group's"
+        )));
+    }
+    let applied = g.last_step().unwrap_or(u64::from(m.step));
+    proto::checkpointed::record(&core.setup.run_dir, step, applied).map_err(err)
+}
+
 /// (epoch, last committed step, members) of the group now.
 pub fn membership(g: &Group) -> (u16, u64, Vec<u32>) {
     let m = g.c.membership();

@@ -63,6 +63,12 @@ def drafter_cases(w):
     # compatible with f32").
     raises(BufferError, lambda: w.all_reduce(np.zeros(4)), "float64 ('d')", "numpy.float32")
     case(w, "a buffer of another dtype is named")
+    # Weights saved of a step this rank has not applied cannot be resumed from: refused, with
+    # the step it has; a new run has no step to resume from.
+    assert w.resume_step is None
+    raises(hspipe.HspipeError, lambda: w.checkpointed(1), "checkpointed(1)",
+           "up to step 0 only")
+    case(w, "a step saved that was not applied is refused")
     # A loss without its tokens is the group's loss all the same (it was dropped as if the step
     # had trained nothing, with a warning).
     w.progress(0, 0.5)

@@ -1,8 +1,8 @@
 """Python workers (the hspipe package, issue #28) end to end through the launcher: a numpy
 target feeding our drafters, numpy drafters training as one group from our targets, a killed
-Python worker restarted alone, a poison batch set aside, a batch dropped after its update
-trained once, the view-lifetime cases, batches, slots and claims let go of on other threads,
-misuse of the API, and bad worker commands.
+Python worker restarted alone, a killed run resumed from the step its drafters recorded saved, a
+poison batch set aside, a batch dropped after its update trained once, the view-lifetime cases,
+batches, slots and claims let go of on other threads, misuse of the API, and bad worker commands.
 
 Run by scripts/test.sh (pytest on the wheel it builds); see conftest.py for the run helpers.
 """
@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import numpy as np
 
@@ -86,12 +87,93 @@ def test_numpy_drafters_learn_from_our_targets_as_one_group(run):
     assert last < first * 0.8, (first, last)
     # The leader's progress reached the launcher: the summary has the group's last loss.
     assert run.summary()["drafter"]["loss"] < first
-    # The leader saved the model at the end: the weights the last trained batch's line names.
-    with np.load(run.run_dir / "numpy_drafter.npz") as f:
+    # The leader saved the model at the end, the file of that step alone kept (the earlier
+    # ones went once a later step was recorded), and recorded its step for a resume: the
+    # weights the last trained batch's line names.
+    saved = sorted(run.run_dir.glob("numpy_drafter-*.npz"))
+    assert len(saved) == 1, saved
+    with np.load(saved[0]) as f:
         step, weights = int(f["step"]), f["weights"]
+    assert saved[0].name == f"numpy_drafter-{step}.npz", saved
+    assert recorded_step(run) == step
     last = max(lines, key=lambda l: l["step"])
     assert step >= last["step"], (step, last)
     assert hashlib.sha256(weights.tobytes()).hexdigest()[:16] == last["digest"], last
+
+
+def recorded_step(run):
+    """The step the run's drafter recorded saved (`w.checkpointed`), or None."""
+    p = run.run_dir / "checkpoints" / "step.json"
+    return json.loads(p.read_text())["step"] if p.exists() else None
+
+
+def pid_gone(pid):
+    """Process `pid` exited (gone, or a zombie no one reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def whole_lines(run):
+    """The ledgers' lines a kill left whole (a line it cut short is no line)."""
+    lines = []
+    for d in range(3):
+        p = run.run_dir / "ledger" / f"drafter-{d}.jsonl"
+        for text in (p.read_text().splitlines() if p.exists() else []):
+            try:
+                lines.append(json.loads(text))
+            except ValueError:
+                pass
+    return lines
+
+
+def test_a_killed_numpy_drafter_run_resumes_from_its_saved_step_training_each_batch_once(run):
+    # The leader records each step it saves (`w.checkpointed`). The launcher and its workers are
+    # SIGKILLed once a step is recorded and the group trained past it; `launcher --resume` goes
+    # on from that step: the batches trained up to it keep their lines and are not trained
+    # again, those after it are trained once, and the resumed ranks load the weights of that
+    # step (`w.resume_step`). Before, the resume started the group at step 0 from the initial
+    # weights and trained every batch again.
+    run.launch(config_text(slow=True, drafter=NUMPY_DRAFTER, faults=slower_targets()))
+    snap = run.wait_ring(
+        "a recorded step and a step trained after it",
+        lambda s: (recorded_step(run) or 0) >= 3
+        and any(l["step"] > recorded_step(run) for l in run.ledgers(live=True)),
+    )
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait()
+    pids = [w["pid"] for w in snap["workers"]]
+    began = time.monotonic()
+    while not all(pid_gone(p) for p in pids):
+        assert time.monotonic() - began < WATCHDOG_S, "workers outlived their launcher"
+        time.sleep(0.01)
+    step = recorded_step(run)
+    kept = {l["batch_id"]: l for l in whole_lines(run) if l["step"] <= step}
+    assert kept, "the saved weights hold some updates"
+    saved = [l["digest"] for l in kept.values() if l["step"] == step]
+
+    resumed = subprocess.run(
+        [str(BIN / "launcher"), "--resume", str(run.run_dir)],
+        capture_output=True, text=True, timeout=WATCHDOG_S,
+    )
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert f"from its checkpoint at step {step} (the step its drafter recorded saved" in out, out
+    every_sample_once(run)
+    lines = run.ledgers()
+    for l in lines:
+        if l["batch_id"] in kept:
+            assert l == kept[l["batch_id"]], f"batch {l['batch_id']} trained again: {l}"
+        else:
+            assert l["step"] > step, f"batch {l['batch_id']} after the resume at step {l['step']}"
+    one_model(lines)
+    # Every resumed rank loaded the weights of that step: those its lines name.
+    for d in range(3):
+        said = [ln for ln in run.log(f"drafter-{d}").splitlines() if ln.startswith("resumed from")]
+        assert said and said[-1].startswith(f"resumed from step {step}, weights "), said
+        assert said[-1].split()[-1] in saved, (said, saved)
 
 
 def test_a_python_leaders_skipped_update_is_counted_and_the_ranks_stay_one_model(run):
@@ -171,6 +253,7 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
         ("a state that cannot be handed over is refused at once", 1),
         ("a take() while a batch is held names the batch and release()", 1),
         ("a buffer of another dtype is named", 1),
+        ("a step saved that was not applied is refused", 1),
     ]:
         assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"
     assert code == 0, out
