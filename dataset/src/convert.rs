@@ -349,6 +349,10 @@ fn convert_into<W: Write>(
     }
 }
 
+/// The longest line of a JSON Lines file: a line is held whole while it is parsed, and a
+/// 300 MB one (a whole export in one object) took twice that to be refused.
+const MAX_JSONL_LINE: u64 = 64 << 20;
+
 /// One JSON object per line: `{"input_ids": [...], "loss_mask": [...]}` (the mask is
 /// optional: all ones), or a conversation or text (see `records`). Blank lines are skipped;
 /// lines are parsed and made into samples a chunk at a time, in parallel. A UTF-8 byte order
@@ -366,11 +370,23 @@ fn jsonl<W: Write>(
     let mut bytes = Vec::new();
     loop {
         bytes.clear();
-        let got = r.read_until(b'\n', &mut bytes).map_err(read_err(path))?;
+        let got = (r.by_ref().take(MAX_JSONL_LINE + 1))
+            .read_until(b'\n', &mut bytes)
+            .map_err(read_err(path))?;
         if got == 0 {
             break;
         }
         n += 1;
+        if got as u64 > MAX_JSONL_LINE {
+            return Err(DataError::Line {
+                path: path.to_path_buf(),
+                line: n,
+                why: format!(
+                    "longer than {} MiB: JSON Lines holds one sample per line, and no sample a run trains is near this long (is the file one JSON document? write it one sample per line)",
+                    MAX_JSONL_LINE >> 20
+                ),
+            });
+        }
         read += got as u64;
         // Every 4096 lines or MiB, whichever comes first: long conversations are slow to
         // tokenize, and a stop asked for is heard within a chunk or so.

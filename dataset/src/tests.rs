@@ -178,6 +178,18 @@ fn a_file_of_an_unknown_extension_says_it_was_read_as_jsonl() {
     );
 }
 
+/// A line past 64 MiB is refused naming it, not held whole: a 300 MB one (an export in one
+/// object) took 600 MB to be refused as not a sample, and aborted under a memory limit.
+#[test]
+fn a_jsonl_line_past_the_limit_is_refused_naming_it() {
+    let long = format!(
+        "{{\"input_ids\": [1]}}\n{{\"input_ids\": [{}1]}}\n",
+        "1,".repeat((64 << 20) / 2)
+    );
+    let err = jsonl(&long, 8).unwrap_err().to_string();
+    assert!(err.contains("train.jsonl:2: longer than 64 MiB"), "{err}");
+}
+
 #[test]
 fn jsonl_reads_samples_and_names_the_bad_line() {
     let got = jsonl(
