@@ -43,13 +43,14 @@ pub struct EvalArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Pipeline config whose [data] chat options (system_prompt, enable_thinking,
-    /// template_date, tokenizer) prepare --data's conversations, as the run prepared its own:
-    /// e.g. <run-dir>/config.toml. Default: none of them.
+    /// template_date, tokenizer) and max_len prepare --data's conversations, as the run
+    /// prepared its own: e.g. <run-dir>/config.toml. Default: none of them, and no length
+    /// limit.
     #[arg(long, value_name = "FILE", requires = "data")]
     pub config: Option<PathBuf>,
-    /// Where --data is prepared (cached), as the launcher's --data-cache: give the run's to
-    /// reuse the file its launch prepared. Default: runs/data-cache, beside a run's directory
-    /// under runs/ in the current directory.
+    /// Where --data is prepared (cached), as the launcher's --data-cache: give the run's, with
+    /// the run's --config, to reuse the file its launch prepared. Default: runs/data-cache,
+    /// beside a run's directory under runs/ in the current directory.
     #[arg(long, value_name = "DIR", requires = "data")]
     pub data_cache: Option<PathBuf>,
     /// Prompts to decode, 1 to 1000000 (none would report no figure as if it were one; the
@@ -124,7 +125,13 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
         None => proto::PipelineConfig::default(),
     };
     cfg.model.path = Some(a.model.clone());
-    let options = crate::data::options(&cfg, u32::MAX)?;
+    // The run's max_len keys the data as the run keyed it, so its prepared file is found in
+    // the cache, not the whole input prepared again to take a few prompts.
+    let max_len = match &a.config {
+        Some(_) => cfg.data.max_len,
+        None => u32::MAX,
+    };
+    let options = crate::data::options(&cfg, max_len)?;
     let (p, line) = crate::data::prepare_dataset(input, &options, &cache, None, Some(stop))?;
     println!("{line}");
     let data = dataset::Dataset::mapped(&p.path)?;

@@ -1455,6 +1455,40 @@ fn eval_data_names_its_file_and_says_when_it_has_fewer_prompts_than_asked() {
     let (code, said) = eval_with(&two, &more);
     assert_eq!(code, Some(0), "{said}");
     assert_eq!(prepared_in(&cache), 1, "{said}");
+    // With a run's --config, its max_len keys the data as the run's launch keyed it: the file
+    // that launch prepared is found, not the whole input prepared again for a few prompts.
+    let run_cfg = dir.path("run.toml");
+    std::fs::write(&run_cfg, "[data]\nmax_len = 64\n").unwrap();
+    let run_cache = dir.path("run-cache");
+    let (run_cfg, run_cache) = (run_cfg.to_str().unwrap(), run_cache.to_str().unwrap());
+    let (code, said) = crate::launcher::launch_in(
+        &dir,
+        &[
+            "prepare",
+            two.to_str().unwrap(),
+            "--model",
+            m,
+            "--config",
+            run_cfg,
+            "--data-cache",
+            run_cache,
+        ],
+    );
+    assert_eq!(code, Some(0), "{said}");
+    let (code, said) = eval_with(
+        &two,
+        &[
+            "--max-new-tokens",
+            "2",
+            "--config",
+            run_cfg,
+            "--data-cache",
+            run_cache,
+        ],
+    );
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("was prepared before"), "{said}");
+    assert_eq!(prepared_in(Path::new(run_cache)), 1, "{said}");
     // `--config` (a run's config.toml): its [data] chat options prepare the prompts, here its
     // tokenizer directory, which has none (before, eval had no --config: a run's system prompt,
     // thinking option and template date were not the prompts').
