@@ -839,6 +839,32 @@ fn a_silent_worker_is_stalled_and_named() {
     assert_ne!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
 }
 
+/// A lone drafter stalled is said to hold everything up, not "the other drafters go on
+/// without it" (there were none).
+#[test]
+fn a_lone_silent_drafter_is_said_to_be_the_only_one() {
+    let r = ring("silent1", 1, 1, 8);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for _ in 0..5 {
+        one_through(&p, &c);
+    }
+    c.add_phase(Phase::Compute, ms(300));
+    let a = r.snapshot();
+    c.add_phase(Phase::Compute, Duration::from_secs(30));
+    let mut b = r.snapshot();
+    b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+    drafter_mut(&mut b, 0).heartbeat_age_ns = Some(30_000_000_000);
+    let v = verdict(&b, &interval(&a, &b, &[]));
+    assert_eq!(v.bottleneck, Bottleneck::Stalled, "{v:?}");
+    assert!(
+        v.line
+            .ends_with("; it is the only live drafter: no batch is trained while it is silent")
+            && !v.line.contains("go on without it"),
+        "{}",
+        v.line
+    );
+}
+
 /// Hysteresis: once the drafters are the bottleneck, an interval in which the targets wait
 /// 15% (under the 20% that made it so, over half of it) keeps the verdict; judged alone, the
 /// same interval is balanced.

@@ -146,7 +146,17 @@ fn stalled(w: &Window) -> Option<Call> {
             .map_or(Phase::Other, main_phase)
             .name();
     let usual = step.map_or(String::new(), |s| format!(", its steps take {s:.1}s"));
-    let held = if s.role == Role::Consumer && w.group {
+    let peers = (w.b.workers.iter())
+        .filter(|x| x.role == role && x.index != s.index && x.alive)
+        .count();
+    let held = if peers == 0 {
+        // "The other drafters go on without it" of a run with one drafter was false.
+        let side = match role {
+            Role::Producer => "no batch is made",
+            Role::Consumer => "no batch is trained",
+        };
+        format!("; it is the only live {role}: {side} while it is silent")
+    } else if s.role == Role::Consumer && w.group {
         let others = w.others_sync(s.index).unwrap_or(0.0);
         format!("; the other drafters wait {} in sync for it", pct(others))
     } else {
