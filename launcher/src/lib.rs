@@ -102,9 +102,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         println!("{line}");
     }
     if signals.received() > 0 {
-        // Asked while the run was settled (its model checked, its directory laid out).
+        // Asked while the run was settled (its model checked, its directory laid out). A
+        // resume's earlier launches trained what they trained; this one trained nothing more.
+        let (trained, verb) = match settled.resume {
+            None => ("nothing was trained", "starts"),
+            Some(_) => ("nothing more was trained", "resumes"),
+        };
         println!(
-            "stopped by {} before the workers started: nothing was trained; `{}` starts the run",
+            "stopped by {} before the workers started: {trained}; `{}` {verb} the run",
             signals.last_name(),
             resume::command(settled.run_dir.path())
         );
