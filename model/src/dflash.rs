@@ -88,7 +88,7 @@ pub fn mask_token_id(dir: &Path, vocab: usize, configured: Option<u32>) -> Resul
     if let Some(id) = configured {
         if id as usize >= vocab {
             return Err(ModelError::Input(format!(
-                "mask_token_id = {id} is outside the vocabulary of {vocab}"
+                "dflash.mask_token_id = {id} is outside the target's vocabulary of {vocab}: name a token the target has, or leave it out (the tokenizer's mask token, else the vocabulary's last id)"
             )));
         }
         return Ok(id);

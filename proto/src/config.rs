@@ -691,6 +691,18 @@ impl PipelineConfig {
                 ),
             ));
         }
+        if self
+            .model
+            .target_layer_ids
+            .as_ref()
+            .is_some_and(Vec::is_empty)
+        {
+            // Else said as "layers ... must be at least 1", a field the user did not set.
+            return Err(invalid(
+                "model.target_layer_ids",
+                "names no layer: name the decoder layers to capture, or leave it out for SpecForge's choice of model.layers of them",
+            ));
+        }
         if self.model.layers == 0 || self.model.hidden == 0 {
             return Err(invalid("model", "layers and hidden must be at least 1"));
         }
@@ -1305,6 +1317,20 @@ keep_export_every = 120
             cause = c.source();
         }
         out
+    }
+
+    /// An empty list of layers to capture is named by its field, not as "layers and hidden
+    /// must be at least 1", fields the user did not set.
+    #[test]
+    fn an_empty_target_layer_ids_is_named() {
+        let err =
+            PipelineConfig::from_toml("[model]\ntarget_layer_ids = []\n", Path::new("a.toml"))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("model.target_layer_ids: names no layer"),
+            "{err}"
+        );
     }
 
     /// The mock backend computes bf16 only: f32 crash-looped every mock target and f16 had
