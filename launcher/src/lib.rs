@@ -379,7 +379,15 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     // Not `refused`: the ring is sized by the GPU lists too, which a resume may change.
     let params = (cfg.ring_params(nt, nd, batches))
         .context("sizing the ring")
-        .map_err(resuming)?;
+        .map_err(|e| match &args.resume {
+            // A resume's [ring] is the run's own config.toml, which the user did not give.
+            Some(dir) => e.context(format!(
+                "resuming {}: the ring for --targets/--drafters as given does not fit the run's [ring] settings: change them in {}, or resume with fewer workers",
+                dir.display(),
+                RunDir::new(dir).config().display()
+            )),
+            None => e,
+        })?;
 
     let resume = match &args.resume {
         Some(dir) => {

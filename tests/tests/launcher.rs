@@ -2399,6 +2399,17 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
         }
         assert_eq!(ledgers(), before, "a refused resume changed the ledgers");
     }
+    // More drafters than the run's [ring] slots hold: the run's config.toml is the file to
+    // change, which a resume's user did not give.
+    let (code, err) = resume_refused(&run_dir, &["--drafters", "5-7,10-49"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!(
+            "does not fit the run's [ring] settings: change them in {dir}/config.toml"
+        )) && err.contains("need slots >="),
+        "{err}"
+    );
+    assert_eq!(ledgers(), before, "a refused resume changed the ledgers");
     // One list given, overlapping the run's own other list: the GPUs the user never typed are
     // said to come from the run's record.
     let (code, err) = resume_refused(&run_dir, &["--targets", "4,5"]);
