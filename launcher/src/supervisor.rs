@@ -52,6 +52,9 @@ enum Life {
     Done,
     /// Exited after a stop request.
     Stopped,
+    /// Exited 0 without finishing its part (`unfinished_target`, `unfinished_drafter`): not
+    /// restarted, and not counted as a drafter left to drain the ring.
+    Unfinished,
     /// Crashed again with its restarts in a row at the limit.
     GaveUp,
 }
@@ -112,7 +115,10 @@ impl Worker {
         self.name
     }
     fn finished(&self) -> bool {
-        matches!(self.life, Life::Done | Life::Stopped | Life::GaveUp)
+        matches!(
+            self.life,
+            Life::Done | Life::Stopped | Life::Unfinished | Life::GaveUp
+        )
     }
 }
 
@@ -338,7 +344,8 @@ impl<'a> Supervisor<'a> {
     fn exits(&mut self) -> anyhow::Result<()> {
         // Counted before this pass's exits: a drafter given up now is seen at the next pass.
         let drafters_left = (self.workers.iter())
-            .filter(|w| w.name.role == Role::Consumer && w.life != Life::GaveUp)
+            .filter(|w| w.name.role == Role::Consumer)
+            .filter(|w| !matches!(w.life, Life::GaveUp | Life::Unfinished))
             .count();
         for i in 0..self.workers.len() {
             let w = &mut self.workers[i];
@@ -358,6 +365,7 @@ impl<'a> Supervisor<'a> {
                     // the ring's end and finishes too).
                     if w.name.role == Role::Consumer {
                         self.left_behind(i, status)?;
+                        self.unfinished_drafter(i, status);
                     }
                 }
                 _ => self.crashed(i, status)?,
@@ -487,10 +495,38 @@ impl<'a> Supervisor<'a> {
             return Ok(());
         }
         let (r, _) = (self.ring.recover(name)?, self.ring.retire(name.index)?);
+        self.workers[i].life = Life::Unfinished;
         let note = format!("{name} exited ({status}) without finishing (a Python target that never called close()?): its {} work item(s) went back to the other targets, and it is not restarted", r.work_returned);
         self.mon.say(&note);
         self.notes.push(note);
         Ok(())
+    }
+
+    /// A drafter that exited 0 without finishing its part, which ends only with the ring (closed,
+    /// and drained by the group): one that never registered in the ring (a command that is not a
+    /// drafter, or exits before `hspipe.connect()`), or that left while the targets were still
+    /// publishing and no stop was asked for (a loop that ends early). Such an exit used to count
+    /// as done: the batches it left were silently untrained, and with no drafter running the
+    /// targets were not stopped. Like an unfinished target it is not restarted (it would do the
+    /// same again); what it held is back in the ring already (`left_behind`), for the others.
+    fn unfinished_drafter(&mut self, i: usize, status: ExitStatus) {
+        let snap = self.ring.snapshot();
+        let w = &self.workers[i];
+        let why = if !Self::registered(w, &snap) {
+            "without registering in the ring (a command that is not an hspipe drafter, or one that exits before hspipe.connect()?)"
+        } else if !self.stopping && !snap.closed {
+            "while the targets were still publishing (a drafter loop that ends before take() returns None with w.ended?)"
+        } else {
+            return;
+        };
+        let note = format!(
+            "{} exited ({status}) {why}: it is not restarted, and what it did not train is left to the other drafters; see its log {}",
+            w.name(),
+            self.run_dir.log(w.name()).display()
+        );
+        self.workers[i].life = Life::Unfinished;
+        self.mon.say(&note);
+        self.notes.push(note);
     }
 
     /// Step 5: starts every worker whose backoff is over (the first start is due at once).

@@ -2714,6 +2714,31 @@ fn a_worker_log_past_its_cap_is_rotated_while_the_worker_runs() {
     );
 }
 
+/// A `[drafter] command` that exits 0 without registering in the ring (here `true`: not a
+/// drafter at all) is said by name, with what it likely means, and the run ends degraded with
+/// it in the notes; it is not restarted, as a target that exits without finishing is not, and
+/// with no drafter left the targets are stopped. Before, its exit counted as done: the run
+/// ended `0/20 samples trained` with no word of the drafter.
+#[test]
+fn a_drafter_command_that_exits_0_without_registering_is_said_and_fails_the_run() {
+    let run = Run::new("ldrafter0");
+    let cfg = "[data]\nsynthetic_samples = 20\n[drafter]\ncommand = [\"true\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let (code, said) = launch_in(&run.dir, &ONE_BY_ONE);
+    assert_eq!(code, Some(3), "{said}");
+    let exited = "drafter-0 exited (exit status: 0) without registering in the ring (a command that is not an hspipe drafter";
+    assert!(
+        said.contains(exited) && said.contains("it is not restarted"),
+        "{said}"
+    );
+    assert!(!said.contains("drafter-0 restarted"), "{said}");
+    let notes = run.summary()["notes"].to_string();
+    assert!(
+        notes.contains(exited) && notes.contains("no drafter left: stopping the targets"),
+        "{notes}"
+    );
+}
+
 /// A new run in a directory an earlier launch laid out and trained nothing in (its drafter
 /// failed at start) starts clean: what that launch wrote is removed, by name, and said, and
 /// what it did not write is left. Before, the new run appended to the earlier launch's
