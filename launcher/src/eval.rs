@@ -171,9 +171,11 @@ fn prompts(a: &EvalArgs, vocab: usize, stop: &StopSignals) -> anyhow::Result<Vec
     Ok(out)
 }
 
+/// Decodes `prompts` with `drafter` (named `label` in errors) on `target`; `greedy` is the
+/// target's own output for each, which the speculative output must equal.
 fn decode(
     target: &Decoder,
-    drafter: &Dflash,
+    (drafter, label): (&Dflash, &str),
     prompts: &[Vec<u32>],
     greedy: &[Vec<u32>],
     max_new: usize,
@@ -185,8 +187,14 @@ fn decode(
     let mut tokens = 0;
     for (i, (p, want)) in prompts.iter().zip(greedy).enumerate() {
         stop.check(|| stopped_at("speculative decoding", i, prompts.len()))?;
-        let g = spec::speculative(target, drafter, p, max_new)
-            .with_context(|| format!("prompt {i}"))?;
+        let g = spec::speculative(target, drafter, p, max_new).map_err(|e| {
+            // The target's greedy decoding of the same prompt passed its NaN check.
+            let what = match e {
+                model::ModelError::NonFinite(_) => ": it cannot be scored; evaluate another export (a kept one, drafter-steps/step-S/, of a step before the training diverged) or train it again",
+                _ => "",
+            };
+            anyhow::Error::from(e).context(format!("prompt {i}, drafted by {label}{what}"))
+        })?;
         if &g.tokens != want {
             let at = g.tokens.iter().zip(want).position(|(x, y)| x != y);
             eprintln!("prompt {i}: the speculative output differs from the target's greedy output at token {at:?}");
@@ -397,7 +405,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
         .collect::<Result<_, _>>()?;
     let trained = decode(
         &target,
-        &drafter,
+        (&drafter, &format!("the drafter {}", a.drafter.display())),
         &prompts,
         &greedy,
         a.max_new_tokens,
@@ -408,7 +416,7 @@ pub fn run_eval(a: EvalArgs) -> anyhow::Result<i32> {
         let fresh = Dflash::new(drafter.cfg.clone(), frozen()?, 0)?;
         let u = decode(
             &target,
-            &fresh,
+            (&fresh, "the untrained drafter"),
             &prompts,
             &greedy,
             a.max_new_tokens,
@@ -457,13 +465,9 @@ mod tests {
         EvalArgs::try_parse_from(argv).unwrap()
     }
 
-    /// `--json` in a directory that does not exist is written there, the directory made (as
-    /// `prepare -o` makes its own); one under a regular file is refused before any decoding,
-    /// naming it. Before, the first failed after the decoding, naming the temporary file.
-    #[test]
-    fn json_in_a_missing_directory_is_made_and_one_under_a_file_refused_first() {
-        let dir = tempfile::tempdir().unwrap();
-        let m = dir.path().join("m");
+    /// A small target in `dir/m` and an untrained drafter's export for it in `dir/drafter`.
+    fn model_and_drafter(dir: &Path) -> (PathBuf, PathBuf) {
+        let m = dir.join("m");
         let spec = MakeSpec {
             layers: 2,
             vocab: 300,
@@ -473,24 +477,59 @@ mod tests {
         let arch = ArchConfig::load(&m).unwrap();
         let mask = mask_token_id(&m, arch.vocab_size, None).unwrap();
         let cfg = DflashConfig::for_target(&arch, vec![0, 1], Some(1), 4, mask);
-        let drafter = dir.path().join("drafter");
+        let drafter = dir.join("drafter");
         let frozen = Frozen::load(&m, &Device::Cpu).unwrap();
         Dflash::new(cfg, frozen, 0)
             .unwrap()
             .export(&drafter)
             .unwrap();
+        (m, drafter)
+    }
+
+    /// One prompt of 8 tokens, 2 new tokens: an eval that decodes little.
+    const QUICK: [&str; 6] = [
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--max-new-tokens",
+        "2",
+    ];
+
+    /// A drafter whose weights are NaN (a diverged training's export) is refused, naming its
+    /// directory and what to do, as a target computing NaN is: it was scored "mean acceptance
+    /// length 1.00", exit 0, a figure that is no score.
+    #[test]
+    fn a_drafter_whose_output_is_not_finite_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, drafter) = model_and_drafter(dir.path());
+        let st = drafter.join("model.safetensors");
+        let weights = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+        let nan: std::collections::HashMap<_, _> = (weights.into_iter())
+            .map(|(name, t)| (name, t.affine(0.0, f64::NAN).unwrap()))
+            .collect();
+        candle_core::safetensors::save(&nan, &st).unwrap();
+        let e = format!("{:#}", run_eval(args(&m, &drafter, &QUICK)).unwrap_err());
+        for want in [
+            &format!("prompt 0, drafted by the drafter {}", drafter.display()),
+            "NaN or infinite values in the drafter's output",
+            "evaluate another export",
+        ] {
+            assert!(e.contains(want), "{e:?} should say {want:?}");
+        }
+    }
+
+    /// `--json` in a directory that does not exist is written there, the directory made (as
+    /// `prepare -o` makes its own); one under a regular file is refused before any decoding,
+    /// naming it. Before, the first failed after the decoding, naming the temporary file.
+    #[test]
+    fn json_in_a_missing_directory_is_made_and_one_under_a_file_refused_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, drafter) = model_and_drafter(dir.path());
         let json = dir.path().join("nodir").join("x.json");
         let quick = |json: &std::path::Path| {
             let j = json.display().to_string();
-            let extra = [
-                "--prompts",
-                "1",
-                "--prompt-len",
-                "8",
-                "--max-new-tokens",
-                "2",
-            ];
-            let mut v: Vec<&str> = extra.to_vec();
+            let mut v: Vec<&str> = QUICK.to_vec();
             v.extend(["--json", &j]);
             run_eval(args(&m, &drafter, &v))
         };

@@ -644,7 +644,7 @@ impl Decoder {
 }
 
 /// That every element of `x` is finite, else [`ModelError::NonFinite`] naming `what`.
-fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
+pub(crate) fn finite(x: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
     if all_finite(x)? {
         return Ok(());
     }

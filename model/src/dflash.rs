@@ -1161,6 +1161,10 @@ impl Dflash {
         seqs: &[SeqBlocks],
     ) -> Result<Vec<u32>> {
         let h = self.forward(ctx_in, block_ids, seqs)?;
+        // Refused as the target's forward is: NaN or infinite states (weights broken by a
+        // diverged training or a damaged export) argmax to token 0 everywhere, and such a
+        // drafter was scored as one that never guesses right.
+        crate::decoder::finite(&h, || "the drafter's output".into())?;
         let rows = self.head_rows();
         let mut out = Vec::with_capacity(block_ids.len());
         for start in (0..h.dim(0)?).step_by(rows) {
