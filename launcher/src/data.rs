@@ -53,26 +53,20 @@ pub struct PrepareArgs {
     /// Write the prepared file here instead of the cache.
     #[arg(short, long, value_name = "FILE")]
     pub out: Option<PathBuf>,
-    /// The target's model directory: its tokenizer.json and chat template prepare records
-    /// holding messages, conversations or text (as data.tokenizer does).
+    /// The target's model directory, as the run's --model: its tokenizer.json and chat template
+    /// prepare records holding messages, conversations or text, unless the config's
+    /// data.tokenizer names another directory (as in the run).
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
 }
 
 /// `launcher prepare`: exit code 0, or an error.
 pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
-    let cfg = match &args.config {
-        Some(p) => PipelineConfig::load(p)?,
-        None => PipelineConfig::default(),
-    };
+    let cfg = prepare_config(&args)?;
     let cache = args
         .data_cache
         .clone()
         .unwrap_or_else(|| PathBuf::from("runs").join("data-cache"));
-    let mut cfg = cfg;
-    if let Some(m) = &args.model {
-        cfg.data.tokenizer = Some(m.clone());
-    }
     let options = options(&cfg, cfg.data.max_len)?;
     // Before the work of preparing: the file is renamed over `-o` once written.
     if let Some(out) = &args.out {
@@ -90,6 +84,20 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
     println!("{line}");
     println!("{}", p.path.display());
     Ok(0)
+}
+
+/// The config `launcher prepare` prepares under: `--config`'s, with `--model` as the run's
+/// `--model`, so that [`options`] picks the tokenizer as it does for the run (`data.tokenizer`
+/// first). `--model` used to replace `data.tokenizer`, and prepare made ids the run would not.
+fn prepare_config(args: &PrepareArgs) -> anyhow::Result<PipelineConfig> {
+    let mut cfg = match &args.config {
+        Some(p) => PipelineConfig::load(p)?,
+        None => PipelineConfig::default(),
+    };
+    if let Some(m) = &args.model {
+        cfg.model.path = Some(m.clone());
+    }
+    Ok(cfg)
 }
 
 /// How records become samples under `cfg`: with the tokenizer of `data.tokenizer` (which must
@@ -472,6 +480,51 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// `launcher prepare --model M --config C` takes C's data.tokenizer over M's tokenizer, as a
+    /// run on the same flags does, and fails where that run fails (a data.tokenizer that does
+    /// not exist). Before, --model replaced data.tokenizer: prepare made ids the run would not.
+    #[test]
+    fn prepare_takes_the_configs_tokenizer_over_the_models_as_a_run_does() {
+        use clap::Parser;
+        let t = tempfile::tempdir().unwrap();
+        let (base, bare) = (t.path().join("base"), t.path().join("bare"));
+        base_model(&base);
+        std::fs::create_dir(&bare).unwrap();
+        let cfg_of = |model: &Path, tokenizer: &Path| {
+            let toml = t.path().join("c.toml");
+            std::fs::write(
+                &toml,
+                format!("[data]\ntokenizer = {:?}\n", tokenizer.to_str().unwrap()),
+            )
+            .unwrap();
+            let args = [
+                Path::new("in.jsonl"),
+                Path::new("--config"),
+                &toml,
+                Path::new("--model"),
+                model,
+            ];
+            prepare_config(
+                &PrepareArgs::try_parse_from([Path::new("prepare")].iter().chain(&args)).unwrap(),
+            )
+            .unwrap()
+        };
+        // The model has no tokenizer.json; the config's tokenizer prepares the text.
+        let text = "{\"text\": \"hello there\"}\n";
+        assert_eq!(prepare(&cfg_of(&bare, &base), t.path(), text), Ok(1));
+        let missing = t.path().join("missing");
+        let e = format!(
+            "{:#}",
+            options(&cfg_of(&base, &missing), 64)
+                .err()
+                .expect("refused")
+        );
+        assert!(
+            e.contains(&format!("loading the tokenizer of {}", missing.display())),
+            "{e}"
+        );
     }
 
     /// A text with no tokenizer says what is missing and what to do: with no model named, to
