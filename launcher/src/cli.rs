@@ -345,6 +345,15 @@ pub fn check_gpus(targets: &[u32], drafters: &[u32], share_gpus: bool) -> Result
             shm_ring::MAX_WORKERS
         )));
     }
+    // The drafter group's segment has a place for each rank: more drafters failed later, at
+    // "creating the drafter group", after the run directory was laid out.
+    if drafters.len() > collective::MAX_RANKS {
+        return Err(UsageError(format!(
+            "--drafters lists {} GPUs: a drafter group has at most {} drafters; list fewer",
+            drafters.len(),
+            collective::MAX_RANKS
+        )));
+    }
     let shared = overlap(targets, drafters);
     if !shared.is_empty() && !share_gpus {
         return Err(UsageError(format!(
@@ -641,6 +650,21 @@ mod tests {
             e.contains("1024 targets and 1024 drafters") && e.contains("at most 1024 workers"),
             "{e}"
         );
-        assert!(check_gpus(&all[..1000], &all[..24], true).is_ok());
+        assert!(check_gpus(&all[..1000], &all[..16], true).is_ok());
+    }
+
+    /// More drafters than a group has ranks is the flag's fault (exit 2), said before anything
+    /// is created; it was "creating the drafter group: group segment ...: 17 ranks" (exit 1),
+    /// after the run directory was laid out.
+    #[test]
+    fn more_drafters_than_a_group_holds_is_a_usage_error() {
+        let e = check_gpus(&[0], &(1..=17).collect::<Vec<_>>(), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--drafters lists 17 GPUs") && e.contains("at most 16 drafters"),
+            "{e}"
+        );
+        assert!(check_gpus(&[0], &(1..=16).collect::<Vec<_>>(), false).is_ok());
     }
 }
