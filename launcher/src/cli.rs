@@ -368,6 +368,27 @@ pub fn check_gpus(targets: &[u32], drafters: &[u32], share_gpus: bool) -> Result
 /// Most GPU index accepted.
 const MAX_GPU: u32 = 1023;
 
+/// GPU `n`, unless it is past [`MAX_GPU`].
+fn in_range(n: u32) -> Result<u32, String> {
+    match n {
+        0..=MAX_GPU => Ok(n),
+        _ => Err(format!("GPU {n} is out of range (at most {MAX_GPU})")),
+    }
+}
+
+/// Checks a GPU list that was not parsed from the command line (a run's `gpus.json`, which can
+/// be edited) as [`parse_gpu_list`] checks one that is: every GPU in range, none twice.
+pub fn check_gpu_list(gpus: &[u32]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for &g in gpus {
+        in_range(g)?;
+        if !seen.insert(g) {
+            return Err(format!("GPU {g} is listed twice"));
+        }
+    }
+    Ok(())
+}
+
 /// A parsed GPU list, in the order given.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuList(pub Vec<u32>);
@@ -393,10 +414,7 @@ pub fn parse_gpu_list(s: &str) -> Result<Vec<u32>, String> {
                 .trim()
                 .parse()
                 .map_err(|_| format!("{t:?} in {s:?} is not a GPU number"))?;
-            if n > MAX_GPU {
-                return Err(format!("GPU {n} is out of range (at most {MAX_GPU})"));
-            }
-            Ok(n)
+            in_range(n)
         };
         let (lo, hi) = match part.split_once('-') {
             Some((a, b)) => (num(a)?, num(b)?),

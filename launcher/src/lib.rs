@@ -486,6 +486,7 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
             let lists = GpuLists {
                 targets: t.0.clone(),
                 drafters: d.0.clone(),
+                share_gpus: false,
             };
             (lists, false)
         }
@@ -495,30 +496,41 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
             return Err(UsageError(why.into()).into());
         }
     };
-    // The run's own lists were accepted when it started, --share-gpus and all.
-    if !recorded {
-        cli::check_gpus(&lists.targets, &lists.drafters, args.share_gpus).map_err(|e| {
-            // A resume given one list takes the other from the run's record: an overlap with
-            // GPUs the user never typed is said to come from there (and only an overlap: the
-            // other list is no way out of too many workers).
-            if cli::overlap(&lists.targets, &lists.drafters).is_empty() {
-                return e;
+    // The run's own lists, resumed as they are, were accepted with --share-gpus if their record
+    // says so; they are checked all the same, since the record can be edited by hand.
+    let share_gpus = args.share_gpus || (recorded && lists.share_gpus);
+    cli::check_gpus(&lists.targets, &lists.drafters, share_gpus).map_err(|e| {
+        let Some(dir) = &args.resume else {
+            return e;
+        };
+        let gpus = RunDir::new(dir).gpus();
+        let shared = !cli::overlap(&lists.targets, &lists.drafters).is_empty();
+        // A resume takes a list not given from the run's record: an overlap with GPUs the user
+        // never typed is said to come from there (and only an overlap: the other list is no way
+        // out of too many workers).
+        let (flag, list) = match (&args.targets, &args.drafters) {
+            (Some(_), None) if shared => ("--drafters", &lists.drafters),
+            (None, Some(_)) if shared => ("--targets", &lists.targets),
+            (None, None) => {
+                return cli::UsageError(format!(
+                    "{}, the GPU lists the run last ran on (--targets {} --drafters {}; edited since?): {}",
+                    gpus.display(),
+                    cli::format_gpu_list(&lists.targets),
+                    cli::format_gpu_list(&lists.drafters),
+                    e.0
+                ))
             }
-            let own = match (&args.resume, &args.targets, &args.drafters) {
-                (Some(dir), Some(_), None) => Some((dir, "--drafters", &lists.drafters)),
-                (Some(dir), None, Some(_)) => Some((dir, "--targets", &lists.targets)),
-                _ => None,
-            };
-            match own {
-                Some((dir, flag, list)) => cli::UsageError(format!(
-                    "{}; {flag} was not given, so it is the run's own, {} (from {}): give {flag} too",
-                    e.0,
-                    cli::format_gpu_list(list),
-                    RunDir::new(dir).gpus().display()
-                )),
-                None => e,
-            }
-        })?;
-    }
-    Ok(lists)
+            _ => return e,
+        };
+        cli::UsageError(format!(
+            "{}; {flag} was not given, so it is the run's own, {} (from {}): give {flag} too",
+            e.0,
+            cli::format_gpu_list(list),
+            gpus.display()
+        ))
+    })?;
+    Ok(GpuLists {
+        share_gpus,
+        ..lists
+    })
 }

@@ -74,7 +74,8 @@ pub(crate) fn config_unknown(dir: &Path, parse: &anyhow::Error) -> anyhow::Error
 
 /// The GPU lists a resume of `run_dir` runs on: each list given on the command line, the run's
 /// own (its `gpus.json`) for a list not given. The flag says whether both are the run's own,
-/// which a `--share-gpus` run that is resumed as it was needs not be told again. A run
+/// which a `--share-gpus` run that is resumed as it was needs not be told again (the record
+/// says whether it was one). A run
 /// directory without the record (from a build before it) needs both lists given: a usage
 /// error otherwise.
 pub(crate) fn gpu_lists(
@@ -86,6 +87,7 @@ pub(crate) fn gpu_lists(
         let lists = GpuLists {
             targets: t.0.clone(),
             drafters: d.0.clone(),
+            share_gpus: false,
         };
         return Ok((lists, false));
     }
@@ -98,9 +100,20 @@ pub(crate) fn gpu_lists(
         ))
         .into());
     };
+    // The record can be edited by hand: its lists get the command line's checks.
+    for (flag, list) in [("--targets", &own.targets), ("--drafters", &own.drafters)] {
+        crate::cli::check_gpu_list(list).map_err(|why| {
+            UsageError(format!(
+                "{}, the GPU lists the run last ran on, has in its {} list: {why} (edited since the launcher wrote it?); fix the file, or give the list as {flag}",
+                run_dir.gpus().display(),
+                &flag[2..],
+            ))
+        })?;
+    }
     let lists = GpuLists {
         targets: targets.map_or_else(|| own.targets.clone(), |t| t.0.clone()),
         drafters: drafters.map_or_else(|| own.drafters.clone(), |d| d.0.clone()),
+        share_gpus: own.share_gpus,
     };
     Ok((lists, targets.is_none() && drafters.is_none()))
 }
@@ -770,5 +783,53 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    /// The GPU lists `launcher --resume DIR [more]` runs on, where DIR's `gpus.json` is
+    /// `record`; the error, with its chain, if they are refused (as a usage error).
+    fn lists_of(record: &str, more: &[&str]) -> Result<proto::GpuLists, String> {
+        use clap::Parser;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(RunDir::new(dir.path()).gpus(), record).unwrap();
+        let resume = ["launcher", "--resume", dir.path().to_str().unwrap()];
+        let cli = crate::Cli::try_parse_from([&resume[..], more].concat()).unwrap();
+        crate::gpu_lists(&cli.run.unwrap()).map_err(|e| {
+            assert!(e.downcast_ref::<crate::UsageError>().is_some(), "{e:#}");
+            format!("{e:#}")
+        })
+    }
+
+    /// `gpus.json` can be edited: a resume checks its lists as the command line's (GPUs 0 to
+    /// 1023, none twice, at most 16 drafters, a GPU in both lists only with --share-gpus),
+    /// naming the file. Before, the record was taken as it was: an overlap ran without
+    /// --share-gpus and GPU 99999999 got a worker. A run started with --share-gpus says so in
+    /// its record, and resumes on it without the flag.
+    #[test]
+    fn a_resume_checks_the_recorded_gpu_lists_as_the_command_lines() {
+        for (record, says) in [
+            (
+                r#"{"targets":[0,1],"drafters":[1]}"#,
+                "GPU(s) [1] are in both --targets and --drafters; pass --share-gpus",
+            ),
+            (
+                r#"{"targets":[99999999],"drafters":[1]}"#,
+                "in its targets list: GPU 99999999 is out of range (at most 1023)",
+            ),
+            (
+                r#"{"targets":[0],"drafters":[1,1]}"#,
+                "in its drafters list: GPU 1 is listed twice",
+            ),
+            (
+                r#"{"targets":[0],"drafters":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#,
+                "--drafters lists 17 GPUs",
+            ),
+        ] {
+            let e = lists_of(record, &[]).unwrap_err();
+            assert!(e.contains("gpus.json") && e.contains(says), "{record}: {e}");
+        }
+        let shared = lists_of(r#"{"targets":[0,1],"drafters":[1]}"#, &["--share-gpus"]).unwrap();
+        assert!(shared.share_gpus, "{shared:?}");
+        let recorded = r#"{"targets":[0,1],"drafters":[1],"share_gpus":true}"#;
+        assert_eq!(lists_of(recorded, &[]).unwrap(), shared);
     }
 }

@@ -2449,7 +2449,8 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
         RunDir::new(&run_dir).read_gpus().unwrap(),
         Some(proto::GpuLists {
             targets: vec![8, 9],
-            drafters: vec![5, 6, 7]
+            drafters: vec![5, 6, 7],
+            share_gpus: false,
         })
     );
 }
