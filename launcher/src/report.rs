@@ -18,7 +18,8 @@
 //! cannot be a run is refused with the file (and line) at fault: a missing directory or
 //! `metrics.jsonl`, one that is no regular file (a FIFO would wait for ever), an empty one, or
 //! one with no tick at all. `summary.json` and the ledgers, read whole, are left out with a
-//! warning where they cannot be read. The picture never replaces a file it is drawn from.
+//! warning where they cannot be read, a summary also where it is not shaped as the launcher's
+//! (`summary_shape`). The picture never replaces a file it is drawn from.
 //!
 //! A run of any length costs bounded memory: the ticks are folded into buckets as they are read
 //! (`series`), and each column of the picture draws its buckets' mean over a light band from
@@ -246,8 +247,9 @@ pub fn load(dir: &Path) -> anyhow::Result<RunData> {
     let (summary, summary_unreadable) = match read_summary(&run.summary()) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
         Err(e) => (None, Some(e.to_string())),
-        Ok(text) => match serde_json::from_str(&text) {
-            Ok(v) => (Some(v), None),
+        Ok(text) => match serde_json::from_str(&text).map(|v| summary_shape(&v).map(|()| v)) {
+            Ok(Ok(v)) => (Some(v), None),
+            Ok(Err(why)) => (None, Some(format!("not a launcher's summary: {why}"))),
             Err(e) => (None, Some(format!("not JSON: {e}"))),
         },
     };
@@ -303,6 +305,51 @@ const MAX_LINE: usize = 16 << 20;
 /// The largest summary.json read: a summary is a few KB (thousands of workers make it some
 /// hundreds); a larger file is no summary a launcher wrote, and is not read into memory.
 const MAX_SUMMARY: u64 = 16 << 20;
+
+/// A test of a JSON value's type (`Value::is_u64`).
+type IsType = fn(&serde_json::Value) -> bool;
+
+/// The fields of summary.json the report reads (`outcome`), with the JSON type the launcher
+/// writes each as: a summary of another shape (edited, another program's) was drawn as
+/// "exit code null: null/null samples trained", with no word of why.
+const SUMMARY_FIELDS: [(&str, IsType, &str); 9] = [
+    ("ok", serde_json::Value::is_boolean, "true or false"),
+    ("exit_code", serde_json::Value::is_i64, "an integer"),
+    ("samples_trained", serde_json::Value::is_u64, "a count"),
+    ("samples_total", serde_json::Value::is_u64, "a count"),
+    ("batches_trained", serde_json::Value::is_u64, "a count"),
+    ("redelivered", serde_json::Value::is_u64, "a count"),
+    ("wall_s", serde_json::Value::is_number, "a number"),
+    ("tokens_per_s", serde_json::Value::is_number, "a number"),
+    ("notes", serde_json::Value::is_array, "a list"),
+];
+
+/// Whether `v` is shaped as the summary the launcher writes, as far as the report reads it;
+/// else what is wrong, naming the field.
+fn summary_shape(v: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    let kind = |v: &Value| match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    };
+    let Some(fields) = v.as_object() else {
+        return Err(format!("it is {}, not an object", kind(v)));
+    };
+    for (name, fits, want) in SUMMARY_FIELDS {
+        match fields.get(name) {
+            None => return Err(format!("it has no \"{name}\"")),
+            Some(x) if !fits(x) => {
+                return Err(format!("its \"{name}\" is {}, not {want}", kind(x)))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
 
 /// summary.json's text, refused unless a regular file (as [`atomic_file::read_regular`]
 /// refuses) of at most [`MAX_SUMMARY`] bytes.
@@ -1617,6 +1664,36 @@ mod tests {
             said.starts_with("summary.json is unreadable (not JSON: EOF while parsing"),
             "{said}"
         );
+    }
+
+    /// A summary.json of another shape than the launcher writes (edited) is left out with a
+    /// warning naming the file and the field, as one that is not JSON is. Before, it was read
+    /// silently and the picture said "exit code null: null/null samples trained".
+    #[test]
+    fn a_summary_of_another_shape_is_left_out_with_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let summary = dir.path().join("summary.json");
+        for (text, why) in [
+            ("[]", "it is a list, not an object"),
+            (
+                "{\"ok\": \"yes\"}",
+                "its \"ok\" is a string, not true or false",
+            ),
+            ("{\"ok\": true}", "it has no \"exit_code\""),
+        ] {
+            std::fs::write(&summary, text).unwrap();
+            let (run, _) = load_and_draw(dir.path(), b"{\"t_s\":1}\n");
+            assert!(run.summary.is_none(), "{text}");
+            let want = format!(
+                "{} is unreadable (not a launcher's summary: {why}): drawn without it",
+                summary.display()
+            );
+            assert_eq!(run.warnings, [want], "{text}");
+            assert!(
+                outcome(&run).starts_with("summary.json is unreadable"),
+                "{text}"
+            );
+        }
     }
 
     /// 2000 workers asked, with no --height, for "--height 128628 is too tall": the default
