@@ -690,6 +690,15 @@ impl<'a> Supervisor<'a> {
         })?;
         let mut notes = std::mem::take(&mut self.notes);
         notes.extend(self.skipped.at_the_end(self.args.stop_after_skipped));
+        if exit_code == exit::INTERRUPTED && notes.is_empty() && summary.exactly_once() {
+            // The stop came as the data ended, and the drain trained the rest: the run is done
+            // (a resume would find nothing to do), not stopped short.
+            println!(
+                "the stop ({}) came as the data ended: the drain trained every sample, so the run is done",
+                self.signals.last_name()
+            );
+            exit_code = exit::OK;
+        }
         // Judged from the ledgers only (summary.rs): what was trained, and what twice.
         // Every sample once in every epoch, or the run is degraded.
         if exit_code == exit::OK && (!notes.is_empty() || !summary.exactly_once()) {

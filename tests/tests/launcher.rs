@@ -555,6 +555,41 @@ enum Sent {
     TwiceByOneSender,
 }
 
+/// A stop that comes once the targets have published every batch: the drain trains the rest,
+/// and the run is done (exit 0, ok), as a resume would find nothing left to do. It ended 130
+/// and `ok: false` with every sample trained.
+#[test]
+fn a_stop_after_the_last_batch_was_published_ends_the_run_done() {
+    let run = Run::new("lstoplate");
+    let cfg = config(&run.dir, true, "");
+    // Targets far faster than the drafters, and a ring that holds every batch.
+    edit_config(&cfg, "slots = 24", "slots = 200");
+    edit_config(
+        &cfg,
+        "tokens_per_s = 8000.0\n\n[drafter]",
+        "tokens_per_s = 2000000.0\n\n[drafter]",
+    );
+    let mut launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    wait_until("every batch published, some not yet trained", &ring, |s| {
+        s.producers_done == s.producers_expected && s.slots.ready > 0
+    });
+    kill(pid, Signal::INT);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(
+        out.contains("the stop (SIGINT) came as the data ended: the drain trained every sample"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["samples_trained"].as_u64()),
+        (Some(true), Some(400)),
+        "{s}"
+    );
+}
+
 /// Sends `sig` to a launcher mid-run and checks the ordered stop: targets stop claiming,
 /// drafters drain and checkpoint, the summary is written, no segment and no worker is left, exit
 /// 130. With output gone, the stop must still complete, and `launcher.log` must still hold all
