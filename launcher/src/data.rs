@@ -374,6 +374,12 @@ pub fn resume_data(
             );
             return Ok((p, note));
         }
+        bail!(
+            "{} is gone, and so is the prepared file the run was planned from ({}, key {}), or it holds other data: restore either",
+            input.display(),
+            was.prepared.display(),
+            was.key
+        );
     }
     let now = prepare_dataset(input, options, cache, None, Some(stop))?;
     let Some(was) = was else {

@@ -486,7 +486,7 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
             let lists = GpuLists {
                 targets: t.0.clone(),
                 drafters: d.0.clone(),
-                share_gpus: false,
+                share_gpus: None,
             };
             (lists, false)
         }
@@ -497,8 +497,9 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
         }
     };
     // The run's own lists, resumed as they are, were accepted with --share-gpus if their record
-    // says so; they are checked all the same, since the record can be edited by hand.
-    let share_gpus = args.share_gpus || (recorded && lists.share_gpus);
+    // says so, or says nothing (an earlier build's, which checked them when the run started);
+    // they are checked all the same, since the record can be edited by hand.
+    let share_gpus = args.share_gpus || (recorded && lists.share_gpus != Some(false));
     cli::check_gpus(&lists.targets, &lists.drafters, share_gpus).map_err(|e| {
         let Some(dir) = &args.resume else {
             return e;
@@ -530,7 +531,7 @@ fn gpu_lists(args: &Args) -> anyhow::Result<GpuLists> {
         ))
     })?;
     Ok(GpuLists {
-        share_gpus,
+        share_gpus: Some(share_gpus),
         ..lists
     })
 }

@@ -87,7 +87,7 @@ pub(crate) fn gpu_lists(
         let lists = GpuLists {
             targets: t.0.clone(),
             drafters: d.0.clone(),
-            share_gpus: false,
+            share_gpus: None,
         };
         return Ok((lists, false));
     }
@@ -100,8 +100,15 @@ pub(crate) fn gpu_lists(
         ))
         .into());
     };
-    // The record can be edited by hand: its lists get the command line's checks.
-    for (flag, list) in [("--targets", &own.targets), ("--drafters", &own.drafters)] {
+    // The record can be edited by hand: its lists get the command line's checks, those the
+    // command line does not replace.
+    for (flag, list, given) in [
+        ("--targets", &own.targets, targets.is_some()),
+        ("--drafters", &own.drafters, drafters.is_some()),
+    ] {
+        if given {
+            continue;
+        }
         crate::cli::check_gpu_list(list).map_err(|why| {
             UsageError(format!(
                 "{}, the GPU lists the run last ran on, has in its {} list: {why} (edited since the launcher wrote it?); fix the file, or give the list as {flag}",
@@ -205,34 +212,27 @@ pub fn check(
     let ckpt = run_dir.checkpoint();
     let kept = run_dir.kept_export_steps();
     let recorded = proto::checkpointed::read(run_dir)?;
-    let own = cfg.drafter.command.is_some();
-    let checkpointed = if own {
-        recorded.is_some()
-    } else {
-        ckpt.exists()
-    };
-    // One kind of drafter wrote the run's checkpoints: found beside a drafter of the other
-    // kind (config.toml's [drafter] command edited since), the resume would go on from a step
-    // whose weights the drafter does not load, or from the start with those batches counted
-    // trained.
-    let other = match (own, ckpt.exists(), recorded) {
-        (true, true, _) => Some(format!(
-            "{} is the checkpoint of hspipe's own drafter, but the run's drafter is a command of your own ([drafter] command), which does not load it",
-            ckpt.display()
-        )),
-        (false, _, Some(s)) => Some(format!(
-            "{} records step {s} saved by a drafter of your own ([drafter] command), but the run's drafter is hspipe's own, which does not load that drafter's file",
+    let ours = ckpt.exists();
+    let checkpointed = ours || recorded.is_some();
+    // Which drafter wrote the run's checkpoint is told by its file, not by config.toml: a
+    // [drafter] command may wrap hspipe's own drafter worker, which writes ours. Both files, or
+    // a recorded step for hspipe's own drafter (config.toml's [drafter] command edited since),
+    // would resume from a step whose weights the drafter does not load, or from the start with
+    // those batches counted trained.
+    match (ours, recorded, cfg.drafter.command.is_some()) {
+        (true, Some(s), _) => bail!(
+            "{} (hspipe's own drafter's checkpoint) and {} (step {s}, recorded by a drafter of your own) are both there, but a run has one kind of drafter: move away the one the run's drafter did not write, and resume again",
+            ckpt.display(),
             run_dir.checkpointed_step().display()
-        )),
-        _ => None,
-    };
-    if let Some(other) = other {
-        bail!(
-            "{other}: was [drafter] command changed in {} since? Put it back to resume the run as it was trained",
+        ),
+        (false, Some(s), false) => bail!(
+            "{} records step {s} saved by a drafter of your own ([drafter] command), but the run's drafter is hspipe's own, which does not load that drafter's file: was [drafter] command changed in {} since? Put it back to resume the run as it was trained",
+            run_dir.checkpointed_step().display(),
             run_dir.config().display()
-        );
+        ),
+        _ => {}
     }
-    let step = match recorded.filter(|_| own) {
+    let step = match recorded {
         // The drafter saved its weights of this step (its own file), and said so last.
         Some(s) => u32::try_from(s).with_context(|| {
             format!(
@@ -240,7 +240,7 @@ pub fn check(
                 run_dir.checkpointed_step().display()
             )
         })?,
-        None if checkpointed => {
+        None if ours => {
             let mut d = gpu::drafter(backend, cfg, None)?;
             d.load(&ckpt).with_context(|| {
                 "the checkpoint does not load, so the run cannot resume from it (move it away to start the drafter over)".to_string()
@@ -752,10 +752,17 @@ mod tests {
         let d = gpu::drafter(gpu::BackendKind::Mock, &cfg, None).unwrap();
         std::fs::create_dir_all(run.checkpoints_dir()).unwrap();
         d.save(&run.checkpoint()).unwrap();
+        // Our checkpoint beside a [drafter] command: the command wraps our drafter worker
+        // (as `uv run` does), which wrote it; the resume goes on from it. It was refused as a
+        // checkpoint the command could not load, and the resume the launcher printed failed.
+        let r = super::check(&run, &own_drafter(), gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert!(r.checkpointed);
+        // Both kinds of checkpoint: one run has one kind of drafter.
+        proto::checkpointed::record(&run, 3, 3).unwrap();
         let e = refused(&own_drafter(), &run);
         assert!(
-            e.contains("drafter.safetensors is the checkpoint of hspipe's own drafter")
-                && e.contains("[drafter] command changed"),
+            e.contains("drafter.safetensors (hspipe's own drafter's checkpoint) and")
+                && e.contains("are both there"),
             "{e}"
         );
     }
@@ -808,7 +815,7 @@ mod tests {
     fn a_resume_checks_the_recorded_gpu_lists_as_the_command_lines() {
         for (record, says) in [
             (
-                r#"{"targets":[0,1],"drafters":[1]}"#,
+                r#"{"targets":[0,1],"drafters":[1],"share_gpus":false}"#,
                 "GPU(s) [1] are in both --targets and --drafters; pass --share-gpus",
             ),
             (
@@ -827,9 +834,18 @@ mod tests {
             let e = lists_of(record, &[]).unwrap_err();
             assert!(e.contains("gpus.json") && e.contains(says), "{record}: {e}");
         }
-        let shared = lists_of(r#"{"targets":[0,1],"drafters":[1]}"#, &["--share-gpus"]).unwrap();
-        assert!(shared.share_gpus, "{shared:?}");
+        let overlap = r#"{"targets":[0,1],"drafters":[1],"share_gpus":false}"#;
+        let shared = lists_of(overlap, &["--share-gpus"]).unwrap();
+        assert_eq!(shared.share_gpus, Some(true), "{shared:?}");
         let recorded = r#"{"targets":[0,1],"drafters":[1],"share_gpus":true}"#;
         assert_eq!(lists_of(recorded, &[]).unwrap(), shared);
+        // An earlier build's record says nothing of --share-gpus: its lists were checked when
+        // the run started, and its printed `launcher --resume DIR` must still work.
+        let earlier = r#"{"targets":[0,1],"drafters":[1]}"#;
+        assert_eq!(lists_of(earlier, &[]).unwrap(), shared);
+        // A bad list the command line replaces is no obstacle (the error says to give it).
+        let bad = r#"{"targets":[99999999],"drafters":[1],"share_gpus":false}"#;
+        let given = lists_of(bad, &["--targets", "0"]).unwrap();
+        assert_eq!((given.targets, given.drafters), (vec![0], vec![1]));
     }
 }

@@ -474,6 +474,7 @@ fn handshake(
             ToLauncher::Hello { .. } => continue,
         };
         if events.send(ev).is_err() {
+            rx.stop_reading();
             return;
         }
     }

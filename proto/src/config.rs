@@ -747,11 +747,12 @@ impl PipelineConfig {
                 return Err(invalid(field, format!("{v} is out of range")));
             }
         }
-        if !(1..=MAX_EVAL_PROMPTS).contains(&f.eval_prompts) {
+        if f.eval_prompts > MAX_EVAL_PROMPTS {
+            // 0 stays accepted as it always was (an evaluation of no prompt: none).
             return Err(invalid(
                 "dflash.eval_prompts",
                 format!(
-                    "must be between 1 and {MAX_EVAL_PROMPTS} (the held-out prompts each evaluation decodes; dflash.eval_every = 0 turns evaluation off), got {}",
+                    "must be at most {MAX_EVAL_PROMPTS} (the held-out prompts each evaluation decodes, made up front; dflash.eval_every = 0 turns evaluation off), got {}",
                     f.eval_prompts
                 ),
             ));
@@ -1382,6 +1383,7 @@ keep_export_every = 120
                 "[dflash]\neval_prompts = 4294967295\n",
                 "dflash.eval_prompts",
             ),
+            ("[dflash]\neval_prompts = 1000001\n", "dflash.eval_prompts"),
         ] {
             let err = PipelineConfig::from_toml(toml, Path::new("a.toml"))
                 .unwrap_err()

@@ -41,11 +41,11 @@ pub struct RunDir(PathBuf);
 pub struct GpuLists {
     pub targets: Vec<u32>,
     pub drafters: Vec<u32>,
-    /// The lists were accepted with `--share-gpus` (a GPU may be in both): a resume on them as
-    /// they are needs not be told again. Written only when true, so a record without it (of
-    /// a run without the flag, or from a build before it was kept) reads as false.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub share_gpus: bool,
+    /// Whether the lists were accepted with `--share-gpus` (a GPU may be in both): a resume on
+    /// them as they are needs not be told again. None: a record of a build before it was kept,
+    /// whose lists were checked when that run started, and are trusted so.
+    #[serde(default)]
+    pub share_gpus: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -942,14 +942,14 @@ mod tests {
         let lists = GpuLists {
             targets: vec![0, 1, 2, 6],
             drafters: vec![7],
-            share_gpus: false,
+            share_gpus: Some(false),
         };
         run.write_gpus(&lists).unwrap();
         assert_eq!(run.read_gpus().unwrap(), Some(lists));
         let other = GpuLists {
             targets: vec![3],
             drafters: vec![4, 5],
-            share_gpus: true,
+            share_gpus: Some(true),
         };
         run.write_gpus(&other).unwrap();
         assert_eq!(run.read_gpus().unwrap(), Some(other));

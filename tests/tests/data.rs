@@ -527,6 +527,17 @@ fn a_resume_whose_input_is_gone_trains_the_prepared_file() {
         "--data-cache",
         cache.to_str().unwrap(),
     ];
+    // With the prepared file gone too: both are named, not a bare "No such file".
+    let planned = cache_files(&cache).remove(0);
+    let away = dir.path("planned.arrow");
+    std::fs::rename(&planned, &away).unwrap();
+    let (status, err) = launch(None, &resume).wait_status_keep();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("train.jsonl is gone, and so is the prepared file the run was planned from"),
+        "{err}"
+    );
+    std::fs::rename(&away, &planned).unwrap();
     let out = launch(None, &resume).finish();
     assert!(
         out.contains(

@@ -2436,7 +2436,7 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
     }
     // More drafters than the run's [ring] slots hold: the run's config.toml is the file to
     // change, which a resume's user did not give.
-    let (code, err) = resume_refused(&run_dir, &["--drafters", "5-7,10-49"]);
+    let (code, err) = resume_refused(&run_dir, &["--drafters", "5-7,10-22"]);
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains(&format!(
@@ -2485,7 +2485,7 @@ fn lists_given_with_resume_are_used_where_they_fit_the_run_and_fewer_drafters_ar
         Some(proto::GpuLists {
             targets: vec![8, 9],
             drafters: vec![5, 6, 7],
-            share_gpus: false,
+            share_gpus: Some(false),
         })
     );
 }
