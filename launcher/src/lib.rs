@@ -18,6 +18,7 @@ mod output;
 mod reclaim;
 pub mod report;
 mod resume;
+mod schedule;
 mod signals;
 mod spawn;
 mod summary;
@@ -372,10 +373,6 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     let planned = plan(data.lengths(), &cfg);
     let (batches, epochs) = (planned.len() as u64, Epochs::of(&planned));
     let (nt, nd) = (gpus.targets.len() as u32, gpus.drafters.len() as u32);
-    // The drafter's learning-rate schedule spans the run: one group step per batch per rank.
-    cfg.drafter
-        .total_steps
-        .get_or_insert(batches.div_ceil(u64::from(nd.max(1))));
     // Not `refused`: the ring is sized by the GPU lists too, which a resume may change.
     let params = (cfg.ring_params(nt, nd, batches))
         .context("sizing the ring")
@@ -417,12 +414,22 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
                 model_record::write(&run_dir, m)?;
             }
             run_dir.write_plan_version(&PlanDigest::of(&planned), &plan_fields(&cfg))?;
+            // Before the schedule is settled below: a total_steps in it is the user's.
             let p = run_dir.config();
             atomic_file::replace(&p, cfg.to_toml().as_bytes())
                 .with_context(|| format!("writing {}", p.display()))?;
             None
         }
     };
+    // After config.toml is written (`schedule` says why); said only for a drafter with a
+    // learning-rate schedule: ours on a model, or the user's own.
+    let resumed = resume.as_ref().map(|r| schedule::Resumed {
+        step: u64::from(r.step),
+        done: r.done.len() as u64,
+        drafters_before: (run_dir.read_gpus().ok().flatten()).map(|g| g.drafters.len() as u32),
+    });
+    let line = schedule::settle(&mut cfg, &run_dir, resumed, batches, nd)?;
+    said.extend(line.filter(|_| gpu::drafter_exports(backend.0) || cfg.drafter.command.is_some()));
     if let Some((input, p)) = &prepared {
         data::write_record(&run_dir, input, p)?;
     }

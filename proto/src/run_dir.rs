@@ -343,6 +343,13 @@ impl RunDir {
         self.0.join("lost-steps.jsonl")
     }
 
+    /// The drafter's learning-rate schedule as the launcher worked it out for the run's last
+    /// launch (its total steps, JSON), written only when the config sets none: a resume that
+    /// works it out again says when it changed.
+    pub fn schedule(&self) -> PathBuf {
+        self.0.join("schedule.json")
+    }
+
     pub fn checkpoints_dir(&self) -> PathBuf {
         self.0.join("checkpoints")
     }
@@ -550,6 +557,7 @@ impl RunDir {
             self.summary(),
             self.set_aside(),
             self.lost_steps(),
+            self.schedule(),
             self.report_svg(),
         ] {
             remove(p)?;
@@ -707,6 +715,7 @@ mod tests {
             run.summary(),
             run.set_aside(),
             run.lost_steps(),
+            run.schedule(),
             run.report_svg(),
             run.log(WorkerName::producer(0)),
             run.log(WorkerName::consumer(11)),
