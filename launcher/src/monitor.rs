@@ -11,7 +11,7 @@
 //! The same ticks go to TensorBoard's event files (`crate::tensorboard`), a view that may fail
 //! without failing the run.
 //!
-//! Length: about 700 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
+//! Length: about 850 lines: the tick (every field of `metrics.jsonl`), what feeds it (the ring's
 //! snapshots, the group's steps), the file, line and bar that record and print it (with the
 //! bar's ETA) and their tests are one thing.
 //!
@@ -47,9 +47,14 @@ pub struct Tick {
     pub launch_unix_ms: Option<u64>,
     pub tokens_per_s: f64,
     /// Batches trained in the run so far: a resumed run's count starts at the batches its
-    /// checkpoint holds.
+    /// checkpoint holds. Those of `batches_lost` are not in it.
     pub batches_trained: u64,
     pub batches_total: u64,
+    /// Batches the drafters took and trained in updates that were lost (every drafter died) or
+    /// skipped (the group diverged), as `lost-steps.jsonl` says: untrained, and a resume trains
+    /// them. Left out while 0.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub batches_lost: u64,
     /// The epoch (1-based) of the first batch not yet trained, with several epochs planned:
     /// batches are trained in plan order, overlapping only by the batches in flight.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -99,6 +104,10 @@ pub struct Tick {
     /// Every group step applied in the interval: step, loss, tau, lr.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<proto::control::StepStats>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One worker in a tick: its shares of the period by phase (zero phases left out).
@@ -333,6 +342,9 @@ impl Metrics {
 
 pub struct Monitor {
     metrics: Metrics,
+    /// The run directory, for its lost updates.
+    run_dir: RunDir,
+    lost: Lost,
     /// The TensorBoard event file.
     board: Board,
     total: u64,
@@ -373,6 +385,32 @@ pub struct Monitor {
     judge: analysis::Judge,
     /// The count of batches refused as corrupt at which they are said next (1, 10, 100, ...).
     refused_next: u64,
+}
+
+/// The batches of this launch whose updates were lost or skipped: the ledger lines in the steps
+/// `lost-steps.jsonl` names. Lines of steps lost in earlier launches are not among them: a
+/// resume drops those lines and the file before this launcher's monitor starts.
+#[derive(Debug, Default)]
+struct Lost {
+    /// The file's length when it was last read: it only grows during a run (a drafter, or the
+    /// launcher at the end, appends a range), so a tick costs one `stat`, and the ledgers are
+    /// read only when a range was added (every drafter died, or the group diverged).
+    len: u64,
+    batches: u64,
+}
+
+impl Lost {
+    fn batches(&mut self, run_dir: &RunDir) -> u64 {
+        let len = std::fs::metadata(run_dir.lost_steps()).map_or(0, |m| m.len());
+        if len != self.len {
+            // Read again at the next tick if this read fails: the summary reads the same
+            // files at the end and says what fails there.
+            if let Ok(l) = proto::ledger::read_all(run_dir) {
+                (self.len, self.batches) = (len, l.lost.len() as u64);
+            }
+        }
+        self.batches
+    }
 }
 
 /// The live workers of one role over an interval.
@@ -422,6 +460,8 @@ impl Monitor {
         });
         let mut mon = Monitor {
             metrics,
+            run_dir: run_dir.clone(),
+            lost: Lost::default(),
             board,
             total,
             done_before: done,
@@ -557,18 +597,22 @@ impl Monitor {
             return Ok(());
         };
         let iv = analysis::interval(prev, &snap, &self.occupancy);
+        let lost = self.lost.batches(&self.run_dir);
+        self.judge.set_lost(lost);
         let verdict = self.judge.verdict(prev, &snap, &self.occupancy);
         self.occupancy.clear();
         let (tb, tw) = shares(&iv, Role::Producer);
         let (db, dw) = shares(&iv, Role::Consumer);
         // The run's, not this launcher's: a resume goes on from the batches it marked done.
-        let trained = self.done_before + snap.counters.released;
+        // The ring released the batches of lost updates too: they are not trained.
+        let trained = (self.done_before + snap.counters.released).saturating_sub(lost);
         let mut t = Tick {
             t_s: started.elapsed().as_secs_f64(),
             launch_unix_ms: Some(self.launch_unix_ms),
             tokens_per_s: iv.tokens_per_s,
             batches_trained: trained,
             batches_total: self.total,
+            batches_lost: lost,
             epoch: (self.epochs.count() > 1).then(|| self.epochs.of_batch(trained) + 1),
             ring_ready: snap.slots.ready,
             ring_in_use: snap.slots.ready + snap.slots.writing + snap.slots.reading,
@@ -622,8 +666,12 @@ impl Monitor {
             Some(e) => format!(" (epoch {e}/{})", self.epochs.count()),
             None => String::new(),
         };
+        let lost = match t.batches_lost {
+            0 => String::new(),
+            n => format!(" ({n} in lost updates)"),
+        };
         let line = format!(
-            "[{:6.1}s] {rate:>12}  trained {}/{}{epoch}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
+            "[{:6.1}s] {rate:>12}  trained {}/{}{lost}{epoch}{group}  ring {}/{} ready {:?}  busy: targets {:.0}% drafters {:.0}%  restarts {restarts}  | {}",
             t.t_s,
             t.batches_trained,
             t.batches_total,
@@ -716,6 +764,44 @@ mod tests {
         }
         assert_eq!(pace.text(1046), "ETA 16h40m");
         assert_eq!(pace.text(46), "ETA 0s", "every batch trained");
+    }
+
+    /// The batches of lost updates are the ledger lines in the steps `lost-steps.jsonl` names,
+    /// counted again when a range is added: none without the file.
+    #[test]
+    fn the_batches_in_lost_updates_are_counted_from_the_ledgers() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        run.lay_out().unwrap();
+        let lines: String = (1..=6)
+            .map(|step| {
+                let l = proto::ledger::LedgerLine {
+                    batch_id: step,
+                    sample_ids: vec![step],
+                    tokens: 8,
+                    delivery: 0,
+                    ticket: step,
+                    step,
+                    digest: String::new(),
+                    epoch: 1,
+                };
+                serde_json::to_string(&l).unwrap() + "\n"
+            })
+            .collect();
+        std::fs::write(run.ledger(0), lines).unwrap();
+        let mut lost = Lost::default();
+        assert_eq!(lost.batches(&run), 0);
+        let range = proto::ledger::LostSteps::between(0, 2, 4).unwrap();
+        proto::ledger::record_lost(&run, &range).unwrap();
+        assert_eq!(lost.batches(&run), 2, "steps 3 and 4");
+        let skipped = proto::ledger::LostSteps {
+            first: 6,
+            last: 6,
+            rank: None,
+            skipped: true,
+        };
+        proto::ledger::record_lost(&run, &skipped).unwrap();
+        assert_eq!(lost.batches(&run), 3, "and step 6");
     }
 
     /// metrics.jsonl names phases as it always did (`"wait_full"`, ...), and reads them back.

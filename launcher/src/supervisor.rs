@@ -656,9 +656,9 @@ impl<'a> Supervisor<'a> {
     fn finish(mut self) -> anyhow::Result<i32> {
         // The leader's last steps, sent as it drained, may still be on their way.
         self.control_events();
-        self.mon.finish(&self.ring)?;
         // A row of skipped updates that stopped the run (or that the data ended in) is lost:
-        // recorded before the summary reads the ledgers, so its batches count untrained.
+        // recorded before the last tick and the summary read it, so its batches count
+        // untrained in both.
         if let Some(lost) = self.skipped.lost(self.args.stop_after_skipped) {
             if let Err(e) = proto::ledger::record_lost(&self.run_dir, &lost) {
                 self.notes.push(format!(
@@ -667,6 +667,7 @@ impl<'a> Supervisor<'a> {
                 ));
             }
         }
+        self.mon.finish(&self.ring)?;
         let wall = self.started.elapsed();
         let mut exit_code = exit::OK;
         if self.killed {

@@ -324,11 +324,21 @@ pub struct Judge {
     history: VecDeque<(Snapshot, Vec<SlotCounts>)>,
     /// The last verdict's class, for hysteresis.
     last: Option<Bottleneck>,
+    /// Batches whose updates were lost or skipped ([`Judge::set_lost`]).
+    lost: u64,
 }
 
 impl Judge {
     pub fn new() -> Judge {
         Judge::default()
+    }
+
+    /// Tells the verdicts from now on that `batches` of the batches the ring released were
+    /// trained in updates that were lost or skipped (the run directory's `lost-steps.jsonl`:
+    /// every drafter died, or the group diverged). The ring cannot know it: it counts them
+    /// released, and the end would say them trained.
+    pub fn set_lost(&mut self, batches: u64) {
+        self.lost = batches;
     }
 
     /// The verdict at `b`, the end of the interval from `a` (with the occupancy samples taken
@@ -362,7 +372,7 @@ impl Judge {
         let iv = interval(first, b, &samples);
         // The window holds the first take: it is mostly start-up.
         let fresh = first.counters.taken == 0;
-        let v = judge(b, &iv, self.last, fresh);
+        let v = judge(b, &iv, self.last, fresh, self.lost);
         self.last = Some(v.bottleneck);
         v
     }
@@ -398,7 +408,7 @@ impl Judge {
 /// The verdict for one interval of ring `b` (its end snapshot), without a window or history:
 /// what [`Judge`] says for a single interval.
 pub fn verdict(b: &Snapshot, iv: &Interval) -> Verdict {
-    judge(b, iv, None, false)
+    judge(b, iv, None, false, 0)
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {

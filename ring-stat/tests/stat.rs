@@ -262,6 +262,55 @@ fn a_run_whose_drafter_refused_a_batch_ended_with_it_counted() {
     );
 }
 
+/// Batches trained in updates that were lost (every drafter died, and the group went on from
+/// its checkpoint) or skipped (the group diverged) were released: by the ring alone the end
+/// said "every batch is trained" while the summary counted them untrained (exit code 3). Told
+/// their count from `lost-steps.jsonl` (`Judge::set_lost`), the end says them delivered, not
+/// trained, with the whole plan published and short of it alike; told none, it is unchanged.
+#[test]
+fn a_run_with_batches_in_lost_updates_ended_with_them_counted() {
+    let later = |a: &Snapshot| {
+        let mut b = a.clone();
+        b.taken_at_ns = a.taken_at_ns + SEC.as_nanos() as u64;
+        b
+    };
+    let r = planned("planlost", 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    for batch in 0..4 {
+        planned_batch(&p, &c, batch).release().unwrap();
+    }
+    p.finish();
+    let a = r.snapshot();
+    let b = later(&a);
+    let mut judge = Judge::new();
+    assert_eq!(
+        judge.verdict(&a, &b, &[]).line,
+        "finished: every producer is done (1/1) and every batch is trained"
+    );
+    judge.set_lost(3);
+    let c2 = later(&b);
+    assert_eq!(
+        judge.verdict(&b, &c2, &[]).line,
+        "ended: every producer is done (1/1) and every batch was delivered, 3 of them in lost \
+         updates (lost-steps.jsonl; a resume trains them)"
+    );
+
+    // Stopped short of the plan, one batch of it in a lost update.
+    let r = planned("planlostshort", 4);
+    let (p, c) = (r.producer(0).unwrap(), r.consumer(0).unwrap());
+    planned_batch(&p, &c, 0).release().unwrap();
+    p.finish();
+    let a = r.snapshot();
+    let mut judge = Judge::new();
+    judge.set_lost(1);
+    assert_eq!(
+        judge.verdict(&a, &later(&a), &[]).line,
+        "ended: the producers are done (1/1) with 3 of 4 planned batch(es) not published, \
+         0 set aside (never trained); every other batch was delivered, 1 of them in lost updates \
+         (lost-steps.jsonl; a resume trains them)"
+    );
+}
+
 /// The end of the plan before the ring closes: every planned batch is published or claimed,
 /// so the targets without one sit idle and the drafters wait on a near-empty ring. That is the
 /// run draining, not targets too slow (no target is done yet: targets finish only when the

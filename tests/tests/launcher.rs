@@ -806,6 +806,17 @@ fn a_drafter_group_that_skips_every_update_stops_the_run_and_a_resume_trains_its
         in_lost >= 5 && s["batches_lost"] == in_lost,
         "{in_lost} {s}"
     );
+    // The last tick counts them apart from the trained, as the summary does. Before, the row
+    // was recorded after it, which read "every other batch is trained".
+    let last = last_tick(&run);
+    assert_eq!(last["batches_lost"], in_lost, "{last}");
+    let verdict = last["verdict"].as_str().unwrap();
+    assert!(
+        verdict.ends_with(&format!(
+            "every other batch was delivered, {in_lost} of them in lost updates (lost-steps.jsonl; a resume trains them)"
+        )),
+        "{verdict}"
+    );
     // The fault gone, as a lowered learning rate would make it: the resume trains the rest
     // and the lost batches, every sample once.
     let cfg = rd.path().join("config.toml");
@@ -2022,6 +2033,20 @@ fn updates_lost_when_every_drafter_died_are_untrained_until_a_resume_trains_them
         notes.contains("whose updates were lost (every drafter died, or the drafters diverged"),
         "{s}"
     );
+    // The last tick says it too: those batches were delivered, not trained. Before, it read
+    // "trained 400/400 ... every batch is trained" right above the summary's note.
+    let last = last_tick(&run);
+    let total = last["batches_total"].as_u64().unwrap();
+    assert_eq!(last["batches_lost"], gone.len(), "{last}");
+    assert_eq!(last["batches_trained"], total - gone.len() as u64, "{last}");
+    assert_eq!(
+        last["verdict"],
+        format!(
+            "ended: every producer is done (2/2) and every batch was delivered, {} of them in lost updates (lost-steps.jsonl; a resume trains them)",
+            gone.len()
+        ),
+        "{last}"
+    );
     // The resume drops the lost lines and trains their batches again.
     let resumed = spawn(&workspace_bin("launcher"), &["--resume", run_dir]);
     let out = resumed.finish();
@@ -2031,6 +2056,12 @@ fn updates_lost_when_every_drafter_died_are_untrained_until_a_resume_trains_them
     assert_eq!(counts.len(), 400, "every sample trained");
     assert!(counts.values().all(|&c| c == 1), "every sample once");
     assert!(!RunDir::new(run.run_dir()).lost_steps().exists());
+}
+
+/// The last line of the run's `metrics.jsonl`: its last tick.
+fn last_tick(run: &Run) -> serde_json::Value {
+    let metrics = std::fs::read_to_string(RunDir::new(run.run_dir()).metrics()).unwrap();
+    serde_json::from_str(metrics.lines().last().unwrap()).unwrap()
 }
 
 /// A two-epoch run SIGKILLed in its second epoch, then `launcher --resume RUN_DIR`: the run goes

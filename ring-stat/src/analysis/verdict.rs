@@ -21,8 +21,14 @@ use super::*;
 
 /// The verdict for the window `iv` that ends at snapshot `b`; `last` is the previous verdict's
 /// class, for hysteresis; `fresh` says the window holds the first take.
-pub(super) fn judge(b: &Snapshot, iv: &Interval, last: Option<Bottleneck>, fresh: bool) -> Verdict {
-    let w = Window::new(b, iv, last, fresh);
+pub(super) fn judge(
+    b: &Snapshot,
+    iv: &Interval,
+    last: Option<Bottleneck>,
+    fresh: bool,
+    lost: u64,
+) -> Verdict {
+    let w = Window::new(b, iv, last, fresh, lost);
     let mut call = RULES
         .iter()
         .find_map(|rule| rule(&w))
@@ -78,9 +84,11 @@ const RULES: [Rule; 9] = [
 const NOTES: [fn(&Window, &mut Call); 3] = [drafters_idle, sync_wait, blame_slowest];
 
 /// The ring is closed and empty: the run is over. "Every batch is trained" only when it is:
-/// every planned batch published (the work table says so), none set aside and none refused as
-/// corrupt by a drafter. A ring closed early (a stop, or every target given up) or with batches
-/// set aside or refused ended short of its plan, and says by how much.
+/// every planned batch published (the work table says so), none set aside, none refused as
+/// corrupt by a drafter and none trained in an update that was lost or skipped. A ring closed
+/// early (a stop, or every target given up) or with batches set aside, refused or in lost
+/// updates ended short of its plan, and says by how much: the ring released the batches of lost
+/// updates, so they were delivered, not trained (the summary's note says the same).
 fn finished(w: &Window) -> Option<Call> {
     let b = w.b;
     if !b.closed || w.left > 0 {
@@ -92,8 +100,17 @@ fn finished(w: &Window) -> Option<Call> {
     let unpublished = (b.work.total).saturating_sub(b.work.done + b.work.set_aside);
     let aside = b.counters.set_aside.max(b.work.set_aside);
     let refused = b.counters.refused;
-    let line = if unpublished == 0 && aside == 0 && refused == 0 {
+    // Released, so delivered, but not in the weights: what the rest is said to be.
+    let rest = match w.lost {
+        0 => "is trained".to_string(),
+        n => format!(
+            "was delivered, {n} of them in lost updates (lost-steps.jsonl; a resume trains them)"
+        ),
+    };
+    let line = if unpublished == 0 && aside == 0 && refused == 0 && w.lost == 0 {
         format!("finished: every producer is done ({done}/{expected}) and every batch is trained")
+    } else if unpublished == 0 && aside == 0 && refused == 0 {
+        format!("ended: every producer is done ({done}/{expected}) and every batch {rest}")
     } else {
         let retired = (b.workers.iter())
             .filter(|w| w.state == WorkerState::Retired)
@@ -112,7 +129,7 @@ fn finished(w: &Window) -> Option<Call> {
             n => format!(", {n} refused as corrupt by the drafters (see their logs)"),
         };
         format!(
-            "ended: the producers are done ({done}/{expected}{retired}) with {planned}{aside} set aside (never trained){refused}; every other batch is trained"
+            "ended: the producers are done ({done}/{expected}{retired}) with {planned}{aside} set aside (never trained){refused}; every other batch {rest}"
         )
     };
     Some(Call::new(Bottleneck::Idle, line))

@@ -48,6 +48,8 @@ pub(super) struct Window<'a> {
     pub(super) left: u32,
     /// The live worker silent longest past its usual step, with its silence and usual step.
     pub(super) silent: Option<(&'a WorkerSnapshot, f64, Option<f64>)>,
+    /// Batches released from the ring whose updates were lost or skipped (`Judge::set_lost`).
+    pub(super) lost: u64,
 }
 
 impl<'a> Window<'a> {
@@ -56,6 +58,7 @@ impl<'a> Window<'a> {
         iv: &'a Interval,
         last: Option<Bottleneck>,
         fresh: bool,
+        lost: u64,
     ) -> Window<'a> {
         let drafters = || b.workers.iter().filter(|w| w.role == Role::Consumer);
         let group = drafters().count() >= 2 && drafters().any(|w| w.phase_ns[Phase::Sync] > 0);
@@ -64,6 +67,7 @@ impl<'a> Window<'a> {
             iv,
             last,
             fresh,
+            lost,
             group,
             t_wait: None,
             d_wait: None,
