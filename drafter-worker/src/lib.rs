@@ -211,7 +211,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
-    rank.train()?;
+    if let Some(what) = rank.train()? {
+        tracing::error!("{}{what}", proto::stop::OUTSIDE_SIGNAL);
+        return Ok(proto::stop::EXIT_STOPPED);
+    }
     rank.drained();
     Ok(0)
 }
@@ -345,12 +348,34 @@ impl<'c, 'r> Rank<'c, 'r> {
         Ok(())
     }
 
-    /// Group steps until the first one in which every member saw the ring's end.
-    fn train(&mut self) -> anyhow::Result<()> {
+    /// Group steps until the first one in which every member saw the ring's end; or, on a stop
+    /// signal the launcher did not send ([`StopFlags::outside_signal`]), until the step after
+    /// it: the rank leaves the group between steps, as a crash would, and the launcher restarts
+    /// it (it rejoins with the live state). Returns that signal, in words. A rank alone in the
+    /// group checkpoints first, so that its restart, with no one to hand it the live state,
+    /// loses no update. The launcher's own stop (its Stop) is drained as before: the ring
+    /// closes, and the group trains what is left.
+    ///
+    /// [`StopFlags::outside_signal`]: worker_runtime::StopFlags::outside_signal
+    fn train(&mut self) -> anyhow::Result<Option<String>> {
         let n = self.grad_words;
         let (mut mine, mut sum) = (StepBuffer::new(n), StepBuffer::new(n));
-        while !self.step(&mut mine, &mut sum)? {}
-        Ok(())
+        let launched = self.s.to_launcher.is_some();
+        while !self.step(&mut mine, &mut sum)? {
+            let Some(what) = self.s.stop.outside_signal(launched) else {
+                continue;
+            };
+            let m = self.group.membership();
+            let step = self.backend.step() as u32;
+            if m.len() == 1 && self.is_leader(&m) && self.checkpointed != Some(step) {
+                self.consumer.enter(Phase::Checkpoint);
+                self.ledger.sync()?;
+                self.write_checkpoint(step)?;
+                self.consumer.enter(Phase::Other);
+            }
+            return Ok(Some(what));
+        }
+        Ok(None)
     }
 
     /// One group step: take at most one batch and compute its gradient, all-reduce, apply the

@@ -348,6 +348,7 @@ impl<'a> Supervisor<'a> {
             .filter(|w| !matches!(w.life, Life::GaveUp | Life::Unfinished))
             .count();
         for i in 0..self.workers.len() {
+            let run_stopping = self.stopping || self.signals.received() > 0;
             let w = &mut self.workers[i];
             let Some(child) = &mut w.child else {
                 continue;
@@ -357,7 +358,14 @@ impl<'a> Supervisor<'a> {
             };
             w.child = None;
             w.control = None;
+            // Stopped while the launcher did not stop the run: a stop signal from outside (ours
+            // say so: `proto::stop::OUTSIDE_SIGNAL`), which such a worker takes only after it
+            // waited for the launcher's Stop in vain (`worker_runtime::LAUNCHERS_STOP_GRACE`):
+            // not a stop of the run, a death, and restarted as one. A signal the launcher got
+            // too (but has not acted on yet) makes it part of the run's stop, as before.
+            let outside = status.code() == Some(proto::stop::EXIT_STOPPED) && !run_stopping;
             match status.code() {
+                _ if outside => self.crashed(i, status, true)?,
                 Some(c @ (0 | proto::stop::EXIT_STOPPED)) => {
                     w.life = if c == 0 { Life::Done } else { Life::Stopped };
                     // A drafter that finished has left the group: a rank restarted late must
@@ -368,7 +376,7 @@ impl<'a> Supervisor<'a> {
                         self.unfinished_drafter(i, status);
                     }
                 }
-                _ => self.crashed(i, status)?,
+                _ => self.crashed(i, status, false)?,
             }
             if self.workers[i].finished() && self.workers[i].name.role == Role::Producer {
                 self.unfinished_target(i, status)?;
@@ -392,8 +400,10 @@ impl<'a> Supervisor<'a> {
     /// recurs after some work (a full disk at every checkpoint) is restarted for as long as the
     /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
     /// says why each time ([`spawn::last_error`]). A death with a batch in hand is held against
-    /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`).
-    fn crashed(&mut self, i: usize, status: ExitStatus) -> anyhow::Result<()> {
+    /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`). `outside`:
+    /// it stopped on a stop signal that the launcher did not send ([`exits`](Self::exits)),
+    /// which is said as such and is not held against its batch.
+    fn crashed(&mut self, i: usize, status: ExitStatus, outside: bool) -> anyhow::Result<()> {
         let snap = self.ring.snapshot();
         let rec = snap.worker(self.workers[i].name()).cloned();
         let items = rec.as_ref().map_or(0, |rec| rec.items);
@@ -401,19 +411,34 @@ impl<'a> Supervisor<'a> {
         // log ends with was said before, about something else.
         let killed = std::os::unix::process::ExitStatusExt::signal(&status)
             == Some(rustix::process::Signal::KILL.as_raw());
-        let said = (!killed)
+        let last = (!killed)
             .then(|| spawn::last_error(&self.run_dir.log(self.workers[i].name())))
-            .flatten()
-            .map_or(String::new(), |e| format!(", saying {e:?}"));
+            .flatten();
         let w = &mut self.workers[i];
-        let death = format!("{} (pid {}) died: {status}{said}", w.name(), w.pid);
+        let death = match (outside, last) {
+            (true, last) => {
+                let signal = last
+                    .as_deref()
+                    .and_then(|l| l.strip_prefix(proto::stop::OUTSIDE_SIGNAL));
+                format!(
+                    "{} (pid {}) stopped on a signal from outside the launcher ({}): not a stop of the run, so handled as a crash",
+                    w.name(),
+                    w.pid,
+                    signal.unwrap_or("it did not say which")
+                )
+            }
+            (false, Some(e)) => {
+                format!("{} (pid {}) died: {status}, saying {e:?}", w.name(), w.pid)
+            }
+            (false, None) => format!("{} (pid {}) died: {status}", w.name(), w.pid),
+        };
         // The batch it was computing on, if its death is held against that batch.
         let finished = match w.name.role {
             Role::Producer => snap.counters.published,
             Role::Consumer => snap.counters.released,
         };
         let struck = (rec.and_then(|r| r.in_hand))
-            .filter(|_| settle::Strikes::counts(status, w.hung))
+            .filter(|_| !outside && settle::Strikes::counts(status, w.hung))
             .map(|batch| settle::Struck {
                 batch,
                 line: death.clone(),

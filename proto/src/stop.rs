@@ -18,6 +18,12 @@ pub const STOP_SIGNALS: [std::ffi::c_int; 4] = {
 /// the launcher does not restart it).
 pub const EXIT_STOPPED: i32 = 3;
 
+/// What a worker the launcher started logs (an `ERROR` line, which the launcher quotes) when it
+/// leaves the run on a stop signal the launcher did not send, then the signal and its sender
+/// (`SIGTERM from pid 4242 (bash)`). It exits [`EXIT_STOPPED`] all the same: the launcher, which
+/// did not ask it to stop, restarts it as after a crash.
+pub const OUTSIDE_SIGNAL: &str = "stopped by a signal from outside the launcher: ";
+
 /// Exit code of a worker stopped by a second stop signal.
 pub const EXIT_SECOND_SIGNAL: i32 = 130;
 

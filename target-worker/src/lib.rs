@@ -304,6 +304,14 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let mut stopped = prefetching(&mut pipe, &gather, &|| s.stop.stopping(), &mut report)?;
     drop(pipe);
     stopped |= s.stop.stopping();
+    // A stop signal the launcher did not send: this target leaves the run without counting
+    // itself finished in the ring (which would be for good: the ring closes without it), and
+    // the launcher, which did not stop it, restarts it as after a crash. The claims it gave back
+    // go to the other targets meanwhile.
+    if let Some(what) = (s.stop).wait_outside_signal(s.to_launcher.is_some()) {
+        tracing::error!("{}{what}", proto::stop::OUTSIDE_SIGNAL);
+        return Ok(EXIT_STOPPED);
+    }
     // Count toward the close in either case: a stopping run still drains.
     producer.finish();
     report.complete = !stopped;

@@ -543,6 +543,55 @@ fn sigkill_of_one_target_restarts_only_it_and_the_run_completes() {
     kill_one_mid_run(Backend::Mock, "lkt", WorkerName::producer(2));
 }
 
+/// A worker sent a stop signal by someone other than the launcher (a person's `kill` of one
+/// worker's pid) is not a stop of the run: the launcher says so, naming the signal and its
+/// sender, and restarts it as after a crash; the run completes with every sample once. It used
+/// to stop a target for good, unsaid (the run went on with one target fewer), and a drafter
+/// ignored it. The drafters are slowed so that the run outlasts the drafter's wait for a Stop
+/// from the launcher (`LAUNCHERS_STOP_GRACE`) and its next step boundary.
+fn stopped_from_outside(tag: &str, victim: WorkerName) {
+    let run = Run::new(tag);
+    let cfg = config(&run.dir, true, "");
+    if victim.role == Role::Consumer {
+        edit_config(
+            &cfg,
+            "[drafter]\ntokens_per_s = 8000.0",
+            "[drafter]\ntokens_per_s = 4000.0",
+        );
+    }
+    let launcher = run.launch(&cfg, &[]);
+    let victims_log = kill_one_of(&run, launcher, victim, Signal::TERM);
+    let said = format!(
+        "stopped by a signal from outside the launcher: SIGTERM from pid {}",
+        std::process::id()
+    );
+    assert!(victims_log.contains(&said), "{victims_log}");
+    let log = run.launcher_log();
+    let death = format!(
+        "stopped on a signal from outside the launcher (SIGTERM from pid {}",
+        std::process::id()
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with(&format!("{victim} (pid ")) && l.contains(&death)),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("{victim} restarted (restart 1;")),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_target_sent_sigterm_from_outside_the_launcher_is_said_and_restarted() {
+    stopped_from_outside("loutt", WorkerName::producer(2));
+}
+
+#[test]
+fn a_drafter_sent_sigterm_from_outside_the_launcher_is_said_and_restarted() {
+    stopped_from_outside("loutd", WorkerName::consumer(1));
+}
+
 /// How `ordered_stop` signals.
 #[derive(PartialEq)]
 enum Sent {

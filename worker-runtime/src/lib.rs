@@ -10,8 +10,8 @@ pub mod malloc;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use std::process::ExitCode;
 
@@ -19,6 +19,8 @@ use gpu::{BackendKind, UnknownBackend};
 use proto::control::{self, ControlError, ToLauncher, ToWorker};
 use proto::stop::{EXIT_SECOND_SIGNAL, STOP_SIGNALS};
 use proto::{ConfigError, PipelineConfig, Role, RunDir, WorkerName};
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::SignalsInfo;
 
 /// The command line both workers share.
 #[derive(clap::Args, Debug, Clone)]
@@ -83,16 +85,83 @@ pub struct StopFlags {
     pub stop: Arc<AtomicBool>,
     /// A stop signal arrived (kept apart from `stop`: only a second *signal* exits at once).
     pub signalled: Arc<AtomicBool>,
+    /// The first stop signal: which, from whom, and when (recorded by a thread, just after the
+    /// handler set `signalled`).
+    origin: Arc<Mutex<Option<(String, Instant)>>>,
 }
+
+/// How long a worker the launcher started waits, after a stop signal, for the launcher's Stop
+/// before it takes the signal for one from outside the launcher. A stop of the whole run may
+/// reach every process at once (systemd's stop signals the whole cgroup, a user may
+/// `pkill -f hspipe`): the launcher, signalled too, sends Stop within one pass of its loop
+/// (20 ms), so the worker stops as part of the run's ordered stop and is not restarted.
+pub const LAUNCHERS_STOP_GRACE: Duration = Duration::from_secs(1);
 
 impl StopFlags {
     pub fn stopping(&self) -> bool {
         self.stop.load(Ordering::Relaxed) || self.signalled.load(Ordering::Relaxed)
     }
+
+    /// Whether a stop signal came and the launcher's Stop did not (yet), for a worker the
+    /// launcher started (`launched`).
+    fn signalled_alone(&self, launched: bool) -> bool {
+        launched && !self.stop.load(Ordering::Relaxed) && self.signalled.load(Ordering::Relaxed)
+    }
+
+    /// The stop signal that came from outside the launcher, in words (`SIGTERM from pid 4242
+    /// (bash)`), once [`LAUNCHERS_STOP_GRACE`] passed after it without the launcher's Stop;
+    /// None before, without a signal, with the launcher's Stop, or for a worker the launcher did
+    /// not start (`launched` false: standalone, a signal is how it is stopped). Such a worker
+    /// does not take part in a stop of the run: it leaves the run as a crash would, and the
+    /// launcher restarts it. A person's `kill` of one worker used to stop it for good, unsaid,
+    /// and the run went on without its GPU.
+    pub fn outside_signal(&self, launched: bool) -> Option<String> {
+        if !self.signalled_alone(launched) {
+            return None;
+        }
+        let origin = self.origin.lock().unwrap_or_else(|p| p.into_inner());
+        match &*origin {
+            Some((what, at)) if at.elapsed() >= LAUNCHERS_STOP_GRACE => Some(what.clone()),
+            _ => None,
+        }
+    }
+
+    /// [`outside_signal`](Self::outside_signal), waiting out the grace: for a worker that
+    /// stopped already and must say whether it leaves the run or takes part in its stop.
+    pub fn wait_outside_signal(&self, launched: bool) -> Option<String> {
+        // The origin thread records the signal within microseconds; should it never (it could
+        // not be started), the signal is still taken for one from outside, later.
+        let deadline = Instant::now() + 2 * LAUNCHERS_STOP_GRACE;
+        while self.signalled_alone(launched) {
+            if let Some(what) = self.outside_signal(launched) {
+                return Some(what);
+            }
+            if Instant::now() > deadline {
+                return Some("a stop signal".into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+/// A stop signal and its sender in words: `SIGTERM from pid 4242 (bash)`; one the kernel sent
+/// (a terminal's Ctrl-C) has no sender.
+fn signal_said(signal: i32, sender: Option<i32>) -> String {
+    let name = signal_hook::low_level::signal_name(signal).unwrap_or("a stop signal");
+    match sender {
+        Some(pid) => {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok();
+            let comm = comm.map_or(String::new(), |c| format!(" ({})", c.trim_end()));
+            format!("{name} from pid {pid}{comm}")
+        }
+        None => format!("{name} from the kernel (a terminal's key?)"),
+    }
 }
 
 /// Any stop signal: the first sets `flags.signalled` (a graceful stop), the second exits at once
-/// with `EXIT_SECOND_SIGNAL` (signal-hook's second-signal idiom).
+/// with `EXIT_SECOND_SIGNAL` (signal-hook's second-signal idiom). A thread records the first
+/// one's origin, for [`StopFlags::outside_signal`].
 fn install_signal_handlers(flags: &StopFlags) -> std::io::Result<()> {
     for sig in STOP_SIGNALS {
         // Registered first, so it runs first: it exits only if the flag was already set, by an
@@ -104,6 +173,19 @@ fn install_signal_handlers(flags: &StopFlags) -> std::io::Result<()> {
         )?;
         signal_hook::flag::register(sig, Arc::clone(&flags.signalled))?;
     }
+    let mut signals = SignalsInfo::<WithOrigin>::new(STOP_SIGNALS)?;
+    let origin = Arc::clone(&flags.origin);
+    std::thread::Builder::new()
+        .name("stop-origin".into())
+        .spawn(move || {
+            for o in signals.forever() {
+                let mut first = origin.lock().unwrap_or_else(|p| p.into_inner());
+                if first.is_none() {
+                    let said = signal_said(o.signal, o.process.map(|p| p.pid));
+                    *first = Some((said, Instant::now()));
+                }
+            }
+        })?;
     Ok(())
 }
 
