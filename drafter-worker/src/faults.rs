@@ -1,5 +1,6 @@
 //! Kills injected into the group protocol (`[faults.drafter-N]`'s `crash_in_sync_at`,
-//! `crash_in_join`, `crash_after_commit_at`).
+//! `crash_in_join`, `crash_after_commit_at`), and a checkpoint that cannot be written
+//! (`checkpoint_fails_from`).
 
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -37,6 +38,12 @@ impl InjectedFaults {
             let _ = std::fs::write(&self.join_marker, b"");
             Self::die("while rejoining the group");
         }
+    }
+
+    /// Whether writing the checkpoint of `step` fails, as on a full disk
+    /// (`checkpoint_fails_from`, in every incarnation: a disk stays full).
+    pub(crate) fn checkpoint_fails(&self, step: u32) -> bool {
+        (self.faults.checkpoint_fails_from).is_some_and(|n| u64::from(step) >= n)
     }
 
     /// Once the group applied `step` with this rank's batch, before its ledger line

@@ -370,7 +370,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             if m.len() == 1 && self.is_leader(&m) && self.checkpointed != Some(step) {
                 self.consumer.enter(Phase::Checkpoint);
                 self.ledger.sync()?;
-                self.write_checkpoint(step)?;
+                self.write_checkpoint(step);
                 self.consumer.enter(Phase::Other);
             }
             return Ok(Some(what));
@@ -541,7 +541,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             // which a crash or a hang of its own may never let come.
             let alone = red.membership.len() == 1;
             if (everyone_ended || alone) && self.is_leader(&red.membership) {
-                self.write_checkpoint(red.step)?;
+                self.write_checkpoint(red.step);
             }
             self.consumer.enter(Phase::Other);
         }
@@ -565,7 +565,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             return Ok(());
         }
         self.consumer.enter(Phase::Checkpoint);
-        self.write_checkpoint(done)?;
+        self.write_checkpoint(done);
         self.consumer.enter(Phase::Other);
         Ok(())
     }
@@ -578,19 +578,27 @@ impl<'c, 'r> Rank<'c, 'r> {
 
     /// Writes the export of step `step` (the weights' now), keeps it where
     /// `[drafter] keep_export_every` says, then writes the checkpoint ([`save_step`]: in that
-    /// order, and the checkpoint even where the export failed).
-    fn write_checkpoint(&mut self, step: u32) -> anyhow::Result<()> {
+    /// order, and the checkpoint even where the export failed), and tells the launcher what it
+    /// wrote. A part that fails does not end the rank: training goes on, and a checkpoint that
+    /// failed is tried again at the next checkpoint step.
+    fn write_checkpoint(&mut self, step: u32) {
         let kept = (self.s.config.drafter.keeps_export(u64::from(step)))
             .then(|| self.s.run_dir.kept_export(u64::from(step)));
-        save_step(
+        let report = save_step(
             self.backend.as_ref(),
             step,
             &self.s.run_dir.export_dir(),
             kept.as_deref(),
             &self.ckpt,
-        )?;
-        self.checkpointed = Some(step);
-        Ok(())
+            self.faults.checkpoint_fails(step),
+        );
+        if report.checkpoint.is_none() {
+            self.checkpointed = Some(step);
+        }
+        if let Some(tx) = &self.s.to_launcher {
+            // The launcher may be stopping and gone: the report is for its console and summary.
+            let _ = tx.send(ToLauncher::Saved(report));
+        }
     }
 
     /// Moves the device's resolved spans into the ring.

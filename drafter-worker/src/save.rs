@@ -6,12 +6,22 @@ use std::sync::Once;
 
 use anyhow::Context;
 use gpu::DrafterBackend;
+use proto::control::SaveReport;
 
-/// Writes the checkpoint atomically: a crash leaves either the old checkpoint or the new one,
-/// never half of one.
-fn checkpoint(backend: &dyn DrafterBackend, path: &Path) -> anyhow::Result<()> {
-    atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> { Ok(backend.save(tmp)?) })
-        .with_context(|| format!("writing the checkpoint {}", path.display()))
+/// Writes the checkpoint atomically: a crash, or a write that fails, leaves either the old
+/// checkpoint or the new one, never half of one. `fail`: the injected full disk
+/// (`checkpoint_fails_from`), once part of the file is written.
+fn checkpoint(backend: &dyn DrafterBackend, path: &Path, fail: bool) -> anyhow::Result<()> {
+    atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> {
+        backend.save(tmp)?;
+        if fail {
+            // ENOSPC, 28 on every architecture Linux runs hspipe on.
+            let enospc = std::io::Error::from_raw_os_error(28);
+            return Err(anyhow::Error::new(enospc).context("injected: checkpoint_fails_from"));
+        }
+        Ok(())
+    })
+    .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
 /// Writes the export directory whole ([`atomic_file::replace_dir_with`]: synced, then swapped
@@ -27,37 +37,69 @@ fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// What the leader writes at the checkpoint of `step`: the export, kept as `kept` where given
-/// (`[drafter] keep_export_every`), then the checkpoint `ckpt`. The export and its keep first: a
-/// leader killed before the checkpoint leaves the previous one, from which a resume trains up to
-/// this step again and writes both again, so every kept step up to the checkpoint's has its kept
-/// export; killed after a checkpoint written first, a kept step would have had none for ever.
+/// (`[drafter] keep_export_every`), then the checkpoint `ckpt` (`fail`: its write fails, an
+/// injected fault). The export and its keep first: a leader killed before the checkpoint leaves
+/// the previous one, from which a resume trains up to this step again and writes both again, so
+/// every kept step up to the checkpoint's has its kept export; killed after a checkpoint written
+/// first, a kept step would have had none for ever.
 ///
-/// The checkpoint is written even when the export failed, and the export's error returned
-/// after it. A failed export (the device out of memory for the bf16 copy of the weights, its
-/// directory unwritable) fails again at every checkpoint: had it kept the checkpoint from being
-/// written, the restarted leader would have trained the same steps again from the previous one,
-/// for as long as the run went on, and saved none of them. A keep that fails (a full disk where
-/// it had to copy) is said, and the run goes on: the export and the checkpoint are what it needs.
+/// Nothing that fails here fails the leader: each part's error is in the report (and the log),
+/// and training goes on. The checkpoint is written even when the export failed (the device out
+/// of memory for the bf16 copy of the weights, its directory unwritable), and a checkpoint that
+/// fails (a full disk) leaves the previous one whole and is tried again at the next checkpoint
+/// step. Either used to end the leader, whose restart trained the same steps again from the
+/// previous checkpoint to fail at the same step, for as long as the run went on; the launcher
+/// now says the failures, and a run that ends without its checkpoint ends degraded
+/// (`launcher/src/supervisor/saves.rs`).
 pub(crate) fn save_step(
     backend: &dyn DrafterBackend,
     step: u32,
     export_dir: &Path,
     kept: Option<&Path>,
     ckpt: &Path,
-) -> anyhow::Result<()> {
+    fail: bool,
+) -> SaveReport {
+    let said = |e: anyhow::Error| format!("{e:#}");
+    let mut report = SaveReport {
+        step: u64::from(step),
+        keeping: kept.is_some() && backend.exports(),
+        ..SaveReport::default()
+    };
     let exported = export(backend, export_dir);
-    if let (Ok(()), Some(kept), true) = (&exported, kept, backend.exports()) {
-        match keep(export_dir, kept) {
+    match (&exported, kept, backend.exports()) {
+        (Ok(()), Some(kept), true) => match keep(export_dir, kept) {
             Ok(()) => tracing::info!(step, kept = %kept.display(), "kept the export"),
-            Err(e) => tracing::warn!(
-                step,
-                error = format!("{e:#}"),
-                "the export of this step is not kept"
-            ),
+            Err(e) => {
+                tracing::error!(
+                    step,
+                    error = format!("{e:#}"),
+                    "the export of this step is not kept"
+                );
+                report.kept = Some(said(e));
+            }
+        },
+        (Err(_), Some(_), true) => {
+            report.kept = Some("its export failed".into());
         }
+        _ => {}
     }
-    checkpoint(backend, ckpt)?;
-    exported
+    if let Err(e) = exported {
+        tracing::error!(
+            step,
+            error = format!("{e:#}"),
+            "the export of this step failed"
+        );
+        report.export = Some(said(e));
+    }
+    if let Err(e) = checkpoint(backend, ckpt, fail) {
+        tracing::error!(
+            step,
+            error = format!("{e:#}"),
+            "the checkpoint of this step failed: the previous one stays; training goes on, and the next checkpoint step tries again"
+        );
+        report.checkpoint = Some(said(e));
+    }
+    report
 }
 
 /// Said once a worker: the first kept export that had to be copied.
@@ -163,29 +205,60 @@ mod tests {
         }
     }
 
-    /// An export that fails does not keep the step's checkpoint from being written: the
-    /// restarted leader goes on from this step, not from the previous checkpoint, to fail the
-    /// same way at the same step for as long as the run goes on. The export's error is still
-    /// the step's, and nothing is kept.
+    /// An export that fails does not keep the step's checkpoint from being written: a leader
+    /// restarted from the previous checkpoint would fail the same way at the same step for as
+    /// long as the run went on. The export's error is the step's report, and nothing is kept.
     #[test]
     fn a_failed_export_still_writes_the_checkpoint() {
         let root = tempfile::tempdir().unwrap();
         let p = |n: &str| root.path().join(n);
         let kept = p("drafter-steps/step-8");
-        let e = save_step(
+        let r = save_step(
             &FailingExport,
             8,
             &p("drafter"),
             Some(&kept),
             &p("c.safetensors"),
-        )
-        .unwrap_err();
-        assert!(format!("{e:#}").contains("out of memory"), "{e:#}");
+            false,
+        );
+        let e = r.export.unwrap_or_default();
+        assert!(e.contains("out of memory"), "{e}");
+        assert_eq!(r.checkpoint, None);
         assert_eq!(
             std::fs::read_to_string(p("c.safetensors")).unwrap(),
             "step 8"
         );
         assert!(!kept.exists());
+        assert!(r.keeping && r.kept.is_some(), "{:?}", r.kept);
+    }
+
+    /// A checkpoint whose write fails (a full disk) leaves the previous one whole, and no
+    /// temporary file beside it; the failure is the step's report, not the leader's end.
+    #[test]
+    fn a_failed_checkpoint_leaves_the_previous_one_whole() {
+        let root = tempfile::tempdir().unwrap();
+        let p = |n: &str| root.path().join(n);
+        std::fs::write(p("c.safetensors"), "step 4").unwrap();
+        let r = save_step(
+            &FailingExport,
+            8,
+            &p("drafter"),
+            None,
+            &p("c.safetensors"),
+            true,
+        );
+        let e = r.checkpoint.unwrap_or_default();
+        assert!(e.starts_with("writing the checkpoint "), "{e}");
+        assert!(e.contains("No space left on device"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(p("c.safetensors")).unwrap(),
+            "step 4"
+        );
+        let names: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["c.safetensors"], "no temporary left");
     }
 
     /// A kept export holds the export's files as they were at its step, linked (no copy),

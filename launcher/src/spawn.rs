@@ -35,6 +35,8 @@ pub enum Event {
     Report(Key, FinalReport),
     /// The group leader's step, loss and tau (see [`ToLauncher::Progress`]).
     Progress(control::StepStats),
+    /// What the group leader wrote at a checkpoint step (see [`ToLauncher::Saved`]).
+    Saved(control::SaveReport),
     HandshakeFailed(Key, String),
 }
 
@@ -471,6 +473,7 @@ fn handshake(
         let ev = match msg {
             ToLauncher::Report(r) => Event::Report(key, r),
             ToLauncher::Progress(s) => Event::Progress(s),
+            ToLauncher::Saved(r) => Event::Saved(r),
             ToLauncher::Hello { .. } => continue,
         };
         if events.send(ev).is_err() {

@@ -38,6 +38,7 @@ use crate::spawn::{self, Event, Key, Welcome};
 use crate::{log_cap, reclaim, summary};
 
 mod diverged;
+mod saves;
 mod settle;
 mod start;
 
@@ -174,6 +175,8 @@ pub(crate) struct Supervisor<'a> {
     stopping: bool,
     /// The group's updates skipped in a row (`--stop-after-skipped`).
     skipped: diverged::Diverged,
+    /// What the leader wrote at its checkpoints, and what it could not.
+    saves: saves::Saves,
     /// A second signal killed every worker.
     killed: bool,
     last_hang_check: Instant,
@@ -239,28 +242,38 @@ impl<'a> Supervisor<'a> {
     /// group's progress, a failed handshake).
     fn control_events(&mut self) {
         while let Ok(ev) = self.events.try_recv() {
-            match ev {
-                Event::Connected(key, sender) => {
-                    if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
-                        if self.stopping {
-                            let _ = sender.send(ToWorker::Stop);
-                        }
-                        w.control = Some(sender);
+            self.control_event(ev);
+        }
+    }
+
+    /// One of [`control_events`](Self::control_events).
+    fn control_event(&mut self, ev: Event) {
+        match ev {
+            Event::Connected(key, sender) => {
+                if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
+                    if self.stopping {
+                        let _ = sender.send(ToWorker::Stop);
                     }
+                    w.control = Some(sender);
                 }
-                Event::Report(key, r) => {
-                    if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
-                        w.report = Some(r);
-                    }
+            }
+            Event::Report(key, r) => {
+                if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
+                    w.report = Some(r);
                 }
-                Event::Progress(s) => {
-                    self.mon.progress(&s);
-                    self.diverged(&s);
+            }
+            Event::Progress(s) => {
+                self.mon.progress(&s);
+                self.diverged(&s);
+            }
+            Event::Saved(r) => {
+                for line in self.saves.saved(&r) {
+                    self.mon.say(&line);
                 }
-                Event::HandshakeFailed(key, why) => {
-                    self.mon
-                        .say(&format!("{}: handshake failed: {why}", key.name()));
-                }
+            }
+            Event::HandshakeFailed(key, why) => {
+                self.mon
+                    .say(&format!("{}: handshake failed: {why}", key.name()));
             }
         }
     }
@@ -397,7 +410,7 @@ impl<'a> Supervisor<'a> {
     /// restarts in a row count against `--max-restarts`: an incarnation that finished an item
     /// (the ring's count of them grew) ends the row, so a run of a week keeps a GPU through a
     /// few crashes far apart, and a crash loop still ends at the limit. The price: a fault that
-    /// recurs after some work (a full disk at every checkpoint) is restarted for as long as the
+    /// recurs after some work (a disk full under its ledger) is restarted for as long as the
     /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
     /// says why each time ([`spawn::last_error`]). A death with a batch in hand is held against
     /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`). `outside`:
@@ -679,8 +692,25 @@ impl<'a> Supervisor<'a> {
 
     /// The last tick, the exit code, `summary.json`; then the ring and the group go.
     fn finish(mut self) -> anyhow::Result<i32> {
-        // The leader's last steps, sent as it drained, may still be on their way.
-        self.control_events();
+        // The leader's last steps and its last checkpoint's report, sent as it drained, may
+        // still be on their way: each handshake thread ends once its worker's connection closes,
+        // at the worker's exit, so with this end's sender gone the channel closes once every
+        // thread has passed on what it read. Bounded: a worker's child may hold its connection.
+        self.events_tx = mpsc::channel().0;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            self.control_events();
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self
+                .events
+                .recv_timeout(left.min(Duration::from_millis(20)))
+            {
+                Ok(ev) => self.control_event(ev),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
         // A row of skipped updates that stopped the run (or that the data ended in) is lost:
         // recorded before the last tick and the summary read it, so its batches count
         // untrained in both.
@@ -716,6 +746,8 @@ impl<'a> Supervisor<'a> {
         })?;
         let mut notes = std::mem::take(&mut self.notes);
         notes.extend(self.skipped.at_the_end(self.args.stop_after_skipped));
+        // A run that ends without its checkpoint (or export) degrades: see `saves.rs` for why.
+        notes.extend((self.saves).at_the_end(&crate::resume::command(self.run_dir.path())));
         if exit_code == exit::INTERRUPTED && notes.is_empty() && summary.exactly_once() {
             // The stop came as the data ended, and the drain trained the rest: the run is done
             // (a resume would find nothing to do), not stopped short.
@@ -740,6 +772,7 @@ impl<'a> Supervisor<'a> {
                 "drafters refused {refused} corrupt batch(es); see their logs"
             ));
         }
+        notes.extend(self.saves.not_kept());
         let summary = summary::finalise(summary, exit_code, notes);
         crate::resume::sweep_leftovers(&self.run_dir);
         summary::write(&self.run_dir, &summary)?;

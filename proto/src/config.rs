@@ -38,7 +38,7 @@ pub struct PipelineConfig {
 /// crash or fail as the device on a batch holding a sample; its `nan_gradient_from_step`, a
 /// gradient that is NaN from a step on); the drafter worker injects the
 /// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`)
-/// and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
+/// and a failing checkpoint write (`checkpoint_fails_from`), and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
 /// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
 /// counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -71,6 +71,9 @@ pub struct Faults {
     /// Mock drafters: the rank's gradient holds a NaN at group step N and every later one, in
     /// every incarnation (a drafter that diverged: every update is skipped).
     pub nan_gradient_from_step: Option<u64>,
+    /// Drafters: writing the checkpoint of group step N or any later one fails as on a full
+    /// disk (ENOSPC, after part of the file was written), in every incarnation.
+    pub checkpoint_fails_from: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

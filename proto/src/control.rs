@@ -32,11 +32,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shm_ring::Role;
 
-/// Bumped on any change to the messages below, the config they carry included (9: Welcome's
-/// `resume_step`; 8: [`StepStats::skipped`]; 7: the workers' config gained `command_dir`, which
-/// a worker of before refuses as unknown). A Python wheel built earlier is told to rebuild by the
-/// version, not by a field.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// Bumped on any change to the messages below, the config they carry included (10:
+/// [`ToLauncher::Saved`]; 9: Welcome's `resume_step`; 8: [`StepStats::skipped`]; 7: the
+/// workers' config gained `command_dir`, which a worker of before refuses as unknown). A Python
+/// wheel built earlier is told to rebuild by the version, not by a field.
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// The largest frame either side accepts.
 /// A worker the launcher runs from a config's `command` (a Python worker) finds its control
@@ -60,6 +60,24 @@ pub enum ToLauncher {
     /// The drafter group's leader, after each applied step (for the monitor and
     /// metrics.jsonl).
     Progress(StepStats),
+    /// The drafter group's leader, after each checkpoint step: what it wrote, and what failed
+    /// (the console says a failure, the summary a run that ended without its checkpoint).
+    Saved(SaveReport),
+}
+
+/// What the group's leader wrote at the checkpoint of one step: each field an error, or None
+/// where that part was written (or is not written by this drafter: the mock exports none).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SaveReport {
+    pub step: u64,
+    /// The checkpoint (`checkpoints/drafter.safetensors`).
+    pub checkpoint: Option<String>,
+    /// The export (`drafter/`).
+    pub export: Option<String>,
+    /// The kept export (`drafter-steps/step-S`), at a step `[drafter] keep_export_every` names.
+    pub kept: Option<String>,
+    /// This step's export was to be kept.
+    pub keeping: bool,
 }
 
 /// What one applied step of the drafter group did, the same on every rank.

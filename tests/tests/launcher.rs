@@ -739,6 +739,69 @@ fn sigquit_with_stdout_and_stderr_gone_still_stops_in_order() {
     ordered_stop("lquitgone", Signal::QUIT, Sent::OutputGone);
 }
 
+/// A checkpoint that cannot be written (a full disk from step 6 on, injected) does not end the
+/// leader: training goes on, the failure is said once with the step of the last checkpoint
+/// written, the previous checkpoint stays whole, and the run that ends without its checkpoint
+/// ends degraded with a note naming that step; `--resume`, the disk freed, trains the batches
+/// after it again. The leader used to die at every checkpoint, each restart training the same
+/// steps again, and the run ended `ok` with a stale checkpoint, which a resume then refused.
+#[test]
+fn a_checkpoint_that_cannot_be_written_is_said_once_and_the_run_ends_degraded() {
+    let run = Run::new("lckptfull");
+    let cfg = config(
+        &run.dir,
+        false,
+        "[faults.drafter-0]\ncheckpoint_fails_from = 6\n",
+    );
+    let (status, _) = run.launch(&cfg, &[]).wait_status_keep();
+    let log = run.launcher_log();
+    assert_eq!(status.code(), Some(3), "degraded: {log}");
+    let failed: Vec<&str> = (log.lines())
+        .filter(|l| l.starts_with("checkpoint of step "))
+        .collect();
+    assert_eq!(failed.len(), 1, "said once: {failed:#?}");
+    for want in [
+        "checkpoint of step 6 failed: writing the checkpoint ",
+        "No space left on device",
+        "the last checkpoint written is of step 3; training goes on",
+    ] {
+        assert!(failed[0].contains(want), "{want:?} in {failed:?}");
+    }
+    let s = run.summary();
+    assert_eq!(s["ok"], false);
+    let notes = s["notes"].to_string();
+    assert!(
+        notes.contains("no checkpoint since step 3: writing the checkpoint"),
+        "{notes}"
+    );
+    let restarts: Vec<u64> = (s["workers"].as_array().unwrap().iter())
+        .map(|w| w["restarts"].as_u64().unwrap())
+        .collect();
+    assert_eq!(restarts, [0; 8], "the leader lived on");
+    let counts = sample_counts(&run.ledgers());
+    assert!(counts.len() == 400 && counts.values().all(|&c| c == 1));
+    let ckpts: Vec<_> = std::fs::read_dir(run.run_dir().join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(ckpts, ["drafter.safetensors"], "no temporary left");
+
+    // The disk freed: the resume goes on from step 3's checkpoint, whole, and finishes.
+    let run_dir = run.run_dir();
+    edit_config(
+        &RunDir::new(&run_dir).config(),
+        "checkpoint_fails_from = 6",
+        "",
+    );
+    let out = resume_to_the_end(&run_dir);
+    assert!(out.contains("from its checkpoint at step 3"), "{out}");
+    assert!(!out.contains("failed"), "{out}");
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    let counts = sample_counts(&run.ledgers());
+    assert!(counts.len() == 400 && counts.values().all(|&c| c == 1));
+}
+
 #[test]
 fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     let run = Run::new("lloop");
@@ -781,13 +844,7 @@ fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     let (code, err) = resume_refused(&run_dir, &["--drafters", "5,6"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("the run had 3 drafters"), "{err}");
-    let dir = run_dir.to_str().unwrap();
-    let (status, out, _) = spawn(
-        &workspace_bin("launcher"),
-        &["--resume", dir, "--monitor", "0.5"],
-    )
-    .finish_status();
-    assert_eq!(status.code(), Some(0), "{out}");
+    resume_to_the_end(&run_dir);
     let s = run.summary();
     assert_eq!(
         (s["ok"].as_bool(), s["duplicated"].as_u64()),
@@ -1920,6 +1977,18 @@ fn dead_launcher_line(out: &str, pid: u32) -> &str {
             (l.starts_with("reclaimed ") && l.contains(&removed)) || l.starts_with(&none_left)
         })
         .unwrap_or_else(|| panic!("no line about launcher pid {pid}:\n{out}"))
+}
+
+/// `launcher --resume RUN_DIR` run to its end, exit 0; its output.
+fn resume_to_the_end(run_dir: &Path) -> String {
+    let dir = run_dir.to_str().unwrap();
+    let (status, out, _) = spawn(
+        &workspace_bin("launcher"),
+        &["--resume", dir, "--monitor", "0.5"],
+    )
+    .finish_status();
+    assert_eq!(status.code(), Some(0), "{out}");
+    out
 }
 
 /// Runs `launcher --resume <run_dir>` with `extra` and no other flag, to its end; returns its

@@ -168,6 +168,7 @@ impl<'a> Supervisor<'a> {
             mon,
             notes: Vec::new(),
             skipped: Default::default(),
+            saves: super::saves::Saves::new(start_step),
             strikes: super::settle::Strikes::new(args.set_aside_after),
             planned,
             stopping: false,
