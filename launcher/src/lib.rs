@@ -5,6 +5,9 @@
 //!
 //! `cli` is the command line; `run` settles everything that can be checked before the run
 //! directory exists (`settle`), then hands over to the `supervisor`.
+//!
+//! Length: about 540 lines: `settle` orders every check a run or a resume makes before its run
+//! directory is touched (config, model, data, plan, ring, GPU lists), and its order is the point.
 
 mod choose;
 pub mod cli;
