@@ -359,7 +359,8 @@ impl Drafter {
     /// the loss in the monitor's mean; a step of 0 tokens is one that trained nothing (as the
     /// end's empty rounds are), whose loss is recorded in `metrics.jsonl` but neither shown
     /// nor taken for the last loss. Without `tokens`, each step's loss weighs the same (an
-    /// unweighted mean over steps). `skipped=True`: the step's update was left out (a gradient
+    /// unweighted mean over steps): give `tokens` at every step or at none, since a step
+    /// without it weighs as one token beside steps that weigh their thousands. `skipped=True`: the step's update was left out (a gradient
     /// that was not finite, as torch's GradScaler skips one), counted as ours are. Other ranks
     /// need not call it.
     #[pyo3(signature = (step, loss, tokens=None, tau=None, lr=None, skipped=false))]
