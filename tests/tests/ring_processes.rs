@@ -211,7 +211,9 @@ fn with_stale_ring(tag: &str, mut check: impl FnMut(&str) -> Stale) {
             return;
         }
     }
-    panic!("five stale rings in a row were removed by another launcher before the check");
+    panic!(
+        "five stale rings in a row were gone before the check could see them removed: by another launcher, or by this --gc without its `removed` line"
+    );
 }
 
 fn in_shm(name: &str) -> std::path::PathBuf {
