@@ -162,8 +162,11 @@ struct Rank<'c, 'r> {
     /// The gradient's words in a step buffer: the backend's gradient, or none when it stays on
     /// the device for NCCL.
     grad_words: usize,
-    /// The step of the last checkpoint this rank wrote.
+    /// The step of the last checkpoint this rank wrote, with its export where the backend
+    /// exports (a step whose export failed is written again at the end).
     checkpointed: Option<u32>,
+    /// The step after which this rank (as leader) last evaluated the drafter.
+    evaluated: Option<u64>,
 }
 
 /// Runs the worker; returns the process exit code.
@@ -208,6 +211,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         clock,
         grad_words,
         checkpointed: None,
+        evaluated: None,
     };
     rank.enter_group()?;
     tracing::info!(ring = %s.ring, epoch = consumer.epoch(), step = rank.backend.step(), "attached");
@@ -399,16 +403,35 @@ impl<'c, 'r> Rank<'c, 'r> {
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
         self.checkpoint_before_update(&red)?;
-        self.consumer.enter(Phase::Compute);
-        let mut stats = (self.backend.apply(sum)).context("applying the group's update")?;
-        self.consumer.enter(Phase::Other);
+        let everyone_ended = sum.ended_ranks() == red.membership.len();
+        let mut stats = if everyone_ended {
+            // The group's last round: every member saw the ring's end, so none brought a batch.
+            // It is the barrier at which the group agrees it is done, not a training step: no
+            // update, and the weights, the end's checkpoint and its export stay those of the
+            // last step. (Applied as an empty step, each launch's end added one: a run stopped
+            // and resumed numbered its steps, kept exports and schedule one further per launch
+            // than a run never stopped.)
+            StepStats {
+                step: self.backend.step(),
+                ..StepStats::default()
+            }
+        } else {
+            self.consumer.enter(Phase::Compute);
+            let stats = (self.backend.apply(sum)).context("applying the group's update")?;
+            self.consumer.enter(Phase::Other);
+            stats
+        };
         if let Some(h) = held {
             self.record(h, red.step)?;
         }
         self.device_spans();
-        let everyone_ended = sum.ended_ranks() == red.membership.len();
-        if self.is_leader(&red.membership) && (self.backend.eval_due(stats.step) || everyone_ended)
-        {
+        let eval_due = if everyone_ended {
+            self.evaluated != Some(stats.step)
+        } else {
+            self.backend.eval_due(stats.step)
+        };
+        if self.is_leader(&red.membership) && eval_due {
+            self.evaluated = Some(stats.step);
             // Telemetry: an evaluation that fails is said, never fatal. It beats before and
             // after (the launcher's hang timeout is for longer than any evaluation here).
             // The decoding is model work on the device: compute, as the step's.
@@ -422,7 +445,10 @@ impl<'c, 'r> Rank<'c, 'r> {
                 Err(e) => tracing::warn!(error = %e, "evaluating the drafter"),
             }
         }
-        self.progress(&red, &stats);
+        if !everyone_ended || stats.eval_tau.is_some() {
+            // The last round's report is only its evaluation's: its step is the last one's.
+            self.progress(&red, &stats);
+        }
         // The draw is for the next batch taken in every rank's step order: the next step's, or,
         // when the next step's was prefetched already, the one after.
         let drawn = sum.bucket(self.ring.params().buckets);
@@ -538,10 +564,16 @@ impl<'c, 'r> Rank<'c, 'r> {
             self.consumer.enter(Phase::Checkpoint);
             self.ledger.sync()?;
             // A lone rank's own line is the only one: it need not wait for the next round,
-            // which a crash or a hang of its own may never let come.
+            // which a crash or a hang of its own may never let come. The end's checkpoint is of
+            // the last step (the last round applied nothing), unless that step's commit wrote
+            // it already ([`Rank::checkpoint_before_update`]).
             let alone = red.membership.len() == 1;
-            if (everyone_ended || alone) && self.is_leader(&red.membership) {
-                self.write_checkpoint(red.step);
+            let step = self.backend.step() as u32;
+            if (everyone_ended || alone)
+                && self.is_leader(&red.membership)
+                && self.checkpointed != Some(step)
+            {
+                self.write_checkpoint(step);
             }
             self.consumer.enter(Phase::Other);
         }
@@ -592,7 +624,7 @@ impl<'c, 'r> Rank<'c, 'r> {
             &self.ckpt,
             self.faults.checkpoint_fails(step),
         );
-        if report.checkpoint.is_none() {
+        if report.checkpoint.is_none() && report.export.is_none() {
             self.checkpointed = Some(step);
         }
         if let Some(tx) = &self.s.to_launcher {

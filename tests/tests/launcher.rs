@@ -696,6 +696,41 @@ fn ordered_stop(tag: &str, sig: Signal, sent: Sent) {
     }
 }
 
+/// One drafter trains one batch a step, so a run's steps are its batches: step S's update is
+/// batch S's, the checkpoint at the end is of the last one, and a run stopped and resumed
+/// numbers them as a run never stopped (the schedule and the kept exports go by them). The
+/// group's last round, where every rank saw the end, applied an empty step before: the end's
+/// checkpoint was one past the last batch's step, and the resume went on from there, leaving a
+/// step with no batch in the middle of the run's numbering.
+#[test]
+fn a_run_stopped_and_resumed_numbers_its_steps_as_one_never_stopped() {
+    let run = Run::new("lsteps");
+    let cfg = config(&run.dir, true, "");
+    let mut launcher = launch_one_by_one(&run, &cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    wait_until("5 batches trained", &ring, |s| s.counters.released >= 5);
+    kill(pid, Signal::INT);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(130), "{out}");
+    let steps = |run: &Run| -> Vec<u64> {
+        let mut s: Vec<u64> = run.ledgers().iter().map(|l| l.step).collect();
+        s.sort_unstable();
+        s
+    };
+    let trained = steps(&run);
+    let last = *trained.last().unwrap();
+    assert_eq!(trained, (1..=last).collect::<Vec<_>>(), "a batch a step");
+    assert_eq!(checkpoint_step(&run), last, "the stop's checkpoint: {out}");
+    assert_eq!(run.summary()["drafter"]["step"], last, "{out}");
+    resume_to_the_end(&run.run_dir());
+    let trained = steps(&run);
+    let batches = run.summary()["batches_total"].as_u64().unwrap();
+    assert_eq!(trained, (1..=batches).collect::<Vec<_>>(), "a batch a step");
+    assert_eq!(checkpoint_step(&run), batches);
+    assert_eq!(run.summary()["drafter"]["step"], batches);
+}
+
 fn signal_name(sig: Signal) -> &'static str {
     match sig {
         Signal::INT => "SIGINT",
