@@ -172,14 +172,50 @@ pub struct Resume {
     pub done: BTreeSet<u64>,
     /// Each ledger file and the lines it keeps.
     ledgers: Vec<(PathBuf, Vec<String>)>,
-    /// Lines dropped (updates after the checkpoint or lost, torn lines).
-    pub dropped: usize,
+    /// Lines dropped, by why.
+    pub dropped: Dropped,
     /// The run's record of lost steps: applied by the ledgers' rewrite, then removed.
     lost_steps: PathBuf,
     /// The kept exports of steps after the checkpoint's, removed.
     kept_after: Vec<PathBuf>,
     /// The last launch's summary.json, removed.
     summary: PathBuf,
+}
+
+/// The ledger lines a resume drops, whose batches are trained again: updates after the checkpoint,
+/// updates in steps recorded lost (`lost-steps.jsonl`, before the checkpoint's step), and lines a
+/// kill cut short.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped {
+    pub after: usize,
+    pub lost: usize,
+    pub torn: usize,
+}
+
+impl Dropped {
+    pub fn total(&self) -> usize {
+        self.after + self.lost + self.torn
+    }
+}
+
+impl std::fmt::Display for Dropped {
+    /// `3 ledger line(s) dropped (2 after the checkpoint, 1 in lost updates)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ledger line(s) dropped", self.total())?;
+        let parts: Vec<String> = [
+            (self.after, "after the checkpoint"),
+            (self.lost, "in lost updates"),
+            (self.torn, "cut short by a kill"),
+        ]
+        .into_iter()
+        .filter(|&(n, _)| n > 0)
+        .map(|(n, why)| format!("{n} {why}"))
+        .collect();
+        if !parts.is_empty() {
+            write!(f, " ({})", parts.join(", "))?;
+        }
+        Ok(())
+    }
 }
 
 /// Checks that `run_dir` can be resumed with `cfg` (its own config) and `drafters` drafters,
@@ -270,7 +306,7 @@ pub fn check(
     };
     let lost = ledger::read_lost(run_dir)?;
     let mut ledgers = Vec::new();
-    let (mut done, mut dropped) = (BTreeSet::new(), 0);
+    let (mut done, mut dropped) = (BTreeSet::new(), Dropped::default());
     // The run had at least as many drafters as its highest ledger with a line says: a drafter
     // given up before its model loaded has none, one given up before it trained an empty one
     // (the worker creates it at start: counted, a run that lost a GPU to a drafter that never
@@ -308,7 +344,9 @@ pub fn check(
                     done.insert(l.batch_id);
                     keep.push(entry.text);
                 }
-                _ => dropped += 1,
+                Some(l) if l.step > u64::from(step) => dropped.after += 1,
+                Some(_) => dropped.lost += 1,
+                None => dropped.torn += 1,
             }
         }
         ledgers.push((path, keep));
@@ -631,7 +669,8 @@ mod tests {
         let cfg = PipelineConfig::default();
         let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 3, 10).unwrap();
         assert_eq!(r.done.iter().copied().collect::<Vec<_>>(), [0, 1, 2, 3]);
-        assert_eq!(r.dropped, 1, "drafter-2's line after the checkpoint");
+        assert_eq!(r.dropped.after, 1, "drafter-2's line after the checkpoint");
+        assert_eq!(r.dropped.total(), 1);
         r.apply().unwrap();
         let two = std::fs::read_to_string(run.ledger(2)).unwrap();
         assert_eq!(two, format!("{}\n{}\n", line(2), line(3)));
@@ -719,10 +758,38 @@ mod tests {
         let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
         assert_eq!((r.step, r.checkpointed), (4, true));
         assert_eq!(r.done.iter().copied().collect::<Vec<_>>(), [0, 1]);
-        assert_eq!(r.dropped, 2);
+        assert_eq!(r.dropped.after, 2);
         r.apply().unwrap();
         let kept = std::fs::read_to_string(run.ledger(0)).unwrap();
         assert_eq!(kept, format!("{}\n{}\n", lines[0], lines[1]));
+    }
+
+    /// A resume's line says why each dropped ledger line is dropped: a run whose lone drafter
+    /// lost steps 2..=3 (recorded lost, before the checkpoint at 4) and trained step 5 after it.
+    /// The lost updates' lines were counted as "after the checkpoint" before.
+    #[test]
+    fn a_resume_says_which_dropped_lines_were_after_the_checkpoint_and_which_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::create_dir_all(run.ledger_dir()).unwrap();
+        let lines = [line_of(0, 1), line_of(1, 2), line_of(2, 3), line_of(3, 5)];
+        std::fs::write(run.ledger(0), lines.join("\n") + "\n").unwrap();
+        let lost = proto::ledger::LostSteps::between(0, 1, 3).unwrap();
+        proto::ledger::record_lost(&run, &lost).unwrap();
+        let cfg = own_drafter();
+        proto::checkpointed::record(&run, 4, 5).unwrap();
+        let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();
+        assert_eq!(r.done.iter().copied().collect::<Vec<_>>(), [0]);
+        let want = super::Dropped {
+            after: 1,
+            lost: 2,
+            torn: 0,
+        };
+        assert_eq!(r.dropped, want);
+        assert_eq!(
+            r.dropped.to_string(),
+            "3 ledger line(s) dropped (1 after the checkpoint, 2 in lost updates)"
+        );
     }
 
     /// The run's checkpoints were written by one kind of drafter: our checkpoint beside a
@@ -775,7 +842,7 @@ mod tests {
     fn a_damaged_ledger_line_is_refused_and_a_torn_one_dropped() {
         let torn = format!("{}\n{}\n\0\0\0\0\n{}\n", line(0), &line(1)[..25], line(2));
         let r = resume(torn.as_bytes()).unwrap();
-        assert_eq!((r.done.len(), r.dropped), (2, 2));
+        assert_eq!((r.done.len(), r.dropped.torn, r.dropped.total()), (2, 2, 2));
         for bad in [
             b"garbage{{{".to_vec(),
             b"\xff\xfe not text".to_vec(),

@@ -82,7 +82,7 @@ impl<'a> Supervisor<'a> {
                     (true, s) => format!("its checkpoint at step {s}"),
                 };
                 println!(
-                    "resuming {} from {from}: {n} batch(es) already trained, {} ledger line(s) after the checkpoint dropped (their batches are trained again)",
+                    "resuming {} from {from}: {n} batch(es) already trained, {} (their batches are trained again)",
                     run_dir.path().display(),
                     r.dropped
                 );
