@@ -604,6 +604,54 @@ enum Sent {
     TwiceByOneSender,
 }
 
+/// A console that stops reading (Ctrl-S in a terminal, `launcher | less` left on a page, a
+/// stalled SSH link): the launcher's output waited for it, so its own pipe filled, the next
+/// line it printed blocked the supervisor, and the run stood still (no restart, no tick, not
+/// even Ctrl-C), `launcher.log` too, until the console read again. Here the console is a 4 KiB
+/// pipe nobody reads until the launcher exits: the run must end done with all of its output in
+/// `launcher.log`.
+#[test]
+fn a_console_that_stops_reading_holds_back_neither_the_run_nor_its_log() {
+    use std::process::{Command, Stdio};
+    let run = Run::new("lstall");
+    let cfg = config(&run.dir, true, "");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 1200");
+    let (console, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+    rustix::pipe::fcntl_setpipe_size(&write, 4096).unwrap();
+    let args = run.args(&cfg, &["--monitor", "0.01"]);
+    let mut child = Command::new(workspace_bin("launcher"))
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(write.try_clone().unwrap()))
+        .stderr(Stdio::from(write))
+        .spawn()
+        .unwrap();
+    // Killed if the test fails (its workers die with it).
+    struct KillOnDrop(u32);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                let pid = Pid::from_raw(self.0 as i32).unwrap();
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+        }
+    }
+    let _guard = KillOnDrop(child.id());
+    let status = testkit::watchdog(
+        "a launcher whose console does not read",
+        WATCHDOG,
+        move || child.wait().unwrap(),
+    );
+    let log = run.launcher_log();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("exit code 0"), "{log}");
+    // More than the console's pipe and the launcher's own hold: the stall did happen.
+    assert!(log.len() > 4096 + (64 << 10), "{} bytes", log.len());
+    let mut shown = vec![0u8; 8192];
+    let n = rustix::io::read(&console, &mut shown).unwrap();
+    assert!(n > 0 && n <= 4096, "{n}");
+}
+
 /// A stop that comes once the targets have published every batch: the drain trains the rest,
 /// and the run is done (exit 0, ok), as a resume would find nothing left to do. It ended 130
 /// and `ok: false` with every sample trained.
