@@ -148,3 +148,33 @@ fn workers_that_finish_nothing_set_nothing_aside_workers_that_worked_do() {
     // The same batch number at the other stage is another batch's count.
     assert_eq!(s.strike(death(7, 0, true, 30)), (1, Counting));
 }
+
+/// A worker that dies after some work each time, another batch in hand at each death: the
+/// deaths held against batches long trained are forgotten past [`REMEMBERED`] batches (the
+/// launcher's memory grew by a KB per such restart, for ever), while a batch that keeps killing
+/// is remembered and set aside as before.
+#[test]
+fn strikes_against_many_batches_are_bounded_and_a_poison_batch_is_still_set_aside() {
+    use Verdict::*;
+    let mut s = Strikes::new(3);
+    for b in 0..2 * REMEMBERED as u64 {
+        assert_eq!(s.strike(death(b, 0, true, b)), (1, Counting));
+        assert!(
+            s.remembered() <= REMEMBERED,
+            "{} at batch {b}",
+            s.remembered()
+        );
+    }
+    assert_eq!(s.remembered(), REMEMBERED);
+    assert!(
+        s.lines(Role::Consumer, 0).is_empty(),
+        "the oldest forgotten"
+    );
+    let last = 2 * REMEMBERED as u64 - 1;
+    assert_eq!(s.lines(Role::Consumer, last).len(), 1, "the newest kept");
+    let poison = 10 * REMEMBERED as u64;
+    assert_eq!(s.strike(death(poison, 0, true, 1)), (1, Counting));
+    assert_eq!(s.strike(death(poison + 1, 1, true, 2)), (1, Counting));
+    assert_eq!(s.strike(death(poison, 1, true, 3)), (2, Counting));
+    assert_eq!(s.strike(death(poison, 2, true, 4)), (3, SetAside));
+}
