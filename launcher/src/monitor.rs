@@ -342,6 +342,8 @@ impl Metrics {
 
 pub struct Monitor {
     metrics: Metrics,
+    /// `launcher.log`, for what is not shown on the console.
+    log: Log,
     /// The run directory, for its lost updates.
     run_dir: RunDir,
     lost: Lost,
@@ -460,6 +462,7 @@ impl Monitor {
         });
         let mut mon = Monitor {
             metrics,
+            log: tee.log(),
             run_dir: run_dir.clone(),
             lost: Lost::default(),
             board,
@@ -549,6 +552,16 @@ impl Monitor {
         self.say(&format!(
             "the drafters refused {refused} batch(es) so far as corrupt (its checksum, shape or content): not trained; see the drafters' logs for why"
         ));
+    }
+
+    /// Records an event line in `launcher.log` and the next tick, not on the console (what
+    /// would flood it: a crash loop's deaths past the first of each minute).
+    pub fn log_only(&mut self, msg: &str) {
+        self.events.push(EventTick {
+            t_s: share(self.started.elapsed().as_secs_f64()),
+            text: msg.to_string(),
+        });
+        self.log.line(msg);
     }
 
     /// Prints an event line without breaking the progress bar; the next tick records it.

@@ -38,6 +38,7 @@ use crate::spawn::{self, Event, Key, Welcome};
 use crate::{log_cap, reclaim, summary};
 
 mod diverged;
+mod quiet;
 mod saves;
 mod settle;
 mod start;
@@ -84,6 +85,10 @@ struct Worker {
     report: Option<FinalReport>,
     /// Its log's last rotation failed, and that was said (once, until one succeeds).
     rotation_failed: bool,
+    /// Its deaths said on the console this minute, and those held back (`quiet.rs`).
+    death_lines: quiet::DeathLines,
+    /// Its last death was held back from the console: so is its restart.
+    restart_quietly: bool,
 }
 
 impl Worker {
@@ -103,6 +108,8 @@ impl Worker {
             control: None,
             report: None,
             rotation_failed: false,
+            death_lines: quiet::DeathLines::default(),
+            restart_quietly: false,
         }
     }
     /// The current incarnation (restarts get a new `spawn`).
@@ -476,12 +483,29 @@ impl<'a> Supervisor<'a> {
         let (r, settled) = self.recover(i, struck)?;
         let w = &mut self.workers[i];
         // A batch published or trained, or one whose update the group applied before it died.
-        if items > w.items_before || r.retired > 0 {
+        let worked = items > w.items_before || r.retired > 0;
+        if worked {
             w.in_a_row = 0;
         }
         w.items_before = items;
         let in_hand = settled.in_hand.map_or(String::new(), |h| format!("; {h}"));
-        self.mon.say(&format!("{death}{in_hand}; {r}"));
+        let line = format!("{death}{in_hand}; {r}");
+        // Deaths after work are never given up: past five a minute they are counted on the
+        // console, not said one by one (`quiet.rs`). A crash loop in a row ends at the limit.
+        let (held, say) = if worked {
+            w.death_lines.death(&w.name().to_string(), Instant::now())
+        } else {
+            (None, true)
+        };
+        w.restart_quietly = !say;
+        if let Some(held) = held {
+            self.mon.say(&held);
+        }
+        if say {
+            self.mon.say(&line);
+        } else {
+            self.mon.log_only(&line);
+        }
         for line in settled.lines {
             self.mon.say(&line);
         }
@@ -611,14 +635,19 @@ impl<'a> Supervisor<'a> {
             };
             let w = &mut self.workers[i];
             if w.spawns > 0 {
-                self.mon.say(&format!(
+                let line = format!(
                     "{} restarted (restart {}; {} in a row of at most {}), pid {}",
                     w.name(),
                     w.restarts,
                     w.in_a_row,
                     self.args.max_restarts,
                     child.id()
-                ));
+                );
+                if w.restart_quietly {
+                    self.mon.log_only(&line);
+                } else {
+                    self.mon.say(&line);
+                }
             }
             w.pid = child.id();
             w.spawned = Instant::now();
@@ -631,6 +660,7 @@ impl<'a> Supervisor<'a> {
 
     /// Step 6: the progress bar or lines, and a line of `metrics.jsonl` when one is due.
     fn monitor(&mut self) -> anyhow::Result<()> {
+        self.held_deaths(false);
         let restarts: u32 = self.workers.iter().map(|w| w.restarts).sum();
         self.mon.tick(&self.ring, restarts, self.started)
     }
@@ -691,7 +721,19 @@ impl<'a> Supervisor<'a> {
     }
 
     /// The last tick, the exit code, `summary.json`; then the ring and the group go.
+    /// Says how many deaths of each worker were held back from the console in a minute now
+    /// over (`end`: at the run's end, every one still held).
+    fn held_deaths(&mut self, end: bool) {
+        let now = Instant::now();
+        for w in &mut self.workers {
+            if let Some(line) = w.death_lines.held_back(&w.name().to_string(), now, end) {
+                self.mon.say(&line);
+            }
+        }
+    }
+
     fn finish(mut self) -> anyhow::Result<i32> {
+        self.held_deaths(true);
         // The leader's last steps and its last checkpoint's report, sent as it drained, may
         // still be on their way: each handshake thread ends once its worker's connection closes,
         // at the worker's exit, so with this end's sender gone the channel closes once every

@@ -1042,16 +1042,34 @@ fn a_worker_that_crashes_after_work_each_time_is_never_given_up() {
     let cfg = config(&run.dir, true, "[faults.target-1]\ncrash_after = 2\n");
     edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 2000");
     let launcher = run.launch(&cfg, &["--max-restarts", "1"]);
-    let (status, err) = launcher.wait_status_keep();
-    assert_eq!(status.code(), Some(0), "complete, not degraded\n{err}");
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(0), "complete, not degraded\n{out}");
     let s = run.summary();
     let restarts = s["workers"][1]["restarts"].as_u64().unwrap();
     assert!(
         restarts >= 2,
-        "target-1 restarted {restarts} time(s): past the limit of 1 is what this tests\n{err}"
+        "target-1 restarted {restarts} time(s): past the limit of 1 is what this tests\n{out}"
     );
     let notes = s["notes"].to_string();
     assert!(!notes.contains("gave up"), "{notes}");
+    // Each death is in launcher.log; the console says five a minute, then how many more (it
+    // printed every one, hundreds a minute in such a loop).
+    let deaths = |text: &str| {
+        (text.lines())
+            .filter(|l| l.contains("target-1 (pid") && l.contains(" died: "))
+            .count() as u64
+    };
+    assert_eq!(deaths(&run.launcher_log()), restarts, "{out}");
+    let shown = deaths(&out);
+    assert_eq!(shown, restarts.min(5), "{out}");
+    let more: u64 = (out.lines())
+        .filter_map(|l| l.split("target-1 died ").nth(1))
+        .map(|l| l.split(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(shown + more, restarts, "{out}");
+    let restarted = |text: &str| text.matches("target-1 restarted (restart").count() as u64;
+    assert_eq!(restarted(&out), shown, "their restarts alike: {out}");
+    assert_eq!(restarted(&run.launcher_log()), restarts);
     let counts = sample_counts(&run.ledgers());
     assert_eq!(counts.len(), 2000, "every sample trained");
     assert!(counts.values().all(|&c| c == 1), "each once");
