@@ -4,7 +4,9 @@
 //! `<worker>.log.1` (replacing the one before, written whole), the log is truncated to nothing
 //! and a line ([`ROTATED`]) says where its earlier part went and why. A worker writes its log
 //! through the descriptor `spawn` opened with O_APPEND, so its next write lands at the new end
-//! (not at its old offset, which would leave a hole as large as what was moved).
+//! (not at its old offset, which would leave a hole as large as what was moved). The launcher
+//! keeps a descriptor of that file too (`spawn` returns it) and rotates the file through it,
+//! so a log deleted or moved away while its worker writes it is kept under the cap all the same.
 //!
 //! The price: a line the worker writes between the last read of the copy and the truncate is
 //! in neither file. The bytes written while the copy is synced are appended to `.log.1` before
@@ -17,9 +19,11 @@
 //! finishing its step or checkpoint would die of SIGPIPE at its next line. A file the worker
 //! writes itself needs nothing of the launcher.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom, Write};
-use std::path::Path;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 
 /// The start of the line a rotated log begins with: [`crate::spawn::last_error`] reads the
 /// rotated part too when the live log begins with it.
@@ -71,27 +75,32 @@ fn human(bytes: u64) -> String {
     }
 }
 
-/// Rotates the log at `log` if it holds more than `cap` bytes (0: no cap): see the module's
-/// doc. Returns how many bytes went to `<log>.1`, or None when it was not rotated (under the
-/// cap, or no log yet). A failure (a full disk) leaves the log as it was: nothing is truncated
-/// that was not copied.
-pub fn rotate_past_cap(log: &Path, cap: u64) -> io::Result<Option<u64>> {
-    let len = match std::fs::metadata(log) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        r => r?.len(),
-    };
+/// Rotates the log at `log`, which the worker writes and the launcher holds open as `live`, if
+/// it holds more than `cap` bytes (0: no cap): see the module's doc. Returns how many bytes
+/// went to `<log>.1`, or None when it was not rotated (under the cap). A failure (a full disk)
+/// leaves the log as it was: nothing is truncated that was not copied.
+///
+/// The file rotated is the one the worker writes, reached through `live`, not the one at the
+/// path: a log deleted (or moved) while its worker writes it went on growing without limit,
+/// its space held and out of `du`'s sight (the rotation left a log gone from its path alone).
+/// Its earlier part goes to `<log>.1` all the same.
+pub fn rotate_past_cap(log: &Path, live: &File, cap: u64) -> io::Result<Option<u64>> {
+    let len = live.metadata()?.len();
     if cap == 0 || len <= cap {
         return Ok(None);
     }
+    // The file itself, opened anew (a descriptor of its own, with its own offset; the worker's
+    // and `live` share one), even once no path names it.
+    let file = PathBuf::from(format!("/proc/self/fd/{}", live.as_raw_fd()));
     let rotated = proto::run_dir::rotated(log);
     let mut moved = 0;
     atomic_file::replace_with(&rotated, |tmp| -> io::Result<()> {
-        moved = std::fs::copy(log, tmp)?;
+        moved = std::fs::copy(&file, tmp)?;
         Ok(())
     })?;
     // Read and truncated through a descriptor with O_APPEND, so that the line below is written
     // at the end, as the worker's are.
-    let mut live = OpenOptions::new().read(true).append(true).open(log)?;
+    let mut live = OpenOptions::new().read(true).append(true).open(&file)?;
     live.seek(SeekFrom::Start(moved))?;
     let mut out = OpenOptions::new().append(true).open(&rotated)?;
     moved += io::copy(&mut live, &mut out)?;
@@ -105,9 +114,18 @@ pub fn rotate_past_cap(log: &Path, cap: u64) -> io::Result<Option<u64>> {
     Ok(Some(moved))
 }
 
+/// The log at `log` is no longer the file the worker writes (`live`): deleted, or moved away
+/// (and maybe another made at its path). False when the path cannot be looked at otherwise.
+pub fn gone(log: &Path, live: &File) -> bool {
+    let (Ok(now), Ok(held)) = (std::fs::metadata(log), live.metadata()) else {
+        return std::fs::metadata(log).is_err_and(|e| e.kind() == io::ErrorKind::NotFound);
+    };
+    (now.dev(), now.ino()) != (held.dev(), held.ino())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{parse, rotate_past_cap, ROTATED};
+    use super::{gone, parse, rotate_past_cap, ROTATED};
     use std::io::Write;
 
     /// A worker that writes past the cap: its log is rotated while it still writes (through
@@ -124,7 +142,7 @@ mod tests {
         let cap = 64 << 10;
         let early = "step 1 loss 3.2 and more words to fill the line\n".repeat(2000);
         worker.write_all(early.as_bytes()).unwrap();
-        let moved = rotate_past_cap(&log, cap).unwrap();
+        let moved = rotate_past_cap(&log, &worker, cap).unwrap();
         assert_eq!(moved, Some(early.len() as u64));
         worker.write_all(b"error: after the rotation\n").unwrap();
 
@@ -144,9 +162,9 @@ mod tests {
         assert_eq!(rest, "error: after the rotation\n", "no hole before it");
         assert!((live.len() as u64) < cap);
         // Under the cap again: left alone. Past it again: the older `.log.1` is replaced.
-        assert_eq!(rotate_past_cap(&log, cap).unwrap(), None);
+        assert_eq!(rotate_past_cap(&log, &worker, cap).unwrap(), None);
         worker.write_all(early.as_bytes()).unwrap();
-        assert!(rotate_past_cap(&log, cap).unwrap().is_some());
+        assert!(rotate_past_cap(&log, &worker, cap).unwrap().is_some());
         let rotated = std::fs::read_to_string(dir.path().join("drafter-0.log.1")).unwrap();
         assert!(rotated.starts_with(note) && rotated.ends_with(&early));
         assert_eq!(
@@ -154,6 +172,37 @@ mod tests {
             2000,
             "the older part is gone"
         );
+    }
+
+    /// A log deleted while its worker writes it (or moved away) is still the worker's, and
+    /// kept under the cap through the launcher's descriptor of it, its earlier part in
+    /// `.log.1` as ever; found gone, while a log in its place is not. Before, the rotation
+    /// passed over a log gone from its path, which grew without limit, its space held and
+    /// out of `du`'s sight.
+    #[test]
+    fn a_log_deleted_while_its_worker_writes_it_is_still_kept_under_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("target-0.log");
+        let mut worker = (std::fs::OpenOptions::new().create(true).append(true))
+            .open(&log)
+            .unwrap();
+        let live = worker.try_clone().unwrap();
+        assert!(!gone(&log, &live));
+        std::fs::remove_file(&log).unwrap();
+        assert!(gone(&log, &live));
+        let cap = 64 << 10;
+        let chatty = "a line a worker prints in a loop\n".repeat(4000);
+        worker.write_all(chatty.as_bytes()).unwrap();
+        let moved = rotate_past_cap(&log, &live, cap).unwrap();
+        assert_eq!(moved, Some(chatty.len() as u64));
+        worker.write_all(b"after\n").unwrap();
+        let held = live.metadata().unwrap().len();
+        assert!(held < cap, "the deleted log holds {held} bytes");
+        let rotated = std::fs::read_to_string(dir.path().join("target-0.log.1")).unwrap();
+        assert_eq!(rotated, chatty);
+        assert!(!log.exists(), "no log made at its path");
+        std::fs::write(&log, "another file").unwrap();
+        assert!(gone(&log, &live), "another file at its path");
     }
 
     /// `--log-cap 0` leaves a log alone however large.
@@ -164,7 +213,8 @@ mod tests {
         let text = "x".repeat(1 << 20);
         std::fs::write(&log, &text).unwrap();
         assert_eq!(parse("0"), Ok(0));
-        assert_eq!(rotate_past_cap(&log, 0).unwrap(), None);
+        let live = std::fs::File::open(&log).unwrap();
+        assert_eq!(rotate_past_cap(&log, &live, 0).unwrap(), None);
         assert_eq!(std::fs::read_to_string(&log).unwrap(), text);
         assert!(!dir.path().join("target-0.log.1").exists());
     }

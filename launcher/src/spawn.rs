@@ -280,14 +280,15 @@ fn python_said(l: &str) -> bool {
 }
 
 /// Starts worker `key` on `gpu`, logging to `log`, and a thread that handshakes with it and
-/// forwards its messages as `Event`s.
+/// forwards its messages as `Event`s. Returns the worker and the launcher's own descriptor of
+/// the log it writes (for `log_cap`, which rotates the log through it).
 pub fn spawn(
     key: Key,
     gpu: u32,
     log: &Path,
     welcome: &Welcome,
     events: Sender<Event>,
-) -> anyhow::Result<Child> {
+) -> anyhow::Result<(Child, std::fs::File)> {
     let server = control::Server::new().context("opening a control channel")?;
     let server_name = server.name().to_string();
     let mut logf = OpenOptions::new()
@@ -340,7 +341,7 @@ pub fn spawn(
         .env("RAYON_NUM_THREADS", welcome.threads.to_string())
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
-        .stderr(logf);
+        .stderr(logf.try_clone()?);
     // Own process group: a terminal's Ctrl-C or hang-up reaches the launcher only, which then
     // stops the workers in order.
     cmd.process_group(0);
@@ -382,7 +383,7 @@ pub fn spawn(
     })
     .ok();
     std::thread::spawn(move || handshake(server, exited, key, gpu, welcome, events));
-    Ok(child)
+    Ok((child, logf))
 }
 
 /// Waits for worker `key` to connect and handshakes with it. `exited`, a pidfd of the worker:
@@ -593,7 +594,8 @@ mod tests {
             "Z  INFO step\n".repeat(8000)
         );
         std::fs::write(&log, before).unwrap();
-        crate::log_cap::rotate_past_cap(&log, 64 << 10)
+        let live = std::fs::File::open(&log).unwrap();
+        crate::log_cap::rotate_past_cap(&log, &live, 64 << 10)
             .unwrap()
             .unwrap();
         assert_eq!(last_error(&log).as_deref(), Some(said));
@@ -652,7 +654,7 @@ mod tests {
         };
         let (tx, rx) = channel();
         let log = dir.path().join("target-0.log");
-        let mut child = super::spawn(key, 0, &log, &welcome, tx).unwrap();
+        let (mut child, _log) = super::spawn(key, 0, &log, &welcome, tx).unwrap();
         assert!(!child.wait().unwrap().success());
         // A watchdog, not a timing: the thread ends as soon as the worker has exited.
         match rx.recv_timeout(std::time::Duration::from_secs(120)) {

@@ -312,8 +312,9 @@ pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
 }
 
 /// The run's end lines: the totals, the group's last step, where the kept exports are, the
-/// workers, the notes and the exit code.
-pub fn print(s: &Summary, run_dir: &RunDir) {
+/// workers, the notes, how to train what is left (if `resumable`: not for a run directory gone)
+/// and the exit code.
+pub fn print(s: &Summary, run_dir: &RunDir, resumable: bool) {
     println!();
     let trained = match s.epochs {
         1 => format!("{}/{} samples trained", s.samples_trained, s.samples_total),
@@ -372,7 +373,7 @@ pub fn print(s: &Summary, run_dir: &RunDir) {
     for n in &s.notes {
         println!("note: {n}");
     }
-    if let Some(line) = resume_line(s, run_dir) {
+    if let Some(line) = resume_line(s, run_dir).filter(|_| resumable) {
         println!("{line}");
     }
     println!("exit code {}", s.exit_code);

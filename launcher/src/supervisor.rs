@@ -10,7 +10,9 @@
 //!    give up; with no drafter left, stop the targets.
 //! 5. [`restarts`](Supervisor::restarts): start every worker whose backoff is over.
 //! 6. [`monitor`](Supervisor::monitor): the progress bar or lines, and `metrics.jsonl`.
-//! 7. [`logs`](Supervisor::logs): once a second, a worker's log past `--log-cap` is rotated.
+//! 7. [`place`](Supervisor::place): once a second, the run directory is still where it was
+//!    (`place.rs`); deleted, moved or replaced, the run stops in order, exit code 1.
+//! 8. [`logs`](Supervisor::logs): once a second, a worker's log past `--log-cap` is rotated.
 //!
 //! [`start`](Supervisor::start) (in `start.rs`) creates the ring and the group first. The loop
 //! ends when every worker is finished (or killed by a second signal); then
@@ -38,6 +40,7 @@ use crate::spawn::{self, Event, Key, Welcome};
 use crate::{log_cap, reclaim, summary};
 
 mod diverged;
+mod place;
 mod quiet;
 mod saves;
 mod settle;
@@ -89,6 +92,12 @@ struct Worker {
     death_lines: quiet::DeathLines,
     /// Its last death was held back from the console: so is its restart.
     restart_quietly: bool,
+    /// The launcher's own descriptor of the log this incarnation writes: its log is rotated
+    /// through it (`log_cap`), so a log deleted or moved while the worker writes it is still
+    /// kept under `--log-cap`.
+    log: Option<std::fs::File>,
+    /// This incarnation's log was found gone from its path, and that was said.
+    log_gone_said: bool,
 }
 
 impl Worker {
@@ -110,6 +119,8 @@ impl Worker {
             rotation_failed: false,
             death_lines: quiet::DeathLines::default(),
             restart_quietly: false,
+            log: None,
+            log_gone_said: false,
         }
     }
     /// The current incarnation (restarts get a new `spawn`).
@@ -186,8 +197,13 @@ pub(crate) struct Supervisor<'a> {
     saves: saves::Saves,
     /// A second signal killed every worker.
     killed: bool,
+    /// The run directory as found at the start, and what became of it once it was found gone
+    /// (`place.rs`): the run stops, exit code 1.
+    place: place::Place,
+    gone: Option<place::Gone>,
     last_hang_check: Instant,
     last_log_check: Instant,
+    last_place_check: Instant,
     started: Instant,
 }
 
@@ -203,6 +219,7 @@ impl<'a> Supervisor<'a> {
             self.exits()?;
             self.restarts()?;
             self.monitor()?;
+            self.place();
             self.logs();
             if self.workers.iter().all(Worker::finished) {
                 break;
@@ -274,8 +291,12 @@ impl<'a> Supervisor<'a> {
                 self.diverged(&s);
             }
             Event::Saved(r) => {
-                for line in self.saves.saved(&r) {
-                    self.mon.say(&line);
+                let lines = self.saves.saved(&r);
+                // With the run directory gone, every save fails, as `place` said.
+                if self.gone.is_none() {
+                    for line in lines {
+                        self.mon.say(&line);
+                    }
                 }
             }
             Event::HandshakeFailed(key, why) => {
@@ -378,6 +399,8 @@ impl<'a> Supervisor<'a> {
             };
             w.child = None;
             w.control = None;
+            // Its log's space is freed with the worker's descriptors if the log was deleted.
+            w.log = None;
             // Stopped while the launcher did not stop the run: a stop signal from outside (ours
             // say so: `proto::stop::OUTSIDE_SIGNAL`), which such a worker takes only after it
             // waited for the launcher's Stop in vain (`worker_runtime::LAUNCHERS_STOP_GRACE`):
@@ -512,14 +535,18 @@ impl<'a> Supervisor<'a> {
         let w = &mut self.workers[i];
         // While stopping, targets are not restarted, nor a worker that went down before it
         // registered (killed by the stop, or stuck starting): only a drafter that was draining.
+        // With the run directory gone (`place`), none: nothing it does can be saved there.
         let stopped = self.stopping && (w.name.role == Role::Producer || !registered);
-        if w.in_a_row < self.args.max_restarts && !stopped {
+        let gone = self.gone.is_some();
+        if w.in_a_row < self.args.max_restarts && !stopped && !gone {
             w.life = Life::Backoff(Instant::now() + backoff(w.in_a_row));
             w.in_a_row += 1;
             w.restarts += 1;
             return Ok(());
         }
-        if stopped {
+        if gone {
+            w.life = Life::Stopped;
+        } else if stopped {
             w.life = Life::Stopped;
             if w.name.role == Role::Consumer {
                 let note = format!(
@@ -621,8 +648,8 @@ impl<'a> Supervisor<'a> {
                 &self.welcome,
                 self.events_tx.clone(),
             );
-            let child = match started {
-                Ok(child) => child,
+            let (child, log) = match started {
+                Ok(started) => started,
                 // A start that fails (its log unwritable on a full disk, its program gone) is
                 // a death at start: restarted to the limit, then given up. It used to end the
                 // run, every other worker killed mid-step and no summary written.
@@ -653,6 +680,8 @@ impl<'a> Supervisor<'a> {
             w.spawned = Instant::now();
             w.spawns += 1;
             w.child = Some(child);
+            w.log = Some(log);
+            w.log_gone_said = false;
             w.life = Life::Running;
         }
         Ok(())
@@ -665,17 +694,67 @@ impl<'a> Supervisor<'a> {
         self.mon.tick(&self.ring, restarts, self.started)
     }
 
-    /// Step 7, once a second: each worker's log past `--log-cap` is rotated (`log_cap`), after
+    /// Step 7, once a second: the run directory is still where the run started it
+    /// (`place.rs`). Deleted, moved or replaced, nothing more can be saved there, and the run
+    /// stops in order as the drafters' divergence stops it, with exit code 1: training on to
+    /// the end trained for nothing (see `place.rs`).
+    fn place(&mut self) {
+        if self.gone.is_some() || self.last_place_check.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_place_check = Instant::now();
+        let Some(gone) = self.place.gone() else {
+            return;
+        };
+        self.gone = Some(gone);
+        let note = format!(
+            "the run directory {} {}: nothing more can be saved there (checkpoints, ledgers, logs, summary.json), so the run stops: the targets stop, the drafters drain, and no worker is restarted",
+            self.run_dir.path().display(),
+            gone.said()
+        );
+        self.mon.say(&format!("error: {note}"));
+        self.notes.push(note);
+        if !self.stopping {
+            self.stopping = true;
+            self.send_stop();
+            self.stop_unstarted();
+        }
+    }
+
+    /// Step 8, once a second: each worker's log past `--log-cap` is rotated (`log_cap`), after
     /// this pass's deaths have been read from their logs. A rotation that fails (a full disk)
-    /// leaves the log as it is, said once per worker until one succeeds.
+    /// leaves the log as it is, said once per worker until one succeeds. A log deleted or moved
+    /// while its worker writes it is rotated all the same, through the launcher's descriptor
+    /// of it (it grew without limit, out of `du`'s sight), and that is said once.
     fn logs(&mut self) {
-        if self.args.log_cap == 0 || self.last_log_check.elapsed() < Duration::from_secs(1) {
+        if self.args.log_cap == 0
+            || self.gone.is_some()
+            || self.last_log_check.elapsed() < Duration::from_secs(1)
+        {
             return;
         }
         self.last_log_check = Instant::now();
         for w in &mut self.workers {
+            let Some(live) = &w.log else {
+                continue;
+            };
             let log = self.run_dir.log(w.name());
-            match log_cap::rotate_past_cap(&log, self.args.log_cap) {
+            if !w.log_gone_said && log_cap::gone(&log, live) {
+                if self.place.gone().is_some() {
+                    // The whole directory is: `place` says that at the next pass.
+                    self.last_place_check = (Instant::now().checked_sub(Duration::from_secs(1)))
+                        .unwrap_or(self.last_place_check);
+                    return;
+                }
+                w.log_gone_said = true;
+                self.mon.say(&format!(
+                    "warning: {} was deleted or moved while {} writes it: the worker writes on to the file it opened (out of du's sight if deleted), still kept under --log-cap, its earlier part going to {} at each rotation; its next start makes a new log",
+                    log.display(),
+                    w.name(),
+                    proto::run_dir::rotated(&log).display()
+                ));
+            }
+            match log_cap::rotate_past_cap(&log, live, self.args.log_cap) {
                 Ok(_) => w.rotation_failed = false,
                 Err(e) if !w.rotation_failed => {
                     w.rotation_failed = true;
@@ -755,8 +834,10 @@ impl<'a> Supervisor<'a> {
         }
         // A row of skipped updates that stopped the run (or that the data ended in) is lost:
         // recorded before the last tick and the summary read it, so its batches count
-        // untrained in both.
-        if let Some(lost) = self.skipped.lost(self.args.stop_after_skipped) {
+        // untrained in both. Nothing is written in a run directory gone (`place`): what is at its
+        // path now, if anything, is not this run's.
+        let lost = self.skipped.lost(self.args.stop_after_skipped);
+        if let Some(lost) = lost.filter(|_| self.gone.is_none()) {
             if let Err(e) = proto::ledger::record_lost(&self.run_dir, &lost) {
                 self.notes.push(format!(
                     "recording {lost} in {} failed ({e}): those batches count as trained",
@@ -769,6 +850,8 @@ impl<'a> Supervisor<'a> {
         let mut exit_code = exit::OK;
         if self.killed {
             exit_code = exit::KILLED;
+        } else if self.gone.is_some() {
+            exit_code = exit::ERROR;
         } else if self.stopping && self.signals.received() > 0 {
             exit_code = exit::INTERRUPTED;
         }
@@ -789,7 +872,14 @@ impl<'a> Supervisor<'a> {
         let mut notes = std::mem::take(&mut self.notes);
         notes.extend(self.skipped.at_the_end(self.args.stop_after_skipped));
         // A run that ends without its checkpoint (or export) degrades: see `saves.rs` for why.
-        notes.extend((self.saves).at_the_end(&crate::resume::command(self.run_dir.path())));
+        // With its directory gone, they failed for that, said already, and no resume follows.
+        if self.gone.is_none() {
+            notes.extend((self.saves).at_the_end(&crate::resume::command(self.run_dir.path())));
+        } else {
+            notes.push(
+                "the counts above are read from the run directory's ledgers, gone with it".into(),
+            );
+        }
         if exit_code == exit::INTERRUPTED && notes.is_empty() && summary.exactly_once() {
             // The stop came as the data ended, and the drain trained the rest: the run is done
             // (a resume would find nothing to do), not stopped short.
@@ -816,9 +906,43 @@ impl<'a> Supervisor<'a> {
         }
         notes.extend(self.saves.not_kept());
         let summary = summary::finalise(summary, exit_code, notes);
+        // The end is printed before summary.json is written: a write that failed (a full or
+        // read-only disk) took the end with it, its table, notes and exit code (3, 130) lost
+        // behind `error: writing summary.json`, exit code 1.
+        summary::print(&summary, &self.run_dir, self.gone.is_none());
+        if let Some(gone) = self.gone {
+            println!(
+                "summary.json is not written: the run directory {} {}",
+                self.run_dir.path().display(),
+                gone.said()
+            );
+            return Ok(exit_code);
+        }
         crate::resume::sweep_leftovers(&self.run_dir);
-        summary::write(&self.run_dir, &summary)?;
-        summary::print(&summary, &self.run_dir);
-        Ok(exit_code)
+        match summary::write(&self.run_dir, &summary) {
+            Ok(()) => Ok(exit_code),
+            Err(e) => Ok(self.unwritten(&e, exit_code)),
+        }
+    }
+
+    /// Says that summary.json could not be written (`e`) at the end of a run whose exit code
+    /// was `exit_code`; the exit code then: the run's own where it is not 0 (3, 130 and 131 keep
+    /// their meaning), and 1 for a run that trained every sample, whose record is incomplete.
+    fn unwritten(&self, e: &anyhow::Error, exit_code: i32) -> i32 {
+        let dir = self.run_dir.path();
+        let end = "the end above is the run's (in launcher.log too, if that can still be written)";
+        if exit_code != exit::OK {
+            println!(
+                "error: {e:#}: summary.json is not written; {end}, and `launcher --resume` needs no summary.json; exit code {exit_code}"
+            );
+            return exit_code;
+        }
+        println!(
+            "error: {e:#}: summary.json is not written, so the run's record is incomplete: exit code {}, not 0; every sample was trained, as {end}; once {} can be written, `{}` finds every batch trained and writes it",
+            exit::ERROR,
+            dir.display(),
+            crate::resume::command(dir)
+        );
+        exit::ERROR
     }
 }

@@ -885,6 +885,137 @@ fn a_checkpoint_that_cannot_be_written_is_said_once_and_the_run_ends_degraded() 
     assert!(counts.len() == 400 && counts.values().all(|&c| c == 1));
 }
 
+/// Launches `run` with `cfg` and, once its directory is laid out, puts a directory where its
+/// summary.json goes, which the atomic write refuses to replace; its exit code and output.
+fn summary_blocked(run: &Run, cfg: &Path) -> (Option<i32>, String) {
+    let mut launcher = run.launch(cfg, &[]);
+    launcher.line_starting("data:");
+    std::fs::create_dir(run.run_dir().join("summary.json")).unwrap();
+    let (status, out, _) = launcher.finish_status();
+    (status.code(), out)
+}
+
+/// The end of a launcher's output `out`, from its first line (`first`) on, and the line after
+/// it that says summary.json could not be written.
+fn end_then_unwritten<'a>(out: &'a str, first: &str) -> (&'a str, &'a str) {
+    let end = &out[out
+        .find(&format!("\n{first}"))
+        .expect("the end's first line")..];
+    let unwritten = (end.lines())
+        .find(|l| l.starts_with("error: writing "))
+        .unwrap_or_else(|| panic!("the failure is said after the end: {out}"));
+    (end, unwritten)
+}
+
+/// A summary.json that cannot be written (a full or read-only disk; here a directory at its
+/// path, which the atomic write refuses to replace) does not hide the end of a run that ended
+/// degraded: its table and notes are printed, the failure is said after them, and the exit
+/// code is still 3. Before, the write came first: the run printed only `error: writing
+/// .../summary.json` and exited 1, its notes (the checkpoint missing since step 3, the
+/// `launcher --resume` that trains the rest) lost.
+#[test]
+fn a_summary_that_cannot_be_written_leaves_the_end_printed_and_the_runs_exit_code() {
+    let run = Run::new("lsumfail");
+    let cfg = config(
+        &run.dir,
+        true,
+        "[faults.drafter-0]\ncheckpoint_fails_from = 6\n",
+    );
+    let (code, out) = summary_blocked(&run, &cfg);
+    assert_eq!(code, Some(3), "the run's own code: {out}");
+    let (end, unwritten) = end_then_unwritten(&out, "ended in ");
+    for want in [
+        "summary.json",
+        "is a directory",
+        "summary.json is not written; the end above is the run's",
+        "exit code 3",
+    ] {
+        assert!(unwritten.contains(want), "{want:?} in {unwritten}");
+    }
+    for want in [
+        "\nrole ",
+        "\nnote: no checkpoint since step 3: writing the checkpoint",
+        "launcher --resume",
+        "\nexit code 3\n",
+    ] {
+        assert!(end.contains(want), "{want:?} in the end:\n{out}");
+    }
+    assert!(run.run_dir().join("summary.json").is_dir(), "left alone");
+}
+
+/// A run that trained every sample but could not write summary.json exits 1 (its record is
+/// incomplete), after its end, saying how to write it; `launcher --resume` then does, finding
+/// every batch trained.
+#[test]
+fn a_summary_that_cannot_be_written_after_a_full_run_exits_1_and_a_resume_writes_it() {
+    let run = Run::new("lsumfailok");
+    let cfg = config(&run.dir, true, "");
+    let (code, out) = summary_blocked(&run, &cfg);
+    assert_eq!(code, Some(1), "{out}");
+    let (end, unwritten) = end_then_unwritten(&out, "done in ");
+    assert!(end.contains("\nexit code 0\n"), "{out}");
+    for want in [
+        "the run's record is incomplete: exit code 1, not 0",
+        "every sample was trained",
+        "launcher --resume",
+    ] {
+        assert!(unwritten.contains(want), "{want:?} in {unwritten}");
+    }
+    std::fs::remove_dir(run.run_dir().join("summary.json")).unwrap();
+    let out = resume_to_the_end(&run.run_dir());
+    assert!(out.contains("batch(es) already trained"), "{out}");
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].as_bool(), s["samples_trained"].as_u64()),
+        (Some(true), Some(400)),
+        "{s}"
+    );
+    let counts = sample_counts(&run.ledgers());
+    assert!(counts.values().all(|&c| c == 1), "nothing trained again");
+}
+
+/// A run directory deleted mid-run (`rm -rf`): nothing more can be saved there, so the run
+/// stops in order, saying so and naming the directory, exit code 1, with batches of the plan
+/// never published, no worker left and nothing left in /dev/shm. Before, it said one failed
+/// checkpoint and trained on to the end for nothing, its open files holding disk space that
+/// `du` could not see.
+#[test]
+fn a_run_directory_deleted_mid_run_stops_the_run_in_order() {
+    let run = Run::new("lrundirgone");
+    let cfg = config(&run.dir, true, "");
+    edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 4000");
+    let mut launcher = run.launch(&cfg, &[]);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    let s = wait_until("3 batches trained", &ring, |s| {
+        s.workers.iter().all(|w| w.alive) && s.counters.released >= 3
+    });
+    let pids: Vec<u32> = s.workers.iter().map(|w| w.pid).collect();
+    let run_dir = run.run_dir();
+    std::fs::remove_dir_all(&run_dir).unwrap();
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(1), "{out}");
+    let s = ring.snapshot();
+    assert!(
+        s.counters.published < s.work.total,
+        "stopped with batches left: {} of {} published\n{out}",
+        s.counters.published,
+        s.work.total
+    );
+    let said = format!(
+        "error: the run directory {} is gone (deleted, or moved away): nothing more can be saved there",
+        run_dir.display()
+    );
+    assert_eq!(out.matches(&said).count(), 1, "{said:?} once in\n{out}");
+    assert!(out.contains("\nexit code 1\n"), "the end is printed: {out}");
+    assert!(!out.contains("to train the rest"), "{out}");
+    assert!(!run_dir.exists(), "nothing made again at its path");
+    no_segment_of(pid);
+    for p in pids {
+        assert!(!pid_alive(p), "worker {p} outlived the launcher");
+    }
+}
+
 #[test]
 fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     let run = Run::new("lloop");

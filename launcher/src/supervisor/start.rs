@@ -40,6 +40,9 @@ impl<'a> Supervisor<'a> {
             held,
             said: _,
         } = settled;
+        // What the run directory is, to tell it deleted or moved later (`place.rs`).
+        let place = super::place::Place::of(run_dir.path())
+            .with_context(|| format!("looking at {}", run_dir.path().display()))?;
         let (targets, drafters) = (&gpus.targets, &gpus.drafters);
         let (nt, nd) = (targets.len() as u32, drafters.len() as u32);
         // Frees what dead launchers hold before this ring takes its share of /dev/shm.
@@ -173,8 +176,11 @@ impl<'a> Supervisor<'a> {
             planned,
             stopping: false,
             killed: false,
+            place,
+            gone: None,
             last_hang_check: Instant::now(),
             last_log_check: Instant::now(),
+            last_place_check: Instant::now(),
             started: Instant::now(),
         })
     }
