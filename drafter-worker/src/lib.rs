@@ -162,9 +162,11 @@ struct Rank<'c, 'r> {
     /// The gradient's words in a step buffer: the backend's gradient, or none when it stays on
     /// the device for NCCL.
     grad_words: usize,
-    /// The step of the last checkpoint this rank wrote, with its export where the backend
-    /// exports (a step whose export failed is written again at the end).
+    /// The step of the last checkpoint this rank wrote.
     checkpointed: Option<u32>,
+    /// The step of the last export that failed, until one is written: the end's checkpoint
+    /// step writes it again even where its checkpoint was written.
+    export_failed: Option<u32>,
     /// The step after which this rank (as leader) last evaluated the drafter.
     evaluated: Option<u64>,
 }
@@ -211,6 +213,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         clock,
         grad_words,
         checkpointed: None,
+        export_failed: None,
         evaluated: None,
     };
     rank.enter_group()?;
@@ -569,10 +572,9 @@ impl<'c, 'r> Rank<'c, 'r> {
             // it already ([`Rank::checkpoint_before_update`]).
             let alone = red.membership.len() == 1;
             let step = self.backend.step() as u32;
-            if (everyone_ended || alone)
-                && self.is_leader(&red.membership)
-                && self.checkpointed != Some(step)
-            {
+            let written = self.checkpointed == Some(step)
+                && !(everyone_ended && self.export_failed == Some(step));
+            if (everyone_ended || alone) && self.is_leader(&red.membership) && !written {
                 self.write_checkpoint(step);
             }
             self.consumer.enter(Phase::Other);
@@ -624,9 +626,10 @@ impl<'c, 'r> Rank<'c, 'r> {
             &self.ckpt,
             self.faults.checkpoint_fails(step),
         );
-        if report.checkpoint.is_none() && report.export.is_none() {
+        if report.checkpoint.is_none() {
             self.checkpointed = Some(step);
         }
+        self.export_failed = report.export.is_some().then_some(step);
         if let Some(tx) = &self.s.to_launcher {
             // The launcher may be stopping and gone: the report is for its console and summary.
             let _ = tx.send(ToLauncher::Saved(report));

@@ -511,6 +511,9 @@ impl Monitor {
             self.tau_sum += f64::from(tau);
             self.tau_steps += 1;
         }
+        if let Some(e) = s.eval_tau {
+            self.eval_tau = Some(f64::from(e));
+        }
         DrafterSummary::update(&mut self.group, s);
         self.steps.push(*s);
     }

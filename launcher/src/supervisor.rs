@@ -11,7 +11,7 @@
 //! 5. [`restarts`](Supervisor::restarts): start every worker whose backoff is over.
 //! 6. [`monitor`](Supervisor::monitor): the progress bar or lines, and `metrics.jsonl`.
 //! 7. [`place`](Supervisor::place): once a second, the run directory is still where it was
-//!    (`place.rs`); deleted, moved or replaced, the run stops in order, exit code 1.
+//!    (`place.rs`); deleted, moved or replaced, every worker is killed, exit code 1.
 //! 8. [`logs`](Supervisor::logs): once a second, a worker's log past `--log-cap` is rotated.
 //!
 //! [`start`](Supervisor::start) (in `start.rs`) creates the ring and the group first. The loop
@@ -695,9 +695,11 @@ impl<'a> Supervisor<'a> {
     }
 
     /// Step 7, once a second: the run directory is still where the run started it
-    /// (`place.rs`). Deleted, moved or replaced, nothing more can be saved there, and the run
-    /// stops in order as the drafters' divergence stops it, with exit code 1: training on to
-    /// the end trained for nothing (see `place.rs`).
+    /// (`place.rs`). Deleted, moved or replaced, nothing more can be saved there, so every
+    /// worker is killed at once and the run ends with exit code 1: training on to the end
+    /// trained for nothing (see `place.rs`), and a drain would write its checkpoint, export and
+    /// ledger lines by path, into whatever is there now (a new run's directory, made since),
+    /// or make the path again (a kept export's directory).
     fn place(&mut self) {
         if self.gone.is_some() || self.last_place_check.elapsed() < Duration::from_secs(1) {
             return;
@@ -708,16 +710,19 @@ impl<'a> Supervisor<'a> {
         };
         self.gone = Some(gone);
         let note = format!(
-            "the run directory {} {}: nothing more can be saved there (checkpoints, ledgers, logs, summary.json), so the run stops: the targets stop, the drafters drain, and no worker is restarted",
+            "the run directory {} {}: nothing more can be saved there (checkpoints, ledgers, logs, summary.json), so every worker is killed and the run ends",
             self.run_dir.path().display(),
             gone.said()
         );
         self.mon.say(&format!("error: {note}"));
         self.notes.push(note);
-        if !self.stopping {
-            self.stopping = true;
-            self.send_stop();
-            self.stop_unstarted();
+        self.stopping = true;
+        for w in &mut self.workers {
+            if let Some(mut c) = w.child.take() {
+                kill_worker(&mut c);
+                let _ = c.wait();
+            }
+            w.life = Life::Stopped;
         }
     }
 

@@ -975,12 +975,12 @@ fn a_summary_that_cannot_be_written_after_a_full_run_exits_1_and_a_resume_writes
 }
 
 /// A run directory deleted mid-run (`rm -rf`): nothing more can be saved there, so the run
-/// stops in order, saying so and naming the directory, exit code 1, with batches of the plan
-/// never published, no worker left and nothing left in /dev/shm. Before, it said one failed
+/// ends, its workers killed, saying so and naming the directory, exit code 1, with batches of
+/// the plan never published, no worker left and nothing left in /dev/shm. Before, it said one failed
 /// checkpoint and trained on to the end for nothing, its open files holding disk space that
 /// `du` could not see.
 #[test]
-fn a_run_directory_deleted_mid_run_stops_the_run_in_order() {
+fn a_run_directory_deleted_mid_run_ends_the_run() {
     let run = Run::new("lrundirgone");
     let cfg = config(&run.dir, true, "");
     edit_config(&cfg, "synthetic_samples = 400", "synthetic_samples = 4000");

@@ -766,6 +766,14 @@ fn a_dflash_group_learns_exports_and_decodes_to_the_targets_greedy_text() {
         "loss {first:.3} over the first steps, {last:.3} over the last"
     );
     assert!(steps.iter().all(|s| s["tau"].as_f64().unwrap() >= 1.0));
+    // The evaluations reach the ticks (and so TensorBoard's eval/tau). The monitor never kept
+    // them: every tick said none.
+    let evals: Vec<f64> = (metrics.lines())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|t| t["eval_acceptance_length"].as_f64())
+        .collect();
+    assert!(!evals.is_empty(), "no tick has an evaluation");
+    assert!(evals.iter().all(|e| (1.0..=8.0).contains(e)), "{evals:?}");
 
     // One model: the ranks' ledger lines of one step name one digest.
     let mut by_step = std::collections::HashMap::new();

@@ -5,7 +5,7 @@
 //! nothing, for days on a run of a week, while those open files held disk space `du` could not
 //! see. So the supervisor compares, once a second, the directory's identity at the start (its
 //! device and inode) with a `stat` of its path, and a run whose directory is gone or replaced
-//! stops in order (`Supervisor::place`).
+//! ends, its workers killed (`Supervisor::place`).
 
 use std::io;
 use std::os::unix::fs::MetadataExt;

@@ -4,14 +4,17 @@
 //! nothing else. So a worker's first [`SAID_PER_MINUTE`] such deaths of a minute are said; the
 //! rest of that minute's, and their restarts, go to `launcher.log` and `metrics.jsonl` only, and
 //! one line says how many once the minute is over (or at the run's end). (A crash loop in a row
-//! ends at `--max-restarts`: each of its deaths is said.) A minute with deaths held back is followed by minutes that say
-//! only that line, until a minute in which it dies no more than that: a loop costs the console a
-//! line a minute, and a worker that dies now and then has each death said.
+//! ends at `--max-restarts`: each of its deaths is said.) A minute with deaths held back is
+//! followed by minutes that say only their first death (with its reason) and that line, until a
+//! whole minute passes without a death: a loop costs the console three lines a minute, and a
+//! worker that dies less than once a minute has each death said.
 
 use std::time::{Duration, Instant};
 
 /// Deaths of one worker said on the console in a minute before the rest are held back.
 pub(super) const SAID_PER_MINUTE: u32 = 5;
+/// The same in a minute after one that held deaths back.
+const SAID_IN_A_LOOP: u32 = 1;
 const MINUTE: Duration = Duration::from_secs(60);
 
 /// One worker's deaths in the current minute (see the module doc).
@@ -54,7 +57,7 @@ impl DeathLines {
     }
 
     /// Ends the current minute if it is over (or `end`), returning its line if it held deaths
-    /// back; the next minute says none if this one held any back, else up to
+    /// back; the next minute says [`SAID_IN_A_LOOP`] if this one held any back, else up to
     /// [`SAID_PER_MINUTE`].
     fn roll(&mut self, name: &str, now: Instant, end: bool) -> Option<String> {
         let since = self.since?;
@@ -63,7 +66,11 @@ impl DeathLines {
             return None;
         }
         let held = std::mem::take(&mut self.held);
-        self.budget = if held > 0 { 0 } else { SAID_PER_MINUTE };
+        self.budget = if held > 0 {
+            SAID_IN_A_LOOP
+        } else {
+            SAID_PER_MINUTE
+        };
         (self.said, self.since, self.ended) = (0, None, Some(now));
         (held > 0).then(|| {
             format!(
@@ -88,8 +95,9 @@ mod tests {
             .collect()
     }
 
-    /// A loop of deaths: the first minute says five, then one line a minute for the rest; a
-    /// minute without a death says the next ones again, and the run's end says what is held.
+    /// A loop of deaths: the first minute says five, then each minute its first and a line for
+    /// the rest; a minute without a death says the next ones again, and the run's end says
+    /// what is held.
     #[test]
     fn a_crash_loop_says_five_deaths_then_a_line_a_minute_until_it_calms_down() {
         let t0 = Instant::now();
@@ -108,15 +116,15 @@ mod tests {
             line.starts_with("target-1 died 3 more time(s) after work in the last 60 s"),
             "{line}"
         );
-        // The loop goes on: the next minute says none of its deaths, only its line.
+        // The loop goes on: the next minute says its first death only, then its line.
         let next = deaths(&mut d, t0, &[61, 62, 63, 64, 65, 66]);
-        assert!(next.iter().all(|(said, _)| !said));
+        let said: Vec<bool> = next.iter().map(|(s, _)| *s).collect();
+        assert_eq!(said, [true, false, false, false, false, false]);
         let (over, said) = d.death("target-1", t0 + Duration::from_secs(125));
-        assert!(
-            !said,
-            "a minute with deaths held back is followed by one that says none"
-        );
-        assert!(over.unwrap().contains("died 6 more time(s)"));
+        assert!(said, "the first of the next minute");
+        assert!(over.unwrap().contains("died 5 more time(s)"));
+        let (_, said) = d.death("target-1", t0 + Duration::from_secs(126));
+        assert!(!said);
         // The run ends: what is held is said.
         let end = d.held_back("target-1", t0 + Duration::from_secs(130), true);
         assert!(end

@@ -84,10 +84,16 @@ impl<'a> Supervisor<'a> {
                     ),
                     (true, s) => format!("its checkpoint at step {s}"),
                 };
+                // Without a checkpoint every line is dropped: "after the checkpoint" is no
+                // reason then.
+                let dropped = if r.checkpointed && r.step > 0 {
+                    r.dropped.to_string()
+                } else {
+                    format!("{} ledger line(s) dropped", r.dropped.total())
+                };
                 println!(
-                    "resuming {} from {from}: {n} batch(es) already trained, {} (their batches are trained again)",
+                    "resuming {} from {from}: {n} batch(es) already trained, {dropped} (their batches are trained again)",
                     run_dir.path().display(),
-                    r.dropped
                 );
                 (r.step, n)
             }
