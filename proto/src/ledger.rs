@@ -11,7 +11,10 @@
 //! so the ring delivered it again and another line records it. Whoever appends to a ledger first
 //! ends such a torn line, so it stays one unreadable line instead of swallowing the next one. A
 //! line that is neither a ledger line nor the start of one was changed or damaged ([`damaged`]),
-//! and a resume refuses it, since which batch it recorded cannot be told.
+//! and a resume refuses it, since which batch it recorded cannot be told. A disk full for a
+//! while (ENOSPC, EDQUOT: [`LedgerError::Full`]) is waited out ([`Ledger::append_waiting`]):
+//! the write it cut short is completed once space is back, so the line is in the file once,
+//! whole, and the writer (a drafter, or the launcher for a dead one) lives through it.
 //!
 //! Length: past 500 lines because the ledger, the lost ranges and the set-aside record are one
 //! contract (what counts as trained, torn or damaged), read and written only here.
@@ -28,7 +31,9 @@ use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
 mod lost;
+mod writer;
 pub use lost::{read_lost, record_lost, LostSteps};
+pub use writer::{Ledger, FULL_RETRY};
 
 /// One line of a drafter's ledger: a batch it trained on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +66,15 @@ pub enum LedgerError {
         path: PathBuf,
         cause: std::io::Error,
     },
+    /// The disk, or the user's quota, is full (ENOSPC, EDQUOT): unlike any other error of a
+    /// file, it may pass (a file deleted, a log rotated), so a writer may wait for space
+    /// ([`Ledger::append_waiting`]).
+    #[error("{what} {path}: {cause}")]
+    Full {
+        what: &'static str,
+        path: PathBuf,
+        cause: std::io::Error,
+    },
     #[error("reading settled batch {batch_id}: {cause}")]
     Batch { batch_id: u64, cause: BatchError },
     #[error("{}:{line}: not a line of this file, nor the start of one a kill cut short ({why}): it was changed, or damaged on disk; restore it from a copy ({then})", path.display())]
@@ -75,11 +89,23 @@ pub enum LedgerError {
     Encode(#[from] serde_json::Error),
 }
 
-fn io<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> LedgerError + 'p {
-    move |source| LedgerError::Io {
-        what,
-        path: path.to_path_buf(),
-        cause: source,
+impl LedgerError {
+    /// Whether this is the disk, or the user's quota, full ([`LedgerError::Full`]).
+    pub fn is_full(&self) -> bool {
+        matches!(self, LedgerError::Full { .. })
+    }
+}
+
+/// The error of `what` on the file `path`: [`LedgerError::Full`] for a full disk or quota,
+/// else [`LedgerError::Io`].
+fn io<'p>(what: &'static str, path: &'p Path) -> impl Fn(std::io::Error) -> LedgerError + 'p {
+    move |cause| {
+        let path = path.to_path_buf();
+        if writer::is_full(&cause) {
+            LedgerError::Full { what, path, cause }
+        } else {
+            LedgerError::Io { what, path, cause }
+        }
     }
 }
 
@@ -286,52 +312,6 @@ pub fn account(lines: &[LedgerLine], epochs: &Epochs) -> Accounting {
     }
 }
 
-/// A ledger open for appending.
-pub struct Ledger {
-    file: File,
-    path: PathBuf,
-}
-
-impl Ledger {
-    /// Opens (or creates) the ledger at `path` for appending, and ends a line its last writer's
-    /// kill tore.
-    pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
-        let mut file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .read(true)
-            .open(path)
-            .map_err(io("opening ledger", path))?;
-        // Its batch was not released, so it is redelivered: the torn line stays unreadable.
-        end_torn_line(&mut file).map_err(io("repairing ledger", path))?;
-        Ok(Ledger {
-            file,
-            path: path.to_path_buf(),
-        })
-    }
-
-    /// Appends `line` with one `write` (no user-space buffer), so a kill leaves the line whole
-    /// or torn, never interleaved with another. A line an earlier append left torn (a write cut
-    /// short by a full disk, its error caught by a Python drafter that went on) is ended first:
-    /// otherwise this line would be glued to it, and the two read as one damaged line. Two
-    /// system calls a trained batch.
-    pub fn append(&mut self, line: &LedgerLine) -> Result<(), LedgerError> {
-        let mut text = serde_json::to_string(line)?;
-        text.push('\n');
-        end_torn_line(&mut self.file).map_err(io("repairing ledger", &self.path))?;
-        self.file
-            .write_all(text.as_bytes())
-            .map_err(io("appending to", &self.path))
-    }
-
-    /// Makes the lines written so far durable (at every checkpoint step).
-    pub fn sync(&self) -> Result<(), LedgerError> {
-        self.file
-            .sync_data()
-            .map_err(io("syncing the ledger", &self.path))
-    }
-}
-
 /// For the launcher, before it removes dead drafter `index` from the group: makes the lines it
 /// wrote durable (they may be in the page cache only), since the group goes on, and its next
 /// checkpoint may hold their updates, once the rank is removed. None written: nothing to do.
@@ -347,13 +327,16 @@ pub fn sync_dead(run_dir: &RunDir, index: u32) -> Result<(), LedgerError> {
 /// For the launcher: drafter `index` died holding a batch whose update the group applied in
 /// `step` (so its slot is retired, not redelivered). Appends the ledger line it could not write,
 /// unless its ledger already ends with it (it died between the write and the release). The
-/// line has no digest: the launcher does not hold the weights. Returns true if a line was added.
+/// line has no digest: the launcher does not hold the weights. A full disk is waited out as the
+/// drafter waits it out (`waiting`: [`Ledger::append_waiting`]). Returns true if a line was
+/// added.
 pub fn record_retired(
     run_dir: &RunDir,
     index: u32,
     meta: &shm_ring::ItemMeta,
     payload: &[u8],
     step: u64,
+    waiting: &mut dyn FnMut(&LedgerError) -> bool,
 ) -> Result<bool, LedgerError> {
     // The last line alone: the group waits for this (see below), and a week's ledger is tens
     // of MB.
@@ -373,7 +356,7 @@ pub fn record_retired(
         epoch: 0,
     };
     let mut ledger = Ledger::open(&run_dir.ledger(index))?;
-    ledger.append(&line)?;
+    ledger.append_waiting(&line, waiting)?;
     // Durable before the group goes on (the launcher writes it before the removal takes
     // effect): the leader's next checkpoint may hold this batch's update.
     ledger.sync()?;

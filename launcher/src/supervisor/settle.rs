@@ -47,13 +47,16 @@
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::time::Instant;
 
 use collective::Committed;
-use proto::ledger::SetAsideLine;
+use proto::ledger::{LedgerError, SetAsideLine};
 use proto::RunDir;
 use shm_ring::{Recovered, Ring, Role, Settle, WorkerName};
 
 use super::Supervisor;
+use crate::monitor::Monitor;
+use crate::signals::StopSignals;
 
 /// A death held against the batch a worker had in hand.
 pub(super) struct Struck {
@@ -232,12 +235,14 @@ impl Supervisor<'_> {
         // update. Written after, a launcher killed in between left the batch with no line in a
         // checkpoint that holds it, and `--resume` trained it a second time.
         let (ring, run_dir) = (&self.ring, &self.run_dir);
+        let mut space = SpaceWait::new(&mut self.mon, &self.signals, name);
         let mut recorded: Option<anyhow::Result<bool>> = None;
         let gone = (self.group).remove_settling(index, &mut |c| {
             if !matches!(recorded, Some(Ok(_))) {
-                recorded = Some(record_applied(ring, run_dir, name, index, c));
+                recorded = Some(record_applied(ring, run_dir, name, index, c, &mut space));
             }
         })?;
+        drop(space);
         let committed = gone.committed.map(|c| (c.batch, c.step));
         pause_after_removal(committed);
         let mut settle = Vec::new();
@@ -259,6 +264,7 @@ impl Supervisor<'_> {
             return Ok((self.ring.recover(name)?, out));
         }
         let (run_dir, strikes) = (&self.run_dir, &self.strikes);
+        let mut space = SpaceWait::new(&mut self.mon, &self.signals, name);
         let (mut retired, mut set_aside) = (None, None);
         let r = (self.ring).recover_settling(name, &settle, |how, meta, payload| match how {
             // Written before the removal (`record_applied`); tried again here if it was not (a
@@ -267,8 +273,11 @@ impl Supervisor<'_> {
                 let step = committed.map_or(0, |(_, step)| u64::from(step));
                 retired = Some(match &recorded {
                     Some(Ok(true)) => Ok(true),
-                    _ => proto::ledger::record_retired(run_dir, index, meta, payload, step)
-                        .map_err(anyhow::Error::from),
+                    _ => {
+                        let waiting = &mut |e: &LedgerError| space.waiting(e);
+                        proto::ledger::record_retired(run_dir, index, meta, payload, step, waiting)
+                            .map_err(anyhow::Error::from)
+                    }
                 });
             }
             Settle::SetAside => {
@@ -276,6 +285,7 @@ impl Supervisor<'_> {
                 set_aside = Some(SetAsideLine::of_slot(meta, payload, &deaths));
             }
         })?;
+        drop(space);
         if let (Some(wrote), Some((batch, step))) = (retired, committed) {
             let how = match wrote {
                 Ok(true) => "its ledger line written for it".to_string(),
@@ -423,13 +433,63 @@ fn record_applied(
     name: WorkerName,
     index: u32,
     c: Committed,
+    space: &mut SpaceWait<'_>,
 ) -> anyhow::Result<bool> {
     let mut wrote = Ok(false);
     ring.read_held(name, c.batch, |meta, payload| {
         let step = u64::from(c.step);
-        wrote = proto::ledger::record_retired(run_dir, index, meta, payload, step);
+        let waiting = &mut |e: &LedgerError| space.waiting(e);
+        wrote = proto::ledger::record_retired(run_dir, index, meta, payload, step, waiting);
     })?;
     Ok(wrote?)
+}
+
+/// The launcher's wait for space to write a dead drafter's ledger line on a full disk
+/// (`proto::ledger::record_retired`), as a drafter waits for its own: said once, with the file,
+/// and once more when the wait ends. The launcher waits in place (the group waits for the
+/// removal meanwhile, its ranks beating): until space comes back, or a second stop signal,
+/// which kills the run (the first stops it in order, and the ordered stop needs the line).
+pub(super) struct SpaceWait<'s> {
+    mon: &'s mut Monitor,
+    signals: &'s StopSignals,
+    name: WorkerName,
+    since: Option<Instant>,
+}
+
+impl<'s> SpaceWait<'s> {
+    fn new(mon: &'s mut Monitor, signals: &'s StopSignals, name: WorkerName) -> Self {
+        SpaceWait {
+            mon,
+            signals,
+            name,
+            since: None,
+        }
+    }
+
+    /// After a try that failed for a full disk (`e`): whether to go on waiting.
+    fn waiting(&mut self, e: &LedgerError) -> bool {
+        if self.since.is_none() {
+            self.since = Some(Instant::now());
+            self.mon.say(&format!(
+                "{}'s ledger line, written for it: {e}; waiting for space (a second stop signal ends the wait)",
+                self.name
+            ));
+        }
+        self.signals.received() < 2
+    }
+}
+
+impl Drop for SpaceWait<'_> {
+    /// Says the end of a wait.
+    fn drop(&mut self) {
+        if let Some(since) = self.since {
+            let waited = since.elapsed().as_secs_f64();
+            self.mon.say(&format!(
+                "{}'s ledger line: the wait for space ended after {waited:.1}s",
+                self.name
+            ));
+        }
+    }
 }
 
 /// The tests' pause point between a dead drafter's removal from the group and the settling of

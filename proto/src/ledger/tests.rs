@@ -148,6 +148,81 @@ fn a_ledger_ends_a_line_its_own_failed_write_tore_and_damaged_lines_are_named() 
     assert_eq!(read.damaged, [format!("{}:4", path.display())]);
 }
 
+/// A disk full for a while (injected: the first try writes half the line, as a write the disk
+/// cut short does, and the next two find no space) is waited out: `waiting` hears each failed
+/// try, and the line is in the file once and whole, the rest of it written after the half that
+/// got in. Before, the error ended the drafter, and the half line stayed torn.
+#[test]
+fn a_full_disk_is_waited_out_and_the_line_is_written_once_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = RunDir::new(tmp.path());
+    std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+    let mut ledger = Ledger::open(&dir.ledger(0)).unwrap();
+    ledger.append(&line(1, 1, 0, &[1])).unwrap();
+    ledger.inject_full(3);
+    let mut heard = Vec::new();
+    let failed = ledger
+        .append_waiting(&line(2, 2, 0, &[2, 3]), &mut |e| {
+            heard.push(e.to_string());
+            assert!(e.is_full(), "{e:?}");
+            true
+        })
+        .unwrap();
+    assert_eq!(failed, 3);
+    assert_eq!(heard.len(), 3);
+    assert!(heard[0].starts_with("appending to "), "{heard:?}");
+    assert!(heard[0].contains("drafter-0.jsonl"), "{heard:?}");
+    ledger.append(&line(3, 3, 0, &[4])).unwrap();
+    let read = read_all(&dir).unwrap();
+    assert_eq!((read.torn, read.damaged.len()), (0, 0), "{read:?}");
+    let ids: Vec<u64> = read.lines.iter().map(|l| l.batch_id).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    assert_eq!(read.lines[1], line(2, 2, 0, &[2, 3]));
+}
+
+/// A writer that gives up waiting (a stop) gets the full disk's error, and leaves the start of
+/// its line, torn, which the next append ends: no line is glued to it. A plain `append` does
+/// not wait.
+#[test]
+fn a_wait_for_space_given_up_leaves_a_torn_line_that_the_next_append_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = RunDir::new(tmp.path());
+    std::fs::create_dir_all(dir.ledger_dir()).unwrap();
+    let mut ledger = Ledger::open(&dir.ledger(0)).unwrap();
+    ledger.inject_full(1);
+    let mut tries = 0;
+    let e = (ledger.append_waiting(&line(1, 1, 0, &[1]), &mut |_| {
+        tries += 1;
+        false
+    }))
+    .unwrap_err();
+    assert!(e.is_full() && tries == 1, "{e:?}");
+    ledger.append(&line(2, 2, 0, &[2])).unwrap();
+    let read = read_all(&dir).unwrap();
+    assert_eq!((read.lines.len(), read.torn), (1, 1), "{read:?}");
+    assert_eq!(read.lines[0].batch_id, 2);
+    ledger.inject_full(1);
+    let e = ledger.append(&line(3, 3, 0, &[3])).unwrap_err();
+    assert!(e.to_string().contains("No space left on device"), "{e}");
+}
+
+/// Only a full disk or quota is waited for: any other error of the file is not.
+#[test]
+fn only_enospc_and_edquot_are_a_full_disk() {
+    use rustix::io::Errno;
+    let path = Path::new("/x");
+    for (errno, full) in [
+        (Errno::NOSPC, true),
+        (Errno::DQUOT, true),
+        (Errno::ACCESS, false),
+        (Errno::ROFS, false),
+        (Errno::IO, false),
+    ] {
+        let e = io("appending to", path)(errno.into());
+        assert_eq!(e.is_full(), full, "{e}");
+    }
+}
+
 /// A lost range whose line a kill tore is recorded again by the rank's restart (`lost.rs`): the
 /// new line follows the torn one instead of being glued to it, so the range reads back and its
 /// steps count as untrained. Before, both lines were lost, and so was the range. Set-aside lines
