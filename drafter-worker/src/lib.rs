@@ -179,7 +179,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     }
     let mut backend = gpu::drafter(s.backend, &s.config, Some(s.name))?;
     worker_runtime::model_loaded();
-    let ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
+    let mut ledger = Ledger::open(&s.run_dir.ledger(s.index))?;
+    if let Some(tries) = s.config.faults_for(s.name).ledger_full_for {
+        ledger.inject_full(tries);
+    }
     let ring = Ring::attach(&s.ring).with_context(|| format!("attaching to ring {}", s.ring))?;
     let _pinned = gpu::pin_arena(s.backend, &ring);
     let (group, grad_words) = attach_group(&s, backend.as_mut())?;
@@ -536,11 +539,56 @@ impl<'c, 'r> Rank<'c, 'r> {
             digest: format!("{:016x}", self.backend.digest()),
             epoch: self.consumer.epoch(),
         };
-        self.ledger.append(&line)?;
+        self.append_waiting(&line)?;
         held.slot.take().expect("held until recorded").release()?;
         self.report.items += 1;
         self.report.tokens += line.tokens;
         Ok(())
+    }
+
+    /// Appends `line` to the ledger, waiting for space while the disk is full
+    /// ([`Ledger::append_waiting`]: the line gets in once and whole): the wait is said once,
+    /// with the file, and once more when the line is written. It beats the heartbeat meanwhile
+    /// (the launcher would kill a silent rank as hung) and holds the batch, as any step does
+    /// until its line is written; the other ranks wait for this one in the next reduction. A
+    /// stop signal from outside the launcher ends the wait with the error, as a full disk used
+    /// to end the rank ([`StopFlags::ends_wait`]); the launcher's ordered stop does not.
+    ///
+    /// [`StopFlags::ends_wait`]: worker_runtime::StopFlags::ends_wait
+    fn append_waiting(&mut self, line: &LedgerLine) -> anyhow::Result<()> {
+        let (consumer, stop) = (self.consumer, &self.s.stop);
+        let launched = self.s.to_launcher.is_some();
+        let mut since = None;
+        let mut ended = false;
+        let wrote = self.ledger.append_waiting(line, &mut |e| {
+            if since.is_none() {
+                since = Some(std::time::Instant::now());
+                tracing::warn!(
+                    batch = line.batch_id,
+                    "{e}: waiting for space to write the batch's ledger line (the rank holds it \
+                     and beats meanwhile; the group waits for it)"
+                );
+            }
+            consumer.heartbeat();
+            ended = stop.ends_wait(launched);
+            !ended
+        });
+        match (wrote, since) {
+            (Ok(_), Some(since)) => {
+                tracing::info!(
+                    batch = line.batch_id,
+                    "space again: the batch's ledger line is written to {} after waiting {:.1}s",
+                    self.ledger.path().display(),
+                    since.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+            (Ok(_), None) => Ok(()),
+            (Err(e), _) if ended => {
+                Err(anyhow::Error::new(e).context("a stop signal ended the wait for space"))
+            }
+            (Err(e), _) => Err(e.into()),
+        }
     }
 
     /// The leader sends the step and its loss to the launcher.

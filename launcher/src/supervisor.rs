@@ -440,9 +440,11 @@ impl<'a> Supervisor<'a> {
     /// restarts in a row count against `--max-restarts`: an incarnation that finished an item
     /// (the ring's count of them grew) ends the row, so a run of a week keeps a GPU through a
     /// few crashes far apart, and a crash loop still ends at the limit. The price: a fault that
-    /// recurs after some work (a disk full under its ledger) is restarted for as long as the
-    /// run goes on, as supervisord and Kubernetes do once a process has run; the death's line
-    /// says why each time ([`spawn::last_error`]). A death with a batch in hand is held against
+    /// recurs after some work (a device that fails now and then) is restarted for as long as
+    /// the run goes on, as supervisord and Kubernetes do once a process has run; the death's
+    /// line says why each time ([`spawn::last_error`]). A full disk is no such fault: the
+    /// ledgers, checkpoints and metrics wait it out or try again, and no worker dies of it
+    /// (`proto::ledger::Ledger::append_waiting`, `saves.rs`). A death with a batch in hand is held against
     /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`). `outside`:
     /// it stopped on a stop signal that the launcher did not send ([`exits`](Self::exits)),
     /// which is said as such and is not held against its batch.

@@ -37,8 +37,9 @@ pub struct PipelineConfig {
 /// `fail_on_sample`: crash or hang after N items, run slower by a factor, crash at start-up,
 /// crash or fail as the device on a batch holding a sample; its `nan_gradient_from_step`, a
 /// gradient that is NaN from a step on); the drafter worker injects the
-/// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`)
-/// and a failing checkpoint write (`checkpoint_fails_from`), and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
+/// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`),
+/// a failing checkpoint write (`checkpoint_fails_from`) and a full disk under its ledger
+/// (`ledger_full_for`), and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
 /// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
 /// counting again.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -74,6 +75,10 @@ pub struct Faults {
     /// Drafters: writing the checkpoint of group step N or any later one fails as on a full
     /// disk (ENOSPC, after part of the file was written), in every incarnation.
     pub checkpoint_fails_from: Option<u64>,
+    /// Drafters: the rank's first N tries to write a ledger line fail as on a full disk
+    /// (ENOSPC; the first after half the line was written, as a write the disk cut short), in
+    /// every incarnation: a disk full for a while, which the rank waits out.
+    pub ledger_full_for: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

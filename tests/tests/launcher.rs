@@ -1016,6 +1016,64 @@ fn a_run_directory_deleted_mid_run_ends_the_run() {
     }
 }
 
+/// A disk full for a while under a drafter's ledger (injected: its first 40 tries to write a
+/// line fail with ENOSPC, the first after writing half the line, in every incarnation) is
+/// waited out: the rank says the wait once, with the file, beats meanwhile (a hang timeout far
+/// shorter than the wait does not kill it), writes the rest of the line once space is back,
+/// and says so; the run ends done, every sample trained once, no line torn. Before, the rank
+/// died at its first line, and each restart died at its first line again (or at its ledger's
+/// repair), until it was given up.
+#[test]
+fn a_disk_full_for_a_while_under_a_ledger_is_waited_out_and_the_run_ends_done() {
+    let run = Run::new("lledgerfull");
+    let cfg = config(
+        &run.dir,
+        false,
+        "[faults.drafter-0]\nledger_full_for = 40\n",
+    );
+    let (status, _) = run
+        .launch(&cfg, &["--hang-timeout", "2"])
+        .wait_status_keep();
+    let log = run.launcher_log();
+    assert_eq!(status.code(), Some(0), "{log}");
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["torn_ledger_lines"], 0, "{s}");
+    let restarts: Vec<u64> = (s["workers"].as_array().unwrap().iter())
+        .map(|w| w["restarts"].as_u64().unwrap())
+        .collect();
+    assert_eq!(restarts, [0; 8], "nobody died or was killed as hung: {log}");
+    // Every line whole (`ledgers` parses each), every sample once.
+    let lines = run.ledgers();
+    let counts = sample_counts(&lines);
+    assert!(counts.len() == 400 && counts.values().all(|&c| c == 1));
+    let mut batches: Vec<u64> = lines.iter().map(|l| l.batch_id).collect();
+    batches.sort_unstable();
+    let n = batches.len();
+    batches.dedup();
+    assert_eq!(batches.len(), n, "a batch recorded twice");
+    let drafter = std::fs::read_to_string(run.run_dir().join("logs/drafter-0.log")).unwrap();
+    let waits: Vec<&str> = (drafter.lines())
+        .filter(|l| l.contains("waiting for space"))
+        .collect();
+    assert_eq!(waits.len(), 1, "said once: {drafter}");
+    for want in [
+        "appending to ",
+        "drafter-0.jsonl",
+        "No space left on device",
+    ] {
+        assert!(waits[0].contains(want), "{want:?} in {waits:?}");
+    }
+    let again: Vec<&str> = (drafter.lines())
+        .filter(|l| l.contains("space again"))
+        .collect();
+    assert_eq!(again.len(), 1, "{drafter}");
+    assert!(
+        again[0].contains("drafter-0.jsonl after waiting"),
+        "{again:?}"
+    );
+}
+
 #[test]
 fn a_drafter_in_a_crash_loop_stops_at_the_limit_and_the_run_goes_on_degraded() {
     let run = Run::new("lloop");

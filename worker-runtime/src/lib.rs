@@ -126,6 +126,19 @@ impl StopFlags {
         }
     }
 
+    /// Whether a wait that the run's ordered stop needs to end gives up (a ledger line waiting
+    /// for space on a full disk): on a stop signal from outside the launcher
+    /// ([`outside_signal`](Self::outside_signal): the worker leaves the run as a crash would),
+    /// or, standalone (`launched` false), on any stop signal. The launcher's Stop does not end
+    /// it: its ordered stop needs what the wait is for. A second stop signal ends the process
+    /// at once, as anywhere.
+    pub fn ends_wait(&self, launched: bool) -> bool {
+        match launched {
+            true => self.outside_signal(true).is_some(),
+            false => self.signalled.load(Ordering::Relaxed),
+        }
+    }
+
     /// [`outside_signal`](Self::outside_signal), waiting out the grace: for a worker that
     /// stopped already and must say whether it leaves the run or takes part in its stop.
     pub fn wait_outside_signal(&self, launched: bool) -> Option<String> {
