@@ -170,8 +170,27 @@ impl Batch {
         }
         close_views(&d.core, py, &h.exports, &what, wait)?;
         let step = step.or(d.group.last_step()).unwrap_or(d.releases.get() + 1);
-        d.settle_trained(&mut h.slot, &h.header, step, digest.unwrap_or_default())
-            .map_err(|e| err(format!("{what}: {e}")))
+        // A full disk is waited out; Ctrl-C (a KeyboardInterrupt) ends the wait, the batch
+        // still held.
+        let mut interrupt = None;
+        let mut interrupted = || match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                interrupt = Some(e);
+                true
+            }
+        };
+        let settled = d.settle_trained(
+            &mut h.slot,
+            &h.header,
+            step,
+            digest.unwrap_or_default(),
+            &mut interrupted,
+        );
+        if let Some(e) = interrupt {
+            return Err(e);
+        }
+        settled.map_err(|e| err(format!("{what}: {e}")))
     }
 
     fn __repr__(&self) -> String {

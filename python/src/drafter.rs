@@ -87,13 +87,16 @@ impl DrafterCore {
 
     /// A trained batch: writes its ledger line, then frees its slot and counts it (a freed
     /// slot's line is in the ledger). If the line cannot be written the slot stays in `slot`,
-    /// held, and the error is returned.
+    /// held, and the error is returned. On a full disk it waits for space as our drafter does
+    /// (said once in the log, and once more when the line is written; beating meanwhile),
+    /// until `interrupted` says to stop waiting (a KeyboardInterrupt).
     pub(crate) fn settle_trained(
         &self,
         slot: &mut Option<ReadSlot<'static>>,
         header: &BatchHeader,
         step: u64,
         digest: String,
+        interrupted: &mut dyn FnMut() -> bool,
     ) -> Result<(), String> {
         let meta = *slot.as_ref().ok_or("already released")?.meta();
         self.consumer.enter(Phase::Checkpoint);
@@ -107,7 +110,29 @@ impl DrafterCore {
             digest,
             epoch: self.consumer.epoch(),
         };
-        let wrote = self.ledger.borrow_mut().append(&line);
+        let mut since = None;
+        let mut ledger = self.ledger.borrow_mut();
+        let wrote = ledger.append_waiting(&line, &mut |e| {
+            if since.is_none() {
+                since = Some(std::time::Instant::now());
+                tracing::warn!(
+                    batch = meta.batch_id,
+                    "{e}: waiting for space to write the batch's ledger line (release() returns \
+                     once it is written)"
+                );
+            }
+            self.consumer.heartbeat();
+            !interrupted()
+        });
+        if let (Ok(_), Some(since)) = (&wrote, since) {
+            tracing::info!(
+                batch = meta.batch_id,
+                "space again: the batch's ledger line is written to {} after waiting {:.1}s",
+                ledger.path().display(),
+                since.elapsed().as_secs_f64()
+            );
+        }
+        drop(ledger);
         self.consumer.enter(Phase::Other);
         wrote.map_err(|e| e.to_string())?;
         let slot = slot.take().expect("checked above");

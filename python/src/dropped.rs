@@ -228,7 +228,11 @@ impl DrafterCore {
                      {step}): released as trained"
                 );
                 let mut slot = Some(d.slot);
-                if let Err(e) = self.settle_trained(&mut slot, &d.header, step, String::new()) {
+                // A full disk is waited out, with no end: no Python code runs here to be
+                // interrupted, and the launcher's kill still ends it.
+                let settled =
+                    self.settle_trained(&mut slot, &d.header, step, String::new(), &mut || false);
+                if let Err(e) = settled {
                     // Dropping the slot frees it: trained, never redelivered; a missing line
                     // only means a resume trains it again.
                     tracing::error!(batch, error = %e, "no ledger line for a dropped batch");
