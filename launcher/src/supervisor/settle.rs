@@ -43,6 +43,8 @@
 //! and the workers given up at their next deaths, and `--resume` tries the batch again. So does
 //! a batch passed between two workers that cannot compute at all while a third finishes
 //! batches around them: from the deaths alone it is a poison batch killing fresh incarnations.
+//!
+//! Length: the policy, its strikes and the recovery that applies them stay together.
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
