@@ -910,15 +910,21 @@ impl PipelineConfig {
         ))
     }
 
-    /// Bytes of the largest batch: a full token budget of the shortest sequences (the most
-    /// header entries).
+    /// Bytes of the largest batch: a full token budget (the most tokens) in as many sequences
+    /// as the shortest length allows (the most header entries). Not `n` sequences of the
+    /// shortest length alone: where it does not divide the budget they are fewer tokens than a
+    /// full batch of longer ones (136 x 15 = 2040 < 4 x 512 = 2048), and every target crashed
+    /// on such a batch. The last sequence takes the remainder, so the lengths sum to the budget.
     pub fn largest_batch_bytes(&self) -> Result<u64, ConfigError> {
-        let n = (self.target.token_budget / self.data.min_len).max(1);
+        let (budget, shortest) = (self.target.token_budget, self.data.min_len.max(1));
+        let n = (budget / shortest).max(1);
+        let mut seq_lens = vec![shortest; n as usize];
+        seq_lens[n as usize - 1] = budget.saturating_sub((n - 1) * shortest).max(shortest);
         let spec = BatchSpec {
             batch_id: u64::MAX,
             producer: u32::MAX,
             sample_ids: vec![u64::MAX; n as usize],
-            seq_lens: vec![self.data.min_len; n as usize],
+            seq_lens,
             dtype: self.model.dtype,
             layers: self.model.layers,
             hidden: self.model.hidden,
@@ -1009,6 +1015,38 @@ impl PipelineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every batch the plan can make (at most the token budget, of sequences no shorter than
+    /// `data.min_len`) fits the slot sized for it, whether or not `min_len` divides the budget.
+    #[test]
+    fn the_automatic_slot_holds_every_batch_the_plan_can_make() {
+        for (budget, min_len) in [(2048, 15), (2048, 16), (16384, 24), (1000, 7), (64, 64)] {
+            let mut c = PipelineConfig::default();
+            (c.target.token_budget, c.data.min_len, c.data.max_len) = (budget, min_len, budget);
+            let slot = c.largest_batch_bytes().unwrap();
+            for len in min_len..=budget {
+                // As many of one length as the budget holds, and a short one in what is left.
+                let mut seq_lens = vec![len; (budget / len) as usize];
+                if budget % len >= min_len {
+                    seq_lens.push(budget % len);
+                }
+                let spec = BatchSpec {
+                    batch_id: 0,
+                    producer: 0,
+                    sample_ids: vec![0; seq_lens.len()],
+                    seq_lens,
+                    dtype: c.model.dtype,
+                    layers: c.model.layers,
+                    hidden: c.model.hidden,
+                };
+                let need = batch_len(&spec).unwrap();
+                assert!(
+                    need <= slot,
+                    "budget {budget}, min_len {min_len}, len {len}: {need} > {slot}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn empty_toml_is_the_default_and_round_trips() {

@@ -498,6 +498,40 @@ fn a_files_samples_shorter_than_min_len_fit_the_slots() {
     assert_eq!(s["samples_trained"], 3000, "{s}");
 }
 
+/// A file whose shortest sample (below `data.min_len`) does not divide the token budget: the
+/// slots were sized for `budget / shortest` samples of the shortest length, fewer tokens than a
+/// full budget of longer ones (here 136 x 15 = 2040 against 4 x 512 = 2048; with a hidden of
+/// 256, 8 tokens outweigh 132 headers), so every target crashed on the first full batch
+/// ("payload ... does not fit a slot"), and a resume sized the ring the same.
+#[test]
+fn a_full_token_budget_fits_the_slots_whatever_the_shortest_sample() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dbudget");
+    let mut data: Vec<Owned> = vec![((0..15).collect(), None)];
+    data.extend((0..200u32).map(|i| ((0..512).map(|j| (i * 13 + j) % 150_000).collect(), None)));
+    std::fs::write(dir.path("train.jsonl"), jsonl_of(&data)).unwrap();
+    let config = dir.path("run.toml");
+    std::fs::write(
+        &config,
+        "[ring]\nslots = 16\nmin_ready = 2\n[model]\nlayers = 2\nhidden = 256\n[data]\nmin_len = 16\nmax_len = 512\n[target]\ntoken_budget = 2048\ntokens_per_s = 2000000.0\n[drafter]\ntokens_per_s = 2000000.0\n",
+    )
+    .unwrap();
+    let args = [
+        "--data",
+        &dir.s("train.jsonl"),
+        "--run-dir",
+        &dir.s("run"),
+        "--max-restarts",
+        "0",
+    ];
+    let out = launch(Some(&config), &args).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["samples_trained"], 201, "{s}");
+}
+
 /// A resume whose input file is gone trains the prepared file the run was planned from: it was
 /// refused ("reading dataset ...: No such file or directory") while that file was in the cache,
 /// and nothing said the way on.
