@@ -47,6 +47,25 @@
 //!   transitive through the committer).
 //! - admission CAS (AcqRel, in `admit_joiners`) → `word` load (Acquire, in `join`): the joiner
 //!   sees the state area written before the CAS.
+//! - `ended` store (Release, in `mark_ended`) → load (Acquire, in `ended`): a rank that loads the
+//!   mark sees the round it names committed. A joiner that finds the group empty sees the mark
+//!   of every member that made it: each made it before it exited, and the launcher removed it
+//!   (a CAS on the word, AcqRel) only once its process was gone, before the joiner's Acquire
+//!   load of the word found the group empty.
+//!
+//! # The end round
+//!
+//! The group word counts rounds; a drafter's state counts updates. The round in which every
+//! member saw the ring's end commits (it is the barrier at which the group agrees it is done)
+//! but applies no update, so after it the state is one step behind the word. Every member that
+//! sums it marks it (`mark_ended`: the round's step and the step of the state it left, one
+//! word, the same from every member), and a rank that joins afterwards, alone in an emptied group
+//! with only its checkpoint, reads there that the group's last round applied nothing
+//! ([`Membership::state_step`]): it neither counts that round's step as an update lost nor moves
+//! its state's step past it. A mark kept in the group, not in the word: the word has no bit to
+//! spare, and only a joiner needs it. If every member dies between the round's commit and its
+//! mark, none is made, and a joiner takes the round for a lost update (a step with no batch in
+//! it: it costs the run a step number, never a batch).
 
 use crate::GroupError;
 use shmem::sync::{self, AtomicU32, AtomicU64, Ordering, WAIT_SLICE};
@@ -96,6 +115,38 @@ impl Membership {
     pub fn is_empty(self) -> bool {
         self.members == 0
     }
+    /// The step of the group's state once this membership's last committed round is applied:
+    /// that round's step, unless `ended` says it was an end round, which applied nothing (see
+    /// the module doc's *The end round*).
+    pub fn state_step(self, ended: Option<Ended>) -> u32 {
+        match ended {
+            Some(e) if e.round == self.step => e.applied,
+            _ => self.step,
+        }
+    }
+}
+
+/// The group's latest end round ([`Collective::mark_ended`](crate::Collective::mark_ended)):
+/// every member saw the ring's end in it, so it committed and applied no update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// The step it committed as (the group word's).
+    pub round: u32,
+    /// The step of the state it left: the last update's.
+    pub applied: u32,
+}
+
+impl Ended {
+    fn pack(self) -> u64 {
+        (u64::from(self.round) << 32) | u64::from(self.applied)
+    }
+    /// None for 0 (no end round yet: a round committing as step 0 does not exist).
+    fn unpack(w: u64) -> Option<Ended> {
+        (w != 0).then_some(Ended {
+            round: (w >> 32) as u32,
+            applied: w as u32,
+        })
+    }
 }
 
 /// The tag a rank publishes with its contribution to step `step` in epoch `epoch`.
@@ -115,6 +166,8 @@ pub(crate) struct Control {
     pub(crate) seq: AtomicU32,
     /// The step the state area holds.
     pub(crate) state_step: AtomicU64,
+    /// The latest end round, packed (`Ended::pack`); 0 before any.
+    pub(crate) ended: AtomicU64,
 }
 
 /// One rank's record.
@@ -491,6 +544,25 @@ impl<M: Memory> Protocol<M> {
                 membership: next,
             });
         }
+    }
+
+    /// A member that summed round `round` and found that every member saw the ring's end in
+    /// it marks it as the group's end round, which left the state at step `applied` (see the
+    /// module doc's *The end round*). Every member marks the same, so it is made if any one of
+    /// them lives to; marks only grow (a later end round is one of a group that was emptied
+    /// after this one, so its members' marks come after this one's).
+    pub(crate) fn mark_ended(&self, round: u32, applied: u32) {
+        let e = Ended { round, applied }.pack();
+        // SYNC: Release; pairs with the Acquire load in ended(): whoever loads the mark sees the
+        // round it names committed (this rank saw it, with Acquire).
+        self.mem.control().ended.fetch_max(e, Ordering::Release);
+    }
+
+    /// The latest end round marked ([`Protocol::mark_ended`]), if any: whether it is the last
+    /// committed round is [`Membership::state_step`]'s to tell.
+    pub(crate) fn ended(&self) -> Option<Ended> {
+        // SYNC: pairs with the Release in mark_ended().
+        Ended::unpack(self.mem.control().ended.load(Ordering::Acquire))
     }
 
     /// The joiner's side: asks to join and waits until the leader admits it. Returns the

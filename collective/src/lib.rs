@@ -33,7 +33,7 @@ mod segment;
 #[cfg(not(loom))]
 pub mod split;
 
-pub use group::{Committed, Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
+pub use group::{Committed, Ended, Membership, Reduced, Removed, MAX_RANKS, NO_BATCH};
 #[cfg(not(loom))]
 pub use segment::{GroupParams, Segment, LAYOUT_VERSION};
 
@@ -98,6 +98,14 @@ pub trait Collective {
         own_step: u32,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError>;
+    /// Marks committed round `round` as the group's end round (every member saw the ring's end
+    /// in it, so it applied no update and the state stays that of step `applied`): every
+    /// member that sums such a round marks it, so that a rank joining an emptied group after it
+    /// neither takes it for an update lost nor moves its state's step past it.
+    fn mark_ended(&self, round: u32, applied: u32);
+    /// The latest end round marked, if any; [`Membership::state_step`] tells whether it is the
+    /// membership's last committed round.
+    fn ended(&self) -> Option<Ended>;
     /// This rank's published arrival: (epoch, step) of its last contribution, None if it has
     /// none. After a round it left (stopped), that contribution commits only in that epoch:
     /// the round is applied once the step reaches it, and never once the epoch moves on first.
@@ -208,6 +216,12 @@ impl Collective for ShmGroup {
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError> {
         self.proto.join(self.rank, state, own_step, stop)
+    }
+    fn mark_ended(&self, round: u32, applied: u32) {
+        self.proto.mark_ended(round, applied)
+    }
+    fn ended(&self) -> Option<Ended> {
+        self.proto.ended()
     }
     fn arrival(&self) -> Option<(u16, u32)> {
         self.proto.arrival(self.rank)

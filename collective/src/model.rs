@@ -4,13 +4,14 @@
 //! plain threaded tests.
 //!
 //! What they check: a membership change during a reduction never splits the outcome (the
-//! launcher's verdict on the dead rank's batch matches what the survivor applied), and a joiner
-//! receives the leader's state before it contributes. Checked by hand when they were written:
+//! launcher's verdict on the dead rank's batch matches what the survivor applied), a joiner
+//! receives the leader's state before it contributes, and a rank joining a group emptied after
+//! its end round reads that the round applied nothing. Checked by hand when they were written:
 //! treating a commit seen after an epoch change as an abort (`now.epoch == w.epoch &&` in the
 //! commit test) fails the first model, and a Relaxed `arrived` store/load pair fails the first
 //! and the third (a sum or a state read without the stores it needs).
 
-use crate::group::{HeapMem, Membership, Memory, Protocol};
+use crate::group::{Ended, HeapMem, Membership, Memory, Protocol, NO_BATCH};
 use crate::GroupError;
 
 #[cfg(loom)]
@@ -202,10 +203,59 @@ fn a_joiner_that_died_asking_is_never_admitted_after_its_removal() {
     });
 }
 
+/// The group's end round (every member saw the ring's end: it applied no update, the state
+/// stays of step 5) commits as step 6. Rank 1 dies right after the commit, before its mark;
+/// rank 0 marks it and exits; the launcher removes each once it is gone, and rank 1, restarted
+/// meanwhile with its checkpoint of step 5, joins the emptied group. Whatever the order, it
+/// must read that the group's last round applied nothing: the group's state is of step 5, no
+/// update was lost, and its state is not moved to step 6.
+#[test]
+fn a_rank_joining_an_emptied_group_after_its_end_round_reads_that_it_applied_nothing() {
+    model(|| {
+        let g = Arc::new(Protocol {
+            mem: HeapMem::new(
+                2,
+                1,
+                1,
+                Membership {
+                    epoch: 1,
+                    step: 5,
+                    members: 0b11,
+                },
+            ),
+        });
+        let g1 = g.clone();
+        let dead = thread::spawn(move || {
+            let mut out = [0.0];
+            g1.all_reduce(1, &[1.0], NO_BATCH, &mut out, &|| false)
+                .unwrap();
+        });
+        let g0 = g.clone();
+        let survivor = thread::spawn(move || {
+            let mut out = [0.0];
+            let r = (g0.all_reduce(0, &[1.0], NO_BATCH, &mut out, &|| false)).unwrap();
+            g0.mark_ended(r.step, 5);
+        });
+        dead.join().unwrap();
+        g.remove(1).unwrap();
+        let gj = g.clone();
+        let joiner = thread::spawn(move || {
+            let mut state = [0u32];
+            let (m, handed) = gj.join(1, &mut state, 5, &|| false).unwrap();
+            (m, handed, gj.ended())
+        });
+        survivor.join().unwrap();
+        g.remove(0).unwrap();
+        let (m, handed, ended) = joiner.join().unwrap();
+        assert_eq!((m.step, m.members, handed), (6, 0b10, None));
+        assert_eq!(ended, Some(Ended { round: 6, applied: 5 }));
+        assert_eq!(m.state_step(ended), 5);
+    });
+}
+
 #[cfg(not(loom))]
 mod plain {
     use super::*;
-    use crate::group::NO_BATCH;
 
     /// Three ranks, many steps, different data: every rank gets the same bits every step, and
     /// those bits are the rank-order sum (not "whatever arrived first").
@@ -378,5 +428,25 @@ mod plain {
             assert_eq!(r.join().unwrap().step, 1);
         }
         assert_eq!(g.remove(1).unwrap().committed, None);
+    }
+
+    /// Only the last committed round's mark counts: a round after an end round (a rank that
+    /// joined the emptied group, alone) is the group's state's step until it is marked too, and
+    /// marks only grow, so a member's late mark of an earlier end round changes nothing.
+    #[test]
+    fn an_end_round_counts_only_while_it_is_the_last_committed_round() {
+        let g = group(1, 0b1, 1);
+        assert_eq!((g.ended(), g.membership().state_step(None)), (None, 0));
+        let mut out = [0.0];
+        let r = g.all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false).unwrap();
+        g.mark_ended(r.step, 0);
+        assert_eq!(g.membership().state_step(g.ended()), 0);
+        let r = g.all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false).unwrap();
+        assert_eq!(r.step, 2);
+        assert_eq!(g.membership().state_step(g.ended()), 2, "round 2 applied its update");
+        g.mark_ended(2, 1);
+        g.mark_ended(1, 0);
+        assert_eq!(g.ended(), Some(Ended { round: 2, applied: 1 }));
+        assert_eq!(g.membership().state_step(g.ended()), 1);
     }
 }

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::{Collective, Committed, GroupError, Membership, Reduced, Removed};
+use crate::{Collective, Committed, Ended, GroupError, Membership, Reduced, Removed};
 
 /// How often the waits of a transport ask `give_up`.
 pub const POLL: Duration = Duration::from_millis(10);
@@ -289,6 +289,12 @@ impl<T: Transport> Collective for SplitGroup<T> {
         stop: &dyn Fn() -> bool,
     ) -> Result<(Membership, Option<u64>), GroupError> {
         self.commit.join(state, own_step, stop)
+    }
+    fn mark_ended(&self, round: u32, applied: u32) {
+        self.commit.mark_ended(round, applied)
+    }
+    fn ended(&self) -> Option<Ended> {
+        self.commit.ended()
     }
     fn arrival(&self) -> Option<(u16, u32)> {
         self.commit.arrival()

@@ -1,13 +1,13 @@
 //! Kills injected into the group protocol (`[faults.drafter-N]`'s `crash_in_sync_at`,
-//! `crash_in_join`, `crash_after_commit_at`), and a checkpoint that cannot be written
-//! (`checkpoint_fails_from`).
+//! `crash_in_join`, `crash_after_commit_at`, `crash_in_end_round`), and a checkpoint that cannot
+//! be written (`checkpoint_fails_from`).
 
 use std::cell::Cell;
 use std::path::PathBuf;
 
 use proto::config::Faults;
 
-/// Kills injected into the group protocol: three places that only a drafter group has, so they
+/// Kills injected into the group protocol: four places that only a drafter group has, so they
 /// fire for any backend. They fire in the first incarnation only (the join fault once, by a
 /// marker file), so the restarted rank gets through.
 pub(crate) struct InjectedFaults {
@@ -54,6 +54,14 @@ impl InjectedFaults {
             && (self.faults.crash_after_commit_at).is_some_and(|k| u64::from(step) >= k)
         {
             Self::die("after the group applied this rank's batch, before its ledger line");
+        }
+    }
+
+    /// In the group's last round (every member saw the ring's end), once it committed and
+    /// before this rank marked it as the end round (`crash_in_end_round`).
+    pub(crate) fn in_end_round(&self) {
+        if self.first && self.faults.crash_in_end_round {
+            Self::die("in the group's last round, after its commit");
         }
     }
 }

@@ -325,10 +325,13 @@ impl<'c, 'r> Rank<'c, 'r> {
         };
         let own = self.backend.step();
         match self.group.join(&mut state, own as u32, &joining)? {
-            (m, Some(step)) => {
+            (m, Some(round)) => {
+                // The state's own step is the leader's (one behind the round after an end
+                // round, which applied nothing).
                 self.backend.import_state(&state)?;
                 tracing::info!(
-                    step,
+                    step = self.backend.step(),
+                    round,
                     epoch = m.epoch,
                     "joined the group with the leader's state"
                 );
@@ -341,7 +344,18 @@ impl<'c, 'r> Rank<'c, 'r> {
                     self.backend.load(&self.ckpt)?;
                 }
                 let own = self.backend.step();
-                let group = u64::from(m.step);
+                // The group's state is of its last committed round, unless that round was its
+                // end, which applied nothing: then it is of the step before, and the round is
+                // neither an update lost nor a step to move ours past (the end's checkpoint is
+                // of that step, as the others wrote it).
+                let group = u64::from(m.state_step(self.group.ended()));
+                if group < u64::from(m.step) {
+                    tracing::info!(
+                        round = m.step,
+                        step = group,
+                        "the group's last round was its end, which applied no update"
+                    );
+                }
                 if let Some(lost) = LostSteps::between(self.s.index, own, group) {
                     // Recorded before any update of ours: the summary counts those batches
                     // untrained, and a resume trains them again.
@@ -408,8 +422,14 @@ impl<'c, 'r> Rank<'c, 'r> {
         }
         let red = self.reduce(mine, batch, sum)?;
         self.faults.after_commit(red.step, held.is_some());
-        self.checkpoint_before_update(&red)?;
         let everyone_ended = sum.ended_ranks() == red.membership.len();
+        if everyone_ended {
+            self.faults.in_end_round();
+            // Marked first thing, by every member: a rank that dies in this round and joins
+            // the emptied group later learns there that the round applied nothing.
+            (self.group).mark_ended(red.step, self.backend.step() as u32);
+        }
+        self.checkpoint_before_update(&red)?;
         let mut stats = if everyone_ended {
             // The group's last round: every member saw the ring's end, so none brought a batch.
             // It is the barrier at which the group agrees it is done, not a training step: no

@@ -37,7 +37,8 @@ pub struct PipelineConfig {
 /// `fail_on_sample`: crash or hang after N items, run slower by a factor, crash at start-up,
 /// crash or fail as the device on a batch holding a sample; its `nan_gradient_from_step`, a
 /// gradient that is NaN from a step on); the drafter worker injects the
-/// three in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`),
+/// four in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`,
+/// `crash_in_end_round`),
 /// a failing checkpoint write (`checkpoint_fails_from`) and a full disk under its ledger
 /// (`ledger_full_for`), and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
 /// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
@@ -59,6 +60,10 @@ pub struct Faults {
     pub crash_after_commit_at: Option<u64>,
     /// Drafters: crash while waiting to rejoin the group, once.
     pub crash_in_join: bool,
+    /// Drafters: crash in the group's last round (every member saw the ring's end) once it
+    /// committed, before this rank marked it as the end round (the others mark it). First
+    /// incarnation only.
+    pub crash_in_end_round: bool,
     /// Our targets (any backend) and mock drafters: crash computing any batch that holds sample N,
     /// in every incarnation (a batch that kills whoever computes it).
     pub crash_on_sample: Option<u64>,
@@ -1351,6 +1356,26 @@ keep_export_every = 120
             assert!(
                 err.contains("faults") && err.contains(&format!("{key:?} is not a worker name")),
                 "{err}"
+            );
+        }
+    }
+
+    /// `crash_in_end_round` is a switch: `true` parses, anything else is refused naming the
+    /// field and what it takes (the drafter would otherwise read a typo as "no fault").
+    #[test]
+    fn crash_in_end_round_is_true_or_false() {
+        let parse = |v: &str| {
+            let toml = format!("[faults.drafter-1]\ncrash_in_end_round = {v}\n");
+            PipelineConfig::from_toml(&toml, Path::new("f.toml"))
+        };
+        let c = parse("true").unwrap();
+        assert!(c.faults_for(WorkerName::consumer(1)).crash_in_end_round);
+        assert!(!c.faults_for(WorkerName::consumer(0)).crash_in_end_round);
+        for bad in ["1", "\"yes\"", "3.0"] {
+            let err = chain(&parse(bad).unwrap_err());
+            assert!(
+                err.contains("crash_in_end_round") && err.contains("expected a boolean"),
+                "{bad}: {err}"
             );
         }
     }

@@ -390,6 +390,101 @@ on_both_backends!(killed_again_while_rejoining:
     a_drafter_killed_again_while_rejoining_rejoins_at_the_next_try,
     a_candle_drafter_killed_again_while_rejoining_rejoins_at_the_next_try);
 
+/// A run of 3 drafters whose drafter `victim` dies in the group's last round, once it committed
+/// (every rank saw the ring's end, so the round applied no update), and before it marked the
+/// round as the end (`crash_in_end_round`); `slow` targets, for a test that stops the run. The
+/// launcher restarts it, and it joins the group the others left, alone with its checkpoint.
+fn killed_in_the_end_round(tag: &str, victim: u32, slow: bool) -> (Run, Proc) {
+    let run = Run::new(tag);
+    let fault = format!("[faults.drafter-{victim}]\ncrash_in_end_round = true\n");
+    let cfg = config(&run.dir, slow, &fault);
+    let launcher = run.launch(&cfg, &[]);
+    (run, launcher)
+}
+
+/// The group's last applied step, as its leader reported it (the summary's; with several ranks
+/// the last updates before the end may have had no batch, so no ledger line: a rank that saw no
+/// batch READY while another still held one), and the records of lost-steps.jsonl. No ledger
+/// line is of a later step.
+fn applied_step_and_lost(run: &Run) -> (u64, Vec<LostSteps>) {
+    let applied = run.summary()["drafter"]["step"].as_u64().unwrap();
+    let last = run.ledgers().iter().map(|l| l.step).max().unwrap();
+    assert!(last <= applied, "a batch of step {last}, after step {applied}");
+    let lost = proto::ledger::read_lost(&RunDir::new(run.run_dir())).unwrap();
+    (applied, lost)
+}
+
+/// A drafter killed in the group's last round is restarted into the emptied group and reads
+/// there that the round applied nothing: it records no lost update, leaves its state at the last
+/// step and ends as the others did. Before, it took the round for an update lost (a record in
+/// lost-steps.jsonl with no batch in it), moved its state past it and wrote the end's checkpoint
+/// one step past the last update.
+#[test]
+fn a_drafter_killed_in_the_groups_last_round_ends_at_the_last_step_not_one_past() {
+    let (run, launcher) = killed_in_the_end_round("lendround", 1, false);
+    let pid = launcher.child.id();
+    let out = launcher.finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    no_segment_of(pid);
+    let s = run.summary();
+    assert_eq!(s["ok"], true, "{s}");
+    assert_eq!(s["workers"][6]["restarts"], 1, "{s}");
+    let (applied, lost) = applied_step_and_lost(&run);
+    assert!(lost.is_empty(), "the end round recorded as lost: {lost:?}");
+    assert_eq!(checkpoint_step(&run), applied, "{out}");
+    let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-1.log")).unwrap();
+    assert!(log.contains("injected crash in the group's last round"), "{log}");
+}
+
+/// The same death in the last round of a run stopped with SIGINT (an ordered stop ends with that
+/// round too): the end's checkpoint is of the last step, and `--resume` goes on from the step
+/// after it, numbering its steps as a run never stopped. Before, the restarted drafter wrote it
+/// one step further, and the resume left a step with no update in the run's numbering.
+#[test]
+fn a_drafter_killed_in_a_stopped_runs_last_round_leaves_a_resume_no_gap() {
+    let (run, mut launcher) = killed_in_the_end_round("lendstop", 1, true);
+    let pid = launcher.child.id();
+    let ring = attach(&mut launcher);
+    wait_until("some batches trained", &ring, |s| s.counters.released >= 6);
+    drop(ring);
+    kill(pid, Signal::INT);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(130), "{out}");
+    assert_eq!(run.summary()["workers"][6]["restarts"], 1, "{out}");
+    let (stopped_at, lost) = applied_step_and_lost(&run);
+    assert!(lost.is_empty(), "the end round recorded as lost: {lost:?}");
+    assert_eq!(checkpoint_step(&run), stopped_at, "the stop's checkpoint: {out}");
+    let out = resume_to_the_end(&run.run_dir());
+    let after = (run.ledgers().iter())
+        .map(|l| l.step)
+        .filter(|&s| s > stopped_at)
+        .min();
+    assert_eq!(after, Some(stopped_at + 1), "the resume's first step: {out}");
+    let (applied, lost) = applied_step_and_lost(&run);
+    assert!(lost.is_empty(), "{lost:?}");
+    assert_eq!(checkpoint_step(&run), applied, "{out}");
+}
+
+/// The group's leader killed in its last round, before it wrote the end's checkpoint: the
+/// others do not write it (they are not the round's leader), so the restarted leader goes on
+/// from the last periodic checkpoint, and the updates since are lost, as when every drafter
+/// dies (recorded, the run degraded, a resume trains them). The end round is not among them,
+/// and the checkpoint is of the last update, not one past.
+#[test]
+fn a_leader_killed_in_the_groups_last_round_loses_no_phantom_step() {
+    let (run, launcher) = killed_in_the_end_round("lendlead", 0, false);
+    let (status, out, _) = launcher.finish_status();
+    assert_eq!(status.code(), Some(3), "{out}");
+    assert_eq!(run.summary()["workers"][5]["restarts"], 1, "{out}");
+    let (applied, lost) = applied_step_and_lost(&run);
+    assert!(
+        lost.len() == 1 && lost[0].last == applied && lost[0].first <= applied,
+        "the steps since the last periodic checkpoint, up to the last update: {lost:?} (the \
+         last, step {applied})"
+    );
+    assert_eq!(checkpoint_step(&run), applied, "{out}");
+}
+
 pub(crate) fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
