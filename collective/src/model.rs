@@ -248,7 +248,13 @@ fn a_rank_joining_an_emptied_group_after_its_end_round_reads_that_it_applied_not
         g.remove(0).unwrap();
         let (m, handed, ended) = joiner.join().unwrap();
         assert_eq!((m.step, m.members, handed), (6, 0b10, None));
-        assert_eq!(ended, Some(Ended { round: 6, applied: 5 }));
+        assert_eq!(
+            ended,
+            Some(Ended {
+                round: 6,
+                applied: 5
+            })
+        );
         assert_eq!(m.state_step(ended), 5);
     });
 }
@@ -438,15 +444,29 @@ mod plain {
         let g = group(1, 0b1, 1);
         assert_eq!((g.ended(), g.membership().state_step(None)), (None, 0));
         let mut out = [0.0];
-        let r = g.all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false).unwrap();
+        let r = g
+            .all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false)
+            .unwrap();
         g.mark_ended(r.step, 0);
         assert_eq!(g.membership().state_step(g.ended()), 0);
-        let r = g.all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false).unwrap();
+        let r = g
+            .all_reduce(0, &[0.0], NO_BATCH, &mut out, &|| false)
+            .unwrap();
         assert_eq!(r.step, 2);
-        assert_eq!(g.membership().state_step(g.ended()), 2, "round 2 applied its update");
+        assert_eq!(
+            g.membership().state_step(g.ended()),
+            2,
+            "round 2 applied its update"
+        );
         g.mark_ended(2, 1);
         g.mark_ended(1, 0);
-        assert_eq!(g.ended(), Some(Ended { round: 2, applied: 1 }));
+        assert_eq!(
+            g.ended(),
+            Some(Ended {
+                round: 2,
+                applied: 1
+            })
+        );
         assert_eq!(g.membership().state_step(g.ended()), 1);
     }
 }

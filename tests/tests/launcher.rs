@@ -409,7 +409,10 @@ fn killed_in_the_end_round(tag: &str, victim: u32, slow: bool) -> (Run, Proc) {
 fn applied_step_and_lost(run: &Run) -> (u64, Vec<LostSteps>) {
     let applied = run.summary()["drafter"]["step"].as_u64().unwrap();
     let last = run.ledgers().iter().map(|l| l.step).max().unwrap();
-    assert!(last <= applied, "a batch of step {last}, after step {applied}");
+    assert!(
+        last <= applied,
+        "a batch of step {last}, after step {applied}"
+    );
     let lost = proto::ledger::read_lost(&RunDir::new(run.run_dir())).unwrap();
     (applied, lost)
 }
@@ -433,7 +436,10 @@ fn a_drafter_killed_in_the_groups_last_round_ends_at_the_last_step_not_one_past(
     assert!(lost.is_empty(), "the end round recorded as lost: {lost:?}");
     assert_eq!(checkpoint_step(&run), applied, "{out}");
     let log = std::fs::read_to_string(run.run_dir().join("logs/drafter-1.log")).unwrap();
-    assert!(log.contains("injected crash in the group's last round"), "{log}");
+    assert!(
+        log.contains("injected crash in the group's last round"),
+        "{log}"
+    );
 }
 
 /// The same death in the last round of a run stopped with SIGINT (an ordered stop ends with that
@@ -453,13 +459,21 @@ fn a_drafter_killed_in_a_stopped_runs_last_round_leaves_a_resume_no_gap() {
     assert_eq!(run.summary()["workers"][6]["restarts"], 1, "{out}");
     let (stopped_at, lost) = applied_step_and_lost(&run);
     assert!(lost.is_empty(), "the end round recorded as lost: {lost:?}");
-    assert_eq!(checkpoint_step(&run), stopped_at, "the stop's checkpoint: {out}");
+    assert_eq!(
+        checkpoint_step(&run),
+        stopped_at,
+        "the stop's checkpoint: {out}"
+    );
     let out = resume_to_the_end(&run.run_dir());
     let after = (run.ledgers().iter())
         .map(|l| l.step)
         .filter(|&s| s > stopped_at)
         .min();
-    assert_eq!(after, Some(stopped_at + 1), "the resume's first step: {out}");
+    assert_eq!(
+        after,
+        Some(stopped_at + 1),
+        "the resume's first step: {out}"
+    );
     let (applied, lost) = applied_step_and_lost(&run);
     assert!(lost.is_empty(), "{lost:?}");
     assert_eq!(checkpoint_step(&run), applied, "{out}");
