@@ -35,7 +35,7 @@ use cuda::nccl_group::NcclTransport;
 use gpu::{BackendKind, DeviceClock, DrafterBackend, StepBuffer, StepStats};
 use proto::config::CollectiveKind;
 use proto::control::{FinalReport, ToLauncher};
-use proto::ledger::{self, Ledger, LedgerLine, LostSteps};
+use proto::ledger::{self, Ledger, LedgerError, LedgerLine, LostSteps};
 use shm_ring::{Consumer, Phase, ReadSlot, Ring, Role};
 use worker_runtime::{setup, Setup, WorkerArgs};
 
@@ -229,6 +229,36 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// A rank's wait for space on a full disk to write `what` (`write`: an append that waits,
+/// [`worker_runtime::space::wait_for_space`]): said once in its log, with the file, and once
+/// more when the line is written; the rank beats its heartbeat meanwhile (the launcher would
+/// kill a silent rank as hung). A stop signal from outside the launcher ends the wait with the
+/// error, as a full disk used to end the rank ([`StopFlags::ends_wait`]); the launcher's
+/// ordered stop does not, since it needs the line.
+///
+/// [`StopFlags::ends_wait`]: worker_runtime::StopFlags::ends_wait
+fn wait_for_space<R>(
+    s: &Setup,
+    consumer: &Consumer<'_>,
+    what: &str,
+    meanwhile: &str,
+    write: impl FnOnce(&mut dyn FnMut(&LedgerError) -> bool) -> Result<R, LedgerError>,
+) -> anyhow::Result<R> {
+    let launched = s.to_launcher.is_some();
+    let mut beat = || {
+        consumer.heartbeat();
+        !s.stop.ends_wait(launched)
+    };
+    worker_runtime::space::wait_for_space(what, meanwhile, &mut beat, write).map_err(|e| {
+        // A full disk's error is returned only once the wait was ended.
+        if e.is_full() {
+            anyhow::Error::new(e).context("a stop signal ended the wait for space")
+        } else {
+            e.into()
+        }
+    })
+}
+
 /// This rank's handle on the group: the shared-memory group, with the gradient on NCCL when the
 /// run's `[drafter] collective` is (the launcher settled `auto`), kept on the device when the
 /// backend can; and the gradient's words in a step buffer.
@@ -359,8 +389,7 @@ impl<'c, 'r> Rank<'c, 'r> {
                 if let Some(lost) = LostSteps::between(self.s.index, own, group) {
                     // Recorded before any update of ours: the summary counts those batches
                     // untrained, and a resume trains them again.
-                    ledger::record_lost(&self.s.run_dir, &lost)
-                        .context("recording the group's lost updates")?;
+                    self.record_lost(&lost)?;
                     self.backend.skip_to(group);
                     tracing::warn!(checkpoint = own, "{lost}");
                 } else {
@@ -567,48 +596,30 @@ impl<'c, 'r> Rank<'c, 'r> {
     }
 
     /// Appends `line` to the ledger, waiting for space while the disk is full
-    /// ([`Ledger::append_waiting`]: the line gets in once and whole): the wait is said once,
-    /// with the file, and once more when the line is written. It beats the heartbeat meanwhile
-    /// (the launcher would kill a silent rank as hung) and holds the batch, as any step does
-    /// until its line is written; the other ranks wait for this one in the next reduction. A
-    /// stop signal from outside the launcher ends the wait with the error, as a full disk used
-    /// to end the rank ([`StopFlags::ends_wait`]); the launcher's ordered stop does not.
-    ///
-    /// [`StopFlags::ends_wait`]: worker_runtime::StopFlags::ends_wait
+    /// ([`Ledger::append_waiting`]: the line gets in once and whole). The rank holds the batch
+    /// meanwhile, as any step does until its line is written; the other ranks wait for this
+    /// one in the next reduction. See [`wait_for_space`].
     fn append_waiting(&mut self, line: &LedgerLine) -> anyhow::Result<()> {
-        let (consumer, stop) = (self.consumer, &self.s.stop);
-        let launched = self.s.to_launcher.is_some();
-        let mut since = None;
-        let mut ended = false;
-        let wrote = self.ledger.append_waiting(line, &mut |e| {
-            if since.is_none() {
-                since = Some(std::time::Instant::now());
-                tracing::warn!(
-                    batch = line.batch_id,
-                    "{e}: waiting for space to write the batch's ledger line (the rank holds it \
-                     and beats meanwhile; the group waits for it)"
-                );
-            }
-            consumer.heartbeat();
-            ended = stop.ends_wait(launched);
-            !ended
-        });
-        match (wrote, since) {
-            (Ok(_), Some(since)) => {
-                tracing::info!(
-                    batch = line.batch_id,
-                    "space again: the batch's ledger line is written to {} after waiting {:.1}s",
-                    self.ledger.path().display(),
-                    since.elapsed().as_secs_f64()
-                );
-                Ok(())
-            }
-            (Ok(_), None) => Ok(()),
-            (Err(e), _) if ended => {
-                Err(anyhow::Error::new(e).context("a stop signal ended the wait for space"))
-            }
-            (Err(e), _) => Err(e.into()),
-        }
+        let what = format!("the ledger line of batch {}", line.batch_id);
+        let meanwhile = "the rank holds the batch and beats meanwhile; the group waits for it";
+        let ledger = &mut self.ledger;
+        wait_for_space(self.s, self.consumer, &what, meanwhile, |waiting| {
+            ledger.append_waiting(line, waiting)
+        })?;
+        Ok(())
+    }
+
+    /// Records the steps `lost` (`lost-steps.jsonl`), waiting for space while the disk is full
+    /// as a ledger line does: before, a full disk ended the rank there, and each restart,
+    /// finding the group empty again, died at the same line.
+    fn record_lost(&self, lost: &LostSteps) -> anyhow::Result<()> {
+        let what = format!("the record of lost steps {}..={}", lost.first, lost.last);
+        let meanwhile = "the rank beats meanwhile and trains on once it is written";
+        let run_dir = &self.s.run_dir;
+        (wait_for_space(self.s, self.consumer, &what, meanwhile, |waiting| {
+            ledger::record_lost(run_dir, lost, waiting)
+        }))
+        .context("recording the group's lost updates")
     }
 
     /// The leader sends the step and its loss to the launcher.

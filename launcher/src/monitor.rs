@@ -808,7 +808,7 @@ mod tests {
         let mut lost = Lost::default();
         assert_eq!(lost.batches(&run), 0);
         let range = proto::ledger::LostSteps::between(0, 2, 4).unwrap();
-        proto::ledger::record_lost(&run, &range).unwrap();
+        proto::ledger::record_lost(&run, &range, &mut |_| false).unwrap();
         assert_eq!(lost.batches(&run), 2, "steps 3 and 4");
         let skipped = proto::ledger::LostSteps {
             first: 6,
@@ -816,7 +816,7 @@ mod tests {
             rank: None,
             skipped: true,
         };
-        proto::ledger::record_lost(&run, &skipped).unwrap();
+        proto::ledger::record_lost(&run, &skipped, &mut |_| false).unwrap();
         assert_eq!(lost.batches(&run), 3, "and step 6");
     }
 

@@ -775,7 +775,7 @@ mod tests {
         let lines = [line_of(0, 1), line_of(1, 2), line_of(2, 3), line_of(3, 5)];
         std::fs::write(run.ledger(0), lines.join("\n") + "\n").unwrap();
         let lost = proto::ledger::LostSteps::between(0, 1, 3).unwrap();
-        proto::ledger::record_lost(&run, &lost).unwrap();
+        proto::ledger::record_lost(&run, &lost, &mut |_| false).unwrap();
         let cfg = own_drafter();
         proto::checkpointed::record(&run, 4, 5).unwrap();
         let r = super::check(&run, &cfg, gpu::BackendKind::Mock, 1, 10).unwrap();

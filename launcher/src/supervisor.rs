@@ -845,7 +845,12 @@ impl<'a> Supervisor<'a> {
         // path now, if anything, is not this run's.
         let lost = self.skipped.lost(self.args.stop_after_skipped);
         if let Some(lost) = lost.filter(|_| self.gone.is_none()) {
-            if let Err(e) = proto::ledger::record_lost(&self.run_dir, &lost) {
+            let what = format!("the record of lost steps {}..={}", lost.first, lost.last);
+            let mut space = settle::SpaceWait::new(&mut self.mon, &self.signals, what);
+            let waiting = &mut |e: &proto::ledger::LedgerError| space.waiting(e);
+            let recorded = proto::ledger::record_lost(&self.run_dir, &lost, waiting);
+            drop(space);
+            if let Err(e) = recorded {
                 self.notes.push(format!(
                     "recording {lost} in {} failed ({e}): those batches count as trained",
                     self.run_dir.lost_steps().display()

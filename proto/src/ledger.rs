@@ -14,19 +14,20 @@
 //! and a resume refuses it, since which batch it recorded cannot be told. A disk full for a
 //! while (ENOSPC, EDQUOT: [`LedgerError::Full`]) is waited out ([`Ledger::append_waiting`]):
 //! the write it cut short is completed once space is back, so the line is in the file once,
-//! whole, and the writer (a drafter, or the launcher for a dead one) lives through it.
+//! whole, and the writer (a drafter, or the launcher for a dead one) lives through it. So are
+//! the lines of the lost ranges ([`record_lost`]) and of the batches set aside.
 //!
 //! Length: past 500 lines because the ledger, the lost ranges and the set-aside record are one
 //! contract (what counts as trained, torn or damaged), read and written only here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::io::{BufReader, Write};
+use std::fs::File;
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::jsonl::{end_torn_line, read_line_capped};
+use crate::jsonl::read_line_capped;
 use crate::plan::{Epochs, PlannedBatch};
 use crate::{BatchError, BatchView, RunDir};
 
@@ -447,9 +448,23 @@ impl SetAsideLine {
     }
 }
 
-/// For the launcher: appends the line of a batch it set aside.
-pub fn record_set_aside(run_dir: &RunDir, line: &SetAsideLine) -> Result<(), LedgerError> {
-    append_line(&run_dir.set_aside(), line)?;
+/// For the launcher: appends the line of a batch it set aside, waiting out a full disk as a
+/// ledger line does (`waiting`: [`Ledger::append_waiting`]).
+pub fn record_set_aside(
+    run_dir: &RunDir,
+    line: &SetAsideLine,
+    waiting: &mut dyn FnMut(&LedgerError) -> bool,
+) -> Result<(), LedgerError> {
+    write_set_aside(Ledger::open(&run_dir.set_aside())?, line, waiting)
+}
+
+/// [`record_set_aside`] to `file`, open on `set-aside.jsonl` (a test injects a full disk there).
+fn write_set_aside(
+    mut file: Ledger,
+    line: &SetAsideLine,
+    waiting: &mut dyn FnMut(&LedgerError) -> bool,
+) -> Result<(), LedgerError> {
+    file.append_waiting(line, waiting)?;
     Ok(())
 }
 
@@ -460,23 +475,6 @@ pub fn read_set_aside(run_dir: &RunDir) -> Result<Vec<SetAsideLine>, LedgerError
         &run_dir.set_aside(),
         "deleting it gives its batch back to be trained",
     )
-}
-
-/// Appends `value` to the JSON-lines file `path` (created if missing) with one `write`, after
-/// ending a line a kill tore; returns the file, for a caller that syncs it.
-fn append_line(path: &Path, value: &impl Serialize) -> Result<File, LedgerError> {
-    let mut text = serde_json::to_string(value)?;
-    text.push('\n');
-    let mut f = (OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(path))
-    .map_err(io("opening", path))?;
-    end_torn_line(&mut f).map_err(io("repairing", path))?;
-    f.write_all(text.as_bytes())
-        .map_err(io("appending to", path))?;
-    Ok(f)
 }
 
 /// The lines of the JSON-lines file `path` (none if it is missing); a line a kill tore (the

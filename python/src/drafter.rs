@@ -110,28 +110,18 @@ impl DrafterCore {
             digest,
             epoch: self.consumer.epoch(),
         };
-        let mut since = None;
         let mut ledger = self.ledger.borrow_mut();
-        let wrote = ledger.append_waiting(&line, &mut |e| {
-            if since.is_none() {
-                since = Some(std::time::Instant::now());
-                tracing::warn!(
-                    batch = meta.batch_id,
-                    "{e}: waiting for space to write the batch's ledger line (release() returns \
-                     once it is written)"
-                );
-            }
+        let what = format!("the ledger line of batch {}", meta.batch_id);
+        let mut beat = || {
             self.consumer.heartbeat();
             !interrupted()
-        });
-        if let (Ok(_), Some(since)) = (&wrote, since) {
-            tracing::info!(
-                batch = meta.batch_id,
-                "space again: the batch's ledger line is written to {} after waiting {:.1}s",
-                ledger.path().display(),
-                since.elapsed().as_secs_f64()
-            );
-        }
+        };
+        let wrote = worker_runtime::space::wait_for_space(
+            &what,
+            "release() returns once it is written",
+            &mut beat,
+            |waiting| ledger.append_waiting(&line, waiting),
+        );
         drop(ledger);
         self.consumer.enter(Phase::Other);
         wrote.map_err(|e| e.to_string())?;

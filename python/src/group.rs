@@ -216,7 +216,7 @@ pub fn all_reduce(
                 rank: None,
                 skipped: true,
             };
-            proto::ledger::record_lost(&core.setup.run_dir, &lost).map_err(err)?;
+            record_lost(core, &lost, "all_reduce() raises once it is written")?;
         }
         return Ok(Round::Mismatched(err(format!(
             "all_reduce: the ranks reduced buffers of different lengths ({} floats), so their \
@@ -300,7 +300,7 @@ pub fn join(
     if let (None, Some(lost), false) = (step, lost, drained) {
         // Admitted alone, with an older state than the group's: recorded before any update of
         // this rank's (the summary counts those batches untrained; a resume trains them).
-        proto::ledger::record_lost(&core.setup.run_dir, &lost).map_err(err)?;
+        record_lost(core, &lost, "join() returns once it is written")?;
         tracing::warn!(checkpoint = asked, "{lost}");
     }
     Ok(step.map(|s| {
@@ -370,4 +370,21 @@ pub fn checkpointed(core: &Core, g: &Group, step: u64) -> PyResult<()> {
 pub fn membership(g: &Group) -> (u16, u64, Vec<u32>) {
     let m = g.c.membership();
     (m.epoch, u64::from(m.step), members(m))
+}
+
+/// Records the steps `lost` (`lost-steps.jsonl`), waiting out a full disk as `release()` does
+/// for a ledger line: said once in the log, the heartbeat beaten meanwhile (`meanwhile` says
+/// what the caller does once it is written), Ctrl-C ending the wait with KeyboardInterrupt.
+fn record_lost(core: &Core, lost: &proto::ledger::LostSteps, meanwhile: &str) -> PyResult<()> {
+    let raised = RefCell::new(None);
+    let stop = Group::stop_on_signal(core, &raised);
+    let what = format!("the record of lost steps {}..={}", lost.first, lost.last);
+    let wrote = worker_runtime::space::wait_for_space(&what, meanwhile, &mut || !stop(), |w| {
+        proto::ledger::record_lost(&core.setup.run_dir, lost, w)
+    });
+    drop(stop);
+    if let Some(e) = raised.into_inner() {
+        return Err(e);
+    }
+    wrote.map_err(err)
 }

@@ -7,6 +7,7 @@
 //! hidden subcommands alike).
 
 pub mod malloc;
+pub mod space;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

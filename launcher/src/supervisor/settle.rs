@@ -237,7 +237,7 @@ impl Supervisor<'_> {
         // update. Written after, a launcher killed in between left the batch with no line in a
         // checkpoint that holds it, and `--resume` trained it a second time.
         let (ring, run_dir) = (&self.ring, &self.run_dir);
-        let mut space = SpaceWait::new(&mut self.mon, &self.signals, name);
+        let mut space = SpaceWait::new(&mut self.mon, &self.signals, written_for(name));
         let mut recorded: Option<anyhow::Result<bool>> = None;
         let gone = (self.group).remove_settling(index, &mut |c| {
             if !matches!(recorded, Some(Ok(_))) {
@@ -266,7 +266,7 @@ impl Supervisor<'_> {
             return Ok((self.ring.recover(name)?, out));
         }
         let (run_dir, strikes) = (&self.run_dir, &self.strikes);
-        let mut space = SpaceWait::new(&mut self.mon, &self.signals, name);
+        let mut space = SpaceWait::new(&mut self.mon, &self.signals, written_for(name));
         let (mut retired, mut set_aside) = (None, None);
         let r = (self.ring).recover_settling(name, &settle, |how, meta, payload| match how {
             // Written before the removal (`record_applied`); tried again here if it was not (a
@@ -404,10 +404,14 @@ impl Supervisor<'_> {
         line: anyhow::Result<SetAsideLine>,
     ) -> String {
         self.strikes.settled(role, batch);
+        let what = format!("batch {batch}'s line in set-aside.jsonl");
+        let mut space = SpaceWait::new(&mut self.mon, &self.signals, what);
         let wrote = line.and_then(|l| {
-            proto::ledger::record_set_aside(&self.run_dir, &l)?;
+            let waiting = &mut |e: &LedgerError| space.waiting(e);
+            proto::ledger::record_set_aside(&self.run_dir, &l, waiting)?;
             Ok(l)
         });
+        drop(space);
         let what = match wrote {
             Ok(line) => format!(
                 "its {} sample(s) left untrained, listed in {}",
@@ -446,35 +450,37 @@ fn record_applied(
     Ok(wrote?)
 }
 
-/// The launcher's wait for space to write a dead drafter's ledger line on a full disk
-/// (`proto::ledger::record_retired`), as a drafter waits for its own: said once, with the file,
-/// and once more when the wait ends. The launcher waits in place (the group waits for the
+/// The launcher's wait for space to write a line on a full disk (a dead drafter's ledger line,
+/// `proto::ledger::record_retired`; a batch set aside; the lost steps of a group that
+/// diverged), as a drafter waits for its own: said once, with the file, and once more when the
+/// wait ends. The launcher waits in place (for a dead drafter's line, the group waits for the
 /// removal meanwhile, its ranks beating): until space comes back, or a second stop signal,
 /// which kills the run (the first stops it in order, and the ordered stop needs the line).
 pub(super) struct SpaceWait<'s> {
     mon: &'s mut Monitor,
     signals: &'s StopSignals,
-    name: WorkerName,
+    /// The line waited for, said: `drafter-1's ledger line, written for it`.
+    what: String,
     since: Option<Instant>,
 }
 
 impl<'s> SpaceWait<'s> {
-    fn new(mon: &'s mut Monitor, signals: &'s StopSignals, name: WorkerName) -> Self {
+    pub(super) fn new(mon: &'s mut Monitor, signals: &'s StopSignals, what: String) -> Self {
         SpaceWait {
             mon,
             signals,
-            name,
+            what,
             since: None,
         }
     }
 
     /// After a try that failed for a full disk (`e`): whether to go on waiting.
-    fn waiting(&mut self, e: &LedgerError) -> bool {
+    pub(super) fn waiting(&mut self, e: &LedgerError) -> bool {
         if self.since.is_none() {
             self.since = Some(Instant::now());
             self.mon.say(&format!(
-                "{}'s ledger line, written for it: {e}; waiting for space (a second stop signal ends the wait)",
-                self.name
+                "{}: {e}; waiting for space (a second stop signal ends the wait)",
+                self.what
             ));
         }
         self.signals.received() < 2
@@ -487,11 +493,16 @@ impl Drop for SpaceWait<'_> {
         if let Some(since) = self.since {
             let waited = since.elapsed().as_secs_f64();
             self.mon.say(&format!(
-                "{}'s ledger line: the wait for space ended after {waited:.1}s",
-                self.name
+                "{}: the wait for space ended after {waited:.1}s",
+                self.what
             ));
         }
     }
+}
+
+/// What a [`SpaceWait`] for dead drafter `name`'s ledger line waits for, said.
+fn written_for(name: WorkerName) -> String {
+    format!("{name}'s ledger line, written for it")
 }
 
 /// The tests' pause point between a dead drafter's removal from the group and the settling of

@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{append_line, io, read_lines, LedgerError, LedgerLine};
+use super::{io, read_lines, Ledger, LedgerError, LedgerLine};
 use crate::RunDir;
 
 /// Steps `first..=last` whose updates were lost.
@@ -74,12 +74,29 @@ impl std::fmt::Display for LostSteps {
     }
 }
 
-/// For a drafter: records `lost` and makes it durable, before it trains on.
-pub fn record_lost(run_dir: &RunDir, lost: &LostSteps) -> Result<(), LedgerError> {
-    let path = run_dir.lost_steps();
-    let f = append_line(&path, lost)?;
-    f.sync_data().map_err(io("syncing", &path))?;
-    atomic_file::sync_dir(run_dir.path()).map_err(io("syncing the directory of", &path))
+/// For a drafter (or the launcher, for a group that diverged): records `lost` and makes it
+/// durable, before it trains on. A full disk is waited out as a ledger line's is (`waiting`:
+/// [`Ledger::append_waiting`]): the range is in the file once, whole. Before, the rank died of
+/// it, and each restart, finding the group empty again, died at the same line.
+pub fn record_lost(
+    run_dir: &RunDir,
+    lost: &LostSteps,
+    waiting: &mut dyn FnMut(&LedgerError) -> bool,
+) -> Result<(), LedgerError> {
+    let file = Ledger::open(&run_dir.lost_steps())?;
+    write_lost(file, run_dir, lost, waiting)
+}
+
+/// [`record_lost`] to `file`, open on `lost-steps.jsonl` (a test injects a full disk there).
+pub(super) fn write_lost(
+    mut file: Ledger,
+    run_dir: &RunDir,
+    lost: &LostSteps,
+    waiting: &mut dyn FnMut(&LedgerError) -> bool,
+) -> Result<(), LedgerError> {
+    file.append_waiting(lost, waiting)?;
+    file.sync()?;
+    atomic_file::sync_dir(run_dir.path()).map_err(io("syncing the directory of", file.path()))
 }
 
 /// The lost ranges of the run (none if the file is missing). A line cut short was torn by a

@@ -1,5 +1,10 @@
 //! The ledgers' reading, writing and accounting.
 
+use std::fs::OpenOptions;
+use std::io::Write;
+
+use crate::jsonl::end_torn_line;
+
 use super::*;
 
 fn line(batch_id: u64, ticket: u64, delivery: u32, samples: &[u64]) -> LedgerLine {
@@ -230,13 +235,20 @@ fn only_enospc_and_edquot_are_a_full_disk() {
 #[test]
 fn a_line_recorded_after_a_torn_one_reads_back() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = RunDir::new(tmp.path());
+    let (run, lost, _) = torn_lost_steps(tmp.path());
+    record_lost(&run, &lost, &mut |_| false).unwrap();
+    assert_eq!(read_lost(&run).unwrap(), vec![lost]);
+}
+
+/// A run laid out in `dir` whose `lost-steps.jsonl` ends with the start of a lost range's line,
+/// torn by a kill; the range, and its line whole.
+fn torn_lost_steps(dir: &Path) -> (RunDir, LostSteps, String) {
+    let run = RunDir::new(dir);
     run.lay_out().unwrap();
     let lost = LostSteps::between(0, 1, 4).unwrap();
     let whole = serde_json::to_string(&lost).unwrap();
     std::fs::write(run.lost_steps(), &whole[..10]).unwrap();
-    record_lost(&run, &lost).unwrap();
-    assert_eq!(read_lost(&run).unwrap(), vec![lost]);
+    (run, lost, whole)
 }
 
 /// A line of lost-steps.jsonl changed by hand or damaged on disk, between whole lines, is an
@@ -296,7 +308,7 @@ fn the_ledgers_read_back() {
     assert!(read.lost.is_empty() && read.lost_steps.is_empty());
     // Steps 2..=4 lost: drafter 0's line of step 3 is set apart, its step-1 line is not.
     let lost = LostSteps::between(0, 1, 4).unwrap();
-    record_lost(&run, &lost).unwrap();
+    record_lost(&run, &lost, &mut |_| false).unwrap();
     let in_lost = LedgerLine {
         step: 3,
         ..line.clone()
@@ -346,4 +358,63 @@ fn the_last_line_is_read_from_the_ledgers_end() {
     )
     .unwrap();
     assert_eq!(last_line(&path), None, "a FIFO, not waited on");
+}
+
+/// A lost range and a set-aside batch are written through a disk full for a while as a ledger
+/// line is (injected: the first try writes half the line, the next ones find no space): the
+/// writer hears each failed try, and the line is in the file once and whole, after the repair
+/// of a line a kill tore. Before, the first ENOSPC was the error: a rank that found the group
+/// empty died recording the range, and so did each restart; the launcher wrote no set-aside
+/// line, and a resume trained the batch that had killed the run's drafters again.
+#[test]
+fn a_lost_range_and_a_set_aside_line_wait_out_a_full_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, lost, whole) = torn_lost_steps(tmp.path());
+    let mut file = Ledger::open(&run.lost_steps()).unwrap();
+    file.inject_full(3);
+    let mut heard = Vec::new();
+    let mut waiting = |e: &LedgerError| {
+        assert!(e.is_full(), "{e:?}");
+        heard.push(e.to_string());
+        true
+    };
+    lost::write_lost(file, &run, &lost, &mut waiting).unwrap();
+    assert_eq!(heard.len(), 3, "{heard:?}");
+    assert!(heard[0].contains("lost-steps.jsonl"), "{heard:?}");
+    assert_eq!(read_lost(&run).unwrap(), vec![lost.clone()]);
+    let text = std::fs::read_to_string(run.lost_steps()).unwrap();
+    assert_eq!(
+        text,
+        format!("{}\n{whole}\n", &whole[..10]),
+        "torn, then once whole"
+    );
+
+    let aside = SetAsideLine {
+        batch_id: 7,
+        sample_ids: vec![70, 71],
+        tokens: 12,
+        ticket: Some(9),
+        deaths: vec!["drafter-1 (pid 7) died: signal: 6 (SIGABRT)".into()],
+    };
+    let mut file = Ledger::open(&run.set_aside()).unwrap();
+    file.inject_full(2);
+    let mut tries = 0;
+    write_set_aside(file, &aside, &mut |e| {
+        assert!(
+            e.is_full() && e.to_string().contains("set-aside.jsonl"),
+            "{e}"
+        );
+        tries += 1;
+        true
+    })
+    .unwrap();
+    assert_eq!(tries, 2);
+    record_set_aside(&run, &aside, &mut |_| false).unwrap();
+    assert_eq!(read_set_aside(&run).unwrap(), vec![aside.clone(), aside]);
+
+    // A writer that gives up (a stop) gets the full disk's error.
+    let mut file = Ledger::open(&run.lost_steps()).unwrap();
+    file.inject_full(1);
+    let e = lost::write_lost(file, &run, &lost, &mut |_| false).unwrap_err();
+    assert!(e.is_full(), "{e:?}");
 }

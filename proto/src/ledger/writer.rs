@@ -1,13 +1,20 @@
 //! A ledger open for appending ([`Ledger`]), and how a line gets in whole, once, through a disk
-//! that is full for a while ([`Ledger::append_waiting`]).
+//! that is full for a while ([`Ledger::append_waiting`]). The run's other JSON-lines records
+//! that a writer appends to while the run goes on, `lost-steps.jsonl` and `set-aside.jsonl`,
+//! are appended the same way ([`record_lost`], [`record_set_aside`]).
 //!
 //! A write that meets a full disk (ENOSPC, or the user's quota: EDQUOT) takes what fits of the
 //! line and fails: the file ends with the start of the line. Written again whole, the line
 //! would follow that start as a torn line of its own (after [`end_torn_line`]), or, appended
 //! without the repair, be glued to it and read as one damaged line. So a try after a failed one
 //! reads what of the line is in the file already and writes only the rest: the line is in the
-//! file once, whole, whatever the number of tries. This is sound because each ledger has one
-//! writer at a time: its drafter, or the launcher once that drafter is dead.
+//! file once, whole, whatever the number of tries. This is sound because each file has one
+//! writer at a time: a ledger its drafter, or the launcher once that drafter is dead;
+//! `lost-steps.jsonl` the one rank that found the group empty, or the launcher at the run's end;
+//! `set-aside.jsonl` the launcher.
+//!
+//! [`record_lost`]: super::record_lost
+//! [`record_set_aside`]: super::record_set_aside
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
@@ -15,9 +22,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use serde::Serialize;
+
 use crate::jsonl::end_torn_line;
 
-use super::{io, LedgerError, LedgerLine};
+use super::{io, LedgerError};
 
 /// How long [`Ledger::append_waiting`] waits between tries while the disk is full.
 pub const FULL_RETRY: Duration = Duration::from_millis(100);
@@ -33,7 +42,8 @@ pub(super) fn is_full(e: &std::io::Error) -> bool {
     )
 }
 
-/// A ledger open for appending.
+/// A ledger (or another of the run's JSON-lines records: see the module's doc) open for
+/// appending.
 pub struct Ledger {
     file: File,
     path: PathBuf,
@@ -54,10 +64,10 @@ impl Ledger {
             .append(true)
             .read(true)
             .open(path)
-            .map_err(io("opening ledger", path))?;
+            .map_err(io("opening", path))?;
         // Its batch was not released, so it is redelivered: the torn line stays unreadable.
         match end_torn_line(&mut file) {
-            Err(e) if !is_full(&e) => return Err(io("repairing ledger", path)(e)),
+            Err(e) if !is_full(&e) => return Err(io("repairing", path)(e)),
             _ => {}
         }
         Ok(Ledger {
@@ -85,7 +95,7 @@ impl Ledger {
     /// otherwise this line would be glued to it, and the two read as one damaged line. Two
     /// system calls a trained batch. A full disk fails it at once
     /// ([`LedgerError::is_full`]); [`Ledger::append_waiting`] waits for space instead.
-    pub fn append(&mut self, line: &LedgerLine) -> Result<(), LedgerError> {
+    pub fn append(&mut self, line: &impl Serialize) -> Result<(), LedgerError> {
         self.append_waiting(line, &mut |_| false).map(|_| ())
     }
 
@@ -100,7 +110,7 @@ impl Ledger {
     /// first).
     pub fn append_waiting(
         &mut self,
-        line: &LedgerLine,
+        line: &impl Serialize,
         waiting: &mut dyn FnMut(&LedgerError) -> bool,
     ) -> Result<u32, LedgerError> {
         let mut text = serde_json::to_vec(line)?;
@@ -134,8 +144,7 @@ impl Ledger {
         let from = match written {
             Some(n) => n,
             None => {
-                let at =
-                    end_torn_line(&mut self.file).map_err(io("repairing ledger", &self.path))?;
+                let at = end_torn_line(&mut self.file).map_err(io("repairing", &self.path))?;
                 *start = Some(at);
                 0
             }
@@ -147,7 +156,7 @@ impl Ledger {
     /// How many bytes of `text` the file holds from `at` to its end, if they are the start of
     /// `text`; None if they are not (the file was changed under us: the line starts again).
     fn written_of(&mut self, text: &[u8], at: u64) -> Result<Option<usize>, LedgerError> {
-        let reading = io("reading ledger", &self.path);
+        let reading = io("reading", &self.path);
         let len = self.file.seek(SeekFrom::End(0)).map_err(&reading)?;
         let Some(n) = len.checked_sub(at).filter(|&n| n <= text.len() as u64) else {
             return Ok(None);
@@ -170,10 +179,8 @@ impl Ledger {
         self.file.write_all(rest)
     }
 
-    /// Makes the lines written so far durable (at every checkpoint step).
+    /// Makes the lines written so far durable (a ledger's at every checkpoint step).
     pub fn sync(&self) -> Result<(), LedgerError> {
-        self.file
-            .sync_data()
-            .map_err(io("syncing the ledger", &self.path))
+        self.file.sync_data().map_err(io("syncing", &self.path))
     }
 }
