@@ -89,10 +89,9 @@ pub fn rotate_past_cap(log: &Path, live: &File, cap: u64) -> io::Result<Option<u
     if cap == 0 || len <= cap {
         return Ok(None);
     }
-    // The file itself, opened anew (a descriptor of its own, with its own offset; the worker's
-    // and `live` share one), even once no path names it.
-    let file = PathBuf::from(format!("/proc/self/fd/{}", live.as_raw_fd()));
+    let file = reopened(live);
     let rotated = proto::run_dir::rotated(log);
+    make_dir_again(log)?;
     let mut moved = 0;
     atomic_file::replace_with(&rotated, |tmp| -> io::Result<()> {
         moved = std::fs::copy(&file, tmp)?;
@@ -114,6 +113,29 @@ pub fn rotate_past_cap(log: &Path, live: &File, cap: u64) -> io::Result<Option<u
     Ok(Some(moved))
 }
 
+/// A path that opens the file the launcher holds as `live` anew (a descriptor of its own, with
+/// its own offset; the worker's and `live` share one), even once no path names it.
+pub fn reopened(live: &File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", live.as_raw_fd()))
+}
+
+/// Makes the directory of `log` (the run's `logs/`) again if it is gone (`rm -rf logs/` while
+/// the run goes on), so that a rotation has somewhere to put `.log.1` and a worker's next start
+/// somewhere to open its log; returns whether it was made. Only that directory, never the run
+/// directory above it: a run directory gone ends the run (`place.rs`), and one made again here
+/// would be taken for the run's. Before, every rotation failed and said so, each log grew
+/// without limit (out of `du`'s sight), and a worker that died could not be started again.
+pub fn make_dir_again(log: &Path) -> io::Result<bool> {
+    let Some(dir) = log.parent() else {
+        return Ok(false);
+    };
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The log at `log` is no longer the file the worker writes (`live`): deleted, or moved away
 /// (and maybe another made at its path). False when the path cannot be looked at otherwise.
 pub fn gone(log: &Path, live: &File) -> bool {
@@ -125,7 +147,7 @@ pub fn gone(log: &Path, live: &File) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{gone, parse, rotate_past_cap, ROTATED};
+    use super::{gone, make_dir_again, parse, rotate_past_cap, ROTATED};
     use std::io::Write;
 
     /// A worker that writes past the cap: its log is rotated while it still writes (through
@@ -203,6 +225,34 @@ mod tests {
         assert!(!log.exists(), "no log made at its path");
         std::fs::write(&log, "another file").unwrap();
         assert!(gone(&log, &live), "another file at its path");
+    }
+
+    /// `rm -rf logs/` while the run goes on: the rotation of a worker's log (deleted with it,
+    /// still written) makes `logs/` again and puts the earlier part in `.log.1` there, and the
+    /// directory is there for the worker's next start; a run directory gone is not made again.
+    /// Before, each rotation failed (`.log.1` had no directory) and the log grew on.
+    #[test]
+    fn a_logs_directory_deleted_mid_run_is_made_again_at_the_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().join("logs");
+        std::fs::create_dir(&logs).unwrap();
+        let log = logs.join("drafter-1.log");
+        let mut worker = (std::fs::OpenOptions::new().create(true).append(true))
+            .open(&log)
+            .unwrap();
+        std::fs::remove_dir_all(&logs).unwrap();
+        let chatty = "a line a worker prints in a loop\n".repeat(4000);
+        worker.write_all(chatty.as_bytes()).unwrap();
+        let moved = rotate_past_cap(&log, &worker, 64 << 10).unwrap();
+        assert_eq!(moved, Some(chatty.len() as u64));
+        let rotated = std::fs::read_to_string(logs.join("drafter-1.log.1")).unwrap();
+        assert_eq!(rotated, chatty);
+        assert!(!make_dir_again(&log).unwrap(), "there already");
+
+        let run = dir.path().join("run");
+        let gone = run.join("logs").join("target-0.log");
+        assert!(make_dir_again(&gone).is_err());
+        assert!(!run.exists(), "the run directory is not made again");
     }
 
     /// `--log-cap 0` leaves a log alone however large.

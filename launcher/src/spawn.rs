@@ -200,9 +200,12 @@ const LAST_LINES: usize = 8;
 /// said nothing of the kind there (an error it logged long before is not the reason) or the log
 /// cannot be read. The caller does not ask for a worker killed by SIGKILL, which had no chance
 /// to say anything. A log rotated since the incarnation started (`--log-cap`) is read on from
-/// the end of its rotated part: the rotation may have moved the last words there.
-pub fn last_error(log: &Path) -> Option<String> {
-    let mut text = tail(log)?;
+/// the end of its rotated part: the rotation may have moved the last words there. `live`: the
+/// launcher's descriptor of the file the worker wrote, read instead of the path, which may name
+/// no file by now (the log deleted, or `logs/` with it) or another one; its rotated part is
+/// read at the path still.
+pub fn last_error(log: &Path, live: Option<&std::fs::File>) -> Option<String> {
+    let mut text = tail(&live.map_or_else(|| log.to_path_buf(), crate::log_cap::reopened))?;
     if let Some(after) = text.strip_prefix(crate::log_cap::ROTATED) {
         if !after.contains(STARTING) {
             let after = after.split_once('\n').map_or("", |(_, after)| after);
@@ -291,6 +294,9 @@ pub fn spawn(
 ) -> anyhow::Result<(Child, std::fs::File)> {
     let server = control::Server::new().context("opening a control channel")?;
     let server_name = server.name().to_string();
+    // A `logs/` deleted while the run goes on is made again (the rotation does too).
+    crate::log_cap::make_dir_again(log)
+        .with_context(|| format!("making the directory of {} again", log.display()))?;
     let mut logf = OpenOptions::new()
         .create(true)
         .append(true)
@@ -493,7 +499,7 @@ mod tests {
     fn said(log: &str) -> Option<String> {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(f.path(), log).unwrap();
-        last_error(f.path())
+        last_error(f.path(), None)
     }
 
     #[test]
@@ -598,11 +604,32 @@ mod tests {
         crate::log_cap::rotate_past_cap(&log, &live, 64 << 10)
             .unwrap()
             .unwrap();
-        assert_eq!(last_error(&log).as_deref(), Some(said));
+        assert_eq!(last_error(&log, None).as_deref(), Some(said));
         // Its restart said nothing yet: not the earlier incarnation's reason.
         let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
         writeln!(f, "{STARTING} (incarnation 2) on GPU 0\nZ  INFO attached").unwrap();
-        assert_eq!(last_error(&log), None);
+        assert_eq!(last_error(&log, None), None);
+    }
+
+    /// A worker whose log was deleted while it wrote it (`rm -rf logs/`) said its last words to
+    /// the deleted file: they are read through the launcher's descriptor of it, not from the
+    /// path, which names no file (or another one).
+    #[test]
+    fn a_dead_workers_reason_is_read_from_its_log_deleted_meanwhile() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("target-0.log");
+        let said = "error: the device is gone";
+        std::fs::write(
+            &log,
+            format!("{STARTING} (incarnation 1) on GPU 0\n{said}\n"),
+        )
+        .unwrap();
+        let live = std::fs::File::open(&log).unwrap();
+        std::fs::remove_file(&log).unwrap();
+        assert_eq!(last_error(&log, None), None);
+        assert_eq!(last_error(&log, Some(&live)).as_deref(), Some(said));
+        std::fs::write(&log, format!("{STARTING} (incarnation 2) on GPU 0\n")).unwrap();
+        assert_eq!(last_error(&log, Some(&live)).as_deref(), Some(said));
     }
 
     /// A command naming a script without its execute bit is refused before the run, saying

@@ -399,8 +399,10 @@ impl<'a> Supervisor<'a> {
             };
             w.child = None;
             w.control = None;
-            // Its log's space is freed with the worker's descriptors if the log was deleted.
-            w.log = None;
+            // Its log's space is freed with the worker's descriptors if the log was deleted,
+            // once its last words are read (through this descriptor: its path may name another
+            // file, or none).
+            let log = w.log.take();
             // Stopped while the launcher did not stop the run: a stop signal from outside (ours
             // say so: `proto::stop::OUTSIDE_SIGNAL`), which such a worker takes only after it
             // waited for the launcher's Stop in vain (`worker_runtime::LAUNCHERS_STOP_GRACE`):
@@ -408,7 +410,7 @@ impl<'a> Supervisor<'a> {
             // too (but has not acted on yet) makes it part of the run's stop, as before.
             let outside = status.code() == Some(proto::stop::EXIT_STOPPED) && !run_stopping;
             match status.code() {
-                _ if outside => self.crashed(i, status, true)?,
+                _ if outside => self.crashed(i, status, true, log.as_ref())?,
                 Some(c @ (0 | proto::stop::EXIT_STOPPED)) => {
                     w.life = if c == 0 { Life::Done } else { Life::Stopped };
                     // A drafter that finished has left the group: a rank restarted late must
@@ -419,7 +421,7 @@ impl<'a> Supervisor<'a> {
                         self.unfinished_drafter(i, status);
                     }
                 }
-                _ => self.crashed(i, status, false)?,
+                _ => self.crashed(i, status, false, log.as_ref())?,
             }
             if self.workers[i].finished() && self.workers[i].name.role == Role::Producer {
                 self.unfinished_target(i, status)?;
@@ -447,8 +449,15 @@ impl<'a> Supervisor<'a> {
     /// (`proto::ledger::Ledger::append_waiting`, `saves.rs`). A death with a batch in hand is held against
     /// that batch, which is set aside at `--set-aside-after` deaths (`settle.rs`). `outside`:
     /// it stopped on a stop signal that the launcher did not send ([`exits`](Self::exits)),
-    /// which is said as such and is not held against its batch.
-    fn crashed(&mut self, i: usize, status: ExitStatus, outside: bool) -> anyhow::Result<()> {
+    /// which is said as such and is not held against its batch. `log`: the launcher's
+    /// descriptor of the log the worker wrote, read for its last words.
+    fn crashed(
+        &mut self,
+        i: usize,
+        status: ExitStatus,
+        outside: bool,
+        log: Option<&std::fs::File>,
+    ) -> anyhow::Result<()> {
         let snap = self.ring.snapshot();
         let rec = snap.worker(self.workers[i].name()).cloned();
         let items = rec.as_ref().map_or(0, |rec| rec.items);
@@ -457,7 +466,7 @@ impl<'a> Supervisor<'a> {
         let killed = std::os::unix::process::ExitStatusExt::signal(&status)
             == Some(rustix::process::Signal::KILL.as_raw());
         let last = (!killed)
-            .then(|| spawn::last_error(&self.run_dir.log(self.workers[i].name())))
+            .then(|| spawn::last_error(&self.run_dir.log(self.workers[i].name()), log))
             .flatten();
         let w = &mut self.workers[i];
         let death = match (outside, last) {
@@ -732,7 +741,8 @@ impl<'a> Supervisor<'a> {
     /// this pass's deaths have been read from their logs. A rotation that fails (a full disk)
     /// leaves the log as it is, said once per worker until one succeeds. A log deleted or moved
     /// while its worker writes it is rotated all the same, through the launcher's descriptor
-    /// of it (it grew without limit, out of `du`'s sight), and that is said once.
+    /// of it (it grew without limit, out of `du`'s sight), and that is said once; a `logs/`
+    /// deleted with it is made again (`log_cap::make_dir_again`).
     fn logs(&mut self) {
         if self.args.log_cap == 0
             || self.gone.is_some()
@@ -754,8 +764,14 @@ impl<'a> Supervisor<'a> {
                     return;
                 }
                 w.log_gone_said = true;
+                // `rm -rf logs/`: made again at once, so that the rotation below and a restart
+                // have it (a failure is the rotation's to say).
+                let made = match log_cap::make_dir_again(&log) {
+                    Ok(true) => "; its directory was gone too, and is made again",
+                    _ => "",
+                };
                 self.mon.say(&format!(
-                    "warning: {} was deleted or moved while {} writes it: the worker writes on to the file it opened (out of du's sight if deleted), still kept under --log-cap, its earlier part going to {} at each rotation; its next start makes a new log",
+                    "warning: {} was deleted or moved while {} writes it: the worker writes on to the file it opened (out of du's sight if deleted), still kept under --log-cap, its earlier part going to {} at each rotation; its next start makes a new log{made}",
                     log.display(),
                     w.name(),
                     proto::run_dir::rotated(&log).display()

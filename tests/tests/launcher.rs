@@ -3298,6 +3298,63 @@ fn a_worker_log_past_its_cap_is_rotated_while_the_worker_runs() {
     );
 }
 
+/// `rm -rf logs/` in the run directory while the run goes on (here the drafter's first
+/// incarnation deletes it, then prints past `--log-cap`): the launcher makes `logs/` again and
+/// says so, the rotation puts the deleted log's earlier part in `logs/drafter-0.log.1` (the
+/// worker writes on to the file it opened, kept under the cap), and the drafter's restart logs
+/// to a new `logs/drafter-0.log`, whose last words are its death's reason. Before, each
+/// rotation failed for want of the directory, the deleted log grew on, and the restart could
+/// not open its log, so the worker could not be started again.
+#[test]
+fn a_logs_directory_deleted_mid_run_is_made_again_and_logging_goes_on() {
+    let run = Run::new("llogsgone");
+    // First incarnation: deletes logs/, prints about 200 KB, waits (at most 60 s) for the
+    // rotation to empty its log (its stdout), then dies. The restart dies at once.
+    let script = r#"if [ ! -e deleted ]; then
+    touch deleted
+    rm -rf "$(dirname "$(readlink /proc/$$/fd/1)")"
+    yes 'drafter noise: a line printed in a loop' | head -n 5000
+    for i in $(seq 600); do [ "$(stat -L -c %s /proc/$$/fd/1)" -lt 60000 ] && break; sleep 0.1; done
+    echo 'error: the first incarnation is done'
+    exit 1
+fi
+echo 'error: the restart is done'
+exit 1
+"#;
+    std::fs::write(run.dir.join("noisy.sh"), script).unwrap();
+    let cfg = "[data]\nsynthetic_samples = 20\n[drafter]\ncommand = [\"sh\", \"noisy.sh\"]\n";
+    std::fs::write(run.dir.join("run.toml"), cfg).unwrap();
+    let args = ["--max-restarts", "1", "--log-cap", "64KiB"];
+    let (code, said) = launch_in(&run.dir, &[&ONE_BY_ONE[..], &args].concat());
+    assert_eq!(code, Some(3), "{said}");
+    let rd = RunDir::new(run.run_dir());
+    let log = rd.log(WorkerName::consumer(0));
+    let warned = "warning: run/logs/drafter-0.log was deleted or moved while drafter-0 writes it";
+    assert_eq!(said.matches(warned).count(), 1, "{said}");
+    assert!(
+        said.contains("its directory was gone too, and is made again"),
+        "{said}"
+    );
+    assert!(!said.contains("could not be rotated"), "{said}");
+    assert!(!said.contains("could not be started"), "{said}");
+    assert!(
+        said.contains("saying \"error: the first incarnation is done\"")
+            && said.contains("saying \"error: the restart is done\""),
+        "{said}"
+    );
+    let rotated = std::fs::read_to_string(rd.rotated_log(WorkerName::consumer(0))).unwrap();
+    assert!(
+        rotated.contains("drafter noise: a line printed in a loop\n"),
+        "{}",
+        &rotated[..rotated.len().min(500)]
+    );
+    let live = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        live.ends_with("error: the restart is done\n") && !live.contains("drafter noise"),
+        "{live}"
+    );
+}
+
 /// A `[drafter] command` that exits 0 without registering in the ring (here `true`: not a
 /// drafter at all) is said by name, with what it likely means, and the run ends degraded with
 /// it in the notes; it is not restarted, as a target that exits without finishing is not, and
