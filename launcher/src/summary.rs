@@ -312,8 +312,8 @@ pub fn write(run_dir: &RunDir, s: &Summary) -> anyhow::Result<()> {
 }
 
 /// The run's end lines: the totals, the group's last step, where the kept exports are, the
-/// workers, the notes, how to train what is left (if `resumable`: not for a run directory gone)
-/// and the exit code.
+/// workers, the notes and how to train what is left (if `resumable`: not for a run directory
+/// gone); the exit code's line is [`print_exit_code`], once the code is final.
 pub fn print(s: &Summary, run_dir: &RunDir, resumable: bool) {
     println!();
     let trained = match s.epochs {
@@ -376,7 +376,12 @@ pub fn print(s: &Summary, run_dir: &RunDir, resumable: bool) {
     if let Some(line) = resume_line(s, run_dir).filter(|_| resumable) {
         println!("{line}");
     }
-    println!("exit code {}", s.exit_code);
+}
+
+/// The end's last line: the code the launcher exits with (the run's, or 1 where its
+/// summary.json could not be written: `Supervisor::finish`).
+pub fn print_exit_code(code: i32) {
+    println!("exit code {code}");
 }
 
 /// How to train what is left, for a run that ended with samples untrained (stopped by a

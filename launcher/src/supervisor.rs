@@ -936,21 +936,29 @@ impl<'a> Supervisor<'a> {
         let summary = summary::finalise(summary, exit_code, notes);
         // The end is printed before summary.json is written: a write that failed (a full or
         // read-only disk) took the end with it, its table, notes and exit code (3, 130) lost
-        // behind `error: writing summary.json`, exit code 1.
+        // behind `error: writing summary.json`, exit code 1. Its last line, the exit code,
+        // comes after the write, which may change it: a full run's end said `exit code 0` and
+        // the launcher exited 1.
         summary::print(&summary, &self.run_dir, self.gone.is_none());
-        if let Some(gone) = self.gone {
-            println!(
-                "summary.json is not written: the run directory {} {}",
-                self.run_dir.path().display(),
-                gone.said()
-            );
-            return Ok(exit_code);
-        }
-        crate::resume::sweep_leftovers(&self.run_dir);
-        match summary::write(&self.run_dir, &summary) {
-            Ok(()) => Ok(exit_code),
-            Err(e) => Ok(self.unwritten(&e, exit_code)),
-        }
+        let exit_code = match self.gone {
+            Some(gone) => {
+                println!(
+                    "summary.json is not written: the run directory {} {}",
+                    self.run_dir.path().display(),
+                    gone.said()
+                );
+                exit_code
+            }
+            None => {
+                crate::resume::sweep_leftovers(&self.run_dir);
+                match summary::write(&self.run_dir, &summary) {
+                    Ok(()) => exit_code,
+                    Err(e) => self.unwritten(&e, exit_code),
+                }
+            }
+        };
+        summary::print_exit_code(exit_code);
+        Ok(exit_code)
     }
 
     /// Says that summary.json could not be written (`e`) at the end of a run whose exit code

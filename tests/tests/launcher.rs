@@ -1045,16 +1045,16 @@ fn a_summary_that_cannot_be_written_leaves_the_end_printed_and_the_runs_exit_cod
         "\nrole ",
         "\nnote: no checkpoint since step 3: writing the checkpoint",
         "launcher --resume",
-        "\nexit code 3\n",
     ] {
         assert!(end.contains(want), "{want:?} in the end:\n{out}");
     }
+    assert!(end.ends_with("\nexit code 3\n"), "{out}");
     assert!(run.run_dir().join("summary.json").is_dir(), "left alone");
 }
 
 /// A run that trained every sample but could not write summary.json exits 1 (its record is
-/// incomplete), after its end, saying how to write it; `launcher --resume` then does, finding
-/// every batch trained.
+/// incomplete), after its end, saying how to write it, and the end's last line says that code;
+/// `launcher --resume` then does, finding every batch trained.
 #[test]
 fn a_summary_that_cannot_be_written_after_a_full_run_exits_1_and_a_resume_writes_it() {
     let run = Run::new("lsumfailok");
@@ -1062,7 +1062,10 @@ fn a_summary_that_cannot_be_written_after_a_full_run_exits_1_and_a_resume_writes
     let (code, out) = summary_blocked(&run, &cfg);
     assert_eq!(code, Some(1), "{out}");
     let (end, unwritten) = end_then_unwritten(&out, "done in ");
-    assert!(end.contains("\nexit code 0\n"), "{out}");
+    // The end says the code the launcher exits with, last, after the failure. Before, it said
+    // `exit code 0`, and the launcher exited 1.
+    assert!(end.ends_with("\nexit code 1\n"), "{out}");
+    assert!(!end.contains("exit code 0\n"), "{out}");
     for want in [
         "the run's record is incomplete: exit code 1, not 0",
         "every sample was trained",
