@@ -1,6 +1,6 @@
 //! Kills injected into the group protocol (`[faults.drafter-N]`'s `crash_in_sync_at`,
-//! `crash_in_join`, `crash_after_commit_at`, `crash_in_end_round`), and a checkpoint that cannot
-//! be written (`checkpoint_fails_from`).
+//! `crash_in_join`, `crash_after_commit_at`, `crash_in_end_round`), a checkpoint that cannot be
+//! written (`checkpoint_fails_from`) and an export that fails once (`export_fails_at`).
 
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -17,6 +17,8 @@ pub(crate) struct InjectedFaults {
     pub(crate) reducing: Cell<u64>,
     /// Present once the join fault fired.
     pub(crate) join_marker: PathBuf,
+    /// Whether the export fault fired in this incarnation.
+    pub(crate) export_failed: Cell<bool>,
 }
 
 impl InjectedFaults {
@@ -44,6 +46,15 @@ impl InjectedFaults {
     /// (`checkpoint_fails_from`, in every incarnation: a disk stays full).
     pub(crate) fn checkpoint_fails(&self, step: u32) -> bool {
         (self.faults.checkpoint_fails_from).is_some_and(|n| u64::from(step) >= n)
+    }
+
+    /// Whether writing the export of `step` fails, as on a full disk (`export_fails_at`):
+    /// once, so the export's next write (the end's, for the last step) is written.
+    pub(crate) fn export_fails(&self, step: u32) -> bool {
+        let fails =
+            self.faults.export_fails_at == Some(u64::from(step)) && !self.export_failed.get();
+        self.export_failed.set(self.export_failed.get() || fails);
+        fails
     }
 
     /// Once the group applied `step` with this rank's batch, before its ledger line

@@ -45,7 +45,7 @@ mod save;
 mod taken;
 use faults::InjectedFaults;
 use intake::{intake, Intake};
-use save::save_step;
+use save::{save_step, Failing};
 
 /// Train one drafter on batches from the ring.
 ///
@@ -208,6 +208,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             first: consumer.epoch() == 1,
             reducing: Cell::new(0),
             join_marker: s.run_dir.join_crash_marker(s.name),
+            export_failed: Cell::new(false),
         },
         report: FinalReport::default(),
         intake: intake(stager),
@@ -703,7 +704,10 @@ impl<'c, 'r> Rank<'c, 'r> {
             &self.s.run_dir.export_dir(),
             kept.as_deref(),
             &self.ckpt,
-            self.faults.checkpoint_fails(step),
+            Failing {
+                checkpoint: self.faults.checkpoint_fails(step),
+                export: self.faults.export_fails(step),
+            },
         );
         if report.checkpoint.is_none() {
             self.checkpointed = Some(step);

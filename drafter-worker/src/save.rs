@@ -8,37 +8,55 @@ use anyhow::Context;
 use gpu::DrafterBackend;
 use proto::control::SaveReport;
 
+/// The writes a fault fails, as a full disk would, once part of what they write is written.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Failing {
+    /// The checkpoint's (`checkpoint_fails_from`).
+    pub(crate) checkpoint: bool,
+    /// The export's (`export_fails_at`).
+    pub(crate) export: bool,
+}
+
+/// The injected full disk of fault `fault`: ENOSPC, 28 on every architecture Linux runs
+/// hspipe on.
+fn injected_full(fault: &'static str) -> anyhow::Error {
+    anyhow::Error::new(std::io::Error::from_raw_os_error(28)).context(format!("injected: {fault}"))
+}
+
 /// Writes the checkpoint atomically: a crash, or a write that fails, leaves either the old
 /// checkpoint or the new one, never half of one. `fail`: the injected full disk
 /// (`checkpoint_fails_from`), once part of the file is written.
 fn checkpoint(backend: &dyn DrafterBackend, path: &Path, fail: bool) -> anyhow::Result<()> {
     atomic_file::replace_with(path, |tmp| -> anyhow::Result<()> {
         backend.save(tmp)?;
-        if fail {
-            // ENOSPC, 28 on every architecture Linux runs hspipe on.
-            let enospc = std::io::Error::from_raw_os_error(28);
-            return Err(anyhow::Error::new(enospc).context("injected: checkpoint_fails_from"));
+        match fail {
+            true => Err(injected_full("checkpoint_fails_from")),
+            false => Ok(()),
         }
-        Ok(())
     })
     .with_context(|| format!("writing the checkpoint {}", path.display()))
 }
 
 /// Writes the export directory whole ([`atomic_file::replace_dir_with`]: synced, then swapped
 /// in), so a reader, a crash or a power loss sees the old export or the new one, never a mix.
-fn export(backend: &dyn DrafterBackend, dir: &Path) -> anyhow::Result<()> {
+/// `fail`: the injected full disk (`export_fails_at`), once its files are written.
+fn export(backend: &dyn DrafterBackend, dir: &Path, fail: bool) -> anyhow::Result<()> {
     if !backend.exports() {
         return Ok(());
     }
     atomic_file::replace_dir_with(dir, |tmp| -> anyhow::Result<()> {
-        Ok(backend.export(tmp)?)
+        backend.export(tmp)?;
+        match fail {
+            true => Err(injected_full("export_fails_at")),
+            false => Ok(()),
+        }
     })
     .with_context(|| format!("exporting the drafter to {}", dir.display()))
 }
 
 /// What the leader writes at the checkpoint of `step`: the export, kept as `kept` where given
-/// (`[drafter] keep_export_every`), then the checkpoint `ckpt` (`fail`: its write fails, an
-/// injected fault). The export and its keep first: a leader killed before the checkpoint leaves
+/// (`[drafter] keep_export_every`), then the checkpoint `ckpt` (`fail`: the writes that fail,
+/// injected faults). The export and its keep first: a leader killed before the checkpoint leaves
 /// the previous one, from which a resume trains up to this step again and writes both again, so
 /// every kept step up to the checkpoint's has its kept export; killed after a checkpoint written
 /// first, a kept step would have had none for ever.
@@ -57,7 +75,7 @@ pub(crate) fn save_step(
     export_dir: &Path,
     kept: Option<&Path>,
     ckpt: &Path,
-    fail: bool,
+    fail: Failing,
 ) -> SaveReport {
     let said = |e: anyhow::Error| format!("{e:#}");
     let mut report = SaveReport {
@@ -65,7 +83,7 @@ pub(crate) fn save_step(
         keeping: kept.is_some() && backend.exports(),
         ..SaveReport::default()
     };
-    let exported = export(backend, export_dir);
+    let exported = export(backend, export_dir, fail.export);
     match (&exported, kept, backend.exports()) {
         (Ok(()), Some(kept), true) => match keep(export_dir, kept) {
             Ok(()) => tracing::info!(step, kept = %kept.display(), "kept the export"),
@@ -91,7 +109,7 @@ pub(crate) fn save_step(
         );
         report.export = Some(said(e));
     }
-    if let Err(e) = checkpoint(backend, ckpt, fail) {
+    if let Err(e) = checkpoint(backend, ckpt, fail.checkpoint) {
         tracing::error!(
             step,
             error = format!("{e:#}"),
@@ -219,7 +237,7 @@ mod tests {
             &p("drafter"),
             Some(&kept),
             &p("c.safetensors"),
-            false,
+            Failing::default(),
         );
         let e = r.export.unwrap_or_default();
         assert!(e.contains("out of memory"), "{e}");
@@ -245,7 +263,10 @@ mod tests {
             &p("drafter"),
             None,
             &p("c.safetensors"),
-            true,
+            Failing {
+                checkpoint: true,
+                export: false,
+            },
         );
         let e = r.checkpoint.unwrap_or_default();
         assert!(e.starts_with("writing the checkpoint "), "{e}");

@@ -38,8 +38,8 @@ pub struct PipelineConfig {
 /// crash or fail as the device on a batch holding a sample; its `nan_gradient_from_step`, a
 /// gradient that is NaN from a step on); the drafter worker injects the
 /// four in the group protocol (`crash_in_sync_at`, `crash_after_commit_at`, `crash_in_join`,
-/// `crash_in_end_round`),
-/// a failing checkpoint write (`checkpoint_fails_from`) and a full disk under its ledger
+/// `crash_in_end_round`), a failing checkpoint write (`checkpoint_fails_from`), a failing export
+/// (`export_fails_at`) and a full disk under its ledger
 /// (`ledger_full_for`), and our target worker `crash_on_sample`, `fail_on_sample` and `fault_on_sample` in its
 /// forward, for any backend (a Python target injects none). Counted per process: a restarted worker starts
 /// counting again.
@@ -80,6 +80,11 @@ pub struct Faults {
     /// Drafters: writing the checkpoint of group step N or any later one fails as on a full
     /// disk (ENOSPC, after part of the file was written), in every incarnation.
     pub checkpoint_fails_from: Option<u64>,
+    /// Drafters whose backend exports (DFlash): the export of group step N fails once, as on a
+    /// full disk (ENOSPC, after part of it was written), in every incarnation; the checkpoint is
+    /// written all the same, and the export's next write (the next checkpoint step, or the
+    /// end's) is not failed. Step 0 is never exported: N is 1 or more.
+    pub export_fails_at: Option<u64>,
     /// Drafters: the rank's first N tries to write a ledger line fail as on a full disk
     /// (ENOSPC; the first after half the line was written, as a write the disk cut short), in
     /// every incarnation: a disk full for a while, which the rank waits out.
@@ -795,6 +800,14 @@ impl PipelineConfig {
             if let Err(e) = name.parse::<WorkerName>() {
                 return Err(invalid("faults", e.to_string()));
             }
+            if f.export_fails_at == Some(0) {
+                return Err(invalid(
+                    "faults.export_fails_at",
+                    format!(
+                        "{name}: must be a group step from 1 (the first export is of step 1 at the earliest), got 0"
+                    ),
+                ));
+            }
             if let Some(s) = f.slow.filter(|s| !(*s > 0.0 && *s <= MAX_SLOW)) {
                 return Err(invalid(
                     "faults.slow",
@@ -1337,6 +1350,38 @@ keep_export_every = 120
         let c = PipelineConfig::from_toml(block, Path::new("README.md")).unwrap();
         c.check_faults(1, 1).unwrap();
         assert_eq!(c, PipelineConfig::default());
+    }
+
+    /// `export_fails_at`: a group step from 1; 0 (never exported, so the fault would never
+    /// fire) and a value that is not a whole number are refused, naming the key.
+    #[test]
+    fn export_fails_at_is_a_step_from_1() {
+        let c = PipelineConfig::from_toml(
+            "[faults.drafter-0]\nexport_fails_at = 6\n",
+            Path::new("f.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.faults_for(WorkerName::consumer(0)).export_fails_at,
+            Some(6)
+        );
+        for (toml, says) in [
+            (
+                "export_fails_at = 0\n",
+                "drafter-0: must be a group step from 1",
+            ),
+            ("export_fails_at = \"6\"\n", "invalid type: string"),
+            ("export_fails_at = -1\n", "export_fails_at"),
+        ] {
+            let toml = format!("[faults.drafter-0]\n{toml}");
+            let err = PipelineConfig::from_toml(&toml, Path::new("f.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("export_fails_at") && err.contains(says),
+                "{toml}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -903,6 +903,55 @@ fn kept_exports_hold_the_drafter_of_their_steps_and_eval_decodes_with_one() {
     );
 }
 
+/// An export that fails at its step (injected: `export_fails_at`, as a full disk would) is said
+/// on the console and in the leader's log, the checkpoint written all the same; failed at the
+/// last step, it is written again at the end, so the run ends `ok` with `drafter/` whole, the
+/// export of that step, and the console says the export written again. The only data is one
+/// batch, so the group's last step is 1, and `checkpoint_every = 1` has its commit write it
+/// first (`Rank::checkpoint_before_update`). No fault failed an export before, and this retry
+/// had no test.
+#[test]
+fn an_export_failed_at_the_last_step_is_written_again_at_the_end() {
+    let run = Run::new("mexportfail");
+    let m = tiny(&run.dir);
+    let body = SMALL_DFLASH.replace("synthetic_samples = 400", "synthetic_samples = 1")
+        + "[drafter]\ncheckpoint_every = 1\n[faults.drafter-0]\nexport_fails_at = 1\n";
+    let cfg = write_config(&run.dir, "exportfail.toml", &m, &body);
+    let out = run.launch(&cfg, &["--model", m.to_str().unwrap()]).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let summary = run.summary();
+    assert_eq!(summary["ok"], true, "{summary}");
+    assert_eq!(
+        summary["drafter"]["step"], 1,
+        "one batch, one step: {summary}"
+    );
+    let rd = RunDir::new(run.run_dir());
+    let failed = format!(
+        "export of step 1 failed: exporting the drafter to {}: injected: export_fails_at: No space left on device",
+        rd.export_dir().display()
+    );
+    assert!(out.contains(&failed), "{failed:?} in\n{out}");
+    assert!(
+        out.contains("export of step 1 written: the 1 before it failed (steps 1 to 1)"),
+        "{out}"
+    );
+    let leader = std::fs::read_to_string(rd.log(proto::WorkerName::consumer(0))).unwrap();
+    let said: Vec<&str> = (leader.lines())
+        .filter(|l| l.contains("the export of this step failed"))
+        .collect();
+    assert_eq!(said.len(), 1, "{leader}");
+    assert!(said[0].contains("injected: export_fails_at"), "{said:?}");
+    for file in ["config.json", "model.safetensors"] {
+        assert!(rd.export_dir().join(file).is_file(), "{file} in drafter/");
+    }
+    let left: Vec<String> = std::fs::read_dir(run.run_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains("drafter") && n != "drafter")
+        .collect();
+    assert!(left.is_empty(), "no temporary export left: {left:?}");
+}
+
 /// The README's DFlash demo as written there: `make-model --layers 2 --train`, the 5x3 run on
 /// `scripts/dflash-demo.toml`, then `launcher eval --baseline`. The group's loss ends well below
 /// its plateau (the steps after the first ones' fall from the untrained head's large logits),
