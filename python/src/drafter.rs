@@ -85,6 +85,34 @@ impl DrafterCore {
         })
     }
 
+    /// A round about to be contributed with no batch named (`batch=None`): refused while this
+    /// rank holds a batch that no committed round has named yet. The launcher learns which
+    /// batch a rank's update used only from the rounds that name it: a rank that dies after a
+    /// round that should have named its batch, before `release()`, has that batch redelivered
+    /// and trained again by another rank, silently (every count still agrees). The held batch
+    /// is not named for the caller, though a rank holds only one: a round without it may come
+    /// before its update (a count the update needs), and naming the batch there would count it
+    /// trained should the rank die before the update's round, its samples never trained, as
+    /// silently. A round after the one that named it (a loss reduced for the log) is fine.
+    fn no_batch_named(&self) -> PyResult<()> {
+        let applied = self.applied.borrow();
+        let taken = self.taken.borrow();
+        let unnamed: Vec<u64> = (taken.iter().copied())
+            .filter(|b| !applied.iter().any(|&(a, _)| a == *b))
+            .collect();
+        let Some(&b) = unnamed.first() else {
+            return Ok(());
+        };
+        Err(err(format!(
+            "all_reduce: this rank holds batch {b} (taken, not released) and no committed round \
+             has named it: pass batch= in the round whose update uses it (w.all_reduce(data, \
+             batch=b, ...)), so that, should this rank die after that round, the batch counts \
+             trained and is not trained again by another rank; a number the update needs (a \
+             token count) goes into that same round's data, and a round after it (a loss for \
+             the log) needs no batch"
+        )))
+    }
+
     /// A trained batch: writes its ledger line, then frees its slot and counts it (a freed
     /// slot's line is in the ledger). If the line cannot be written the slot stays in `slot`,
     /// held, and the error is returned. On a full disk it waits for space as our drafter does
@@ -280,8 +308,9 @@ impl Drafter {
     /// One group round: sums `data` (any float32 buffer: a numpy array, a CPU tensor's
     /// `.numpy()`) over the group's members, rank order, the same bits on every rank. `batch`
     /// is the batch this rank computed `data` from (None if it has none this step; the launcher
-    /// then knows, should this rank die, whether that batch is in an applied update); `ended`
-    /// that this rank saw the ring's end. Blocks with the interpreter lock released.
+    /// then knows, should this rank die, whether that batch is in an applied update): while
+    /// this rank holds a batch no committed round named, a round without `batch` is refused.
+    /// `ended`: this rank saw the ring's end. Blocks with the interpreter lock released.
     ///
     /// With `epoch` (a membership epoch), the round commits only with that epoch's members: if
     /// the membership changes first it raises `hspipe.GroupChanged` and nothing is committed.
@@ -306,6 +335,9 @@ impl Drafter {
         // A round this rank left (interrupted) that the group has not decided: this call
         // finishes it, with the same contribution (see `dropped.rs`).
         let resume = d.before_round(id)?;
+        if id.is_none() && resume.is_none() {
+            d.no_batch_named()?;
+        }
         let mine = resume.as_ref().map_or(id.filter(|_| held), |p| p.batch);
         let sent = resume.as_ref().map_or(id, |p| p.sent);
         let again = resume.as_ref().map(|p| &p.data[..]);

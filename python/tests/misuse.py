@@ -79,6 +79,11 @@ def drafter_cases(w):
     raises(hspipe.HspipeError, lambda: w.take(timeout=1),
            f"batch {b.batch_id} was taken and not released", "call its release()")
     case(w, "a take() while a batch is held names the batch and release()")
+    # A round that leaves out the batch held: should the rank die after it commits, before the
+    # release, the launcher would give that batch to another rank, which trained it again.
+    raises(hspipe.HspipeError, lambda: w.all_reduce(np.zeros(4, np.float32)),
+           f"holds batch {b.batch_id}", "pass batch=")
+    case(w, "a round leaving out the batch held is refused, naming it")
     kept = [np.asarray(b.hidden_states)]
     later(0.2, kept.clear)
     b.release(wait=1e300)
