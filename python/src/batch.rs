@@ -151,9 +151,12 @@ impl Batch {
     }
 
     /// After the update that used the batch: writes its ledger line (the step of that update,
-    /// by default the last group step or this drafter's count of releases, and the weights'
-    /// digest after it), then frees its slot. Raises, naming them, while views of it are alive
-    /// (or waits up to `wait` seconds for them to go).
+    /// and the weights' digest after it), then frees its slot. The step is by default that of
+    /// the committed round that named the batch (`all_reduce(..., batch=b)`), else this rank's
+    /// last round's, or its count of releases for a rank that never took part in one; another
+    /// step than the round's that named it, or one past the group's last, is refused (a resume
+    /// keeps or trains a batch again by its line's step). Raises, naming them, while views of it
+    /// are alive (or waits up to `wait` seconds for them to go).
     #[pyo3(signature = (step=None, digest=None, wait=None))]
     fn release(
         &mut self,
@@ -162,14 +165,15 @@ impl Batch {
         digest: Option<String>,
         wait: Option<f64>,
     ) -> PyResult<()> {
-        let what = format!("release batch {}", self.batch_id());
+        let batch = self.batch_id();
+        let what = format!("release batch {batch}");
         let h = self.held.get_mut()?;
         let d = Rc::clone(&h.d);
         if h.slot.is_none() {
             return Err(err(format!("{what}: already released")));
         }
+        let step = (d.release_step(batch, step)).map_err(|e| err(format!("{what}: {e}")))?;
         close_views(&d.core, py, &h.exports, &what, wait)?;
-        let step = step.or(d.group.last_step()).unwrap_or(d.releases.get() + 1);
         // A full disk is waited out; Ctrl-C (a KeyboardInterrupt) ends the wait, the batch
         // still held.
         let mut interrupt = None;

@@ -30,7 +30,7 @@ use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
 use crate::batch::Batch;
 use crate::common::{err, worker_methods, Core, InHand, Registered, Shared};
-use crate::dropped::{Dropped, Pending};
+use crate::dropped::{Dropped, Fate, Pending};
 use crate::group::{Group, Round};
 use crate::local::Local;
 use crate::view::View;
@@ -111,6 +111,61 @@ impl DrafterCore {
              token count) goes into that same round's data, and a round after it (a loss for \
              the log) needs no batch"
         )))
+    }
+
+    /// The step `release()` records for batch `batch`: `asked`, or by default the step of the
+    /// committed round that named it, else this rank's last round's (or, for a rank that never
+    /// took part in one, its count of releases). A resume keeps or trains again a ledger line by
+    /// its step, so a step the group did not commit with the batch is refused: for a batch a
+    /// committed round named, any step but that round's (the step the launcher would record had
+    /// the rank died); for another, a step past the group's last (a count of releases past it,
+    /// for a rank that never took part in a round); for one whose round is undecided (left by a
+    /// KeyboardInterrupt), any step until that round is finished.
+    pub(crate) fn release_step(&self, batch: u64, asked: Option<u64>) -> Result<u64, String> {
+        match self.fate(batch) {
+            Fate::Applied(step) => match asked {
+                Some(s) if s != step => Err(format!(
+                    "step={s}, but the group applied this batch in the round of step {step} (the \
+                     round that named it with batch=): its ledger line records that step, by \
+                     which a resume keeps it or trains it again; pass step={step} (that round's \
+                     r.step), or leave step out"
+                )),
+                _ => Ok(step),
+            },
+            Fate::Undecided => Err(format!(
+                "the group round of step {} that named it was interrupted and is not decided: \
+                 call all_reduce again with the same data (which finishes it), then release",
+                self.pending.borrow().as_ref().map_or(0, |p| p.step)
+            )),
+            Fate::NotApplied => {
+                let last = self.group.last_step();
+                let committed = last.unwrap_or(0).max(self.group.now().1);
+                let (default, most) = match last {
+                    Some(l) => (l, committed),
+                    // A rank that never took part in a round numbers its own steps.
+                    None => {
+                        let own = self.releases.get() + 1;
+                        (own, own.max(committed))
+                    }
+                };
+                match asked {
+                    Some(s) if s > most => Err(format!(
+                        "step={s}, but no round named this batch and the group's last committed \
+                         step is {committed}{}: a ledger line records the step whose update used \
+                         its batch, by which a resume keeps it or trains it again; pass the step \
+                         of that update (r.step), or name the batch in its round \
+                         (all_reduce(..., batch=b))",
+                        if last.is_none() {
+                            format!(" (this rank's releases so far: {})", self.releases.get())
+                        } else {
+                            String::new()
+                        }
+                    )),
+                    Some(s) => Ok(s),
+                    None => Ok(default),
+                }
+            }
+        }
     }
 
     /// A trained batch: writes its ledger line, then frees its slot and counts it (a freed

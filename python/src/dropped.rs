@@ -51,9 +51,9 @@ pub struct Pending {
     pub data: Vec<f32>,
 }
 
-/// Whether the group applied a dropped batch's update.
+/// Whether the group applied a held or dropped batch's update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fate {
+pub(crate) enum Fate {
     /// In the update of this step.
     Applied(u64),
     NotApplied,
@@ -201,7 +201,7 @@ impl DrafterCore {
         }
     }
 
-    fn fate(&self, batch: u64) -> Fate {
+    pub(crate) fn fate(&self, batch: u64) -> Fate {
         let applied = self.applied.borrow();
         if let Some(&(_, step)) = applied.iter().find(|&&(b, _)| b == batch) {
             return Fate::Applied(step);

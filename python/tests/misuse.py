@@ -84,10 +84,24 @@ def drafter_cases(w):
     raises(hspipe.HspipeError, lambda: w.all_reduce(np.zeros(4, np.float32)),
            f"holds batch {b.batch_id}", "pass batch=")
     case(w, "a round leaving out the batch held is refused, naming it")
+    # A ledger line's step says which update used the batch, and a resume keeps it or trains it
+    # again by that step: one its round did not commit is refused (release(step=999) wrote
+    # step 999, release(step=0) a step the batch was never in).
+    r = w.all_reduce(np.zeros(4, np.float32), batch=b)
+    for wrong in (r.step + 1, 999, r.step - 1):
+        raises(hspipe.HspipeError, lambda: b.release(step=wrong), f"step={wrong}",
+               f"round of step {r.step}")
+    case(w, "a release at a step other than its round's is refused")
     kept = [np.asarray(b.hidden_states)]
     later(0.2, kept.clear)
     b.release(wait=1e300)
     case(w, "a timeout past any clock waits")
+    # A batch no round named: not past the group's last step.
+    b = w.take(timeout=1e300)
+    raises(hspipe.HspipeError, lambda: b.release(step=r.step + 1), f"step={r.step + 1}",
+           f"last committed step is {r.step}")
+    b.release()
+    case(w, "a release past the group's last step is refused")
 
 
 

@@ -253,6 +253,8 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
         ("a state that cannot be handed over is refused at once", 1),
         ("a take() while a batch is held names the batch and release()", 1),
         ("a round leaving out the batch held is refused, naming it", 1),
+        ("a release at a step other than its round's is refused", 1),
+        ("a release past the group's last step is refused", 1),
         ("a buffer of another dtype is named", 1),
         ("a step saved that was not applied is refused", 1),
     ]:
