@@ -310,8 +310,10 @@ impl Heartbeat {
 
 #[pymethods]
 impl Heartbeat {
-    fn __call__(&self) {
-        self.beat.heartbeat()
+    fn __call__(&self) -> PyResult<()> {
+        crate::local::same_process()?;
+        self.beat.heartbeat();
+        Ok(())
     }
 }
 
@@ -392,19 +394,23 @@ macro_rules! worker_methods {
             }
             /// True once a stop was asked for (the launcher's stop, or it went away).
             #[getter]
-            fn stopping(&self) -> bool {
-                self.shared.setup.stop.stopping()
+            fn stopping(&self) -> pyo3::PyResult<bool> {
+                $crate::local::same_process()?;
+                Ok(self.shared.setup.stop.stopping())
             }
             /// Tells the launcher this worker is alive (ring operations and phases do too);
             /// call it in work that runs longer than the launcher's hang timeout. Any thread
-            /// may.
-            fn heartbeat(&self) {
-                self.shared.beat.heartbeat()
+            /// may (not a forked child).
+            fn heartbeat(&self) -> pyo3::PyResult<()> {
+                $crate::local::same_process()?;
+                self.shared.beat.heartbeat();
+                Ok(())
             }
             /// `beat = w.heartbeat_handle()`: `beat()` is `w.heartbeat()`, from any thread (a
             /// thread that beats while long work runs), kept apart from the worker.
-            fn heartbeat_handle(&self) -> $crate::common::Heartbeat {
-                $crate::common::Heartbeat::new(self.shared.beat)
+            fn heartbeat_handle(&self) -> pyo3::PyResult<$crate::common::Heartbeat> {
+                $crate::local::same_process()?;
+                Ok($crate::common::Heartbeat::new(self.shared.beat))
             }
             /// `with w.phase("compute"):` times the block as that phase: `wait`, `load`,
             /// `copy`, `compute`, `sync`, `checkpoint` or `other`.
@@ -426,7 +432,11 @@ macro_rules! worker_methods {
                 // Leaving on an exception still tells the launcher what was done, but does
                 // not finish a target (its restart has work to do); the exception goes on (and
                 // the process exits non-zero: a crash, restarted). `sys.exit()` or
-                // `sys.exit(0)` is a clean exit, which finishes.
+                // `sys.exit(0)` is a clean exit, which finishes. A forked child leaving the
+                // parent's `with` has nothing to close: the worker is the parent's.
+                if $crate::local::forked_from().is_some() {
+                    return Ok(false);
+                }
                 if !self.core()?.closed.get() {
                     let failing = ty.is_some() && !$crate::common::clean_exit(_value.as_ref());
                     let r = self.close_inner(py, None, failing);

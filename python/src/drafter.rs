@@ -474,7 +474,8 @@ impl Drafter {
         tau: Option<f32>,
         lr: Option<f32>,
         skipped: bool,
-    ) {
+    ) -> PyResult<()> {
+        crate::local::same_process()?;
         if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
@@ -488,6 +489,7 @@ impl Drafter {
                 tokens_unknown: tokens.is_none(),
             }));
         }
+        Ok(())
     }
 
     /// Tells hspipe that the group's weights as of `step` (the step `all_reduce` returned for

@@ -54,6 +54,8 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
     };
     let server = var(proto::control::ENV_CONTROL)?;
     let name: WorkerName = var(proto::control::ENV_WORKER)?.parse().map_err(err)?;
+    // A child forked after connect() inherits the flag; its own connect() is refused too.
+    local::same_process()?;
     if CONNECTED.swap(true, Ordering::SeqCst) {
         return Err(err(
             "this process is connected already: one worker per process",
@@ -85,6 +87,8 @@ fn connect(py: Python<'_>) -> PyResult<Py<PyAny>> {
         CONNECTED.store(false, Ordering::SeqCst);
         err(format!("handshake with the launcher: {e}"))
     })?;
+    // From here on, the worker and everything of it are this process's (`local`).
+    local::connected();
     let setup = Box::leak(Box::new(setup));
     let ring = Ring::attach(&setup.ring)
         .map_err(|e| err(format!("attaching to ring {}: {e}", setup.ring)))?;

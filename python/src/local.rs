@@ -22,14 +22,52 @@
 //! outside the `Local`, so any thread may read them. A worker made on a thread that ended
 //! before its strays were brought home leaves them held: the launcher's recovery settles them
 //! when the process ends, as for any held slot.
+//!
+//! A forked child inherits all of it, thread id included, but the connection is its parent's:
+//! a child that took a batch in the parent's name left it held for ever, and its empty rounds
+//! and heartbeats kept the launcher from seeing anything wrong. So `connect()` records its pid
+//! ([`connected`]), and [`same_process`] refuses every call from another process: `Local::get`
+//! and the calls outside a `Local` that touch the ring, the group or the launcher (a heartbeat,
+//! a view's export). A `Local` dropped in a child is leaked, never dropped (its Drop would give
+//! the parent's slot back), and the child brings no strays home.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::thread::{self, ThreadId};
 
 use pyo3::PyResult;
 
 use crate::common::err;
+
+/// The pid of the process that connected the worker (0 before `connect()`).
+static CONNECTED_PID: AtomicU32 = AtomicU32::new(0);
+
+/// `connect()` made this process's worker.
+pub fn connected() {
+    CONNECTED_PID.store(std::process::id(), Ordering::Relaxed);
+}
+
+/// The pid that connected, if this process is another one: a child forked after `connect()`.
+pub fn forked_from() -> Option<u32> {
+    let owner = CONNECTED_PID.load(Ordering::Relaxed);
+    (owner != 0 && owner != std::process::id()).then_some(owner)
+}
+
+/// An error in a child forked after `connect()`: the worker and everything of it belong to
+/// the process that connected.
+pub fn same_process() -> PyResult<()> {
+    match forked_from() {
+        None => Ok(()),
+        Some(owner) => Err(err(format!(
+            "this worker's connection belongs to pid {owner}; a forked child (pid {}) cannot use \
+             it: its ring, group and launcher connection are the parent's, so a batch taken or a \
+             heartbeat sent here would be the parent's (start such processes with \
+             multiprocessing's \"spawn\" or \"forkserver\", and hand them copies of the data)",
+            std::process::id()
+        ))),
+    }
+}
 
 /// A value only the thread that made it may use or drop; any thread may hold it and let it go.
 pub struct Local<T: 'static> {
@@ -60,6 +98,7 @@ impl<T: 'static> Local<T> {
     }
 
     fn here(&self) -> PyResult<()> {
+        same_process()?;
         if thread::current().id() == self.owner {
             return Ok(());
         }
@@ -89,7 +128,10 @@ impl<T: 'static> Drop for Local<T> {
         let Some(value) = self.value.take() else {
             return;
         };
-        if thread::current().id() == self.owner {
+        if forked_from().is_some() {
+            // The parent's: its Drop would give the parent's slot or claim back from here.
+            std::mem::forget(value);
+        } else if thread::current().id() == self.owner {
             drop(value);
         } else {
             let stray = Stray {
@@ -123,6 +165,10 @@ fn strays() -> std::sync::MutexGuard<'static, Vec<Stray>> {
 /// its drafter, a slot or a claim to its target (their Drops). Call it with no `RefCell` of a
 /// worker borrowed: those Drops borrow them.
 pub fn bring_home() {
+    // A forked child's strays are copies of its parent's: never dropped here.
+    if forked_from().is_some() {
+        return;
+    }
     let here = thread::current().id();
     let mine: Vec<Stray> = {
         let mut all = strays();

@@ -240,6 +240,11 @@ impl View {
     /// An export: the bytes' address and what keeps them valid, or an error if the slot was
     /// committed or released.
     fn export(&self) -> PyResult<(*mut u8, Keep)> {
+        if let Memory::Slot { .. } = self.mem {
+            // A forked child's export would be invisible to the parent, which would reuse the
+            // slot under it.
+            crate::local::same_process()?;
+        }
         match &self.mem {
             Memory::Slot {
                 exports,
@@ -457,6 +462,7 @@ pub fn of_slot(
     shape: Vec<usize>,
     writable: bool,
 ) -> PyResult<View> {
+    crate::local::same_process()?;
     check_shape(names[section], elem, &shape, len)?;
     let memory = Memory::Slot {
         exports: Arc::clone(exports),

@@ -3,6 +3,7 @@ drafter): each case that gets a clear answer (a result or an exception of ours, 
 appends its name to <run-dir>/misuse-cases.txt; then the worker goes on as the numpy example
 does, so the run completes.
 """
+import os
 import threading
 import time
 
@@ -17,6 +18,26 @@ case = recorder("misuse-cases.txt")
 def later(seconds, fn):
     """Runs `fn` on another thread after `seconds` (what lets a long wait end)."""
     threading.Thread(target=lambda: (time.sleep(seconds), fn())).start()
+
+
+def in_a_forked_child(w, calls):
+    """Forks: in the child, each of `calls` must raise HspipeError naming this process as the
+    connection's owner (it exits 1 otherwise). Returns once the child exited 0."""
+    owner = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for call in calls:
+                raises(hspipe.HspipeError, call, f"belongs to pid {owner}",
+                       "a forked child")
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - said, then the exit code fails the case
+            print(f"forked child: {e!r}", flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
 
 
 def beat_from_a_thread(w):
@@ -41,6 +62,8 @@ def beat_from_a_thread(w):
 
 def target_cases(w):
     beat_from_a_thread(w)
+    in_a_forked_child(w, [lambda: w.claim(timeout=0), w.heartbeat])
+    case(w, "a forked child cannot use the worker")
     # A timeout or wait too long for any clock waits for ever: it used to panic converting
     # the seconds (PanicException: "cannot convert float seconds to Duration").
     claim = w.claim(timeout=1e300)
@@ -79,6 +102,16 @@ def drafter_cases(w):
     raises(hspipe.HspipeError, lambda: w.take(timeout=1),
            f"batch {b.batch_id} was taken and not released", "call its release()")
     case(w, "a take() while a batch is held names the batch and release()")
+    # A forked child inherits the worker but not its connection: a take() there took a batch
+    # in this rank's name, held for ever, and its heartbeats hid it from the launcher.
+    beat, view = w.heartbeat_handle(), b.input_ids
+    in_a_forked_child(w, [
+        lambda: w.take(timeout=0), w.heartbeat, beat, lambda: w.progress(0, 0.5),
+        lambda: b.release(), lambda: b.hidden_states, lambda: memoryview(view),
+        lambda: w.all_reduce(np.zeros(4, np.float32), batch=b), lambda: hspipe.connect(),
+    ])
+    del view
+    case(w, "a forked child cannot use the worker")
     # A round that leaves out the batch held: should the rank die after it commits, before the
     # release, the launcher would give that batch to another rank, which trained it again.
     raises(hspipe.HspipeError, lambda: w.all_reduce(np.zeros(4, np.float32)),

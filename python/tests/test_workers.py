@@ -250,6 +250,7 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
     for case, times in [
         ("a timeout past any clock waits", 2),
         ("a heartbeat handle beats from another thread", 2),
+        ("a forked child cannot use the worker", 2),
         ("a state that cannot be handed over is refused at once", 1),
         ("a take() while a batch is held names the batch and release()", 1),
         ("a round leaving out the batch held is refused, naming it", 1),
