@@ -96,18 +96,22 @@ impl Batch {
 
 #[pymethods]
 impl Batch {
+    /// The batch's id (its index in the run's plan), as its ledger line records it.
     #[getter(batch_id)]
     fn py_batch_id(&self) -> u64 {
         self.batch_id()
     }
+    /// The ids of the samples in it (their rows in the dataset), one per sequence.
     #[getter]
     fn sample_ids(&self) -> Vec<u64> {
         self.header.spec.sample_ids.clone()
     }
+    /// Tokens of each sequence; the sections hold them one after another.
     #[getter]
     fn seq_lens(&self) -> Vec<u32> {
         self.header.spec.seq_lens.clone()
     }
+    /// Tokens in all (T: the sum of `seq_lens`).
     #[getter]
     fn tokens(&self) -> u64 {
         self.header.spec.tokens()
@@ -161,10 +165,18 @@ impl Batch {
     fn release(
         &mut self,
         py: Python<'_>,
-        step: Option<u64>,
+        step: Option<Bound<'_, PyAny>>,
         digest: Option<String>,
-        wait: Option<f64>,
+        wait: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let step = crate::args::maybe_unsigned(
+            "release()",
+            "step",
+            "the group step whose update used the batch (r.step)",
+            u64::MAX,
+            step.as_ref(),
+        )?;
+        let wait = crate::args::seconds("release()", "wait", wait.as_ref())?;
         let batch = self.batch_id();
         let what = format!("release batch {batch}");
         let h = self.held.get_mut()?;

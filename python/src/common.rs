@@ -146,7 +146,7 @@ impl Core {
         let deadline = match timeout {
             Some(t) if !(t.is_finite() && t >= 0.0) => {
                 return Err(PyValueError::new_err(format!(
-                    "timeout must be a number of seconds, got {t}"
+                    "{what}: timeout must be a number of seconds (0 or more), got {t}"
                 )))
             }
             // Longer than any clock counts (1e300 s): no deadline, as for None.
@@ -379,10 +379,13 @@ macro_rules! worker_methods {
             ) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
                 $crate::common::config(self.shared.setup, py)
             }
+            /// The run directory (absolute): its logs, ledgers, checkpoints; a drafter of your
+            /// own saves its model here.
             #[getter]
             fn run_dir(&self) -> std::path::PathBuf {
                 self.shared.setup.run_dir.path().to_path_buf()
             }
+            /// The ring's name (its shared-memory segment, `shm-ring-stat`'s argument).
             #[getter]
             fn ring(&self) -> &str {
                 self.shared.ring.name()

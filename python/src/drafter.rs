@@ -28,6 +28,7 @@ use proto::{BatchHeader, BatchView};
 use pyo3::prelude::*;
 use shm_ring::{Consumer, Phase, ReadSlot, Take};
 
+use crate::args;
 use crate::batch::Batch;
 use crate::common::{err, worker_methods, Core, InHand, Registered, Shared};
 use crate::dropped::{Dropped, Fate, Pending};
@@ -283,10 +284,20 @@ impl Drafter {
     fn take(
         &self,
         py: Python<'_>,
-        prefer: Option<u32>,
-        timeout: Option<f64>,
+        prefer: Option<Bound<'_, PyAny>>,
+        timeout: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Option<Batch>> {
         let d = self.d.get()?;
+        let buckets = d.core.ring.params().buckets;
+        let prefer = args::maybe_unsigned(
+            "take()",
+            "prefer",
+            "a length bucket of the ring",
+            u64::from(buckets.saturating_sub(1)),
+            prefer.as_ref(),
+        )?
+        .map(|b| b as u32);
+        let timeout = args::seconds("take()", "timeout", timeout.as_ref())?;
         d.core.check_open()?;
         d.sweep();
         let (consumer, ring) = (d.consumer, d.core.ring);
@@ -377,9 +388,18 @@ impl Drafter {
         data: &Bound<'_, PyAny>,
         batch: Option<PyRef<'_, Batch>>,
         ended: bool,
-        epoch: Option<u16>,
+        epoch: Option<Bound<'_, PyAny>>,
     ) -> PyResult<crate::group::Reduced> {
         let d = self.d.get()?;
+        let epoch = args::maybe_unsigned(
+            "all_reduce()",
+            "epoch",
+            "a membership epoch (w.membership[0])",
+            u64::from(u16::MAX),
+            epoch.as_ref(),
+        )?
+        .map(|e| e as u16);
+        crate::group::check_data(py, data)?;
         d.core.check_open()?;
         // A batch still held: once the round commits, it is trained (see `dropped.rs`).
         let held = match &batch {
@@ -443,8 +463,20 @@ impl Drafter {
     /// The updates between were lost with the ranks that made them: recorded in the run
     /// directory's `lost-steps.jsonl`, their batches count as untrained (a resume trains them).
     #[pyo3(signature = (step=None))]
-    fn join(&self, py: Python<'_>, step: Option<u64>) -> PyResult<Option<(u64, View)>> {
+    fn join(
+        &self,
+        py: Python<'_>,
+        step: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Option<(u64, View)>> {
         let d = self.d.get()?;
+        // The group's steps are 32-bit.
+        let step = args::maybe_unsigned(
+            "join()",
+            "step",
+            "the step of the rank's saved weights",
+            u64::from(u32::MAX),
+            step.as_ref(),
+        )?;
         crate::group::join(&d.core, &d.group, py, step)
     }
 
@@ -468,14 +500,45 @@ impl Drafter {
     #[pyo3(signature = (step, loss, tokens=None, tau=None, lr=None, skipped=false))]
     fn progress(
         &self,
-        step: u64,
-        loss: f32,
-        tokens: Option<u64>,
-        tau: Option<f32>,
-        lr: Option<f32>,
+        step: &Bound<'_, PyAny>,
+        loss: &Bound<'_, PyAny>,
+        tokens: Option<Bound<'_, PyAny>>,
+        tau: Option<Bound<'_, PyAny>>,
+        lr: Option<Bound<'_, PyAny>>,
         skipped: bool,
     ) -> PyResult<()> {
         crate::local::same_process()?;
+        let m = "progress()";
+        let step = args::unsigned(m, "step", "the group step (r.step)", u64::MAX, step)?;
+        // A skipped update's loss may be what made it skipped (NaN, infinite).
+        let loss = if skipped {
+            loss.extract::<f32>().map_err(|_| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "{m}: loss must be a number, got {}",
+                    loss.get_type().name().map_or("?".into(), |n| n.to_string())
+                ))
+            })?
+        } else {
+            args::finite(m, "loss", loss).map_err(|e| {
+                if !e.is_instance_of::<pyo3::exceptions::PyValueError>(loss.py()) {
+                    return e;
+                }
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "{} (a step whose loss is not finite left its update out: pass \
+                     skipped=True)",
+                    e.value(loss.py())
+                ))
+            })?
+        };
+        let tokens = args::maybe_unsigned(
+            m,
+            "tokens",
+            "the step's loss tokens over the group",
+            u64::MAX,
+            tokens.as_ref(),
+        )?;
+        let tau = args::maybe_finite(m, "tau", tau.as_ref())?;
+        let lr = args::maybe_finite(m, "lr", lr.as_ref())?;
         if let Some(tx) = &self.shared.setup.to_launcher {
             // Telemetry: a launcher that is going away is not an error here.
             let _ = tx.send(ToLauncher::Progress(proto::control::StepStats {
@@ -501,8 +564,15 @@ impl Drafter {
     /// step recorded, and the resume loads its file. One rank calls it (the leader, which
     /// saves). Raises for a rank that is not a member (join first), a step after the last this
     /// rank applied, and a step before the one recorded.
-    fn checkpointed(&self, step: u64) -> PyResult<()> {
+    fn checkpointed(&self, step: &Bound<'_, PyAny>) -> PyResult<()> {
         let d = self.d.get()?;
+        let step = args::unsigned(
+            "checkpointed()",
+            "step",
+            "the step of the saved weights (r.step)",
+            u64::MAX,
+            step,
+        )?;
         d.core.check_open()?;
         crate::group::checkpointed(&d.core, &d.group, step)
     }
@@ -527,7 +597,8 @@ impl Drafter {
     /// Finishes: syncs the ledger and sends the launcher this drafter's report. Returns the
     /// exit code for the process (`sys.exit(w.close())`).
     #[pyo3(signature = (wait=None))]
-    fn close(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+    fn close(&self, py: Python<'_>, wait: Option<Bound<'_, PyAny>>) -> PyResult<i32> {
+        let wait = args::seconds("close()", "wait", wait.as_ref())?;
         self.close_inner(py, wait, false)
     }
 }

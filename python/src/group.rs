@@ -20,7 +20,7 @@ use std::cell::{Cell, RefCell};
 
 use collective::{Collective, GroupError, Membership, NO_BATCH};
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -237,9 +237,25 @@ pub fn all_reduce(
     }))
 }
 
+/// Raises unless `data` is a float32 buffer, before the round (and anything of it) begins.
+pub fn check_data(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    PyBuffer::<f32>::get(data)
+        .map(drop)
+        .map_err(|e| not_f32(py, data, e))
+}
+
 /// pyo3's refusal `e` of `data` as an f32 buffer, naming the element type it has (pyo3 says
-/// only "buffer contents are not compatible with f32"); any other error is left as it is.
+/// only "buffer contents are not compatible with f32"), or, for no buffer at all, its type
+/// (Python says only "a bytes-like object is required, not 'NoneType'", which the launcher
+/// printed as the death's reason); any other error is left as it is.
 fn not_f32(py: Python<'_>, data: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    if e.is_instance_of::<PyTypeError>(py) {
+        let ty = data.get_type().name().map_or("?".into(), |n| n.to_string());
+        return PyTypeError::new_err(format!(
+            "all_reduce(): data must be a float32 buffer (a numpy.float32 array, a CPU \
+             tensor's .numpy()), got {ty}"
+        ));
+    }
     if !e.is_instance_of::<PyBufferError>(py) {
         return e;
     }

@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use shm_ring::{Ring, Role, WorkerName};
 use worker_runtime::StopFlags;
 
+mod args;
 mod batch;
 mod common;
 mod detach;

@@ -104,6 +104,7 @@ impl Slot {
 
 #[pymethods]
 impl Slot {
+    /// The planned batch's id (its index in the plan).
     #[getter]
     fn batch_id(&self) -> u64 {
         self.item
@@ -136,7 +137,8 @@ impl Slot {
     /// makes it READY. Raises, naming them, while views of it are alive (or waits up to `wait`
     /// seconds for them to go).
     #[pyo3(signature = (wait=None))]
-    fn commit(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+    fn commit(&mut self, py: Python<'_>, wait: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+        let wait = crate::args::seconds("commit()", "wait", wait.as_ref())?;
         let what = format!("commit batch {}", self.item);
         let h = self.held.get_mut()?;
         if h.slot.is_none() {
@@ -161,7 +163,8 @@ impl Slot {
 
     /// Gives the slot back unpublished, and its batch back to the work table.
     #[pyo3(signature = (wait=None))]
-    fn abort(&mut self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
+    fn abort(&mut self, py: Python<'_>, wait: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+        let wait = crate::args::seconds("abort()", "wait", wait.as_ref())?;
         let h = self.held.get_mut()?;
         if h.slot.is_none() {
             return Ok(());

@@ -265,8 +265,9 @@ impl Target {
     /// interpreter lock released) while every batch left is held by other targets, which give
     /// theirs back if they die. None when every batch is published, or a stop was asked for.
     #[pyo3(signature = (timeout=None))]
-    fn claim(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Claim>> {
+    fn claim(&self, py: Python<'_>, timeout: Option<Bound<'_, PyAny>>) -> PyResult<Option<Claim>> {
         let t = self.t.get()?;
+        let timeout = crate::args::seconds("claim()", "timeout", timeout.as_ref())?;
         t.core.check_open()?;
         t.sweep();
         t.check_forgotten()?;
@@ -317,7 +318,8 @@ impl Target {
     /// ring's close and sends the launcher its report. Returns the exit code the process should
     /// exit with (0 when its part is done, 3 when stopped first): `sys.exit(w.close())`.
     #[pyo3(signature = (wait=None))]
-    fn close(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<i32> {
+    fn close(&self, py: Python<'_>, wait: Option<Bound<'_, PyAny>>) -> PyResult<i32> {
+        let wait = crate::args::seconds("close()", "wait", wait.as_ref())?;
         self.close_inner(py, wait, false)
     }
 
@@ -400,6 +402,7 @@ impl Claim {
     fn returned(&self) -> bool {
         self.g.alone
     }
+    /// The ids of the samples in it (their rows in the dataset), one per sequence.
     #[getter]
     fn sample_ids(&self) -> PyResult<Vec<u64>> {
         Ok(self.gathered()?.spec.sample_ids.clone())
@@ -409,6 +412,7 @@ impl Claim {
     fn seq_lens(&self) -> PyResult<Vec<u32>> {
         Ok(self.gathered()?.spec.seq_lens.clone())
     }
+    /// Tokens in all (T: the sum of `seq_lens`).
     #[getter]
     fn tokens(&self) -> PyResult<u64> {
         Ok(self.gathered()?.spec.tokens())
@@ -445,7 +449,12 @@ impl Claim {
     /// interpreter lock released) while the ring is full. None if a stop was asked for while
     /// waiting (the batch goes back to the work table).
     #[pyo3(signature = (timeout=None))]
-    fn reserve(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Slot>> {
+    fn reserve(
+        &mut self,
+        py: Python<'_>,
+        timeout: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Slot>> {
+        let timeout = crate::args::seconds("reserve()", "timeout", timeout.as_ref())?;
         let held = self.held.get_mut()?;
         let t = Rc::clone(&held.t);
         t.core.check_open()?;

@@ -66,9 +66,13 @@ def target_cases(w):
     case(w, "a forked child cannot use the worker")
     # A timeout or wait too long for any clock waits for ever: it used to panic converting
     # the seconds (PanicException: "cannot convert float seconds to Duration").
+    raises(TypeError, lambda: w.claim(timeout="1"), "claim()", "timeout", "str")
     claim = w.claim(timeout=1e300)
+    raises(ValueError, lambda: claim.reserve(timeout=-1), "reserve()", "timeout")
     slot = claim.reserve(timeout=1e20)
     kept = [np.asarray(slot.hidden_states)]
+    raises(ValueError, lambda: slot.commit(wait=-1), "commit()", "wait")
+    case(w, "an argument out of range or of a wrong type is named")
     later(0.2, kept.clear)
     slot.commit(wait=1e19)
     case(w, "a timeout past any clock waits")
@@ -86,6 +90,29 @@ def drafter_cases(w):
     # compatible with f32").
     raises(BufferError, lambda: w.all_reduce(np.zeros(4)), "float64 ('d')", "numpy.float32")
     case(w, "a buffer of another dtype is named")
+    # Each argument's error names the method, the parameter and what it takes (they said "must
+    # be real number, not str", "can't convert negative int to unsigned", "out of range integral
+    # type conversion attempted", or "a bytes-like object is required, not 'NoneType'"), and
+    # what was taken silently (a bucket the ring lacks, a NaN loss) is refused.
+    last = w.config["ring"]["buckets"] - 1
+    raises(TypeError, lambda: w.take(timeout="1"), "take()", "timeout", "seconds", "str")
+    raises(ValueError, lambda: w.take(timeout=-1), "take()", "timeout", "-1")
+    for bad in (-1, last + 1, 99):
+        raises(ValueError, lambda: w.take(prefer=bad), "take()", "prefer", f"0 to {last}",
+               f"got {bad}")
+    raises(ValueError, lambda: w.progress(-1, 0.5), "progress()", "step", "got -1")
+    raises(ValueError, lambda: w.progress(0, float("nan"), tokens=5), "progress()", "loss",
+           "skipped=True")
+    raises(TypeError, lambda: w.progress(0, "x"), "progress()", "loss", "str")
+    raises(ValueError, lambda: w.progress(0, 0.5, tokens=-5), "progress()", "tokens")
+    raises(ValueError, lambda: w.checkpointed(-1), "checkpointed()", "step", "got -1")
+    raises(ValueError, lambda: w.all_reduce(np.zeros(4, np.float32), epoch=-1), "all_reduce()",
+           "epoch", "got -1")
+    raises(TypeError, lambda: w.all_reduce(None), "all_reduce()", "data", "NoneType")
+    raises(TypeError, lambda: w.all_reduce([1.0]), "all_reduce()", "data", "list")
+    raises(ValueError, lambda: w.join(step=-1), "join()", "step")
+    raises(ValueError, lambda: w.close(wait=-1), "close()", "wait")
+    case(w, "an argument out of range or of a wrong type is named")
     # Weights saved of a step this rank has not applied cannot be resumed from: refused, with
     # the step it has; a new run has no step to resume from.
     assert w.resume_step is None
@@ -102,6 +129,10 @@ def drafter_cases(w):
     raises(hspipe.HspipeError, lambda: w.take(timeout=1),
            f"batch {b.batch_id} was taken and not released", "call its release()")
     case(w, "a take() while a batch is held names the batch and release()")
+    raises(ValueError, lambda: b.release(wait=-1), "release()", "wait", "-1")
+    raises(ValueError, lambda: b.release(step=-1), "release()", "step", "got -1")
+    raises(TypeError, lambda: b.release(step=1.0), "release()", "step", "float")
+    case(w, "an argument out of range or of a wrong type is named")
     # A forked child inherits the worker but not its connection: a take() there took a batch
     # in this rank's name, held for ever, and its heartbeats hid it from the launcher.
     beat, view = w.heartbeat_handle(), b.input_ids

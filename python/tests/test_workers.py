@@ -257,6 +257,7 @@ def test_misusing_the_api_gets_a_clear_answer_never_a_panic(run):
         ("a release at a step other than its round's is refused", 1),
         ("a release past the group's last step is refused", 1),
         ("a buffer of another dtype is named", 1),
+        ("an argument out of range or of a wrong type is named", 3),
         ("a step saved that was not applied is refused", 1),
     ]:
         assert cases.count(case) == times, f"case {case!r} did not hold: {cases}"
