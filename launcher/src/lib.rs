@@ -12,6 +12,7 @@
 mod choose;
 pub mod cli;
 pub mod data;
+mod digests;
 pub mod eval;
 mod log_cap;
 pub mod model;

@@ -903,6 +903,11 @@ impl<'a> Supervisor<'a> {
         // With its directory gone, they failed for that, said already, and no resume follows.
         if self.gone.is_none() {
             notes.extend((self.saves).at_the_end(&crate::resume::command(self.run_dir.path())));
+            // Ranks whose weights drifted apart did not train one model: degraded
+            // (`digests.rs`).
+            let drift = crate::digests::first_drift(&self.run_dir)
+                .context("comparing the ranks' weights digests in the ledgers")?;
+            notes.extend(drift.map(|d| d.note()));
         } else {
             notes.push(
                 "the counts above are read from the run directory's ledgers, gone with it".into(),

@@ -191,6 +191,30 @@ def test_a_python_leaders_skipped_update_is_counted_and_the_ranks_stay_one_model
     assert [st["step"] for st in steps if st["skipped"]] == [3], steps
 
 
+def test_python_ranks_whose_weights_drift_apart_end_the_run_degraded(run):
+    # Rank 1 records weights of its own from step 3 on (tests/drifts.py). Every sample was
+    # trained once, and the run used to end ok with exit code 0: nothing compared the digests
+    # README says are equal on every rank. The launcher compares them at the end now.
+    drifting = [PYTHON, script("tests/drifts.py")]
+    code, out = run.launch(config_text(drafter=drifting)).finish()
+    no_segment_of(run.proc.pid)
+    assert code == 3, out
+    counts = sample_counts(run.ledgers())
+    assert len(counts) == 400 and all(c == 1 for c in counts.values()), "exactly once"
+    # The first step at which rank 1 and another rank both have a line.
+    steps = {}
+    for d in range(3):
+        p = run.run_dir / "ledger" / f"drafter-{d}.jsonl"
+        steps[d] = {json.loads(l)["step"] for l in p.read_text().splitlines()}
+    first = min(st for st in steps[1] if st >= 3 and (st in steps[0] or st in steps[2]))
+    s = run.summary()
+    assert s["ok"] is False, s
+    said = [n for n in s["notes"] if "the drafters' weights differ" in n]
+    assert len(said) == 1 and f"from step {first} on" in said[0] and "drafter-1" in said[0], \
+        s["notes"]
+    assert said[0] in out, out
+
+
 def test_a_sigkilled_python_drafter_is_restarted_alone_and_rejoins_the_group(run):
     run.launch(config_text(slow=True, drafter=NUMPY_DRAFTER, faults=slower_targets()))
     kill_one_of(run, "drafter-1", signal.SIGKILL)
