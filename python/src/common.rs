@@ -1,5 +1,9 @@
 //! What both kinds of Python worker share: the connection (the launcher's handshake, through
 //! `worker_runtime::connect`), the ring, telemetry by phase, and the waiting loop.
+//!
+//! Length: just past 500 lines: the methods both workers' classes get (`worker_methods!`, with
+//! their docstrings, which are Python's `help()`) are generated from here, beside the state
+//! they read.
 
 use std::cell::Cell;
 

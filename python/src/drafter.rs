@@ -18,6 +18,10 @@
 //! enter it) or releases it: Python's loop has no compute boundary the ring could see. A batch
 //! dropped unreleased stays in hand until then: an exception raised on it that ends the
 //! process is a death with it in hand.
+//!
+//! Length: past 500 lines: what a round, a release and a take may do hinges on one state (the
+//! batches held, which committed round named each, the round left undecided), so the checks
+//! that refuse a round without its batch or a release at another step live beside it.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
