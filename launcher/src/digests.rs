@@ -159,7 +159,7 @@ mod tests {
             rank: None,
             skipped: true,
         };
-        ledger::record_lost(&dir, &lost).unwrap();
+        ledger::record_lost(&dir, &lost, &mut |_| false).unwrap();
         assert_eq!(first_drift(&dir).unwrap(), None);
     }
 
