@@ -2,7 +2,9 @@
 weights and step, by the leader) every step, and dies once, after saving step 5: restarted, it
 finds the group empty, loads the checkpoint and joins with `join(step=5)`, so the group goes on
 from that step instead of from 0. With the argument `every4`, it saves only every 4 steps:
-restarted, it loads step 4's and joins with it, and the update of step 5 is lost."""
+restarted, it loads step 4's and joins with it, and the update of step 5 is lost. With
+`at_end`, it saves only at the end, and dies at the end round (every batch trained, none saved):
+restarted, it finds no checkpoint and joins with none, and every update is lost."""
 import sys
 from pathlib import Path
 
@@ -26,15 +28,17 @@ class DiesOnce:
         return getattr(self._w, name)
 
     def all_reduce(self, data, **kwargs):
-        if not self._marker.exists() and self._w.membership[1] == DIES_AFTER:
+        at = kwargs.get("ended") if sys.argv[1:] == ["at_end"] else self._w.membership[1] == DIES_AFTER
+        if not self._marker.exists() and at:
             self._marker.touch()
-            raise RuntimeError(f"dies after step {DIES_AFTER}")
+            raise RuntimeError(f"dies after step {self._w.membership[1]}")
         return self._w.all_reduce(data, **kwargs)
 
 
 def main():
     with hspipe.connect() as w:
-        numpy_drafter.run(DiesOnce(w), checkpoint_every=4 if sys.argv[1:] == ["every4"] else 1)
+        every = {"every4": 4, "at_end": 1000}.get(" ".join(sys.argv[1:]), 1)
+        numpy_drafter.run(DiesOnce(w), checkpoint_every=every)
         sys.exit(w.close())
 
 
