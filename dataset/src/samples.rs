@@ -96,14 +96,18 @@ impl Dataset {
     /// The dataset a config names: the `prepared` file of the input `path` (the config's
     /// `data.prepared`, set by the launcher once it has prepared `data.path`), or, with neither,
     /// the synthetic one. An input that was not prepared is an error: only the launcher (or
-    /// `launcher prepare`) converts data.
+    /// `launcher prepare`) converts data. With `key` (the run's `data.prepared_key`), a file
+    /// whose `hspipe.key` is another is refused: the file at that path was replaced since the
+    /// run was planned (a `launcher prepare -o` over it), and a worker mapping it now would train
+    /// other data than the run's, under the run's sample ids.
     pub fn load(
         prepared: Option<&Path>,
+        key: Option<&str>,
         path: Option<&Path>,
         synthetic: Synthetic,
     ) -> Result<Dataset, DataError> {
         match (prepared, path) {
-            (Some(p), _) => Dataset::mapped(p),
+            (Some(p), _) => Dataset::mapped_as(p, key),
             (None, Some(p)) => Err(DataError::Prepared {
                 path: p.to_path_buf(),
                 why: "it has not been prepared (the launcher prepares it, or `launcher prepare`; then set data.prepared)".into(),
@@ -114,7 +118,23 @@ impl Dataset {
 
     /// Maps a prepared dataset file.
     pub fn mapped(path: &Path) -> Result<Dataset, DataError> {
+        Dataset::mapped_as(path, None)
+    }
+
+    /// Maps a prepared dataset file, which must hold the data of `key` when one is given.
+    fn mapped_as(path: &Path, key: Option<&str>) -> Result<Dataset, DataError> {
         let m = Mapped::open(path)?;
+        let has = m.meta("hspipe.key").unwrap_or("");
+        if let Some(want) = key.filter(|k| *k != has) {
+            return Err(DataError::Prepared {
+                path: path.to_path_buf(),
+                why: format!(
+                    "it holds the data of key {}, not the run's key {want}: it was replaced since the run started (`launcher prepare -o` over it?), and its samples are not the ones the run planned. Restarting this worker does not help (the workers that mapped it before train on): put the run's prepared file (key {want}, named in the run's dataset.json) back at {} to go on with it, or start a new run on the new data",
+                    if has.is_empty() { "none (no hspipe.key)" } else { has },
+                    path.display()
+                ),
+            });
+        }
         Ok(Dataset {
             lengths: m.lengths(),
             source: format!("{} (mapped, {} samples)", path.display(), m.len()),
@@ -222,7 +242,7 @@ mod tests {
             vocab: 10,
             language: false,
         };
-        let err = Dataset::load(None, Some(Path::new("train.jsonl")), synthetic)
+        let err = Dataset::load(None, None, Some(Path::new("train.jsonl")), synthetic)
             .err()
             .unwrap()
             .to_string();

@@ -667,3 +667,41 @@ fn the_content_key_is_the_reference_xxh3_128() {
     .unwrap();
     assert_eq!(key, "a879f63fefaa4e4b95bf0376da3690e9");
 }
+
+/// A run's workers map its prepared file by path; one replaced there since the run was planned
+/// (another key) is refused with both keys named, and the run's own file loads.
+#[test]
+fn a_prepared_file_of_another_key_than_the_runs_is_refused() {
+    let d = Dir::new("key");
+    let text = b"{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5]}\n";
+    let input = d.file("in.jsonl", text);
+    let out = d.0.join("prepared.arrow");
+    let p = prepare(
+        &input,
+        64,
+        &d.0.join("cache"),
+        Some(&out),
+        &mut crate::quiet,
+    )
+    .unwrap();
+    let synthetic = crate::Synthetic {
+        samples: 1,
+        min_len: 1,
+        max_len: 1,
+        seed: 1,
+        vocab: 10,
+        language: false,
+    };
+    let load = |key: Option<&str>| crate::Dataset::load(Some(&out), key, None, synthetic);
+    assert_eq!(load(Some(&p.key)).unwrap().len(), 2);
+    assert_eq!(load(None).unwrap().len(), 2);
+    let other = "0".repeat(32);
+    let e = load(Some(&other)).err().expect("refused").to_string();
+    assert!(
+        e.contains(&format!(
+            "it holds the data of key {}, not the run's key {other}",
+            p.key
+        )) && e.contains(&out.display().to_string()),
+        "{e}"
+    );
+}

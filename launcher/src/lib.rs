@@ -336,6 +336,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     // (`<run-dir>/config.toml`, also what a resume loads) names that run's prepared file, which
     // a run on `--synthetic` or a resume would otherwise map in place of its data.
     cfg.data.prepared = None;
+    cfg.data.prepared_key = None;
     let mut prepared = None;
     let mut data_line = None;
     if let Some(input) = cfg.data.path.clone() {
@@ -350,7 +351,9 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
                 data::resume_data(&run_dir, &input, &options, &cache, signals).map_err(resuming)?
             }
         };
+        // With its key: a worker (re)started later refuses a file replaced at that path.
         cfg.data.prepared = Some(p.path.clone());
+        cfg.data.prepared_key = Some(p.key.clone());
         data_line = Some(line);
         prepared = Some((input, p));
     }

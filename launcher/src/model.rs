@@ -401,6 +401,7 @@ fn capture_config(a: &CaptureArgs) -> anyhow::Result<PipelineConfig> {
     // Prepared below from --data; a run's config.toml names its own prepared file, which would
     // otherwise be captured instead of --synthetic's samples.
     cfg.data.prepared = None;
+    cfg.data.prepared_key = None;
     if a.data.is_none() {
         cfg.data.synthetic_samples = a.synthetic.unwrap_or(16);
     }
@@ -495,6 +496,7 @@ pub fn run_capture(a: CaptureArgs) -> anyhow::Result<i32> {
             crate::data::prepare_dataset(input, &options, &a.data_cache, None, Some(&signals))?;
         println!("{line}");
         cfg.data.prepared = Some(p.path);
+        cfg.data.prepared_key = Some(p.key);
     }
     stopped("before the capture began")?;
     let data = target_worker::load_dataset(&cfg).context("loading the dataset")?;

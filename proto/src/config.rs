@@ -214,6 +214,11 @@ pub struct DataConfig {
     /// it once it has prepared `path`; a user leaves it out.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prepared: Option<PathBuf>,
+    /// The content key of `prepared` (its `hspipe.key`), set with it: a worker that maps
+    /// `prepared` (a target restarted mid-run) refuses a file of another key, since a file
+    /// replaced at that path (`launcher prepare -o` again) is other data than the run planned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prepared_key: Option<String>,
     /// Samples in the synthetic dataset.
     pub synthetic_samples: u64,
     /// Token ids of the synthetic dataset are drawn below this; None: 32000, or the model's
@@ -308,6 +313,7 @@ impl Default for DataConfig {
         DataConfig {
             path: None,
             prepared: None,
+            prepared_key: None,
             synthetic_samples: 2000,
             synthetic_vocab: None,
             synthetic_language: None,

@@ -96,7 +96,8 @@ pub fn gather(
 
 /// The dataset a target reads: the one `cfg` names (`dataset::Dataset::load` over its `data`
 /// fields). The launcher plans the run and sizes the ring with this same function, so the two
-/// can never read different data from one config.
+/// can never read different data from one config; and a file replaced at `data.prepared` since
+/// (its key not `data.prepared_key`) is refused, not mapped in place of the run's.
 pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::DataError> {
     let d = &cfg.data;
     let synthetic = dataset::Synthetic {
@@ -107,7 +108,12 @@ pub fn load_dataset(cfg: &proto::PipelineConfig) -> Result<Dataset, dataset::Dat
         vocab: d.synthetic_vocab.unwrap_or(dataset::SYNTHETIC_VOCAB),
         language: d.synthetic_language.unwrap_or(false),
     };
-    Dataset::load(d.prepared.as_deref(), d.path.as_deref(), synthetic)
+    Dataset::load(
+        d.prepared.as_deref(),
+        d.prepared_key.as_deref(),
+        d.path.as_deref(),
+        synthetic,
+    )
 }
 
 /// The target's main loop: takes the batches the prefetch thread gathered from `rx`, reserves a
@@ -266,6 +272,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         )
         .context("preparing the dataset")?;
         s.config.data.prepared = Some(p.path);
+        s.config.data.prepared_key = Some(p.key);
     }
     let s = s;
     let cfg = &s.config;

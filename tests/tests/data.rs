@@ -870,3 +870,72 @@ fn a_runs_config_reused_with_synthetic_trains_the_synthetic_samples() {
         "{s}"
     );
 }
+
+/// Waits until every target's log of `run_dir` says it attached (mapped the data and joined).
+fn wait_attached(run_dir: &Path, targets: u32) {
+    let deadline = Instant::now() + WATCHDOG;
+    let attached = |i: u32| {
+        let log = run_dir.join(format!("logs/target-{i}.log"));
+        std::fs::read_to_string(log).is_ok_and(|l| l.contains("attached"))
+    };
+    while !(0..targets).all(attached) {
+        assert!(
+            Instant::now() < deadline,
+            "not every target attached in {WATCHDOG:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A prepared file replaced at its path while the run trains it (`launcher prepare -o` again):
+/// the running workers keep the file they mapped, and a target restarted after a crash refuses
+/// the new one, naming both keys, instead of training other samples under the run's sample ids
+/// (same lengths, so the same plan: the old build trained the mix and said `ok`). It is given up
+/// like any crash loop; the other targets train the run's own data, every sample once.
+#[test]
+fn a_prepared_file_replaced_during_the_run_is_refused_by_a_restarted_target() {
+    let _shared = stale_segments_shared();
+    let dir = Dir::new("dswap");
+    let text = jsonl_of(&samples(400));
+    std::fs::write(dir.path("train.jsonl"), &text).unwrap();
+    // The same lengths, other ids: the same plan, other data.
+    let other = text.replacen("\"input_ids\": [", "\"input_ids\": [1", 1);
+    std::fs::write(dir.path("other.jsonl"), &other).unwrap();
+    launcher_prepare(&[&dir.s("train.jsonl"), "-o", &dir.s("train.arrow")]);
+    let key_of = |p: &Path| {
+        (dataset::Mapped::open(p).unwrap().meta("hspipe.key"))
+            .unwrap()
+            .to_string()
+    };
+    let run_key = key_of(&dir.path("train.arrow"));
+    let config = run_config(&dir, 3000.0, "[faults.target-1]\ncrash_after = 2\n");
+    let l = launch(
+        Some(&config),
+        &[
+            "--max-restarts",
+            "2",
+            "--data",
+            &dir.s("train.arrow"),
+            "--run-dir",
+            &dir.s("run"),
+        ],
+    );
+    wait_attached(&dir.path("run"), 5);
+    launcher_prepare(&[&dir.s("other.jsonl"), "-o", &dir.s("train.arrow")]);
+    let new_key = key_of(&dir.path("train.arrow"));
+    assert_ne!(run_key, new_key);
+    let (status, out, _) = l.finish_status();
+    assert_eq!(status.code(), Some(3), "{out}");
+    let log = std::fs::read_to_string(dir.path("run/logs/target-1.log")).unwrap();
+    let refusal = format!("it holds the data of key {new_key}, not the run's key {run_key}");
+    assert!(log.contains(&refusal), "{log}");
+    assert!(
+        out.contains(&refusal) && out.contains("target-1 gave up"),
+        "{out}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["samples_trained"], 400, "{s}");
+    assert_eq!(s["duplicated"], 0, "{s}");
+}
