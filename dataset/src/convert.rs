@@ -350,8 +350,11 @@ fn convert_into<W: Write>(
 }
 
 /// The longest line of a JSON Lines file: a line is held whole while it is parsed, and a
-/// 300 MB one (a whole export in one object) took twice that to be refused.
-const MAX_JSONL_LINE: u64 = 64 << 20;
+/// 300 MB one (a whole export in one object) took twice that to be refused. A longer line stops
+/// the preparation, whatever `data.too_long` says: it is a limit of reading JSONL, before the
+/// record is parsed (it may not be JSON at all), so it is not dropped as too long. Parquet and
+/// Arrow have no such limit (their cells are read a record batch at a time).
+pub const MAX_JSONL_LINE: u64 = 64 << 20;
 
 /// One JSON object per line: `{"input_ids": [...], "loss_mask": [...]}` (the mask is
 /// optional: all ones), or a conversation or text (see `records`). Blank lines are skipped;
@@ -382,7 +385,7 @@ fn jsonl<W: Write>(
                 path: path.to_path_buf(),
                 line: n,
                 why: format!(
-                    "longer than {} MiB: JSON Lines holds one sample per line, and no sample a run trains is near this long (is the file one JSON document? write it one sample per line)",
+                    "the line is longer than {} MiB, the most hspipe reads of one JSONL line (a line is parsed whole, before data.too_long could drop or cut its record): if the file is one JSON document, write it one record per line; a record this long (a text or conversation of hundreds of MB) can be given in Parquet or Arrow instead, where it is read as a cell and data.too_long drops or cuts it, or left out",
                     MAX_JSONL_LINE >> 20
                 ),
             });

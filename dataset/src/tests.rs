@@ -179,7 +179,10 @@ fn a_file_of_an_unknown_extension_says_it_was_read_as_jsonl() {
 }
 
 /// A line past 64 MiB is refused naming it, not held whole: a 300 MB one (an export in one
-/// object) took 600 MB to be refused as not a sample, and aborted under a memory limit.
+/// object) took 600 MB to be refused as not a sample, and aborted under a memory limit. The
+/// error says it is a limit of JSONL lines, not of the record (which `data.too_long` would
+/// drop), and where such a record can go: it said no sample is near this long, while the
+/// README called records of hundreds of MB cheap.
 #[test]
 fn a_jsonl_line_past_the_limit_is_refused_naming_it() {
     let long = format!(
@@ -187,7 +190,13 @@ fn a_jsonl_line_past_the_limit_is_refused_naming_it() {
         "1,".repeat((64 << 20) / 2)
     );
     let err = jsonl(&long, 8).unwrap_err().to_string();
-    assert!(err.contains("train.jsonl:2: longer than 64 MiB"), "{err}");
+    assert!(
+        err.contains(
+            "train.jsonl:2: the line is longer than 64 MiB, the most hspipe reads of one JSONL line"
+        ) && err.contains("before data.too_long could drop or cut its record")
+            && err.contains("in Parquet or Arrow instead"),
+        "{err}"
+    );
 }
 
 #[test]
