@@ -88,7 +88,7 @@ pub fn our_columns(schema: &Schema) -> Result<(usize, Option<usize>)> {
     let Ok(ids) = schema.index_of("input_ids") else {
         let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         return bad(format!(
-            "no input_ids column (columns: {})",
+            "no input_ids, messages, conversations or text column (columns: {}): a sample is token ids (input_ids, with loss_mask), a conversation (messages or conversations) or a text (text); rename the column that holds them",
             if names.is_empty() {
                 "none".into()
             } else {

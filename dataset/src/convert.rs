@@ -143,10 +143,21 @@ pub fn detect(path: &Path) -> Result<Kind, DataError> {
         ));
     }
     match ext {
-        "parquet" | "arrow" | "feather" | "arrows" => Err(format_err(
-            path,
-            format!("named .{ext}, but it does not start like a {ext} file"),
-        )),
+        "parquet" | "arrow" | "feather" | "arrows" => {
+            // The first byte past a byte order mark and white space: `{` or `[` is JSON.
+            let text = head.strip_prefix("\u{feff}".as_bytes()).unwrap_or(head);
+            let first = text.iter().find(|b| !b.is_ascii_whitespace());
+            let json = match first {
+                Some(b'{' | b'[') => {
+                    ": it starts as JSON does (JSON Lines?): if it is JSONL, name it .jsonl"
+                }
+                _ => "",
+            };
+            Err(format_err(
+                path,
+                format!("named .{ext}, but it does not start like a {ext} file{json}"),
+            ))
+        }
         _ => Ok(Kind::Jsonl),
     }
 }
@@ -421,6 +432,14 @@ fn jsonl<W: Write>(
         let line = line.trim();
         if line.is_empty() {
             continue;
+        }
+        // Said as what it is: serde_json would say "expected value at line 1 column 1".
+        if line.starts_with('\u{feff}') {
+            return Err(DataError::Line {
+                path: path.to_path_buf(),
+                line: n,
+                why: "not a sample: the line starts with a UTF-8 byte order mark (U+FEFF), which only the file's first line may have (files joined with cat, each with its own?): remove them, e.g. sed -i 's/^\\xEF\\xBB\\xBF//' FILE".into(),
+            });
         }
         if std::mem::take(&mut first) && line.starts_with('[') {
             return Err(format_err(

@@ -76,21 +76,29 @@ impl Record {
     }
 }
 
-/// A JSONL line, typed: the fields we read (others are ignored).
+/// A JSONL line, typed: the fields we read (others are ignored). A field that is null is
+/// `Some(null)` (`Some(None)` for `input_ids`), absent `None`, so an error can say which.
 #[derive(Deserialize)]
 struct Line {
-    #[serde(default)]
-    input_ids: Option<Vec<u32>>,
+    #[serde(default, deserialize_with = "given")]
+    input_ids: Option<Option<Vec<u32>>>,
     #[serde(default)]
     loss_mask: Option<Vec<u8>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "given")]
     messages: Option<Json>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "given")]
     conversations: Option<Json>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "given")]
     text: Option<Json>,
     #[serde(default)]
     tools: Option<Json>,
+}
+
+/// A field that is present, null or not (serde's `Option` reads null as absent).
+fn given<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
 }
 
 /// Parses one JSONL line into its record.
@@ -106,21 +114,24 @@ pub fn parse_line(line: &str) -> Result<Record, String> {
         });
     }
     let l: Line = serde_json::from_str(line).map_err(|e| format!("not a sample: {e}"))?;
-    if let Some(ids) = l.input_ids {
+    if let Some(Some(ids)) = l.input_ids {
         return Ok(Record::Ids {
             ids,
             mask: l.loss_mask,
         });
     }
-    record_of(
-        Fields {
-            messages: l.messages,
-            conversations: l.conversations,
-            text: l.text,
-            tools: l.tools,
-        },
-        l.loss_mask,
-    )
+    let fields = Fields {
+        messages: l.messages,
+        conversations: l.conversations,
+        text: l.text,
+        tools: l.tools,
+    };
+    // `{"input_ids": null}`, as Parquet's null row says it.
+    let other = [&fields.messages, &fields.conversations, &fields.text];
+    if l.input_ids.is_some() && other.iter().all(|f| f.as_ref().is_none_or(Json::is_null)) {
+        return Err("input_ids is null".into());
+    }
+    record_of(fields, l.loss_mask)
 }
 
 /// The fields of a record whose `input_ids` is absent (JSON values; None: absent).
@@ -133,6 +144,15 @@ pub struct Fields {
 
 /// The record of a row whose `input_ids` is absent, from its other fields.
 pub fn record_of(f: Fields, mask: Option<Vec<u8>>) -> Result<Record, String> {
+    // The first field given as null, to say so if no field holds the sample.
+    let null = [
+        ("messages", &f.messages),
+        ("conversations", &f.conversations),
+        ("text", &f.text),
+    ]
+    .into_iter()
+    .find(|(_, v)| v.as_ref().is_some_and(Json::is_null))
+    .map(|(name, _)| name);
     let present = |v: Option<Json>| v.filter(|v| !v.is_null());
     let tools = tools(f.tools)?;
     if let Some((field, v)) = present(f.messages)
@@ -150,7 +170,10 @@ pub fn record_of(f: Fields, mask: Option<Vec<u8>>) -> Result<Record, String> {
         ),
         Some(Json::String(text)) => Ok(Record::Text { text, mask }),
         Some(v) => Err(format!("text is {}, not a string", kind(&v))),
-        None => Err("not a sample: it has none of input_ids, messages, conversations, text".into()),
+        None => Err(match null {
+            Some(name) => format!("{name} is null"),
+            None => "not a sample: it has none of input_ids, messages, conversations, text".into(),
+        }),
     }
 }
 

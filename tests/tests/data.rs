@@ -283,8 +283,8 @@ fn bad_rows_in_every_format_are_named_by_file_and_row() {
         ("mask_length.parquet", "mask_length.parquet: row 2: loss_mask has 1 entries, input_ids has 2"),
         ("mask_value.parquet", "mask_value.parquet: row 2: loss_mask entries must be 0 or 1"),
         ("float_ids.parquet", "column input_ids has type list<floating point>; it must be a list of integer token ids"),
-        ("no_column.parquet", "no input_ids column (columns: ids)"),
-        ("not.parquet", "named .parquet, but it does not start like a parquet file"),
+        ("no_column.parquet", "no input_ids, messages, conversations or text column (columns: ids)"),
+        ("not.parquet", "named .parquet, but it does not start like a parquet file: it starts as JSON does (JSON Lines?): if it is JSONL, name it .jsonl"),
         ("corrupt.parquet", "corrupt.parquet: not a readable Parquet file"),
         ("gzip.parquet", "gzip.parquet: it is compressed with GZIP, which hspipe does not read"),
         // Rows count across an HF directory's shards.

@@ -83,3 +83,30 @@ fn a_records_tools_reach_the_template_in_its_order_from_a_list_or_a_string() {
         assert_eq!(r.text, want, "{line}");
     }
 }
+
+/// A field given as null is said to be null, as Parquet's null row is (`input_ids is null`);
+/// before, `{"input_ids": null}` said the record had none of the fields. A record that lacks
+/// them all still says so, and a null field beside one that holds the sample is ignored.
+#[test]
+fn a_null_field_is_said_to_be_null() {
+    let err = |line: &str| match parse_line(line) {
+        Err(e) => e,
+        Ok(r) => panic!("{line}: {r:?}"),
+    };
+    assert_eq!(err(r#"{"input_ids": null}"#), "input_ids is null");
+    assert_eq!(
+        err(r#"{"input_ids": null, "loss_mask": [1]}"#),
+        "input_ids is null"
+    );
+    assert_eq!(err(r#"{"messages": null}"#), "messages is null");
+    assert_eq!(err(r#"{"conversations": null}"#), "conversations is null");
+    assert_eq!(err(r#"{"text": null}"#), "text is null");
+    assert_eq!(
+        err(r#"{"id": 3}"#),
+        "not a sample: it has none of input_ids, messages, conversations, text"
+    );
+    assert!(matches!(
+        parse_line(r#"{"input_ids": null, "text": "hi"}"#),
+        Ok(Record::Text { .. })
+    ));
+}

@@ -203,7 +203,10 @@ fn a_utf8_byte_order_mark_before_the_first_line_is_skipped() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("bom2.jsonl:2: not a sample"), "{e}");
+    assert!(
+        e.contains("bom2.jsonl:2: not a sample: the line starts with a UTF-8 byte order mark"),
+        "{e}"
+    );
 }
 
 #[test]
