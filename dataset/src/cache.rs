@@ -89,6 +89,8 @@ pub struct Prepared {
     pub tokens: u64,
     /// What preparing conversations and texts counted (None: the input had none).
     pub chat: Option<ChatStats>,
+    /// The `max_len` it was prepared under (None: a file that does not say).
+    pub max_len: Option<u32>,
 }
 
 impl Prepared {
@@ -105,6 +107,7 @@ impl Prepared {
             samples,
             tokens,
             chat,
+            max_len: m.meta("hspipe.max_len").and_then(|v| v.parse().ok()),
         }
     }
 }

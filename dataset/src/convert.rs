@@ -291,6 +291,8 @@ pub fn convert<W: Write>(
     total_rows: &mut dyn FnMut(u64),
 ) -> Result<ChatStats, DataError> {
     let mut p = Pipeline::new(maker, w);
+    // Places are JSONL lines, or rows of a table.
+    p.stats.rows = *kind != Kind::Jsonl;
     let mut err_path = path.to_path_buf();
     convert_into(path, kind, &mut p, advance, total_rows, &mut err_path)?;
     p.flush().map_err(|s| stopped(&err_path, kind, s))?;

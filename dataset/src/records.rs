@@ -306,8 +306,11 @@ fn message(m: Json) -> Result<Message, String> {
     })
 }
 
+/// How many dropped records' places [`ChatStats`] keeps, for each reason.
+pub const PLACES_KEPT: usize = 5;
+
 /// What preparing conversations and texts counted (the launcher's line).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatStats {
     pub conversations: u64,
     pub texts: u64,
@@ -321,11 +324,21 @@ pub struct ChatStats {
     pub dropped_too_long: u64,
     /// Samples with no trained token (after truncation), dropped.
     pub dropped_untrained: u64,
+    /// Texts of no token at all (`"text": ""`), dropped.
+    pub dropped_empty: u64,
+    /// The places of the first dropped records, for each reason (at most [`PLACES_KEPT`]):
+    /// JSONL lines counted from 1, or rows counted from 0 (`rows`). Files prepared before
+    /// these were kept have none.
+    pub too_long_at: Vec<u64>,
+    pub untrained_at: Vec<u64>,
+    pub empty_at: Vec<u64>,
+    /// The places are rows of a table, not lines of JSONL.
+    pub rows: bool,
 }
 
 impl ChatStats {
     /// The footer metadata they are kept in (`hspipe.chat.*`).
-    pub fn to_meta(self) -> Vec<(String, String)> {
+    pub fn to_meta(&self) -> Vec<(String, String)> {
         let v = [
             ("conversations", self.conversations),
             ("texts", self.texts),
@@ -335,23 +348,67 @@ impl ChatStats {
             ("truncated", self.truncated),
             ("dropped_too_long", self.dropped_too_long),
             ("dropped_untrained", self.dropped_untrained),
+            ("dropped_empty", self.dropped_empty),
+        ];
+        let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let places = [
+            ("too_long_at", list(&self.too_long_at)),
+            ("untrained_at", list(&self.untrained_at)),
+            ("empty_at", list(&self.empty_at)),
+            ("places", (if self.rows { "rows" } else { "lines" }).into()),
         ];
         v.iter()
             .map(|(k, n)| (format!("hspipe.chat.{k}"), n.to_string()))
+            .chain(
+                places
+                    .into_iter()
+                    .map(|(k, v)| (format!("hspipe.chat.{k}"), v)),
+            )
             .collect()
     }
 
     /// Why a preparation that kept no sample failed.
     pub fn nothing_left(&self, max_len: u32) -> String {
-        format!(
+        let mut why = format!(
             "no sample is left of its {} conversations and {} texts: {} longer than data.max_len {max_len} (data.too_long = \"truncate\" keeps them), {} with no assistant token to train",
             self.conversations, self.texts, self.dropped_too_long, self.dropped_untrained
-        )
+        );
+        if self.dropped_empty > 0 {
+            why.push_str(&format!(", {} empty", self.dropped_empty));
+        }
+        why
+    }
+
+    /// `places` as the user finds them: "lines 2, 4, 6, ..." (JSONL) or "rows 1, 3" (a table);
+    /// None when none were kept (a file prepared before they were).
+    pub fn places(&self, places: &[u64], of: u64) -> Option<String> {
+        let first = places.first()?;
+        let what = match (self.rows, of) {
+            (false, 1) => "line",
+            (false, _) => "lines",
+            (true, 1) => "row",
+            (true, _) => "rows",
+        };
+        let mut out = format!("{what} {first}");
+        for p in &places[1..] {
+            out.push_str(&format!(", {p}"));
+        }
+        if of > places.len() as u64 {
+            out.push_str(", ...");
+        }
+        Some(out)
     }
 
     /// Read back from a prepared file's metadata; None when it holds no conversations or texts.
+    /// What earlier builds did not write (the empty texts, the places) reads as none.
     pub fn from_meta(get: impl Fn(&str) -> Option<String>) -> Option<ChatStats> {
         let n = |k: &str| -> Option<u64> { get(&format!("hspipe.chat.{k}"))?.parse().ok() };
+        let list = |k: &str| -> Vec<u64> {
+            (get(&format!("hspipe.chat.{k}")).unwrap_or_default())
+                .split(',')
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        };
         Some(ChatStats {
             conversations: n("conversations")?,
             texts: n("texts")?,
@@ -361,7 +418,19 @@ impl ChatStats {
             truncated: n("truncated")?,
             dropped_too_long: n("dropped_too_long")?,
             dropped_untrained: n("dropped_untrained")?,
+            dropped_empty: n("dropped_empty").unwrap_or(0),
+            too_long_at: list("too_long_at"),
+            untrained_at: list("untrained_at"),
+            empty_at: list("empty_at"),
+            rows: get("hspipe.chat.places").as_deref() == Some("rows"),
         })
+    }
+}
+
+/// Keeps `place` in `places` while they are fewer than [`PLACES_KEPT`].
+fn keep(places: &mut Vec<u64>, place: u64) {
+    if places.len() < PLACES_KEPT {
+        places.push(place);
     }
 }
 
@@ -544,15 +613,18 @@ impl<'a, W: Write> Pipeline<'a, W> {
         for (place, m) in made {
             match m.map_err(|why| Stop::Record((place, why)))? {
                 Made::Sample(ids, mask) => self.w.push(&ids, mask.as_deref()),
-                Made::Tokenized(ids, mask, t) => self.tokenized(ids, mask, t),
+                Made::Tokenized(ids, mask, t) => self.tokenized(place, ids, mask, t),
             }
             .map_err(Stop::Write)?;
         }
         Ok(())
     }
 
+    /// Writes the sample made of the record at `place`, or drops it (counted, and its place
+    /// kept among the first few): too long, or nothing in it to train.
     fn tokenized(
         &mut self,
+        place: u64,
         mut ids: Vec<u32>,
         mut mask: Vec<u8>,
         t: Tokenized,
@@ -563,11 +635,17 @@ impl<'a, W: Write> Pipeline<'a, W> {
         } else {
             s.texts += 1;
         }
+        if ids.is_empty() {
+            s.dropped_empty += 1;
+            keep(&mut s.empty_at, place);
+            return Ok(());
+        }
         let max = self.maker.max_len as usize;
         if t.more || ids.len() > max {
             match self.maker.too_long {
                 TooLong::Drop => {
                     s.dropped_too_long += 1;
+                    keep(&mut s.too_long_at, place);
                     return Ok(());
                 }
                 TooLong::Truncate => {
@@ -580,6 +658,7 @@ impl<'a, W: Write> Pipeline<'a, W> {
         let trained = mask.iter().map(|&b| u64::from(b)).sum::<u64>();
         if trained == 0 {
             s.dropped_untrained += 1;
+            keep(&mut s.untrained_at, place);
             return Ok(());
         }
         s.turns += u64::from(t.turns);

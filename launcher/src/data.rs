@@ -159,19 +159,70 @@ fn chat_part(s: &dataset::ChatStats, max_len: u32) -> String {
             s.truncated
         ));
     }
+    let at = |places: &[u64], n: u64| {
+        s.places(places, n)
+            .map_or(String::new(), |p| format!(" ({p})"))
+    };
     if s.dropped_too_long > 0 {
         out.push_str(&format!(
-            ", {} dropped: longer than data.max_len {max_len}",
-            s.dropped_too_long
+            ", {} dropped: longer than data.max_len {max_len}{}",
+            s.dropped_too_long,
+            at(&s.too_long_at, s.dropped_too_long)
         ));
     }
     if s.dropped_untrained > 0 {
         out.push_str(&format!(
-            ", {} dropped: no assistant token to train",
-            s.dropped_untrained
+            ", {} dropped: no assistant token to train{}",
+            s.dropped_untrained,
+            at(&s.untrained_at, s.dropped_untrained)
+        ));
+    }
+    if s.dropped_empty > 0 {
+        out.push_str(&format!(
+            ", {} dropped: empty (no token){}",
+            s.dropped_empty,
+            at(&s.empty_at, s.dropped_empty)
         ));
     }
     out
+}
+
+/// The notes a run's end says about `input`'s records that preparing it dropped (`p`, prepared
+/// under `max_len`): they are in no batch of the plan, so the end's count of samples ("3/3
+/// trained") is of the others, and only these lines say they were left out.
+pub fn dropped_notes(input: &Path, p: &dataset::Prepared, max_len: u32) -> Vec<String> {
+    let Some(s) = &p.chat else {
+        return Vec::new();
+    };
+    let max_len = p.max_len.unwrap_or(max_len);
+    let reasons = [
+        (
+            s.dropped_too_long,
+            &s.too_long_at,
+            format!("longer than data.max_len {max_len}"),
+        ),
+        (
+            s.dropped_untrained,
+            &s.untrained_at,
+            "no assistant token to train".to_string(),
+        ),
+        (s.dropped_empty, &s.empty_at, "empty".to_string()),
+    ];
+    reasons
+        .into_iter()
+        .filter(|(n, ..)| *n > 0)
+        .map(|(n, places, why)| {
+            let at = s
+                .places(places, n)
+                .map_or(String::new(), |p| format!("; {p}"));
+            format!(
+                "{} of {} {} dropped at preparation ({why}{at}): not in the plan, so not trained",
+                count(n, "record", "records"),
+                input.display(),
+                if n == 1 { "was" } else { "were" }
+            )
+        })
+        .collect()
 }
 
 /// Prepares `input` (or finds it prepared); returns the outcome and a line for the user. With
@@ -221,7 +272,7 @@ pub fn prepare_dataset(
         p.tokens as f64 / 1e6,
         p.chat
             .as_ref()
-            .map(|s| chat_part(s, options.max_len))
+            .map(|s| chat_part(s, p.max_len.unwrap_or(options.max_len)))
             .unwrap_or_default()
     );
     let secs = started.elapsed().as_secs_f64();
@@ -320,7 +371,9 @@ impl Show {
     }
 }
 
-/// `<run-dir>/dataset.json`: the data a run was planned from.
+/// `<run-dir>/dataset.json`: the data a run was planned from, and what its preparation left
+/// out of it (records of conversations and texts dropped, or cut; none for token ids, and
+/// for a file prepared by a build that did not count them).
 #[derive(Serialize, Deserialize)]
 pub struct Record {
     pub input: PathBuf,
@@ -328,15 +381,28 @@ pub struct Record {
     pub key: String,
     pub samples: u64,
     pub tokens: u64,
+    #[serde(default)]
+    pub dropped_too_long: u64,
+    #[serde(default)]
+    pub dropped_untrained: u64,
+    #[serde(default)]
+    pub dropped_empty: u64,
+    #[serde(default)]
+    pub truncated: u64,
 }
 
 pub fn write_record(run_dir: &RunDir, input: &Path, p: &dataset::Prepared) -> anyhow::Result<()> {
+    let s = p.chat.clone().unwrap_or_default();
     let r = Record {
         input: input.to_path_buf(),
         prepared: p.path.clone(),
         key: p.key.clone(),
         samples: p.samples,
         tokens: p.tokens,
+        dropped_too_long: s.dropped_too_long,
+        dropped_untrained: s.dropped_untrained,
+        dropped_empty: s.dropped_empty,
+        truncated: s.truncated,
     };
     let path = run_dir.dataset_record();
     std::fs::write(&path, serde_json::to_string_pretty(&r)? + "\n")
@@ -567,6 +633,35 @@ mod tests {
                 && e.contains("data.tokenizer")
                 && !e.contains("--model"),
             "{e}"
+        );
+    }
+
+    /// An empty text is dropped as empty, not as a record with "no assistant token to train"
+    /// (it has no token at all), and the data line names its line.
+    #[test]
+    fn an_empty_text_is_dropped_as_empty_and_its_line_named() {
+        let t = tempfile::tempdir().unwrap();
+        let base = t.path().join("base");
+        base_model(&base);
+        let mut cfg = PipelineConfig::default();
+        cfg.data.tokenizer = Some(base);
+        let input = t.path().join("texts.jsonl");
+        std::fs::write(&input, "{\"text\": \"hello\"}\n{\"text\": \"\"}\n").unwrap();
+        let o = options(&cfg, 64).unwrap();
+        let (p, line) = prepare_dataset(&input, &o, &t.path().join("c"), None, None).unwrap();
+        assert!(
+            line.contains(", 1 dropped: empty (no token) (line 2)")
+                && !line.contains("no assistant token"),
+            "{line}"
+        );
+        assert_eq!(p.samples, 1);
+        let notes = dropped_notes(&input, &p, 64);
+        assert_eq!(
+            notes,
+            [format!(
+                "1 record of {} was dropped at preparation (empty; line 2): not in the plan, so not trained",
+                input.display()
+            )]
         );
     }
 }

@@ -56,6 +56,8 @@ pub(crate) struct Settled {
     pub(crate) data: Dataset,
     /// The line saying how the data was prepared.
     pub(crate) data_line: Option<String>,
+    /// What preparing it left out of the plan, for the end's notes ([`data::dropped_notes`]).
+    pub(crate) data_notes: Vec<String>,
     pub(crate) batches: u64,
     /// The plan: batch `i`'s samples (the line of a batch set aside before it was published).
     pub(crate) planned: Vec<proto::plan::PlannedBatch>,
@@ -339,6 +341,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
     cfg.data.prepared_key = None;
     let mut prepared = None;
     let mut data_line = None;
+    let mut data_notes = Vec::new();
     if let Some(input) = cfg.data.path.clone() {
         let cache = args
             .data_cache
@@ -355,6 +358,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
         cfg.data.prepared = Some(p.path.clone());
         cfg.data.prepared_key = Some(p.key.clone());
         data_line = Some(line);
+        data_notes = data::dropped_notes(&input, &p, cfg.data.max_len);
         prepared = Some((input, p));
     }
     let data =
@@ -448,6 +452,7 @@ fn settle(args: &Args, signals: &signals::StopSignals) -> anyhow::Result<Settled
         backend,
         data,
         data_line,
+        data_notes,
         batches,
         planned,
         epochs,

@@ -185,6 +185,9 @@ pub(crate) struct Supervisor<'a> {
     mon: Monitor,
     /// Lines for the summary: why the run is degraded.
     notes: Vec<String>,
+    /// Lines for the summary that do not degrade the run: what preparing the data left out
+    /// of the plan (records dropped), said at the end as at the start.
+    data_notes: Vec<String>,
     /// The deaths held against each batch a worker had in hand (`--set-aside-after`).
     strikes: settle::Strikes,
     /// The plan: the samples of a batch set aside before it was published.
@@ -938,6 +941,7 @@ impl<'a> Supervisor<'a> {
             ));
         }
         notes.extend(self.saves.not_kept());
+        notes.extend(std::mem::take(&mut self.data_notes));
         let summary = summary::finalise(summary, exit_code, notes);
         // The end is printed before summary.json is written: a write that failed (a full or
         // read-only disk) took the end with it, its table, notes and exit code (3, 130) lost

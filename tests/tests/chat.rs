@@ -318,6 +318,78 @@ fn the_launcher_trains_from_conversations_on_the_mock_backend_with_the_models_to
     every_sample_once(&run, 90);
 }
 
+/// Records dropped at preparation (longer than max_len) are in no batch of the plan: the start
+/// line names their lines, and the end says they were left out (a note in summary.json, the
+/// counts in dataset.json). The end said `3/3 samples trained`, summary.json `notes: []` and
+/// dataset.json nothing: the three records were lost from the record. The run is still `ok`:
+/// it trained what it planned.
+#[test]
+fn records_dropped_at_preparation_are_named_at_the_start_and_in_the_ends_notes() {
+    let run = crate::launcher::Run::new("chat-dropped");
+    let m = crate::model::tiny(&run.dir);
+    let data = run.dir.path("train.jsonl");
+    let long = "the river ".repeat(40);
+    let text: String = (0..6)
+        .map(|i| {
+            let answer = if i % 2 == 1 {
+                long.as_str()
+            } else {
+                "the city"
+            };
+            serde_json::json!({"messages": [
+                {"role": "user", "content": "the house"},
+                {"role": "assistant", "content": answer}]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&data, text).unwrap();
+    let cfg = run.dir.path("mock.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 8\nmax_len = 64\ntokenizer = \"{}\"\n[target]\ntoken_budget = 1024\ntokens_per_s = 400000.0\n[drafter]\ntokens_per_s = 400000.0\n",
+            m.display()
+        ),
+    )
+    .unwrap();
+    let out = run
+        .launch(
+            &cfg,
+            &["--backend", "mock", "--data", data.to_str().unwrap()],
+        )
+        .finish();
+    assert!(
+        out.contains("3 dropped: longer than data.max_len 64 (lines 2, 4, 6)"),
+        "{out}"
+    );
+    let note = format!(
+        "3 records of {} were dropped at preparation (longer than data.max_len 64; lines 2, 4, 6): not in the plan, so not trained",
+        data.display()
+    );
+    assert!(
+        out.contains(&format!("note: {note}")) && out.contains("exit code 0"),
+        "{out}"
+    );
+    let s = run.summary();
+    assert_eq!(
+        (s["ok"].clone(), s["samples_total"].clone()),
+        (true.into(), 3.into())
+    );
+    assert_eq!(s["notes"], serde_json::json!([note]), "{s}");
+    let record: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.run_dir().join("dataset.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (
+            record["dropped_too_long"].clone(),
+            record["samples"].clone()
+        ),
+        (3.into(), 3.into()),
+        "{record}"
+    );
+}
+
 #[test]
 fn the_launcher_trains_the_real_tiny_target_from_conversations_through_its_chat_template() {
     let run = crate::launcher::Run::new("chat-candle");
