@@ -91,6 +91,10 @@ pub struct Prepared {
     pub chat: Option<ChatStats>,
     /// The `max_len` it was prepared under (None: a file that does not say).
     pub max_len: Option<u32>,
+    /// What tokenized its conversations and texts: [`crate::Chat::tokenizer_key`] and
+    /// [`crate::Chat::key`] (None: pre-tokenized data, or a file of a build that did not say).
+    pub tokenizer: Option<String>,
+    pub chat_key: Option<String>,
 }
 
 impl Prepared {
@@ -108,6 +112,8 @@ impl Prepared {
             tokens,
             chat,
             max_len: m.meta("hspipe.max_len").and_then(|v| v.parse().ok()),
+            tokenizer: m.meta("hspipe.chat.tokenizer").map(str::to_string),
+            chat_key: m.meta("hspipe.chat.key").map(str::to_string),
         }
     }
 }
@@ -448,10 +454,16 @@ fn write_prepared(
             path: input.to_path_buf(),
         });
     }
-    let footer = if stats.conversations + stats.texts > 0 {
-        stats.to_meta()
-    } else {
-        Vec::new()
+    // What tokenized the conversations and texts, to tell a run of another tokenizer (or
+    // template, or options) that maps this file as it is. Pre-tokenized data has none.
+    let footer = match &options.chat {
+        Some(c) if stats.conversations + stats.texts > 0 => {
+            let mut f = stats.to_meta();
+            f.push(("hspipe.chat.tokenizer".into(), c.tokenizer_key().into()));
+            f.push(("hspipe.chat.key".into(), c.key().into()));
+            f
+        }
+        _ => Vec::new(),
     };
     let buf = w.finish(footer).map_err(werr)?;
     // Flushed here; the caller syncs and renames it.

@@ -295,7 +295,37 @@ pub fn prepare_dataset(
             p.path.display()
         )
     };
+    let line = match other_tokenizer(&p, options) {
+        Some(w) => format!("{line}\n{w}"),
+        None => line,
+    };
     Ok((p, line))
+}
+
+/// A warning when `p`'s conversations and texts were tokenized otherwise than this run would
+/// tokenize them: a prepared file given as it is (`--data train.arrow`), made with another
+/// model's tokenizer, or with this one under another chat template or options. Only a warning:
+/// two copies of one tokenizer may differ in their file's bytes. None when they agree, when the
+/// run loads no tokenizer, or when the file does not say (pre-tokenized data has no tokenizer;
+/// a file of an earlier build did not record it).
+fn other_tokenizer(p: &dataset::Prepared, options: &dataset::Options) -> Option<String> {
+    let (chat, file) = (options.chat.as_ref()?, p.path.display());
+    if p.tokenizer.as_deref()? != chat.tokenizer_key() {
+        return Some(format!(
+            "warning: {file} was prepared with another tokenizer than the one of {} (tokenizer fingerprint {}, this run's {}): its token ids may be another vocabulary's, and the drafter would learn the wrong tokens. Prepare the input again for this model (`launcher prepare INPUT --model {}`), or name the tokenizer it was prepared with (data.tokenizer)",
+            chat.dir().display(),
+            p.tokenizer.as_deref().unwrap_or_default(),
+            chat.tokenizer_key(),
+            chat.dir().display()
+        ));
+    }
+    if p.chat_key.as_deref().is_some_and(|k| k != chat.key()) {
+        return Some(format!(
+            "warning: {file} was prepared with the tokenizer of {}, but under another chat template or other [data] chat options (enable_thinking, train_only_last_turn, system_prompt, template_date) than this run's: its conversations are not rendered as this config renders them. Prepare the input again under this config if that is not what you meant",
+            chat.dir().display()
+        ));
+    }
+    None
 }
 
 /// Progress of a preparation: a bar on a terminal, a line every 10 s otherwise.
@@ -499,7 +529,12 @@ mod tests {
 
     /// A base model's directory: a word-level `tokenizer.json` and no chat template.
     fn base_model(dir: &Path) {
-        let vocab = ["[UNK]", "hello", "there"]
+        base_model_of(dir, &["[UNK]", "hello", "there"]);
+    }
+
+    /// A base model's directory whose tokenizer knows `words`.
+    fn base_model_of(dir: &Path, words: &[&str]) {
+        let vocab = words
             .iter()
             .enumerate()
             .map(|(i, w)| format!("{w:?}: {i}"))
@@ -634,6 +669,63 @@ mod tests {
                 && !e.contains("--model"),
             "{e}"
         );
+    }
+
+    /// A prepared file given as it is (`--data train.arrow`) whose texts another tokenizer made
+    /// is said to be so, as is one of this tokenizer under other chat options; the same
+    /// tokenizer and options, and pre-tokenized data (no tokenizer made it), say nothing.
+    /// Before, nothing recorded the tokenizer, and only ids past the vocabulary were caught.
+    #[test]
+    fn a_prepared_file_of_another_tokenizer_is_warned_about() {
+        let t = tempfile::tempdir().unwrap();
+        let (a, b) = (t.path().join("a"), t.path().join("b"));
+        base_model(&a);
+        base_model_of(&b, &["[UNK]", "there", "hello"]);
+        let with = |dir: &Path, thinking: Option<bool>| {
+            let mut cfg = PipelineConfig::default();
+            cfg.data.tokenizer = Some(dir.to_path_buf());
+            cfg.data.enable_thinking = thinking;
+            options(&cfg, 64).unwrap()
+        };
+        let made = |text: &str, name: &str| {
+            let input = t.path().join(format!("{name}.jsonl"));
+            std::fs::write(&input, text).unwrap();
+            let out = t.path().join(format!("{name}.arrow"));
+            prepare_dataset(
+                &input,
+                &with(&a, None),
+                &t.path().join("c"),
+                Some(&out),
+                None,
+            )
+            .unwrap();
+            out
+        };
+        let texts = made("{\"text\": \"hello there\"}\n", "texts");
+        let ids = made("{\"input_ids\": [1, 2]}\n", "ids");
+        let line = |file: &Path, o: &dataset::Options| {
+            prepare_dataset(file, o, &t.path().join("c"), None, None)
+                .unwrap()
+                .1
+        };
+        let same = line(&texts, &with(&a, None));
+        assert!(!same.contains("warning"), "{same}");
+        let other = line(&texts, &with(&b, None));
+        assert!(
+            other.contains(&format!(
+                "warning: {} was prepared with another tokenizer than the one of {}",
+                texts.display(),
+                b.display()
+            )),
+            "{other}"
+        );
+        let options = line(&texts, &with(&a, Some(false)));
+        assert!(
+            options.contains("under another chat template or other [data] chat options"),
+            "{options}"
+        );
+        let pre = line(&ids, &with(&b, None));
+        assert!(!pre.contains("warning"), "{pre}");
     }
 
     /// An empty text is dropped as empty, not as a record with "no assistant token to train"

@@ -84,6 +84,8 @@ pub struct Chat {
     template: Result<(Template, Spans), ChatError>,
     options: ChatOptions,
     key: String,
+    /// The tokenizer's own part of `key`: `tokenizer.json` and the special tokens.
+    tokenizer_key: String,
     dir: PathBuf,
     /// How its long texts are cut (`prefix`).
     cuts: Cuts,
@@ -241,6 +243,16 @@ impl Chat {
             h.write(b);
         };
         field(&mut h, &tok_bytes);
+        // The tokenizer alone (its file and special tokens), to tell a prepared file made by
+        // another tokenizer from one made by this tokenizer under another template or options.
+        let mut t = XxHash3_128::with_seed(8);
+        field(&mut t, &tok_bytes);
+        for name in SPECIAL {
+            if let Some(tok) = config.get(*name).and_then(token_text) {
+                field(&mut t, name.as_bytes());
+                field(&mut t, tok.as_bytes());
+            }
+        }
         // No template hashes as an empty one: neither prepares a conversation.
         field(&mut h, source.as_deref().unwrap_or("").as_bytes());
         for name in SPECIAL {
@@ -277,6 +289,7 @@ impl Chat {
             template,
             options,
             key: format!("{:032x}", h.finish_128()),
+            tokenizer_key: format!("{:032x}", t.finish_128()),
             dir: dir.to_path_buf(),
         })
     }
@@ -284,6 +297,12 @@ impl Chat {
     /// The hash of everything that changes ids or masks.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The hash of the tokenizer alone (`tokenizer.json` and the special tokens), without the
+    /// template and options: [`key`](Self::key) less what renders conversations.
+    pub fn tokenizer_key(&self) -> &str {
+        &self.tokenizer_key
     }
 
     /// The model directory the tokenizer came from.
