@@ -288,27 +288,32 @@ fn every_sample_once(run: &crate::launcher::Run, samples: u64) {
     assert!(counts.values().all(|&c| c == 1), "none twice");
 }
 
+/// Launches `run` on the mock backend over `data`, prepared with the tokenizer of model `m`
+/// under `max_len`; returns what it printed (it must succeed).
+fn launch_mock(run: &crate::launcher::Run, m: &Path, max_len: u32, data: &Path) -> String {
+    let cfg = run.dir.path("mock.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 8\nmax_len = {max_len}\ntokenizer = \"{}\"\n[target]\ntoken_budget = 1024\ntokens_per_s = 400000.0\n[drafter]\ntokens_per_s = 400000.0\n",
+            m.display()
+        ),
+    )
+    .unwrap();
+    run.launch(
+        &cfg,
+        &["--backend", "mock", "--data", data.to_str().unwrap()],
+    )
+    .finish()
+}
+
 #[test]
 fn the_launcher_trains_from_conversations_on_the_mock_backend_with_the_models_tokenizer() {
     let run = crate::launcher::Run::new("chat-mock");
     let m = crate::model::tiny(&run.dir);
     let data = run.dir.path("chats.jsonl");
     std::fs::write(&data, chats(90)).unwrap();
-    let cfg = run.dir.path("mock.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 8\nmax_len = 512\ntokenizer = \"{}\"\n[target]\ntoken_budget = 1024\ntokens_per_s = 400000.0\n[drafter]\ntokens_per_s = 400000.0\n",
-            m.display()
-        ),
-    )
-    .unwrap();
-    let out = run
-        .launch(
-            &cfg,
-            &["--backend", "mock", "--data", data.to_str().unwrap()],
-        )
-        .finish();
+    let out = launch_mock(&run, &m, 512, &data);
     assert!(
         out.contains("90 samples")
             && out.contains("90 conversations (120 assistant turns trained)"),
@@ -344,21 +349,7 @@ fn records_dropped_at_preparation_are_named_at_the_start_and_in_the_ends_notes()
         })
         .collect();
     std::fs::write(&data, text).unwrap();
-    let cfg = run.dir.path("mock.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[ring]\nslots = 24\nmin_ready = 4\n[model]\nlayers = 2\nhidden = 16\n[data]\nmin_len = 8\nmax_len = 64\ntokenizer = \"{}\"\n[target]\ntoken_budget = 1024\ntokens_per_s = 400000.0\n[drafter]\ntokens_per_s = 400000.0\n",
-            m.display()
-        ),
-    )
-    .unwrap();
-    let out = run
-        .launch(
-            &cfg,
-            &["--backend", "mock", "--data", data.to_str().unwrap()],
-        )
-        .finish();
+    let out = launch_mock(&run, &m, 64, &data);
     assert!(
         out.contains("3 dropped: longer than data.max_len 64 (lines 2, 4, 6)"),
         "{out}"
