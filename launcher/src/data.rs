@@ -1,10 +1,11 @@
 //! The launcher's side of the data: preparing `--data` once (with a progress bar on a
 //! terminal, a line every 10 s otherwise), the `launcher prepare` command, and the record of
 //! which prepared data a run uses (`<run-dir>/dataset.json`), so a resume refuses data that
-//! changed.
+//! changed. What preparing dropped is said on the data line, kept in the record and said
+//! again at the run's end; a prepared file another tokenizer made is warned about.
 //!
-//! Length: about 570 lines, a third of them tests: the data lines, the record and the resume's
-//! choice of data read one record format.
+//! Length: about 760 lines, nearly half of them tests: the data line, the notes of dropped
+//! records, the record and the resume's choice of data read one record format.
 
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
