@@ -934,16 +934,20 @@ impl PipelineConfig {
         ))
     }
 
-    /// Bytes of the largest batch: a full token budget (the most tokens) in as many sequences
-    /// as the shortest length allows (the most header entries). Not `n` sequences of the
-    /// shortest length alone: where it does not divide the budget they are fewer tokens than a
-    /// full batch of longer ones (136 x 15 = 2040 < 4 x 512 = 2048), and every target crashed
-    /// on such a batch. The last sequence takes the remainder, so the lengths sum to the budget.
+    /// Bytes of the largest batch: the most tokens a batch holds (the token budget, or `n`
+    /// samples of `data.max_len` where that is fewer) in as many sequences as the shortest
+    /// length allows (`n`, the most header entries). Not `n` sequences of the shortest length
+    /// alone: where it does not divide the budget they are fewer tokens than a full batch of
+    /// longer ones (136 x 15 = 2040 < 4 x 512 = 2048), and every target crashed on such a
+    /// batch. A batch's size depends only on its tokens and sequences, so the last sequence
+    /// takes the rest. (File data: the launcher lowers `min_len` to the file's shortest, and a
+    /// file's samples are at most `max_len`, or it is refused.)
     pub fn largest_batch_bytes(&self) -> Result<u64, ConfigError> {
         let (budget, shortest) = (self.target.token_budget, self.data.min_len.max(1));
         let n = (budget / shortest).max(1);
+        let tokens = budget.min(n.saturating_mul(self.data.max_len.max(shortest)));
         let mut seq_lens = vec![shortest; n as usize];
-        seq_lens[n as usize - 1] = budget.saturating_sub((n - 1) * shortest).max(shortest);
+        seq_lens[n as usize - 1] = tokens.saturating_sub((n - 1) * shortest).max(shortest);
         let spec = BatchSpec {
             batch_id: u64::MAX,
             producer: u32::MAX,
@@ -1040,33 +1044,52 @@ impl PipelineConfig {
 mod tests {
     use super::*;
 
-    /// Every batch the plan can make (at most the token budget, of sequences no shorter than
-    /// `data.min_len`) fits the slot sized for it, whether or not `min_len` divides the budget.
+    /// Every batch the plan can make (at most the token budget, of sequences of `data.min_len`
+    /// to `data.max_len` tokens) fits the slot sized for it, whether or not `min_len` divides
+    /// the budget; and the slot is no larger than the largest of them where every sample has
+    /// one length (a slot is reserved whole in /dev/shm: one sized for a full budget of
+    /// 1100-token samples, one to a batch, was twice what a batch could be).
     #[test]
-    fn the_automatic_slot_holds_every_batch_the_plan_can_make() {
-        for (budget, min_len) in [(2048, 15), (2048, 16), (16384, 24), (1000, 7), (64, 64)] {
+    fn the_automatic_slot_holds_every_batch_the_plan_can_make_and_no_more() {
+        let spec = |c: &PipelineConfig, seq_lens: Vec<u32>| BatchSpec {
+            batch_id: 0,
+            producer: 0,
+            sample_ids: vec![0; seq_lens.len()],
+            seq_lens,
+            dtype: c.model.dtype,
+            layers: c.model.layers,
+            hidden: c.model.hidden,
+        };
+        for (budget, min_len, max_len) in [
+            (2048, 15, 2048),
+            (2048, 16, 512),
+            (16384, 24, 16384),
+            (1000, 7, 1000),
+            (64, 64, 64),
+            (2048, 700, 800),
+            (2048, 1100, 1100),
+        ] {
             let mut c = PipelineConfig::default();
-            (c.target.token_budget, c.data.min_len, c.data.max_len) = (budget, min_len, budget);
+            (c.target.token_budget, c.data.min_len, c.data.max_len) = (budget, min_len, max_len);
             let slot = c.largest_batch_bytes().unwrap();
-            for len in min_len..=budget {
+            for len in min_len..=max_len {
                 // As many of one length as the budget holds, and a short one in what is left.
                 let mut seq_lens = vec![len; (budget / len) as usize];
                 if budget % len >= min_len {
                     seq_lens.push(budget % len);
                 }
-                let spec = BatchSpec {
-                    batch_id: 0,
-                    producer: 0,
-                    sample_ids: vec![0; seq_lens.len()],
-                    seq_lens,
-                    dtype: c.model.dtype,
-                    layers: c.model.layers,
-                    hidden: c.model.hidden,
-                };
-                let need = batch_len(&spec).unwrap();
+                let need = batch_len(&spec(&c, seq_lens)).unwrap();
                 assert!(
                     need <= slot,
-                    "budget {budget}, min_len {min_len}, len {len}: {need} > {slot}"
+                    "budget {budget}, lengths {min_len}..={max_len}, len {len}: {need} > {slot}"
+                );
+            }
+            if min_len == max_len {
+                let one_length = vec![min_len; (budget / min_len) as usize];
+                assert_eq!(
+                    slot,
+                    batch_len(&spec(&c, one_length)).unwrap(),
+                    "{budget} {min_len}"
                 );
             }
         }
