@@ -227,12 +227,6 @@ pub fn all_reduce(
     }
     let bytes: Vec<u8> = sum[..n].iter().flat_map(|x| x.to_le_bytes()).collect();
     let everyone_ended = sum[g.buf_len - 1] as u32 == red.membership.len();
-    if everyone_ended {
-        // The group's end round, marked for a rank that joins the emptied group later (see
-        // `join`). A Python drafter numbers it as a step of its own (its script may apply and
-        // save at it), so the state it leaves is of this round's step.
-        g.c.mark_ended(red.step, red.step);
-    }
     Ok(Round::Done(Reduced {
         sum: Py::new(py, view::owned("sum", Elem::F32, vec![n], &bytes))?,
         step: u64::from(red.step),
@@ -315,14 +309,14 @@ pub fn join(
     let (m, step) = got.map_err(err)?;
     tracing::info!(epoch = m.epoch, step = ?step, "joined the group");
     let lost = proto::ledger::LostSteps::between(g.c.rank(), asked, u64::from(m.step));
-    // The group's last round was its end (every member saw the ring's end in it, and marked
-    // it): the others finished together, this rank will apply no update, and the model is
-    // what they saved. Nothing is lost. Not "the ring is drained": it is also after the last
-    // batch's round when every rank died before the end round, and the updates since this
-    // rank's step were then lost unrecorded (a restarted lone rank with no checkpoint ended
-    // the run "done" with the initial weights).
-    let finished = g.c.ended().is_some_and(|e| e.round == m.step);
-    if let (None, Some(lost), false) = (step, lost, finished) {
+    // Recorded also when the ring is drained or the group's end round committed: the rank
+    // alone goes on from its own state, and a script saves that state as the run's model
+    // (the example does, at its end round), so the updates since its step are in no model.
+    // (Skipped once for a drained ring, "the others finished and saved": a lone rank with no
+    // checkpoint, back after the last batch, ended the run done with its initial weights
+    // saved as the model; one back after a leader that died before its end save, with that
+    // leader's older file.)
+    if let (None, Some(lost)) = (step, lost) {
         // Admitted alone, with an older state than the group's: recorded before any update of
         // this rank's (the summary counts those batches untrained; a resume trains them).
         record_lost(core, &lost, "join() returns once it is written")?;

@@ -4,7 +4,9 @@ finds the group empty, loads the checkpoint and joins with `join(step=5)`, so th
 from that step instead of from 0. With the argument `every4`, it saves only every 4 steps:
 restarted, it loads step 4's and joins with it, and the update of step 5 is lost. With
 `at_end`, it saves only at the end, and dies at the end round (every batch trained, none saved):
-restarted, it finds no checkpoint and joins with none, and every update is lost."""
+restarted, it finds no checkpoint and joins with none, and every update is lost. With
+`leader_at_end` (two ranks or more), the leader dies once the end round committed, before its
+end save: the same, with the others finished."""
 import sys
 from pathlib import Path
 
@@ -28,16 +30,23 @@ class DiesOnce:
         return getattr(self._w, name)
 
     def all_reduce(self, data, **kwargs):
-        at = kwargs.get("ended") if sys.argv[1:] == ["at_end"] else self._w.membership[1] == DIES_AFTER
-        if not self._marker.exists() and at:
-            self._marker.touch()
-            raise RuntimeError(f"dies after step {self._w.membership[1]}")
-        return self._w.all_reduce(data, **kwargs)
+        mode = " ".join(sys.argv[1:])
+        at = kwargs.get("ended") if mode == "at_end" else self._w.membership[1] == DIES_AFTER
+        if not self._marker.exists() and at and mode != "leader_at_end":
+            self._die()
+        r = self._w.all_reduce(data, **kwargs)
+        if not self._marker.exists() and mode == "leader_at_end" and r.everyone_ended and r.leader:
+            self._die()
+        return r
+
+    def _die(self):
+        self._marker.touch()
+        raise RuntimeError(f"dies after step {self._w.membership[1]}")
 
 
 def main():
     with hspipe.connect() as w:
-        every = {"every4": 4, "at_end": 1000}.get(" ".join(sys.argv[1:]), 1)
+        every = {"every4": 4, "at_end": 1000, "leader_at_end": 1000}.get(" ".join(sys.argv[1:]), 1)
         numpy_drafter.run(DiesOnce(w), checkpoint_every=every)
         sys.exit(w.close())
 
