@@ -469,6 +469,25 @@ fn a_rerun_a_resume_and_a_restarted_target_reuse_the_prepared_data_and_a_resume_
     );
 }
 
+/// Runs `dir`'s train.jsonl with `config` and no restart allowed (a target's crash ends the
+/// run), and checks that the run ends done with its `n` samples trained.
+fn trains_every_sample_with_no_restart(dir: &Dir, config: &Path, n: u64) {
+    let args = [
+        "--data",
+        &dir.s("train.jsonl"),
+        "--run-dir",
+        &dir.s("run"),
+        "--max-restarts",
+        "0",
+    ];
+    let out = launch(Some(config), &args).finish();
+    assert!(out.contains("exit code 0"), "{out}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["samples_trained"], n, "{s}");
+}
+
 /// Samples shorter than `data.min_len` (a file's are not bound by it): the slots were sized
 /// for a full token budget of min_len-token samples, and a batch of 2-token ones carried more
 /// headers than a slot held, so every target crashed on it ("payload ... does not fit a slot").
@@ -482,20 +501,7 @@ fn a_files_samples_shorter_than_min_len_fit_the_slots() {
         .collect();
     std::fs::write(dir.path("train.jsonl"), jsonl_of(&short)).unwrap();
     let config = run_config(&dir, 2_000_000.0, "");
-    let args = [
-        "--data",
-        &dir.s("train.jsonl"),
-        "--run-dir",
-        &dir.s("run"),
-        "--max-restarts",
-        "0",
-    ];
-    let out = launch(Some(&config), &args).finish();
-    assert!(out.contains("exit code 0"), "{out}");
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
-            .unwrap();
-    assert_eq!(s["samples_trained"], 3000, "{s}");
+    trains_every_sample_with_no_restart(&dir, &config, 3000);
 }
 
 /// A file whose shortest sample (below `data.min_len`) does not divide the token budget: the
@@ -516,20 +522,7 @@ fn a_full_token_budget_fits_the_slots_whatever_the_shortest_sample() {
         "[ring]\nslots = 16\nmin_ready = 2\n[model]\nlayers = 2\nhidden = 256\n[data]\nmin_len = 16\nmax_len = 512\n[target]\ntoken_budget = 2048\ntokens_per_s = 2000000.0\n[drafter]\ntokens_per_s = 2000000.0\n",
     )
     .unwrap();
-    let args = [
-        "--data",
-        &dir.s("train.jsonl"),
-        "--run-dir",
-        &dir.s("run"),
-        "--max-restarts",
-        "0",
-    ];
-    let out = launch(Some(&config), &args).finish();
-    assert!(out.contains("exit code 0"), "{out}");
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path("run/summary.json")).unwrap())
-            .unwrap();
-    assert_eq!(s["samples_trained"], 201, "{s}");
+    trains_every_sample_with_no_restart(&dir, &config, 201);
 }
 
 /// A resume whose input file is gone trains the prepared file the run was planned from: it was
